@@ -1,0 +1,82 @@
+"""The REST API: `create_app(settings)` builds one Flask app with its own
+Redis client, Celery sender and long-poll listener: no module globals.
+
+    gunicorn -c configs/gunicorn.conf.py 'app:create_app()'
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import kombu.exceptions
+import redis
+from celery import Celery
+from flask import Flask, g
+from werkzeug.exceptions import HTTPException
+
+from app import health, jobs, metrics
+from app.problems import Problem, problem_response
+from app.waiters import JobEventListener
+from contract.connection import connect
+from contract.jobs import JobStore
+from contract.keys import Keys
+from contract.settings import Settings, load_settings
+from tasks.celery_app import make_celery
+
+
+@dataclass
+class Services:
+    """What the request handlers use, hung on `app.extensions['imgserve']`."""
+    settings: Settings
+    redis: redis.Redis
+    keys: Keys
+    store: JobStore
+    celery: Celery
+    listener: JobEventListener
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    settings = settings or load_settings()
+    app = Flask(__name__)
+    # Werkzeug refuses a larger body from its Content-Length, before reading it.
+    app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
+    app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes
+    app.json.sort_keys = False
+    client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
+    keys = Keys(settings.namespace)
+    app.extensions["imgserve"] = Services(
+        settings=settings, redis=client, keys=keys,
+        store=JobStore(client, keys, settings.jobs.ttl_s),
+        celery=make_celery(settings),
+        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events),
+    )
+    app.register_blueprint(jobs.blueprint)
+    app.register_blueprint(health.blueprint)
+    app.register_blueprint(metrics.blueprint)
+    metrics.install(app)
+    _install_error_handlers(app)
+
+    @app.before_request
+    def stamp_arrival() -> None:
+        g.received_at = time.time()
+
+    return app
+
+
+def _install_error_handlers(app: Flask) -> None:
+    app.register_error_handler(Problem, problem_response)
+
+    @app.errorhandler(HTTPException)
+    def http_problem(exc: HTTPException):
+        slug = (exc.name or "error").lower().replace(" ", "-")
+        detail = exc.description or exc.name
+        if exc.code == 413:
+            detail = f"the upload exceeds the limit of {app.config['MAX_CONTENT_LENGTH']} bytes"
+        return problem_response(Problem(exc.code or 500, slug, exc.name, detail))
+
+    @app.errorhandler(redis.RedisError)
+    @app.errorhandler(kombu.exceptions.OperationalError)
+    def backend_unavailable(exc: Exception):
+        return problem_response(Problem(503, "backend-unavailable", "Service unavailable",
+                                        f"the job store is unreachable: {type(exc).__name__}",
+                                        headers={"Retry-After": "1"}))

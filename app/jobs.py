@@ -1,0 +1,93 @@
+"""The jobs resource: submit an image, read (or long-poll) its job."""
+from __future__ import annotations
+
+import time
+
+from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
+
+from app.problems import Problem
+from app.uploads import check_image, parse_options
+from contract import jobs
+from tasks.celery_app import send_preprocess
+
+blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+
+
+@blueprint.post("")
+def submit_job() -> tuple[Response, int, dict[str, str]]:
+    services = current_app.extensions["imgserve"]
+    settings = services.settings
+    data, declared_type = _read_image()
+    media_type = check_image(data, declared_type)
+    options = parse_options({**request.args, **request.form}, settings.jobs.default_deadline_ms)
+    received_at = g.received_at
+    deadline_ms = options.deadline_ms or settings.jobs.default_deadline_ms
+    job_id = jobs.new_job_id()
+    services.store.create(job_id, data, settings.jobs.upload_ttl_s, {
+        "received_at": received_at,
+        "deadline_at": received_at + deadline_ms / 1000.0,
+        "options": options.for_model(),
+        "media_type": media_type,
+        "bytes": len(data),
+        "submitted_at": time.time(),
+    })
+    try:
+        send_preprocess(services.celery, job_id)
+    except Exception as exc:  # the broker is down: the job never started, so it never existed
+        services.store.delete(job_id)
+        raise Problem(503, "broker-unavailable", "Service unavailable",
+                      f"cannot queue the job: {exc}", headers={"Retry-After": "1"}) from exc
+    location = url_for("jobs.get_job", job_id=job_id)
+    body = {"id": job_id, "status": jobs.QUEUED, "created_at": jobs.utc_iso(received_at),
+            "links": {"self": location}}
+    return jsonify(body), 202, {"Location": location}
+
+
+@blueprint.get("/<job_id>")
+def get_job(job_id: str) -> Response:
+    services = current_app.extensions["imgserve"]
+    wait_s = _wait_seconds(services.settings.api.max_wait_s)
+    record = services.store.load(job_id)
+    if record is None:
+        raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
+    if wait_s > 0 and record["status"] not in jobs.TERMINAL:
+        record = _wait_for_end(services, job_id, wait_s) or record
+    return jsonify(jobs.job_document(record))
+
+
+def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:
+    """Sleep on the job's event (no Redis polling) until it ends or wait_s passes."""
+    event = services.listener.register(job_id)
+    try:
+        record = services.store.load(job_id)
+        if record is not None and record["status"] not in jobs.TERMINAL:
+            event.wait(wait_s)
+            record = services.store.load(job_id)
+        return record
+    finally:
+        services.listener.unregister(job_id, event)
+
+
+def _wait_seconds(max_wait_s: float) -> float:
+    raw = request.args.get("wait")
+    if raw is None or raw == "":
+        return 0.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value <= max_wait_s:
+        raise Problem(400, "invalid-parameter", "Invalid parameter",
+                      f"wait={raw!r} must be a number of seconds between 0 and {max_wait_s:g}")
+    return value
+
+
+def _read_image() -> tuple[bytes, str | None]:
+    """The upload from a multipart field `image` or from the raw body."""
+    if request.mimetype == "multipart/form-data":
+        upload = request.files.get("image")
+        if upload is None:
+            raise Problem(400, "missing-image", "Missing image",
+                          "multipart/form-data submissions need a file field named 'image'")
+        return upload.read(), upload.mimetype
+    return request.get_data(cache=False), request.mimetype

@@ -1,0 +1,29 @@
+"""RFC 9457 problem details: every API error is JSON of one shape."""
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Response, jsonify
+
+PROBLEM_TYPE = "application/problem+json"
+
+
+class Problem(Exception):
+    """Raise anywhere in a request to answer with a problem document."""
+
+    def __init__(self, status: int, slug: str, title: str, detail: str,
+                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+        super().__init__(detail)
+        self.status, self.slug, self.title, self.detail = status, slug, title, detail
+        self.headers = headers or {}
+        self.extra = extra
+
+
+def problem_response(problem: Problem) -> Response:
+    body = {"type": f"/problems/{problem.slug}", "title": problem.title,
+            "status": problem.status, "detail": problem.detail, **problem.extra}
+    response = jsonify(body)
+    response.status_code = problem.status
+    response.mimetype = PROBLEM_TYPE
+    response.headers.update(problem.headers)
+    return response

@@ -1,0 +1,85 @@
+"""Long-poll support: one pub/sub listener per API process wakes every waiter.
+
+Each process subscribes once to the job-events channel (the GPU and CPU
+workers publish a job id when a job ends) and sets the events of the requests
+waiting on that id. No request polls Redis while it waits, and a thousand
+waiting requests cost one Redis connection, not a thousand.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+class JobEventListener:
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        self.redis = client
+        self.channel = channel
+        self._lock = threading.Lock()
+        self._waiters: dict[str, set[threading.Event]] = defaultdict(set)
+        self._thread: threading.Thread | None = None
+        self._subscribed = threading.Event()
+
+    def register(self, job_id: str) -> threading.Event:
+        """Call before re-reading the job, so an ending between the read and the wait is not missed."""
+        self._ensure_running()
+        event = threading.Event()
+        with self._lock:
+            self._waiters[job_id].add(event)
+        return event
+
+    def unregister(self, job_id: str, event: threading.Event) -> None:
+        with self._lock:
+            waiters = self._waiters.get(job_id)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._waiters[job_id]
+
+    def _ensure_running(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                # Started lazily: gunicorn forks after import, and threads do not survive a fork.
+                self._thread = threading.Thread(target=self._listen_forever, name="job-events", daemon=True)
+                self._thread.start()
+        self._subscribed.wait(timeout=2.0)
+
+    def _listen_forever(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                self._listen()
+            except redis.RedisError as exc:
+                log.warning("job-event listener lost Redis (%s); resubscribing", exc)
+            self._subscribed.clear()
+            self._wake_all()  # anything may have ended while we were deaf
+            threading.Event().wait(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def _listen(self) -> None:
+        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+        try:
+            pubsub.subscribe(self.channel)
+            self._subscribed.set()
+            while True:
+                message = pubsub.get_message(timeout=5.0)
+                if message and message["type"] == "message":
+                    self._wake(message["data"].decode())
+        finally:
+            pubsub.close()
+
+    def _wake(self, job_id: str) -> None:
+        with self._lock:
+            for event in self._waiters.get(job_id, ()):
+                event.set()
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            for events in self._waiters.values():
+                for event in events:
+                    event.set()

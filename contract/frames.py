@@ -1,0 +1,107 @@
+"""The frame: what a CPU worker pushes on the Redis list for the GPU worker.
+
+Layout: 4-byte magic, 4-byte big-endian header length, a UTF-8 JSON header,
+then the letterboxed content as raw uint8 HxWx3 pixels, contiguous. Only the
+resized content travels; padding and normalisation happen on the device, so a
+640 frame is at most 1.2 MB of uint8 instead of 4.9 MB of float32. JSON, not
+pickle: a frame comes from another process and must never run code.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+MAGIC = b"IMF1"
+_PREFIX = struct.Struct(">4sI")
+MAX_HEADER_BYTES = 64 * 1024
+CHANNELS = 3
+
+
+class FrameError(ValueError):
+    """Bytes that are not a well-formed frame."""
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    job_id: str
+    width: int             # content width after resize (<= input size)
+    height: int
+    pad_left: int          # where the content sits in the square input
+    pad_top: int
+    scale_x: float         # content pixels per original pixel
+    scale_y: float
+    orig_width: int        # the upright original, EXIF orientation applied
+    orig_height: int
+    enqueued_at: float     # epoch seconds, when the frame was pushed
+    deadline_at: float     # epoch seconds; past it nobody waits for the answer
+    options: dict[str, Any] = field(default_factory=dict)   # conf, iou, max_det
+    stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far
+    dtype: str = "uint8"
+
+
+@dataclass(frozen=True)
+class Frame:
+    header: FrameHeader
+    pixels: memoryview     # height * width * 3 bytes, a view into the popped value
+
+
+def pack_frame(header: FrameHeader, pixels: bytes) -> bytes:
+    expected = header.width * header.height * CHANNELS
+    if len(pixels) != expected:
+        raise FrameError(f"pixels hold {len(pixels)} bytes, header says {expected}")
+    encoded = json.dumps(asdict(header), separators=(",", ":")).encode()
+    return b"".join((_PREFIX.pack(MAGIC, len(encoded)), encoded, pixels))
+
+
+def unpack_frame(data: bytes) -> Frame:
+    """Parse a frame without copying its pixels; raises FrameError on any defect."""
+    header = _read_header(data)
+    start = _PREFIX.size + _header_length(data)
+    pixels = memoryview(data)[start:]
+    expected = header.width * header.height * CHANNELS
+    if len(pixels) != expected:
+        raise FrameError(f"frame holds {len(pixels)} pixel bytes, header says {expected}")
+    return Frame(header=header, pixels=pixels)
+
+
+def read_job_id(data: bytes) -> str | None:
+    """The job id of a frame, or None when even the header is unreadable."""
+    try:
+        return _read_header(data).job_id
+    except FrameError:
+        return None
+
+
+def _header_length(data: bytes) -> int:
+    if len(data) < _PREFIX.size:
+        raise FrameError("frame shorter than its prefix")
+    magic, length = _PREFIX.unpack_from(data)
+    if magic != MAGIC:
+        raise FrameError("bad frame magic")
+    if length > MAX_HEADER_BYTES or _PREFIX.size + length > len(data):
+        raise FrameError("bad frame header length")
+    return length
+
+
+def _read_header(data: bytes) -> FrameHeader:
+    length = _header_length(data)
+    try:
+        raw = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
+        header = FrameHeader(**raw)
+    except (ValueError, TypeError) as exc:
+        raise FrameError(f"bad frame header: {exc}") from exc
+    _check_header(header)
+    return header
+
+
+def _check_header(header: FrameHeader) -> None:
+    ints = (header.width, header.height, header.pad_left, header.pad_top,
+            header.orig_width, header.orig_height)
+    if not all(isinstance(v, int) and v >= 0 for v in ints) or not header.width or not header.height:
+        raise FrameError("frame geometry must be positive integers")
+    if header.dtype != "uint8":
+        raise FrameError(f"frame dtype {header.dtype!r} unsupported")
+    if not isinstance(header.job_id, str) or not header.job_id:
+        raise FrameError("frame without a job id")

@@ -1,0 +1,44 @@
+"""Every Redis key and channel the service uses, in one place.
+
+Celery's own keys (its `preprocess` list, its unacked hash) live beside these
+in the same Redis; they are Celery's to name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str = "imgserve"
+
+    def job(self, job_id: str) -> str:
+        """Hash: the job record (status, options, stamps, result)."""
+        return f"{self.namespace}:job:{job_id}"
+
+    def upload(self, job_id: str) -> str:
+        """String: the raw upload (claim check), deleted once its frame is pushed."""
+        return f"{self.namespace}:job:{job_id}:upload"
+
+    @property
+    def frames(self) -> str:
+        """List: packed frames waiting for a GPU worker. LPUSH in, pop from the right."""
+        return f"{self.namespace}:frames"
+
+    def processing(self, worker_id: str) -> str:
+        """List: frames a GPU worker has taken and not yet answered."""
+        return f"{self.namespace}:gpu:{worker_id}:processing"
+
+    def heartbeat(self, worker_id: str) -> str:
+        """String with a TTL: a GPU worker's self-description while it lives."""
+        return f"{self.namespace}:gpu:{worker_id}:heartbeat"
+
+    @property
+    def gpu_workers(self) -> str:
+        """Sorted set: GPU worker ids scored by their last heartbeat (epoch seconds)."""
+        return f"{self.namespace}:gpu_workers"
+
+    @property
+    def job_events(self) -> str:
+        """Pub/sub channel: a job id each time a job reaches a terminal state."""
+        return f"{self.namespace}:job_events"

@@ -1,0 +1,230 @@
+"""Every setting of the service, read from YAML.
+
+`configs/default.yaml` holds the defaults; the file named by `IMGSERVE_CONFIG`
+(or passed to `load_settings`) is laid over it, and `IMGSERVE_REDIS_URL`
+overrides the Redis address last, so a container can point at its Redis
+without a config file of its own.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+CONFIG_ENV = "IMGSERVE_CONFIG"
+REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
+
+
+class SettingsError(ValueError):
+    """A config file or model spec that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ApiSettings:
+    max_upload_bytes: int = 20 * 1024 * 1024
+    max_wait_s: float = 30.0
+    max_image_pixels: int = 80_000_000
+    redis_timeout_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class JobSettings:
+    ttl_s: int = 3600
+    upload_ttl_s: int = 600
+    default_deadline_ms: int = 60_000
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    max_batch_size: int = 8
+    window_ms: float = 12.0
+    idle_poll_s: float = 1.0
+    gather_poll_ms: float = 1.0
+
+
+@dataclass(frozen=True)
+class GpuWorkerSettings:
+    device: str = "auto"
+    heartbeat_ttl_s: float = 10.0
+    max_candidates: int = 1000
+    torch_threads: int = 0
+
+
+@dataclass(frozen=True)
+class CeleryWorkerSettings:
+    visibility_timeout_s: int = 300
+    task_time_limit_s: int = 60
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the GPU worker loads and what the CPU workers letterbox for."""
+
+    name: str
+    version: str
+    format: str = "builtin"  # builtin | torchscript
+    builtin: str = "tiny_yolo"
+    path: str | None = None
+    weights: str = "random"
+    input_size: int = 640
+    channel_order: str = "rgb"
+    pad_value: int = 114
+    scale: float = 1.0 / 255.0
+    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    layout: str = "yolov8"  # yolov8: [B, 4+C, N]; yolov5: [B, N, 5+C]
+    labels: tuple[str, ...] = ()
+    conf: float = 0.25
+    iou: float = 0.45
+    max_det: int = 100
+
+    def __post_init__(self) -> None:
+        if self.format not in ("builtin", "torchscript"):
+            raise SettingsError(f"model format {self.format!r}: expected builtin or torchscript")
+        if self.format == "torchscript" and not self.path:
+            raise SettingsError("a torchscript model needs a path")
+        if self.layout not in ("yolov8", "yolov5"):
+            raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
+        if self.channel_order not in ("rgb", "bgr"):
+            raise SettingsError(f"channel_order {self.channel_order!r}: expected rgb or bgr")
+        if not self.labels:
+            raise SettingsError("a model needs its labels")
+        if not 32 <= self.input_size <= 4096:
+            raise SettingsError(f"input_size {self.input_size} out of range")
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "version": self.version,
+            "weights": self.weights,
+            "labels": list(self.labels),
+            "input_size": self.input_size,
+            "layout": self.layout,
+            "defaults": {"conf": self.conf, "iou": self.iou, "max_det": self.max_det},
+        }
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSpec
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "imgserve"
+    api: ApiSettings = field(default_factory=ApiSettings)
+    jobs: JobSettings = field(default_factory=JobSettings)
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    gpu_worker: GpuWorkerSettings = field(default_factory=GpuWorkerSettings)
+    celery: CeleryWorkerSettings = field(default_factory=CeleryWorkerSettings)
+
+    @property
+    def broker_url(self) -> str:
+        return self.redis_url
+
+
+def load_settings(path: str | os.PathLike | None = None) -> Settings:
+    """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the env's Redis URL."""
+    raw = _read_config(DEFAULT_CONFIG)
+    overlay_path = path or os.environ.get(CONFIG_ENV)
+    if overlay_path:
+        raw = _merge(raw, _read_config(Path(overlay_path)))
+    if os.environ.get(REDIS_URL_ENV):
+        raw["redis_url"] = os.environ[REDIS_URL_ENV]
+    raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
+    return _build(Settings, raw)
+
+
+def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
+    """A model spec inline (a mapping) or in its own YAML file (a path).
+
+    Relative paths resolve against the file that names them, then the repo.
+    """
+    if isinstance(value, (str, os.PathLike)):
+        spec_path = _resolve(value, base_dir)
+        raw = _read_yaml(spec_path)
+        base_dir = spec_path.parent
+    elif isinstance(value, dict):
+        raw = dict(value)
+    else:
+        raise SettingsError("settings need a model: a spec file path or a mapping")
+    if raw.get("path"):
+        raw["path"] = str(_resolve(raw["path"], base_dir))
+    for key in ("mean", "std", "labels"):
+        if key in raw:
+            raw[key] = tuple(raw[key])
+    return _build(ModelSpec, raw)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """A settings file, its model reference made absolute against its own folder."""
+    raw = _read_yaml(path)
+    model = raw.get("model")
+    if isinstance(model, str):
+        raw["model"] = str(_resolve(model, path.resolve().parent))
+    elif isinstance(model, dict) and model.get("path"):
+        raw["model"] = {**model, "path": str(_resolve(model["path"], path.resolve().parent))}
+    return raw
+
+
+def _resolve(value: str | os.PathLike, base_dir: Path) -> Path:
+    candidate = Path(value)
+    if candidate.is_absolute():
+        return candidate
+    for root in (base_dir, REPO_ROOT):
+        if (root / candidate).exists():
+            return (root / candidate).resolve()
+    return (base_dir / candidate).resolve()
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = yaml.safe_load(handle) or {}
+    except OSError as exc:
+        raise SettingsError(f"cannot read config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise SettingsError(f"config {path} must be a mapping")
+    return data
+
+
+def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _build(cls: type, raw: dict[str, Any]) -> Any:
+    """Build a dataclass from a mapping, refusing keys it does not know."""
+    if not isinstance(raw, dict):
+        return raw
+    known = {f.name: f for f in fields(cls)}
+    unknown = set(raw) - set(known)
+    if unknown:
+        raise SettingsError(f"unknown {cls.__name__} settings: {', '.join(sorted(unknown))}")
+    values = {}
+    for name, value in raw.items():
+        nested = _nested_type(cls, name)
+        values[name] = _build(nested, value) if nested and isinstance(value, dict) else value
+    try:
+        return cls(**values)
+    except TypeError as exc:
+        raise SettingsError(f"{cls.__name__}: {exc}") from exc
+
+
+def _nested_type(cls: type, name: str) -> type | None:
+    nested = {
+        "api": ApiSettings,
+        "jobs": JobSettings,
+        "batching": BatchingSettings,
+        "gpu_worker": GpuWorkerSettings,
+        "celery": CeleryWorkerSettings,
+    }
+    candidate = nested.get(name) if cls is Settings else None
+    return candidate if candidate and is_dataclass(candidate) else None

@@ -1,0 +1,43 @@
+"""The time bill: how long each stage of one request took.
+
+Each process stamps wall-clock times (epoch seconds) or durations as the job
+passes; `compute_time_bill` turns the stamps into milliseconds per stage.
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+STAGES = (
+    "receive",      # API: request start -> upload stored and task sent
+    "queue_cpu",    # waiting for a CPU worker
+    "decode",       # CPU worker: image decode (draft mode, EXIF, colour mode)
+    "resize",       # CPU worker: letterbox resize and frame packing
+    "queue_gpu",    # frame waiting in the Redis list
+    "batch_wait",   # popped, waiting for its batch to close
+    "infer",        # batch assembly on the device and the forward pass
+    "postprocess",  # decode, NMS, letterbox inversion
+    "total",        # request start -> result written
+)
+
+_SPANS = {
+    "receive": ("received_at", "submitted_at"),
+    "queue_cpu": ("submitted_at", "cpu_started_at"),
+    "queue_gpu": ("pushed_at", "popped_at"),
+    "batch_wait": ("popped_at", "batch_closed_at"),
+    "total": ("received_at", "finished_at"),
+}
+_DURATIONS = ("decode", "resize", "infer", "postprocess")
+
+
+def compute_time_bill(stamps: Mapping[str, float]) -> dict[str, float]:
+    """Milliseconds per stage; a stage whose stamps are missing is left out."""
+    bill: dict[str, float] = {}
+    for stage in STAGES:
+        if stage in _DURATIONS:
+            value = stamps.get(f"{stage}_ms")
+        else:
+            start, end = (stamps.get(key) for key in _SPANS[stage])
+            value = None if start is None or end is None else max(0.0, (end - start) * 1000.0)
+        if value is not None:
+            bill[stage] = round(float(value), 3)
+    return bill

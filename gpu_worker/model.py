@@ -1,0 +1,113 @@
+"""Loading the detector a spec names, and feeding it a batch of frames."""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from contract.frames import Frame
+from contract.settings import ModelSpec
+from gpu_worker import tiny_yolo
+
+# Frames are views into immutable bytes popped from Redis; we only read them.
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be served as its spec says."""
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    module: torch.nn.Module
+    device: torch.device
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.spec.describe(), "device": str(self.device), "format": self.spec.format}
+
+
+def choose_device(requested: str) -> torch.device:
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {requested!r} requested but CUDA is not available")
+    return device
+
+
+def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
+    if spec.format == "builtin":
+        module = _load_builtin(spec)
+    else:
+        module = _load_torchscript(spec, device)
+    module = module.to(device).eval()
+    loaded = LoadedModel(spec=spec, module=module, device=device)
+    _check_output(loaded)
+    return loaded
+
+
+def _load_builtin(spec: ModelSpec) -> torch.nn.Module:
+    if spec.builtin != "tiny_yolo":
+        raise ModelLoadError(f"unknown builtin model {spec.builtin!r}")
+    if spec.layout != "yolov8":
+        raise ModelLoadError("the builtin tiny_yolo emits the yolov8 layout")
+    return tiny_yolo.build_random(len(spec.labels))
+
+
+def _load_torchscript(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    path = Path(spec.path or "")
+    if not path.is_file():
+        raise ModelLoadError(f"model file not found: {path}")
+    try:
+        return torch.jit.load(str(path), map_location=device)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load TorchScript model {path}: {exc}") from exc
+
+
+def _check_output(loaded: LoadedModel) -> None:
+    """One dry run: the output's shape must match the layout and the labels."""
+    size = loaded.spec.input_size
+    probe = torch.zeros(1, 3, size, size, device=loaded.device)
+    with torch.inference_mode():
+        output = loaded.module(probe)
+    if not isinstance(output, torch.Tensor) or output.dim() != 3:
+        raise ModelLoadError(f"model output must be one 3-D tensor, got {_shape_of(output)}")
+    classes = len(loaded.spec.labels)
+    expected = 4 + classes if loaded.spec.layout == "yolov8" else 5 + classes
+    actual = output.shape[1] if loaded.spec.layout == "yolov8" else output.shape[2]
+    if actual != expected:
+        raise ModelLoadError(
+            f"layout {loaded.spec.layout} with {classes} labels expects {expected} values per box, "
+            f"the model gives {actual} (output shape {tuple(output.shape)})")
+
+
+def _shape_of(output: Any) -> str:
+    return str(tuple(output.shape)) if isinstance(output, torch.Tensor) else type(output).__name__
+
+
+def assemble_batch(frames: Sequence[Frame], spec: ModelSpec, device: torch.device) -> torch.Tensor:
+    """Frames -> one normalised [B, 3, S, S] input on the device.
+
+    Each frame's content is copied into a device canvas filled with the pad
+    value; conversion to float, channel order and normalisation run on the
+    device, once, for the whole batch.
+    """
+    size = spec.input_size
+    canvas = torch.full((len(frames), size, size, 3), spec.pad_value, dtype=torch.uint8, device=device)
+    for i, frame in enumerate(frames):
+        h = frame.header
+        content = torch.from_numpy(np.frombuffer(frame.pixels, dtype=np.uint8).reshape(h.height, h.width, 3))
+        canvas[i, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = content.to(
+            device, non_blocking=True)
+    batch = canvas.permute(0, 3, 1, 2).float()
+    if spec.channel_order == "bgr":
+        batch = batch.flip(1)
+    mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
+    std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
+    return ((batch * spec.scale - mean) / std).contiguous()

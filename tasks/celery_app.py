@@ -1,0 +1,42 @@
+"""The Celery app, configured from settings. Imported by the API to send tasks."""
+from __future__ import annotations
+
+from celery import Celery
+
+from contract.settings import Settings
+
+PREPROCESS_TASK = "imgserve.preprocess"
+PREPROCESS_QUEUE = "preprocess"
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("imgserve", broker=settings.broker_url, set_as_current=False)
+    app.conf.update(
+        # JSON only: a task carries a job id, never a pickled object.
+        task_serializer="json",
+        accept_content=["json"],
+        result_serializer="json",
+        task_ignore_result=True,
+        # A task is acked after it ran; a child killed mid-task gets its task redelivered.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        task_time_limit=settings.celery.task_time_limit_s,
+        task_default_queue=PREPROCESS_QUEUE,
+        task_routes={PREPROCESS_TASK: {"queue": PREPROCESS_QUEUE}},
+        # Redis transport: an unacked task comes back after this long.
+        broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
+        broker_connection_retry_on_startup=True,
+        broker_connection_timeout=settings.api.redis_timeout_s,
+        # Flower shows tasks from these events.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+    )
+    return app
+
+
+def send_preprocess(app: Celery, job_id: str) -> None:
+    """Queue one job for a CPU worker; fails fast when the broker is down."""
+    app.send_task(PREPROCESS_TASK, args=[job_id], queue=PREPROCESS_QUEUE,
+                  retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1})

@@ -1,0 +1,98 @@
+"""One job's CPU stage: claim the upload, decode, letterbox, push its frame.
+
+Idempotent: a redelivered task finds its job already past this stage (or over)
+and does nothing, because the push, the status change and the upload's
+deletion happen in one transaction.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import redis
+
+from contract import jobs
+from contract.frames import FrameHeader, pack_frame
+from contract.keys import Keys
+from contract.settings import Settings
+from tasks.imaging import ImageDecodeError, decode_image, letterbox
+
+log = logging.getLogger(__name__)
+
+
+class Preprocessor:
+    """Everything a CPU worker child needs, opened once per child."""
+
+    def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self.settings = settings
+        self.redis = client
+        self.keys = Keys(settings.namespace)
+        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+
+    def run(self, job_id: str) -> str:
+        """Returns what happened, for the task's log line and Flower."""
+        started_at = time.time()
+        record = self.store.load(job_id)
+        if record is None:
+            return "missing"
+        if record["status"] != jobs.QUEUED and record["status"] != jobs.PREPROCESSING:
+            return f"skipped ({record['status']})"
+        if started_at > record["deadline_at"]:
+            self.store.finish(job_id, jobs.EXPIRED, {"error": _error("deadline", "expired before preprocessing")})
+            return "expired"
+        if not self.store.advance(job_id, jobs.PREPROCESSING, {"cpu_started_at": started_at}):
+            return "skipped (ended meanwhile)"
+        upload = self.redis.get(self.keys.upload(job_id))
+        if upload is None:
+            self.store.fail(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
+            return "failed"
+        return self._push_frame(job_id, record, upload, started_at)
+
+    def _push_frame(self, job_id: str, record: dict, upload: bytes, started_at: float) -> str:
+        spec = self.settings.model
+        try:
+            t0 = time.perf_counter()
+            image, orig_size = decode_image(upload, spec.input_size, self.settings.api.max_image_pixels)
+            t1 = time.perf_counter()
+            boxed = letterbox(image, orig_size, spec.input_size)
+        except ImageDecodeError as exc:
+            self.store.fail(job_id, exc.code, str(exc))
+            return "failed"
+        stamps = {name: record[name] for name in ("received_at", "submitted_at") if name in record}
+        stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0)
+        pushed_at = time.time()
+        stamps["resize_ms"] = (time.perf_counter() - t1) * 1000.0
+        stamps["pushed_at"] = pushed_at
+        frame = pack_frame(_header(job_id, record, boxed, stamps, pushed_at), boxed.pixels)
+        return self._commit(job_id, frame, stamps)
+
+    def _commit(self, job_id: str, frame: bytes, stamps: dict) -> str:
+        """Push the frame, mark the job and drop the upload, all or nothing."""
+        pipe = self.redis.pipeline(transaction=True)
+        self.store.advance(job_id, jobs.QUEUED_GPU, stamps, client=pipe)
+        pipe.lpush(self.keys.frames, frame)
+        pipe.delete(self.keys.upload(job_id))
+        pipe.execute()
+        return "pushed"
+
+
+def _header(job_id: str, record: dict, boxed, stamps: dict, pushed_at: float) -> FrameHeader:
+    return FrameHeader(
+        job_id=job_id,
+        width=boxed.width,
+        height=boxed.height,
+        pad_left=boxed.pad_left,
+        pad_top=boxed.pad_top,
+        scale_x=boxed.scale_x,
+        scale_y=boxed.scale_y,
+        orig_width=boxed.orig_width,
+        orig_height=boxed.orig_height,
+        enqueued_at=pushed_at,
+        deadline_at=record["deadline_at"],
+        options=record.get("options") or {},
+        stamps=stamps,
+    )
+
+
+def _error(code: str, message: str) -> dict:
+    return {"code": code, "message": message}

@@ -1,0 +1,44 @@
+"""Celery entry point for CPU workers and Flower:
+
+    celery -A tasks.worker worker -Q preprocess --concurrency 4
+    celery -A tasks.worker flower --port 5555
+
+Settings come from IMGSERVE_CONFIG / IMGSERVE_REDIS_URL (see contract.settings).
+"""
+from __future__ import annotations
+
+import logging
+
+from celery.signals import worker_process_init
+
+from contract.connection import connect
+from contract.settings import load_settings
+from tasks.celery_app import PREPROCESS_TASK, make_celery
+from tasks.preprocess import Preprocessor
+
+settings = load_settings()
+app = make_celery(settings)
+log = logging.getLogger(__name__)
+
+_preprocessor: Preprocessor | None = None
+
+
+@worker_process_init.connect
+def _open_per_child(**_: object) -> None:
+    """Each prefork child opens its own Redis connection after the fork."""
+    global _preprocessor
+    _preprocessor = Preprocessor(settings, connect(settings, socket_timeout=10.0))
+
+
+def _get_preprocessor() -> Preprocessor:
+    global _preprocessor
+    if _preprocessor is None:  # solo/threads pools have no child init
+        _preprocessor = Preprocessor(settings, connect(settings, socket_timeout=10.0))
+    return _preprocessor
+
+
+@app.task(name=PREPROCESS_TASK, acks_late=True, reject_on_worker_lost=True)
+def preprocess(job_id: str) -> str:
+    outcome = _get_preprocessor().run(job_id)
+    log.info("preprocess job_id=%s outcome=%s", job_id, outcome)
+    return outcome

@@ -1,0 +1,138 @@
+"""Fixtures: a private redis-server on a free port (never the machine's shared
+Redis), and a whole running stack of real processes on top of it."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import redis
+import requests
+import yaml
+
+from contract.keys import Keys
+from contract.settings import load_settings
+from tests.support import (ApiServer, ManagedProcess, RedisServer, build_content_box_model, celery_argv,
+                           python_argv, wait_until)
+
+STACK_INPUT_SIZE = 320
+STACK_MAX_UPLOAD = 3 * 1024 * 1024
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client on a database of its own, emptied before the test."""
+    client = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/1")
+    client.flushdb()
+    yield client
+    client.close()
+
+
+@dataclass
+class Stack:
+    """API + Celery CPU worker + GPU worker, all real, sharing one private Redis."""
+    config_path: Path
+    log_dir: Path
+    env: dict[str, str]
+    api: ApiServer
+    redis: redis.Redis
+    keys: Keys
+    settings: Any
+    cpu_worker: ManagedProcess
+    gpu_worker: ManagedProcess | None = None
+    gpu_worker_id: str = "test-gpu"
+    session: requests.Session = field(default_factory=requests.Session)
+
+    def url(self, path: str) -> str:
+        return self.api.url + path
+
+    def submit(self, data: bytes, content_type: str = "image/jpeg", **options: Any) -> requests.Response:
+        return self.session.post(self.url("/v1/jobs"), files={"image": ("image", data, content_type)},
+                                 data={k: str(v) for k, v in options.items()}, timeout=30)
+
+    def submit_ok(self, data: bytes, **options: Any) -> str:
+        response = self.submit(data, **options)
+        assert response.status_code == 202, response.text
+        return response.json()["id"]
+
+    def job(self, job_id: str, wait: float = 0) -> dict[str, Any]:
+        response = self.session.get(self.url(f"/v1/jobs/{job_id}"), params={"wait": wait} if wait else None,
+                                    timeout=wait + 30)
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    def wait_terminal(self, job_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            doc = self.job(job_id, wait=min(10.0, max(0.1, deadline - time.monotonic())))
+            if doc["status"] in ("succeeded", "failed", "expired", "cancelled"):
+                return doc
+            assert time.monotonic() < deadline, f"job {job_id} still {doc['status']}\n{self.logs()}"
+
+    def start_gpu_worker(self) -> None:
+        assert self.gpu_worker is None or not self.gpu_worker.alive()
+        self.gpu_worker = ManagedProcess(
+            "gpu-worker", python_argv("-m", "gpu_worker", "--device", "cpu", "--worker-id", self.gpu_worker_id),
+            self.env, self.log_dir)
+        wait_until(lambda: self.redis.exists(self.keys.heartbeat(self.gpu_worker_id)) or self._gpu_died(),
+                   60, what="the GPU worker's first heartbeat")
+        assert self.gpu_worker.alive(), self.gpu_worker.log_tail()
+
+    def stop_gpu_worker(self) -> None:
+        if self.gpu_worker is not None:
+            self.gpu_worker.stop()
+            self.gpu_worker = None
+
+    def _gpu_died(self) -> bool:
+        return self.gpu_worker is not None and not self.gpu_worker.alive()
+
+    def logs(self) -> str:
+        parts = [f"--- {p.name}\n{p.log_tail()}" for p in (self.cpu_worker, self.gpu_worker) if p]
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("stack")
+    model_path = workdir / "content_box.pt"
+    build_content_box_model(num_classes=2).save(str(model_path))
+    config = {
+        "redis_url": redis_server.url,
+        "namespace": "itest",
+        "model": {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
+                  "weights": "test fixture", "input_size": STACK_INPUT_SIZE, "layout": "yolov8",
+                  "labels": ["content", "other"], "conf": 0.25, "iou": 0.45, "max_det": 10},
+        "api": {"max_upload_bytes": STACK_MAX_UPLOAD},
+        "gpu_worker": {"heartbeat_ttl_s": 5},
+    }
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
+    env.pop("IMGSERVE_REDIS_URL", None)
+    settings = load_settings(config_path)
+    from app import create_app
+
+    cpu_worker = ManagedProcess(
+        "cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", "2", "--without-gossip",
+                                  "--without-mingle", "--loglevel", "INFO"), env, workdir)
+    stack = Stack(config_path=config_path, log_dir=workdir, env=env, api=ApiServer(create_app(settings)),
+                  redis=redis.Redis.from_url(redis_server.url), keys=Keys(settings.namespace),
+                  settings=settings, cpu_worker=cpu_worker)
+    wait_until(lambda: "ready." in cpu_worker.log_tail() or not cpu_worker.alive(), 60,
+               what="the Celery worker to be ready")
+    assert cpu_worker.alive(), cpu_worker.log_tail()
+    stack.start_gpu_worker()
+    yield stack
+    stack.stop_gpu_worker()
+    cpu_worker.stop()
+    stack.api.stop()
