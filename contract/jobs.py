@@ -114,7 +114,7 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "id": record["id"],
         "status": record.get("status"),
-        "created_at": utc_iso(created) if created else None,
+        "created_at": utc_iso(created) if created is not None else None,
         "options": record.get("options") or {},
         "result": record.get("result"),
         "error": record.get("error"),

@@ -94,7 +94,7 @@ class ModelSpec:
             raise SettingsError(f"channel_order {self.channel_order!r}: expected rgb or bgr")
         if not self.labels:
             raise SettingsError("a model needs its labels")
-        if not 32 <= self.input_size <= 4096:
+        if not 8 <= self.input_size <= 4096:
             raise SettingsError(f"input_size {self.input_size} out of range")
 
     def describe(self) -> dict[str, Any]:

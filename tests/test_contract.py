@@ -1,0 +1,129 @@
+"""The shared contract: frames, settings, time bill, job records (real Redis)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from contract import jobs
+from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
+from contract.keys import Keys
+from contract.settings import SettingsError, load_settings
+from contract.timebill import STAGES, compute_time_bill
+from tests.support import REPO_ROOT, wait_until
+
+
+def header(**overrides) -> FrameHeader:
+    values = dict(job_id="j1", width=4, height=2, pad_left=0, pad_top=1, scale_x=0.5, scale_y=0.5,
+                  orig_width=8, orig_height=4, enqueued_at=1.0, deadline_at=2.0,
+                  options={"conf": 0.3}, stamps={"received_at": 0.5})
+    return FrameHeader(**{**values, **overrides})
+
+
+def test_frame_round_trip_keeps_header_and_pixels():
+    pixels = bytes(range(24))
+    frame = unpack_frame(pack_frame(header(), pixels))
+    assert frame.header == header()
+    assert bytes(frame.pixels) == pixels
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda raw: raw[:3],                               # shorter than the prefix
+    lambda raw: b"XXXX" + raw[4:],                     # bad magic
+    lambda raw: raw[:-1],                              # pixels missing
+    lambda raw: raw[:8] + b"[" + raw[9:],              # header not JSON
+    lambda raw: raw[:4] + b"\xff\xff\xff\xff" + raw[8:],  # absurd header length
+])
+def test_damaged_frames_raise_frame_error(mutate):
+    raw = pack_frame(header(), bytes(24))
+    with pytest.raises(FrameError):
+        unpack_frame(mutate(raw))
+
+
+def test_pack_refuses_pixels_that_do_not_match_the_header():
+    with pytest.raises(FrameError):
+        pack_frame(header(), bytes(23))
+
+
+def test_job_id_can_be_read_from_a_frame_with_damaged_pixels():
+    raw = pack_frame(header(job_id="abc"), bytes(24))
+    assert read_job_id(raw[:-5]) == "abc"
+    assert read_job_id(b"junk") is None
+
+
+def test_time_bill_has_every_stage_from_the_stamps():
+    stamps = {"received_at": 10.0, "submitted_at": 10.002, "cpu_started_at": 10.010, "decode_ms": 5.0,
+              "resize_ms": 2.0, "pushed_at": 10.020, "popped_at": 10.030, "batch_closed_at": 10.042,
+              "infer_ms": 70.0, "postprocess_ms": 3.0, "finished_at": 10.200}
+    bill = compute_time_bill(stamps)
+    assert list(bill) == list(STAGES)
+    assert bill["receive"] == pytest.approx(2.0) and bill["queue_gpu"] == pytest.approx(10.0)
+    assert bill["batch_wait"] == pytest.approx(12.0) and bill["total"] == pytest.approx(200.0)
+
+
+def test_time_bill_leaves_out_stages_without_stamps():
+    assert compute_time_bill({"received_at": 1.0, "submitted_at": 1.5}) == {"receive": 500.0}
+
+
+def test_default_settings_match_the_story():
+    settings = load_settings()
+    assert settings.batching.max_batch_size == 8 and settings.batching.window_ms == 12
+    assert settings.model.input_size == 640 and settings.model.labels
+
+
+def test_overlay_settings_and_env_redis_url(tmp_path, monkeypatch):
+    overlay = tmp_path / "mine.yaml"
+    overlay.write_text("batching: {window_ms: 5}\nnamespace: other\n")
+    monkeypatch.setenv("IMGSERVE_REDIS_URL", "redis://example:1/2")
+    settings = load_settings(overlay)
+    assert settings.batching.window_ms == 5 and settings.batching.max_batch_size == 8
+    assert settings.namespace == "other" and settings.redis_url == "redis://example:1/2"
+
+
+@pytest.mark.parametrize("text", ["batching: {windw_ms: 5}\n", "model: {name: x, version: 1, labels: [], "
+                                  "format: builtin}\n", "model: {name: x, version: 1, labels: [a], "
+                                  "format: onnx}\n"])
+def test_bad_settings_are_refused_with_a_clear_error(tmp_path, text):
+    overlay = tmp_path / "bad.yaml"
+    overlay.write_text(text)
+    with pytest.raises(SettingsError):
+        load_settings(overlay)
+
+
+def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
+    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(Keys("t").job_events)
+    store.create("j", b"bytes", 60, {"received_at": 1.0, "deadline_at": 2.0, "options": {"conf": 0.5}})
+    assert store.advance("j", jobs.PREPROCESSING)
+    assert store.finish("j", jobs.SUCCEEDED, {"result": {"detections": []}})
+    assert not store.finish("j", jobs.FAILED, {"error": {"code": "x"}})
+    assert not store.advance("j", jobs.RUNNING)
+    record = store.load("j")
+    assert record["status"] == jobs.SUCCEEDED and record["result"] == {"detections": []}
+    assert record["options"] == {"conf": 0.5} and "error" not in record
+    message = wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="the job-end message")
+    assert message["data"] == b"j"
+    assert 0 < redis_client.ttl(Keys("t").job("j")) <= 60
+
+
+def test_unknown_jobs_cannot_be_moved(redis_client):
+    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    assert not store.advance("nope", jobs.RUNNING)
+    assert not store.finish("nope", jobs.CANCELLED)
+    assert store.load("nope") is None
+
+
+def test_job_document_shape():
+    doc = jobs.job_document({"id": "j", "status": "queued", "received_at": 0.0, "options": {}})
+    assert list(doc) == ["id", "status", "created_at", "options", "result", "error", "timings_ms", "batch"]
+    assert doc["created_at"] == "1970-01-01T00:00:00.000Z"
+    json.dumps(doc)
+
+
+def test_cpu_worker_never_imports_torch():
+    code = "import sys, tasks.worker; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,111 @@
+"""GPU-worker parts: model loading, batch assembly, the frame list in real Redis."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from contract.frames import FrameHeader, pack_frame, unpack_frame
+from contract.keys import Keys
+from contract.settings import ModelSpec
+from gpu_worker.model import ModelLoadError, assemble_batch, load_model
+from gpu_worker.source import RedisFrameSource
+from tests.support import REPO_ROOT, build_content_box_model
+
+CPU = torch.device("cpu")
+
+
+def spec(**overrides) -> ModelSpec:
+    values = dict(name="m", version="1", labels=("a", "b", "c"), input_size=64)
+    return ModelSpec(**{**values, **overrides})
+
+
+def test_builtin_model_emits_the_yolov8_layout():
+    loaded = load_model(spec(input_size=128), CPU)
+    with torch.inference_mode():
+        output = loaded.module(torch.zeros(2, 3, 128, 128))
+    assert output.shape == (2, 4 + 3, 16 * 16 + 8 * 8 + 4 * 4)
+    assert loaded.describe()["weights"] == "random"
+
+
+def test_missing_model_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(spec(format="torchscript", path=str(tmp_path / "none.pt")), CPU)
+
+
+def test_labels_that_do_not_match_the_output_are_refused(tmp_path):
+    path = tmp_path / "m.pt"
+    build_content_box_model(num_classes=2).save(str(path))
+    with pytest.raises(ModelLoadError, match="expects 7 values per box, the model gives 6"):
+        load_model(spec(format="torchscript", path=str(path)), CPU)
+
+
+def test_yolov5_export_loads_with_its_layout(tmp_path):
+    path = tmp_path / "m5.pt"
+    build_content_box_model(num_classes=3, layout="yolov5").save(str(path))
+    assert load_model(spec(format="torchscript", path=str(path), layout="yolov5"), CPU).spec.layout == "yolov5"
+
+
+def test_gpu_worker_exits_with_a_clear_message_when_its_model_cannot_load(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model: {{name: x, version: '1', format: torchscript, path: {tmp_path}/no.pt, "
+                      f"labels: [a]}}\n")
+    result = subprocess.run([sys.executable, "-m", "gpu_worker", "--config", str(config), "--device", "cpu"],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "model file not found" in result.stderr
+
+
+def make_frame(job_id: str, width: int, height: int, pad_left: int, pad_top: int, value: int = 200):
+    header = FrameHeader(job_id=job_id, width=width, height=height, pad_left=pad_left, pad_top=pad_top,
+                         scale_x=1.0, scale_y=1.0, orig_width=width, orig_height=height, enqueued_at=0.0,
+                         deadline_at=1e12)
+    pixels = np.zeros((height, width, 3), np.uint8)
+    pixels[..., 0], pixels[..., 1], pixels[..., 2] = value, value // 2, 0
+    return pack_frame(header, pixels.tobytes())
+
+
+def test_batch_assembly_pads_and_normalises_on_the_device():
+    frames = [unpack_frame(make_frame("a", 8, 4, 0, 2)), unpack_frame(make_frame("b", 2, 8, 3, 0))]
+    batch = assemble_batch(frames, spec(input_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)), CPU)
+    assert batch.shape == (2, 3, 8, 8)
+    pad = (114 / 255 - 0.5) / 0.5
+    assert batch[0, 0, 0, 0].item() == pytest.approx(pad)
+    assert batch[0, 0, 2, 0].item() == pytest.approx((200 / 255 - 0.5) / 0.5)
+    assert batch[0, 1, 2, 0].item() == pytest.approx((100 / 255 - 0.5) / 0.5)
+    assert batch[1, 0, 4, 3].item() == pytest.approx((200 / 255 - 0.5) / 0.5)
+    assert batch[1, 0, 4, 5].item() == pytest.approx(pad)
+
+
+def test_bgr_models_get_channels_swapped():
+    frames = [unpack_frame(make_frame("a", 8, 8, 0, 0))]
+    batch = assemble_batch(frames, spec(input_size=8, channel_order="bgr"), CPU)
+    assert batch[0, 2, 0, 0].item() == pytest.approx(200 / 255)
+    assert batch[0, 0, 0, 0].item() == 0
+
+
+def test_frame_source_is_fifo_and_keeps_frames_until_acked(redis_client):
+    keys = Keys("t")
+    for i in range(5):
+        redis_client.lpush(keys.frames, f"f{i}")
+    source = RedisFrameSource(redis_client, keys, "w1")
+    assert source.pop_blocking(0.1) == b"f0"
+    assert source.pop_available(3) == [b"f1", b"f2", b"f3"]
+    assert source.pending() == 4
+    source.ack(4)
+    assert source.pending() == 0
+    assert source.pop_available(8) == [b"f4"]
+    assert source.pop_available(8) == []
+    assert source.pop_blocking(0.1) is None
+
+
+def test_ack_drops_only_the_oldest_frames(redis_client):
+    keys = Keys("t")
+    redis_client.lpush(keys.frames, "a", "b", "c")
+    source = RedisFrameSource(redis_client, keys, "w1")
+    source.pop_available(3)
+    source.ack(2)
+    assert redis_client.lrange(keys.processing("w1"), 0, -1) == [b"c"]

@@ -1,0 +1,93 @@
+"""Decode and letterbox: the CPU worker's pure functions."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from tasks.imaging import ImageDecodeError, decode_image, letterbox
+from tests.support import encode, make_image
+
+LIMIT = 80_000_000
+
+
+@pytest.mark.parametrize("size,expected", [
+    ((1920, 1080), dict(width=640, height=360, pad_left=0, pad_top=140)),
+    ((1080, 1920), dict(width=360, height=640, pad_left=140, pad_top=0)),
+    ((100, 50), dict(width=640, height=320, pad_left=0, pad_top=160)),
+    ((1, 10000), dict(width=1, height=640, pad_left=319, pad_top=0)),
+])
+def test_letterbox_keeps_the_aspect_ratio_and_centres_the_content(size, expected):
+    image = make_image(*size)
+    boxed = letterbox(image, size, 640)
+    for name, value in expected.items():
+        assert getattr(boxed, name) == value, name
+    assert len(boxed.pixels) == boxed.width * boxed.height * 3
+    assert boxed.scale_x == pytest.approx(boxed.width / size[0])
+    assert boxed.scale_y == pytest.approx(boxed.height / size[1])
+
+
+def test_large_jpeg_is_decoded_in_draft_mode_but_reports_its_full_size():
+    data = encode(make_image(4000, 3000), "JPEG", quality=90)
+    image, orig = decode_image(data, 640, LIMIT)
+    assert orig == (4000, 3000)
+    assert image.size[0] < 4000 and image.size[0] >= 640   # DCT-scaled, still >= the target
+    assert image.mode == "RGB"
+
+
+def test_exif_orientation_is_applied():
+    exif = Image.Exif()
+    exif[0x0112] = 6  # rotate 90 degrees clockwise to display
+    data = encode(make_image(400, 200), "JPEG", exif=exif.tobytes())
+    image, orig = decode_image(data, 640, LIMIT)
+    assert orig == (200, 400)
+    assert image.size == (200, 400)
+
+
+@pytest.mark.parametrize("mode,fmt", [("L", "PNG"), ("LA", "PNG"), ("RGBA", "PNG"), ("P", "PNG"),
+                                      ("CMYK", "JPEG"), ("RGB", "WEBP"), ("RGB", "BMP"), ("1", "PNG")])
+def test_every_colour_mode_becomes_rgb(mode, fmt):
+    data = encode(make_image(120, 80, mode=mode), fmt)
+    image, orig = decode_image(data, 640, LIMIT)
+    assert image.mode == "RGB" and orig == (120, 80)
+
+
+def test_palette_transparency_is_composited_on_the_pad_grey():
+    image = Image.new("P", (10, 10), 0)
+    image.putpalette([255, 0, 0] + [0, 0, 0] * 255)
+    data = encode(image, "PNG", transparency=0)
+    decoded, _ = decode_image(data, 640, LIMIT)
+    assert decoded.getpixel((5, 5)) == (114, 114, 114)
+
+
+def test_sixteen_bit_images_keep_their_contrast():
+    values = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16)
+    data = encode(Image.fromarray(values), "PNG")
+    decoded, _ = decode_image(data, 640, LIMIT)
+    channel = np.asarray(decoded)[..., 0]
+    assert decoded.mode == "RGB" and channel.min() == 0 and channel.max() >= 250
+
+
+def test_animated_gif_uses_its_first_frame():
+    frames = [Image.new("RGB", (32, 32), colour) for colour in ((255, 0, 0), (0, 0, 255))]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
+    decoded, _ = decode_image(buffer.getvalue(), 640, LIMIT)
+    red, _, blue = decoded.getpixel((16, 16))
+    assert red > 200 and blue < 50
+
+
+def test_corrupt_data_raises_decode_error():
+    data = encode(make_image(200, 200), "JPEG")[:200] + b"\x00" * 50
+    with pytest.raises(ImageDecodeError) as caught:
+        decode_image(data, 640, LIMIT)
+    assert caught.value.code == "decode_error"
+
+
+def test_declared_dimensions_over_the_limit_are_refused_before_decoding():
+    data = encode(make_image(3000, 3000), "PNG", compress_level=1)
+    with pytest.raises(ImageDecodeError) as caught:
+        decode_image(data, 640, max_pixels=1_000_000)
+    assert caught.value.code == "image_too_large"

@@ -1,0 +1,146 @@
+"""Post-processing on known tensors: layouts, thresholds, NMS, letterbox inversion."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_worker.postprocess import (Geometry, Thresholds, _nms_keep_matrix, nms_keep, pairwise_iou,
+                                    postprocess, _tv_batched_nms)
+
+
+def geometry(rows: list[tuple[float, ...]]) -> Geometry:
+    t = torch.tensor(rows, dtype=torch.float64)
+    return Geometry(*(t[:, i] for i in range(6)))
+
+
+def thresholds(conf, iou, max_det) -> Thresholds:
+    return Thresholds(torch.tensor(conf), torch.tensor(iou), torch.tensor(max_det))
+
+
+def yolov8_output(per_image: list[list[tuple[float, float, float, float, list[float]]]]) -> torch.Tensor:
+    """[B, 4 + C, N] from rows of (cx, cy, w, h, class scores)."""
+    rows = [[[*box[:4], *box[4]] for box in image] for image in per_image]
+    return torch.tensor(rows, dtype=torch.float32).transpose(1, 2)
+
+
+# Image 0: 1920x1080 letterboxed to 640 -> scale 1/3, pad top 140.
+# Image 1: 1080x1920 -> scale 1/3, pad left 140.
+GEOMETRY = geometry([(0, 140, 1 / 3, 1 / 3, 1920, 1080), (140, 0, 1 / 3, 1 / 3, 1080, 1920)])
+
+
+def test_yolov8_boxes_are_decoded_filtered_and_mapped_to_original_pixels():
+    output = yolov8_output([
+        [(100, 240, 40, 20, [0.9, 0.1]),        # kept: class 0
+         (102, 240, 40, 20, [0.8, 0.1]),        # suppressed by the first (same class, IoU > .45)
+         (102, 240, 40, 20, [0.1, 0.7]),        # kept: other class
+         (500, 300, 10, 10, [0.2, 0.1])],       # under conf
+        [(200, 320, 20, 40, [0.1, 0.95]),
+         (0, 0, 0, 0, [0.0, 0.0]),
+         (0, 0, 0, 0, [0.0, 0.0]),
+         (0, 0, 0, 0, [0.0, 0.0])],
+    ])
+    dets = postprocess(output, "yolov8", thresholds([0.25, 0.25], [0.45, 0.45], [100, 100]), GEOMETRY)
+    assert dets.image_index.tolist() == [0, 0, 1]
+    assert dets.class_ids.tolist() == [0, 1, 1]
+    assert dets.scores.tolist() == pytest.approx([0.9, 0.7, 0.95])
+    expected = torch.tensor([
+        [(80 - 0) * 3, (230 - 140) * 3, (120 - 0) * 3, (250 - 140) * 3],
+        [(82 - 0) * 3, (230 - 140) * 3, (122 - 0) * 3, (250 - 140) * 3],
+        [(190 - 140) * 3, 300 * 3, (210 - 140) * 3, 340 * 3],
+    ], dtype=torch.float32)
+    torch.testing.assert_close(dets.boxes, expected, rtol=0, atol=1e-3)
+
+
+def test_yolov5_layout_multiplies_objectness_into_class_scores():
+    output = torch.tensor([[[100, 240, 40, 20, 0.5, 0.9, 0.2],     # 0.45 for class 0
+                            [300, 300, 40, 20, 0.2, 0.9, 0.9]]])   # 0.18: under conf
+    dets = postprocess(output, "yolov5", thresholds([0.3], [0.45], [100]), geometry([GEOMETRY_ROW0]))
+    assert dets.scores.tolist() == pytest.approx([0.45])
+    assert dets.class_ids.tolist() == [0]
+    torch.testing.assert_close(dets.boxes[0], torch.tensor([240.0, 270.0, 360.0, 330.0]))
+
+
+GEOMETRY_ROW0 = (0, 140, 1 / 3, 1 / 3, 1920, 1080)
+
+
+def test_boxes_are_clipped_to_the_original_image():
+    output = yolov8_output([[(5, 145, 30, 30, [0.9])]])
+    dets = postprocess(output, "yolov8", thresholds([0.25], [0.45], [10]), geometry([GEOMETRY_ROW0]))
+    x1, y1, x2, y2 = dets.boxes[0].tolist()
+    assert x1 == 0 and y1 == 0 and x2 == pytest.approx(60) and y2 == pytest.approx(60)
+
+
+def test_each_image_keeps_its_own_conf_and_max_det():
+    boxes = [(50 + 60 * i, 300, 20, 20, [0.9 - 0.1 * i]) for i in range(5)]   # disjoint boxes
+    output = yolov8_output([boxes, boxes])
+    dets = postprocess(output, "yolov8", thresholds([0.25, 0.65], [0.45, 0.45], [2, 100]),
+                       geometry([GEOMETRY_ROW0, GEOMETRY_ROW0]))
+    counts = torch.bincount(dets.image_index, minlength=2).tolist()
+    assert counts == [2, 3]   # image 0: max_det 2; image 1: scores 0.9, 0.8, 0.7 pass 0.65
+
+
+def reference_greedy_nms(boxes, scores, classes, iou_threshold):
+    """Plain greedy NMS, one box at a time: the definition our kernel must match."""
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    kept = []
+    for i in order:
+        if all(classes[j] != classes[i] or _iou(boxes[i], boxes[j]) <= iou_threshold for j in kept):
+            kept.append(i)
+    return sorted(kept)
+
+
+def _iou(a, b):
+    inter_w = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
+    inter_h = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
+    inter = inter_w * inter_h
+    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
+    return inter / union if union > 0 else 0.0
+
+
+def random_candidates(seed: int, count: int, classes: int):
+    rng = random.Random(seed)
+    boxes = []
+    for _ in range(count):
+        x, y = rng.uniform(0, 200), rng.uniform(0, 200)
+        boxes.append([x, y, x + rng.uniform(5, 80), y + rng.uniform(5, 80)])
+    scores = rng.sample(range(1, 10 * count), count)      # distinct: no ties to order
+    return boxes, [s / (10 * count) for s in scores], [rng.randrange(classes) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_matrix_nms_equals_greedy_nms(seed):
+    boxes, scores, classes = random_candidates(seed, 120, classes=3)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    t_boxes = torch.tensor([[boxes[i] for i in order]])
+    t_classes = torch.tensor([[classes[i] for i in order]])
+    valid = torch.ones(1, len(order), dtype=torch.bool)
+    keep = _nms_keep_matrix(t_boxes, t_classes, valid, torch.tensor([0.5]))
+    kept = sorted(order[k] for k in keep[0].nonzero().flatten().tolist())
+    assert kept == reference_greedy_nms(boxes, scores, classes, 0.5)
+    assert 0 < len(kept) < len(boxes)
+
+
+def test_invalid_candidates_neither_survive_nor_suppress():
+    boxes = torch.tensor([[[0, 0, 10, 10], [1, 1, 10, 10]]], dtype=torch.float32)
+    keep = _nms_keep_matrix(boxes, torch.zeros(1, 2, dtype=torch.long), torch.tensor([[False, True]]),
+                            torch.tensor([0.5]))
+    assert keep.tolist() == [[False, True]]
+
+
+@pytest.mark.skipif(_tv_batched_nms is None, reason="torchvision does not import beside this torch")
+def test_torchvision_and_our_nms_agree():
+    boxes, scores, classes = random_candidates(99, 200, classes=4)
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    args = (torch.tensor([[boxes[i] for i in order]]), torch.tensor([[scores[i] for i in order]]),
+            torch.tensor([[classes[i] for i in order]]), torch.ones(1, 200, dtype=torch.bool),
+            torch.tensor([0.45]))
+    assert torch.equal(nms_keep(*args, use_torchvision=True), nms_keep(*args, use_torchvision=False))
+
+
+def test_pairwise_iou():
+    boxes = torch.tensor([[[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]], dtype=torch.float32)
+    iou = pairwise_iou(boxes)[0]
+    assert iou[0, 1].item() == pytest.approx(50 / 150)
+    assert iou[0, 2].item() == 0 and iou[1, 1].item() == pytest.approx(1.0)
