@@ -91,23 +91,51 @@ def _shape_of(output: Any) -> str:
     return str(tuple(output.shape)) if isinstance(output, torch.Tensor) else type(output).__name__
 
 
-def assemble_batch(frames: Sequence[Frame], spec: ModelSpec, device: torch.device) -> torch.Tensor:
+class BatchAssembler:
     """Frames -> one normalised [B, 3, S, S] input on the device.
 
-    Each frame's content is copied into a device canvas filled with the pad
-    value; conversion to float, channel order and normalisation run on the
-    device, once, for the whole batch.
+    The frames' contents are stacked into one staging buffer (pinned on CUDA,
+    reused across batches) and cross to the device in one non-blocking copy;
+    padding, conversion to float, channel order and normalisation then run on
+    the device, once, for the whole batch.
     """
-    size = spec.input_size
-    canvas = torch.full((len(frames), size, size, 3), spec.pad_value, dtype=torch.uint8, device=device)
-    for i, frame in enumerate(frames):
-        h = frame.header
-        content = torch.from_numpy(np.frombuffer(frame.pixels, dtype=np.uint8).reshape(h.height, h.width, 3))
-        canvas[i, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = content.to(
-            device, non_blocking=True)
-    batch = canvas.permute(0, 3, 1, 2).float()
-    if spec.channel_order == "bgr":
-        batch = batch.flip(1)
-    mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
-    std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
-    return ((batch * spec.scale - mean) / std).contiguous()
+
+    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+        self.spec = spec
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self.staging = torch.empty(0, dtype=torch.uint8)
+        self.mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
+        self.std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
+
+    def __call__(self, frames: Sequence[Frame]) -> torch.Tensor:
+        sizes = [len(frame.pixels) for frame in frames]
+        staging = self._staging(sum(sizes))
+        offset = 0
+        for frame, size in zip(frames, sizes):
+            staging[offset:offset + size] = torch.from_numpy(np.frombuffer(frame.pixels, dtype=np.uint8))
+            offset += size
+        contents = staging[:offset].to(self.device, non_blocking=True)
+        size = self.spec.input_size
+        canvas = torch.full((len(frames), size, size, 3), self.spec.pad_value, dtype=torch.uint8,
+                            device=self.device)
+        offset = 0
+        for i, (frame, length) in enumerate(zip(frames, sizes)):
+            h = frame.header
+            canvas[i, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = (
+                contents[offset:offset + length].view(h.height, h.width, 3))
+            offset += length
+        batch = canvas.permute(0, 3, 1, 2).float()
+        if self.spec.channel_order == "bgr":
+            batch = batch.flip(1)
+        return ((batch * self.spec.scale - self.mean) / self.std).contiguous()
+
+    def _staging(self, nbytes: int) -> torch.Tensor:
+        """A buffer of at least nbytes; the caller synchronises before the next batch reuses it."""
+        if self.staging.numel() < nbytes:
+            self.staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
+        return self.staging
+
+
+def assemble_batch(frames: Sequence[Frame], spec: ModelSpec, device: torch.device) -> torch.Tensor:
+    return BatchAssembler(spec, device)(frames)

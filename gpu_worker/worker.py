@@ -27,7 +27,7 @@ from contract.settings import Settings
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
-from gpu_worker.model import LoadedModel, assemble_batch
+from gpu_worker.model import BatchAssembler, LoadedModel
 from gpu_worker.postprocess import Detections, Geometry, Thresholds, postprocess
 from gpu_worker.source import RedisFrameSource
 
@@ -61,6 +61,7 @@ class GpuWorker:
             batching.max_batch_size, batching.window_ms / 1000.0,
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
             age_of=_frame_age)
+        self.assemble = BatchAssembler(model.spec, model.device)
         self.stopping = threading.Event()
         self.batch_seq = 0
         self.started_at = time.time()
@@ -169,7 +170,7 @@ class GpuWorker:
         frames = [item.frame for item in items]
         t0 = time.perf_counter()
         with torch.inference_mode():
-            inputs = assemble_batch(frames, spec, device)
+            inputs = self.assemble(frames)
             output = self.model.module(inputs)
             _synchronize(device)
             t1 = time.perf_counter()

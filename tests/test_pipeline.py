@@ -168,3 +168,14 @@ def _job_id_of(frame: bytes) -> str:
     from contract.frames import unpack_frame
 
     return unpack_frame(frame).header.job_id
+
+
+def test_sigterm_stops_the_gpu_worker_cleanly_and_withdraws_its_heartbeat(stack):
+    worker = stack.gpu_worker
+    stack.stop_gpu_worker()
+    try:
+        assert worker.process.returncode == 0, worker.log_tail()
+        assert not stack.redis.exists(stack.keys.heartbeat(stack.gpu_worker_id))
+        assert stack.session.get(stack.url("/readyz"), timeout=10).status_code == 503
+    finally:
+        stack.start_gpu_worker()
