@@ -51,8 +51,19 @@ def get_job(job_id: str) -> Response:
     if record is None:
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     if wait_s > 0 and record["status"] not in jobs.TERMINAL:
+        # No point waiting past the deadline: the job is over by then, one way or another.
+        wait_s = min(wait_s, max(0.0, record["deadline_at"] - time.time()) + 0.05)
         record = _wait_for_end(services, job_id, wait_s) or record
-    return jsonify(jobs.job_document(record))
+    return jsonify(jobs.job_document(_expire_if_late(services, record)))
+
+
+def _expire_if_late(services, record: dict) -> dict:
+    """A live job past its deadline is over, even when no worker is left to say so."""
+    if record["status"] in jobs.TERMINAL or time.time() <= record["deadline_at"]:
+        return record
+    services.store.finish(record["id"], jobs.EXPIRED,
+                          {"error": {"code": "deadline", "message": "not answered before its deadline"}})
+    return services.store.load(record["id"]) or record
 
 
 def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:

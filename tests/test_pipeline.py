@@ -179,3 +179,14 @@ def test_sigterm_stops_the_gpu_worker_cleanly_and_withdraws_its_heartbeat(stack)
         assert stack.session.get(stack.url("/readyz"), timeout=10).status_code == 503
     finally:
         stack.start_gpu_worker()
+
+
+def test_a_job_nobody_answers_expires_at_its_deadline(stack):
+    stack.stop_gpu_worker()
+    try:
+        job_id = stack.submit_ok(jpeg(200, 200), deadline_ms=1500)
+        doc = stack.job(job_id, wait=20)    # the wait ends at the deadline, not after 20 s
+    finally:
+        stack.start_gpu_worker()
+    assert doc["status"] == "expired"
+    assert doc["error"]["code"] == "deadline"
