@@ -14,7 +14,7 @@ from celery import Celery
 from flask import Flask, g
 from werkzeug.exceptions import HTTPException
 
-from app import health, jobs, metrics
+from app import health, jobs, metrics, stats
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.connection import connect
@@ -53,6 +53,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
     app.register_blueprint(metrics.blueprint)
+    app.register_blueprint(stats.blueprint)
     metrics.install(app)
     _install_error_handlers(app)
 

@@ -33,6 +33,10 @@ class Keys:
         """String with a TTL: a GPU worker's self-description while it lives."""
         return f"{self.namespace}:gpu:{worker_id}:heartbeat"
 
+    def gpu_counters(self, worker_id: str) -> str:
+        """Hash: a GPU worker's running totals (device seconds, frames, batches), updated every batch."""
+        return f"{self.namespace}:gpu:{worker_id}:counters"
+
     @property
     def gpu_workers(self) -> str:
         """Sorted set: GPU worker ids scored by their last heartbeat (epoch seconds)."""

@@ -53,6 +53,9 @@ class GpuWorkerSettings:
     heartbeat_ttl_s: float = 10.0
     max_candidates: int = 1000
     torch_threads: int = 0
+    busy_window_s: float = 60.0
+    # device `sim`: ms per batch by batch size (the story's table by default)
+    sim_latency_ms: dict = field(default_factory=lambda: {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0})
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class ModelSpec:
 
     name: str
     version: str
-    format: str = "builtin"  # builtin | torchscript
+    format: str = "builtin"  # builtin | torchscript | export (a torch.export .pt2 file)
     builtin: str = "tiny_yolo"
     path: str | None = None
     weights: str = "random"
@@ -84,10 +87,10 @@ class ModelSpec:
     max_det: int = 100
 
     def __post_init__(self) -> None:
-        if self.format not in ("builtin", "torchscript"):
-            raise SettingsError(f"model format {self.format!r}: expected builtin or torchscript")
-        if self.format == "torchscript" and not self.path:
-            raise SettingsError("a torchscript model needs a path")
+        if self.format not in ("builtin", "torchscript", "export"):
+            raise SettingsError(f"model format {self.format!r}: expected builtin, torchscript or export")
+        if self.format != "builtin" and not self.path:
+            raise SettingsError(f"a {self.format} model needs a path")
         if self.layout not in ("yolov8", "yolov5"):
             raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
         if self.channel_order not in ("rgb", "bgr"):

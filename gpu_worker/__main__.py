@@ -10,14 +10,14 @@ import torch
 from contract.connection import connect
 from contract.settings import load_settings
 from gpu_worker import metrics
-from gpu_worker.model import ModelLoadError, choose_device, load_model
+from gpu_worker.model import ModelLoadError, load_for_device
 from gpu_worker.worker import GpuWorker, default_worker_id
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_worker", description=__doc__)
     parser.add_argument("--config", help="YAML laid over configs/default.yaml (default: $IMGSERVE_CONFIG)")
-    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: from config)")
+    parser.add_argument("--device", help="auto | cpu | cuda | cuda:N | sim (default: from config)")
     parser.add_argument("--worker-id", help="stable id; default host-device")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here")
     args = parser.parse_args(argv)
@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
     if settings.gpu_worker.torch_threads:
         torch.set_num_threads(settings.gpu_worker.torch_threads)
     try:
-        device = choose_device(args.device or settings.gpu_worker.device)
-        model = load_model(settings.model, device)
+        model = load_for_device(settings.model, args.device or settings.gpu_worker.device,
+                                 settings.gpu_worker.sim_latency_ms)
     except ModelLoadError as exc:
         logging.getLogger("gpu_worker").error("cannot serve the model: %s", exc)
         return 2
     metrics.serve(args.metrics_port)
     worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), model,
-                       args.worker_id or default_worker_id(device))
+                       args.worker_id or default_worker_id(model))
     worker.run()
     return 0
 

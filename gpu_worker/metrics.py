@@ -1,15 +1,16 @@
 """Prometheus metrics of the GPU worker, served on its own port."""
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 BATCH_SIZE = Histogram("imgserve_gpu_batch_size", "Frames per batch popped",
                        buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32))
 BATCH_WAIT = Histogram("imgserve_gpu_batch_wait_seconds", "First pop to batch close",
                        buckets=(0.001, 0.002, 0.005, 0.01, 0.012, 0.015, 0.02, 0.05, 0.1))
-DEVICE_SECONDS = Counter("imgserve_gpu_device_seconds_total", "Seconds spent assembling and running batches")
+DEVICE_SECONDS = Counter("imgserve_gpu_device_seconds_total", "Seconds the device spent running batches")
 FRAMES = Counter("imgserve_gpu_frames_total", "Frames taken from the list")
 FRAMES_INFERRED = Counter("imgserve_gpu_frames_inferred_total", "Frames that reached the model")
+GPU_BUSY = Gauge("imgserve_gpu_busy_ratio", "Fraction of wall time the device was busy (sliding window)")
 FRAMES_EXPIRED = Counter("imgserve_gpu_frames_expired_total", "Frames dropped because their deadline passed")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -27,9 +27,21 @@ class LoadedModel:
     spec: ModelSpec
     module: torch.nn.Module
     device: torch.device
+    simulated: bool = False
 
     def describe(self) -> dict[str, Any]:
-        return {**self.spec.describe(), "device": str(self.device), "format": self.spec.format}
+        return {**self.spec.describe(), "device": "sim" if self.simulated else str(self.device),
+                "simulated": self.simulated, "format": self.spec.format}
+
+
+def load_for_device(spec: ModelSpec, requested: str, sim_profile_ms: Mapping[int, float]) -> LoadedModel:
+    """`sim` gives the simulated accelerator; anything else a real device."""
+    if requested == "sim":
+        from gpu_worker.simulated import SimulatedDetector
+
+        return LoadedModel(spec=spec, module=SimulatedDetector(spec, sim_profile_ms), device=torch.device("cpu"),
+                           simulated=True)
+    return load_model(spec, choose_device(requested))
 
 
 def choose_device(requested: str) -> torch.device:
@@ -43,10 +55,11 @@ def choose_device(requested: str) -> torch.device:
 
 def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
     if spec.format == "builtin":
-        module = _load_builtin(spec)
+        module = _load_builtin(spec).to(device).eval()
+    elif spec.format == "export":
+        module = _load_exported(spec, device)
     else:
-        module = _load_torchscript(spec, device)
-    module = module.to(device).eval()
+        module = _load_torchscript(spec, device).eval()
     loaded = LoadedModel(spec=spec, module=module, device=device)
     _check_output(loaded)
     return loaded
@@ -60,23 +73,41 @@ def _load_builtin(spec: ModelSpec) -> torch.nn.Module:
     return tiny_yolo.build_random(len(spec.labels))
 
 
-def _load_torchscript(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+def _model_file(spec: ModelSpec) -> Path:
     path = Path(spec.path or "")
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
+    return path
+
+
+def _load_torchscript(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    path = _model_file(spec)
     try:
         return torch.jit.load(str(path), map_location=device)
     except Exception as exc:
         raise ModelLoadError(f"cannot load TorchScript model {path}: {exc}") from exc
 
 
+def _load_exported(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
+    """A torch.export program (.pt2). Exported with a dynamic batch dimension to serve batches."""
+    path = _model_file(spec)
+    try:
+        return torch.export.load(str(path)).module().to(device)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load exported program {path}: {exc}") from exc
+
+
 def _check_output(loaded: LoadedModel) -> None:
-    """One dry run: the output's shape must match the layout and the labels."""
+    """One dry run on a batch of two: the output must match the layout and the labels."""
     size = loaded.spec.input_size
-    probe = torch.zeros(1, 3, size, size, device=loaded.device)
-    with torch.inference_mode():
-        output = loaded.module(probe)
-    if not isinstance(output, torch.Tensor) or output.dim() != 3:
+    probe = torch.zeros(2, 3, size, size, device=loaded.device)
+    try:
+        with torch.inference_mode():
+            output = loaded.module(probe)
+    except Exception as exc:
+        raise ModelLoadError(f"the model fails on a batch of 2 at {size}x{size} (a static batch size or "
+                             f"another input size?): {str(exc)[:300]}") from exc
+    if not isinstance(output, torch.Tensor) or output.dim() != 3 or output.shape[0] != 2:
         raise ModelLoadError(f"model output must be one 3-D tensor, got {_shape_of(output)}")
     classes = len(loaded.spec.labels)
     expected = 4 + classes if loaded.spec.layout == "yolov8" else 5 + classes

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import redis
-import torch
 
 from contract import jobs
 from contract.frames import Frame, FrameError, read_job_id, unpack_frame
@@ -27,16 +26,18 @@ from contract.settings import Settings
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
-from gpu_worker.model import BatchAssembler, LoadedModel
-from gpu_worker.postprocess import Detections, Geometry, Thresholds, postprocess
+from gpu_worker.inference import BatchRunner
+from gpu_worker.model import LoadedModel
 from gpu_worker.source import RedisFrameSource
+from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")
 
 
-def default_worker_id(device: torch.device) -> str:
+def default_worker_id(model: LoadedModel) -> str:
     """Stable across restarts on one host and device, so a restarted worker finds its own frames."""
-    return f"{socket.gethostname()}-{str(device).replace(':', '')}"
+    device = "sim" if model.simulated else str(model.device).replace(":", "")
+    return f"{socket.gethostname()}-{device}"
 
 
 @dataclass
@@ -61,7 +62,9 @@ class GpuWorker:
             batching.max_batch_size, batching.window_ms / 1000.0,
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
             age_of=_frame_age)
-        self.assemble = BatchAssembler(model.spec, model.device)
+        self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
+        self.runner = BatchRunner(model, settings.gpu_worker.max_candidates, self.busy)
+        self.recent = RecentStats()
         self.stopping = threading.Event()
         self.batch_seq = 0
         self.started_at = time.time()
@@ -119,8 +122,11 @@ class GpuWorker:
             outcome = results[item.frame.header.job_id]
             self._finish(item, outcome, batch, closed_at, len(running), pipe)
         self.source.ack(len(batch.items), client=pipe)
+        self.recent.record_batch(len(batch.items))
+        pipe.hset(self.keys.gpu_counters(self.worker_id), mapping=self._counters())
         pipe.execute()
         metrics.observe_batch(len(batch.items), len(running), batch.closed_at - batch.opened_at)
+        metrics.GPU_BUSY.set(self.busy.fraction())
 
     def _triage(self, batch: Batch[bytes], offset: float, pipe: Any) -> list[InFlight]:
         """Unpack frames; fail the unreadable, expire the late, mark the rest running."""
@@ -166,22 +172,11 @@ class GpuWorker:
             return outcomes
 
     def _infer_batch(self, items: Sequence[InFlight]) -> dict[str, dict[str, Any]]:
-        spec, device = self.model.spec, self.model.device
         frames = [item.frame for item in items]
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            inputs = self.assemble(frames)
-            output = self.model.module(inputs)
-            _synchronize(device)
-            t1 = time.perf_counter()
-            detections = postprocess(output, spec.layout, _thresholds(frames, spec, device),
-                                     _geometry(frames, device), self.settings.gpu_worker.max_candidates)
-            documents = _documents(detections, frames, self.model)
-        t2 = time.perf_counter()
-        infer_ms, post_ms = (t1 - t0) * 1000.0, (t2 - t1) * 1000.0
-        metrics.DEVICE_SECONDS.inc(t1 - t0)
-        return {frame.header.job_id: {"result": doc, "infer_ms": infer_ms, "postprocess_ms": post_ms}
-                for frame, doc in zip(frames, documents)}
+        run = self.runner.run(frames)
+        metrics.DEVICE_SECONDS.inc(run.device_s)
+        return {frame.header.job_id: {"result": doc, "infer_ms": run.infer_ms, "postprocess_ms": run.postprocess_ms}
+                for frame, doc in zip(frames, run.documents)}
 
     def _finish(self, item: InFlight, outcome: dict[str, Any], batch: Batch[bytes], closed_at: float,
                 size: int, pipe: Any) -> None:
@@ -190,8 +185,10 @@ class GpuWorker:
         stamps = {**header.stamps, "popped_at": item.popped_at, "batch_closed_at": closed_at,
                   "finished_at": finished_at}
         stamps.update({k: outcome[k] for k in ("infer_ms", "postprocess_ms") if k in outcome})
+        bill = compute_time_bill(stamps)
+        self.recent.record_bill(bill)
         fields = {
-            "timings": compute_time_bill(stamps),
+            "timings": bill,
             "batch": {"id": f"{self.worker_id}:{self.batch_seq}", "seq": self.batch_seq, "size": size,
                       "index": item.index, "closed_by": batch.closed_by, "worker": self.worker_id},
         }
@@ -200,6 +197,10 @@ class GpuWorker:
         else:
             self.store.finish(header.job_id, jobs.SUCCEEDED, {**fields, "result": outcome["result"]},
                               client=pipe)
+
+    def _counters(self) -> dict[str, float]:
+        return {"device_seconds_total": round(self.busy.total_s, 6), "batches_total": self.recent.batches_total,
+                "frames_total": self.recent.frames_total, "updated_at": time.time()}
 
     # --- liveness --------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -221,7 +222,11 @@ class GpuWorker:
         info = {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname(),
                 "started_at": self.started_at, "model": self.model.describe(),
                 "batching": {"max_batch_size": self.collector.max_size,
-                             "window_ms": self.collector.window_s * 1000.0}}
+                             "window_ms": self.collector.window_s * 1000.0},
+                "stats": {"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
+                          "device_seconds_total": round(self.busy.total_s, 4),
+                          "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
+                          **self.recent.summary()}}
         pipe = self.redis.pipeline(transaction=False)
         pipe.set(self.keys.heartbeat(self.worker_id), json.dumps(info), px=int(ttl * 1000))
         pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
@@ -242,40 +247,3 @@ def _frame_age(raw: bytes) -> float:
         return max(0.0, time.time() - unpack_frame(raw).header.enqueued_at)
     except FrameError:
         return 0.0
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _thresholds(frames: Sequence[Frame], spec, device: torch.device) -> Thresholds:
-    options = [frame.header.options for frame in frames]
-    return Thresholds(
-        conf=torch.tensor([o.get("conf", spec.conf) for o in options], dtype=torch.float32, device=device),
-        iou=torch.tensor([o.get("iou", spec.iou) for o in options], dtype=torch.float32, device=device),
-        max_det=torch.tensor([o.get("max_det", spec.max_det) for o in options], device=device),
-    )
-
-
-def _geometry(frames: Sequence[Frame], device: torch.device) -> Geometry:
-    columns = ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")
-    values = torch.tensor([[float(getattr(f.header, c)) for c in columns] for f in frames],
-                          dtype=torch.float64).to(device)
-    return Geometry(*(values[:, i] for i in range(len(columns))))
-
-
-def _documents(detections: Detections, frames: Sequence[Frame], model: LoadedModel) -> list[dict[str, Any]]:
-    """One result document per frame, built from CPU copies of the batch's detections."""
-    labels = model.spec.labels
-    image_index = detections.image_index.tolist()
-    boxes = detections.boxes.double().round(decimals=2).tolist()
-    scores = detections.scores.tolist()
-    class_ids = detections.class_ids.tolist()
-    per_image: list[list[dict[str, Any]]] = [[] for _ in frames]
-    for image, box, score, class_id in zip(image_index, boxes, scores, class_ids):
-        per_image[image].append({"box": box, "score": round(score, 4), "class_id": class_id,
-                                 "label": labels[class_id] if class_id < len(labels) else str(class_id)})
-    model_info = {"name": model.spec.name, "version": model.spec.version}
-    return [{"detections": dets, "image": {"width": f.header.orig_width, "height": f.header.orig_height},
-             "model": model_info} for dets, f in zip(per_image, frames)]

@@ -1,0 +1,50 @@
+"""`GET /v1/stats`: a JSON summary of queues, GPU workers and the time bill."""
+from __future__ import annotations
+
+from flask import Blueprint, Response, current_app, jsonify
+
+from app.health import live_gpu_workers
+from tasks.celery_app import PREPROCESS_QUEUE
+
+blueprint = Blueprint("stats", __name__)
+
+
+@blueprint.get("/v1/stats")
+def stats() -> Response:
+    services = current_app.extensions["imgserve"]
+    client, keys = services.redis, services.keys
+    pipe = client.pipeline(transaction=False)
+    pipe.llen(PREPROCESS_QUEUE)   # Celery's Redis transport keeps the queue as a list of this name
+    pipe.llen(keys.frames)
+    preprocess_depth, frames_depth = pipe.execute()
+    workers = live_gpu_workers()
+    for worker in workers:   # live totals, fresher than the heartbeat's
+        counters = client.hgetall(keys.gpu_counters(worker["worker_id"]))
+        worker.setdefault("stats", {}).update({k.decode(): float(v) for k, v in counters.items()})
+    return jsonify({
+        "queues": {"preprocess": preprocess_depth, "frames": frames_depth},
+        "gpu_workers": [{"worker_id": w["worker_id"], "device": w["model"]["device"],
+                         "simulated": w["model"].get("simulated", False), **w.get("stats", {})}
+                        for w in workers],
+        "gpu": _combined(workers),
+    })
+
+
+def _combined(workers: list[dict]) -> dict:
+    """Across workers: mean busy fraction, totals, and the busiest worker's time bill."""
+    if not workers:
+        return {"workers": 0}
+    stats = [w.get("stats", {}) for w in workers]
+    busiest = max(stats, key=lambda s: s.get("batches", 0))
+    sizes = [(s.get("batch_size_mean") or 0) * s.get("batches", 0) for s in stats]
+    batches = sum(s.get("batches", 0) for s in stats)
+    return {
+        "workers": len(workers),
+        "simulated": any(w["model"].get("simulated", False) for w in workers),
+        "busy": round(sum(s.get("busy", 0.0) for s in stats) / len(stats), 4),
+        "device_seconds_total": round(sum(s.get("device_seconds_total", 0.0) for s in stats), 4),
+        "frames_total": sum(s.get("frames_total", 0) for s in stats),
+        "batches_total": sum(s.get("batches_total", 0) for s in stats),
+        "batch_size_mean": round(sum(sizes) / batches, 3) if batches else None,
+        "time_bill_ms": busiest.get("time_bill_ms", {}),
+    }

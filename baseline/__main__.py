@@ -1,0 +1,3 @@
+from baseline.server import main
+
+main()

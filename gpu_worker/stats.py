@@ -1,0 +1,95 @@
+"""What a GPU worker measures about itself: device busy time over a sliding
+window, batch sizes and recent time bills. Published in its heartbeat."""
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Any, Callable, Mapping
+
+from contract.timebill import STAGES
+
+
+class BusyMeter:
+    """Fraction of wall time the device spent on batches, over a sliding window."""
+
+    def __init__(self, window_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self.started = clock()
+        self.intervals: deque[tuple[float, float]] = deque()
+        self.total_s = 0.0
+
+    def record(self, start: float, end: float) -> None:
+        self.intervals.append((start, end))
+        self.total_s += end - start
+        self._prune(end)
+
+    def fraction(self, now: float | None = None, window_s: float | None = None) -> float:
+        now = self.clock() if now is None else now
+        window = min(window_s or self.window_s, max(now - self.started, 1e-9))
+        since = now - window
+        busy = sum(max(0.0, min(end, now) - max(start, since)) for start, end in list(self.intervals))
+        return min(1.0, busy / window)
+
+    def _prune(self, now: float) -> None:
+        while self.intervals and self.intervals[0][1] < now - self.window_s:
+            self.intervals.popleft()
+
+
+class RecentStats:
+    """Batch sizes and time bills of the last minutes, summarised on demand."""
+
+    def __init__(self, window_s: float = 300.0, max_jobs: int = 20_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s = window_s
+        self.clock = clock
+        self.batches: deque[tuple[float, int]] = deque(maxlen=max_jobs)
+        self.bills: deque[tuple[float, Mapping[str, float]]] = deque(maxlen=max_jobs)
+        self.batches_total = 0
+        self.frames_total = 0
+
+    def record_batch(self, size: int) -> None:
+        self.batches.append((self.clock(), size))
+        self.batches_total += 1
+        self.frames_total += size
+
+    def record_bill(self, bill: Mapping[str, float]) -> None:
+        self.bills.append((self.clock(), bill))
+
+    def summary(self) -> dict[str, Any]:
+        since = self.clock() - self.window_s
+        sizes = [size for t, size in list(self.batches) if t >= since]
+        bills = [bill for t, bill in list(self.bills) if t >= since]
+        return {
+            "window_s": self.window_s,
+            "batches": len(sizes),
+            "batch_size_mean": round(sum(sizes) / len(sizes), 3) if sizes else None,
+            "batch_size_histogram": dict(sorted(Counter(sizes).items())),
+            "time_bill_ms": summarise_bills(bills),
+        }
+
+
+def summarise_bills(bills: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per stage p50 / p95 / mean in ms, and its share of the mean total."""
+    summary: dict[str, dict[str, float]] = {}
+    totals = [b["total"] for b in bills if "total" in b]
+    mean_total = sum(totals) / len(totals) if totals else 0.0
+    for stage in STAGES:
+        values = sorted(b[stage] for b in bills if stage in b)
+        if not values:
+            continue
+        mean = sum(values) / len(values)
+        summary[stage] = {"p50": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3),
+                          "mean": round(mean, 3),
+                          "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0}
+    return summary
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    position = (len(sorted_values) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
