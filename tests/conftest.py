@@ -15,10 +15,11 @@ import yaml
 
 from contract.keys import Keys
 from contract.settings import load_settings
-from tests.support import (ApiServer, ManagedProcess, RedisServer, build_content_box_model, celery_argv,
-                           python_argv, wait_until)
+from tests.support import (REPO_ROOT, ApiServer, ManagedProcess, RedisServer, build_content_box_model,
+                           celery_argv, python_argv, wait_until)
 
 STACK_INPUT_SIZE = 320
+SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
 STACK_MAX_UPLOAD = 3 * 1024 * 1024
 
 
@@ -101,20 +102,11 @@ class Stack:
         return "\n".join(parts)
 
 
-@pytest.fixture(scope="session")
-def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("stack")
-    model_path = workdir / "content_box.pt"
-    build_content_box_model(num_classes=2).save(str(model_path))
-    config = {
-        "redis_url": redis_server.url,
-        "namespace": "itest",
-        "model": {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
-                  "weights": "test fixture", "input_size": STACK_INPUT_SIZE, "layout": "yolov8",
-                  "labels": ["content", "other"], "conf": 0.25, "iou": 0.45, "max_det": 10},
-        "api": {"max_upload_bytes": STACK_MAX_UPLOAD},
-        "gpu_worker": {"heartbeat_ttl_s": 5},
-    }
+def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace: str,
+                extra: dict[str, Any] | None = None) -> Stack:
+    """API + Celery worker + GPU worker for one model, under their own namespace."""
+    config = {"redis_url": redis_url, "namespace": namespace, "model": model,
+              "gpu_worker": {"heartbeat_ttl_s": 5}, **(extra or {})}
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
@@ -122,17 +114,44 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     settings = load_settings(config_path)
     from app import create_app
 
+    # Each stack's Celery queue lives in its own Redis database, so two stacks never share tasks.
     cpu_worker = ManagedProcess(
         "cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", "2", "--without-gossip",
                                   "--without-mingle", "--loglevel", "INFO"), env, workdir)
     stack = Stack(config_path=config_path, log_dir=workdir, env=env, api=ApiServer(create_app(settings)),
-                  redis=redis.Redis.from_url(redis_server.url), keys=Keys(settings.namespace),
-                  settings=settings, cpu_worker=cpu_worker)
+                  redis=redis.Redis.from_url(redis_url), keys=Keys(settings.namespace),
+                  settings=settings, cpu_worker=cpu_worker, gpu_worker_id=f"{namespace}-gpu")
     wait_until(lambda: "ready." in cpu_worker.log_tail() or not cpu_worker.alive(), 60,
                what="the Celery worker to be ready")
     assert cpu_worker.alive(), cpu_worker.log_tail()
     stack.start_gpu_worker()
-    yield stack
+    return stack
+
+
+def stop_stack(stack: Stack) -> None:
     stack.stop_gpu_worker()
-    cpu_worker.stop()
+    stack.cpu_worker.stop()
     stack.api.stop()
+
+
+@pytest.fixture(scope="session")
+def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The pipeline serving a detector with a known answer: one box around the whole original image."""
+    workdir = tmp_path_factory.mktemp("stack")
+    model_path = workdir / "content_box.pt"
+    build_content_box_model(num_classes=2).save(str(model_path))
+    model = {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
+             "weights": "test fixture", "input_size": STACK_INPUT_SIZE, "layout": "yolov8",
+             "labels": ["content", "other"], "conf": 0.25, "iou": 0.45, "max_det": 10}
+    stack = start_stack(redis_server.url, workdir, model, "itest", {"api": {"max_upload_bytes": STACK_MAX_UPLOAD}})
+    yield stack
+    stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def shapes_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The pipeline serving the shipped default model (configs/models/shapes-yolo.yaml)."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/2"
+    stack = start_stack(url, tmp_path_factory.mktemp("shapes"), str(SHAPES_SPEC), "shapes")
+    yield stack
+    stop_stack(stack)

@@ -3,40 +3,13 @@ handles on real processes (Redis, Celery worker, GPU worker, API server)."""
 from __future__ import annotations
 
 import io
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-from pathlib import Path
-from typing import Callable, TypeVar
 
-import redis
 from PIL import Image, ImageDraw
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-T = TypeVar("T")
+from bench.processes import (REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port,  # noqa: F401
+                             python_argv, wait_until)
 
-
-def wait_until(predicate: Callable[[], T], timeout_s: float = 30.0, interval_s: float = 0.05,
-               what: str = "condition") -> T:
-    """Poll with a deadline; the value of the first truthy call, else AssertionError."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(interval_s)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # --- images ---------------------------------------------------------------
@@ -96,66 +69,7 @@ def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: 
     return torch.jit.script(ContentBox())
 
 
-# --- processes --------------------------------------------------------------
-class RedisServer:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(workdir)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-        client = redis.Redis(port=self.port)
-        wait_until(lambda: _pings(client), 10, what="redis-server to answer")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(10)
-
-
-def _pings(client: redis.Redis) -> bool:
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
-
-
-class ManagedProcess:
-    """A real child process with its output in a log file."""
-
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
-
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
-        if self.alive():
-            os.killpg(self.process.pid, sig)
-            try:
-                self.process.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(5)
-        self._log.close()
-        return self.process.returncode
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-
-def python_argv(*args: str) -> list[str]:
-    return [sys.executable, *args]
-
-
-def celery_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "celery", "-A", "tasks.worker", *args]
-
-
+# --- processes (the rest live in bench.processes) ------------------------
 class ApiServer:
     """The real Flask app behind a real threaded HTTP server, in this process."""
 

@@ -1,0 +1,173 @@
+"""bench: load a deployment over real HTTP and report where the time goes.
+
+  python -m bench run --url http://localhost:8000 --closed 1,8,32 --open-qps 18
+  python -m bench compare --device sim               # starts the pipeline and the serial baseline here
+  python -m bench ceiling --device sim --qps 24,26,28,30 --sla-ms 800
+  python -m bench diagnose --url http://localhost:8000
+  python -m bench tune --device sim --qps 18 --sla-ms 800
+
+Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import charts, load
+from bench.corpus import load_corpus
+from bench.report import markdown, summarise
+from bench.stack import BaselineServer, LocalStack, StackOptions
+
+
+def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
+            seed: int = 0) -> dict[str, Any]:
+    """One run: closed loop at `level` clients, or open loop at `level` QPS."""
+    label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
+    with tqdm(desc=label, unit="req", leave=False) as progress:
+        before = load.gpu_counters(url)
+        if mode == "closed":
+            outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update)
+        else:
+            outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update)
+        after = load.gpu_counters(url)
+    result = summarise(name, mode, outcomes, level if mode == "open" else None,
+                       int(level) if mode == "closed" else None, before, after)
+    print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
+          f"failed {sum(result['failures'].values())}", file=sys.stderr)
+    return result
+
+
+def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: dict | None = None) -> str:
+    out.mkdir(parents=True, exist_ok=True)
+    text = markdown(results, title)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"{stamp}-report.md").write_text(text + "\n")
+    (out / f"{stamp}-report.json").write_text(json.dumps({"title": title, "results": results, **(extra or {})},
+                                                         indent=2))
+    made = [charts.concurrency_chart(results, out / f"{stamp}-concurrency.png"),
+            charts.time_bill_chart(results, out / f"{stamp}-time-bill.png")]
+    return text + "\n\nFiles: " + ", ".join(str(p) for p in [out / f"{stamp}-report.json", *made] if p)
+
+
+def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace,
+              open_loop: bool = True) -> list[dict[str, Any]]:
+    results = [measure(name, url, images, "closed", c, args.closed_duration) for c in args.closed]
+    if open_loop:
+        results += [measure(name, url, images, "open", q, args.open_duration) for q in args.open_qps]
+    return results
+
+
+def stack_options(args: argparse.Namespace, **overrides: Any) -> StackOptions:
+    values = dict(device=args.device, cpu_workers=args.cpu_workers, max_batch_size=args.max_batch,
+                  window_ms=args.window_ms)
+    return StackOptions(**{**values, **overrides})
+
+
+def cmd_run(args: argparse.Namespace, images: list[bytes]) -> dict:
+    results = run_suite(args.name, args.url, images, args)
+    return {"results": results, "title": f"bench of {args.url}"}
+
+
+def cmd_compare(args: argparse.Namespace, images: list[bytes]) -> dict:
+    workdir = Path(tempfile.mkdtemp(prefix="bench-"))
+    results = []
+    baseline = BaselineServer(workdir / "baseline", args.device).start()
+    try:
+        results += run_suite("baseline", baseline.url, images, args, open_loop=False)
+    finally:
+        baseline.stop()
+    stack = LocalStack(workdir / "pipeline", stack_options(args)).start()
+    try:
+        results += run_suite("pipeline", stack.url, images, args)
+    finally:
+        stack.stop()
+    return {"results": results, "title": f"baseline vs pipeline ({stack.options.describe()})"}
+
+
+def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
+    """Open-loop rates in turn; the highest one still served within the SLA."""
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="bench-")), stack_options(args)).start()
+    try:
+        results = [measure("pipeline", stack.url, images, "open", q, args.open_duration) for q in args.qps]
+    finally:
+        stack.stop()
+    served = [r for r in results if _meets(r, args.sla_ms, r["offered_qps"])]
+    ceiling = max((r["offered_qps"] for r in served), default=None)
+    return {"results": results, "title": f"ceiling at p95 <= {args.sla_ms:g} ms ({stack.options.describe()})",
+            "ceiling_qps": ceiling, "summary": f"highest offered rate served at p95 <= {args.sla_ms:g} ms: "
+                                               f"{ceiling if ceiling is not None else 'none'} QPS"}
+
+
+def _meets(result: dict, sla_ms: float, target_qps: float | None) -> bool:
+    p95 = result["latency_ms"]["p95"]
+    enough = target_qps is None or result["achieved_qps"] >= 0.97 * target_qps
+    return p95 is not None and p95 <= sla_ms and not result["failures"] and enough
+
+
+def parse_list(kind):
+    return lambda text: [kind(part) for part in text.split(",") if part]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--corpus", type=Path, help="a folder of images (default: generated 1080p JPEGs)")
+    common.add_argument("--images", type=int, default=24, help="how many images to generate")
+    common.add_argument("--out", type=Path, default=Path(".bench") / "results")
+    common.add_argument("--closed", type=parse_list(int), default=[1, 8, 32], help="closed-loop concurrencies")
+    common.add_argument("--closed-duration", type=float, default=20.0)
+    common.add_argument("--open-qps", type=parse_list(float), default=[18.0], help="open-loop rates")
+    common.add_argument("--open-duration", type=float, default=60.0)
+    local = argparse.ArgumentParser(add_help=False)
+    local.add_argument("--device", default="sim", help="sim | cpu | cuda (for the stacks the bench starts)")
+    local.add_argument("--cpu-workers", type=int, default=2)
+    local.add_argument("--max-batch", type=int, default=8)
+    local.add_argument("--window-ms", type=float, default=12.0)
+
+    run = sub.add_parser("run", parents=[common], help="load a running deployment")
+    run.add_argument("--url", default="http://localhost:8000")
+    run.add_argument("--name", default="service")
+    sub.add_parser("compare", parents=[common, local], help="baseline vs pipeline, started here")
+    ceiling = sub.add_parser("ceiling", parents=[common, local], help="highest rate within the SLA")
+    ceiling.add_argument("--qps", type=parse_list(float), default=[24.0, 26.0, 28.0, 30.0])
+    ceiling.add_argument("--sla-ms", type=float, default=800.0)
+    diagnose = sub.add_parser("diagnose", parents=[common], help="the story's checklist against a deployment")
+    diagnose.add_argument("--url", default="http://localhost:8000")
+    tune = sub.add_parser("tune", parents=[common, local], help="sweep workers x batch x window at a load")
+    tune.add_argument("--qps", type=float, default=18.0)
+    tune.add_argument("--sla-ms", type=float, default=800.0)
+    tune.add_argument("--workers", type=parse_list(int), default=[1, 2])
+    tune.add_argument("--batches", type=parse_list(int), default=[4, 8, 16])
+    tune.add_argument("--windows", type=parse_list(float), default=[6.0, 12.0, 24.0])
+    tune.add_argument("--write", type=Path, default=Path(".bench") / "tuned.yaml")
+    args = parser.parse_args(argv)
+
+    images = load_corpus(args.corpus, count=args.images)
+    if args.command == "diagnose":
+        from bench.diagnose import diagnose
+        print(diagnose(args.url, images))
+        return 0
+    if args.command == "tune":
+        from bench.tune import tune
+        outcome = tune(args, images)
+    else:
+        outcome = {"run": cmd_run, "compare": cmd_compare, "ceiling": cmd_ceiling}[args.command](args, images)
+    results, title = outcome.pop("results"), outcome.pop("title")
+    print(write_report(results, args.out, title, outcome))
+    for line in (outcome.get("summary"), outcome.get("table")):
+        if line:
+            print("\n" + line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

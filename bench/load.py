@@ -1,0 +1,132 @@
+"""Load over real HTTP, end to end: submit, then long-poll to a terminal state.
+
+Open loop: Poisson arrivals at a target rate, whatever the service does.
+Closed loop: a fixed number of clients, each sending its next request when
+its last one ends. The serial baseline answers the submit itself (200 with the
+finished job); the pipeline answers 202 and is long-polled.
+"""
+from __future__ import annotations
+
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import requests
+
+TERMINAL = ("succeeded", "failed", "expired", "cancelled")
+
+
+@dataclass
+class Outcome:
+    started: float             # monotonic seconds
+    ended: float
+    status: str                # a job status, or "rejected" / "error"
+    reason: str | None = None  # why it did not succeed
+    doc: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "succeeded"
+
+    @property
+    def latency_s(self) -> float:
+        return self.ended - self.started
+
+
+def session_for(concurrency: int) -> requests.Session:
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_connections=4, pool_maxsize=max(10, concurrency))
+    session.mount("http://", adapter)
+    return session
+
+
+def request_once(session: requests.Session, url: str, image: bytes, give_up_s: float = 90.0) -> Outcome:
+    started = time.monotonic()
+    try:
+        response = session.post(f"{url}/v1/jobs", data=image, headers={"Content-Type": "image/jpeg"}, timeout=60)
+        if response.status_code == 200:
+            return _outcome(started, response.json())
+        if response.status_code != 202:
+            return Outcome(started, time.monotonic(), "rejected", f"http_{response.status_code}")
+        job_url = f"{url}/v1/jobs/{response.json()['id']}"
+        while time.monotonic() - started < give_up_s:
+            doc = session.get(job_url, params={"wait": 10}, timeout=40).json()
+            if doc["status"] in TERMINAL:
+                return _outcome(started, doc)
+        return Outcome(started, time.monotonic(), "error", "gave_up")
+    except requests.RequestException as exc:
+        return Outcome(started, time.monotonic(), "error", type(exc).__name__)
+
+
+def _outcome(started: float, doc: dict[str, Any]) -> Outcome:
+    error = doc.get("error") or {}
+    return Outcome(started, time.monotonic(), doc["status"], error.get("code"), doc)
+
+
+def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed: int = 0,
+              max_in_flight: int = 512, tick: Callable[[], None] = lambda: None) -> list[Outcome]:
+    """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
+    rng = random.Random(seed)
+    arrivals, t = [], rng.expovariate(qps)
+    while t < duration_s:
+        arrivals.append(t)
+        t += rng.expovariate(qps)
+    session = session_for(max_in_flight)
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+
+    def fire(index: int) -> None:
+        outcome = request_once(session, url, images[index % len(images)])
+        with lock:
+            outcomes.append(outcome)
+        tick()
+
+    with ThreadPoolExecutor(max_in_flight) as pool:
+        begin = time.monotonic()
+        for i, at in enumerate(arrivals):
+            delay = begin + at - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            pool.submit(fire, i)
+    return outcomes
+
+
+def closed_loop(url: str, images: list[bytes], concurrency: int, duration_s: float,
+                tick: Callable[[], None] = lambda: None) -> list[Outcome]:
+    """`concurrency` clients back to back for `duration_s`."""
+    session = session_for(concurrency)
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    stop_at = time.monotonic() + duration_s
+
+    def client(offset: int) -> None:
+        i = offset
+        while time.monotonic() < stop_at:
+            outcome = request_once(session, url, images[i % len(images)])
+            with lock:
+                outcomes.append(outcome)
+            tick()
+            i += concurrency
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def gpu_counters(url: str) -> dict[str, float] | None:
+    """Device seconds and wall time now, to turn into a busy % over a run."""
+    try:
+        stats = requests.get(f"{url}/v1/stats", timeout=5).json()
+    except (requests.RequestException, ValueError):
+        return None
+    gpu = stats.get("gpu", {})
+    workers = stats.get("gpu_workers", [])
+    simulated = gpu.get("simulated", any(w.get("simulated") for w in workers))
+    return {"device_seconds": float(gpu.get("device_seconds_total", 0.0)), "wall": time.monotonic(),
+            "workers": max(1, int(gpu.get("workers", 1))), "simulated": bool(simulated)}

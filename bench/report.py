@@ -1,0 +1,77 @@
+"""Turning outcomes into figures: throughput, latency percentiles, failures,
+batch sizes, GPU busy %, and the aggregated time bill."""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from bench.load import Outcome
+from gpu_worker.stats import percentile, summarise_bills
+
+
+def summarise(name: str, mode: str, outcomes: list[Outcome], offered_qps: float | None,
+              concurrency: int | None, gpu_before: dict | None, gpu_after: dict | None) -> dict[str, Any]:
+    ok = [o for o in outcomes if o.ok]
+    span = (max(o.ended for o in outcomes) - min(o.started for o in outcomes)) if outcomes else 0.0
+    latencies = sorted(o.latency_s * 1000.0 for o in ok)
+    batches = {o.doc["batch"]["id"]: o.doc["batch"]["size"] for o in ok if o.doc and o.doc.get("batch")}
+    sizes = list(batches.values())
+    return {
+        "name": name,
+        "mode": mode,
+        "offered_qps": round(offered_qps, 3) if offered_qps else None,
+        "concurrency": concurrency,
+        "requests": len(outcomes),
+        "succeeded": len(ok),
+        "achieved_qps": round(len(ok) / span, 3) if span else 0.0,
+        "latency_ms": {f"p{q}": round(percentile(latencies, q), 1) if latencies else None for q in (50, 95, 99)},
+        "failures": dict(Counter(f"{o.status}:{o.reason}" for o in outcomes if not o.ok)),
+        "batch_size_mean": round(sum(sizes) / len(sizes), 3) if sizes else None,
+        "batch_size_histogram": dict(sorted(Counter(sizes).items())),
+        "gpu_busy": _busy(gpu_before, gpu_after),
+        "simulated_device": bool(gpu_after and gpu_after.get("simulated")),
+        "time_bill_ms": summarise_bills([o.doc["timings_ms"] for o in ok if o.doc and o.doc.get("timings_ms")]),
+    }
+
+
+def _busy(before: dict | None, after: dict | None) -> float | None:
+    if not before or not after or after["wall"] <= before["wall"]:
+        return None
+    device = after["device_seconds"] - before["device_seconds"]
+    return round(device / (after["wall"] - before["wall"]) / after.get("workers", 1), 4)
+
+
+def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
+    simulated = any(r["simulated_device"] for r in results)
+    lines = [f"## {title}", ""]
+    if simulated:
+        lines += ["*Device: **simulated accelerator** (latency profile from config); everything else real.*", ""]
+    lines += ["| run | mode | offered QPS | conc. | achieved QPS | p50 ms | p95 ms | p99 ms | failed | "
+              "mean batch | GPU busy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lat = r["latency_ms"]
+        failed = sum(r["failures"].values())
+        busy = f"{r['gpu_busy'] * 100:.0f}%" if r["gpu_busy"] is not None else "n/a"
+        lines.append(f"| {r['name']} | {r['mode']} | {_fmt(r['offered_qps'])} | {_fmt(r['concurrency'])} | "
+                     f"{r['achieved_qps']:.2f} | {_fmt(lat['p50'])} | {_fmt(lat['p95'])} | {_fmt(lat['p99'])} | "
+                     f"{failed} | {_fmt(r['batch_size_mean'])} | {busy} |")
+    for r in results:
+        if r["failures"]:
+            lines += ["", f"Failures of {r['name']} {r['mode']}: " +
+                      ", ".join(f"{k} x{v}" for k, v in r["failures"].items())]
+    lines += ["", "### Time bill (ms, over succeeded requests)", ""]
+    stages = [s for s in ("receive", "queue_cpu", "decode", "resize", "queue_gpu", "batch_wait", "infer",
+                          "postprocess", "total")]
+    lines += ["| run | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+    for r in results:
+        bill = r["time_bill_ms"]
+        cells = [f"{bill[s]['p50']:.0f} / {bill[s]['p95']:.0f}" if s in bill else "-" for s in stages]
+        lines.append(f"| {r['name']} {r['mode']} | " + " | ".join(cells) + " |")
+    lines += ["", "Cells: p50 / p95."]
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -1,0 +1,112 @@
+"""A whole deployment on this machine, started and stopped by the bench:
+private Redis, Celery CPU workers, a GPU worker, gunicorn API; and the serial
+baseline beside it. Both get the same model spec and device."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+import yaml
+
+from bench.processes import ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
+
+
+@dataclass
+class StackOptions:
+    device: str = "sim"
+    cpu_workers: int = 2
+    max_batch_size: int = 8
+    window_ms: float = 12.0
+    api_workers: int = 2
+    api_threads: int = 128
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        return (f"device={self.device} cpu_workers={self.cpu_workers} max_batch={self.max_batch_size} "
+                f"window_ms={self.window_ms:g}")
+
+
+class LocalStack:
+    def __init__(self, workdir: Path, options: StackOptions) -> None:
+        self.workdir = workdir
+        self.options = options
+        self.processes: list[ManagedProcess] = []
+        self.redis: RedisServer | None = None
+        self.url = ""
+
+    def start(self) -> "LocalStack":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(self.workdir)
+        config = {"redis_url": self.redis.url,
+                  "batching": {"max_batch_size": self.options.max_batch_size, "window_ms": self.options.window_ms},
+                  **self.options.extra}
+        config_path = self.workdir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
+               "IMGSERVE_API_BIND": f"127.0.0.1:{port}", "IMGSERVE_API_WORKERS": str(self.options.api_workers),
+               "IMGSERVE_API_THREADS": str(self.options.api_threads)}
+        env.pop("IMGSERVE_REDIS_URL", None)
+        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
+                                              "--without-gossip", "--without-mingle", "--loglevel", "WARNING"), env)
+        self._spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", self.options.device,
+                                              "--worker-id", "bench-gpu"), env)
+        self._spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
+                                       "--access-logfile", "/dev/null", "app:create_app()"), env)
+        wait_until(self._ready, 120, interval_s=0.2, what=f"the stack at {self.url} to be ready")
+        return self
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.processes.append(ManagedProcess(name, argv, env, self.workdir))
+
+    def _ready(self) -> bool:
+        dead = [p for p in self.processes if not p.alive()]
+        if dead:
+            raise RuntimeError(f"{dead[0].name} died:\n{dead[0].log_tail()}")
+        try:
+            return requests.get(self.url + "/readyz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        if self.redis:
+            self.redis.stop()
+
+
+class BaselineServer:
+    """The serial baseline as its own process, on the same model and device."""
+
+    def __init__(self, workdir: Path, device: str) -> None:
+        self.workdir = workdir
+        self.device = device
+        self.process: ManagedProcess | None = None
+        self.url = ""
+
+    def start(self) -> "BaselineServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = ManagedProcess("baseline", python_argv("-m", "baseline", "--device", self.device,
+                                                              "--port", str(port)), env, self.workdir)
+        wait_until(self._ready, 120, interval_s=0.2, what="the baseline server")
+        return self
+
+    def _ready(self) -> bool:
+        if not self.process.alive():
+            raise RuntimeError(f"baseline died:\n{self.process.log_tail()}")
+        try:
+            return requests.get(self.url + "/healthz", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self) -> None:
+        if self.process:
+            self.process.stop()

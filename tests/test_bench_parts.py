@@ -1,0 +1,82 @@
+"""Bench building blocks that need no running stack: the simulated device,
+busy metering, time-bill summaries, the report and the story's readings."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.diagnose import band, pattern
+from bench.load import Outcome
+from bench.report import markdown, summarise
+from contract.settings import ModelSpec
+from gpu_worker.simulated import STORY_PROFILE_MS, SimulatedDetector, profile_latency_s
+from gpu_worker.stats import BusyMeter, percentile, summarise_bills
+
+
+@pytest.mark.parametrize("batch,ms", [(1, 72), (4, 150), (8, 260), (16, 430), (2, 98), (12, 345), (32, 770)])
+def test_profile_is_the_story_table_interpolated(batch, ms):
+    assert profile_latency_s(STORY_PROFILE_MS, batch) * 1000 == pytest.approx(ms)
+
+
+def test_simulated_detector_sleeps_and_emits_the_spec_layout(monkeypatch):
+    slept = []
+    monkeypatch.setattr("gpu_worker.simulated.time.sleep", slept.append)
+    spec = ModelSpec(name="m", version="1", labels=("a", "b", "c"), input_size=320)
+    output = SimulatedDetector(spec, STORY_PROFILE_MS)(torch.zeros(8, 3, 320, 320))
+    assert slept == [pytest.approx(0.260)]
+    assert output.shape == (8, 7, 40 * 40 + 20 * 20 + 10 * 10)
+    assert int((output[:, 4:].amax(dim=1) > 0.5).sum()) == 8 * 4   # four confident objects per image
+
+
+def test_busy_meter_counts_only_the_window():
+    clock = [100.0]
+    meter = BusyMeter(window_s=10.0, clock=lambda: clock[0])
+    clock[0] = 120.0
+    meter.record(105.0, 108.0)     # entirely outside the last 10 s
+    meter.record(112.0, 115.0)
+    meter.record(118.0, 119.0)
+    assert meter.fraction(now=120.0) == pytest.approx(0.4)
+    assert meter.total_s == pytest.approx(7.0)
+
+
+def test_time_bill_summary_gives_percentiles_and_shares():
+    bills = [{"infer": float(i), "decode": 1.0, "total": float(i) + 1.0} for i in range(1, 101)]
+    summary = summarise_bills(bills)
+    assert summary["infer"]["p50"] == pytest.approx(50.5)
+    assert summary["infer"]["p95"] == pytest.approx(95.05)
+    assert summary["infer"]["share"] == pytest.approx(50.5 / 51.5, rel=1e-3)
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0
+
+
+def outcome(start: float, latency: float, batch_id: str, size: int) -> Outcome:
+    doc = {"status": "succeeded", "batch": {"id": batch_id, "size": size},
+           "timings_ms": {"infer": 10.0, "total": latency * 1000}}
+    return Outcome(start, start + latency, "succeeded", None, doc)
+
+
+def test_report_counts_batches_once_and_busy_from_counters():
+    outcomes = [outcome(0.0, 0.5, "b1", 2), outcome(0.1, 0.5, "b1", 2), outcome(0.5, 1.5, "b2", 1),
+                Outcome(0.2, 0.3, "rejected", "http_429")]
+    result = summarise("p", "open", outcomes, 2.0, None, {"device_seconds": 1.0, "wall": 10.0},
+                       {"device_seconds": 2.0, "wall": 14.0, "workers": 1, "simulated": True})
+    assert result["succeeded"] == 3 and result["achieved_qps"] == pytest.approx(1.5)
+    assert result["batch_size_mean"] == 1.5 and result["batch_size_histogram"] == {1: 1, 2: 1}
+    assert result["gpu_busy"] == 0.25 and result["failures"] == {"rejected:http_429": 1}
+    text = markdown([result])
+    assert "simulated accelerator" in text and "| p | open |" in text
+
+
+def run(concurrency: int, qps: float, p95: float, busy: float) -> dict:
+    return {"concurrency": concurrency, "achieved_qps": qps, "latency_ms": {"p95": p95}, "gpu_busy": busy}
+
+
+def test_the_story_reading_of_a_sweep():
+    assert "serial" in pattern([run(1, 1.6, 617, 0.12), run(32, 1.6, 3100, 0.12)])
+    assert "lock or I/O" in pattern([run(1, 1.6, 617, 0.12), run(32, 1.7, 3100, 0.5)])
+    assert "scales" in pattern([run(1, 5.0, 200, 0.3), run(32, 25.0, 600, 0.8)])
+
+
+@pytest.mark.parametrize("busy,words", [(0.12, "outside the GPU"), (0.4, "batching"), (0.67, "healthy"),
+                                        (0.95, "tail latency")])
+def test_utilisation_bands(busy, words):
+    assert words in band(busy)
