@@ -39,7 +39,25 @@ class Stage(nn.Module):
         return x + self.refine(x)
 
 
+class PooledContext(nn.Module):
+    """SPPF-style: max-pools of growing reach, so the coarse map sees whole objects."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.pool = nn.MaxPool2d(5, 1, 2)
+        self.mix = nn.Conv2d(4 * channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.pool(x)
+        b = self.pool(a)
+        c = self.pool(b)
+        return x + F.silu(self.mix(torch.cat([x, a, b, c], dim=1)))
+
+
 class TinyYolo(nn.Module):
+    """Backbone, pooled context on the coarsest map, a top-down path (FPN) so the
+    fine maps get the coarse map's semantics, and a conv + 1x1 head per level."""
+
     def __init__(self, num_classes: int, width: int = 16) -> None:
         super().__init__()
         self.num_classes = num_classes
@@ -49,22 +67,29 @@ class TinyYolo(nn.Module):
         self.stage3 = Stage(2 * w, 4 * w)                  # /8
         self.stage4 = Stage(4 * w, 8 * w)                  # /16
         self.stage5 = Stage(8 * w, 8 * w)                  # /32
-        self.heads = nn.ModuleList([nn.Conv2d(c, 4 + num_classes, 1) for c in (4 * w, 8 * w, 8 * w)])
+        self.context = PooledContext(8 * w)
+        self.lateral4 = nn.Conv2d(8 * w, 8 * w, 1)
+        self.lateral3 = nn.Conv2d(8 * w, 4 * w, 1)
+        channels = (4 * w, 8 * w, 8 * w)
+        self.necks = nn.ModuleList([ConvBlock(c, c) for c in channels])
+        self.heads = nn.ModuleList([nn.Conv2d(c, 4 + num_classes, 1) for c in channels])
         self.strides: List[int] = list(STRIDES)
 
     def features(self, x: torch.Tensor) -> List[torch.Tensor]:
         x = self.stage2(self.stem(x))
         p3 = self.stage3(x)
         p4 = self.stage4(p3)
-        p5 = self.stage5(p4)
+        p5 = self.context(self.stage5(p4))
+        p4 = p4 + self.lateral4(F.interpolate(p5, size=p4.shape[-2:], mode="nearest"))
+        p3 = p3 + self.lateral3(F.interpolate(p4, size=p3.shape[-2:], mode="nearest"))
         return [p3, p4, p5]
 
     def raw_outputs(self, x: torch.Tensor) -> List[torch.Tensor]:
         """Per level [B, 4 + C, H, W]: box distances (pre-softplus) and class logits."""
         outputs: List[torch.Tensor] = []
         feats = self.features(x)
-        for i, head in enumerate(self.heads):
-            outputs.append(head(feats[i]))
+        for i, (neck, head) in enumerate(zip(self.necks, self.heads)):
+            outputs.append(head(neck(feats[i])))
         return outputs
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -39,9 +39,9 @@ class TrainConfig:
     seed: int = 0
     input_size: int = 320
     width: int = 16
-    train_images: int = 6000
+    train_images: int = 8000
     eval_images: int = 400
-    epochs: int = 6
+    epochs: int = 7
     batch_size: int = 32
     lr: float = 3e-3
     weight_decay: float = 5e-4
@@ -199,13 +199,15 @@ CARD_TEMPLATE = """\
 # Model card: shapes-yolo 1.0.0
 
 The default detector the service ships with. It finds **circles, squares and
-triangles** in photographs-like synthetic scenes; it exists so that a fresh
+triangles** in photo-like synthetic scenes; it exists so that a fresh
 clone serves answers that are right and checkable, with no download.
 
 - **Architecture**: TinyYolo (`gpu_worker/tiny_yolo.py`): a 5-stage conv
-  backbone (conv-BN-SiLU, residual refinements), anchor-free heads at strides
-  8, 16 and 32, box distances through softplus, sigmoid class scores; the
-  decode is inside the TorchScript graph, output `[B, 7, N]` (YOLOv8 layout).
+  backbone (conv-BN-SiLU, residual refinements), pooled context (SPPF-style)
+  on the stride-32 map, a top-down (FPN) path to the stride-16 and 8 maps, a
+  conv + 1x1 anchor-free head per level, box distances through softplus,
+  sigmoid class scores; the decode is inside the TorchScript graph, output
+  `[B, 7, N]` (YOLOv8 layout).
 - **Parameters**: {parameters:,}; file {size_kb} KB.
 - **Input**: {input_size}x{input_size} RGB letterbox, pad 114, scaled by 1/255.
 - **Training**: FCOS-style assignment with centre sampling, quality focal

@@ -1,0 +1,38 @@
+"""The shipped default model, served through the whole stack, finds the shapes
+where they are, in original pixels, in portrait, landscape, small and large images."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from contract.settings import load_settings
+from training.evaluate_service import CATEGORIES, evaluate_service, held_out_scenes
+from training.synth import SceneSettings, generate_scene
+
+pytestmark = pytest.mark.integration
+
+CLEAR_SCENES = SceneSettings(max_objects=3, min_object_frac=0.12, max_overlap_iou=0.0)
+
+
+def test_the_default_settings_serve_the_trained_shapes_model():
+    spec = load_settings().model
+    assert spec.name == "shapes-yolo" and spec.format == "torchscript"
+    assert spec.labels == ("circle", "square", "triangle")
+
+
+def test_every_object_is_found_with_iou_over_0_8_through_the_service(shapes_stack):
+    scenes = [(name, generate_scene(random.Random(50_000 + i), CLEAR_SCENES, size=size))
+              for i in range(3) for name, size in CATEGORIES if size]
+    report = evaluate_service(shapes_stack.api.url, scenes, concurrency=4)
+    print("\n".join(report.lines()))
+    assert report.failures == 0
+    assert report.objects >= len(scenes)
+    assert report.recall_iou80 == 1.0
+
+
+def test_map_through_the_service_on_held_out_scenes(shapes_stack):
+    report = evaluate_service(shapes_stack.api.url, held_out_scenes(40, seed=30_000), concurrency=4)
+    print("\n".join(report.lines()))
+    assert report.failures == 0
+    assert report.map50 >= 0.85   # the model card's figure is on 400 scenes; 40 vary more
