@@ -8,7 +8,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from app.problems import Problem
 from app.uploads import check_image, parse_options
 from contract import jobs
-from tasks.celery_app import send_preprocess
+from tasks.celery_app import PREPROCESS_QUEUE, send_preprocess
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 
@@ -17,6 +17,7 @@ blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
     settings = services.settings
+    _refuse_when_backlogged(services)
     data, declared_type = _read_image()
     media_type = check_image(data, declared_type)
     options = parse_options({**request.args, **request.form}, settings.jobs.default_deadline_ms)
@@ -64,6 +65,36 @@ def _expire_if_late(services, record: dict) -> dict:
     services.store.finish(record["id"], jobs.EXPIRED,
                           {"error": {"code": "deadline", "message": "not answered before its deadline"}})
     return services.store.load(record["id"]) or record
+
+
+@blueprint.delete("/<job_id>")
+def cancel_job(job_id: str) -> Response:
+    """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
+    services = current_app.extensions["imgserve"]
+    if services.store.load(job_id) is None:
+        raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
+    cancelled = services.store.finish(job_id, jobs.CANCELLED,
+                                      {"error": {"code": "cancelled", "message": "cancelled by the client"}})
+    record = services.store.load(job_id)
+    if not cancelled or record is None:
+        status = record["status"] if record else "gone"
+        raise Problem(409, "job-already-finished", "Job already finished",
+                      f"job {job_id!r} ended as {status!r} and cannot be cancelled")
+    services.redis.delete(services.keys.upload(job_id))
+    return jsonify(jobs.job_document(record))
+
+
+def _refuse_when_backlogged(services) -> None:
+    """429 while the work waiting (preprocess queue + GPU list) is over its bound."""
+    limits = services.settings.backpressure
+    pipe = services.redis.pipeline(transaction=False)
+    pipe.llen(PREPROCESS_QUEUE)
+    pipe.llen(services.keys.frames)
+    backlog = sum(pipe.execute())
+    if backlog >= limits.max_backlog:
+        raise Problem(429, "overloaded", "Too many requests",
+                      f"{backlog} jobs are waiting (limit {limits.max_backlog}); retry later",
+                      headers={"Retry-After": str(limits.retry_after_s)})
 
 
 def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:

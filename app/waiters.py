@@ -54,7 +54,7 @@ class JobEventListener:
         while True:
             try:
                 self._listen()
-            except redis.RedisError as exc:
+            except Exception as exc:  # RedisError, or the client library tripping over a dead socket
                 log.warning("job-event listener lost Redis (%s); resubscribing", exc)
             self._subscribed.clear()
             self._wake_all()  # anything may have ended while we were deaf

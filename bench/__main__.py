@@ -5,6 +5,7 @@
   python -m bench ceiling --device sim --qps 24,26,28,30 --sla-ms 800
   python -m bench diagnose --url http://localhost:8000
   python -m bench tune --device sim --qps 18 --sla-ms 800
+  python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -149,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--batches", type=parse_list(int), default=[4, 8, 16])
     tune.add_argument("--windows", type=parse_list(float), default=[6.0, 12.0, 24.0])
     tune.add_argument("--write", type=Path, default=Path(".bench") / "tuned.yaml")
+    chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
+    chaos.add_argument("--qps", type=float, default=8.0)
+    chaos.add_argument("--duration", type=float, default=60.0)
     args = parser.parse_args(argv)
 
     images = load_corpus(args.corpus, count=args.images)
@@ -156,6 +160,12 @@ def main(argv: list[str] | None = None) -> int:
         from bench.diagnose import diagnose
         print(diagnose(args.url, images))
         return 0
+    if args.command == "chaos":
+        from bench.chaos import format_tally, run_chaos
+        tally = run_chaos(stack_options(args), images, args.qps, args.duration,
+                          log=lambda line: print(f"  {line}", file=sys.stderr))
+        print(format_tally(tally))
+        return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
     if args.command == "tune":
         from bench.tune import tune
         outcome = tune(args, images)

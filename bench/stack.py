@@ -22,11 +22,23 @@ class StackOptions:
     window_ms: float = 12.0
     api_workers: int = 2
     api_threads: int = 128
+    persistent_redis: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         return (f"device={self.device} cpu_workers={self.cpu_workers} max_batch={self.max_batch_size} "
                 f"window_ms={self.window_ms:g}")
+
+
+def answers_ok(url: str, processes: list[ManagedProcess]) -> bool:
+    """True once `url` answers 200; an error if one of the processes behind it died meanwhile."""
+    dead = [p for p in processes if not p.alive()]
+    if dead:
+        raise RuntimeError(f"{dead[0].name} died:\n{dead[0].log_tail()}")
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 class LocalStack:
@@ -36,10 +48,12 @@ class LocalStack:
         self.processes: list[ManagedProcess] = []
         self.redis: RedisServer | None = None
         self.url = ""
+        self.argv: dict[str, list[str]] = {}
+        self.env: dict[str, str] = {}
 
     def start(self) -> "LocalStack":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(self.workdir)
+        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis)
         config = {"redis_url": self.redis.url,
                   "batching": {"max_batch_size": self.options.max_batch_size, "window_ms": self.options.window_ms},
                   **self.options.extra}
@@ -63,15 +77,18 @@ class LocalStack:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.processes.append(ManagedProcess(name, argv, env, self.workdir))
+        self.argv[name], self.env = argv, env
+
+    def process(self, name: str) -> ManagedProcess:
+        return next(p for p in reversed(self.processes) if p.name == name)
+
+    def restart(self, name: str) -> ManagedProcess:
+        """Start the named role again (after it was killed), with its original command."""
+        self.processes.append(ManagedProcess(name, self.argv[name], self.env, self.workdir))
+        return self.processes[-1]
 
     def _ready(self) -> bool:
-        dead = [p for p in self.processes if not p.alive()]
-        if dead:
-            raise RuntimeError(f"{dead[0].name} died:\n{dead[0].log_tail()}")
-        try:
-            return requests.get(self.url + "/readyz", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        return answers_ok(self.url + "/readyz", self.processes)
 
     def stop(self) -> None:
         for process in reversed(self.processes):
@@ -100,12 +117,7 @@ class BaselineServer:
         return self
 
     def _ready(self) -> bool:
-        if not self.process.alive():
-            raise RuntimeError(f"baseline died:\n{self.process.log_tail()}")
-        try:
-            return requests.get(self.url + "/healthz", timeout=2).status_code == 200
-        except requests.RequestException:
-            return False
+        return answers_ok(self.url + "/healthz", [self.process])
 
     def stop(self) -> None:
         if self.process:

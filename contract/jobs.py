@@ -55,6 +55,27 @@ return 1
 """
 
 
+# KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload; ARGV[1] max frames, ARGV[2] frame,
+# ARGV[3..] field, value, ... Returns 1 pushed, 0 list full (nothing changed), -1 job gone or over.
+_ENQUEUE_FRAME = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or status == 'succeeded' or status == 'failed'
+   or status == 'expired' or status == 'cancelled' then
+  redis.call('DEL', KEYS[3])
+  return -1
+end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[1]) then
+  return 0
+end
+redis.call('LPUSH', KEYS[2], ARGV[2])
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+redis.call('DEL', KEYS[3])
+return 1
+"""
+
+PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex
 
@@ -72,6 +93,7 @@ class JobStore:
         self.ttl_s = ttl_s
         self._advance = client.register_script(_ADVANCE)
         self._finish = client.register_script(_FINISH)
+        self._enqueue_frame = client.register_script(_ENQUEUE_FRAME)
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any]) -> None:
         """Store the upload (claim check) and the record in one round trip."""
@@ -103,6 +125,13 @@ class JobStore:
         values = {"status": status, "updated_at": time.time(), "finished_at": time.time(), **(fields or {})}
         args = [self.ttl_s, self.keys.job_events, job_id, *_flatten(values)]
         return bool(self._finish(keys=[self.keys.job(job_id)], args=args, client=client or self.redis))
+
+    def enqueue_frame(self, job_id: str, frame: bytes, max_frames: int, fields: Mapping[str, Any]) -> int:
+        """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
+        upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER."""
+        args = [max_frames, frame, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields})]
+        keys = [self.keys.job(job_id), self.keys.frames, self.keys.upload(job_id)]
+        return int(self._enqueue_frame(keys=keys, args=args))
 
     def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
         return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)

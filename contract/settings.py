@@ -54,8 +54,17 @@ class GpuWorkerSettings:
     max_candidates: int = 1000
     torch_threads: int = 0
     busy_window_s: float = 60.0
+    max_attempts: int = 3         # a frame requeued this often (its worker died each time) fails as poison
     # device `sim`: ms per batch by batch size (the story's table by default)
     sim_latency_ms: dict = field(default_factory=lambda: {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0})
+
+
+@dataclass(frozen=True)
+class BackpressureSettings:
+    max_frames: int = 64          # the frame list never holds more; CPU workers wait for room
+    max_backlog: int = 256        # preprocess queue + frame list above this: the API answers 429
+    retry_after_s: int = 1
+    room_poll_s: float = 0.005
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,7 @@ class Settings:
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     gpu_worker: GpuWorkerSettings = field(default_factory=GpuWorkerSettings)
     celery: CeleryWorkerSettings = field(default_factory=CeleryWorkerSettings)
+    backpressure: BackpressureSettings = field(default_factory=BackpressureSettings)
 
     @property
     def broker_url(self) -> str:
@@ -228,6 +238,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "batching": BatchingSettings,
         "gpu_worker": GpuWorkerSettings,
         "celery": CeleryWorkerSettings,
+        "backpressure": BackpressureSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

@@ -13,7 +13,7 @@ STAGES = (
     "decode",       # CPU worker: image decode (draft mode, EXIF, colour mode)
     "resize",       # CPU worker: letterbox resize and frame packing
     "queue_gpu",    # frame waiting in the Redis list
-    "batch_wait",   # popped, waiting for its batch to close
+    "batch_wait",   # popped -> its batch closed and the device free (window + any wait for the previous batch)
     "infer",        # batch assembly on the device and the forward pass
     "postprocess",  # decode, NMS, letterbox inversion
     "total",        # request start -> result written

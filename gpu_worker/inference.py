@@ -24,18 +24,43 @@ class BatchRun:
     device_s: float                   # the forward alone: device busy time
 
 
+@dataclass
+class PreparedInputs:
+    """A batch's input, assembled on the device (on CUDA, by a side stream) ahead of its turn."""
+    tensor: torch.Tensor
+    assemble_ms: float
+    ready: Any = None                 # a CUDA event the compute stream waits on
+
+
 class BatchRunner:
+    """prepare() can run in another thread while the previous batch's execute() holds the device."""
+
     def __init__(self, model: LoadedModel, max_candidates: int, busy: BusyMeter | None = None) -> None:
         self.model = model
         self.max_candidates = max_candidates
         self.busy = busy or BusyMeter()
         self.assemble = BatchAssembler(model.spec, model.device)
+        self.copy_stream = torch.cuda.Stream(model.device) if model.device.type == "cuda" else None
 
-    def run(self, frames: Sequence[Frame]) -> BatchRun:
-        spec, device = self.model.spec, self.model.device
+    def prepare(self, frames: Sequence[Frame]) -> PreparedInputs:
         t0 = time.perf_counter()
         with torch.inference_mode():
-            inputs = self.assemble(frames)
+            if self.copy_stream is None:
+                return PreparedInputs(self.assemble(frames), (time.perf_counter() - t0) * 1000.0)
+            with torch.cuda.stream(self.copy_stream):
+                tensor = self.assemble(frames)
+                ready = torch.cuda.Event()
+                ready.record(self.copy_stream)
+            ready.synchronize()   # the pinned staging buffer is free again once its copy is done
+        return PreparedInputs(tensor, (time.perf_counter() - t0) * 1000.0, ready)
+
+    def execute(self, frames: Sequence[Frame], prepared: PreparedInputs) -> BatchRun:
+        spec, device = self.model.spec, self.model.device
+        with torch.inference_mode():
+            inputs = prepared.tensor
+            if prepared.ready is not None:
+                torch.cuda.current_stream(device).wait_event(prepared.ready)
+                inputs.record_stream(torch.cuda.current_stream(device))
             device_started = time.monotonic()
             output = self.model.module(inputs)
             if device.type == "cuda":
@@ -47,7 +72,11 @@ class BatchRunner:
                                      geometry(frames, device), self.max_candidates)
             documents = result_documents(detections, frames, self.model)
         t2 = time.perf_counter()
-        return BatchRun(documents, (t1 - t0) * 1000.0, (t2 - t1) * 1000.0, device_ended - device_started)
+        infer_ms = prepared.assemble_ms + (device_ended - device_started) * 1000.0
+        return BatchRun(documents, infer_ms, (t2 - t1) * 1000.0, device_ended - device_started)
+
+    def run(self, frames: Sequence[Frame]) -> BatchRun:
+        return self.execute(frames, self.prepare(frames))
 
 
 def thresholds(frames: Sequence[Frame], spec: ModelSpec, device: torch.device) -> Thresholds:

@@ -1,7 +1,6 @@
 """Loading the detector a spec names, and feeding it a batch of frames."""
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -13,9 +12,6 @@ from contract.frames import Frame
 from contract.settings import ModelSpec
 from gpu_worker import tiny_yolo
 
-# Frames are views into immutable bytes popped from Redis; we only read them.
-warnings.filterwarnings("ignore", message="The given buffer is not writable")
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
 
 
 class ModelLoadError(RuntimeError):
@@ -142,9 +138,10 @@ class BatchAssembler:
     def __call__(self, frames: Sequence[Frame]) -> torch.Tensor:
         sizes = [len(frame.pixels) for frame in frames]
         staging = self._staging(sum(sizes))
+        host = staging.numpy()   # a view: numpy copies from the read-only frames without a torch wrapper
         offset = 0
         for frame, size in zip(frames, sizes):
-            staging[offset:offset + size] = torch.from_numpy(np.frombuffer(frame.pixels, dtype=np.uint8))
+            host[offset:offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
             offset += size
         contents = staging[:offset].to(self.device, non_blocking=True)
         size = self.spec.input_size

@@ -1,15 +1,17 @@
 """The GPU worker: one process per device, draining the frame list in batches.
 
-Loop: collect a batch (<= max frames, <= window), mark its jobs running
-(dropping cancelled and expired ones), assemble one tensor on the device, run
-the model, post-process the whole batch at once, then write every result and
-acknowledge the frames in a single Redis transaction.
+A feeder thread collects a batch (<= max frames, <= window), marks its jobs
+running (dropping cancelled and expired ones) and assembles one tensor on the
+device while the main thread runs the previous batch; the main thread runs the
+model, post-processes the whole batch at once, then writes every result and
+acknowledges the frames in a single Redis transaction.
 """
 from __future__ import annotations
 
 import json
 import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -26,10 +28,10 @@ from contract.settings import Settings
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
-from gpu_worker.inference import BatchRunner
+from gpu_worker.inference import BatchRunner, PreparedInputs
 from gpu_worker.model import LoadedModel
-from gpu_worker.source import RedisFrameSource
-from gpu_worker.stats import BusyMeter, RecentStats
+from gpu_worker.source import RedisFrameSource, requeue_frames_of
+from gpu_worker.stats import BusyMeter, RecentStats, nvml_utilisation
 
 log = logging.getLogger("gpu_worker")
 
@@ -46,6 +48,22 @@ class InFlight:
     frame: Frame
     popped_at: float
     index: int
+
+
+@dataclass
+class Prepared:
+    """A collected batch, triaged and assembled, waiting for the device."""
+    batch: Batch[bytes]
+    items: list[InFlight]
+    inputs: PreparedInputs | None
+    seq: int
+    closed_at: float          # wall clock
+    started_at: float = 0.0   # wall clock: its turn on the device began
+
+    def turn_started(self) -> float:
+        """Now, less the assembly done ahead (billed to infer), but never before the batch closed."""
+        assembled_s = self.inputs.assemble_ms / 1000.0 if self.inputs is not None else 0.0
+        return max(self.closed_at, time.time() - assembled_s)
 
 
 class GpuWorker:
@@ -66,100 +84,178 @@ class GpuWorker:
         self.runner = BatchRunner(model, settings.gpu_worker.max_candidates, self.busy)
         self.recent = RecentStats()
         self.stopping = threading.Event()
+        self.ready: queue.Queue[Prepared] = queue.Queue(maxsize=1)
         self.batch_seq = 0
         self.started_at = time.time()
         self.last_progress = time.monotonic()
 
     # --- lifecycle -------------------------------------------------------
     def run(self) -> None:
+        """A feeder thread collects and assembles batch N+1 while this thread runs batch N."""
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         self.requeue_own_frames()
-        heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
-        heartbeat.start()
-        log.info("gpu worker %s serving %s on %s", self.worker_id, self.model.spec.name, self.model.device)
+        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
+        feeder = threading.Thread(target=self._feed_loop, name="feeder", daemon=True)
+        feeder.start()
+        log.info("gpu worker %s serving %s on %s", self.worker_id, self.model.spec.name,
+                 "sim" if self.model.simulated else self.model.device)
         try:
-            while not self.stopping.is_set():
-                self.run_once()
+            # On SIGTERM the feeder stops taking frames; batches already taken are finished first.
+            while feeder.is_alive() or not self.ready.empty():
+                try:
+                    prepared = self.ready.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._answer_safely(prepared)
         finally:
             self._leave()
 
-    def run_once(self) -> Batch[bytes] | None:
-        """Collect and answer one batch; Redis outages are waited out, not fatal."""
-        try:
-            batch = self.collector.collect(self.source)
-            self.last_progress = time.monotonic()
-            if batch is not None:
-                self.process(batch)
-            return batch
-        except redis.RedisError as exc:
-            log.warning("redis unavailable (%s); retrying", exc)
-            self.stopping.wait(1.0)
-            return None
+    def _feed_loop(self) -> None:
+        while not self.stopping.is_set():
+            batch = None
+            try:
+                batch = self.collector.collect(self.source)
+                self.last_progress = time.monotonic()
+                if batch is not None:
+                    self._hand_over(self.prepare(batch))
+            except redis.RedisError as exc:
+                log.warning("redis unavailable (%s); retrying", exc)
+                if batch is not None:   # taken but not triaged: back to the front of the line
+                    self._retry_until_redis_answers(lambda: self.source.give_back(batch.items))
+                self.stopping.wait(1.0)
+
+    def _hand_over(self, prepared: "Prepared") -> None:
+        while True:   # never block a shutdown
+            try:
+                self.ready.put(prepared, timeout=0.2)
+                return
+            except queue.Full:
+                continue
+
+    def _answer_safely(self, prepared: "Prepared") -> None:
+        """Run the batch once; its results wait in memory until Redis takes them."""
+        prepared.started_at = prepared.turn_started()
+        results = self._infer(prepared.items, prepared.inputs) if prepared.items else {}
+        self._retry_until_redis_answers(lambda: self.write_results(prepared, results))
+
+    def _retry_until_redis_answers(self, action) -> None:
+        delay = 0.2
+        while True:
+            try:
+                return action()
+            except redis.RedisError as exc:
+                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def requeue_own_frames(self) -> int:
         """Frames a previous life of this worker took but never answered go back first in line."""
-        moved = 0
-        while self.redis.lmove(self.keys.processing(self.worker_id), self.keys.frames, "LEFT", "RIGHT"):
-            moved += 1
+        moved = requeue_frames_of(self.redis, self.keys, self.worker_id, only_if_dead=False)
         if moved:
             log.warning("requeued %d frames left by a previous run of %s", moved, self.worker_id)
         return moved
 
+    def reap_dead_workers(self) -> int:
+        """Requeue the frames of workers whose heartbeat expired (they died holding them)."""
+        stale_before = time.time() - self.settings.gpu_worker.heartbeat_ttl_s
+        moved = 0
+        for raw_id in self.redis.zrangebyscore(self.keys.gpu_workers, "-inf", stale_before):
+            worker_id = raw_id.decode()
+            if worker_id == self.worker_id:
+                continue
+            count = requeue_frames_of(self.redis, self.keys, worker_id, only_if_dead=True)
+            if count > 0:
+                log.warning("requeued %d frames of dead GPU worker %s", count, worker_id)
+                moved += count
+        return moved
+
     # --- one batch -------------------------------------------------------
     def process(self, batch: Batch[bytes]) -> None:
+        """Prepare and answer one batch in this thread."""
+        prepared = self.prepare(batch)
+        prepared.started_at = prepared.turn_started()
+        self.write_results(prepared, self._infer(prepared.items, prepared.inputs) if prepared.items else {})
+
+    def prepare(self, batch: Batch[bytes]) -> "Prepared":
+        """Triage the frames and assemble the input of the jobs still wanted."""
         self.batch_seq += 1
         offset = time.time() - time.monotonic()
-        closed_at = batch.closed_at + offset
         pipe = self.redis.pipeline(transaction=False)
         candidates = self._triage(batch, offset, pipe)
         replies = pipe.execute()
         started = replies[len(replies) - len(candidates):]
         running = [item for item, ok in zip(candidates, started) if ok]
-        results = self._infer(running) if running else {}
+        inputs = None
+        if running:
+            try:
+                inputs = self.runner.prepare([item.frame for item in running])
+            except Exception as exc:   # e.g. a frame whose geometry does not fit: sorted out in _infer
+                log.warning("cannot assemble batch %d (%s)", self.batch_seq, exc)
+        return Prepared(batch=batch, items=running, inputs=inputs, seq=self.batch_seq,
+                        closed_at=batch.closed_at + offset)
+
+    def write_results(self, prepared: "Prepared", results: dict[str, dict[str, Any]]) -> None:
+        """Every result and time bill, and the frames' ack, in one transaction."""
+        batch, running = prepared.batch, prepared.items
         pipe = self.redis.pipeline(transaction=True)
         for item in running:
-            outcome = results[item.frame.header.job_id]
-            self._finish(item, outcome, batch, closed_at, len(running), pipe)
-        self.source.ack(len(batch.items), client=pipe)
-        self.recent.record_batch(len(batch.items))
-        pipe.hset(self.keys.gpu_counters(self.worker_id), mapping=self._counters())
+            self._finish(item, results[item.frame.header.job_id], prepared, len(running), pipe)
+        self.source.ack(batch.items, client=pipe)
+        pipe.hset(self.keys.gpu_counters(self.worker_id), mapping=self._counters(len(batch.items)))
         pipe.execute()
+        self.recent.record_batch(len(batch.items))
         metrics.observe_batch(len(batch.items), len(running), batch.closed_at - batch.opened_at)
         metrics.GPU_BUSY.set(self.busy.fraction())
 
     def _triage(self, batch: Batch[bytes], offset: float, pipe: Any) -> list[InFlight]:
-        """Unpack frames; fail the unreadable, expire the late, mark the rest running."""
+        """Unpack frames; fail the unreadable and the poisonous, expire the late, mark the rest running."""
         now = time.time()
-        candidates: list[InFlight] = []
+        readable: list[tuple[Frame, float]] = []
         for raw, popped in zip(batch.items, batch.popped_at):
             try:
-                frame = unpack_frame(raw)
+                readable.append((unpack_frame(raw), popped + offset))
             except FrameError as exc:
                 job_id = read_job_id(raw)
                 log.error("bad frame job_id=%s: %s", job_id, exc)
                 if job_id:
                     self.store.fail(job_id, "bad_frame", str(exc), client=pipe)
-                continue
-            if now > frame.header.deadline_at:
-                self.store.finish(frame.header.job_id, jobs.EXPIRED,
+        max_attempts = self.settings.gpu_worker.max_attempts
+        candidates: list[InFlight] = []
+        for (frame, popped_at), attempts in zip(readable, self._attempts(readable)):
+            job_id = frame.header.job_id
+            if attempts >= max_attempts:
+                log.error("poison frame job_id=%s: %d workers died or stalled on it", job_id, attempts)
+                self.store.fail(job_id, "poison", f"the job's frame was in hand when a GPU worker died "
+                                                  f"{attempts} times; not trying again", client=pipe)
+            elif now > frame.header.deadline_at:
+                self.store.finish(job_id, jobs.EXPIRED,
                                   {"error": {"code": "deadline", "message": "expired before inference"}},
                                   client=pipe)
                 metrics.FRAMES_EXPIRED.inc()
-                continue
-            candidates.append(InFlight(frame=frame, popped_at=popped + offset, index=len(candidates)))
+            else:
+                candidates.append(InFlight(frame=frame, popped_at=popped_at, index=len(candidates)))
         for item in candidates:
             self.store.advance(item.frame.header.job_id, jobs.RUNNING, client=pipe)
         return candidates
 
-    def _infer(self, items: Sequence[InFlight]) -> dict[str, dict[str, Any]]:
+    def _attempts(self, readable: list[tuple[Frame, float]]) -> list[int]:
+        """How many times each job's frame was requeued after a worker died holding it."""
+        if not readable:
+            return []
+        pipe = self.redis.pipeline(transaction=False)
+        for frame, _ in readable:
+            pipe.hget(self.keys.job(frame.header.job_id), "attempts")
+        return [int(value or 0) for value in pipe.execute()]
+
+    def _infer(self, items: Sequence[InFlight], inputs: PreparedInputs | None = None) -> dict[str, dict[str, Any]]:
         """job id -> {"result": ..., "infer_ms", "postprocess_ms"} or {"error": ...}.
 
         A batch that raises is retried one frame at a time, so one poison
         frame fails alone and its batch-mates still get answers.
         """
         try:
-            return self._infer_batch(items)
+            return self._infer_batch(items, inputs)
         except Exception as exc:  # the model may raise anything
             if len(items) == 1:
                 job_id = items[0].frame.header.job_id
@@ -171,26 +267,25 @@ class GpuWorker:
                 outcomes.update(self._infer([item]))
             return outcomes
 
-    def _infer_batch(self, items: Sequence[InFlight]) -> dict[str, dict[str, Any]]:
+    def _infer_batch(self, items: Sequence[InFlight], inputs: PreparedInputs | None) -> dict[str, dict[str, Any]]:
         frames = [item.frame for item in items]
-        run = self.runner.run(frames)
+        run = self.runner.execute(frames, inputs) if inputs is not None else self.runner.run(frames)
         metrics.DEVICE_SECONDS.inc(run.device_s)
         return {frame.header.job_id: {"result": doc, "infer_ms": run.infer_ms, "postprocess_ms": run.postprocess_ms}
                 for frame, doc in zip(frames, run.documents)}
 
-    def _finish(self, item: InFlight, outcome: dict[str, Any], batch: Batch[bytes], closed_at: float,
-                size: int, pipe: Any) -> None:
+    def _finish(self, item: InFlight, outcome: dict[str, Any], prepared: "Prepared", size: int,
+                pipe: Any) -> None:
         header = item.frame.header
-        finished_at = time.time()
-        stamps = {**header.stamps, "popped_at": item.popped_at, "batch_closed_at": closed_at,
-                  "finished_at": finished_at}
+        stamps = {**header.stamps, "popped_at": item.popped_at, "batch_closed_at": prepared.started_at,
+                  "finished_at": time.time()}
         stamps.update({k: outcome[k] for k in ("infer_ms", "postprocess_ms") if k in outcome})
         bill = compute_time_bill(stamps)
         self.recent.record_bill(bill)
         fields = {
             "timings": bill,
-            "batch": {"id": f"{self.worker_id}:{self.batch_seq}", "seq": self.batch_seq, "size": size,
-                      "index": item.index, "closed_by": batch.closed_by, "worker": self.worker_id},
+            "batch": {"id": f"{self.worker_id}:{prepared.seq}", "seq": prepared.seq, "size": size,
+                      "index": item.index, "closed_by": prepared.batch.closed_by, "worker": self.worker_id},
         }
         if "error" in outcome:
             self.store.finish(header.job_id, jobs.FAILED, {**fields, "error": outcome["error"]}, client=pipe)
@@ -198,9 +293,11 @@ class GpuWorker:
             self.store.finish(header.job_id, jobs.SUCCEEDED, {**fields, "result": outcome["result"]},
                               client=pipe)
 
-    def _counters(self) -> dict[str, float]:
-        return {"device_seconds_total": round(self.busy.total_s, 6), "batches_total": self.recent.batches_total,
-                "frames_total": self.recent.frames_total, "updated_at": time.time()}
+    def _counters(self, batch_size: int) -> dict[str, float]:
+        """Running totals including the batch being written."""
+        return {"device_seconds_total": round(self.busy.total_s, 6),
+                "batches_total": self.recent.batches_total + 1,
+                "frames_total": self.recent.frames_total + batch_size, "updated_at": time.time()}
 
     # --- liveness --------------------------------------------------------
     def _heartbeat_loop(self) -> None:
@@ -208,6 +305,7 @@ class GpuWorker:
         while not self.stopping.is_set():
             try:
                 self.beat()
+                self.reap_dead_workers()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             self.stopping.wait(interval)
@@ -224,6 +322,7 @@ class GpuWorker:
                 "batching": {"max_batch_size": self.collector.max_size,
                              "window_ms": self.collector.window_s * 1000.0},
                 "stats": {"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
+                          "nvml_utilisation": self._nvml(),
                           "device_seconds_total": round(self.busy.total_s, 4),
                           "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
                           **self.recent.summary()}}
@@ -231,6 +330,10 @@ class GpuWorker:
         pipe.set(self.keys.heartbeat(self.worker_id), json.dumps(info), px=int(ttl * 1000))
         pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
         pipe.execute()
+
+    def _nvml(self) -> float | None:
+        device = self.model.device
+        return nvml_utilisation(device.index or 0) if device.type == "cuda" else None
 
     def _leave(self) -> None:
         try:

@@ -64,16 +64,23 @@ class Preprocessor:
         stamps["resize_ms"] = (time.perf_counter() - t1) * 1000.0
         stamps["pushed_at"] = pushed_at
         frame = pack_frame(_header(job_id, record, boxed, stamps, pushed_at), boxed.pixels)
-        return self._commit(job_id, frame, stamps)
+        return self._commit(job_id, frame, stamps, record["deadline_at"])
 
-    def _commit(self, job_id: str, frame: bytes, stamps: dict) -> str:
-        """Push the frame, mark the job and drop the upload, all or nothing."""
-        pipe = self.redis.pipeline(transaction=True)
-        self.store.advance(job_id, jobs.QUEUED_GPU, stamps, client=pipe)
-        pipe.lpush(self.keys.frames, frame)
-        pipe.delete(self.keys.upload(job_id))
-        pipe.execute()
-        return "pushed"
+    def _commit(self, job_id: str, frame: bytes, stamps: dict, deadline_at: float) -> str:
+        """Push the frame, mark the job and drop the upload, all or nothing; while the
+        frame list is full, wait for room (never drop, never grow the list past its bound)."""
+        limit = self.settings.backpressure.max_frames
+        while True:
+            outcome = self.store.enqueue_frame(job_id, frame, limit, stamps)
+            if outcome == jobs.PUSHED:
+                return "pushed"
+            if outcome == jobs.JOB_OVER:
+                return "skipped (ended meanwhile)"
+            if time.time() > deadline_at:
+                self.store.finish(job_id, jobs.EXPIRED,
+                                  {"error": _error("deadline", "expired waiting for room on the GPU list")})
+                return "expired"
+            time.sleep(self.settings.backpressure.room_poll_s)
 
 
 def _header(job_id: str, record: dict, boxed, stamps: dict, pushed_at: float) -> FrameHeader:

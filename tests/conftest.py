@@ -155,3 +155,17 @@ def shapes_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFac
     stack = start_stack(url, tmp_path_factory.mktemp("shapes"), str(SHAPES_SPEC), "shapes")
     yield stack
     stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def tight_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The content-box pipeline with tiny backpressure limits, to overload on purpose."""
+    workdir = tmp_path_factory.mktemp("tight")
+    model_path = workdir / "content_box.pt"
+    build_content_box_model(num_classes=2).save(str(model_path))
+    model = {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
+             "input_size": 64, "layout": "yolov8", "labels": ["content", "other"]}
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    stack = start_stack(url, workdir, model, "tight", {"backpressure": {"max_frames": 4, "max_backlog": 8}})
+    yield stack
+    stop_stack(stack)

@@ -70,7 +70,7 @@ def test_time_bill_leaves_out_stages_without_stamps():
 def test_default_settings_match_the_story():
     settings = load_settings()
     assert settings.batching.max_batch_size == 8 and settings.batching.window_ms == 12
-    assert settings.model.input_size == 640 and settings.model.labels
+    assert settings.model.name == "shapes-yolo" and settings.model.input_size == 320
 
 
 def test_overlay_settings_and_env_redis_url(tmp_path, monkeypatch):
@@ -127,3 +127,36 @@ def test_cpu_worker_never_imports_torch():
     code = "import sys, tasks.worker; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+from hypothesis import given, settings as hypothesis_settings, strategies as st  # noqa: E402
+
+
+@hypothesis_settings(max_examples=300)
+@given(st.binary(max_size=200))
+def test_no_bytes_make_frame_unpacking_raise_anything_but_frame_error(data):
+    for candidate in (data, b"IMF1" + data, pack_frame(header(), bytes(24))[:12] + data):
+        try:
+            unpack_frame(candidate)
+        except FrameError:
+            pass
+
+
+@given(st.dictionaries(st.sampled_from(["job_id", "width", "height", "pad_left", "dtype", "scale_x"]),
+                       st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.floats())))
+def test_no_header_contents_make_unpacking_raise_anything_but_frame_error(fields):
+    import json as _json
+    import struct as _struct
+
+    body = _json.dumps({**dataclasses_asdict(header()), **fields}).encode()
+    raw = _struct.pack(">4sI", b"IMF1", len(body)) + body + bytes(24)
+    try:
+        unpack_frame(raw)
+    except FrameError:
+        pass
+
+
+def dataclasses_asdict(value):
+    import dataclasses
+
+    return dataclasses.asdict(value)

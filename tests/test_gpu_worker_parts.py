@@ -95,17 +95,48 @@ def test_frame_source_is_fifo_and_keeps_frames_until_acked(redis_client):
     assert source.pop_blocking(0.1) == b"f0"
     assert source.pop_available(3) == [b"f1", b"f2", b"f3"]
     assert source.pending() == 4
-    source.ack(4)
+    source.ack([b"f0", b"f1", b"f2", b"f3"])
     assert source.pending() == 0
     assert source.pop_available(8) == [b"f4"]
     assert source.pop_available(8) == []
     assert source.pop_blocking(0.1) is None
 
 
-def test_ack_drops_only_the_oldest_frames(redis_client):
+def test_ack_drops_exactly_the_answered_frames(redis_client):
     keys = Keys("t")
     redis_client.lpush(keys.frames, "a", "b", "c")
     source = RedisFrameSource(redis_client, keys, "w1")
     source.pop_available(3)
-    source.ack(2)
-    assert redis_client.lrange(keys.processing("w1"), 0, -1) == [b"c"]
+    source.ack([b"a", b"c"])
+    assert redis_client.lrange(keys.processing("w1"), 0, -1) == [b"b"]
+
+
+def test_frames_given_back_go_first_in_line(redis_client):
+    keys = Keys("t")
+    redis_client.lpush(keys.frames, "a", "b", "c")
+    source = RedisFrameSource(redis_client, keys, "w1")
+    taken = source.pop_available(2)
+    source.give_back(taken)
+    assert source.pending() == 0
+    assert source.pop_available(3) == [b"a", b"b", b"c"]
+
+
+def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redis_client):
+    from gpu_worker.source import requeue_frames_of
+
+    keys = Keys("t")
+    frames = [make_frame(f"job{i}", 2, 2, 0, 0) for i in range(3)]
+    for i in range(3):
+        redis_client.hset(keys.job(f"job{i}"), "status", "running")
+    redis_client.lpush(keys.frames, *frames)
+    source = RedisFrameSource(redis_client, keys, "dead")
+    source.pop_available(3)
+    redis_client.zadd(keys.gpu_workers, {"dead": 1.0})
+    redis_client.set(keys.heartbeat("dead"), "{}")
+    assert requeue_frames_of(redis_client, keys, "dead", only_if_dead=True) == -1   # still alive: untouched
+    redis_client.delete(keys.heartbeat("dead"))
+    assert requeue_frames_of(redis_client, keys, "dead", only_if_dead=True) == 3
+    assert requeue_frames_of(redis_client, keys, "dead", only_if_dead=True) == 0    # a second reaper finds nothing
+    assert RedisFrameSource(redis_client, keys, "live").pop_available(3) == frames
+    assert [redis_client.hget(keys.job(f"job{i}"), "attempts") for i in range(3)] == [b"1"] * 3
+    assert redis_client.zscore(keys.gpu_workers, "dead") is None

@@ -1,0 +1,236 @@
+"""Nothing lost: cancellation, crashes of real processes, poison frames,
+backpressure and bad input. Real processes, real signals."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import yaml
+from PIL import Image
+
+from bench.processes import ManagedProcess, python_argv
+from tests.support import encode, jpeg, make_image, wait_until
+
+pytestmark = pytest.mark.integration
+TERMINAL = ("succeeded", "failed", "expired", "cancelled")
+
+
+# --- cancellation -----------------------------------------------------------
+def test_cancel_a_waiting_job_then_409_once_it_is_over(stack):
+    stack.stop_gpu_worker()
+    try:
+        job_id = stack.submit_ok(jpeg(300, 200))
+        wait_until(lambda: stack.job(job_id)["status"] == "queued_gpu", 30, what="the frame to be queued")
+        response = stack.session.delete(stack.url(f"/v1/jobs/{job_id}"), timeout=10)
+        assert response.status_code == 200 and response.json()["status"] == "cancelled"
+    finally:
+        stack.start_gpu_worker()
+    wait_until(lambda: stack.redis.llen(stack.keys.frames) == 0, 30, what="the frame to be drained")
+    assert stack.job(job_id)["status"] == "cancelled"          # the GPU worker skipped it
+    again = stack.session.delete(stack.url(f"/v1/jobs/{job_id}"), timeout=10)
+    assert again.status_code == 409 and again.json()["type"] == "/problems/job-already-finished"
+    assert stack.session.delete(stack.url("/v1/jobs/nope"), timeout=10).status_code == 404
+
+
+# --- crashes ----------------------------------------------------------------
+def test_frames_of_a_dead_gpu_worker_are_requeued_by_a_live_one(stack):
+    """A worker that died holding frames: its heartbeat is gone, its processing list is not."""
+    stack.stop_gpu_worker()
+    try:
+        ids = [stack.submit_ok(jpeg(320, 240, seed=i)) for i in range(3)]
+        wait_until(lambda: stack.redis.llen(stack.keys.frames) == 3, 30, what="three frames")
+        dead = "dead-gpu"
+        for _ in ids:
+            stack.redis.lmove(stack.keys.frames, stack.keys.processing(dead), "RIGHT", "LEFT")
+        stack.redis.zadd(stack.keys.gpu_workers, {dead: time.time() - 3600})
+    finally:
+        stack.start_gpu_worker()
+    docs = [stack.wait_terminal(job_id) for job_id in ids]
+    assert [d["status"] for d in docs] == ["succeeded"] * 3
+    assert stack.redis.llen(stack.keys.processing(dead)) == 0
+    assert stack.redis.zscore(stack.keys.gpu_workers, dead) is None
+    assert all(stack.redis.hget(stack.keys.job(j), "attempts") == b"1" for j in ids)
+
+
+def test_a_frame_that_kept_killing_workers_fails_as_poison(stack):
+    stack.stop_gpu_worker()
+    try:
+        job_id = stack.submit_ok(jpeg(320, 240))
+        wait_until(lambda: stack.redis.llen(stack.keys.frames) == 1, 30, what="the frame")
+        stack.redis.hset(stack.keys.job(job_id), "attempts", stack.settings.gpu_worker.max_attempts)
+    finally:
+        stack.start_gpu_worker()
+    doc = stack.wait_terminal(job_id)
+    assert doc["status"] == "failed" and doc["error"]["code"] == "poison"
+    assert stack.gpu_worker.alive()
+
+
+def slow_sim_worker(stack, name: str) -> ManagedProcess:
+    """A second GPU worker on the same list, simulated, 1.5 s per batch: easy to kill mid-batch."""
+    config = yaml.safe_load(stack.config_path.read_text())
+    config["gpu_worker"] = {**config.get("gpu_worker", {}), "sim_latency_ms": {1: 1500, 8: 1500}}
+    path = stack.log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {**stack.env, "IMGSERVE_CONFIG": str(path)}
+    worker = ManagedProcess(name, python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", name),
+                            env, stack.log_dir)
+    wait_until(lambda: stack.redis.exists(stack.keys.heartbeat(name)) or not worker.alive(), 60,
+               what=f"{name}'s heartbeat")
+    return worker
+
+
+def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
+    stack.stop_gpu_worker()
+    try:
+        for attempt in range(2):   # killed twice, restarted twice
+            worker = slow_sim_worker(stack, "killable-gpu")
+            ids = [stack.submit_ok(jpeg(320, 240, seed=attempt * 10 + i)) for i in range(4)]
+            wait_until(lambda: stack.redis.llen(stack.keys.processing("killable-gpu")) > 0, 30,
+                       what="a batch in hand")
+            worker.stop(signal.SIGKILL)
+            assert stack.redis.llen(stack.keys.processing("killable-gpu")) > 0
+            restarted = slow_sim_worker(stack, "killable-gpu")   # requeues its own frames first
+            docs = [stack.wait_terminal(j, timeout_s=90) for j in ids]
+            assert [d["status"] for d in docs] == ["succeeded"] * 4, docs
+            assert stack.redis.llen(stack.keys.processing("killable-gpu")) == 0
+            first = [d["batch"]["id"] for d in docs]
+            time.sleep(0.5)
+            assert [stack.job(j)["batch"]["id"] for j in ids] == first   # one answer each, never rewritten
+            restarted.stop()
+    finally:
+        stack.start_gpu_worker()
+
+
+def celery_children(parent_pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-P", str(parent_pid)], capture_output=True, text=True).stdout
+    return [int(pid) for pid in out.split()]
+
+
+def test_a_celery_child_killed_mid_task_has_its_task_redelivered(stack):
+    big = encode(make_image(6000, 6000), "PNG")   # about a second to decode: easy to hit mid-task
+    assert len(big) < stack.settings.api.max_upload_bytes
+    job_id = stack.submit_ok(big)
+    wait_until(lambda: stack.job(job_id)["status"] == "preprocessing", 30, what="preprocessing to start")
+    children = celery_children(stack.cpu_worker.process.pid)
+    assert children
+    for pid in children:
+        os.kill(pid, signal.SIGKILL)
+    doc = stack.wait_terminal(job_id, timeout_s=120)
+    assert doc["status"] == "succeeded", doc
+    assert stack.cpu_worker.alive()
+
+
+# --- backpressure -----------------------------------------------------------
+def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_stack):
+    stack = tight_stack
+    limits = stack.settings.backpressure
+    stack.stop_gpu_worker()
+    accepted, refused, longest = [], [], 0
+    try:
+        for i in range(30):
+            response = stack.submit(jpeg(160, 120, seed=i))
+            longest = max(longest, stack.redis.llen(stack.keys.frames))
+            if response.status_code == 202:
+                accepted.append(response.json()["id"])
+            else:
+                refused.append(response)
+        wait_until(lambda: stack.redis.llen(stack.keys.frames) == limits.max_frames, 30,
+                   what="the frame list to fill")
+        time.sleep(0.3)   # CPU workers are waiting for room now; the list must not grow
+        longest = max(longest, stack.redis.llen(stack.keys.frames))
+    finally:
+        stack.start_gpu_worker()
+    assert refused and all(r.status_code == 429 for r in refused)
+    assert all(r.headers["Retry-After"] == str(limits.retry_after_s) for r in refused)
+    assert refused[0].json()["type"] == "/problems/overloaded"
+    assert longest <= limits.max_frames
+    docs = [stack.wait_terminal(j, timeout_s=90) for j in accepted]
+    assert [d["status"] for d in docs] == ["succeeded"] * len(accepted)
+    assert stack.submit(jpeg(160, 120)).status_code == 202    # back to normal by itself
+
+
+# --- bad input ----------------------------------------------------------------
+def gif_animated() -> bytes:
+    frames = [Image.new("RGB", (64, 48), c) for c in ((200, 30, 30), (30, 30, 200))]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
+    return buffer.getvalue()
+
+
+def exif_rotated() -> bytes:
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    return encode(make_image(400, 200), "JPEG", exif=exif.tobytes())
+
+
+def bomb() -> bytes:
+    """A PNG declaring 30000 x 30000 pixels in a few hundred bytes."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(30001) * 4))
+            + chunk(b"IEND", b""))
+
+
+@pytest.mark.parametrize("name,data,content_type,status,outcome", [
+    ("empty body", b"", "image/jpeg", 400, None),
+    ("random bytes as jpeg", os.urandom(4096), "image/jpeg", 415, None),
+    ("png declared as jpeg", encode(make_image(50, 40), "PNG"), "image/jpeg", 202, ("succeeded", (50, 40))),
+    ("truncated jpeg", jpeg(400, 300)[:600], "image/jpeg", 202, ("failed", "decode_error")),
+    ("truncated png", encode(make_image(400, 300), "PNG")[:300], "image/png", 202, ("failed", "decode_error")),
+    ("decompression bomb", bomb(), "image/png", 202, ("failed", "image_too_large")),
+    ("1x10000", encode(make_image(1, 10000), "PNG"), "image/png", 202, ("succeeded", (1, 10000))),
+    ("1x1", encode(make_image(1, 1), "PNG"), "image/png", 202, ("succeeded", (1, 1))),
+    ("cmyk jpeg", encode(make_image(120, 80, mode="CMYK"), "JPEG"), "image/jpeg", 202, ("succeeded", (120, 80))),
+    ("grayscale", encode(make_image(120, 80, mode="L"), "PNG"), "image/png", 202, ("succeeded", (120, 80))),
+    ("palette with alpha", encode(make_image(120, 80, mode="P"), "PNG", transparency=0), "image/png", 202,
+     ("succeeded", (120, 80))),
+    ("animated gif", gif_animated(), "image/gif", 202, ("succeeded", (64, 48))),
+    ("exif rotated", exif_rotated(), "image/jpeg", 202, ("succeeded", (200, 400))),
+])
+def test_bad_and_odd_input(stack, name, data, content_type, status, outcome):
+    response = stack.session.post(stack.url("/v1/jobs"), data=data, headers={"Content-Type": content_type},
+                                  timeout=30)
+    assert response.status_code == status, (name, response.text)
+    if outcome is None:
+        assert response.headers["Content-Type"] == "application/problem+json"
+        return
+    doc = stack.wait_terminal(response.json()["id"])
+    expected_status, detail = outcome
+    assert doc["status"] == expected_status, (name, doc)
+    if expected_status == "failed":
+        assert doc["error"]["code"] == detail
+    else:
+        assert (doc["result"]["image"]["width"], doc["result"]["image"]["height"]) == detail
+
+
+def test_malformed_multipart_is_400(stack):
+    response = stack.session.post(stack.url("/v1/jobs"), data=b"--xx\r\nnonsense",
+                                  headers={"Content-Type": "multipart/form-data; boundary=xx"}, timeout=10)
+    assert response.status_code == 400
+
+
+@pytest.mark.parametrize("options", [{"conf": "abc"}, {"deadline_ms": "-1"}, {"max_det": "0"}, {"iou": "2"}])
+def test_bad_option_values_are_400(stack, options):
+    response = stack.submit(jpeg(64, 64), **options)
+    assert response.status_code == 400
+    assert response.json()["invalid_params"][0]["name"] == next(iter(options))
+
+
+def test_oversize_upload_is_413_from_its_declared_length(stack):
+    """Refused from Content-Length alone: the server answers before reading the body."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", stack.api.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                     b"Content-Length: 999999999\r\n\r\n" + b"\xff\xd8\xff" + bytes(1000))
+        reply = sock.recv(4096)
+    assert reply.startswith(b"HTTP/1.1 413")
