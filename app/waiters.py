@@ -24,6 +24,12 @@ class JobEventListener:
         self._waiters: dict[str, set[threading.Event]] = defaultdict(set)
         self._thread: threading.Thread | None = None
         self._subscribed = threading.Event()
+        self._closed = threading.Event()
+
+    def close(self) -> None:
+        """Stop listening (the thread ends within its poll interval)."""
+        self._closed.set()
+        self._wake_all()
 
     def register(self, job_id: str) -> threading.Event:
         """Call before re-reading the job, so an ending between the read and the wait is not missed."""
@@ -51,14 +57,15 @@ class JobEventListener:
 
     def _listen_forever(self) -> None:
         backoff = 0.1
-        while True:
+        while not self._closed.is_set():
             try:
                 self._listen()
             except Exception as exc:  # RedisError, or the client library tripping over a dead socket
-                log.warning("job-event listener lost Redis (%s); resubscribing", exc)
+                if not self._closed.is_set():
+                    log.warning("job-event listener lost Redis (%s); resubscribing", exc)
             self._subscribed.clear()
             self._wake_all()  # anything may have ended while we were deaf
-            threading.Event().wait(backoff)
+            self._closed.wait(backoff)
             backoff = min(backoff * 2, 5.0)
 
     def _listen(self) -> None:
@@ -66,8 +73,8 @@ class JobEventListener:
         try:
             pubsub.subscribe(self.channel)
             self._subscribed.set()
-            while True:
-                message = pubsub.get_message(timeout=5.0)
+            while not self._closed.is_set():
+                message = pubsub.get_message(timeout=1.0)
                 if message and message["type"] == "message":
                     self._wake(message["data"].decode())
         finally:

@@ -38,8 +38,11 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
         else:
             outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update)
         after = load.gpu_counters(url)
-    result = summarise(name, mode, outcomes, level if mode == "open" else None,
-                       int(level) if mode == "closed" else None, before, after)
+    # Offered: what the Poisson draw actually sent (its count varies by a few % around the target).
+    offered = len(outcomes) / duration_s if mode == "open" else None
+    result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
+    if mode == "open":
+        result["target_qps"] = level
     print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
           f"failed {sum(result['failures'].values())}", file=sys.stderr)
     return result
@@ -99,16 +102,18 @@ def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
         results = [measure("pipeline", stack.url, images, "open", q, args.open_duration) for q in args.qps]
     finally:
         stack.stop()
-    served = [r for r in results if _meets(r, args.sla_ms, r["offered_qps"])]
+    served = [r for r in results if _meets(r, args.sla_ms)]
     ceiling = max((r["offered_qps"] for r in served), default=None)
     return {"results": results, "title": f"ceiling at p95 <= {args.sla_ms:g} ms ({stack.options.describe()})",
             "ceiling_qps": ceiling, "summary": f"highest offered rate served at p95 <= {args.sla_ms:g} ms: "
                                                f"{ceiling if ceiling is not None else 'none'} QPS"}
 
 
-def _meets(result: dict, sla_ms: float, target_qps: float | None) -> bool:
+def _meets(result: dict, sla_ms: float) -> bool:
+    """Within the SLA, nothing failed, and the service kept up with what was offered."""
     p95 = result["latency_ms"]["p95"]
-    enough = target_qps is None or result["achieved_qps"] >= 0.97 * target_qps
+    offered = result.get("offered_qps")
+    enough = offered is None or result["achieved_qps"] >= 0.97 * offered
     return p95 is not None and p95 <= sla_ms and not result["failures"] and enough
 
 

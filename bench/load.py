@@ -66,14 +66,20 @@ def _outcome(started: float, doc: dict[str, Any]) -> Outcome:
     return Outcome(started, time.monotonic(), doc["status"], error.get("code"), doc)
 
 
-def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed: int = 0,
-              max_in_flight: int = 512, tick: Callable[[], None] = lambda: None) -> list[Outcome]:
-    """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
+def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float]:
+    """Arrival times (s from the start) of a Poisson process at `qps` over `duration_s`."""
     rng = random.Random(seed)
     arrivals, t = [], rng.expovariate(qps)
     while t < duration_s:
         arrivals.append(t)
         t += rng.expovariate(qps)
+    return arrivals
+
+
+def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed: int = 0,
+              max_in_flight: int = 512, tick: Callable[[], None] = lambda: None) -> list[Outcome]:
+    """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
+    arrivals = poisson_arrivals(qps, duration_s, seed)
     session = session_for(max_in_flight)
     outcomes: list[Outcome] = []
     lock = threading.Lock()

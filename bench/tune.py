@@ -28,7 +28,7 @@ def tune(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
         finally:
             stack.stop()
         results.append(result)
-        rows.append((options, result, _meets(result, args.sla_ms, args.qps)))
+        rows.append((options, result, _meets(result, args.sla_ms)))
     passing = [(o, r) for o, r, ok in rows if ok]
     chosen = max(passing, key=lambda pair: pair[1]["gpu_busy"] or 0.0) if passing else None
     table = _table(rows, chosen[0] if chosen else None)

@@ -5,6 +5,10 @@ The window runs on this process's own clock: Redis's blocking timeouts are
 about 100 ms coarse, far too coarse for a 12 ms window. A first frame that
 already waited a full window in the list does not wait again: the batch takes
 what is there and closes at once.
+
+While `hold_open()` says the device is still busy with the previous batch, a
+batch that is not full stays open past its window and keeps gathering: closing
+it early would only make it wait, smaller, for the same device.
 """
 from __future__ import annotations
 
@@ -41,6 +45,7 @@ class BatchCollector(Generic[Item]):
 
     def __init__(self, max_size: int, window_s: float, *, idle_timeout_s: float = 1.0,
                  poll_s: float = 0.001, age_of: Callable[[Item], float] = lambda _: 0.0,
+                 hold_open: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep) -> None:
         if max_size < 1:
@@ -54,6 +59,7 @@ class BatchCollector(Generic[Item]):
         self.idle_timeout_s = idle_timeout_s
         self.poll_s = poll_s
         self.age_of = age_of
+        self.hold_open = hold_open
         self.clock = clock
         self.sleep = sleep
 
@@ -71,10 +77,11 @@ class BatchCollector(Generic[Item]):
             now = self.clock()
             items.extend(more)
             popped_at.extend([now] * len(more))
-            if len(items) >= self.max_size or now >= deadline:
+            held = self.hold_open()
+            if len(items) >= self.max_size or (now >= deadline and not held):
                 break
             if not more:
-                self.sleep(min(self.poll_s, deadline - now))
+                self.sleep(self.poll_s if held else min(self.poll_s, deadline - now))
         closed_by = CLOSED_BY_SIZE if len(items) >= self.max_size else (CLOSED_LATE if late else CLOSED_BY_WINDOW)
         return Batch(items=items, opened_at=opened_at, closed_at=self.clock(),
                      closed_by=closed_by, popped_at=popped_at)

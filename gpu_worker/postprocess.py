@@ -65,8 +65,10 @@ def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geome
                 max_candidates: int = 1000, use_torchvision: bool | None = None) -> Detections:
     cxcywh, class_scores = split_layout(output.float(), layout)
     scores, class_ids = class_scores.max(dim=-1)                       # [B, N]
-    scores = scores.masked_fill(scores < thresholds.conf[:, None], -1.0)
-    k = min(max_candidates, scores.shape[1])
+    below = scores < thresholds.conf[:, None]
+    scores = scores.masked_fill(below, -1.0)
+    # NMS costs k^2: take no more candidates than the fullest image has above its threshold.
+    k = min(max_candidates, int((~below).sum(dim=1).max()) if len(scores) else 0)
     top_scores, top_index = scores.topk(k, dim=1)                      # sorted, best first
     valid = top_scores >= 0
     boxes = cxcywh_to_xyxy(torch.gather(cxcywh, 1, top_index[..., None].expand(-1, -1, 4)))

@@ -79,12 +79,14 @@ class GpuWorker:
         self.collector: BatchCollector[bytes] = BatchCollector(
             batching.max_batch_size, batching.window_ms / 1000.0,
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
-            age_of=_frame_age)
+            age_of=_frame_age, hold_open=self._device_has_work)
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.runner = BatchRunner(model, settings.gpu_worker.max_candidates, self.busy)
         self.recent = RecentStats()
         self.stopping = threading.Event()
         self.ready: queue.Queue[Prepared] = queue.Queue(maxsize=1)
+        self.device_idle = threading.Event()   # set while the main thread waits for a batch
+        self.device_idle.set()
         self.batch_seq = 0
         self.started_at = time.time()
         self.last_progress = time.monotonic()
@@ -125,6 +127,10 @@ class GpuWorker:
                     self._retry_until_redis_answers(lambda: self.source.give_back(batch.items))
                 self.stopping.wait(1.0)
 
+    def _device_has_work(self) -> bool:
+        """A batch runs, or one is already prepared and waiting: the next one can keep gathering."""
+        return not self.device_idle.is_set() or not self.ready.empty()
+
     def _hand_over(self, prepared: "Prepared") -> None:
         while True:   # never block a shutdown
             try:
@@ -134,9 +140,16 @@ class GpuWorker:
                 continue
 
     def _answer_safely(self, prepared: "Prepared") -> None:
-        """Run the batch once; its results wait in memory until Redis takes them."""
+        """Run the batch once; its results wait in memory until Redis takes them.
+
+        The device counts as free from the end of the forward: the feeder closes
+        and assembles the next batch while this thread writes results."""
         prepared.started_at = prepared.turn_started()
-        results = self._infer(prepared.items, prepared.inputs) if prepared.items else {}
+        self.device_idle.clear()
+        try:
+            results = self._infer(prepared.items, prepared.inputs) if prepared.items else {}
+        finally:
+            self.device_idle.set()
         self._retry_until_redis_answers(lambda: self.write_results(prepared, results))
 
     def _retry_until_redis_answers(self, action) -> None:

@@ -169,3 +169,18 @@ def tight_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFact
     stack = start_stack(url, workdir, model, "tight", {"backpressure": {"max_frames": 4, "max_backlog": 8}})
     yield stack
     stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, RedisServer]]:
+    """A stack on a Redis of its own (append-only, fsync always) that a test may stop and restart."""
+    workdir = tmp_path_factory.mktemp("own-redis")
+    server = RedisServer(workdir, persistent=True)
+    model_path = workdir / "content_box.pt"
+    build_content_box_model(num_classes=2).save(str(model_path))
+    model = {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
+             "input_size": 64, "layout": "yolov8", "labels": ["content", "other"]}
+    stack = start_stack(server.url, workdir, model, "ownredis", {"api": {"redis_timeout_s": 0.5}})
+    yield stack, server
+    stop_stack(stack)
+    server.stop()

@@ -76,6 +76,7 @@ class ApiServer:
     def __init__(self, app) -> None:
         from werkzeug.serving import make_server
 
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server("127.0.0.1", self.port, app, threaded=True)
@@ -84,3 +85,4 @@ class ApiServer:
 
     def stop(self) -> None:
         self.server.shutdown()
+        self.app.extensions["imgserve"].listener.close()

@@ -99,3 +99,19 @@ def test_pop_times_are_recorded_per_frame():
 def test_arguments_are_validated_eagerly(kwargs):
     with pytest.raises(ValueError):
         BatchCollector(**kwargs)
+
+
+def test_a_batch_stays_open_past_its_window_while_the_device_is_busy():
+    clock = FakeClock()
+    busy_until = 100.050
+    source = ScriptedSource(clock, [(100.0, "a"), (100.030, "b"), (100.060, "late")])
+    batch = collector(clock, hold_open=lambda: clock.now < busy_until).collect(source)
+    assert batch.items == ["a", "b"]
+    assert batch.closed_at == pytest.approx(100.050, abs=0.0011)
+
+
+def test_a_held_batch_still_closes_when_full():
+    clock = FakeClock()
+    source = ScriptedSource(clock, [(100.0 + i * 0.001, f"f{i}") for i in range(10)])
+    batch = collector(clock, hold_open=lambda: True).collect(source)
+    assert len(batch.items) == 8 and batch.closed_by == CLOSED_BY_SIZE

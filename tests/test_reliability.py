@@ -234,3 +234,27 @@ def test_oversize_upload_is_413_from_its_declared_length(stack):
                      b"Content-Length: 999999999\r\n\r\n" + b"\xff\xd8\xff" + bytes(1000))
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413")
+
+
+# --- Redis down -----------------------------------------------------------------
+def test_redis_stopped_and_restarted_the_api_answers_503_then_everything_recovers(own_redis_stack):
+    stack, server = own_redis_stack
+    before = stack.submit_ok(jpeg(160, 120, seed=1))
+    assert stack.wait_terminal(before)["status"] == "succeeded"
+    server.stop()
+    try:
+        started = time.monotonic()
+        response = stack.submit(jpeg(160, 120, seed=2))
+        assert response.status_code == 503
+        assert response.headers["Retry-After"] and response.json()["status"] == 503
+        assert time.monotonic() - started < 10
+        assert stack.session.get(stack.url("/readyz"), timeout=10).status_code == 503
+    finally:
+        server.start()
+    # Workers reconnect by themselves: no process was restarted.
+    wait_until(lambda: stack.session.get(stack.url("/readyz"), timeout=10).status_code == 200, 60,
+               what="readiness after Redis came back")
+    after = [stack.submit_ok(jpeg(160, 120, seed=3 + i)) for i in range(3)]
+    assert [stack.wait_terminal(j, timeout_s=120)["status"] for j in after] == ["succeeded"] * 3
+    assert stack.wait_terminal(before)["status"] == "succeeded"     # the append-only file kept it
+    assert stack.cpu_worker.alive() and stack.gpu_worker.alive()
