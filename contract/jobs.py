@@ -30,16 +30,22 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
 JSON_FIELDS = ("options", "result", "error", "timings", "batch")
 STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "pushed_at")
 
-# KEYS[1] job hash; ARGV: field, value, ... Returns 1 if moved, 0 if absent or terminal.
+# KEYS[1] job hash; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ...
+# Returns 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
 _ADVANCE = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'succeeded' or status == 'failed'
    or status == 'expired' or status == 'cancelled' then
   return 0
 end
-redis.call('HSET', KEYS[1], unpack(ARGV))
+local limit = tonumber(ARGV[1])
+if limit > 0 and tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= limit then
+  return -1
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 2))
 return 1
 """
+MOVED, GONE, POISON = 1, 0, -1
 
 # KEYS[1] job hash; ARGV[1] ttl, ARGV[2] channel, ARGV[3] job id, ARGV[4..] field, value, ...
 _FINISH = """
@@ -114,9 +120,15 @@ class JobStore:
     def advance(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None,
                 client: Any = None) -> bool:
         """Move a live job to a non-terminal status; False when it is gone or already over."""
+        return self.advance_unless_poisoned(job_id, status, 0, fields, client) == MOVED
+
+    def advance_unless_poisoned(self, job_id: str, status: str, max_attempts: int,
+                                fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
+        """MOVED, GONE (absent or over) or POISON (requeued max_attempts times); in a pipeline,
+        the reply comes with the pipeline's."""
         assert status not in TERMINAL, status
-        args = _flatten({"status": status, "updated_at": time.time(), **(fields or {})})
-        return bool(self._advance(keys=[self.keys.job(job_id)], args=args, client=client or self.redis))
+        args = [max_attempts, *_flatten({"status": status, "updated_at": time.time(), **(fields or {})})]
+        return self._advance(keys=[self.keys.job(job_id)], args=args, client=client or self.redis)
 
     def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None,
                client: Any = None) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -54,7 +54,10 @@ class BatchRunner:
             ready.synchronize()   # the pinned staging buffer is free again once its copy is done
         return PreparedInputs(tensor, (time.perf_counter() - t0) * 1000.0, ready)
 
-    def execute(self, frames: Sequence[Frame], prepared: PreparedInputs) -> BatchRun:
+    def execute(self, frames: Sequence[Frame], prepared: PreparedInputs,
+                on_device_done: Callable[[], None] = lambda: None) -> BatchRun:
+        """The forward, then `on_device_done()` (the device is free for the next batch), then
+        post-processing."""
         spec, device = self.model.spec, self.model.device
         with torch.inference_mode():
             inputs = prepared.tensor
@@ -66,6 +69,7 @@ class BatchRunner:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             device_ended = time.monotonic()
+            on_device_done()
             self.busy.record(device_started, device_ended)
             t1 = time.perf_counter()
             detections = postprocess(output, spec.layout, thresholds(frames, spec, device),

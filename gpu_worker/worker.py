@@ -191,14 +191,17 @@ class GpuWorker:
         self.write_results(prepared, self._infer(prepared.items, prepared.inputs) if prepared.items else {})
 
     def prepare(self, batch: Batch[bytes]) -> "Prepared":
-        """Triage the frames and assemble the input of the jobs still wanted."""
+        """Triage the frames (one round trip) and assemble the input of the jobs still wanted."""
         self.batch_seq += 1
         offset = time.time() - time.monotonic()
         pipe = self.redis.pipeline(transaction=False)
         candidates = self._triage(batch, offset, pipe)
         replies = pipe.execute()
-        started = replies[len(replies) - len(candidates):]
-        running = [item for item, ok in zip(candidates, started) if ok]
+        verdicts = replies[len(replies) - len(candidates):]
+        running = [item for item, verdict in zip(candidates, verdicts) if verdict == jobs.MOVED]
+        self._fail_poisoned([item for item, verdict in zip(candidates, verdicts) if verdict == jobs.POISON])
+        for index, item in enumerate(running):
+            item.index = index
         inputs = None
         if running:
             try:
@@ -207,6 +210,19 @@ class GpuWorker:
                 log.warning("cannot assemble batch %d (%s)", self.batch_seq, exc)
         return Prepared(batch=batch, items=running, inputs=inputs, seq=self.batch_seq,
                         closed_at=batch.closed_at + offset)
+
+    def _fail_poisoned(self, items: list[InFlight]) -> None:
+        if not items:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        for item in items:
+            job_id = item.frame.header.job_id
+            log.error("poison frame job_id=%s: GPU workers died holding it %d times", job_id,
+                      self.settings.gpu_worker.max_attempts)
+            self.store.fail(job_id, "poison", "the job's frame was in hand each time a GPU worker died "
+                                              f"({self.settings.gpu_worker.max_attempts} times); not trying again",
+                            client=pipe)
+        pipe.execute()
 
     def write_results(self, prepared: "Prepared", results: dict[str, dict[str, Any]]) -> None:
         """Every result and time bill, and the frames' ack, in one transaction."""
@@ -222,44 +238,30 @@ class GpuWorker:
         metrics.GPU_BUSY.set(self.busy.fraction())
 
     def _triage(self, batch: Batch[bytes], offset: float, pipe: Any) -> list[InFlight]:
-        """Unpack frames; fail the unreadable and the poisonous, expire the late, mark the rest running."""
+        """Unpack frames; fail the unreadable, expire the late; queue a running-unless-poisoned
+        move for the rest, whose replies end the pipeline."""
         now = time.time()
-        readable: list[tuple[Frame, float]] = []
+        candidates: list[InFlight] = []
         for raw, popped in zip(batch.items, batch.popped_at):
             try:
-                readable.append((unpack_frame(raw), popped + offset))
+                frame = unpack_frame(raw)
             except FrameError as exc:
                 job_id = read_job_id(raw)
                 log.error("bad frame job_id=%s: %s", job_id, exc)
                 if job_id:
                     self.store.fail(job_id, "bad_frame", str(exc), client=pipe)
-        max_attempts = self.settings.gpu_worker.max_attempts
-        candidates: list[InFlight] = []
-        for (frame, popped_at), attempts in zip(readable, self._attempts(readable)):
-            job_id = frame.header.job_id
-            if attempts >= max_attempts:
-                log.error("poison frame job_id=%s: %d workers died or stalled on it", job_id, attempts)
-                self.store.fail(job_id, "poison", f"the job's frame was in hand when a GPU worker died "
-                                                  f"{attempts} times; not trying again", client=pipe)
-            elif now > frame.header.deadline_at:
-                self.store.finish(job_id, jobs.EXPIRED,
+                continue
+            if now > frame.header.deadline_at:
+                self.store.finish(frame.header.job_id, jobs.EXPIRED,
                                   {"error": {"code": "deadline", "message": "expired before inference"}},
                                   client=pipe)
                 metrics.FRAMES_EXPIRED.inc()
-            else:
-                candidates.append(InFlight(frame=frame, popped_at=popped_at, index=len(candidates)))
+                continue
+            candidates.append(InFlight(frame=frame, popped_at=popped + offset, index=len(candidates)))
         for item in candidates:
-            self.store.advance(item.frame.header.job_id, jobs.RUNNING, client=pipe)
+            self.store.advance_unless_poisoned(item.frame.header.job_id, jobs.RUNNING,
+                                               self.settings.gpu_worker.max_attempts, client=pipe)
         return candidates
-
-    def _attempts(self, readable: list[tuple[Frame, float]]) -> list[int]:
-        """How many times each job's frame was requeued after a worker died holding it."""
-        if not readable:
-            return []
-        pipe = self.redis.pipeline(transaction=False)
-        for frame, _ in readable:
-            pipe.hget(self.keys.job(frame.header.job_id), "attempts")
-        return [int(value or 0) for value in pipe.execute()]
 
     def _infer(self, items: Sequence[InFlight], inputs: PreparedInputs | None = None) -> dict[str, dict[str, Any]]:
         """job id -> {"result": ..., "infer_ms", "postprocess_ms"} or {"error": ...}.
@@ -282,7 +284,9 @@ class GpuWorker:
 
     def _infer_batch(self, items: Sequence[InFlight], inputs: PreparedInputs | None) -> dict[str, dict[str, Any]]:
         frames = [item.frame for item in items]
-        run = self.runner.execute(frames, inputs) if inputs is not None else self.runner.run(frames)
+        if inputs is None:
+            inputs = self.runner.prepare(frames)
+        run = self.runner.execute(frames, inputs, on_device_done=self.device_idle.set)
         metrics.DEVICE_SECONDS.inc(run.device_s)
         return {frame.header.job_id: {"result": doc, "infer_ms": run.infer_ms, "postprocess_ms": run.postprocess_ms}
                 for frame, doc in zip(frames, run.documents)}
