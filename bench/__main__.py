@@ -6,6 +6,7 @@
   python -m bench diagnose --url http://localhost:8000
   python -m bench tune --device sim --qps 18 --sla-ms 800
   python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
+  python -m bench bound --qps 18,28                         # the floor the device profile allows
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -155,11 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     tune.add_argument("--batches", type=parse_list(int), default=[4, 8, 16])
     tune.add_argument("--windows", type=parse_list(float), default=[6.0, 12.0, 24.0])
     tune.add_argument("--write", type=Path, default=Path(".bench") / "tuned.yaml")
+    bound = sub.add_parser("bound", help="the latency floor the device profile alone allows")
+    bound.add_argument("--qps", type=parse_list(float), default=[10.0, 18.0, 26.0, 28.0, 30.0])
+    bound.add_argument("--window-ms", type=float, default=12.0)
+    bound.add_argument("--max-batch", type=int, default=8)
     chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
     chaos.add_argument("--qps", type=float, default=8.0)
     chaos.add_argument("--duration", type=float, default=60.0)
     args = parser.parse_args(argv)
 
+    if args.command == "bound":
+        from bench.bound import describe
+        from contract.settings import load_settings
+        print(describe(load_settings().gpu_worker.sim_latency_ms, args.qps, args.window_ms, args.max_batch))
+        return 0
     images = load_corpus(args.corpus, count=args.images)
     if args.command == "diagnose":
         from bench.diagnose import diagnose

@@ -132,8 +132,10 @@ class BatchAssembler:
         self.device = device
         self.pinned = device.type == "cuda"
         self.staging = torch.empty(0, dtype=torch.uint8)
-        self.mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
-        self.std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
+        mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
+        std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
+        self.gain = spec.scale / std
+        self.bias = -mean / std
 
     def __call__(self, frames: Sequence[Frame]) -> torch.Tensor:
         sizes = [len(frame.pixels) for frame in frames]
@@ -144,19 +146,19 @@ class BatchAssembler:
             host[offset:offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
             offset += size
         contents = staging[:offset].to(self.device, non_blocking=True)
+        # Channels-first float canvas in the pad colour; each frame's content is written into its
+        # place (the uint8 -> float conversion rides on that copy), then one in-place affine pass
+        # normalises the whole batch: x * scale / std - mean / std.
         size = self.spec.input_size
-        canvas = torch.full((len(frames), size, size, 3), self.spec.pad_value, dtype=torch.uint8,
-                            device=self.device)
+        batch = torch.full((len(frames), 3, size, size), float(self.spec.pad_value), device=self.device)
+        channels = [2, 1, 0] if self.spec.channel_order == "bgr" else [0, 1, 2]
         offset = 0
         for i, (frame, length) in enumerate(zip(frames, sizes)):
             h = frame.header
-            canvas[i, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = (
-                contents[offset:offset + length].view(h.height, h.width, 3))
+            content = contents[offset:offset + length].view(h.height, h.width, 3).permute(2, 0, 1)
+            batch[i, :, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = content[channels]
             offset += length
-        batch = canvas.permute(0, 3, 1, 2).float()
-        if self.spec.channel_order == "bgr":
-            batch = batch.flip(1)
-        return ((batch * self.spec.scale - self.mean) / self.std).contiguous()
+        return batch.mul_(self.gain).add_(self.bias)
 
     def _staging(self, nbytes: int) -> torch.Tensor:
         """A buffer of at least nbytes; the caller synchronises before the next batch reuses it."""

@@ -80,3 +80,13 @@ def test_the_story_reading_of_a_sweep():
                                         (0.95, "tail latency")])
 def test_utilisation_bands(busy, words):
     assert words in band(busy)
+
+
+def test_the_ideal_bound_batches_greedily_and_obeys_the_profile():
+    from bench.bound import ideal_latencies
+
+    light, light_busy = ideal_latencies(STORY_PROFILE_MS, qps=1.0, window_s=0.012, max_batch=8, duration_s=600)
+    assert percentile(light, 50) == pytest.approx(0.012 + 0.072, abs=0.002)   # alone: window + batch of 1
+    heavy, heavy_busy = ideal_latencies(STORY_PROFILE_MS, qps=28.0, window_s=0.012, max_batch=8, duration_s=600)
+    assert light_busy < 0.1 < 0.85 < heavy_busy < 1.0
+    assert percentile(heavy, 95) > percentile(light, 95)
