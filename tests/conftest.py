@@ -102,6 +102,14 @@ class Stack:
         return "\n".join(parts)
 
 
+def content_box_spec(workdir: Path, input_size: int, **extra: Any) -> dict[str, Any]:
+    """A model spec for the known-answer detector, its TorchScript file written into workdir."""
+    model_path = workdir / "content_box.pt"
+    build_content_box_model(num_classes=2).save(str(model_path))
+    return {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
+            "input_size": input_size, "layout": "yolov8", "labels": ["content", "other"], **extra}
+
+
 def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace: str,
                 extra: dict[str, Any] | None = None) -> Stack:
     """API + Celery worker + GPU worker for one model, under their own namespace."""
@@ -138,11 +146,7 @@ def stop_stack(stack: Stack) -> None:
 def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The pipeline serving a detector with a known answer: one box around the whole original image."""
     workdir = tmp_path_factory.mktemp("stack")
-    model_path = workdir / "content_box.pt"
-    build_content_box_model(num_classes=2).save(str(model_path))
-    model = {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
-             "weights": "test fixture", "input_size": STACK_INPUT_SIZE, "layout": "yolov8",
-             "labels": ["content", "other"], "conf": 0.25, "iou": 0.45, "max_det": 10}
+    model = content_box_spec(workdir, STACK_INPUT_SIZE, weights="test fixture", conf=0.25, iou=0.45, max_det=10)
     stack = start_stack(redis_server.url, workdir, model, "itest", {"api": {"max_upload_bytes": STACK_MAX_UPLOAD}})
     yield stack
     stop_stack(stack)
@@ -161,10 +165,7 @@ def shapes_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFac
 def tight_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The content-box pipeline with tiny backpressure limits, to overload on purpose."""
     workdir = tmp_path_factory.mktemp("tight")
-    model_path = workdir / "content_box.pt"
-    build_content_box_model(num_classes=2).save(str(model_path))
-    model = {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
-             "input_size": 64, "layout": "yolov8", "labels": ["content", "other"]}
+    model = content_box_spec(workdir, 64)
     url = redis_server.url.rsplit("/", 1)[0] + "/3"
     stack = start_stack(url, workdir, model, "tight", {"backpressure": {"max_frames": 4, "max_backlog": 8}})
     yield stack
@@ -176,10 +177,7 @@ def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     """A stack on a Redis of its own (append-only, fsync always) that a test may stop and restart."""
     workdir = tmp_path_factory.mktemp("own-redis")
     server = RedisServer(workdir, persistent=True)
-    model_path = workdir / "content_box.pt"
-    build_content_box_model(num_classes=2).save(str(model_path))
-    model = {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
-             "input_size": 64, "layout": "yolov8", "labels": ["content", "other"]}
+    model = content_box_spec(workdir, 64)
     stack = start_stack(server.url, workdir, model, "ownredis", {"api": {"redis_timeout_s": 0.5}})
     yield stack, server
     stop_stack(stack)
