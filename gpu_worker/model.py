@@ -165,7 +165,3 @@ class BatchAssembler:
         if self.staging.numel() < nbytes:
             self.staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
         return self.staging
-
-
-def assemble_batch(frames: Sequence[Frame], spec: ModelSpec, device: torch.device) -> torch.Tensor:
-    return BatchAssembler(spec, device)(frames)

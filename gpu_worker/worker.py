@@ -184,12 +184,6 @@ class GpuWorker:
         return moved
 
     # --- one batch -------------------------------------------------------
-    def process(self, batch: Batch[bytes]) -> None:
-        """Prepare and answer one batch in this thread."""
-        prepared = self.prepare(batch)
-        prepared.started_at = prepared.turn_started()
-        self.write_results(prepared, self._infer(prepared.items, prepared.inputs) if prepared.items else {})
-
     def prepare(self, batch: Batch[bytes]) -> "Prepared":
         """Triage the frames (one round trip) and assemble the input of the jobs still wanted."""
         self.batch_seq += 1

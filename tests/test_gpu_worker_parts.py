@@ -11,7 +11,7 @@ import torch
 from contract.frames import FrameHeader, pack_frame, unpack_frame
 from contract.keys import Keys
 from contract.settings import ModelSpec
-from gpu_worker.model import ModelLoadError, assemble_batch, load_model
+from gpu_worker.model import BatchAssembler, ModelLoadError, load_model
 from gpu_worker.source import RedisFrameSource
 from tests.support import REPO_ROOT, build_content_box_model
 
@@ -70,7 +70,7 @@ def make_frame(job_id: str, width: int, height: int, pad_left: int, pad_top: int
 
 def test_batch_assembly_pads_and_normalises_on_the_device():
     frames = [unpack_frame(make_frame("a", 8, 4, 0, 2)), unpack_frame(make_frame("b", 2, 8, 3, 0))]
-    batch = assemble_batch(frames, spec(input_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)), CPU)
+    batch = BatchAssembler(spec(input_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)), CPU)(frames)
     assert batch.shape == (2, 3, 8, 8)
     pad = (114 / 255 - 0.5) / 0.5
     assert batch[0, 0, 0, 0].item() == pytest.approx(pad)
@@ -82,7 +82,7 @@ def test_batch_assembly_pads_and_normalises_on_the_device():
 
 def test_bgr_models_get_channels_swapped():
     frames = [unpack_frame(make_frame("a", 8, 8, 0, 0))]
-    batch = assemble_batch(frames, spec(input_size=8, channel_order="bgr"), CPU)
+    batch = BatchAssembler(spec(input_size=8, channel_order="bgr"), CPU)(frames)
     assert batch[0, 2, 0, 0].item() == pytest.approx(200 / 255)
     assert batch[0, 0, 0, 0].item() == 0
 
