@@ -1,0 +1,98 @@
+"""imgserve: submit images, read and cancel jobs from the shell.
+
+    imgserve submit street.jpg photos/ --wait          # a folder: every image in it
+    imgserve status <job-id> [--wait 10]
+    imgserve cancel <job-id>
+    imgserve models
+
+--url (or IMGSERVE_URL) names the API; --api-key (or IMGSERVE_API_KEY) a key.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from client import ApiError, Client
+
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
+
+
+def expand(paths: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for name in paths:
+        path = Path(name)
+        if path.is_dir():
+            files += sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+        else:
+            files.append(path)
+    return files
+
+
+def detections_table(path: Path, doc: dict) -> list[str]:
+    if doc["status"] != "succeeded":
+        error = doc.get("error") or {}
+        return [f"{path}: {doc['status']} {error.get('code', '')} {error.get('message', '')}".rstrip()]
+    image = doc["result"]["image"]
+    lines = [f"{path}: {len(doc['result']['detections'])} detections in {image['width']}x{image['height']} "
+             f"({doc['timings_ms'].get('total', 0):.0f} ms)"]
+    lines.append(f"  {'label':<12} {'score':>6}  box (x1, y1, x2, y2)")
+    for d in doc["result"]["detections"]:
+        box = ", ".join(f"{v:.0f}" for v in d["box"])
+        lines.append(f"  {d['label']:<12} {d['score']:>6.3f}  {box}")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="imgserve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=os.environ.get("IMGSERVE_URL", "http://localhost:8000"))
+    parser.add_argument("--api-key", default=os.environ.get("IMGSERVE_API_KEY"))
+    sub = parser.add_subparsers(dest="command", required=True)
+    submit = sub.add_parser("submit", help="submit images (files or folders)")
+    submit.add_argument("paths", nargs="+")
+    submit.add_argument("--wait", action="store_true", help="wait and print the detections")
+    submit.add_argument("--concurrency", type=int, default=8)
+    for option, kind in (("conf", float), ("iou", float), ("max_det", int), ("deadline_ms", int)):
+        submit.add_argument(f"--{option.replace('_', '-')}", dest=option, type=kind)
+    status = sub.add_parser("status", help="a job's state")
+    status.add_argument("job_id")
+    status.add_argument("--wait", type=float, default=0.0, help="long-poll up to this many seconds")
+    cancel = sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job_id")
+    sub.add_parser("models", help="the models being served")
+    args = parser.parse_args(argv)
+    client = Client(args.url, api_key=args.api_key)
+    try:
+        return run(args, client)
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(args: argparse.Namespace, client: Client) -> int:
+    if args.command == "submit":
+        options = {k: getattr(args, k) for k in ("conf", "iou", "max_det", "deadline_ms")}
+        files = expand(args.paths)
+        if not args.wait:
+            for path in files:
+                print(f"{path}\t{client.submit(path, **options)['id']}")
+            return 0
+        failed = 0
+        for path, doc in client.submit_many(files, concurrency=args.concurrency, **options):
+            print("\n".join(detections_table(path, doc)))
+            failed += doc["status"] != "succeeded"
+        return 1 if failed else 0
+    if args.command == "status":
+        print(json.dumps(client.status(args.job_id, wait_s=args.wait), indent=2))
+    elif args.command == "cancel":
+        print(json.dumps(client.cancel(args.job_id), indent=2))
+    elif args.command == "models":
+        print(json.dumps(client.models(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
