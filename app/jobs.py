@@ -1,6 +1,7 @@
 """The jobs resource: submit an image, read (or long-poll) its job."""
 from __future__ import annotations
 
+import logging
 import time
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
@@ -11,6 +12,7 @@ from contract import jobs
 from tasks.celery_app import PREPROCESS_QUEUE, send_preprocess
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
+log = logging.getLogger("api")
 
 
 @blueprint.post("")
@@ -38,6 +40,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         services.store.delete(job_id)
         raise Problem(503, "broker-unavailable", "Service unavailable",
                       f"cannot queue the job: {exc}", headers={"Retry-After": "1"}) from exc
+    log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type})
     location = url_for("jobs.get_job", job_id=job_id)
     body = {"id": job_id, "status": jobs.QUEUED, "created_at": jobs.utc_iso(received_at),
             "links": {"self": location}}
@@ -81,6 +84,7 @@ def cancel_job(job_id: str) -> Response:
         raise Problem(409, "job-already-finished", "Job already finished",
                       f"job {job_id!r} ended as {status!r} and cannot be cancelled")
     services.redis.delete(services.keys.upload(job_id))
+    log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(jobs.job_document(record))
 
 

@@ -12,6 +12,12 @@ keepalive = 5
 accesslog = "-"
 
 
+def post_fork(server, worker):
+    from contract.logs import configure_logging
+
+    configure_logging("api")
+
+
 def child_exit(server, worker):
     """Drop a dead worker's live gauges from the multiprocess metrics."""
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

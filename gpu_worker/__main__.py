@@ -8,6 +8,7 @@ import sys
 import torch
 
 from contract.connection import connect
+from contract.logs import configure_logging
 from contract.settings import load_settings
 from gpu_worker import metrics
 from gpu_worker.model import ModelLoadError, load_for_device
@@ -21,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-id", help="stable id; default host-device")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    configure_logging("gpu-worker")
     settings = load_settings(args.config)
     if settings.gpu_worker.torch_threads:
         torch.set_num_threads(settings.gpu_worker.torch_threads)

@@ -211,8 +211,8 @@ class GpuWorker:
         pipe = self.redis.pipeline(transaction=False)
         for item in items:
             job_id = item.frame.header.job_id
-            log.error("poison frame job_id=%s: GPU workers died holding it %d times", job_id,
-                      self.settings.gpu_worker.max_attempts)
+            log.error("poison frame: GPU workers died holding it %d times", self.settings.gpu_worker.max_attempts,
+                      extra={"job_id": job_id})
             self.store.fail(job_id, "poison", "the job's frame was in hand each time a GPU worker died "
                                               f"({self.settings.gpu_worker.max_attempts} times); not trying again",
                             client=pipe)
@@ -241,7 +241,7 @@ class GpuWorker:
                 frame = unpack_frame(raw)
             except FrameError as exc:
                 job_id = read_job_id(raw)
-                log.error("bad frame job_id=%s: %s", job_id, exc)
+                log.error("bad frame: %s", exc, extra={"job_id": job_id})
                 if job_id:
                     self.store.fail(job_id, "bad_frame", str(exc), client=pipe)
                 continue
@@ -268,7 +268,7 @@ class GpuWorker:
         except Exception as exc:  # the model may raise anything
             if len(items) == 1:
                 job_id = items[0].frame.header.job_id
-                log.exception("inference failed job_id=%s", job_id)
+                log.exception("inference failed", extra={"job_id": job_id})
                 return {job_id: {"error": {"code": "inference_error", "message": str(exc)[:500]}}}
             log.warning("batch of %d failed (%s); retrying frames one by one", len(items), exc)
             outcomes: dict[str, dict[str, Any]] = {}
@@ -298,6 +298,8 @@ class GpuWorker:
             "batch": {"id": f"{self.worker_id}:{prepared.seq}", "seq": prepared.seq, "size": size,
                       "index": item.index, "closed_by": prepared.batch.closed_by, "worker": self.worker_id},
         }
+        log.info("job answered", extra={"job_id": header.job_id, "batch": fields["batch"]["id"],
+                                        "total_ms": fields["timings"].get("total")})
         if "error" in outcome:
             self.store.finish(header.job_id, jobs.FAILED, {**fields, "error": outcome["error"]}, client=pipe)
         else:

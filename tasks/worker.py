@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import worker_process_init
+from celery.signals import after_setup_logger, worker_process_init
 
 from contract.connection import connect
+from contract.logs import configure_logging
 from contract.settings import load_settings
 from tasks.celery_app import PREPROCESS_TASK, make_celery
 from tasks.preprocess import Preprocessor
@@ -21,6 +22,12 @@ app = make_celery(settings)
 log = logging.getLogger(__name__)
 
 _preprocessor: Preprocessor | None = None
+
+
+@after_setup_logger.connect
+def _keep_json_logs(**_: object) -> None:
+    """Celery sets up its own handler at start; put ours back so every line stays JSON."""
+    configure_logging("cpu-worker")
 
 
 @worker_process_init.connect
@@ -40,5 +47,5 @@ def _get_preprocessor() -> Preprocessor:
 @app.task(name=PREPROCESS_TASK, acks_late=True, reject_on_worker_lost=True)
 def preprocess(job_id: str) -> str:
     outcome = _get_preprocessor().run(job_id)
-    log.info("preprocess job_id=%s outcome=%s", job_id, outcome)
+    log.info("preprocess %s", outcome, extra={"job_id": job_id, "outcome": outcome})
     return outcome

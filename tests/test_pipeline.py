@@ -190,3 +190,27 @@ def test_a_job_nobody_answers_expires_at_its_deadline(stack):
         stack.start_gpu_worker()
     assert doc["status"] == "expired"
     assert doc["error"]["code"] == "deadline"
+
+
+def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
+    import json as _json
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="api"):
+        job_id = stack.submit_ok(jpeg(200, 150))
+        assert stack.wait_terminal(job_id)["status"] == "succeeded"
+    assert any(getattr(r, "job_id", None) == job_id for r in caplog.records)     # the API
+
+    def lines_about(process) -> list[dict]:
+        entries = []
+        for line in process.log_path.read_text().splitlines():
+            if line.startswith("{"):
+                entry = _json.loads(line)
+                if entry.get("job_id") == job_id:
+                    entries.append(entry)
+        return entries
+
+    cpu = wait_until(lambda: lines_about(stack.cpu_worker), 10, what="the CPU worker's line")
+    gpu = wait_until(lambda: lines_about(stack.gpu_worker), 10, what="the GPU worker's line")
+    assert cpu[0]["role"] == "cpu-worker" and cpu[0]["outcome"] == "pushed"
+    assert gpu[0]["role"] == "gpu-worker" and gpu[0]["msg"] == "job answered"

@@ -1,0 +1,47 @@
+"""Structured logs: one JSON object per line, with the job id on every line
+about a job, so one job can be followed through the API, the CPU worker and
+the GPU worker (`grep <job-id>` across their logs, or a log pipeline's filter).
+
+    log.info("job accepted", extra={"job_id": job_id})
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+
+_STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
+
+
+class JsonFormatter(logging.Formatter):
+    def __init__(self, role: str) -> None:
+        super().__init__()
+        self.role = role
+
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "role": self.role,
+            "pid": record.process,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        entry.update({k: v for k, v in record.__dict__.items() if k not in _STANDARD})
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry, default=str)
+
+
+def configure_logging(role: str, level: str | None = None) -> None:
+    """JSON lines on stderr for this process (IMGSERVE_LOG_FORMAT=text keeps plain text)."""
+    handler = logging.StreamHandler(sys.stderr)
+    if os.environ.get("IMGSERVE_LOG_FORMAT", "json") == "json":
+        handler.setFormatter(JsonFormatter(role))
+    else:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {role} %(name)s %(message)s"))
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level or os.environ.get("IMGSERVE_LOG_LEVEL", "INFO"))
