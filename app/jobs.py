@@ -9,7 +9,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from app.problems import Problem
 from app.uploads import check_image, parse_options
 from contract import jobs
-from tasks.celery_app import PREPROCESS_QUEUE, send_preprocess
+from tasks.celery_app import send_preprocess
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -91,10 +91,7 @@ def cancel_job(job_id: str) -> Response:
 def _refuse_when_backlogged(services) -> None:
     """429 while the work waiting (preprocess queue + GPU list) is over its bound."""
     limits = services.settings.backpressure
-    pipe = services.redis.pipeline(transaction=False)
-    pipe.llen(PREPROCESS_QUEUE)
-    pipe.llen(services.keys.frames)
-    backlog = sum(pipe.execute())
+    backlog = sum(jobs.queue_depths(services.redis, services.keys).values())
     if backlog >= limits.max_backlog:
         raise Problem(429, "overloaded", "Too many requests",
                       f"{backlog} jobs are waiting (limit {limits.max_backlog}); retry later",

@@ -12,6 +12,7 @@ from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry,
 blueprint = Blueprint("metrics", __name__)
 
 REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "route", "status"])
+REJECTS = Counter("imgserve_api_rejects_total", "Requests refused with a problem document", ["reason"])
 LATENCY = Histogram("imgserve_api_request_seconds", "API request latency (long-polls included)", ["route"])
 
 

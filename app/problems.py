@@ -20,6 +20,9 @@ class Problem(Exception):
 
 
 def problem_response(problem: Problem) -> Response:
+    from app.metrics import REJECTS
+
+    REJECTS.labels(problem.slug).inc()
     body = {"type": f"/problems/{problem.slug}", "title": problem.title,
             "status": problem.status, "detail": problem.detail, **problem.extra}
     response = jsonify(body)

@@ -4,7 +4,7 @@ from __future__ import annotations
 from flask import Blueprint, Response, current_app, jsonify
 
 from app.health import live_gpu_workers
-from tasks.celery_app import PREPROCESS_QUEUE
+from contract.jobs import queue_depths
 
 blueprint = Blueprint("stats", __name__)
 
@@ -13,16 +13,12 @@ blueprint = Blueprint("stats", __name__)
 def stats() -> Response:
     services = current_app.extensions["imgserve"]
     client, keys = services.redis, services.keys
-    pipe = client.pipeline(transaction=False)
-    pipe.llen(PREPROCESS_QUEUE)   # Celery's Redis transport keeps the queue as a list of this name
-    pipe.llen(keys.frames)
-    preprocess_depth, frames_depth = pipe.execute()
     workers = live_gpu_workers()
     for worker in workers:   # live totals, fresher than the heartbeat's
         counters = client.hgetall(keys.gpu_counters(worker["worker_id"]))
         worker.setdefault("stats", {}).update({k.decode(): float(v) for k, v in counters.items()})
     return jsonify({
-        "queues": {"preprocess": preprocess_depth, "frames": frames_depth},
+        "queues": queue_depths(client, keys),
         "gpu_workers": [{"worker_id": w["worker_id"], "device": w["model"]["device"],
                          "simulated": w["model"].get("simulated", False), **w.get("stats", {})}
                         for w in workers],

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import redis
 
-from contract.keys import Keys
+from contract.keys import PREPROCESS_QUEUE, Keys
 
 QUEUED = "queued"
 PREPROCESSING = "preprocessing"
@@ -147,6 +147,15 @@ class JobStore:
 
     def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
         return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)
+
+
+def queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
+    """Jobs waiting for a CPU worker (Celery's list) and frames waiting for a GPU worker."""
+    pipe = client.pipeline(transaction=False)
+    pipe.llen(PREPROCESS_QUEUE)
+    pipe.llen(keys.frames)
+    preprocess, frames = pipe.execute()
+    return {"preprocess": int(preprocess), "frames": int(frames)}
 
 
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,11 +1,14 @@
 """Every Redis key and channel the service uses, in one place.
 
-Celery's own keys (its `preprocess` list, its unacked hash) live beside these
-in the same Redis; they are Celery's to name.
+Celery's own keys (the `preprocess` list below, its unacked hash) live beside
+these in the same Redis; apart from the queue's name they are Celery's to name.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+# Celery's queue for CPU work; its Redis transport keeps the queue as a list of this name.
+PREPROCESS_QUEUE = "preprocess"
 
 
 @dataclass(frozen=True)

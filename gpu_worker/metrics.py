@@ -11,6 +11,9 @@ DEVICE_SECONDS = Counter("imgserve_gpu_device_seconds_total", "Seconds the devic
 FRAMES = Counter("imgserve_gpu_frames_total", "Frames taken from the list")
 FRAMES_INFERRED = Counter("imgserve_gpu_frames_inferred_total", "Frames that reached the model")
 GPU_BUSY = Gauge("imgserve_gpu_busy_ratio", "Fraction of wall time the device was busy (sliding window)")
+QUEUE_DEPTH = Gauge("imgserve_queue_depth", "Jobs waiting: the preprocess queue and the GPU frame list", ["queue"])
+STAGE_SECONDS = Histogram("imgserve_stage_seconds", "Time-bill stages of answered jobs", ["stage"],
+                          buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2, 5, 10))
 FRAMES_EXPIRED = Counter("imgserve_gpu_frames_expired_total", "Frames dropped because their deadline passed")
 
 
@@ -24,3 +27,8 @@ def observe_batch(popped: int, inferred: int, wait_s: float) -> None:
 def serve(port: int) -> None:
     if port:
         start_http_server(port)
+
+
+def observe_bill(bill: dict) -> None:
+    for stage, ms in bill.items():
+        STAGE_SECONDS.labels(stage).observe(ms / 1000.0)

@@ -293,6 +293,7 @@ class GpuWorker:
         stamps.update({k: outcome[k] for k in ("infer_ms", "postprocess_ms") if k in outcome})
         bill = compute_time_bill(stamps)
         self.recent.record_bill(bill)
+        metrics.observe_bill(bill)
         fields = {
             "timings": bill,
             "batch": {"id": f"{self.worker_id}:{prepared.seq}", "seq": prepared.seq, "size": size,
@@ -319,9 +320,14 @@ class GpuWorker:
             try:
                 self.beat()
                 self.reap_dead_workers()
+                self._export_queue_depths()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             self.stopping.wait(interval)
+
+    def _export_queue_depths(self) -> None:
+        for queue_name, depth in jobs.queue_depths(self.redis, self.keys).items():
+            metrics.QUEUE_DEPTH.labels(queue_name).set(depth)
 
     def beat(self) -> None:
         """Publish that this worker lives, unless its loop has stalled."""

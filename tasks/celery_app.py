@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from celery import Celery
 
+from contract.keys import PREPROCESS_QUEUE
 from contract.settings import Settings
 
 PREPROCESS_TASK = "imgserve.preprocess"
-PREPROCESS_QUEUE = "preprocess"
 
 
 def make_celery(settings: Settings) -> Celery:

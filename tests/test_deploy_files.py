@@ -1,6 +1,9 @@
 """The compose file and the Procfile describe the same processes."""
 from __future__ import annotations
 
+import json
+import os
+import re
 import shutil
 import subprocess
 
@@ -10,17 +13,70 @@ import yaml
 from tests.support import REPO_ROOT
 
 
-@pytest.fixture(scope="module")
-def compose() -> dict:
+SECRETS = {"REDIS_PASSWORD": "test-redis-secret", "FLOWER_BASIC_AUTH": "admin:test", "GRAFANA_ADMIN_PASSWORD": "g"}
+
+
+def compose_config(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (scripts/bootstrap --dev installs it)")
-    result = subprocess.run(["docker-compose", "config"], cwd=REPO_ROOT, capture_output=True, text=True)
+    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    return subprocess.run(["docker-compose", *args, "config"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          env={**clean, **env})
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    result = compose_config(SECRETS, "--profile", "monitoring")
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
 
 
+def test_compose_refuses_to_start_without_its_secrets():
+    result = compose_config({})
+    assert result.returncode != 0 and "REDIS_PASSWORD" in result.stderr
+
+
+def test_compose_protects_redis_and_flower(compose):
+    services = compose["services"]
+    assert "--requirepass" in services["redis"]["command"]
+    assert services["api"]["environment"]["IMGSERVE_REDIS_URL"].startswith("redis://:test-redis-secret@")
+    assert "--basic-auth" in " ".join(services["flower"]["command"])
+    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "admin:test"
+
+
+def test_monitoring_profile_brings_prometheus_and_grafana(compose):
+    assert compose["services"]["prometheus"]["profiles"] == ["monitoring"]
+    assert compose["services"]["grafana"]["profiles"] == ["monitoring"]
+    scrape = yaml.safe_load((REPO_ROOT / "monitoring" / "prometheus.yml").read_text())
+    targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
+    assert targets == {"api:8000", "gpu-worker:9100"}
+
+
+def exported_sample_names() -> set[str]:
+    """Every sample name the API and the GPU worker can export."""
+    import app.metrics  # noqa: F401
+    import gpu_worker.metrics  # noqa: F401
+    from prometheus_client import REGISTRY
+
+    names = set()
+    for family in REGISTRY.collect():
+        suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_sum", "_count"]}.get(family.type, [""])
+        names |= {family.name + suffix for suffix in suffixes}
+    return names
+
+
+def test_dashboard_parses_and_every_metric_it_uses_exists():
+    dashboard = json.loads((REPO_ROOT / "monitoring" / "grafana" / "dashboards" / "imgserve.json").read_text())
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {name for expr in expressions for name in re.findall(r"imgserve_[a-z_]+", expr)}
+    titles = {panel["title"] for panel in dashboard["panels"]}
+    assert {"GPU busy %", "Batch size", "Queue depths"} <= titles
+    assert used and used <= exported_sample_names(), used - exported_sample_names()
+
+
 def test_compose_file_is_valid_and_has_every_service(compose):
-    assert set(compose["services"]) >= {"redis", "api", "cpu-worker", "gpu-worker", "flower"}
+    assert set(compose["services"]) >= {"redis", "api", "cpu-worker", "gpu-worker", "flower", "prometheus",
+                                        "grafana"}
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
