@@ -14,7 +14,7 @@ from celery import Celery
 from flask import Flask, g
 from werkzeug.exceptions import HTTPException
 
-from app import health, jobs, metrics, stats
+from app import auth, health, jobs, metrics, stats
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.connection import connect
@@ -55,6 +55,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(metrics.blueprint)
     app.register_blueprint(stats.blueprint)
     metrics.install(app)
+    auth.install(app)
     _install_error_handlers(app)
 
     @app.before_request

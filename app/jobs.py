@@ -6,6 +6,7 @@ import time
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 
+from app.auth import owns
 from app.problems import Problem
 from app.uploads import check_image, parse_options
 from contract import jobs
@@ -33,6 +34,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         "media_type": media_type,
         "bytes": len(data),
         "submitted_at": time.time(),
+        **({"owner": g.client_id} if g.get("client_id") else {}),
     })
     try:
         send_preprocess(services.celery, job_id)
@@ -51,9 +53,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def get_job(job_id: str) -> Response:
     services = current_app.extensions["imgserve"]
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
-    record = services.store.load(job_id)
-    if record is None:
-        raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
+    record = _load_owned(services, job_id)
     if wait_s > 0 and record["status"] not in jobs.TERMINAL:
         # No point waiting past the deadline: the job is over by then, one way or another.
         wait_s = min(wait_s, max(0.0, record["deadline_at"] - time.time()) + 0.05)
@@ -74,8 +74,7 @@ def _expire_if_late(services, record: dict) -> dict:
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_app.extensions["imgserve"]
-    if services.store.load(job_id) is None:
-        raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
+    _load_owned(services, job_id)
     cancelled = services.store.finish(job_id, jobs.CANCELLED,
                                       {"error": {"code": "cancelled", "message": "cancelled by the client"}})
     record = services.store.load(job_id)
@@ -86,6 +85,14 @@ def cancel_job(job_id: str) -> Response:
     services.redis.delete(services.keys.upload(job_id))
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(jobs.job_document(record))
+
+
+def _load_owned(services, job_id: str) -> dict:
+    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists)."""
+    record = services.store.load(job_id)
+    if record is None or not owns(record):
+        raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
+    return record
 
 
 def _refuse_when_backlogged(services) -> None:

@@ -45,6 +45,10 @@ class Keys:
         """Sorted set: GPU worker ids scored by their last heartbeat (epoch seconds)."""
         return f"{self.namespace}:gpu_workers"
 
+    def rate_bucket(self, client_id: str) -> str:
+        """Hash: an API key's token bucket (tokens, last refill)."""
+        return f"{self.namespace}:rate:{client_id}"
+
     @property
     def job_events(self) -> str:
         """Pub/sub channel: a job id each time a job reaches a terminal state."""

@@ -68,6 +68,13 @@ class BackpressureSettings:
 
 
 @dataclass(frozen=True)
+class AuthSettings:
+    api_keys: tuple = ()          # [{id: team-a, sha256: <hex of the key>}]; empty: /v1 is open
+    rate_per_s: float = 0.0       # per key; 0: no limit
+    burst: float = 20.0
+
+
+@dataclass(frozen=True)
 class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
@@ -132,6 +139,7 @@ class Settings:
     gpu_worker: GpuWorkerSettings = field(default_factory=GpuWorkerSettings)
     celery: CeleryWorkerSettings = field(default_factory=CeleryWorkerSettings)
     backpressure: BackpressureSettings = field(default_factory=BackpressureSettings)
+    auth: AuthSettings = field(default_factory=AuthSettings)
 
     @property
     def broker_url(self) -> str:
@@ -239,6 +247,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "gpu_worker": GpuWorkerSettings,
         "celery": CeleryWorkerSettings,
         "backpressure": BackpressureSettings,
+        "auth": AuthSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

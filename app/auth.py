@@ -1,0 +1,84 @@
+"""API keys and per-key rate limits for the /v1 routes.
+
+Keys are configured hashed (`auth.api_keys: [{id, sha256}]`); when any are
+set, every /v1 route needs `Authorization: Bearer <key>`, and a job is visible
+only to the key that created it. Each key has a token bucket in Redis
+(`auth.rate_per_s`, `auth.burst`); an empty bucket answers 429 + Retry-After.
+
+    python -m app.auth <key>        # prints the sha256 to put in the config
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import sys
+import time
+
+from flask import current_app, g, request
+
+from app.problems import Problem
+
+# KEYS[1] bucket hash; ARGV now (s), rate (tokens/s), burst. Returns {allowed, retry_after_ms}.
+_TAKE_TOKEN = """
+local now, rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(state[1]) or burst
+local at = tonumber(state[2]) or now
+tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+local allowed = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+  allowed = 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+if allowed == 1 then return {1, 0} end
+return {0, math.ceil((1 - tokens) / rate * 1000)}
+"""
+
+
+def hash_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def install(app) -> None:
+    services = app.extensions["imgserve"]
+    take_token = services.redis.register_script(_TAKE_TOKEN)
+
+    @app.before_request
+    def authenticate() -> None:
+        g.client_id = None
+        settings = services.settings.auth
+        if not request.path.startswith("/v1/") or not settings.api_keys:
+            return
+        g.client_id = _client_for(request.headers.get("Authorization", ""), settings.api_keys)
+        if settings.rate_per_s > 0:
+            allowed, retry_ms = take_token(keys=[services.keys.rate_bucket(g.client_id)],
+                                           args=[time.time(), settings.rate_per_s, settings.burst])
+            if not allowed:
+                raise Problem(429, "rate-limited", "Too many requests",
+                              f"key {g.client_id!r} is over {settings.rate_per_s:g} requests/s",
+                              headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))})
+
+
+def _client_for(header: str, api_keys) -> str:
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        raise Problem(401, "unauthorized", "Unauthorized", "send Authorization: Bearer <api key>",
+                      headers={"WWW-Authenticate": "Bearer"})
+    digest = hash_key(key.strip())
+    for entry in api_keys:
+        if hmac.compare_digest(digest, str(entry["sha256"])):
+            return str(entry["id"])
+    raise Problem(401, "unauthorized", "Unauthorized", "unknown API key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def owns(record: dict) -> bool:
+    """Without keys every job is everyone's; with keys, only its creator's."""
+    client_id = g.get("client_id")
+    return client_id is None or record.get("owner") == client_id
+
+
+if __name__ == "__main__":
+    print(hash_key(sys.argv[1]))
