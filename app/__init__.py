@@ -5,6 +5,7 @@ Redis client, Celery sender and long-poll listener: no module globals.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,8 @@ from contract.connection import connect
 from contract.jobs import JobStore
 from contract.keys import Keys
 from contract.settings import Settings, load_settings
-from tasks.celery_app import make_celery
+from tasks.callbacks import relay_outbox
+from tasks.celery_app import make_celery, send_callback
 
 
 @dataclass
@@ -44,11 +46,15 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)
+    celery = make_celery(settings)
+    relay = functools.partial(relay_outbox, client, keys, functools.partial(send_callback, celery))
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
         store=JobStore(client, keys, settings.jobs.ttl_s),
-        celery=make_celery(settings),
-        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events),
+        celery=celery,
+        # One pub/sub listener per process wakes long-polls and hands ended jobs' callbacks to Celery.
+        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
+                                  on_tick=relay),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
@@ -62,6 +68,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     def stamp_arrival() -> None:
         g.received_at = time.time()
 
+    app.extensions["imgserve"].listener.start()
     return app
 
 

@@ -10,6 +10,7 @@ from app.auth import owns
 from app.problems import Problem
 from app.uploads import check_image, parse_options
 from contract import jobs
+from tasks.callbacks import CallbackRefused, check_callback_url
 from tasks.celery_app import send_preprocess
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -23,7 +24,9 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     _refuse_when_backlogged(services)
     data, declared_type = _read_image()
     media_type = check_image(data, declared_type)
-    options = parse_options({**request.args, **request.form}, settings.jobs.default_deadline_ms)
+    values = {**request.args, **request.form}
+    options = parse_options(values, settings.jobs.default_deadline_ms)
+    callback_url = _checked_callback_url(values.get("callback_url"), settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or settings.jobs.default_deadline_ms
     job_id = jobs.new_job_id()
@@ -35,6 +38,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         "bytes": len(data),
         "submitted_at": time.time(),
         **({"owner": g.client_id} if g.get("client_id") else {}),
+        **({"callback_url": callback_url} if callback_url else {}),
     })
     try:
         send_preprocess(services.celery, job_id)
@@ -85,6 +89,20 @@ def cancel_job(job_id: str) -> Response:
     services.redis.delete(services.keys.upload(job_id))
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(jobs.job_document(record))
+
+
+def _checked_callback_url(url: str | None, settings) -> str | None:
+    if not url:
+        return None
+    if not settings.callbacks.secret:
+        raise Problem(400, "callbacks-disabled", "Callbacks disabled",
+                      "this deployment has no callback secret configured (callbacks.secret)")
+    try:
+        check_callback_url(url, settings.callbacks.allow_hosts)
+    except CallbackRefused as exc:
+        raise Problem(400, "invalid-parameter", "Invalid parameter", str(exc),
+                      invalid_params=[{"name": "callback_url", "reason": str(exc)}]) from exc
+    return url
 
 
 def _load_owned(services, job_id: str) -> dict:

@@ -17,9 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class JobEventListener:
-    def __init__(self, client: redis.Redis, channel: str) -> None:
+    def __init__(self, client: redis.Redis, channel: str, on_tick=lambda: None) -> None:
         self.redis = client
         self.channel = channel
+        self.on_tick = on_tick   # run after every event and at least every second
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = defaultdict(set)
         self._thread: threading.Thread | None = None
@@ -30,6 +31,9 @@ class JobEventListener:
         """Stop listening (the thread ends within its poll interval)."""
         self._closed.set()
         self._wake_all()
+
+    def start(self) -> None:
+        self._ensure_running()
 
     def register(self, job_id: str) -> threading.Event:
         """Call before re-reading the job, so an ending between the read and the wait is not missed."""
@@ -77,6 +81,7 @@ class JobEventListener:
                 message = pubsub.get_message(timeout=1.0)
                 if message and message["type"] == "message":
                     self._wake(message["data"].decode())
+                self.on_tick()
         finally:
             pubsub.close()
 

@@ -27,7 +27,7 @@ CANCELLED = "cancelled"
 STATUSES = (QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING, SUCCEEDED, FAILED, EXPIRED, CANCELLED)
 TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
 
-JSON_FIELDS = ("options", "result", "error", "timings", "batch")
+JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
 STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "pushed_at")
 
 # KEYS[1] job hash; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ...
@@ -47,7 +47,9 @@ return 1
 """
 MOVED, GONE, POISON = 1, 0, -1
 
-# KEYS[1] job hash; ARGV[1] ttl, ARGV[2] channel, ARGV[3] job id, ARGV[4..] field, value, ...
+# KEYS[1] job hash, KEYS[2] callback outbox; ARGV[1] ttl, ARGV[2] channel, ARGV[3] job id,
+# ARGV[4..] field, value, ... A job with a callback_url enters the outbox in the same atomic
+# step that ends it: once per terminal state, whoever ends it.
 _FINISH = """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or status == 'succeeded' or status == 'failed'
@@ -56,6 +58,10 @@ if not status or status == 'succeeded' or status == 'failed'
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
 redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
+if redis.call('HEXISTS', KEYS[1], 'callback_url') == 1 then
+  redis.call('HSET', KEYS[1], 'callback', '{"status":"pending","attempts":0,"last_error":null}')
+  redis.call('RPUSH', KEYS[2], ARGV[3])
+end
 redis.call('PUBLISH', ARGV[2], ARGV[3])
 return 1
 """
@@ -136,7 +142,8 @@ class JobStore:
         assert status in TERMINAL, status
         values = {"status": status, "updated_at": time.time(), "finished_at": time.time(), **(fields or {})}
         args = [self.ttl_s, self.keys.job_events, job_id, *_flatten(values)]
-        return bool(self._finish(keys=[self.keys.job(job_id)], args=args, client=client or self.redis))
+        keys = [self.keys.job(job_id), self.keys.callback_outbox]
+        return bool(self._finish(keys=keys, args=args, client=client or self.redis))
 
     def enqueue_frame(self, job_id: str, frame: bytes, max_frames: int, fields: Mapping[str, Any]) -> int:
         """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
@@ -170,6 +177,8 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
         "error": record.get("error"),
         "timings_ms": record.get("timings") or {},
         "batch": record.get("batch"),
+        **({"callback": record.get("callback") or {"status": "waiting", "attempts": 0, "last_error": None}}
+           if record.get("callback_url") else {}),
     }
 
 

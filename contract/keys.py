@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 # Celery's queue for CPU work; its Redis transport keeps the queue as a list of this name.
 PREPROCESS_QUEUE = "preprocess"
+CALLBACK_QUEUE = "callbacks"
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,11 @@ class Keys:
     def gpu_workers(self) -> str:
         """Sorted set: GPU worker ids scored by their last heartbeat (epoch seconds)."""
         return f"{self.namespace}:gpu_workers"
+
+    @property
+    def callback_outbox(self) -> str:
+        """List: ids of ended jobs whose callback still has to be handed to Celery."""
+        return f"{self.namespace}:callbacks:outbox"
 
     def rate_bucket(self, client_id: str) -> str:
         """Hash: an API key's token bucket (tokens, last refill)."""

@@ -68,6 +68,16 @@ class BackpressureSettings:
 
 
 @dataclass(frozen=True)
+class CallbackSettings:
+    secret: str = ""              # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
+    allow_hosts: tuple = ()       # hosts or CIDRs allowed even when private/loopback (e.g. an internal receiver)
+    max_attempts: int = 5
+    backoff_base_s: float = 1.0   # retry n waits base * 2**n
+    timeout_s: float = 5.0
+    max_response_bytes: int = 65536
+
+
+@dataclass(frozen=True)
 class AuthSettings:
     api_keys: tuple = ()          # [{id: team-a, sha256: <hex of the key>}]; empty: /v1 is open
     rate_per_s: float = 0.0       # per key; 0: no limit
@@ -140,6 +150,7 @@ class Settings:
     celery: CeleryWorkerSettings = field(default_factory=CeleryWorkerSettings)
     backpressure: BackpressureSettings = field(default_factory=BackpressureSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
+    callbacks: CallbackSettings = field(default_factory=CallbackSettings)
 
     @property
     def broker_url(self) -> str:
@@ -154,6 +165,8 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
         raw = _merge(raw, _read_config(Path(overlay_path)))
     if os.environ.get(REDIS_URL_ENV):
         raw["redis_url"] = os.environ[REDIS_URL_ENV]
+    if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
+        raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
     raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
     return _build(Settings, raw)
 
@@ -248,6 +261,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "celery": CeleryWorkerSettings,
         "backpressure": BackpressureSettings,
         "auth": AuthSettings,
+        "callbacks": CallbackSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

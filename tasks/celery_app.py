@@ -3,10 +3,11 @@ from __future__ import annotations
 
 from celery import Celery
 
-from contract.keys import PREPROCESS_QUEUE
+from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE
 from contract.settings import Settings
 
 PREPROCESS_TASK = "imgserve.preprocess"
+CALLBACK_TASK = "imgserve.callback"
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -23,7 +24,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         task_time_limit=settings.celery.task_time_limit_s,
         task_default_queue=PREPROCESS_QUEUE,
-        task_routes={PREPROCESS_TASK: {"queue": PREPROCESS_QUEUE}},
+        task_routes={PREPROCESS_TASK: {"queue": PREPROCESS_QUEUE}, CALLBACK_TASK: {"queue": CALLBACK_QUEUE}},
         # Redis transport: an unacked task comes back after this long.
         broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
         broker_connection_retry_on_startup=True,
@@ -40,3 +41,8 @@ def send_preprocess(app: Celery, job_id: str) -> None:
     """Queue one job for a CPU worker; fails fast when the broker is down."""
     app.send_task(PREPROCESS_TASK, args=[job_id], queue=PREPROCESS_QUEUE,
                   retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1})
+
+
+def send_callback(app: Celery, job_id: str) -> None:
+    """Queue one job's callback delivery on its own queue (a slow receiver slows nothing else)."""
+    app.send_task(CALLBACK_TASK, args=[job_id], queue=CALLBACK_QUEUE)

@@ -14,7 +14,8 @@ from celery.signals import after_setup_logger, worker_process_init
 from contract.connection import connect
 from contract.logs import configure_logging
 from contract.settings import load_settings
-from tasks.celery_app import PREPROCESS_TASK, make_celery
+from tasks.callbacks import CallbackSender, DeliveryFailed
+from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery
 from tasks.preprocess import Preprocessor
 
 settings = load_settings()
@@ -48,4 +49,21 @@ def _get_preprocessor() -> Preprocessor:
 def preprocess(job_id: str) -> str:
     outcome = _get_preprocessor().run(job_id)
     log.info("preprocess %s", outcome, extra={"job_id": job_id, "outcome": outcome})
+    return outcome
+
+
+_sender: CallbackSender | None = None
+
+
+# Not acks_late: a delivery is retried only when it failed, never re-run after a crash (at most once).
+@app.task(name=CALLBACK_TASK, bind=True, acks_late=False, max_retries=None)
+def deliver_callback(self, job_id: str) -> str:
+    global _sender
+    if _sender is None:
+        _sender = CallbackSender(settings, connect(settings, socket_timeout=10.0))
+    try:
+        outcome = _sender.deliver(job_id, self.request.retries)
+    except DeliveryFailed as exc:
+        raise self.retry(countdown=settings.callbacks.backoff_base_s * 2 ** self.request.retries, exc=exc)
+    log.info("callback %s", outcome, extra={"job_id": job_id, "outcome": outcome})
     return outcome

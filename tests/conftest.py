@@ -19,6 +19,7 @@ from tests.support import (REPO_ROOT, ApiServer, ManagedProcess, RedisServer, bu
                            celery_argv, python_argv, wait_until)
 
 STACK_INPUT_SIZE = 320
+CALLBACK_SECRET = "test-callback-secret"
 SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
 STACK_MAX_UPLOAD = 3 * 1024 * 1024
 
@@ -50,6 +51,7 @@ class Stack:
     keys: Keys
     settings: Any
     cpu_worker: ManagedProcess
+    callback_worker: ManagedProcess | None = None
     gpu_worker: ManagedProcess | None = None
     gpu_worker_id: str = "test-gpu"
     session: requests.Session = field(default_factory=requests.Session)
@@ -114,7 +116,10 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace:
                 extra: dict[str, Any] | None = None) -> Stack:
     """API + Celery worker + GPU worker for one model, under their own namespace."""
     config = {"redis_url": redis_url, "namespace": namespace, "model": model,
-              "gpu_worker": {"heartbeat_ttl_s": 5}, **(extra or {})}
+              "gpu_worker": {"heartbeat_ttl_s": 5},
+              "callbacks": {"secret": CALLBACK_SECRET, "allow_hosts": ["127.0.0.1"], "backoff_base_s": 0.2,
+                            "max_attempts": 3, "timeout_s": 2.0},
+              **(extra or {})}
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
@@ -129,9 +134,13 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace:
     stack = Stack(config_path=config_path, log_dir=workdir, env=env, api=ApiServer(create_app(settings)),
                   redis=redis.Redis.from_url(redis_url), keys=Keys(settings.namespace),
                   settings=settings, cpu_worker=cpu_worker, gpu_worker_id=f"{namespace}-gpu")
-    wait_until(lambda: "ready." in cpu_worker.log_tail() or not cpu_worker.alive(), 60,
-               what="the Celery worker to be ready")
-    assert cpu_worker.alive(), cpu_worker.log_tail()
+    stack.callback_worker = ManagedProcess(
+        "callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "-c", "4",
+                                       "--without-gossip", "--without-mingle", "--loglevel", "INFO"), env, workdir)
+    for worker in (cpu_worker, stack.callback_worker):
+        wait_until(lambda: "ready." in worker.log_tail() or not worker.alive(), 60,
+                   what=f"{worker.name} to be ready")
+        assert worker.alive(), worker.log_tail()
     stack.start_gpu_worker()
     return stack
 
@@ -139,6 +148,7 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace:
 def stop_stack(stack: Stack) -> None:
     stack.stop_gpu_worker()
     stack.cpu_worker.stop()
+    stack.callback_worker.stop()
     stack.api.stop()
 
 

@@ -75,8 +75,8 @@ def test_dashboard_parses_and_every_metric_it_uses_exists():
 
 
 def test_compose_file_is_valid_and_has_every_service(compose):
-    assert set(compose["services"]) >= {"redis", "api", "cpu-worker", "gpu-worker", "flower", "prometheus",
-                                        "grafana"}
+    assert set(compose["services"]) >= {"redis", "api", "cpu-worker", "callback-worker", "gpu-worker", "flower",
+                                        "prometheus", "grafana"}
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
@@ -96,5 +96,6 @@ def test_compose_cpu_workers_scale_freely(compose):
 
 def test_procfile_runs_the_same_roles_without_docker():
     roles = dict(line.split(":", 1) for line in (REPO_ROOT / "Procfile").read_text().splitlines() if line)
-    assert set(roles) == {"api", "cpu-worker", "gpu-worker", "flower"}
+    assert set(roles) == {"api", "cpu-worker", "callback-worker", "gpu-worker", "flower"}
+    assert "-Q callbacks" in roles["callback-worker"]
     assert "-Q preprocess" in roles["cpu-worker"] and "--port=5555" in roles["flower"]
