@@ -15,7 +15,7 @@ import math
 import sys
 import time
 
-from flask import current_app, g, request
+from flask import g, request
 
 from app.problems import Problem
 

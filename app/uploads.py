@@ -54,7 +54,7 @@ def check_image(data: bytes, declared_type: str | None) -> str:
     sniffed = sniff_image_type(data)
     if sniffed is None:
         raise Problem(415, "unsupported-media-type", "Unsupported media type",
-                      f"the content is not a JPEG, PNG, WebP, BMP or GIF image")
+                      "the content is not a JPEG, PNG, WebP, BMP or GIF image")
     return sniffed
 
 

@@ -20,33 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tqdm import tqdm
-
-from bench import charts, load
+from bench import charts
 from bench.corpus import load_corpus
-from bench.report import markdown, summarise
+from bench.report import markdown
+from bench.runs import measure, meets_sla
 from bench.stack import BaselineServer, LocalStack, StackOptions
-
-
-def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
-            seed: int = 0) -> dict[str, Any]:
-    """One run: closed loop at `level` clients, or open loop at `level` QPS."""
-    label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
-    with tqdm(desc=label, unit="req", leave=False) as progress:
-        before = load.gpu_counters(url)
-        if mode == "closed":
-            outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update)
-        else:
-            outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update)
-        after = load.gpu_counters(url)
-    # Offered: what the Poisson draw actually sent (its count varies by a few % around the target).
-    offered = len(outcomes) / duration_s if mode == "open" else None
-    result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
-    if mode == "open":
-        result["target_qps"] = level
-    print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
-          f"failed {sum(result['failures'].values())}", file=sys.stderr)
-    return result
 
 
 def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: dict | None = None) -> str:
@@ -103,19 +81,11 @@ def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
         results = [measure("pipeline", stack.url, images, "open", q, args.open_duration) for q in args.qps]
     finally:
         stack.stop()
-    served = [r for r in results if _meets(r, args.sla_ms)]
+    served = [r for r in results if meets_sla(r, args.sla_ms)]
     ceiling = max((r["offered_qps"] for r in served), default=None)
     return {"results": results, "title": f"ceiling at p95 <= {args.sla_ms:g} ms ({stack.options.describe()})",
             "ceiling_qps": ceiling, "summary": f"highest offered rate served at p95 <= {args.sla_ms:g} ms: "
                                                f"{ceiling if ceiling is not None else 'none'} QPS"}
-
-
-def _meets(result: dict, sla_ms: float) -> bool:
-    """Within the SLA, nothing failed, and the service kept up with what was offered."""
-    p95 = result["latency_ms"]["p95"]
-    offered = result.get("offered_qps")
-    enough = offered is None or result["achieved_qps"] >= 0.97 * offered
-    return p95 is not None and p95 <= sla_ms and not result["failures"] and enough
 
 
 def parse_list(kind):

@@ -11,12 +11,11 @@ from typing import Any
 
 import yaml
 
+from bench.runs import measure, meets_sla
 from bench.stack import LocalStack, StackOptions
 
 
 def tune(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
-    from bench.__main__ import _meets, measure
-
     results, rows = [], []
     workdir = Path(tempfile.mkdtemp(prefix="tune-"))
     for i, (workers, batch, window) in enumerate(itertools.product(args.workers, args.batches, args.windows)):
@@ -28,7 +27,7 @@ def tune(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
         finally:
             stack.stop()
         results.append(result)
-        rows.append((options, result, _meets(result, args.sla_ms)))
+        rows.append((options, result, meets_sla(result, args.sla_ms)))
     passing = [(o, r) for o, r, ok in rows if ok]
     chosen = max(passing, key=lambda pair: pair[1]["gpu_busy"] or 0.0) if passing else None
     table = _table(rows, chosen[0] if chosen else None)

@@ -47,7 +47,7 @@ class InFlight:
     """One frame of the batch in hand, with its wall-clock stamps."""
     frame: Frame
     popped_at: float
-    index: int
+    index: int = 0            # position among the batch's running jobs, set once triage is done
 
 
 @dataclass
@@ -251,7 +251,7 @@ class GpuWorker:
                                   client=pipe)
                 metrics.FRAMES_EXPIRED.inc()
                 continue
-            candidates.append(InFlight(frame=frame, popped_at=popped + offset, index=len(candidates)))
+            candidates.append(InFlight(frame=frame, popped_at=popped + offset))
         for item in candidates:
             self.store.advance_unless_poisoned(item.frame.header.job_id, jobs.RUNNING,
                                                self.settings.gpu_worker.max_attempts, client=pipe)

@@ -1,0 +1,40 @@
+"""One measured run of the bench, and whether it met the SLA: shared by the
+commands of `python -m bench` and by `tune`."""
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from bench import load
+from bench.report import summarise
+
+
+def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
+            seed: int = 0) -> dict[str, Any]:
+    """One run: closed loop at `level` clients, or open loop at `level` QPS."""
+    label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
+    with tqdm(desc=label, unit="req", leave=False) as progress:
+        before = load.gpu_counters(url)
+        if mode == "closed":
+            outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update)
+        else:
+            outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update)
+        after = load.gpu_counters(url)
+    # Offered: what the Poisson draw actually sent (its count varies by a few % around the target).
+    offered = len(outcomes) / duration_s if mode == "open" else None
+    result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
+    if mode == "open":
+        result["target_qps"] = level
+    print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
+          f"failed {sum(result['failures'].values())}", file=sys.stderr)
+    return result
+
+
+def meets_sla(result: dict, sla_ms: float) -> bool:
+    """Within the SLA, nothing failed, and the service kept up with what was offered."""
+    p95 = result["latency_ms"]["p95"]
+    offered = result.get("offered_qps")
+    enough = offered is None or result["achieved_qps"] >= 0.97 * offered
+    return p95 is not None and p95 <= sla_ms and not result["failures"] and enough
