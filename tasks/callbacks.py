@@ -24,6 +24,7 @@ import redis
 import requests
 
 from contract import jobs
+from contract.documents import job_document
 from contract.keys import Keys
 from contract.settings import Settings
 
@@ -46,7 +47,11 @@ def sign(secret: str, timestamp: str, body: bytes) -> str:
 
 def check_callback_url(url: str, allow_hosts: Iterable[str] = (),
                        resolve: Callable[..., list] = socket.getaddrinfo) -> None:
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        port = parts.port   # a malformed URL or port raises here
+    except ValueError as exc:
+        raise CallbackRefused(f"callback_url is not a valid URL: {exc}") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise CallbackRefused("callback_url must be an http(s) URL with a host")
     host, allowed = parts.hostname, list(allow_hosts)
@@ -54,8 +59,8 @@ def check_callback_url(url: str, allow_hosts: Iterable[str] = (),
         return
     networks = [ipaddress.ip_network(a, strict=False) for a in allowed if _is_network(a)]
     try:
-        infos = resolve(host, parts.port or (443 if parts.scheme == "https" else 80), proto=socket.IPPROTO_TCP)
-    except OSError as exc:
+        infos = resolve(host, port or (443 if parts.scheme == "https" else 80), proto=socket.IPPROTO_TCP)
+    except (OSError, ValueError) as exc:   # IDNA refuses some names with a UnicodeError
         raise CallbackRefused(f"callback host {host!r} does not resolve: {exc}") from exc
     for info in infos:
         address = ipaddress.ip_address(info[4][0].split("%")[0])
@@ -87,7 +92,7 @@ class CallbackSender:
         record = self.store.load(job_id)
         if record is None or not record.get("callback_url"):
             return "gone"
-        body = json.dumps(jobs.job_document(record), separators=(",", ":")).encode()
+        body = json.dumps(job_document(record), separators=(",", ":")).encode()
         timestamp = str(int(time.time()))
         try:
             check_callback_url(record["callback_url"], self.settings.allow_hosts)

@@ -37,6 +37,13 @@ def test_public_targets_and_allowlisted_ones_pass():
     check_callback_url("http://127.0.0.1:9/hook", ("127.0.0.1",), resolve=fake_resolver("127.0.0.1"))
 
 
+@pytest.mark.parametrize("url", ["http://[", "http://example.com:99999/", "http://" + "a" * 70 + ".com/",
+                                 "http://\udcff/", "http://:80/"])
+def test_malformed_callback_urls_are_refused_not_raised(url):
+    with pytest.raises(CallbackRefused):
+        check_callback_url(url, ())
+
+
 def verify(secret: str, timestamp: str, body: bytes, signature: str, max_age_s: int = 300) -> bool:
     """What the README's receiver does."""
     expected = "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
