@@ -15,7 +15,7 @@ from celery import Celery
 from flask import Flask, g
 from werkzeug.exceptions import HTTPException
 
-from app import auth, health, jobs, metrics, stats
+from app import auth, health, jobs, metrics, openapi, stats
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.connection import connect
@@ -60,6 +60,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(health.blueprint)
     app.register_blueprint(metrics.blueprint)
     app.register_blueprint(stats.blueprint)
+    app.register_blueprint(openapi.blueprint)
     metrics.install(app)
     auth.install(app)
     _install_error_handlers(app)
@@ -81,7 +82,9 @@ def _install_error_handlers(app: Flask) -> None:
         detail = exc.description or exc.name
         if exc.code == 413:
             detail = f"the upload exceeds the limit of {app.config['MAX_CONTENT_LENGTH']} bytes"
-        return problem_response(Problem(exc.code or 500, slug, exc.name, detail))
+        # Keep what the exception says in headers: Allow on a 405, WWW-Authenticate on a 401.
+        headers = {name: value for name, value in exc.get_headers() if name.lower() != "content-type"}
+        return problem_response(Problem(exc.code or 500, slug, exc.name, detail, headers=headers))
 
     @app.errorhandler(redis.RedisError)
     @app.errorhandler(kombu.exceptions.OperationalError)

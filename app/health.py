@@ -8,28 +8,38 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, jsonify
 
+from app.openapi import Reply, operation
+from contract.documents import Health, ModelList, Readiness
+
 blueprint = Blueprint("health", __name__)
 
 
 @blueprint.get("/healthz")
+@operation("Liveness: the API process answers", tag="health", public=True,
+           replies={200: Reply("Alive", Health)})
 def healthz() -> Response:
-    return jsonify({"status": "ok"})
+    return jsonify(Health(status="ok").to_json())
 
 
 @blueprint.get("/readyz")
+@operation("Readiness: Redis answers and a GPU worker's heartbeat is fresh", tag="health", public=True,
+           replies={200: Reply("Ready", Readiness), 503: Reply("Not ready, and why", Readiness)})
 def readyz() -> tuple[Response, int]:
     """Ready when Redis answers and at least one GPU worker's heartbeat is fresh."""
     try:
         workers = live_gpu_workers()
     except redis.RedisError as exc:
-        return jsonify({"ready": False, "redis": False, "detail": str(exc), "gpu_workers": 0}), 503
+        body = Readiness(ready=False, redis=False, detail=str(exc), gpu_workers=0)
+        return jsonify(body.to_json()), 503
     ready = bool(workers)
-    body = {"ready": ready, "redis": True, "gpu_workers": len(workers),
-            "detail": "ok" if ready else "no GPU worker heartbeat seen recently"}
-    return jsonify(body), 200 if ready else 503
+    body = Readiness(ready=ready, redis=True, gpu_workers=len(workers),
+                     detail="ok" if ready else "no GPU worker heartbeat seen recently")
+    return jsonify(body.to_json()), 200 if ready else 503
 
 
 @blueprint.get("/v1/models")
+@operation("The models the live GPU workers serve", tag="models", problems=(503,),
+           replies={200: Reply("One entry per model and version, with the workers serving it", ModelList)})
 def list_models() -> Response:
     workers = live_gpu_workers()
     models: dict[tuple[str, str], dict[str, Any]] = {}
@@ -40,7 +50,7 @@ def list_models() -> Response:
         entry["workers"].append(info["worker_id"])
     for entry in models.values():
         entry.pop("device", None)
-    return jsonify({"models": list(models.values())})
+    return jsonify(ModelList(models=list(models.values())).to_json())
 
 
 def live_gpu_workers() -> list[dict[str, Any]]:

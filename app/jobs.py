@@ -5,11 +5,15 @@ import logging
 import time
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
+from pydantic import ValidationError
 
 from app.auth import owns
+from app.openapi import Reply, image_body, operation
 from app.problems import Problem
-from app.uploads import check_image, parse_options
+from app.uploads import check_image, invalid_params_problem, option_values, parse_options
 from contract import jobs
+from contract.documents import (JobAccepted, JobDocument, job_document, submit_options_model,
+                                wait_query_model)
 from tasks.callbacks import CallbackRefused, check_callback_url
 from tasks.celery_app import send_preprocess
 
@@ -17,16 +21,26 @@ blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
 
 
+def _submit_options(settings):
+    return submit_options_model(settings.jobs.default_deadline_ms)
+
+
 @blueprint.post("")
+@operation("Submit an image for detection", tag="jobs",
+           problems=((400, "An option is invalid (named in `invalid_params`), the image is empty or missing, "
+                           "or callbacks are disabled"), 413, 415, 429, 503),
+           description="Options may come as query parameters or, with a multipart body, as form fields.",
+           query=_submit_options, body=lambda settings: image_body(settings, _submit_options(settings)),
+           replies={202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",))})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
     settings = services.settings
     _refuse_when_backlogged(services)
     data, declared_type = _read_image()
     media_type = check_image(data, declared_type)
-    values = {**request.args, **request.form}
+    values = option_values(request.args, request.form, names=_submit_options(settings).model_fields)
     options = parse_options(values, settings.jobs.default_deadline_ms)
-    callback_url = _checked_callback_url(values.get("callback_url"), settings)
+    callback_url = _checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or settings.jobs.default_deadline_ms
     job_id = jobs.new_job_id()
@@ -48,12 +62,16 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
                       f"cannot queue the job: {exc}", headers={"Retry-After": "1"}) from exc
     log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type})
     location = url_for("jobs.get_job", job_id=job_id)
-    body = {"id": job_id, "status": jobs.QUEUED, "created_at": jobs.utc_iso(received_at),
-            "links": {"self": location}}
-    return jsonify(body), 202, {"Location": location}
+    body = JobAccepted(id=job_id, status=jobs.QUEUED, created_at=jobs.utc_iso(received_at),
+                       links={"self": location})
+    return jsonify(body.to_json()), 202, {"Location": location}
 
 
 @blueprint.get("/<job_id>")
+@operation("Read a job, optionally waiting for it to end", tag="jobs",
+           problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
+           query=lambda settings: wait_query_model(settings.api.max_wait_s),
+           replies={200: Reply("The job", JobDocument)})
 def get_job(job_id: str) -> Response:
     services = current_app.extensions["imgserve"]
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
@@ -62,7 +80,7 @@ def get_job(job_id: str) -> Response:
         # No point waiting past the deadline: the job is over by then, one way or another.
         wait_s = min(wait_s, max(0.0, record["deadline_at"] - time.time()) + 0.05)
         record = _wait_for_end(services, job_id, wait_s) or record
-    return jsonify(jobs.job_document(_expire_if_late(services, record)))
+    return jsonify(job_document(_expire_if_late(services, record)))
 
 
 def _expire_if_late(services, record: dict) -> dict:
@@ -75,6 +93,8 @@ def _expire_if_late(services, record: dict) -> dict:
 
 
 @blueprint.delete("/<job_id>")
+@operation("Cancel a job that has not ended", tag="jobs", problems=(404, 409, 503),
+           replies={200: Reply("The job, now cancelled", JobDocument)})
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_app.extensions["imgserve"]
@@ -88,7 +108,7 @@ def cancel_job(job_id: str) -> Response:
                       f"job {job_id!r} ended as {status!r} and cannot be cancelled")
     services.redis.delete(services.keys.upload(job_id))
     log.info("job cancelled", extra={"job_id": job_id})
-    return jsonify(jobs.job_document(record))
+    return jsonify(job_document(record))
 
 
 def _checked_callback_url(url: str | None, settings) -> str | None:
@@ -137,17 +157,11 @@ def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:
 
 
 def _wait_seconds(max_wait_s: float) -> float:
-    raw = request.args.get("wait")
-    if raw is None or raw == "":
-        return 0.0
+    given = option_values(request.args, names=("wait",))
     try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value <= max_wait_s:
-        raise Problem(400, "invalid-parameter", "Invalid parameter",
-                      f"wait={raw!r} must be a number of seconds between 0 and {max_wait_s:g}")
-    return value
+        return wait_query_model(max_wait_s).model_validate(given).wait or 0.0
+    except ValidationError as exc:
+        raise invalid_params_problem(exc, given) from None
 
 
 def _read_image() -> tuple[bytes, str | None]:

@@ -9,6 +9,8 @@ from flask import Blueprint, Flask, Response, g, request
 from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram,
                                generate_latest, multiprocess)
 
+from app.openapi import Reply, operation
+
 blueprint = Blueprint("metrics", __name__)
 
 REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "route", "status"])
@@ -30,6 +32,8 @@ def install(app: Flask) -> None:
 
 
 @blueprint.get("/metrics")
+@operation("Prometheus metrics of the API processes", tag="health", public=True,
+           replies={200: Reply("Prometheus text format", media_type="text/plain", schema={"type": "string"})})
 def expose() -> Response:
     registry = REGISTRY
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):

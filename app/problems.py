@@ -5,6 +5,8 @@ from typing import Any
 
 from flask import Response, jsonify
 
+from contract.documents import ProblemDocument
+
 PROBLEM_TYPE = "application/problem+json"
 
 
@@ -23,9 +25,9 @@ def problem_response(problem: Problem) -> Response:
     from app.metrics import REJECTS
 
     REJECTS.labels(problem.slug).inc()
-    body = {"type": f"/problems/{problem.slug}", "title": problem.title,
-            "status": problem.status, "detail": problem.detail, **problem.extra}
-    response = jsonify(body)
+    body = ProblemDocument(type=f"/problems/{problem.slug}", title=problem.title,
+                           status=problem.status, detail=problem.detail, **problem.extra)
+    response = jsonify(body.to_json())
     response.status_code = problem.status
     response.mimetype = PROBLEM_TYPE
     response.headers.update(problem.headers)

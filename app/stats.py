@@ -4,12 +4,16 @@ from __future__ import annotations
 from flask import Blueprint, Response, current_app, jsonify
 
 from app.health import live_gpu_workers
+from app.openapi import Reply, operation
+from contract.documents import Stats
 from contract.jobs import queue_depths
 
 blueprint = Blueprint("stats", __name__)
 
 
 @blueprint.get("/v1/stats")
+@operation("Queues, GPU busy fraction, batch sizes and the recent time bill", tag="stats", problems=(503,),
+           replies={200: Reply("A summary over each GPU worker's recent window", Stats)})
 def stats() -> Response:
     services = current_app.extensions["imgserve"]
     client, keys = services.redis, services.keys
@@ -17,13 +21,14 @@ def stats() -> Response:
     for worker in workers:   # live totals, fresher than the heartbeat's
         counters = client.hgetall(keys.gpu_counters(worker["worker_id"]))
         worker.setdefault("stats", {}).update({k.decode(): float(v) for k, v in counters.items()})
-    return jsonify({
-        "queues": queue_depths(client, keys),
-        "gpu_workers": [{"worker_id": w["worker_id"], "device": w["model"]["device"],
-                         "simulated": w["model"].get("simulated", False), **w.get("stats", {})}
-                        for w in workers],
-        "gpu": _combined(workers),
-    })
+    summary = Stats(
+        queues=queue_depths(client, keys),
+        gpu_workers=[{"worker_id": w["worker_id"], "device": w["model"]["device"],
+                      "simulated": w["model"].get("simulated", False), **w.get("stats", {})}
+                     for w in workers],
+        gpu=_combined(workers),
+    )
+    return jsonify(summary.to_json())
 
 
 def _combined(workers: list[dict]) -> dict:

@@ -1,11 +1,12 @@
 """Validating a submission: the image bytes and the per-job options. Pure functions."""
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
+
+from pydantic import ValidationError
 
 from app.problems import Problem
+from contract.documents import SubmitOptionsBase, submit_options_model
 
 # Magic numbers of the image types we accept, checked on the bytes themselves.
 _SIGNATURES = (
@@ -16,19 +17,6 @@ _SIGNATURES = (
     (b"GIF89a", "image/gif"),
 )
 ACCEPTED_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif")
-
-
-@dataclass(frozen=True)
-class Options:
-    conf: float | None = None
-    iou: float | None = None
-    max_det: int | None = None
-    deadline_ms: int | None = None
-
-    def for_model(self) -> dict[str, Any]:
-        """The options the GPU worker applies; unset ones fall back to the model's defaults."""
-        return {k: v for k, v in (("conf", self.conf), ("iou", self.iou), ("max_det", self.max_det))
-                if v is not None}
 
 
 def sniff_image_type(data: bytes) -> str | None:
@@ -58,29 +46,34 @@ def check_image(data: bytes, declared_type: str | None) -> str:
     return sniffed
 
 
-def parse_options(values: Mapping[str, str], max_deadline_ms: int) -> Options:
-    """conf, iou in [0, 1]; max_det in [1, 1000]; deadline_ms in [1, default deadline]."""
-    return Options(
-        conf=_number(values, "conf", float, 0.0, 1.0),
-        iou=_number(values, "iou", float, 0.0, 1.0),
-        max_det=_number(values, "max_det", int, 1, 1000),
-        deadline_ms=_number(values, "deadline_ms", int, 1, max_deadline_ms),
-    )
-
-
-def _number(values: Mapping[str, str], name: str, kind: type, low: float, high: float) -> Any:
-    raw = values.get(name)
-    if raw is None or raw == "":
-        return None
+def parse_options(values: Mapping[str, str], max_deadline_ms: int) -> SubmitOptionsBase:
+    """conf, iou in [0, 1]; max_det in [1, 1000]; deadline_ms in [1, max_deadline_ms]; callback_url.
+    The bounds live in `contract.documents`, which the OpenAPI document is generated from."""
+    given = {name: value for name, value in values.items() if value is not None}
     try:
-        value = kind(raw)
-    except (TypeError, ValueError):
-        raise _bad_param(name, f"{name}={raw!r} is not a{'n integer' if kind is int else ' number'}")
-    if isinstance(value, float) and not math.isfinite(value) or not low <= value <= high:
-        raise _bad_param(name, f"{name}={raw!r} must be between {low:g} and {high:g}")
-    return value
+        return submit_options_model(max_deadline_ms).model_validate(given)
+    except ValidationError as exc:
+        raise invalid_params_problem(exc, given) from None
 
 
-def _bad_param(name: str, detail: str) -> Problem:
-    return Problem(400, "invalid-parameter", "Invalid parameter", detail,
-                   invalid_params=[{"name": name, "reason": detail}])
+def option_values(*sources: Any, names: Iterable[str]) -> dict[str, str]:
+    """The named options from several MultiDicts (query string, form); naming one twice is a 400,
+    so no value is silently ignored."""
+    values: dict[str, str] = {}
+    for source in sources:
+        for name in set(names) & set(source.keys()):
+            given = source.getlist(name)
+            if name in values or len(given) > 1:
+                detail = f"{name} is given more than once"
+                raise Problem(400, "invalid-parameter", "Invalid parameter", detail,
+                              invalid_params=[{"name": name, "reason": detail}])
+            values[name] = given[0]
+    return values
+
+
+def invalid_params_problem(exc: ValidationError, given: Mapping[str, Any]) -> Problem:
+    """A 400 naming each field at fault, the first one in the detail."""
+    params = [{"name": str(error["loc"][0]), "reason": error["msg"]} for error in exc.errors()]
+    first = params[0]["name"]
+    detail = f"{first}={given.get(first)!r}: {params[0]['reason']}"
+    return Problem(400, "invalid-parameter", "Invalid parameter", detail, invalid_params=params)

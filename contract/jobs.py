@@ -165,23 +165,6 @@ def queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
     return {"preprocess": int(preprocess), "frames": int(frames)}
 
 
-def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
-    """The public JSON of a job, as `GET /v1/jobs/<id>` returns it."""
-    created = record.get("received_at")
-    return {
-        "id": record["id"],
-        "status": record.get("status"),
-        "created_at": utc_iso(created) if created is not None else None,
-        "options": record.get("options") or {},
-        "result": record.get("result"),
-        "error": record.get("error"),
-        "timings_ms": record.get("timings") or {},
-        "batch": record.get("batch"),
-        **({"callback": record.get("callback") or {"status": "waiting", "attempts": 0, "last_error": None}}
-           if record.get("callback_url") else {}),
-    }
-
-
 def _encode(fields: Mapping[str, Any]) -> dict[str, str]:
     return {name: _encode_value(value) for name, value in fields.items()}
 

@@ -7,17 +7,19 @@ from __future__ import annotations
 
 from typing import Mapping
 
-STAGES = (
-    "receive",      # API: request start -> upload stored and task sent
-    "queue_cpu",    # waiting for a CPU worker
-    "decode",       # CPU worker: image decode (draft mode, EXIF, colour mode)
-    "resize",       # CPU worker: letterbox resize and frame packing
-    "queue_gpu",    # frame waiting in the Redis list
-    "batch_wait",   # popped -> its batch closed and the device free (window + any wait for the previous batch)
-    "infer",        # batch assembly on the device and the forward pass
-    "postprocess",  # decode, NMS, letterbox inversion
-    "total",        # request start -> result written
-)
+# Each stage of a request's life, in order, with what its milliseconds cover.
+STAGE_DESCRIPTIONS = {
+    "receive": "API: request start -> upload stored and task sent",
+    "queue_cpu": "waiting for a CPU worker",
+    "decode": "CPU worker: image decode (draft mode, EXIF, colour mode)",
+    "resize": "CPU worker: letterbox resize and frame packing",
+    "queue_gpu": "frame waiting in the Redis list",
+    "batch_wait": "popped -> its batch closed and the device free (window + any wait for the previous batch)",
+    "infer": "batch assembly on the device and the forward pass",
+    "postprocess": "decode, NMS, letterbox inversion",
+    "total": "request start -> result written",
+}
+STAGES = tuple(STAGE_DESCRIPTIONS)
 
 _SPANS = {
     "receive": ("received_at", "submitted_at"),

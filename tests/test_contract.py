@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from contract import jobs
+from contract.documents import job_document
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
 from contract.keys import Keys
 from contract.settings import SettingsError, load_settings
@@ -117,7 +118,7 @@ def test_unknown_jobs_cannot_be_moved(redis_client):
 
 
 def test_job_document_shape():
-    doc = jobs.job_document({"id": "j", "status": "queued", "received_at": 0.0, "options": {}})
+    doc = job_document({"id": "j", "status": "queued", "received_at": 0.0, "options": {}})
     assert list(doc) == ["id", "status", "created_at", "options", "result", "error", "timings_ms", "batch"]
     assert doc["created_at"] == "1970-01-01T00:00:00.000Z"
     json.dumps(doc)

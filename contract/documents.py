@@ -1,0 +1,266 @@
+"""The public JSON documents: what the API answers, what a callback POSTs, and
+the options a submission may carry.
+
+One pydantic model per document. Responses are built through these models,
+submissions are validated by them, and `app/openapi.py` generates the OpenAPI
+document from them, so the description cannot drift from what is served.
+Documents built from other processes' data ignore fields they do not name: a
+newer GPU worker must not break an older API.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any, Literal, Mapping, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, create_model
+from typing_extensions import TypedDict
+
+from contract.jobs import STATUSES, utc_iso
+from contract.timebill import STAGE_DESCRIPTIONS
+
+JobStatus = Literal[STATUSES]  # type: ignore[valid-type]
+Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+
+
+class Document(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    def to_json(self) -> dict[str, Any]:
+        """The wire form; fields never set (an absent callback, an unset option) are left out."""
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+# --- a job ------------------------------------------------------------------------------------------
+
+class Detection(Document):
+    box: list[float] = Field(min_length=4, max_length=4,
+                             description="x1, y1, x2, y2 in the original image's pixels")
+    score: Probability
+    class_id: int = Field(ge=0)
+    label: str
+
+
+class ImageSize(Document):
+    width: int = Field(ge=1)
+    height: int = Field(ge=1)
+
+
+class ModelRef(Document):
+    name: str
+    version: str
+
+
+class JobResult(Document):
+    detections: list[Detection]
+    image: ImageSize = Field(description="the submitted image's size, after EXIF rotation")
+    model: ModelRef
+
+
+class JobError(Document):
+    code: str = Field(description="decode_error, image_too_large, deadline, cancelled, poison, inference_error, ...")
+    message: str
+
+
+class JobOptions(TypedDict, total=False):
+    """The options the GPU worker applies; unset ones fall back to the model's defaults."""
+    conf: Probability
+    iou: Probability
+    max_det: Annotated[int, Field(ge=1, le=1000)]
+
+
+TimeBill = TypedDict(  # type: ignore[misc]
+    "TimeBill", {stage: Annotated[float, Field(ge=0.0, description=text)]
+                 for stage, text in STAGE_DESCRIPTIONS.items()}, total=False)
+TimeBill.__doc__ = "Milliseconds per stage of this request; stages not reached yet are absent."
+
+
+class BatchInfo(Document):
+    id: str = Field(description="worker id and batch sequence number")
+    seq: int
+    size: int = Field(ge=1, description="frames in the batch")
+    index: int = Field(ge=0, description="this frame's place in the batch")
+    closed_by: str = Field(description="why the batch closed: full, window, late, ...")
+    worker: str
+
+
+class CallbackState(Document):
+    status: Literal["waiting", "pending", "retrying", "delivered", "failed"]
+    attempts: int = Field(ge=0)
+    last_error: Optional[str]
+
+
+class JobDocument(Document):
+    """A job, as `GET /v1/jobs/{job_id}` returns it and a callback POSTs it."""
+    id: str
+    status: JobStatus
+    created_at: Optional[str] = Field(json_schema_extra={"format": "date-time"})
+    options: JobOptions
+    result: Optional[JobResult] = Field(description="set once the job succeeded")
+    error: Optional[JobError] = Field(description="set once the job failed, expired or was cancelled")
+    timings_ms: TimeBill
+    batch: Optional[BatchInfo] = Field(description="the GPU batch that answered the job")
+    callback: Optional[CallbackState] = Field(None, description="present when the job has a callback_url")
+
+
+def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
+    """The public JSON of a stored job record."""
+    created = record.get("received_at")
+    fields: dict[str, Any] = {
+        "id": record["id"],
+        "status": record.get("status"),
+        "created_at": utc_iso(created) if created is not None else None,
+        "options": record.get("options") or {},
+        "result": record.get("result"),
+        "error": record.get("error"),
+        "timings_ms": record.get("timings") or {},
+        "batch": record.get("batch"),
+    }
+    if record.get("callback_url"):
+        fields["callback"] = record.get("callback") or {"status": "waiting", "attempts": 0, "last_error": None}
+    return JobDocument(**fields).to_json()
+
+
+class JobLinks(Document):
+    self: str = Field(description="where to poll the job")
+
+
+class JobAccepted(Document):
+    id: str
+    status: Literal["queued"]
+    created_at: str = Field(json_schema_extra={"format": "date-time"})
+    links: JobLinks
+
+
+# --- a submission ------------------------------------------------------------------------------------
+
+class SubmitOptionsBase(Document):
+    conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
+    iou: Probability = Field(None, description="NMS IoU threshold; the model's default when absent")
+    max_det: int = Field(None, ge=1, le=1000, description="most detections returned")
+    callback_url: str = Field(None, max_length=2048, pattern=r"^https?://[^/?#\s]+",
+                              json_schema_extra={"format": "uri"},
+                              description="http(s) URL that receives the job document, signed, once it ends; "
+                                          "a host that resolves to a private address is refused (400)")
+
+    def for_model(self) -> JobOptions:
+        return JobOptions(**{k: v for k, v in (("conf", self.conf), ("iou", self.iou),
+                                               ("max_det", self.max_det)) if v is not None})
+
+
+@functools.lru_cache(maxsize=8)
+def submit_options_model(max_deadline_ms: int) -> type[SubmitOptionsBase]:
+    """The submission options, with the deployment's deadline as deadline_ms's bound."""
+    return create_model("SubmitOptions", __base__=SubmitOptionsBase,
+                        deadline_ms=(int, Field(None, ge=1, le=max_deadline_ms,
+                                                description="answer within this many ms or end `expired`")))
+
+
+@functools.lru_cache(maxsize=8)
+def wait_query_model(max_wait_s: float) -> type[Document]:
+    return create_model("WaitQuery", __base__=Document,
+                        wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
+                                           description="long-poll: hold the request up to this many "
+                                                       "seconds until the job ends")))
+
+
+# --- errors -----------------------------------------------------------------------------------------
+
+class InvalidParam(Document):
+    name: str
+    reason: str
+
+
+class ProblemDocument(Document):
+    """RFC 9457 problem details: every API error has this shape."""
+    type: str = Field(description="/problems/<slug>, e.g. /problems/overloaded")
+    title: str
+    status: int = Field(ge=400, le=599)
+    detail: str
+    invalid_params: list[InvalidParam] = Field(None, description="the request fields at fault")
+
+
+# --- health, models, stats ------------------------------------------------------------------------
+
+class Health(Document):
+    status: Literal["ok"]
+
+
+class Readiness(Document):
+    ready: bool
+    redis: bool = Field(description="the job store answers")
+    gpu_workers: int = Field(ge=0, description="GPU workers with a fresh heartbeat")
+    detail: str
+
+
+class ModelDefaults(Document):
+    conf: float
+    iou: float
+    max_det: int
+
+
+class ServedModel(Document):
+    name: str
+    version: str
+    weights: Optional[str]
+    labels: list[str]
+    input_size: int
+    layout: str
+    format: str
+    simulated: bool
+    defaults: ModelDefaults
+    devices: list[str]
+    workers: list[str]
+
+
+class ModelList(Document):
+    models: list[ServedModel]
+
+
+class QueueDepths(Document):
+    preprocess: int = Field(ge=0, description="jobs waiting for a CPU worker")
+    frames: int = Field(ge=0, description="frames waiting for a GPU worker")
+
+
+class StageSummary(Document):
+    p50: float
+    p95: float
+    mean: float
+    share: float = Field(description="fraction of the mean total")
+
+
+StageSummaries = dict[str, StageSummary]
+
+
+class GpuWorkerStats(Document):
+    worker_id: str
+    device: str
+    simulated: bool
+    busy: float = Field(None, description="fraction of the recent window the device computed")
+    busy_window_s: float = None
+    nvml_utilisation: Optional[float] = None
+    device_seconds_total: float = None
+    batches_total: int = None
+    frames_total: int = None
+    updated_at: float = None
+    window_s: float = None
+    batches: int = Field(None, description="batches in the recent window")
+    batch_size_mean: Optional[float] = None
+    batch_size_histogram: dict[str, int] = None
+    time_bill_ms: StageSummaries = None
+
+
+class GpuSummary(Document):
+    workers: int
+    simulated: bool = None
+    busy: float = Field(None, description="mean busy fraction across workers")
+    device_seconds_total: float = None
+    frames_total: int = None
+    batches_total: int = None
+    batch_size_mean: Optional[float] = None
+    time_bill_ms: StageSummaries = Field(None, description="the busiest worker's recent time bill, per stage")
+
+
+class Stats(Document):
+    queues: QueueDepths
+    gpu_workers: list[GpuWorkerStats]
+    gpu: GpuSummary

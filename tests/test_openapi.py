@@ -1,0 +1,97 @@
+"""The OpenAPI document: generated from the code, complete, and true of the
+running API (schemathesis over real HTTP against the real stack)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import schemathesis
+
+from app import create_app
+from app.auth import hash_key
+from tests.support import REPO_ROOT, ApiServer, jpeg
+
+pytestmark = pytest.mark.integration
+FUZZ_KEY = "fuzz-key"
+FUZZ_EXAMPLES = 100
+
+
+def test_every_route_is_documented(stack):
+    document = requests.get(stack.url("/openapi.json"), timeout=10).json()
+    served = {(rule.rule.replace("<job_id>", "{job_id}"), method.lower())
+              for rule in stack.api.app.url_map.iter_rules() if rule.endpoint != "static"
+              for method in rule.methods - {"HEAD", "OPTIONS"}}
+    documented = {(path, method) for path, methods in document["paths"].items() for method in methods}
+    assert served == documented
+
+
+def test_bounds_come_from_the_settings_and_the_models(stack):
+    document = requests.get(stack.url("/openapi.json"), timeout=10).json()
+    submit = document["paths"]["/v1/jobs"]["post"]
+    parameters = {p["name"]: p["schema"] for p in submit["parameters"]}
+    assert parameters["deadline_ms"]["maximum"] == stack.settings.jobs.default_deadline_ms
+    assert parameters["conf"] == {"type": "number", "minimum": 0.0, "maximum": 1.0}
+    wait = document["paths"]["/v1/jobs/{job_id}"]["get"]["parameters"][1]
+    assert wait["name"] == "wait" and wait["schema"]["maximum"] == stack.settings.api.max_wait_s
+    body = submit["requestBody"]["content"]
+    assert body["multipart/form-data"]["schema"]["required"] == ["image"]
+    assert body["image/jpeg"]["schema"]["maxLength"] == stack.settings.api.max_upload_bytes
+    stages = document["components"]["schemas"]["TimeBill"]["properties"]
+    assert list(stages) == ["receive", "queue_cpu", "decode", "resize", "queue_gpu", "batch_wait", "infer",
+                            "postprocess", "total"]
+
+
+def test_a_real_job_document_matches_its_schema(stack):
+    """A succeeded job (result, batch, full time bill) validates against the generated schema."""
+    schema = schemathesis.openapi.from_url(stack.url("/openapi.json"))
+    job_id = stack.submit_ok(jpeg(200, 120))
+    response = requests.get(stack.url(f"/v1/jobs/{job_id}"), params={"wait": 20}, timeout=40)
+    assert response.json()["status"] == "succeeded"
+    schema["/v1/jobs/{job_id}"]["GET"].validate_response(response)
+    stats = requests.get(stack.url("/v1/stats"), timeout=10)
+    schema["/v1/stats"]["GET"].validate_response(stats)
+    assert stats.json()["gpu"]["workers"] >= 1
+
+
+def test_the_docs_page_lists_every_operation(stack):
+    page = requests.get(stack.url("/docs"), timeout=10)
+    assert page.status_code == 200 and page.headers["Content-Type"].startswith("text/html")
+    document = requests.get(stack.url("/openapi.json"), timeout=10).json()
+    for path, methods in document["paths"].items():
+        for method, operation in methods.items():
+            assert f'id="{operation["operationId"]}"' in page.text, (method, path)
+    assert 'id="JobDocument"' in page.text and "src=" not in page.text   # self-contained: no CDN
+
+
+@pytest.fixture(scope="module")
+def keyed_api(stack):
+    auth = dataclasses.replace(stack.settings.auth, rate_per_s=1000.0, burst=1000.0,
+                               api_keys=({"id": "fuzz", "sha256": hash_key(FUZZ_KEY)},))
+    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
+    yield server
+    server.stop()
+
+
+def run_schemathesis(base_url: str, *extra: str) -> subprocess.CompletedProcess:
+    """The schemathesis CLI, as a user would run it: every check, every phase."""
+    argv = [str(Path(sys.executable).with_name("schemathesis")), "--config-file", str(REPO_ROOT / "schemathesis.toml"),
+            "run", base_url + "/openapi.json",
+            "--max-examples", str(FUZZ_EXAMPLES), "--workers", "2",
+            "--request-timeout", "20", *extra]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=400,
+                          env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""})
+
+
+def test_schemathesis_finds_nothing(stack):
+    result = run_schemathesis(stack.api.url)
+    assert result.returncode == 0, result.stdout[-12000:] + result.stderr[-3000:]
+
+
+def test_schemathesis_finds_nothing_with_api_keys(keyed_api):
+    result = run_schemathesis(keyed_api.url, "--header", f"Authorization: Bearer {FUZZ_KEY}")
+    assert result.returncode == 0, result.stdout[-12000:] + result.stderr[-3000:]
