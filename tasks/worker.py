@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import after_setup_logger, worker_process_init
+from celery.signals import after_setup_logger, celeryd_init, worker_process_init
 
 from contract.connection import connect
+from contract.keys import CALLBACK_QUEUE
 from contract.logs import configure_logging
 from contract.settings import load_settings
 from tasks.callbacks import CallbackSender, DeliveryFailed
@@ -23,12 +24,24 @@ app = make_celery(settings)
 log = logging.getLogger(__name__)
 
 _preprocessor: Preprocessor | None = None
+_role = "cpu-worker"
+
+
+@celeryd_init.connect
+def _name_the_role(options: dict | None = None, **_: object) -> None:
+    """Log lines say which worker wrote them: the one on the callbacks queue is the callback worker."""
+    global _role
+    queues = (options or {}).get("queues") or []
+    if isinstance(queues, str):
+        queues = queues.split(",")
+    if list(queues) == [CALLBACK_QUEUE]:
+        _role = "callback-worker"
 
 
 @after_setup_logger.connect
 def _keep_json_logs(**_: object) -> None:
     """Celery sets up its own handler at start; put ours back so every line stays JSON."""
-    configure_logging("cpu-worker")
+    configure_logging(_role)
 
 
 @worker_process_init.connect

@@ -11,6 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from contract.documents import JobDocument
 from tasks.callbacks import CallbackRefused, check_callback_url, sign
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
@@ -102,6 +103,11 @@ def test_a_signed_callback_arrives_once_and_verifies(stack):
                   call["headers"]["X-Signature"])
     sent = json.loads(call["body"])
     assert sent["id"] == job_id and sent["status"] == "succeeded" and sent["result"]["detections"]
+    assert JobDocument.model_validate(sent).to_json() == sent   # the document the OpenAPI describes
+    logged = wait_until(lambda: [entry for line in stack.callback_worker.log_path.read_text().splitlines()
+                                 if line.startswith("{") and (entry := json.loads(line)).get("job_id") == job_id],
+                        10, what="the callback worker's line about the job")
+    assert logged[0]["role"] == "callback-worker" and logged[0]["outcome"] == "delivered"
 
 
 @pytest.mark.integration
