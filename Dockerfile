@@ -13,7 +13,8 @@ COPY tasks ./tasks
 COPY gpu_worker ./gpu_worker
 COPY configs ./configs
 ENV PYTHONUNBUFFERED=1 PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus
-RUN mkdir -p /tmp/prometheus
+# The API runs as nobody and writes its multiprocess metrics here.
+RUN mkdir -p /tmp/prometheus && chmod 1777 /tmp/prometheus
 
 FROM base AS app
 RUN pip install --no-cache-dir ".[run]" \
@@ -24,6 +25,8 @@ USER nobody
 EXPOSE 8000 5555
 
 FROM base AS gpu-worker
+# The default model's weights (configs/models/shapes-yolo.yaml points here).
+COPY models ./models
 RUN pip install --no-cache-dir ".[gpu]" \
  && pip install --no-cache-dir --no-deps --force-reinstall --no-binary pillow-simd "pillow-simd==12.1.1.post0"
 ENV PROMETHEUS_MULTIPROC_DIR=

@@ -58,7 +58,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
-    app.register_blueprint(metrics.blueprint)
+    if not settings.api.metrics_port:   # otherwise served on an internal port, not here
+        app.register_blueprint(metrics.blueprint)
     app.register_blueprint(stats.blueprint)
     app.register_blueprint(openapi.blueprint)
     metrics.install(app)

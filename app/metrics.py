@@ -1,15 +1,18 @@
-"""Prometheus metrics of the API at /metrics (multiprocess-safe under gunicorn
-when PROMETHEUS_MULTIPROC_DIR is set, as the Procfile and compose file do)."""
+"""Prometheus metrics of the API (multiprocess-safe under gunicorn when
+PROMETHEUS_MULTIPROC_DIR is set, as scripts/run-local and the image do): at
+/metrics on the API's port, or only on `api.metrics_port` when one is set."""
 from __future__ import annotations
 
 import os
 import time
+from wsgiref.simple_server import WSGIServer
 
 from flask import Blueprint, Flask, Response, g, request
 from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram,
-                               generate_latest, multiprocess)
+                               generate_latest, multiprocess, start_http_server)
 
 from app.openapi import Reply, operation
+from contract.settings import Settings
 
 blueprint = Blueprint("metrics", __name__)
 
@@ -35,8 +38,20 @@ def install(app: Flask) -> None:
 @operation("Prometheus metrics of the API processes", tag="health", public=True,
            replies={200: Reply("Prometheus text format", media_type="text/plain", schema={"type": "string"})})
 def expose() -> Response:
-    registry = REGISTRY
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        registry = CollectorRegistry()
-        multiprocess.MultiProcessCollector(registry)
-    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(api_registry()), mimetype=CONTENT_TYPE_LATEST)
+
+
+def api_registry() -> CollectorRegistry:
+    """Every API process's metrics under gunicorn (multiprocess mode), else this process's."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return REGISTRY
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry)
+    return registry
+
+
+def serve_on_metrics_port(settings: Settings) -> WSGIServer:
+    """The internal metrics listener; gunicorn's master starts it (configs/gunicorn.conf.py)."""
+    server, _thread = start_http_server(settings.api.metrics_port, settings.api.metrics_host,
+                                        registry=api_registry())
+    return server

@@ -18,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 CONFIG_ENV = "IMGSERVE_CONFIG"
 REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
+METRICS_PORT_ENV = "IMGSERVE_METRICS_PORT"
 
 
 class SettingsError(ValueError):
@@ -30,6 +31,10 @@ class ApiSettings:
     max_wait_s: float = 30.0
     max_image_pixels: int = 80_000_000
     redis_timeout_s: float = 2.0
+    # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
+    # metrics_host), so an internal network can scrape what the public port does not show.
+    metrics_port: int = 0
+    metrics_host: str = "0.0.0.0"
 
 
 @dataclass(frozen=True)
@@ -158,7 +163,8 @@ class Settings:
 
 
 def load_settings(path: str | os.PathLike | None = None) -> Settings:
-    """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the env's Redis URL."""
+    """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment's overrides
+    (IMGSERVE_REDIS_URL, IMGSERVE_CALLBACK_SECRET, IMGSERVE_METRICS_PORT)."""
     raw = _read_config(DEFAULT_CONFIG)
     overlay_path = path or os.environ.get(CONFIG_ENV)
     if overlay_path:
@@ -167,6 +173,8 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
         raw["redis_url"] = os.environ[REDIS_URL_ENV]
     if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
+    if os.environ.get(METRICS_PORT_ENV):
+        raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
     raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
     return _build(Settings, raw)
 

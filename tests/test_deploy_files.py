@@ -49,7 +49,15 @@ def test_monitoring_profile_brings_prometheus_and_grafana(compose):
     assert compose["services"]["grafana"]["profiles"] == ["monitoring"]
     scrape = yaml.safe_load((REPO_ROOT / "monitoring" / "prometheus.yml").read_text())
     targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
-    assert targets == {"api:8000", "gpu-worker:9100"}
+    api = compose["services"]["api"]
+    metrics_port = str(api["environment"]["IMGSERVE_METRICS_PORT"])
+    gpu_command = compose["services"]["gpu-worker"]["command"]
+    gpu_port = gpu_command[gpu_command.index("--metrics-port") + 1]
+    assert targets == {f"api:{metrics_port}", f"gpu-worker:{gpu_port}"}
+    # Scraped over the internal network; never published beside the API's port.
+    assert metrics_port in {str(p) for p in api["expose"]}
+    assert all(str(p.get("target", p) if isinstance(p, dict) else p).split(":")[-1] != metrics_port
+               for p in api["ports"])
 
 
 def exported_sample_names() -> set[str]:
