@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -107,3 +108,31 @@ def test_procfile_runs_the_same_roles_without_docker():
     assert set(roles) == {"api", "cpu-worker", "callback-worker", "gpu-worker", "flower"}
     assert "-Q callbacks" in roles["callback-worker"]
     assert "-Q preprocess" in roles["cpu-worker"] and "--port=5555" in roles["flower"]
+
+
+def copied_paths(stage: str) -> set[str]:
+    """What the Dockerfile copies into a stage, its base stages included."""
+    stages: dict[str, tuple[str, list[str]]] = {}
+    current = None
+    for line in (REPO_ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("FROM "):
+            parts = line.split()
+            current = parts[-1]
+            stages[current] = (parts[1], [])
+        elif line.startswith("COPY ") and current:
+            stages[current][1].extend(line.split()[1:-1])
+    copied: set[str] = set()
+    while stage in stages:
+        base, sources = stages[stage]
+        copied.update(sources)
+        stage = base
+    return copied
+
+
+def test_each_image_holds_what_its_role_loads():
+    from contract.settings import load_settings
+
+    weights = Path(load_settings(REPO_ROOT / "configs" / "default.yaml").model.path).resolve()
+    top_level = weights.relative_to(REPO_ROOT).parts[0]
+    assert top_level in copied_paths("gpu-worker")
+    assert {"contract", "app", "tasks", "configs"} <= copied_paths("app")
