@@ -31,7 +31,10 @@ def _submit_options(settings):
                            "or callbacks are disabled"), 413, 415, 429, 503),
            description="Options may come as query parameters or, with a multipart body, as form fields.",
            query=_submit_options, body=lambda settings: image_body(settings, _submit_options(settings)),
-           replies={202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",))})
+           replies={202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
+                               links={name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
+                                      for name, target in (("ReadJob", "jobs_get_job_get"),
+                                                           ("CancelJob", "jobs_cancel_job_delete"))})})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
     settings = services.settings

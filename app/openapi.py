@@ -51,6 +51,7 @@ class Reply:
     media_type: str = "application/json"
     schema: dict[str, Any] | None = None
     headers: tuple[str, ...] = ()
+    links: dict[str, dict[str, Any]] | None = None   # OpenAPI links: what a client can do next
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,8 @@ def _reply(reply: Reply, registry: "_SchemaRegistry") -> dict[str, Any]:
         rendered["content"] = {reply.media_type: {"schema": schema}}
     if reply.headers:
         rendered["headers"] = {name: {**HEADERS[name], "required": True} for name in reply.headers}
+    if reply.links:
+        rendered["links"] = reply.links
     return rendered
 
 
@@ -213,7 +216,7 @@ When API keys are configured, every `/v1` route needs `Authorization: Bearer <ke
 @operation("This OpenAPI document", tag="meta", public=True,
            replies={200: Reply("OpenAPI 3.1", schema={"type": "object"})})
 def openapi_document() -> Response:
-    return jsonify(build_document(current_app))
+    return jsonify(_cached_document())
 
 
 @blueprint.get("/docs")
@@ -221,7 +224,15 @@ def openapi_document() -> Response:
            replies={200: Reply("An HTML page rendered from /openapi.json", media_type="text/html",
                                schema={"type": "string"})})
 def docs_page() -> str:
-    return render_template_string(DOCS_TEMPLATE, doc=build_document(current_app), describe=describe_schema)
+    return render_template_string(DOCS_TEMPLATE, doc=_cached_document(), describe=describe_schema)
+
+
+def _cached_document() -> dict[str, Any]:
+    """Built once per app: its routes and settings do not change while it serves."""
+    extensions = current_app.extensions
+    if "imgserve.openapi" not in extensions:
+        extensions["imgserve.openapi"] = build_document(current_app)
+    return extensions["imgserve.openapi"]
 
 
 def describe_schema(schema: dict[str, Any]) -> str:

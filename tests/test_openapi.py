@@ -28,6 +28,11 @@ def test_every_route_is_documented(stack):
               for method in rule.methods - {"HEAD", "OPTIONS"}}
     documented = {(path, method) for path, methods in document["paths"].items() for method in methods}
     assert served == documented
+    operation_ids = [op["operationId"] for methods in document["paths"].values() for op in methods.values()]
+    links = [link for methods in document["paths"].values() for op in methods.values()
+             for reply in op["responses"].values() for link in reply.get("links", {}).values()]
+    assert len(set(operation_ids)) == len(operation_ids) and links
+    assert all(link["operationId"] in operation_ids for link in links)
 
 
 def test_bounds_come_from_the_settings_and_the_models(stack):
