@@ -13,6 +13,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, render_template_string
+from markupsafe import Markup, escape
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
@@ -38,6 +39,10 @@ PROBLEMS = {
 HEADERS = {
     "Location": {"description": "the job's URL", "schema": {"type": "string"}},
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}},
+}
+PATH_PARAMETERS = {
+    "job_id": {"description": "the `id` the submission answered with",
+               "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
 }
 # Statuses whose problem documents always carry these headers.
 PROBLEM_HEADERS = {429: ("Retry-After",)}
@@ -125,7 +130,7 @@ def _render(declared: Operation, path_arguments: set[str], settings: Settings, r
                                 "tags": [declared.tag], "responses": responses}
     if declared.description:
         rendered["description"] = declared.description
-    parameters = [{"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+    parameters = [{"name": name, "in": "path", "required": True, **PATH_PARAMETERS[name]}
                   for name in sorted(path_arguments)]
     if declared.query:
         parameters += [{"name": name, "in": "query", "required": False, "schema": schema,
@@ -224,7 +229,8 @@ def openapi_document() -> Response:
            replies={200: Reply("An HTML page rendered from /openapi.json", media_type="text/html",
                                schema={"type": "string"})})
 def docs_page() -> str:
-    return render_template_string(DOCS_TEMPLATE, doc=_cached_document(), describe=describe_schema)
+    return render_template_string(DOCS_TEMPLATE, doc=_cached_document(), describe=describe_schema,
+                                  code=code_spans)
 
 
 def _cached_document() -> dict[str, Any]:
@@ -233,6 +239,11 @@ def _cached_document() -> dict[str, Any]:
     if "imgserve.openapi" not in extensions:
         extensions["imgserve.openapi"] = build_document(current_app)
     return extensions["imgserve.openapi"]
+
+
+def code_spans(text: str) -> Markup:
+    """Markdown's `code` as <code>, everything else escaped."""
+    return Markup(re.sub(r"`([^`]+)`", r"<code>\1</code>", str(escape(text or ""))))
 
 
 def describe_schema(schema: dict[str, Any]) -> str:
@@ -266,31 +277,31 @@ td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-alig
 .get{background:#2b7bb9}.post{background:#2e8b57}.delete{background:#b22222}
 </style></head><body>
 <h1>{{ doc.info.title }} API <small>{{ doc.info.version }}</small></h1>
-<pre>{{ doc.info.description }}</pre>
+{% for para in doc.info.description.split("\n\n") %}<p>{{ code(para) }}</p>{% endfor %}
 <p>Machine-readable: <a href="openapi.json"><code>/openapi.json</code></a> (OpenAPI {{ doc.openapi }}).</p>
 {% for path, methods in doc.paths.items() %}{% for method, op in methods.items() %}
 <div class="op" id="{{ op.operationId }}">
 <h3><span class="m {{ method }}">{{ method|upper }}</span> <code>{{ path }}</code> {{ op.summary }}</h3>
-{% if op.description %}<p>{{ op.description }}</p>{% endif %}
+{% if op.description %}<p>{{ code(op.description) }}</p>{% endif %}
 {% if op.security %}<p>Needs <code>Authorization: Bearer &lt;key&gt;</code>.</p>{% endif %}
 {% if op.parameters %}<table><tr><th>Parameter</th><th>In</th><th>Type</th><th>Description</th></tr>
 {% for p in op.parameters %}<tr><td><code>{{ p.name }}</code></td><td>{{ p.in }}</td>
-<td>{{ describe(p.schema) }}</td><td>{{ p.description }}</td></tr>{% endfor %}</table>{% endif %}
-{% if op.requestBody %}<p><b>Body</b>: {{ op.requestBody.description }}<br>
+<td>{{ describe(p.schema) }}</td><td>{{ code(p.description) }}</td></tr>{% endfor %}</table>{% endif %}
+{% if op.requestBody %}<p><b>Body</b>: {{ code(op.requestBody.description) }}<br>
 {% for media in op.requestBody.content %}<code>{{ media }}</code> {% endfor %}</p>{% endif %}
 <table><tr><th>Status</th><th>Description</th><th>Body</th></tr>
-{% for status, reply in op.responses.items() %}<tr><td>{{ status }}</td><td>{{ reply.description }}</td><td>
+{% for status, reply in op.responses.items() %}<tr><td>{{ status }}</td><td>{{ code(reply.description) }}{% for name, link in (reply.links or {}).items() %}<br>next: <a href="#{{ link.operationId }}">{{ name }}</a>{% endfor %}</td><td>
 {% for media, body in (reply.content or {}).items() %}<code>{{ media }}</code>
 {% if body.schema and body.schema["$ref"] %}<a href="#{{ describe(body.schema) }}">{{ describe(body.schema) }}</a>{% endif %}
 {% endfor %}</td></tr>{% endfor %}</table></div>
 {% endfor %}{% endfor %}
 <h2>Schemas</h2>
 {% for name, schema in doc.components.schemas.items() %}
-<h3 id="{{ name }}">{{ name }}</h3>{% if schema.description %}<p>{{ schema.description }}</p>{% endif %}
+<h3 id="{{ name }}">{{ name }}</h3>{% if schema.description %}<p>{{ code(schema.description) }}</p>{% endif %}
 <table><tr><th>Field</th><th>Type</th><th>Required</th><th>Description</th></tr>
 {% for field, prop in (schema.properties or {}).items() %}<tr><td><code>{{ field }}</code></td>
 <td>{{ describe(prop) }}</td><td>{{ "yes" if field in (schema.required or []) else "" }}</td>
-<td>{{ prop.description or "" }}</td></tr>{% endfor %}</table>
+<td>{{ code(prop.description) }}</td></tr>{% endfor %}</table>
 {% endfor %}
 </body></html>
 """
