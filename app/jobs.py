@@ -5,12 +5,11 @@ import logging
 import time
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
-from pydantic import ValidationError
 
 from app.auth import owns
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
-from app.uploads import check_image, invalid_params_problem, option_values, parse_options
+from app.uploads import check_image, option_values, parse_options, validate_params
 from contract import jobs
 from contract.documents import (JobAccepted, JobDocument, job_document, submit_options_model,
                                 wait_query_model)
@@ -161,10 +160,7 @@ def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:
 
 def _wait_seconds(max_wait_s: float) -> float:
     given = option_values(request.args, names=("wait",))
-    try:
-        return wait_query_model(max_wait_s).model_validate(given).wait or 0.0
-    except ValidationError as exc:
-        raise invalid_params_problem(exc, given) from None
+    return validate_params(wait_query_model(max_wait_s), given).wait or 0.0
 
 
 def _read_image() -> tuple[bytes, str | None]:

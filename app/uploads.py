@@ -1,9 +1,9 @@
 """Validating a submission: the image bytes and the per-job options. Pure functions."""
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, TypeVar
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from app.problems import Problem
 from contract.documents import SubmitOptionsBase, submit_options_model
@@ -16,6 +16,7 @@ _SIGNATURES = (
     (b"GIF87a", "image/gif"),
     (b"GIF89a", "image/gif"),
 )
+M = TypeVar("M", bound=BaseModel)
 ACCEPTED_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif")
 
 
@@ -49,11 +50,19 @@ def check_image(data: bytes, declared_type: str | None) -> str:
 def parse_options(values: Mapping[str, str], max_deadline_ms: int) -> SubmitOptionsBase:
     """conf, iou in [0, 1]; max_det in [1, 1000]; deadline_ms in [1, max_deadline_ms]; callback_url.
     The bounds live in `contract.documents`, which the OpenAPI document is generated from."""
+    return validate_params(submit_options_model(max_deadline_ms), values)
+
+
+def validate_params(model: type[M], values: Mapping[str, Any]) -> M:
+    """Request parameters read through their model; a 400 naming each field at fault otherwise."""
     given = {name: value for name, value in values.items() if value is not None}
     try:
-        return submit_options_model(max_deadline_ms).model_validate(given)
+        return model.model_validate(given)
     except ValidationError as exc:
-        raise invalid_params_problem(exc, given) from None
+        params = [{"name": str(error["loc"][0]), "reason": error["msg"]} for error in exc.errors()]
+        first = params[0]["name"]
+        detail = f"{first}={given.get(first)!r}: {params[0]['reason']}"
+        raise Problem(400, "invalid-parameter", "Invalid parameter", detail, invalid_params=params) from None
 
 
 def option_values(*sources: Any, names: Iterable[str]) -> dict[str, str]:
@@ -69,11 +78,3 @@ def option_values(*sources: Any, names: Iterable[str]) -> dict[str, str]:
                               invalid_params=[{"name": name, "reason": detail}])
             values[name] = given[0]
     return values
-
-
-def invalid_params_problem(exc: ValidationError, given: Mapping[str, Any]) -> Problem:
-    """A 400 naming each field at fault, the first one in the detail."""
-    params = [{"name": str(error["loc"][0]), "reason": error["msg"]} for error in exc.errors()]
-    first = params[0]["name"]
-    detail = f"{first}={given.get(first)!r}: {params[0]['reason']}"
-    return Problem(400, "invalid-parameter", "Invalid parameter", detail, invalid_params=params)

@@ -58,3 +58,18 @@ def test_no_option_text_makes_parsing_raise_anything_but_a_problem(values):
         parse_options(values, 60_000)
     except Problem as problem:
         assert problem.status == 400
+
+
+def test_an_option_named_twice_is_a_400_not_a_silent_choice():
+    from werkzeug.datastructures import MultiDict
+
+    from app.uploads import option_values
+
+    names = ("conf", "max_det")
+    assert option_values(MultiDict({"conf": "0.3"}), MultiDict({"max_det": "5", "other": "x"}), names=names) == \
+        {"conf": "0.3", "max_det": "5"}
+    for sources in ((MultiDict({"conf": "0.3"}), MultiDict({"conf": "0.5"})),   # query and form
+                    (MultiDict([("max_det", "1"), ("max_det", "2")]),)):        # repeated in one
+        with pytest.raises(Problem) as caught:
+            option_values(*sources, names=names)
+        assert caught.value.status == 400 and "more than once" in caught.value.detail
