@@ -20,6 +20,7 @@ from contract.timebill import STAGE_DESCRIPTIONS
 
 JobStatus = Literal[STATUSES]  # type: ignore[valid-type]
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
+MaxDetections = Annotated[int, Field(ge=1, le=1000)]
 
 
 class Document(BaseModel):
@@ -65,7 +66,7 @@ class JobOptions(TypedDict, total=False):
     """The options the GPU worker applies; unset ones fall back to the model's defaults."""
     conf: Probability
     iou: Probability
-    max_det: Annotated[int, Field(ge=1, le=1000)]
+    max_det: MaxDetections
 
 
 TimeBill = TypedDict(  # type: ignore[misc]
@@ -136,7 +137,7 @@ class JobAccepted(Document):
 class SubmitOptionsBase(Document):
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
     iou: Probability = Field(None, description="NMS IoU threshold; the model's default when absent")
-    max_det: int = Field(None, ge=1, le=1000, description="most detections returned")
+    max_det: MaxDetections = Field(None, description="most detections returned")
     callback_url: str = Field(None, max_length=2048, pattern=r"^https?://[^/?#\s]+",
                               json_schema_extra={"format": "uri"},
                               description="http(s) URL that receives the job document, signed, once it ends; "
