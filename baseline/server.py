@@ -20,16 +20,16 @@ from app.problems import Problem, problem_response
 from app.uploads import check_image, parse_options
 from contract.frames import Frame, FrameHeader
 from contract.settings import Settings, load_settings
+from gpu_worker.devices import Device, open_device
 from gpu_worker.inference import BatchRunner
-from gpu_worker.model import LoadedModel, load_for_device
 from tasks.imaging import ImageDecodeError, decode_image, letterbox
 
 
-def create_baseline_app(settings: Settings, model: LoadedModel) -> Flask:
+def create_baseline_app(settings: Settings, device: Device) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
     app.json.sort_keys = False
-    runner = BatchRunner(model, settings.gpu_worker.max_candidates)
+    runner = BatchRunner(device)
     app.register_error_handler(Problem, problem_response)
 
     @app.before_request
@@ -43,7 +43,7 @@ def create_baseline_app(settings: Settings, model: LoadedModel) -> Flask:
         check_image(data, None)
         options = parse_options({**request.args, **request.form}, settings.jobs.default_deadline_ms)
         parsed_at = time.time()
-        spec = model.spec
+        spec = device.spec
         try:
             t0 = time.perf_counter()
             image, orig = decode_image(data, spec.input_size, settings.api.max_image_pixels)
@@ -58,6 +58,8 @@ def create_baseline_app(settings: Settings, model: LoadedModel) -> Flask:
                              orig_width=boxed.orig_width, orig_height=boxed.orig_height, enqueued_at=0.0,
                              deadline_at=0.0, options=options.for_model())
         run = runner.run([Frame(header=header, pixels=memoryview(boxed.pixels))])
+        if run.errors:
+            return jsonify({"id": uuid.uuid4().hex, "status": "failed", "error": run.errors[0]})
         timings = {"receive": (parsed_at - g.received_at) * 1000, "decode": (t1 - t0) * 1000,
                    "resize": (t2 - t1) * 1000, "infer": run.infer_ms, "postprocess": run.postprocess_ms,
                    "total": (time.time() - g.received_at) * 1000}
@@ -69,7 +71,7 @@ def create_baseline_app(settings: Settings, model: LoadedModel) -> Flask:
     def stats() -> Response:
         return jsonify({"mode": "baseline", "gpu": {"busy": runner.busy.fraction(),
                                                     "device_seconds_total": runner.busy.total_s,
-                                                    "simulated": model.simulated}})
+                                                    "simulated": device.simulated}})
 
     @app.get("/healthz")
     def healthz() -> Response:
@@ -87,9 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     settings = load_settings(args.config)
-    model = load_for_device(settings.model, args.device or settings.gpu_worker.device,
-                            settings.gpu_worker.sim_latency_ms)
-    app = create_baseline_app(settings, model)
+    device = open_device(settings.model, args.device or settings.gpu_worker.device, 1,
+                         settings.gpu_worker.max_candidates, settings.gpu_worker.sim_latency_ms)
+    app = create_baseline_app(settings, device)
     from werkzeug.serving import run_simple
 
     # threaded=False, processes=1: exactly one request at a time, as in the story.

@@ -7,6 +7,7 @@
   python -m bench tune --device sim --qps 18 --sla-ms 800
   python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
   python -m bench bound --qps 18,28                         # the floor the device profile allows
+  python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -88,6 +89,30 @@ def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
                                                f"{ceiling if ceiling is not None else 'none'} QPS"}
 
 
+def cmd_feed(args: argparse.Namespace) -> int:
+    from bench.feed import FeedOptions, markdown, run_feed
+
+    width, height = (int(v) for v in args.image_size.lower().split("x"))
+    profiles = args.profile if args.device == "sim" else args.profile[:1]
+    results = []
+    for size in args.input_size:
+        for profile in profiles:
+            options = FeedOptions(device=args.device, profile=profile, frames=args.frames, input_size=size,
+                                  source=args.source, image_size=(width, height), max_batch=args.max_batch,
+                                  window_ms=args.window_ms, redis_check=not args.no_redis_check,
+                                  py_spy=args.py_spy)
+            results.append(run_feed(options, log=lambda line: print(f"  {line}", file=sys.stderr)))
+            print(f"  {args.device} {profile} {size}: {results[-1]['frames_per_s']:.0f} frames/s, "
+                  f"{results[-1]['share_of_limit']:.0%} of the limit", file=sys.stderr)
+    text = markdown(results)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"{stamp}-feed.md").write_text(text + "\n")
+    (args.out / f"{stamp}-feed.json").write_text(json.dumps({"title": "bench feed", "results": results}, indent=2))
+    print(text + f"\n\nFiles: {args.out / f'{stamp}-feed.json'}")
+    return 0
+
+
 def parse_list(kind):
     return lambda text: [kind(part) for part in text.split(",") if part]
 
@@ -133,8 +158,24 @@ def main(argv: list[str] | None = None) -> int:
     chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
     chaos.add_argument("--qps", type=float, default=8.0)
     chaos.add_argument("--duration", type=float, default=60.0)
+    feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
+    feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
+    feed.add_argument("--profile", type=parse_list(str), default=["fast"],
+                      help="sim latency profiles, each fast, story or 1:2,8:6,16:10 (ms per batch size)")
+    feed.add_argument("--frames", type=int, default=1600, help="frames pushed in advance")
+    feed.add_argument("--input-size", type=parse_list(int), default=[320], help="model input sizes, e.g. 320,640")
+    feed.add_argument("--source", choices=("jpeg", "synthetic"), default="jpeg",
+                      help="jpeg: the real CPU stage on generated JPEGs; synthetic: random content")
+    feed.add_argument("--image-size", default="640x480", help="WxH of the images the frames come from")
+    feed.add_argument("--max-batch", type=int, default=8)
+    feed.add_argument("--window-ms", type=float, default=12.0)
+    feed.add_argument("--no-redis-check", action="store_true", help="skip measuring Redis's own drain rate")
+    feed.add_argument("--py-spy", type=Path, help="profile the worker with py-spy into this file (collapsed stacks)")
+    feed.add_argument("--out", type=Path, default=Path(".bench") / "results")
     args = parser.parse_args(argv)
 
+    if args.command == "feed":
+        return cmd_feed(args)
     if args.command == "bound":
         from bench.bound import describe
         from contract.settings import load_settings

@@ -10,7 +10,7 @@ import json
 import time
 import uuid
 from datetime import datetime, timezone
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import redis
 
@@ -30,49 +30,64 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
 STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "pushed_at")
 
-# KEYS[1] job hash; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ...
-# Returns 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
-_ADVANCE = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'failed'
-   or status == 'expired' or status == 'cancelled' then
-  return 0
-end
+# The terminal states as a Lua set, rendered from TERMINAL so the scripts cannot drift from it.
+_LUA_TERMINAL = "local TERMINAL = {" + ", ".join(f"{status} = true" for status in sorted(TERMINAL)) + "}\n"
+
+# KEYS job hashes; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ... (the same for each job).
+# Per job: 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
+_ADVANCE = _LUA_TERMINAL + """
 local limit = tonumber(ARGV[1])
-if limit > 0 and tonumber(redis.call('HGET', KEYS[1], 'attempts') or '0') >= limit then
-  return -1
+local verdicts = {}
+for i, key in ipairs(KEYS) do
+  local status = redis.call('HGET', key, 'status')
+  if not status or TERMINAL[status] then
+    verdicts[i] = 0
+  elseif limit > 0 and tonumber(redis.call('HGET', key, 'attempts') or '0') >= limit then
+    verdicts[i] = -1
+  else
+    redis.call('HSET', key, unpack(ARGV, 2))
+    verdicts[i] = 1
+  end
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
-return 1
+return verdicts
 """
 MOVED, GONE, POISON = 1, 0, -1
 
-# KEYS[1] job hash, KEYS[2] callback outbox; ARGV[1] ttl, ARGV[2] channel, ARGV[3] job id,
-# ARGV[4..] field, value, ... A job with a callback_url enters the outbox in the same atomic
-# step that ends it: once per terminal state, whoever ends it.
-_FINISH = """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'failed'
-   or status == 'expired' or status == 'cancelled' then
-  return 0
+# A Lua function that ends each live job whose hash is in KEYS[first_key..], with its arguments from
+# ARGV[at..]: per job its id, the count of field and value arguments, the fields and values (the
+# first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
+# that ends it: once per terminal state, whoever ends it. Returns how many jobs it ended. Scripts
+# that end jobs among other work (the GPU worker's batch write) start with it.
+FINISH_JOBS_LUA = _LUA_TERMINAL + """
+local function finish_jobs(outbox, first_key, at, ttl, channel)
+  local ended = 0
+  for k = first_key, #KEYS do
+    local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
+    local status = redis.call('HGET', key, 'status')
+    if status and not TERMINAL[status] then
+      redis.call('HSET', key, unpack(ARGV, at + 2, at + 1 + count))
+      redis.call('EXPIRE', key, ttl)
+      if redis.call('HEXISTS', key, 'callback_url') == 1 then
+        redis.call('HSET', key, 'callback', '{"status":"pending","attempts":0,"last_error":null}')
+        redis.call('RPUSH', outbox, job_id)
+      end
+      redis.call('PUBLISH', channel, job_id)
+      ended = ended + 1
+    end
+    at = at + 2 + count
+  end
+  return ended
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-redis.call('EXPIRE', KEYS[1], tonumber(ARGV[1]))
-if redis.call('HEXISTS', KEYS[1], 'callback_url') == 1 then
-  redis.call('HSET', KEYS[1], 'callback', '{"status":"pending","attempts":0,"last_error":null}')
-  redis.call('RPUSH', KEYS[2], ARGV[3])
-end
-redis.call('PUBLISH', ARGV[2], ARGV[3])
-return 1
 """
+# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1] ttl, ARGV[2] channel, then the jobs'.
+_FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 3, tonumber(ARGV[1]), ARGV[2])\n"
 
 
 # KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload; ARGV[1] max frames, ARGV[2] frame,
 # ARGV[3..] field, value, ... Returns 1 pushed, 0 list full (nothing changed), -1 job gone or over.
-_ENQUEUE_FRAME = """
+_ENQUEUE_FRAME = _LUA_TERMINAL + """
 local status = redis.call('HGET', KEYS[1], 'status')
-if not status or status == 'succeeded' or status == 'failed'
-   or status == 'expired' or status == 'cancelled' then
+if not status or TERMINAL[status] then
   redis.call('DEL', KEYS[3])
   return -1
 end
@@ -123,27 +138,42 @@ class JobStore:
     def delete(self, job_id: str) -> None:
         self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))
 
-    def advance(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None,
-                client: Any = None) -> bool:
+    def advance(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None) -> bool:
         """Move a live job to a non-terminal status; False when it is gone or already over."""
-        return self.advance_unless_poisoned(job_id, status, 0, fields, client) == MOVED
+        return self.advance_many([job_id], status, 0, fields)[0] == MOVED
 
-    def advance_unless_poisoned(self, job_id: str, status: str, max_attempts: int,
-                                fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
-        """MOVED, GONE (absent or over) or POISON (requeued max_attempts times); in a pipeline,
-        the reply comes with the pipeline's."""
+    def advance_many(self, job_ids: Sequence[str], status: str, max_attempts: int,
+                     fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
+        """Per job MOVED, GONE (absent or over) or POISON (requeued max_attempts times), in one
+        step; in a pipeline, the reply comes with the pipeline's."""
         assert status not in TERMINAL, status
         args = [max_attempts, *_flatten({"status": status, "updated_at": time.time(), **(fields or {})})]
-        return self._advance(keys=[self.keys.job(job_id)], args=args, client=client or self.redis)
+        return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args,
+                             client=client or self.redis)
 
     def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None,
                client: Any = None) -> bool:
         """End a job once; the first terminal state wins and wakes its long-polls."""
-        assert status in TERMINAL, status
-        values = {"status": status, "updated_at": time.time(), "finished_at": time.time(), **(fields or {})}
-        args = [self.ttl_s, self.keys.job_events, job_id, *_flatten(values)]
-        keys = [self.keys.job(job_id), self.keys.callback_outbox]
-        return bool(self._finish(keys=keys, args=args, client=client or self.redis))
+        return bool(self.finish_many([(job_id, status, fields or {})], client))
+
+    def finish_many(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]], client: Any = None) -> Any:
+        """End each (job id, terminal status, fields) that is still live, in one step: how many it
+        ended (in a pipeline, with the pipeline's replies)."""
+        job_keys, job_args = self.finish_arguments(outcomes)
+        return self._finish(keys=[self.keys.callback_outbox, *job_keys],
+                            args=[self.ttl_s, self.keys.job_events, *job_args], client=client or self.redis)
+
+    def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
+        """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""
+        now = time.time()
+        keys: list[str] = []
+        args: list[Any] = []
+        for job_id, status, fields in outcomes:
+            assert status in TERMINAL, status
+            flat = _flatten({"status": status, "updated_at": now, "finished_at": now, **fields})
+            keys.append(self.keys.job(job_id))
+            args += [job_id, len(flat), *flat]
+        return keys, args
 
     def enqueue_frame(self, job_id: str, frame: bytes, max_frames: int, fields: Mapping[str, Any]) -> int:
         """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
@@ -169,9 +199,12 @@ def _encode(fields: Mapping[str, Any]) -> dict[str, str]:
     return {name: _encode_value(value) for name, value in fields.items()}
 
 
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))   # one encoder, not one per value
+
+
 def _encode_value(value: Any) -> str:
     if isinstance(value, (dict, list)):
-        return json.dumps(value, separators=(",", ":"))
+        return _COMPACT_JSON.encode(value)
     return str(value)
 
 

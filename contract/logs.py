@@ -1,6 +1,8 @@
 """Structured logs: one JSON object per line, with the job id on every line
 about a job, so one job can be followed through the API, the CPU worker and
 the GPU worker (`grep <job-id>` across their logs, or a log pipeline's filter).
+A line about one job has `job_id`; the GPU worker's line about a batch lists
+its jobs in `job_ids` (one line per batch, not eight, on its hot path).
 
     log.info("job accepted", extra={"job_id": job_id})
 """

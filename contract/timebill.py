@@ -31,15 +31,21 @@ _SPANS = {
 _DURATIONS = ("decode", "resize", "infer", "postprocess")
 
 
+# Per stage in order: (stage, the stamp holding its duration) or (stage, start stamp, end stamp).
+_RULES = tuple((stage, f"{stage}_ms") if stage in _DURATIONS else (stage, *_SPANS[stage]) for stage in STAGES)
+
+
 def compute_time_bill(stamps: Mapping[str, float]) -> dict[str, float]:
     """Milliseconds per stage; a stage whose stamps are missing is left out."""
     bill: dict[str, float] = {}
-    for stage in STAGES:
-        if stage in _DURATIONS:
-            value = stamps.get(f"{stage}_ms")
+    get = stamps.get
+    for rule in _RULES:
+        if len(rule) == 2:
+            value = get(rule[1])
+            if value is not None:
+                bill[rule[0]] = round(float(value), 3)
         else:
-            start, end = (stamps.get(key) for key in _SPANS[stage])
-            value = None if start is None or end is None else max(0.0, (end - start) * 1000.0)
-        if value is not None:
-            bill[stage] = round(float(value), 3)
+            start, end = get(rule[1]), get(rule[2])
+            if start is not None and end is not None:
+                bill[rule[0]] = round(max(0.0, (end - start) * 1000.0), 3)
     return bill

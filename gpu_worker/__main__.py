@@ -1,4 +1,4 @@
-"""python -m gpu_worker [--config FILE] [--device cuda:0] [--worker-id ID] [--metrics-port 9100]"""
+"""python -m gpu_worker [--config FILE] [--device cuda:0|cpu|sim] [--worker-id ID] [--metrics-port 9100]"""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +11,8 @@ from contract.connection import connect
 from contract.logs import configure_logging
 from contract.settings import load_settings
 from gpu_worker import metrics
-from gpu_worker.model import ModelLoadError, load_for_device
+from gpu_worker.devices import open_device
+from gpu_worker.model import ModelLoadError
 from gpu_worker.worker import GpuWorker, default_worker_id
 
 
@@ -27,16 +28,16 @@ def main(argv: list[str] | None = None) -> int:
     if settings.gpu_worker.torch_threads:
         torch.set_num_threads(settings.gpu_worker.torch_threads)
     try:
-        model = load_for_device(settings.model, args.device or settings.gpu_worker.device,
-                                 settings.gpu_worker.sim_latency_ms)
+        device = open_device(settings.model, args.device or settings.gpu_worker.device,
+                             settings.batching.max_batch_size, settings.gpu_worker.max_candidates,
+                             settings.gpu_worker.sim_latency_ms)
     except ModelLoadError as exc:
         logging.getLogger("gpu_worker").error("cannot serve the model: %s", exc)
         return 2
     metrics.serve(args.metrics_port)
-    worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), model,
-                       args.worker_id or default_worker_id(model))
-    worker.run()
-    return 0
+    worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), device,
+                       args.worker_id or default_worker_id(device))
+    return worker.run()
 
 
 if __name__ == "__main__":

@@ -64,14 +64,18 @@ class BatchCollector(Generic[Item]):
         self.sleep = sleep
 
     def collect(self, source: FrameSource[Item]) -> Batch[Item] | None:
-        """Block for a first frame (up to idle_timeout_s), then fill the batch."""
-        first = source.pop_blocking(self.idle_timeout_s)
-        if first is None:
-            return None
+        """Take what is there (one round trip when the list is full), else block for a first frame
+        (up to idle_timeout_s); then fill the batch."""
+        items = list(source.pop_available(self.max_size))
+        if not items:
+            first = source.pop_blocking(self.idle_timeout_s)
+            if first is None:
+                return None
+            items = [first]
         opened_at = self.clock()
-        late = self.age_of(first) >= self.window_s
+        late = self.age_of(items[0]) >= self.window_s
         deadline = opened_at if late else opened_at + self.window_s
-        items, popped_at = [first], [opened_at]
+        popped_at = [opened_at] * len(items)
         while len(items) < self.max_size:
             more = source.pop_available(self.max_size - len(items))
             now = self.clock()

@@ -29,6 +29,12 @@ def serve(port: int) -> None:
         start_http_server(port)
 
 
+_STAGE_CHILDREN: dict[str, Histogram] = {}
+
+
 def observe_bill(bill: dict) -> None:
     for stage, ms in bill.items():
-        STAGE_SECONDS.labels(stage).observe(ms / 1000.0)
+        child = _STAGE_CHILDREN.get(stage)
+        if child is None:
+            child = _STAGE_CHILDREN[stage] = STAGE_SECONDS.labels(stage)
+        child.observe(ms / 1000.0)

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from contract.frames import Frame
@@ -23,29 +22,24 @@ class LoadedModel:
     spec: ModelSpec
     module: torch.nn.Module
     device: torch.device
-    simulated: bool = False
 
     def describe(self) -> dict[str, Any]:
-        return {**self.spec.describe(), "device": "sim" if self.simulated else str(self.device),
-                "simulated": self.simulated, "format": self.spec.format}
-
-
-def load_for_device(spec: ModelSpec, requested: str, sim_profile_ms: Mapping[int, float]) -> LoadedModel:
-    """`sim` gives the simulated accelerator; anything else a real device."""
-    if requested == "sim":
-        from gpu_worker.simulated import SimulatedDetector
-
-        return LoadedModel(spec=spec, module=SimulatedDetector(spec, sim_profile_ms), device=torch.device("cpu"),
-                           simulated=True)
-    return load_model(spec, choose_device(requested))
+        return {**self.spec.describe(), "device": str(self.device), "simulated": False, "format": self.spec.format}
 
 
 def choose_device(requested: str) -> torch.device:
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(requested)
+    try:
+        device = torch.device(requested)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"unknown device {requested!r}: expected auto, cpu, cuda, cuda:N or sim") from exc
+    if device.type not in ("cpu", "cuda"):
+        raise ModelLoadError(f"device {requested!r}: expected auto, cpu, cuda, cuda:N or sim")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {requested!r} requested but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ModelLoadError(f"device {requested!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
     return device
 
 
@@ -119,49 +113,38 @@ def _shape_of(output: Any) -> str:
 
 
 class BatchAssembler:
-    """Frames -> one normalised [B, 3, S, S] input on the device.
+    """Frames' contents, already where the model runs -> one normalised [B, 3, S, S] canvas.
 
-    The frames' contents are stacked into one staging buffer (pinned on CUDA,
-    reused across batches) and cross to the device in one non-blocking copy;
-    padding, conversion to float, channel order and normalisation then run on
-    the device, once, for the whole batch.
+    Padding, conversion to float, channel order and normalisation run there,
+    once, for the whole batch: a channels-first canvas in the pad colour, each
+    frame's content written into its place (the uint8 -> float conversion
+    rides on that copy), then one in-place affine pass, x * scale / std - mean / std.
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device) -> None:
         self.spec = spec
         self.device = device
-        self.pinned = device.type == "cuda"
-        self.staging = torch.empty(0, dtype=torch.uint8)
         mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
         std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
         self.gain = spec.scale / std
         self.bias = -mean / std
+        self.bgr = spec.channel_order == "bgr"
 
-    def __call__(self, frames: Sequence[Frame]) -> torch.Tensor:
-        sizes = [len(frame.pixels) for frame in frames]
-        staging = self._staging(sum(sizes))
-        host = staging.numpy()   # a view: numpy copies from the read-only frames without a torch wrapper
-        offset = 0
-        for frame, size in zip(frames, sizes):
-            host[offset:offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
-            offset += size
-        contents = staging[:offset].to(self.device, non_blocking=True)
-        # Channels-first float canvas in the pad colour; each frame's content is written into its
-        # place (the uint8 -> float conversion rides on that copy), then one in-place affine pass
-        # normalises the whole batch: x * scale / std - mean / std.
+    def __call__(self, contents: torch.Tensor, frames: Sequence[Frame], sizes: Sequence[int]) -> torch.Tensor:
+        """`contents`: the frames' uint8 HxWx3 contents back to back, on the model's device."""
         size = self.spec.input_size
         batch = torch.full((len(frames), 3, size, size), float(self.spec.pad_value), device=self.device)
-        channels = [2, 1, 0] if self.spec.channel_order == "bgr" else [0, 1, 2]
         offset = 0
         for i, (frame, length) in enumerate(zip(frames, sizes)):
             h = frame.header
             content = contents[offset:offset + length].view(h.height, h.width, 3).permute(2, 0, 1)
-            batch[i, :, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = content[channels]
+            batch[i, :, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = \
+                content.flip(0) if self.bgr else content
             offset += length
         return batch.mul_(self.gain).add_(self.bias)
 
-    def _staging(self, nbytes: int) -> torch.Tensor:
-        """A buffer of at least nbytes; the caller synchronises before the next batch reuses it."""
-        if self.staging.numel() < nbytes:
-            self.staging = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pinned)
-        return self.staging
+
+def fits_input(frame: Frame, input_size: int) -> bool:
+    """The frame's content lies inside the model's square input."""
+    h = frame.header
+    return h.pad_left + h.width <= input_size and h.pad_top + h.height <= input_size

@@ -1,18 +1,28 @@
-"""`device: sim`: a simulated accelerator for sizing a deployment without a GPU.
+"""`device: sim`: a simulated accelerator, for sizing a deployment without a GPU.
 
-Each batch sleeps for the latency a profile gives for its size (interpolated
-linearly, extrapolated from the last two points), releasing the CPU as a real
-GPU does, then returns a synthetic detector output of the spec's layout, so
-post-processing stays real. Everything else in the stack is unchanged.
+Honest about what a GPU would take off the host. The device's part of a batch
+(the upload, the padded and normalised canvas, the forward, the post-processing
+kernels) is one sleep of the latency the profile gives for its size
+(interpolated linearly, extrapolated from the last two points), during which
+the thread holds no CPU and no GIL, as a thread waiting on a GPU would. The
+host's part runs for real, exactly as on a GPU: popping and unpacking frames,
+the Redis round trips, the copy into the staging slot, the detections coming
+back as one array (a few synthetic objects per image, inside the original
+image, honouring each job's `conf` and `max_det`), the result documents and
+the writes.
 """
 from __future__ import annotations
 
 import time
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
+import numpy as np
 import torch
 
+from contract.frames import Frame
 from contract.settings import ModelSpec
+from gpu_worker.devices import (DETECTION_COLUMNS, PARAM_COLUMNS, SLOTS, DeviceOutput, HostStaging, Staged,
+                                StagingSlots)
 
 # The story's batch-size table (ms per batch on its GPU).
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
@@ -31,32 +41,65 @@ def profile_latency_s(profile_ms: Mapping[int, float], batch_size: int) -> float
     return max(0.0, m0 + (m1 - m0) * (batch_size - s0) / (s1 - s0)) / 1000.0
 
 
-class SimulatedDetector(torch.nn.Module):
-    def __init__(self, spec: ModelSpec, profile_ms: Mapping[int, float], seed: int = 0) -> None:
-        super().__init__()
+class SimulatedDevice:
+    simulated = True
+    name = "sim"
+
+    def __init__(self, spec: ModelSpec, profile_ms: Mapping[int, float], max_batch: int,
+                 slots: int = SLOTS, seed: int = 0) -> None:
+        profile_latency_s(profile_ms, 1)   # refuse an empty profile now, not at the first batch
         self.spec = spec
         self.profile_ms = dict(profile_ms)
-        self.generator = torch.Generator().manual_seed(seed)
-        size = spec.input_size
-        self.anchors = sum((size // stride) ** 2 for stride in (8, 16, 32))
-        self.last_latency_s = 0.0
+        self.host = HostStaging(spec, StagingSlots(slots, max_batch, spec.input_size, torch.device("cpu")))
+        self.rng = np.random.default_rng(seed)
+        self.patterns = detection_patterns(self.rng, len(spec.labels))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch = x.shape[0]
-        self.last_latency_s = profile_latency_s(self.profile_ms, batch)
-        time.sleep(self.last_latency_s)
-        return self._synthetic_output(batch)
+    def describe(self) -> dict[str, Any]:
+        return {**self.spec.describe(), "device": "sim", "simulated": True, "format": self.spec.format,
+                "sim_latency_ms": {str(size): ms for size, ms in sorted(self.profile_ms.items())}}
 
-    def _synthetic_output(self, batch: int) -> torch.Tensor:
-        """Background scores under any sane threshold, plus a few confident boxes per image."""
-        classes, size, n = len(self.spec.labels), self.spec.input_size, self.anchors
-        g = self.generator
-        boxes = torch.rand(batch, n, 4, generator=g) * torch.tensor([size, size, size / 4, size / 4])
-        scores = torch.rand(batch, n, classes, generator=g) * 0.1
-        picked = torch.randint(0, n, (batch, OBJECTS_PER_IMAGE), generator=g)
-        cls = torch.randint(0, classes, (batch, OBJECTS_PER_IMAGE), generator=g)
-        rows = torch.arange(batch)[:, None].expand(-1, OBJECTS_PER_IMAGE)
-        scores[rows, picked, cls] = 0.6 + 0.3 * torch.rand(batch, OBJECTS_PER_IMAGE, generator=g)
-        if self.spec.layout == "yolov5":
-            return torch.cat([boxes, torch.ones(batch, n, 1), scores], dim=2)
-        return torch.cat([boxes, scores], dim=2).transpose(1, 2).contiguous()
+    def stage(self, frames: Sequence[Frame]) -> Staged:
+        return self.host.fill(frames)
+
+    def discard(self, staged: Staged) -> None:
+        self.host.release(staged)
+
+    def run(self, staged: Staged) -> DeviceOutput:
+        """The profile's latency for the batch, with its synthetic detections made inside it."""
+        started = time.perf_counter()
+        latency = profile_latency_s(self.profile_ms, len(staged))
+        try:
+            detections = self.synthetic_detections(staged.params)
+        finally:
+            self.host.release(staged)
+        remaining = started + latency - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return DeviceOutput(detections, latency, latency * 1000.0, 0.0)
+
+    def synthetic_detections(self, params: np.ndarray) -> np.ndarray:
+        """OBJECTS_PER_IMAGE boxes inside each original image, best first, cut by conf and max_det."""
+        count, n = len(params), OBJECTS_PER_IMAGE
+        chosen = self.patterns[self.rng.integers(0, len(self.patterns), count)]       # [count, n, 6]
+        conf, max_det = params[:, _CONF:_CONF + 1], params[:, _MAX_DET:_MAX_DET + 1]
+        image, slot = np.nonzero((chosen[..., 4] >= conf) & (np.arange(n)[None, :] < max_det))
+        rows = np.empty((len(image), len(DETECTION_COLUMNS)))
+        rows[:, 0] = image
+        rows[:, 1:5] = chosen[image, slot, :4] * params[image][:, _SIZE]
+        rows[:, 5:] = chosen[image, slot, 4:]
+        return rows
+
+
+def detection_patterns(rng: np.random.Generator, labels: int, count: int = 64) -> np.ndarray:
+    """[count, OBJECTS_PER_IMAGE, 6]: boxes as fractions of the image (x1, y1, x2, y2), a score
+    (best first) and a class, drawn once so that each batch only picks and scales them."""
+    n = OBJECTS_PER_IMAGE
+    centre, half = rng.random((count, n, 2)), 0.03 + 0.1 * rng.random((count, n, 2))
+    boxes = np.concatenate([np.clip(centre - half, 0, 1), np.clip(centre + half, 0, 1)], axis=-1)
+    scores = -np.sort(-(0.6 + 0.3 * rng.random((count, n))), axis=1)
+    classes = rng.integers(0, max(1, labels), (count, n))
+    return np.concatenate([boxes, scores[..., None], classes[..., None]], axis=-1)
+
+
+_CONF, _MAX_DET = PARAM_COLUMNS.index("conf"), PARAM_COLUMNS.index("max_det")
+_SIZE = [PARAM_COLUMNS.index(name) for name in ("orig_width", "orig_height", "orig_width", "orig_height")]

@@ -1,158 +1,215 @@
-"""The GPU worker: one process per device, draining the frame list in batches.
+"""The GPU worker: one process per device, its stages overlapped so the device never waits on the host.
 
-A feeder thread collects a batch (<= max frames, <= window), marks its jobs
-running (dropping cancelled and expired ones) and assembles one tensor on the
-device while the main thread runs the previous batch; the main thread runs the
-model, post-processes the whole batch at once, then writes every result and
-acknowledges the frames in a single Redis transaction.
+    collect thread   batch N+2: pop (8 frames or 12 ms)                              (intake.py)
+    stage thread     batch N+1: unpack -> triage -> stage into a slot               (intake.py)
+    device thread    batch N: canvas -> forward -> post-processing -> detections back (devices.py)
+    finish thread    batch N-1: result documents -> one Redis write with the ack      (finish.py)
+
+Collecting and staging are one stage of the design split over two threads:
+popping is mostly waiting on Redis and the network, and on its own thread that
+wait overlaps the triage and staging of the batch before. Each hand-off holds
+at most one batch, so memory stays bounded and a batch keeps gathering (up to
+its size) while the device is busy. The device thread never touches Redis or
+JSON. Batches are written in the order they were taken, which is what lets a
+write acknowledge its frames by count.
+
+On SIGTERM the collect thread stops taking frames and every batch already
+taken runs to its write. A Redis error while collecting is followed by a
+resync: the batches in hand are answered, then whatever else the processing
+list holds goes back to the shared list. A batch that cannot be triaged is
+still written in its turn: its frames go back to the list when Redis failed
+(`give_back`), its jobs fail when something else did. `DeviceLost` (a fatal CUDA error)
+stops the worker: finished batches are written, the frames in hand go back to
+the list, and the process exits with EXIT_DEVICE_LOST for its supervisor.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import queue
 import signal
 import socket
+import sys
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable
 
 import redis
 
 from contract import jobs
-from contract.frames import Frame, FrameError, read_job_id, unpack_frame
 from contract.keys import Keys
 from contract.settings import Settings
-from contract.timebill import compute_time_bill
 from gpu_worker import metrics
-from gpu_worker.batcher import Batch, BatchCollector
-from gpu_worker.inference import BatchRunner, PreparedInputs
-from gpu_worker.model import LoadedModel
-from gpu_worker.source import RedisFrameSource, requeue_frames_of
+from gpu_worker.batcher import Batch
+from gpu_worker.devices import Device, DeviceLost
+from gpu_worker.finish import Finisher
+from gpu_worker.handoff import Handoff
+from gpu_worker.intake import InHand, Intake
+from gpu_worker.liveness import Liveness
+from gpu_worker.source import RedisFrameSource
+from gpu_worker.stages import StageClock
 from gpu_worker.stats import BusyMeter, RecentStats, nvml_utilisation
 
 log = logging.getLogger("gpu_worker")
 
+EXIT_DEVICE_LOST = 3
+# Python hands the GIL over every 5 ms by default; a device thread waking from a 6 ms batch would
+# then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
+# bounds that wait at a small cost in switches.
+GIL_SWITCH_INTERVAL_S = 0.002
 
-def default_worker_id(model: LoadedModel) -> str:
+
+def default_worker_id(device: Device) -> str:
     """Stable across restarts on one host and device, so a restarted worker finds its own frames."""
-    device = "sim" if model.simulated else str(model.device).replace(":", "")
-    return f"{socket.gethostname()}-{device}"
-
-
-@dataclass
-class InFlight:
-    """One frame of the batch in hand, with its wall-clock stamps."""
-    frame: Frame
-    popped_at: float
-    index: int = 0            # position among the batch's running jobs, set once triage is done
-
-
-@dataclass
-class Prepared:
-    """A collected batch, triaged and assembled, waiting for the device."""
-    batch: Batch[bytes]
-    items: list[InFlight]
-    inputs: PreparedInputs | None
-    seq: int
-    closed_at: float          # wall clock
-    started_at: float = 0.0   # wall clock: its turn on the device began
-
-    def turn_started(self) -> float:
-        """Now, less the assembly done ahead (billed to infer), but never before the batch closed."""
-        assembled_s = self.inputs.assemble_ms / 1000.0 if self.inputs is not None else 0.0
-        return max(self.closed_at, time.time() - assembled_s)
+    return f"{socket.gethostname()}-{device.name.replace(':', '')}"
 
 
 class GpuWorker:
-    def __init__(self, settings: Settings, client: redis.Redis, model: LoadedModel, worker_id: str) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, device: Device, worker_id: str) -> None:
         self.settings = settings
         self.redis = client
-        self.model = model
+        self.device = device
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
-        self.source = RedisFrameSource(client, self.keys, worker_id)
-        batching = settings.batching
-        self.collector: BatchCollector[bytes] = BatchCollector(
-            batching.max_batch_size, batching.window_ms / 1000.0,
-            idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
-            age_of=_frame_age, hold_open=self._device_has_work)
+        store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self.clock = StageClock()
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
-        self.runner = BatchRunner(model, settings.gpu_worker.max_candidates, self.busy)
         self.recent = RecentStats()
         self.stopping = threading.Event()
-        self.ready: queue.Queue[Prepared] = queue.Queue(maxsize=1)
-        self.device_idle = threading.Event()   # set while the main thread waits for a batch
-        self.device_idle.set()
-        self.batch_seq = 0
+        self.to_stage: Handoff[Batch[bytes]] = Handoff(1)
+        self.to_device: Handoff[InHand] = Handoff(1)
+        self.to_finish: Handoff[InHand] = Handoff(1)
+        self.device_busy = False
+        self.staging = False                # the stage thread holds a batch
+        self.device_lost = False
+        self.unanswered = 0                 # batches taken and not yet written
+        self.answered = threading.Condition()
+        self.intake = Intake(settings, client, store, RedisFrameSource(client, self.keys, worker_id), device,
+                             self.clock, hold_open=self._device_has_work)
+        self.finisher = Finisher(settings, client, store, self.keys, worker_id, device.spec, self.clock, self.busy,
+                                 self.recent, retry=self._retry_until_redis_answers)
+        self.liveness = Liveness(settings, client, self.keys, worker_id, self.describe, lambda: self.last_progress,
+                                 self.busy.fraction)
         self.started_at = time.time()
         self.last_progress = time.monotonic()
 
     # --- lifecycle -------------------------------------------------------
-    def run(self) -> None:
-        """A feeder thread collects and assembles batch N+1 while this thread runs batch N."""
+    def run(self) -> int:
+        """Until SIGTERM/SIGINT (0) or a lost device (EXIT_DEVICE_LOST)."""
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
-        self.requeue_own_frames()
-        threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True).start()
-        feeder = threading.Thread(target=self._feed_loop, name="feeder", daemon=True)
-        feeder.start()
-        log.info("gpu worker %s serving %s on %s", self.worker_id, self.model.spec.name,
-                 "sim" if self.model.simulated else self.model.device)
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._retry_until_redis_answers(self.liveness.requeue_own_frames)
+        self.liveness.start(self.stopping)
+        threads = [threading.Thread(target=self._collect_loop, name="collect", daemon=True),
+                   threading.Thread(target=self._stage_loop, name="stage", daemon=True),
+                   threading.Thread(target=self._finish_loop, name="finish", daemon=True)]
+        for thread in threads:
+            thread.start()
+        log.info("gpu worker %s serving %s on %s", self.worker_id, self.device.spec.name, self.device.name)
         try:
-            # On SIGTERM the feeder stops taking frames; batches already taken are finished first.
-            while feeder.is_alive() or not self.ready.empty():
-                try:
-                    prepared = self.ready.get(timeout=0.2)
-                except queue.Empty:
-                    continue
-                self._answer_safely(prepared)
+            self._device_loop()
         finally:
-            self._leave()
+            for thread in threads:
+                thread.join()
+            if self.device_lost:   # what the device did not finish goes back, counted as a death
+                self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(died=True))
+            self.liveness.leave()
+            log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
+        return EXIT_DEVICE_LOST if self.device_lost else 0
 
-    def _feed_loop(self) -> None:
-        while not self.stopping.is_set():
-            batch = None
-            try:
-                batch = self.collector.collect(self.source)
+    # --- the three stages ------------------------------------------------
+    def _collect_loop(self) -> None:
+        try:
+            while not self.stopping.is_set():
+                try:
+                    batch = self.intake.collect()
+                except Exception as exc:   # Redis, or anything unforeseen: answer what is in hand, then resync
+                    log.warning("collecting a batch failed (%s); resyncing", exc,
+                                exc_info=not isinstance(exc, redis.RedisError))
+                    self._resync()
+                    continue
                 self.last_progress = time.monotonic()
                 if batch is not None:
-                    self._hand_over(self.prepare(batch))
-            except redis.RedisError as exc:
-                log.warning("redis unavailable (%s); retrying", exc)
-                if batch is not None:   # taken but not triaged: back to the front of the line
-                    self._retry_until_redis_answers(lambda: self.source.give_back(batch.items))
-                self.stopping.wait(1.0)
+                    self._taken()
+                    self.to_stage.put(batch)
+        finally:
+            self.to_stage.close()
+
+    def _stage_loop(self) -> None:
+        try:
+            for batch in self.to_stage:
+                self.staging = True
+                try:
+                    in_hand = self.intake.prepare(batch)
+                except Exception as exc:   # still written in its turn, so the order of the acks holds
+                    log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
+                    in_hand = self.intake.unprepared(batch, exc)
+                finally:
+                    self.staging = False
+                self.to_device.put(in_hand)
+        finally:
+            self.to_device.close()
+
+    def _device_loop(self) -> None:
+        for batch in self.to_device:
+            if self.device_lost:
+                if batch.staged is not None:
+                    self.device.discard(batch.staged)
+                continue
+            batch.started_at = max(batch.closed_at, time.time())
+            if batch.staged is not None and not self._run_on_device(batch):
+                continue
+            self.to_finish.put(batch)
+        self.to_finish.close()
+
+    def _run_on_device(self, batch: InHand) -> bool:
+        self.device_busy = True
+        try:
+            with self.clock("forward"):
+                batch.output = self.device.run(batch.staged)
+        except DeviceLost as exc:
+            log.critical("the device is lost (%s); giving the frames in hand back and exiting", exc)
+            self.device_lost = True
+            self.stopping.set()
+            return False
+        finally:
+            self.device_busy = False
+        ended = time.monotonic()
+        self.busy.record(ended - batch.output.device_s, ended)
+        metrics.DEVICE_SECONDS.inc(batch.output.device_s)
+        return True
+
+    def _finish_loop(self) -> None:
+        for batch in self.to_finish:
+            try:
+                self.finisher.finish(batch)
+            except Exception:   # a defect: the batch's jobs fail rather than stay running, and the order holds
+                log.exception("finishing batch %d failed", batch.seq)
+                self.finisher.fail_all(batch, "internal_error", "the GPU worker could not write this result")
+            self._answered()
+
+    def _taken(self) -> None:
+        with self.answered:
+            self.unanswered += 1
+
+    def _answered(self) -> None:
+        with self.answered:
+            self.unanswered -= 1
+            self.answered.notify_all()
 
     def _device_has_work(self) -> bool:
-        """A batch runs, or one is already prepared and waiting: the next one can keep gathering."""
-        return not self.device_idle.is_set() or not self.ready.empty()
+        """Batches ahead of the one gathering: it can keep gathering, up to its size, meanwhile."""
+        return self.device_busy or self.staging or self.to_device.waiting() or self.to_stage.waiting()
 
-    def _hand_over(self, prepared: "Prepared") -> None:
-        while True:   # never block a shutdown
-            try:
-                self.ready.put(prepared, timeout=0.2)
-                return
-            except queue.Full:
-                continue
+    def _resync(self) -> None:
+        """After a failed call the processing list may hold frames this worker does not know it
+        took, or no longer means to answer: answer every batch in hand, then give back what is left."""
+        with self.answered:
+            self.answered.wait_for(lambda: self.unanswered == 0)
+        self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(died=False))
+        self.stopping.wait(1.0)
 
-    def _answer_safely(self, prepared: "Prepared") -> None:
-        """Run the batch once; its results wait in memory until Redis takes them.
-
-        The device counts as free from the end of the forward: the feeder closes
-        and assembles the next batch while this thread writes results."""
-        prepared.started_at = prepared.turn_started()
-        self.device_idle.clear()
-        try:
-            results = self._infer(prepared.items, prepared.inputs) if prepared.items else {}
-        finally:
-            self.device_idle.set()
-        self._retry_until_redis_answers(lambda: self.write_results(prepared, results))
-
-    def _retry_until_redis_answers(self, action) -> None:
+    def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:
         delay = 0.2
         while True:
             try:
@@ -162,210 +219,18 @@ class GpuWorker:
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
 
-    def requeue_own_frames(self) -> int:
-        """Frames a previous life of this worker took but never answered go back first in line."""
-        moved = requeue_frames_of(self.redis, self.keys, self.worker_id, only_if_dead=False)
-        if moved:
-            log.warning("requeued %d frames left by a previous run of %s", moved, self.worker_id)
-        return moved
-
-    def reap_dead_workers(self) -> int:
-        """Requeue the frames of workers whose heartbeat expired (they died holding them)."""
-        stale_before = time.time() - self.settings.gpu_worker.heartbeat_ttl_s
-        moved = 0
-        for raw_id in self.redis.zrangebyscore(self.keys.gpu_workers, "-inf", stale_before):
-            worker_id = raw_id.decode()
-            if worker_id == self.worker_id:
-                continue
-            count = requeue_frames_of(self.redis, self.keys, worker_id, only_if_dead=True)
-            if count > 0:
-                log.warning("requeued %d frames of dead GPU worker %s", count, worker_id)
-                moved += count
-        return moved
-
-    # --- one batch -------------------------------------------------------
-    def prepare(self, batch: Batch[bytes]) -> "Prepared":
-        """Triage the frames (one round trip) and assemble the input of the jobs still wanted."""
-        self.batch_seq += 1
-        offset = time.time() - time.monotonic()
-        pipe = self.redis.pipeline(transaction=False)
-        candidates = self._triage(batch, offset, pipe)
-        replies = pipe.execute()
-        verdicts = replies[len(replies) - len(candidates):]
-        running = [item for item, verdict in zip(candidates, verdicts) if verdict == jobs.MOVED]
-        self._fail_poisoned([item for item, verdict in zip(candidates, verdicts) if verdict == jobs.POISON])
-        for index, item in enumerate(running):
-            item.index = index
-        inputs = None
-        if running:
-            try:
-                inputs = self.runner.prepare([item.frame for item in running])
-            except Exception as exc:   # e.g. a frame whose geometry does not fit: sorted out in _infer
-                log.warning("cannot assemble batch %d (%s)", self.batch_seq, exc)
-        return Prepared(batch=batch, items=running, inputs=inputs, seq=self.batch_seq,
-                        closed_at=batch.closed_at + offset)
-
-    def _fail_poisoned(self, items: list[InFlight]) -> None:
-        if not items:
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        for item in items:
-            job_id = item.frame.header.job_id
-            log.error("poison frame: GPU workers died holding it %d times", self.settings.gpu_worker.max_attempts,
-                      extra={"job_id": job_id})
-            self.store.fail(job_id, "poison", "the job's frame was in hand each time a GPU worker died "
-                                              f"({self.settings.gpu_worker.max_attempts} times); not trying again",
-                            client=pipe)
-        pipe.execute()
-
-    def write_results(self, prepared: "Prepared", results: dict[str, dict[str, Any]]) -> None:
-        """Every result and time bill, and the frames' ack, in one transaction."""
-        batch, running = prepared.batch, prepared.items
-        pipe = self.redis.pipeline(transaction=True)
-        for item in running:
-            self._finish(item, results[item.frame.header.job_id], prepared, len(running), pipe)
-        self.source.ack(batch.items, client=pipe)
-        pipe.hset(self.keys.gpu_counters(self.worker_id), mapping=self._counters(len(batch.items)))
-        pipe.execute()
-        self.recent.record_batch(len(batch.items))
-        metrics.observe_batch(len(batch.items), len(running), batch.closed_at - batch.opened_at)
-        metrics.GPU_BUSY.set(self.busy.fraction())
-
-    def _triage(self, batch: Batch[bytes], offset: float, pipe: Any) -> list[InFlight]:
-        """Unpack frames; fail the unreadable, expire the late; queue a running-unless-poisoned
-        move for the rest, whose replies end the pipeline."""
-        now = time.time()
-        candidates: list[InFlight] = []
-        for raw, popped in zip(batch.items, batch.popped_at):
-            try:
-                frame = unpack_frame(raw)
-            except FrameError as exc:
-                job_id = read_job_id(raw)
-                log.error("bad frame: %s", exc, extra={"job_id": job_id})
-                if job_id:
-                    self.store.fail(job_id, "bad_frame", str(exc), client=pipe)
-                continue
-            if now > frame.header.deadline_at:
-                self.store.finish(frame.header.job_id, jobs.EXPIRED,
-                                  {"error": {"code": "deadline", "message": "expired before inference"}},
-                                  client=pipe)
-                metrics.FRAMES_EXPIRED.inc()
-                continue
-            candidates.append(InFlight(frame=frame, popped_at=popped + offset))
-        for item in candidates:
-            self.store.advance_unless_poisoned(item.frame.header.job_id, jobs.RUNNING,
-                                               self.settings.gpu_worker.max_attempts, client=pipe)
-        return candidates
-
-    def _infer(self, items: Sequence[InFlight], inputs: PreparedInputs | None = None) -> dict[str, dict[str, Any]]:
-        """job id -> {"result": ..., "infer_ms", "postprocess_ms"} or {"error": ...}.
-
-        A batch that raises is retried one frame at a time, so one poison
-        frame fails alone and its batch-mates still get answers.
-        """
-        try:
-            return self._infer_batch(items, inputs)
-        except Exception as exc:  # the model may raise anything
-            if len(items) == 1:
-                job_id = items[0].frame.header.job_id
-                log.exception("inference failed", extra={"job_id": job_id})
-                return {job_id: {"error": {"code": "inference_error", "message": str(exc)[:500]}}}
-            log.warning("batch of %d failed (%s); retrying frames one by one", len(items), exc)
-            outcomes: dict[str, dict[str, Any]] = {}
-            for item in items:
-                outcomes.update(self._infer([item]))
-            return outcomes
-
-    def _infer_batch(self, items: Sequence[InFlight], inputs: PreparedInputs | None) -> dict[str, dict[str, Any]]:
-        frames = [item.frame for item in items]
-        if inputs is None:
-            inputs = self.runner.prepare(frames)
-        run = self.runner.execute(frames, inputs, on_device_done=self.device_idle.set)
-        metrics.DEVICE_SECONDS.inc(run.device_s)
-        return {frame.header.job_id: {"result": doc, "infer_ms": run.infer_ms, "postprocess_ms": run.postprocess_ms}
-                for frame, doc in zip(frames, run.documents)}
-
-    def _finish(self, item: InFlight, outcome: dict[str, Any], prepared: "Prepared", size: int,
-                pipe: Any) -> None:
-        header = item.frame.header
-        stamps = {**header.stamps, "popped_at": item.popped_at, "batch_closed_at": prepared.started_at,
-                  "finished_at": time.time()}
-        stamps.update({k: outcome[k] for k in ("infer_ms", "postprocess_ms") if k in outcome})
-        bill = compute_time_bill(stamps)
-        self.recent.record_bill(bill)
-        metrics.observe_bill(bill)
-        fields = {
-            "timings": bill,
-            "batch": {"id": f"{self.worker_id}:{prepared.seq}", "seq": prepared.seq, "size": size,
-                      "index": item.index, "closed_by": prepared.batch.closed_by, "worker": self.worker_id},
-        }
-        log.info("job answered", extra={"job_id": header.job_id, "batch": fields["batch"]["id"],
-                                        "total_ms": fields["timings"].get("total")})
-        if "error" in outcome:
-            self.store.finish(header.job_id, jobs.FAILED, {**fields, "error": outcome["error"]}, client=pipe)
-        else:
-            self.store.finish(header.job_id, jobs.SUCCEEDED, {**fields, "result": outcome["result"]},
-                              client=pipe)
-
-    def _counters(self, batch_size: int) -> dict[str, float]:
-        """Running totals including the batch being written."""
-        return {"device_seconds_total": round(self.busy.total_s, 6),
-                "batches_total": self.recent.batches_total + 1,
-                "frames_total": self.recent.frames_total + batch_size, "updated_at": time.time()}
-
-    # --- liveness --------------------------------------------------------
-    def _heartbeat_loop(self) -> None:
-        interval = self.settings.gpu_worker.heartbeat_ttl_s / 3.0
-        while not self.stopping.is_set():
-            try:
-                self.beat()
-                self.reap_dead_workers()
-                self._export_queue_depths()
-            except redis.RedisError as exc:
-                log.warning("heartbeat failed: %s", exc)
-            self.stopping.wait(interval)
-
-    def _export_queue_depths(self) -> None:
-        for queue_name, depth in jobs.queue_depths(self.redis, self.keys).items():
-            metrics.QUEUE_DEPTH.labels(queue_name).set(depth)
-
-    def beat(self) -> None:
-        """Publish that this worker lives, unless its loop has stalled."""
-        stall_limit = max(60.0, self.settings.gpu_worker.heartbeat_ttl_s * 6)
-        if time.monotonic() - self.last_progress > stall_limit:
-            log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
-            return
-        ttl = self.settings.gpu_worker.heartbeat_ttl_s
-        info = {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "started_at": self.started_at, "model": self.model.describe(),
-                "batching": {"max_batch_size": self.collector.max_size,
-                             "window_ms": self.collector.window_s * 1000.0},
+    # --- what the heartbeat says -----------------------------------------
+    def describe(self) -> dict[str, Any]:
+        collector = self.intake.collector
+        return {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname(),
+                "started_at": self.started_at, "model": self.device.describe(),
+                "batching": {"max_batch_size": collector.max_size, "window_ms": collector.window_s * 1000.0},
                 "stats": {"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
                           "nvml_utilisation": self._nvml(),
                           "device_seconds_total": round(self.busy.total_s, 4),
                           "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
                           **self.recent.summary()}}
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(self.worker_id), json.dumps(info), px=int(ttl * 1000))
-        pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
-        pipe.execute()
 
     def _nvml(self) -> float | None:
-        device = self.model.device
-        return nvml_utilisation(device.index or 0) if device.type == "cuda" else None
-
-    def _leave(self) -> None:
-        try:
-            self.redis.delete(self.keys.heartbeat(self.worker_id))
-            self.redis.zrem(self.keys.gpu_workers, self.worker_id)
-        except redis.RedisError:
-            pass
-        log.info("gpu worker %s stopped after %d batches", self.worker_id, self.batch_seq)
-
-
-def _frame_age(raw: bytes) -> float:
-    """Seconds a frame waited in the list; unreadable frames count as fresh."""
-    try:
-        return max(0.0, time.time() - unpack_frame(raw).header.enqueued_at)
-    except FrameError:
-        return 0.0
+        device = getattr(self.device, "device", None)
+        return nvml_utilisation(device.index or 0) if device is not None and device.type == "cuda" else None

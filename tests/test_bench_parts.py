@@ -2,15 +2,17 @@
 busy metering, time-bill summaries, the report and the story's readings."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
-import torch
 
 from bench.diagnose import band, pattern
 from bench.load import Outcome
 from bench.report import markdown, summarise
+from contract.frames import unpack_frame
 from contract.settings import ModelSpec
-from gpu_worker.simulated import STORY_PROFILE_MS, SimulatedDetector, profile_latency_s
+from gpu_worker.simulated import STORY_PROFILE_MS, SimulatedDevice, profile_latency_s
 from gpu_worker.stats import BusyMeter, percentile, summarise_bills
+from tests.test_gpu_worker_parts import make_frame
 
 
 @pytest.mark.parametrize("batch,ms", [(1, 72), (4, 150), (8, 260), (16, 430), (2, 98), (12, 345), (32, 770)])
@@ -18,14 +20,35 @@ def test_profile_is_the_story_table_interpolated(batch, ms):
     assert profile_latency_s(STORY_PROFILE_MS, batch) * 1000 == pytest.approx(ms)
 
 
-def test_simulated_detector_sleeps_and_emits_the_spec_layout(monkeypatch):
+def test_simulated_device_spends_the_profile_latency_and_answers_inside_each_image(monkeypatch):
     slept = []
     monkeypatch.setattr("gpu_worker.simulated.time.sleep", slept.append)
-    spec = ModelSpec(name="m", version="1", labels=("a", "b", "c"), input_size=320)
-    output = SimulatedDetector(spec, STORY_PROFILE_MS)(torch.zeros(8, 3, 320, 320))
-    assert slept == [pytest.approx(0.260)]
-    assert output.shape == (8, 7, 40 * 40 + 20 * 20 + 10 * 10)
-    assert int((output[:, 4:].amax(dim=1) > 0.5).sum()) == 8 * 4   # four confident objects per image
+    spec = ModelSpec(name="m", version="1", labels=("a", "b", "c"), input_size=64)
+    device = SimulatedDevice(spec, STORY_PROFILE_MS, max_batch=8, slots=1)
+    sizes = [(64, 48), (30, 64)] * 4
+    frames = [unpack_frame(make_frame(f"j{i}", w, h, 0, 0)) for i, (w, h) in enumerate(sizes)]
+    output = device.run(device.stage(frames))
+    assert sum(slept) == pytest.approx(0.260, abs=0.01)             # the device's work is inside the latency
+    assert output.device_s == pytest.approx(0.260)
+    image = output.detections[:, 0].astype(int)
+    assert sorted(set(image)) == list(range(8)) and (image == sorted(image)).all()
+    widths = np.array([w for w, _ in sizes])[image]
+    heights = np.array([h for _, h in sizes])[image]
+    boxes = output.detections[:, 1:5]
+    assert (boxes >= 0).all() and (boxes[:, 2] <= widths).all() and (boxes[:, 3] <= heights).all()
+    assert (boxes[:, 0] < boxes[:, 2]).all() and (output.detections[:, 5] >= 0.6).all()
+    device.run(device.stage(frames))                                   # its one slot came back
+
+
+def test_simulated_device_honours_each_jobs_conf_and_max_det(monkeypatch):
+    monkeypatch.setattr("gpu_worker.simulated.time.sleep", lambda _: None)
+    spec = ModelSpec(name="m", version="1", labels=("a",), input_size=64)
+    device = SimulatedDevice(spec, {1: 1.0}, max_batch=3)
+    frames = [unpack_frame(make_frame("a", 8, 8, 0, 0, options={"max_det": 1})),
+              unpack_frame(make_frame("b", 8, 8, 0, 0, options={"conf": 0.95})),
+              unpack_frame(make_frame("c", 8, 8, 0, 0))]
+    image = device.run(device.stage(frames)).detections[:, 0].astype(int).tolist()
+    assert image.count(0) == 1 and image.count(1) == 0 and image.count(2) == 4
 
 
 def test_busy_meter_counts_only_the_window():

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import redis
 import torch
 
 from contract.frames import FrameHeader, pack_frame, unpack_frame
@@ -59,18 +60,24 @@ def test_gpu_worker_exits_with_a_clear_message_when_its_model_cannot_load(tmp_pa
     assert "model file not found" in result.stderr
 
 
-def make_frame(job_id: str, width: int, height: int, pad_left: int, pad_top: int, value: int = 200):
+def make_frame(job_id: str, width: int, height: int, pad_left: int, pad_top: int, value: int = 200,
+               options: dict | None = None):
     header = FrameHeader(job_id=job_id, width=width, height=height, pad_left=pad_left, pad_top=pad_top,
                          scale_x=1.0, scale_y=1.0, orig_width=width, orig_height=height, enqueued_at=0.0,
-                         deadline_at=1e12)
+                         deadline_at=1e12, options=options or {})
     pixels = np.zeros((height, width, 3), np.uint8)
     pixels[..., 0], pixels[..., 1], pixels[..., 2] = value, value // 2, 0
     return pack_frame(header, pixels.tobytes())
 
 
+def assemble(model_spec: ModelSpec, frames) -> torch.Tensor:
+    contents = torch.cat([torch.frombuffer(bytearray(frame.pixels), dtype=torch.uint8) for frame in frames])
+    return BatchAssembler(model_spec, CPU)(contents, frames, [len(frame.pixels) for frame in frames])
+
+
 def test_batch_assembly_pads_and_normalises_on_the_device():
     frames = [unpack_frame(make_frame("a", 8, 4, 0, 2)), unpack_frame(make_frame("b", 2, 8, 3, 0))]
-    batch = BatchAssembler(spec(input_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)), CPU)(frames)
+    batch = assemble(spec(input_size=8, mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5)), frames)
     assert batch.shape == (2, 3, 8, 8)
     pad = (114 / 255 - 0.5) / 0.5
     assert batch[0, 0, 0, 0].item() == pytest.approx(pad)
@@ -82,7 +89,7 @@ def test_batch_assembly_pads_and_normalises_on_the_device():
 
 def test_bgr_models_get_channels_swapped():
     frames = [unpack_frame(make_frame("a", 8, 8, 0, 0))]
-    batch = BatchAssembler(spec(input_size=8, channel_order="bgr"), CPU)(frames)
+    batch = assemble(spec(input_size=8, channel_order="bgr"), frames)
     assert batch[0, 2, 0, 0].item() == pytest.approx(200 / 255)
     assert batch[0, 0, 0, 0].item() == 0
 
@@ -95,30 +102,35 @@ def test_frame_source_is_fifo_and_keeps_frames_until_acked(redis_client):
     assert source.pop_blocking(0.1) == b"f0"
     assert source.pop_available(3) == [b"f1", b"f2", b"f3"]
     assert source.pending() == 4
-    source.ack([b"f0", b"f1", b"f2", b"f3"])
+    source.ack(4)
     assert source.pending() == 0
     assert source.pop_available(8) == [b"f4"]
     assert source.pop_available(8) == []
     assert source.pop_blocking(0.1) is None
 
 
-def test_ack_drops_exactly_the_answered_frames(redis_client):
+def test_ack_drops_the_oldest_frames_in_hand(redis_client):
     keys = Keys("t")
     redis_client.lpush(keys.frames, "a", "b", "c")
     source = RedisFrameSource(redis_client, keys, "w1")
-    source.pop_available(3)
-    source.ack([b"a", b"c"])
-    assert redis_client.lrange(keys.processing("w1"), 0, -1) == [b"b"]
+    source.pop_available(2)
+    source.pop_available(1)
+    source.ack(2)                                   # the first batch, answered first
+    assert redis_client.lrange(keys.processing("w1"), 0, -1) == [b"c"]
 
 
-def test_frames_given_back_go_first_in_line(redis_client):
+def test_frames_of_any_size_come_back_whole_and_the_reader_recovers_from_errors(redis_client):
     keys = Keys("t")
-    redis_client.lpush(keys.frames, "a", "b", "c")
+    frames = [bytes([i]) * size for i, size in enumerate((0, 1, 255, 256, 257, 70_000, 300_000))]
+    redis_client.lpush(keys.frames, *frames)
     source = RedisFrameSource(redis_client, keys, "w1")
-    taken = source.pop_available(2)
-    source.give_back(taken)
-    assert source.pending() == 0
-    assert source.pop_available(3) == [b"a", b"b", b"c"]
+    assert [bytes(f) for f in source.pop_available(4) + source.pop_available(8)] == frames
+    redis_client.set(keys.frames, "not a list")
+    with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+        source.pop_available(2)
+    redis_client.delete(keys.frames)
+    redis_client.lpush(keys.frames, b"\r\n$5\r\n")
+    assert source.pop_available(2) == [b"\r\n$5\r\n"]   # the connection was dropped and opened again
 
 
 def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redis_client):

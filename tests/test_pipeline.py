@@ -206,11 +206,11 @@ def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
         for line in process.log_path.read_text().splitlines():
             if line.startswith("{"):
                 entry = _json.loads(line)
-                if entry.get("job_id") == job_id:
+                if entry.get("job_id") == job_id or job_id in entry.get("job_ids", ()):
                     entries.append(entry)
         return entries
 
     cpu = wait_until(lambda: lines_about(stack.cpu_worker), 10, what="the CPU worker's line")
     gpu = wait_until(lambda: lines_about(stack.gpu_worker), 10, what="the GPU worker's line")
     assert cpu[0]["role"] == "cpu-worker" and cpu[0]["outcome"] == "pushed"
-    assert gpu[0]["role"] == "gpu-worker" and gpu[0]["msg"] == "job answered"
+    assert gpu[0]["role"] == "gpu-worker" and gpu[0]["msg"] == "batch answered"   # one line per batch

@@ -1,0 +1,310 @@
+"""Where a batch runs: staged on the host by the collect thread, run by the device thread.
+
+`stage()` copies the frames' contents into a staging slot (pinned on CUDA, and
+sent on with one non-blocking copy on a side stream) and their thresholds and
+geometry into one small array. `run()` builds the padded, normalised canvas,
+runs the model and post-processes on the device, then brings the detections
+back to the host as one array. Each batch in flight (being staged, waiting,
+on the device) has a slot of its own, and a slot is reused only once the
+device is done with its batch, so no batch ever reads another's pixels.
+
+A batch whose run raises is retried one frame at a time from the canvas
+already on the device, so one poison frame fails alone. An error that means
+the device itself is gone (a CUDA error other than running out of memory)
+raises `DeviceLost`: the worker gives its frames back and exits for its
+supervisor to restart it.
+"""
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, Sequence
+
+import numpy as np
+import torch
+
+from contract.frames import CHANNELS, Frame
+from contract.settings import ModelSpec
+from gpu_worker.model import BatchAssembler, LoadedModel
+from gpu_worker.postprocess import Detections, Geometry, Thresholds, postprocess
+
+# Per frame, what post-processing needs: its options, then how the letterbox placed it.
+PARAM_COLUMNS = ("conf", "iou", "max_det", "pad_left", "pad_top", "scale_x", "scale_y", "orig_width",
+                 "orig_height")
+# Per detection, one row of the array `run()` returns, grouped by image in batch order.
+DETECTION_COLUMNS = ("image", "x1", "y1", "x2", "y2", "score", "class_id")
+# Batches that can hold a slot at once: one being staged, one waiting, one on the device.
+SLOTS = 3
+
+
+class DeviceLost(RuntimeError):
+    """The device can run nothing more (illegal address, device-side assert, a lost GPU)."""
+
+
+def is_fatal(exc: BaseException) -> bool:
+    """A CUDA error that poisons the context; running out of memory is not one."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return False
+    return isinstance(exc, torch.AcceleratorError) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
+
+
+@dataclass
+class StagingSlot:
+    """Host (and on CUDA, device) buffers for one batch in flight."""
+    host: torch.Tensor              # uint8 contents, pinned on CUDA
+    params: torch.Tensor            # float64 [max batch, len(PARAM_COLUMNS)], pinned on CUDA
+    device_contents: torch.Tensor   # the contents where the model runs (the host buffer itself on CPU)
+    device_params: torch.Tensor
+
+    @property
+    def host_bytes(self) -> np.ndarray:
+        return self.host.numpy()
+
+
+class StagingSlots:
+    """A fixed set of slots, allocated once at full size; acquire() waits for a free one."""
+
+    def __init__(self, count: int, max_batch: int, input_size: int, device: torch.device) -> None:
+        if count < 1 or max_batch < 1:
+            raise ValueError("need at least one slot of at least one frame")
+        pinned = device.type == "cuda"
+        nbytes = max_batch * input_size * input_size * CHANNELS
+        self.max_batch = max_batch
+        self.nbytes = nbytes
+        self._free: queue.Queue[StagingSlot] = queue.Queue()
+        for _ in range(count):
+            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+            params = torch.empty(max_batch, len(PARAM_COLUMNS), dtype=torch.float64, pin_memory=pinned)
+            on_device = (torch.empty_like(host, device=device), torch.empty_like(params, device=device)) \
+                if pinned else (host, params)
+            self._free.put(StagingSlot(host, params, *on_device))
+
+    def acquire(self) -> StagingSlot:
+        return self._free.get()
+
+    def release(self, slot: StagingSlot) -> None:
+        self._free.put(slot)
+
+
+@dataclass
+class Staged:
+    """A batch's frames on the host, in their slot, ready for the device."""
+    frames: list[Frame]
+    sizes: list[int]                # content bytes per frame
+    slot: StagingSlot
+    ready: Any = None               # CUDA event: the upload is done
+
+    def __len__(self) -> int:
+        return len(self.frames)
+
+    @property
+    def params(self) -> np.ndarray:
+        return self.slot.params[:len(self.frames)].numpy()
+
+
+@dataclass
+class DeviceOutput:
+    """One batch's answer on the host."""
+    detections: np.ndarray          # [K, len(DETECTION_COLUMNS)] float64, grouped by image in batch order
+    device_s: float                 # the device's busy time for the batch
+    infer_ms: float                 # canvas + forward
+    postprocess_ms: float           # post-processing + the copy back
+    errors: dict[int, dict[str, str]] = field(default_factory=dict)   # frame index -> error, failed alone
+
+
+class Device(Protocol):
+    spec: ModelSpec
+    name: str
+    simulated: bool
+
+    def stage(self, frames: Sequence[Frame]) -> Staged: ...
+    def run(self, staged: Staged) -> DeviceOutput: ...
+    def discard(self, staged: Staged) -> None: ...
+    def describe(self) -> dict[str, Any]: ...
+
+
+def frame_params(frames: Sequence[Frame], spec: ModelSpec) -> list[list[float]]:
+    """Rows of PARAM_COLUMNS: each frame's options (else the spec's defaults) and geometry."""
+    rows = []
+    for frame in frames:
+        h, options = frame.header, frame.header.options
+        rows.append([options.get("conf", spec.conf), options.get("iou", spec.iou), options.get("max_det", spec.max_det),
+                     h.pad_left, h.pad_top, h.scale_x, h.scale_y, h.orig_width, h.orig_height])
+    return rows
+
+
+class HostStaging:
+    """The host half of staging, shared by every device: contents and params into a slot."""
+
+    def __init__(self, spec: ModelSpec, slots: StagingSlots) -> None:
+        self.spec = spec
+        self.slots = slots
+
+    def fill(self, frames: Sequence[Frame]) -> Staged:
+        if len(frames) > self.slots.max_batch:
+            raise ValueError(f"a batch of {len(frames)} frames exceeds the staging size {self.slots.max_batch}")
+        slot = self.slots.acquire()
+        host, offset, sizes = slot.host_bytes, 0, []
+        for frame in frames:
+            size = len(frame.pixels)
+            host[offset:offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
+            offset += size
+            sizes.append(size)
+        if frames:
+            slot.params[:len(frames)] = torch.tensor(frame_params(frames, self.spec), dtype=torch.float64)
+        return Staged(list(frames), sizes, slot)
+
+    def release(self, staged: Staged) -> None:
+        """The device is done with the batch: its slot can take another."""
+        self.slots.release(staged.slot)
+
+
+class TorchDevice:
+    """The model on `cpu` or `cuda`: canvas, forward and post-processing where the model lives."""
+
+    simulated = False
+
+    def __init__(self, model: LoadedModel, max_batch: int, max_candidates: int, slots: int = SLOTS) -> None:
+        self.model = model
+        self.spec = model.spec
+        self.device = model.device
+        self.name = str(model.device)
+        self.max_candidates = max_candidates
+        self.host = HostStaging(model.spec, StagingSlots(slots, max_batch, model.spec.input_size, model.device))
+        self.assemble = BatchAssembler(model.spec, model.device)
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
+
+    def describe(self) -> dict[str, Any]:
+        return self.model.describe()
+
+    # --- the collect thread ------------------------------------------------
+    def stage(self, frames: Sequence[Frame]) -> Staged:
+        staged = self.host.fill(frames)
+        if self.copy_stream is not None and frames:
+            slot, total = staged.slot, sum(staged.sizes)
+            with torch.cuda.stream(self.copy_stream):
+                slot.device_contents[:total].copy_(slot.host[:total], non_blocking=True)
+                slot.device_params[:len(frames)].copy_(slot.params[:len(frames)], non_blocking=True)
+                staged.ready = torch.cuda.Event(blocking=True)
+                staged.ready.record(self.copy_stream)
+        return staged
+
+    # --- the device thread -------------------------------------------------
+    def run(self, staged: Staged) -> DeviceOutput:
+        try:
+            with torch.inference_mode(), self._on_compute_stream():
+                if staged.ready is not None:
+                    self.compute_stream.wait_event(staged.ready)
+                return self._run_batch(staged)
+        finally:
+            self.host.release(staged)
+
+    def discard(self, staged: Staged) -> None:
+        self.host.release(staged)
+
+    def _on_compute_stream(self) -> Any:
+        return torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else _nothing()
+
+    def _run_batch(self, staged: Staged) -> DeviceOutput:
+        started = time.perf_counter()
+        canvas = None
+        try:
+            canvas = self.assemble(staged.slot.device_contents, staged.frames, staged.sizes)
+            output = self.model.module(canvas)
+            forward_done = self._sync()
+            rows = self._postprocess(output, staged.slot.device_params[:len(staged)])
+        except Exception as exc:
+            if is_fatal(exc):
+                raise DeviceLost(str(exc)) from exc
+            if len(staged) == 1:
+                return self._failed_alone(staged, exc, started)
+            return self._frame_by_frame(staged, canvas, started)
+        finished = time.perf_counter()
+        return DeviceOutput(rows, forward_done - started, (forward_done - started) * 1000.0,
+                            (finished - forward_done) * 1000.0)
+
+    def _postprocess(self, output: torch.Tensor, params: torch.Tensor) -> np.ndarray:
+        detections = postprocess(output, self.spec.layout, thresholds_of(params), geometry_of(params),
+                                 self.max_candidates)
+        return detection_rows(detections)
+
+    def _frame_by_frame(self, staged: Staged, canvas: torch.Tensor | None, started: float) -> DeviceOutput:
+        """After a failed batch: each frame alone, from the canvas already on the device when there is one."""
+        rows, errors = [], {}
+        offsets = np.cumsum([0, *staged.sizes])
+        for i, frame in enumerate(staged.frames):
+            try:
+                if canvas is not None:
+                    one = canvas[i:i + 1]
+                else:
+                    contents = staged.slot.device_contents[int(offsets[i]):int(offsets[i + 1])]
+                    one = self.assemble(contents, [frame], [staged.sizes[i]])
+                found = self._postprocess(self.model.module(one), staged.slot.device_params[i:i + 1])
+                found[:, 0] = i
+                rows.append(found)
+            except Exception as exc:
+                if is_fatal(exc):
+                    raise DeviceLost(str(exc)) from exc
+                errors[i] = inference_error(exc)
+        elapsed = time.perf_counter() - started
+        detections = np.concatenate(rows) if rows else np.empty((0, len(DETECTION_COLUMNS)))
+        return DeviceOutput(detections, elapsed, elapsed * 1000.0, 0.0, errors)
+
+    def _failed_alone(self, staged: Staged, exc: Exception, started: float) -> DeviceOutput:
+        elapsed = time.perf_counter() - started
+        return DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), elapsed, elapsed * 1000.0, 0.0,
+                            {0: inference_error(exc)})
+
+    def _sync(self) -> float:
+        if self.compute_stream is not None:
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.compute_stream)
+            done.synchronize()   # a blocking event: the thread sleeps instead of spinning
+        return time.perf_counter()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+
+def inference_error(exc: BaseException) -> dict[str, str]:
+    lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+    return {"code": "inference_error", "message": (lines[-1] if lines else type(exc).__name__)[:500]}
+
+
+def thresholds_of(params: torch.Tensor) -> Thresholds:
+    columns = PARAM_COLUMNS.index
+    return Thresholds(conf=params[:, columns("conf")].float(), iou=params[:, columns("iou")].float(),
+                      max_det=params[:, columns("max_det")].long())
+
+
+def geometry_of(params: torch.Tensor) -> Geometry:
+    return Geometry(*(params[:, PARAM_COLUMNS.index(name)] for name in
+                      ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")))
+
+
+def detection_rows(detections: Detections) -> np.ndarray:
+    """The batch's detections as one float64 array, copied to the host once."""
+    rows = torch.cat([detections.image_index[:, None].double(), detections.boxes.double(),
+                      detections.scores[:, None].double(), detections.class_ids[:, None].double()], dim=1)
+    return rows.cpu().numpy()
+
+
+def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates: int,
+                sim_profile_ms: Mapping[int, float]) -> Device:
+    """`sim` gives the simulated accelerator; anything else loads the model on a real device
+    (raising ModelLoadError when it cannot be served)."""
+    if requested == "sim":
+        from gpu_worker.simulated import SimulatedDevice
+
+        return SimulatedDevice(spec, sim_profile_ms, max_batch)
+    from gpu_worker.model import choose_device, load_model
+
+    return TorchDevice(load_model(spec, choose_device(requested)), max_batch, max_candidates)

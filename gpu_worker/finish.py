@@ -1,0 +1,168 @@
+"""The finish stage: a batch's device output becomes result documents, written in one round trip.
+
+In the worker's finish thread, while the device runs the next batch: the
+detections come back as Python values, each job gets its result (or the error
+its frame failed with alone), its time bill and its batch, and one Lua script
+ends every job, acknowledges every frame the batch took and updates the
+worker's counters, atomically. Results wait in memory until Redis takes them.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import redis
+
+from contract import jobs
+from contract.frames import Frame
+from contract.keys import Keys
+from contract.settings import ModelSpec, Settings
+from contract.timebill import compute_time_bill
+from gpu_worker import metrics
+from gpu_worker.devices import DeviceOutput
+from gpu_worker.intake import InHand, Outcome
+from gpu_worker.stages import StageClock
+from gpu_worker.stats import BusyMeter, RecentStats
+
+log = logging.getLogger("gpu_worker")
+
+# KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4..] job hashes;
+# ARGV[1] ttl, ARGV[2] channel, ARGV[3] frames to acknowledge (the oldest in hand), ARGV[4] the count
+# of counter field and value arguments, then those, then the jobs' (see FINISH_JOBS_LUA).
+_WRITE_BATCH = jobs.FINISH_JOBS_LUA + """
+local acked, counters = tonumber(ARGV[3]), tonumber(ARGV[4])
+if acked > 0 then
+  redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
+end
+if counters > 0 then
+  redis.call('HSET', KEYS[3], unpack(ARGV, 5, 4 + counters))
+end
+return finish_jobs(KEYS[1], 4, 5 + counters, tonumber(ARGV[1]), ARGV[2])
+"""
+
+
+def detections_per_image(detections: np.ndarray, count: int) -> list[list[list[float]]]:
+    """The batch's detection rows (image, x1, y1, x2, y2, score, class), rounded as served and
+    split by image: one conversion to Python values for the whole batch."""
+    if not len(detections):
+        return [[] for _ in range(count)]
+    rounded = detections.copy()
+    rounded[:, 1:5] = np.round(detections[:, 1:5], 2)
+    rounded[:, 5] = np.round(detections[:, 5], 4)
+    bounds = np.searchsorted(detections[:, 0], np.arange(count + 1), side="left").tolist()
+    rows = rounded.tolist()
+    return [rows[bounds[i]:bounds[i + 1]] for i in range(count)]
+
+
+def result_documents(detections: np.ndarray, frames: Sequence[Frame], spec: ModelSpec) -> list[dict[str, Any]]:
+    """One result document per frame, in order."""
+    return documents_from_rows(detections_per_image(detections, len(frames)), frames, spec)
+
+
+def documents_from_rows(per_image: list[list[list[float]]], frames: Sequence[Frame],
+                        spec: ModelSpec) -> list[dict[str, Any]]:
+    labels = spec.labels
+    model = {"name": spec.name, "version": spec.version}
+    documents = []
+    for frame, rows in zip(frames, per_image):
+        found = [{"box": row[1:5], "score": row[5], "class_id": int(row[6]),
+                  "label": labels[int(row[6])] if int(row[6]) < len(labels) else str(int(row[6]))}
+                 for row in rows]
+        documents.append({"detections": found, "image": {"width": frame.header.orig_width,
+                                                          "height": frame.header.orig_height}, "model": model})
+    return documents
+
+
+class Finisher:
+    def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, keys: Keys, worker_id: str,
+                 spec: ModelSpec, clock: StageClock, busy: BusyMeter, recent: RecentStats,
+                 retry: Callable[[Callable[[], Any]], Any]) -> None:
+        self.redis = client
+        self.store = store
+        self.keys = keys
+        self.worker_id = worker_id
+        self.spec = spec
+        self.clock = clock
+        self.busy = busy
+        self.recent = recent
+        self.retry = retry
+        self.ttl_s = settings.jobs.ttl_s
+        self._write_batch = client.register_script(_WRITE_BATCH)
+
+    def finish(self, batch: InHand) -> None:
+        """Documents for every running job of the batch, then the one write (retried until Redis answers)."""
+        if batch.give_back:
+            self.retry(lambda: self._give_back(batch))
+            return
+        output = batch.output
+        outcomes: list[Outcome] = list(batch.failed)
+        if output is not None:
+            started = time.perf_counter()
+            with self.clock("readback"):
+                per_image = detections_per_image(output.detections, len(batch.running))
+            readback_ms = (time.perf_counter() - started) * 1000.0
+            with self.clock("documents"):
+                documents = documents_from_rows(per_image, batch.running, self.spec)
+                outcomes = self._outcomes(batch, output, documents, readback_ms)
+        with self.clock("write"):
+            self.retry(lambda: self._write(batch, outcomes))
+        self.recent.record_batch(batch.taken)
+        metrics.observe_batch(batch.taken, len(batch.running), batch.closed_at - batch.opened_at)
+        if outcomes:
+            log.info("batch answered", extra={"batch": f"{self.worker_id}:{batch.seq}", "size": len(batch.running),
+                                              "job_ids": [job_id for job_id, _, _ in outcomes]})
+
+    def fail_all(self, batch: InHand, code: str, message: str) -> None:
+        """End every running job of the batch as failed and acknowledge its frames."""
+        outcomes = [(frame.header.job_id, jobs.FAILED, {"error": {"code": code, "message": message}})
+                    for frame in batch.running]
+        self.retry(lambda: self._write(batch, outcomes))
+
+    def _outcomes(self, batch: InHand, output: DeviceOutput, documents: list[dict[str, Any]],
+                  readback_ms: float) -> list[Outcome]:
+        finished_at = time.time()
+        size, batch_id = len(batch.running), f"{self.worker_id}:{batch.seq}"
+        durations = {"infer_ms": output.infer_ms, "postprocess_ms": output.postprocess_ms + readback_ms}
+        outcomes: list[Outcome] = []
+        for index, (frame, popped_at, document) in enumerate(zip(batch.running, batch.popped_at, documents)):
+            bill = compute_time_bill({**frame.header.stamps, "popped_at": popped_at,
+                                      "batch_closed_at": batch.started_at, "finished_at": finished_at,
+                                      **durations})
+            self.recent.record_bill(bill)
+            metrics.observe_bill(bill)
+            fields: dict[str, Any] = {
+                "timings": bill,
+                "batch": {"id": batch_id, "seq": batch.seq, "size": size, "index": index,
+                          "closed_by": batch.closed_by, "worker": self.worker_id}}
+            error = output.errors.get(index)
+            if error is not None:
+                outcomes.append((frame.header.job_id, jobs.FAILED, {**fields, "error": error}))
+            else:
+                outcomes.append((frame.header.job_id, jobs.SUCCEEDED, {**fields, "result": document}))
+        return outcomes
+
+    def _give_back(self, batch: InHand) -> None:
+        """The batch's frames back to the front of the list (the oldest popped first), and out of
+        this worker's hands, in one step."""
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.rpush(self.keys.frames, *reversed(batch.give_back))
+        pipe.ltrim(self.keys.processing(self.worker_id), 0, -(batch.taken + 1))
+        pipe.execute()
+        log.warning("gave back %d frames", batch.taken)
+
+    def _write(self, batch: InHand, outcomes: list[Outcome]) -> None:
+        counters = [value for pair in self._counters(batch.taken).items() for value in pair]
+        job_keys, job_args = self.store.finish_arguments(outcomes)
+        self._write_batch(
+            keys=[self.keys.callback_outbox, self.keys.processing(self.worker_id),
+                  self.keys.gpu_counters(self.worker_id), *job_keys],
+            args=[self.ttl_s, self.keys.job_events, batch.taken, len(counters), *counters, *job_args])
+
+    def _counters(self, taken: int) -> dict[str, float]:
+        """Running totals including the batch being written, and the host time by stage."""
+        return {"device_seconds_total": round(self.busy.total_s, 6),
+                "batches_total": self.recent.batches_total + 1,
+                "frames_total": self.recent.frames_total + taken, "updated_at": time.time(),
+                **self.clock.counters()}

@@ -1,0 +1,41 @@
+"""A bounded hand-off between two stages of the GPU worker, each in its own thread.
+
+At most `capacity` items wait in it, so a fast stage cannot run ahead of a
+slow one and memory stays bounded; the producer blocks in `put` until there
+is room. `close()` ends it: the consumer's iteration takes what is still
+waiting, then stops. That is how a shutdown runs the pipeline dry, stage by
+stage, without dropping a batch that was already taken.
+"""
+from __future__ import annotations
+
+import queue
+from typing import Generic, Iterator, TypeVar
+
+Item = TypeVar("Item")
+_CLOSED = object()
+
+
+class Handoff(Generic[Item]):
+    def __init__(self, capacity: int = 1) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._queue: queue.Queue[object] = queue.Queue(maxsize=capacity)
+
+    def put(self, item: Item) -> None:
+        self._queue.put(item)
+
+    def close(self) -> None:
+        """No more items; waits for room like `put`, so it never overtakes one."""
+        self._queue.put(_CLOSED)
+
+    def waiting(self) -> bool:
+        """Something is waiting for the consumer (the close marker does not count)."""
+        with self._queue.mutex:
+            return any(item is not _CLOSED for item in self._queue.queue)
+
+    def __iter__(self) -> Iterator[Item]:
+        while True:
+            item = self._queue.get()
+            if item is _CLOSED:
+                return
+            yield item  # type: ignore[misc]

@@ -1,0 +1,162 @@
+"""The collect/stage stages: take a batch from the list, sort its frames, stage the ones to run.
+
+`collect()` runs in the worker's collect thread: it pops a batch (the batching
+window, on this process's clock), which is mostly waiting on Redis and the
+network. `prepare()` runs in the stage thread, one batch behind: it unpacks
+the frames, triages them in one Redis round trip (unreadable frames fail,
+late ones expire, the rest move to `running` unless they have killed workers
+too often), then copies the running frames into a staging slot for the device.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import redis
+
+from contract import jobs
+from contract.frames import Frame, FrameError, read_job_id, unpack_frame
+from contract.settings import Settings
+from gpu_worker import metrics
+from gpu_worker.batcher import Batch, BatchCollector
+from gpu_worker.devices import Device, DeviceOutput, Staged
+from gpu_worker.model import fits_input
+from gpu_worker.source import RedisFrameSource
+from gpu_worker.stages import StageClock
+
+log = logging.getLogger("gpu_worker")
+Outcome = tuple[str, str, dict[str, Any]]     # job id, terminal status, fields
+
+
+@dataclass
+class InHand:
+    """A batch from the moment it was taken to the moment its results are written.
+
+    `taken` counts every frame popped for it (answered, failed, expired or
+    skipped alike): they are acknowledged together once the batch is written."""
+    seq: int
+    taken: int
+    closed_by: str
+    opened_at: float                  # wall clock: its first frame was popped
+    closed_at: float                  # wall clock: the window closed
+    running: list[Frame]              # the frames of jobs still wanted, in batch order
+    popped_at: list[float]            # wall clock, per running frame
+    staged: Staged | None = None
+    output: DeviceOutput | None = None
+    started_at: float = 0.0           # wall clock: its turn on the device began
+    give_back: Sequence[bytes] = ()   # triage could not reach Redis: these frames return to the list
+    failed: list["Outcome"] = field(default_factory=list)   # triage failed otherwise: these jobs fail
+
+
+class Intake:
+    def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, source: RedisFrameSource,
+                 device: Device, clock: StageClock, hold_open: Callable[[], bool]) -> None:
+        batching = settings.batching
+        self.redis = client
+        self.store = store
+        self.source = source
+        self.device = device
+        self.clock = clock
+        self.max_attempts = settings.gpu_worker.max_attempts
+        self.input_size = device.spec.input_size
+        self.collector: BatchCollector[bytes] = BatchCollector(
+            batching.max_batch_size, batching.window_ms / 1000.0,
+            idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
+            age_of=_frame_age, hold_open=hold_open)
+        self.seq = 0
+
+    def collect(self) -> Batch[bytes] | None:
+        """The next batch of frames as popped; None when the list stayed empty."""
+        with self.clock("pop"):
+            return self.collector.collect(self.source)
+
+    def prepare(self, batch: Batch[bytes]) -> InHand:
+        """The batch triaged, and its running frames staged."""
+        self.seq += 1
+        offset = time.time() - time.monotonic()
+        with self.clock("unpack"):
+            frames, refused = self._unpack(batch)
+        with self.clock("triage"):
+            running = self._triage(frames, refused)
+        in_hand = InHand(seq=self.seq, taken=len(batch), closed_by=batch.closed_by,
+                         opened_at=batch.opened_at + offset, closed_at=batch.closed_at + offset,
+                         running=[frame for frame, _ in running],
+                         popped_at=[popped + offset for _, popped in running])
+        if in_hand.running:
+            with self.clock("stage"):
+                in_hand.staged = self.device.stage(in_hand.running)
+        return in_hand
+
+    def unprepared(self, batch: Batch[bytes], exc: Exception) -> InHand:
+        """A batch whose triage failed, to be written in its turn all the same."""
+        self.seq += 1
+        in_hand = InHand(seq=self.seq, taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
+                         closed_at=time.time(), running=[], popped_at=[])
+        if isinstance(exc, redis.RedisError):
+            in_hand.give_back = batch.items
+        else:
+            message = f"the GPU worker could not triage this frame: {type(exc).__name__}"
+            in_hand.failed = [(job_id, jobs.FAILED, {"error": {"code": "internal_error", "message": message}})
+                              for job_id in map(read_job_id, batch.items) if job_id]
+        return in_hand
+
+    def _unpack(self, batch: Batch[bytes]) -> tuple[list[tuple[Frame, float]], list[Outcome]]:
+        """Readable frames that fit the model's input, with their pop times; the rest fail."""
+        frames, refused = [], []
+        for raw, popped in zip(batch.items, batch.popped_at):
+            try:
+                frame = unpack_frame(raw)
+                if not fits_input(frame, self.input_size):
+                    raise FrameError(f"content {frame.header.width}x{frame.header.height} at "
+                                     f"({frame.header.pad_left}, {frame.header.pad_top}) does not fit the "
+                                     f"model's {self.input_size}x{self.input_size} input")
+            except FrameError as exc:
+                job_id = read_job_id(raw)
+                log.error("bad frame: %s", exc, extra={"job_id": job_id})
+                if job_id:
+                    refused.append((job_id, jobs.FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
+                continue
+            frames.append((frame, popped))
+        return frames, refused
+
+    def _triage(self, frames: list[tuple[Frame, float]],
+                refused: list[Outcome]) -> list[tuple[Frame, float]]:
+        """One round trip moves the frames' jobs to running (unless poisoned); the unreadable, the
+        late and the poisoned cost one more each, only when there are any. (Not one pipeline: redis-py
+        checks a pipeline's scripts with an extra round trip of its own.)"""
+        now = time.time()
+        candidates = []
+        for frame, popped in frames:
+            if now > frame.header.deadline_at:
+                refused.append((frame.header.job_id, jobs.EXPIRED,
+                                {"error": {"code": "deadline", "message": "expired before inference"}}))
+                metrics.FRAMES_EXPIRED.inc()
+            else:
+                candidates.append((frame, popped))
+        if refused:
+            self.store.finish_many(refused)
+        verdicts = self.store.advance_many([frame.header.job_id for frame, _ in candidates], jobs.RUNNING,
+                                           self.max_attempts) if candidates else []
+        self._fail_poisoned([frame for (frame, _), verdict in zip(candidates, verdicts) if verdict == jobs.POISON])
+        return [item for item, verdict in zip(candidates, verdicts) if verdict == jobs.MOVED]
+
+    def _fail_poisoned(self, frames: list[Frame]) -> None:
+        if not frames:
+            return
+        message = (f"the job's frame was in hand each time a GPU worker died ({self.max_attempts} times); "
+                   "not trying again")
+        for frame in frames:
+            log.error("poison frame: GPU workers died holding it %d times", self.max_attempts,
+                      extra={"job_id": frame.header.job_id})
+        self.store.finish_many([(frame.header.job_id, jobs.FAILED, {"error": {"code": "poison", "message": message}})
+                                for frame in frames])
+
+
+def _frame_age(raw: bytes) -> float:
+    """Seconds a frame waited in the list; unreadable frames count as fresh."""
+    try:
+        return max(0.0, time.time() - unpack_frame(raw).header.enqueued_at)
+    except FrameError:
+        return 0.0

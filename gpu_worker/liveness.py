@@ -1,0 +1,96 @@
+"""Liveness: the heartbeat that says a GPU worker lives, and what happens to frames when one dies.
+
+A worker beats every third of `heartbeat_ttl_s` (a key with that TTL, and its
+score in the registry). It withholds the beat when its collect loop has
+stalled, so a hung worker stops looking ready. On each beat it requeues the
+frames of workers whose heartbeat expired (they died holding them); at start
+it requeues the frames a previous life of itself left behind.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+import redis
+
+from contract import jobs
+from contract.keys import Keys
+from contract.settings import Settings
+from gpu_worker import metrics
+from gpu_worker.source import requeue_frames_of
+
+log = logging.getLogger("gpu_worker")
+
+
+class Liveness:
+    def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, worker_id: str,
+                 describe: Callable[[], dict[str, Any]], last_progress: Callable[[], float],
+                 busy_fraction: Callable[[], float]) -> None:
+        self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
+        self.redis = client
+        self.keys = keys
+        self.worker_id = worker_id
+        self.describe = describe
+        self.last_progress = last_progress
+        self.busy_fraction = busy_fraction   # the GPU busy gauge is set here, off the batches' path
+
+    def start(self, stopping: threading.Event) -> threading.Thread:
+        thread = threading.Thread(target=self._loop, args=(stopping,), name="heartbeat", daemon=True)
+        thread.start()
+        return thread
+
+    def _loop(self, stopping: threading.Event) -> None:
+        while not stopping.is_set():
+            try:
+                self.beat()
+                self.reap_dead_workers()
+                for queue_name, depth in jobs.queue_depths(self.redis, self.keys).items():
+                    metrics.QUEUE_DEPTH.labels(queue_name).set(depth)
+                metrics.GPU_BUSY.set(self.busy_fraction())
+            except redis.RedisError as exc:
+                log.warning("heartbeat failed: %s", exc)
+            stopping.wait(self.ttl_s / 3.0)
+
+    def beat(self) -> None:
+        """Publish that this worker lives, unless its loop has stalled."""
+        stall_limit = max(60.0, self.ttl_s * 6)
+        if time.monotonic() - self.last_progress() > stall_limit:
+            log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(self.keys.heartbeat(self.worker_id), json.dumps(self.describe()), px=int(self.ttl_s * 1000))
+        pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
+        pipe.execute()
+
+    def requeue_own_frames(self, died: bool = True) -> int:
+        """Frames this worker took but never answered go back first in line. `died`: a previous
+        life left them (an attempt is counted); else this life gives back what it is unsure of."""
+        moved = requeue_frames_of(self.redis, self.keys, self.worker_id, only_if_dead=False, count_attempt=died)
+        if moved:
+            log.warning("requeued %d frames %s", moved,
+                        f"left by a previous run of {self.worker_id}" if died else "this worker gave back")
+        return moved
+
+    def reap_dead_workers(self) -> int:
+        """Requeue the frames of workers whose heartbeat expired (they died holding them)."""
+        stale_before = time.time() - self.ttl_s
+        moved = 0
+        for raw_id in self.redis.zrangebyscore(self.keys.gpu_workers, "-inf", stale_before):
+            worker_id = raw_id.decode()
+            if worker_id == self.worker_id:
+                continue
+            count = requeue_frames_of(self.redis, self.keys, worker_id, only_if_dead=True)
+            if count > 0:
+                log.warning("requeued %d frames of dead GPU worker %s", count, worker_id)
+                moved += count
+        return moved
+
+    def leave(self) -> None:
+        try:
+            self.redis.delete(self.keys.heartbeat(self.worker_id))
+            self.redis.zrem(self.keys.gpu_workers, self.worker_id)
+        except redis.RedisError:
+            pass

@@ -1,0 +1,55 @@
+"""The GPU worker's host time by stage: what each batch costs the host, and where.
+
+Each stage runs in one thread (collect/stage, device, finish) and adds the
+wall time it took and the CPU time its thread spent, so wall minus CPU is the
+time it waited (on Redis, on the device, on the GIL). The totals are published
+with the worker's counters; `bench feed` divides them by the batches.
+"""
+from __future__ import annotations
+
+import time
+from types import TracebackType
+
+# In the order a batch meets them. `forward` is the device's turn (its wait included):
+# on `sim`, the simulated latency.
+HOST_STAGES = ("pop", "unpack", "triage", "stage", "forward", "readback", "documents", "write")
+
+
+class StageClock:
+    """Running totals of wall and thread-CPU seconds per stage."""
+
+    def __init__(self) -> None:
+        self.wall_s = dict.fromkeys(HOST_STAGES, 0.0)
+        self.cpu_s = dict.fromkeys(HOST_STAGES, 0.0)
+        self._timers = {stage: _Timer(self, stage) for stage in HOST_STAGES}
+
+    def __call__(self, stage: str) -> "_Timer":
+        """`with clock("write"): ...` adds the block's times to the stage."""
+        return self._timers[stage]
+
+    def add(self, stage: str, wall_s: float, cpu_s: float) -> None:
+        self.wall_s[stage] += wall_s
+        self.cpu_s[stage] += cpu_s
+
+    def counters(self) -> dict[str, float]:
+        """The totals as counter fields: stage_wall_s:<stage>, stage_cpu_s:<stage>."""
+        fields = {f"stage_wall_s:{stage}": round(value, 6) for stage, value in self.wall_s.items()}
+        fields.update({f"stage_cpu_s:{stage}": round(value, 6) for stage, value in self.cpu_s.items()})
+        return fields
+
+
+class _Timer:
+    """Not re-entrant per stage; each stage is timed by the one thread that runs it."""
+
+    __slots__ = ("clock", "stage", "wall", "cpu")
+
+    def __init__(self, clock: StageClock, stage: str) -> None:
+        self.clock, self.stage = clock, stage
+        self.wall = self.cpu = 0.0
+
+    def __enter__(self) -> None:
+        self.wall, self.cpu = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.clock.add(self.stage, time.perf_counter() - self.wall, time.thread_time() - self.cpu)
