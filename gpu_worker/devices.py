@@ -19,12 +19,12 @@ from __future__ import annotations
 import queue
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
 
-from contract.frames import CHANNELS, Frame
+from contract.frames import CHANNELS, Frame, FrameHeader
 from contract.settings import ModelSpec
 from gpu_worker.model import BatchAssembler, LoadedModel
 from gpu_worker.postprocess import Detections, Geometry, Thresholds, postprocess
@@ -71,6 +71,7 @@ class StagingSlots:
         pinned = device.type == "cuda"
         nbytes = max_batch * input_size * input_size * CHANNELS
         self.max_batch = max_batch
+        self.count = count
         self.nbytes = nbytes
         self._free: queue.Queue[StagingSlot] = queue.Queue()
         for _ in range(count):
@@ -121,7 +122,20 @@ class Device(Protocol):
     def stage(self, frames: Sequence[Frame]) -> Staged: ...
     def run(self, staged: Staged) -> DeviceOutput: ...
     def discard(self, staged: Staged) -> None: ...
+    def warm_up(self, max_batch: int) -> Iterator[list[Frame]]: ...
     def describe(self) -> dict[str, Any]: ...
+
+
+def warm_up_frames(spec: ModelSpec, count: int) -> list[Frame]:
+    """Frames of a landscape image filling the input's width, for runs before serving."""
+    size = spec.input_size
+    height = max(1, size * 3 // 4)
+    header = FrameHeader(job_id="warm-up", width=size, height=height, pad_left=0, pad_top=(size - height) // 2,
+                         scale_x=1.0, scale_y=1.0, orig_width=size, orig_height=height, enqueued_at=0.0,
+                         deadline_at=0.0)
+    pixels = memoryview(bytearray(np.random.default_rng(0).integers(0, 256, size * height * CHANNELS,
+                                                                      dtype=np.uint8).tobytes()))
+    return [Frame(header=header, pixels=pixels)] * count
 
 
 def frame_params(frames: Sequence[Frame], spec: ModelSpec) -> list[list[float]]:
@@ -204,6 +218,14 @@ class TorchDevice:
 
     def discard(self, staged: Staged) -> None:
         self.host.release(staged)
+
+    def warm_up(self, max_batch: int) -> Iterator[list[Frame]]:
+        """Every batch size twice: cuDNN's autotuning, TorchScript's profiling runs and lazy
+        loading happen here, and every staging slot is touched; yields each batch's frames."""
+        for size in [*range(1, max_batch + 1)] * 2:
+            frames = warm_up_frames(self.spec, size)
+            self.run(self.stage(frames))
+            yield frames
 
     def _on_compute_stream(self) -> Any:
         return torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else _nothing()

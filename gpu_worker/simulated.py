@@ -14,7 +14,7 @@ the writes.
 from __future__ import annotations
 
 import time
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -22,7 +22,7 @@ import torch
 from contract.frames import Frame
 from contract.settings import ModelSpec
 from gpu_worker.devices import (DETECTION_COLUMNS, PARAM_COLUMNS, SLOTS, DeviceOutput, HostStaging, Staged,
-                                StagingSlots)
+                                StagingSlots, warm_up_frames)
 
 # The story's batch-size table (ms per batch on its GPU).
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
@@ -63,6 +63,15 @@ class SimulatedDevice:
 
     def discard(self, staged: Staged) -> None:
         self.host.release(staged)
+
+    def warm_up(self, max_batch: int) -> Iterator[list[Frame]]:
+        """The host's part once per slot at the full batch (the slots' pages touched), no sleeping."""
+        frames = warm_up_frames(self.spec, max_batch)
+        staged = [self.stage(frames) for _ in range(self.host.slots.count)]
+        for batch in staged:
+            self.synthetic_detections(batch.params)
+            self.host.release(batch)
+        yield frames
 
     def run(self, staged: Staged) -> DeviceOutput:
         """The profile's latency for the batch, with its synthetic detections made inside it."""

@@ -24,6 +24,7 @@ the list, and the process exits with EXIT_DEVICE_LOST for its supervisor.
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -33,6 +34,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import redis
 
 from contract import jobs
@@ -40,8 +42,8 @@ from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch
-from gpu_worker.devices import Device, DeviceLost
-from gpu_worker.finish import Finisher
+from gpu_worker.devices import DETECTION_COLUMNS, Device, DeviceLost
+from gpu_worker.finish import Finisher, result_documents
 from gpu_worker.handoff import Handoff
 from gpu_worker.intake import InHand, Intake
 from gpu_worker.liveness import Liveness
@@ -98,6 +100,7 @@ class GpuWorker:
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
         self.liveness.start(self.stopping)
         threads = [threading.Thread(target=self._collect_loop, name="collect", daemon=True),
@@ -117,7 +120,19 @@ class GpuWorker:
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
         return EXIT_DEVICE_LOST if self.device_lost else 0
 
-    # --- the three stages ------------------------------------------------
+    def warm_up(self) -> None:
+        """Every batch size through staging, the device and the documents before the first heartbeat
+        says ready, so the first real batches pay no first-run costs; then the objects alive after
+        start-up (torch's are many) are frozen out of the garbage collector's full passes, which
+        otherwise stall the worker for tens of milliseconds now and then."""
+        started = time.perf_counter()
+        for frames in self.device.warm_up(self.intake.collector.max_size):
+            result_documents(np.empty((0, len(DETECTION_COLUMNS))), frames, self.device.spec)
+        gc.collect()
+        gc.freeze()
+        log.info("warmed up in %.2f s", time.perf_counter() - started)
+
+    # --- the stages ------------------------------------------------------
     def _collect_loop(self) -> None:
         try:
             while not self.stopping.is_set():
