@@ -69,10 +69,11 @@ def test_a_frame_that_kept_killing_workers_fails_as_poison(stack):
     assert stack.gpu_worker.alive()
 
 
-def slow_sim_worker(stack, name: str) -> ManagedProcess:
+def slow_sim_worker(stack, name: str, latency_ms: float = 1500, max_batch: int = 8) -> ManagedProcess:
     """A second GPU worker on the same list, simulated, 1.5 s per batch: easy to kill mid-batch."""
     config = yaml.safe_load(stack.config_path.read_text())
-    config["gpu_worker"] = {**config.get("gpu_worker", {}), "sim_latency_ms": {1: 1500, 8: 1500}}
+    config["gpu_worker"] = {**config.get("gpu_worker", {}), "sim_latency_ms": {1: latency_ms, 8: latency_ms}}
+    config["batching"] = {**config.get("batching", {}), "max_batch_size": max_batch}
     path = stack.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**stack.env, "IMGSERVE_CONFIG": str(path)}
@@ -103,6 +104,25 @@ def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
             restarted.stop()
     finally:
         stack.start_gpu_worker()
+
+
+def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
+    """Collecting, staging, on the device, waiting for each: SIGTERM stops the taking, not the answering."""
+    stack.stop_gpu_worker()
+    try:
+        worker = slow_sim_worker(stack, "draining-gpu", latency_ms=700, max_batch=2)
+        ids = [stack.submit_ok(jpeg(320, 240, seed=40 + i)) for i in range(12)]
+        processing = stack.keys.processing("draining-gpu")
+        wait_until(lambda: stack.redis.llen(processing) >= 8, 60, what="batches in every stage")
+        worker.stop(signal.SIGTERM, timeout_s=60)
+        assert worker.process.returncode == 0, worker.log_tail()
+        assert stack.redis.llen(processing) == 0
+        statuses = [stack.job(j)["status"] for j in ids]
+        assert statuses.count("succeeded") >= 8 and set(statuses) <= {"succeeded", "queued_gpu"}, statuses
+        assert stack.redis.llen(stack.keys.frames) == statuses.count("queued_gpu")   # the rest wait in line
+    finally:
+        stack.start_gpu_worker()
+    assert [stack.wait_terminal(j)["status"] for j in ids] == ["succeeded"] * len(ids)
 
 
 def celery_children(parent_pid: int) -> list[int]:
