@@ -186,6 +186,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         log(f"pushed {len(ids)} frames of {frame_bytes / 1024:.0f} KB in {push_s:.2f} s")
         worker = _start_worker(options, config_path, workdir)
         profiler = _profiler(options, worker)
+        cpu_before = cpu_times()
         try:
             wait_until(lambda: _all_answered(client, keys, len(ids)) or _died(worker), 600, interval_s=0.05,
                        what="the worker to drain the frames")
@@ -195,6 +196,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
             if not worker.alive():
                 raise RuntimeError(f"the GPU worker died:\n{worker.log_tail()}")
             counters = _counters(client, keys)
+            cpu = cpu_shares(cpu_before, cpu_times())
         finally:
             worker.stop()
         measured = _throughput(client, keys, ids)
@@ -214,6 +216,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         "statuses": measured["statuses"],
         "host_ms_per_batch": _per_batch(counters),
         "push_fps": round(len(ids) / push_s, 1),
+        "machine_cpu": cpu,
         "redis_limit_fps": round(redis_fps, 1) if redis_fps else None,
     }
     return result
@@ -303,17 +306,38 @@ def redis_drain_rate(client: redis.Redis, keys: Keys, contents: list[tuple[dict[
     return taken / (time.perf_counter() - started)
 
 
+def cpu_times() -> list[int] | None:
+    """The machine's CPU jiffies (user, nice, system, idle, iowait, irq, softirq, steal), or None."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(v) for v in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, float] | None:
+    """Over the run, the share of the machine's CPU time that was busy, and stolen by the hypervisor:
+    a run on a machine whose host took its cores away says so."""
+    if not before or not after:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta) or 1
+    idle = delta[3] + delta[4]
+    return {"busy": round((total - idle - delta[7]) / total, 3), "steal": round(delta[7] / total, 3)}
+
+
 # --- the report -----------------------------------------------------------
 def markdown(results: list[dict[str, Any]]) -> str:
     lines = ["## bench feed: one GPU worker against the device's limit", "",
              "| device | profile | input | frame KB | frames/s | device limit | share | mean batch | "
-             "Redis limit | push |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "Redis limit | push | CPU busy / stolen |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         o = r["options"]
         profile = o["profile"] if o["device"] == "sim" else "-"
         lines.append(f"| {o['device']} | {profile} | {o['input_size']} | {r['frame_kb']:.0f} | "
                      f"{r['frames_per_s']:.0f} | {r['device_limit_fps']:.0f} | **{r['share_of_limit']:.0%}** | "
-                     f"{r['mean_batch']:.2f} | {_fmt(r['redis_limit_fps'])} | {r['push_fps']:.0f} |")
+                     f"{r['mean_batch']:.2f} | {_fmt(r['redis_limit_fps'])} | {r['push_fps']:.0f} | "
+                     f"{_shares(r['machine_cpu'])} |")
     stages = [s for s in HOST_STAGES if any(s in r["host_ms_per_batch"] for r in results)]
     if stages:
         lines += ["", "Host time per batch by stage, ms (wall / CPU of the stage's thread):", "",
@@ -324,8 +348,14 @@ def markdown(results: list[dict[str, Any]]) -> str:
             lines.append(f"| {o['device']} {o['profile'] if o['device'] == 'sim' else ''} {o['input_size']} | "
                          + " | ".join(cells) + " |")
     lines += ["", "Device limit: " + "; ".join(sorted({r['device_limit'] for r in results})) + ". "
-              "Share: frames/s over that limit, measured from the first batch's write to the last."]
+              "Share: frames/s over that limit, measured from the first batch's write to the last. "
+              "Redis limit: one consumer taking and acking frames with the worker's own calls, nothing else. "
+              "CPU: the machine's cores during the drain, busy and stolen by the hypervisor."]
     return "\n".join(lines)
+
+
+def _shares(cpu: dict[str, float] | None) -> str:
+    return "-" if not cpu else f"{cpu['busy']:.0%} / {cpu['steal']:.0%}"
 
 
 def _fmt(value: float | None) -> str:

@@ -57,7 +57,7 @@ EXIT_DEVICE_LOST = 3
 # Python hands the GIL over every 5 ms by default; a device thread waking from a 6 ms batch would
 # then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
 # bounds that wait at a small cost in switches.
-GIL_SWITCH_INTERVAL_S = 0.002
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def default_worker_id(device: Device) -> str:
