@@ -7,6 +7,7 @@ from app.health import live_gpu_workers
 from app.openapi import Reply, operation
 from contract.documents import Stats
 from contract.jobs import queue_depths
+from contract.timebill import host_ms_per_batch
 
 blueprint = Blueprint("stats", __name__)
 
@@ -19,8 +20,9 @@ def stats() -> Response:
     client, keys = services.redis, services.keys
     workers = live_gpu_workers()
     for worker in workers:   # live totals, fresher than the heartbeat's
-        counters = client.hgetall(keys.gpu_counters(worker["worker_id"]))
-        worker.setdefault("stats", {}).update({k.decode(): float(v) for k, v in counters.items()})
+        raw = client.hgetall(keys.gpu_counters(worker["worker_id"]))
+        counters = {k.decode(): float(v) for k, v in raw.items()}
+        worker.setdefault("stats", {}).update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     summary = Stats(
         queues=queue_depths(client, keys),
         gpu_workers=[{"worker_id": w["worker_id"], "device": w["model"]["device"],

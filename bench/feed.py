@@ -36,8 +36,8 @@ from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
 from contract.settings import REPO_ROOT, load_model_spec
+from contract.timebill import HOST_STAGES, host_ms_per_batch
 from gpu_worker.simulated import STORY_PROFILE_MS, profile_latency_s
-from gpu_worker.stages import HOST_STAGES
 
 # A small detector on a modern GPU: a batch of 8 in a few milliseconds.
 FAST_PROFILE_MS = {1: 2.0, 8: 6.0, 16: 10.0}
@@ -214,7 +214,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         "share_of_limit": round(measured["fps"] / limit_fps, 4),
         "mean_batch": round(measured["mean_batch"], 3),
         "statuses": measured["statuses"],
-        "host_ms_per_batch": _per_batch(counters),
+        "host_ms_per_batch": host_ms_per_batch(counters),
         "push_fps": round(len(ids) / push_s, 1),
         "machine_cpu": cpu,
         "redis_limit_fps": round(redis_fps, 1) if redis_fps else None,
@@ -275,17 +275,6 @@ def _throughput(client: redis.Redis, keys: Keys, ids: list[str]) -> dict[str, An
     fps = (len(finished) - first_batch) / span if span > 0 else 0.0
     sizes = list(batches.values())
     return {"fps": fps, "mean_batch": sum(sizes) / len(sizes) if sizes else 0.0, "statuses": statuses}
-
-
-def _per_batch(counters: dict[str, float]) -> dict[str, dict[str, float]]:
-    batches = counters.get("batches_total") or 0.0
-    table: dict[str, dict[str, float]] = {}
-    for stage in HOST_STAGES:
-        wall, cpu = counters.get(f"stage_wall_s:{stage}"), counters.get(f"stage_cpu_s:{stage}")
-        if wall is None or not batches:
-            continue
-        table[stage] = {"wall": round(wall / batches * 1000.0, 3), "cpu": round((cpu or 0.0) / batches * 1000.0, 3)}
-    return table
 
 
 def redis_drain_rate(client: redis.Redis, keys: Keys, contents: list[tuple[dict[str, Any], bytes]],

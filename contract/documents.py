@@ -232,6 +232,11 @@ class StageSummary(Document):
 StageSummaries = dict[str, StageSummary]
 
 
+class HostStageTime(Document):
+    wall: float = Field(description="ms per batch, wall clock")
+    cpu: float = Field(description="ms per batch, the stage thread's CPU time")
+
+
 class GpuWorkerStats(Document):
     worker_id: str
     device: str
@@ -248,6 +253,9 @@ class GpuWorkerStats(Document):
     batch_size_mean: Optional[float] = None
     batch_size_histogram: dict[str, int] = None
     time_bill_ms: StageSummaries = None
+    host_ms_per_batch: dict[str, HostStageTime] = Field(
+        None, description="the worker's host time per batch by stage since it started (its collect, stage, "
+                          "device and finish threads): wall, and the stage thread's CPU")
 
 
 class GpuSummary(Document):

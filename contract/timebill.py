@@ -49,3 +49,28 @@ def compute_time_bill(stamps: Mapping[str, float]) -> dict[str, float]:
             if start is not None and end is not None:
                 bill[rule[0]] = round(max(0.0, (end - start) * 1000.0), 3)
     return bill
+
+
+# The GPU worker's host time per batch, by stage, in the order a batch meets them (the stages
+# themselves are gpu_worker/intake.py, devices.py and finish.py). `forward` is the device's turn,
+# its wait included (on `sim`, the simulated latency). The worker keeps running totals in its
+# counters hash as host_wall_s:<stage> and host_cpu_s:<stage> (its stage thread's CPU time).
+HOST_STAGES = ("pop", "unpack", "triage", "stage", "forward", "readback", "documents", "write")
+
+
+def host_counter_fields(wall_s: Mapping[str, float], cpu_s: Mapping[str, float]) -> dict[str, float]:
+    fields = {f"host_wall_s:{stage}": round(value, 6) for stage, value in wall_s.items()}
+    fields.update({f"host_cpu_s:{stage}": round(value, 6) for stage, value in cpu_s.items()})
+    return fields
+
+
+def host_ms_per_batch(counters: Mapping[str, float]) -> dict[str, dict[str, float]]:
+    """From a worker's counters: per stage, the mean wall and CPU milliseconds per batch."""
+    batches = counters.get("batches_total") or 0.0
+    table: dict[str, dict[str, float]] = {}
+    for stage in HOST_STAGES:
+        wall = counters.get(f"host_wall_s:{stage}")
+        if wall is not None and batches:
+            cpu = counters.get(f"host_cpu_s:{stage}") or 0.0
+            table[stage] = {"wall": round(wall / batches * 1000.0, 3), "cpu": round(cpu / batches * 1000.0, 3)}
+    return table

@@ -10,9 +10,7 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
-# In the order a batch meets them. `forward` is the device's turn (its wait included):
-# on `sim`, the simulated latency.
-HOST_STAGES = ("pop", "unpack", "triage", "stage", "forward", "readback", "documents", "write")
+from contract.timebill import HOST_STAGES, host_counter_fields
 
 
 class StageClock:
@@ -32,10 +30,8 @@ class StageClock:
         self.cpu_s[stage] += cpu_s
 
     def counters(self) -> dict[str, float]:
-        """The totals as counter fields: stage_wall_s:<stage>, stage_cpu_s:<stage>."""
-        fields = {f"stage_wall_s:{stage}": round(value, 6) for stage, value in self.wall_s.items()}
-        fields.update({f"stage_cpu_s:{stage}": round(value, 6) for stage, value in self.cpu_s.items()})
-        return fields
+        """The totals as the counters hash's host_wall_s:<stage> and host_cpu_s:<stage> fields."""
+        return host_counter_fields(self.wall_s, self.cpu_s)
 
 
 class _Timer:

@@ -164,6 +164,15 @@ def test_models_and_readiness_describe_the_live_worker(stack):
     assert stack.session.get(stack.url("/healthz"), timeout=10).json() == {"status": "ok"}
 
 
+def test_stats_show_where_the_gpu_workers_host_time_goes(stack):
+    assert stack.wait_terminal(stack.submit_ok(jpeg(320, 240)))["status"] == "succeeded"
+    [worker] = stack.session.get(stack.url("/v1/stats"), timeout=10).json()["gpu_workers"]
+    host = worker["host_ms_per_batch"]
+    assert list(host) == ["pop", "unpack", "triage", "stage", "forward", "readback", "documents", "write"]
+    assert all(times["wall"] >= 0 and times["cpu"] >= 0 for times in host.values())
+    assert host["forward"]["wall"] > 0
+
+
 def _job_id_of(frame: bytes) -> str:
     from contract.frames import unpack_frame
 
