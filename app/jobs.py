@@ -13,7 +13,8 @@ from app.uploads import check_image, option_values, parse_options, validate_para
 from contract import jobs
 from contract.documents import (JobAccepted, JobDocument, job_document, submit_options_model,
                                 wait_query_model)
-from tasks.callbacks import CallbackRefused, check_callback_url
+from contract.settings import SettingsError
+from tasks.callbacks import CallbackRefused, callback_secret, check_callback_url
 from tasks.celery_app import send_preprocess
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
@@ -116,9 +117,14 @@ def cancel_job(job_id: str) -> Response:
 def _checked_callback_url(url: str | None, settings) -> str | None:
     if not url:
         return None
-    if not settings.callbacks.secret:
+    try:
+        secret = callback_secret(settings, g.get("client_id"))
+    except SettingsError:
+        secret = None
+    if not secret:
         raise Problem(400, "callbacks-disabled", "Callbacks disabled",
-                      "this deployment has no callback secret configured (callbacks.secret)")
+                      "no callback secret is configured for this deployment (callbacks.secret) or, with API "
+                      "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)")
     try:
         check_callback_url(url, settings.callbacks.allow_hosts)
     except CallbackRefused as exc:

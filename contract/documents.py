@@ -138,10 +138,11 @@ class SubmitOptionsBase(Document):
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
     iou: Probability = Field(None, description="NMS IoU threshold; the model's default when absent")
     max_det: MaxDetections = Field(None, description="most detections returned")
-    callback_url: str = Field(None, max_length=2048, pattern=r"^https?://[^/?#\s]+",
+    callback_url: str = Field(None, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#\s\\@]+",
                               json_schema_extra={"format": "uri"},
                               description="http(s) URL that receives the job document, signed, once it ends; "
-                                          "a host that resolves to a private address is refused (400)")
+                                          "no user@, no backslash, no #; a host that resolves to a private "
+                                          "address is refused (400)")
 
     def for_model(self) -> JobOptions:
         return JobOptions(**{k: v for k, v in (("conf", self.conf), ("iou", self.iou),

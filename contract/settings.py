@@ -8,6 +8,7 @@ without a config file of its own.
 from __future__ import annotations
 
 import os
+from urllib.parse import unquote, urlsplit
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,29 @@ METRICS_PORT_ENV = "IMGSERVE_METRICS_PORT"
 
 class SettingsError(ValueError):
     """A config file or model spec that cannot be used."""
+
+
+MIN_SECRET_LENGTH = 16
+_PLACEHOLDERS = ("change-me", "changeme", "change_me", "replace-me", "replaceme", "placeholder", "your-secret")
+
+
+def weak_secret_reason(value: str) -> str | None:
+    """Why a secret must not be used (a placeholder, too short), or None."""
+    if any(placeholder in value.lower() for placeholder in _PLACEHOLDERS):
+        return "a placeholder"
+    if len(value) < MIN_SECRET_LENGTH:
+        return f"shorter than {MIN_SECRET_LENGTH} characters"
+    if len(set(value)) < 6:
+        return "too repetitive"
+    return None
+
+
+def check_secret(name: str, value: str) -> None:
+    """Refuse a placeholder or short secret: a process that would run with one does not start."""
+    reason = weak_secret_reason(value)
+    if reason:
+        raise SettingsError(f"{name} is {reason}; generate one with "
+                            "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
 
 
 @dataclass(frozen=True)
@@ -82,11 +106,25 @@ class CallbackSettings:
     max_response_bytes: int = 65536
 
 
+API_KEY_FIELDS = {"id", "sha256", "callback_secret_env", "callback_secret_file"}
+
+
 @dataclass(frozen=True)
 class AuthSettings:
-    api_keys: tuple = ()          # [{id: team-a, sha256: <hex of the key>}]; empty: /v1 is open
+    # [{id: team-a, sha256: <hex of the key>, callback_secret_env: TEAM_A_CALLBACK_SECRET}]; empty: /v1 is open.
+    # A key's callback secret is named, never written here: an environment variable or a file (a compose secret).
+    api_keys: tuple = ()
     rate_per_s: float = 0.0       # per key; 0: no limit
     burst: float = 20.0
+
+    def __post_init__(self) -> None:
+        for entry in self.api_keys:
+            if not isinstance(entry, dict) or not {"id", "sha256"} <= set(entry):
+                raise SettingsError("each auth.api_keys entry needs an id and a sha256")
+            unknown = set(entry) - API_KEY_FIELDS
+            if unknown:
+                raise SettingsError(f"unknown auth.api_keys fields: {', '.join(sorted(unknown))} "
+                                    f"(a callback secret is named by callback_secret_env or callback_secret_file)")
 
 
 @dataclass(frozen=True)
@@ -176,7 +214,17 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     if os.environ.get(METRICS_PORT_ENV):
         raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
     raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
-    return _build(Settings, raw)
+    settings = _build(Settings, raw)
+    _check_secrets(settings)
+    return settings
+
+
+def _check_secrets(settings: "Settings") -> None:
+    if settings.callbacks.secret:
+        check_secret("the callback secret (callbacks.secret / IMGSERVE_CALLBACK_SECRET)", settings.callbacks.secret)
+    password = urlsplit(settings.redis_url).password
+    if password:
+        check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))
 
 
 def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:

@@ -1,13 +1,25 @@
 """Signed callbacks: POST the finished job's document to the client's URL.
 
-Safety: only http(s); targets on loopback, private, link-local (cloud metadata
-included), multicast or reserved addresses are refused unless `allow_hosts`
-admits them, checked at submit and again after DNS resolution at delivery.
-Bounded timeouts and response size; no redirects.
+Safety. The URL is parsed strictly, by this module's own grammar, not by a
+library that might read it differently from the one that connects: only
+`http(s)://host[:port][/path][?query]` in printable ASCII, with no userinfo
+(`user@`), no backslash, no fragment, and an IP address only in its canonical
+form (dotted decimal, or bracketed IPv6; decimal, octal and hex forms of an
+address are refused). The host is resolved once; every address it resolves to
+must be public (not loopback, private, link-local or cloud metadata, shared,
+multicast, reserved, nor an IPv6 form embedding one of those) unless
+`callbacks.allow_hosts` admits it; then the connection goes to that checked
+address, never to a second lookup (no DNS rebinding), with the URL's host in
+the Host header and, for https, in SNI and the certificate check. Checked at
+submit and again at each delivery. Bounded timeouts and response size; no
+redirects; no proxies from the environment.
 
-Signature: `X-Signature: sha256=<hex HMAC-SHA256(secret, timestamp + "." + body)>`
-with `X-Imgserve-Timestamp: <unix seconds>`: receivers recompute it and refuse
-stale timestamps (replays). See README for a ten-line receiver.
+Signature: `X-Signature: sha256=<hex HMAC-SHA256(secret, timestamp + "." + job id
++ "." + body)>`, with `X-Imgserve-Timestamp: <unix seconds>` and
+`X-Imgserve-Job-Id`. The secret is the job's API key's own
+(`auth.api_keys[].callback_secret_env` or `_file`), or `callbacks.secret` when
+the deployment has no keys. See the README for a receiver that refuses stale
+and replayed deliveries.
 """
 from __future__ import annotations
 
@@ -15,21 +27,32 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import os
+import re
 import socket
 import time
-from typing import Any, Callable, Iterable
-from urllib.parse import urlsplit
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping
 
+import certifi
 import redis
-import requests
+import urllib3
 
 from contract import jobs
 from contract.documents import job_document
 from contract.keys import Keys
-from contract.settings import Settings
+from contract.settings import SettingsError, Settings, check_secret
 
 SIGNATURE_HEADER = "X-Signature"
 TIMESTAMP_HEADER = "X-Imgserve-Timestamp"
+JOB_ID_HEADER = "X-Imgserve-Job-Id"
+
+_URL = re.compile(
+    r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?"
+    r"(?P<path>/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*)?(?P<query>\?[A-Za-z0-9\-._~!$&'()*+,;=:@/%?]*)?")
+_LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_NUMBER = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 class CallbackRefused(ValueError):
@@ -40,35 +63,112 @@ class DeliveryFailed(RuntimeError):
     """The receiver did not answer 2xx (or could not be reached)."""
 
 
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    digest = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return f"sha256={digest}"
+@dataclass(frozen=True)
+class CallbackUrl:
+    scheme: str        # http | https
+    host: str          # as written, lower case; an IPv6 address without its brackets
+    port: int
+    target: str        # path and query: what the request line asks for
+
+    @property
+    def host_header(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return host if self.port == (443 if self.scheme == "https" else 80) else f"{host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class CallbackTarget:
+    url: CallbackUrl
+    address: str       # the address that passed the check: the one the delivery connects to
+
+
+def parse_callback_url(url: str) -> CallbackUrl:
+    """The URL by this module's grammar (see the module's note), or CallbackRefused."""
+    if not isinstance(url, str) or not url.isascii() or not url.isprintable() or " " in url:
+        raise CallbackRefused("callback_url must be printable ASCII without spaces (IDN hosts in their xn-- form)")
+    if "\\" in url:
+        raise CallbackRefused("callback_url must not contain a backslash")
+    authority = url.partition("://")[2].partition("/")[0].partition("?")[0]
+    if "@" in authority:
+        raise CallbackRefused("callback_url must not carry credentials (user@host)")
+    match = _URL.fullmatch(url)
+    if match is None:
+        raise CallbackRefused("callback_url must be http(s)://host[:port][/path][?query], with no user@ and no #")
+    scheme = match["scheme"].lower()
+    if scheme not in ("http", "https"):
+        raise CallbackRefused("callback_url must be an http or https URL")
+    host = _checked_host(match["host"])
+    port = int(match["port"]) if match["port"] else (443 if scheme == "https" else 80)
+    if not 1 <= port <= 65535:
+        raise CallbackRefused(f"callback_url's port {port} is out of range")
+    target = (match["path"] or "/") + (match["query"] or "")
+    return CallbackUrl(scheme, host, port, target)
+
+
+def _checked_host(host: str) -> str:
+    if host.startswith("["):
+        try:
+            return str(ipaddress.IPv6Address(host[1:-1]))
+        except ValueError as exc:
+            raise CallbackRefused(f"callback_url's host {host} is not an IPv6 address") from exc
+    host = host.lower()
+    labels = host.split(".")
+    if all(_NUMBER.fullmatch(label) for label in labels):   # an address: only the canonical dotted form
+        try:
+            address = ipaddress.IPv4Address(host)
+        except ValueError:
+            address = None
+        if address is None or str(address) != host:
+            raise CallbackRefused(f"callback_url's host {host!r} is a number that is not a dotted-decimal "
+                                  "IPv4 address (decimal, octal and hex forms are refused)")
+        return host
+    if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise CallbackRefused(f"callback_url's host {host!r} is not a valid DNS name")
+    return host
+
+
+def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """Why a callback must not reach this address, or None if it is a public one. IPv6 forms that
+    carry an IPv4 address (mapped, 6to4, Teredo, NAT64) are judged by that address too."""
+    candidates: list[Any] = [address]
+    if isinstance(address, ipaddress.IPv6Address):
+        candidates += [v4 for v4 in (address.ipv4_mapped, address.sixtofour) if v4 is not None]
+        candidates += list(address.teredo or ())
+        if address in _NAT64:
+            candidates.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    for candidate in candidates:
+        if (not candidate.is_global or candidate.is_multicast or candidate.is_reserved
+                or candidate.is_unspecified or candidate.is_loopback or candidate.is_link_local):
+            return f"{address}, a loopback, private, link-local, shared or reserved address"
+    return None
+
+
+def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (),
+                         resolve: Callable[..., list] = socket.getaddrinfo) -> CallbackTarget:
+    """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise)."""
+    parsed = parse_callback_url(url)
+    allowed = [entry.lower() for entry in allow_hosts]
+    networks = [ipaddress.ip_network(entry, strict=False) for entry in allowed if _is_network(entry)]
+    try:
+        infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except (OSError, ValueError) as exc:
+        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}") from exc
+    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    if not addresses:
+        raise CallbackRefused(f"callback host {parsed.host!r} resolves to no address")
+    for address in addresses:
+        if parsed.host in allowed or any(address in network for network in networks):
+            continue
+        reason = forbidden_reason(address)
+        if reason:
+            raise CallbackRefused(f"callback host {parsed.host!r} resolves to {reason} "
+                                  "(allow it with callbacks.allow_hosts)")
+    return CallbackTarget(parsed, str(addresses[0]))
 
 
 def check_callback_url(url: str, allow_hosts: Iterable[str] = (),
                        resolve: Callable[..., list] = socket.getaddrinfo) -> None:
-    try:
-        parts = urlsplit(url)
-        port = parts.port   # a malformed URL or port raises here
-    except ValueError as exc:
-        raise CallbackRefused(f"callback_url is not a valid URL: {exc}") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise CallbackRefused("callback_url must be an http(s) URL with a host")
-    host, allowed = parts.hostname, list(allow_hosts)
-    if host in allowed:
-        return
-    networks = [ipaddress.ip_network(a, strict=False) for a in allowed if _is_network(a)]
-    try:
-        infos = resolve(host, port or (443 if parts.scheme == "https" else 80), proto=socket.IPPROTO_TCP)
-    except (OSError, ValueError) as exc:   # IDNA refuses some names with a UnicodeError
-        raise CallbackRefused(f"callback host {host!r} does not resolve: {exc}") from exc
-    for info in infos:
-        address = ipaddress.ip_address(info[4][0].split("%")[0])
-        if any(address in network for network in networks):
-            continue
-        if not address.is_global or address.is_multicast or address.is_reserved:
-            raise CallbackRefused(f"callback host {host!r} resolves to {address}, a loopback, private, "
-                                  f"link-local or reserved address (allow it with callbacks.allow_hosts)")
+    resolve_callback_url(url, allow_hosts, resolve)
 
 
 def _is_network(text: str) -> bool:
@@ -79,13 +179,71 @@ def _is_network(text: str) -> bool:
         return False
 
 
+def post_to(target: CallbackTarget, body: bytes, headers: Mapping[str, str], timeout_s: float,
+            max_response_bytes: int) -> int:
+    """POST to the checked address itself; the URL's host goes in Host (and SNI and the certificate
+    check for https). Returns the status; reads at most max_response_bytes of the answer."""
+    url = target.url
+    timeout = urllib3.Timeout(connect=timeout_s, read=timeout_s)
+    if url.scheme == "https":
+        pool: urllib3.HTTPConnectionPool = urllib3.HTTPSConnectionPool(
+            target.address, url.port, timeout=timeout, retries=False, cert_reqs="CERT_REQUIRED",
+            ca_certs=certifi.where(), assert_hostname=url.host, server_hostname=url.host)
+    else:
+        pool = urllib3.HTTPConnectionPool(target.address, url.port, timeout=timeout, retries=False)
+    try:
+        response = pool.urlopen("POST", url.target, body=body, headers={**headers, "Host": url.host_header},
+                                redirect=False, retries=False, preload_content=False, assert_same_host=False)
+        try:
+            response.read(max_response_bytes)
+            return response.status
+        finally:
+            response.release_conn()
+    except urllib3.exceptions.HTTPError as exc:
+        raise DeliveryFailed(f"cannot reach the receiver: {exc}") from exc
+    finally:
+        pool.close()
+
+
+def sign(secret: str, timestamp: str, job_id: str, body: bytes) -> str:
+    message = f"{timestamp}.{job_id}.".encode() + body
+    return "sha256=" + hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+
+
+def callback_secret(settings: Settings, owner: str | None) -> str | None:
+    """The secret that signs this job's callbacks: its API key's own; the deployment's only when it
+    has no keys. None: callbacks are not available to this client."""
+    if not settings.auth.api_keys:
+        return settings.callbacks.secret or None
+    for entry in settings.auth.api_keys:
+        if str(entry["id"]) == owner:
+            return key_callback_secret(entry)
+    return None
+
+
+def key_callback_secret(entry: Mapping[str, Any]) -> str | None:
+    """An API key's callback secret, from the environment variable or the file its entry names."""
+    if entry.get("callback_secret_env"):
+        secret = os.environ.get(str(entry["callback_secret_env"]), "")
+    elif entry.get("callback_secret_file"):
+        try:
+            with open(str(entry["callback_secret_file"]), encoding="utf-8") as handle:
+                secret = handle.read().strip()
+        except OSError as exc:
+            raise SettingsError(f"API key {entry['id']!r}: cannot read its callback secret: {exc}") from exc
+    else:
+        return None
+    check_secret(f"API key {entry['id']!r}'s callback secret", secret)
+    return secret
+
+
 class CallbackSender:
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
+        self.service_settings = settings
         self.settings = settings.callbacks
         self.redis = client
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
-        self.session = requests.Session()
 
     def deliver(self, job_id: str, attempt: int) -> str:
         """One attempt; raises DeliveryFailed for the task to retry."""
@@ -95,10 +253,13 @@ class CallbackSender:
         body = json.dumps(job_document(record), separators=(",", ":")).encode()
         timestamp = str(int(time.time()))
         try:
-            check_callback_url(record["callback_url"], self.settings.allow_hosts)
-            self._post(record["callback_url"], body, timestamp)
-        except (CallbackRefused, DeliveryFailed, requests.RequestException) as exc:
-            final = attempt + 1 >= self.settings.max_attempts or isinstance(exc, CallbackRefused)
+            secret = callback_secret(self.service_settings, record.get("owner"))
+            if not secret:
+                raise CallbackRefused("no callback secret is configured for this job's API key")
+            target = resolve_callback_url(record["callback_url"], self.settings.allow_hosts)
+            self._post(target, job_id, body, timestamp, secret)
+        except (CallbackRefused, DeliveryFailed, SettingsError) as exc:
+            final = attempt + 1 >= self.settings.max_attempts or not isinstance(exc, DeliveryFailed)
             self._record(job_id, "failed" if final else "retrying", attempt + 1, str(exc)[:300])
             if final:
                 return "failed"
@@ -106,14 +267,12 @@ class CallbackSender:
         self._record(job_id, "delivered", attempt + 1, None)
         return "delivered"
 
-    def _post(self, url: str, body: bytes, timestamp: str) -> None:
-        headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp,
-                   SIGNATURE_HEADER: sign(self.settings.secret, timestamp, body)}
-        with self.session.post(url, data=body, headers=headers, timeout=self.settings.timeout_s,
-                               allow_redirects=False, stream=True) as response:
-            response.raw.read(self.settings.max_response_bytes, decode_content=True)
-            if not 200 <= response.status_code < 300:
-                raise DeliveryFailed(f"receiver answered {response.status_code}")
+    def _post(self, target: CallbackTarget, job_id: str, body: bytes, timestamp: str, secret: str) -> None:
+        headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp, JOB_ID_HEADER: job_id,
+                   SIGNATURE_HEADER: sign(secret, timestamp, job_id, body)}
+        status = post_to(target, body, headers, self.settings.timeout_s, self.settings.max_response_bytes)
+        if not 200 <= status < 300:
+            raise DeliveryFailed(f"receiver answered {status}")
 
     def _record(self, job_id: str, status: str, attempts: int, error: str | None) -> None:
         state: dict[str, Any] = {"status": status, "attempts": attempts, "last_error": error}

@@ -10,52 +10,133 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+import yaml
 
 from contract.documents import JobDocument
-from tasks.callbacks import CallbackRefused, check_callback_url, sign
+from tasks.callbacks import CallbackRefused, check_callback_url, post_to, resolve_callback_url, sign
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
 
 
-def fake_resolver(address: str):
-    return lambda host, port, **_: [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+def fake_resolver(*addresses: str, calls: list | None = None):
+    def resolve(host, port, **_):
+        if calls is not None:
+            calls.append(host)
+        return [(socket.AF_INET6 if ":" in a else socket.AF_INET, socket.SOCK_STREAM, 6, "", (a, port))
+                for a in addresses]
+    return resolve
 
 
 @pytest.mark.parametrize("url,address", [
     ("file:///etc/passwd", "8.8.8.8"), ("ftp://example.com/x", "8.8.8.8"),
     ("http://127.0.0.1/hook", "127.0.0.1"), ("http://inside.example/hook", "10.1.2.3"),
     ("http://metadata.example/latest", "169.254.169.254"), ("http://sneaky.example/", "192.168.0.7"),
-    ("http://[::1]/hook", "::1"),
+    ("http://[::1]/hook", "::1"), ("http://cgnat.example/", "100.64.0.1"), ("http://zero.example/", "0.0.0.0"),
+    ("http://v6-mapped.example/", "::ffff:169.254.169.254"), ("http://nat64.example/", "64:ff9b::a9fe:a9fe"),
+    ("http://6to4.example/", "2002:a00:1::1"), ("http://ula.example/", "fd00::1"),
 ])
 def test_unsafe_callback_targets_are_refused(url, address):
     with pytest.raises(CallbackRefused):
         check_callback_url(url, (), resolve=fake_resolver(address))
 
 
+def test_a_host_is_refused_when_any_of_its_addresses_is_private():
+    with pytest.raises(CallbackRefused, match="10.0.0.5"):
+        check_callback_url("http://mixed.example/", (), resolve=fake_resolver("93.184.216.34", "10.0.0.5"))
+
+
+# The two URLs that reached other hosts than the one checked, and their kin.
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254\\@127.0.0.1:8291/", "http://127.0.0.2:8292\\@93.184.215.14/",
+    "http://93.184.215.14\\.example.com/", "http://user:pass@hooks.example.com/", "http://hooks.example.com@10.0.0.1/",
+    "http://@hooks.example.com/", "http://hooks.example.com/#frag", "http://hooks.example.com/a b",
+    "http://hooks.example.com/\x00", "http://h\u00f6oks.example.com/", "HTTP://hooks.example.com:0/", "http:/x",
+    "http://hooks.example.com:99999/", "javascript://hooks.example.com/", "http://-bad-.example.com/",
+])
+def test_urls_another_parser_would_read_differently_are_refused_before_any_lookup(url):
+    calls: list = []
+    with pytest.raises(CallbackRefused):
+        check_callback_url(url, (), resolve=fake_resolver("93.184.216.34", calls=calls))
+    assert calls == []
+
+
+PRIVATE = ["127.0.0.1", "10.0.0.1", "172.16.0.1", "192.168.1.1", "169.254.169.254", "100.64.0.1", "0.0.0.0"]
+
+
+def numeric_forms(address: str) -> list[str]:
+    """The forms of an IPv4 address that some resolvers accept: decimal, octal, hex, mixed, v6-mapped."""
+    parts = [int(p) for p in address.split(".")]
+    value = int.from_bytes(bytes(parts), "big")
+    return [str(value), ".".join(f"0{p:o}" for p in parts), ".".join(f"0x{p:x}" for p in parts), f"0x{value:x}",
+            f"{parts[0]}.{int.from_bytes(bytes(parts[1:]), 'big')}", f"0{value:o}", f"[::ffff:{address}]"]
+
+
+@pytest.mark.parametrize("address", PRIVATE)
+def test_every_form_of_a_private_address_is_refused(address):
+    for form in [address, *numeric_forms(address)]:
+        resolve = socket.getaddrinfo   # the real resolver: whatever it makes of the form, it is refused
+        with pytest.raises(CallbackRefused):
+            check_callback_url(f"http://{form}:8080/hook", (), resolve=resolve)
+
+
 def test_public_targets_and_allowlisted_ones_pass():
-    check_callback_url("https://hooks.example.com/x", (), resolve=fake_resolver("93.184.216.34"))
+    check_callback_url("https://hooks.example.com/x?a=1&b=%20", (), resolve=fake_resolver("93.184.216.34"))
     check_callback_url("http://inside.example/hook", ("10.0.0.0/8",), resolve=fake_resolver("10.1.2.3"))
     check_callback_url("http://127.0.0.1:9/hook", ("127.0.0.1",), resolve=fake_resolver("127.0.0.1"))
+    target = resolve_callback_url("HTTPS://Hooks.Example.com:8443", (), resolve=fake_resolver("93.184.216.34"))
+    assert (target.url.scheme, target.url.host, target.url.port, target.url.target) == \
+        ("https", "hooks.example.com", 8443, "/")
+    assert target.url.host_header == "hooks.example.com:8443" and target.address == "93.184.216.34"
 
 
 @pytest.mark.parametrize("url", ["http://[", "http://example.com:99999/", "http://" + "a" * 70 + ".com/",
-                                 "http://\udcff/", "http://:80/"])
+                                 "http://\udcff/", "http://:80/", 42])
 def test_malformed_callback_urls_are_refused_not_raised(url):
     with pytest.raises(CallbackRefused):
         check_callback_url(url, ())
 
 
-def verify(secret: str, timestamp: str, body: bytes, signature: str, max_age_s: int = 300) -> bool:
-    """What the README's receiver does."""
-    expected = "sha256=" + hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected, signature) and abs(time.time() - int(timestamp)) <= max_age_s
+def test_delivery_connects_to_the_address_it_checked_with_the_urls_host(monkeypatch):
+    """One lookup, then the connection goes to that address: a name that would resolve elsewhere
+    the second time (DNS rebinding) is never looked up again."""
+    receiver = Receiver()
+    calls: list = []
+    real = socket.getaddrinfo
+
+    def no_more_lookups(host, *args, **kwargs):
+        assert host == "127.0.0.1", f"looked {host!r} up again"
+        return real(host, *args, **kwargs)
+
+    try:
+        target = resolve_callback_url(f"http://receiver.test:{receiver.port}/hook?x=1", ("127.0.0.1/32",),
+                                      resolve=fake_resolver("127.0.0.1", calls=calls))
+        monkeypatch.setattr(socket, "getaddrinfo", no_more_lookups)
+        status = post_to(target, b"{}", {"Content-Type": "application/json"}, 5.0, 1024)
+    finally:
+        receiver.stop()
+    assert status == 200 and calls == ["receiver.test"]
+    [call] = receiver.calls
+    assert call["headers"]["Host"] == f"receiver.test:{receiver.port}" and call["path"] == "/hook?x=1"
 
 
-def test_signature_is_hmac_of_timestamp_and_body():
-    signature = sign("s3cret", "1700000000", b'{"a":1}')
-    assert verify("s3cret", "1700000000", b'{"a":1}', signature, max_age_s=10 ** 10)
-    assert not verify("s3cret", "1700000001", b'{"a":1}', signature, max_age_s=10 ** 10)
-    assert not verify("other", "1700000000", b'{"a":1}', signature, max_age_s=10 ** 10)
+def verify(secret: str, headers: dict, body: bytes, max_age_s: int = 300) -> bool:
+    """What the README's receiver does (less its replay cache)."""
+    timestamp, job_id = headers["X-Imgserve-Timestamp"], headers["X-Imgserve-Job-Id"]
+    message = f"{timestamp}.{job_id}.".encode() + body
+    expected = "sha256=" + hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
+    return (hmac.compare_digest(expected, headers["X-Signature"]) and abs(time.time() - int(timestamp)) <= max_age_s
+            and json.loads(body)["id"] == job_id)
+
+
+def test_signature_covers_the_timestamp_the_job_id_and_the_body():
+    signature = sign("s3cret-s3cret-s3cret", "1700000000", "j1", b'{"id":"j1"}')
+    headers = {"X-Imgserve-Timestamp": "1700000000", "X-Imgserve-Job-Id": "j1", "X-Signature": signature}
+    assert verify("s3cret-s3cret-s3cret", headers, b'{"id":"j1"}', max_age_s=10 ** 10)
+    assert not verify("s3cret-s3cret-s3cret", {**headers, "X-Imgserve-Timestamp": "1700000001"}, b'{"id":"j1"}',
+                      max_age_s=10 ** 10)
+    assert not verify("s3cret-s3cret-s3cret", {**headers, "X-Imgserve-Job-Id": "j2"}, b'{"id":"j1"}',
+                      max_age_s=10 ** 10)
+    assert not verify("other-other-other-other", headers, b'{"id":"j1"}', max_age_s=10 ** 10)
 
 
 class Receiver:
@@ -69,7 +150,7 @@ class Receiver:
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self):
                 body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.calls.append({"body": body, "headers": dict(self.headers)})
+                receiver.calls.append({"body": body, "headers": dict(self.headers), "path": self.path})
                 status = 500 if len(receiver.calls) <= receiver.failures else 200
                 self.send_response(status)
                 self.end_headers()
@@ -99,8 +180,7 @@ def test_a_signed_callback_arrives_once_and_verifies(stack):
         receiver.stop()
     assert len(receiver.calls) == 1 and doc["callback"]["attempts"] == 1
     call = receiver.calls[0]
-    assert verify(CALLBACK_SECRET, call["headers"]["X-Imgserve-Timestamp"], call["body"],
-                  call["headers"]["X-Signature"])
+    assert verify(CALLBACK_SECRET, call["headers"], call["body"])
     sent = json.loads(call["body"])
     assert sent["id"] == job_id and sent["status"] == "succeeded" and sent["result"]["detections"]
     assert JobDocument.model_validate(sent).to_json() == sent   # the document the OpenAPI describes
@@ -128,3 +208,79 @@ def test_unsafe_callback_url_is_400_at_submit(stack):
     response = stack.submit(jpeg(64, 64), callback_url="http://169.254.169.254/latest/meta-data")
     assert response.status_code == 400
     assert response.json()["invalid_params"][0]["name"] == "callback_url"
+
+
+def keyed_settings(tmp_path, monkeypatch):
+    from app.auth import hash_key
+    from contract.settings import load_settings
+
+    monkeypatch.setenv("TEAM_A_CALLBACK_SECRET", "team-a-callback-secret-0123")
+    (tmp_path / "team-b.secret").write_text("team-b-callback-secret-4567\n")
+    config = tmp_path / "keyed.yaml"
+    config.write_text(yaml.safe_dump({
+        "namespace": "keyed", "callbacks": {"secret": "global-callback-secret-89ab", "allow_hosts": ["127.0.0.1"]},
+        "auth": {"api_keys": [
+            {"id": "team-a", "sha256": hash_key("a"), "callback_secret_env": "TEAM_A_CALLBACK_SECRET"},
+            {"id": "team-b", "sha256": hash_key("b"), "callback_secret_file": str(tmp_path / "team-b.secret")},
+            {"id": "team-c", "sha256": hash_key("c")}]}}))
+    return load_settings(config)
+
+
+def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_path, monkeypatch):
+    from contract.jobs import SUCCEEDED, JobStore
+    from contract.keys import Keys
+    from tasks.callbacks import CallbackSender, callback_secret
+
+    settings = keyed_settings(tmp_path, monkeypatch)
+    assert callback_secret(settings, "team-a") == "team-a-callback-secret-0123"
+    assert callback_secret(settings, "team-b") == "team-b-callback-secret-4567"
+    assert callback_secret(settings, "team-c") is None and callback_secret(settings, None) is None
+    receiver = Receiver()
+    store = JobStore(redis_client, Keys("keyed"), 60)
+    sender = CallbackSender(settings, redis_client)
+    try:
+        outcomes = {}
+        for owner in ("team-a", "team-b", "team-c"):
+            job_id = f"job-of-{owner}"
+            redis_client.hset(Keys("keyed").job(job_id), mapping={"id": job_id, "status": "running", "owner": owner,
+                                                                   "callback_url": receiver.url, "received_at": 1.0})
+            store.finish(job_id, SUCCEEDED, {"result": {"detections": [], "image": {"width": 1, "height": 1},
+                                                        "model": {"name": "m", "version": "1"}}})
+            outcomes[owner] = sender.deliver(job_id, 0)
+    finally:
+        receiver.stop()
+    assert outcomes == {"team-a": "delivered", "team-b": "delivered", "team-c": "failed"}
+    first, second = receiver.calls
+    assert verify("team-a-callback-secret-0123", first["headers"], first["body"])
+    assert not verify("global-callback-secret-89ab", first["headers"], first["body"])   # not the global one
+    assert verify("team-b-callback-secret-4567", second["headers"], second["body"])
+    assert "no callback secret" in json.loads(redis_client.hget(Keys("keyed").job("job-of-team-c"),
+                                                                "callback"))["last_error"]
+
+
+@pytest.mark.parametrize("secret", ["change-me", "change-me-to-a-long-random-string", "short", "a" * 40])
+def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(secret, monkeypatch):
+    from contract.settings import SettingsError, load_settings
+
+    monkeypatch.setenv("IMGSERVE_CALLBACK_SECRET", secret)
+    with pytest.raises(SettingsError, match="callback secret"):
+        load_settings()
+
+
+def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
+    from contract.settings import SettingsError, load_settings
+
+    monkeypatch.setenv("IMGSERVE_REDIS_URL", "redis://:change-me@redis:6379/0")
+    with pytest.raises(SettingsError, match="Redis password"):
+        load_settings()
+    monkeypatch.setenv("IMGSERVE_REDIS_URL", "redis://:Kx8f2-pQz71_mW3vT9rLs@redis:6379/0")
+    assert load_settings().redis_url.endswith("@redis:6379/0")
+
+
+def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
+    from contract.settings import SettingsError, load_settings
+
+    config = tmp_path / "inline.yaml"
+    config.write_text(yaml.safe_dump({"auth": {"api_keys": [{"id": "a", "sha256": "00", "callback_secret": "x"}]}}))
+    with pytest.raises(SettingsError, match="callback_secret_env or callback_secret_file"):
+        load_settings(config)
