@@ -1,6 +1,7 @@
 """The jobs resource: submit an image, read (or long-poll) its job."""
 from __future__ import annotations
 
+import io
 import logging
 import time
 
@@ -9,7 +10,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from app.auth import owns
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
-from app.uploads import check_image, option_values, parse_options, validate_params
+from app.uploads import check_image, option_values, parse_options, read_whole_body, validate_params
 from contract import jobs
 from contract.documents import (JobAccepted, JobDocument, job_document, submit_options_model,
                                 wait_query_model)
@@ -27,8 +28,9 @@ def _submit_options(settings):
 
 @blueprint.post("")
 @operation("Submit an image for detection", tag="jobs",
-           problems=((400, "An option is invalid (named in `invalid_params`), the image is empty or missing, "
-                           "or callbacks are disabled"), 413, 415, 429, 503),
+           problems=((400, "An option is invalid (named in `invalid_params`), the image is empty, missing or "
+                           "given twice, the body is shorter than its Content-Length or its chunked framing is "
+                           "broken, or callbacks are disabled"), 413, 415, 429, 503),
            description="Options may come as query parameters or, with a multipart body, as form fields.",
            query=_submit_options, body=lambda settings: image_body(settings, _submit_options(settings)),
            replies={202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
@@ -39,7 +41,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
     settings = services.settings
     _refuse_when_backlogged(services)
-    data, declared_type = _read_image()
+    data, declared_type = _read_image(settings.api.max_upload_bytes)
     media_type = check_image(data, declared_type)
     values = option_values(request.args, request.form, names=_submit_options(settings).model_fields)
     options = parse_options(values, settings.jobs.default_deadline_ms)
@@ -134,8 +136,9 @@ def _checked_callback_url(url: str | None, settings) -> str | None:
 
 
 def _load_owned(services, job_id: str) -> dict:
-    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists)."""
-    record = services.store.load(job_id)
+    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
+    that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
+    record = services.store.load(job_id) if jobs.is_job_id(job_id) else None
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record
@@ -169,12 +172,20 @@ def _wait_seconds(max_wait_s: float) -> float:
     return validate_params(wait_query_model(max_wait_s), given).wait or 0.0
 
 
-def _read_image() -> tuple[bytes, str | None]:
-    """The upload from a multipart field `image` or from the raw body."""
+def _read_image(limit: int) -> tuple[bytes, str | None]:
+    """The upload from a multipart field `image` or from the raw body, after the whole body was read
+    and checked (read_whole_body): the form is parsed from those bytes."""
+    body = read_whole_body(request.environ, limit)
+    request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
+    request.environ.pop("HTTP_TRANSFER_ENCODING", None)
+    request.environ["wsgi.input_terminated"] = False
     if request.mimetype == "multipart/form-data":
-        upload = request.files.get("image")
-        if upload is None:
+        uploads = request.files.getlist("image")
+        if not uploads:
             raise Problem(400, "missing-image", "Missing image",
                           "multipart/form-data submissions need a file field named 'image'")
-        return upload.read(), upload.mimetype
-    return request.get_data(cache=False), request.mimetype
+        if len(uploads) > 1:
+            raise Problem(400, "invalid-parameter", "Invalid parameter", "send one file field named 'image', not "
+                          f"{len(uploads)}", invalid_params=[{"name": "image", "reason": "given more than once"}])
+        return uploads[0].read(), uploads[0].mimetype
+    return body, request.mimetype

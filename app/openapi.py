@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app.uploads import ACCEPTED_TYPES
+from contract.jobs import JOB_ID_PATTERN
 from contract.documents import ProblemDocument
 from contract.settings import Settings
 
@@ -42,7 +43,7 @@ HEADERS = {
 }
 PATH_PARAMETERS = {
     "job_id": {"description": "the `id` the submission answered with",
-               "schema": {"type": "string", "pattern": "^[0-9a-f]{32}$"}},
+               "schema": {"type": "string", "pattern": JOB_ID_PATTERN}},
 }
 # Statuses whose problem documents always carry these headers.
 PROBLEM_HEADERS = {429: ("Retry-After",)}

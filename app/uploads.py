@@ -20,6 +20,46 @@ M = TypeVar("M", bound=BaseModel)
 ACCEPTED_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif")
 
 
+_READ_CHUNK = 64 * 1024
+
+
+def read_whole_body(environ: dict[str, Any], limit: int) -> bytes:
+    """The request body, all of it or a Problem: never a truncated one.
+
+    Read from the server's own input (so Content-Length and chunked bodies are
+    read alike), at most limit + 1 bytes: more than `limit` is 413 whatever the
+    framing said; fewer bytes than Content-Length promised (the client went
+    away) and broken chunked framing are 400.
+    """
+    declared = environ.get("CONTENT_LENGTH") or None
+    try:
+        expected = int(declared) if declared is not None else None
+    except ValueError as exc:
+        raise Problem(400, "malformed-body", "Malformed body", "Content-Length is not a number") from exc
+    if expected is not None and expected > limit:
+        raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
+                      f"the upload of {expected} bytes exceeds the limit of {limit} bytes")
+    stream, parts, size = environ["wsgi.input"], [], 0
+    budget = expected if expected is not None else limit + 1
+    try:
+        while size < budget:
+            chunk = stream.read(min(_READ_CHUNK, budget - size))
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+    except Exception as exc:   # the server's reader: broken chunked framing, a reset connection
+        raise Problem(400, "malformed-body", "Malformed body",
+                      f"the request body could not be read: {type(exc).__name__}") from exc
+    if size > limit:
+        raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
+                      f"the upload exceeds the limit of {limit} bytes")
+    if expected is not None and size < expected:
+        raise Problem(400, "truncated-body", "Truncated body",
+                      f"the body ended after {size} of the {expected} bytes its Content-Length promised")
+    return b"".join(parts)
+
+
 def sniff_image_type(data: bytes) -> str | None:
     if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
         return "image/webp"

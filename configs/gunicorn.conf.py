@@ -1,16 +1,26 @@
-"""Gunicorn for the API. Long-polls hold a connection each, so the server is
-sized for concurrent waits (threads), not for CPU: the API does little work."""
+"""Gunicorn for the API, facing clients directly.
+
+gevent workers: a connection costs a greenlet, not a thread, so long-polls
+and slow clients are cheap, and a request's headers must arrive within
+`keepalive` seconds (gunicorn bounds each header read by it) or the connection
+is dropped: a few hundred half-sent requests (slowloris) no longer take every
+thread while /healthz waits. IMGSERVE_API_WORKER_CLASS=gthread restores the
+threaded worker (IMGSERVE_API_THREADS threads each)."""
 import glob
 import os
 import tempfile
 
 bind = os.environ.get("IMGSERVE_API_BIND", "0.0.0.0:8000")
-worker_class = "gthread"
+worker_class = os.environ.get("IMGSERVE_API_WORKER_CLASS", "gevent")
 workers = int(os.environ.get("IMGSERVE_API_WORKERS", "2"))
-threads = int(os.environ.get("IMGSERVE_API_THREADS", "64"))
+worker_connections = int(os.environ.get("IMGSERVE_API_CONNECTIONS", "2000"))   # per worker, gevent
+threads = int(os.environ.get("IMGSERVE_API_THREADS", "64"))                    # per worker, gthread
 timeout = 75             # above the longest long-poll (api.max_wait_s = 30)
 graceful_timeout = 35
-keepalive = 5
+keepalive = 5            # also the bound on reading a request's headers (gevent)
+limit_request_line = 8190
+limit_request_fields = 60
+limit_request_field_size = 8190
 accesslog = "-"
 
 # Several worker processes: their metrics must be collected across processes, whoever is scraped.

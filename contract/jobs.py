@@ -7,6 +7,7 @@ cancellation, an expiry) wins, and later writers change nothing.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
 from datetime import datetime, timezone
@@ -103,8 +104,15 @@ return 1
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
 
 
+JOB_ID_PATTERN = r"^[0-9a-f]{32}$"   # what new_job_id() makes; anything else is no job of ours
+
+
 def new_job_id() -> str:
     return uuid.uuid4().hex
+
+
+def is_job_id(text: str) -> bool:
+    return re.fullmatch(JOB_ID_PATTERN[1:-1], text) is not None
 
 
 def utc_iso(epoch: float) -> str:

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings as hypothesis_settings
 from contract.keys import Keys
 from contract.settings import load_settings
 from tests.support import (REPO_ROOT, ApiServer, ManagedProcess, RedisServer, build_content_box_model,
-                           celery_argv, python_argv, wait_until)
+                           celery_argv, free_port, python_argv, wait_until)
 
 STACK_INPUT_SIZE = 320
 CALLBACK_SECRET = "test-callback-secret"
@@ -167,6 +167,39 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     stack = start_stack(redis_server.url, workdir, model, "itest", {"api": {"max_upload_bytes": STACK_MAX_UPLOAD}})
     yield stack
     stop_stack(stack)
+
+
+@dataclass
+class GunicornApi:
+    process: ManagedProcess
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="module")
+def gunicorn_api(stack: Stack) -> Iterator[GunicornApi]:
+    """The stack's API as users run it: gunicorn with configs/gunicorn.conf.py, one worker."""
+    port = free_port()
+    env = {**stack.env, "IMGSERVE_API_BIND": f"127.0.0.1:{port}", "IMGSERVE_API_WORKERS": "1"}
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    process = ManagedProcess("gunicorn-api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
+                                                         "--access-logfile", "/dev/null", "app:create_app()"),
+                             env, stack.log_dir)
+    api = GunicornApi(process, port)
+    wait_until(lambda: _answers(api.url + "/healthz") or not process.alive(), 60, what="gunicorn to answer")
+    assert process.alive(), process.log_tail()
+    yield api
+    process.stop()
+
+
+def _answers(url: str) -> bool:
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,122 @@
+"""Hostile clients against the API as users run it (gunicorn, configs/gunicorn.conf.py): slow
+headers, bodies over the limit or shorter than promised, broken framing, doubled fields, ids
+that are not ids. Each gets a clear answer or a closed connection; nobody else waits."""
+from __future__ import annotations
+
+import json
+import socket
+import time
+
+import pytest
+import requests
+
+from tests.conftest import STACK_MAX_UPLOAD
+from tests.support import jpeg, wait_until
+
+pytestmark = pytest.mark.integration
+SLOW_CLIENTS = 300
+
+
+def raw_exchange(port: int, request: bytes, half_close: bool = False, timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
+    """Send bytes as they are; the status, headers and body of the answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
+        sock.sendall(request)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while b"\r\n\r\n" not in answer or len(answer.partition(b"\r\n\r\n")[2]) < _length(answer):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def _length(answer: bytes) -> int:
+    for line in answer.partition(b"\r\n\r\n")[0].split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            return int(line.split(b":")[1])
+    return 0
+
+
+def problem(status: int, headers: dict, body: bytes) -> dict:
+    assert headers["content-type"] == "application/problem+json", (status, headers, body[:200])
+    document = json.loads(body)
+    assert document["status"] == status
+    return document
+
+
+def test_slow_clients_leave_health_and_submissions_answering_and_are_dropped(gunicorn_api):
+    slow = []
+    for _ in range(SLOW_CLIENTS):
+        sock = socket.create_connection(("127.0.0.1", gunicorn_api.port), timeout=30)
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nX-Slow: ")   # never ends
+        slow.append(sock)
+    try:
+        started = time.monotonic()
+        assert requests.get(gunicorn_api.url + "/healthz", timeout=1).status_code == 200
+        submitted = requests.post(gunicorn_api.url + "/v1/jobs", data=jpeg(64, 64), timeout=1,
+                                  headers={"Content-Type": "image/jpeg"})
+        assert submitted.status_code == 202 and time.monotonic() - started < 2
+        # Headers must arrive within the keep-alive bound (5 s): then the connection is closed.
+        assert all(wait_until(lambda s=sock: s.recv(1) == b"", 30, what="a slow client to be dropped")
+                   is True for sock in slow[:5])
+    finally:
+        for sock in slow:
+            sock.close()
+
+
+def test_a_chunked_body_over_the_limit_is_413_not_cut_short(gunicorn_api):
+    chunk = b"\xff" * 65536
+    body = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(STACK_MAX_UPLOAD // len(chunk) + 2))
+    status, headers, answer = raw_exchange(gunicorn_api.port, b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n"
+                                           b"Content-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                           + body + b"0\r\n\r\n")
+    assert status == 413 and problem(status, headers, answer)["type"] == "/problems/request-entity-too-large"
+
+
+def test_a_chunked_body_within_the_limit_is_accepted_whole(gunicorn_api):
+    image = jpeg(320, 240)
+    body = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in (image[:1000], image[1000:]))
+    status, _, answer = raw_exchange(gunicorn_api.port, b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                                     b"Content-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                     + body + b"0\r\n\r\n")
+    assert status == 202, answer
+    job = requests.get(gunicorn_api.url + f"/v1/jobs/{json.loads(answer)['id']}", params={"wait": 20}, timeout=30)
+    assert job.json()["status"] == "succeeded" and job.json()["result"]["image"] == {"width": 320, "height": 240}
+
+
+def test_a_body_shorter_than_its_content_length_is_400(gunicorn_api):
+    image = jpeg(320, 240)
+    status, headers, answer = raw_exchange(gunicorn_api.port, b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n"
+                                           b"Content-Type: image/jpeg\r\nContent-Length: %d\r\n\r\n" % len(image)
+                                           + image[:len(image) // 2], half_close=True)
+    assert status == 400 and problem(status, headers, answer)["type"] == "/problems/truncated-body"
+
+
+@pytest.mark.parametrize("framing", [b"zz\r\nabc\r\n0\r\n\r\n", b"5\r\nab\r\n0\r\n\r\n", b"3\r\nabcXX0\r\n\r\n"])
+def test_broken_chunked_framing_is_a_400_problem_not_a_500(gunicorn_api, framing):
+    status, headers, answer = raw_exchange(gunicorn_api.port, b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n"
+                                           b"Content-Type: image/jpeg\r\nTransfer-Encoding: chunked\r\n\r\n"
+                                           + framing, half_close=True)
+    assert status == 400, answer
+    if headers.get("content-type") == "application/problem+json":
+        assert problem(status, headers, answer)["type"] == "/problems/malformed-body"
+
+
+def test_two_image_parts_are_400_not_first_wins(gunicorn_api):
+    response = requests.post(gunicorn_api.url + "/v1/jobs", timeout=10,
+                             files=[("image", ("a.jpg", jpeg(64, 64), "image/jpeg")),
+                                    ("image", ("b.jpg", jpeg(64, 64, seed=2), "image/jpeg"))])
+    assert response.status_code == 400 and response.json()["invalid_params"][0]["name"] == "image"
+
+
+@pytest.mark.parametrize("job_id", ["0" * 32 + ":upload", "not-an-id", "A" * 32, "0" * 31])
+def test_ids_that_are_not_job_ids_are_404_without_touching_redis(gunicorn_api, stack, job_id):
+    stack.redis.set(stack.keys.upload("0" * 32), b"an upload: a string where a job's hash would be", ex=60)
+    for method in (requests.get, requests.delete):
+        response = method(f"{gunicorn_api.url}/v1/jobs/{job_id}", timeout=10)
+        assert response.status_code == 404 and response.json()["type"] == "/problems/job-not-found"
