@@ -15,7 +15,7 @@ from typing import Any, Mapping, Sequence
 
 import redis
 
-from contract.keys import PREPROCESS_QUEUE, Keys
+from contract.keys import PREPROCESS_QUEUE, UPLOAD_SUFFIX, Keys
 
 QUEUED = "queued"
 PREPROCESSING = "preprocessing"
@@ -59,7 +59,7 @@ MOVED, GONE, POISON = 1, 0, -1
 # first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
 # that ends it: once per terminal state, whoever ends it. Returns how many jobs it ended. Scripts
 # that end jobs among other work (the GPU worker's batch write) start with it.
-FINISH_JOBS_LUA = _LUA_TERMINAL + """
+FINISH_JOBS_LUA = _LUA_TERMINAL + f"local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'\n" + """
 local function finish_jobs(outbox, first_key, at, ttl, channel)
   local ended = 0
   for k = first_key, #KEYS do
@@ -68,6 +68,7 @@ local function finish_jobs(outbox, first_key, at, ttl, channel)
     if status and not TERMINAL[status] then
       redis.call('HSET', key, unpack(ARGV, at + 2, at + 1 + count))
       redis.call('EXPIRE', key, ttl)
+      redis.call('DEL', key .. UPLOAD_SUFFIX)   -- whatever ended it, its upload goes with it
       if redis.call('HEXISTS', key, 'callback_url') == 1 then
         redis.call('HSET', key, 'callback', '{"status":"pending","attempts":0,"last_error":null}')
         redis.call('RPUSH', outbox, job_id)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # Celery's queue for CPU work; its Redis transport keeps the queue as a list of this name.
 PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
+UPLOAD_SUFFIX = ":upload"   # a job's upload is its key plus this (the Lua that ends a job deletes it so)
 
 
 @dataclass(frozen=True)
@@ -21,8 +22,8 @@ class Keys:
         return f"{self.namespace}:job:{job_id}"
 
     def upload(self, job_id: str) -> str:
-        """String: the raw upload (claim check), deleted once its frame is pushed."""
-        return f"{self.namespace}:job:{job_id}:upload"
+        """String: the raw upload (claim check), deleted once its frame is pushed or the job ends."""
+        return self.job(job_id) + UPLOAD_SUFFIX
 
     @property
     def frames(self) -> str:

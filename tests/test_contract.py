@@ -110,6 +110,15 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
     assert 0 < redis_client.ttl(Keys("t").job("j")) <= 60
 
 
+@pytest.mark.parametrize("status", [jobs.FAILED, jobs.EXPIRED, jobs.CANCELLED, jobs.SUCCEEDED])
+def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, status):
+    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    store.create("u", b"twenty MiB, say", 600, {"received_at": 1.0, "deadline_at": 2.0})
+    assert redis_client.exists(Keys("t").upload("u"))
+    assert store.finish("u", status, {"error": {"code": "x", "message": "y"}})
+    assert not redis_client.exists(Keys("t").upload("u")) and redis_client.exists(Keys("t").job("u"))
+
+
 def test_unknown_jobs_cannot_be_moved(redis_client):
     store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
     assert not store.advance("nope", jobs.RUNNING)

@@ -228,6 +228,7 @@ def test_bad_and_odd_input(stack, name, data, content_type, status, outcome):
     assert doc["status"] == expected_status, (name, doc)
     if expected_status == "failed":
         assert doc["error"]["code"] == detail
+        assert not stack.redis.exists(stack.keys.upload(doc["id"]))   # not kept for upload_ttl_s
     else:
         assert (doc["result"]["image"]["width"], doc["result"]["image"]["height"]) == detail
 
