@@ -28,8 +28,10 @@ def readyz() -> tuple[Response, int]:
     """Ready when Redis answers and at least one GPU worker's heartbeat is fresh."""
     try:
         workers = live_gpu_workers()
-    except redis.RedisError as exc:
-        body = Readiness(ready=False, redis=False, detail=str(exc), gpu_workers=0)
+    except redis.RedisError as exc:   # the public detail names the failure, not the Redis host and port
+        current_app.logger.warning("readiness: redis unavailable: %s", exc)
+        body = Readiness(ready=False, redis=False, detail=f"the job store is unreachable ({type(exc).__name__})",
+                         gpu_workers=0)
         return jsonify(body.to_json()), 503
     ready = bool(workers)
     body = Readiness(ready=ready, redis=True, gpu_workers=len(workers),

@@ -54,6 +54,7 @@ class ApiSettings:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_wait_s: float = 30.0
     max_image_pixels: int = 80_000_000
+    max_decoded_bytes: int = 256 * 1024 * 1024   # an image's pixels in memory, as Pillow holds them
     redis_timeout_s: float = 2.0
     # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
     # metrics_host), so an internal network can scrape what the public port does not show.

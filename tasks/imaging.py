@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import warnings
 from dataclasses import dataclass
 
@@ -38,32 +39,49 @@ class Letterboxed:
     orig_height: int
 
 
-def decode_image(data: bytes, target_size: int, max_pixels: int) -> tuple[Image.Image, tuple[int, int]]:
+def decode_image(data: bytes, target_size: int, max_pixels: int,
+                 max_decoded_bytes: int = 256 * 1024 * 1024) -> tuple[Image.Image, tuple[int, int]]:
     """Decode to an upright RGB image, no larger than needed for `target_size`.
 
     Returns the image and the original upright (width, height): JPEG draft
     mode may decode at 1/2, 1/4 or 1/8 scale, so the image can be smaller.
+    Memory stays near one decoded copy: the header's promise is checked
+    against `max_pixels` and `max_decoded_bytes` before anything is decoded,
+    a format without draft mode is reduced by an integer factor right after
+    decoding, and conversions (16-bit, palette, alpha) run on the reduced image.
     """
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(data))
-            orig_size = _upright_size(image)
-            if orig_size[0] * orig_size[1] > max_pixels:
-                raise ImageDecodeError("image_too_large", f"image of {orig_size[0]}x{orig_size[1]} "
+            width, height = image.size
+            if width * height > max_pixels:
+                raise ImageDecodeError("image_too_large", f"image of {width}x{height} "
                                        f"pixels exceeds the limit of {max_pixels}")
+            decoded_bytes = width * height * _bytes_per_pixel(image.mode)
+            if decoded_bytes > max_decoded_bytes:
+                raise ImageDecodeError("image_too_large", f"image of {width}x{height} {image.mode} "
+                                       f"decodes to {decoded_bytes} bytes, over the limit of {max_decoded_bytes}")
             if image.format == "JPEG":
                 _draft_for(image, target_size)
             image.seek(0)
             image.load()
-            image = ImageOps.exif_transpose(image)
+            # Only now: reading a PNG's EXIF decodes its pixels (the chunk may follow them).
+            orig_size = (height, width) if _orientation(image) in _TRANSPOSING_ORIENTATIONS else (width, height)
+            image = _reduced(image, target_size)
+            image = ImageOps.exif_transpose(image, in_place=False) if _orientation(image) != 1 else image
             return to_rgb(image), orig_size
     except ImageDecodeError:
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageDecodeError("image_too_large", str(exc)) from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
-        raise ImageDecodeError("decode_error", f"cannot decode image: {exc}") from exc
+        raise ImageDecodeError("decode_error", f"cannot decode image: {_without_addresses(str(exc))}") from exc
+
+
+def _without_addresses(message: str) -> str:
+    """Pillow's messages can name an object by its memory address: not for clients to see."""
+    return re.sub(r"<[^<>]* at 0x[0-9a-fA-F]+>", "the upload", message)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -105,10 +123,30 @@ def letterbox(image: Image.Image, orig_size: tuple[int, int], size: int) -> Lett
     )
 
 
-def _upright_size(image: Image.Image) -> tuple[int, int]:
-    width, height = image.size
-    orientation = image.getexif().get(_EXIF_ORIENTATION_TAG, 1)
-    return (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
+# Bytes per pixel as Pillow holds an image in memory (3-channel images take 4).
+_STORAGE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2, "LA": 4, "PA": 4}
+
+
+def _bytes_per_pixel(mode: str) -> int:
+    return _STORAGE_BYTES.get(mode, 4)
+
+
+def _reduced(image: Image.Image, target_size: int) -> Image.Image:
+    """The image shrunk by the largest integer factor that keeps its long side >= target_size
+    (box filter: cheap, and the letterbox's resize does the rest)."""
+    factor = max(image.size) // max(1, target_size)
+    if factor < 2:
+        return image
+    if image.mode == "P":
+        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    try:
+        return image.reduce(factor)
+    except (ValueError, NotImplementedError):   # a mode reduce() does not handle (16-bit): a box resize does
+        return image.resize((max(1, image.width // factor), max(1, image.height // factor)), Image.BOX)
+
+
+def _orientation(image: Image.Image) -> int:
+    return image.getexif().get(_EXIF_ORIENTATION_TAG, 1)
 
 
 def _draft_for(image: Image.Image, target_size: int) -> None:

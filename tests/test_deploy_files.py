@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,8 @@ import yaml
 from tests.support import REPO_ROOT
 
 
-SECRETS = {"REDIS_PASSWORD": "test-redis-secret", "FLOWER_BASIC_AUTH": "admin:test", "GRAFANA_ADMIN_PASSWORD": "g"}
+SECRETS = {"REDIS_PASSWORD": "test-redis-secret-8f2Kq", "FLOWER_BASIC_AUTH": "admin:test-flower-secret-x9",
+           "GRAFANA_ADMIN_PASSWORD": "test-grafana-secret-p4"}
 
 
 def compose_config(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -37,12 +39,55 @@ def test_compose_refuses_to_start_without_its_secrets():
     assert result.returncode != 0 and "REDIS_PASSWORD" in result.stderr
 
 
-def test_compose_protects_redis_and_flower(compose):
+def test_compose_protects_redis_and_flower_and_keeps_their_secrets_off_command_lines(compose):
     services = compose["services"]
-    assert "--requirepass" in services["redis"]["command"]
-    assert services["api"]["environment"]["IMGSERVE_REDIS_URL"].startswith("redis://:test-redis-secret@")
-    assert "--basic-auth" in " ".join(services["flower"]["command"])
-    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "admin:test"
+    assert "requirepass" in " ".join(services["redis"]["command"])
+    assert services["redis"]["environment"]["REDIS_PASSWORD"] == SECRETS["REDIS_PASSWORD"]
+    assert services["api"]["environment"]["IMGSERVE_REDIS_URL"].startswith(f"redis://:{SECRETS['REDIS_PASSWORD']}@")
+    assert services["flower"]["environment"]["FLOWER_BASIC_AUTH"] == SECRETS["FLOWER_BASIC_AUTH"]
+    for name, service in services.items():
+        command = " ".join(service.get("command") or [])
+        assert not any(secret in command for secret in SECRETS.values()), name
+
+
+def test_only_the_api_is_published_beyond_this_host(compose):
+    for name, service in compose["services"].items():
+        for port in service.get("ports", []):
+            published = port if isinstance(port, str) else f"{port.get('host_ip', '')}:{port['published']}"
+            assert name == "api" or published.startswith("127.0.0.1:"), (name, port)
+
+
+def test_every_service_waits_for_the_secrets_check(compose):
+    services = compose["services"]
+    assert services["check-secrets"]["command"][:3] == ["python", "-m", "contract.check_secrets"]
+    for name, service in services.items():
+        if name != "check-secrets":
+            assert service["depends_on"]["check-secrets"]["condition"] == "service_completed_successfully", name
+
+
+def test_the_env_example_copied_unchanged_does_not_start():
+    values = dict(line.split("=", 1) for line in (REPO_ROOT / ".env.example").read_text().splitlines()
+                  if line and not line.startswith("#"))
+    assert compose_config(values).returncode != 0
+    from contract.check_secrets import problems
+
+    assert problems(["REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD"], values)
+
+
+@pytest.mark.parametrize("env,ok", [
+    ({"REDIS_PASSWORD": "change-me-to-a-long-random-string"}, False),
+    ({"REDIS_PASSWORD": "short"}, False),
+    ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd"}, True),
+    ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd", "FLOWER_BASIC_AUTH": "admin:change-me"}, False),
+    ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd", "FLOWER_BASIC_AUTH": "admin:Xq7-3pLk_vR92mZt8sWd"}, True),
+    ({}, False),
+])
+def test_the_secrets_check_refuses_placeholders_and_short_secrets(env, ok):
+    names = ["REDIS_PASSWORD"] + (["FLOWER_BASIC_AUTH"] if "FLOWER_BASIC_AUTH" in env else []) + ["CALLBACK?"]
+    result = subprocess.run([sys.executable, "-m", "contract.check_secrets", *names], cwd=REPO_ROOT,
+                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    assert (result.returncode == 0) is ok, result.stderr
+    assert ok or "refusing to start" in result.stderr
 
 
 def test_monitoring_profile_brings_prometheus_and_grafana(compose):
@@ -84,12 +129,12 @@ def test_dashboard_parses_and_every_metric_it_uses_exists():
 
 
 def test_compose_file_is_valid_and_has_every_service(compose):
-    assert set(compose["services"]) >= {"redis", "api", "cpu-worker", "callback-worker", "gpu-worker", "flower",
-                                        "prometheus", "grafana"}
+    assert set(compose["services"]) >= {"check-secrets", "redis", "api", "cpu-worker", "callback-worker",
+                                        "gpu-worker", "flower", "prometheus", "grafana"}
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
-    assert "--appendonly" in compose["services"]["redis"]["command"]
+    assert "--appendonly yes" in " ".join(compose["services"]["redis"]["command"])
 
 
 def test_compose_gpu_worker_reserves_an_nvidia_device(compose):
@@ -101,6 +146,7 @@ def test_compose_cpu_workers_scale_freely(compose):
     worker = compose["services"]["cpu-worker"]
     assert "ports" not in worker and "container_name" not in worker
     assert "-Q preprocess" in " ".join(worker["command"])
+    assert "--max-memory-per-child" in " ".join(worker["command"]) and worker["mem_limit"]
 
 
 def test_procfile_runs_the_same_roles_without_docker():

@@ -91,3 +91,32 @@ def test_declared_dimensions_over_the_limit_are_refused_before_decoding():
     with pytest.raises(ImageDecodeError) as caught:
         decode_image(data, 640, max_pixels=1_000_000)
     assert caught.value.code == "image_too_large"
+
+
+def _decode_peak_mb(path: str) -> str:
+    """Decode `path` in a fresh interpreter; its peak memory growth in MB, or the refusal."""
+    import subprocess
+    import sys
+
+    code = ("import resource, sys; from tasks.imaging import decode_image, ImageDecodeError\n"
+            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+            f"data = open({path!r}, 'rb').read()\n"
+            "try:\n    decode_image(data, 320, 80_000_000, 256 * 1024 * 1024)\n"
+            "except ImageDecodeError as exc:\n    print(exc.code); sys.exit()\n"
+            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
+    from tests.support import REPO_ROOT
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                          check=True, timeout=120).stdout.strip()
+
+
+def test_small_files_that_decode_huge_stay_near_one_decoded_copy_or_are_refused_unread(tmp_path):
+    """A 175 KB 16-bit PNG of 8900x8900 took 1.3 GB (converted at full size); now about its decoded
+    size. An RGB one whose pixels exceed the byte cap is refused before any pixel is decoded."""
+    import numpy as np
+
+    sixteen = tmp_path / "sixteen.png"
+    Image.fromarray(np.tile(np.arange(8900, dtype=np.uint16), (8900, 1))).save(sixteen)
+    rgb = tmp_path / "rgb.png"
+    Image.new("RGB", (8900, 8900), (10, 20, 30)).save(rgb)
+    assert float(_decode_peak_mb(str(sixteen))) < 1.5 * 8900 * 8900 * 2 / 2 ** 20   # 151 MB decoded
+    assert _decode_peak_mb(str(rgb)) == "image_too_large"

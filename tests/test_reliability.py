@@ -229,8 +229,23 @@ def test_bad_and_odd_input(stack, name, data, content_type, status, outcome):
     if expected_status == "failed":
         assert doc["error"]["code"] == detail
         assert not stack.redis.exists(stack.keys.upload(doc["id"]))   # not kept for upload_ttl_s
+        assert " at 0x" not in doc["error"]["message"]                # no memory addresses
     else:
         assert (doc["result"]["image"]["width"], doc["result"]["image"]["height"]) == detail
+
+
+def test_small_files_that_decode_huge_are_served_or_refused_without_losing_the_worker(stack):
+    import numpy as np
+
+    sixteen_bit = encode(Image.fromarray(np.tile(np.arange(8900, dtype=np.uint16), (8900, 1))), "PNG")
+    giant_rgb = encode(Image.new("RGB", (8900, 8900), (10, 20, 30)), "PNG")
+    assert len(sixteen_bit) < 400_000 and len(giant_rgb) < 400_000
+    ids = [stack.submit(data, "image/png").json()["id"] for data in (sixteen_bit, giant_rgb)]
+    served, refused = (stack.wait_terminal(job_id, timeout_s=120) for job_id in ids)
+    assert served["status"] == "succeeded" and served["result"]["image"] == {"width": 8900, "height": 8900}
+    assert refused["status"] == "failed" and refused["error"]["code"] == "image_too_large"
+    children = celery_children(stack.cpu_worker.process.pid)
+    assert stack.cpu_worker.alive() and children
 
 
 def test_malformed_multipart_is_400(stack):
@@ -269,7 +284,8 @@ def test_redis_stopped_and_restarted_the_api_answers_503_then_everything_recover
         assert response.status_code == 503
         assert response.headers["Retry-After"] and response.json()["status"] == 503
         assert time.monotonic() - started < 10
-        assert stack.session.get(stack.url("/readyz"), timeout=10).status_code == 503
+        not_ready = stack.session.get(stack.url("/readyz"), timeout=10)
+        assert not_ready.status_code == 503 and str(server.port) not in not_ready.text   # no host:port
     finally:
         server.start()
     # Workers reconnect by themselves: no process was restarted.
