@@ -74,6 +74,15 @@ def _client_for(header: str, api_keys) -> str:
     raise Problem(401, "unauthorized", "Unauthorized", "unknown API key", headers={"WWW-Authenticate": "Bearer"})
 
 
+def require_admin(api_keys) -> None:
+    """With keys, only an `admin: true` key may read figures about every tenant's traffic."""
+    client_id = g.get("client_id")
+    if client_id is None:
+        return
+    if not any(str(entry["id"]) == client_id and entry.get("admin") for entry in api_keys):
+        raise Problem(403, "forbidden", "Forbidden", "this route shows every tenant's traffic: it needs an admin key")
+
+
 def owns(record: dict) -> bool:
     """Without keys every job is everyone's; with keys, only its creator's."""
     client_id = g.get("client_id")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, jsonify
 
+from app.auth import require_admin
 from app.health import live_gpu_workers
 from app.openapi import Reply, operation
 from contract.documents import Stats
@@ -13,10 +14,12 @@ blueprint = Blueprint("stats", __name__)
 
 
 @blueprint.get("/v1/stats")
-@operation("Queues, GPU busy fraction, batch sizes and the recent time bill", tag="stats", problems=(503,),
+@operation("Queues, GPU busy fraction, batch sizes and the recent time bill", tag="stats",
+           problems=((403, "API keys are configured and this one is not an admin key"), 503),
            replies={200: Reply("A summary over each GPU worker's recent window", Stats)})
 def stats() -> Response:
     services = current_app.extensions["imgserve"]
+    require_admin(services.settings.auth.api_keys)
     client, keys = services.redis, services.keys
     workers = live_gpu_workers()
     for worker in workers:   # live totals, fresher than the heartbeat's

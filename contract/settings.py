@@ -107,13 +107,14 @@ class CallbackSettings:
     max_response_bytes: int = 65536
 
 
-API_KEY_FIELDS = {"id", "sha256", "callback_secret_env", "callback_secret_file"}
+API_KEY_FIELDS = {"id", "sha256", "callback_secret_env", "callback_secret_file", "admin"}
 
 
 @dataclass(frozen=True)
 class AuthSettings:
     # [{id: team-a, sha256: <hex of the key>, callback_secret_env: TEAM_A_CALLBACK_SECRET}]; empty: /v1 is open.
     # A key's callback secret is named, never written here: an environment variable or a file (a compose secret).
+    # `admin: true` lets a key read /v1/stats (every tenant's traffic).
     api_keys: tuple = ()
     rate_per_s: float = 0.0       # per key; 0: no limit
     burst: float = 20.0

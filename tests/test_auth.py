@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def keyed_api(stack):
     auth = dataclasses.replace(stack.settings.auth, rate_per_s=2.0, burst=3.0, api_keys=(
-        {"id": "team-a", "sha256": hash_key("key-a")}, {"id": "team-b", "sha256": hash_key("key-b")}))
+        {"id": "team-a", "sha256": hash_key("key-a")}, {"id": "team-b", "sha256": hash_key("key-b")},
+        {"id": "team-c", "sha256": hash_key("key-c")}, {"id": "ops", "sha256": hash_key("key-ops"), "admin": True}))
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     yield server
     server.stop()
@@ -55,3 +56,10 @@ def test_each_key_has_its_own_token_bucket(keyed_api):
     assert limited and int(limited[0].headers["Retry-After"]) >= 1
     assert limited[0].json()["type"] == "/problems/rate-limited"
     assert requests.get(keyed_api.url + "/v1/models", headers=as_key("key-a"), timeout=10).status_code == 200
+
+
+def test_only_an_admin_key_sees_every_tenants_traffic(keyed_api):
+    tenant = requests.get(keyed_api.url + "/v1/stats", headers=as_key("key-c"), timeout=10)
+    assert tenant.status_code == 403 and tenant.json()["type"] == "/problems/forbidden"
+    admin = requests.get(keyed_api.url + "/v1/stats", headers=as_key("key-ops"), timeout=10)
+    assert admin.status_code == 200 and "queues" in admin.json()
