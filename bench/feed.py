@@ -136,32 +136,18 @@ def push_frames(client: redis.Redis, keys: Keys, contents: list[tuple[dict[str, 
 
 
 # --- the device's limit ---------------------------------------------------
-def device_limit(options: FeedOptions, spec_raw: dict[str, Any]) -> tuple[float, str]:
-    """Frames/s the device alone could do at the full batch, and how that was found."""
+def device_limit(options: FeedOptions, counters: dict[str, float], mean_batch: float) -> tuple[float, str]:
+    """Frames/s the device alone could do, and how that was found: on `sim` the profile's full
+    batch; on a real device its own time per batch as the worker measured it (canvas, forward and
+    post-processing), run back to back at the batch size it saw: the share is then how busy the
+    worker kept it."""
     if options.device == "sim":
         latency = profile_latency_s(options.profile_ms(), options.max_batch)
         return options.max_batch / latency, f"profile: batch {options.max_batch} in {latency * 1000:.1f} ms"
-    import torch
-
-    from gpu_worker.model import choose_device, load_model
-
-    spec = load_model_spec(spec_raw, REPO_ROOT)
-    device = choose_device(options.device)
-    model = load_model(spec, device)
-    batch = torch.rand(options.max_batch, 3, spec.input_size, spec.input_size, device=device)
-    times = []
-    with torch.inference_mode():
-        for i in range(13):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            started = time.perf_counter()
-            model.module(batch)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= 3:
-                times.append(time.perf_counter() - started)
-    forward = statistics.median(times)
-    return options.max_batch / forward, f"timed forward: batch {options.max_batch} in {forward * 1000:.1f} ms"
+    per_batch = counters.get("device_seconds_total", 0.0) / max(1.0, counters.get("batches_total", 0.0))
+    if per_batch <= 0:
+        return float("nan"), "no device time measured"
+    return mean_batch / per_batch, f"{options.device}: batch of {mean_batch:.1f} in {per_batch * 1000:.1f} ms"
 
 
 # --- the run --------------------------------------------------------------
@@ -170,7 +156,6 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
     spec_raw = {**yaml.safe_load(options.model.read_text()), "input_size": options.input_size}
     if spec_raw.get("path"):
         spec_raw["path"] = str((options.model.parent / spec_raw["path"]).resolve())
-    limit_fps, limit_how = device_limit(options, spec_raw)
     contents = frame_contents(options)
     frame_bytes = statistics.mean(len(pixels) for _, pixels in contents)
     server = RedisServer(workdir)
@@ -200,6 +185,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         finally:
             worker.stop()
         measured = _throughput(client, keys, ids)
+        limit_fps, limit_how = device_limit(options, counters, measured["mean_batch"])
         redis_fps = redis_drain_rate(client, keys, contents, options) if options.redis_check else None
     finally:
         client.close()
