@@ -11,7 +11,8 @@ import os
 import tempfile
 
 bind = os.environ.get("IMGSERVE_API_BIND", "0.0.0.0:8000")
-worker_class = os.environ.get("IMGSERVE_API_WORKER_CLASS", "gevent")
+# gevent, with gunicorn's own error answers (bad request line, URI too long) as problem+json.
+worker_class = os.environ.get("IMGSERVE_API_WORKER_CLASS", "app.server.ProblemGeventWorker")
 workers = int(os.environ.get("IMGSERVE_API_WORKERS", "2"))
 worker_connections = int(os.environ.get("IMGSERVE_API_CONNECTIONS", "2000"))   # per worker, gevent
 threads = int(os.environ.get("IMGSERVE_API_THREADS", "64"))                    # per worker, gthread

@@ -198,7 +198,7 @@ class JobStore:
 def queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
     """Jobs waiting for a CPU worker (Celery's list) and frames waiting for a GPU worker."""
     pipe = client.pipeline(transaction=False)
-    pipe.llen(PREPROCESS_QUEUE)
+    pipe.llen(keys.celery_queue(PREPROCESS_QUEUE))
     pipe.llen(keys.frames)
     preprocess, frames = pipe.execute()
     return {"preprocess": int(preprocess), "frames": int(frames)}

@@ -1,7 +1,9 @@
 """Every Redis key and channel the service uses, in one place.
 
-Celery's own keys (the `preprocess` list below, its unacked hash) live beside
-these in the same Redis; apart from the queue's name they are Celery's to name.
+Celery's own keys (its queues `preprocess` and `callbacks`, its unacked hash,
+its bindings) live beside these in the same Redis, under `celery_prefix`, so two
+deployments with different namespaces never share work; past the prefix they
+are Celery's to name.
 """
 from __future__ import annotations
 
@@ -16,6 +18,15 @@ UPLOAD_SUFFIX = ":upload"   # a job's upload is its key plus this (the Lua that 
 @dataclass(frozen=True)
 class Keys:
     namespace: str = "imgserve"
+
+    @property
+    def celery_prefix(self) -> str:
+        """Prefix of every key Celery's Redis transport uses (its `global_keyprefix`)."""
+        return f"{self.namespace}:celery:"
+
+    def celery_queue(self, queue: str) -> str:
+        """List: a Celery queue as it lies in Redis."""
+        return self.celery_prefix + queue
 
     def job(self, job_id: str) -> str:
         """Hash: the job record (status, options, stamps, result)."""

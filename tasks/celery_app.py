@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from celery import Celery
 
-from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE
+from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
 
 PREPROCESS_TASK = "imgserve.preprocess"
@@ -25,8 +25,10 @@ def make_celery(settings: Settings) -> Celery:
         task_time_limit=settings.celery.task_time_limit_s,
         task_default_queue=PREPROCESS_QUEUE,
         task_routes={PREPROCESS_TASK: {"queue": PREPROCESS_QUEUE}, CALLBACK_TASK: {"queue": CALLBACK_QUEUE}},
-        # Redis transport: an unacked task comes back after this long.
-        broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s},
+        # Redis transport: an unacked task comes back after this long; every key Celery keeps lives
+        # under the namespace, so deployments sharing a Redis database never take each other's tasks.
+        broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s,
+                                  "global_keyprefix": Keys(settings.namespace).celery_prefix},
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=settings.api.redis_timeout_s,
         # Flower shows tasks from these events.

@@ -120,3 +120,14 @@ def test_ids_that_are_not_job_ids_are_404_without_touching_redis(gunicorn_api, s
     for method in (requests.get, requests.delete):
         response = method(f"{gunicorn_api.url}/v1/jobs/{job_id}", timeout=10)
         assert response.status_code == 404 and response.json()["type"] == "/problems/job-not-found"
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    (b"NOT A REQUEST LINE\r\n\r\n", 400),
+    (b"GET / HTTP/1.1\r\nHost: x\r\nBad Header Name: y\r\n\r\n", 400),
+])
+def test_what_gunicorn_refuses_itself_is_a_problem_document_too(gunicorn_api, request_bytes, status):
+    answer_status, headers, body = raw_exchange(gunicorn_api.port, request_bytes)
+    assert answer_status == status and headers["connection"] == "close"
+    problem(status, headers, body)

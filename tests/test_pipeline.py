@@ -223,3 +223,18 @@ def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
     gpu = wait_until(lambda: lines_about(stack.gpu_worker), 10, what="the GPU worker's line")
     assert cpu[0]["role"] == "cpu-worker" and cpu[0]["outcome"] == "pushed"
     assert gpu[0]["role"] == "gpu-worker" and gpu[0]["msg"] == "batch answered"   # one line per batch
+
+
+def test_deployments_sharing_a_redis_database_never_take_each_others_tasks(stack):
+    import dataclasses
+
+    from tasks.celery_app import make_celery, send_preprocess
+
+    other = make_celery(dataclasses.replace(stack.settings, namespace="another-deployment"))
+    send_preprocess(other, "0" * 32)
+    other_queue = "another-deployment:celery:preprocess"
+    assert stack.redis.llen(other_queue) == 1
+    assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"   # this stack's worker runs
+    assert stack.redis.llen(other_queue) == 1                                            # and left that one alone
+    assert stack.redis.exists(stack.keys.celery_prefix + "_kombu.binding.preprocess")
+    stack.redis.delete(other_queue)
