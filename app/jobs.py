@@ -135,6 +135,19 @@ def _checked_callback_url(url: str | None, settings) -> str | None:
     return url
 
 
+def _refuse_unparsable_multipart(body: bytes) -> None:
+    """Werkzeug drops a multipart body it cannot parse without a word; say why instead of "missing"."""
+    from werkzeug.formparser import parse_form_data
+
+    environ = {**request.environ, "wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))}
+    try:
+        parse_form_data(environ, silent=False)
+    except Exception as exc:
+        reason = "a part's headers are not UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)[:200]
+        raise Problem(400, "malformed-body", "Malformed body", f"the multipart body cannot be parsed: {reason}",
+                      invalid_params=[{"name": "image", "reason": reason}]) from exc
+
+
 def _load_owned(services, job_id: str) -> dict:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
@@ -182,6 +195,7 @@ def _read_image(limit: int) -> tuple[bytes, str | None]:
     if request.mimetype == "multipart/form-data":
         uploads = request.files.getlist("image")
         if not uploads:
+            _refuse_unparsable_multipart(body)
             raise Problem(400, "missing-image", "Missing image",
                           "multipart/form-data submissions need a file field named 'image'")
         if len(uploads) > 1:

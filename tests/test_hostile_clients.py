@@ -131,3 +131,13 @@ def test_what_gunicorn_refuses_itself_is_a_problem_document_too(gunicorn_api, re
     answer_status, headers, body = raw_exchange(gunicorn_api.port, request_bytes)
     assert answer_status == status and headers["connection"] == "close"
     problem(status, headers, body)
+
+
+def test_a_filename_that_is_not_utf8_gets_an_accurate_400(gunicorn_api):
+    image = jpeg(64, 64)
+    body = (b"--b0undary\r\nContent-Disposition: form-data; name=\"image\"; filename=\"\xff\xfe\x80.jpg\"\r\n"
+            b"Content-Type: image/jpeg\r\n\r\n" + image + b"\r\n--b0undary--\r\n")
+    status, headers, answer = raw_exchange(gunicorn_api.port, b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\n"
+                                           b"Connection: close\r\nContent-Type: multipart/form-data; "
+                                           b"boundary=b0undary\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    assert status == 400 and "not UTF-8" in problem(status, headers, answer)["detail"]
