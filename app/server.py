@@ -3,15 +3,21 @@
 gunicorn answers some requests itself, before the app sees them (a malformed
 request line, a URI or headers over the limits, broken framing): as HTML.
 This worker writes those as problem+json too, so every error a client can get
-from the service has one shape.
+from the service has one shape. And a request refused before its body was
+read (401, 413) closes its connection and says so: otherwise gunicorn would
+answer `keep-alive` and then read the whole refused body to find the next request.
 """
 from __future__ import annotations
 
 import json
 import socket
 
+from typing import Any, Callable, Iterable
+
 from gunicorn import util
 from gunicorn.workers.ggevent import GeventWorker
+
+_REFUSED_UNREAD = ("401", "413")
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:
@@ -24,7 +30,27 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
     util.write_nonblock(sock, head + body)
 
 
+def close_after_refusal(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
+    """WSGI middleware: a 401 or 413 to a request that carries a body ends the connection."""
+    def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        carries_body = environ.get("CONTENT_LENGTH") not in (None, "", "0") or \
+            "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+
+        def refusing_start_response(status: str, headers: list, exc_info: Any = None) -> Any:
+            response = getattr(start_response, "__self__", None)   # gunicorn's Response
+            if carries_body and status[:3] in _REFUSED_UNREAD and response is not None:
+                response.must_close = True
+            return start_response(status, headers, exc_info)
+
+        return app(environ, refusing_start_response)
+    return wrapped
+
+
 class ProblemGeventWorker(GeventWorker):
     def init_process(self) -> None:
         util.write_error = write_problem   # in this worker process only; the master keeps gunicorn's
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        self.wsgi = close_after_refusal(self.wsgi)

@@ -141,3 +141,17 @@ def test_a_filename_that_is_not_utf8_gets_an_accurate_400(gunicorn_api):
                                            b"Connection: close\r\nContent-Type: multipart/form-data; "
                                            b"boundary=b0undary\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
     assert status == 400 and "not UTF-8" in problem(status, headers, answer)["detail"]
+
+
+def test_a_body_refused_unread_closes_its_connection_and_says_so(gunicorn_api):
+    with socket.create_connection(("127.0.0.1", gunicorn_api.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                     b"Content-Length: 999999999\r\n\r\n" + b"\xff\xd8\xff" + bytes(1000))
+        answer = b""
+        started = time.monotonic()
+        while chunk := sock.recv(65536):
+            answer += chunk
+        closed_after_s = time.monotonic() - started
+    head = answer.partition(b"\r\n\r\n")[0].lower()
+    assert head.startswith(b"http/1.1 413") and b"connection: close" in head
+    assert closed_after_s < 4   # closed at once, not after reading on until keep-alive ran out (5 s)
