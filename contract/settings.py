@@ -152,6 +152,7 @@ class ModelSpec:
     mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
     std: tuple[float, float, float] = (1.0, 1.0, 1.0)
     layout: str = "yolov8"  # yolov8: [B, 4+C, N]; yolov5: [B, N, 5+C]
+    precision: str = "auto"  # auto: the model's own weights' dtype | fp32 | fp16 | bf16
     labels: tuple[str, ...] = ()
     conf: float = 0.25
     iou: float = 0.45
@@ -164,6 +165,8 @@ class ModelSpec:
             raise SettingsError(f"a {self.format} model needs a path")
         if self.layout not in ("yolov8", "yolov5"):
             raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
+        if self.precision not in ("auto", "fp32", "fp16", "bf16"):
+            raise SettingsError(f"precision {self.precision!r}: expected auto, fp32, fp16 or bf16")
         if self.channel_order not in ("rgb", "bgr"):
             raise SettingsError(f"channel_order {self.channel_order!r}: expected rgb or bgr")
         if not self.labels:

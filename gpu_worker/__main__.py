@@ -13,6 +13,7 @@ from contract.settings import load_settings
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
 from gpu_worker.model import ModelLoadError
+from gpu_worker.liveness import WorkerIdInUse
 from gpu_worker.worker import GpuWorker, default_worker_id
 
 
@@ -37,7 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     metrics.serve(args.metrics_port)
     worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), device,
                        args.worker_id or default_worker_id(device))
-    return worker.run()
+    try:
+        return worker.run()
+    except WorkerIdInUse as exc:
+        logging.getLogger("gpu_worker").error("refusing to start: %s", exc)
+        return 2
 
 
 if __name__ == "__main__":

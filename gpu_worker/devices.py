@@ -17,6 +17,7 @@ supervisor to restart it.
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Protocol, Sequence
@@ -116,7 +117,8 @@ class DeviceOutput:
 
 class Device(Protocol):
     spec: ModelSpec
-    name: str
+    name: str                       # cpu, cuda:0, sim
+    identity: str                   # what tells this device from others on the host: the GPU's UUID on CUDA
     simulated: bool
 
     def stage(self, frames: Sequence[Frame]) -> Staged: ...
@@ -124,6 +126,7 @@ class Device(Protocol):
     def discard(self, staged: Staged) -> None: ...
     def warm_up(self, max_batch: int) -> Iterator[list[Frame]]: ...
     def describe(self) -> dict[str, Any]: ...
+    def utilisation(self) -> float | None: ...
 
 
 def warm_up_frames(spec: ModelSpec, count: int) -> list[Frame]:
@@ -186,16 +189,36 @@ class TorchDevice:
         self.name = str(model.device)
         self.max_candidates = max_candidates
         self.host = HostStaging(model.spec, StagingSlots(slots, max_batch, model.spec.input_size, model.device))
-        self.assemble = BatchAssembler(model.spec, model.device)
+        self.assemble = BatchAssembler(model.spec, model.device, model.dtype)
         cuda = self.device.type == "cuda"
+        self.identity = f"gpu-{torch.cuda.get_device_properties(self.device).uuid}" if cuda else "cpu"
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
+        self._threads = threading.local()
+        if cuda:   # autotuned during the warm-up, which runs every batch size
+            torch.backends.cudnn.benchmark = True
 
     def describe(self) -> dict[str, Any]:
         return self.model.describe()
 
-    # --- the collect thread ------------------------------------------------
+    def utilisation(self) -> float | None:
+        """The driver's GPU utilisation (0-1), by the device torch uses (CUDA_VISIBLE_DEVICES mapped)."""
+        if self.device.type != "cuda":
+            return None
+        try:
+            return torch.cuda.utilization(self.device) / 100.0
+        except Exception:   # no pynvml, no driver support: the figure is optional
+            return None
+
+    def _bind_thread(self) -> None:
+        """Each thread that touches the GPU makes it current, so none creates a context on GPU 0."""
+        if self.device.type == "cuda" and not getattr(self._threads, "bound", False):
+            torch.cuda.set_device(self.device)
+            self._threads.bound = True
+
+    # --- the stage thread --------------------------------------------------
     def stage(self, frames: Sequence[Frame]) -> Staged:
+        self._bind_thread()
         staged = self.host.fill(frames)
         if self.copy_stream is not None and frames:
             slot, total = staged.slot, sum(staged.sizes)
@@ -208,6 +231,7 @@ class TorchDevice:
 
     # --- the device thread -------------------------------------------------
     def run(self, staged: Staged) -> DeviceOutput:
+        self._bind_thread()
         try:
             with torch.inference_mode(), self._on_compute_stream():
                 if staged.ready is not None:
@@ -232,21 +256,22 @@ class TorchDevice:
 
     def _run_batch(self, staged: Staged) -> DeviceOutput:
         started = time.perf_counter()
+        marks = _Marks(self.compute_stream)
         canvas = None
         try:
             canvas = self.assemble(staged.slot.device_contents, staged.frames, staged.sizes)
             output = self.model.module(canvas)
-            forward_done = self._sync()
+            marks.forward_done()
             rows = self._postprocess(output, staged.slot.device_params[:len(staged)])
+            marks.postprocess_done()
         except Exception as exc:
             if is_fatal(exc):
                 raise DeviceLost(str(exc)) from exc
             if len(staged) == 1:
                 return self._failed_alone(staged, exc, started)
             return self._frame_by_frame(staged, canvas, started)
-        finished = time.perf_counter()
-        return DeviceOutput(rows, forward_done - started, (forward_done - started) * 1000.0,
-                            (finished - forward_done) * 1000.0)
+        infer_s, postprocess_s = marks.seconds()
+        return DeviceOutput(rows, infer_s + postprocess_s, infer_s * 1000.0, postprocess_s * 1000.0)
 
     def _postprocess(self, output: torch.Tensor, params: torch.Tensor) -> np.ndarray:
         detections = postprocess(output, self.spec.layout, thresholds_of(params), geometry_of(params),
@@ -280,12 +305,40 @@ class TorchDevice:
         return DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), elapsed, elapsed * 1000.0, 0.0,
                             {0: inference_error(exc)})
 
-    def _sync(self) -> float:
-        if self.compute_stream is not None:
-            done = torch.cuda.Event(blocking=True)
-            done.record(self.compute_stream)
-            done.synchronize()   # a blocking event: the thread sleeps instead of spinning
-        return time.perf_counter()
+class _Marks:
+    """Where a batch's device time went: CUDA events on the compute stream (device time, not the
+    host's view of it), or the wall clock on the CPU, where host and device are one."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.times = [time.perf_counter()]
+        self.events = [self._event()] if stream is not None else []
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record(self.stream)
+        return event
+
+    def forward_done(self) -> None:
+        self._mark()
+
+    def postprocess_done(self) -> None:
+        self._mark()
+
+    def _mark(self) -> None:
+        if self.stream is not None:
+            self.events.append(self._event())
+        else:
+            self.times.append(time.perf_counter())
+
+    def seconds(self) -> tuple[float, float]:
+        """(canvas + forward, post-processing), once both are done; a blocking wait, never a spin."""
+        if self.stream is None:
+            start, forward, post = self.times
+            return forward - start, post - forward
+        start, forward, post = self.events
+        post.synchronize()
+        return start.elapsed_time(forward) / 1000.0, forward.elapsed_time(post) / 1000.0
 
 
 class _nothing:
@@ -329,4 +382,4 @@ def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates:
         return SimulatedDevice(spec, sim_profile_ms, max_batch)
     from gpu_worker.model import choose_device, load_model
 
-    return TorchDevice(load_model(spec, choose_device(requested)), max_batch, max_candidates)
+    return TorchDevice(load_model(spec, choose_device(requested), max_batch), max_batch, max_candidates)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
 from typing import Any, Callable
@@ -25,6 +27,10 @@ from gpu_worker.source import requeue_frames_of
 log = logging.getLogger("gpu_worker")
 
 
+class WorkerIdInUse(RuntimeError):
+    """Another live process serves under this worker id."""
+
+
 class Liveness:
     def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, worker_id: str,
                  describe: Callable[[], dict[str, Any]], last_progress: Callable[[], float],
@@ -36,6 +42,31 @@ class Liveness:
         self.describe = describe
         self.last_progress = last_progress
         self.busy_fraction = busy_fraction   # the GPU busy gauge is set here, off the batches' path
+
+    def claim(self, pid: int) -> None:
+        """Refuse to serve beside a live worker of the same id: the two would requeue each other's frames
+        and neither would ever be reaped. A heartbeat left by a process that died on this host, or by this
+        very pid (a restarted container), is a previous life; any other is alive until it stops being
+        refreshed, which a live worker does every third of the TTL."""
+        key = self.keys.heartbeat(self.worker_id)
+        raw = self.redis.get(key)
+        if raw is None:
+            return
+        info = json.loads(raw)
+        here = info.get("host") == socket.gethostname()
+        if here and (info.get("pid") == pid or not _alive(info.get("pid"))):
+            return
+        last = self.redis.pttl(key)
+        deadline = time.monotonic() + self.ttl_s + 1.0
+        while time.monotonic() < deadline:
+            time.sleep(min(0.25, self.ttl_s / 12))
+            remaining = self.redis.pttl(key)
+            if remaining < 0:
+                return                                   # it expired unrefreshed: that worker is gone
+            if remaining > last:
+                raise WorkerIdInUse(f"worker id {self.worker_id!r} is in use by pid {info.get('pid')} on "
+                                    f"{info.get('host')}; give this worker its own --worker-id")
+            last = remaining
 
     def start(self, stopping: threading.Event) -> threading.Thread:
         thread = threading.Thread(target=self._loop, args=(stopping,), name="heartbeat", daemon=True)
@@ -94,3 +125,15 @@ class Liveness:
             self.redis.zrem(self.keys.gpu_workers, self.worker_id)
         except redis.RedisError:
             pass
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:   # someone else's process: alive
+        return True
+    return True

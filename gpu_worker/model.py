@@ -17,14 +17,19 @@ class ModelLoadError(RuntimeError):
     """A model that cannot be served as its spec says."""
 
 
+PRECISIONS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
 @dataclass
 class LoadedModel:
     spec: ModelSpec
     module: torch.nn.Module
     device: torch.device
+    dtype: torch.dtype = torch.float32   # what the model computes in: its input canvas is built in it
 
     def describe(self) -> dict[str, Any]:
-        return {**self.spec.describe(), "device": str(self.device), "simulated": False, "format": self.spec.format}
+        return {**self.spec.describe(), "device": str(self.device), "simulated": False, "format": self.spec.format,
+                "precision": next(name for name, dtype in PRECISIONS.items() if dtype == self.dtype)}
 
 
 def choose_device(requested: str) -> torch.device:
@@ -43,16 +48,29 @@ def choose_device(requested: str) -> torch.device:
     return device
 
 
-def load_model(spec: ModelSpec, device: torch.device) -> LoadedModel:
+def load_model(spec: ModelSpec, device: torch.device, max_batch: int = 8) -> LoadedModel:
+    """The spec's model on `device`, in its precision, checked at batch 1 and at the largest batch."""
     if spec.format == "builtin":
         module = _load_builtin(spec).to(device).eval()
     elif spec.format == "export":
         module = _load_exported(spec, device)
     else:
         module = _load_torchscript(spec, device).eval()
-    loaded = LoadedModel(spec=spec, module=module, device=device)
-    _check_output(loaded)
+    dtype = PRECISIONS.get(spec.precision) or _own_dtype(module)
+    if spec.precision != "auto":
+        module = module.to(dtype)
+    loaded = LoadedModel(spec=spec, module=module, device=device, dtype=dtype)
+    for batch in sorted({1, max_batch}):
+        _check_output(loaded, batch)
     return loaded
+
+
+def _own_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype of the model's floating-point weights (a half-precision export stays half), else float32."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_floating_point():
+            return tensor.dtype if tensor.dtype in PRECISIONS.values() else torch.float32
+    return torch.float32
 
 
 def _load_builtin(spec: ModelSpec) -> torch.nn.Module:
@@ -79,25 +97,33 @@ def _load_torchscript(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
 
 
 def _load_exported(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
-    """A torch.export program (.pt2). Exported with a dynamic batch dimension to serve batches."""
+    """A torch.export program (.pt2), exported with a dynamic batch dimension to serve batches.
+    Moved with move_to_device_pass, not .to(): a program exported on the CPU has the CPU written into
+    its graph too (an arange, a new tensor), which .to() would leave behind."""
+    from torch.export.passes import move_to_device_pass
+
     path = _model_file(spec)
     try:
-        return torch.export.load(str(path)).module().to(device)
+        program = torch.export.load(str(path))
+        if device.type != "cpu":
+            program = move_to_device_pass(program, device)
+        return program.module()
     except Exception as exc:
-        raise ModelLoadError(f"cannot load exported program {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot load exported program {path}: {last_line(exc)}") from exc
 
 
-def _check_output(loaded: LoadedModel) -> None:
-    """One dry run on a batch of two: the output must match the layout and the labels."""
+def _check_output(loaded: LoadedModel, batch: int) -> None:
+    """One dry run: the output must match the layout, the labels and the batch."""
     size = loaded.spec.input_size
-    probe = torch.zeros(2, 3, size, size, device=loaded.device)
+    probe = torch.zeros(batch, 3, size, size, device=loaded.device, dtype=loaded.dtype)
     try:
         with torch.inference_mode():
             output = loaded.module(probe)
     except Exception as exc:
-        raise ModelLoadError(f"the model fails on a batch of 2 at {size}x{size} (a static batch size or "
-                             f"another input size?): {str(exc)[:300]}") from exc
-    if not isinstance(output, torch.Tensor) or output.dim() != 3 or output.shape[0] != 2:
+        reason = last_line(exc)
+        hint = " (exported with a static batch size, or for another input size?)" if _about_shapes(reason) else ""
+        raise ModelLoadError(f"the model fails on a batch of {batch} at {size}x{size}{hint}: {reason}") from exc
+    if not isinstance(output, torch.Tensor) or output.dim() != 3 or output.shape[0] != batch:
         raise ModelLoadError(f"model output must be one 3-D tensor, got {_shape_of(output)}")
     classes = len(loaded.spec.labels)
     expected = 4 + classes if loaded.spec.layout == "yolov8" else 5 + classes
@@ -106,6 +132,16 @@ def _check_output(loaded: LoadedModel) -> None:
         raise ModelLoadError(
             f"layout {loaded.spec.layout} with {classes} labels expects {expected} values per box, "
             f"the model gives {actual} (output shape {tuple(output.shape)})")
+
+
+def last_line(exc: BaseException) -> str:
+    """An exception's last non-empty line, whole: where torch puts the cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[-1] if lines else type(exc).__name__
+
+
+def _about_shapes(reason: str) -> bool:
+    return any(word in reason.lower() for word in ("shape", "size", "dimension", "guard", "expected input"))
 
 
 def _shape_of(output: Any) -> str:
@@ -121,9 +157,10 @@ class BatchAssembler:
     rides on that copy), then one in-place affine pass, x * scale / std - mean / std.
     """
 
-    def __init__(self, spec: ModelSpec, device: torch.device) -> None:
+    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype = torch.float32) -> None:
         self.spec = spec
         self.device = device
+        self.dtype = dtype
         mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
         std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
         self.gain = spec.scale / std
@@ -141,7 +178,8 @@ class BatchAssembler:
             batch[i, :, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = \
                 content.flip(0) if self.bgr else content
             offset += length
-        return batch.mul_(self.gain).add_(self.bias)
+        # Normalised in float32, then handed to the model in its own precision.
+        return batch.mul_(self.gain).add_(self.bias).to(self.dtype)
 
 
 def fits_input(frame: Frame, input_size: int) -> bool:

@@ -44,6 +44,7 @@ def profile_latency_s(profile_ms: Mapping[int, float], batch_size: int) -> float
 class SimulatedDevice:
     simulated = True
     name = "sim"
+    identity = "sim"
 
     def __init__(self, spec: ModelSpec, profile_ms: Mapping[int, float], max_batch: int,
                  slots: int = SLOTS, seed: int = 0) -> None:
@@ -63,6 +64,9 @@ class SimulatedDevice:
 
     def discard(self, staged: Staged) -> None:
         self.host.release(staged)
+
+    def utilisation(self) -> None:
+        return None
 
     def warm_up(self, max_batch: int) -> Iterator[list[Frame]]:
         """The host's part once per slot at the full batch (the slots' pages touched), no sleeping."""

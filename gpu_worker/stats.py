@@ -93,15 +93,3 @@ def percentile(sorted_values: list[float], q: float) -> float:
     low = int(position)
     high = min(low + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def nvml_utilisation(device_index: int) -> float | None:
-    """NVML's own GPU utilisation (0-1) when pynvml is installed and a GPU is there; else None."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
-        return pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0
-    except Exception:   # no pynvml, no driver, no such device: the figure is optional
-        return None

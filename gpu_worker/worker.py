@@ -49,7 +49,7 @@ from gpu_worker.intake import InHand, Intake
 from gpu_worker.liveness import Liveness
 from gpu_worker.source import RedisFrameSource
 from gpu_worker.stages import StageClock
-from gpu_worker.stats import BusyMeter, RecentStats, nvml_utilisation
+from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")
 
@@ -61,8 +61,10 @@ GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def default_worker_id(device: Device) -> str:
-    """Stable across restarts on one host and device, so a restarted worker finds its own frames."""
-    return f"{socket.gethostname()}-{device.name.replace(':', '')}"
+    """Stable across restarts on one host and device, so a restarted worker finds its own frames, and
+    distinct per GPU: by its UUID, not its index (every process that sees one GPU through
+    CUDA_VISIBLE_DEVICES calls it cuda:0)."""
+    return f"{socket.gethostname()}-{device.identity}"
 
 
 class GpuWorker:
@@ -96,10 +98,12 @@ class GpuWorker:
 
     # --- lifecycle -------------------------------------------------------
     def run(self) -> int:
-        """Until SIGTERM/SIGINT (0) or a lost device (EXIT_DEVICE_LOST)."""
+        """Until SIGTERM/SIGINT (0) or a lost device (EXIT_DEVICE_LOST); WorkerIdInUse when another live
+        worker has this one's id."""
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self._retry_until_redis_answers(lambda: self.liveness.claim(os.getpid()))
         self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
         self.liveness.start(self.stopping)
@@ -241,11 +245,7 @@ class GpuWorker:
                 "started_at": self.started_at, "model": self.device.describe(),
                 "batching": {"max_batch_size": collector.max_size, "window_ms": collector.window_s * 1000.0},
                 "stats": {"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
-                          "nvml_utilisation": self._nvml(),
+                          "nvml_utilisation": self.device.utilisation(),
                           "device_seconds_total": round(self.busy.total_s, 4),
                           "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
                           **self.recent.summary()}}
-
-    def _nvml(self) -> float | None:
-        device = getattr(self.device, "device", None)
-        return nvml_utilisation(device.index or 0) if device is not None and device.type == "cuda" else None

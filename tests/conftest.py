@@ -20,6 +20,8 @@ from tests.support import (REPO_ROOT, ApiServer, ManagedProcess, RedisServer, bu
                            celery_argv, free_port, python_argv, wait_until)
 
 STACK_INPUT_SIZE = 320
+# The integration stacks' GPU worker device: cpu here; IMGSERVE_TEST_DEVICE=cuda runs them on a GPU.
+TEST_DEVICE = os.environ.get("IMGSERVE_TEST_DEVICE", "cpu")
 CALLBACK_SECRET = "test-callback-secret"
 SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
 STACK_MAX_UPLOAD = 3 * 1024 * 1024
@@ -92,7 +94,7 @@ class Stack:
     def start_gpu_worker(self) -> None:
         assert self.gpu_worker is None or not self.gpu_worker.alive()
         self.gpu_worker = ManagedProcess(
-            "gpu-worker", python_argv("-m", "gpu_worker", "--device", "cpu", "--worker-id", self.gpu_worker_id),
+            "gpu-worker", python_argv("-m", "gpu_worker", "--device", TEST_DEVICE, "--worker-id", self.gpu_worker_id),
             self.env, self.log_dir)
         wait_until(lambda: self.redis.exists(self.keys.heartbeat(self.gpu_worker_id)) or self._gpu_died(),
                    60, what="the GPU worker's first heartbeat")

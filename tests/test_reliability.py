@@ -125,6 +125,15 @@ def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
     assert [stack.wait_terminal(j)["status"] for j in ids] == ["succeeded"] * len(ids)
 
 
+def test_a_second_worker_with_a_live_workers_id_refuses_to_start(stack):
+    """It would requeue the live one's frames at start (duplicate work) and neither could be reaped."""
+    result = subprocess.run(python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", stack.gpu_worker_id),
+                            env=stack.env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and "is in use by pid" in result.stderr, result.stderr[-2000:]
+    assert stack.gpu_worker.alive()
+    assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"
+
+
 def celery_children(parent_pid: int) -> list[int]:
     out = subprocess.run(["pgrep", "-P", str(parent_pid)], capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]

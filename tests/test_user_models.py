@@ -57,5 +57,63 @@ def test_an_export_with_a_static_batch_is_refused_clearly(tmp_path):
     torch.export.save(program, str(tmp_path / "static.pt2"))
     settings = write_spec(tmp_path, "name: v5\nversion: '1'\nformat: export\npath: static.pt2\n"
                                     "input_size: 64\nlayout: yolov5\nlabels: [a, b]\n")
-    with pytest.raises(ModelLoadError, match="batch of 2"):
+    with pytest.raises(ModelLoadError, match=r"batch of 8 .*static batch size.*Guard failed: x.size\(\)\[0\] == 1"):
         load_model(settings.model, CPU)
+
+
+class OneBoxHead(torch.nn.Module):
+    """A 1x1 convolution then one box per image (yolov8 layout, 2 classes): it has weights, so a dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.conv(x).mean(dim=(2, 3))                      # [B, 6]
+        box = torch.tensor([32.0, 32.0, 16.0, 16.0, 0.9, 0.1], dtype=x.dtype, device=x.device)
+        return (box + features * 0).unsqueeze(2)                    # [B, 6, 1]
+
+
+def test_a_half_precision_model_is_fed_its_own_dtype(tmp_path):
+    """An fp16 TorchScript export used to be refused with a message about batch sizes."""
+    from contract.frames import unpack_frame
+    from gpu_worker.devices import TorchDevice
+    from tests.test_gpu_worker_parts import make_frame
+
+    torch.jit.script(OneBoxHead().half()).save(str(tmp_path / "half.pt"))
+    settings = write_spec(tmp_path, "name: half\nversion: '1'\nformat: torchscript\npath: half.pt\n"
+                                    "input_size: 64\nlayout: yolov8\nlabels: [a, b]\n")
+    loaded = load_model(settings.model, CPU)
+    assert loaded.dtype == torch.float16 and loaded.describe()["precision"] == "fp16"
+    device = TorchDevice(loaded, max_batch=2, max_candidates=10)
+    frames = [unpack_frame(make_frame(f"j{i}", 64, 48, 0, 8)) for i in range(2)]
+    output = device.run(device.stage(frames))
+    assert output.errors == {} and output.detections[:, 0].tolist() == [0, 1]
+
+
+def test_precision_in_the_spec_converts_the_model(tmp_path):
+    torch.jit.script(OneBoxHead()).save(str(tmp_path / "full.pt"))
+    settings = write_spec(tmp_path, "name: b\nversion: '1'\nformat: torchscript\npath: full.pt\n"
+                                    "input_size: 64\nlayout: yolov8\nlabels: [a, b]\nprecision: bf16\n")
+    assert load_model(settings.model, CPU).dtype == torch.bfloat16
+
+
+class CpuConstantsInTheGraph(torch.nn.Module):
+    """An export whose graph holds a device: torch.arange(...) made on the exporting machine."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        index = torch.arange(x.shape[0], dtype=torch.float32)           # exported as device=cpu
+        box = torch.stack([index * 0 + 32, index * 0 + 32, index * 0 + 16, index * 0 + 16,
+                           index * 0 + 0.9, index * 0 + 0.1], dim=1)
+        return box.unsqueeze(2) + x.mean() * 0
+
+
+def test_an_export_is_checked_at_batch_one_and_the_largest_batch(tmp_path):
+    batch = torch.export.Dim("batch", min=1, max=64)
+    program = torch.export.export(CpuConstantsInTheGraph(), (torch.zeros(2, 3, 64, 64),), dynamic_shapes=({0: batch},))
+    torch.export.save(program, str(tmp_path / "consts.pt2"))
+    settings = write_spec(tmp_path, "name: c\nversion: '1'\nformat: export\npath: consts.pt2\n"
+                                    "input_size: 64\nlayout: yolov8\nlabels: [a, b]\n")
+    loaded = load_model(settings.model, CPU, max_batch=16)
+    with torch.inference_mode():
+        assert loaded.module(torch.zeros(16, 3, 64, 64)).shape == (16, 6, 1)
