@@ -238,6 +238,7 @@ class TorchDevice:
                     self.compute_stream.wait_event(staged.ready)
                 return self._run_batch(staged)
         finally:
+            self._quiesce()   # nothing queued may still read this slot when the next batch fills it
             self.host.release(staged)
 
     def discard(self, staged: Staged) -> None:
@@ -250,6 +251,16 @@ class TorchDevice:
             frames = warm_up_frames(self.spec, size)
             self.run(self.stage(frames))
             yield frames
+
+    def _quiesce(self) -> None:
+        if self.compute_stream is None:
+            return
+        try:
+            done = torch.cuda.Event(blocking=True)
+            done.record(self.compute_stream)
+            done.synchronize()
+        except Exception:   # a lost device: the worker is leaving, the slot will not be filled again
+            pass
 
     def _on_compute_stream(self) -> Any:
         return torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else _nothing()
@@ -264,13 +275,13 @@ class TorchDevice:
             marks.forward_done()
             rows = self._postprocess(output, staged.slot.device_params[:len(staged)])
             marks.postprocess_done()
+            infer_s, postprocess_s = marks.seconds()   # waits for the device: its errors surface here
         except Exception as exc:
             if is_fatal(exc):
                 raise DeviceLost(str(exc)) from exc
             if len(staged) == 1:
                 return self._failed_alone(staged, exc, started)
             return self._frame_by_frame(staged, canvas, started)
-        infer_s, postprocess_s = marks.seconds()
         return DeviceOutput(rows, infer_s + postprocess_s, infer_s * 1000.0, postprocess_s * 1000.0)
 
     def _postprocess(self, output: torch.Tensor, params: torch.Tensor) -> np.ndarray:
