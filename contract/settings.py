@@ -153,6 +153,8 @@ class ModelSpec:
     std: tuple[float, float, float] = (1.0, 1.0, 1.0)
     layout: str = "yolov8"  # yolov8: [B, 4+C, N]; yolov5: [B, N, 5+C]
     precision: str = "auto"  # auto: the model's own weights' dtype | fp32 | fp16 | bf16
+    channels_last: bool = False  # NHWC canvas and weights: faster convolutions on tensor cores
+    freeze: bool = False     # TorchScript only: torch.jit.freeze + optimize_for_inference at load
     labels: tuple[str, ...] = ()
     conf: float = 0.25
     iou: float = 0.45
@@ -165,6 +167,8 @@ class ModelSpec:
             raise SettingsError(f"a {self.format} model needs a path")
         if self.layout not in ("yolov8", "yolov5"):
             raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
+        if self.freeze and self.format != "torchscript":
+            raise SettingsError("freeze applies to TorchScript models only")
         if self.precision not in ("auto", "fp32", "fp16", "bf16"):
             raise SettingsError(f"precision {self.precision!r}: expected auto, fp32, fp16 or bf16")
         if self.channel_order not in ("rgb", "bgr"):

@@ -59,10 +59,22 @@ def load_model(spec: ModelSpec, device: torch.device, max_batch: int = 8) -> Loa
     dtype = PRECISIONS.get(spec.precision) or _own_dtype(module)
     if spec.precision != "auto":
         module = module.to(dtype)
+    if spec.channels_last:
+        module = module.to(memory_format=torch.channels_last)
+    if spec.freeze:
+        module = _frozen(module)
     loaded = LoadedModel(spec=spec, module=module, device=device, dtype=dtype)
     for batch in sorted({1, max_batch}):
         _check_output(loaded, batch)
     return loaded
+
+
+def _frozen(module: torch.nn.Module) -> torch.nn.Module:
+    """Weights inlined as constants, then folded and fused for inference (conv + batch norm, ...)."""
+    try:
+        return torch.jit.optimize_for_inference(torch.jit.freeze(module))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot freeze the TorchScript model: {last_line(exc)}") from exc
 
 
 def _own_dtype(module: torch.nn.Module) -> torch.dtype:
@@ -166,6 +178,7 @@ class BatchAssembler:
         self.gain = spec.scale / std
         self.bias = -mean / std
         self.bgr = spec.channel_order == "bgr"
+        self.memory_format = torch.channels_last if spec.channels_last else torch.contiguous_format
 
     def __call__(self, contents: torch.Tensor, frames: Sequence[Frame], sizes: Sequence[int]) -> torch.Tensor:
         """`contents`: the frames' uint8 HxWx3 contents back to back, on the model's device."""
@@ -179,7 +192,7 @@ class BatchAssembler:
                 content.flip(0) if self.bgr else content
             offset += length
         # Normalised in float32, then handed to the model in its own precision.
-        return batch.mul_(self.gain).add_(self.bias).to(self.dtype)
+        return batch.mul_(self.gain).add_(self.bias).to(self.dtype, memory_format=self.memory_format)
 
 
 def fits_input(frame: Frame, input_size: int) -> bool:

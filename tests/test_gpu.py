@@ -221,3 +221,16 @@ def test_host_syncs_per_batch_are_counted_and_bounded(device, capsys):
     with capsys.disabled():
         print(f"\nhost syncs in one batch of 8: {len(syncs)}")
     assert len(syncs) <= 24
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("option", [{"channels_last": True}, {"freeze": True}, {"precision": "bf16"}])
+def test_speed_options_keep_the_answers(device, option):
+    frames = scene_frames(4, seed=7)
+    plain, tuned = device_for(device), device_for(device, shapes_spec(**option))
+    expected = detections_by_image(plain.run(plain.stage(frames)).detections, 4)
+    found = detections_by_image(tuned.run(tuned.stage(frames)).detections, 4)
+    tolerance = 4.0 if option.get("precision") == "bf16" else 0.5     # bf16 keeps 8 bits of mantissa
+    for one, other in zip(expected, found):
+        one, other = one[one[:, 4] > 0.5], other[other[:, 4] > 0.5]
+        assert len(one) == len(other) and np.allclose(one[:, :4], other[:, :4], atol=tolerance)
