@@ -35,7 +35,7 @@ from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
 from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
-from contract.settings import REPO_ROOT, load_model_spec
+from contract.settings import REPO_ROOT
 from contract.timebill import HOST_STAGES, host_ms_per_batch
 from gpu_worker.simulated import STORY_PROFILE_MS, profile_latency_s
 
@@ -217,10 +217,12 @@ def _start_worker(options: FeedOptions, config_path: Path, workdir: Path) -> Man
 
 
 def _profiler(options: FeedOptions, worker: ManagedProcess) -> subprocess.Popen | None:
-    """py-spy attached to the worker (collapsed stacks, one line per stack), until interrupted."""
+    """py-spy attached to the worker, sampling only the thread that holds the GIL (collapsed stacks,
+    one line per stack), until interrupted. py-spy is not a dependency: `pip install py-spy` first."""
     if not options.py_spy:
         return None
-    return subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "500", "--threads", "--gil", "--nonblocking",
+    return subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "500", "--threads", "--gil",
+                             "--nonblocking",
                              "--pid", str(worker.process.pid), "--output", str(options.py_spy)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Protocol, Sequence
 
@@ -263,7 +264,7 @@ class TorchDevice:
             pass
 
     def _on_compute_stream(self) -> Any:
-        return torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else _nothing()
+        return torch.cuda.stream(self.compute_stream) if self.compute_stream is not None else nullcontext()
 
     def _run_batch(self, staged: Staged) -> DeviceOutput:
         started = time.perf_counter()
@@ -350,14 +351,6 @@ class _Marks:
         start, forward, post = self.events
         post.synchronize()
         return start.elapsed_time(forward) / 1000.0, forward.elapsed_time(post) / 1000.0
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *_: object) -> None:
-        return None
 
 
 def inference_error(exc: BaseException) -> dict[str, str]:

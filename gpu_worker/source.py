@@ -15,7 +15,7 @@ left in the list (`requeue_frames_of`): the order holds again.
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from typing import Any
 
 import redis
 

@@ -42,7 +42,7 @@ from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch
-from gpu_worker.devices import DETECTION_COLUMNS, Device, DeviceLost
+from gpu_worker.devices import DETECTION_COLUMNS, Device, DeviceLost, DeviceOutput, inference_error
 from gpu_worker.finish import Finisher, result_documents
 from gpu_worker.handoff import Handoff
 from gpu_worker.intake import InHand, Intake
@@ -171,12 +171,14 @@ class GpuWorker:
 
     def _device_loop(self) -> None:
         for batch in self.to_device:
-            if self.device_lost:
+            if self.device_lost:   # its frames stay in the processing list, given back at the exit
                 if batch.staged is not None:
                     self.device.discard(batch.staged)
+                self._answered()
                 continue
             batch.started_at = max(batch.closed_at, time.time())
             if batch.staged is not None and not self._run_on_device(batch):
+                self._answered()
                 continue
             self.to_finish.put(batch)
         self.to_finish.close()
@@ -191,6 +193,10 @@ class GpuWorker:
             self.device_lost = True
             self.stopping.set()
             return False
+        except Exception as exc:   # a defect around the model: the batch's jobs fail, the worker serves on
+            log.exception("the device stage failed on batch %d", batch.seq)
+            batch.output = DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), 0.0, 0.0, 0.0,
+                                        {i: inference_error(exc) for i in range(len(batch.running))})
         finally:
             self.device_busy = False
         ended = time.monotonic()

@@ -23,7 +23,6 @@ from gpu_worker.devices import TorchDevice
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import load_model
 from tests.support import REPO_ROOT
-from tests.test_gpu_worker_parts import make_frame
 
 CUDA = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu"),

@@ -167,3 +167,25 @@ def test_warm_up_runs_every_batch_size_through_the_device(redis_client, tmp_path
     sizes = [len(frames) for frames in device.warm_up(3)]
     assert sizes == [1, 2, 3, 1, 2, 3]
     assert np.frombuffer(device.host.slots.acquire().host.numpy(), np.uint8).any()   # the slots were touched
+
+
+class BreaksOnce(LosesTheDevice):
+    """A device stage whose first batch meets a defect (not a lost device)."""
+
+    def run(self, staged: Any) -> Any:
+        self.runs += 1
+        if self.runs == 1:
+            self.inner.discard(staged)
+            raise ValueError("a defect in the device stage")
+        return self.inner.run(staged)
+
+
+def test_a_defect_in_the_device_stage_fails_its_batch_and_the_worker_serves_on(redis_client, tmp_path):
+    keys = Keys("stages")
+    ids, _ = push_frames(redis_client, keys, [CONTENT], 6)
+    worker = worker_on(redis_client, tmp_path, BreaksOnce)
+    done = ["failed"] * 2 + ["succeeded"] * 4
+    assert run_until(worker, lambda: statuses(redis_client, keys, ids) == done) == 0
+    error = yaml.safe_load(redis_client.hget(keys.job(ids[0]), "error"))
+    assert error == {"code": "inference_error", "message": "a defect in the device stage"}
+    assert redis_client.llen(keys.processing("stages-gpu")) == 0

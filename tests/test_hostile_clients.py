@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 SLOW_CLIENTS = 300
 
 
-def raw_exchange(port: int, request: bytes, half_close: bool = False, timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
+def raw_exchange(port: int, request: bytes, half_close: bool = False,
+                 timeout_s: float = 30.0) -> tuple[int, dict, bytes]:
     """Send bytes as they are; the status, headers and body of the answer."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as sock:
         sock.sendall(request)
