@@ -24,8 +24,8 @@ from typing import Any
 from bench import charts
 from bench.corpus import load_corpus
 from bench.report import markdown
-from bench.runs import measure, meets_sla
-from bench.stack import BaselineServer, LocalStack, StackOptions
+from bench.runs import CpuScope, measure, meets_sla
+from bench.stack import BaselineServer, LocalStack, ProcfileStack, StackOptions
 
 
 def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: dict | None = None) -> str:
@@ -41,10 +41,10 @@ def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: di
 
 
 def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace,
-              open_loop: bool = True) -> list[dict[str, Any]]:
-    results = [measure(name, url, images, "closed", c, args.closed_duration) for c in args.closed]
+              open_loop: bool = True, scope: CpuScope | None = CpuScope()) -> list[dict[str, Any]]:
+    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope) for c in args.closed]
     if open_loop:
-        results += [measure(name, url, images, "open", q, args.open_duration) for q in args.open_qps]
+        results += [measure(name, url, images, "open", q, args.open_duration, scope=scope) for q in args.open_qps]
     return results
 
 
@@ -55,7 +55,15 @@ def stack_options(args: argparse.Namespace, **overrides: Any) -> StackOptions:
 
 
 def cmd_run(args: argparse.Namespace, images: list[bytes]) -> dict:
-    results = run_suite(args.name, args.url, images, args)
+    if args.stack == "local":   # make run's own processes, started here on a private Redis
+        stack = ProcfileStack(Path(tempfile.mkdtemp(prefix="bench-")), stack_options(args)).start()
+        try:
+            results = run_suite(args.name, stack.url, images, args, scope=stack.cpu_scope())
+        finally:
+            stack.stop()
+        return {"results": results, "title": f"bench of make run's stack ({stack.options.describe()})"}
+    scope = CpuScope(args.redis_port) if args.redis_port else None
+    results = run_suite(args.name, args.url, images, args, scope=scope)
     return {"results": results, "title": f"bench of {args.url}"}
 
 
@@ -64,12 +72,12 @@ def cmd_compare(args: argparse.Namespace, images: list[bytes]) -> dict:
     results = []
     baseline = BaselineServer(workdir / "baseline", args.device).start()
     try:
-        results += run_suite("baseline", baseline.url, images, args, open_loop=False)
+        results += run_suite("baseline", baseline.url, images, args, open_loop=False, scope=baseline.cpu_scope())
     finally:
         baseline.stop()
     stack = LocalStack(workdir / "pipeline", stack_options(args)).start()
     try:
-        results += run_suite("pipeline", stack.url, images, args)
+        results += run_suite("pipeline", stack.url, images, args, scope=stack.cpu_scope())
     finally:
         stack.stop()
     return {"results": results, "title": f"baseline vs pipeline ({stack.options.describe()})"}
@@ -79,7 +87,8 @@ def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
     """Open-loop rates in turn; the highest one still served within the SLA."""
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="bench-")), stack_options(args)).start()
     try:
-        results = [measure("pipeline", stack.url, images, "open", q, args.open_duration) for q in args.qps]
+        results = [measure("pipeline", stack.url, images, "open", q, args.open_duration, scope=stack.cpu_scope())
+                   for q in args.qps]
     finally:
         stack.stop()
     served = [r for r in results if meets_sla(r, args.sla_ms)]
@@ -135,9 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--max-batch", type=int, default=8)
     local.add_argument("--window-ms", type=float, default=12.0)
 
-    run = sub.add_parser("run", parents=[common], help="load a running deployment")
+    run = sub.add_parser("run", parents=[common, local], help="load a running deployment, or make run's stack")
     run.add_argument("--url", default="http://localhost:8000")
+    run.add_argument("--stack", choices=("local",), help="local: start make run's processes (the Procfile under "
+                                                         "honcho, Flower included) on a private Redis, and load them")
     run.add_argument("--name", default="service")
+    run.add_argument("--redis-port", type=int, default=6379,
+                     help="the deployment's Redis port, for CPU per image by role (0: leave CPU out)")
     sub.add_parser("compare", parents=[common, local], help="baseline vs pipeline, started here")
     ceiling = sub.add_parser("ceiling", parents=[common, local], help="highest rate within the SLA")
     ceiling.add_argument("--qps", type=parse_list(float), default=[24.0, 26.0, 28.0, 30.0])

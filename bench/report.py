@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from bench.cpu import ROLE_ORDER
 from bench.load import Outcome
 from gpu_worker.stats import percentile, summarise_bills
 
@@ -68,6 +69,15 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
         cells = [f"{bill[s]['p50']:.0f} / {bill[s]['p95']:.0f}" if s in bill else "-" for s in stages]
         lines.append(f"| {r['name']} {r['mode']} | " + " | ".join(cells) + " |")
     lines += ["", "Cells: p50 / p95."]
+    with_cpu = [r for r in results if r.get("cpu_ms_per_image")]
+    if with_cpu:
+        roles = [role for role in (*ROLE_ORDER, "stack") if any(role in r["cpu_ms_per_image"] for r in with_cpu)]
+        lines += ["", "### CPU per image (ms, per role, over the run; `stack`: all but the load generator)", "",
+                  "| run | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+        for r in with_cpu:
+            cells = [f"{r['cpu_ms_per_image'][role]:.1f}" if role in r["cpu_ms_per_image"] else "-" for role in roles]
+            lines.append(f"| {r['name']} {r['mode']} {_fmt(r['offered_qps'] or r['concurrency'])} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

@@ -2,29 +2,47 @@
 commands of `python -m bench` and by `tune`."""
 from __future__ import annotations
 
+import os
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from tqdm import tqdm
 
-from bench import load
+from bench import cpu, load
 from bench.report import summarise
 
 
+@dataclass(frozen=True)
+class CpuScope:
+    """Which processes of this machine are the deployment: a Redis port, and (a bench stack's) the
+    process sessions of its roles; None: every local process of a role."""
+    redis_port: int | None = 6379
+    sessions: frozenset[int] | None = None
+
+    def sample(self) -> cpu.CpuSample:
+        return cpu.sample(self.redis_port, os.getpid(), set(self.sessions) if self.sessions is not None else None)
+
+
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
-            seed: int = 0) -> dict[str, Any]:
-    """One run: closed loop at `level` clients, or open loop at `level` QPS."""
+            seed: int = 0, scope: CpuScope | None = CpuScope()) -> dict[str, Any]:
+    """One run: closed loop at `level` clients, or open loop at `level` QPS; with the CPU each role
+    of the deployment spent per image, when its processes are on this machine."""
     label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
-    with tqdm(desc=label, unit="req", leave=False) as progress:
+    with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
         before = load.gpu_counters(url)
+        cpu_before = scope.sample() if scope else None
         if mode == "closed":
             outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update)
         else:
             outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update)
+        cpu_after = scope.sample() if scope else None
         after = load.gpu_counters(url)
     # Offered: what the Poisson draw actually sent (its count varies by a few % around the target).
     offered = len(outcomes) / duration_s if mode == "open" else None
     result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
+    if cpu_before is not None and cpu_after is not None:
+        result["cpu_ms_per_image"] = cpu.ms_per_image(cpu_before, cpu_after, result["succeeded"])
     if mode == "open":
         result["target_qps"] = level
     print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "

@@ -4,6 +4,7 @@ baseline beside it. Both get the same model spec and device."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,13 @@ class LocalStack:
         self.processes.append(ManagedProcess(name, argv, env, self.workdir))
         self.argv[name], self.env = argv, env
 
+    def cpu_scope(self) -> "CpuScope":
+        """This stack's processes (their sessions) and its Redis, for CPU per image."""
+        from bench.runs import CpuScope
+
+        return CpuScope(self.redis.port if self.redis else None,
+                        frozenset(p.process.pid for p in self.processes if p.alive()))
+
     def process(self, name: str) -> ManagedProcess:
         return next(p for p in reversed(self.processes) if p.name == name)
 
@@ -119,6 +127,58 @@ class BaselineServer:
     def _ready(self) -> bool:
         return answers_ok(self.url + "/healthz", [self.process])
 
+    def cpu_scope(self) -> "CpuScope":
+        from bench.runs import CpuScope
+
+        return CpuScope(None, frozenset({self.process.pid}) if self.process else frozenset())
+
     def stop(self) -> None:
         if self.process:
             self.process.stop()
+
+
+class ProcfileStack:
+    """Exactly what `make run` runs (the Procfile under honcho: API, CPU workers, callback worker, GPU
+    worker, Flower), on a private Redis and free ports, so bench figures are what its users see."""
+
+    def __init__(self, workdir: Path, options: StackOptions) -> None:
+        self.workdir = workdir
+        self.options = options
+        self.redis: RedisServer | None = None
+        self.honcho: ManagedProcess | None = None
+        self.url = ""
+
+    def start(self) -> "ProcfileStack":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis)
+        config = {"redis_url": self.redis.url, "gpu_worker": {"device": self.options.device},
+                  "batching": {"max_batch_size": self.options.max_batch_size, "window_ms": self.options.window_ms},
+                  **self.options.extra}
+        config_path = self.workdir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(config))
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        metrics_dir = self.workdir / "prometheus"
+        metrics_dir.mkdir(exist_ok=True)
+        env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "IMGSERVE_API_BIND": f"127.0.0.1:{port}",
+               "CPU_WORKERS": str(self.options.cpu_workers), "FLOWER_PORT": str(free_port()),
+               "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        env.pop("IMGSERVE_REDIS_URL", None)
+        self.honcho = ManagedProcess("honcho", [sys.executable, "-m", "honcho", "-f", "Procfile", "start"], env,
+                                     self.workdir)
+        wait_until(lambda: answers_ok(self.url + "/readyz", [self.honcho]), 180, interval_s=0.3,
+                   what=f"make run's processes at {self.url} to be ready")
+        return self
+
+    def cpu_scope(self) -> "CpuScope":
+        from bench.runs import CpuScope
+
+        return CpuScope(self.redis.port if self.redis else None,
+                        frozenset({self.honcho.process.pid}) if self.honcho else frozenset())
+
+    def stop(self) -> None:
+        if self.honcho:
+            self.honcho.stop(timeout_s=40)
+        if self.redis:
+            self.redis.stop()

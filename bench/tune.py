@@ -23,7 +23,7 @@ def tune(args: argparse.Namespace, images: list[bytes]) -> dict[str, Any]:
         stack = LocalStack(workdir / f"run{i}", options).start()
         try:
             result = measure(f"w{workers}-b{batch}-{window:g}ms", stack.url, images, "open", args.qps,
-                             args.open_duration)
+                             args.open_duration, scope=stack.cpu_scope())
         finally:
             stack.stop()
         results.append(result)

@@ -153,7 +153,7 @@ def test_procfile_runs_the_same_roles_without_docker():
     roles = dict(line.split(":", 1) for line in (REPO_ROOT / "Procfile").read_text().splitlines() if line)
     assert set(roles) == {"api", "cpu-worker", "callback-worker", "gpu-worker", "flower"}
     assert "-Q callbacks" in roles["callback-worker"]
-    assert "-Q preprocess" in roles["cpu-worker"] and "--port=5555" in roles["flower"]
+    assert "-Q preprocess" in roles["cpu-worker"] and "--port=${FLOWER_PORT:-5555}" in roles["flower"]
 
 
 def copied_paths(stage: str) -> set[str]:

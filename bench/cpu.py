@@ -1,0 +1,95 @@
+"""CPU time per image, per role: the figure the story says to watch.
+
+The deployment's processes on this machine are found by their command lines
+(every role of the Procfile, the compose file and the bench's own stacks
+starts recognisably), children included (Celery's prefork children, gunicorn's
+workers). Their user + system CPU time is read from /proc before and after a
+run; the difference, divided by the requests that succeeded, is each role's
+CPU milliseconds per image. Processes born during the run count from zero;
+those that died during it are lost (their time is not in /proc any more).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# (role, what its command line holds), first match wins.
+ROLES = (
+    ("api", ("gunicorn", "app:create_app")),
+    ("cpu-worker", ("celery", "-Q preprocess")),
+    ("cpu-worker", ("celery", "-Q,preprocess")),
+    ("callback-worker", ("celery", "-Q callbacks")),
+    ("flower", ("celery", "flower")),
+    ("gpu-worker", ("-m gpu_worker",)),
+    ("redis", ("redis-server",)),
+    ("honcho", ("honcho",)),
+    ("baseline", ("-m baseline",)),
+)
+ROLE_ORDER = ("api", "cpu-worker", "gpu-worker", "callback-worker", "flower", "redis", "honcho", "baseline", "bench")
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def _read(pid: int) -> tuple[str, int, float, int] | None:
+    """(command line, parent pid, CPU seconds, session id) of a live process, or None."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()   # after the command name, which may hold spaces
+    return cmdline, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK, int(fields[3])
+
+
+def role_of(cmdline: str, redis_port: int | None = None) -> str | None:
+    for role, needles in ROLES:
+        if all(needle in cmdline for needle in needles):
+            if role == "redis" and redis_port is not None and f":{redis_port}" not in cmdline:
+                return None
+            return role
+    return None
+
+
+@dataclass
+class CpuSample:
+    seconds: dict[int, tuple[str, float]] = field(default_factory=dict)   # pid -> (role, CPU seconds)
+
+
+def sample(redis_port: int | None = None, bench_pid: int | None = None,
+           sessions: set[int] | None = None) -> CpuSample:
+    """Every process of a role on this machine now: by its own command line, else its nearest
+    ancestor's (prefork children, gunicorn workers); with `sessions`, only the processes in those
+    sessions and their descendants (a bench stack's own), and its Redis."""
+    processes = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (read := _read(int(entry))) is not None:
+            processes[int(entry)] = read
+
+    def lineage(pid: int):
+        while pid in processes:
+            yield pid
+            pid = processes[pid][1]
+
+    roles: dict[int, str] = {}
+    for pid in processes:
+        chain = list(lineage(pid))
+        role = next((r for p in chain if (r := role_of(processes[p][0], redis_port)) is not None), None)
+        in_scope = sessions is None or role == "redis" or any(processes[p][3] in sessions for p in chain)
+        if role is not None and in_scope:
+            roles[pid] = role
+    if bench_pid is not None and bench_pid in processes:
+        roles[bench_pid] = "bench"
+    return CpuSample({pid: (role, processes[pid][2]) for pid, role in roles.items()})
+
+
+def ms_per_image(before: CpuSample, after: CpuSample, images: int) -> dict[str, float]:
+    """Each role's CPU milliseconds per image over the run, and their sum (the load generator apart)."""
+    if images <= 0:
+        return {}
+    totals: dict[str, float] = {}
+    for pid, (role, seconds) in after.seconds.items():
+        start = before.seconds.get(pid, (role, 0.0))[1]
+        totals[role] = totals.get(role, 0.0) + max(0.0, seconds - start)
+    table = {role: round(totals[role] * 1000.0 / images, 2) for role in ROLE_ORDER if role in totals}
+    table["stack"] = round(sum(v for k, v in table.items() if k not in ("bench",)), 2)
+    return table
