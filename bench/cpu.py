@@ -93,3 +93,23 @@ def ms_per_image(before: CpuSample, after: CpuSample, images: int) -> dict[str, 
     table = {role: round(totals[role] * 1000.0 / images, 2) for role in ROLE_ORDER if role in totals}
     table["stack"] = round(sum(v for k, v in table.items() if k not in ("bench",)), 2)
     return table
+
+
+def cpu_times() -> list[int] | None:
+    """The machine's CPU jiffies (user, nice, system, idle, iowait, irq, softirq, steal), or None."""
+    try:
+        with open("/proc/stat") as stat:
+            return [int(v) for v in stat.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+
+
+def cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, float] | None:
+    """Over the run, the share of the machine's CPU time that was busy, and stolen by the hypervisor:
+    a run on a machine whose host took its cores away says so."""
+    if not before or not after:
+        return None
+    delta = [b - a for a, b in zip(before, after)]
+    total = sum(delta) or 1
+    idle = delta[3] + delta[4]
+    return {"busy": round((total - idle - delta[7]) / total, 3), "steal": round(delta[7] / total, 3)}

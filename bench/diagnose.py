@@ -11,8 +11,9 @@ import time
 
 import requests
 
-from bench import load
+from bench import cpu, load
 from bench.report import summarise
+from bench.runs import CpuScope
 
 BANDS = ((0.20, "< 20%: the bottleneck is outside the GPU; do not touch GPU settings yet"),
          (0.60, "20-60%: the data pipeline or batching holds the GPU back; keep pushing"),
@@ -25,7 +26,10 @@ ADVICE = {
     "decode": "decode dominates: smaller uploads, more CPU workers, or JPEG draft mode (on by default)",
     "resize": "letterboxing dominates: more CPU workers; check Pillow-SIMD is installed",
     "queue_gpu": "frames wait for the GPU: it is saturated; add a GPU worker or raise max_batch_size",
-    "batch_wait": "the batching window is long for this load: lower window_ms",
+    "batch_wait": "frames gather into batches: near window_ms, a shorter window helps; far beyond it, a busy "
+                  "device kept the batches gathering (add a GPU worker or raise max_batch_size)",
+    "device_queue": "closed batches wait for a busy device: add a GPU worker or raise max_batch_size "
+                    "(a shorter window would not help)",
     "infer": "the model itself dominates: a smaller model, half precision, or a faster device",
     "postprocess": "post-processing dominates: raise conf, lower max_candidates",
 }
@@ -37,7 +41,8 @@ def band(busy: float | None) -> str:
     return next(text for limit, text in BANDS if busy < limit)
 
 
-def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32), step_s: float = 10.0) -> str:
+def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32), step_s: float = 10.0,
+             scope: CpuScope | None = CpuScope()) -> str:
     lines = [f"# diagnose {url}", ""]
     lines.append(f"1. Traffic: {_rate(url)}")
     lines.append(f"2. Model placement: {_placement(url)}")
@@ -49,11 +54,14 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
     if infer and total:
         lines.append(f"3. One inference: infer {infer:.0f} ms of {total:.0f} ms total "
                      f"({infer / total:.0%} of a lone request is device work)")
-    runs = []
+    runs, cpu_table = [], {}
     for level in sweep:
         gpu_before = load.gpu_counters(url)
+        cpu_before = scope.sample() if scope else None
         outcomes = load.closed_loop(url, images, level, step_s)
         runs.append(summarise("sweep", "closed", outcomes, None, level, gpu_before, load.gpu_counters(url)))
+        if cpu_before is not None:
+            cpu_table = cpu.ms_per_image(cpu_before, scope.sample(), runs[-1]["succeeded"])
     lines.append("4. Concurrency sweep:")
     for r in runs:
         busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "n/a"
@@ -68,6 +76,10 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
         lines.append(f"5. Time bill at c={last['concurrency']}: largest stage {largest} "
                      f"({stages[largest]:.0f} ms mean, {share:.0%} of the total) -> {ADVICE.get(largest, '')}")
     lines.append(f"6. Utilisation band: {band(last['gpu_busy'])}")
+    if cpu_table.get("stack"):
+        roles = ", ".join(f"{role} {ms:.1f}" for role, ms in cpu_table.items() if role not in ("stack", "bench"))
+        lines.append(f"7. CPU per image at c={last['concurrency']} (this machine's processes): "
+                     f"{cpu_table['stack']:.1f} ms ({roles}); what a request costs the host")
     return "\n".join(lines)
 
 

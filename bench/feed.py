@@ -31,6 +31,7 @@ import redis
 import yaml
 from PIL import Image
 
+from bench.cpu import cpu_shares, cpu_times
 from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
 from contract import jobs
 from contract.frames import FrameHeader, pack_frame
@@ -281,26 +282,6 @@ def redis_drain_rate(client: redis.Redis, keys: Keys, contents: list[tuple[dict[
         source.ack(len(frames))
         taken += len(frames)
     return taken / (time.perf_counter() - started)
-
-
-def cpu_times() -> list[int] | None:
-    """The machine's CPU jiffies (user, nice, system, idle, iowait, irq, softirq, steal), or None."""
-    try:
-        with open("/proc/stat") as stat:
-            return [int(v) for v in stat.readline().split()[1:9]]
-    except (OSError, ValueError):
-        return None
-
-
-def cpu_shares(before: list[int] | None, after: list[int] | None) -> dict[str, float] | None:
-    """Over the run, the share of the machine's CPU time that was busy, and stolen by the hypervisor:
-    a run on a machine whose host took its cores away says so."""
-    if not before or not after:
-        return None
-    delta = [b - a for a, b in zip(before, after)]
-    total = sum(delta) or 1
-    idle = delta[3] + delta[4]
-    return {"busy": round((total - idle - delta[7]) / total, 3), "steal": round(delta[7] / total, 3)}
 
 
 # --- the report -----------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 from bench.cpu import ROLE_ORDER
 from bench.load import Outcome
+from contract.timebill import STAGES
 from gpu_worker.stats import percentile, summarise_bills
 
 
@@ -61,8 +62,7 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
             lines += ["", f"Failures of {r['name']} {r['mode']}: " +
                       ", ".join(f"{k} x{v}" for k, v in r["failures"].items())]
     lines += ["", "### Time bill (ms, over succeeded requests)", ""]
-    stages = [s for s in ("receive", "queue_cpu", "decode", "resize", "queue_gpu", "batch_wait", "infer",
-                          "postprocess", "total")]
+    stages = list(STAGES)
     lines += ["| run | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
     for r in results:
         bill = r["time_bill_ms"]
@@ -73,11 +73,13 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
     if with_cpu:
         roles = [role for role in (*ROLE_ORDER, "stack") if any(role in r["cpu_ms_per_image"] for r in with_cpu)]
         lines += ["", "### CPU per image (ms, per role, over the run; `stack`: all but the load generator)", "",
-                  "| run | " + " | ".join(roles) + " |", "|---|" + "---|" * len(roles)]
+                  "| run | " + " | ".join(roles) + " | machine busy / stolen |", "|---|" + "---|" * (len(roles) + 1)]
         for r in with_cpu:
             cells = [f"{r['cpu_ms_per_image'][role]:.1f}" if role in r["cpu_ms_per_image"] else "-" for role in roles]
+            machine = r.get("machine_cpu")
+            shares = f"{machine['busy']:.0%} / {machine['steal']:.0%}" if machine else "-"
             lines.append(f"| {r['name']} {r['mode']} {_fmt(r['offered_qps'] or r['concurrency'])} | "
-                         + " | ".join(cells) + " |")
+                         + " | ".join(cells) + f" | {shares} |")
     return "\n".join(lines)
 
 

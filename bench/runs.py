@@ -32,17 +32,20 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
         before = load.gpu_counters(url)
         cpu_before = scope.sample() if scope else None
+        machine_before = cpu.cpu_times()
         if mode == "closed":
             outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update)
         else:
             outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update)
         cpu_after = scope.sample() if scope else None
+        machine = cpu.cpu_shares(machine_before, cpu.cpu_times())
         after = load.gpu_counters(url)
     # Offered: what the Poisson draw actually sent (its count varies by a few % around the target).
     offered = len(outcomes) / duration_s if mode == "open" else None
     result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
     if cpu_before is not None and cpu_after is not None:
         result["cpu_ms_per_image"] = cpu.ms_per_image(cpu_before, cpu_after, result["succeeded"])
+    result["machine_cpu"] = machine   # busy and stolen shares of this machine's cores over the run
     if mode == "open":
         result["target_qps"] = level
     print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "

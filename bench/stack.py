@@ -7,12 +7,15 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 import yaml
 
 from bench.processes import ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
+
+if TYPE_CHECKING:
+    from bench.runs import CpuScope
 
 
 @dataclass

@@ -14,7 +14,8 @@ STAGE_DESCRIPTIONS = {
     "decode": "CPU worker: image decode (draft mode, EXIF, colour mode)",
     "resize": "CPU worker: letterbox resize and frame packing",
     "queue_gpu": "frame waiting in the Redis list",
-    "batch_wait": "popped -> its batch closed and the device free (window + any wait for the previous batch)",
+    "batch_wait": "popped -> its batch closed (the batching window, or less when the batch filled)",
+    "device_queue": "batch closed -> its turn on the device (waiting for the batches ahead of it)",
     "infer": "batch assembly on the device and the forward pass",
     "postprocess": "decode, NMS, letterbox inversion",
     "total": "request start -> result written",
@@ -26,6 +27,7 @@ _SPANS = {
     "queue_cpu": ("submitted_at", "cpu_started_at"),
     "queue_gpu": ("pushed_at", "popped_at"),
     "batch_wait": ("popped_at", "batch_closed_at"),
+    "device_queue": ("batch_closed_at", "device_started_at"),
     "total": ("received_at", "finished_at"),
 }
 _DURATIONS = ("decode", "resize", "infer", "postprocess")

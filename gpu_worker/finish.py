@@ -128,7 +128,8 @@ class Finisher:
         outcomes: list[Outcome] = []
         for index, (frame, popped_at, document) in enumerate(zip(batch.running, batch.popped_at, documents)):
             bill = compute_time_bill({**frame.header.stamps, "popped_at": popped_at,
-                                      "batch_closed_at": batch.started_at, "finished_at": finished_at,
+                                      "batch_closed_at": max(popped_at, batch.closed_at),
+                                      "device_started_at": batch.started_at, "finished_at": finished_at,
                                       **durations})
             self.recent.record_bill(bill)
             metrics.observe_bill(bill)

@@ -113,3 +113,43 @@ def test_the_ideal_bound_batches_greedily_and_obeys_the_profile():
     heavy, heavy_busy = ideal_latencies(STORY_PROFILE_MS, qps=28.0, window_s=0.012, max_batch=8, duration_s=600)
     assert light_busy < 0.1 < 0.85 < heavy_busy < 1.0
     assert percentile(heavy, 95) > percentile(light, 95)
+
+
+@pytest.mark.parametrize("cmdline,role", [
+    ("/v/bin/python -m gunicorn -c configs/gunicorn.conf.py app:create_app()", "api"),
+    ("/v/bin/python3 /v/bin/celery -A tasks.worker worker -Q preprocess --concurrency=2", "cpu-worker"),
+    ("/v/bin/celery -A tasks.worker worker -Q callbacks -P threads", "callback-worker"),
+    ("/v/bin/celery -A tasks.worker flower --address=127.0.0.1 --port=5555", "flower"),
+    ("/v/bin/python -m gpu_worker --metrics-port 9100", "gpu-worker"),
+    ("redis-server 127.0.0.1:6379", "redis"), ("/usr/bin/vim notes", None),
+])
+def test_processes_are_given_their_role_by_command_line(cmdline, role):
+    from bench.cpu import role_of
+
+    assert role_of(cmdline) == role
+    assert role_of("redis-server 127.0.0.1:6379", redis_port=6380) is None
+
+
+def test_cpu_per_image_counts_a_roles_children_and_what_was_born_during_the_run():
+    import subprocess
+    import sys
+
+    from bench.cpu import ms_per_image, sample
+
+    burn = "import time\nend = time.process_time() + 2.0\nwhile time.process_time() < end: pass\n"
+    parent = subprocess.Popen([sys.executable, "-c", f"import subprocess, sys; subprocess.run([sys.executable, "
+                               f"'-c', {burn!r}]); input()", "-m gpu_worker"], stdin=subprocess.PIPE,
+                              start_new_session=True)
+    try:
+        before = sample(sessions={parent.pid})
+        import time
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            table = ms_per_image(before, sample(sessions={parent.pid}), 10)
+            if table.get("gpu-worker", 0) >= 25:
+                break
+            time.sleep(0.05)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert table["gpu-worker"] >= 25 and table["stack"] >= table["gpu-worker"]   # 250 ms or more over 10 images

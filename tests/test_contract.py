@@ -57,11 +57,12 @@ def test_job_id_can_be_read_from_a_frame_with_damaged_pixels():
 def test_time_bill_has_every_stage_from_the_stamps():
     stamps = {"received_at": 10.0, "submitted_at": 10.002, "cpu_started_at": 10.010, "decode_ms": 5.0,
               "resize_ms": 2.0, "pushed_at": 10.020, "popped_at": 10.030, "batch_closed_at": 10.042,
-              "infer_ms": 70.0, "postprocess_ms": 3.0, "finished_at": 10.200}
+              "device_started_at": 10.050, "infer_ms": 70.0, "postprocess_ms": 3.0, "finished_at": 10.200}
     bill = compute_time_bill(stamps)
     assert list(bill) == list(STAGES)
     assert bill["receive"] == pytest.approx(2.0) and bill["queue_gpu"] == pytest.approx(10.0)
-    assert bill["batch_wait"] == pytest.approx(12.0) and bill["total"] == pytest.approx(200.0)
+    assert bill["batch_wait"] == pytest.approx(12.0) and bill["device_queue"] == pytest.approx(8.0)
+    assert bill["total"] == pytest.approx(200.0)
 
 
 def test_time_bill_leaves_out_stages_without_stamps():
