@@ -101,12 +101,6 @@ class FrameReader:
                 raise redis.ConnectionError(f"reading frames: {exc}") from exc
             raise
 
-    def close(self) -> None:
-        if self.connection is not None:
-            self.connection.disconnect()
-            self.pool.release(self.connection)
-            self.connection = None
-
     def _bulk(self, sock: socket.socket) -> memoryview | None:
         line = self._line(sock)
         if line == b"_":   # RESP3's nil
