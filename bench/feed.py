@@ -174,7 +174,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         profiler = _profiler(options, worker)
         cpu_before = cpu_times()
         try:
-            wait_until(lambda: _all_answered(client, keys, len(ids)) or _died(worker), 600, interval_s=0.05,
+            wait_until(lambda: _all_answered(client, keys, len(ids)) or not worker.alive(), 600, interval_s=0.05,
                        what="the worker to drain the frames")
             if profiler is not None:
                 profiler.send_signal(signal.SIGINT)
@@ -226,10 +226,6 @@ def _profiler(options: FeedOptions, worker: ManagedProcess) -> subprocess.Popen 
                              "--nonblocking",
                              "--pid", str(worker.process.pid), "--output", str(options.py_spy)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def _died(worker: ManagedProcess) -> bool:
-    return not worker.alive()
 
 
 def _all_answered(client: redis.Redis, keys: Keys, count: int) -> bool:

@@ -74,7 +74,6 @@ class StagingSlots:
         nbytes = max_batch * input_size * input_size * CHANNELS
         self.max_batch = max_batch
         self.count = count
-        self.nbytes = nbytes
         self._free: queue.Queue[StagingSlot] = queue.Queue()
         for _ in range(count):
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
