@@ -6,13 +6,14 @@ Redis client, Celery sender and long-poll listener: no module globals.
 from __future__ import annotations
 
 import functools
+import io
 import time
 from dataclasses import dataclass
 
 import kombu.exceptions
 import redis
 from celery import Celery
-from flask import Flask, g
+from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
 from app import auth, health, jobs, metrics, openapi, stats
@@ -24,6 +25,16 @@ from contract.keys import Keys
 from contract.settings import Settings, load_settings
 from tasks.callbacks import relay_outbox
 from tasks.celery_app import make_celery, send_callback
+
+
+class InMemoryFormRequest(Request):
+    """Multipart parts are parsed from the body already read whole into memory (and bounded by
+    api.max_upload_bytes): Werkzeug's default spools a part over 500 KB to a temporary file on disk,
+    a write and a read back of every photo."""
+
+    def _get_file_stream(self, total_content_length: int | None, content_type: str | None,
+                         filename: str | None = None, content_length: int | None = None) -> io.BytesIO:
+        return io.BytesIO()
 
 
 @dataclass
@@ -40,6 +51,7 @@ class Services:
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or load_settings()
     app = Flask(__name__)
+    app.request_class = InMemoryFormRequest
     # Werkzeug refuses a larger body from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes

@@ -2,8 +2,16 @@
 from __future__ import annotations
 
 import redis
+from redis.connection import Encoder, PythonRespSerializer
 
 from contract.settings import Settings
+
+# redis-py packs a command with hiredis when hiredis is installed, and hiredis copies every argument
+# into one buffer: 1.3 ms of CPU for a 0.8 MB upload (the API's SET, the CPU worker's frame push).
+# redis-py's own packer sends a value over 6,000 bytes as its own chunk, uncopied (3 us). Replies are
+# still parsed by hiredis. Stateless, so one instance serves every connection.
+_BUFFER_CUTOFF = 6000
+_UNCOPIED_VALUES = PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
 
 
 def connect(settings: Settings, socket_timeout: float | None = None) -> redis.Redis:
@@ -14,4 +22,5 @@ def connect(settings: Settings, socket_timeout: float | None = None) -> redis.Re
         socket_timeout=socket_timeout,
         health_check_interval=30,
         retry_on_timeout=False,
+        command_packer=_UNCOPIED_VALUES,
     )

@@ -36,3 +36,22 @@ def test_submit_is_503_with_retry_after_when_redis_is_down(api_without_redis):
 def test_readiness_is_503_and_liveness_200_when_redis_is_down(api_without_redis):
     assert requests.get(api_without_redis.url + "/readyz", timeout=30).status_code == 503
     assert requests.get(api_without_redis.url + "/healthz", timeout=30).status_code == 200
+
+
+def test_a_large_multipart_part_is_parsed_in_memory_not_spooled_to_disk(monkeypatch):
+    """Werkzeug spools a part over 500 KB to a temporary file; the body is already in memory."""
+    import io
+
+    from werkzeug import formparser
+    from werkzeug.test import EnvironBuilder
+
+    from app import InMemoryFormRequest
+
+    def no_disk(*args, **kwargs):
+        raise AssertionError("a part went to a temporary file")
+
+    monkeypatch.setattr(formparser, "SpooledTemporaryFile", no_disk)
+    photo = bytes(900_000)
+    environ = EnvironBuilder(method="POST", data={"image": (io.BytesIO(photo), "a.jpg", "image/jpeg")}).get_environ()
+    request = InMemoryFormRequest(environ)
+    assert request.files["image"].read() == photo
