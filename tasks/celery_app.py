@@ -5,6 +5,7 @@ from celery import Celery
 
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
+from tasks.broker import TRANSPORT
 
 PREPROCESS_TASK = "imgserve.preprocess"
 CALLBACK_TASK = "imgserve.callback"
@@ -13,6 +14,8 @@ CALLBACK_TASK = "imgserve.callback"
 def make_celery(settings: Settings) -> Celery:
     app = Celery("imgserve", broker=settings.broker_url, set_as_current=False)
     app.conf.update(
+        # Redis, with one client per channel instead of one per operation (see tasks.broker).
+        broker_transport=TRANSPORT,
         # JSON only: a task carries a job id, never a pickled object.
         task_serializer="json",
         accept_content=["json"],
