@@ -168,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
     bound.add_argument("--qps", type=parse_list(float), default=[10.0, 18.0, 26.0, 28.0, 30.0])
     bound.add_argument("--window-ms", type=float, default=12.0)
     bound.add_argument("--max-batch", type=int, default=8)
+    nms = sub.add_parser("nms", help="post-processing's worst cases per batch (conf=0), on this machine's CPU")
+    nms.add_argument("--batch", type=int, default=8)
+    nms.add_argument("--max-candidates", type=int, default=1000)
+    nms.add_argument("--max-det", type=parse_list(int), default=[100, 1000])
     chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
     chaos.add_argument("--qps", type=float, default=8.0)
     chaos.add_argument("--duration", type=float, default=60.0)
@@ -193,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.bound import describe
         from contract.settings import load_settings
         print(describe(load_settings().gpu_worker.sim_latency_ms, args.qps, args.window_ms, args.max_batch))
+        return 0
+    if args.command == "nms":
+        from bench.nms import describe as describe_nms
+        print("\n\n".join(describe_nms(args.batch, args.max_candidates, max_det) for max_det in args.max_det))
         return 0
     images = load_corpus(args.corpus, count=args.images)
     if args.command == "diagnose":

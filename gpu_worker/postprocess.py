@@ -11,10 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # torchvision is optional: it does not import beside every torch build
-    from torchvision.ops import batched_nms as _tv_batched_nms
-except Exception:  # pragma: no cover - depends on the environment
-    _tv_batched_nms = None
+# How many candidates (in score order) are settled together: each chunk is resolved exactly, then
+# suppresses every later candidate in one matrix op. Memory is O(B * NMS_CHUNK * K), not O(B * K^2).
+NMS_CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -62,7 +61,7 @@ def cxcywh_to_xyxy(boxes: torch.Tensor) -> torch.Tensor:
 
 
 def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry,
-                max_candidates: int = 1000, use_torchvision: bool | None = None) -> Detections:
+                max_candidates: int = 1000) -> Detections:
     cxcywh, class_scores = split_layout(output.float(), layout)
     scores, class_ids = class_scores.max(dim=-1)                       # [B, N]
     below = scores < thresholds.conf[:, None]
@@ -73,7 +72,7 @@ def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geome
     valid = top_scores >= 0
     boxes = cxcywh_to_xyxy(torch.gather(cxcywh, 1, top_index[..., None].expand(-1, -1, 4)))
     classes = torch.gather(class_ids, 1, top_index)
-    keep = nms_keep(boxes, top_scores, classes, valid, thresholds.iou, use_torchvision)
+    keep = nms_keep(boxes, classes, valid, thresholds.iou, thresholds.max_det)
     keep &= keep.cumsum(dim=1) <= thresholds.max_det[:, None]
     image_index, slot = keep.nonzero(as_tuple=True)
     return Detections(
@@ -95,61 +94,76 @@ def unletterbox(boxes: torch.Tensor, geometry: Geometry, image_index: torch.Tens
     return torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], dim=1)
 
 
-def nms_keep(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor,
-             iou: torch.Tensor, use_torchvision: bool | None = None) -> torch.Tensor:
-    """Class-aware greedy NMS per image. Inputs [B, K, ...] sorted by score, best first.
+def nms_keep(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, iou: torch.Tensor,
+             max_det: torch.Tensor | None = None, chunk: int = NMS_CHUNK) -> torch.Tensor:
+    """Class-aware greedy NMS per image: a [B, K] keep mask. Inputs [B, K, ...] sorted by score, best first.
 
-    Returns a [B, K] keep mask. torchvision's kernel when it imports (or when
-    asked), else our own; both give the same boxes.
+    Exactly greedy NMS, in chunks of `chunk` candidates taken in score order: a
+    chunk's own boxes are settled by a fixed point over their small IoU matrix
+    (Cluster-NMS: as many rounds as the longest suppression chain inside the
+    chunk, at most `chunk`), then the chunk's kept boxes suppress every later
+    candidate at once. Once every image holds `max_det` kept boxes, later
+    candidates can no longer reach the answer and the scan stops: at `conf=0`
+    with 1,000 candidates and `max_det` 100 it settles a few chunks, not all.
     """
-    if use_torchvision is None:
-        use_torchvision = _tv_batched_nms is not None
-    if use_torchvision:
-        return _nms_keep_torchvision(boxes, scores, classes, valid, iou)
-    return _nms_keep_matrix(boxes, classes, valid, iou)
+    batch, k = valid.shape
+    keep = torch.zeros_like(valid)
+    removed = ~valid
+    for start in range(0, k, chunk):
+        end = min(start + chunk, k)
+        alive = ~removed[:, start:end]
+        if not bool(alive.any()):           # every candidate here is already suppressed (or invalid)
+            continue
+        inter, union = _overlap(boxes[:, start:end], boxes[:, start:])
+        # IoU > t  <=>  inter > t * union: no division over the [B, chunk, K] block
+        overlaps = (inter > union.mul_(iou[:, None, None])) \
+            & (classes[:, start:end, None] == classes[:, None, start:])              # [B, chunk, K - start]
+        kept = _settle_chunk(overlaps[:, :, :end - start], alive)
+        keep[:, start:end] = kept
+        if end == k:
+            break
+        removed[:, end:] |= (overlaps[:, :, end - start:] & kept[:, :, None]).any(dim=1)
+        if max_det is not None and bool((keep.sum(dim=1) >= max_det).all()):
+            break
+    return keep
+
+
+def _settle_chunk(overlaps: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+    """Greedy NMS among one chunk's candidates ([B, n, n] overlaps, [B, n] alive): kept[i] = alive[i]
+    and no kept j < i overlaps i. Iterating from kept = alive settles on exactly the greedy answer."""
+    n = alive.shape[1]
+    earlier = torch.ones(n, n, dtype=torch.bool, device=alive.device).triu(diagonal=1)
+    suppresses = overlaps & earlier & alive[:, :, None]                            # [B, j, i]
+    kept = alive
+    for _ in range(n):
+        updated = alive & ~(suppresses & kept[:, :, None]).any(dim=1)
+        if torch.equal(updated, kept):
+            break
+        kept = updated
+    return kept
+
+
+def iou_between(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """[B, M, 4] x [B, N, 4] -> [B, M, N] IoU."""
+    inter, union = _overlap(first, second)
+    return inter / union.clamp(min=1e-9)
+
+
+def _overlap(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Intersection and union areas, [B, M, N] each, with as few [B, M, N] temporaries as it takes."""
+    def area(boxes: torch.Tensor) -> torch.Tensor:
+        return (boxes[..., 2] - boxes[..., 0]).clamp(min=0) * (boxes[..., 3] - boxes[..., 1]).clamp(min=0)
+
+    def span(low: int, high: int) -> torch.Tensor:
+        return (torch.minimum(first[:, :, None, high], second[:, None, :, high])
+                - torch.maximum(first[:, :, None, low], second[:, None, :, low])).clamp_(min=0)
+
+    inter = span(0, 2).mul_(span(1, 3))
+    union = (area(first)[:, :, None] + area(second)[:, None, :]).sub_(inter)
+    return inter, union
+
 
 
 def pairwise_iou(boxes: torch.Tensor) -> torch.Tensor:
     """[B, K, 4] -> [B, K, K] IoU."""
-    area = (boxes[..., 2] - boxes[..., 0]).clamp(min=0) * (boxes[..., 3] - boxes[..., 1]).clamp(min=0)
-    top_left = torch.maximum(boxes[:, :, None, :2], boxes[:, None, :, :2])
-    bottom_right = torch.minimum(boxes[:, :, None, 2:], boxes[:, None, :, 2:])
-    inter = (bottom_right - top_left).clamp(min=0).prod(dim=-1)
-    union = area[:, :, None] + area[:, None, :] - inter
-    return inter / union.clamp(min=1e-9)
-
-
-def _nms_keep_matrix(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor,
-                     iou: torch.Tensor) -> torch.Tensor:
-    """Greedy NMS as a fixed point over the IoU matrix (Cluster-NMS).
-
-    keep[i] = valid[i] and no kept j < i of the same class overlaps i by more
-    than the threshold. Iterating from keep = valid settles on exactly the
-    greedy answer; each round is one batched matrix op, and rounds are few
-    (the length of the longest suppression chain).
-    """
-    k = boxes.shape[1]
-    if k == 0:
-        return valid.clone()
-    same_class = classes[:, :, None] == classes[:, None, :]
-    earlier = torch.ones(k, k, dtype=torch.bool, device=boxes.device).triu(diagonal=1)
-    suppresses = (pairwise_iou(boxes) > iou[:, None, None]) & same_class & earlier  # [B, j, i]
-    suppresses &= valid[:, :, None]
-    keep = valid.clone()
-    for _ in range(k):
-        suppressed = (suppresses & keep[:, :, None]).any(dim=1)
-        updated = valid & ~suppressed
-        if torch.equal(updated, keep):
-            break
-        keep = updated
-    return keep
-
-
-def _nms_keep_torchvision(boxes: torch.Tensor, scores: torch.Tensor, classes: torch.Tensor,
-                          valid: torch.Tensor, iou: torch.Tensor) -> torch.Tensor:
-    keep = torch.zeros_like(valid)
-    for b in range(boxes.shape[0]):  # per image: torchvision takes one threshold per call
-        idx = valid[b].nonzero(as_tuple=True)[0]
-        kept = _tv_batched_nms(boxes[b, idx], scores[b, idx], classes[b, idx], float(iou[b]))
-        keep[b, idx[kept]] = True
-    return keep
+    return iou_between(boxes, boxes)

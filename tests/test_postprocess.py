@@ -6,8 +6,7 @@ import random
 import pytest
 import torch
 
-from gpu_worker.postprocess import (Geometry, Thresholds, _nms_keep_matrix, nms_keep, pairwise_iou,
-                                    postprocess, _tv_batched_nms)
+from gpu_worker.postprocess import Geometry, Thresholds, nms_keep, pairwise_iou, postprocess
 
 
 def geometry(rows: list[tuple[float, ...]]) -> Geometry:
@@ -110,33 +109,39 @@ def random_candidates(seed: int, count: int, classes: int):
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_matrix_nms_equals_greedy_nms(seed):
+@pytest.mark.parametrize("chunk", [1, 7, 64, 500])
+def test_chunked_nms_equals_greedy_nms(seed, chunk):
     boxes, scores, classes = random_candidates(seed, 120, classes=3)
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     t_boxes = torch.tensor([[boxes[i] for i in order]])
     t_classes = torch.tensor([[classes[i] for i in order]])
     valid = torch.ones(1, len(order), dtype=torch.bool)
-    keep = _nms_keep_matrix(t_boxes, t_classes, valid, torch.tensor([0.5]))
+    keep = nms_keep(t_boxes, t_classes, valid, torch.tensor([0.5]), chunk=chunk)
     kept = sorted(order[k] for k in keep[0].nonzero().flatten().tolist())
     assert kept == reference_greedy_nms(boxes, scores, classes, 0.5)
     assert 0 < len(kept) < len(boxes)
 
 
+@pytest.mark.parametrize("max_det", [1, 5, 30])
+def test_stopping_at_max_det_keeps_the_same_best_boxes(max_det):
+    """The scan may stop once every image holds max_det boxes: the first max_det kept are greedy's."""
+    images = [random_candidates(seed, 150, classes=2) for seed in (3, 4)]
+    orders = [sorted(range(150), key=lambda i: -scores[i]) for _, scores, _ in images]
+    t_boxes = torch.tensor([[boxes[i] for i in order] for (boxes, _, _), order in zip(images, orders)])
+    t_classes = torch.tensor([[classes[i] for i in order] for (_, _, classes), order in zip(images, orders)])
+    valid = torch.ones(2, 150, dtype=torch.bool)
+    keep = nms_keep(t_boxes, t_classes, valid, torch.tensor([0.5, 0.5]), torch.tensor([max_det, max_det]), chunk=8)
+    for image, ((boxes, scores, classes), order) in enumerate(zip(images, orders)):
+        greedy = reference_greedy_nms(boxes, scores, classes, 0.5)
+        best = sorted(greedy, key=lambda i: -scores[i])[:max_det]
+        kept = [order[k] for k in keep[image].nonzero().flatten().tolist()][:max_det]
+        assert kept == best
+
+
 def test_invalid_candidates_neither_survive_nor_suppress():
     boxes = torch.tensor([[[0, 0, 10, 10], [1, 1, 10, 10]]], dtype=torch.float32)
-    keep = _nms_keep_matrix(boxes, torch.zeros(1, 2, dtype=torch.long), torch.tensor([[False, True]]),
-                            torch.tensor([0.5]))
+    keep = nms_keep(boxes, torch.zeros(1, 2, dtype=torch.long), torch.tensor([[False, True]]), torch.tensor([0.5]))
     assert keep.tolist() == [[False, True]]
-
-
-@pytest.mark.skipif(_tv_batched_nms is None, reason="torchvision does not import beside this torch")
-def test_torchvision_and_our_nms_agree():
-    boxes, scores, classes = random_candidates(99, 200, classes=4)
-    order = sorted(range(len(scores)), key=lambda i: -scores[i])
-    args = (torch.tensor([[boxes[i] for i in order]]), torch.tensor([[scores[i] for i in order]]),
-            torch.tensor([[classes[i] for i in order]]), torch.ones(1, 200, dtype=torch.bool),
-            torch.tensor([0.45]))
-    assert torch.equal(nms_keep(*args, use_torchvision=True), nms_keep(*args, use_torchvision=False))
 
 
 def test_pairwise_iou():
