@@ -15,6 +15,8 @@ from typing import Any
 
 import yaml
 
+from contract import model_files
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 CONFIG_ENV = "IMGSERVE_CONFIG"
@@ -156,6 +158,8 @@ class ModelSpec:
     channels_last: bool = False  # NHWC canvas and weights: faster convolutions on tensor cores
     freeze: bool = False     # TorchScript only: torch.jit.freeze + optimize_for_inference at load
     labels: tuple[str, ...] = ()
+    # Which of labels / input_size were read from the model file (the spec left them out).
+    from_file: tuple[str, ...] = ()
     conf: float = 0.25
     iou: float = 0.45
     max_det: int = 100
@@ -186,6 +190,7 @@ class ModelSpec:
             "labels": list(self.labels),
             "input_size": self.input_size,
             "layout": self.layout,
+            **({"from_file": list(self.from_file)} if self.from_file else {}),
             "defaults": {"conf": self.conf, "iou": self.iou, "max_det": self.max_det},
         }
 
@@ -254,7 +259,24 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
     for key in ("mean", "std", "labels"):
         if key in raw:
             raw[key] = tuple(raw[key])
+    _fill_from_model_file(raw)
     return _build(ModelSpec, raw)
+
+
+def _fill_from_model_file(raw: dict[str, Any]) -> None:
+    """labels / input_size a TorchScript file carries (Ultralytics, YOLOv5), where the spec leaves them out."""
+    missing = [key for key in ("labels", "input_size") if key not in raw]
+    path = Path(raw.get("path") or "")
+    if raw.get("format") != "torchscript" or not missing or not path.is_file():
+        return
+    try:
+        found = model_files.embedded_metadata(path)
+    except model_files.ModelFileError as exc:
+        raise SettingsError(f"model file {path}: {exc}") from exc
+    taken = [key for key in missing if key in found]
+    raw.update({key: found[key] for key in taken})
+    if taken:
+        raw["from_file"] = tuple(taken)
 
 
 def _read_config(path: Path) -> dict[str, Any]:

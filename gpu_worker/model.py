@@ -8,9 +8,9 @@ from typing import Any, Sequence
 import torch
 
 from contract.frames import Frame
+from contract.model_files import describe_kind, identify
 from contract.settings import ModelSpec
 from gpu_worker import tiny_yolo
-
 
 
 class ModelLoadError(RuntimeError):
@@ -26,10 +26,25 @@ class LoadedModel:
     module: torch.nn.Module
     device: torch.device
     dtype: torch.dtype = torch.float32   # what the model computes in: its input canvas is built in it
+    output: str = "tensor"               # or "element 0 of a tuple" (YOLOv5's own export)
 
     def describe(self) -> dict[str, Any]:
         return {**self.spec.describe(), "device": str(self.device), "simulated": False, "format": self.spec.format,
-                "precision": next(name for name, dtype in PRECISIONS.items() if dtype == self.dtype)}
+                "precision": next(name for name, dtype in PRECISIONS.items() if dtype == self.dtype),
+                "output": self.output}
+
+
+class FirstOutput(torch.nn.Module):
+    """A model returning a tuple whose element 0 is the prediction: YOLOv5's own TorchScript export gives
+    `(pred,)`, or `(pred, [feature maps])` when traced without its export flag; YOLOv5's loader takes
+    element 0, and so does this."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.inner(batch)[0]
 
 
 def choose_device(requested: str) -> torch.device:
@@ -64,6 +79,8 @@ def load_model(spec: ModelSpec, device: torch.device, max_batch: int = 8) -> Loa
     if spec.freeze:
         module = _frozen(module)
     loaded = LoadedModel(spec=spec, module=module, device=device, dtype=dtype)
+    if _prediction_first_in_tuple(_probe(loaded, 1)):
+        loaded.module, loaded.output = FirstOutput(module), "element 0 of a tuple"
     for batch in sorted({1, max_batch}):
         _check_output(loaded, batch)
     return loaded
@@ -94,9 +111,13 @@ def _load_builtin(spec: ModelSpec) -> torch.nn.Module:
 
 
 def _model_file(spec: ModelSpec) -> Path:
+    """The spec's file, when it is the kind its format says (an ONNX file or an Ultralytics .pt is named)."""
     path = Path(spec.path or "")
     if not path.is_file():
         raise ModelLoadError(f"model file not found: {path}")
+    kind = identify(path)
+    if kind != spec.format:
+        raise ModelLoadError(f"{path} is {describe_kind(kind)}; the spec says format: {spec.format}")
     return path
 
 
@@ -105,7 +126,7 @@ def _load_torchscript(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
     try:
         return torch.jit.load(str(path), map_location=device)
     except Exception as exc:
-        raise ModelLoadError(f"cannot load TorchScript model {path}: {exc}") from exc
+        raise ModelLoadError(f"cannot load TorchScript model {path}: {last_line(exc)}") from exc
 
 
 def _load_exported(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
@@ -124,17 +145,27 @@ def _load_exported(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
         raise ModelLoadError(f"cannot load exported program {path}: {last_line(exc)}") from exc
 
 
-def _check_output(loaded: LoadedModel, batch: int) -> None:
-    """One dry run: the output must match the layout, the labels and the batch."""
+def _probe(loaded: LoadedModel, batch: int) -> Any:
+    """The model's output for a blank batch; a ModelLoadError saying why when it fails."""
     size = loaded.spec.input_size
     probe = torch.zeros(batch, 3, size, size, device=loaded.device, dtype=loaded.dtype)
     try:
         with torch.inference_mode():
-            output = loaded.module(probe)
+            return loaded.module(probe)
     except Exception as exc:
         reason = last_line(exc)
         hint = " (exported with a static batch size, or for another input size?)" if _about_shapes(reason) else ""
         raise ModelLoadError(f"the model fails on a batch of {batch} at {size}x{size}{hint}: {reason}") from exc
+
+
+def _prediction_first_in_tuple(output: Any) -> bool:
+    return (isinstance(output, (tuple, list)) and len(output) > 0 and isinstance(output[0], torch.Tensor)
+            and output[0].dim() == 3)
+
+
+def _check_output(loaded: LoadedModel, batch: int) -> None:
+    """One dry run: the output must match the layout, the labels and the batch."""
+    output = _probe(loaded, batch)
     if not isinstance(output, torch.Tensor) or output.dim() != 3 or output.shape[0] != batch:
         raise ModelLoadError(f"model output must be one 3-D tensor, got {_shape_of(output)}")
     classes = len(loaded.spec.labels)

@@ -34,7 +34,8 @@ def jpeg(width: int, height: int, seed: int = 0, quality: int = 92) -> bytes:
 
 
 # --- a detector whose answer is known -------------------------------------
-def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: str = "yolov8"):
+def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: str = "yolov8",
+                            script: bool = True):
     """TorchScript detector that finds the letterboxed content: one box around
     every pixel that differs from the pad grey. Mapped back through the
     letterbox it must equal the whole original image, [0, 0, W, H]."""
@@ -66,7 +67,7 @@ def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: 
                 return torch.cat([box, obj, scores], dim=1).unsqueeze(1)      # [B, 1, 5 + C]
             return torch.cat([box, scores], dim=1).unsqueeze(2)               # [B, 4 + C, 1]
 
-    return torch.jit.script(ContentBox())
+    return torch.jit.script(ContentBox()) if script else ContentBox()
 
 
 # --- processes (the rest live in bench.processes) ------------------------
