@@ -190,3 +190,29 @@ def test_each_export_is_served_end_to_end(stack, swap_model, kind):
         [detection] = doc["result"]["detections"]
         assert detection["label"] == "content"
         assert detection["box"] == pytest.approx([0, 0, width, height], abs=max(width, height) / STACK_INPUT_SIZE + 1)
+
+
+def test_the_pt2_recipe_writes_a_program_and_a_spec_the_worker_serves(tmp_path):
+    """`python -m tools.export_pt2` (a real process): a dynamic batch, checked at 1 and the maximum."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "models" / "tiny.pt2"
+    done = subprocess.run([sys.executable, "-m", "tools.export_pt2", "gpu_worker.tiny_yolo:build_random",
+                           "--labels", "a,b,c", "--imgsz", "64", "--max-batch", "8", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    spec = load_model_spec(str(out.with_suffix(".yaml")), tmp_path)
+    assert (spec.format, spec.layout, spec.input_size, spec.labels) == ("export", "yolov8", 64, ("a", "b", "c"))
+    loaded = load_model(spec, CPU, max_batch=8)
+    with torch.inference_mode():
+        assert loaded.module(torch.zeros(5, 3, 64, 64)).shape[:2] == (5, 7)
+
+
+def test_the_pt2_recipe_says_why_it_cannot_read_an_ultralytics_model_here(tmp_path):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "tools.export_pt2", str(tmp_path / "yolov8n.yaml"),
+                           "--out", str(tmp_path / "y.pt2")], capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "ultralytics" in done.stderr
