@@ -2,9 +2,6 @@
 # in it: a CPU worker that imports torch pays seconds and hundreds of MB per
 # child); `gpu-worker` adds PyTorch (PyPI's Linux wheel is the CUDA build).
 FROM python:3.11-slim AS base
-RUN apt-get update \
- && apt-get install -y --no-install-recommends build-essential libjpeg62-turbo-dev zlib1g-dev libwebp-dev \
- && rm -rf /var/lib/apt/lists/*
 WORKDIR /srv/imgserve
 COPY pyproject.toml README.md ./
 COPY contract ./contract
@@ -17,7 +14,12 @@ ENV PYTHONUNBUFFERED=1 PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus
 RUN mkdir -p /tmp/prometheus && chmod 1777 /tmp/prometheus
 
 FROM base AS app
-RUN pip install --no-cache-dir ".[run]" \
+# Pillow-SIMD is built from source here: the CPU workers decode with it. The GPU worker never imports
+# Pillow, so its image has neither the compiler nor the library.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends build-essential libjpeg62-turbo-dev zlib1g-dev libwebp-dev \
+ && rm -rf /var/lib/apt/lists/* \
+ && pip install --no-cache-dir ".[run]" \
  # Pillow-SIMD last, from source, so nothing replaces it.
  && pip install --no-cache-dir --no-deps --force-reinstall --no-binary pillow-simd "pillow-simd==12.1.1.post0" \
  && python -c "import PIL, re; assert re.search(r'\.post\d+$', PIL.__version__), PIL.__version__"
@@ -27,8 +29,7 @@ EXPOSE 8000 5555
 FROM base AS gpu-worker
 # The default model's weights (configs/models/shapes-yolo.yaml points here).
 COPY models ./models
-RUN pip install --no-cache-dir ".[gpu]" \
- && pip install --no-cache-dir --no-deps --force-reinstall --no-binary pillow-simd "pillow-simd==12.1.1.post0"
+RUN pip install --no-cache-dir ".[gpu]"
 ENV PROMETHEUS_MULTIPROC_DIR=
 EXPOSE 9100
 CMD ["python", "-m", "gpu_worker", "--metrics-port", "9100"]

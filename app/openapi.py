@@ -3,7 +3,9 @@
 Nothing here is written by hand twice: each view declares what it reads and
 answers with `@operation(...)`, naming models from `contract.documents` (the
 same ones that validate its input and build its output), and the document is
-generated from the app's URL map, its settings and those models on each call.
+generated from the app's URL map, its settings and those models the first
+time it is asked for, then kept on the app (nothing it reads changes while the
+app runs).
 """
 from __future__ import annotations
 

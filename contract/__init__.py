@@ -5,5 +5,9 @@
 - `jobs`: job states, the record in Redis and its public JSON.
 - `frames`: the binary frame on the GPU list.
 - `timebill`: the stages of a request's life and their durations.
+- `documents`: the public JSON documents (job, callback, submit options) as pydantic models.
+- `model_files`: what a model file is, and the labels / input size it carries.
 - `connection`: how each process opens Redis.
+- `logs`: one JSON log line format for every process.
+- `check_secrets`: the deploy-time check that refuses weak secrets.
 """

@@ -10,6 +10,7 @@ newer GPU worker must not break an older API.
 from __future__ import annotations
 
 import functools
+from enum import StrEnum
 from typing import Annotated, Any, Literal, Mapping, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
@@ -75,12 +76,20 @@ TimeBill = TypedDict(  # type: ignore[misc]
 TimeBill.__doc__ = "Milliseconds per stage of this request; stages not reached yet are absent."
 
 
+class ClosedBy(StrEnum):
+    """Why a batch closed, as a job's `batch.closed_by` says."""
+    FULL = "full"        # it reached the largest batch size
+    WINDOW = "window"    # the batching window ran out first
+    LATE = "late"        # its first frame had already waited a whole window on the list
+
+
 class BatchInfo(Document):
     id: str = Field(description="worker id and batch sequence number")
     seq: int
     size: int = Field(ge=1, description="frames in the batch")
     index: int = Field(ge=0, description="this frame's place in the batch")
-    closed_by: str = Field(description="why the batch closed: full, window, late, ...")
+    closed_by: ClosedBy = Field(description="why the batch closed: full (the largest batch size), window (the "
+                                            "window ran out), late (its first frame had already waited a window)")
     worker: str
 
 

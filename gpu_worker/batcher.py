@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Generic, Protocol, Sequence, TypeVar
 
+from contract.documents import ClosedBy
+
 Item = TypeVar("Item")
 
-CLOSED_BY_SIZE = "size"
-CLOSED_BY_WINDOW = "window"
-CLOSED_LATE = "late"      # the first frame had already waited a window in the list
+CLOSED_BY_SIZE = ClosedBy.FULL
+CLOSED_BY_WINDOW = ClosedBy.WINDOW
+CLOSED_LATE = ClosedBy.LATE      # the first frame had already waited a window in the list
 
 
 class FrameSource(Protocol[Item]):

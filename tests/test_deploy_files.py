@@ -182,3 +182,15 @@ def test_each_image_holds_what_its_role_loads():
     top_level = weights.relative_to(REPO_ROOT).parts[0]
     assert top_level in copied_paths("gpu-worker")
     assert {"contract", "app", "tasks", "configs"} <= copied_paths("app")
+
+
+def test_the_gpu_worker_runs_without_pillow_which_its_image_does_not_install():
+    import subprocess
+    import sys
+
+    probe = ("import sys; sys.modules['PIL'] = None\n"
+             "import gpu_worker.__main__, gpu_worker.worker, gpu_worker.devices, gpu_worker.simulated")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    gpu_stage = (REPO_ROOT / "Dockerfile").read_text().split("AS gpu-worker", 1)[1]
+    assert "pillow" not in gpu_stage.lower()
