@@ -25,6 +25,8 @@ ADVICE = {
     "queue_cpu": "CPU workers are the bottleneck: add Celery concurrency or cpu-worker containers",
     "decode": "decode dominates: smaller uploads, more CPU workers, or JPEG draft mode (on by default)",
     "resize": "letterboxing dominates: more CPU workers; check Pillow-SIMD is installed",
+    "backpressure": "the frame list is full: the GPU workers are saturated; add one, or raise max_batch_size "
+                    "(raising backpressure.max_frames only moves the wait into the list)",
     "queue_gpu": "frames wait for the GPU: it is saturated; add a GPU worker or raise max_batch_size",
     "batch_wait": "frames gather into batches: near window_ms, a shorter window helps; far beyond it, a busy "
                   "device kept the batches gathering (add a GPU worker or raise max_batch_size)",

@@ -87,10 +87,15 @@ _FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 3, tonumber(ARGV[1])
 
 # KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload; ARGV[1] max frames, ARGV[2] frame,
 # ARGV[3..] field, value, ... Returns 1 pushed, 0 list full (nothing changed), -1 job gone or over.
-_ENQUEUE_FRAME = _LUA_TERMINAL + """
+# Only a job still in `preprocessing` whose upload is still there may push its frame: a redelivered task
+# racing the first delivery finds the job already past this stage (its upload gone) and pushes nothing.
+_ENQUEUE_FRAME = _LUA_TERMINAL + f"""
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or TERMINAL[status] then
   redis.call('DEL', KEYS[3])
+  return -1
+end
+if status ~= '{PREPROCESSING}' or redis.call('EXISTS', KEYS[3]) == 0 then
   return -1
 end
 if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[1]) then
@@ -186,7 +191,8 @@ class JobStore:
 
     def enqueue_frame(self, job_id: str, frame: bytes, max_frames: int, fields: Mapping[str, Any]) -> int:
         """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
-        upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER."""
+        upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER (over, or already
+        past preprocessing: another delivery of its task pushed it)."""
         args = [max_frames, frame, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields})]
         keys = [self.keys.job(job_id), self.keys.frames, self.keys.upload(job_id)]
         return int(self._enqueue_frame(keys=keys, args=args))

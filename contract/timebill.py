@@ -12,8 +12,9 @@ STAGE_DESCRIPTIONS = {
     "receive": "API: request start -> upload stored and task sent",
     "queue_cpu": "waiting for a CPU worker",
     "decode": "CPU worker: image decode (draft mode, EXIF, colour mode)",
-    "resize": "CPU worker: letterbox resize and frame packing",
-    "queue_gpu": "frame waiting in the Redis list",
+    "resize": "CPU worker: letterbox resize",
+    "backpressure": "CPU worker: the frame waiting for room in the bounded frame list (0 unless it was full)",
+    "queue_gpu": "frame packed and pushed -> popped from the Redis list",
     "batch_wait": "popped -> its batch closed (the batching window, or less when the batch filled)",
     "device_queue": "batch closed -> its turn on the device (waiting for the batches ahead of it)",
     "infer": "batch assembly on the device and the forward pass",
@@ -30,7 +31,7 @@ _SPANS = {
     "device_queue": ("batch_closed_at", "device_started_at"),
     "total": ("received_at", "finished_at"),
 }
-_DURATIONS = ("decode", "resize", "infer", "postprocess")
+_DURATIONS = ("decode", "resize", "backpressure", "infer", "postprocess")
 
 
 # Per stage in order: (stage, the stamp holding its duration) or (stage, start stamp, end stamp).

@@ -15,7 +15,7 @@ from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
 from contract.settings import Settings
-from tasks.imaging import ImageDecodeError, decode_image, letterbox
+from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
 
 log = logging.getLogger(__name__)
 
@@ -60,31 +60,34 @@ class Preprocessor:
             self.store.fail(job_id, exc.code, str(exc))
             return "failed"
         stamps = {name: record[name] for name in ("received_at", "submitted_at") if name in record}
-        stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0)
-        pushed_at = time.time()
-        stamps["resize_ms"] = (time.perf_counter() - t1) * 1000.0
-        stamps["pushed_at"] = pushed_at
-        frame = pack_frame(_header(job_id, record, boxed, stamps, pushed_at), boxed.pixels)
-        return self._commit(job_id, frame, stamps, record["deadline_at"])
+        stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0,
+                      resize_ms=(time.perf_counter() - t1) * 1000.0)
+        return self._commit(job_id, record, boxed, stamps)
 
-    def _commit(self, job_id: str, frame: bytes, stamps: dict, deadline_at: float) -> str:
-        """Push the frame, mark the job and drop the upload, all or nothing; while the
-        frame list is full, wait for room (never drop, never grow the list past its bound)."""
+    def _commit(self, job_id: str, record: dict, boxed: Letterboxed, stamps: dict) -> str:
+        """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
+        wait for room (never drop, never grow the list past its bound). Each try packs the frame afresh,
+        stamped at that moment: a frame that waited for room is billed `backpressure`, not `queue_gpu`,
+        and does not reach the GPU worker looking a window late."""
         limit = self.settings.backpressure.max_frames
+        ready = time.perf_counter()
         while True:
-            outcome = self.store.enqueue_frame(job_id, frame, limit, stamps)
+            pushed_at = time.time()
+            tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
+            frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
+            outcome = self.store.enqueue_frame(job_id, frame, limit, tried)
             if outcome == jobs.PUSHED:
                 return "pushed"
             if outcome == jobs.JOB_OVER:
                 return "skipped (ended meanwhile)"
-            if time.time() > deadline_at:
+            if time.time() > record["deadline_at"]:
                 self.store.finish(job_id, jobs.EXPIRED,
                                   {"error": _error("deadline", "expired waiting for room on the GPU list")})
                 return "expired"
             time.sleep(self.settings.backpressure.room_poll_s)
 
 
-def _header(job_id: str, record: dict, boxed, stamps: dict, pushed_at: float) -> FrameHeader:
+def _header(job_id: str, record: dict, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
     return FrameHeader(
         job_id=job_id,
         width=boxed.width,

@@ -56,7 +56,7 @@ def test_job_id_can_be_read_from_a_frame_with_damaged_pixels():
 
 def test_time_bill_has_every_stage_from_the_stamps():
     stamps = {"received_at": 10.0, "submitted_at": 10.002, "cpu_started_at": 10.010, "decode_ms": 5.0,
-              "resize_ms": 2.0, "pushed_at": 10.020, "popped_at": 10.030, "batch_closed_at": 10.042,
+              "resize_ms": 2.0, "backpressure_ms": 0.0, "pushed_at": 10.020, "popped_at": 10.030, "batch_closed_at": 10.042,
               "device_started_at": 10.050, "infer_ms": 70.0, "postprocess_ms": 3.0, "finished_at": 10.200}
     bill = compute_time_bill(stamps)
     assert list(bill) == list(STAGES)
@@ -189,3 +189,28 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     assert client.get("itest:big") == value
     assert isinstance(client.connection_pool.connection_kwargs["command_packer"], PythonRespSerializer)
     client.delete("itest:big")
+
+
+def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
+    """Two deliveries of one task both decoded the image: only the first push lands (the check is in
+    the Lua step, not in Python before it)."""
+    keys = Keys("redeliver")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store.create("a" * 32, b"upload", 60, {"deadline_at": 1e12})
+    assert store.advance("a" * 32, jobs.PREPROCESSING)
+    first = store.enqueue_frame("a" * 32, b"frame", 10, {"pushed_at": 1.0})
+    second = store.enqueue_frame("a" * 32, b"frame", 10, {"pushed_at": 2.0})
+    assert (first, second) == (jobs.PUSHED, jobs.JOB_OVER)
+    assert redis_client.llen(keys.frames) == 1
+    assert store.load("a" * 32)["pushed_at"] == 1.0
+
+
+def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(redis_client):
+    keys = Keys("unclaimed")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
+    assert store.enqueue_frame("b" * 32, b"frame", 10, {}) == jobs.JOB_OVER
+    assert store.advance("b" * 32, jobs.PREPROCESSING)
+    redis_client.delete(keys.upload("b" * 32))                             # the upload expired
+    assert store.enqueue_frame("b" * 32, b"frame", 10, {}) == jobs.JOB_OVER
+    assert redis_client.llen(keys.frames) == 0

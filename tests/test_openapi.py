@@ -47,8 +47,8 @@ def test_bounds_come_from_the_settings_and_the_models(stack):
     assert body["multipart/form-data"]["schema"]["required"] == ["image"]
     assert body["image/jpeg"]["schema"]["maxLength"] == stack.settings.api.max_upload_bytes
     stages = document["components"]["schemas"]["TimeBill"]["properties"]
-    assert list(stages) == ["receive", "queue_cpu", "decode", "resize", "queue_gpu", "batch_wait", "device_queue",
-                            "infer", "postprocess", "total"]
+    assert list(stages) == ["receive", "queue_cpu", "decode", "resize", "backpressure", "queue_gpu", "batch_wait",
+                            "device_queue", "infer", "postprocess", "total"]
 
 
 def test_a_real_job_document_matches_its_schema(stack):

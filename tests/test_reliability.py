@@ -179,6 +179,10 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     assert longest <= limits.max_frames
     docs = [stack.wait_terminal(j, timeout_s=90) for j in accepted]
     assert [d["status"] for d in docs] == ["succeeded"] * len(accepted)
+    # Frames that waited in a CPU worker for room are billed `backpressure` (the GPU worker was away for
+    # seconds), not `queue_gpu`: each was stamped when it was finally pushed.
+    waited = [d["timings_ms"] for d in docs if d["timings_ms"]["backpressure"] > 300]
+    assert waited and all(bill["queue_gpu"] < bill["backpressure"] for bill in waited)
     assert stack.submit(jpeg(160, 120)).status_code == 202    # back to normal by itself
 
 
