@@ -12,8 +12,7 @@ from app.openapi import Reply, image_body, operation
 from app.problems import Problem
 from app.uploads import check_image, option_values, parse_options, read_whole_body, validate_params
 from contract import jobs
-from contract.documents import (JobAccepted, JobDocument, job_document, submit_options_model,
-                                wait_query_model)
+from contract.documents import JobAccepted, JobDocument, job_document, submit_options_model, wait_query_model
 from contract.settings import SettingsError
 from tasks.callbacks import CallbackRefused, callback_secret, check_callback_url
 from tasks.celery_app import send_preprocess

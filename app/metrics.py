@@ -8,8 +8,16 @@ import time
 from wsgiref.simple_server import WSGIServer
 
 from flask import Blueprint, Flask, Response, g, request
-from prometheus_client import (CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, Counter, Histogram,
-                               generate_latest, multiprocess, start_http_server)
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+    multiprocess,
+    start_http_server,
+)
 
 from app.openapi import Reply, operation
 from contract.settings import Settings

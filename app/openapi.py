@@ -20,8 +20,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app.uploads import ACCEPTED_TYPES
-from contract.jobs import JOB_ID_PATTERN
 from contract.documents import ProblemDocument
+from contract.jobs import JOB_ID_PATTERN
 from contract.settings import Settings
 
 blueprint = Blueprint("openapi", __name__)

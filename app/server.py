@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import socket
-
 from typing import Any, Callable, Iterable
 
 from gunicorn import util

@@ -8,7 +8,8 @@ from typing import Any
 from PIL import Image, ImageDraw, ImageFont
 
 STAGE_COLOURS = {"receive": (120, 120, 120), "queue_cpu": (240, 170, 60), "decode": (220, 90, 60),
-                 "resize": (200, 60, 120), "backpressure": (175, 175, 175), "queue_gpu": (150, 100, 200), "batch_wait": (90, 140, 230), "device_queue": (60, 90, 160),
+                 "resize": (200, 60, 120), "backpressure": (175, 175, 175), "queue_gpu": (150, 100, 200),
+                 "batch_wait": (90, 140, 230), "device_queue": (60, 90, 160),
                  "infer": (40, 170, 90), "postprocess": (30, 160, 170)}
 SERIES = [(40, 110, 220), (230, 90, 40), (40, 170, 90), (150, 80, 200)]
 FONT = ImageFont.load_default()

@@ -46,7 +46,8 @@ def _table(rows: list, chosen: StackOptions | None) -> str:
         busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "n/a"
         mark = "<- chosen" if options is chosen else ""
         lines.append(f"| {options.cpu_workers} | {options.max_batch_size} | {options.window_ms:g} | "
-                     f"{r['achieved_qps']:.2f} | {r['latency_ms']['p95']} | {busy} | {'yes' if ok else 'no'} | {mark} |")
+                     f"{r['achieved_qps']:.2f} | {r['latency_ms']['p95']} | {busy} | {'yes' if ok else 'no'} "
+                     f"| {mark} |")
     return "\n".join(lines)
 
 

@@ -8,10 +8,10 @@ without a config file of its own.
 from __future__ import annotations
 
 import os
-from urllib.parse import unquote, urlsplit
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import yaml
 

@@ -12,8 +12,8 @@ from contract.logs import configure_logging
 from contract.settings import load_settings
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
-from gpu_worker.model import ModelLoadError
 from gpu_worker.liveness import WorkerIdInUse
+from gpu_worker.model import ModelLoadError
 from gpu_worker.worker import GpuWorker, default_worker_id
 
 

@@ -21,8 +21,16 @@ import torch
 
 from contract.frames import Frame
 from contract.settings import ModelSpec
-from gpu_worker.devices import (DETECTION_COLUMNS, PARAM_COLUMNS, SLOTS, DeviceOutput, HostStaging, Staged,
-                                StagingSlots, warm_up_frames)
+from gpu_worker.devices import (
+    DETECTION_COLUMNS,
+    PARAM_COLUMNS,
+    SLOTS,
+    DeviceOutput,
+    HostStaging,
+    Staged,
+    StagingSlots,
+    warm_up_frames,
+)
 
 # The story's batch-size table (ms per batch on its GPU).
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}

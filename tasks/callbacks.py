@@ -41,7 +41,7 @@ import urllib3
 from contract import jobs
 from contract.documents import job_document
 from contract.keys import Keys
-from contract.settings import SettingsError, Settings, check_secret
+from contract.settings import Settings, SettingsError, check_secret
 
 SIGNATURE_HEADER = "X-Signature"
 TIMESTAMP_HEADER = "X-Imgserve-Timestamp"

@@ -12,12 +12,22 @@ import pytest
 import redis
 import requests
 import yaml
-from hypothesis import HealthCheck, settings as hypothesis_settings
+from hypothesis import HealthCheck
+from hypothesis import settings as hypothesis_settings
 
 from contract.keys import Keys
 from contract.settings import load_settings
-from tests.support import (REPO_ROOT, ApiServer, ManagedProcess, RedisServer, build_content_box_model,
-                           celery_argv, free_port, python_argv, wait_until)
+from tests.support import (
+    REPO_ROOT,
+    ApiServer,
+    ManagedProcess,
+    RedisServer,
+    build_content_box_model,
+    celery_argv,
+    free_port,
+    python_argv,
+    wait_until,
+)
 
 STACK_INPUT_SIZE = 320
 # The integration stacks' GPU worker device: cpu here; IMGSERVE_TEST_DEVICE=cuda runs them on a GPU.

@@ -7,9 +7,7 @@ import threading
 
 from PIL import Image, ImageDraw
 
-from bench.processes import (REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port,  # noqa: F401
-                             python_argv, wait_until)
-
+from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until  # noqa: F401
 
 
 # --- images ---------------------------------------------------------------

@@ -167,6 +167,15 @@ class Receiver:
         self.server.shutdown()
 
 
+def _still_queued(stack, job_id: str) -> bool:
+    from contract.keys import CALLBACK_QUEUE
+
+    entries = [*stack.redis.lrange(stack.keys.callback_outbox, 0, -1),
+               *stack.redis.lrange(stack.keys.celery_queue(CALLBACK_QUEUE), 0, -1),
+               *stack.redis.hvals(stack.keys.celery_prefix + "unacked")]
+    return any(job_id.encode() in entry for entry in entries)
+
+
 @pytest.mark.integration
 def test_a_signed_callback_arrives_once_and_verifies(stack):
     receiver = Receiver()
@@ -175,7 +184,9 @@ def test_a_signed_callback_arrives_once_and_verifies(stack):
         assert stack.wait_terminal(job_id)["status"] == "succeeded"
         doc = wait_until(lambda: (d := stack.job(job_id))["callback"]["status"] == "delivered" and d, 30,
                          what="the callback to be delivered")
-        time.sleep(1.0)   # nothing more arrives
+        # A second POST could only come from an entry still queued somewhere: the outbox, the callbacks
+        # queue, or a message Celery holds unacked (a retry waits there). None may name the job.
+        wait_until(lambda: not _still_queued(stack, job_id), 10, what="no delivery of the job left queued")
     finally:
         receiver.stop()
     assert len(receiver.calls) == 1 and doc["callback"]["attempts"] == 1

@@ -6,6 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
 from contract import jobs
 from contract.documents import job_document
@@ -56,8 +59,9 @@ def test_job_id_can_be_read_from_a_frame_with_damaged_pixels():
 
 def test_time_bill_has_every_stage_from_the_stamps():
     stamps = {"received_at": 10.0, "submitted_at": 10.002, "cpu_started_at": 10.010, "decode_ms": 5.0,
-              "resize_ms": 2.0, "backpressure_ms": 0.0, "pushed_at": 10.020, "popped_at": 10.030, "batch_closed_at": 10.042,
-              "device_started_at": 10.050, "infer_ms": 70.0, "postprocess_ms": 3.0, "finished_at": 10.200}
+              "resize_ms": 2.0, "backpressure_ms": 0.0, "pushed_at": 10.020, "popped_at": 10.030,
+              "batch_closed_at": 10.042, "device_started_at": 10.050, "infer_ms": 70.0, "postprocess_ms": 3.0,
+              "finished_at": 10.200}
     bill = compute_time_bill(stamps)
     assert list(bill) == list(STAGES)
     assert bill["receive"] == pytest.approx(2.0) and bill["queue_gpu"] == pytest.approx(10.0)
@@ -139,8 +143,6 @@ def test_cpu_worker_never_imports_torch():
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 
-
-from hypothesis import given, settings as hypothesis_settings, strategies as st  # noqa: E402
 
 
 @hypothesis_settings(max_examples=300)

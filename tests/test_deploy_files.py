@@ -14,7 +14,6 @@ import yaml
 
 from tests.support import REPO_ROOT
 
-
 SECRETS = {"REDIS_PASSWORD": "test-redis-secret-8f2Kq", "FLOWER_BASIC_AUTH": "admin:test-flower-secret-x9",
            "GRAFANA_ADMIN_PASSWORD": "test-grafana-secret-p4"}
 
@@ -108,9 +107,10 @@ def test_monitoring_profile_brings_prometheus_and_grafana(compose):
 
 def exported_sample_names() -> set[str]:
     """Every sample name the API and the GPU worker can export."""
+    from prometheus_client import REGISTRY
+
     import app.metrics  # noqa: F401
     import gpu_worker.metrics  # noqa: F401
-    from prometheus_client import REGISTRY
 
     names = set()
     for family in REGISTRY.collect():

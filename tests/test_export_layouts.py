@@ -134,7 +134,8 @@ def onnx_bytes() -> bytes:
 def test_a_file_of_another_kind_is_named_not_called_corrupted(tmp_path, content, says):
     path = tmp_path / "model.pt"
     if content is None:
-        torch.save({"model": build_content_box_model(2).state_dict(), "names": LABELS}, str(path))   # an Ultralytics .pt
+        # an Ultralytics .pt: a checkpoint, not a program
+        torch.save({"model": build_content_box_model(2).state_dict(), "names": LABELS}, str(path))
     else:
         path.write_bytes(content)
     spec = load_model_spec({"name": "m", "version": "1", "format": "torchscript", "path": str(path),

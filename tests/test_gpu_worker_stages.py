@@ -22,8 +22,8 @@ from gpu_worker.handoff import Handoff
 from gpu_worker.model import LoadedModel
 from gpu_worker.simulated import SimulatedDevice
 from gpu_worker.worker import EXIT_DEVICE_LOST, GpuWorker
-from tests.test_gpu_worker_parts import make_frame
 from tests.support import wait_until
+from tests.test_gpu_worker_parts import make_frame
 
 SPEC = {"name": "m", "version": "1", "labels": ["a", "b"], "input_size": 64}
 GEOMETRY = {"width": 64, "height": 48, "pad_left": 0, "pad_top": 8, "scale_x": 1.0, "scale_y": 1.0,

@@ -25,9 +25,9 @@ from contract.settings import REPO_ROOT
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess
 from gpu_worker.tiny_yolo import TinyYolo
 from tasks.imaging import letterbox
+from training.independent import independent_scene
 from training.loss import detection_loss
 from training.metrics import ImagePredictions, ImageTruth, mean_average_precision
-from training.independent import independent_scene
 from training.synth import LABELS, RandomisedSettings, SceneSettings, generate_scene, randomised_scene
 
 PAD = 114
@@ -140,7 +140,8 @@ def train(model: TinyYolo, data: list[Letterboxed], config: TrainConfig) -> list
             schedule.step()
             progress.update()
             progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", iou=f"{parts['iou']:.2f}")
-        history.append({"epoch": epoch + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}})
+        history.append({"epoch": epoch + 1, "loss": round(loss.item(), 4),
+                        **{k: round(v, 4) for k, v in parts.items()}})
     progress.close()
     return history
 
