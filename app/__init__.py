@@ -5,7 +5,6 @@ Redis client, Celery sender and long-poll listener: no module globals.
 """
 from __future__ import annotations
 
-import functools
 import io
 import time
 from dataclasses import dataclass
@@ -23,8 +22,7 @@ from contract.connection import connect
 from contract.jobs import JobStore
 from contract.keys import Keys
 from contract.settings import Settings, load_settings
-from tasks.callbacks import relay_outbox
-from tasks.celery_app import make_celery, send_callback
+from tasks.celery_app import make_celery
 
 
 class InMemoryFormRequest(Request):
@@ -59,14 +57,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)
     celery = make_celery(settings)
-    relay = functools.partial(relay_outbox, client, keys, functools.partial(send_callback, celery))
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
         store=JobStore(client, keys, settings.jobs.ttl_s),
         celery=celery,
-        # One pub/sub listener per process wakes long-polls and hands ended jobs' callbacks to Celery.
-        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
-                                  on_tick=relay),
+        # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks).
+        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)

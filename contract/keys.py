@@ -63,6 +63,12 @@ class Keys:
         """List: ids of ended jobs whose callback still has to be handed to Celery."""
         return f"{self.namespace}:callbacks:outbox"
 
+    @property
+    def callback_relaying(self) -> str:
+        """Sorted set: outbox entries a relay has taken, scored by when (epoch seconds), until Celery has
+        their task; an entry older than a minute goes back to the outbox (its relay died holding it)."""
+        return f"{self.namespace}:callbacks:relaying"
+
     def rate_bucket(self, client_id: str) -> str:
         """Hash: an API key's token bucket (tokens, last refill)."""
         return f"{self.namespace}:rate:{client_id}"

@@ -27,9 +27,11 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import logging
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
@@ -42,6 +44,8 @@ from contract import jobs
 from contract.documents import job_document
 from contract.keys import Keys
 from contract.settings import Settings, SettingsError, check_secret
+
+log = logging.getLogger(__name__)
 
 SIGNATURE_HEADER = "X-Signature"
 TIMESTAMP_HEADER = "X-Imgserve-Timestamp"
@@ -244,6 +248,8 @@ class CallbackSender:
         self.redis = client
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self._set_if_exists = client.register_script(
+            "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end")
 
     def deliver(self, job_id: str, attempt: int) -> str:
         """One attempt; raises DeliveryFailed for the task to retry."""
@@ -275,18 +281,79 @@ class CallbackSender:
             raise DeliveryFailed(f"receiver answered {status}")
 
     def _record(self, job_id: str, status: str, attempts: int, error: str | None) -> None:
+        """The delivery's state on the job, in one step: a job hash that expired meanwhile is not
+        recreated (without its TTL) by a late write."""
         state: dict[str, Any] = {"status": status, "attempts": attempts, "last_error": error}
-        if self.redis.exists(self.keys.job(job_id)):
-            self.redis.hset(self.keys.job(job_id), "callback", json.dumps(state))
+        self._set_if_exists(keys=[self.keys.job(job_id)], args=["callback", json.dumps(state)])
+
+
+# KEYS[1] outbox, KEYS[2] relaying (zset); ARGV[1] now, ARGV[2] taken before this is stale.
+# Entries a dead relay held go back first; then one entry moves from the outbox to `relaying`.
+_TAKE_FROM_OUTBOX = """
+local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
+for _, job_id in ipairs(stale) do
+  redis.call('ZREM', KEYS[2], job_id)
+  redis.call('RPUSH', KEYS[1], job_id)
+end
+local job_id = redis.call('LPOP', KEYS[1])
+if job_id then
+  redis.call('ZADD', KEYS[2], ARGV[1], job_id)
+end
+return job_id
+"""
+RELAY_STALE_AFTER_S = 60.0
 
 
 def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], limit: int = 100) -> int:
-    """Hand ended jobs' callbacks to Celery. LPOP is atomic: each entry goes to one relay, once."""
+    """Hand ended jobs' callbacks to Celery. Each entry moves to `relaying` in the step that takes it and
+    leaves it only once Celery has the task: a failed send puts it back at the outbox's head, and one whose
+    relay died is taken again after RELAY_STALE_AFTER_S. Nothing is lost."""
+    take = client.register_script(_TAKE_FROM_OUTBOX)
     sent = 0
     while sent < limit:
-        job_id = client.lpop(keys.callback_outbox)
+        now = time.time()
+        job_id = take(keys=[keys.callback_outbox, keys.callback_relaying], args=[now, now - RELAY_STALE_AFTER_S])
         if job_id is None:
             break
-        send(job_id.decode())
+        try:
+            send(job_id.decode())
+        except Exception:
+            pipe = client.pipeline(transaction=True)
+            pipe.zrem(keys.callback_relaying, job_id)
+            pipe.lpush(keys.callback_outbox, job_id)
+            pipe.execute()
+            raise
+        client.zrem(keys.callback_relaying, job_id)
         sent += 1
     return sent
+
+
+class OutboxRelay:
+    """The callback worker's relay: a thread that wakes on every job event (and at least every second)
+    and hands ended jobs' callbacks to Celery. One per callback worker; several may run at once."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, send: Callable[[str], None]) -> None:
+        self.client, self.keys, self.send = client, keys, send
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-relay", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.keys.job_events)
+                while not self._stopping.is_set():
+                    pubsub.get_message(timeout=1.0)
+                    relay_outbox(self.client, self.keys, self.send)
+            except Exception:   # Redis or the broker away: try again in a second, nothing was lost
+                log.warning("callback relay interrupted", exc_info=True)
+                self._stopping.wait(1.0)
+            finally:
+                pubsub.close()

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import after_setup_logger, celeryd_init, worker_process_init
+from celery.signals import after_setup_logger, celeryd_init, worker_process_init, worker_ready, worker_shutdown
 
 from contract.connection import connect
-from contract.keys import CALLBACK_QUEUE
+from contract.keys import CALLBACK_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.settings import load_settings
-from tasks.callbacks import CallbackSender, DeliveryFailed
-from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery
+from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
+from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
 from tasks.preprocess import Preprocessor
 
 settings = load_settings()
@@ -36,6 +36,25 @@ def _name_the_role(options: dict | None = None, **_: object) -> None:
         queues = queues.split(",")
     if list(queues) == [CALLBACK_QUEUE]:
         _role = "callback-worker"
+
+
+_relay: OutboxRelay | None = None
+
+
+@worker_ready.connect
+def _start_the_relay(**_: object) -> None:
+    """The callback worker hands ended jobs' callbacks from the outbox to its own queue."""
+    global _relay
+    if _role == "callback-worker":
+        _relay = OutboxRelay(connect(settings, socket_timeout=10.0), Keys(settings.namespace),
+                             lambda job_id: send_callback(app, job_id))
+        _relay.start()
+
+
+@worker_shutdown.connect
+def _stop_the_relay(**_: object) -> None:
+    if _relay is not None:
+        _relay.stop()
 
 
 @after_setup_logger.connect

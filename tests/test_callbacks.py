@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from contract.documents import JobDocument
+from contract.keys import Keys
 from tasks.callbacks import CallbackRefused, check_callback_url, post_to, resolve_callback_url, sign
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
@@ -171,6 +172,7 @@ def _still_queued(stack, job_id: str) -> bool:
     from contract.keys import CALLBACK_QUEUE
 
     entries = [*stack.redis.lrange(stack.keys.callback_outbox, 0, -1),
+               *stack.redis.zrange(stack.keys.callback_relaying, 0, -1),
                *stack.redis.lrange(stack.keys.celery_queue(CALLBACK_QUEUE), 0, -1),
                *stack.redis.hvals(stack.keys.celery_prefix + "unacked")]
     return any(job_id.encode() in entry for entry in entries)
@@ -295,3 +297,46 @@ def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
     config.write_text(yaml.safe_dump({"auth": {"api_keys": [{"id": "a", "sha256": "00", "callback_secret": "x"}]}}))
     with pytest.raises(SettingsError, match="callback_secret_env or callback_secret_file"):
         load_settings(config)
+
+
+def test_the_relay_loses_nothing_when_the_broker_refuses_a_task(redis_client):
+    from tasks.callbacks import relay_outbox
+
+    keys = Keys("relay-fails")
+    redis_client.rpush(keys.callback_outbox, "job-a", "job-b")
+
+    def broker_down(job_id: str) -> None:
+        raise ConnectionError("broker unreachable")
+
+    with pytest.raises(ConnectionError):
+        relay_outbox(redis_client, keys, broker_down)
+    assert redis_client.lrange(keys.callback_outbox, 0, -1) == [b"job-a", b"job-b"]   # back at the head
+    assert redis_client.zcard(keys.callback_relaying) == 0
+    sent: list[str] = []
+    assert relay_outbox(redis_client, keys, sent.append) == 2
+    assert sent == ["job-a", "job-b"]
+    assert redis_client.llen(keys.callback_outbox) == 0 and redis_client.zcard(keys.callback_relaying) == 0
+
+
+def test_an_entry_held_by_a_relay_that_died_is_relayed_again(redis_client):
+    from tasks.callbacks import RELAY_STALE_AFTER_S, relay_outbox
+
+    keys = Keys("relay-died")
+    redis_client.zadd(keys.callback_relaying, {"held-by-the-dead": time.time() - RELAY_STALE_AFTER_S - 1,
+                                               "in-flight-elsewhere": time.time()})
+    sent: list[str] = []
+    relay_outbox(redis_client, keys, sent.append)
+    assert sent == ["held-by-the-dead"]
+    assert redis_client.zrange(keys.callback_relaying, 0, -1) == [b"in-flight-elsewhere"]
+
+
+def test_a_late_delivery_record_does_not_recreate_an_expired_job(redis_client):
+    import dataclasses
+
+    from contract.settings import load_settings
+    from tasks.callbacks import CallbackSender
+
+    settings = dataclasses.replace(load_settings(), namespace="late-record")
+    sender = CallbackSender(settings, redis_client)
+    sender._record("f" * 32, "delivered", 1, None)
+    assert not redis_client.exists(sender.keys.job("f" * 32))
