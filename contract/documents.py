@@ -218,6 +218,10 @@ class ServedModel(Document):
     layout: str
     format: str
     simulated: bool
+    precision: Optional[str] = Field(None, description="what the model computes in: fp32, fp16 or bf16")
+    output: Optional[str] = Field(None, description="tensor, or element 0 of a tuple (YOLOv5's own export)")
+    from_file: Optional[list[str]] = Field(None, description="spec settings read from the model file "
+                                                              "(its config.txt): labels, input_size")
     defaults: ModelDefaults
     devices: list[str]
     workers: list[str]

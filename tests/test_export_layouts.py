@@ -217,3 +217,11 @@ def test_the_pt2_recipe_says_why_it_cannot_read_an_ultralytics_model_here(tmp_pa
     done = subprocess.run([sys.executable, "-m", "tools.export_pt2", str(tmp_path / "yolov8n.yaml"),
                            "--out", str(tmp_path / "y.pt2")], capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "ultralytics" in done.stderr
+
+
+def test_v1_models_says_what_the_file_gave_and_how_its_output_is_read(stack, swap_model):
+    swap_model("yolov5-tuple")
+    served = wait_until(lambda: [m for m in stack.session.get(stack.url("/v1/models"), timeout=10).json()["models"]
+                                 if m["name"] == "yolov5-tuple"], 30, what="the swapped model in /v1/models")
+    assert served[0]["output"] == "element 0 of a tuple"
+    assert served[0]["from_file"] == ["labels", "input_size"] and served[0]["precision"] == "fp32"
