@@ -4,6 +4,7 @@ portrait, landscape, small and large images, so the letterbox mapping is
 proven end to end.
 
     .venv/bin/python -m training.evaluate_service --url http://localhost:8000 --images 200
+    .venv/bin/python -m training.evaluate_service --generator independent   # scenes training never saw
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import requests
 
+from training.independent import independent_scene
 from training.metrics import ImagePredictions, ImageTruth, box_iou, mean_average_precision
 from training.synth import LABELS, Scene, generate_scene
 
@@ -43,9 +45,15 @@ class Report:
         return rows
 
 
-def held_out_scenes(count: int, seed: int = 20_000) -> list[tuple[str, Scene]]:
+def held_out_scenes(count: int, seed: int = 20_000, generator: str = "synth") -> list[tuple[str, Scene]]:
+    """`synth`: the original generator's scenes in each category of size; `independent`: scenes from
+    training/independent.py, a generator the model never trained on (its own sizes, 640x480 to 1080p)."""
     scenes = []
     for i in range(count):
+        if generator == "independent":
+            scene = independent_scene(random.Random(seed + i))
+            scenes.append(("portrait" if scene.image.height > scene.image.width else "landscape", scene))
+            continue
         name, size = CATEGORIES[i % len(CATEGORIES)]
         scenes.append((name, generate_scene(random.Random(seed + i), size=size)))
     return scenes
@@ -115,8 +123,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--min-map", type=float, default=0.0, help="exit 1 below this mAP")
+    parser.add_argument("--generator", choices=("synth", "independent"), default="synth",
+                        help="synth: the training generator's family; independent: training/independent.py")
     args = parser.parse_args(argv)
-    report = evaluate_service(args.url, held_out_scenes(args.images, args.seed), concurrency=args.concurrency)
+    scenes = held_out_scenes(args.images, args.seed, args.generator)
+    report = evaluate_service(args.url, scenes, concurrency=args.concurrency)
     print("\n".join(report.lines()))
     return 0 if report.map50 >= args.min_map else 1
 
