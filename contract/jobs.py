@@ -72,6 +72,7 @@ local function finish_jobs(outbox, first_key, at, ttl, channel)
       if redis.call('HEXISTS', key, 'callback_url') == 1 then
         redis.call('HSET', key, 'callback', '{"status":"pending","attempts":0,"last_error":null}')
         redis.call('RPUSH', outbox, job_id)
+        redis.call('PUBLISH', outbox, job_id)   -- wakes the callback relays (a channel of the same name)
       end
       redis.call('PUBLISH', channel, job_id)
       ended = ended + 1

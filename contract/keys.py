@@ -60,7 +60,8 @@ class Keys:
 
     @property
     def callback_outbox(self) -> str:
-        """List: ids of ended jobs whose callback still has to be handed to Celery."""
+        """List: ids of ended jobs whose callback still has to be handed to Celery. Also the name of the
+        pub/sub channel on which each id is announced as it enters the list (the relays wake on it)."""
         return f"{self.namespace}:callbacks:outbox"
 
     @property

@@ -329,8 +329,9 @@ def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], l
 
 
 class OutboxRelay:
-    """The callback worker's relay: a thread that wakes on every job event (and at least every second)
-    and hands ended jobs' callbacks to Celery. One per callback worker; several may run at once."""
+    """The callback worker's relay: a thread that wakes when a job with a callback ends (the outbox's
+    channel; at least every second) and hands ended jobs' callbacks to Celery. One per callback worker;
+    several may run at once."""
 
     def __init__(self, client: redis.Redis, keys: Keys, send: Callable[[str], None]) -> None:
         self.client, self.keys, self.send = client, keys, send
@@ -348,7 +349,7 @@ class OutboxRelay:
         while not self._stopping.is_set():
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub.subscribe(self.keys.job_events)
+                pubsub.subscribe(self.keys.callback_outbox)
                 while not self._stopping.is_set():
                     pubsub.get_message(timeout=1.0)
                     relay_outbox(self.client, self.keys, self.send)
