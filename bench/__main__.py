@@ -49,14 +49,16 @@ def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace
 
 
 def stack_options(args: argparse.Namespace, **overrides: Any) -> StackOptions:
-    values = dict(device=args.device, cpu_workers=args.cpu_workers, max_batch_size=args.max_batch,
+    values = dict(device=args.device, cpu_workers=args.cpu_workers or 2, max_batch_size=args.max_batch,
                   window_ms=args.window_ms)
     return StackOptions(**{**values, **overrides})
 
 
 def cmd_run(args: argparse.Namespace, images: list[bytes]) -> dict:
     if args.stack == "local":   # make run's own processes, started here on a private Redis
-        stack = ProcfileStack(Path(tempfile.mkdtemp(prefix="bench-")), stack_options(args)).start()
+        # Without --cpu-workers, the pool make run starts (the Procfile's default), not the bench's.
+        options = stack_options(args, cpu_workers=args.cpu_workers)
+        stack = ProcfileStack(Path(tempfile.mkdtemp(prefix="bench-")), options).start()
         try:
             results = run_suite(args.name, stack.url, images, args, scope=stack.cpu_scope())
         finally:
@@ -140,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--open-duration", type=float, default=60.0)
     local = argparse.ArgumentParser(add_help=False)
     local.add_argument("--device", default="sim", help="sim | cpu | cuda (for the stacks the bench starts)")
-    local.add_argument("--cpu-workers", type=int, default=2)
+    local.add_argument("--cpu-workers", type=int, default=None,
+                       help="CPU worker pool size (default 2; with --stack local, the Procfile's: 3)")
     local.add_argument("--max-batch", type=int, default=8)
     local.add_argument("--window-ms", type=float, default=12.0)
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 @dataclass
 class StackOptions:
     device: str = "sim"
-    cpu_workers: int = 2
+    cpu_workers: int | None = 2   # None: the Procfile's own default (make run's stack only)
     max_batch_size: int = 8
     window_ms: float = 12.0
     api_workers: int = 2
@@ -30,7 +30,8 @@ class StackOptions:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return (f"device={self.device} cpu_workers={self.cpu_workers} max_batch={self.max_batch_size} "
+        workers = self.cpu_workers if self.cpu_workers is not None else "Procfile's"
+        return (f"device={self.device} cpu_workers={workers} max_batch={self.max_batch_size} "
                 f"window_ms={self.window_ms:g}")
 
 
@@ -164,7 +165,8 @@ class ProcfileStack:
         metrics_dir = self.workdir / "prometheus"
         metrics_dir.mkdir(exist_ok=True)
         env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "IMGSERVE_API_BIND": f"127.0.0.1:{port}",
-               "CPU_WORKERS": str(self.options.cpu_workers), "FLOWER_PORT": str(free_port()),
+               **({"CPU_WORKERS": str(self.options.cpu_workers)} if self.options.cpu_workers else {}),
+               "FLOWER_PORT": str(free_port()),
                "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)
