@@ -91,8 +91,7 @@ def _expire_if_late(services, record: dict) -> dict:
     """A live job past its deadline is over, even when no worker is left to say so."""
     if record["status"] in jobs.TERMINAL or time.time() <= record["deadline_at"]:
         return record
-    services.store.finish(record["id"], jobs.EXPIRED,
-                          {"error": {"code": "deadline", "message": "not answered before its deadline"}})
+    services.store.expire(record["id"], "before an answer was written")
     return services.store.load(record["id"]) or record
 
 

@@ -16,7 +16,9 @@ from typing import Any, Callable
 
 import requests
 
-TERMINAL = ("succeeded", "failed", "expired", "cancelled")
+from contract import jobs
+
+TERMINAL = tuple(sorted(jobs.TERMINAL))
 
 
 @dataclass

@@ -15,6 +15,8 @@ from typing import Any, Iterable, Iterator
 
 import requests
 
+# The job states that end a job (contract.jobs.TERMINAL; the client imports nothing from the service,
+# and a test keeps the two equal).
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
 _TYPES = {".jpg": "image/jpeg", ".jpeg": "image/jpeg", ".png": "image/png", ".webp": "image/webp",
           ".bmp": "image/bmp", ".gif": "image/gif"}

@@ -11,28 +11,42 @@ import re
 import time
 import uuid
 from datetime import datetime, timezone
+from enum import StrEnum
 from typing import Any, Mapping, Sequence
 
 import redis
 
 from contract.keys import PREPROCESS_QUEUE, UPLOAD_SUFFIX, Keys
 
-QUEUED = "queued"
-PREPROCESSING = "preprocessing"
-QUEUED_GPU = "queued_gpu"
-RUNNING = "running"
-SUCCEEDED = "succeeded"
-FAILED = "failed"
-EXPIRED = "expired"
-CANCELLED = "cancelled"
-STATUSES = (QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING, SUCCEEDED, FAILED, EXPIRED, CANCELLED)
+
+class JobStatus(StrEnum):
+    """A job's life, in order; the last four are terminal (the first to be written wins)."""
+    QUEUED = "queued"                 # stored, its task sent to the CPU workers
+    PREPROCESSING = "preprocessing"   # a CPU worker claimed it
+    QUEUED_GPU = "queued_gpu"         # its frame is on the GPU list
+    RUNNING = "running"               # a GPU worker took it into a batch
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL
+
+
+QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = (JobStatus.QUEUED, JobStatus.PREPROCESSING, JobStatus.QUEUED_GPU,
+                                             JobStatus.RUNNING)
+SUCCEEDED, FAILED, EXPIRED, CANCELLED = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED
+STATUSES = tuple(JobStatus)
 TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
-STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "pushed_at")
+STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "backpressure_ms",
+                "pushed_at")
 
 # The terminal states as a Lua set, rendered from TERMINAL so the scripts cannot drift from it.
-_LUA_TERMINAL = "local TERMINAL = {" + ", ".join(f"{status} = true" for status in sorted(TERMINAL)) + "}\n"
+_LUA_TERMINAL = "local TERMINAL = {" + ", ".join(f"{status.value} = true" for status in sorted(TERMINAL)) + "}\n"
 
 # KEYS job hashes; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ... (the same for each job).
 # Per job: 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
@@ -200,6 +214,15 @@ class JobStore:
 
     def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
         return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)
+
+    def expire(self, job_id: str, where: str) -> bool:
+        """The job's deadline passed `where` (e.g. "before preprocessing"): it ends `expired`."""
+        return self.finish(job_id, EXPIRED, expired_fields(where))
+
+
+def expired_fields(where: str) -> dict[str, Any]:
+    """What an expired job carries: one error code, `deadline`, and where the deadline passed."""
+    return {"error": {"code": "deadline", "message": f"expired {where}"}}
 
 
 def queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:

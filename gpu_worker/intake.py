@@ -130,8 +130,7 @@ class Intake:
         candidates = []
         for frame, popped in frames:
             if now > frame.header.deadline_at:
-                refused.append((frame.header.job_id, jobs.EXPIRED,
-                                {"error": {"code": "deadline", "message": "expired before inference"}}))
+                refused.append((frame.header.job_id, jobs.EXPIRED, jobs.expired_fields("before inference")))
                 metrics.FRAMES_EXPIRED.inc()
             else:
                 candidates.append((frame, popped))

@@ -38,7 +38,7 @@ class Preprocessor:
         if record["status"] != jobs.QUEUED and record["status"] != jobs.PREPROCESSING:
             return f"skipped ({record['status']})"
         if started_at > record["deadline_at"]:
-            self.store.finish(job_id, jobs.EXPIRED, {"error": _error("deadline", "expired before preprocessing")})
+            self.store.expire(job_id, "before preprocessing")
             return "expired"
         if not self.store.advance(job_id, jobs.PREPROCESSING, {"cpu_started_at": started_at}):
             return "skipped (ended meanwhile)"
@@ -81,8 +81,7 @@ class Preprocessor:
             if outcome == jobs.JOB_OVER:
                 return "skipped (ended meanwhile)"
             if time.time() > record["deadline_at"]:
-                self.store.finish(job_id, jobs.EXPIRED,
-                                  {"error": _error("deadline", "expired waiting for room on the GPU list")})
+                self.store.expire(job_id, "waiting for room on the GPU list")
                 return "expired"
             time.sleep(self.settings.backpressure.room_poll_s)
 
@@ -103,7 +102,3 @@ def _header(job_id: str, record: dict, boxed: Letterboxed, stamps: dict, pushed_
         options=record.get("options") or {},
         stamps=stamps,
     )
-
-
-def _error(code: str, message: str) -> dict:
-    return {"code": code, "message": message}

@@ -15,6 +15,7 @@ import yaml
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
+from contract.jobs import TERMINAL
 from contract.keys import Keys
 from contract.settings import load_settings
 from tests.support import (
@@ -97,7 +98,7 @@ class Stack:
         deadline = time.monotonic() + timeout_s
         while True:
             doc = self.job(job_id, wait=min(10.0, max(0.1, deadline - time.monotonic())))
-            if doc["status"] in ("succeeded", "failed", "expired", "cancelled"):
+            if doc["status"] in TERMINAL:
                 return doc
             assert time.monotonic() < deadline, f"job {job_id} still {doc['status']}\n{self.logs()}"
 

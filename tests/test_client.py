@@ -50,3 +50,11 @@ def test_cli_reports_api_errors_plainly(stack):
     result = subprocess.run([sys.executable, "-m", "client.cli", "--url", stack.api.url, "status", "nope"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "404" in result.stderr
+
+
+def test_the_clients_terminal_states_are_the_services():
+    """The client imports nothing from the service; this keeps its copy honest."""
+    from client import TERMINAL as client_terminal
+    from contract.jobs import TERMINAL
+
+    assert set(client_terminal) == {status.value for status in TERMINAL}

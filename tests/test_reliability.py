@@ -13,10 +13,11 @@ import yaml
 from PIL import Image
 
 from bench.processes import ManagedProcess, python_argv
+from contract import jobs
 from tests.support import encode, jpeg, make_image, wait_until
 
 pytestmark = pytest.mark.integration
-TERMINAL = ("succeeded", "failed", "expired", "cancelled")
+TERMINAL = tuple(jobs.TERMINAL)
 
 
 # --- cancellation -----------------------------------------------------------

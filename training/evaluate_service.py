@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import requests
 
+from contract.jobs import TERMINAL
 from training.independent import independent_scene
 from training.metrics import ImagePredictions, ImageTruth, box_iou, mean_average_precision
 from training.synth import LABELS, Scene, generate_scene
@@ -72,7 +73,7 @@ def detect(session: requests.Session, url: str, data: bytes, conf: float, timeou
     job_id = response.json()["id"]
     for _ in range(int(timeout_s / 10) + 1):
         doc = session.get(f"{url}/v1/jobs/{job_id}", params={"wait": 10}, timeout=40).json()
-        if doc["status"] in ("succeeded", "failed", "expired", "cancelled"):
+        if doc["status"] in TERMINAL:
             return doc
     return doc
 
