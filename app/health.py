@@ -1,7 +1,6 @@
 """Liveness, readiness and the models the live GPU workers serve."""
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
@@ -10,6 +9,7 @@ from flask import Blueprint, Response, current_app, jsonify
 
 from app.openapi import Reply, operation
 from contract.documents import Health, ModelList, Readiness
+from contract.heartbeat import Heartbeat
 
 blueprint = Blueprint("health", __name__)
 
@@ -46,16 +46,16 @@ def list_models() -> Response:
     workers = live_gpu_workers()
     models: dict[tuple[str, str], dict[str, Any]] = {}
     for info in workers:
-        model = info["model"]
-        entry = models.setdefault((model["name"], model["version"]), {**model, "devices": [], "workers": []})
-        entry["devices"].append(model["device"])
-        entry["workers"].append(info["worker_id"])
+        model = info.model.model_dump()
+        entry = models.setdefault((info.model.name, info.model.version), {**model, "devices": [], "workers": []})
+        entry["devices"].append(info.model.device)
+        entry["workers"].append(info.worker_id)
     for entry in models.values():
         entry.pop("device", None)
     return jsonify(ModelList(models=list(models.values())).to_json())
 
 
-def live_gpu_workers() -> list[dict[str, Any]]:
+def live_gpu_workers() -> list[Heartbeat]:
     """Self-descriptions of GPU workers whose heartbeat has not expired."""
     services = current_app.extensions["imgserve"]
     keys, client = services.keys, services.redis
@@ -64,4 +64,4 @@ def live_gpu_workers() -> list[dict[str, Any]]:
     if not worker_ids:
         return []
     beats = client.mget([keys.heartbeat(w.decode()) for w in worker_ids])
-    return [json.loads(beat) for beat in beats if beat]
+    return [beat for beat in map(Heartbeat.from_redis, beats) if beat is not None]

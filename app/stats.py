@@ -7,6 +7,7 @@ from app.auth import require_admin
 from app.health import live_gpu_workers
 from app.openapi import Reply, operation
 from contract.documents import Stats
+from contract.heartbeat import Heartbeat
 from contract.jobs import queue_depths
 from contract.timebill import host_ms_per_batch
 
@@ -23,30 +24,29 @@ def stats() -> Response:
     client, keys = services.redis, services.keys
     workers = live_gpu_workers()
     for worker in workers:   # live totals, fresher than the heartbeat's
-        raw = client.hgetall(keys.gpu_counters(worker["worker_id"]))
+        raw = client.hgetall(keys.gpu_counters(worker.worker_id))
         counters = {k.decode(): float(v) for k, v in raw.items()}
-        worker.setdefault("stats", {}).update(counters, host_ms_per_batch=host_ms_per_batch(counters))
+        worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     summary = Stats(
         queues=queue_depths(client, keys),
-        gpu_workers=[{"worker_id": w["worker_id"], "device": w["model"]["device"],
-                      "simulated": w["model"].get("simulated", False), **w.get("stats", {})}
-                     for w in workers],
+        gpu_workers=[{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
+                      **w.stats} for w in workers],
         gpu=_combined(workers),
     )
     return jsonify(summary.to_json())
 
 
-def _combined(workers: list[dict]) -> dict:
+def _combined(workers: list[Heartbeat]) -> dict:
     """Across workers: mean busy fraction, totals, and the busiest worker's time bill."""
     if not workers:
         return {"workers": 0}
-    stats = [w.get("stats", {}) for w in workers]
+    stats = [w.stats for w in workers]
     busiest = max(stats, key=lambda s: s.get("batches", 0))
     sizes = [(s.get("batch_size_mean") or 0) * s.get("batches", 0) for s in stats]
     batches = sum(s.get("batches", 0) for s in stats)
     return {
         "workers": len(workers),
-        "simulated": any(w["model"].get("simulated", False) for w in workers),
+        "simulated": any(w.model.simulated for w in workers),
         "busy": round(sum(s.get("busy", 0.0) for s in stats) / len(stats), 4),
         "device_seconds_total": round(sum(s.get("device_seconds_total", 0.0) for s in stats), 4),
         "frames_total": sum(s.get("frames_total", 0) for s in stats),

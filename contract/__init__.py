@@ -9,5 +9,6 @@
 - `model_files`: what a model file is, and the labels / input size it carries.
 - `connection`: how each process opens Redis.
 - `logs`: one JSON log line format for every process.
+- `heartbeat`: what a GPU worker says about itself, typed for its writer and its readers.
 - `check_secrets`: the deploy-time check that refuses weak secrets.
 """

@@ -8,7 +8,6 @@ it requeues the frames a previous life of itself left behind.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -19,6 +18,7 @@ from typing import Any, Callable
 import redis
 
 from contract import jobs
+from contract.heartbeat import Heartbeat
 from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker import metrics
@@ -33,7 +33,7 @@ class WorkerIdInUse(RuntimeError):
 
 class Liveness:
     def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, worker_id: str,
-                 describe: Callable[[], dict[str, Any]], last_progress: Callable[[], float],
+                 describe: Callable[[], Heartbeat], last_progress: Callable[[], float],
                  busy_fraction: Callable[[], float]) -> None:
         self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
         self.redis = client
@@ -49,12 +49,11 @@ class Liveness:
         very pid (a restarted container), is a previous life; any other is alive until it stops being
         refreshed, which a live worker does every third of the TTL."""
         key = self.keys.heartbeat(self.worker_id)
-        raw = self.redis.get(key)
-        if raw is None:
+        info = Heartbeat.from_redis(self.redis.get(key))
+        if info is None:
             return
-        info = json.loads(raw)
-        here = info.get("host") == socket.gethostname()
-        if here and (info.get("pid") == pid or not _alive(info.get("pid"))):
+        here = info.host == socket.gethostname()
+        if here and (info.pid == pid or not _alive(info.pid)):
             return
         last = self.redis.pttl(key)
         deadline = time.monotonic() + self.ttl_s + 1.0
@@ -64,8 +63,8 @@ class Liveness:
             if remaining < 0:
                 return                                   # it expired unrefreshed: that worker is gone
             if remaining > last:
-                raise WorkerIdInUse(f"worker id {self.worker_id!r} is in use by pid {info.get('pid')} on "
-                                    f"{info.get('host')}; give this worker its own --worker-id")
+                raise WorkerIdInUse(f"worker id {self.worker_id!r} is in use by pid {info.pid} on "
+                                    f"{info.host}; give this worker its own --worker-id")
             last = remaining
 
     def start(self, stopping: threading.Event) -> threading.Thread:
@@ -92,7 +91,7 @@ class Liveness:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
             return
         pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(self.worker_id), json.dumps(self.describe()), px=int(self.ttl_s * 1000))
+        pipe.set(self.keys.heartbeat(self.worker_id), self.describe().to_redis(), px=int(self.ttl_s * 1000))
         pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
         pipe.execute()
 

@@ -38,6 +38,7 @@ import numpy as np
 import redis
 
 from contract import jobs
+from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
 from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker import metrics
@@ -245,13 +246,14 @@ class GpuWorker:
                 delay = min(delay * 2, 5.0)
 
     # --- what the heartbeat says -----------------------------------------
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> Heartbeat:
         collector = self.intake.collector
-        return {"worker_id": self.worker_id, "pid": os.getpid(), "host": socket.gethostname(),
-                "started_at": self.started_at, "model": self.device.describe(),
-                "batching": {"max_batch_size": collector.max_size, "window_ms": collector.window_s * 1000.0},
-                "stats": {"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
-                          "nvml_utilisation": self.device.utilisation(),
-                          "device_seconds_total": round(self.busy.total_s, 4),
-                          "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
-                          **self.recent.summary()}}
+        return Heartbeat(
+            worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), started_at=self.started_at,
+            model=HeartbeatModel(**self.device.describe()),
+            batching=Batching(max_batch_size=collector.max_size, window_ms=collector.window_s * 1000.0),
+            stats={"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
+                   "nvml_utilisation": self.device.utilisation(),
+                   "device_seconds_total": round(self.busy.total_s, 4),
+                   "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
+                   **self.recent.summary()})

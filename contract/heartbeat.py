@@ -1,0 +1,52 @@
+"""A GPU worker's heartbeat: what it says about itself every third of its TTL.
+
+Written by the GPU worker (`gpu_worker/liveness.py`) under `Keys.heartbeat(id)`
+and read by the API (`/readyz`, `/v1/models`, `/v1/stats`) and by a starting
+worker that finds its id taken. JSON, validated on both sides: a heartbeat
+that does not parse is no heartbeat (the API skips it; a starting worker
+treats it as a previous life's).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class HeartbeatModel(BaseModel):
+    """The model as this worker serves it: the spec's public description plus where it runs."""
+    model_config = ConfigDict(extra="allow")   # labels, layout, precision, ... pass through to /v1/models
+
+    name: str
+    version: str
+    device: str
+    simulated: bool = False
+
+
+class Batching(BaseModel):
+    max_batch_size: int
+    window_ms: float
+
+
+class Heartbeat(BaseModel):
+    model_config = ConfigDict(extra="ignore")   # a newer worker may say more than this reader knows
+
+    worker_id: str
+    pid: int
+    host: str
+    started_at: float = Field(description="epoch seconds")
+    model: HeartbeatModel
+    batching: Optional[Batching] = None
+    stats: dict[str, Any] = Field(default_factory=dict, description="busy fraction, totals, recent time bill")
+
+    def to_redis(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_redis(cls, raw: bytes | str | None) -> Optional["Heartbeat"]:
+        if raw is None:
+            return None
+        try:
+            return cls.model_validate_json(raw)
+        except ValidationError:
+            return None
