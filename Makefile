@@ -1,10 +1,13 @@
-.PHONY: run test lint bootstrap compose-check
+.PHONY: run test test-fast lint bootstrap compose-check
 
 run:          ## install what is needed, then run the whole service locally
 	scripts/run-local
 
 test:         ## install what the tests need, then run them
 	scripts/test
+
+test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-worker or gunicorn process
+	scripts/test -m "not integration and not gpu" -q
 
 lint:         ## install what the checks need, then lint (ruff: pycodestyle, pyflakes, import order)
 	scripts/bootstrap --dev

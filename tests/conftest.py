@@ -245,3 +245,15 @@ def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     yield stack, server
     stop_stack(stack)
     server.stop()
+
+
+# Fixtures that start real processes (Redis, Celery, the GPU worker, gunicorn): a test using one is an
+# integration test whether or not its module says so; `make test-fast` runs the others.
+PROCESS_FIXTURES = {"redis_server", "redis_client", "stack", "gunicorn_api", "shapes_stack", "tight_stack",
+                    "own_redis_stack"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
