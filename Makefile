@@ -9,9 +9,10 @@ test:         ## install what the tests need, then run them
 test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-worker or gunicorn process
 	scripts/test -m "not integration and not gpu" -q
 
-lint:         ## install what the checks need, then lint (ruff: pycodestyle, pyflakes, import order)
+lint:         ## install what the checks need, then lint (ruff) and type-check (mypy; strict on contract/)
 	scripts/bootstrap --dev
 	.venv/bin/ruff check .
+	.venv/bin/mypy
 
 bootstrap:
 	scripts/bootstrap --dev

@@ -53,7 +53,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Werkzeug refuses a larger body from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes
-    app.json.sort_keys = False
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)
     celery = make_celery(settings)

@@ -52,7 +52,7 @@ def list_models() -> Response:
         entry["workers"].append(info.worker_id)
     for entry in models.values():
         entry.pop("device", None)
-    return jsonify(ModelList(models=list(models.values())).to_json())
+    return jsonify(ModelList.model_validate({"models": list(models.values())}).to_json())
 
 
 def live_gpu_workers() -> list[Heartbeat]:

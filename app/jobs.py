@@ -66,8 +66,8 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
                       f"cannot queue the job: {exc}", headers={"Retry-After": "1"}) from exc
     log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type})
     location = url_for("jobs.get_job", job_id=job_id)
-    body = JobAccepted(id=job_id, status=jobs.QUEUED, created_at=jobs.utc_iso(received_at),
-                       links={"self": location})
+    body = JobAccepted.model_validate({"id": job_id, "status": jobs.QUEUED, "links": {"self": location},
+                                       "created_at": jobs.utc_iso(received_at)})
     return jsonify(body.to_json()), 202, {"Location": location}
 
 

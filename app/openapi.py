@@ -87,9 +87,9 @@ def operation(summary: str, *, tag: str, replies: dict[int, Reply], **details: A
 def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:
     """The submission body: the raw image, or multipart with an `image` file and the options."""
     binary = {"type": "string", "format": "binary", "maxLength": settings.api.max_upload_bytes}
-    form = {"type": "object", "required": ["image"],
+    form: dict[str, Any] = {"type": "object", "required": ["image"],
             "properties": {"image": binary, **_parameter_schemas(options)}}
-    content = {"multipart/form-data": {"schema": form}}
+    content: dict[str, Any] = {"multipart/form-data": {"schema": form}}
     content.update({media_type: {"schema": binary} for media_type in (*ACCEPTED_TYPES, "application/octet-stream")})
     return {"required": True, "content": content,
             "description": "The image, as the raw body or as the `image` field of a multipart form. "
@@ -105,10 +105,10 @@ def build_document(app: Flask) -> dict[str, Any]:
     for rule, declared in sorted(((r, d) for r, d in declared_rules if d is not None),
                                  key=lambda item: (TAGS.index(item[1].tag), item[0].rule)):
         path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
-        for method in sorted(rule.methods - {"HEAD", "OPTIONS"}):
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
             paths.setdefault(path, {})[method.lower()] = _render(declared, rule.arguments, settings, registry,
                                                                f"{rule.endpoint}.{method.lower()}")
-    document = {
+    document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "imgserve", "version": _version(), "description": DESCRIPTION},
         "paths": paths,

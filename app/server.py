@@ -52,4 +52,4 @@ class ProblemGeventWorker(GeventWorker):
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
-        self.wsgi = close_after_refusal(self.wsgi)
+        self.wsgi = close_after_refusal(self.wsgi)  # type: ignore[has-type]  # gunicorn's untyped attribute

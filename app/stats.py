@@ -27,12 +27,12 @@ def stats() -> Response:
         raw = client.hgetall(keys.gpu_counters(worker.worker_id))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
-    summary = Stats(
-        queues=queue_depths(client, keys),
-        gpu_workers=[{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
-                      **w.stats} for w in workers],
-        gpu=_combined(workers),
-    )
+    summary = Stats.model_validate({
+        "queues": queue_depths(client, keys),
+        "gpu_workers": [{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
+                         **w.stats} for w in workers],
+        "gpu": _combined(workers),
+    })
     return jsonify(summary.to_json())
 
 

@@ -28,7 +28,7 @@ from tasks.imaging import ImageDecodeError, decode_image, letterbox
 def create_baseline_app(settings: Settings, device: Device) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
-    app.json.sort_keys = False
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
     runner = BatchRunner(device)
     app.register_error_handler(Problem, problem_response)
 
@@ -57,7 +57,7 @@ def create_baseline_app(settings: Settings, device: Device) -> Flask:
         header = FrameHeader(job_id="baseline", width=boxed.width, height=boxed.height, pad_left=boxed.pad_left,
                              pad_top=boxed.pad_top, scale_x=boxed.scale_x, scale_y=boxed.scale_y,
                              orig_width=boxed.orig_width, orig_height=boxed.orig_height, enqueued_at=0.0,
-                             deadline_at=0.0, options=options.for_model())
+                             deadline_at=0.0, options=dict(options.for_model()))
         run = runner.run([Frame(header=header, pixels=memoryview(boxed.pixels))])
         if run.errors:
             return jsonify({"id": uuid.uuid4().hex, "status": "failed", "error": run.errors[0]})

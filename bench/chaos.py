@@ -82,6 +82,7 @@ def _misbehave(stack: LocalStack, duration_s: float, log) -> None:
     _kill_and_restart(stack, "gpu-worker", log)
     at(0.7)
     log("stopping redis for 3 s")
+    assert stack.redis is not None
     stack.redis.stop()
     time.sleep(3.0)
     stack.redis.start()

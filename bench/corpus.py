@@ -21,7 +21,7 @@ def photo_like_jpeg(seed: int, size: tuple[int, int] = SIZE) -> bytes:
     scene = generate_scene(rng, size=size)
     np_rng = np.random.default_rng(seed)
     texture = Image.fromarray(np_rng.integers(0, 255, (size[1] // 4, size[0] // 4, 3), dtype=np.uint8))
-    texture = texture.resize(size, Image.BILINEAR).filter(ImageFilter.GaussianBlur(1.2))
+    texture = texture.resize(size, Image.Resampling.BILINEAR).filter(ImageFilter.GaussianBlur(1.2))
     blended = Image.blend(scene.image, texture, rng.uniform(0.12, 0.22))
     grain = np_rng.normal(0, rng.uniform(4, 9), (size[1], size[0], 1)).astype(np.float32)
     pixels = (np.asarray(blended, np.float32) + grain).clip(0, 255).astype(np.uint8)

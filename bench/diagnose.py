@@ -63,6 +63,7 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
         outcomes = load.closed_loop(url, images, level, step_s)
         runs.append(summarise("sweep", "closed", outcomes, None, level, gpu_before, load.gpu_counters(url)))
         if cpu_before is not None:
+            assert scope is not None
             cpu_table = cpu.ms_per_image(cpu_before, scope.sample(), runs[-1]["succeeded"])
     lines.append("4. Concurrency sweep:")
     for r in runs:
@@ -73,7 +74,7 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
     last = runs[-1]
     stages = {k: v["mean"] for k, v in last["time_bill_ms"].items() if k != "total"}
     if stages:
-        largest = max(stages, key=stages.get)
+        largest = max(stages, key=lambda stage: stages[stage])
         share = last["time_bill_ms"][largest]["share"]
         lines.append(f"5. Time bill at c={last['concurrency']}: largest stage {largest} "
                      f"({stages[largest]:.0f} ms mean, {share:.0%} of the total) -> {ADVICE.get(largest, '')}")

@@ -235,7 +235,7 @@ def _all_answered(client: redis.Redis, keys: Keys, count: int) -> bool:
 
 def _counters(client: redis.Redis, keys: Keys) -> dict[str, float]:
     raw = client.hgetall(keys.gpu_counters(WORKER_ID))
-    return {name.decode(): float(value) for name, value in raw.items()}
+    return {(name.decode() if isinstance(name, bytes) else name): float(value) for name, value in raw.items()}
 
 
 def _throughput(client: redis.Redis, keys: Keys, ids: list[str]) -> dict[str, Any]:

@@ -125,16 +125,15 @@ class BaselineServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = ManagedProcess("baseline", python_argv("-m", "baseline", "--device", self.device,
                                                               "--port", str(port)), env, self.workdir)
-        wait_until(self._ready, 120, interval_s=0.2, what="the baseline server")
+        process = self.process
+        wait_until(lambda: answers_ok(self.url + "/healthz", [process]), 120, interval_s=0.2,
+                   what="the baseline server")
         return self
-
-    def _ready(self) -> bool:
-        return answers_ok(self.url + "/healthz", [self.process])
 
     def cpu_scope(self) -> "CpuScope":
         from bench.runs import CpuScope
 
-        return CpuScope(None, frozenset({self.process.pid}) if self.process else frozenset())
+        return CpuScope(None, frozenset({self.process.process.pid}) if self.process else frozenset())
 
     def stop(self) -> None:
         if self.process:
@@ -170,9 +169,9 @@ class ProcfileStack:
                "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)
-        self.honcho = ManagedProcess("honcho", [sys.executable, "-m", "honcho", "-f", "Procfile", "start"], env,
-                                     self.workdir)
-        wait_until(lambda: answers_ok(self.url + "/readyz", [self.honcho]), 180, interval_s=0.3,
+        honcho = self.honcho = ManagedProcess("honcho", [sys.executable, "-m", "honcho", "-f", "Procfile", "start"],
+                                              env, self.workdir)
+        wait_until(lambda: answers_ok(self.url + "/readyz", [honcho]), 180, interval_s=0.3,
                    what=f"make run's processes at {self.url} to be ready")
         return self
 

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import redis
-from redis.connection import Encoder, PythonRespSerializer
+from redis._parsers.encoders import Encoder
+from redis.connection import PythonRespSerializer
 
 from contract.settings import Settings
 
@@ -11,7 +12,7 @@ from contract.settings import Settings
 # redis-py's own packer sends a value over 6,000 bytes as its own chunk, uncopied (3 us). Replies are
 # still parsed by hiredis. Stateless, so one instance serves every connection.
 _BUFFER_CUTOFF = 6000
-_UNCOPIED_VALUES = PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)
+_UNCOPIED_VALUES = PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]
 
 
 def connect(settings: Settings, socket_timeout: float | None = None) -> redis.Redis:

@@ -153,9 +153,18 @@ class SubmitOptionsBase(Document):
                                           "no user@, no backslash, no #; a host that resolves to a private "
                                           "address is refused (400)")
 
+    # Bounded by the deployment's deadline in submit_options_model(); declared here for its readers.
+    deadline_ms: int = Field(None, ge=1, description="answer within this many ms or end `expired`")
+
     def for_model(self) -> JobOptions:
-        return JobOptions(**{k: v for k, v in (("conf", self.conf), ("iou", self.iou),
-                                               ("max_det", self.max_det)) if v is not None})
+        options = JobOptions()
+        if self.conf is not None:
+            options["conf"] = self.conf
+        if self.iou is not None:
+            options["iou"] = self.iou
+        if self.max_det is not None:
+            options["max_det"] = self.max_det
+        return options
 
 
 @functools.lru_cache(maxsize=8)
@@ -166,9 +175,13 @@ def submit_options_model(max_deadline_ms: int) -> type[SubmitOptionsBase]:
                                                 description="answer within this many ms or end `expired`")))
 
 
+class WaitQueryBase(Document):
+    wait: float = None   # bounded by the deployment's longest long-poll in wait_query_model()
+
+
 @functools.lru_cache(maxsize=8)
-def wait_query_model(max_wait_s: float) -> type[Document]:
-    return create_model("WaitQuery", __base__=Document,
+def wait_query_model(max_wait_s: float) -> type[WaitQueryBase]:
+    return create_model("WaitQuery", __base__=WaitQueryBase,
                         wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
                                            description="long-poll: hold the request up to this many "
                                                        "seconds until the job ends")))

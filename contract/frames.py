@@ -55,7 +55,7 @@ def pack_frame(header: FrameHeader, pixels: bytes) -> bytes:
     return b"".join((_PREFIX.pack(MAGIC, len(encoded)), encoded, pixels))
 
 
-def unpack_frame(data: bytes) -> Frame:
+def unpack_frame(data: bytes | memoryview) -> Frame:
     """Parse a frame without copying its pixels; raises FrameError on any defect."""
     header = _read_header(data)
     start = _PREFIX.size + _header_length(data)
@@ -66,7 +66,7 @@ def unpack_frame(data: bytes) -> Frame:
     return Frame(header=header, pixels=pixels)
 
 
-def read_job_id(data: bytes) -> str | None:
+def read_job_id(data: bytes | memoryview) -> str | None:
     """The job id of a frame, or None when even the header is unreadable."""
     try:
         return _read_header(data).job_id
@@ -74,7 +74,7 @@ def read_job_id(data: bytes) -> str | None:
         return None
 
 
-def _header_length(data: bytes) -> int:
+def _header_length(data: bytes | memoryview) -> int:
     if len(data) < _PREFIX.size:
         raise FrameError("frame shorter than its prefix")
     magic, length = _PREFIX.unpack_from(data)
@@ -82,10 +82,10 @@ def _header_length(data: bytes) -> int:
         raise FrameError("bad frame magic")
     if length > MAX_HEADER_BYTES or _PREFIX.size + length > len(data):
         raise FrameError("bad frame header length")
-    return length
+    return int(length)
 
 
-def _read_header(data: bytes) -> FrameHeader:
+def _read_header(data: bytes | memoryview) -> FrameHeader:
     length = _header_length(data)
     try:
         raw = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))

@@ -153,7 +153,7 @@ class JobStore:
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any]) -> None:
         """Store the upload (claim check) and the record in one round trip."""
-        record = {"id": job_id, "status": QUEUED, **_encode(fields)}
+        record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **_encode(fields)}
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(self.keys.upload(job_id), upload, ex=upload_ttl_s)
         pipe.hset(self.keys.job(job_id), mapping=record)
@@ -169,14 +169,14 @@ class JobStore:
 
     def advance(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None) -> bool:
         """Move a live job to a non-terminal status; False when it is gone or already over."""
-        return self.advance_many([job_id], status, 0, fields)[0] == MOVED
+        return bool(self.advance_many([job_id], status, 0, fields)[0] == MOVED)
 
     def advance_many(self, job_ids: Sequence[str], status: str, max_attempts: int,
                      fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
         """Per job MOVED, GONE (absent or over) or POISON (requeued max_attempts times), in one
         step; in a pipeline, the reply comes with the pipeline's."""
         assert status not in TERMINAL, status
-        args = [max_attempts, *_flatten({"status": status, "updated_at": time.time(), **(fields or {})})]
+        args: list[Any] = [max_attempts, *_flatten({"status": status, "updated_at": time.time(), **(fields or {})})]
         return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args,
                              client=client or self.redis)
 
@@ -208,7 +208,7 @@ class JobStore:
         """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
         upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER (over, or already
         past preprocessing: another delivery of its task pushed it)."""
-        args = [max_frames, frame, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields})]
+        args: list[Any] = [max_frames, frame, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields})]
         keys = [self.keys.job(job_id), self.keys.frames, self.keys.upload(job_id)]
         return int(self._enqueue_frame(keys=keys, args=args))
 
@@ -254,7 +254,8 @@ def _flatten(fields: Mapping[str, Any]) -> list[str]:
     return flat
 
 
-def _decode(raw: Mapping[bytes, bytes]) -> dict[str, Any]:
+def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
+    """A job hash as redis-py returns it (bytes names and values) -> its record."""
     record: dict[str, Any] = {}
     for name_b, value_b in raw.items():
         name, value = name_b.decode(), value_b.decode()

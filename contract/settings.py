@@ -88,7 +88,7 @@ class GpuWorkerSettings:
     busy_window_s: float = 60.0
     max_attempts: int = 3         # a frame requeued this often (its worker died each time) fails as poison
     # device `sim`: ms per batch by batch size (the story's table by default)
-    sim_latency_ms: dict = field(default_factory=lambda: {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0})
+    sim_latency_ms: dict[int, float] = field(default_factory=lambda: {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0})
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class BackpressureSettings:
 @dataclass(frozen=True)
 class CallbackSettings:
     secret: str = ""              # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
-    allow_hosts: tuple = ()       # hosts or CIDRs allowed even when private/loopback (e.g. an internal receiver)
+    allow_hosts: tuple[str, ...] = ()  # hosts or CIDRs allowed even when private/loopback (an internal receiver)
     max_attempts: int = 5
     backoff_base_s: float = 1.0   # retry n waits base * 2**n
     timeout_s: float = 5.0
@@ -117,7 +117,7 @@ class AuthSettings:
     # [{id: team-a, sha256: <hex of the key>, callback_secret_env: TEAM_A_CALLBACK_SECRET}]; empty: /v1 is open.
     # A key's callback secret is named, never written here: an environment variable or a file (a compose secret).
     # `admin: true` lets a key read /v1/stats (every tenant's traffic).
-    api_keys: tuple = ()
+    api_keys: tuple[Any, ...] = ()
     rate_per_s: float = 0.0       # per key; 0: no limit
     burst: float = 20.0
 
@@ -214,7 +214,7 @@ class Settings:
         return self.redis_url
 
 
-def load_settings(path: str | os.PathLike | None = None) -> Settings:
+def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment's overrides
     (IMGSERVE_REDIS_URL, IMGSERVE_CALLBACK_SECRET, IMGSERVE_METRICS_PORT)."""
     raw = _read_config(DEFAULT_CONFIG)
@@ -228,7 +228,7 @@ def load_settings(path: str | os.PathLike | None = None) -> Settings:
     if os.environ.get(METRICS_PORT_ENV):
         raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
     raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
-    settings = _build(Settings, raw)
+    settings: Settings = _build(Settings, raw)
     _check_secrets(settings)
     return settings
 
@@ -260,7 +260,8 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
         if key in raw:
             raw[key] = tuple(raw[key])
     _fill_from_model_file(raw)
-    return _build(ModelSpec, raw)
+    spec: ModelSpec = _build(ModelSpec, raw)
+    return spec
 
 
 def _fill_from_model_file(raw: dict[str, Any]) -> None:
@@ -290,7 +291,7 @@ def _read_config(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _resolve(value: str | os.PathLike, base_dir: Path) -> Path:
+def _resolve(value: str | os.PathLike[str], base_dir: Path) -> Path:
     candidate = Path(value)
     if candidate.is_absolute():
         return candidate

@@ -19,15 +19,16 @@ from typing import Callable, Generic, Protocol, Sequence, TypeVar
 from contract.documents import ClosedBy
 
 Item = TypeVar("Item")
+Popped = TypeVar("Popped", covariant=True)
 
 CLOSED_BY_SIZE = ClosedBy.FULL
 CLOSED_BY_WINDOW = ClosedBy.WINDOW
 CLOSED_LATE = ClosedBy.LATE      # the first frame had already waited a window in the list
 
 
-class FrameSource(Protocol[Item]):
-    def pop_blocking(self, timeout_s: float) -> Item | None: ...
-    def pop_available(self, limit: int) -> Sequence[Item]: ...
+class FrameSource(Protocol[Popped]):
+    def pop_blocking(self, timeout_s: float) -> Popped | None: ...
+    def pop_available(self, limit: int) -> Sequence[Popped]: ...
 
 
 @dataclass

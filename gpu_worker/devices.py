@@ -234,7 +234,7 @@ class TorchDevice:
         self._bind_thread()
         try:
             with torch.inference_mode(), self._on_compute_stream():
-                if staged.ready is not None:
+                if staged.ready is not None and self.compute_stream is not None:
                     self.compute_stream.wait_event(staged.ready)
                 return self._run_batch(staged)
         finally:

@@ -27,7 +27,7 @@ from gpu_worker.source import RedisFrameSource
 from gpu_worker.stages import StageClock
 
 log = logging.getLogger("gpu_worker")
-Outcome = tuple[str, str, dict[str, Any]]     # job id, terminal status, fields
+Outcome = tuple[str, jobs.JobStatus, dict[str, Any]]     # job id, terminal status, fields
 
 
 @dataclass
@@ -46,7 +46,7 @@ class InHand:
     staged: Staged | None = None
     output: DeviceOutput | None = None
     started_at: float = 0.0           # wall clock: its turn on the device began
-    give_back: Sequence[bytes] = ()   # triage could not reach Redis: these frames return to the list
+    give_back: Sequence[memoryview] = ()   # triage could not reach Redis: these frames return to the list
     failed: list["Outcome"] = field(default_factory=list)   # triage failed otherwise: these jobs fail
 
 
@@ -61,18 +61,18 @@ class Intake:
         self.clock = clock
         self.max_attempts = settings.gpu_worker.max_attempts
         self.input_size = device.spec.input_size
-        self.collector: BatchCollector[bytes] = BatchCollector(
+        self.collector: BatchCollector[memoryview] = BatchCollector(
             batching.max_batch_size, batching.window_ms / 1000.0,
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
             age_of=_frame_age, hold_open=hold_open)
         self.seq = 0
 
-    def collect(self) -> Batch[bytes] | None:
+    def collect(self) -> Batch[memoryview] | None:
         """The next batch of frames as popped; None when the list stayed empty."""
         with self.clock("pop"):
             return self.collector.collect(self.source)
 
-    def prepare(self, batch: Batch[bytes]) -> InHand:
+    def prepare(self, batch: Batch[memoryview]) -> InHand:
         """The batch triaged, and its running frames staged."""
         self.seq += 1
         offset = time.time() - time.monotonic()
@@ -89,7 +89,7 @@ class Intake:
                 in_hand.staged = self.device.stage(in_hand.running)
         return in_hand
 
-    def unprepared(self, batch: Batch[bytes], exc: Exception) -> InHand:
+    def unprepared(self, batch: Batch[memoryview], exc: Exception) -> InHand:
         """A batch whose triage failed, to be written in its turn all the same."""
         self.seq += 1
         in_hand = InHand(seq=self.seq, taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
@@ -102,7 +102,7 @@ class Intake:
                               for job_id in map(read_job_id, batch.items) if job_id]
         return in_hand
 
-    def _unpack(self, batch: Batch[bytes]) -> tuple[list[tuple[Frame, float]], list[Outcome]]:
+    def _unpack(self, batch: Batch[memoryview]) -> tuple[list[tuple[Frame, float]], list[Outcome]]:
         """Readable frames that fit the model's input, with their pop times; the rest fail."""
         frames, refused = [], []
         for raw, popped in zip(batch.items, batch.popped_at):
@@ -153,7 +153,7 @@ class Intake:
                                 for frame in frames])
 
 
-def _frame_age(raw: bytes) -> float:
+def _frame_age(raw: memoryview) -> float:
     """Seconds a frame waited in the list; unreadable frames count as fresh."""
     try:
         return max(0.0, time.time() - unpack_frame(raw).header.enqueued_at)

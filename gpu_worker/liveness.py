@@ -109,7 +109,7 @@ class Liveness:
         stale_before = time.time() - self.ttl_s
         moved = 0
         for raw_id in self.redis.zrangebyscore(self.keys.gpu_workers, "-inf", stale_before):
-            worker_id = raw_id.decode()
+            worker_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
             if worker_id == self.worker_id:
                 continue
             count = requeue_frames_of(self.redis, self.keys, worker_id, only_if_dead=True)

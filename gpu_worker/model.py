@@ -75,7 +75,7 @@ def load_model(spec: ModelSpec, device: torch.device, max_batch: int = 8) -> Loa
     if spec.precision != "auto":
         module = module.to(dtype)
     if spec.channels_last:
-        module = module.to(memory_format=torch.channels_last)
+        module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in the stubs
     if spec.freeze:
         module = _frozen(module)
     loaded = LoadedModel(spec=spec, module=module, device=device, dtype=dtype)

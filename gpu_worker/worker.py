@@ -80,7 +80,7 @@ class GpuWorker:
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()
-        self.to_stage: Handoff[Batch[bytes]] = Handoff(1)
+        self.to_stage: Handoff[Batch[memoryview]] = Handoff(1)
         self.to_device: Handoff[InHand] = Handoff(1)
         self.to_finish: Handoff[InHand] = Handoff(1)
         self.device_busy = False
@@ -185,6 +185,7 @@ class GpuWorker:
         self.to_finish.close()
 
     def _run_on_device(self, batch: InHand) -> bool:
+        assert batch.staged is not None   # the caller runs only staged batches
         self.device_busy = True
         try:
             with self.clock("forward"):

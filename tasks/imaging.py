@@ -53,7 +53,7 @@ def decode_image(data: bytes, target_size: int, max_pixels: int,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
+            image: Image.Image = Image.open(io.BytesIO(data))
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageDecodeError("image_too_large", f"image of {width}x{height} "
@@ -109,7 +109,7 @@ def letterbox(image: Image.Image, orig_size: tuple[int, int], size: int) -> Lett
     new_w = max(1, min(size, round(orig_w * ratio)))
     new_h = max(1, min(size, round(orig_h * ratio)))
     if image.size != (new_w, new_h):
-        image = image.resize((new_w, new_h), Image.BILINEAR)
+        image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
     return Letterboxed(
         pixels=image.tobytes(),
         width=new_w,
@@ -142,7 +142,7 @@ def _reduced(image: Image.Image, target_size: int) -> Image.Image:
     try:
         return image.reduce(factor)
     except (ValueError, NotImplementedError):   # a mode reduce() does not handle (16-bit): a box resize does
-        return image.resize((max(1, image.width // factor), max(1, image.height // factor)), Image.BOX)
+        return image.resize((max(1, image.width // factor), max(1, image.height // factor)), Image.Resampling.BOX)
 
 
 def _orientation(image: Image.Image) -> int:

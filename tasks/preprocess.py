@@ -46,7 +46,7 @@ class Preprocessor:
         if upload is None:
             self.store.fail(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
             return "failed"
-        return self._push_frame(job_id, record, upload, started_at)
+        return self._push_frame(job_id, record, upload, started_at)  # type: ignore[arg-type]  # bytes: no decode_responses
 
     def _push_frame(self, job_id: str, record: dict, upload: bytes, started_at: float) -> str:
         spec = self.settings.model

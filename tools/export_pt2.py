@@ -54,12 +54,13 @@ def _prepared_like_ultralytics(model: torch.nn.Module) -> torch.nn.Module:
     for parameter in model.parameters():
         parameter.requires_grad = False
     if hasattr(model, "fuse"):
-        model = model.fuse()
+        model = getattr(model, "fuse")()
     for part in model.modules():
         if hasattr(part, "export") and hasattr(part, "dynamic"):      # Detect and its subclasses
-            part.export, part.dynamic, part.format = True, True, "torchscript"
+            for name, value in (("export", True), ("dynamic", True), ("format", "torchscript")):
+                setattr(part, name, value)
         elif hasattr(part, "forward_split"):                         # C2f
-            part.forward = part.forward_split
+            setattr(part, "forward", getattr(part, "forward_split"))
     return model
 
 

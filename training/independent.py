@@ -110,6 +110,7 @@ def _paint(canvas: np.ndarray, class_id: int, geometry, colour: np.ndarray) -> N
         draw.ellipse((*scaled(x1, y1), *scaled(x2, y2)), fill=255)
     else:
         draw.polygon([scaled(px, py) for px, py in geometry], fill=255)
-    coverage = np.asarray(mask.resize((right - left, bottom - top), Image.LANCZOS), np.float32)[..., None] / 255.0
+    reduced = mask.resize((right - left, bottom - top), Image.Resampling.LANCZOS)
+    coverage = np.asarray(reduced, np.float32)[..., None] / 255.0
     region = canvas[top:bottom, left:right]
     region += (colour - region) * coverage

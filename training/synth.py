@@ -269,7 +269,7 @@ def _draw(image: Image.Image, class_id: int, box, polygon, colour, outline: bool
     else:
         draw.polygon(shift, fill=255)
     if smooth:
-        mask = mask.resize((right - left, bottom - top), Image.LANCZOS)
+        mask = mask.resize((right - left, bottom - top), Image.Resampling.LANCZOS)
     image.paste(Image.new("RGB", mask.size, colour), (left, top), mask)
 
 

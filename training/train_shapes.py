@@ -107,8 +107,8 @@ def build_model(config: TrainConfig) -> TinyYolo:
     torch.manual_seed(config.seed)
     model = TinyYolo(len(LABELS), width=config.width)
     prior = -math.log((1 - 0.01) / 0.01)   # start every class score near 1%
-    for head in model.heads:
-        torch.nn.init.constant_(head.bias[4:], prior)
+    for head in model.heads:  # type: ignore[union-attr]  # a ModuleList of Conv2d
+        torch.nn.init.constant_(head.bias[4:], prior)  # type: ignore[index]
     return model
 
 
