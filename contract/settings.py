@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 from urllib.parse import unquote, urlsplit
 
 import yaml
@@ -22,6 +22,13 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 CONFIG_ENV = "IMGSERVE_CONFIG"
 REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
 METRICS_PORT_ENV = "IMGSERVE_METRICS_PORT"
+# Any setting from the environment: IMGSERVE_<SECTION>__<KEY>=value (the double underscore separates the
+# section from the key; the value is read as YAML: 20, 0.5, true, [a, b]), e.g. IMGSERVE_GPU_WORKER__DEVICE=sim,
+# IMGSERVE_BATCHING__WINDOW_MS=8. Top-level keys keep their own variables (IMGSERVE_REDIS_URL).
+ENV_PREFIX, ENV_SEPARATOR = "IMGSERVE_", "__"
+
+# The story's batch-size table (ms per batch on its GPU): the `sim` device's default profile.
+STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
 
 
 class SettingsError(ValueError):
@@ -88,7 +95,7 @@ class GpuWorkerSettings:
     busy_window_s: float = 60.0
     max_attempts: int = 3         # a frame requeued this often (its worker died each time) fails as poison
     # device `sim`: ms per batch by batch size (the story's table by default)
-    sim_latency_ms: dict[int, float] = field(default_factory=lambda: {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0})
+    sim_latency_ms: dict[int, float] = field(default_factory=lambda: dict(STORY_PROFILE_MS))
 
 
 @dataclass(frozen=True)
@@ -227,6 +234,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
     if os.environ.get(METRICS_PORT_ENV):
         raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
+    raw = _merge(raw, environment_overrides(os.environ))
     raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
     settings: Settings = _build(Settings, raw)
     _check_secrets(settings)
@@ -262,6 +270,26 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
     _fill_from_model_file(raw)
     spec: ModelSpec = _build(ModelSpec, raw)
     return spec
+
+
+def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """IMGSERVE_<SECTION>__<KEY>=value as {section: {key: value}}; an unknown section or key is refused
+    when the settings are built, like an unknown key in a file."""
+    overrides: dict[str, Any] = {}
+    for name, text in environ.items():
+        if not name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in name:
+            continue
+        section, _, key = name[len(ENV_PREFIX):].lower().partition(ENV_SEPARATOR)
+        if not section or not key or ENV_SEPARATOR in key:
+            raise SettingsError(f"{name}: expected {ENV_PREFIX}<SECTION>{ENV_SEPARATOR}<KEY>")
+        if _nested_type(Settings, section) is None:
+            raise SettingsError(f"{name}: no settings section {section!r} (the model is set in its spec file)")
+        try:
+            value = yaml.safe_load(text) if text.strip() else ""
+        except yaml.YAMLError as exc:
+            raise SettingsError(f"{name}: not a YAML value: {exc}") from exc
+        overrides.setdefault(section, {})[key] = value
+    return overrides
 
 
 def _fill_from_model_file(raw: dict[str, Any]) -> None:

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from contract.frames import Frame
-from contract.settings import ModelSpec
+from contract.settings import STORY_PROFILE_MS, ModelSpec
 from gpu_worker.devices import (
     DETECTION_COLUMNS,
     PARAM_COLUMNS,
@@ -32,8 +32,7 @@ from gpu_worker.devices import (
     warm_up_frames,
 )
 
-# The story's batch-size table (ms per batch on its GPU).
-STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
+__all__ = ["STORY_PROFILE_MS", "SimulatedDevice", "profile_latency_s"]
 OBJECTS_PER_IMAGE = 4
 
 

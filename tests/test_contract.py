@@ -216,3 +216,40 @@ def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(r
     redis_client.delete(keys.upload("b" * 32))                             # the upload expired
     assert store.enqueue_frame("b" * 32, b"frame", 10, {}) == jobs.JOB_OVER
     assert redis_client.llen(keys.frames) == 0
+
+
+def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
+    monkeypatch.setenv("IMGSERVE_GPU_WORKER__DEVICE", "sim")
+    monkeypatch.setenv("IMGSERVE_BATCHING__WINDOW_MS", "8.5")
+    monkeypatch.setenv("IMGSERVE_CALLBACKS__ALLOW_HOSTS", "[10.0.0.0/8, hooks.internal]")
+    settings = load_settings()
+    assert settings.gpu_worker.device == "sim" and settings.batching.window_ms == 8.5
+    assert tuple(settings.callbacks.allow_hosts) == ("10.0.0.0/8", "hooks.internal")
+
+
+@pytest.mark.parametrize("name, says", [("IMGSERVE_BATCHING__WINDOW_MZ", "unknown BatchingSettings settings"),
+                                        ("IMGSERVE_NOPE__X", "no settings section 'nope'"),
+                                        ("IMGSERVE_MODEL__CONF", "no settings section 'model'")])
+def test_a_misspelt_environment_setting_is_refused_by_name(monkeypatch, name, says):
+    monkeypatch.setenv(name, "1")
+    with pytest.raises(SettingsError, match=says):
+        load_settings()
+
+
+def test_the_default_file_names_every_setting_the_code_has():
+    """configs/default.yaml is where a reader looks for a setting: every field of every section is there."""
+    import dataclasses
+
+    import yaml
+
+    from contract import settings as settings_module
+
+    written = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
+    for section, cls in (("api", settings_module.ApiSettings), ("jobs", settings_module.JobSettings),
+                         ("batching", settings_module.BatchingSettings),
+                         ("gpu_worker", settings_module.GpuWorkerSettings),
+                         ("celery", settings_module.CeleryWorkerSettings),
+                         ("backpressure", settings_module.BackpressureSettings),
+                         ("auth", settings_module.AuthSettings), ("callbacks", settings_module.CallbackSettings)):
+        missing = {f.name for f in dataclasses.fields(cls)} - set(written.get(section) or {})
+        assert not missing, f"configs/default.yaml lacks {section}: {sorted(missing)}"
