@@ -32,21 +32,18 @@ class Preprocessor:
     def run(self, job_id: str) -> str:
         """Returns what happened, for the task's log line and Flower."""
         started_at = time.time()
-        record = self.store.load(job_id)
-        if record is None:
+        verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at)
+        if verdict == "missing":
             return "missing"
-        if record["status"] != jobs.QUEUED and record["status"] != jobs.PREPROCESSING:
-            return f"skipped ({record['status']})"
-        if started_at > record["deadline_at"]:
+        if verdict == "over":
+            return f"skipped ({record.get('status')})"
+        if verdict == "late":
             self.store.expire(job_id, "before preprocessing")
             return "expired"
-        if not self.store.advance(job_id, jobs.PREPROCESSING, {"cpu_started_at": started_at}):
-            return "skipped (ended meanwhile)"
-        upload = self.redis.get(self.keys.upload(job_id))
         if upload is None:
             self.store.fail(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
             return "failed"
-        return self._push_frame(job_id, record, upload, started_at)  # type: ignore[arg-type]  # bytes: no decode_responses
+        return self._push_frame(job_id, record, upload, started_at)
 
     def _push_frame(self, job_id: str, record: dict, upload: bytes, started_at: float) -> str:
         spec = self.settings.model

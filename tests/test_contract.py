@@ -253,3 +253,23 @@ def test_the_default_file_names_every_setting_the_code_has():
                          ("auth", settings_module.AuthSettings), ("callbacks", settings_module.CallbackSettings)):
         missing = {f.name for f in dataclasses.fields(cls)} - set(written.get(section) or {})
         assert not missing, f"configs/default.yaml lacks {section}: {sorted(missing)}"
+
+
+def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
+    keys = Keys("claim")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    assert store.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
+    store.create("c" * 32, b"the upload", 60, {"deadline_at": 200.0, "received_at": 99.0})
+    assert store.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
+    assert store.load("c" * 32)["status"] == jobs.QUEUED                       # the caller ends it
+    verdict, upload, record = store.claim_for_preprocessing("c" * 32, 150.0)
+    assert (verdict, upload) == ("claimed", b"the upload")
+    assert record["status"] == jobs.PREPROCESSING and record["cpu_started_at"] == 150.0
+    assert record["received_at"] == 99.0
+    assert store.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"       # a redelivery may claim again
+    store.finish("c" * 32, jobs.CANCELLED)
+    verdict, upload, record = store.claim_for_preprocessing("c" * 32, 152.0)
+    assert (verdict, upload, record["status"]) == ("over", None, jobs.CANCELLED)
+    store.create("d" * 32, b"x", 60, {"deadline_at": 200.0})
+    redis_client.delete(keys.upload("d" * 32))
+    assert store.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("no_upload", None)
