@@ -236,8 +236,9 @@ def test_a_misspelt_environment_setting_is_refused_by_name(monkeypatch, name, sa
         load_settings()
 
 
-def test_the_default_file_names_every_setting_the_code_has():
-    """configs/default.yaml is where a reader looks for a setting: every field of every section is there."""
+def test_the_default_file_names_every_setting_the_code_has_with_the_same_default():
+    """configs/default.yaml is where a reader looks for a setting: every field of every section is there,
+    with the value the code falls back to, so the two places cannot drift apart."""
     import dataclasses
 
     import yaml
@@ -253,6 +254,11 @@ def test_the_default_file_names_every_setting_the_code_has():
                          ("auth", settings_module.AuthSettings), ("callbacks", settings_module.CallbackSettings)):
         missing = {f.name for f in dataclasses.fields(cls)} - set(written.get(section) or {})
         assert not missing, f"configs/default.yaml lacks {section}: {sorted(missing)}"
+        for field in dataclasses.fields(cls):   # and says what the code does when a file is silent
+            in_code, in_file = getattr(cls(), field.name), written[section][field.name]
+            if isinstance(in_code, dict):
+                in_code, in_file = ({float(k): float(v) for k, v in d.items()} for d in (in_code, in_file))
+            assert (tuple(in_file) if isinstance(in_file, list) else in_file) == in_code, (section, field.name)
 
 
 def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
