@@ -46,8 +46,8 @@ def create_baseline_app(settings: Settings, device: Device) -> Flask:
         spec = device.spec
         try:
             t0 = time.perf_counter()
-            image, orig = decode_image(data, spec.input_size, settings.api.max_image_pixels,
-                                       settings.api.max_decoded_bytes)
+            image, orig = decode_image(data, spec.input_size, settings.decode.max_image_pixels,
+                                       settings.decode.max_decoded_bytes)
             t1 = time.perf_counter()
             boxed = letterbox(image, orig, spec.input_size)
             t2 = time.perf_counter()

@@ -8,6 +8,7 @@ without a config file of its own.
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -59,11 +60,21 @@ def check_secret(name: str, value: str) -> None:
 
 
 @dataclass(frozen=True)
+class DecodeSettings:
+    """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
+    max_image_pixels: int = 80_000_000
+    max_decoded_bytes: int = 256 * 1024 * 1024   # an image's pixels in memory, as Pillow holds them
+
+
+# Settings that moved to another section: (old section, key) -> new section. A file or variable that
+# still names the old place is read into the new one, with a warning.
+_MOVED = {("api", "max_image_pixels"): "decode", ("api", "max_decoded_bytes"): "decode"}
+
+
+@dataclass(frozen=True)
 class ApiSettings:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_wait_s: float = 30.0
-    max_image_pixels: int = 80_000_000
-    max_decoded_bytes: int = 256 * 1024 * 1024   # an image's pixels in memory, as Pillow holds them
     redis_timeout_s: float = 2.0
     # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
     # metrics_host), so an internal network can scrape what the public port does not show.
@@ -208,6 +219,7 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "imgserve"
     api: ApiSettings = field(default_factory=ApiSettings)
+    decode: DecodeSettings = field(default_factory=DecodeSettings)
     jobs: JobSettings = field(default_factory=JobSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     gpu_worker: GpuWorkerSettings = field(default_factory=GpuWorkerSettings)
@@ -234,7 +246,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
     if os.environ.get(METRICS_PORT_ENV):
         raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
-    raw = _merge(raw, environment_overrides(os.environ))
+    raw = _moved_to_their_sections(_merge(raw, environment_overrides(os.environ)))
     raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
     settings: Settings = _build(Settings, raw)
     _check_secrets(settings)
@@ -270,6 +282,27 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
     _fill_from_model_file(raw)
     spec: ModelSpec = _build(ModelSpec, raw)
     return spec
+
+
+def _moved_to_their_sections(raw: dict[str, Any]) -> dict[str, Any]:
+    """Settings named in their old section (a config written before they moved) go to their new one;
+    the new place wins when both are given."""
+    for (old, key), new in _MOVED.items():
+        section = raw.get(old)
+        if isinstance(section, dict) and key in section:
+            value = section.pop(key)
+            target = raw.setdefault(new, {})
+            if key not in target or target[key] == getattr(_section_defaults(new), key):
+                target[key] = value
+            warnings.warn(f"setting {old}.{key} is now {new}.{key}; the old name is read for now",
+                          DeprecationWarning, stacklevel=3)
+    return raw
+
+
+def _section_defaults(name: str) -> Any:
+    section = _nested_type(Settings, name)
+    assert section is not None, name
+    return section()
 
 
 def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -371,6 +404,7 @@ def _build(cls: type, raw: dict[str, Any]) -> Any:
 def _nested_type(cls: type, name: str) -> type | None:
     nested = {
         "api": ApiSettings,
+        "decode": DecodeSettings,
         "jobs": JobSettings,
         "batching": BatchingSettings,
         "gpu_worker": GpuWorkerSettings,

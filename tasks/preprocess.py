@@ -49,8 +49,8 @@ class Preprocessor:
         spec = self.settings.model
         try:
             t0 = time.perf_counter()
-            image, orig_size = decode_image(upload, spec.input_size, self.settings.api.max_image_pixels,
-                                            self.settings.api.max_decoded_bytes)
+            image, orig_size = decode_image(upload, spec.input_size, self.settings.decode.max_image_pixels,
+                                            self.settings.decode.max_decoded_bytes)
             t1 = time.perf_counter()
             boxed = letterbox(image, orig_size, spec.input_size)
         except ImageDecodeError as exc:

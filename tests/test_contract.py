@@ -246,7 +246,8 @@ def test_the_default_file_names_every_setting_the_code_has_with_the_same_default
     from contract import settings as settings_module
 
     written = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
-    for section, cls in (("api", settings_module.ApiSettings), ("jobs", settings_module.JobSettings),
+    for section, cls in (("api", settings_module.ApiSettings), ("decode", settings_module.DecodeSettings),
+                         ("jobs", settings_module.JobSettings),
                          ("batching", settings_module.BatchingSettings),
                          ("gpu_worker", settings_module.GpuWorkerSettings),
                          ("celery", settings_module.CeleryWorkerSettings),
@@ -281,3 +282,11 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     assert store.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)   # the caller fails it
     redis_client.script_flush()                                                      # Redis forgot the script
     assert store.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
+
+
+def test_a_config_naming_the_decode_limits_under_api_still_works_with_a_warning(tmp_path):
+    (tmp_path / "old.yaml").write_text("api:\n  max_image_pixels: 1000\n  max_upload_bytes: 5000\n")
+    with pytest.warns(DeprecationWarning, match="api.max_image_pixels is now decode.max_image_pixels"):
+        settings = load_settings(tmp_path / "old.yaml")
+    assert settings.decode.max_image_pixels == 1000 and settings.api.max_upload_bytes == 5000
+    assert not hasattr(settings.api, "max_image_pixels")
