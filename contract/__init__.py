@@ -2,7 +2,7 @@
 
 - `settings`: every setting, from YAML.
 - `keys`: every Redis key and channel.
-- `jobs`: job states, the record in Redis and its public JSON.
+- `jobs`: job states (`JobStatus`), the record in Redis (`JobRecord`) and the Lua steps that move it.
 - `frames`: the binary frame on the GPU list.
 - `timebill`: the stages of a request's life and their durations.
 - `documents`: the public JSON documents (job, callback, submit options) as pydantic models.

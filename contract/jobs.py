@@ -12,7 +12,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from enum import StrEnum
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence, TypedDict, cast
 
 import redis
 
@@ -40,6 +40,34 @@ QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = (JobStatus.QUEUED, JobStatus.PREPRO
 SUCCEEDED, FAILED, EXPIRED, CANCELLED = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED
 STATUSES = tuple(JobStatus)
 TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
+
+class JobRecord(TypedDict, total=False):
+    """A job's hash as the processes read it (`JobStore.load`): the fields each stage writes, decoded.
+    Written by `create` (id .. owner, callback_url), the CPU worker (the stamps up to pushed_at), the GPU
+    worker (result, timings, batch), whoever ends it (error, finished_at) and the callback worker."""
+    id: str
+    status: str                    # a JobStatus value
+    received_at: float
+    submitted_at: float
+    deadline_at: float
+    updated_at: float
+    finished_at: float
+    options: dict[str, Any]        # conf, iou, max_det as the client gave them
+    media_type: str
+    bytes: str
+    owner: str                     # the API key's id, when keys are configured
+    callback_url: str
+    cpu_started_at: float
+    decode_ms: float
+    resize_ms: float
+    backpressure_ms: float
+    pushed_at: float
+    result: dict[str, Any]
+    timings: dict[str, float]
+    batch: dict[str, Any]
+    error: dict[str, str]          # code, message
+    callback: dict[str, Any]       # status, attempts, last_error
+
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
 STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "backpressure_ms",
@@ -178,7 +206,7 @@ class JobStore:
         pipe.expire(self.keys.job(job_id), self.ttl_s)
         pipe.execute()
 
-    def load(self, job_id: str) -> dict[str, Any] | None:
+    def load(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hgetall(self.keys.job(job_id))
         return _decode(raw) if raw else None
 
@@ -230,7 +258,7 @@ class JobStore:
         keys = [self.keys.job(job_id), self.keys.frames, self.keys.upload(job_id)]
         return int(self._enqueue_frame(keys=keys, args=args))
 
-    def claim_for_preprocessing(self, job_id: str, now: float) -> tuple[str, bytes | None, dict[str, Any]]:
+    def claim_for_preprocessing(self, job_id: str, now: float) -> tuple[str, bytes | None, JobRecord]:
         """A CPU worker takes a queued job: (verdict, upload, record) in one round trip; see _CLAIM.
         A claimed job whose upload expired comes back with `upload` None."""
         for attempt in (1, 2):
@@ -290,7 +318,7 @@ def _flatten(fields: Mapping[str, Any]) -> list[str]:
     return flat
 
 
-def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
+def _decode(raw: Mapping[Any, Any]) -> JobRecord:
     """A job hash as redis-py returns it (bytes names and values) -> its record."""
     record: dict[str, Any] = {}
     for name_b, value_b in raw.items():
@@ -301,4 +329,4 @@ def _decode(raw: Mapping[Any, Any]) -> dict[str, Any]:
             record[name] = float(value)
         else:
             record[name] = value
-    return record
+    return cast(JobRecord, record)

@@ -45,7 +45,7 @@ class Preprocessor:
             return "failed"
         return self._push_frame(job_id, record, upload, started_at)
 
-    def _push_frame(self, job_id: str, record: dict, upload: bytes, started_at: float) -> str:
+    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes, started_at: float) -> str:
         spec = self.settings.model
         try:
             t0 = time.perf_counter()
@@ -56,12 +56,16 @@ class Preprocessor:
         except ImageDecodeError as exc:
             self.store.fail(job_id, exc.code, str(exc))
             return "failed"
-        stamps = {name: record[name] for name in ("received_at", "submitted_at") if name in record}
+        stamps: dict[str, float] = {}
+        if "received_at" in record:
+            stamps["received_at"] = record["received_at"]
+        if "submitted_at" in record:
+            stamps["submitted_at"] = record["submitted_at"]
         stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0,
                       resize_ms=(time.perf_counter() - t1) * 1000.0)
         return self._commit(job_id, record, boxed, stamps)
 
-    def _commit(self, job_id: str, record: dict, boxed: Letterboxed, stamps: dict) -> str:
+    def _commit(self, job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict) -> str:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
         wait for room (never drop, never grow the list past its bound). Each try packs the frame afresh,
         stamped at that moment: a frame that waited for room is billed `backpressure`, not `queue_gpu`,
@@ -83,7 +87,7 @@ class Preprocessor:
             time.sleep(self.settings.backpressure.room_poll_s)
 
 
-def _header(job_id: str, record: dict, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
+def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
     return FrameHeader(
         job_id=job_id,
         width=boxed.width,
