@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Mapping
 from urllib.parse import unquote, urlsplit
 
 import yaml
+from pydantic import ConfigDict, ValidationError
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from contract import model_files
 
@@ -30,6 +32,16 @@ ENV_PREFIX, ENV_SEPARATOR = "IMGSERVE_", "__"
 
 # The story's batch-size table (ms per batch on its GPU): the `sim` device's default profile.
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
+
+
+# Every settings class is a pydantic dataclass: still a frozen dataclass (attribute access,
+# dataclasses.replace), and its values are type-checked and coerced where a reading is unambiguous
+# ("8" for an int, 8 for a float); unknown keys are refused (the loader names them first).
+_SETTINGS_CONFIG = ConfigDict(extra="forbid")
+
+
+def settings_class(cls: type) -> Any:
+    return pydantic_dataclass(frozen=True, config=_SETTINGS_CONFIG)(cls)
 
 
 class SettingsError(ValueError):
@@ -59,7 +71,7 @@ def check_secret(name: str, value: str) -> None:
                             "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
 
 
-@dataclass(frozen=True)
+@settings_class
 class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
     max_image_pixels: int = 80_000_000
@@ -71,7 +83,7 @@ class DecodeSettings:
 _MOVED = {("api", "max_image_pixels"): "decode", ("api", "max_decoded_bytes"): "decode"}
 
 
-@dataclass(frozen=True)
+@settings_class
 class ApiSettings:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_wait_s: float = 30.0
@@ -82,14 +94,14 @@ class ApiSettings:
     metrics_host: str = "0.0.0.0"
 
 
-@dataclass(frozen=True)
+@settings_class
 class JobSettings:
     ttl_s: int = 3600
     upload_ttl_s: int = 600
     default_deadline_ms: int = 60_000
 
 
-@dataclass(frozen=True)
+@settings_class
 class BatchingSettings:
     max_batch_size: int = 8
     window_ms: float = 12.0
@@ -97,7 +109,7 @@ class BatchingSettings:
     gather_poll_ms: float = 1.0
 
 
-@dataclass(frozen=True)
+@settings_class
 class GpuWorkerSettings:
     device: str = "auto"
     heartbeat_ttl_s: float = 10.0
@@ -109,7 +121,7 @@ class GpuWorkerSettings:
     sim_latency_ms: dict[int, float] = field(default_factory=lambda: dict(STORY_PROFILE_MS))
 
 
-@dataclass(frozen=True)
+@settings_class
 class BackpressureSettings:
     max_frames: int = 64          # the frame list never holds more; CPU workers wait for room
     max_backlog: int = 256        # preprocess queue + frame list above this: the API answers 429
@@ -117,7 +129,7 @@ class BackpressureSettings:
     room_poll_s: float = 0.005
 
 
-@dataclass(frozen=True)
+@settings_class
 class CallbackSettings:
     secret: str = ""              # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
     allow_hosts: tuple[str, ...] = ()  # hosts or CIDRs allowed even when private/loopback (an internal receiver)
@@ -130,7 +142,7 @@ class CallbackSettings:
 API_KEY_FIELDS = {"id", "sha256", "callback_secret_env", "callback_secret_file", "admin"}
 
 
-@dataclass(frozen=True)
+@settings_class
 class AuthSettings:
     # [{id: team-a, sha256: <hex of the key>, callback_secret_env: TEAM_A_CALLBACK_SECRET}]; empty: /v1 is open.
     # A key's callback secret is named, never written here: an environment variable or a file (a compose secret).
@@ -149,13 +161,13 @@ class AuthSettings:
                                     f"(a callback secret is named by callback_secret_env or callback_secret_file)")
 
 
-@dataclass(frozen=True)
+@settings_class
 class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
 
 
-@dataclass(frozen=True)
+@settings_class
 class ModelSpec:
     """What the GPU worker loads and what the CPU workers letterbox for."""
 
@@ -213,7 +225,7 @@ class ModelSpec:
         }
 
 
-@dataclass(frozen=True)
+@settings_class
 class Settings:
     model: ModelSpec
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -397,6 +409,9 @@ def _build(cls: type, raw: dict[str, Any]) -> Any:
         values[name] = _build(nested, value) if nested and isinstance(value, dict) else value
     try:
         return cls(**values)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors())
+        raise SettingsError(f"{cls.__name__}: {problems}") from None
     except TypeError as exc:
         raise SettingsError(f"{cls.__name__}: {exc}") from exc
 

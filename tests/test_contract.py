@@ -290,3 +290,12 @@ def test_a_config_naming_the_decode_limits_under_api_still_works_with_a_warning(
         settings = load_settings(tmp_path / "old.yaml")
     assert settings.decode.max_image_pixels == 1000 and settings.api.max_upload_bytes == 5000
     assert not hasattr(settings.api, "max_image_pixels")
+
+
+def test_a_setting_of_the_wrong_type_is_refused_by_name_and_a_clear_one_coerced(tmp_path):
+    (tmp_path / "typed.yaml").write_text("batching:\n  max_batch_size: '16'\n  window_ms: 8\n")
+    settings = load_settings(tmp_path / "typed.yaml")
+    assert settings.batching.max_batch_size == 16 and isinstance(settings.batching.window_ms, float)
+    (tmp_path / "wrong.yaml").write_text("batching:\n  window_ms: soon\n")
+    with pytest.raises(SettingsError, match="BatchingSettings: window_ms: .*number"):
+        load_settings(tmp_path / "wrong.yaml")
