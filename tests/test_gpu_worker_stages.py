@@ -189,3 +189,23 @@ def test_a_defect_in_the_device_stage_fails_its_batch_and_the_worker_serves_on(r
     error = yaml.safe_load(redis_client.hget(keys.job(ids[0]), "error"))
     assert error == {"code": "inference_error", "message": "a defect in the device stage"}
     assert redis_client.llen(keys.processing("stages-gpu")) == 0
+
+
+def test_a_damaged_or_oversized_frame_fails_its_own_job_as_bad_frame_and_the_rest_go_on():
+    from types import SimpleNamespace
+
+    from gpu_worker.batcher import Batch
+    from gpu_worker.intake import Intake
+    from tests.test_gpu_worker_parts import make_frame
+
+    good = make_frame("good", 48, 32, 8, 16)
+    truncated = make_frame("truncated", 48, 32, 8, 16)[:-10]      # its header promises more pixels
+    too_wide = make_frame("too-wide", 80, 32, 0, 16)               # does not fit a 64 input
+    unreadable = b"not a frame at all"                             # no job id to fail: logged, dropped
+    batch = Batch(items=[memoryview(f) for f in (good, truncated, too_wide, unreadable)], opened_at=0.0,
+                  closed_at=0.0, closed_by="full", popped_at=[1.0, 2.0, 3.0, 4.0])
+    frames, refused = Intake._unpack(SimpleNamespace(input_size=64), batch)   # type: ignore[arg-type]
+    assert [frame.header.job_id for frame, _ in frames] == ["good"] and frames[0][1] == 1.0
+    assert [(job_id, status, fields["error"]["code"]) for job_id, status, fields in refused] == [
+        ("truncated", "failed", "bad_frame"), ("too-wide", "failed", "bad_frame")]
+    assert "does not fit the model's 64x64 input" in refused[1][2]["error"]["message"]
