@@ -9,7 +9,8 @@ COPY app ./app
 COPY tasks ./tasks
 COPY gpu_worker ./gpu_worker
 COPY configs ./configs
-ENV PYTHONUNBUFFERED=1 PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus
+# The service runs from here (its pyproject installs dependencies only, no packages).
+ENV PYTHONUNBUFFERED=1 PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus PYTHONPATH=/srv/imgserve
 # The API runs as nobody and writes its multiprocess metrics here.
 RUN mkdir -p /tmp/prometheus && chmod 1777 /tmp/prometheus
 

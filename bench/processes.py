@@ -68,6 +68,13 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
+def with_checkout_on_path(env: dict[str, str]) -> dict[str, str]:
+    """The service's packages run from the checkout, not from site-packages: celery and gunicorn are
+    console scripts, so they find `tasks` and `app` only through PYTHONPATH."""
+    paths = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
+
+
 class ManagedProcess:
     """A real child process in its own session, with its output in a log file."""
 
@@ -75,7 +82,7 @@ class ManagedProcess:
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=env, stdout=self._log,
+        self.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=with_checkout_on_path(env), stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:

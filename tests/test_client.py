@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from client import ApiError, Client
+from imgserve_client import ApiError, Client
 from tests.support import REPO_ROOT, encode, jpeg, make_image
 
 pytestmark = pytest.mark.integration
@@ -39,22 +39,22 @@ def test_cli_submits_a_folder_and_prints_the_detections(stack, tmp_path):
     for i in range(3):
         (tmp_path / f"photo{i}.jpg").write_bytes(jpeg(320 + i, 240, seed=i))
     (tmp_path / "notes.txt").write_text("not an image")
-    result = subprocess.run([sys.executable, "-m", "client.cli", "--url", stack.api.url, "submit", str(tmp_path),
-                             "--wait"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit",
+                             str(tmp_path), "--wait"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("1 detections in") == 3
     assert "content" in result.stdout and "notes.txt" not in result.stdout
 
 
 def test_cli_reports_api_errors_plainly(stack):
-    result = subprocess.run([sys.executable, "-m", "client.cli", "--url", stack.api.url, "status", "nope"],
+    result = subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "status", "nope"],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "404" in result.stderr
 
 
 def test_the_clients_terminal_states_are_the_services():
     """The client imports nothing from the service; this keeps its copy honest."""
-    from client import TERMINAL as client_terminal
     from contract.jobs import TERMINAL
+    from imgserve_client import TERMINAL as client_terminal
 
     assert set(client_terminal) == {status.value for status in TERMINAL}

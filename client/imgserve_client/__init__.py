@@ -1,6 +1,6 @@
 """A Python client for the imgserve API.
 
-    from client import Client
+    from imgserve_client import Client
     c = Client("http://localhost:8000")
     doc = c.submit("street.jpg", wait=True)            # the finished job document
     for path, doc in c.submit_many(Path("photos").glob("*.jpg"), concurrency=8):

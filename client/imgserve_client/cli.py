@@ -15,7 +15,7 @@ import os
 import sys
 from pathlib import Path
 
-from client import ApiError, Client
+from imgserve_client import ApiError, Client
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
