@@ -145,16 +145,12 @@ def _iou(a, b) -> float:
 
 # --- domain randomisation: the default model's training scenes ----------------------------------
 @dataclass(frozen=True)
-class RandomisedSettings:
+class RandomisedSettings(SceneSettings):
     """Scenes for training, randomised along every axis a user's image may differ in."""
-    min_side: int = 160
     max_side: int = 800
-    max_aspect: float = 2.6
-    min_objects: int = 1
     max_objects: int = 7
     min_object_frac: float = 0.03     # of the short side
     max_object_frac: float = 0.60
-    max_overlap_iou: float = 0.15
     min_contrast: float = 14.0        # CIE76 delta E between a shape and the background under it
 
 
@@ -163,9 +159,7 @@ def randomised_scene(rng: random.Random, settings: RandomisedSettings = Randomis
     """Any colour with enough contrast (drawn in CIELAB), flat, noisy, graded or busy backgrounds,
     fills and outlines, 3-60% of the short side, upright and turned, several triangle shapes,
     aliased or anti-aliased edges, touching neighbours; then blur, noise and JPEG at quality 30-95."""
-    width, height = size or _random_size(rng, SceneSettings(min_side=settings.min_side,
-                                                             max_side=settings.max_side,
-                                                             max_aspect=settings.max_aspect))
+    width, height = size or _random_size(rng, settings)
     image = _randomised_background(rng, width, height)
     scene = Scene(image=image)
     colours: list[np.ndarray] = []
