@@ -36,9 +36,9 @@ from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
 from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
-from contract.settings import REPO_ROOT
+from contract.settings import REPO_ROOT, STORY_PROFILE_MS
 from contract.timebill import HOST_STAGES, host_ms_per_batch
-from gpu_worker.simulated import STORY_PROFILE_MS, profile_latency_s
+from gpu_worker.simulated import profile_latency_s
 
 # A small detector on a modern GPU: a batch of 8 in a few milliseconds.
 FAST_PROFILE_MS = {1: 2.0, 8: 6.0, 16: 10.0}

@@ -30,10 +30,6 @@ class JobStatus(StrEnum):
     EXPIRED = "expired"
     CANCELLED = "cancelled"
 
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL
-
 
 QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = (JobStatus.QUEUED, JobStatus.PREPROCESSING, JobStatus.QUEUED_GPU,
                                              JobStatus.RUNNING)

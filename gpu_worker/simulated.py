@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from contract.frames import Frame
-from contract.settings import STORY_PROFILE_MS, ModelSpec
+from contract.settings import ModelSpec
 from gpu_worker.devices import (
     DETECTION_COLUMNS,
     PARAM_COLUMNS,
@@ -32,7 +32,6 @@ from gpu_worker.devices import (
     warm_up_frames,
 )
 
-__all__ = ["STORY_PROFILE_MS", "SimulatedDevice", "profile_latency_s"]
 OBJECTS_PER_IMAGE = 4
 
 

@@ -9,8 +9,8 @@ from bench.diagnose import band, pattern
 from bench.load import Outcome
 from bench.report import markdown, summarise
 from contract.frames import unpack_frame
-from contract.settings import ModelSpec
-from gpu_worker.simulated import STORY_PROFILE_MS, SimulatedDevice, profile_latency_s
+from contract.settings import STORY_PROFILE_MS, ModelSpec
+from gpu_worker.simulated import SimulatedDevice, profile_latency_s
 from gpu_worker.stats import BusyMeter, percentile, summarise_bills
 from tests.test_gpu_worker_parts import make_frame
 
