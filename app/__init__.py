@@ -21,6 +21,7 @@ from app.waiters import JobEventListener
 from contract.connection import connect
 from contract.jobs import JobStore
 from contract.keys import Keys
+from contract.models import Catalogue
 from contract.settings import Settings, load_settings
 from tasks.celery_app import make_celery
 
@@ -42,6 +43,7 @@ class Services:
     redis: redis.Redis
     keys: Keys
     store: JobStore
+    catalogue: Catalogue
     celery: Celery
     listener: JobEventListener
 
@@ -60,6 +62,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
         store=JobStore(client, keys, settings.jobs.ttl_s),
+        catalogue=Catalogue(settings),
         celery=celery,
         # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks).
         listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events),

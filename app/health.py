@@ -10,6 +10,7 @@ from flask import Blueprint, Response, current_app, jsonify
 from app.openapi import Reply, operation
 from contract.documents import Health, ModelList, Readiness
 from contract.heartbeat import Heartbeat
+from contract.jobs import queue_depths
 
 blueprint = Blueprint("health", __name__)
 
@@ -40,19 +41,36 @@ def readyz() -> tuple[Response, int]:
 
 
 @blueprint.get("/v1/models")
-@operation("The models the live GPU workers serve", tag="models", problems=(503,),
-           replies={200: Reply("One entry per model and version, with the workers serving it", ModelList)})
+@operation("The models this deployment serves: each version, its routing, workers, queue and p95", tag="models",
+           problems=(503,),
+           replies={200: Reply("One entry per model version, and per name how `model=name` is split", ModelList)})
 def list_models() -> Response:
+    services = current_app.extensions["imgserve"]
+    catalogue = services.catalogue
     workers = live_gpu_workers()
-    models: dict[tuple[str, str], dict[str, Any]] = {}
-    for info in workers:
-        model = info.model.model_dump()
-        entry = models.setdefault((info.model.name, info.model.version), {**model, "devices": [], "workers": []})
-        entry["devices"].append(info.model.device)
-        entry["workers"].append(info.worker_id)
-    for entry in models.values():
-        entry.pop("device", None)
-    return jsonify(ModelList.model_validate({"models": list(models.values())}).to_json())
+    depths = queue_depths(services.redis, services.keys, list(catalogue.specs))
+    versions: list[dict[str, Any]] = []
+    for spec in catalogue:
+        served = [(info, model) for info in workers for model in info.served_models() if model.key == spec.key]
+        entry: dict[str, Any] = {**spec.describe(), "format": spec.format}
+        if served:   # what a worker says about the loaded model (precision, output, simulated, ...)
+            entry.update({k: v for k, v in served[0][1].model_dump().items() if k not in ("device", "stats")})
+        p95s = [float(model.stats["p95_ms"]) for _, model in served if model.stats.get("p95_ms") is not None]
+        weights = catalogue.weights(spec.name)
+        entry.update({
+            "state": "draining" if spec.key in catalogue.draining else "serving",
+            "default": spec.key == catalogue.default.key,
+            "share": round(weights.get(spec.version, 0.0) / sum(weights.values()), 4) if weights else 0.0,
+            "workers": [info.worker_id for info, _ in served],
+            "devices": [model.device for _, model in served],
+            "queue": depths[spec.key],
+            "p95_ms": max(p95s) if p95s else None,
+            "recent_jobs": sum(int(model.stats.get("jobs", 0)) for _, model in served),
+        })
+        versions.append(entry)
+    names = {spec.name: {"name": spec.name, "versions": [s.version for s in catalogue if s.name == spec.name],
+                         "routes": catalogue.weights(spec.name)} for spec in catalogue}
+    return jsonify(ModelList.model_validate({"models": versions, "names": list(names.values())}).to_json())
 
 
 def live_gpu_workers() -> list[Heartbeat]:

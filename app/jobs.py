@@ -7,13 +7,22 @@ import time
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 
+from app import metrics
 from app.auth import owns
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
-from app.uploads import check_image, option_values, parse_options, read_whole_body, validate_params
+from app.uploads import check_image, option_values, read_whole_body, validate_params
 from contract import jobs
-from contract.documents import JobAccepted, JobDocument, job_document, submit_options_model, wait_query_model
-from contract.settings import SettingsError
+from contract.documents import (
+    JobAccepted,
+    JobDocument,
+    job_document,
+    model_ref,
+    submit_options_model,
+    wait_query_model,
+)
+from contract.models import UnknownModel
+from contract.settings import ModelSpec, SettingsError
 from tasks.callbacks import CallbackRefused, callback_secret, check_callback_url
 from tasks.celery_app import send_preprocess
 
@@ -22,14 +31,17 @@ log = logging.getLogger("api")
 
 
 def _submit_options(settings):
-    return submit_options_model(settings.jobs.default_deadline_ms)
+    """deadline_ms is bounded by the longest default deadline of any model; then by its own model's."""
+    return submit_options_model(max(settings.default_deadline_ms(spec) for spec in settings.models))
 
 
 @blueprint.post("")
 @operation("Submit an image for detection", tag="jobs",
            problems=((400, "An option is invalid (named in `invalid_params`), the image is empty, missing or "
                            "given twice, the body is shorter than its Content-Length or its chunked framing is "
-                           "broken, or callbacks are disabled"), 413, 415, 429, 503),
+                           "broken, or callbacks are disabled"),
+                     (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
+                     413, 415, (429, "The requested model's backlog is over its limit"), 503),
            description="Options may come as query parameters or, with a multipart body, as form fields.",
            query=_submit_options, body=lambda settings: image_body(settings, _submit_options(settings)),
            replies={202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
@@ -39,16 +51,30 @@ def _submit_options(settings):
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
     settings = services.settings
-    _refuse_when_backlogged(services)
+    spec = None
+    if "model" in request.args or request.mimetype != "multipart/form-data":
+        # The model is known before the body is read: an unknown model or a full backlog costs no upload.
+        spec = _routed_model(services, request.args.get("model"))
+        _refuse_when_backlogged(services, spec)
     data, declared_type = _read_image(settings.api.max_upload_bytes)
     media_type = check_image(data, declared_type)
-    values = option_values(request.args, request.form, names=_submit_options(settings).model_fields)
-    options = parse_options(values, settings.jobs.default_deadline_ms)
+    submit_options = _submit_options(settings)
+    values = option_values(request.args, request.form, names=submit_options.model_fields)
+    options = validate_params(submit_options, values)
+    if spec is None:   # named in the multipart form
+        spec = _routed_model(services, options.model)
+        _refuse_when_backlogged(services, spec)
+    model_deadline_ms = settings.default_deadline_ms(spec)
+    if options.deadline_ms and options.deadline_ms > model_deadline_ms:
+        reason = f"at most {model_deadline_ms} ms for model {spec.key}"
+        raise Problem(400, "invalid-parameter", "Invalid parameter", f"deadline_ms={options.deadline_ms}: {reason}",
+                      invalid_params=[{"name": "deadline_ms", "reason": reason}])
     callback_url = _checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
-    deadline_ms = options.deadline_ms or settings.jobs.default_deadline_ms
+    deadline_ms = options.deadline_ms or model_deadline_ms
     job_id = jobs.new_job_id()
     services.store.create(job_id, data, settings.jobs.upload_ttl_s, {
+        "model": spec.key,
         "received_at": received_at,
         "deadline_at": received_at + deadline_ms / 1000.0,
         "options": options.for_model(),
@@ -59,14 +85,17 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         **({"callback_url": callback_url} if callback_url else {}),
     })
     try:
-        send_preprocess(services.celery, job_id)
+        send_preprocess(services.celery, job_id, services.keys.preprocess_queue(spec.key))
     except Exception as exc:  # the broker is down: the job never started, so it never existed
         services.store.delete(job_id)
         raise Problem(503, "broker-unavailable", "Service unavailable",
                       f"cannot queue the job: {exc}", headers={"Retry-After": "1"}) from exc
-    log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type})
+    log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
+                                    "model": spec.key})
+    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
-    body = JobAccepted.model_validate({"id": job_id, "status": jobs.QUEUED, "links": {"self": location},
+    body = JobAccepted.model_validate({"id": job_id, "status": jobs.QUEUED, "model": model_ref(spec.key),
+                                       "links": {"self": location},
                                        "created_at": jobs.utc_iso(received_at)})
     return jsonify(body.to_json()), 202, {"Location": location}
 
@@ -155,14 +184,24 @@ def _load_owned(services, job_id: str) -> dict:
     return record
 
 
-def _refuse_when_backlogged(services) -> None:
-    """429 while the work waiting (preprocess queue + GPU list) is over its bound."""
-    limits = services.settings.backpressure
-    backlog = sum(jobs.queue_depths(services.redis, services.keys).values())
-    if backlog >= limits.max_backlog:
+def _routed_model(services, reference: str | None) -> ModelSpec:
+    try:
+        return services.catalogue.resolve(reference)
+    except UnknownModel as exc:
+        raise Problem(404, "model-not-found", "Model not found", f"{exc}; served: {', '.join(exc.served)}",
+                      models=exc.served) from None
+
+
+def _refuse_when_backlogged(services, spec: ModelSpec) -> None:
+    """429 while the model's work waiting (its preprocess queue + its GPU list) is over its bound: one
+    model's overload refuses only its own requests."""
+    settings = services.settings
+    limit = settings.max_backlog(spec)
+    backlog = sum(jobs.queue_depths(services.redis, services.keys, [spec.key])[spec.key].values())
+    if backlog >= limit:
         raise Problem(429, "overloaded", "Too many requests",
-                      f"{backlog} jobs are waiting (limit {limits.max_backlog}); retry later",
-                      headers={"Retry-After": str(limits.retry_after_s)})
+                      f"{backlog} jobs are waiting for model {spec.key} (limit {limit}); retry later",
+                      headers={"Retry-After": str(settings.backpressure.retry_after_s)})
 
 
 def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:

@@ -26,6 +26,8 @@ blueprint = Blueprint("metrics", __name__)
 
 REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "route", "status"])
 REJECTS = Counter("imgserve_api_rejects_total", "Requests refused with a problem document", ["reason"])
+SUBMITTED = Counter("imgserve_api_jobs_submitted_total", "Jobs accepted, by the model version they were routed to",
+                    ["model", "version"])
 LATENCY = Histogram("imgserve_api_request_seconds", "API request latency (long-polls included)", ["route"])
 
 

@@ -8,7 +8,7 @@ from app.health import live_gpu_workers
 from app.openapi import Reply, operation
 from contract.documents import Stats
 from contract.heartbeat import Heartbeat
-from contract.jobs import queue_depths
+from contract.jobs import queue_depths, total_depths
 from contract.timebill import host_ms_per_batch
 
 blueprint = Blueprint("stats", __name__)
@@ -27,8 +27,10 @@ def stats() -> Response:
         raw = client.hgetall(keys.gpu_counters(worker.worker_id))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
+    depths = queue_depths(client, keys, list(services.catalogue.specs))
     summary = Stats.model_validate({
-        "queues": queue_depths(client, keys),
+        "queues": total_depths(depths),
+        "queues_by_model": depths,
         "gpu_workers": [{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
                          **w.stats} for w in workers],
         "gpu": _combined(workers),

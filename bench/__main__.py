@@ -42,9 +42,12 @@ def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: di
 
 def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace,
               open_loop: bool = True, scope: CpuScope | None = CpuScope()) -> list[dict[str, Any]]:
-    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope) for c in args.closed]
+    model = getattr(args, "model", None)
+    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope, model=model)
+               for c in args.closed]
     if open_loop:
-        results += [measure(name, url, images, "open", q, args.open_duration, scope=scope) for q in args.open_qps]
+        results += [measure(name, url, images, "open", q, args.open_duration, scope=scope, model=model)
+                    for q in args.open_qps]
     return results
 
 
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--stack", choices=("local",), help="local: start make run's processes (the Procfile under "
                                                          "honcho, Flower included) on a private Redis, and load them")
     run.add_argument("--name", default="service")
+    run.add_argument("--model", help="submit to this model (name, or name:version pinned); default: the "
+                                     "deployment's default model")
     run.add_argument("--redis-port", type=int, default=6379,
                      help="the deployment's Redis port, for CPU per image by role (0: leave CPU out)")
     sub.add_parser("compare", parents=[common, local], help="baseline vs pipeline, started here")

@@ -112,7 +112,7 @@ def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def push_frames(client: redis.Redis, keys: Keys, contents: list[tuple[dict[str, Any], bytes]],
+def push_frames(client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]],
                 count: int, chunk: int = 64) -> tuple[list[str], float]:
     """Job records (queued_gpu, as the CPU stage leaves them) and their frames; the push's seconds."""
     ids: list[str] = []
@@ -130,7 +130,7 @@ def push_frames(client: redis.Redis, keys: Keys, contents: list[tuple[dict[str, 
             pipe.hset(keys.job(job_id), mapping={"id": job_id, "status": jobs.QUEUED_GPU,
                                                  "deadline_at": now + 3600, "received_at": now})
             pipe.expire(keys.job(job_id), 3600)
-            pipe.lpush(keys.frames, pack_frame(header, pixels))
+            pipe.lpush(keys.frames(model_key), pack_frame(header, pixels))
             ids.append(job_id)
         pipe.execute()
     return ids, time.perf_counter() - started
@@ -168,7 +168,8 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
                   "gpu_worker": {"sim_latency_ms": options.profile_ms()}, **options.extra_config}
         config_path = workdir / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
-        ids, push_s = push_frames(client, keys, contents, options.frames)
+        model_key = f"{spec_raw['name']}:{spec_raw['version']}"
+        ids, push_s = push_frames(client, keys, model_key, contents, options.frames)
         log(f"pushed {len(ids)} frames of {frame_bytes / 1024:.0f} KB in {push_s:.2f} s")
         worker = _start_worker(options, config_path, workdir)
         profiler = _profiler(options, worker)
@@ -187,7 +188,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
             worker.stop()
         measured = _throughput(client, keys, ids)
         limit_fps, limit_how = device_limit(options, counters, measured["mean_batch"])
-        redis_fps = redis_drain_rate(client, keys, contents, options) if options.redis_check else None
+        redis_fps = redis_drain_rate(client, keys, model_key, contents, options) if options.redis_check else None
     finally:
         client.close()
         server.stop()
@@ -262,14 +263,14 @@ def _throughput(client: redis.Redis, keys: Keys, ids: list[str]) -> dict[str, An
     return {"fps": fps, "mean_batch": sum(sizes) / len(sizes) if sizes else 0.0, "statuses": statuses}
 
 
-def redis_drain_rate(client: redis.Redis, keys: Keys, contents: list[tuple[dict[str, Any], bytes]],
+def redis_drain_rate(client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]],
                      options: FeedOptions) -> float:
     """Frames/s of the worker's Redis calls alone (take a batch, ack it): Redis's own ceiling here."""
     from gpu_worker.source import RedisFrameSource
 
-    client.delete(keys.frames)
-    push_frames(client, keys, contents, options.frames)
-    source = RedisFrameSource(client, keys, "redis-check")
+    client.delete(keys.frames(model_key))
+    push_frames(client, keys, model_key, contents, options.frames)
+    source = RedisFrameSource(client, keys, "redis-check", model_key)
     taken, started = 0, time.perf_counter()
     while True:
         frames = source.pop_available(options.max_batch)

@@ -103,6 +103,7 @@ class JobDocument(Document):
     """A job, as `GET /v1/jobs/{job_id}` returns it and a callback POSTs it."""
     id: str
     status: JobStatus
+    model: Optional[ModelRef] = Field(None, description="the model version the job was routed to")
     created_at: Optional[str] = Field(json_schema_extra={"format": "date-time"})
     options: JobOptions
     result: Optional[JobResult] = Field(description="set once the job succeeded")
@@ -118,6 +119,7 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "id": record["id"],
         "status": record.get("status"),
+        **({"model": model_ref(record["model"])} if record.get("model") else {}),
         "created_at": utc_iso(created) if created is not None else None,
         "options": record.get("options") or {},
         "result": record.get("result"),
@@ -130,6 +132,12 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     return JobDocument(**fields).to_json()
 
 
+def model_ref(model_key: str) -> dict[str, str]:
+    """name:version -> {name, version}."""
+    name, _, version = model_key.partition(":")
+    return {"name": name, "version": version}
+
+
 class JobLinks(Document):
     self: str = Field(description="where to poll the job")
 
@@ -137,6 +145,7 @@ class JobLinks(Document):
 class JobAccepted(Document):
     id: str
     status: Literal["queued"]
+    model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
     links: JobLinks
 
@@ -144,6 +153,9 @@ class JobAccepted(Document):
 # --- a submission ------------------------------------------------------------------------------------
 
 class SubmitOptionsBase(Document):
+    model: str = Field(None, max_length=129, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*(:[A-Za-z0-9][A-Za-z0-9._+-]*)?$",
+                       description="name (routed to one of its versions as configured) or name:version (pinned); "
+                                   "the deployment's default model when absent; 404 if nothing of that name is served")
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
     iou: Probability = Field(None, description="NMS IoU threshold; the model's default when absent")
     max_det: MaxDetections = Field(None, description="most detections returned")
@@ -201,6 +213,7 @@ class ProblemDocument(Document):
     status: int = Field(ge=400, le=599)
     detail: str
     invalid_params: list[InvalidParam] = Field(None, description="the request fields at fault")
+    models: list[str] = Field(None, description="with model-not-found: the name:version of every model served")
 
 
 # --- health, models, stats ------------------------------------------------------------------------
@@ -222,6 +235,11 @@ class ModelDefaults(Document):
     max_det: int
 
 
+class QueueDepths(Document):
+    preprocess: int = Field(ge=0, description="jobs waiting for a CPU worker")
+    frames: int = Field(ge=0, description="frames waiting for a GPU worker")
+
+
 class ServedModel(Document):
     name: str
     version: str
@@ -230,23 +248,33 @@ class ServedModel(Document):
     input_size: int
     layout: str
     format: str
-    simulated: bool
+    simulated: Optional[bool] = Field(None, description="served by the `sim` device; absent while no worker serves it")
     precision: Optional[str] = Field(None, description="what the model computes in: fp32, fp16 or bf16")
     output: Optional[str] = Field(None, description="tensor, or element 0 of a tuple (YOLOv5's own export)")
     from_file: Optional[list[str]] = Field(None, description="spec settings read from the model file "
                                                               "(its config.txt): labels, input_size")
     defaults: ModelDefaults
+    state: Literal["serving", "draining"] = Field(description="draining: takes no new jobs; remove it once its "
+                                                              "queue is empty")
+    default: bool = Field(description="a request without `model` may get this version")
+    share: float = Field(ge=0, le=1, description="its share of `model=<name>` requests (0: reached only pinned)")
     devices: list[str]
-    workers: list[str]
+    workers: list[str] = Field(description="live GPU workers serving it")
+    queue: QueueDepths
+    p95_ms: Optional[float] = Field(description="request start to result, p95 over the serving workers' recent "
+                                                "window (the slowest worker's); null without recent jobs")
+    recent_jobs: int = Field(ge=0, description="jobs answered in that window")
+
+
+class ModelName(Document):
+    name: str
+    versions: list[str]
+    routes: dict[str, float] = Field(description="`model=<name>`: version -> weight (empty: every version draining)")
 
 
 class ModelList(Document):
     models: list[ServedModel]
-
-
-class QueueDepths(Document):
-    preprocess: int = Field(ge=0, description="jobs waiting for a CPU worker")
-    frames: int = Field(ge=0, description="frames waiting for a GPU worker")
+    names: list[ModelName]
 
 
 class StageSummary(Document):
@@ -297,6 +325,7 @@ class GpuSummary(Document):
 
 
 class Stats(Document):
-    queues: QueueDepths
+    queues: QueueDepths = Field(description="summed over the models")
+    queues_by_model: dict[str, QueueDepths] = Field(description="per name:version")
     gpu_workers: list[GpuWorkerStats]
     gpu: GpuSummary

@@ -21,6 +21,11 @@ class HeartbeatModel(BaseModel):
     version: str
     device: str
     simulated: bool = False
+    stats: dict[str, Any] = Field(default_factory=dict, description="this model's recent jobs: p95_ms, jobs")
+
+    @property
+    def key(self) -> str:
+        return f"{self.name}:{self.version}"
 
 
 class Batching(BaseModel):
@@ -35,9 +40,13 @@ class Heartbeat(BaseModel):
     pid: int
     host: str
     started_at: float = Field(description="epoch seconds")
-    model: HeartbeatModel
+    model: HeartbeatModel                      # the first model it serves (what readers before `models` read)
+    models: list[HeartbeatModel] = Field(default_factory=list, description="every model it serves")
     batching: Optional[Batching] = None
     stats: dict[str, Any] = Field(default_factory=dict, description="busy fraction, totals, recent time bill")
+
+    def served_models(self) -> list[HeartbeatModel]:
+        return self.models or [self.model]
 
     def to_redis(self) -> str:
         return self.model_dump_json()

@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence, TypedDict, cast
 
 import redis
 
-from contract.keys import PREPROCESS_QUEUE, UPLOAD_SUFFIX, Keys
+from contract.keys import UPLOAD_SUFFIX, Keys
 
 
 class JobStatus(StrEnum):
@@ -43,6 +43,7 @@ class JobRecord(TypedDict, total=False):
     worker (result, timings, batch), whoever ends it (error, finished_at) and the callback worker."""
     id: str
     status: str                    # a JobStatus value
+    model: str                     # name:version the API routed it to (absent on jobs from before models)
     received_at: float
     submitted_at: float
     deadline_at: float
@@ -246,12 +247,13 @@ class JobStore:
             args += [job_id, len(flat), *flat]
         return keys, args
 
-    def enqueue_frame(self, job_id: str, frame: bytes, max_frames: int, fields: Mapping[str, Any]) -> int:
+    def enqueue_frame(self, job_id: str, model_key: str, frame: bytes, max_frames: int,
+                      fields: Mapping[str, Any]) -> int:
         """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
         upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER (over, or already
         past preprocessing: another delivery of its task pushed it)."""
         args: list[Any] = [max_frames, frame, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields})]
-        keys = [self.keys.job(job_id), self.keys.frames, self.keys.upload(job_id)]
+        keys = [self.keys.job(job_id), self.keys.frames(model_key), self.keys.upload(job_id)]
         return int(self._enqueue_frame(keys=keys, args=args))
 
     def claim_for_preprocessing(self, job_id: str, now: float) -> tuple[str, bytes | None, JobRecord]:
@@ -285,13 +287,22 @@ def expired_fields(where: str) -> dict[str, Any]:
     return {"error": {"code": "deadline", "message": f"expired {where}"}}
 
 
-def queue_depths(client: redis.Redis, keys: Keys) -> dict[str, int]:
-    """Jobs waiting for a CPU worker (Celery's list) and frames waiting for a GPU worker."""
+def queue_depths(client: redis.Redis, keys: Keys, model_keys: Sequence[str]) -> dict[str, dict[str, int]]:
+    """Per model (name:version): jobs waiting for a CPU worker (its Celery list) and frames waiting for a
+    GPU worker, in one round trip."""
     pipe = client.pipeline(transaction=False)
-    pipe.llen(keys.celery_queue(PREPROCESS_QUEUE))
-    pipe.llen(keys.frames)
-    preprocess, frames = pipe.execute()
-    return {"preprocess": int(preprocess), "frames": int(frames)}
+    for model_key in model_keys:
+        pipe.llen(keys.celery_queue(keys.preprocess_queue(model_key)))
+        pipe.llen(keys.frames(model_key))
+    replies = pipe.execute()
+    return {model_key: {"preprocess": int(replies[2 * i]), "frames": int(replies[2 * i + 1])}
+            for i, model_key in enumerate(model_keys)}
+
+
+def total_depths(depths: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """queue_depths summed over the models."""
+    return {"preprocess": sum(d["preprocess"] for d in depths.values()),
+            "frames": sum(d["frames"] for d in depths.values())}
 
 
 def _encode(fields: Mapping[str, Any]) -> dict[str, str]:

@@ -36,14 +36,19 @@ class Keys:
         """String: the raw upload (claim check), deleted once its frame is pushed or the job ends."""
         return self.job(job_id) + UPLOAD_SUFFIX
 
-    @property
-    def frames(self) -> str:
-        """List: packed frames waiting for a GPU worker. LPUSH in, pop from the right."""
-        return f"{self.namespace}:frames"
+    def preprocess_queue(self, model_key: str) -> str:
+        """A model's Celery queue for CPU work (its name, not its Redis key: see celery_queue). One per
+        model, consumed round robin by every CPU worker, so a flood on one model queues behind itself."""
+        return f"{PREPROCESS_QUEUE}:{model_key}"
 
-    def processing(self, worker_id: str) -> str:
-        """List: frames a GPU worker has taken and not yet answered."""
-        return f"{self.namespace}:gpu:{worker_id}:processing"
+    def frames(self, model_key: str) -> str:
+        """List: a model's packed frames (model_key is name:version) waiting for a GPU worker. LPUSH in,
+        pop from the right."""
+        return f"{self.namespace}:frames:{model_key}"
+
+    def processing(self, worker_id: str, model_key: str) -> str:
+        """List: a model's frames a GPU worker has taken and not yet answered."""
+        return f"{self.namespace}:gpu:{worker_id}:processing:{model_key}"
 
     def heartbeat(self, worker_id: str) -> str:
         """String with a TTL: a GPU worker's self-description while it lives."""

@@ -8,6 +8,7 @@ without a config file of its own.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from dataclasses import field, fields, is_dataclass
 from pathlib import Path
@@ -112,6 +113,9 @@ class BatchingSettings:
 @settings_class
 class GpuWorkerSettings:
     device: str = "auto"
+    # The models this worker serves: "name" (each of its versions) or "name:version"; empty: every model
+    # configured. `--model` on the command line takes precedence.
+    models: tuple[str, ...] = ()
     heartbeat_ttl_s: float = 10.0
     max_candidates: int = 1000
     torch_threads: int = 0
@@ -168,6 +172,21 @@ class CeleryWorkerSettings:
 
 
 @settings_class
+class RoutingSettings:
+    """Which model a request gets. `model=name:version` pins a version; `model=name` follows `routes`; no
+    `model` at all gets `default`."""
+    default: str = ""             # a name or name:version; "": the first model listed
+    # model=name -> {version: weight, ...} (a split, e.g. {2.0.0: 90, 3.0.0: 10}) or one version (pinned).
+    # A name without a route: its first version listed (a version added later takes no traffic until routed).
+    routes: dict[str, Any] = field(default_factory=dict)
+    draining: tuple[str, ...] = ()   # name:version: no new jobs; still served until its lists are empty
+
+
+# A model's name and version appear in Redis keys (name:version) and in `model=`: no colons, no spaces.
+MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
+
+
+@settings_class
 class ModelSpec:
     """What the GPU worker loads and what the CPU workers letterbox for."""
 
@@ -193,8 +212,25 @@ class ModelSpec:
     conf: float = 0.25
     iou: float = 0.45
     max_det: int = 100
+    # Per-model limits; unset: the deployment's (backpressure.max_frames / max_backlog,
+    # jobs.default_deadline_ms). One model's overload refuses only its own requests.
+    max_frames: int | None = None
+    max_backlog: int | None = None
+    default_deadline_ms: int | None = None
+
+    @property
+    def key(self) -> str:
+        """name:version, as requests pin it and Redis keys carry it."""
+        return f"{self.name}:{self.version}"
 
     def __post_init__(self) -> None:
+        for what, value in (("name", self.name), ("version", self.version)):
+            if not re.fullmatch(MODEL_NAME_PATTERN, value):
+                raise SettingsError(f"model {what} {value!r}: letters, digits and . _ + - only (at most 64), "
+                                    "starting with a letter or digit")
+        for limit in ("max_frames", "max_backlog", "default_deadline_ms"):
+            if getattr(self, limit) is not None and getattr(self, limit) < 1:
+                raise SettingsError(f"model {self.key}: {limit} must be >= 1")
         if self.format not in ("builtin", "torchscript", "export"):
             raise SettingsError(f"model format {self.format!r}: expected builtin, torchscript or export")
         if self.format != "builtin" and not self.path:
@@ -227,7 +263,11 @@ class ModelSpec:
 
 @settings_class
 class Settings:
+    # The default model (routing.default, or the first listed); `models` holds every model served. A config
+    # that names one `model:` (as before) serves that one.
     model: ModelSpec
+    models: tuple[ModelSpec, ...] = ()
+    routing: RoutingSettings = field(default_factory=RoutingSettings)
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "imgserve"
     api: ApiSettings = field(default_factory=ApiSettings)
@@ -244,6 +284,71 @@ class Settings:
     def broker_url(self) -> str:
         return self.redis_url
 
+    def __post_init__(self) -> None:
+        if not self.models:   # built in code with one model (tests, tools)
+            object.__setattr__(self, "models", (self.model,))
+        object.__setattr__(self, "model", default_model(self))
+
+    def max_frames(self, spec: ModelSpec) -> int:
+        return spec.max_frames or self.backpressure.max_frames
+
+    def max_backlog(self, spec: ModelSpec) -> int:
+        return spec.max_backlog or self.backpressure.max_backlog
+
+    def default_deadline_ms(self, spec: ModelSpec) -> int:
+        return spec.default_deadline_ms or self.jobs.default_deadline_ms
+
+
+def version_weights(settings: Settings, name: str) -> dict[str, float]:
+    """How `model=name` is split over its versions: {version: weight}, weights > 0, draining ones left out.
+    Without a route: its first version listed that is not draining. Empty: nothing of that name takes jobs."""
+    draining = set(settings.routing.draining)
+    versions = [spec.version for spec in settings.models if spec.name == name]
+    route = settings.routing.routes.get(name)
+    if route is None:
+        live = [version for version in versions if f"{name}:{version}" not in draining]
+        return {live[0]: 1.0} if live else {}
+    weights = {str(route): 1.0} if not isinstance(route, dict) else {str(v): float(w) for v, w in route.items()}
+    return {version: weight for version, weight in weights.items()
+            if weight > 0 and f"{name}:{version}" not in draining}
+
+
+def default_model(settings: Settings) -> ModelSpec:
+    """Check `models`, `routing` and `gpu_worker.models` against each other; the spec a request without
+    `model=` gets (for a split default: its heaviest version)."""
+    by_key: dict[str, ModelSpec] = {}
+    for spec in settings.models:
+        if spec.key in by_key:
+            raise SettingsError(f"model {spec.key} is listed twice")
+        by_key[spec.key] = spec
+    names = {spec.name for spec in settings.models}
+    for key in settings.routing.draining:
+        if key not in by_key:
+            raise SettingsError(f"routing.draining: {key!r} is not a name:version listed in models")
+    for name, route in settings.routing.routes.items():
+        if name not in names:
+            raise SettingsError(f"routing.routes: no model named {name!r}")
+        weights = route if isinstance(route, dict) else {route: 1}
+        for version, weight in weights.items():
+            if f"{name}:{version}" not in by_key:
+                raise SettingsError(f"routing.routes.{name}: no version {version!r} of {name} is listed")
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+                raise SettingsError(f"routing.routes.{name}.{version}: a weight >= 0, got {weight!r}")
+        if not version_weights(settings, name):
+            raise SettingsError(f"routing.routes.{name}: no version with a weight above 0 that is not draining")
+    for ref in settings.gpu_worker.models:
+        if ref not in by_key and ref not in names:
+            raise SettingsError(f"gpu_worker.models: {ref!r} is neither a model name nor a name:version listed")
+    ref = settings.routing.default or settings.models[0].name
+    if ":" in ref:
+        if ref not in by_key or ref in settings.routing.draining:
+            raise SettingsError(f"routing.default: {ref!r} is not a listed model version taking jobs")
+        return by_key[ref]
+    weights = version_weights(settings, ref) if ref in names else {}
+    if not weights:
+        raise SettingsError(f"routing.default: no version of {ref!r} takes jobs")
+    return by_key[f"{ref}:{max(weights, key=lambda version: weights[version])}"]
+
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment's overrides
@@ -251,7 +356,12 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     raw = _read_config(DEFAULT_CONFIG)
     overlay_path = path or os.environ.get(CONFIG_ENV)
     if overlay_path:
-        raw = _merge(raw, _read_config(Path(overlay_path)))
+        overlay = _read_config(Path(overlay_path))
+        if "models" in overlay and "model" in overlay:
+            raise SettingsError(f"config {overlay_path}: give `models:` (several) or `model:` (one), not both")
+        if "model" in overlay:        # one model named the old way replaces the default list
+            raw.pop("models", None)
+        raw = _merge(raw, overlay)
     if os.environ.get(REDIS_URL_ENV):
         raw["redis_url"] = os.environ[REDIS_URL_ENV]
     if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
@@ -259,10 +369,27 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     if os.environ.get(METRICS_PORT_ENV):
         raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
     raw = _moved_to_their_sections(_merge(raw, environment_overrides(os.environ)))
-    raw["model"] = load_model_spec(raw.get("model"), REPO_ROOT)
+    entries, single = raw.pop("models", None), raw.pop("model", None)
+    raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
+    raw["model"] = raw["models"][0]   # replaced by the routed default once routing is read
     settings: Settings = _build(Settings, raw)
     _check_secrets(settings)
     return settings
+
+
+def load_model_specs(entries: Any, base_dir: Path) -> tuple[ModelSpec, ...]:
+    """`models:` as a list of entries (a spec file path, an inline spec, or {spec: path, <overrides>}) or a
+    folder whose *.yaml files are specs, in name order."""
+    if isinstance(entries, (str, os.PathLike)):
+        folder = _resolve(entries, base_dir)
+        if not folder.is_dir():
+            raise SettingsError(f"models: {folder} is not a folder of spec files (or give a list)")
+        entries = [str(path) for path in sorted(folder.glob("*.yaml"))]
+        if not entries:
+            raise SettingsError(f"models: no *.yaml spec in {folder}")
+    if not isinstance(entries, (list, tuple)) or not entries:
+        raise SettingsError("models: a non-empty list of specs, or a folder of spec files")
+    return tuple(load_model_spec(entry, base_dir) for entry in entries)
 
 
 def _check_secrets(settings: "Settings") -> None:
@@ -278,7 +405,13 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
 
     Relative paths resolve against the file that names them, then the repo.
     """
-    if isinstance(value, (str, os.PathLike)):
+    if isinstance(value, dict) and "spec" in value:   # a spec file with this deployment's overrides
+        overrides = {key: item for key, item in value.items() if key != "spec"}
+        spec_path = _resolve(value["spec"], base_dir)
+        raw = {**_read_yaml(spec_path), **overrides}
+        if "path" not in overrides:
+            base_dir = spec_path.parent
+    elif isinstance(value, (str, os.PathLike)):
         spec_path = _resolve(value, base_dir)
         raw = _read_yaml(spec_path)
         base_dir = spec_path.parent
@@ -354,14 +487,28 @@ def _fill_from_model_file(raw: dict[str, Any]) -> None:
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    """A settings file, its model reference made absolute against its own folder."""
+    """A settings file, its model references made absolute against its own folder."""
     raw = _read_yaml(path)
-    model = raw.get("model")
-    if isinstance(model, str):
-        raw["model"] = str(_resolve(model, path.resolve().parent))
-    elif isinstance(model, dict) and model.get("path"):
-        raw["model"] = {**model, "path": str(_resolve(model["path"], path.resolve().parent))}
+    folder = path.resolve().parent
+    if "model" in raw:
+        raw["model"] = _absolute_model_ref(raw["model"], folder)
+    models = raw.get("models")
+    if isinstance(models, str):
+        raw["models"] = str(_resolve(models, folder))
+    elif isinstance(models, list):
+        raw["models"] = [_absolute_model_ref(entry, folder) for entry in models]
     return raw
+
+
+def _absolute_model_ref(entry: Any, folder: Path) -> Any:
+    if isinstance(entry, str):
+        return str(_resolve(entry, folder))
+    if isinstance(entry, dict):
+        entry = dict(entry)
+        for key in ("spec", "path"):
+            if isinstance(entry.get(key), str):
+                entry[key] = str(_resolve(entry[key], folder))
+    return entry
 
 
 def _resolve(value: str | os.PathLike[str], base_dir: Path) -> Path:
@@ -410,7 +557,8 @@ def _build(cls: type, raw: dict[str, Any]) -> Any:
     try:
         return cls(**values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: {error['msg']}" for error in exc.errors())
+        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: ".lstrip(": ")
+                             + error["msg"].removeprefix("Value error, ") for error in exc.errors())
         raise SettingsError(f"{cls.__name__}: {problems}") from None
     except TypeError as exc:
         raise SettingsError(f"{cls.__name__}: {exc}") from exc
@@ -427,6 +575,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "backpressure": BackpressureSettings,
         "auth": AuthSettings,
         "callbacks": CallbackSettings,
+        "routing": RoutingSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

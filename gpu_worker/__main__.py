@@ -1,4 +1,5 @@
-"""python -m gpu_worker [--config FILE] [--device cuda:0|cpu|sim] [--worker-id ID] [--metrics-port 9100]"""
+"""python -m gpu_worker [--config FILE] [--device cuda:0|cpu|sim] [--model NAME[:VERSION]]... [--worker-id ID]
+[--metrics-port 9100]"""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,8 @@ import torch
 
 from contract.connection import connect
 from contract.logs import configure_logging
-from contract.settings import load_settings
+from contract.models import Catalogue
+from contract.settings import SettingsError, load_settings
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
 from gpu_worker.liveness import WorkerIdInUse
@@ -21,6 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpu_worker", description=__doc__)
     parser.add_argument("--config", help="YAML laid over configs/default.yaml (default: $IMGSERVE_CONFIG)")
     parser.add_argument("--device", help="auto | cpu | cuda | cuda:N | sim (default: from config)")
+    parser.add_argument("--model", action="append", default=[], metavar="NAME[:VERSION]",
+                        help="serve this model (each version of NAME, or one); repeat for several; "
+                             "default: gpu_worker.models, else every model configured")
     parser.add_argument("--worker-id", help="stable id; default host-device")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here")
     args = parser.parse_args(argv)
@@ -29,15 +34,22 @@ def main(argv: list[str] | None = None) -> int:
     if settings.gpu_worker.torch_threads:
         torch.set_num_threads(settings.gpu_worker.torch_threads)
     try:
-        device = open_device(settings.model, args.device or settings.gpu_worker.device,
-                             settings.batching.max_batch_size, settings.gpu_worker.max_candidates,
-                             settings.gpu_worker.sim_latency_ms)
-    except ModelLoadError as exc:
-        logging.getLogger("gpu_worker").error("cannot serve the model: %s", exc)
+        specs = Catalogue(settings).select(args.model or settings.gpu_worker.models)
+    except SettingsError as exc:
+        logging.getLogger("gpu_worker").error("%s", exc)
         return 2
+    devices = []
+    for spec in specs:
+        try:
+            devices.append(open_device(spec, args.device or settings.gpu_worker.device,
+                                       settings.batching.max_batch_size, settings.gpu_worker.max_candidates,
+                                       settings.gpu_worker.sim_latency_ms))
+        except ModelLoadError as exc:
+            logging.getLogger("gpu_worker").error("cannot serve the model %s: %s", spec.key, exc)
+            return 2
     metrics.serve(args.metrics_port)
-    worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), device,
-                       args.worker_id or default_worker_id(device))
+    worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), devices,
+                       args.worker_id or default_worker_id(devices[0]))
     try:
         return worker.run()
     except WorkerIdInUse as exc:

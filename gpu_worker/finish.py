@@ -78,7 +78,10 @@ def documents_from_rows(per_image: list[list[list[float]]], frames: Sequence[Fra
 class Finisher:
     def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, keys: Keys, worker_id: str,
                  spec: ModelSpec, clock: StageClock, busy: BusyMeter, recent: RecentStats,
-                 retry: Callable[[Callable[[], Any]], Any]) -> None:
+                 retry: Callable[[Callable[[], Any]], Any], model_recent: RecentStats | None = None,
+                 counters: Callable[[], dict[str, float]] | None = None) -> None:
+        """`recent` is the worker's, `model_recent` this model's; `counters` the worker's host-time totals
+        by stage (all its models), written with each batch."""
         self.redis = client
         self.store = store
         self.keys = keys
@@ -88,6 +91,11 @@ class Finisher:
         self.busy = busy
         self.recent = recent
         self.retry = retry
+        self.model_recent = model_recent
+        self.host_counters = counters or clock.counters
+        self.model_labels = (spec.name, spec.version)
+        self.frames_key = keys.frames(spec.key)
+        self.processing_key = keys.processing(worker_id, spec.key)
         self.ttl_s = settings.jobs.ttl_s
         self._write_batch = client.register_script(_WRITE_BATCH)
 
@@ -109,7 +117,9 @@ class Finisher:
         with self.clock("write"):
             self.retry(lambda: self._write(batch, outcomes))
         self.recent.record_batch(batch.taken)
-        metrics.observe_batch(batch.taken, len(batch.running), batch.closed_at - batch.opened_at)
+        if self.model_recent is not None:
+            self.model_recent.record_batch(batch.taken)
+        metrics.observe_batch(self.model_labels, batch.taken, len(batch.running), batch.closed_at - batch.opened_at)
         if outcomes:
             log.info("batch answered", extra={"batch": f"{self.worker_id}:{batch.seq}", "size": len(batch.running),
                                               "job_ids": [job_id for job_id, _, _ in outcomes]})
@@ -132,7 +142,9 @@ class Finisher:
                                       "device_started_at": batch.started_at, "finished_at": finished_at,
                                       **durations})
             self.recent.record_bill(bill)
-            metrics.observe_bill(bill)
+            if self.model_recent is not None:
+                self.model_recent.record_bill(bill)
+            metrics.observe_bill(self.model_labels, bill)
             fields: dict[str, Any] = {
                 "timings": bill,
                 "batch": {"id": batch_id, "seq": batch.seq, "size": size, "index": index,
@@ -148,8 +160,8 @@ class Finisher:
         """The batch's frames back to the front of the list (the oldest popped first), and out of
         this worker's hands, in one step."""
         pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(self.keys.frames, *reversed(batch.give_back))
-        pipe.ltrim(self.keys.processing(self.worker_id), 0, -(batch.taken + 1))
+        pipe.rpush(self.frames_key, *reversed(batch.give_back))
+        pipe.ltrim(self.processing_key, 0, -(batch.taken + 1))
         pipe.execute()
         log.warning("gave back %d frames", batch.taken)
 
@@ -157,7 +169,7 @@ class Finisher:
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         job_keys, job_args = self.store.finish_arguments(outcomes)
         self._write_batch(
-            keys=[self.keys.callback_outbox, self.keys.processing(self.worker_id),
+            keys=[self.keys.callback_outbox, self.processing_key,
                   self.keys.gpu_counters(self.worker_id), *job_keys],
             args=[self.ttl_s, self.keys.job_events, batch.taken, len(counters), *counters, *job_args])
 
@@ -166,4 +178,4 @@ class Finisher:
         return {"device_seconds_total": round(self.busy.total_s, 6),
                 "batches_total": self.recent.batches_total + 1,
                 "frames_total": self.recent.frames_total + taken, "updated_at": time.time(),
-                **self.clock.counters()}
+                **self.host_counters()}

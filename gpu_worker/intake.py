@@ -52,8 +52,10 @@ class InHand:
 
 class Intake:
     def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, source: RedisFrameSource,
-                 device: Device, clock: StageClock, hold_open: Callable[[], bool]) -> None:
+                 device: Device, clock: StageClock, hold_open: Callable[[], bool],
+                 next_seq: Callable[[], int] | None = None) -> None:
         batching = settings.batching
+        self.model_labels = (device.spec.name, device.spec.version)
         self.redis = client
         self.store = store
         self.source = source
@@ -66,6 +68,12 @@ class Intake:
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
             age_of=_frame_age, hold_open=hold_open)
         self.seq = 0
+        # Batch numbers are the worker's, shared by the models it serves (a batch id is worker:seq).
+        self.next_seq = next_seq or self._own_seq
+
+    def _own_seq(self) -> int:
+        self.seq += 1
+        return self.seq
 
     def collect(self) -> Batch[memoryview] | None:
         """The next batch of frames as popped; None when the list stayed empty."""
@@ -74,13 +82,13 @@ class Intake:
 
     def prepare(self, batch: Batch[memoryview]) -> InHand:
         """The batch triaged, and its running frames staged."""
-        self.seq += 1
+        seq = self.next_seq()
         offset = time.time() - time.monotonic()
         with self.clock("unpack"):
             frames, refused = self._unpack(batch)
         with self.clock("triage"):
             running = self._triage(frames, refused)
-        in_hand = InHand(seq=self.seq, taken=len(batch), closed_by=batch.closed_by,
+        in_hand = InHand(seq=seq, taken=len(batch), closed_by=batch.closed_by,
                          opened_at=batch.opened_at + offset, closed_at=batch.closed_at + offset,
                          running=[frame for frame, _ in running],
                          popped_at=[popped + offset for _, popped in running])
@@ -91,8 +99,7 @@ class Intake:
 
     def unprepared(self, batch: Batch[memoryview], exc: Exception) -> InHand:
         """A batch whose triage failed, to be written in its turn all the same."""
-        self.seq += 1
-        in_hand = InHand(seq=self.seq, taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
+        in_hand = InHand(seq=self.next_seq(), taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
                          closed_at=time.time(), running=[], popped_at=[])
         if isinstance(exc, redis.RedisError):
             in_hand.give_back = batch.items
@@ -131,7 +138,7 @@ class Intake:
         for frame, popped in frames:
             if now > frame.header.deadline_at:
                 refused.append((frame.header.job_id, jobs.EXPIRED, jobs.expired_fields("before inference")))
-                metrics.FRAMES_EXPIRED.inc()
+                metrics.FRAMES_EXPIRED.labels(*self.model_labels).inc()
             else:
                 candidates.append((frame, popped))
         if refused:

@@ -36,6 +36,9 @@ class Liveness:
                  describe: Callable[[], Heartbeat], last_progress: Callable[[], float],
                  busy_fraction: Callable[[], float]) -> None:
         self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
+        # Every model configured, not only those this worker serves: a dead worker (or this one's previous
+        # life) may have served others.
+        self.model_keys = [spec.key for spec in settings.models]
         self.redis = client
         self.keys = keys
         self.worker_id = worker_id
@@ -77,8 +80,10 @@ class Liveness:
             try:
                 self.beat()
                 self.reap_dead_workers()
-                for queue_name, depth in jobs.queue_depths(self.redis, self.keys).items():
-                    metrics.QUEUE_DEPTH.labels(queue_name).set(depth)
+                for model_key, depths in jobs.queue_depths(self.redis, self.keys, self.model_keys).items():
+                    name, _, version = model_key.partition(":")
+                    for queue_name, depth in depths.items():
+                        metrics.QUEUE_DEPTH.labels(queue_name, name, version).set(depth)
                 metrics.GPU_BUSY.set(self.busy_fraction())
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
@@ -95,10 +100,12 @@ class Liveness:
         pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
         pipe.execute()
 
-    def requeue_own_frames(self, died: bool = True) -> int:
-        """Frames this worker took but never answered go back first in line. `died`: a previous
-        life left them (an attempt is counted); else this life gives back what it is unsure of."""
-        moved = requeue_frames_of(self.redis, self.keys, self.worker_id, only_if_dead=False, count_attempt=died)
+    def requeue_own_frames(self, died: bool = True, model_keys: list[str] | None = None) -> int:
+        """Frames this worker took but never answered go back first in line (of every model, or of
+        `model_keys`). `died`: a previous life left them (an attempt is counted); else this life gives
+        back what it is unsure of."""
+        moved = requeue_frames_of(self.redis, self.keys, self.worker_id, model_keys or self.model_keys,
+                                  only_if_dead=False, count_attempt=died)
         if moved:
             log.warning("requeued %d frames %s", moved,
                         f"left by a previous run of {self.worker_id}" if died else "this worker gave back")
@@ -112,7 +119,7 @@ class Liveness:
             worker_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
             if worker_id == self.worker_id:
                 continue
-            count = requeue_frames_of(self.redis, self.keys, worker_id, only_if_dead=True)
+            count = requeue_frames_of(self.redis, self.keys, worker_id, self.model_keys, only_if_dead=True)
             if count > 0:
                 log.warning("requeued %d frames of dead GPU worker %s", count, worker_id)
                 moved += count

@@ -3,25 +3,31 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
-BATCH_SIZE = Histogram("imgserve_gpu_batch_size", "Frames per batch popped",
+# Every per-batch and per-job metric carries the model's name and version (labels `model`, `version`);
+# the busy ratio is the device's, whatever it ran.
+MODEL_LABELS = ("model", "version")
+BATCH_SIZE = Histogram("imgserve_gpu_batch_size", "Frames per batch popped", MODEL_LABELS,
                        buckets=(1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 32))
-BATCH_WAIT = Histogram("imgserve_gpu_batch_wait_seconds", "First pop to batch close",
+BATCH_WAIT = Histogram("imgserve_gpu_batch_wait_seconds", "First pop to batch close", MODEL_LABELS,
                        buckets=(0.001, 0.002, 0.005, 0.01, 0.012, 0.015, 0.02, 0.05, 0.1))
-DEVICE_SECONDS = Counter("imgserve_gpu_device_seconds_total", "Seconds the device spent running batches")
-FRAMES = Counter("imgserve_gpu_frames_total", "Frames taken from the list")
-FRAMES_INFERRED = Counter("imgserve_gpu_frames_inferred_total", "Frames that reached the model")
+DEVICE_SECONDS = Counter("imgserve_gpu_device_seconds_total", "Seconds the device spent running batches",
+                         MODEL_LABELS)
+FRAMES = Counter("imgserve_gpu_frames_total", "Frames taken from the list", MODEL_LABELS)
+FRAMES_INFERRED = Counter("imgserve_gpu_frames_inferred_total", "Frames that reached the model", MODEL_LABELS)
 GPU_BUSY = Gauge("imgserve_gpu_busy_ratio", "Fraction of wall time the device was busy (sliding window)")
-QUEUE_DEPTH = Gauge("imgserve_queue_depth", "Jobs waiting: the preprocess queue and the GPU frame list", ["queue"])
-STAGE_SECONDS = Histogram("imgserve_stage_seconds", "Time-bill stages of answered jobs", ["stage"],
+QUEUE_DEPTH = Gauge("imgserve_queue_depth", "Jobs waiting: a model's preprocess queue and its GPU frame list",
+                    ["queue", *MODEL_LABELS])
+STAGE_SECONDS = Histogram("imgserve_stage_seconds", "Time-bill stages of answered jobs", ["stage", *MODEL_LABELS],
                           buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2, 5, 10))
-FRAMES_EXPIRED = Counter("imgserve_gpu_frames_expired_total", "Frames dropped because their deadline passed")
+FRAMES_EXPIRED = Counter("imgserve_gpu_frames_expired_total", "Frames dropped because their deadline passed",
+                         MODEL_LABELS)
 
 
-def observe_batch(popped: int, inferred: int, wait_s: float) -> None:
-    BATCH_SIZE.observe(popped)
-    BATCH_WAIT.observe(wait_s)
-    FRAMES.inc(popped)
-    FRAMES_INFERRED.inc(inferred)
+def observe_batch(model: tuple[str, str], popped: int, inferred: int, wait_s: float) -> None:
+    BATCH_SIZE.labels(*model).observe(popped)
+    BATCH_WAIT.labels(*model).observe(wait_s)
+    FRAMES.labels(*model).inc(popped)
+    FRAMES_INFERRED.labels(*model).inc(inferred)
 
 
 def serve(port: int) -> None:
@@ -29,12 +35,12 @@ def serve(port: int) -> None:
         start_http_server(port)
 
 
-_STAGE_CHILDREN: dict[str, Histogram] = {}
+_STAGE_CHILDREN: dict[tuple[str, str, str], Histogram] = {}
 
 
-def observe_bill(bill: dict) -> None:
+def observe_bill(model: tuple[str, str], bill: dict) -> None:
     for stage, ms in bill.items():
-        child = _STAGE_CHILDREN.get(stage)
+        child = _STAGE_CHILDREN.get((stage, *model))
         if child is None:
-            child = _STAGE_CHILDREN[stage] = STAGE_SECONDS.labels(stage)
+            child = _STAGE_CHILDREN[(stage, *model)] = STAGE_SECONDS.labels(stage, *model)
         child.observe(ms / 1000.0)

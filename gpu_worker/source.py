@@ -15,19 +15,19 @@ left in the list (`requeue_frames_of`): the order holds again.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from typing import Any, Sequence
 
 import redis
 
 from contract.keys import Keys
 
-# Give a worker's unanswered frames back to the shared list, oldest first in line, and (when
-# ARGV[3] is 1: its worker died holding them) count one more attempt on each job. KEYS[1]
-# processing list, KEYS[2] frame list, KEYS[3] the worker's heartbeat (if it lives, nothing is
-# touched), KEYS[4] the worker registry; ARGV[1] job key prefix, ARGV[2] worker id. Atomic, so
-# two reapers never both requeue.
+# Give a worker's unanswered frames back to their models' lists, oldest first in line, and (when
+# ARGV[3] is 1: its worker died holding them) count one more attempt on each job. KEYS[1] the worker's
+# heartbeat (if it lives, nothing is touched; '' when the worker gives back its own), KEYS[2] the worker
+# registry, then per model its processing list and its frame list; ARGV[1] job key prefix, ARGV[2] worker id.
+# Atomic, so two reapers never both requeue.
 _REQUEUE = """
-if KEYS[3] ~= '' and redis.call('EXISTS', KEYS[3]) == 1 then
+if KEYS[1] ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then
   return -1
 end
 local function count_attempt(frame)
@@ -43,28 +43,31 @@ local function count_attempt(frame)
   end
 end
 local moved = 0
-while true do
-  local frame = redis.call('LMOVE', KEYS[1], KEYS[2], 'LEFT', 'RIGHT')
-  if not frame then break end
-  moved = moved + 1
-  if ARGV[3] == '1' then
-    count_attempt(frame)
+for k = 3, #KEYS, 2 do
+  while true do
+    local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
+    if not frame then break end
+    moved = moved + 1
+    if ARGV[3] == '1' then
+      count_attempt(frame)
+    end
   end
 end
-if KEYS[3] ~= '' then
-  redis.call('ZREM', KEYS[4], ARGV[2])
+if KEYS[1] ~= '' then
+  redis.call('ZREM', KEYS[2], ARGV[2])
 end
 return moved
 """
 
 
-def requeue_frames_of(client: redis.Redis, keys: Keys, worker_id: str, only_if_dead: bool,
-                      count_attempt: bool = True) -> int:
-    """Move `worker_id`'s processing list back to the frame list; -1 if it turned out alive.
-    `count_attempt`: the worker died holding them (a step towards `poison`)."""
+def requeue_frames_of(client: redis.Redis, keys: Keys, worker_id: str, model_keys: Sequence[str],
+                      only_if_dead: bool, count_attempt: bool = True) -> int:
+    """Move `worker_id`'s processing lists of these models back to the models' frame lists; -1 if it
+    turned out alive. `count_attempt`: the worker died holding them (a step towards `poison`)."""
     script = client.register_script(_REQUEUE)
     heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
-    return int(script(keys=[keys.processing(worker_id), keys.frames, heartbeat, keys.gpu_workers],
+    lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
+    return int(script(keys=[heartbeat, keys.gpu_workers, *lists],
                       args=[keys.job(""), worker_id, "1" if count_attempt else "0"]))
 
 
@@ -141,10 +144,12 @@ class FrameReader:
 
 
 class RedisFrameSource:
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str) -> None:
+    """One model's frame list, and this worker's processing list for it."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, model_key: str) -> None:
         self.redis = client
-        self.frames_key = keys.frames
-        self.processing_key = keys.processing(worker_id)
+        self.frames_key = keys.frames(model_key)
+        self.processing_key = keys.processing(worker_id, model_key)
         self.reader = FrameReader(client)
 
     def pop_blocking(self, timeout_s: float) -> memoryview | None:

@@ -49,3 +49,10 @@ class _Timer:
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
                  traceback: TracebackType | None) -> None:
         self.clock.add(self.stage, time.perf_counter() - self.wall, time.thread_time() - self.cpu)
+
+
+def combined_counters(clocks: list[StageClock]) -> dict[str, float]:
+    """Several clocks' totals (one per model a worker serves, each timed by its own threads) as one."""
+    wall = {stage: sum(clock.wall_s[stage] for clock in clocks) for stage in HOST_STAGES}
+    cpu = {stage: sum(clock.cpu_s[stage] for clock in clocks) for stage in HOST_STAGES}
+    return host_counter_fields(wall, cpu)

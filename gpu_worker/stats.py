@@ -56,6 +56,12 @@ class RecentStats:
     def record_bill(self, bill: Mapping[str, float]) -> None:
         self.bills.append((self.clock(), bill))
 
+    def latency(self) -> dict[str, Any]:
+        """Recent jobs and their p95 request-to-result time, in ms (None without jobs)."""
+        since = self.clock() - self.window_s
+        totals = sorted(bill["total"] for t, bill in list(self.bills) if t >= since and "total" in bill)
+        return {"jobs": len(totals), "p95_ms": round(percentile(totals, 95), 1) if totals else None}
+
     def summary(self) -> dict[str, Any]:
         since = self.clock() - self.window_s
         sizes = [size for t, size in list(self.batches) if t >= since]

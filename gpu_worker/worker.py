@@ -1,5 +1,8 @@
 """The GPU worker: one process per device, its stages overlapped so the device never waits on the host.
 
+It serves one model or several (see lanes.py): each model has its own collect and stage threads and the
+lanes share the device and finish threads. Per model:
+
     collect thread   batch N+2: pop (8 frames or 12 ms)                              (intake.py)
     stage thread     batch N+1: unpack -> triage -> stage into a slot               (intake.py)
     device thread    batch N: canvas -> forward -> post-processing -> detections back (devices.py)
@@ -25,6 +28,7 @@ the list, and the process exits with EXIT_DEVICE_LOST for its supervisor.
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 import os
 import signal
@@ -32,7 +36,7 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import redis
@@ -42,14 +46,14 @@ from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
 from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker import metrics
-from gpu_worker.batcher import Batch
 from gpu_worker.devices import DETECTION_COLUMNS, Device, DeviceLost, DeviceOutput, inference_error
 from gpu_worker.finish import Finisher, result_documents
 from gpu_worker.handoff import Handoff
 from gpu_worker.intake import InHand, Intake
+from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.liveness import Liveness
 from gpu_worker.source import RedisFrameSource
-from gpu_worker.stages import StageClock
+from gpu_worker.stages import StageClock, combined_counters
 from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")
@@ -69,33 +73,42 @@ def default_worker_id(device: Device) -> str:
 
 
 class GpuWorker:
-    def __init__(self, settings: Settings, client: redis.Redis, device: Device, worker_id: str) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, devices: Device | Sequence[Device],
+                 worker_id: str) -> None:
+        """`devices`: one per model served (each a model loaded on this worker's device)."""
+        devices = list(devices) if isinstance(devices, (list, tuple)) else [devices]  # type: ignore[list-item]
+        if not devices:
+            raise ValueError("a GPU worker serves at least one model")
         self.settings = settings
         self.redis = client
-        self.device = device
+        self.device = devices[0]
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
-        store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
-        self.clock = StageClock()
+        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()
-        self.to_stage: Handoff[Batch[memoryview]] = Handoff(1)
-        self.to_device: Handoff[InHand] = Handoff(1)
-        self.to_finish: Handoff[InHand] = Handoff(1)
-        self.device_busy = False
-        self.staging = False                # the stage thread holds a batch
+        self.running_lane: int | None = None   # whose batch is on the device now
         self.device_lost = False
-        self.unanswered = 0                 # batches taken and not yet written
-        self.answered = threading.Condition()
-        self.intake = Intake(settings, client, store, RedisFrameSource(client, self.keys, worker_id), device,
-                             self.clock, hold_open=self._device_has_work)
-        self.finisher = Finisher(settings, client, store, self.keys, worker_id, device.spec, self.clock, self.busy,
-                                 self.recent, retry=self._retry_until_redis_answers)
+        self._seq = itertools.count(1)
+        self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
+        self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
+        self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
+        self.intake = self.lanes[0].intake   # the first model's, for readers of a one-model worker
         self.liveness = Liveness(settings, client, self.keys, worker_id, self.describe, lambda: self.last_progress,
                                  self.busy.fraction)
         self.started_at = time.time()
         self.last_progress = time.monotonic()
+
+    def _lane(self, index: int, device: Device) -> Lane:
+        clock, recent = StageClock(), RecentStats()
+        source = RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
+        intake = Intake(self.settings, self.redis, self.store, source, device, clock,
+                        hold_open=lambda: self._lane_has_work_ahead(index), next_seq=lambda: next(self._seq))
+        finisher = Finisher(self.settings, self.redis, self.store, self.keys, self.worker_id, device.spec, clock,
+                            self.busy, self.recent, retry=self._retry_until_redis_answers, model_recent=recent,
+                            counters=lambda: combined_counters([lane.clock for lane in self.lanes]))
+        return Lane(index=index, device=device, intake=intake, finisher=finisher, clock=clock, recent=recent)
 
     # --- lifecycle -------------------------------------------------------
     def run(self) -> int:
@@ -108,88 +121,93 @@ class GpuWorker:
         self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
         self.liveness.start(self.stopping)
-        threads = [threading.Thread(target=self._collect_loop, name="collect", daemon=True),
-                   threading.Thread(target=self._stage_loop, name="stage", daemon=True),
-                   threading.Thread(target=self._finish_loop, name="finish", daemon=True)]
+        threads = [thread for lane in self.lanes for thread in (
+            threading.Thread(target=self._collect_loop, args=(lane,), name=f"collect-{lane.index}", daemon=True),
+            threading.Thread(target=self._stage_loop, args=(lane,), name=f"stage-{lane.index}", daemon=True))]
+        threads.append(threading.Thread(target=self._finish_loop, name="finish", daemon=True))
         for thread in threads:
             thread.start()
-        log.info("gpu worker %s serving %s on %s", self.worker_id, self.device.spec.name, self.device.name)
+        log.info("gpu worker %s serving %s on %s", self.worker_id,
+                 ", ".join(lane.spec.key for lane in self.lanes), self.device.name)
         try:
             self._device_loop()
         finally:
             for thread in threads:
                 thread.join()
             if self.device_lost:   # what the device did not finish goes back, counted as a death
-                self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(died=True))
+                self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(
+                    died=True, model_keys=[lane.spec.key for lane in self.lanes]))
             self.liveness.leave()
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
         return EXIT_DEVICE_LOST if self.device_lost else 0
 
     def warm_up(self) -> None:
-        """Every batch size through staging, the device and the documents before the first heartbeat
-        says ready, so the first real batches pay no first-run costs; then the objects alive after
-        start-up (torch's are many) are frozen out of the garbage collector's full passes, which
+        """Every batch size of every model through staging, the device and the documents before the first
+        heartbeat says ready, so the first real batches pay no first-run costs; then the objects alive
+        after start-up (torch's are many) are frozen out of the garbage collector's full passes, which
         otherwise stall the worker for tens of milliseconds now and then."""
         started = time.perf_counter()
-        for frames in self.device.warm_up(self.intake.collector.max_size):
-            result_documents(np.empty((0, len(DETECTION_COLUMNS))), frames, self.device.spec)
+        for lane in self.lanes:
+            for frames in lane.device.warm_up(lane.intake.collector.max_size):
+                result_documents(np.empty((0, len(DETECTION_COLUMNS))), frames, lane.spec)
         gc.collect()
         gc.freeze()
         log.info("warmed up in %.2f s", time.perf_counter() - started)
 
     # --- the stages ------------------------------------------------------
-    def _collect_loop(self) -> None:
+    def _collect_loop(self, lane: Lane) -> None:
         try:
             while not self.stopping.is_set():
                 try:
-                    batch = self.intake.collect()
+                    batch = lane.intake.collect()
                 except Exception as exc:   # Redis, or anything unforeseen: answer what is in hand, then resync
-                    log.warning("collecting a batch failed (%s); resyncing", exc,
+                    log.warning("collecting a batch of %s failed (%s); resyncing", lane.spec.key, exc,
                                 exc_info=not isinstance(exc, redis.RedisError))
-                    self._resync()
+                    self._resync(lane)
                     continue
                 self.last_progress = time.monotonic()
                 if batch is not None:
-                    self._taken()
-                    self.to_stage.put(batch)
+                    lane.taken()
+                    lane.to_stage.put(batch)
         finally:
-            self.to_stage.close()
+            lane.to_stage.close()
 
-    def _stage_loop(self) -> None:
+    def _stage_loop(self, lane: Lane) -> None:
         try:
-            for batch in self.to_stage:
-                self.staging = True
+            for batch in lane.to_stage:
+                lane.staging = True
                 try:
-                    in_hand = self.intake.prepare(batch)
+                    in_hand = lane.intake.prepare(batch)
                 except Exception as exc:   # still written in its turn, so the order of the acks holds
                     log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
-                    in_hand = self.intake.unprepared(batch, exc)
+                    in_hand = lane.intake.unprepared(batch, exc)
                 finally:
-                    self.staging = False
-                self.to_device.put(in_hand)
+                    lane.staging = False
+                self.to_device.put(lane.index, in_hand)
         finally:
-            self.to_device.close()
+            self.to_device.close(lane.index)
 
     def _device_loop(self) -> None:
-        for batch in self.to_device:
+        while (taken := self.to_device.take()) is not None:
+            lane, batch = self.lanes[taken[0]], taken[1]
             if self.device_lost:   # its frames stay in the processing list, given back at the exit
                 if batch.staged is not None:
-                    self.device.discard(batch.staged)
-                self._answered()
+                    lane.device.discard(batch.staged)
+                lane.done()
                 continue
             batch.started_at = max(batch.closed_at, time.time())
-            if batch.staged is not None and not self._run_on_device(batch):
-                self._answered()
+            if batch.staged is not None and not self._run_on_device(lane, batch):
+                lane.done()
                 continue
-            self.to_finish.put(batch)
+            self.to_finish.put((lane, batch))
         self.to_finish.close()
 
-    def _run_on_device(self, batch: InHand) -> bool:
+    def _run_on_device(self, lane: Lane, batch: InHand) -> bool:
         assert batch.staged is not None   # the caller runs only staged batches
-        self.device_busy = True
+        self.running_lane = lane.index
         try:
-            with self.clock("forward"):
-                batch.output = self.device.run(batch.staged)
+            with lane.clock("forward"):
+                batch.output = lane.device.run(batch.staged)
         except DeviceLost as exc:
             log.critical("the device is lost (%s); giving the frames in hand back and exiting", exc)
             self.device_lost = True
@@ -200,40 +218,36 @@ class GpuWorker:
             batch.output = DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), 0.0, 0.0, 0.0,
                                         {i: inference_error(exc) for i in range(len(batch.running))})
         finally:
-            self.device_busy = False
+            self.running_lane = None
         ended = time.monotonic()
         self.busy.record(ended - batch.output.device_s, ended)
-        metrics.DEVICE_SECONDS.inc(batch.output.device_s)
+        metrics.DEVICE_SECONDS.labels(lane.spec.name, lane.spec.version).inc(batch.output.device_s)
         return True
 
     def _finish_loop(self) -> None:
-        for batch in self.to_finish:
+        for lane, batch in self.to_finish:
             try:
-                self.finisher.finish(batch)
+                lane.finisher.finish(batch)
             except Exception:   # a defect: the batch's jobs fail rather than stay running, and the order holds
                 log.exception("finishing batch %d failed", batch.seq)
-                self.finisher.fail_all(batch, "internal_error", "the GPU worker could not write this result")
-            self._answered()
+                lane.finisher.fail_all(batch, "internal_error", "the GPU worker could not write this result")
+            lane.done()
 
-    def _taken(self) -> None:
-        with self.answered:
-            self.unanswered += 1
+    def _lane_has_work_ahead(self, index: int) -> bool:
+        """Batches of this model ahead of the one gathering: it can keep gathering, up to its size,
+        meanwhile, for it could not run sooner. Another model's batch on the device does not hold it
+        open: closed at its window, it takes its place in the device queue (see lanes.py); held open it
+        would wait, unseen, while batches of the busy model overtook it."""
+        lane = self.lanes[index]
+        return (self.running_lane == index or lane.staging or lane.to_stage.waiting()
+                or self.to_device.waiting(index))
 
-    def _answered(self) -> None:
-        with self.answered:
-            self.unanswered -= 1
-            self.answered.notify_all()
-
-    def _device_has_work(self) -> bool:
-        """Batches ahead of the one gathering: it can keep gathering, up to its size, meanwhile."""
-        return self.device_busy or self.staging or self.to_device.waiting() or self.to_stage.waiting()
-
-    def _resync(self) -> None:
-        """After a failed call the processing list may hold frames this worker does not know it
-        took, or no longer means to answer: answer every batch in hand, then give back what is left."""
-        with self.answered:
-            self.answered.wait_for(lambda: self.unanswered == 0)
-        self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(died=False))
+    def _resync(self, lane: Lane) -> None:
+        """After a failed call the lane's processing list may hold frames this worker does not know it
+        took, or no longer means to answer: answer every batch of it in hand, then give back what is left."""
+        lane.wait_until_answered()
+        self._retry_until_redis_answers(
+            lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key]))
         self.stopping.wait(1.0)
 
     def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:
@@ -248,10 +262,11 @@ class GpuWorker:
 
     # --- what the heartbeat says -----------------------------------------
     def describe(self) -> Heartbeat:
-        collector = self.intake.collector
+        collector = self.lanes[0].intake.collector
         return Heartbeat(
             worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), started_at=self.started_at,
             model=HeartbeatModel(**self.device.describe()),
+            models=[HeartbeatModel(**lane.device.describe(), stats=lane.recent.latency()) for lane in self.lanes],
             batching=Batching(max_batch_size=collector.max_size, window_ms=collector.window_s * 1000.0),
             stats={"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
                    "nvml_utilisation": self.device.utilisation(),

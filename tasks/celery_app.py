@@ -43,9 +43,10 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-def send_preprocess(app: Celery, job_id: str) -> None:
-    """Queue one job for a CPU worker; fails fast when the broker is down."""
-    app.send_task(PREPROCESS_TASK, args=[job_id], queue=PREPROCESS_QUEUE,
+def send_preprocess(app: Celery, job_id: str, queue: str) -> None:
+    """Queue one job for a CPU worker on its model's queue (Keys.preprocess_queue); fails fast when the
+    broker is down."""
+    app.send_task(PREPROCESS_TASK, args=[job_id], queue=queue,
                   retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1})
 
 

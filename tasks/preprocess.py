@@ -14,7 +14,8 @@ import redis
 from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
-from contract.settings import Settings
+from contract.models import Catalogue
+from contract.settings import ModelSpec, Settings
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
 
 log = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ class Preprocessor:
         self.redis = client
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self.catalogue = Catalogue(settings)
 
     def run(self, job_id: str) -> str:
         """Returns what happened, for the task's log line and Flower."""
@@ -43,10 +45,16 @@ class Preprocessor:
         if upload is None:
             self.store.fail(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
             return "failed"
-        return self._push_frame(job_id, record, upload, started_at)
+        # A job from before models had names in the record is the default model's.
+        spec = self.catalogue.get(record["model"]) if "model" in record else self.catalogue.default
+        if spec is None:
+            self.store.fail(job_id, "unknown_model", f"model {record.get('model')!r} is not configured on this "
+                                                     "CPU worker (its config differs from the API's)")
+            return "failed"
+        return self._push_frame(job_id, record, upload, started_at, spec)
 
-    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes, started_at: float) -> str:
-        spec = self.settings.model
+    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes, started_at: float,
+                    spec: ModelSpec) -> str:
         try:
             t0 = time.perf_counter()
             image, orig_size = decode_image(upload, spec.input_size, self.settings.decode.max_image_pixels,
@@ -63,20 +71,21 @@ class Preprocessor:
             stamps["submitted_at"] = record["submitted_at"]
         stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0,
                       resize_ms=(time.perf_counter() - t1) * 1000.0)
-        return self._commit(job_id, record, boxed, stamps)
+        return self._commit(job_id, record, boxed, stamps, spec)
 
-    def _commit(self, job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict) -> str:
+    def _commit(self, job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict,
+                spec: ModelSpec) -> str:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
-        wait for room (never drop, never grow the list past its bound). Each try packs the frame afresh,
+        wait for room (never drop, never grow the model's list past its bound). Each try packs the frame afresh,
         stamped at that moment: a frame that waited for room is billed `backpressure`, not `queue_gpu`,
         and does not reach the GPU worker looking a window late."""
-        limit = self.settings.backpressure.max_frames
+        limit = self.settings.max_frames(spec)
         ready = time.perf_counter()
         while True:
             pushed_at = time.time()
             tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
-            outcome = self.store.enqueue_frame(job_id, frame, limit, tried)
+            outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried)
             if outcome == jobs.PUSHED:
                 return "pushed"
             if outcome == jobs.JOB_OVER:

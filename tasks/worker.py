@@ -9,10 +9,17 @@ from __future__ import annotations
 
 import logging
 
-from celery.signals import after_setup_logger, celeryd_init, worker_process_init, worker_ready, worker_shutdown
+from celery.signals import (
+    after_setup_logger,
+    celeryd_after_setup,
+    celeryd_init,
+    worker_process_init,
+    worker_ready,
+    worker_shutdown,
+)
 
 from contract.connection import connect
-from contract.keys import CALLBACK_QUEUE, Keys
+from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.settings import load_settings
 from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
@@ -36,6 +43,18 @@ def _name_the_role(options: dict | None = None, **_: object) -> None:
         queues = queues.split(",")
     if list(queues) == [CALLBACK_QUEUE]:
         _role = "callback-worker"
+
+
+@celeryd_after_setup.connect
+def _consume_every_model_queue(sender: str, instance: object, **_: object) -> None:
+    """`-Q preprocess` means every model's CPU queue (Keys.preprocess_queue) as well as the plain one
+    (jobs queued before models had queues). The worker takes from them round robin, so one model's
+    backlog waits behind itself, not in front of another model's requests."""
+    queues = app.amqp.queues
+    if PREPROCESS_QUEUE in queues.consume_from:
+        keys = Keys(settings.namespace)
+        for spec in settings.models:
+            queues.select_add(keys.preprocess_queue(spec.key))
 
 
 _relay: OutboxRelay | None = None

@@ -74,10 +74,17 @@ class Stack:
     callback_worker: ManagedProcess | None = None
     gpu_worker: ManagedProcess | None = None
     gpu_worker_id: str = "test-gpu"
+    gpu_device: str = TEST_DEVICE
+    gpu_models: tuple[str, ...] = ()   # --model arguments of the stack's GPU worker (none: every model)
     session: requests.Session = field(default_factory=requests.Session)
 
     def url(self, path: str) -> str:
         return self.api.url + path
+
+    @property
+    def frames_key(self) -> str:
+        """The (default) model's frame list."""
+        return self.keys.frames(self.settings.model.key)
 
     def submit(self, data: bytes, content_type: str = "image/jpeg", **options: Any) -> requests.Response:
         return self.session.post(self.url("/v1/jobs"), files={"image": ("image", data, content_type)},
@@ -105,7 +112,8 @@ class Stack:
     def start_gpu_worker(self) -> None:
         assert self.gpu_worker is None or not self.gpu_worker.alive()
         self.gpu_worker = ManagedProcess(
-            "gpu-worker", python_argv("-m", "gpu_worker", "--device", TEST_DEVICE, "--worker-id", self.gpu_worker_id),
+            "gpu-worker", python_argv("-m", "gpu_worker", "--device", self.gpu_device, "--worker-id",
+                                      self.gpu_worker_id, *[arg for m in self.gpu_models for arg in ("--model", m)]),
             self.env, self.log_dir)
         wait_until(lambda: self.redis.exists(self.keys.heartbeat(self.gpu_worker_id)) or self._gpu_died(),
                    60, what="the GPU worker's first heartbeat")
@@ -132,10 +140,12 @@ def content_box_spec(workdir: Path, input_size: int, **extra: Any) -> dict[str, 
             "input_size": input_size, "layout": "yolov8", "labels": ["content", "other"], **extra}
 
 
-def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace: str,
-                extra: dict[str, Any] | None = None) -> Stack:
-    """API + Celery worker + GPU worker for one model, under their own namespace."""
-    config = {"redis_url": redis_url, "namespace": namespace, "model": model,
+def start_stack(redis_url: str, workdir: Path, model: dict[str, Any] | str | None, namespace: str,
+                extra: dict[str, Any] | None = None, gpu_device: str = TEST_DEVICE,
+                gpu_models: tuple[str, ...] = ()) -> Stack:
+    """API + Celery worker + GPU worker for one model (or, with `models` in `extra` and model None, several),
+    under their own namespace."""
+    config = {"redis_url": redis_url, "namespace": namespace, **({"model": model} if model is not None else {}),
               "gpu_worker": {"heartbeat_ttl_s": 5},
               "callbacks": {"secret": CALLBACK_SECRET, "allow_hosts": ["127.0.0.1"], "backoff_base_s": 0.2,
                             "max_attempts": 3, "timeout_s": 2.0},
@@ -153,7 +163,8 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any], namespace:
                                   "--without-mingle", "--loglevel", "INFO"), env, workdir)
     stack = Stack(config_path=config_path, log_dir=workdir, env=env, api=ApiServer(create_app(settings)),
                   redis=redis.Redis.from_url(redis_url), keys=Keys(settings.namespace),
-                  settings=settings, cpu_worker=cpu_worker, gpu_worker_id=f"{namespace}-gpu")
+                  settings=settings, cpu_worker=cpu_worker, gpu_worker_id=f"{namespace}-gpu",
+                  gpu_device=gpu_device, gpu_models=gpu_models)
     stack.callback_worker = ManagedProcess(
         "callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "-c", "4",
                                        "--without-gossip", "--without-mingle", "--loglevel", "INFO"), env, workdir)

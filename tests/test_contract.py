@@ -200,10 +200,10 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
     store.create("a" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert store.advance("a" * 32, jobs.PREPROCESSING)
-    first = store.enqueue_frame("a" * 32, b"frame", 10, {"pushed_at": 1.0})
-    second = store.enqueue_frame("a" * 32, b"frame", 10, {"pushed_at": 2.0})
+    first = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
+    second = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
     assert (first, second) == (jobs.PUSHED, jobs.JOB_OVER)
-    assert redis_client.llen(keys.frames) == 1
+    assert redis_client.llen(keys.frames("m:1")) == 1
     assert store.load("a" * 32)["pushed_at"] == 1.0
 
 
@@ -211,11 +211,11 @@ def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(r
     keys = Keys("unclaimed")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
     store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
-    assert store.enqueue_frame("b" * 32, b"frame", 10, {}) == jobs.JOB_OVER
+    assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
     assert store.advance("b" * 32, jobs.PREPROCESSING)
     redis_client.delete(keys.upload("b" * 32))                             # the upload expired
-    assert store.enqueue_frame("b" * 32, b"frame", 10, {}) == jobs.JOB_OVER
-    assert redis_client.llen(keys.frames) == 0
+    assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    assert redis_client.llen(keys.frames("m:1")) == 0
 
 
 def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):

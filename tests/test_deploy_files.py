@@ -194,3 +194,14 @@ def test_the_gpu_worker_runs_without_pillow_which_its_image_does_not_install():
     assert done.returncode == 0, done.stderr
     gpu_stage = (REPO_ROOT / "Dockerfile").read_text().split("AS gpu-worker", 1)[1]
     assert "pillow" not in gpu_stage.lower()
+
+
+def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_selector():
+    dashboard = json.loads((REPO_ROOT / "monitoring" / "grafana" / "dashboards" / "imgserve.json").read_text())
+    [selector] = dashboard["templating"]["list"]
+    assert selector["name"] == "model" and selector["includeAll"] and selector["multi"]
+    per_model = ("imgserve_gpu_batch", "imgserve_stage_seconds", "imgserve_queue_depth", "imgserve_gpu_frames",
+                 "imgserve_api_jobs_submitted")
+    expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    model_expressions = [expr for expr in expressions if any(name in expr for name in per_model)]
+    assert model_expressions and all('model=~"$model"' in expr for expr in model_expressions)

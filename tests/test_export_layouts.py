@@ -155,13 +155,15 @@ def test_a_pt2_named_as_torchscript_says_which_format_it_is(tmp_path):
 # --- end to end: the stack's API and CPU workers, a GPU worker per export -------------------------
 @pytest.fixture
 def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
-    """Serve another export on the stack: only the GPU worker changes (same input size and labels, so
-    the API and the CPU workers need not); the stack's own GPU worker comes back afterwards."""
+    """Serve another export on the stack: only the GPU worker changes. It serves the export under the
+    stack's model name and version (so it takes that model's frames) and at the same input size and
+    labels (so the API and the CPU workers need not change); the stack's own GPU worker comes back after."""
     swapped: list[ManagedProcess] = []
 
     def serve(kind: str) -> None:
         config = yaml.safe_load(stack.config_path.read_text())
-        config["model"] = write_model(tmp_path, kind)
+        config["model"] = {**write_model(tmp_path, kind), "name": stack.settings.model.name,
+                           "version": stack.settings.model.version}
         config_path = tmp_path / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         stack.stop_gpu_worker()
@@ -221,7 +223,8 @@ def test_the_pt2_recipe_says_why_it_cannot_read_an_ultralytics_model_here(tmp_pa
 
 def test_v1_models_says_what_the_file_gave_and_how_its_output_is_read(stack, swap_model):
     swap_model("yolov5-tuple")
+    worker_id = f"{stack.gpu_worker_id}-yolov5-tuple"
     served = wait_until(lambda: [m for m in stack.session.get(stack.url("/v1/models"), timeout=10).json()["models"]
-                                 if m["name"] == "yolov5-tuple"], 30, what="the swapped model in /v1/models")
+                                 if m["workers"] == [worker_id]], 30, what="the swapped model in /v1/models")
     assert served[0]["output"] == "element 0 of a tuple"
     assert served[0]["from_file"] == ["labels", "input_size"] and served[0]["precision"] == "fp32"

@@ -18,6 +18,8 @@ from tests.support import REPO_ROOT, build_content_box_model
 
 CPU = torch.device("cpu")
 
+M = "m:1"   # the model key these frame lists belong to
+
 
 def spec(**overrides) -> ModelSpec:
     values = dict(name="m", version="1", labels=("a", "b", "c"), input_size=64)
@@ -97,8 +99,8 @@ def test_bgr_models_get_channels_swapped():
 def test_frame_source_is_fifo_and_keeps_frames_until_acked(redis_client):
     keys = Keys("t")
     for i in range(5):
-        redis_client.lpush(keys.frames, f"f{i}")
-    source = RedisFrameSource(redis_client, keys, "w1")
+        redis_client.lpush(keys.frames(M), f"f{i}")
+    source = RedisFrameSource(redis_client, keys, "w1", M)
     assert source.pop_blocking(0.1) == b"f0"
     assert source.pop_available(3) == [b"f1", b"f2", b"f3"]
     assert source.pending() == 4
@@ -111,25 +113,25 @@ def test_frame_source_is_fifo_and_keeps_frames_until_acked(redis_client):
 
 def test_ack_drops_the_oldest_frames_in_hand(redis_client):
     keys = Keys("t")
-    redis_client.lpush(keys.frames, "a", "b", "c")
-    source = RedisFrameSource(redis_client, keys, "w1")
+    redis_client.lpush(keys.frames(M), "a", "b", "c")
+    source = RedisFrameSource(redis_client, keys, "w1", M)
     source.pop_available(2)
     source.pop_available(1)
     source.ack(2)                                   # the first batch, answered first
-    assert redis_client.lrange(keys.processing("w1"), 0, -1) == [b"c"]
+    assert redis_client.lrange(keys.processing("w1", M), 0, -1) == [b"c"]
 
 
 def test_frames_of_any_size_come_back_whole_and_the_reader_recovers_from_errors(redis_client):
     keys = Keys("t")
     frames = [bytes([i]) * size for i, size in enumerate((0, 1, 255, 256, 257, 70_000, 300_000))]
-    redis_client.lpush(keys.frames, *frames)
-    source = RedisFrameSource(redis_client, keys, "w1")
+    redis_client.lpush(keys.frames(M), *frames)
+    source = RedisFrameSource(redis_client, keys, "w1", M)
     assert [bytes(f) for f in source.pop_available(4) + source.pop_available(8)] == frames
-    redis_client.set(keys.frames, "not a list")
+    redis_client.set(keys.frames(M), "not a list")
     with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
         source.pop_available(2)
-    redis_client.delete(keys.frames)
-    redis_client.lpush(keys.frames, b"\r\n$5\r\n")
+    redis_client.delete(keys.frames(M))
+    redis_client.lpush(keys.frames(M), b"\r\n$5\r\n")
     assert source.pop_available(2) == [b"\r\n$5\r\n"]   # the connection was dropped and opened again
 
 
@@ -140,15 +142,15 @@ def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redi
     frames = [make_frame(f"job{i}", 2, 2, 0, 0) for i in range(3)]
     for i in range(3):
         redis_client.hset(keys.job(f"job{i}"), "status", "running")
-    redis_client.lpush(keys.frames, *frames)
-    source = RedisFrameSource(redis_client, keys, "dead")
+    redis_client.lpush(keys.frames(M), *frames)
+    source = RedisFrameSource(redis_client, keys, "dead", M)
     source.pop_available(3)
     redis_client.zadd(keys.gpu_workers, {"dead": 1.0})
     redis_client.set(keys.heartbeat("dead"), "{}")
-    assert requeue_frames_of(redis_client, keys, "dead", only_if_dead=True) == -1   # still alive: untouched
+    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == -1   # still alive: untouched
     redis_client.delete(keys.heartbeat("dead"))
-    assert requeue_frames_of(redis_client, keys, "dead", only_if_dead=True) == 3
-    assert requeue_frames_of(redis_client, keys, "dead", only_if_dead=True) == 0    # a second reaper finds nothing
-    assert RedisFrameSource(redis_client, keys, "live").pop_available(3) == frames
+    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == 3
+    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == 0    # a second reaper finds nothing
+    assert RedisFrameSource(redis_client, keys, "live", M).pop_available(3) == frames
     assert [redis_client.hget(keys.job(f"job{i}"), "attempts") for i in range(3)] == [b"1"] * 3
     assert redis_client.zscore(keys.gpu_workers, "dead") is None

@@ -26,6 +26,7 @@ from tests.support import wait_until
 from tests.test_gpu_worker_parts import make_frame
 
 SPEC = {"name": "m", "version": "1", "labels": ["a", "b"], "input_size": 64}
+MODEL_KEY = "m:1"
 GEOMETRY = {"width": 64, "height": 48, "pad_left": 0, "pad_top": 8, "scale_x": 1.0, "scale_y": 1.0,
             "orig_width": 64, "orig_height": 48}
 CONTENT = (GEOMETRY, bytes(64 * 48 * 3))
@@ -110,7 +111,7 @@ def run_until(worker: GpuWorker, done: Callable[[], bool]) -> int:
 def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_lost(redis_client, tmp_path,
                                                                                      monkeypatch):
     keys = Keys("stages")
-    ids, _ = push_frames(redis_client, keys, [CONTENT], 9)
+    ids, _ = push_frames(redis_client, keys, MODEL_KEY, [CONTENT], 9)
     worker = worker_on(redis_client, tmp_path)
     real = worker.intake.store.advance_many
     calls = []
@@ -124,7 +125,8 @@ def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_l
     monkeypatch.setattr(worker.intake.store, "advance_many", fails_once)
     code = run_until(worker, lambda: statuses(redis_client, keys, ids) == ["succeeded"] * 9)
     assert code == 0 and len(calls) > 5                      # five batches, and the one that failed
-    assert redis_client.llen(keys.processing("stages-gpu")) == 0 and redis_client.llen(keys.frames) == 0
+    assert redis_client.llen(keys.processing("stages-gpu", MODEL_KEY)) == 0
+    assert redis_client.llen(keys.frames(MODEL_KEY)) == 0
     batches = [yaml.safe_load(redis_client.hget(keys.job(job_id), "batch")) for job_id in ids]
     assert all(batch["worker"] == "stages-gpu" for batch in batches)
     assert redis_client.hget(keys.job(ids[2]), "attempts") is None    # given back is not an attempt
@@ -150,14 +152,14 @@ class LosesTheDevice:
 
 def test_a_lost_device_writes_what_it_finished_gives_back_what_it_held_and_exits_non_zero(redis_client, tmp_path):
     keys = Keys("stages")
-    ids, _ = push_frames(redis_client, keys, [CONTENT], 6)
+    ids, _ = push_frames(redis_client, keys, MODEL_KEY, [CONTENT], 6)
     worker = worker_on(redis_client, tmp_path, LosesTheDevice)
     assert worker.run() == EXIT_DEVICE_LOST
     assert statuses(redis_client, keys, ids[:2]) == ["succeeded"] * 2            # the first batch
     held = [job_id for job_id in ids[2:] if redis_client.hget(keys.job(job_id), "attempts") == b"1"]
     assert held and statuses(redis_client, keys, held) == ["running"] * len(held)  # back in line, counted
-    assert redis_client.llen(keys.processing("stages-gpu")) == 0
-    assert redis_client.llen(keys.frames) == 4
+    assert redis_client.llen(keys.processing("stages-gpu", MODEL_KEY)) == 0
+    assert redis_client.llen(keys.frames(MODEL_KEY)) == 4
     assert not redis_client.exists(keys.heartbeat("stages-gpu"))
 
 
@@ -182,13 +184,13 @@ class BreaksOnce(LosesTheDevice):
 
 def test_a_defect_in_the_device_stage_fails_its_batch_and_the_worker_serves_on(redis_client, tmp_path):
     keys = Keys("stages")
-    ids, _ = push_frames(redis_client, keys, [CONTENT], 6)
+    ids, _ = push_frames(redis_client, keys, MODEL_KEY, [CONTENT], 6)
     worker = worker_on(redis_client, tmp_path, BreaksOnce)
     done = ["failed"] * 2 + ["succeeded"] * 4
     assert run_until(worker, lambda: statuses(redis_client, keys, ids) == done) == 0
     error = yaml.safe_load(redis_client.hget(keys.job(ids[0]), "error"))
     assert error == {"code": "inference_error", "message": "a defect in the device stage"}
-    assert redis_client.llen(keys.processing("stages-gpu")) == 0
+    assert redis_client.llen(keys.processing("stages-gpu", MODEL_KEY)) == 0
 
 
 def test_a_damaged_or_oversized_frame_fails_its_own_job_as_bad_frame_and_the_rest_go_on():

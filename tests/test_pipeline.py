@@ -89,9 +89,9 @@ def test_a_burst_of_32_is_carried_in_batches_of_at_most_8_in_fifo_order(stack):
     stack.stop_gpu_worker()
     try:
         ids = [stack.submit_ok(jpeg(480, 360, seed=i)) for i in range(32)]
-        wait_until(lambda: stack.redis.llen(stack.keys.frames) == 32, 60, what="32 frames on the list")
+        wait_until(lambda: stack.redis.llen(stack.frames_key) == 32, 60, what="32 frames on the list")
         # Producers LPUSH, so the list read right to left is the order frames were pushed.
-        pushed_order = [_job_id_of(frame) for frame in reversed(stack.redis.lrange(stack.keys.frames, 0, -1))]
+        pushed_order = [_job_id_of(frame) for frame in reversed(stack.redis.lrange(stack.frames_key, 0, -1))]
     finally:
         stack.start_gpu_worker()
     docs = {job_id: stack.wait_terminal(job_id) for job_id in ids}
@@ -232,7 +232,7 @@ def test_deployments_sharing_a_redis_database_never_take_each_others_tasks(stack
     from tasks.celery_app import make_celery, send_preprocess
 
     other = make_celery(dataclasses.replace(stack.settings, namespace="another-deployment"))
-    send_preprocess(other, "0" * 32)
+    send_preprocess(other, "0" * 32, "preprocess")
     other_queue = "another-deployment:celery:preprocess"
     assert stack.redis.llen(other_queue) == 1
     assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"   # this stack's worker runs

@@ -30,7 +30,7 @@ def test_cancel_a_waiting_job_then_409_once_it_is_over(stack):
         assert response.status_code == 200 and response.json()["status"] == "cancelled"
     finally:
         stack.start_gpu_worker()
-    wait_until(lambda: stack.redis.llen(stack.keys.frames) == 0, 30, what="the frame to be drained")
+    wait_until(lambda: stack.redis.llen(stack.frames_key) == 0, 30, what="the frame to be drained")
     assert stack.job(job_id)["status"] == "cancelled"          # the GPU worker skipped it
     again = stack.session.delete(stack.url(f"/v1/jobs/{job_id}"), timeout=10)
     assert again.status_code == 409 and again.json()["type"] == "/problems/job-already-finished"
@@ -43,16 +43,16 @@ def test_frames_of_a_dead_gpu_worker_are_requeued_by_a_live_one(stack):
     stack.stop_gpu_worker()
     try:
         ids = [stack.submit_ok(jpeg(320, 240, seed=i)) for i in range(3)]
-        wait_until(lambda: stack.redis.llen(stack.keys.frames) == 3, 30, what="three frames")
+        wait_until(lambda: stack.redis.llen(stack.frames_key) == 3, 30, what="three frames")
         dead = "dead-gpu"
         for _ in ids:
-            stack.redis.lmove(stack.keys.frames, stack.keys.processing(dead), "RIGHT", "LEFT")
+            stack.redis.lmove(stack.frames_key, stack.keys.processing(dead, stack.settings.model.key), "RIGHT", "LEFT")
         stack.redis.zadd(stack.keys.gpu_workers, {dead: time.time() - 3600})
     finally:
         stack.start_gpu_worker()
     docs = [stack.wait_terminal(job_id) for job_id in ids]
     assert [d["status"] for d in docs] == ["succeeded"] * 3
-    assert stack.redis.llen(stack.keys.processing(dead)) == 0
+    assert stack.redis.llen(stack.keys.processing(dead, stack.settings.model.key)) == 0
     assert stack.redis.zscore(stack.keys.gpu_workers, dead) is None
     assert all(stack.redis.hget(stack.keys.job(j), "attempts") == b"1" for j in ids)
 
@@ -61,7 +61,7 @@ def test_a_frame_that_kept_killing_workers_fails_as_poison(stack):
     stack.stop_gpu_worker()
     try:
         job_id = stack.submit_ok(jpeg(320, 240))
-        wait_until(lambda: stack.redis.llen(stack.keys.frames) == 1, 30, what="the frame")
+        wait_until(lambda: stack.redis.llen(stack.frames_key) == 1, 30, what="the frame")
         stack.redis.hset(stack.keys.job(job_id), "attempts", stack.settings.gpu_worker.max_attempts)
     finally:
         stack.start_gpu_worker()
@@ -91,14 +91,14 @@ def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
         for attempt in range(2):   # killed twice, restarted twice
             worker = slow_sim_worker(stack, "killable-gpu")
             ids = [stack.submit_ok(jpeg(320, 240, seed=attempt * 10 + i)) for i in range(4)]
-            wait_until(lambda: stack.redis.llen(stack.keys.processing("killable-gpu")) > 0, 30,
-                       what="a batch in hand")
+            held = stack.keys.processing("killable-gpu", stack.settings.model.key)
+            wait_until(lambda: stack.redis.llen(held) > 0, 30, what="a batch in hand")
             worker.stop(signal.SIGKILL)
-            assert stack.redis.llen(stack.keys.processing("killable-gpu")) > 0
+            assert stack.redis.llen(stack.keys.processing("killable-gpu", stack.settings.model.key)) > 0
             restarted = slow_sim_worker(stack, "killable-gpu")   # requeues its own frames first
             docs = [stack.wait_terminal(j, timeout_s=90) for j in ids]
             assert [d["status"] for d in docs] == ["succeeded"] * 4, docs
-            assert stack.redis.llen(stack.keys.processing("killable-gpu")) == 0
+            assert stack.redis.llen(stack.keys.processing("killable-gpu", stack.settings.model.key)) == 0
             first = [d["batch"]["id"] for d in docs]
             time.sleep(0.5)
             assert [stack.job(j)["batch"]["id"] for j in ids] == first   # one answer each, never rewritten
@@ -113,14 +113,14 @@ def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
     try:
         worker = slow_sim_worker(stack, "draining-gpu", latency_ms=700, max_batch=2)
         ids = [stack.submit_ok(jpeg(320, 240, seed=40 + i)) for i in range(12)]
-        processing = stack.keys.processing("draining-gpu")
+        processing = stack.keys.processing("draining-gpu", stack.settings.model.key)
         wait_until(lambda: stack.redis.llen(processing) >= 8, 60, what="batches in every stage")
         worker.stop(signal.SIGTERM, timeout_s=60)
         assert worker.process.returncode == 0, worker.log_tail()
         assert stack.redis.llen(processing) == 0
         statuses = [stack.job(j)["status"] for j in ids]
         assert statuses.count("succeeded") >= 8 and set(statuses) <= {"succeeded", "queued_gpu"}, statuses
-        assert stack.redis.llen(stack.keys.frames) == statuses.count("queued_gpu")   # the rest wait in line
+        assert stack.redis.llen(stack.frames_key) == statuses.count("queued_gpu")   # the rest wait in line
     finally:
         stack.start_gpu_worker()
     assert [stack.wait_terminal(j)["status"] for j in ids] == ["succeeded"] * len(ids)
@@ -163,15 +163,15 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     try:
         for i in range(30):
             response = stack.submit(jpeg(160, 120, seed=i))
-            longest = max(longest, stack.redis.llen(stack.keys.frames))
+            longest = max(longest, stack.redis.llen(stack.frames_key))
             if response.status_code == 202:
                 accepted.append(response.json()["id"])
             else:
                 refused.append(response)
-        wait_until(lambda: stack.redis.llen(stack.keys.frames) == limits.max_frames, 30,
+        wait_until(lambda: stack.redis.llen(stack.frames_key) == limits.max_frames, 30,
                    what="the frame list to fill")
         time.sleep(0.3)   # CPU workers are waiting for room now; the list must not grow
-        longest = max(longest, stack.redis.llen(stack.keys.frames))
+        longest = max(longest, stack.redis.llen(stack.frames_key))
     finally:
         stack.start_gpu_worker()
     assert refused and all(r.status_code == 429 for r in refused)
