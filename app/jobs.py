@@ -21,7 +21,7 @@ from contract.documents import (
     submit_options_model,
     wait_query_model,
 )
-from contract.models import UnknownModel
+from contract.models import UnknownModel, model_references
 from contract.settings import ModelSpec, SettingsError
 from tasks.callbacks import CallbackRefused, callback_secret, check_callback_url
 from tasks.celery_app import send_preprocess
@@ -31,8 +31,10 @@ log = logging.getLogger("api")
 
 
 def _submit_options(settings):
-    """deadline_ms is bounded by the longest default deadline of any model; then by its own model's."""
-    return submit_options_model(max(settings.default_deadline_ms(spec) for spec in settings.models))
+    """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
+    `model` takes the names and name:version a request may reach."""
+    return submit_options_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
+                                tuple(model_references(settings)))
 
 
 @blueprint.post("")

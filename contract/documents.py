@@ -153,7 +153,7 @@ class JobAccepted(Document):
 # --- a submission ------------------------------------------------------------------------------------
 
 class SubmitOptionsBase(Document):
-    model: str = Field(None, max_length=129, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*(:[A-Za-z0-9][A-Za-z0-9._+-]*)?$",
+    model: str = Field(None, max_length=129, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*(:[A-Za-z0-9][A-Za-z0-9._+-]*)?$",  # noqa: E501
                        description="name (routed to one of its versions as configured) or name:version (pinned); "
                                    "the deployment's default model when absent; 404 if nothing of that name is served")
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
@@ -179,12 +179,20 @@ class SubmitOptionsBase(Document):
         return options
 
 
+MODEL_REFERENCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]*(:[A-Za-z0-9][A-Za-z0-9._+-]*)?$"
+
+
 @functools.lru_cache(maxsize=8)
-def submit_options_model(max_deadline_ms: int) -> type[SubmitOptionsBase]:
-    """The submission options, with the deployment's deadline as deadline_ms's bound."""
-    return create_model("SubmitOptions", __base__=SubmitOptionsBase,
-                        deadline_ms=(int, Field(None, ge=1, le=max_deadline_ms,
-                                                description="answer within this many ms or end `expired`")))
+def submit_options_model(max_deadline_ms: int, model_references: tuple[str, ...] = ()) -> type[SubmitOptionsBase]:
+    """The submission options, with the deployment's deadline as deadline_ms's bound and, in the schema,
+    the models it serves as `model`'s values (checked against the routing, not here: an unknown one is 404)."""
+    fields: dict[str, Any] = {"deadline_ms": (int, Field(None, ge=1, le=max_deadline_ms,
+                                                         description="answer within this many ms or end `expired`"))}
+    if model_references:
+        fields["model"] = (str, Field(None, max_length=129, pattern=MODEL_REFERENCE_PATTERN,
+                                      json_schema_extra={"enum": list(model_references)},
+                                      description=SubmitOptionsBase.model_fields["model"].description))
+    return create_model("SubmitOptions", __base__=SubmitOptionsBase, **fields)
 
 
 class WaitQueryBase(Document):

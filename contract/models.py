@@ -15,6 +15,15 @@ from typing import Iterable, Iterator
 from contract.settings import ModelSpec, Settings, SettingsError, version_weights
 
 
+def model_references(settings: Settings) -> list[str]:
+    """Every `model=` value a request may give: the names routed somewhere, then each name:version that
+    takes jobs, in the order the models are listed."""
+    names = [name for name in dict.fromkeys(spec.name for spec in settings.models)
+             if version_weights(settings, name)]
+    draining = set(settings.routing.draining)
+    return names + [spec.key for spec in settings.models if spec.key not in draining]
+
+
 class UnknownModel(LookupError):
     """A `model=` that names nothing this deployment takes jobs for."""
 
@@ -54,7 +63,7 @@ class Catalogue:
         self.draining = frozenset(settings.routing.draining)
         self.default = settings.model
         self._routers = {name: SmoothWeightedRoundRobin(weights)
-                         for name in {spec.name for spec in settings.models}
+                         for name in dict.fromkeys(spec.name for spec in settings.models)
                          if (weights := version_weights(settings, name))}
 
     def __iter__(self) -> Iterator[ModelSpec]:

@@ -120,6 +120,8 @@ class GpuWorker:
         self._retry_until_redis_answers(lambda: self.liveness.claim(os.getpid()))
         self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
+        self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(
+            self.settings.model.key))
         self.liveness.start(self.stopping)
         threads = [thread for lane in self.lanes for thread in (
             threading.Thread(target=self._collect_loop, args=(lane,), name=f"collect-{lane.index}", daemon=True),

@@ -103,6 +103,13 @@ def test_a_name_without_a_route_gets_its_first_version_so_adding_one_moves_no_tr
     assert catalogue.resolve("a:2").key == "a:2"
 
 
+def test_the_model_values_a_request_may_give_are_the_routed_names_and_the_versions_taking_jobs():
+    from contract.models import model_references
+
+    settings = settings_with(spec("a", "1"), spec("a", "2"), spec("b"), spec("c"), draining=("a:2", "c:1"))
+    assert model_references(settings) == ["a", "b", "a:1", "b:1"]
+
+
 def test_a_gpu_worker_selects_models_by_name_or_version():
     catalogue = Catalogue(settings_with(spec("a", "1"), spec("a", "2"), spec("b")))
     assert [s.key for s in catalogue.select([])] == ["a:1", "a:2", "b:1"]
@@ -357,3 +364,25 @@ def test_bench_load_targets_the_model_it_is_given(multi_stack):
     outcomes = load.closed_loop(multi_stack.api.url, [jpeg(300, 200)], 2, 2.0, model="large")
     assert outcomes and all(o.ok for o in outcomes)
     assert {o.doc["result"]["model"]["name"] for o in outcomes if o.doc} == {"large"}
+
+
+def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_model(multi_stack):
+    from contract import jobs
+    from contract.frames import FrameHeader, pack_frame
+    from tasks.imaging import decode_image, letterbox
+
+    image, size = decode_image(jpeg(300, 200), 64, 10**8, 10**9)
+    boxed = letterbox(image, size, 64)
+    job_id, now = jobs.new_job_id(), time.time()
+    multi_stack.redis.hset(multi_stack.keys.job(job_id), mapping={
+        "id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60})
+    header = FrameHeader(job_id=job_id, width=boxed.width, height=boxed.height, pad_left=boxed.pad_left,
+                         pad_top=boxed.pad_top, scale_x=boxed.scale_x, scale_y=boxed.scale_y,
+                         orig_width=boxed.orig_width, orig_height=boxed.orig_height, enqueued_at=now,
+                         deadline_at=now + 60)
+    multi_stack.redis.lpush(multi_stack.keys.frames_before_models, pack_frame(header, boxed.pixels))
+    multi_stack.stop_gpu_worker()
+    multi_stack.start_gpu_worker()     # moves it to the default model's list at start
+    job = multi_stack.wait_terminal(job_id)
+    assert job["status"] == "succeeded" and job["result"]["model"]["name"] == "small"
+    assert multi_stack.redis.llen(multi_stack.keys.frames_before_models) == 0
