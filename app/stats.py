@@ -34,8 +34,20 @@ def stats() -> Response:
         "gpu_workers": [{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
                          **w.stats} for w in workers],
         "gpu": _combined(workers),
+        "models": _per_model(workers),
     })
     return jsonify(summary.to_json())
+
+
+def _per_model(workers: list[Heartbeat]) -> dict:
+    """Per name:version, the recent window of the worker that answered most of its jobs."""
+    best: dict[str, dict] = {}
+    for worker in workers:
+        for model in worker.served_models():
+            stats = {**model.stats, "worker_id": worker.worker_id}
+            if model.key not in best or stats.get("jobs", 0) > best[model.key].get("jobs", 0):
+                best[model.key] = stats
+    return best
 
 
 def _combined(workers: list[Heartbeat]) -> dict:

@@ -332,8 +332,20 @@ class GpuSummary(Document):
     time_bill_ms: StageSummaries = Field(None, description="the busiest worker's recent time bill, per stage")
 
 
+class ModelStats(Document):
+    worker_id: str = Field(description="the worker whose window this is (of those serving the model, the one "
+                                       "that answered most of its recent jobs)")
+    jobs: int = Field(ge=0, description="jobs answered in the window")
+    p95_ms: Optional[float] = None
+    batches: int = None
+    batch_size_mean: Optional[float] = None
+    time_bill_ms: StageSummaries = None
+
+
 class Stats(Document):
     queues: QueueDepths = Field(description="summed over the models")
     queues_by_model: dict[str, QueueDepths] = Field(description="per name:version")
     gpu_workers: list[GpuWorkerStats]
     gpu: GpuSummary
+    models: dict[str, ModelStats] = Field(description="per name:version: its recent jobs, p95, batches and "
+                                                      "time bill")

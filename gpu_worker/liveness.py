@@ -122,6 +122,20 @@ class Liveness:
             log.warning("moved %d frames from the list of before models to %s's", moved, default_model_key)
         return moved
 
+    def warn_of_lists_nobody_reads(self) -> list[str]:
+        """Frame lists of models no longer configured (removed before they drained): their jobs will
+        expire. Said at start, so whoever removed the version hears of it."""
+        served = {self.keys.frames(model_key) for model_key in self.model_keys}
+        pattern = self.keys.frames("*")
+        orphans = []
+        for raw in self.redis.scan_iter(match=pattern, count=1000, _type="list"):
+            key = raw.decode() if isinstance(raw, bytes) else str(raw)
+            if key not in served and self.redis.llen(key):
+                orphans.append(key)
+                log.warning("%d frames wait on %s, a list no configured model reads (a version removed before "
+                            "its list drained?); their jobs will expire", self.redis.llen(key), key)
+        return orphans
+
     def reap_dead_workers(self) -> int:
         """Requeue the frames of workers whose heartbeat expired (they died holding them)."""
         stale_before = time.time() - self.ttl_s

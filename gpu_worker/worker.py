@@ -122,6 +122,7 @@ class GpuWorker:
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
         self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(
             self.settings.model.key))
+        self._retry_until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
         self.liveness.start(self.stopping)
         threads = [thread for lane in self.lanes for thread in (
             threading.Thread(target=self._collect_loop, args=(lane,), name=f"collect-{lane.index}", daemon=True),
@@ -263,12 +264,19 @@ class GpuWorker:
                 delay = min(delay * 2, 5.0)
 
     # --- what the heartbeat says -----------------------------------------
+    @staticmethod
+    def _model_stats(lane: Lane) -> dict[str, Any]:
+        """One model's recent window on this worker: jobs, p95, batch sizes, the time bill."""
+        summary = lane.recent.summary()
+        return {**lane.recent.latency(), "batches": summary["batches"], "batch_size_mean": summary["batch_size_mean"],
+                "time_bill_ms": summary["time_bill_ms"]}
+
     def describe(self) -> Heartbeat:
         collector = self.lanes[0].intake.collector
         return Heartbeat(
             worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), started_at=self.started_at,
             model=HeartbeatModel(**self.device.describe()),
-            models=[HeartbeatModel(**lane.device.describe(), stats=lane.recent.latency()) for lane in self.lanes],
+            models=[HeartbeatModel(**lane.device.describe(), stats=self._model_stats(lane)) for lane in self.lanes],
             batching=Batching(max_batch_size=collector.max_size, window_ms=collector.window_s * 1000.0),
             stats={"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
                    "nvml_utilisation": self.device.utilisation(),

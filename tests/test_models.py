@@ -265,6 +265,9 @@ def test_one_gpu_worker_serves_two_models_of_different_input_sizes(multi_stack):
     assert {m["name"]: m["input_size"] for m in listing} == {"small": 64, "large": 160}
     wait_until(lambda: all(m["p95_ms"] for m in multi_stack.session.get(
         multi_stack.url("/v1/models"), timeout=10).json()["models"]), 15, what="p95 per model in /v1/models")
+    stats = multi_stack.session.get(multi_stack.url("/v1/stats"), timeout=10).json()
+    assert set(stats["queues_by_model"]) == set(stats["models"]) == {"small:1", "large:1"}
+    assert all(model["time_bill_ms"]["total"]["p95"] > 0 for model in stats["models"].values())
 
 
 def test_two_gpu_workers_each_serve_their_own_model(multi_stack):
@@ -381,8 +384,12 @@ def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_mode
                          orig_width=boxed.orig_width, orig_height=boxed.orig_height, enqueued_at=now,
                          deadline_at=now + 60)
     multi_stack.redis.lpush(multi_stack.keys.frames_before_models, pack_frame(header, boxed.pixels))
+    removed = multi_stack.keys.frames("removed:1")     # a version taken out of the config before it drained
+    multi_stack.redis.lpush(removed, b"a frame nobody will read")
     multi_stack.stop_gpu_worker()
     multi_stack.start_gpu_worker()     # moves it to the default model's list at start
     job = multi_stack.wait_terminal(job_id)
     assert job["status"] == "succeeded" and job["result"]["model"]["name"] == "small"
     assert multi_stack.redis.llen(multi_stack.keys.frames_before_models) == 0
+    assert f"1 frames wait on {removed}" in multi_stack.gpu_worker.log_tail()
+    multi_stack.redis.delete(removed)
