@@ -110,11 +110,19 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def get_job(job_id: str) -> Response:
     services = current_app.extensions["imgserve"]
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
-    record = _load_owned(services, job_id)
-    if wait_s > 0 and record["status"] not in jobs.TERMINAL:
-        # No point waiting past the deadline: the job is over by then, one way or another.
-        wait_s = min(wait_s, max(0.0, record["deadline_at"] - time.time()) + 0.05)
-        record = _wait_for_end(services, job_id, wait_s) or record
+    if wait_s <= 0 or not jobs.is_job_id(job_id):
+        return jsonify(job_document(_expire_if_late(services, _load_owned(services, job_id))))
+    # Listen before the first read: an end announced after it wakes this request, so one read before the
+    # wait and one after it are enough.
+    event = services.listener.register(job_id)
+    try:
+        record = _load_owned(services, job_id)
+        if record["status"] not in jobs.TERMINAL:
+            # No point waiting past the deadline: the job is over by then, one way or another.
+            event.wait(min(wait_s, max(0.0, record["deadline_at"] - time.time()) + 0.05))
+            record = services.store.load(job_id) or record
+    finally:
+        services.listener.unregister(job_id, event)
     return jsonify(job_document(_expire_if_late(services, record)))
 
 
@@ -204,19 +212,6 @@ def _refuse_when_backlogged(services, spec: ModelSpec) -> None:
         raise Problem(429, "overloaded", "Too many requests",
                       f"{backlog} jobs are waiting for model {spec.key} (limit {limit}); retry later",
                       headers={"Retry-After": str(settings.backpressure.retry_after_s)})
-
-
-def _wait_for_end(services, job_id: str, wait_s: float) -> dict | None:
-    """Sleep on the job's event (no Redis polling) until it ends or wait_s passes."""
-    event = services.listener.register(job_id)
-    try:
-        record = services.store.load(job_id)
-        if record is not None and record["status"] not in jobs.TERMINAL:
-            event.wait(wait_s)
-            record = services.store.load(job_id)
-        return record
-    finally:
-        services.listener.unregister(job_id, event)
 
 
 def _wait_seconds(max_wait_s: float) -> float:

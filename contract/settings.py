@@ -107,7 +107,8 @@ class BatchingSettings:
     max_batch_size: int = 8
     window_ms: float = 12.0
     idle_poll_s: float = 1.0
-    gather_poll_ms: float = 1.0
+    gather_poll_ms: float = 2.0
+    held_poll_ms: float = 5.0     # a batch held open behind its model's running batch looks this often
 
 
 @settings_class

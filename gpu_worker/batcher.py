@@ -8,7 +8,11 @@ what is there and closes at once.
 
 While `hold_open()` says the device is still busy with the previous batch, a
 batch that is not full stays open past its window and keeps gathering: closing
-it early would only make it wait, smaller, for the same device.
+it early would only make it wait, smaller, for the same device. Meanwhile it
+looks for frames every `held_poll_s` through `wait_held`, which the worker
+wakes as soon as the batch ahead is done: polling Redis every millisecond for
+the whole of a long batch cost the worker and Redis more than the rest of a
+batch's host work.
 """
 from __future__ import annotations
 
@@ -50,7 +54,9 @@ class BatchCollector(Generic[Item]):
                  poll_s: float = 0.001, age_of: Callable[[Item], float] = lambda _: 0.0,
                  hold_open: Callable[[], bool] = lambda: False,
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 held_poll_s: float | None = None,
+                 wait_held: Callable[[float], None] | None = None) -> None:
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, got {max_size}")
         if window_s < 0:
@@ -65,6 +71,10 @@ class BatchCollector(Generic[Item]):
         self.hold_open = hold_open
         self.clock = clock
         self.sleep = sleep
+        self.held_poll_s = held_poll_s if held_poll_s is not None else poll_s
+        if self.held_poll_s <= 0:
+            raise ValueError("held_poll_s must be > 0")
+        self.wait_held = wait_held or sleep
 
     def collect(self, source: FrameSource[Item]) -> Batch[Item] | None:
         """Take what is there (one round trip when the list is full), else block for a first frame
@@ -88,7 +98,10 @@ class BatchCollector(Generic[Item]):
             if len(items) >= self.max_size or (now >= deadline and not held):
                 break
             if not more:
-                self.sleep(self.poll_s if held else min(self.poll_s, deadline - now))
+                if held:
+                    self.wait_held(self.held_poll_s)
+                else:
+                    self.sleep(min(self.poll_s, deadline - now))
         closed_by = CLOSED_BY_SIZE if len(items) >= self.max_size else (CLOSED_LATE if late else CLOSED_BY_WINDOW)
         return Batch(items=items, opened_at=opened_at, closed_at=self.clock(),
                      closed_by=closed_by, popped_at=popped_at)

@@ -53,7 +53,8 @@ class InHand:
 class Intake:
     def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, source: RedisFrameSource,
                  device: Device, clock: StageClock, hold_open: Callable[[], bool],
-                 next_seq: Callable[[], int] | None = None) -> None:
+                 next_seq: Callable[[], int] | None = None,
+                 wait_held: Callable[[float], None] | None = None) -> None:
         batching = settings.batching
         self.model_labels = (device.spec.name, device.spec.version)
         self.redis = client
@@ -66,7 +67,8 @@ class Intake:
         self.collector: BatchCollector[memoryview] = BatchCollector(
             batching.max_batch_size, batching.window_ms / 1000.0,
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
-            age_of=_frame_age, hold_open=hold_open)
+            age_of=_frame_age, hold_open=hold_open, held_poll_s=batching.held_poll_ms / 1000.0,
+            wait_held=wait_held)
         self.seq = 0
         # Batch numbers are the worker's, shared by the models it serves (a batch id is worker:seq).
         self.next_seq = next_seq or self._own_seq

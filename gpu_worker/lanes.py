@@ -49,6 +49,9 @@ class DeviceQueue(Generic[Item]):
         self._slots: list[Item | None] = [None] * lanes
         self._put_at = [0.0] * lanes
         self._last: int | None = None   # the lane whose item the device took last
+        # The lane whose item the device holds, from `take` (under the lock: no moment when it is neither
+        # waiting nor running) to `done`.
+        self.running: int | None = None
         self._closed = [False] * lanes
         self._changed = threading.Condition()
 
@@ -87,9 +90,14 @@ class DeviceQueue(Generic[Item]):
             item = self._slots[lane]
             assert item is not None
             self._slots[lane] = None
-            self._last = lane
+            self._last = self.running = lane
             self._changed.notify_all()
             return lane, item
+
+    def done(self) -> None:
+        """The device is through with the item it took last."""
+        with self._changed:
+            self.running = None
 
 
 @dataclass
@@ -105,6 +113,13 @@ class Lane:
     staging: bool = False
     unanswered: int = 0
     answered: threading.Condition = field(default_factory=threading.Condition)
+    # Set when this model's batch ahead of the gathering one leaves the device queue or the device.
+    ahead_changed: threading.Event = field(default_factory=threading.Event)
+
+    def wait_for_ahead(self, timeout_s: float) -> None:
+        """The gathering batch's wait while held open: until the batch ahead moves, or the timeout."""
+        self.ahead_changed.wait(timeout_s)
+        self.ahead_changed.clear()
 
     @property
     def spec(self) -> ModelSpec:

@@ -88,7 +88,6 @@ class GpuWorker:
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()
-        self.running_lane: int | None = None   # whose batch is on the device now
         self.device_lost = False
         self._seq = itertools.count(1)
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
@@ -104,7 +103,8 @@ class GpuWorker:
         clock, recent = StageClock(), RecentStats()
         source = RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
         intake = Intake(self.settings, self.redis, self.store, source, device, clock,
-                        hold_open=lambda: self._lane_has_work_ahead(index), next_seq=lambda: next(self._seq))
+                        hold_open=lambda: self._lane_has_work_ahead(index), next_seq=lambda: next(self._seq),
+                        wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s))
         finisher = Finisher(self.settings, self.redis, self.store, self.keys, self.worker_id, device.spec, clock,
                             self.busy, self.recent, retry=self._retry_until_redis_answers, model_recent=recent,
                             counters=lambda: combined_counters([lane.clock for lane in self.lanes]))
@@ -193,21 +193,24 @@ class GpuWorker:
     def _device_loop(self) -> None:
         while (taken := self.to_device.take()) is not None:
             lane, batch = self.lanes[taken[0]], taken[1]
-            if self.device_lost:   # its frames stay in the processing list, given back at the exit
-                if batch.staged is not None:
-                    lane.device.discard(batch.staged)
-                lane.done()
-                continue
-            batch.started_at = max(batch.closed_at, time.time())
-            if batch.staged is not None and not self._run_on_device(lane, batch):
-                lane.done()
-                continue
+            try:
+                if self.device_lost:   # its frames stay in the processing list, given back at the exit
+                    if batch.staged is not None:
+                        lane.device.discard(batch.staged)
+                    lane.done()
+                    continue
+                batch.started_at = max(batch.closed_at, time.time())
+                if batch.staged is not None and not self._run_on_device(lane, batch):
+                    lane.done()
+                    continue
+            finally:
+                self.to_device.done()
+                lane.ahead_changed.set()    # the lane's gathering batch may close now
             self.to_finish.put((lane, batch))
         self.to_finish.close()
 
     def _run_on_device(self, lane: Lane, batch: InHand) -> bool:
         assert batch.staged is not None   # the caller runs only staged batches
-        self.running_lane = lane.index
         try:
             with lane.clock("forward"):
                 batch.output = lane.device.run(batch.staged)
@@ -220,8 +223,6 @@ class GpuWorker:
             log.exception("the device stage failed on batch %d", batch.seq)
             batch.output = DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), 0.0, 0.0, 0.0,
                                         {i: inference_error(exc) for i in range(len(batch.running))})
-        finally:
-            self.running_lane = None
         ended = time.monotonic()
         self.busy.record(ended - batch.output.device_s, ended)
         metrics.DEVICE_SECONDS.labels(lane.spec.name, lane.spec.version).inc(batch.output.device_s)
@@ -242,7 +243,7 @@ class GpuWorker:
         open: closed at its window, it takes its place in the device queue (see lanes.py); held open it
         would wait, unseen, while batches of the busy model overtook it."""
         lane = self.lanes[index]
-        return (self.running_lane == index or lane.staging or lane.to_stage.waiting()
+        return (self.to_device.running == index or lane.staging or lane.to_stage.waiting()
                 or self.to_device.waiting(index))
 
     def _resync(self, lane: Lane) -> None:
