@@ -393,3 +393,15 @@ def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_mode
     assert multi_stack.redis.llen(multi_stack.keys.frames_before_models) == 0
     assert f"1 frames wait on {removed}" in multi_stack.gpu_worker.log_tail()
     multi_stack.redis.delete(removed)
+
+
+def test_the_client_and_its_cli_choose_the_model(multi_stack, tmp_path, capsys):
+    from imgserve_client import Client
+    from imgserve_client.cli import main
+
+    assert Client(multi_stack.api.url).submit(jpeg(300, 200), wait=True, model="large")["model"]["name"] == "large"
+    image = tmp_path / "photo.jpg"
+    image.write_bytes(jpeg(300, 200))
+    assert main(["--url", multi_stack.api.url, "submit", str(image), "--model", "small:1"]) == 0
+    job_id = capsys.readouterr().out.split()[-1]
+    assert multi_stack.wait_terminal(job_id)["model"] == {"name": "small", "version": "1"}

@@ -45,6 +45,10 @@ def detections_table(path: Path, doc: dict) -> list[str]:
     return lines
 
 
+# Per-request options: `model` is a name (routed as the deployment says) or name:version (pinned).
+OPTIONS = (("model", str), ("conf", float), ("iou", float), ("max_det", int), ("deadline_ms", int))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="imgserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("paths", nargs="+")
     submit.add_argument("--wait", action="store_true", help="wait and print the detections")
     submit.add_argument("--concurrency", type=int, default=8)
-    for option, kind in (("conf", float), ("iou", float), ("max_det", int), ("deadline_ms", int)):
+    for option, kind in OPTIONS:
         submit.add_argument(f"--{option.replace('_', '-')}", dest=option, type=kind)
     status = sub.add_parser("status", help="a job's state")
     status.add_argument("job_id")
@@ -74,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace, client: Client) -> int:
     if args.command == "submit":
-        options = {k: getattr(args, k) for k in ("conf", "iou", "max_det", "deadline_ms")}
+        options = {option: getattr(args, option) for option, _ in OPTIONS}
         files = expand(args.paths)
         if not args.wait:
             for path in files:
