@@ -80,7 +80,8 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
                      f"({stages[largest]:.0f} ms mean, {share:.0%} of the total) -> {ADVICE.get(largest, '')}")
     lines.append(f"6. Utilisation band: {band(last['gpu_busy'])}")
     if cpu_table.get("stack"):
-        roles = ", ".join(f"{role} {ms:.1f}" for role, ms in cpu_table.items() if role not in ("stack", "bench"))
+        roles = ", ".join(f"{role} {ms:.1f}" for role, ms in cpu_table.items()
+                          if role not in ("stack", "bench", "stack/bench"))
         lines.append(f"7. CPU per image at c={last['concurrency']} (this machine's processes): "
                      f"{cpu_table['stack']:.1f} ms ({roles}); what a request costs the host")
     return "\n".join(lines)

@@ -71,8 +71,11 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
     lines += ["", "Cells: p50 / p95."]
     with_cpu = [r for r in results if r.get("cpu_ms_per_image")]
     if with_cpu:
-        roles = [role for role in (*ROLE_ORDER, "stack") if any(role in r["cpu_ms_per_image"] for r in with_cpu)]
-        lines += ["", "### CPU per image (ms, per role, over the run; `stack`: all but the load generator)", "",
+        roles = [role for role in (*ROLE_ORDER, "stack", "stack/bench")
+                 if any(role in r["cpu_ms_per_image"] for r in with_cpu)]
+        lines += ["", "### CPU per image (ms, per role, over the run; `stack`: all but the load generator; "
+                      "`stack/bench`: the stack in units of the load generator's own CPU per image, which does the "
+                      "same work in every run: compare builds by it on a machine whose speed drifts)", "",
                   "| run | " + " | ".join(roles) + " | machine busy / stolen |", "|---|" + "---|" * (len(roles) + 1)]
         for r in with_cpu:
             cells = [f"{r['cpu_ms_per_image'][role]:.1f}" if role in r["cpu_ms_per_image"] else "-" for role in roles]

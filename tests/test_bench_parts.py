@@ -153,3 +153,12 @@ def test_cpu_per_image_counts_a_roles_children_and_what_was_born_during_the_run(
         parent.kill()
         parent.wait()
     assert table["gpu-worker"] >= 25 and table["stack"] >= table["gpu-worker"]   # 250 ms or more over 10 images
+
+
+def test_the_stack_is_also_given_in_units_of_the_load_generators_own_cpu():
+    from bench.cpu import CpuSample, ms_per_image
+
+    before = CpuSample({1: ("api", 1.0), 2: ("cpu-worker", 2.0), 3: ("bench", 0.5)})
+    after = CpuSample({1: ("api", 1.3), 2: ("cpu-worker", 2.9), 3: ("bench", 0.6), 4: ("flower", 0.1)})
+    table = ms_per_image(before, after, 100)
+    assert table == {"api": 3.0, "cpu-worker": 9.0, "flower": 1.0, "bench": 1.0, "stack": 13.0, "stack/bench": 13.0}
