@@ -405,3 +405,47 @@ def test_the_client_and_its_cli_choose_the_model(multi_stack, tmp_path, capsys):
     assert main(["--url", multi_stack.api.url, "submit", str(image), "--model", "small:1"]) == 0
     job_id = capsys.readouterr().out.split()[-1]
     assert multi_stack.wait_terminal(job_id)["model"] == {"name": "small", "version": "1"}
+
+
+def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis_server, tmp_path):
+    """The rollout step that moves traffic: edit routing.routes, then SIGHUP gunicorn's master (new workers read
+    the config; requests in flight finish on the old ones). Nothing else restarts."""
+    import signal
+
+    from tests.conftest import _answers
+    from tests.support import free_port
+
+    base = content_box_spec(tmp_path, 64)
+    config = {"redis_url": redis_server.url.rsplit("/", 1)[0] + "/8", "namespace": "reload",
+              "models": [{**base, "name": "det", "version": "1"}, {**base, "name": "det", "version": "2"}],
+              "routing": {"routes": {"det": {"1": 100}}}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    port = free_port()
+    env = {**multi_env(path), "IMGSERVE_API_BIND": f"127.0.0.1:{port}", "IMGSERVE_API_WORKERS": "1"}
+    api = ManagedProcess("gunicorn-reload", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
+                                                        "--access-logfile", "/dev/null", "app:create_app()"),
+                         env, tmp_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: _answers(url + "/healthz") or not api.alive(), 60, what="gunicorn to answer")
+        routed = lambda: requests.post(url + "/v1/jobs", params={"model": "det"}, data=jpeg(32, 32),  # noqa: E731
+                                       headers={"Content-Type": "image/jpeg"}, timeout=10).json()["model"]["version"]
+        assert {routed() for _ in range(5)} == {"1"}
+        config["routing"]["routes"]["det"] = {"1": 0, "2": 100}
+        path.write_text(yaml.safe_dump(config))
+        api.process.send_signal(signal.SIGHUP)
+        wait_until(lambda: requests.get(url + "/v1/models", timeout=10).json()["names"][0]["routes"] == {"2": 100.0},
+                   60, what="the reloaded workers' routes")
+        assert {routed() for _ in range(5)} == {"2"}
+    finally:
+        api.stop()
+
+
+def multi_env(config_path: Path) -> dict[str, str]:
+    import os
+
+    env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
+    env.pop("IMGSERVE_REDIS_URL", None)
+    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+    return env
