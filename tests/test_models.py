@@ -434,12 +434,28 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
         assert {routed() for _ in range(5)} == {"1"}
         config["routing"]["routes"]["det"] = {"1": 0, "2": 100}
         path.write_text(yaml.safe_dump(config))
+        old_workers = children_of(api.process.pid)
+        assert old_workers
         api.process.send_signal(signal.SIGHUP)
-        wait_until(lambda: requests.get(url + "/v1/models", timeout=10).json()["names"][0]["routes"] == {"2": 100.0},
-                   60, what="the reloaded workers' routes")
-        assert {routed() for _ in range(5)} == {"2"}
+        # The old worker finishes what it holds and goes; until then either may take a connection.
+        wait_until(lambda: not (old_workers & children_of(api.process.pid)), 60, what="the old worker to go")
+        assert {routed() for _ in range(20)} == {"2"}
+        assert requests.get(url + "/v1/models", timeout=10).json()["names"][0]["routes"] == {"2": 100.0}
     finally:
         api.stop()
+
+
+def children_of(pid: int) -> set[int]:
+    """The live child processes of `pid` (from /proc)."""
+    children = set()
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.add(int(status.parent.name))
+    return children
 
 
 def multi_env(config_path: Path) -> dict[str, str]:
