@@ -218,6 +218,8 @@ class ModelSpec:
     max_frames: int | None = None
     max_backlog: int | None = None
     default_deadline_ms: int | None = None
+    # Device `sim`: this model's batch latency by batch size (models differ in cost); unset: gpu_worker's.
+    sim_latency_ms: dict[int, float] | None = None
 
     @property
     def key(self) -> str:

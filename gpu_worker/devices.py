@@ -377,12 +377,12 @@ def detection_rows(detections: Detections) -> np.ndarray:
 
 def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates: int,
                 sim_profile_ms: Mapping[int, float]) -> Device:
-    """`sim` gives the simulated accelerator; anything else loads the model on a real device
-    (raising ModelLoadError when it cannot be served)."""
+    """`sim` gives the simulated accelerator (the model's own profile when its spec has one: models differ in
+    cost); anything else loads the model on a real device (raising ModelLoadError when it cannot be served)."""
     if requested == "sim":
         from gpu_worker.simulated import SimulatedDevice
 
-        return SimulatedDevice(spec, sim_profile_ms, max_batch)
+        return SimulatedDevice(spec, spec.sim_latency_ms or sim_profile_ms, max_batch)
     from gpu_worker.model import choose_device, load_model
 
     return TorchDevice(load_model(spec, choose_device(requested), max_batch), max_batch, max_candidates)

@@ -308,12 +308,13 @@ def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(mu
 # --- a flood on one model ----------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def flood_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
-    """Two models on one simulated GPU worker (40 ms for one frame, 120 ms for eight); `large` takes at
-    most 16 jobs waiting."""
+    """Two models on one simulated GPU worker: `small` 40 ms for one frame, 120 ms for eight; `large` twice
+    as heavy (it drains 33 frames/s, which the flood outruns on a slow machine too) and takes at most 16
+    jobs waiting."""
     workdir = tmp_path_factory.mktemp("flood")
     url = redis_server.url.rsplit("/", 1)[0] + "/7"
     stack = start_stack(url, workdir, None, "flood",
-                        {"models": two_models(workdir, max_backlog=16),
+                        {"models": two_models(workdir, max_backlog=16, sim_latency_ms={1: 80, 8: 240}),
                          "gpu_worker": {"heartbeat_ttl_s": 5, "sim_latency_ms": {1: 40, 8: 120}}},
                         gpu_device="sim")
     yield stack
