@@ -118,6 +118,15 @@ def test_a_gpu_worker_selects_models_by_name_or_version():
         catalogue.select(["c"])
 
 
+def test_a_model_may_bring_its_own_simulated_latency():
+    from gpu_worker.devices import open_device
+
+    heavy = open_device(spec("heavy", sim_latency_ms={1: 80.0, 8: 240.0}), "sim", 8, 100, {1: 40.0, 8: 120.0})
+    light = open_device(spec("light"), "sim", 8, 100, {1: 40.0, 8: 120.0})
+    assert heavy.describe()["sim_latency_ms"] == {"1": 80.0, "8": 240.0}
+    assert light.describe()["sim_latency_ms"] == {"1": 40.0, "8": 120.0}
+
+
 # --- the device queue ----------------------------------------------------------------------------
 def test_the_device_takes_the_batch_that_waited_longest_one_per_model_in_turn():
     now = [0.0]
