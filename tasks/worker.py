@@ -24,10 +24,12 @@ from contract.logs import configure_logging
 from contract.settings import load_settings
 from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
+from tasks.full_lists import pause_while_full
 from tasks.preprocess import Preprocessor
 
 settings = load_settings()
 app = make_celery(settings)
+app.steps["consumer"].add(pause_while_full(settings))
 log = logging.getLogger(__name__)
 
 _preprocessor: Preprocessor | None = None

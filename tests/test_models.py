@@ -315,17 +315,20 @@ def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(mu
 
 
 # --- a flood on one model ----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def flood_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
+@pytest.fixture(scope="module", params=[{"max_backlog": 16}, {"max_backlog": 48, "max_frames": 8}],
+                ids=["list-never-full", "cpu-workers-wait-for-room"])
+def flood_stack(request, redis_server, tmp_path_factory) -> Iterator[Stack]:
     """Two models on one simulated GPU worker: `small` 40 ms for one frame, 120 ms for eight; `large` twice
-    as heavy (it drains 33 frames/s, which the flood outruns on a slow machine too) and takes at most 16
-    jobs waiting."""
+    as heavy (it drains 33 frames/s, which the flood outruns on a slow machine too), with few jobs waiting;
+    in the second case its frame list is shorter than its backlog, so CPU workers holding its frames wait
+    for room (they must not keep `small`'s jobs waiting meanwhile)."""
     workdir = tmp_path_factory.mktemp("flood")
     url = redis_server.url.rsplit("/", 1)[0] + "/7"
     stack = start_stack(url, workdir, None, "flood",
-                        {"models": two_models(workdir, max_backlog=16, sim_latency_ms={1: 80, 8: 240}),
+                        {"models": two_models(workdir, sim_latency_ms={1: 80, 8: 240}, **request.param),
                          "gpu_worker": {"heartbeat_ttl_s": 5, "sim_latency_ms": {1: 40, 8: 120}}},
                         gpu_device="sim")
+    stack.redis.flushdb()   # the previous case's leftovers (its refused flood) are not this one's
     yield stack
     stop_stack(stack)
 
@@ -475,3 +478,13 @@ def multi_env(config_path: Path) -> dict[str, str]:
     env.pop("IMGSERVE_REDIS_URL", None)
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     return env
+
+
+def test_a_cpu_worker_stops_taking_a_models_jobs_while_its_list_has_no_room_for_what_it_holds():
+    from tasks.full_lists import full_models
+
+    # limits 8 and 8; this worker may hold 2 tasks: a list at 6 has no room left for them
+    assert full_models([6, 5], [8, 8], held=2, paused=set()) == ({0}, set())
+    assert full_models([7, 0], [8, 8], held=2, paused={0}) == (set(), set())       # still full: stays paused
+    assert full_models([0, 0], [8, 8], held=2, paused={0}) == (set(), {0})         # room again: resumed
+    assert full_models([1], [1], held=4, paused=set()) == ({0}, set())             # a list of one: full at one

@@ -1,0 +1,115 @@
+"""A CPU worker stops taking a model's jobs while that model's frame list is full.
+
+A child that has decoded a frame for a full list waits for room (the list's
+bound holds, and the frame is not thrown away). Left alone, the main process
+would keep handing that model's tasks to children until every child waits on
+it, and another model's jobs would queue behind a model whose GPU side is
+saturated: measured with the flood test, the quiet model's `queue_cpu` p95
+rose to 294 ms and its p95 to 972 ms. So the main process looks at each
+model's list on its own event loop (every `CLOSE_CHECK_S` from the moment a
+list is half full until it has stayed below that for `CALM_AFTER_S`, else
+every `IDLE_CHECK_S`: a check costs a round trip) and stops
+consuming that model's queue while the list has no room for the tasks this
+worker may already hold (its prefetch: one per child), and resumes when it
+has. Stopping only once the list is full was not enough (972 -> 913 ms): the
+children already holding that model's tasks still waited, up to a whole batch
+of the busy model, for room. The model's jobs wait as what they already are (a
+task and an upload), and the children serve the other models meanwhile.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery import bootsteps
+
+from contract.connection import connect
+from contract.keys import PREPROCESS_QUEUE, Keys
+from contract.settings import Settings
+
+log = logging.getLogger(__name__)
+
+CLOSE_CHECK_S = 0.01    # 20 ms let the quiet model's queue_cpu p95 reach 133 ms in the flood test; 10 ms: 17-46
+IDLE_CHECK_S = 0.1
+# A busy model's list empties by a whole batch at a time and refills within milliseconds: judged by one
+# look, it would seem calm half the time (and slow checks let the children fill it and wait on it again).
+CALM_AFTER_S = 1.0
+
+
+def full_models(depths: list[int], limits: list[int], held: int, paused: set[int]) -> tuple[set[int], set[int]]:
+    """Which models (by index) to pause and which to resume: those whose list has no room left for the
+    `held` tasks this worker may already have of it, from their list depths and bounds."""
+    full = {i for i, (depth, limit) in enumerate(zip(depths, limits)) if depth >= max(1, limit - held)}
+    return full - paused, paused - full
+
+
+def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
+    """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of
+    ours)."""
+
+    class PauseWhileFrameListFull(bootsteps.StartStopStep):
+        requires = {"celery.worker.consumer.tasks:Tasks"}
+
+        def __init__(self, parent: Any, **kwargs: Any) -> None:
+            super().__init__(parent, **kwargs)
+            keys = Keys(settings.namespace)
+            self.frames = [keys.frames(spec.key) for spec in settings.models]
+            self.queues = [keys.preprocess_queue(spec.key) for spec in settings.models]
+            self.limits = [settings.max_frames(spec) for spec in settings.models]
+            self.paused: set[int] = set()
+            self.held = 1
+            self.busy_until = 0.0
+            self.timer_entry: Any = None
+            self.client: redis.Redis | None = None
+
+        def start(self, consumer: Any) -> None:
+            if PREPROCESS_QUEUE not in consumer.app.amqp.queues.consume_from:
+                return   # the callback worker
+            self.client = connect(settings, socket_timeout=1.0)
+            self.held = max(1, int(getattr(consumer, "initial_prefetch_count", 0) or 1))
+            self._schedule(consumer, IDLE_CHECK_S)
+
+        def _schedule(self, consumer: Any, delay_s: float) -> None:
+            self.timer_entry = consumer.timer.call_after(delay_s, self.check, (consumer,), priority=10)
+
+        def stop(self, consumer: Any) -> None:
+            if self.timer_entry is not None:
+                self.timer_entry.cancel()
+                self.timer_entry = None
+
+        def check(self, consumer: Any) -> None:
+            try:
+                depths = self._depths()
+            except redis.RedisError:   # the consumer has its own reconnection; look again later
+                self._schedule(consumer, IDLE_CHECK_S)
+                return
+            now = time.monotonic()
+            if self.paused or any(2 * depth >= limit for depth, limit in zip(depths, self.limits)):
+                self.busy_until = now + CALM_AFTER_S
+            self._schedule(consumer, CLOSE_CHECK_S if now < self.busy_until else IDLE_CHECK_S)
+            self._apply(consumer, depths)
+
+        def _depths(self) -> list[int]:
+            assert self.client is not None
+            pipe = self.client.pipeline(transaction=False)
+            for key in self.frames:
+                pipe.llen(key)
+            return [int(depth) for depth in pipe.execute()]
+
+        def _apply(self, consumer: Any, depths: list[int]) -> None:
+            pause, resume = full_models(depths, self.limits, self.held, self.paused)
+            tasks = consumer.task_consumer
+            for index in pause:
+                tasks.cancel_by_queue(self.queues[index])
+                self.paused.add(index)
+                log.debug("paused %s: its frame list is full", self.queues[index])
+            for index in resume:
+                tasks.add_queue(consumer.app.amqp.queues[self.queues[index]])
+                self.paused.discard(index)
+                log.debug("resumed %s", self.queues[index])
+            if resume:
+                tasks.consume()
+
+    return PauseWhileFrameListFull
