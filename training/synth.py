@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
@@ -44,13 +45,8 @@ def generate_scene(rng: random.Random, settings: SceneSettings = SceneSettings()
     scene = Scene(image=image)
     colours: list[tuple[int, int, int]] = []
     wanted = rng.randint(settings.min_objects, settings.max_objects)
-    for _ in range(wanted * 8):
-        if len(scene.boxes) >= wanted:
-            break
-        candidate = _place_shape(rng, width, height, settings)
-        if candidate is None or any(_iou(candidate[1], box) > settings.max_overlap_iou for box in scene.boxes):
-            continue
-        class_id, box, polygon = candidate
+    for class_id, box, polygon in _placed(scene, wanted, settings,
+                                          lambda: _place_shape(rng, width, height, settings)):
         touching = {colour for colour, other in zip(colours, scene.boxes) if _iou(box, other) > 0}
         colour = _contrasting_colour(rng, image, box, avoid=touching)
         colours.append(colour)
@@ -58,9 +54,23 @@ def generate_scene(rng: random.Random, settings: SceneSettings = SceneSettings()
             draw.ellipse(box, fill=colour)
         else:
             draw.polygon(polygon, fill=colour)
-        scene.boxes.append(box)
-        scene.classes.append(class_id)
     return scene
+
+
+def _placed(scene: Scene, wanted: int, settings: SceneSettings,
+            propose: Callable[[], Any]) -> Iterator[tuple[int, Any, Any]]:
+    """Up to `wanted` shapes from `propose` (class id, box, polygon; None: nothing fits), each kept only if
+    it overlaps no earlier one by more than max_overlap_iou, at most 8 tries a shape. The caller draws each
+    one it is given; the scene records it when the caller asks for the next."""
+    for _ in range(wanted * 8):
+        if len(scene.boxes) >= wanted:
+            break
+        candidate = propose()
+        if candidate is None or any(_iou(candidate[1], box) > settings.max_overlap_iou for box in scene.boxes):
+            continue
+        yield candidate
+        scene.boxes.append(candidate[1])
+        scene.classes.append(candidate[0])
 
 
 def _random_size(rng: random.Random, settings: SceneSettings) -> tuple[int, int]:
@@ -165,21 +175,14 @@ def randomised_scene(rng: random.Random, settings: RandomisedSettings = Randomis
     colours: list[np.ndarray] = []
     wanted = rng.randint(settings.min_objects, settings.max_objects)
     smooth = rng.random() < 0.5
-    for _ in range(wanted * 8):
-        if len(scene.boxes) >= wanted:
-            break
-        candidate = _randomised_shape(rng, width, height, settings)
-        if candidate is None or any(_iou(candidate[1], box) > settings.max_overlap_iou for box in scene.boxes):
-            continue
-        class_id, box, polygon = candidate
+    for class_id, box, polygon in _placed(scene, wanted, settings,
+                                          lambda: _randomised_shape(rng, width, height, settings)):
         touching = [colour for colour, other in zip(colours, scene.boxes) if _iou(box, other) > 0
                     or _gap(box, other) < 3]
         colour = _colour_with_contrast(rng, image, box, touching, settings.min_contrast)
         outline = rng.random() < 0.15
         _draw(image, class_id, box, polygon, tuple(int(v) for v in colour), outline, smooth, rng)
         colours.append(colour)
-        scene.boxes.append(box)
-        scene.classes.append(class_id)
     scene.image = _degraded(rng, image)
     return scene
 
