@@ -20,8 +20,13 @@ def model_references(settings: Settings) -> list[str]:
     takes jobs, in the order the models are listed."""
     names = [name for name in dict.fromkeys(spec.name for spec in settings.models)
              if version_weights(settings, name)]
+    return names + keys_taking_jobs(settings)
+
+
+def keys_taking_jobs(settings: Settings) -> list[str]:
+    """name:version of every model a request may reach (all but the draining ones), as listed."""
     draining = set(settings.routing.draining)
-    return names + [spec.key for spec in settings.models if spec.key not in draining]
+    return [spec.key for spec in settings.models if spec.key not in draining]
 
 
 class UnknownModel(LookupError):
@@ -74,7 +79,7 @@ class Catalogue:
 
     def taking_jobs(self) -> list[str]:
         """name:version of every model a request may reach."""
-        return [key for key in self.specs if key not in self.draining]
+        return keys_taking_jobs(self.settings)
 
     def weights(self, name: str) -> dict[str, float]:
         return version_weights(self.settings, name)

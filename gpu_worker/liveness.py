@@ -130,10 +130,11 @@ class Liveness:
         orphans = []
         for raw in self.redis.scan_iter(match=pattern, count=1000, _type="list"):
             key = raw.decode() if isinstance(raw, bytes) else str(raw)
-            if key not in served and self.redis.llen(key):
+            waiting = 0 if key in served else self.redis.llen(key)
+            if waiting:
                 orphans.append(key)
                 log.warning("%d frames wait on %s, a list no configured model reads (a version removed before "
-                            "its list drained?); their jobs will expire", self.redis.llen(key), key)
+                            "its list drained?); their jobs will expire", waiting, key)
         return orphans
 
     def reap_dead_workers(self) -> int:

@@ -73,15 +73,13 @@ def default_worker_id(device: Device) -> str:
 
 
 class GpuWorker:
-    def __init__(self, settings: Settings, client: redis.Redis, devices: Device | Sequence[Device],
-                 worker_id: str) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, devices: Sequence[Device], worker_id: str) -> None:
         """`devices`: one per model served (each a model loaded on this worker's device)."""
-        devices = list(devices) if isinstance(devices, (list, tuple)) else [devices]  # type: ignore[list-item]
         if not devices:
             raise ValueError("a GPU worker serves at least one model")
         self.settings = settings
         self.redis = client
-        self.device = devices[0]
+        self.device = devices[0]   # the device they share (its name, utilisation and first model for the heartbeat)
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
@@ -93,7 +91,6 @@ class GpuWorker:
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
         self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
-        self.intake = self.lanes[0].intake   # the first model's, for readers of a one-model worker
         self.liveness = Liveness(settings, client, self.keys, worker_id, self.describe, lambda: self.last_progress,
                                  self.busy.fraction)
         self.started_at = time.time()

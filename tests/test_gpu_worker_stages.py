@@ -86,7 +86,7 @@ def worker_on(client: redis.Redis, tmp_path: Path, device_of: Callable[[ModelSpe
                                       "gpu_worker": {"heartbeat_ttl_s": 5}}))
     settings = load_settings(config)
     device = (device_of or instant_device)(settings.model)
-    return GpuWorker(settings, client, device, "stages-gpu")
+    return GpuWorker(settings, client, [device], "stages-gpu")
 
 
 def instant_device(spec: ModelSpec) -> SimulatedDevice:
@@ -113,7 +113,7 @@ def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_l
     keys = Keys("stages")
     ids, _ = push_frames(redis_client, keys, MODEL_KEY, [CONTENT], 9)
     worker = worker_on(redis_client, tmp_path)
-    real = worker.intake.store.advance_many
+    real = worker.store.advance_many
     calls = []
 
     def fails_once(*args: Any, **kwargs: Any) -> Any:
@@ -122,7 +122,7 @@ def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_l
             raise redis.ConnectionError("Redis went away for a moment")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker.intake.store, "advance_many", fails_once)
+    monkeypatch.setattr(worker.store, "advance_many", fails_once)
     code = run_until(worker, lambda: statuses(redis_client, keys, ids) == ["succeeded"] * 9)
     assert code == 0 and len(calls) > 5                      # five batches, and the one that failed
     assert redis_client.llen(keys.processing("stages-gpu", MODEL_KEY)) == 0
