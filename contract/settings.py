@@ -170,6 +170,7 @@ class AuthSettings:
 class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
+    events_flush_ms: int = 250    # task events leave in one message this long after the first (tasks.event_batching)
 
 
 @settings_class

@@ -24,12 +24,14 @@ from contract.logs import configure_logging
 from contract.settings import load_settings
 from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
+from tasks.event_batching import batch_task_events
 from tasks.full_lists import pause_while_full
 from tasks.preprocess import Preprocessor
 
 settings = load_settings()
 app = make_celery(settings)
 app.steps["consumer"].add(pause_while_full(settings))
+app.steps["consumer"].add(batch_task_events(settings))
 log = logging.getLogger(__name__)
 
 _preprocessor: Preprocessor | None = None

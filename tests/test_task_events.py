@@ -1,0 +1,81 @@
+"""What Flower sees: every task's events, from a real CPU worker, several to a message (tasks.event_batching)."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from typing import Any
+
+import pytest
+
+from tasks.celery_app import PREPROCESS_TASK, make_celery
+from tests.support import jpeg, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
+    app = make_celery(stack.settings)
+    kinds_by_task: dict[str, list[str]] = defaultdict(list)
+    task_of_job: dict[str, str] = {}
+    message_sizes: list[int] = []
+    lock = threading.Lock()
+
+    def on_event(event: dict[str, Any]) -> None:
+        with lock:
+            kinds_by_task[event["uuid"]].append(event["type"])
+            if event["type"] == "task-received" and event.get("name") == PREPROCESS_TASK:
+                task_of_job[str(event.get("args", ""))] = event["uuid"]
+
+    def task_for(job_id: str) -> str | None:
+        with lock:
+            return next((task for args, task in task_of_job.items() if job_id in args), None)
+
+    with app.connection_for_read() as connection:
+        receiver = app.events.Receiver(connection, handlers={"task-received": on_event, "task-started": on_event,
+                                                             "task-succeeded": on_event})
+        deliver = receiver._receive
+
+        def count_and_deliver(body: Any, message: Any) -> None:
+            batch = body if isinstance(body, list) else [body]
+            with lock:
+                message_sizes.append(sum(1 for event in batch if str(event.get("type", "")).startswith("task-")))
+            deliver(body, message)
+
+        receiver._receive = count_and_deliver  # type: ignore[method-assign]
+        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None, "timeout": None}, daemon=True)
+        listening.start()
+        try:
+            # Listening starts with the receiver's first poll: until a job's events are heard, try another.
+            def heard_one() -> bool:
+                job_id = stack.submit_ok(jpeg(64, 48))
+                stack.wait_terminal(job_id)
+                try:
+                    wait_until(lambda: task_for(job_id) is not None, 3)
+                except AssertionError:
+                    return False
+                return True
+
+            wait_until(heard_one, 60, what="the events of a first job")
+            with lock:
+                message_sizes.clear()
+            job_ids = [stack.submit_ok(jpeg(320, 240, seed=i)) for i in range(6)]
+            for job_id in job_ids:
+                assert stack.wait_terminal(job_id)["status"] == "succeeded"
+
+            def succeeded_heard(job_id: str) -> bool:
+                task = task_for(job_id)
+                with lock:
+                    return task is not None and "task-succeeded" in kinds_by_task[task]
+
+            wait_until(lambda: all(succeeded_heard(job_id) for job_id in job_ids), 30,
+                       what="every job's task-succeeded event")
+        finally:
+            receiver.should_stop = True
+            listening.join(timeout=10)
+
+    with lock:
+        for job_id in job_ids:
+            kinds = kinds_by_task[task_of_job[next(args for args in task_of_job if job_id in args)]]
+            assert {"task-received", "task-started", "task-succeeded"} <= set(kinds), kinds
+        # Celery alone sends about one message per event at this pace; batched, several travel together.
+        assert len(message_sizes) * 3 <= sum(message_sizes), message_sizes
