@@ -23,10 +23,12 @@ ROLES = (
     ("flower", ("celery", "flower")),
     ("gpu-worker", ("-m gpu_worker",)),
     ("redis", ("redis-server",)),
-    ("honcho", ("honcho",)),
+    ("supervisor", ("-m tools.procfile",)),   # what make run runs the Procfile with
+    ("supervisor", ("honcho",)),              # or a deployment's own honcho
     ("baseline", ("-m baseline",)),
 )
-ROLE_ORDER = ("api", "cpu-worker", "gpu-worker", "callback-worker", "flower", "redis", "honcho", "baseline", "bench")
+ROLE_ORDER = ("api", "cpu-worker", "gpu-worker", "callback-worker", "flower", "redis", "supervisor", "baseline",
+              "bench")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 

@@ -141,14 +141,14 @@ class BaselineServer:
 
 
 class ProcfileStack:
-    """Exactly what `make run` runs (the Procfile under honcho: API, CPU workers, callback worker, GPU
-    worker, Flower), on a private Redis and free ports, so bench figures are what its users see."""
+    """Exactly what `make run` runs (the Procfile under tools.procfile: API, CPU workers, callback worker,
+    GPU worker, Flower), on a private Redis and free ports, so bench figures are what its users see."""
 
     def __init__(self, workdir: Path, options: StackOptions) -> None:
         self.workdir = workdir
         self.options = options
         self.redis: RedisServer | None = None
-        self.honcho: ManagedProcess | None = None
+        self.supervisor: ManagedProcess | None = None
         self.url = ""
 
     def start(self) -> "ProcfileStack":
@@ -169,9 +169,9 @@ class ProcfileStack:
                "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)
-        honcho = self.honcho = ManagedProcess("honcho", [sys.executable, "-m", "honcho", "-f", "Procfile", "start"],
-                                              env, self.workdir)
-        wait_until(lambda: answers_ok(self.url + "/readyz", [honcho]), 180, interval_s=0.3,
+        supervisor = self.supervisor = ManagedProcess("procfile", [sys.executable, "-m", "tools.procfile", "Procfile"],
+                                                      env, self.workdir)
+        wait_until(lambda: answers_ok(self.url + "/readyz", [supervisor]), 180, interval_s=0.3,
                    what=f"make run's processes at {self.url} to be ready")
         return self
 
@@ -179,10 +179,10 @@ class ProcfileStack:
         from bench.runs import CpuScope
 
         return CpuScope(self.redis.port if self.redis else None,
-                        frozenset({self.honcho.process.pid}) if self.honcho else frozenset())
+                        frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset())
 
     def stop(self) -> None:
-        if self.honcho:
-            self.honcho.stop(timeout_s=40)
+        if self.supervisor:
+            self.supervisor.stop(timeout_s=40)
         if self.redis:
             self.redis.stop()

@@ -1,0 +1,108 @@
+"""tools.procfile: what `make run` runs the Procfile with (real processes: small shell commands)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tools.procfile import parse_env, parse_procfile
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_procfile_lines_in_order_and_comments_skipped() -> None:
+    text = "# the service\napi: gunicorn app\n\ncpu-worker:   celery -A tasks.worker worker -Q a,b\n"
+    assert parse_procfile(text) == {"api": "gunicorn app", "cpu-worker": "celery -A tasks.worker worker -Q a,b"}
+    assert list(parse_procfile(text)) == ["api", "cpu-worker"]
+
+
+@pytest.mark.parametrize("text", ["api gunicorn", "api:", "a b: c", "api: one\napi: two"])
+def test_malformed_procfiles_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_procfile(text)
+
+
+def test_the_repository_procfile_parses() -> None:
+    assert {"api", "cpu-worker", "gpu-worker", "flower", "callback-worker"} <= set(
+        parse_procfile((REPO_ROOT / "Procfile").read_text()))
+
+
+def test_env_file_values() -> None:
+    text = ("# comment\nPLAIN=a b\nexport EXPORTED=1\nSINGLE='x \\n y'\nDOUBLE=\"x\\ny \\\"q\\\"\"\n"
+            "EMPTY=\nnot a line\n  SPACED = no\n")
+    assert parse_env(text) == {"PLAIN": "a b", "EXPORTED": "1", "SINGLE": "x \\n y", "DOUBLE": 'x\ny "q"',
+                               "EMPTY": ""}
+
+
+def _start(tmp_path: Path, procfile: str, env_file: str | None = None, *options: str) -> subprocess.Popen:
+    (tmp_path / "Procfile").write_text(procfile)
+    if env_file is not None:
+        (tmp_path / ".env").write_text(env_file)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.Popen([sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"), *options],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0): it has ended all the same.
+    return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][:1] != "Z"
+
+
+def _wait_for(path: Path, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists() and path.read_text().endswith("\n"):
+            return path.read_text()
+        time.sleep(0.05)
+    raise AssertionError(f"{path} never written")
+
+
+def test_output_is_the_processes_own_and_the_first_to_end_stops_the_rest(tmp_path: Path) -> None:
+    pids = tmp_path / "sleeper.pid"
+    supervisor = _start(tmp_path, f"talker: until [ -s {pids} ]; do sleep 0.05; done; "
+                                  f"echo '{{\"role\": \"talker\"}}'; exit 3\n"
+                                  f"sleeper: echo $$ > {pids}; exec sleep 60\n")
+    out, err = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 3
+    assert out == '{"role": "talker"}\n'   # as written, no prefix added
+    assert "talker stopped (status 3)" in err and "sent SIGTERM to sleeper" in err
+    assert not _alive(int(pids.read_text()))
+
+
+def test_env_file_over_the_environment(tmp_path: Path) -> None:
+    supervisor = _start(tmp_path, "show: echo \"$FROM_DOTENV $HOME_SET\"\n",
+                        env_file="FROM_DOTENV=dotenv\nHOME_SET=\"over\"\n")
+    out, _ = supervisor.communicate(timeout=30)
+    assert out == "dotenv over\n" and supervisor.returncode == 0
+
+
+def test_sigterm_stops_every_process_group_children_included(tmp_path: Path) -> None:
+    child_pid = tmp_path / "child.pid"
+    # The process's own child (as gunicorn's and Celery's workers are) is in its group and goes too.
+    supervisor = _start(tmp_path, f"parent: sleep 60 & echo $! > {child_pid}; wait\nother: exec sleep 60\n")
+    child = int(_wait_for(child_pid))
+    supervisor.send_signal(signal.SIGTERM)
+    _, err = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 143
+    assert "SIGTERM received" in err
+    assert not _alive(child)
+
+
+def test_a_process_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    supervisor = _start(tmp_path, f"stubborn: trap '' TERM; echo up > {ready}; while true; do sleep 0.1; done\n"
+                                  "quick: sleep 0.5; exit 0\n", None, "--kill-wait-s", "1")
+    _wait_for(ready)
+    _, err = supervisor.communicate(timeout=60)
+    assert supervisor.returncode == 0
+    assert "sent SIGKILL to stubborn" in err
