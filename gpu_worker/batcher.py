@@ -89,8 +89,13 @@ class BatchCollector(Generic[Item]):
         late = self.age_of(items[0]) >= self.window_s
         deadline = opened_at if late else opened_at + self.window_s
         popped_at = [opened_at] * len(items)
+        # Ask for every frame there is room for after a look that found some (more are likely waiting),
+        # for one after a look that found none: under light load most looks find nothing, and each frame
+        # asked for is a command for Redis and a reply to read.
+        found = True
         while len(items) < self.max_size:
-            more = source.pop_available(self.max_size - len(items))
+            more = source.pop_available(self.max_size - len(items) if found else 1)
+            found = bool(more)
             now = self.clock()
             items.extend(more)
             popped_at.extend([now] * len(more))

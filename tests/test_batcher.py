@@ -25,6 +25,7 @@ class ScriptedSource:
         self.clock = clock
         self.pending = sorted(arrivals, key=lambda arrival: arrival[0])
         self.blocking_calls = 0
+        self.looks: list[tuple[int, int]] = []   # (frames asked for, frames given)
 
     def pop_blocking(self, timeout_s: float):
         self.blocking_calls += 1
@@ -38,6 +39,7 @@ class ScriptedSource:
     def pop_available(self, limit: int):
         ready = [item for at, item in self.pending if at <= self.clock.now][:limit]
         self.pending = [(at, item) for at, item in self.pending if item not in ready]
+        self.looks.append((limit, len(ready)))
         return ready
 
 
@@ -115,3 +117,20 @@ def test_a_held_batch_still_closes_when_full():
     source = ScriptedSource(clock, [(100.0 + i * 0.001, f"f{i}") for i in range(10)])
     batch = collector(clock, hold_open=lambda: True).collect(source)
     assert len(batch.items) == 8 and batch.closed_by == CLOSED_BY_SIZE
+
+
+def test_a_look_that_found_nothing_asks_for_one_frame_next_and_one_that_found_some_for_all_the_room():
+    """Under light load most looks find nothing: each frame asked for is a command for Redis."""
+    clock = FakeClock()
+    source = ScriptedSource(clock, [(100.001, "a"), (100.0041, "b"), (100.0042, "c"), (100.0081, "d")])
+    batch = collector(clock).collect(source)
+    assert batch.items == ["a", "b", "c", "d"] and batch.closed_by == CLOSED_BY_WINDOW
+    in_window = source.looks[1:]   # the first look, before the blocking pop, asks for a whole batch
+    assert source.looks[0] == (8, 0)
+    room = 7
+    previous_found = True
+    for asked, given in in_window:
+        assert asked == (room if previous_found else 1)
+        room -= given
+        previous_found = given > 0
+    assert sum(asked for asked, _ in in_window) < 3 * len(in_window)
