@@ -106,3 +106,16 @@ def test_a_process_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     _, err = supervisor.communicate(timeout=60)
     assert supervisor.returncode == 0
     assert "sent SIGKILL to stubborn" in err
+
+
+def test_it_waits_for_a_process_still_shutting_down_after_its_shell_ended(tmp_path: Path) -> None:
+    """SIGTERM ends the `sh -c` at once; the process it started may take a while (a Celery worker finishing
+    its tasks), and whoever stopped the supervisor then stops what that process still needs (Redis)."""
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    supervisor = _start(tmp_path, f"slow: sh -c 'trap \"sleep 1; echo done > {done}; exit 0\" TERM; "
+                                  f"echo up > {ready}; while true; do sleep 0.1; done'\n")
+    _wait_for(ready)
+    supervisor.send_signal(signal.SIGTERM)
+    supervisor.wait(timeout=30)   # not communicate(): the slow process holds the pipes open until it ends
+    assert done.exists(), "the supervisor ended before the process it ran"
+    assert "slow stopped" in supervisor.communicate(timeout=30)[1]

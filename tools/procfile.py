@@ -74,7 +74,8 @@ class Supervisor:
         self.commands = processes
         self.env = env
         self.kill_wait_s = kill_wait_s
-        self.running: dict[str, subprocess.Popen] = {}
+        self.shells: dict[str, subprocess.Popen] = {}
+        self.live: set[str] = set()       # whose process group may still hold a process
         self.status: int | None = None
         self.stopping_since: float | None = None
         self.killed = False
@@ -83,21 +84,26 @@ class Supervisor:
         print(f"procfile: {message}", file=sys.stderr, flush=True)
 
     def run(self) -> int:
+        """Until every process of every group has ended: a shell killed by SIGTERM ends at once, while
+        the process it started (gunicorn, a Celery worker finishing its tasks) is still shutting down,
+        and what it needs (Redis) must not be stopped under it."""
         for sig in _SIGNAL_STATUS:
             signal.signal(sig, self._on_signal)
         for name, command in self.commands.items():
-            self.running[name] = subprocess.Popen(["/bin/sh", "-c", command], env=self.env, start_new_session=True)
-            self.say(f"{name} started (pid {self.running[name].pid})")
-        while self.running:
-            for name, process in list(self.running.items()):
-                returncode = process.poll()
+            self.shells[name] = subprocess.Popen(["/bin/sh", "-c", command], env=self.env, start_new_session=True)
+            self.live.add(name)
+            self.say(f"{name} started (pid {self.shells[name].pid})")
+        while self.live:
+            for name in sorted(self.live):
+                returncode = self.shells[name].poll()
                 if returncode is None:
                     continue
-                del self.running[name]
-                self.say(f"{name} stopped (status {returncode})")
                 if self.status is None:
                     self.status = returncode
                 self.stop()
+                if not _group_alive(self.shells[name].pid):
+                    self.live.discard(name)
+                    self.say(f"{name} stopped (status {returncode})")
             if (self.stopping_since is not None and not self.killed
                     and time.monotonic() - self.stopping_since > self.kill_wait_s):
                 self.killed = True
@@ -117,13 +123,38 @@ class Supervisor:
         self.stop()
 
     def _signal_all(self, sig: signal.Signals) -> None:
-        for name, process in self.running.items():
+        for name in sorted(self.live):
+            pid = self.shells[name].pid
             try:
-                os.killpg(process.pid, sig)   # the whole group: gunicorn's and Celery's own children too
+                os.killpg(pid, sig)   # the whole group: gunicorn's and Celery's own children too
             except ProcessLookupError:
                 pass
             else:
-                self.say(f"sent {sig.name} to {name} (pid {process.pid})")
+                self.say(f"sent {sig.name} to {name} (pid {pid})")
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of this group lives (a zombie does not count: it has ended, only its parent
+    has not read its status yet)."""
+    try:
+        entries = os.listdir("/proc")
+    except OSError:   # no /proc: ask the kernel, zombies included
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                state, _parent, group = stat.read().rsplit(")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
