@@ -90,10 +90,14 @@ class Preprocessor:
                 return "pushed"
             if outcome == jobs.JOB_OVER:
                 return "skipped (ended meanwhile)"
-            if time.time() > record["deadline_at"]:
-                self.store.expire(job_id, "waiting for room on the GPU list")
-                return "expired"
-            time.sleep(self.settings.backpressure.room_poll_s)
+            # Wait with a look at the list's length, not by sending the frame again each time.
+            while True:
+                if time.time() > record["deadline_at"]:
+                    self.store.expire(job_id, "waiting for room on the GPU list")
+                    return "expired"
+                time.sleep(self.settings.backpressure.room_poll_s)
+                if self.store.frame_list_has_room(spec.key, limit):
+                    break
 
 
 def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:

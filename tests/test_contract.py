@@ -299,3 +299,35 @@ def test_a_setting_of_the_wrong_type_is_refused_by_name_and_a_clear_one_coerced(
     (tmp_path / "wrong.yaml").write_text("batching:\n  window_ms: soon\n")
     with pytest.raises(SettingsError, match="BatchingSettings: window_ms: .*number"):
         load_settings(tmp_path / "wrong.yaml")
+
+
+def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_client):
+    """The frame is pushed, then checked in the same transaction: over the bound it goes again, and
+    the frames already queued keep their order."""
+    keys = Keys("fulllist")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store.create("c" * 32, b"upload", 60, {"deadline_at": 1e12})
+    assert store.advance("c" * 32, jobs.PREPROCESSING)
+    redis_client.lpush(keys.frames("m:1"), b"older", b"newer")
+    assert not store.frame_list_has_room("m:1", 2)
+    assert store.enqueue_frame("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == jobs.LIST_FULL
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"newer", b"older"]
+    assert store.load("c" * 32)["status"] == jobs.PREPROCESSING
+    assert redis_client.exists(keys.upload("c" * 32))
+    assert store.frame_list_has_room("m:1", 3)
+    assert store.enqueue_frame("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == jobs.PUSHED
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame", b"newer", b"older"]
+    assert store.load("c" * 32)["status"] == jobs.QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0
+    assert not redis_client.exists(keys.upload("c" * 32))
+
+
+def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
+    keys = Keys("endedjob")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store.create("d" * 32, b"upload", 60, {"deadline_at": 1e12})
+    assert store.advance("d" * 32, jobs.PREPROCESSING)
+    redis_client.lpush(keys.frames("m:1"), b"queued")
+    assert store.fail("d" * 32, "cancelled", "ended by a test")
+    assert store.enqueue_frame("d" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"queued"]
+    assert store.load("d" * 32)["status"] == jobs.FAILED
