@@ -10,6 +10,11 @@ import glob
 import os
 import tempfile
 
+from contract.memory import keep_freed_memory
+
+# In the master, before it forks the workers: they inherit the tuned malloc (see contract.memory).
+keep_freed_memory()
+
 bind = os.environ.get("IMGSERVE_API_BIND", "0.0.0.0:8000")
 # gevent, with gunicorn's own error answers (bad request line, URI too long) as problem+json.
 worker_class = os.environ.get("IMGSERVE_API_WORKER_CLASS", "app.server.ProblemGeventWorker")

@@ -10,6 +10,7 @@ import torch
 
 from contract.connection import connect
 from contract.logs import configure_logging
+from contract.memory import keep_freed_memory
 from contract.models import Catalogue
 from contract.settings import SettingsError, load_settings
 from gpu_worker import metrics
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-id", help="stable id; default host-device")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here")
     args = parser.parse_args(argv)
+    keep_freed_memory()
     configure_logging("gpu-worker")
     settings = load_settings(args.config)
     if settings.gpu_worker.torch_threads:

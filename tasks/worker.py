@@ -21,6 +21,7 @@ from celery.signals import (
 from contract.connection import connect
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
+from contract.memory import keep_freed_memory
 from contract.settings import load_settings
 from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
@@ -28,6 +29,8 @@ from tasks.event_batching import batch_task_events
 from tasks.full_lists import pause_while_full
 from tasks.preprocess import Preprocessor
 
+# Before the pool forks: its children inherit the tuned malloc (see contract.memory).
+keep_freed_memory()
 settings = load_settings()
 app = make_celery(settings)
 app.steps["consumer"].add(pause_while_full(settings))
