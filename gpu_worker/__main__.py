@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 
+import redis
 import torch
 
 from contract.connection import connect
@@ -57,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerIdInUse as exc:
         logging.getLogger("gpu_worker").error("refusing to start: %s", exc)
         return 2
+    except redis.RedisError:   # told to stop while Redis was away (logged where it gave up)
+        return 1
 
 
 if __name__ == "__main__":

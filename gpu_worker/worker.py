@@ -87,6 +87,9 @@ class GpuWorker:
         self.recent = RecentStats()
         self.stopping = threading.Event()
         self.device_lost = False
+        # Gave up on Redis while stopping: no later write may happen (acks go by count, in order), and the
+        # worker does not leave the registry, so its frames are reaped once its heartbeat expires.
+        self.redis_abandoned = False
         self._seq = itertools.count(1)
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
@@ -137,7 +140,8 @@ class GpuWorker:
             if self.device_lost:   # what the device did not finish goes back, counted as a death
                 self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(
                     died=True, model_keys=[lane.spec.key for lane in self.lanes]))
-            self.liveness.leave()
+            if not self.redis_abandoned:
+                self.liveness.leave()
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
         return EXIT_DEVICE_LOST if self.device_lost else 0
 
@@ -163,7 +167,10 @@ class GpuWorker:
                 except Exception as exc:   # Redis, or anything unforeseen: answer what is in hand, then resync
                     log.warning("collecting a batch of %s failed (%s); resyncing", lane.spec.key, exc,
                                 exc_info=not isinstance(exc, redis.RedisError))
-                    self._resync(lane)
+                    try:
+                        self._resync(lane)
+                    except redis.RedisError:   # stopping with Redis away (logged): nothing more to take
+                        break
                     continue
                 self.last_progress = time.monotonic()
                 if batch is not None:
@@ -229,6 +236,8 @@ class GpuWorker:
         for lane, batch in self.to_finish:
             try:
                 lane.finisher.finish(batch)
+            except redis.RedisError:   # only once stopping (its retries gave up, logged): the frames stay in hand
+                pass
             except Exception:   # a defect: the batch's jobs fail rather than stay running, and the order holds
                 log.exception("finishing batch %d failed", batch.seq)
                 lane.finisher.fail_all(batch, "internal_error", "the GPU worker could not write this result")
@@ -252,13 +261,23 @@ class GpuWorker:
         self.stopping.wait(1.0)
 
     def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:
+        """Once the worker is stopping it gives up at the next failure (the RedisError propagates, and every
+        later call fails at once): told to stop while Redis is away, it must still stop. What it holds stays
+        in its processing list, given back at its next start or by another worker's reaper."""
         delay = 0.2
         while True:
+            if self.redis_abandoned:
+                raise redis.ConnectionError("this worker gave up on Redis while stopping")
             try:
                 return action()
             except redis.RedisError as exc:
+                if self.stopping.is_set():
+                    self.redis_abandoned = True
+                    log.error("redis unavailable (%s) while stopping: giving up; the frames in hand stay in "
+                              "this worker's processing list", exc)
+                    raise
                 log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
-                time.sleep(delay)
+                self.stopping.wait(delay)   # SIGTERM cuts the wait short
                 delay = min(delay * 2, 5.0)
 
     # --- what the heartbeat says -----------------------------------------

@@ -309,3 +309,22 @@ def test_redis_stopped_and_restarted_the_api_answers_503_then_everything_recover
     assert [stack.wait_terminal(j, timeout_s=120)["status"] for j in after] == ["succeeded"] * 3
     assert stack.wait_terminal(before)["status"] == "succeeded"     # the append-only file kept it
     assert stack.cpu_worker.alive() and stack.gpu_worker.alive()
+
+
+def test_a_gpu_worker_told_to_stop_while_redis_is_away_stops(own_redis_stack):
+    """It used to retry Redis for ever, SIGTERM or not, until something killed it."""
+    stack, server = own_redis_stack
+    worker = stack.gpu_worker
+    server.stop()
+    try:
+        wait_until(lambda: "redis unavailable" in worker.log_tail(), 60, what="the GPU worker to miss Redis")
+        started = time.monotonic()
+        status = worker.stop(signal.SIGTERM, timeout_s=30)
+        assert status in (0, 1) and time.monotonic() - started < 15, worker.log_tail()
+        assert "while stopping: giving up" in worker.log_tail()
+    finally:
+        server.start()
+        stack.gpu_worker = None
+        stack.start_gpu_worker()
+    job_id = stack.submit_ok(jpeg(160, 120, seed=9))
+    assert stack.wait_terminal(job_id, timeout_s=120)["status"] == "succeeded"
