@@ -152,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
 
     run = sub.add_parser("run", parents=[common, local], help="load a running deployment, or make run's stack")
     run.add_argument("--url", default="http://localhost:8000")
-    run.add_argument("--stack", choices=("local",), help="local: start make run's processes (the Procfile under "
-                                                         "honcho, Flower included) on a private Redis, and load them")
+    run.add_argument("--stack", choices=("local",),
+                     help="local: start make run's processes (the Procfile under tools.procfile, Flower included) "
+                          "on a private Redis, and load them")
     run.add_argument("--name", default="service")
     run.add_argument("--model", help="submit to this model (name, or name:version pinned); default: the "
                                      "deployment's default model")
