@@ -90,14 +90,19 @@ class Preprocessor:
                 return "pushed"
             if outcome == jobs.JOB_OVER:
                 return "skipped (ended meanwhile)"
-            # Wait with a look at the list's length, not by sending the frame again each time.
-            while True:
-                if time.time() > record["deadline_at"]:
-                    self.store.expire(job_id, "waiting for room on the GPU list")
-                    return "expired"
-                time.sleep(self.settings.backpressure.room_poll_s)
-                if self.store.frame_list_has_room(spec.key, limit):
-                    break
+            if not self._wait_for_room(job_id, record, spec.key, limit):
+                return "expired"
+
+    def _wait_for_room(self, job_id: str, record: jobs.JobRecord, model_key: str, limit: int) -> bool:
+        """Until the model's list has room (True) or the job's deadline passes (it ends expired: False),
+        looking at the list's length rather than sending the frame again each time."""
+        while True:
+            if time.time() > record["deadline_at"]:
+                self.store.expire(job_id, "waiting for room on the GPU list")
+                return False
+            time.sleep(self.settings.backpressure.room_poll_s)
+            if self.store.frame_list_has_room(model_key, limit):
+                return True
 
 
 def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
