@@ -6,6 +6,7 @@ import io
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -182,9 +183,50 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     assert [d["status"] for d in docs] == ["succeeded"] * len(accepted)
     # Frames that waited in a CPU worker for room are billed `backpressure` (the GPU worker was away for
     # seconds), not `queue_gpu`: each was stamped when it was finally pushed.
+    # Whether a child waits here at all is a race since CPU workers pause a full list's queue (tasks.full_lists);
+    # the next test makes one wait for certain.
     waited = [d["timings_ms"] for d in docs if d["timings_ms"]["backpressure"] > 300]
-    assert waited and all(bill["queue_gpu"] < bill["backpressure"] for bill in waited)
+    assert all(bill["queue_gpu"] < bill["backpressure"] for bill in waited)
     assert stack.submit(jpeg(160, 120)).status_code == 202    # back to normal by itself
+
+
+def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis_server, tmp_path):
+    """A CPU worker holding a frame for a full list waits (the bound holds, the frame is kept), then pushes
+    it stamped at that moment: the wait is billed `backpressure`, and the frame does not reach the GPU
+    worker looking a window late."""
+    from contract.connection import connect
+    from contract.frames import unpack_frame
+    from contract.keys import Keys
+    from contract.settings import load_settings
+    from tasks.preprocess import Preprocessor
+
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"redis_url": redis_server.url.rsplit("/", 1)[0] + "/4",
+                                      "namespace": "waitroom", "backpressure": {"max_frames": 2}}))
+    settings = load_settings(config)
+    client = connect(settings)
+    client.flushdb()
+    keys = Keys(settings.namespace)
+    store = jobs.JobStore(client, keys, ttl_s=60)
+    frames = keys.frames(settings.model.key)
+    now = time.time()
+    store.create("e" * 32, jpeg(160, 120), 60, {"deadline_at": now + 60, "received_at": now, "submitted_at": now})
+    client.lpush(frames, b"filler-1", b"filler-2")
+    outcome: list[str] = []
+    worker = threading.Thread(target=lambda: outcome.append(Preprocessor(settings, connect(settings)).run("e" * 32)))
+    worker.start()
+    wait_until(lambda: store.load("e" * 32)["status"] == jobs.PREPROCESSING, 30, what="the job to be claimed")
+    time.sleep(0.4)   # the wait under test, not a synchronisation
+    assert client.llen(frames) == 2 and not outcome   # still holding its frame: the bound holds
+    room_made_at = time.time()
+    client.rpop(frames)
+    worker.join(timeout=30)
+    assert outcome == ["pushed"]
+    header = unpack_frame(client.lindex(frames, 0)).header
+    assert header.job_id == "e" * 32
+    assert header.stamps["pushed_at"] >= room_made_at and header.enqueued_at >= room_made_at
+    assert header.stamps["backpressure_ms"] >= 400
+    assert store.load("e" * 32)["status"] == jobs.QUEUED_GPU
 
 
 # --- bad input ----------------------------------------------------------------
