@@ -29,13 +29,13 @@ import torch
 from contract.frames import CHANNELS, Frame, FrameHeader
 from contract.settings import ModelSpec
 from gpu_worker.model import BatchAssembler, LoadedModel
-from gpu_worker.postprocess import Detections, Geometry, Thresholds, postprocess
+from gpu_worker.postprocess import ROW_COLUMNS, Geometry, Thresholds, postprocess_rows
 
 # Per frame, what post-processing needs: its options, then how the letterbox placed it.
 PARAM_COLUMNS = ("conf", "iou", "max_det", "pad_left", "pad_top", "scale_x", "scale_y", "orig_width",
                  "orig_height")
 # Per detection, one row of the array `run()` returns, grouped by image in batch order.
-DETECTION_COLUMNS = ("image", "x1", "y1", "x2", "y2", "score", "class_id")
+DETECTION_COLUMNS = ROW_COLUMNS
 # Batches that can hold a slot at once: one being staged, one waiting, one on the device.
 SLOTS = 3
 
@@ -285,9 +285,8 @@ class TorchDevice:
         return DeviceOutput(rows, infer_s + postprocess_s, infer_s * 1000.0, postprocess_s * 1000.0)
 
     def _postprocess(self, output: torch.Tensor, params: torch.Tensor) -> np.ndarray:
-        detections = postprocess(output, self.spec.layout, thresholds_of(params), geometry_of(params),
-                                 self.max_candidates)
-        return detection_rows(detections)
+        return postprocess_rows(output, self.spec.layout, thresholds_of(params), geometry_of(params),
+                                self.max_candidates)
 
     def _frame_by_frame(self, staged: Staged, canvas: torch.Tensor | None, started: float) -> DeviceOutput:
         """After a failed batch: each frame alone, from the canvas already on the device when there is one."""
@@ -366,13 +365,6 @@ def thresholds_of(params: torch.Tensor) -> Thresholds:
 def geometry_of(params: torch.Tensor) -> Geometry:
     return Geometry(*(params[:, PARAM_COLUMNS.index(name)] for name in
                       ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")))
-
-
-def detection_rows(detections: Detections) -> np.ndarray:
-    """The batch's detections as one float64 array, copied to the host once."""
-    rows = torch.cat([detections.image_index[:, None].double(), detections.boxes.double(),
-                      detections.scores[:, None].double(), detections.class_ids[:, None].double()], dim=1)
-    return rows.cpu().numpy()
 
 
 def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates: int,

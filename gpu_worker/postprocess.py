@@ -4,16 +4,32 @@ class-aware NMS, max_det, and the letterbox undone into original pixels.
 No per-box Python loop on the hot path: every step is a tensor op over the
 whole batch. Per-image `conf`, `iou` and `max_det` are tensors, so each job
 keeps its own options inside one batch.
+
+Host reads are few because each one is a sync on CUDA (the host waits for
+everything queued before it): a batch reads how many candidates its fullest
+image has (the size of the NMS), one flag per NMS chunk settled (converged, may
+the scan stop), and its answer, once (`postprocess_rows`). A typical batch - its
+candidates in one chunk - costs three. `HOST_READS` names the operations that
+read the device, so a test can count them on any machine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # How many candidates (in score order) are settled together: each chunk is resolved exactly, then
 # suppresses every later candidate in one matrix op. Memory is O(B * NMS_CHUNK * K), not O(B * K^2).
 NMS_CHUNK = 64
+# Rounds of a chunk's fixed point run between two looks at whether it has converged: the suppression
+# chains of real detections are short (one or two links), so one look usually settles a chunk.
+ROUNDS_PER_LOOK = 4
+# The aten operations that make the host wait for the device on CUDA (sync_debug_mode reports them):
+# a scalar read (`item()`, `bool()`, `int()`), data-dependent shapes, and a whole-tensor comparison.
+HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_numpy", "argwhere",
+                        "equal", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+                        "repeat_interleave"})
 
 
 @dataclass(frozen=True)
@@ -60,13 +76,22 @@ def cxcywh_to_xyxy(boxes: torch.Tensor) -> torch.Tensor:
     return torch.cat([centre - size, centre + size], dim=-1)
 
 
-def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry,
-                max_candidates: int = 1000) -> Detections:
+@dataclass(frozen=True)
+class Candidates:
+    """Each image's best candidates, [B, k, ...] in score order, and which of them NMS keeps."""
+    boxes: torch.Tensor         # [B, k, 4] x1, y1, x2, y2 in input pixels
+    scores: torch.Tensor        # [B, k]
+    class_ids: torch.Tensor     # [B, k] long
+    keep: torch.Tensor          # [B, k] bool
+
+
+def select(output: torch.Tensor, layout: str, thresholds: Thresholds, max_candidates: int = 1000) -> Candidates:
+    """Confidence filter, top candidates per image, class-aware NMS, max_det: all on the output's device."""
     cxcywh, class_scores = split_layout(output.float(), layout)
     scores, class_ids = class_scores.max(dim=-1)                       # [B, N]
     below = scores < thresholds.conf[:, None]
     scores = scores.masked_fill(below, -1.0)
-    # NMS costs k^2: take no more candidates than the fullest image has above its threshold.
+    # NMS costs k^2: take no more candidates than the fullest image has above its threshold (a host read).
     k = min(max_candidates, int((~below).sum(dim=1).max()) if len(scores) else 0)
     top_scores, top_index = scores.topk(k, dim=1)                      # sorted, best first
     valid = top_scores >= 0
@@ -74,21 +99,49 @@ def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geome
     classes = torch.gather(class_ids, 1, top_index)
     keep = nms_keep(boxes, classes, valid, thresholds.iou, thresholds.max_det)
     keep &= keep.cumsum(dim=1) <= thresholds.max_det[:, None]
-    image_index, slot = keep.nonzero(as_tuple=True)
+    return Candidates(boxes, top_scores, classes, keep)
+
+
+def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry,
+                max_candidates: int = 1000) -> Detections:
+    """The kept detections as tensors on the output's device."""
+    found = select(output, layout, thresholds, max_candidates)
+    image_index, slot = found.keep.nonzero(as_tuple=True)
     return Detections(
         image_index=image_index,
-        boxes=unletterbox(boxes[image_index, slot], geometry, image_index),
-        scores=top_scores[image_index, slot],
-        class_ids=classes[image_index, slot],
+        boxes=unletterbox(found.boxes[image_index, slot], geometry, image_index),
+        scores=found.scores[image_index, slot],
+        class_ids=found.class_ids[image_index, slot],
     )
+
+
+# Per detection, one row of what `postprocess_rows` returns.
+ROW_COLUMNS = ("image", "x1", "y1", "x2", "y2", "score", "class_id")
+
+
+def postprocess_rows(output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry,
+                     max_candidates: int = 1000) -> np.ndarray:
+    """The kept detections on the host, as rows of ROW_COLUMNS (float64) grouped by image in batch order.
+
+    Every candidate slot is mapped back to original pixels on the device and the whole [B, k] block comes
+    to the host in one copy, with its keep flag; the host drops what NMS did not keep. That is one host
+    read where picking the kept rows on the device would take two (their count, then the rows)."""
+    found = select(output, layout, thresholds, max_candidates)
+    batch, k = found.keep.shape
+    image_index = torch.arange(batch, device=output.device)[:, None].expand(batch, k).reshape(-1)
+    boxes = unletterbox(found.boxes.reshape(-1, 4), geometry, image_index)
+    block = torch.cat([image_index[:, None].double(), boxes.double(), found.scores.reshape(-1, 1).double(),
+                       found.class_ids.reshape(-1, 1).double(), found.keep.reshape(-1, 1).double()], dim=1)
+    on_host = block.cpu().numpy()
+    return on_host[on_host[:, -1] > 0, :-1]
 
 
 def unletterbox(boxes: torch.Tensor, geometry: Geometry, image_index: torch.Tensor) -> torch.Tensor:
     """Input-pixel boxes [K, 4] -> original-image pixels, clipped to the image."""
     g = {name: getattr(geometry, name).to(boxes.device, torch.float32)[image_index]
          for name in ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")}
-    x = (boxes[:, [0, 2]] - g["pad_left"][:, None]) / g["scale_x"][:, None]
-    y = (boxes[:, [1, 3]] - g["pad_top"][:, None]) / g["scale_y"][:, None]
+    x = (boxes[:, 0::2] - g["pad_left"][:, None]) / g["scale_x"][:, None]      # slices: a list index would be
+    y = (boxes[:, 1::2] - g["pad_top"][:, None]) / g["scale_y"][:, None]       # copied to the device each time
     x = torch.minimum(x.clamp(min=0), g["orig_width"][:, None])
     y = torch.minimum(y.clamp(min=0), g["orig_height"][:, None])
     return torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], dim=1)
@@ -98,49 +151,81 @@ def nms_keep(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, io
              max_det: torch.Tensor | None = None, chunk: int = NMS_CHUNK) -> torch.Tensor:
     """Class-aware greedy NMS per image: a [B, K] keep mask. Inputs [B, K, ...] sorted by score, best first.
 
-    Exactly greedy NMS, in chunks of `chunk` candidates taken in score order: a
-    chunk's own boxes are settled by a fixed point over their small IoU matrix
-    (Cluster-NMS: as many rounds as the longest suppression chain inside the
-    chunk, at most `chunk`), then the chunk's kept boxes suppress every later
-    candidate at once. Once every image holds `max_det` kept boxes, later
-    candidates can no longer reach the answer and the scan stops: at `conf=0`
+    One NMS for the whole batch, keyed by (image, class): boxes of different images or classes never
+    suppress each other. Exactly greedy NMS, in chunks of `chunk` candidates taken in score order: a
+    chunk's own boxes are settled by a fixed point over their small IoU matrix (Cluster-NMS: as many
+    rounds as the longest suppression chain inside the chunk, at most `chunk`), then the chunk's kept
+    boxes suppress every later candidate at once. The scan stops once no later candidate is left or
+    every image holds `max_det` kept boxes (later ones can no longer reach the answer): at `conf=0`
     with 1,000 candidates and `max_det` 100 it settles a few chunks, not all.
+
+    Host reads: one per chunk (whether it has settled, and where the next chunk starts: at the next
+    candidate still alive, or nowhere), plus one per further ROUNDS_PER_LOOK rounds when a chain inside
+    the chunk is longer than that.
     """
     batch, k = valid.shape
     keep = torch.zeros_like(valid)
     removed = ~valid
-    for start in range(0, k, chunk):
+    start = 0
+    while start < k:
         end = min(start + chunk, k)
-        alive = ~removed[:, start:end]
-        if not bool(alive.any()):           # every candidate here is already suppressed (or invalid)
-            continue
         inter, union = _overlap(boxes[:, start:end], boxes[:, start:])
         # IoU > t  <=>  inter > t * union: no division over the [B, chunk, K] block
         overlaps = (inter > union.mul_(iou[:, None, None])) \
             & (classes[:, start:end, None] == classes[:, None, start:])              # [B, chunk, K - start]
-        kept = _settle_chunk(overlaps[:, :, :end - start], alive)
+        own, later = overlaps[:, :, :end - start], overlaps[:, :, end - start:]
+        settling = _ChunkSettling(own, ~removed[:, start:end])
+        while True:
+            kept, settled = settling.advance()
+            # What the scan does next if `kept` is final, worked out before the chunk's one host read:
+            # where the next candidate still alive in some image is (k: none, the scan is over).
+            removed_later = removed[:, end:] | (later & kept[:, :, None]).any(dim=1)
+            next_start = _first_alive(removed_later, offset=end)
+            if max_det is not None:
+                full = (keep[:, :start].sum(dim=1) + kept.sum(dim=1) >= max_det).all()
+                next_start = torch.where(full, k, next_start)
+            read = int(next_start * 2 + settled.int())                     # the chunk's one host read
+            if read & 1:
+                break
         keep[:, start:end] = kept
-        if end == k:
-            break
-        removed[:, end:] |= (overlaps[:, :, end - start:] & kept[:, :, None]).any(dim=1)
-        if max_det is not None and bool((keep.sum(dim=1) >= max_det).all()):
-            break
+        removed[:, end:] = removed_later
+        start = read >> 1
     return keep
 
 
-def _settle_chunk(overlaps: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+def _first_alive(removed: torch.Tensor, offset: int) -> torch.Tensor:
+    """Where, counting from `offset`, the first candidate still alive in some image is; offset +
+    removed.shape[1] when there is none. A tensor: nothing is read here."""
+    alive = (~removed).any(dim=0)
+    if alive.numel() == 0:
+        return torch.tensor(offset, device=removed.device)
+    return torch.where(alive.any(), offset + alive.int().argmax(), offset + alive.numel())
+
+
+class _ChunkSettling:
     """Greedy NMS among one chunk's candidates ([B, n, n] overlaps, [B, n] alive): kept[i] = alive[i]
-    and no kept j < i overlaps i. Iterating from kept = alive settles on exactly the greedy answer."""
-    n = alive.shape[1]
-    earlier = torch.ones(n, n, dtype=torch.bool, device=alive.device).triu(diagonal=1)
-    suppresses = overlaps & earlier & alive[:, :, None]                            # [B, j, i]
-    kept = alive
-    for _ in range(n):
-        updated = alive & ~(suppresses & kept[:, :, None]).any(dim=1)
-        if torch.equal(updated, kept):
-            break
-        kept = updated
-    return kept
+    and no kept j < i overlaps i. Iterating from kept = alive settles on exactly the greedy answer
+    within n rounds (round t fixes candidate t for good), and that answer is the map's only fixed
+    point, so a round that changes nothing means it is reached. `advance()` runs a few rounds and
+    says, as a tensor the caller reads when it reads anything else, whether the last changed nothing."""
+
+    def __init__(self, overlaps: torch.Tensor, alive: torch.Tensor, rounds_per_look: int = ROUNDS_PER_LOOK) -> None:
+        n = alive.shape[1]
+        earlier = torch.ones(n, n, dtype=torch.bool, device=alive.device).triu(diagonal=1)
+        self.suppresses = overlaps & earlier & alive[:, :, None]                   # [B, j, i]
+        self.alive, self.kept = alive, alive
+        self.rounds_left, self.rounds_per_look = n, rounds_per_look
+
+    def advance(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rounds_left <= 0:   # n rounds always settle n candidates
+            return self.kept, torch.ones((), dtype=torch.bool, device=self.alive.device)
+        for _ in range(min(self.rounds_per_look, self.rounds_left)):
+            previous = self.kept
+            self.kept = self.alive & ~(self.suppresses & previous[:, :, None]).any(dim=1)
+            self.rounds_left -= 1
+        settled = (self.kept == previous).all() if self.rounds_left > 0 \
+            else torch.ones((), dtype=torch.bool, device=self.alive.device)
+        return self.kept, settled
 
 
 def iou_between(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:

@@ -85,3 +85,35 @@ class ApiServer:
     def stop(self) -> None:
         self.server.shutdown()
         self.app.extensions["imgserve"].listener.close()
+
+
+class HostReads:
+    """Counts, on any device, the operations that make the host wait for the device on CUDA
+    (gpu_worker.postprocess.HOST_READS): what torch.cuda.set_sync_debug_mode reports there, except
+    plain copies to the host, which a CPU tensor never makes."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def __enter__(self) -> "HostReads":
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from gpu_worker.postprocess import HOST_READS
+
+        names = self.names
+
+        class Counting(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+                if func.overloadpacket.__name__ in HOST_READS:
+                    names.append(func.overloadpacket.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self._mode = Counting()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._mode.__exit__(*exc)
+
+    def __len__(self) -> int:
+        return len(self.names)

@@ -3,10 +3,20 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from gpu_worker.postprocess import Geometry, Thresholds, nms_keep, pairwise_iou, postprocess
+from gpu_worker.postprocess import (
+    ROUNDS_PER_LOOK,
+    Geometry,
+    Thresholds,
+    nms_keep,
+    pairwise_iou,
+    postprocess,
+    postprocess_rows,
+)
+from tests.support import HostReads
 
 
 def geometry(rows: list[tuple[float, ...]]) -> Geometry:
@@ -149,3 +159,48 @@ def test_pairwise_iou():
     iou = pairwise_iou(boxes)[0]
     assert iou[0, 1].item() == pytest.approx(50 / 150)
     assert iou[0, 2].item() == 0 and iou[1, 1].item() == pytest.approx(1.0)
+
+
+def test_a_suppression_chain_longer_than_one_look_settles_exactly():
+    """Each box overlaps only its neighbours: greedy keeps every other one, which takes as many
+    rounds of the chunk's fixed point as the chain is long - several looks, one answer."""
+    count = 6 * ROUNDS_PER_LOOK + 1
+    boxes = [[5.0 * i, 0.0, 5.0 * i + 14.0, 10.0] for i in range(count)]   # IoU: neighbour .47, next one .17
+    scores = [1.0 - i / 100 for i in range(count)]                            # the chain runs in score order
+    keep = nms_keep(torch.tensor([boxes]), torch.zeros(1, count, dtype=torch.long),
+                    torch.ones(1, count, dtype=torch.bool), torch.tensor([0.25]))
+    kept = keep[0].nonzero().flatten().tolist()
+    assert kept == reference_greedy_nms(boxes, scores, [0] * count, 0.25) == list(range(0, count, 2))
+
+
+def test_the_scan_jumps_to_the_next_candidate_still_alive():
+    """Candidates 1-20 are all suppressed by candidate 0: with chunks of 4, the scan settles the chunk
+    at 0 and then the one at 21, never the dead ones between (two host reads), and keeps greedy's answer."""
+    piled = [[0.0, 0.0, 10.0, 10.0]] * 21
+    apart = [[100.0 + 20 * i, 0.0, 110.0 + 20 * i, 10.0] for i in range(3)]
+    boxes = torch.tensor([piled + apart])
+    with HostReads() as reads:
+        keep = nms_keep(boxes, torch.zeros(1, 24, dtype=torch.long), torch.ones(1, 24, dtype=torch.bool),
+                        torch.tensor([0.5]), chunk=4)
+    assert keep[0].nonzero().flatten().tolist() == [0, 21, 22, 23]
+    assert len(reads) == 2
+
+
+def test_post_processing_reads_the_device_a_bounded_number_of_times():
+    """Each host read is a sync on CUDA. A batch of 8 in the worst case (conf 0, 1,000 candidates per
+    image, long chains of piled boxes): the candidate count, one read per chunk settled until max_det,
+    and the answer's one copy (not a read the CPU can see)."""
+    from bench.nms import head_output
+
+    batch = 8
+    limits = thresholds([0.0] * batch, [0.45] * batch, [100] * batch)
+    places = geometry([(0, 0, 1, 1, 640, 640)] * batch)
+    for spread in (True, False):
+        output = head_output(batch, 80, spread)
+        with HostReads() as reads:
+            rows = postprocess_rows(output, "yolov8", limits, places, 1000)
+        assert 1 + 1 <= len(reads) <= 1 + 3, reads.names
+        assert len(rows) == batch * 100
+        expected = postprocess(output, "yolov8", limits, places, 1000)
+        assert rows[:, 0].tolist() == expected.image_index.tolist()
+        assert np.allclose(rows[:, 1:5], expected.boxes.numpy())
