@@ -21,6 +21,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from bench import charts
 from bench.corpus import load_corpus
 from bench.report import markdown
@@ -114,7 +116,8 @@ def cmd_feed(args: argparse.Namespace) -> int:
             options = FeedOptions(device=args.device, profile=profile, frames=args.frames, input_size=size,
                                   source=args.source, image_size=(width, height), max_batch=args.max_batch,
                                   window_ms=args.window_ms, redis_check=not args.no_redis_check,
-                                  py_spy=args.py_spy)
+                                  py_spy=args.py_spy, model_options=dict(args.model_option),
+                                  **({"model": args.model.resolve()} if args.model else {}))
             results.append(run_feed(options, log=lambda line: print(f"  {line}", file=sys.stderr)))
             print(f"  {args.device} {profile} {size}: {results[-1]['frames_per_s']:.0f} frames/s, "
                   f"{results[-1]['share_of_limit']:.0%} of the limit", file=sys.stderr)
@@ -125,6 +128,14 @@ def cmd_feed(args: argparse.Namespace) -> int:
     (args.out / f"{stamp}-feed.json").write_text(json.dumps({"title": "bench feed", "results": results}, indent=2))
     print(text + f"\n\nFiles: {args.out / f'{stamp}-feed.json'}")
     return 0
+
+
+def parse_option(text: str) -> tuple[str, Any]:
+    """KEY=VALUE, the value read as YAML (true, 16, fp16, [1, 2])."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE")
+    return key, yaml.safe_load(value)
 
 
 def parse_list(kind):
@@ -195,6 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     feed.add_argument("--image-size", default="640x480", help="WxH of the images the frames come from")
     feed.add_argument("--max-batch", type=int, default=8)
     feed.add_argument("--window-ms", type=float, default=12.0)
+    feed.add_argument("--model", type=Path, help="the model spec file (default: shapes-yolo)")
+    feed.add_argument("--model-option", type=parse_option, action="append", default=[], metavar="KEY=VALUE",
+                      help="a spec field over the file's, e.g. accelerate=cuda_graphs or precision=fp16 (repeatable)")
     feed.add_argument("--no-redis-check", action="store_true", help="skip measuring Redis's own drain rate")
     feed.add_argument("--py-spy", type=Path, help="profile the worker with py-spy into this file (collapsed stacks)")
     feed.add_argument("--out", type=Path, default=Path(".bench") / "results")

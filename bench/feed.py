@@ -60,6 +60,7 @@ class FeedOptions:
     max_batch: int = 8
     window_ms: float = 12.0
     model: Path = DEFAULT_SPEC
+    model_options: dict[str, Any] = field(default_factory=dict)   # over the spec's own: accelerate, precision...
     redis_check: bool = True
     py_spy: Path | None = None         # record the worker with py-spy (collapsed stacks) into this file
     extra_config: dict[str, Any] = field(default_factory=dict)
@@ -154,7 +155,7 @@ def device_limit(options: FeedOptions, counters: dict[str, float], mean_batch: f
 # --- the run --------------------------------------------------------------
 def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="feed-"))
-    spec_raw = {**yaml.safe_load(options.model.read_text()), "input_size": options.input_size}
+    spec_raw = {**yaml.safe_load(options.model.read_text()), "input_size": options.input_size, **options.model_options}
     if spec_raw.get("path"):
         spec_raw["path"] = str((options.model.parent / spec_raw["path"]).resolve())
     contents = frame_contents(options)
@@ -195,6 +196,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
     result = {
         "options": {**asdict(options), "model": str(options.model), "py_spy": str(options.py_spy or "") or None,
                     "profile_ms": options.profile_ms()},
+        "run": run_label(options),
         "frame_kb": round(frame_bytes / 1024, 1),
         "frames_per_s": round(measured["fps"], 1),
         "device_limit_fps": round(limit_fps, 1),
@@ -289,7 +291,7 @@ def markdown(results: list[dict[str, Any]]) -> str:
     for r in results:
         o = r["options"]
         profile = o["profile"] if o["device"] == "sim" else "-"
-        lines.append(f"| {o['device']} | {profile} | {o['input_size']} | {r['frame_kb']:.0f} | "
+        lines.append(f"| {r['run']} | {profile} | {o['input_size']} | {r['frame_kb']:.0f} | "
                      f"{r['frames_per_s']:.0f} | {r['device_limit_fps']:.0f} | **{r['share_of_limit']:.0%}** | "
                      f"{r['mean_batch']:.2f} | {_fmt(r['redis_limit_fps'])} | {r['push_fps']:.0f} | "
                      f"{_shares(r['machine_cpu'])} |")
@@ -300,13 +302,19 @@ def markdown(results: list[dict[str, Any]]) -> str:
         for r in results:
             o, table = r["options"], r["host_ms_per_batch"]
             cells = [f"{table[s]['wall']:.2f} / {table[s]['cpu']:.2f}" if s in table else "-" for s in stages]
-            lines.append(f"| {o['device']} {o['profile'] if o['device'] == 'sim' else ''} {o['input_size']} | "
+            lines.append(f"| {r['run']} {o['profile'] if o['device'] == 'sim' else ''} {o['input_size']} | "
                          + " | ".join(cells) + " |")
     lines += ["", "Device limit: " + "; ".join(sorted({r['device_limit'] for r in results})) + ". "
               "Share: frames/s over that limit, measured from the first batch's write to the last. "
               "Redis limit: one consumer taking and acking frames with the worker's own calls, nothing else. "
               "CPU: the machine's cores during the drain, busy and stolen by the hypervisor."]
     return "\n".join(lines)
+
+
+def run_label(options: FeedOptions) -> str:
+    """The device, and what of the model differs from the default spec: a row's name in tables."""
+    model = "" if options.model == DEFAULT_SPEC else f" {options.model.stem}"
+    return options.device + model + "".join(f" {key}={value}" for key, value in options.model_options.items())
 
 
 def _shares(cpu: dict[str, float] | None) -> str:

@@ -186,6 +186,8 @@ class RoutingSettings:
 
 # A model's name and version appear in Redis keys (name:version) and in `model=`: no colons, no spaces.
 MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
+# How the GPU worker may speed a model's forward up beyond eager PyTorch (ModelSpec.accelerate).
+ACCELERATIONS = ("none", "cuda_graphs", "compile")
 
 
 @settings_class
@@ -208,6 +210,9 @@ class ModelSpec:
     precision: str = "auto"  # auto: the model's own weights' dtype | fp32 | fp16 | bf16
     channels_last: bool = False  # NHWC canvas and weights: faster convolutions on tensor cores
     freeze: bool = False     # TorchScript only: torch.jit.freeze + optimize_for_inference at load
+    # none | cuda_graphs (one CUDA graph per batch size, captured at load; CUDA only) | compile (torch.compile
+    # with a dynamic batch, compiled at load; builtin and export models: TorchScript has `freeze`)
+    accelerate: str = "none"
     labels: tuple[str, ...] = ()
     # Which of labels / input_size were read from the model file (the spec left them out).
     from_file: tuple[str, ...] = ()
@@ -243,6 +248,10 @@ class ModelSpec:
             raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
         if self.freeze and self.format != "torchscript":
             raise SettingsError("freeze applies to TorchScript models only")
+        if self.accelerate not in ACCELERATIONS:
+            raise SettingsError(f"accelerate {self.accelerate!r}: expected {', '.join(ACCELERATIONS)}")
+        if self.accelerate == "compile" and self.format == "torchscript":
+            raise SettingsError("accelerate: compile takes builtin and export models; for TorchScript use freeze")
         if self.precision not in ("auto", "fp32", "fp16", "bf16"):
             raise SettingsError(f"precision {self.precision!r}: expected auto, fp32, fp16 or bf16")
         if self.channel_order not in ("rgb", "bgr"):

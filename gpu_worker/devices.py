@@ -195,8 +195,6 @@ class TorchDevice:
         self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
         self.compute_stream = torch.cuda.Stream(self.device) if cuda else None
         self._threads = threading.local()
-        if cuda:   # autotuned during the warm-up, which runs every batch size
-            torch.backends.cudnn.benchmark = True
 
     def describe(self) -> dict[str, Any]:
         return self.model.describe()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -31,7 +31,7 @@ class LoadedModel:
     def describe(self) -> dict[str, Any]:
         return {**self.spec.describe(), "device": str(self.device), "simulated": False, "format": self.spec.format,
                 "precision": next(name for name, dtype in PRECISIONS.items() if dtype == self.dtype),
-                "output": self.output}
+                "accelerate": self.spec.accelerate, "output": self.output}
 
 
 class FirstOutput(torch.nn.Module):
@@ -78,12 +78,83 @@ def load_model(spec: ModelSpec, device: torch.device, max_batch: int = 8) -> Loa
         module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in the stubs
     if spec.freeze:
         module = _frozen(module)
+    if device.type == "cuda":   # cuDNN autotunes each shape on its first run: the load checks, warm-up, captures
+        torch.backends.cudnn.benchmark = True
     loaded = LoadedModel(spec=spec, module=module, device=device, dtype=dtype)
     if _prediction_first_in_tuple(_probe(loaded, 1)):
         loaded.module, loaded.output = FirstOutput(module), "element 0 of a tuple"
+    loaded.module = _accelerated(loaded, max_batch)
     for batch in sorted({1, max_batch}):
         _check_output(loaded, batch)
     return loaded
+
+
+def _accelerated(loaded: LoadedModel, max_batch: int) -> torch.nn.Module:
+    """The spec's `accelerate`, applied once the module is final (precision, layout, freezing, output)."""
+    spec, module = loaded.spec, loaded.module
+    if spec.accelerate == "compile":
+        try:   # compiled by the load checks that follow: batch 1 (specialised) and the largest (dynamic)
+            return torch.compile(module, dynamic=True)  # type: ignore[return-value]  # a callable wrapper
+        except Exception as exc:
+            raise ModelLoadError(f"accelerate: compile failed: {last_line(exc)}") from exc
+    if spec.accelerate == "cuda_graphs":
+        if loaded.device.type != "cuda":
+            raise ModelLoadError(f"accelerate: cuda_graphs needs a CUDA device, not {loaded.device}")
+        try:
+            return CudaGraphs(module, lambda batch: _blank(loaded, batch), max_batch)
+        except ModelLoadError:
+            raise
+        except Exception as exc:
+            raise ModelLoadError(f"accelerate: cuda_graphs: the model cannot be captured: {last_line(exc)}") from exc
+    return module
+
+
+class CudaGraphs(torch.nn.Module):
+    """The model as one CUDA graph per batch size, all captured at load: a batch copies its canvas into
+    its size's static input and replays the whole forward with one launch, instead of Python launching
+    each kernel. The answer is the graph's static output: read it before the next batch of that size
+    runs (the device thread does - post-processing is queued on the same stream first).
+
+    Captured largest first into one memory pool, so the smaller graphs reuse the largest one's memory."""
+
+    def __init__(self, inner: torch.nn.Module, blank: Callable[[int], torch.Tensor], max_batch: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
+        device = blank(1).device
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream(device)
+        with torch.inference_mode():
+            for batch in range(max_batch, 0, -1):
+                static_input = blank(batch)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):   # eager runs first: autotuning, lazy loading, TorchScript profiling
+                    for _ in range(3):
+                        inner(static_input)
+                torch.cuda.current_stream(device).wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool, stream=side):
+                    static_output = inner(static_input)
+                if not isinstance(static_output, torch.Tensor):
+                    raise ModelLoadError(f"model output must be one tensor, got {_shape_of(static_output)}")
+                self.graphs[batch] = (graph, static_input, static_output)
+        torch.cuda.synchronize(device)
+
+    def forward(self, batch: torch.Tensor) -> torch.Tensor:
+        captured = self.graphs.get(batch.shape[0])
+        if captured is None:
+            raise ValueError(f"no CUDA graph for a batch of {batch.shape[0]} (captured: 1-{max(self.graphs)})")
+        graph, static_input, static_output = captured
+        static_input.copy_(batch)
+        graph.replay()
+        return static_output
+
+
+def _blank(loaded: LoadedModel, batch: int) -> torch.Tensor:
+    """A blank canvas as the model is fed: its device, dtype and memory layout."""
+    size = loaded.spec.input_size
+    blank = torch.zeros(batch, 3, size, size, device=loaded.device, dtype=loaded.dtype)
+    return blank.contiguous(memory_format=torch.channels_last) if loaded.spec.channels_last else blank
 
 
 def _frozen(module: torch.nn.Module) -> torch.nn.Module:
@@ -148,7 +219,7 @@ def _load_exported(spec: ModelSpec, device: torch.device) -> torch.nn.Module:
 def _probe(loaded: LoadedModel, batch: int) -> Any:
     """The model's output for a blank batch; a ModelLoadError saying why when it fails."""
     size = loaded.spec.input_size
-    probe = torch.zeros(batch, 3, size, size, device=loaded.device, dtype=loaded.dtype)
+    probe = _blank(loaded, batch)
     try:
         with torch.inference_mode():
             return loaded.module(probe)

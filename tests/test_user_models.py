@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contract.settings import load_settings
+from contract.settings import SettingsError, load_settings
 from gpu_worker.model import ModelLoadError, load_model
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess
 from tests.support import build_content_box_model
@@ -117,3 +117,19 @@ def test_an_export_is_checked_at_batch_one_and_the_largest_batch(tmp_path):
     loaded = load_model(settings.model, CPU, max_batch=16)
     with torch.inference_mode():
         assert loaded.module(torch.zeros(16, 3, 64, 64)).shape == (16, 6, 1)
+
+
+@pytest.mark.parametrize("extra, says", [
+    ("format: torchscript\npath: full.pt\naccelerate: compile\n", "compile takes builtin and export models"),
+    ("accelerate: tensorrt\n", "accelerate 'tensorrt': expected none, cuda_graphs, compile"),
+])
+def test_an_acceleration_the_model_cannot_take_is_refused_at_load(tmp_path, extra, says):
+    torch.jit.script(OneBoxHead()).save(str(tmp_path / "full.pt"))
+    with pytest.raises(SettingsError, match=says):
+        write_spec(tmp_path, "name: b\nversion: '1'\ninput_size: 64\nlabels: [a, b]\n" + extra)
+
+
+def test_cuda_graphs_on_the_cpu_is_a_clear_load_error(tmp_path):
+    settings = write_spec(tmp_path, "name: b\nversion: '1'\ninput_size: 64\nlabels: [a, b]\naccelerate: cuda_graphs\n")
+    with pytest.raises(ModelLoadError, match="cuda_graphs needs a CUDA device, not cpu"):
+        load_model(settings.model, CPU)
