@@ -197,8 +197,8 @@ def _first_alive(removed: torch.Tensor, offset: int) -> torch.Tensor:
     """Where, counting from `offset`, the first candidate still alive in some image is; offset +
     removed.shape[1] when there is none. A tensor: nothing is read here."""
     alive = (~removed).any(dim=0)
-    if alive.numel() == 0:
-        return torch.tensor(offset, device=removed.device)
+    if alive.numel() == 0:   # a fill on the device: torch.tensor(offset, device=...) would be a synchronous copy
+        return torch.full((), offset, dtype=torch.long, device=removed.device)
     return torch.where(alive.any(), offset + alive.int().argmax(), offset + alive.numel())
 
 
