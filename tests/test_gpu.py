@@ -111,13 +111,9 @@ def test_cuda_and_cpu_give_the_same_detections(device, batch, channel_order):
             assert (confident_cpu[:, 5] == confident_cuda[:, 5]).all()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_overlapped_stages_give_what_a_serial_run_gives(device):
-    """Stage in one thread while the device runs in another, as the worker does (three slots in
-    flight); the answers equal a run of the same batches one at a time."""
-    batches = [scene_frames(int(size), seed=i) for i, size in enumerate(np.random.default_rng(3).integers(1, 9, 12))]
-    runner = device_for(device)
-    serial = [runner.run(runner.stage(frames)).detections for frames in batches]
+def run_overlapped(runner: TorchDevice, batches: list[list[Frame]]) -> list[np.ndarray]:
+    """Each batch staged in one thread while the device runs the one before in another, as the worker
+    does (three slots in flight): the detections of each."""
     handoff: Handoff = Handoff(1)
 
     def stage_all() -> None:
@@ -126,7 +122,17 @@ def test_overlapped_stages_give_what_a_serial_run_gives(device):
         handoff.close()
 
     threading.Thread(target=stage_all, daemon=True).start()
-    overlapped = [runner.run(staged).detections for staged in handoff]
+    return [runner.run(staged).detections for staged in handoff]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapped_stages_give_what_a_serial_run_gives(device):
+    """Stage in one thread while the device runs in another, as the worker does (three slots in
+    flight); the answers equal a run of the same batches one at a time."""
+    batches = [scene_frames(int(size), seed=i) for i, size in enumerate(np.random.default_rng(3).integers(1, 9, 12))]
+    runner = device_for(device)
+    serial = [runner.run(runner.stage(frames)).detections for frames in batches]
+    overlapped = run_overlapped(runner, batches)
     assert len(overlapped) == len(serial)
     for one, other in zip(serial, overlapped):
         assert np.array_equal(one, other)
@@ -259,15 +265,7 @@ def test_an_accelerated_forward_gives_the_eager_answers(device, accelerate, tmp_
     expected = [eager.run(eager.stage(frames)).detections for frames in batches]
     fast = device_for(device, ModelSpec(**{**spec.__dict__, "accelerate": accelerate}))
     assert len(list(fast.warm_up(8))) == 16
-    handoff: Handoff = Handoff(1)
-
-    def stage_all() -> None:
-        for frames in batches:
-            handoff.put(fast.stage(frames))
-        handoff.close()
-
-    threading.Thread(target=stage_all, daemon=True).start()
-    found = [fast.run(staged).detections for staged in handoff]
+    found = run_overlapped(fast, batches)
     assert [len(rows) for rows in found] == [len(rows) for rows in expected]
     assert sum(len(rows) for rows in found) > 0
     for one, other in zip(expected, found):
