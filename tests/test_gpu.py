@@ -233,7 +233,7 @@ def test_host_syncs_per_batch_are_counted_and_bounded(device, capsys):
         print(f"\nhost reads in one batch of 8 on {device}: {len(reads)} {reads.names}"
               + (f"; syncs sync_debug_mode saw: {len(syncs)}" if device == "cuda" else ""))
     assert len(output.detections) > 0
-    assert len(reads) <= 2
+    assert 1 <= len(reads) <= 2          # at least the candidate count: the counter works
     assert len(syncs) <= 2 + 1 + 2
 
 
