@@ -9,8 +9,8 @@ Host reads are few because each one is a sync on CUDA (the host waits for
 everything queued before it): a batch reads how many candidates its fullest
 image has (the size of the NMS), one flag per NMS chunk settled (converged, may
 the scan stop), and its answer, once (`postprocess_rows`). A typical batch - its
-candidates in one chunk - costs three. `HOST_READS` names the operations that
-read the device, so a test can count them on any machine.
+candidates in one chunk - costs three. `tests.support.HostReads` counts them on
+any machine.
 """
 from __future__ import annotations
 
@@ -25,11 +25,6 @@ NMS_CHUNK = 64
 # Rounds of a chunk's fixed point run between two looks at whether it has converged: the suppression
 # chains of real detections are short (one or two links), so one look usually settles a chunk.
 ROUNDS_PER_LOOK = 4
-# The aten operations that make the host wait for the device on CUDA (sync_debug_mode reports them):
-# a scalar read (`item()`, `bool()`, `int()`), data-dependent shapes, and a whole-tensor comparison.
-HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_numpy", "argwhere",
-                        "equal", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
-                        "repeat_interleave"})
 
 
 @dataclass(frozen=True)

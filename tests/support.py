@@ -87,9 +87,16 @@ class ApiServer:
         self.app.extensions["imgserve"].listener.close()
 
 
+# The aten operations that make the host wait for the device on CUDA (sync_debug_mode reports them):
+# a scalar read (`item()`, `bool()`, `int()`), data-dependent shapes, and a whole-tensor comparison.
+HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_numpy", "argwhere",
+                        "equal", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
+                        "repeat_interleave"})
+
+
 class HostReads:
     """Counts, on any device, the operations that make the host wait for the device on CUDA
-    (gpu_worker.postprocess.HOST_READS): what torch.cuda.set_sync_debug_mode reports there, except
+    (HOST_READS): what torch.cuda.set_sync_debug_mode reports there, except
     plain copies to the host, which a CPU tensor never makes."""
 
     def __init__(self) -> None:
@@ -97,8 +104,6 @@ class HostReads:
 
     def __enter__(self) -> "HostReads":
         from torch.utils._python_dispatch import TorchDispatchMode
-
-        from gpu_worker.postprocess import HOST_READS
 
         names = self.names
 
