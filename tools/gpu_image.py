@@ -28,25 +28,26 @@ ABSENT = ("flask", "celery", "kombu", "billiard", "gunicorn", "gevent", "flower"
           "schemathesis")
 """Top-level modules the image lacks and nobody carries (werkzeug, click and requests are there)."""
 
-NEEDED = ("redis", "hiredis", "pydantic", "contract.settings", "contract.documents", "contract.heartbeat",
-          "gpu_worker.worker", "gpu_worker.model", "gpu_worker.metrics", "gpu_worker.__main__", "bench.feed",
-          "bench.runs", "bench.processes", "tests.conftest", "tests.support", "tests.test_gpu",
-          "training.export_program")
-"""What `pytest -m gpu`, `bench feed` (and the `python -m gpu_worker` it starts) and the export import."""
+NEEDED = CARRIED + ("contract.settings", "contract.documents", "contract.heartbeat", "gpu_worker.worker",
+                    "gpu_worker.model", "gpu_worker.metrics", "gpu_worker.__main__", "bench.feed", "bench.runs",
+                    "bench.processes", "tests.conftest", "tests.support", "tests.test_gpu", "training.export_program")
+"""What `pytest -m gpu`, `bench feed` (and the `python -m gpu_worker` it starts) and the export import (the
+carried distributions' modules have their names)."""
 
 
 def pins() -> list[str]:
     return [f"{name}=={version(name)}" for name in CARRIED]
 
 
-class _Refuse(importlib.abc.MetaPathFinder):
-    """Makes the named modules (and their submodules) fail to import, as on a machine without them."""
+def _is_absent(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in ABSENT)
 
-    def __init__(self, names: Sequence[str]) -> None:
-        self.names = tuple(names)
+
+class _RefuseAbsent(importlib.abc.MetaPathFinder):
+    """Makes `ABSENT` (and its submodules) fail to import, as on the image."""
 
     def find_spec(self, fullname: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec:
-        if any(fullname == name or fullname.startswith(name + ".") for name in self.names):
+        if _is_absent(fullname):
             raise ModuleNotFoundError(f"No module named {fullname!r} (not on the GPU machine's image)", name=fullname)
         return None  # type: ignore[return-value]  # not ours: the next finder looks
 
@@ -54,10 +55,10 @@ class _Refuse(importlib.abc.MetaPathFinder):
 def check(modules: Sequence[str] = NEEDED, *, block_absent: bool = False) -> list[str]:
     """Imports each module; returns one line per module that failed, naming why."""
     if block_absent:
-        already = sorted(name for name in sys.modules if any(name == a or name.startswith(a + ".") for a in ABSENT))
+        already = sorted(filter(_is_absent, sys.modules))
         if already:
             raise RuntimeError(f"already imported, cannot be blocked: {already}")
-        sys.meta_path.insert(0, _Refuse(ABSENT))
+        sys.meta_path.insert(0, _RefuseAbsent())
     failures = []
     for name in modules:
         try:
@@ -70,13 +71,13 @@ def check(modules: Sequence[str] = NEEDED, *, block_absent: bool = False) -> lis
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.gpu_image", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("pins", help="the carried distributions, NAME==VERSION, one line")
+    commands.add_parser("pins", help="the carried distributions, NAME==VERSION, one a line (a requirements file)")
     checking = commands.add_parser("check", help="import every module the GPU checks need")
     checking.add_argument("--block-absent", action="store_true", help="as on the image: ABSENT cannot be imported")
     checking.add_argument("modules", nargs="*", default=list(NEEDED), help="instead of the GPU checks' modules")
     options = parser.parse_args(argv)
     if options.command == "pins":
-        print(" ".join(pins()))
+        print("\n".join(pins()))
         return 0
     failures = check(options.modules, block_absent=options.block_absent)
     if failures:
