@@ -8,6 +8,8 @@
   python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
   python -m bench bound --qps 18,28                         # the floor the device profile allows
   python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit
+  python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
+  python -m bench ab --base HEAD~1 --profile fast --closed 32 --rounds 3     # two builds, runs alternating
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -25,6 +27,8 @@ import yaml
 
 from bench import charts
 from bench.corpus import load_corpus
+from bench.processes import REPO_ROOT
+from bench.profiles import parse_profile
 from bench.report import markdown
 from bench.runs import CpuScope, measure, meets_sla
 from bench.stack import BaselineServer, LocalStack, ProcfileStack, StackOptions
@@ -55,7 +59,7 @@ def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace
 
 def stack_options(args: argparse.Namespace, **overrides: Any) -> StackOptions:
     values = dict(device=args.device, cpu_workers=args.cpu_workers or 2, max_batch_size=args.max_batch,
-                  window_ms=args.window_ms)
+                  window_ms=args.window_ms, sim_profile_ms=parse_profile(args.profile) if args.profile else None)
     return StackOptions(**{**values, **overrides})
 
 
@@ -103,6 +107,26 @@ def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
     return {"results": results, "title": f"ceiling at p95 <= {args.sla_ms:g} ms ({stack.options.describe()})",
             "ceiling_qps": ceiling, "summary": f"highest offered rate served at p95 <= {args.sla_ms:g} ms: "
                                                f"{ceiling if ceiling is not None else 'none'} QPS"}
+
+
+def cmd_ab(args: argparse.Namespace, images: list[bytes]) -> int:
+    from bench.ab import markdown as ab_markdown
+    from bench.ab import run_ab, worktree
+
+    sides = {f"A {args.base}": worktree(args.base), "B " + (args.head or "this checkout"):
+             Path(args.head).resolve() if args.head else REPO_ROOT}
+    options = stack_options(args, cpu_workers=args.cpu_workers)
+    concurrency, duration = args.closed[0], args.closed_duration
+    outcome = run_ab(sides, options, images, concurrency, duration, args.rounds,
+                     log=lambda line: print(f"  {line}", file=sys.stderr))
+    text = ab_markdown(outcome, sides, options, concurrency, duration)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"{stamp}-ab.md").write_text(text + "\n")
+    (args.out / f"{stamp}-ab.json").write_text(json.dumps({"sides": {k: str(v) for k, v in sides.items()},
+                                                           "base": args.base, **outcome}, indent=2))
+    print(text + f"\n\nFiles: {args.out / f'{stamp}-ab.json'}")
+    return 0
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
@@ -160,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="CPU worker pool size (default 2; with --stack local, the Procfile's: 3)")
     local.add_argument("--max-batch", type=int, default=8)
     local.add_argument("--window-ms", type=float, default=12.0)
+    local.add_argument("--profile", help="device sim: the latency profile of the stacks started here (fast, story "
+                                         "or 1:2,8:6,16:10 ms per batch size; default: the config's, story)")
 
     run = sub.add_parser("run", parents=[common, local], help="load a running deployment, or make run's stack")
     run.add_argument("--url", default="http://localhost:8000")
@@ -171,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
                                      "deployment's default model")
     run.add_argument("--redis-port", type=int, default=6379,
                      help="the deployment's Redis port, for CPU per image by role (0: leave CPU out)")
+    ab = sub.add_parser("ab", parents=[common, local], help="two builds of make run's stack, runs alternating")
+    ab.add_argument("--base", required=True, help="the git ref measured as A (checked out under .bench/ab/)")
+    ab.add_argument("--head", help="the checkout measured as B (default: this one)")
+    ab.add_argument("--rounds", type=int, default=3, help="runs of each side")
     sub.add_parser("compare", parents=[common, local], help="baseline vs pipeline, started here")
     ceiling = sub.add_parser("ceiling", parents=[common, local], help="highest rate within the SLA")
     ceiling.add_argument("--qps", type=parse_list(float), default=[24.0, 26.0, 28.0, 30.0])
@@ -230,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         from bench.diagnose import diagnose
         print(diagnose(args.url, images))
         return 0
+    if args.command == "ab":
+        return cmd_ab(args, images)
     if args.command == "chaos":
         from bench.chaos import format_tally, run_chaos
         tally = run_chaos(stack_options(args), images, args.qps, args.duration,

@@ -12,6 +12,8 @@ import time
 import requests
 
 from bench import cpu, load
+from bench.floor import against_floor, decode_floor_ms
+from bench.floor import describe as describe_floor
 from bench.report import summarise
 from bench.runs import CpuScope
 
@@ -65,6 +67,7 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
         if cpu_before is not None:
             assert scope is not None
             cpu_table = cpu.ms_per_image(cpu_before, scope.sample(), runs[-1]["succeeded"])
+    floor = against_floor(cpu_table, decode_floor_ms(images, load.input_size(url))) if cpu_table.get("stack") else None
     lines.append("4. Concurrency sweep:")
     for r in runs:
         busy = f"{r['gpu_busy']:.0%}" if r["gpu_busy"] is not None else "n/a"
@@ -84,7 +87,18 @@ def diagnose(url: str, images: list[bytes], sweep: tuple[int, ...] = (1, 8, 32),
                           if role not in ("stack", "bench", "stack/bench"))
         lines.append(f"7. CPU per image at c={last['concurrency']} (this machine's processes): "
                      f"{cpu_table['stack']:.1f} ms ({roles}); what a request costs the host")
+    if floor:
+        lines.append(f"8. Against the decode floor: {describe_floor(floor)} -> {floor_advice(floor)}")
     return "\n".join(lines)
+
+
+def floor_advice(floor: dict) -> str:
+    """What the ratio to the decode floor says about where to look."""
+    ratio = floor.get("stack_over_floor") or 0.0
+    if ratio <= 1.6:
+        return "the stack adds little to decoding itself: scale CPU workers with the images/s you need"
+    return ("the stack spends more around each image than decoding it: compare the roles above with the floor "
+            "(HTTP and Celery in the API and CPU workers, Redis's bytes per image)")
 
 
 def pattern(runs: list[dict]) -> str:

@@ -33,16 +33,14 @@ from PIL import Image
 
 from bench.cpu import cpu_shares, cpu_times
 from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
+from bench.profiles import parse_profile
 from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
-from contract.settings import REPO_ROOT, STORY_PROFILE_MS
+from contract.settings import REPO_ROOT
 from contract.timebill import HOST_STAGES, host_ms_per_batch
 from gpu_worker.simulated import profile_latency_s
 
-# A small detector on a modern GPU: a batch of 8 in a few milliseconds.
-FAST_PROFILE_MS = {1: 2.0, 8: 6.0, 16: 10.0}
-PROFILES = {"fast": FAST_PROFILE_MS, "story": STORY_PROFILE_MS}
 DEFAULT_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
 NAMESPACE = "feed"
 WORKER_ID = "feed-gpu"
@@ -67,16 +65,6 @@ class FeedOptions:
 
     def profile_ms(self) -> dict[int, float]:
         return parse_profile(self.profile)
-
-
-def parse_profile(text: str) -> dict[int, float]:
-    if text in PROFILES:
-        return dict(PROFILES[text])
-    try:
-        pairs = (part.split(":") for part in text.split(",") if part)
-        return {int(size): float(ms) for size, ms in pairs}
-    except ValueError as exc:
-        raise SystemExit(f"--profile {text!r}: expected fast, story or 1:2,8:6,16:10") from exc
 
 
 # --- frames ---------------------------------------------------------------

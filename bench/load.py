@@ -131,6 +131,18 @@ def closed_loop(url: str, images: list[bytes], concurrency: int, duration_s: flo
     return outcomes
 
 
+def input_size(url: str, model: str | None = None, default: int = 320) -> int:
+    """The input size of the model a run loads (`model`, else the deployment's default), from /v1/models."""
+    try:
+        listed = requests.get(f"{url}/v1/models", timeout=5).json()["models"]
+    except (requests.RequestException, ValueError, KeyError):
+        return default
+    name, _, version = (model or "").partition(":")
+    chosen = [m for m in listed if m.get("name") == name and (not version or m.get("version") == version)] \
+        if model else [m for m in listed if m.get("default")]
+    return int((chosen or listed or [{}])[0].get("input_size", default))
+
+
 def gpu_counters(url: str) -> dict[str, float] | None:
     """Device seconds and wall time now, to turn into a busy % over a run."""
     try:

@@ -68,21 +68,24 @@ def _pings(client: redis.Redis) -> bool:
         return False
 
 
-def with_checkout_on_path(env: dict[str, str]) -> dict[str, str]:
+def with_checkout_on_path(env: dict[str, str], root: Path = REPO_ROOT) -> dict[str, str]:
     """The service's packages run from the checkout, not from site-packages: celery and gunicorn are
     console scripts, so they find `tasks` and `app` only through PYTHONPATH."""
-    paths = [str(REPO_ROOT), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    inherited = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path and path != str(REPO_ROOT)]
+    paths = [str(root), *inherited]
     return {**env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
 
 
 class ManagedProcess:
     """A real child process in its own session, with its output in a log file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path,
+                 root: Path = REPO_ROOT) -> None:
+        """`root`: the checkout it runs from (the bench's A/B runs an older one beside this one)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(argv, cwd=REPO_ROOT, env=with_checkout_on_path(env), stdout=self._log,
+        self.process = subprocess.Popen(argv, cwd=root, env=with_checkout_on_path(env, root), stdout=self._log,
                                         stderr=subprocess.STDOUT, start_new_session=True)
 
     def alive(self) -> bool:

@@ -81,9 +81,24 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
             cells = [f"{r['cpu_ms_per_image'][role]:.1f}" if role in r["cpu_ms_per_image"] else "-" for role in roles]
             machine = r.get("machine_cpu")
             shares = f"{machine['busy']:.0%} / {machine['steal']:.0%}" if machine else "-"
-            lines.append(f"| {r['name']} {r['mode']} {_fmt(r['offered_qps'] or r['concurrency'])} | "
-                         + " | ".join(cells) + f" | {shares} |")
+            lines.append(f"| {_run_label(r)} | " + " | ".join(cells) + f" | {shares} |")
+    with_floor = [r for r in with_cpu if r.get("floor")]
+    if with_floor:
+        lines += ["", "### Against the decode floor (one thread decoding, resizing and letterboxing the same images "
+                      "with Pillow-SIMD, measured right after the run; `stack`: every process, Redis included)", "",
+                  "| run | images/s | stack ms | floor ms | stack / floor | cores per 1,000 images/s | "
+                  "images/s per Redis core |", "|---|---|---|---|---|---|---|"]
+        for r in with_floor:
+            floor = r["floor"]
+            cells = [f"{r['achieved_qps']:.1f}", _fmt(r["cpu_ms_per_image"].get("stack")),
+                     f"{floor['decode_floor_ms']:.2f}", f"{_fmt(floor.get('stack_over_floor'))}x",
+                     _fmt(floor.get("cores_per_1000_images_s")), _fmt(floor.get("images_s_per_redis_core"))]
+            lines.append(f"| {_run_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _run_label(r: dict[str, Any]) -> str:
+    return f"{r['name']} {r['mode']} {_fmt(r['offered_qps'] or r['concurrency'])}"
 
 
 def _fmt(value: Any) -> str:

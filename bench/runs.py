@@ -10,6 +10,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import cpu, load
+from bench.floor import against_floor, decode_floor_ms
 from bench.report import summarise
 
 
@@ -27,7 +28,8 @@ class CpuScope:
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
             seed: int = 0, scope: CpuScope | None = CpuScope(), model: str | None = None) -> dict[str, Any]:
     """One run: closed loop at `level` clients, or open loop at `level` QPS (to `model` when given); with
-    the CPU each role of the deployment spent per image, when its processes are on this machine."""
+    the CPU each role of the deployment spent per image, when its processes are on this machine, and that
+    against the decode floor measured right after the run on the same images (bench.floor)."""
     label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
     label += f" model={model}" if model else ""
     with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
@@ -46,13 +48,17 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
     if cpu_before is not None and cpu_after is not None:
         result["cpu_ms_per_image"] = cpu.ms_per_image(cpu_before, cpu_after, result["succeeded"])
+        result["floor"] = against_floor(result["cpu_ms_per_image"],
+                                        decode_floor_ms(images, load.input_size(url, model)))
     result["machine_cpu"] = machine   # busy and stolen shares of this machine's cores over the run
     if mode == "open":
         result["target_qps"] = level
     if model:
         result["model"] = model
+    ratio = result.get("floor", {}).get("stack_over_floor")
     print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
-          f"failed {sum(result['failures'].values())}", file=sys.stderr)
+          f"failed {sum(result['failures'].values())}" + (f", CPU {ratio:.2f}x the decode floor" if ratio else ""),
+          file=sys.stderr)
     return result
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 import yaml
 
-from bench.processes import ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
+from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
 
 if TYPE_CHECKING:
     from bench.runs import CpuScope
@@ -27,12 +27,28 @@ class StackOptions:
     api_workers: int = 2
     api_threads: int = 128
     persistent_redis: bool = False
+    sim_profile_ms: dict[int, float] | None = None   # device sim: its latency profile (None: the config's)
+    root: Path = REPO_ROOT                            # the checkout the stack's processes run from
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         workers = self.cpu_workers if self.cpu_workers is not None else "Procfile's"
+        profile = "" if self.sim_profile_ms is None or self.device != "sim" else \
+            " sim_ms=" + ",".join(f"{size}:{ms:g}" for size, ms in sorted(self.sim_profile_ms.items()))
         return (f"device={self.device} cpu_workers={workers} max_batch={self.max_batch_size} "
-                f"window_ms={self.window_ms:g}")
+                f"window_ms={self.window_ms:g}{profile}")
+
+    def config(self, redis_url: str) -> dict[str, Any]:
+        """The config file the stack's processes read: these options, then `extra` over them by section."""
+        gpu_worker: dict[str, Any] = {"device": self.device}
+        if self.sim_profile_ms is not None:
+            gpu_worker["sim_latency_ms"] = dict(self.sim_profile_ms)
+        config: dict[str, Any] = {"redis_url": redis_url, "gpu_worker": gpu_worker,
+                                  "batching": {"max_batch_size": self.max_batch_size, "window_ms": self.window_ms}}
+        for section, value in self.extra.items():
+            both_sections = isinstance(value, dict) and isinstance(config.get(section), dict)
+            config[section] = {**config[section], **value} if both_sections else value
+        return config
 
 
 def answers_ok(url: str, processes: list[ManagedProcess]) -> bool:
@@ -59,11 +75,8 @@ class LocalStack:
     def start(self) -> "LocalStack":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis)
-        config = {"redis_url": self.redis.url,
-                  "batching": {"max_batch_size": self.options.max_batch_size, "window_ms": self.options.window_ms},
-                  **self.options.extra}
         config_path = self.workdir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(config))
+        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url)))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
@@ -81,7 +94,7 @@ class LocalStack:
         return self
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> None:
-        self.processes.append(ManagedProcess(name, argv, env, self.workdir))
+        self.processes.append(ManagedProcess(name, argv, env, self.workdir, root=self.options.root))
         self.argv[name], self.env = argv, env
 
     def cpu_scope(self) -> "CpuScope":
@@ -96,7 +109,7 @@ class LocalStack:
 
     def restart(self, name: str) -> ManagedProcess:
         """Start the named role again (after it was killed), with its original command."""
-        self.processes.append(ManagedProcess(name, self.argv[name], self.env, self.workdir))
+        self.processes.append(ManagedProcess(name, self.argv[name], self.env, self.workdir, root=self.options.root))
         return self.processes[-1]
 
     def _ready(self) -> bool:
@@ -154,11 +167,8 @@ class ProcfileStack:
     def start(self) -> "ProcfileStack":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis)
-        config = {"redis_url": self.redis.url, "gpu_worker": {"device": self.options.device},
-                  "batching": {"max_batch_size": self.options.max_batch_size, "window_ms": self.options.window_ms},
-                  **self.options.extra}
         config_path = self.workdir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(config))
+        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url)))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         metrics_dir = self.workdir / "prometheus"
@@ -170,7 +180,7 @@ class ProcfileStack:
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)
         supervisor = self.supervisor = ManagedProcess("procfile", [sys.executable, "-m", "tools.procfile", "Procfile"],
-                                                      env, self.workdir)
+                                                      env, self.workdir, root=self.options.root)
         wait_until(lambda: answers_ok(self.url + "/readyz", [supervisor]), 180, interval_s=0.3,
                    what=f"make run's processes at {self.url} to be ready")
         return self

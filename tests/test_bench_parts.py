@@ -162,3 +162,43 @@ def test_the_stack_is_also_given_in_units_of_the_load_generators_own_cpu():
     after = CpuSample({1: ("api", 1.3), 2: ("cpu-worker", 2.9), 3: ("bench", 0.6), 4: ("flower", 0.1)})
     table = ms_per_image(before, after, 100)
     assert table == {"api": 3.0, "cpu-worker": 9.0, "flower": 1.0, "bench": 1.0, "stack": 13.0, "stack/bench": 13.0}
+
+
+def test_the_decode_floor_letterboxes_like_the_cpu_stage_and_counts_cpu_per_image():
+    from bench.corpus import photo_like_jpeg
+    from bench.floor import decode_floor_ms, prepare
+    from tasks.imaging import decode_image, letterbox
+
+    jpeg = photo_like_jpeg(3, size=(640, 360))
+    canvas = prepare(jpeg, 64)
+    assert len(canvas) == 64 * 64 * 3
+    boxed = letterbox(*decode_image(jpeg, 64, 10**8), 64)   # what the CPU workers push: the content only
+    assert (boxed.width, boxed.height, boxed.pad_top) == (64, 36, 14)
+    rows = np.frombuffer(canvas, np.uint8).reshape(64, 64, 3)
+    assert (rows[:14] == 114).all() and (rows[50:] == 114).all()            # the same pad, around the same content
+    content = np.frombuffer(boxed.pixels, np.uint8).reshape(36, 64, 3).astype(int)
+    assert np.abs(rows[14:50].astype(int) - content).mean() < 8
+    assert 0 < decode_floor_ms([jpeg, jpeg], 64, passes=1) < 1000
+    with pytest.raises(ValueError):
+        decode_floor_ms([], 64)
+
+
+def test_the_stack_against_the_floor_and_the_capacity_it_implies():
+    from bench.floor import against_floor, describe
+
+    figures = against_floor({"api": 2.0, "cpu-worker": 9.0, "redis": 0.5, "stack": 12.0}, 8.0)
+    assert figures == {"decode_floor_ms": 8.0, "stack_over_floor": 1.5, "cores_per_1000_images_s": 12.0,
+                       "images_s_per_redis_core": 2000}
+    assert "1.50x" in describe(figures) and "2,000 images/s" in describe(figures)
+    assert against_floor({}, 8.0) == {"decode_floor_ms": 8.0}          # no CPU figures: the floor alone
+
+
+def test_stack_options_lay_extra_sections_over_their_own_and_set_the_sim_profile():
+    from bench.stack import StackOptions
+
+    options = StackOptions(sim_profile_ms={1: 2.0, 8: 6.0}, extra={"gpu_worker": {"max_attempts": 5},
+                                                                  "jobs": {"ttl_s": 60}})
+    config = options.config("redis://127.0.0.1:1/0")
+    assert config["gpu_worker"] == {"device": "sim", "sim_latency_ms": {1: 2.0, 8: 6.0}, "max_attempts": 5}
+    assert config["jobs"] == {"ttl_s": 60} and config["batching"]["max_batch_size"] == 8
+    assert "sim_ms=1:2,8:6" in options.describe()

@@ -1,0 +1,99 @@
+"""`bench ab`: two builds of make run's stack, measured in turns on the same load.
+
+    python -m bench ab --base HEAD~1 --closed 32 --closed-duration 30 --profile fast --rounds 3
+
+The base is a git ref checked out (once) as a worktree under .bench/ab/; the other side is this checkout.
+Runs alternate A B, B A, A B... so that a drift of this shared machine's speed falls on both sides alike;
+each side's figures are the median of its runs. Every run is `measure` on a fresh ProcfileStack, with the
+CPU per image of every role and the decode floor measured right after it.
+"""
+from __future__ import annotations
+
+import statistics
+import subprocess
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+from bench.load import closed_loop
+from bench.processes import REPO_ROOT
+from bench.runs import measure
+from bench.stack import ProcfileStack, StackOptions
+
+WARM_UP_S = 5.0
+FIGURES = (("images/s", lambda r: r["achieved_qps"]),
+           ("p95 ms", lambda r: r["latency_ms"]["p95"]),
+           ("stack CPU ms/image", lambda r: r.get("cpu_ms_per_image", {}).get("stack")),
+           ("API", lambda r: r.get("cpu_ms_per_image", {}).get("api")),
+           ("CPU workers", lambda r: r.get("cpu_ms_per_image", {}).get("cpu-worker")),
+           ("GPU worker", lambda r: r.get("cpu_ms_per_image", {}).get("gpu-worker")),
+           ("Flower", lambda r: r.get("cpu_ms_per_image", {}).get("flower")),
+           ("Redis", lambda r: r.get("cpu_ms_per_image", {}).get("redis")),
+           ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
+           ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")))
+
+
+def worktree(ref: str, parent: Path = REPO_ROOT / ".bench" / "ab") -> Path:
+    """A checkout of `ref` (kept between runs: one per commit)."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=REPO_ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    path = parent / sha[:12]
+    if not (path / "Procfile").exists():
+        parent.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["git", "worktree", "add", "--force", "--detach", str(path), sha], cwd=REPO_ROOT, check=True,
+                       capture_output=True)
+    return path
+
+
+def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], concurrency: int, duration_s: float,
+           rounds: int, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+    """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}."""
+    names = list(sides)
+    runs: list[dict[str, Any]] = []
+    for i in range(rounds):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{name}-")),
+                                  replace(options, root=sides[name])).start()
+            try:
+                closed_loop(stack.url, images, concurrency, WARM_UP_S)
+                result = measure(name, stack.url, images, "closed", concurrency, duration_s,
+                                 scope=stack.cpu_scope())
+            finally:
+                stack.stop()
+            result["round"] = i + 1
+            runs.append(result)
+            log(f"round {i + 1} {name}: {result['achieved_qps']:.1f} images/s, "
+                f"{result.get('floor', {}).get('stack_over_floor')}x the floor")
+    summary = {name: {label: _median([pick(r) for r in runs if r["name"] == name]) for label, pick in FIGURES}
+               for name in names}
+    return {"runs": runs, "summary": summary}
+
+
+def _median(values: list[Any]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 2) if present else None
+
+
+def markdown(outcome: dict[str, Any], sides: dict[str, Path], options: StackOptions, concurrency: int,
+             duration_s: float) -> str:
+    names = list(sides)
+    lines = [f"## bench ab: make run's stack, {concurrency} clients in a closed loop, {duration_s:g} s a run, "
+             f"runs alternating ({options.describe()})", ""]
+    lines += [f"- **{name}**: `{path}`" for name, path in sides.items()]
+    lines += ["", "Medians of each side's runs:", "",
+              "| figure | " + " | ".join(names) + f" | {names[1]} / {names[0]} |", "|---|" + "---|" * (len(names) + 1)]
+    summary = outcome["summary"]
+    for label, _ in FIGURES:
+        a, b = summary[names[0]][label], summary[names[1]][label]
+        ratio = f"{b / a:.2f}" if a and b is not None else "-"
+        lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {ratio} |")
+    lines += ["", "Each run:", "", "| round | side | " + " | ".join(label for label, _ in FIGURES) + " |",
+              "|---|---|" + "---|" * len(FIGURES)]
+    for r in outcome["runs"]:
+        lines.append(f"| {r['round']} | {r['name']} | " + " | ".join(_fmt(pick(r)) for _, pick in FIGURES) + " |")
+    return "\n".join(lines)
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else f"{value:.2f}" if isinstance(value, float) else str(value)
