@@ -53,7 +53,7 @@ def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], c
     runs: list[dict[str, Any]] = []
     for i in range(rounds):
         for name in (names if i % 2 == 0 else names[::-1]):
-            stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{name}-")),
+            stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{names.index(name)}-")),
                                   replace(options, root=sides[name])).start()
             try:
                 closed_loop(stack.url, images, concurrency, WARM_UP_S)

@@ -14,12 +14,12 @@ left in the list (`requeue_frames_of`): the order holds again.
 """
 from __future__ import annotations
 
-import socket
 from typing import Any, Sequence
 
 import redis
 
 from contract.keys import Keys
+from contract.replies import PayloadReader
 
 # Give a worker's unanswered frames back to their models' lists, oldest first in line, and (when
 # ARGV[3] is 1: its worker died holding them) count one more attempt on each job. KEYS[1] the worker's
@@ -71,78 +71,6 @@ def requeue_frames_of(client: redis.Redis, keys: Keys, worker_id: str, model_key
                       args=[keys.job(""), worker_id, "1" if count_attempt else "0"]))
 
 
-class FrameReader:
-    """Replies that carry frames, read straight from the socket into one buffer per frame.
-
-    redis-py's parser copies a reply three times (its socket buffer, hiredis's buffer, the bytes
-    object) and costs about 4x the CPU of reading it once: 230 us against 60 us for a 225 KB frame
-    here, under the GIL that the worker's other stages need. So the commands that return frames
-    go out on a dedicated redis-py connection (which keeps connecting, AUTH, SELECT and TLS as the
-    client is configured) and their bulk replies are read here. Any error drops the connection
-    (a half-read reply cannot be resumed); the next call reconnects.
-    """
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.pool = client.connection_pool
-        self.connection: Any = None
-        self.buffer = bytearray()
-
-    def frames(self, *commands: tuple[Any, ...]) -> list[memoryview | None]:
-        """Send the commands (each must answer one bulk string or nil) in one write; their replies."""
-        if self.connection is None:
-            self.connection = self.pool.get_connection()
-        connection = self.connection
-        try:
-            connection.send_packed_command(connection.pack_commands(commands))
-            return [self._bulk(connection._sock) for _ in commands]
-        except BaseException as exc:
-            connection.disconnect()
-            self.buffer.clear()
-            if isinstance(exc, socket.timeout):
-                raise redis.TimeoutError("timeout reading frames") from exc
-            if isinstance(exc, OSError):
-                raise redis.ConnectionError(f"reading frames: {exc}") from exc
-            raise
-
-    def _bulk(self, sock: socket.socket) -> memoryview | None:
-        line = self._line(sock)
-        if line == b"_":   # RESP3's nil
-            return None
-        if line[:1] == b"-":
-            raise redis.ResponseError(line[1:].decode(errors="replace"))
-        if line[:1] != b"$":
-            raise redis.ConnectionError(f"expected a bulk reply, got {line[:32]!r}")
-        length = int(line[1:])
-        if length < 0:
-            return None
-        data = bytearray(length + 2)
-        view = memoryview(data)
-        have = min(len(self.buffer), len(data))
-        view[:have] = self.buffer[:have]
-        del self.buffer[:have]
-        while have < len(data):
-            got = sock.recv_into(view[have:])
-            if not got:
-                raise redis.ConnectionError("the connection closed in the middle of a frame")
-            have += got
-        if data[length:] != b"\r\n":
-            raise redis.ConnectionError("a frame's reply did not end where its length said")
-        return view[:length]
-
-    def _line(self, sock: socket.socket) -> bytes:
-        while True:
-            end = self.buffer.find(b"\r\n")
-            if end >= 0:
-                line = bytes(self.buffer[:end])
-                del self.buffer[:end + 2]
-                return line
-            # Small reads: whatever follows the line is payload, and copying it twice costs.
-            chunk = sock.recv(256)
-            if not chunk:
-                raise redis.ConnectionError("the connection closed before a reply")
-            self.buffer += chunk
-
-
 class RedisFrameSource:
     """One model's frame list, and this worker's processing list for it."""
 
@@ -150,11 +78,11 @@ class RedisFrameSource:
         self.redis = client
         self.frames_key = keys.frames(model_key)
         self.processing_key = keys.processing(worker_id, model_key)
-        self.reader = FrameReader(client)
+        self.reader = PayloadReader(client)   # frames are read straight into one buffer each
 
     def pop_blocking(self, timeout_s: float) -> memoryview | None:
         # Oldest frame is at the right (producers LPUSH): FIFO.
-        return self.reader.frames(("BLMOVE", self.frames_key, self.processing_key, "RIGHT", "LEFT", timeout_s))[0]
+        return self.reader.bulks(("BLMOVE", self.frames_key, self.processing_key, "RIGHT", "LEFT", timeout_s))[0]
 
     def pop_available(self, limit: int) -> list[memoryview]:
         """Up to `limit` frames, oldest first, in one round trip. Not a Lua script: a script that
@@ -163,7 +91,7 @@ class RedisFrameSource:
         if limit <= 0:
             return []
         move = ("LMOVE", self.frames_key, self.processing_key, "RIGHT", "LEFT")
-        return [frame for frame in self.reader.frames(*[move] * limit) if frame is not None]
+        return [frame for frame in self.reader.bulks(*[move] * limit) if frame is not None]
 
     def ack(self, count: int, client: Any = None) -> None:
         """Drop the `count` oldest frames in hand: the batch just answered (see the module's note)."""

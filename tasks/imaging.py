@@ -39,7 +39,7 @@ class Letterboxed:
     orig_height: int
 
 
-def decode_image(data: bytes, target_size: int, max_pixels: int,
+def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
                  max_decoded_bytes: int = 256 * 1024 * 1024) -> tuple[Image.Image, tuple[int, int]]:
     """Decode to an upright RGB image, no larger than needed for `target_size`.
 

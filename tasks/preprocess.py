@@ -53,7 +53,7 @@ class Preprocessor:
             return "failed"
         return self._push_frame(job_id, record, upload, started_at, spec)
 
-    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes, started_at: float,
+    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes | memoryview, started_at: float,
                     spec: ModelSpec) -> str:
         try:
             t0 = time.perf_counter()
