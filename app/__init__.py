@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import kombu.exceptions
 import redis
-from celery import Celery
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
@@ -23,7 +22,7 @@ from contract.jobs import JobStore
 from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import Settings, load_settings
-from tasks.celery_app import make_celery
+from tasks.celery_app import PreprocessMessages, make_celery
 
 
 class InMemoryFormRequest(Request):
@@ -44,7 +43,7 @@ class Services:
     keys: Keys
     store: JobStore
     catalogue: Catalogue
-    celery: Celery
+    task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
     listener: JobEventListener
 
 
@@ -63,7 +62,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         settings=settings, redis=client, keys=keys,
         store=JobStore(client, keys, settings.jobs.ttl_s),
         catalogue=Catalogue(settings),
-        celery=celery,
+        task_messages=PreprocessMessages(celery),
         # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks).
         listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events),
     )

@@ -24,7 +24,6 @@ from contract.documents import (
 from contract.models import UnknownModel, model_references
 from contract.settings import ModelSpec, SettingsError
 from tasks.callbacks import CallbackRefused, callback_secret, check_callback_url
-from tasks.celery_app import send_preprocess
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -75,6 +74,9 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
     job_id = jobs.new_job_id()
+    queue = services.keys.preprocess_queue(spec.key)
+    # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
+    task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
     services.store.create(job_id, data, settings.jobs.upload_ttl_s, {
         "model": spec.key,
         "received_at": received_at,
@@ -85,13 +87,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         "submitted_at": time.time(),
         **({"owner": g.client_id} if g.get("client_id") else {}),
         **({"callback_url": callback_url} if callback_url else {}),
-    })
-    try:
-        send_preprocess(services.celery, job_id, services.keys.preprocess_queue(spec.key))
-    except Exception as exc:  # the broker is down: the job never started, so it never existed
-        services.store.delete(job_id)
-        raise Problem(503, "broker-unavailable", "Service unavailable",
-                      f"cannot queue the job: {exc}", headers={"Retry-After": "1"}) from exc
+    }, task=task)
     log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                     "model": spec.key})
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()

@@ -202,13 +202,17 @@ class JobStore:
         self._claim = client.register_script(_CLAIM)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
 
-    def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any]) -> None:
-        """Store the upload (claim check) and the record in one round trip."""
+    def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
+               task: tuple[str, bytes] | None = None) -> None:
+        """Store the upload (claim check) and the record, and push `task` (a queue's list key, the message
+        for it) in the same transaction: one round trip, and no job without its task or task without its job."""
         record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **_encode(fields)}
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(self.keys.upload(job_id), upload, ex=upload_ttl_s)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), self.ttl_s)
+        if task is not None:
+            pipe.lpush(*task)
         pipe.execute()
 
     def load(self, job_id: str) -> JobRecord | None:

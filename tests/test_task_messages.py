@@ -1,0 +1,50 @@
+"""The API pushes each job's Celery task itself (tasks.celery_app.PreprocessMessages): it must be the
+message Celery's own publisher would have pushed, so that workers and Flower cannot tell them apart."""
+from __future__ import annotations
+
+import base64
+import dataclasses
+import json
+
+import redis
+
+from contract.keys import Keys
+from contract.settings import load_settings
+from tasks.celery_app import PREPROCESS_TASK, PreprocessMessages, make_celery, send_preprocess
+
+VARYING = {("headers", "id"), ("headers", "root_id"), ("properties", "correlation_id"),
+           ("properties", "delivery_tag"), ("headers", "origin"), ("properties", "reply_to")}
+
+
+def _flatten(message: dict, path: tuple = ()) -> dict:
+    flat = {}
+    for key, value in message.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, (*path, key)))
+        else:
+            flat[(*path, key)] = value
+    return flat
+
+
+def test_the_message_is_celerys_own_but_for_its_ids(redis_server):
+    settings = dataclasses.replace(load_settings(), redis_url=redis_server.url, namespace="task-messages")
+    keys = Keys(settings.namespace)
+    app = make_celery(settings)
+    queue = keys.preprocess_queue(settings.models[0].key)
+    client = redis.Redis.from_url(redis_server.url)
+    client.delete(keys.celery_queue(queue))
+    send_preprocess(app, "a" * 32, queue)
+    celerys = json.loads(client.rpop(keys.celery_queue(queue)))
+    ours = json.loads(PreprocessMessages(app).build("a" * 32, queue))
+
+    theirs_flat, ours_flat = _flatten(celerys), _flatten(ours)
+    assert theirs_flat.keys() == ours_flat.keys()
+    assert {k: v for k, v in ours_flat.items() if k not in VARYING} == \
+        {k: v for k, v in theirs_flat.items() if k not in VARYING}
+    assert ours["headers"]["task"] == PREPROCESS_TASK and ours["properties"]["delivery_info"]["routing_key"] == queue
+    assert json.loads(base64.b64decode(ours["body"]))[0] == ["a" * 32]
+    assert ours["headers"]["root_id"] == ours["headers"]["id"] == ours["properties"]["correlation_id"]
+    assert ours["headers"]["origin"].split("@")[0].startswith("gen")
+    again = json.loads(PreprocessMessages(app).build("a" * 32, queue))
+    assert again["headers"]["id"] != ours["headers"]["id"]                     # a task id per message
+    assert again["properties"]["delivery_tag"] != ours["properties"]["delivery_tag"]
