@@ -6,9 +6,11 @@ import logging
 import time
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
+from werkzeug.datastructures import MultiDict
 
 from app import metrics
 from app.auth import owns
+from app.multipart import parse_form
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
 from app.uploads import check_image, option_values, read_whole_body, validate_params
@@ -57,10 +59,10 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         # The model is known before the body is read: an unknown model or a full backlog costs no upload.
         spec = _routed_model(services, request.args.get("model"))
         _refuse_when_backlogged(services, spec)
-    data, declared_type = _read_image(settings.api.max_upload_bytes)
+    data, declared_type, form = _read_image(settings.api.max_upload_bytes)
     media_type = check_image(data, declared_type)
     submit_options = _submit_options(settings)
-    values = option_values(request.args, request.form, names=submit_options.model_fields)
+    values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
     if spec is None:   # named in the multipart form
         spec = _routed_model(services, options.model)
@@ -215,21 +217,29 @@ def _wait_seconds(max_wait_s: float) -> float:
     return validate_params(wait_query_model(max_wait_s), given).wait or 0.0
 
 
-def _read_image(limit: int) -> tuple[bytes, str | None]:
-    """The upload from a multipart field `image` or from the raw body, after the whole body was read
-    and checked (read_whole_body): the form is parsed from those bytes."""
+def _read_image(limit: int) -> tuple[bytes, str | None, MultiDict[str, str]]:
+    """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
+    the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
+    app.multipart where it can (one slice per part), else by Werkzeug."""
     body = read_whole_body(request.environ, limit)
     request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
     request.environ.pop("HTTP_TRANSFER_ENCODING", None)
     request.environ["wsgi.input_terminated"] = False
-    if request.mimetype == "multipart/form-data":
-        uploads = request.files.getlist("image")
+    if request.mimetype != "multipart/form-data":
+        return body, request.mimetype, MultiDict()
+    form = parse_form(body, request.content_type or "")
+    if form is not None:
+        uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
+        fields = form.fields
+    else:
+        uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
+        fields = request.form
         if not uploads:
             _refuse_unparsable_multipart(body)
-            raise Problem(400, "missing-image", "Missing image",
-                          "multipart/form-data submissions need a file field named 'image'")
-        if len(uploads) > 1:
-            raise Problem(400, "invalid-parameter", "Invalid parameter", "send one file field named 'image', not "
-                          f"{len(uploads)}", invalid_params=[{"name": "image", "reason": "given more than once"}])
-        return uploads[0].read(), uploads[0].mimetype
-    return body, request.mimetype
+    if not uploads:
+        raise Problem(400, "missing-image", "Missing image",
+                      "multipart/form-data submissions need a file field named 'image'")
+    if len(uploads) > 1:
+        raise Problem(400, "invalid-parameter", "Invalid parameter", "send one file field named 'image', not "
+                      f"{len(uploads)}", invalid_params=[{"name": "image", "reason": "given more than once"}])
+    return uploads[0][0], uploads[0][1], fields

@@ -45,13 +45,21 @@ def session_for(concurrency: int) -> requests.Session:
     return session
 
 
+UPLOADS = ("raw", "multipart")
+
+
 def request_once(session: requests.Session, url: str, image: bytes, give_up_s: float = 90.0,
-                 model: str | None = None) -> Outcome:
-    """Submit (to `model`, a name or name:version, when given), then long-poll to the end."""
+                 model: str | None = None, upload: str = "raw") -> Outcome:
+    """Submit (to `model`, a name or name:version, when given) as a raw body or a multipart form (`curl -F`),
+    then long-poll to the end."""
     started = time.monotonic()
     try:
-        response = session.post(f"{url}/v1/jobs", data=image, headers={"Content-Type": "image/jpeg"}, timeout=60,
-                                params={"model": model} if model else None)
+        if upload == "multipart":
+            response = session.post(f"{url}/v1/jobs", files={"image": ("image.jpg", image, "image/jpeg")},
+                                    data={"model": model} if model else None, timeout=60)
+        else:
+            response = session.post(f"{url}/v1/jobs", data=image, headers={"Content-Type": "image/jpeg"},
+                                    timeout=60, params={"model": model} if model else None)
         if response.status_code == 200:
             return _outcome(started, response.json())
         if response.status_code != 202:
@@ -83,7 +91,7 @@ def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float
 
 def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed: int = 0,
               max_in_flight: int = 512, tick: Callable[[], None] = lambda: None,
-              model: str | None = None) -> list[Outcome]:
+              model: str | None = None, upload: str = "raw") -> list[Outcome]:
     """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
     arrivals = poisson_arrivals(qps, duration_s, seed)
     session = session_for(max_in_flight)
@@ -91,7 +99,7 @@ def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed
     lock = threading.Lock()
 
     def fire(index: int) -> None:
-        outcome = request_once(session, url, images[index % len(images)], model=model)
+        outcome = request_once(session, url, images[index % len(images)], model=model, upload=upload)
         with lock:
             outcomes.append(outcome)
         tick()
@@ -107,7 +115,8 @@ def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed
 
 
 def closed_loop(url: str, images: list[bytes], concurrency: int, duration_s: float,
-                tick: Callable[[], None] = lambda: None, model: str | None = None) -> list[Outcome]:
+                tick: Callable[[], None] = lambda: None, model: str | None = None,
+                upload: str = "raw") -> list[Outcome]:
     """`concurrency` clients back to back for `duration_s`."""
     session = session_for(concurrency)
     outcomes: list[Outcome] = []
@@ -117,7 +126,7 @@ def closed_loop(url: str, images: list[bytes], concurrency: int, duration_s: flo
     def client(offset: int) -> None:
         i = offset
         while time.monotonic() < stop_at:
-            outcome = request_once(session, url, images[i % len(images)], model=model)
+            outcome = request_once(session, url, images[i % len(images)], model=model, upload=upload)
             with lock:
                 outcomes.append(outcome)
             tick()
