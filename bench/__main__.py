@@ -59,7 +59,8 @@ def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace
 
 def stack_options(args: argparse.Namespace, **overrides: Any) -> StackOptions:
     values = dict(device=args.device, cpu_workers=args.cpu_workers or 2, max_batch_size=args.max_batch,
-                  window_ms=args.window_ms, sim_profile_ms=parse_profile(args.profile) if args.profile else None)
+                  window_ms=args.window_ms, sim_profile_ms=parse_profile(args.profile) if args.profile else None,
+                  redis_args=tuple(args.redis_args.split()))
     return StackOptions(**{**values, **overrides})
 
 
@@ -184,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                        help="CPU worker pool size (default 2; with --stack local, the Procfile's: 3)")
     local.add_argument("--max-batch", type=int, default=8)
     local.add_argument("--window-ms", type=float, default=12.0)
+    local.add_argument("--redis-args", default="", help="more options for the stacks' redis-server, e.g. "
+                                                         "'--io-threads 2 --io-threads-do-reads yes'")
     local.add_argument("--profile", help="device sim: the latency profile of the stacks started here (fast, story "
                                          "or 1:2,8:6,16:10 ms per batch size; default: the config's, story)")
 

@@ -30,6 +30,7 @@ FIGURES = (("images/s", lambda r: r["achieved_qps"]),
            ("GPU worker", lambda r: r.get("cpu_ms_per_image", {}).get("gpu-worker")),
            ("Flower", lambda r: r.get("cpu_ms_per_image", {}).get("flower")),
            ("Redis", lambda r: r.get("cpu_ms_per_image", {}).get("redis")),
+           ("Redis main thread", lambda r: r.get("cpu_ms_per_image", {}).get("redis-main")),
            ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
            ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")))
 

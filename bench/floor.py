@@ -58,9 +58,10 @@ def against_floor(cpu_ms: Mapping[str, float], floor_ms: float) -> dict[str, Any
 
     `cpu_ms` is bench.cpu.ms_per_image's table: `stack` is every process of the deployment (Redis
     included, the load generator not). Cores per 1,000 images/s is the stack's CPU ms per image (1,000
-    images/s x N ms = N CPU-seconds a second); one Redis core carries 1,000 / Redis's ms images/s.
+    images/s x N ms = N CPU-seconds a second); one Redis core carries 1,000 / Redis's ms images/s, by
+    its main thread's CPU where that was read (the thread that runs every command).
     """
-    stack, redis_ms = cpu_ms.get("stack"), cpu_ms.get("redis")
+    stack, redis_ms = cpu_ms.get("stack"), cpu_ms.get("redis-main", cpu_ms.get("redis"))
     figures: dict[str, Any] = {"decode_floor_ms": floor_ms}
     if stack:
         figures["stack_over_floor"] = round(stack / floor_ms, 2) if floor_ms > 0 else None

@@ -40,18 +40,20 @@ class RedisServer:
     """A private redis-server on a free port. Persistent: an append-only file
     fsynced on every write, so a stop and a restart lose nothing."""
 
-    def __init__(self, workdir: Path, persistent: bool = False) -> None:
+    def __init__(self, workdir: Path, persistent: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+        """`extra_args`: more of redis-server's options, e.g. ("--io-threads", "2")."""
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
         self.persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else \
             ["--appendonly", "no"]
+        self.extra_args = list(extra_args)
         self.start()
 
     def start(self) -> None:
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *self.persistence, "--dir", str(self.workdir)],
+             *self.persistence, "--dir", str(self.workdir), *self.extra_args],
             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         client = redis.Redis(port=self.port)
         wait_until(lambda: _pings(client), 10, what="redis-server to answer")

@@ -28,6 +28,7 @@ class StackOptions:
     api_threads: int = 128
     persistent_redis: bool = False
     sim_profile_ms: dict[int, float] | None = None   # device sim: its latency profile (None: the config's)
+    redis_args: tuple[str, ...] = ()                  # more redis-server options, e.g. ("--io-threads", "2")
     root: Path = REPO_ROOT                            # the checkout the stack's processes run from
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -74,7 +75,8 @@ class LocalStack:
 
     def start(self) -> "LocalStack":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis)
+        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
+                                 extra_args=self.options.redis_args)
         config_path = self.workdir / "config.yaml"
         config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url)))
         port = free_port()
@@ -166,7 +168,8 @@ class ProcfileStack:
 
     def start(self) -> "ProcfileStack":
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis)
+        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
+                                 extra_args=self.options.redis_args)
         config_path = self.workdir / "config.yaml"
         config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url)))
         port = free_port()

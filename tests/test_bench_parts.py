@@ -164,6 +164,19 @@ def test_the_stack_is_also_given_in_units_of_the_load_generators_own_cpu():
     assert table == {"api": 3.0, "cpu-worker": 9.0, "flower": 1.0, "bench": 1.0, "stack": 13.0, "stack/bench": 13.0}
 
 
+def test_redis_is_also_counted_by_its_main_thread_which_sets_what_one_redis_core_carries(redis_server):
+    from bench.cpu import CpuSample, ms_per_image, sample
+    from bench.floor import against_floor
+
+    assert list(sample(redis_server.port).redis_main) == [redis_server.process.pid]   # read from /proc
+
+    before = CpuSample({7: ("redis", 1.0)}, redis_main={7: 0.8})
+    after = CpuSample({7: ("redis", 1.3)}, redis_main={7: 0.85})      # io-threads did the rest
+    table = ms_per_image(before, after, 100)
+    assert table == {"redis": 3.0, "stack": 3.0, "redis-main": 0.5}   # the process counts in the stack, once
+    assert against_floor(table, 1.0)["images_s_per_redis_core"] == 2000
+
+
 def test_the_decode_floor_letterboxes_like_the_cpu_stage_and_counts_cpu_per_image():
     from bench.corpus import photo_like_jpeg
     from bench.floor import decode_floor_ms, prepare
