@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from bench import charts
+from bench import charts, load
 from bench.corpus import load_corpus
 from bench.processes import REPO_ROOT
 from bench.profiles import parse_profile
@@ -49,10 +49,12 @@ def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: di
 def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace,
               open_loop: bool = True, scope: CpuScope | None = CpuScope()) -> list[dict[str, Any]]:
     model = getattr(args, "model", None)
-    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope, model=model)
+    upload = getattr(args, "upload", "raw")
+    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope, model=model, upload=upload)
                for c in args.closed]
     if open_loop:
-        results += [measure(name, url, images, "open", q, args.open_duration, scope=scope, model=model)
+        results += [measure(name, url, images, "open", q, args.open_duration, scope=scope, model=model,
+                            upload=upload)
                     for q in args.open_qps]
     return results
 
@@ -118,7 +120,7 @@ def cmd_ab(args: argparse.Namespace, images: list[bytes]) -> int:
              Path(args.head).resolve() if args.head else REPO_ROOT}
     options = stack_options(args, cpu_workers=args.cpu_workers)
     concurrency, duration = args.closed[0], args.closed_duration
-    outcome = run_ab(sides, options, images, concurrency, duration, args.rounds,
+    outcome = run_ab(sides, options, images, concurrency, duration, args.rounds, upload=args.upload,
                      log=lambda line: print(f"  {line}", file=sys.stderr))
     text = ab_markdown(outcome, sides, options, concurrency, duration)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -179,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--closed-duration", type=float, default=20.0)
     common.add_argument("--open-qps", type=parse_list(float), default=[18.0], help="open-loop rates")
     common.add_argument("--open-duration", type=float, default=60.0)
+    common.add_argument("--upload", choices=load.UPLOADS, default="raw",
+                        help="raw: the image as the body (Content-Type: image/jpeg); multipart: a form field "
+                             "(curl -F)")
     local = argparse.ArgumentParser(add_help=False)
     local.add_argument("--device", default="sim", help="sim | cpu | cuda (for the stacks the bench starts)")
     local.add_argument("--cpu-workers", type=int, default=None,

@@ -48,7 +48,7 @@ def worktree(ref: str, parent: Path = REPO_ROOT / ".bench" / "ab") -> Path:
 
 
 def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], concurrency: int, duration_s: float,
-           rounds: int, log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
+           rounds: int, upload: str = "raw", log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}."""
     names = list(sides)
     runs: list[dict[str, Any]] = []
@@ -57,9 +57,9 @@ def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], c
             stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{names.index(name)}-")),
                                   replace(options, root=sides[name])).start()
             try:
-                closed_loop(stack.url, images, concurrency, WARM_UP_S)
+                closed_loop(stack.url, images, concurrency, WARM_UP_S, upload=upload)
                 result = measure(name, stack.url, images, "closed", concurrency, duration_s,
-                                 scope=stack.cpu_scope())
+                                 scope=stack.cpu_scope(), upload=upload)
             finally:
                 stack.stop()
             result["round"] = i + 1
@@ -79,8 +79,9 @@ def _median(values: list[Any]) -> float | None:
 def markdown(outcome: dict[str, Any], sides: dict[str, Path], options: StackOptions, concurrency: int,
              duration_s: float) -> str:
     names = list(sides)
-    lines = [f"## bench ab: make run's stack, {concurrency} clients in a closed loop, {duration_s:g} s a run, "
-             f"runs alternating ({options.describe()})", ""]
+    upload = outcome["runs"][0].get("upload", "raw") if outcome["runs"] else "raw"
+    lines = [f"## bench ab: make run's stack, {concurrency} clients in a closed loop ({upload} uploads), "
+             f"{duration_s:g} s a run, runs alternating ({options.describe()})", ""]
     lines += [f"- **{name}**: `{path}`" for name, path in sides.items()]
     lines += ["", "Medians of each side's runs:", "",
               "| figure | " + " | ".join(names) + f" | {names[1]} / {names[0]} |", "|---|" + "---|" * (len(names) + 1)]

@@ -26,20 +26,24 @@ class CpuScope:
 
 
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
-            seed: int = 0, scope: CpuScope | None = CpuScope(), model: str | None = None) -> dict[str, Any]:
+            seed: int = 0, scope: CpuScope | None = CpuScope(), model: str | None = None,
+            upload: str = "raw") -> dict[str, Any]:
     """One run: closed loop at `level` clients, or open loop at `level` QPS (to `model` when given); with
     the CPU each role of the deployment spent per image, when its processes are on this machine, and that
     against the decode floor measured right after the run on the same images (bench.floor)."""
     label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
     label += f" model={model}" if model else ""
+    label += " multipart" if upload == "multipart" else ""
     with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
         before = load.gpu_counters(url)
         cpu_before = scope.sample() if scope else None
         machine_before = cpu.cpu_times()
         if mode == "closed":
-            outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update, model=model)
+            outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update, model=model,
+                                        upload=upload)
         else:
-            outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update, model=model)
+            outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update, model=model,
+                                      upload=upload)
         cpu_after = scope.sample() if scope else None
         machine = cpu.cpu_shares(machine_before, cpu.cpu_times())
         after = load.gpu_counters(url)
@@ -55,6 +59,7 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
         result["target_qps"] = level
     if model:
         result["model"] = model
+    result["upload"] = upload
     ratio = result.get("floor", {}).get("stack_over_floor")
     print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
           f"failed {sum(result['failures'].values())}" + (f", CPU {ratio:.2f}x the decode floor" if ratio else ""),
