@@ -282,11 +282,22 @@ class JobStore:
         the claim, in the same round trip: a job past this stage has no upload left to read.)"""
         if self._payloads is None:
             self._payloads = PayloadReader(self.redis)
-        for attempt in (1, 2):
-            upload, reply = self._payloads.execute(("GET", self.keys.upload(job_id)),
-                                                   ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now)))
-            if isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT") and attempt == 1:
+        commands = (("GET", self.keys.upload(job_id)),
+                    ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now)))
+        reconnected = reloaded = False
+        while True:
+            try:
+                upload, reply = self._payloads.execute(*commands)
+            except redis.ConnectionError:
+                # A connection Redis dropped (it restarted) fails on its first use: once more on a new one, as
+                # redis-py's own client does. Both steps may run twice: a claim may be claimed again.
+                if reconnected:
+                    raise
+                reconnected = True
+                continue
+            if isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT") and not reloaded:
                 self.redis.script_load(_CLAIM)   # a restarted Redis forgot it: load it, try again
+                reloaded = True
                 continue
             for answer in (upload, reply):
                 if isinstance(answer, redis.ResponseError):

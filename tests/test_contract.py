@@ -282,6 +282,9 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     assert store.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)   # the caller fails it
     redis_client.script_flush()                                                      # Redis forgot the script
     assert store.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
+    redis_client.script_flush()
+    redis_client.client_kill_filter(_type="normal", skipme=True)   # and dropped the claim's connection (a restart)
+    assert store.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
 
 
 def test_a_config_naming_the_decode_limits_under_api_still_works_with_a_warning(tmp_path):
