@@ -318,14 +318,19 @@ def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(mu
 @pytest.fixture(scope="module", params=[{"max_backlog": 16}, {"max_backlog": 48, "max_frames": 8}],
                 ids=["list-never-full", "cpu-workers-wait-for-room"])
 def flood_stack(request, redis_server, tmp_path_factory) -> Iterator[Stack]:
-    """Two models on one simulated GPU worker: `small` 40 ms for one frame, 120 ms for eight; `large` twice
-    as heavy (it drains 33 frames/s, which the flood outruns on a slow machine too), with few jobs waiting;
-    in the second case its frame list is shorter than its backlog, so CPU workers holding its frames wait
-    for room (they must not keep `small`'s jobs waiting meanwhile)."""
+    """Two models on one simulated GPU worker: `small` 40 ms for one frame, 120 ms for eight; `large` half
+    as heavy again (it drains 44 frames/s, which the flood outruns on a slow machine too), with few jobs
+    waiting; in the second case its frame list is shorter than its backlog, so CPU workers holding its
+    frames wait for room (they must not keep `small`'s jobs waiting meanwhile).
+
+    A quiet batch waits at most for one `large` batch on the device and, gathering, for its own model's
+    batch ahead of it (which itself waited for a `large` one): ~180 + (180 + 120) + its own 120 ms, about
+    600 ms before any CPU stage. With `large` at 240 ms for eight that was ~730 ms, and the CPU stages of a
+    flooded 2-core machine took the p95 past 800 ms in one run of four or five."""
     workdir = tmp_path_factory.mktemp("flood")
     url = redis_server.url.rsplit("/", 1)[0] + "/7"
     stack = start_stack(url, workdir, None, "flood",
-                        {"models": two_models(workdir, sim_latency_ms={1: 80, 8: 240}, **request.param),
+                        {"models": two_models(workdir, sim_latency_ms={1: 60, 8: 180}, **request.param),
                          "gpu_worker": {"heartbeat_ttl_s": 5, "sim_latency_ms": {1: 40, 8: 120}}},
                         gpu_device="sim")
     stack.redis.flushdb()   # the previous case's leftovers (its refused flood) are not this one's
