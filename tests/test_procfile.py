@@ -119,3 +119,58 @@ def test_it_waits_for_a_process_still_shutting_down_after_its_shell_ended(tmp_pa
     supervisor.wait(timeout=30)   # not communicate(): the slow process holds the pipes open until it ends
     assert done.exists(), "the supervisor ended before the process it ran"
     assert "slow stopped" in supervisor.communicate(timeout=30)[1]
+
+
+def _wait_for_text(stream_path: Path, text: str, timeout_s: float = 30.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        content = stream_path.read_text() if stream_path.exists() else ""
+        if text in content:
+            return content
+        time.sleep(0.05)
+    raise AssertionError(f"never saw {text!r} in {stream_path}: {content[-2000:]}")
+
+
+def test_a_process_that_dies_once_the_service_is_up_is_restarted_its_group_stopped_first(tmp_path: Path) -> None:
+    """As compose's `restart: unless-stopped`: killing one role (the GPU worker, gunicorn's master) must not
+    take the service down; what it left in its group (a master's workers) goes before it starts again."""
+    starts, child_pids = tmp_path / "starts", tmp_path / "children"
+    (tmp_path / "Procfile").write_text(
+        f"worker: echo started >> {starts}; sleep 60 & echo $! >> {child_pids}; wait\n"
+        "steady: exec sleep 60\n")
+    err_path = tmp_path / "err"
+    with open(err_path, "w") as err:
+        supervisor = subprocess.Popen([sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"),
+                                       "--startup-s", "0.5"], cwd=tmp_path, stderr=err, stdout=subprocess.DEVNULL,
+                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+        try:
+            _wait_for(starts)
+            time.sleep(0.8)                                   # past the startup window
+            shell = int(_wait_for_text(err_path, "worker started (pid").split("worker started (pid ")[1].split(")")[0])
+            first_child = int(child_pids.read_text().split()[0])
+            os.kill(shell, signal.SIGKILL)                    # the role's main process dies; its child lives on
+            text = _wait_for_text(err_path, "worker restarted")
+            assert "worker ended (status -9)" in text and "restarting in 1 s" in text
+            assert not _alive(first_child)                    # its group was stopped before the restart
+            wait_until_lines = time.monotonic() + 10
+            while len(starts.read_text().split()) < 2 and time.monotonic() < wait_until_lines:
+                time.sleep(0.05)
+            assert len(starts.read_text().split()) == 2 and supervisor.poll() is None   # the service stays up
+            second = int(_wait_for_text(err_path, "worker restarted (pid").split("worker restarted (pid ")[1]
+                         .split(")")[0])
+            os.kill(second, signal.SIGKILL)                   # again at once: the backoff doubles
+            assert "restarting in 2 s" in _wait_for_text(err_path, "restarting in 2 s")
+            supervisor.send_signal(signal.SIGTERM)            # Ctrl-C still stops everything
+            assert supervisor.wait(timeout=30) == 143
+        finally:
+            if supervisor.poll() is None:
+                os.killpg(supervisor.pid, signal.SIGKILL)
+    assert all(not _alive(int(pid)) for pid in child_pids.read_text().split())
+
+
+def test_no_restart_keeps_honchos_rule(tmp_path: Path) -> None:
+    supervisor = _start(tmp_path, "short: sleep 1; exit 4\nlong: exec sleep 60\n", None, "--startup-s", "0",
+                        "--no-restart")
+    _, err = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 4 and "short ended (status 4): stopping everything" in err
+    assert "restart" not in err.replace("--no-restart", "")

@@ -1,12 +1,18 @@
 """Run a Procfile's processes together, their output straight to ours: what `make run` runs.
 
-    python -m tools.procfile [Procfile] [--kill-wait-s 10]
+    python -m tools.procfile [Procfile] [--kill-wait-s 10] [--startup-s 15] [--no-restart]
 
-Like honcho (which `make run` used before): each line `name: command` runs
-under `/bin/sh -c` in its own session, with this environment and `.env`'s
-variables over it; when one process ends, or on SIGINT/SIGTERM, every other
-process group gets SIGTERM, and SIGKILL after `--kill-wait-s`; the exit status
-is the first process's to end (130/143 after SIGINT/SIGTERM).
+Each line `name: command` runs under `/bin/sh -c` in its own session, with this
+environment and `.env`'s variables over it. A process that ends once the
+service is up is restarted, as compose's `restart: unless-stopped` does: its
+whole process group is stopped first (gunicorn's or Celery's children would
+still hold a port or a task), then it starts again after a backoff that doubles
+from 1 s to 30 s and resets once it has stayed up a minute; every death and
+restart is said on stderr. A process that ends in the first `--startup-s`
+seconds stops everything instead (a broken config fails at once, not in a
+loop). SIGINT/SIGTERM stop every process group with SIGTERM, and SIGKILL after
+`--kill-wait-s`; the exit status is then 130/143, else the first process's to
+end. `--no-restart` keeps honcho's rule: the first process to end stops them all.
 
 Unlike honcho, nothing relays the output: the processes write to this
 process's stdout and stderr themselves. Honcho read every line through a pipe,
@@ -65,18 +71,31 @@ def parse_env(text: str) -> dict[str, str]:
     return values
 
 
-class Supervisor:
-    """The processes of one Procfile, started together and stopped together."""
+BACKOFF_START_S = 1.0
+BACKOFF_MAX_S = 30.0
+STAYED_UP_S = 60.0      # a process up this long starts its next backoff from BACKOFF_START_S again
 
-    def __init__(self, processes: dict[str, str], env: dict[str, str], kill_wait_s: float = 10.0) -> None:
+
+class Supervisor:
+    """The processes of one Procfile, started together, kept up, and stopped together."""
+
+    def __init__(self, processes: dict[str, str], env: dict[str, str], kill_wait_s: float = 10.0,
+                 startup_s: float = 15.0, restart: bool = True) -> None:
         if not processes:
             raise ValueError("the Procfile names no process")
         self.commands = processes
         self.env = env
         self.kill_wait_s = kill_wait_s
+        self.startup_s = startup_s
+        self.restart = restart
         self.shells: dict[str, subprocess.Popen] = {}
         self.live: set[str] = set()       # whose process group may still hold a process
+        self.started_at: dict[str, float] = {}
+        self.backoff_s: dict[str, float] = {}
+        self.restart_at: dict[str, float] = {}   # ended, its group gone: starts again then
+        self.ending: dict[str, float] = {}       # ended; its group was sent SIGTERM at this time
         self.status: int | None = None
+        self.began = time.monotonic()
         self.stopping_since: float | None = None
         self.killed = False
 
@@ -89,31 +108,63 @@ class Supervisor:
         and what it needs (Redis) must not be stopped under it."""
         for sig in _SIGNAL_STATUS:
             signal.signal(sig, self._on_signal)
-        for name, command in self.commands.items():
-            self.shells[name] = subprocess.Popen(["/bin/sh", "-c", command], env=self.env, start_new_session=True)
-            self.live.add(name)
-            self.say(f"{name} started (pid {self.shells[name].pid})")
-        while self.live:
+        for name in self.commands:
+            self._start(name)
+        while self.live or (self.restart_at and self.stopping_since is None):
+            now = time.monotonic()
             for name in sorted(self.live):
                 returncode = self.shells[name].poll()
                 if returncode is None:
                     continue
-                if self.status is None:
-                    self.status = returncode
-                self.stop()
+                if self.stopping_since is None and name not in self.ending:
+                    self._ended(name, returncode, now)
                 if not _group_alive(self.shells[name].pid):
                     self.live.discard(name)
-                    self.say(f"{name} stopped (status {returncode})")
+                    if self.stopping_since is not None or not self.restart:
+                        self.say(f"{name} stopped (status {returncode})")
+                elif name in self.ending and now - self.ending[name] > self.kill_wait_s:
+                    self._signal(name, signal.SIGKILL)
+                    self.ending[name] = float("inf")   # once
+            for name, at in sorted(self.restart_at.items()):
+                if self.stopping_since is None and name not in self.live and now >= at:
+                    del self.restart_at[name]
+                    self.ending.pop(name, None)
+                    self._start(name, again=True)
             if (self.stopping_since is not None and not self.killed
-                    and time.monotonic() - self.stopping_since > self.kill_wait_s):
+                    and now - self.stopping_since > self.kill_wait_s):
                 self.killed = True
                 self._signal_all(signal.SIGKILL)
             time.sleep(POLL_S)
         return self.status or 0
 
+    def _start(self, name: str, again: bool = False) -> None:
+        self.shells[name] = subprocess.Popen(["/bin/sh", "-c", self.commands[name]], env=self.env,
+                                             start_new_session=True)
+        self.live.add(name)
+        self.started_at[name] = time.monotonic()
+        self.say(f"{name} {'restarted' if again else 'started'} (pid {self.shells[name].pid})")
+
+    def _ended(self, name: str, returncode: int, now: float) -> None:
+        """A process ended on its own: restart it (its group stopped first), or stop everything."""
+        if not self.restart or now - self.began < self.startup_s:
+            why = "" if not self.restart else f" within {self.startup_s:g} s of the start"
+            self.say(f"{name} ended (status {returncode}){why}: stopping everything")
+            if self.status is None:
+                self.status = returncode
+            self.stop()
+            return
+        up_s = now - self.started_at[name]
+        backoff = BACKOFF_START_S if up_s >= STAYED_UP_S else self.backoff_s.get(name, BACKOFF_START_S)
+        self.backoff_s[name] = min(BACKOFF_MAX_S, backoff * 2)
+        self.restart_at[name] = now + backoff
+        self.ending[name] = now
+        self.say(f"{name} ended (status {returncode}) after {up_s:.0f} s up; restarting in {backoff:g} s")
+        self._signal(name, signal.SIGTERM)   # what is left of its group (a master's workers, a pool's children)
+
     def stop(self) -> None:
         if self.stopping_since is None:
             self.stopping_since = time.monotonic()
+            self.restart_at.clear()
             self._signal_all(signal.SIGTERM)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
@@ -124,13 +175,16 @@ class Supervisor:
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for name in sorted(self.live):
-            pid = self.shells[name].pid
-            try:
-                os.killpg(pid, sig)   # the whole group: gunicorn's and Celery's own children too
-            except ProcessLookupError:
-                pass
-            else:
-                self.say(f"sent {sig.name} to {name} (pid {pid})")
+            self._signal(name, sig)
+
+    def _signal(self, name: str, sig: signal.Signals) -> None:
+        pid = self.shells[name].pid
+        try:
+            os.killpg(pid, sig)   # the whole group: gunicorn's and Celery's own children too
+        except ProcessLookupError:
+            pass
+        else:
+            self.say(f"sent {sig.name} to {name} (pid {pid})")
 
 
 def _group_alive(pgid: int) -> bool:
@@ -162,13 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("procfile", nargs="?", type=Path, default=Path("Procfile"))
     parser.add_argument("--kill-wait-s", type=float, default=10.0,
                         help="how long the processes have to end after SIGTERM before SIGKILL")
+    parser.add_argument("--startup-s", type=float, default=15.0,
+                        help="a process ending this soon after the start stops everything (not restarted)")
+    parser.add_argument("--no-restart", action="store_true",
+                        help="honcho's rule: the first process to end stops all the others")
     args = parser.parse_args(argv)
     procfile: Path = args.procfile
     env = dict(os.environ)
     dotenv = procfile.parent / ".env"
     if dotenv.is_file():
         env.update(parse_env(dotenv.read_text()))   # as honcho did: .env over the environment
-    return Supervisor(parse_procfile(procfile.read_text()), env, args.kill_wait_s).run()
+    return Supervisor(parse_procfile(procfile.read_text()), env, args.kill_wait_s, args.startup_s,
+                      restart=not args.no_restart).run()
 
 
 if __name__ == "__main__":
