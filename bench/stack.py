@@ -165,6 +165,7 @@ class ProcfileStack:
         self.redis: RedisServer | None = None
         self.supervisor: ManagedProcess | None = None
         self.url = ""
+        self.env: dict[str, str] = {}
 
     def start(self) -> "ProcfileStack":
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +183,7 @@ class ProcfileStack:
                "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)
+        self.env = env
         supervisor = self.supervisor = ManagedProcess("procfile", [sys.executable, "-m", "tools.procfile", "Procfile"],
                                                       env, self.workdir, root=self.options.root)
         wait_until(lambda: answers_ok(self.url + "/readyz", [supervisor]), 180, interval_s=0.3,

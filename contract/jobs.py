@@ -56,6 +56,7 @@ class JobRecord(TypedDict, total=False):
     owner: str                     # the API key's id, when keys are configured
     callback_url: str
     cpu_started_at: float
+    claim: str                     # the CPU worker's claim token: only its holder may push the frame
     decode_ms: float
     resize_ms: float
     backpressure_ms: float
@@ -94,21 +95,53 @@ return verdicts
 """
 MOVED, GONE, POISON = 1, 0, -1
 
+# What a job answered after its deadline carries instead of its result (the answer came too late to stand).
+LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
+
 # A Lua function that ends each live job whose hash is in KEYS[first_key..], with its arguments from
 # ARGV[at..]: per job its id, the count of field and value arguments, the fields and values (the
 # first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
-# that ends it: once per terminal state, whoever ends it. Returns how many jobs it ended. Scripts
-# that end jobs among other work (the GPU worker's batch write) start with it.
-FINISH_JOBS_LUA = _LUA_TERMINAL + f"local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'\n" + """
-local function finish_jobs(outbox, first_key, at, ttl, channel)
+# that ends it: once per terminal state, whoever ends it. An answer written after the job's deadline
+# does not stand: the job ends `expired` instead (its result is dropped; a long-poll was told at the
+# deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step. Returns how
+# many jobs it ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
+FINISH_JOBS_LUA = _LUA_TERMINAL + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
+local LATE_ERROR = '{LATE_ERROR}'
+local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
+""" + """
+local function late_as_expired(key, fields)
+  local status, finished, result
+  for i = 1, #fields, 2 do
+    if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
+    elseif fields[i] == 'result' then result = i end
+  end
+  local deadline = tonumber(redis.call('HGET', key, 'deadline_at'))
+  if not status or fields[status + 1] ~= SUCCEEDED or not deadline or not finished
+      or tonumber(fields[finished + 1]) <= deadline then
+    return fields
+  end
+  local kept = {}
+  for i = 1, #fields, 2 do
+    if i ~= result then
+      kept[#kept + 1] = fields[i]
+      kept[#kept + 1] = (i == status) and EXPIRED or fields[i + 1]
+    end
+  end
+  kept[#kept + 1] = 'error'
+  kept[#kept + 1] = LATE_ERROR
+  return kept
+end
+
+local function finish_jobs(outbox, first_key, at, ttl, channel, deadlines)
   local ended = 0
   for k = first_key, #KEYS do
     local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
     local status = redis.call('HGET', key, 'status')
     if status and not TERMINAL[status] then
-      redis.call('HSET', key, unpack(ARGV, at + 2, at + 1 + count))
+      redis.call('HSET', key, unpack(late_as_expired(key, {unpack(ARGV, at + 2, at + 1 + count)})))
       redis.call('EXPIRE', key, ttl)
       redis.call('DEL', key .. UPLOAD_SUFFIX)   -- whatever ended it, its upload goes with it
+      redis.call('ZREM', deadlines, job_id)
       if redis.call('HEXISTS', key, 'callback_url') == 1 then
         redis.call('HSET', key, 'callback', '{"status":"pending","attempts":0,"last_error":null}')
         redis.call('RPUSH', outbox, job_id)
@@ -122,8 +155,9 @@ local function finish_jobs(outbox, first_key, at, ttl, channel)
   return ended
 end
 """
-# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1] ttl, ARGV[2] channel, then the jobs'.
-_FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 3, tonumber(ARGV[1]), ARGV[2])\n"
+# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1] ttl, ARGV[2] channel, ARGV[3] the deadline index,
+# then the jobs'.
+_FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 4, tonumber(ARGV[1]), ARGV[2], ARGV[3])\n"
 
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
@@ -132,8 +166,11 @@ _FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 3, tonumber(ARGV[1])
 # frame again (LTRIM: nothing in a transaction runs between the two, so the leftmost frame is this one) and
 # says why. The frame stays out of Lua: a script that takes a 0.7 MB frame as an argument makes Redis copy
 # it into Lua and back out, 1.2 ms of Redis's CPU against 0.4 for this (measured, one frame at a time).
-# KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload; ARGV[1] max frames, ARGV[2..] field, value, ...
-# Returns 1 kept, 0 list full (nothing changed), -1 job gone or over (nothing pushed).
+# A claim the job no longer carries (a later delivery of its task claimed it after this worker was presumed
+# dead: tasks.liveness) pushes nothing either: one frame per job, whoever decoded it.
+# KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload; ARGV[1] max frames, ARGV[2] the claim,
+# ARGV[3..] field, value, ... Returns 1 kept, 0 list full (nothing changed), -1 job gone, over or claimed by
+# another (nothing pushed).
 _KEEP_PUSHED_FRAME = _LUA_TERMINAL + f"""
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or TERMINAL[status] then
@@ -141,7 +178,8 @@ if not status or TERMINAL[status] then
   redis.call('DEL', KEYS[3])
   return -1
 end
-if status ~= '{PREPROCESSING}' or redis.call('EXISTS', KEYS[3]) == 0 then
+local claim = redis.call('HGET', KEYS[1], 'claim')
+if status ~= '{PREPROCESSING}' or redis.call('EXISTS', KEYS[3]) == 0 or (claim and claim ~= ARGV[2]) then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return -1
 end
@@ -149,7 +187,7 @@ if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[1]) then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return 0
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 redis.call('DEL', KEYS[3])
 return 1
 """
@@ -160,15 +198,17 @@ PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
 # pipelined after a plain GET of the upload, whose reply is read straight into one buffer
 # (contract.replies). (The upload stays out of the script: Lua would copy 0.8 MB in and out of its own
 # memory, which cost Redis 1.5 ms of CPU per image.)
-# KEYS[1] job hash; ARGV[1] now. Returns {verdict, record fields...}: 'claimed' (now preprocessing),
-# 'missing', 'over' (past this stage or ended), 'late' (deadline passed, unchanged: the caller ends it).
+# KEYS[1] job hash; ARGV[1] now, ARGV[2] the claim (a token of this attempt, which its push must show).
+# Returns {verdict, record fields...}: 'claimed' (now preprocessing), 'missing', 'over' (past this stage or
+# ended), 'late' (deadline passed, unchanged: the caller ends it).
 _CLAIM = f"""
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {{'missing'}} end
 if status ~= '{QUEUED.value}' and status ~= '{PREPROCESSING.value}' then return {{'over', 'status', status}} end
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline_at'))
 if deadline and tonumber(ARGV[1]) > deadline then return {{'late'}} end
-redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', 'cpu_started_at', ARGV[1], 'updated_at', ARGV[1])
+redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', 'cpu_started_at', ARGV[1], 'updated_at', ARGV[1],
+           'claim', ARGV[2])
 local reply = redis.call('HGETALL', KEYS[1])
 table.insert(reply, 1, 'claimed')
 return reply
@@ -211,6 +251,8 @@ class JobStore:
         pipe.set(self.keys.upload(job_id), upload, ex=upload_ttl_s)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), self.ttl_s)
+        if "deadline_at" in fields:   # the sweeper ends it there if nothing else has (expire_overdue)
+            pipe.zadd(self.keys.deadlines, {job_id: float(fields["deadline_at"])})
         if task is not None:
             pipe.lpush(*task)
         pipe.execute()
@@ -245,7 +287,8 @@ class JobStore:
         ended (in a pipeline, with the pipeline's replies)."""
         job_keys, job_args = self.finish_arguments(outcomes)
         return self._finish(keys=[self.keys.callback_outbox, *job_keys],
-                            args=[self.ttl_s, self.keys.job_events, *job_args], client=client or self.redis)
+                            args=[self.ttl_s, self.keys.job_events, self.keys.deadlines, *job_args],
+                            client=client or self.redis)
 
     def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
         """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""
@@ -260,30 +303,32 @@ class JobStore:
         return keys, args
 
     def enqueue_frame(self, job_id: str, model_key: str, frame: bytes, max_frames: int,
-                      fields: Mapping[str, Any]) -> int:
-        """Push a job's frame only if the list has room, marking it queued_gpu and dropping its
-        upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER (over, or already
-        past preprocessing: another delivery of its task pushed it). See _KEEP_PUSHED_FRAME."""
+                      fields: Mapping[str, Any], claim: str = "") -> int:
+        """Push a job's frame only if the list has room and the job still carries this `claim`, marking it
+        queued_gpu and dropping its upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER
+        (over, past preprocessing, or claimed since by another delivery of its task). See _KEEP_PUSHED_FRAME."""
         frames = self.keys.frames(model_key)
         pipe = self.redis.pipeline(transaction=True)
         pipe.lpush(frames, frame)
         # EVAL, not EVALSHA: a script Redis has forgotten would fail inside the transaction after the push.
         pipe.eval(_KEEP_PUSHED_FRAME, 3, self.keys.job(job_id), frames, self.keys.upload(job_id), max_frames,
-                  *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
+                  claim, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
         return int(pipe.execute()[1])
 
     def frame_list_has_room(self, model_key: str, max_frames: int) -> bool:
         """A cheap look before sending a frame again to a list that was full."""
         return int(self.redis.llen(self.keys.frames(model_key))) < max_frames
 
-    def claim_for_preprocessing(self, job_id: str, now: float) -> tuple[str, memoryview | None, JobRecord]:
-        """A CPU worker takes a queued job: (verdict, upload, record) in one round trip; see _CLAIM.
+    def claim_for_preprocessing(self, job_id: str, now: float, claim: str = "") -> tuple[str, memoryview | None,
+                                                                                        JobRecord]:
+        """A CPU worker takes a queued job as `claim` (its push must show it): (verdict, upload, record) in one
+        round trip; see _CLAIM.
         A claimed job whose upload expired comes back with `upload` None. (The upload is read before
         the claim, in the same round trip: a job past this stage has no upload left to read.)"""
         if self._payloads is None:
             self._payloads = PayloadReader(self.redis)
         commands = (("GET", self.keys.upload(job_id)),
-                    ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now)))
+                    ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim))
         reconnected = reloaded = False
         while True:
             try:
@@ -306,6 +351,19 @@ class JobStore:
         verdict, fields = reply[0].decode(), reply[1:]
         record = _decode(dict(zip(fields[::2], fields[1::2])))
         return verdict, (upload if verdict == "claimed" else None), record
+
+    def expire_overdue(self, now: float, limit: int = 500) -> int:
+        """End `expired` the live jobs whose deadline passed (the deadline index says which, oldest first, at
+        most `limit` a call); how many it ended. Every CPU worker calls it every `celery.sweep_s`: a job
+        ends within about that of its deadline whether anyone reads it or not."""
+        overdue = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, "-inf", now, start=0, num=limit))
+        if not overdue:
+            return 0
+        ids = [job_id.decode() for job_id in overdue]
+        ended = int(self.finish_many([(job_id, EXPIRED, expired_fields("before an answer was written"))
+                                      for job_id in ids]))
+        self.redis.zrem(self.keys.deadlines, *ids)   # those that had ended otherwise, or whose record expired
+        return ended
 
     def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
         return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)

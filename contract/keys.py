@@ -13,6 +13,7 @@ from dataclasses import dataclass
 PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
 UPLOAD_SUFFIX = ":upload"   # a job's upload is its key plus this (the Lua that ends a job deletes it so)
+CELERY_HELD = "held:"       # + a worker process's id: the messages it holds, under Celery's key prefix
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,29 @@ class Keys:
     def celery_queue(self, queue: str) -> str:
         """List: a Celery queue as it lies in Redis."""
         return self.celery_prefix + queue
+
+    def celery_held(self, holder: str) -> str:
+        """Set: the delivery tags of the Celery messages one worker process holds (tasks.broker), given back
+        to their queues at once when that worker is found dead (tasks.liveness)."""
+        return self.celery_prefix + CELERY_HELD + holder
+
+    def cpu_heartbeat(self, holder: str) -> str:
+        """String with a TTL: a Celery worker process (CPU or callback worker) while it lives."""
+        return f"{self.namespace}:cpu:{holder}:heartbeat"
+
+    def cpu_reaping(self, holder: str) -> str:
+        """String with a TTL: a worker giving back a dead worker's messages (one at a time per dead worker)."""
+        return f"{self.namespace}:cpu:{holder}:reaping"
+
+    @property
+    def cpu_workers(self) -> str:
+        """Sorted set: Celery worker processes (holders) scored by when they last said they live."""
+        return f"{self.namespace}:cpu_workers"
+
+    @property
+    def deadlines(self) -> str:
+        """Sorted set: live jobs scored by their deadline (epoch seconds), for the sweeper that ends them."""
+        return f"{self.namespace}:deadlines"
 
     def job(self, job_id: str) -> str:
         """Hash: the job record (status, options, stamps, result)."""

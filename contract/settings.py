@@ -171,6 +171,13 @@ class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
     events_flush_ms: int = 250    # task events leave in one message this long after the first (tasks.event_batching)
+    heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.liveness)
+    sweep_s: float = 0.5          # how often each worker ends the jobs whose deadline passed (tasks.liveness)
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_ttl_s < 3 or self.sweep_s <= 0:
+            raise SettingsError("celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
+                                "and celery.sweep_s above 0")
 
 
 @settings_class

@@ -29,17 +29,18 @@ from gpu_worker.stats import BusyMeter, RecentStats
 log = logging.getLogger("gpu_worker")
 
 # KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4..] job hashes;
-# ARGV[1] ttl, ARGV[2] channel, ARGV[3] frames to acknowledge (the oldest in hand), ARGV[4] the count
-# of counter field and value arguments, then those, then the jobs' (see FINISH_JOBS_LUA).
+# ARGV[1] ttl, ARGV[2] channel, ARGV[3] the deadline index, ARGV[4] frames to acknowledge (the oldest in
+# hand), ARGV[5] the count of counter field and value arguments, then those, then the jobs' (see
+# FINISH_JOBS_LUA).
 _WRITE_BATCH = jobs.FINISH_JOBS_LUA + """
-local acked, counters = tonumber(ARGV[3]), tonumber(ARGV[4])
+local acked, counters = tonumber(ARGV[4]), tonumber(ARGV[5])
 if acked > 0 then
   redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
 end
 if counters > 0 then
-  redis.call('HSET', KEYS[3], unpack(ARGV, 5, 4 + counters))
+  redis.call('HSET', KEYS[3], unpack(ARGV, 6, 5 + counters))
 end
-return finish_jobs(KEYS[1], 4, 5 + counters, tonumber(ARGV[1]), ARGV[2])
+return finish_jobs(KEYS[1], 4, 6 + counters, tonumber(ARGV[1]), ARGV[2], ARGV[3])
 """
 
 
@@ -171,7 +172,8 @@ class Finisher:
         self._write_batch(
             keys=[self.keys.callback_outbox, self.processing_key,
                   self.keys.gpu_counters(self.worker_id), *job_keys],
-            args=[self.ttl_s, self.keys.job_events, batch.taken, len(counters), *counters, *job_args])
+            args=[self.ttl_s, self.keys.job_events, self.keys.deadlines, batch.taken, len(counters), *counters,
+                  *job_args])
 
     def _counters(self, taken: int) -> dict[str, float]:
         """Running totals including the batch being written, and the host time by stage."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import redis
 
@@ -34,7 +35,8 @@ class Preprocessor:
     def run(self, job_id: str) -> str:
         """Returns what happened, for the task's log line and Flower."""
         started_at = time.time()
-        verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at)
+        claim = uuid.uuid4().hex   # this attempt's: a later delivery that claims the job again voids it
+        verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at, claim)
         if verdict == "missing":
             return "missing"
         if verdict == "over":
@@ -51,10 +53,10 @@ class Preprocessor:
             self.store.fail(job_id, "unknown_model", f"model {record.get('model')!r} is not configured on this "
                                                      "CPU worker (its config differs from the API's)")
             return "failed"
-        return self._push_frame(job_id, record, upload, started_at, spec)
+        return self._push_frame(job_id, record, upload, started_at, spec, claim)
 
     def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes | memoryview, started_at: float,
-                    spec: ModelSpec) -> str:
+                    spec: ModelSpec, claim: str) -> str:
         try:
             t0 = time.perf_counter()
             image, orig_size = decode_image(upload, spec.input_size, self.settings.decode.max_image_pixels,
@@ -71,10 +73,10 @@ class Preprocessor:
             stamps["submitted_at"] = record["submitted_at"]
         stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0,
                       resize_ms=(time.perf_counter() - t1) * 1000.0)
-        return self._commit(job_id, record, boxed, stamps, spec)
+        return self._commit(job_id, record, boxed, stamps, spec, claim)
 
     def _commit(self, job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict,
-                spec: ModelSpec) -> str:
+                spec: ModelSpec, claim: str) -> str:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
         wait for room (never drop, never grow the model's list past its bound). Each try packs the frame afresh,
         stamped at that moment: a frame that waited for room is billed `backpressure`, not `queue_gpu`,
@@ -85,11 +87,11 @@ class Preprocessor:
             pushed_at = time.time()
             tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
-            outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried)
+            outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried, claim)
             if outcome == jobs.PUSHED:
                 return "pushed"
             if outcome == jobs.JOB_OVER:
-                return "skipped (ended meanwhile)"
+                return "skipped (ended or claimed again meanwhile)"
             if not self._wait_for_room(job_id, record, spec.key, limit):
                 return "expired"
 

@@ -27,6 +27,7 @@ from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
 from tasks.event_batching import batch_task_events
 from tasks.full_lists import pause_while_full
+from tasks.liveness import keep_alive
 from tasks.preprocess import Preprocessor
 
 # Before the pool forks: its children inherit the tuned malloc (see contract.memory).
@@ -35,6 +36,7 @@ settings = load_settings()
 app = make_celery(settings)
 app.steps["consumer"].add(pause_while_full(settings))
 app.steps["consumer"].add(batch_task_events(settings))
+app.steps["consumer"].add(keep_alive(settings))
 log = logging.getLogger(__name__)
 
 _preprocessor: Preprocessor | None = None

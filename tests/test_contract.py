@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 from hypothesis import given
@@ -102,7 +103,7 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
     store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
     pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(Keys("t").job_events)
-    store.create("j", b"bytes", 60, {"received_at": 1.0, "deadline_at": 2.0, "options": {"conf": 0.5}})
+    store.create("j", b"bytes", 60, {"received_at": 1.0, "deadline_at": 1e12, "options": {"conf": 0.5}})
     assert store.advance("j", jobs.PREPROCESSING)
     assert store.finish("j", jobs.SUCCEEDED, {"result": {"detections": []}})
     assert not store.finish("j", jobs.FAILED, {"error": {"code": "x"}})
@@ -115,10 +116,34 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
     assert 0 < redis_client.ttl(Keys("t").job("j")) <= 60
 
 
+def test_an_answer_after_the_deadline_does_not_stand_and_the_sweeper_ends_what_nobody_ended(redis_client):
+    keys = Keys("late")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    now = time.time()
+    store.create("late", b"upload", 60, {"received_at": now - 2, "deadline_at": now - 0.5})
+    store.create("soon", b"upload", 60, {"received_at": now, "deadline_at": now + 0.3})
+    store.create("later", b"upload", 60, {"received_at": now, "deadline_at": now + 60})
+    assert redis_client.zcard(keys.deadlines) == 3
+    assert store.finish("late", jobs.SUCCEEDED, {"result": {"detections": []}, "timings": {"total": 2000.0}})
+    late = store.load("late")
+    assert late["status"] == jobs.EXPIRED and "result" not in late and late["error"]["code"] == "deadline"
+    assert late["timings"] == {"total": 2000.0}                  # the time bill still says where the time went
+    assert store.expire_overdue(now) == 0                          # it ended: no longer in the index
+    assert store.expire_overdue(now + 1.0) == 1                    # `soon` is past its deadline: it ends
+    soon = store.load("soon")
+    assert soon["status"] == jobs.EXPIRED and soon["error"]["message"] == "expired before an answer was written"
+    assert not redis_client.exists(keys.upload("soon"))
+    assert redis_client.zrange(keys.deadlines, 0, -1) == [b"later"]
+    assert store.finish("later", jobs.SUCCEEDED, {"result": {"detections": []}})   # on time: it stands
+    assert store.load("later")["status"] == jobs.SUCCEEDED and redis_client.zcard(keys.deadlines) == 0
+    redis_client.zadd(keys.deadlines, {"gone": now - 10})          # a job whose record expired meanwhile
+    assert store.expire_overdue(now) == 0 and redis_client.zcard(keys.deadlines) == 0
+
+
 @pytest.mark.parametrize("status", [jobs.FAILED, jobs.EXPIRED, jobs.CANCELLED, jobs.SUCCEEDED])
 def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, status):
     store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
-    store.create("u", b"twenty MiB, say", 600, {"received_at": 1.0, "deadline_at": 2.0})
+    store.create("u", b"twenty MiB, say", 600, {"received_at": 1.0, "deadline_at": 1e12})
     assert redis_client.exists(Keys("t").upload("u"))
     assert store.finish("u", status, {"error": {"code": "x", "message": "y"}})
     assert not redis_client.exists(Keys("t").upload("u")) and redis_client.exists(Keys("t").job("u"))
@@ -216,6 +241,19 @@ def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(r
     redis_client.delete(keys.upload("b" * 32))                             # the upload expired
     assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0
+
+
+def test_only_the_latest_claim_may_push_the_frame(redis_client):
+    """A worker presumed dead (its task given back and claimed again) may still be running: its push is voided."""
+    keys = Keys("fenced")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store.create("e" * 32, b"upload", 60, {"deadline_at": 1e12})
+    assert store.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
+    assert store.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"   # the redelivery
+    assert store.enqueue_frame("e" * 32, "m:1", b"stale", 10, {}, "first") == jobs.JOB_OVER
+    assert redis_client.llen(keys.frames("m:1")) == 0 and redis_client.exists(keys.upload("e" * 32))
+    assert store.enqueue_frame("e" * 32, "m:1", b"frame", 10, {}, "second") == jobs.PUSHED
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
 
 
 def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):

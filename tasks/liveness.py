@@ -1,0 +1,123 @@
+"""A Celery worker process says it lives, gives back the tasks of workers found dead, and ends overdue jobs.
+
+Every CPU and callback worker's main process, on its own event loop:
+
+- every third of `celery.heartbeat_ttl_s`, refreshes its heartbeat (a key with that TTL) and its entry in
+  the registry of workers;
+- then looks for registered workers whose heartbeat has lapsed: their main process died (SIGKILL, OOM, a
+  host gone) with tasks in hand, which kombu would give back only after `visibility_timeout_s` (300 s;
+  it cannot be shorter than the longest task). Each message such a worker held (tasks.broker keeps them
+  in its own set) goes back to the front of its queue at once, through kombu's own restore; one worker at
+  a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
+  again by the next one (restoring a message twice puts it back once);
+- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobStore.expire_overdue).
+
+A worker that was only paused past its heartbeat (SIGSTOP, a stalled host) finds its tasks taken over: a
+child still running one cannot push its frame (the claim it holds was replaced: JobStore.enqueue_frame).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, cast
+
+import redis
+from celery import bootsteps
+
+from contract import jobs
+from contract.connection import connect
+from contract.keys import Keys
+from contract.settings import Settings
+from tasks.broker import holder_id
+
+log = logging.getLogger(__name__)
+
+# KEYS[1] the worker's heartbeat, KEYS[2] the reaping lock; ARGV[1] the reaper, ARGV[2] the lock's TTL (s).
+# 1: the worker is dead and this reaper may give back its messages; 0: it lives, or another reaper has it.
+_MAY_REAP = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', tonumber(ARGV[2])) then return 1 end
+return 0
+"""
+REAP_LOCK_S = 30
+
+
+def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) -> dict[str, int]:
+    """Give back the messages of every registered worker whose heartbeat lapsed: {worker: messages}.
+    `restore(tag)` puts one held message back on its queue (kombu's QoS.restore_by_tag)."""
+    may_reap = client.register_script(_MAY_REAP)
+    reaped: dict[str, int] = {}
+    for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
+        holder = raw.decode()
+        if holder == me or not may_reap(keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)],
+                                        args=[me, REAP_LOCK_S]):
+            continue
+        tags = [tag.decode() for tag in cast(set[bytes], client.smembers(keys.celery_held(holder)))]
+        for tag in tags:
+            restore(tag)
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(keys.celery_held(holder), keys.cpu_reaping(holder))
+        pipe.zrem(keys.cpu_workers, holder)
+        pipe.execute()
+        reaped[holder] = len(tags)
+    return reaped
+
+
+def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
+    """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of ours)."""
+    keys = Keys(settings.namespace)
+    ttl_s, sweep_s = settings.celery.heartbeat_ttl_s, settings.celery.sweep_s
+
+    class WorkerLiveness(bootsteps.StartStopStep):
+        # After Tasks: the task consumer's channel (whose QoS restores messages) exists by then.
+        requires = {"celery.worker.consumer.tasks:Tasks"}
+
+        def __init__(self, parent: Any, **kwargs: Any) -> None:
+            super().__init__(parent, **kwargs)
+            self.entries: list[Any] = []
+            self.client: redis.Redis | None = None
+            self.store: jobs.JobStore | None = None
+
+        def start(self, consumer: Any) -> None:
+            self.client = connect(settings, socket_timeout=2.0)
+            self.store = jobs.JobStore(self.client, keys, settings.jobs.ttl_s)
+            channel = consumer.task_consumer.channel
+            self.beat(channel)
+            self.entries = [consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
+                            consumer.timer.call_repeatedly(sweep_s, self.sweep, priority=10)]
+
+        def stop(self, consumer: Any) -> None:
+            for entry in self.entries:
+                entry.cancel()
+            self.entries = []
+            if self.client is not None:   # a clean stop: kombu gives back what this worker holds itself
+                try:
+                    self.client.delete(keys.cpu_heartbeat(holder_id()))
+                    self.client.zrem(keys.cpu_workers, holder_id())
+                except redis.RedisError:
+                    pass
+
+        def beat(self, channel: Any) -> None:
+            assert self.client is not None
+            me = holder_id()
+            try:
+                pipe = self.client.pipeline(transaction=False)
+                pipe.set(keys.cpu_heartbeat(me), str(time.time()), ex=max(1, round(ttl_s)))
+                pipe.zadd(keys.cpu_workers, {me: time.time()})
+                pipe.execute()
+                for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_by_tag).items():
+                    log.warning("worker %s was found dead: %d tasks it held are back on their queues", holder,
+                                count, extra={"dead_worker": holder, "tasks": count})
+            except redis.RedisError as exc:   # Redis away: the consumer reconnects on its own; beat again later
+                log.warning("worker heartbeat: %s", exc)
+
+        def sweep(self) -> None:
+            assert self.store is not None
+            try:
+                ended = self.store.expire_overdue(time.time())
+            except redis.RedisError:
+                return
+            if ended:
+                log.info("%d jobs expired at their deadline", ended, extra={"expired": ended})
+
+    return WorkerLiveness

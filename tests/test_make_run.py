@@ -1,0 +1,128 @@
+"""`make run`'s own processes (the Procfile under tools.procfile) keep the service up when one dies, and a
+dead CPU worker's tasks come back in seconds, not after kombu's visibility timeout."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from typing import Iterator
+
+import pytest
+import redis
+import requests
+
+from bench.processes import wait_until
+from bench.stack import ProcfileStack, StackOptions
+from contract.keys import Keys
+from tests.support import jpeg
+
+STARTUP_S = 15.0    # tools.procfile's default: a process ending sooner stops everything
+
+
+@pytest.fixture(scope="module")
+def make_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcfileStack]:
+    started = time.monotonic()
+    stack = ProcfileStack(tmp_path_factory.mktemp("make-run"),
+                          StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})).start()
+    # Past the supervisor's start-up window, where a process that ends stops everything instead of restarting.
+    time.sleep(max(0.0, started + STARTUP_S + 1 - time.monotonic()))
+    yield stack
+    stack.stop()
+
+
+def supervisor_log(stack: ProcfileStack) -> str:
+    assert stack.supervisor is not None
+    return stack.supervisor.log_tail(200_000)
+
+
+def pid_of(stack: ProcfileStack, role: str) -> int:
+    """The role's own process as the supervisor last started it: past the `sh -c` (and `env`) it runs it in."""
+    pid = int(re.findall(rf"procfile: {re.escape(role)} (?:started|restarted) \(pid (\d+)\)",
+                         supervisor_log(stack))[-1])
+    while open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0] in (b"/bin/sh", b"env") \
+            and len(children := children_of(pid)) == 1:
+        pid = children[0]
+    return pid
+
+
+def cpu_worker_ready(stack: ProcfileStack) -> bool:
+    return any('"role": "cpu-worker"' in line and "ready." in line for line in supervisor_log(stack).splitlines())
+
+
+def submit_and_finish(stack: ProcfileStack, seed: int, timeout_s: float = 60.0) -> dict:
+    """Submit (retrying while the API is away) and wait for the job's end."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            response = requests.post(f"{stack.url}/v1/jobs", data=jpeg(160, 120, seed=seed),
+                                     headers={"Content-Type": "image/jpeg"}, timeout=10)
+            if response.status_code == 202:
+                break
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, "the API never answered again"
+        time.sleep(0.2)
+    return wait_for_end(stack, response.json()["id"], deadline - time.monotonic())
+
+
+def wait_for_end(stack: ProcfileStack, job_id: str, timeout_s: float) -> dict:
+    def ended() -> dict | None:
+        doc = requests.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 5}, timeout=15).json()
+        return doc if doc["status"] in ("succeeded", "failed", "expired", "cancelled") else None
+    return wait_until(ended, max(1.0, timeout_s), interval_s=0.0, what=f"job {job_id} to end")
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
+
+
+def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_comes_back(make_run):
+    assert make_run.redis is not None and make_run.supervisor is not None
+    client, keys = redis.Redis(port=make_run.redis.port), Keys("imgserve")
+    wait_until(lambda: cpu_worker_ready(make_run), 60, what="the CPU worker to be ready")
+    main = pid_of(make_run, "cpu-worker")
+    assert b"celery" in open(f"/proc/{main}/cmdline", "rb").read() and children_of(main)
+    for child in children_of(main):       # the pool cannot run it: the task stays in the main process's hands
+        os.kill(child, signal.SIGSTOP)
+    response = requests.post(f"{make_run.url}/v1/jobs", data=jpeg(160, 120, seed=1),
+                             headers={"Content-Type": "image/jpeg"}, timeout=10)
+    job_id = response.json()["id"]
+
+    def held() -> bool:
+        return any(client.scard(key) for key in client.scan_iter(keys.celery_held("*")))
+    wait_until(held, 20, what="the CPU worker to hold the task")
+    killed_at = time.monotonic()
+    os.killpg(os.getpgid(main), signal.SIGKILL)   # the main process and its children, as an OOM kill or a lost host
+                                                  # would
+    doc = wait_for_end(make_run, job_id, 60)
+    assert doc["status"] == "succeeded"
+    recovered_s = time.monotonic() - killed_at
+    print(f"a killed CPU worker's task served {recovered_s:.1f} s after the kill")
+    assert recovered_s < 30                # kombu alone: visibility_timeout_s (300) and its restore interval
+    log = supervisor_log(make_run)
+    assert "cpu-worker ended (status -9)" in log and "cpu-worker restarted" in log
+    assert "was found dead: 1 tasks it held are back on their queues" in log   # the new worker's line
+    assert submit_and_finish(make_run, seed=2)["status"] == "succeeded"
+
+
+@pytest.mark.parametrize("role", ["gpu-worker", "api", "flower", "callback-worker"])
+def test_every_other_role_killed_comes_back_and_the_service_answers_again(make_run, role):
+    before = supervisor_log(make_run).count(f"{role} restarted")
+    killed_at = time.monotonic()
+    os.kill(pid_of(make_run, role), signal.SIGKILL)
+    wait_until(lambda: supervisor_log(make_run).count(f"{role} restarted") > before, 60,
+               what=f"{role} to be restarted")
+    restarted_s = time.monotonic() - killed_at
+    assert submit_and_finish(make_run, seed=3)["status"] == "succeeded"
+    served_s = time.monotonic() - killed_at
+    print(f"{role}: restarted {restarted_s:.1f} s after the kill, a job served {served_s:.1f} s after")
+    if role == "flower":
+        def flower_answers() -> bool:
+            try:
+                return requests.get(f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}/healthcheck",
+                                    timeout=5).status_code == 200
+            except requests.RequestException:
+                return False
+        wait_until(flower_answers, 60, what="Flower to answer again")
