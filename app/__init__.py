@@ -14,9 +14,11 @@ import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
-from app import auth, health, jobs, metrics, openapi, stats
+from app import admission, auth, callbacks, health, jobs, metrics, openapi, stats
+from app.admission import RedisMemory
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
+from contract.budget import WaitingBytes
 from contract.connection import connect
 from contract.jobs import JobStore
 from contract.keys import Keys
@@ -44,6 +46,8 @@ class Services:
     store: JobStore
     catalogue: Catalogue
     task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
+    waiting: WaitingBytes               # the bytes budgets (app.admission)
+    memory: RedisMemory                 # Redis's memory against its maxmemory
     listener: JobEventListener
 
 
@@ -57,20 +61,29 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)
+    # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobStore.create).
+    uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0,
+                      max_connections=UPLOAD_CONNECTIONS)
+    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads)
     celery = make_celery(settings)
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
-        store=JobStore(client, keys, settings.jobs.ttl_s),
+        store=store,
         catalogue=Catalogue(settings),
         task_messages=PreprocessMessages(celery),
-        # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks).
-        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events),
+        waiting=WaitingBytes(client, keys),
+        memory=RedisMemory(client),
+        # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks); each
+        # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
+        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
+                                  on_tick=_sweeper(store)),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
     if not settings.api.metrics_port:   # otherwise served on an internal port, not here
         app.register_blueprint(metrics.blueprint)
     app.register_blueprint(stats.blueprint)
+    app.register_blueprint(callbacks.blueprint)
     app.register_blueprint(openapi.blueprint)
     metrics.install(app)
     auth.install(app)
@@ -82,6 +95,26 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     app.extensions["imgserve"].listener.start()
     return app
+
+
+SWEEP_EVERY_S = 1.0
+UPLOAD_CONNECTIONS = 8    # per API process: uploads written at once (more wait for one, up to the connect timeout)
+
+
+def _sweeper(store: JobStore):
+    """The listener's tick: end overdue jobs, at most once a second."""
+    last = [0.0]
+
+    def sweep() -> None:
+        now = time.time()
+        if now - last[0] < SWEEP_EVERY_S:
+            return
+        last[0] = now
+        try:
+            store.expire_overdue(now)
+        except redis.RedisError:
+            pass   # the listener has lost Redis too, and says so
+    return sweep
 
 
 def _install_error_handlers(app: Flask) -> None:
@@ -100,6 +133,15 @@ def _install_error_handlers(app: Flask) -> None:
     @app.errorhandler(redis.RedisError)
     @app.errorhandler(kombu.exceptions.OperationalError)
     def backend_unavailable(exc: Exception):
-        return problem_response(Problem(503, "backend-unavailable", "Service unavailable",
-                                        f"the job store is unreachable: {type(exc).__name__}",
-                                        headers={"Retry-After": "1"}))
+        """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
+        retry = str(app.extensions["imgserve"].settings.backpressure.retry_after_s)
+        if isinstance(exc, redis.exceptions.OutOfMemoryError):
+            problem = Problem(503, "store-full", "Service unavailable", "the job store is full; retry later",
+                              headers={"Retry-After": str(admission.MAX_RETRY_AFTER_S)})
+        elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)):
+            problem = Problem(503, "backend-unavailable", "Service unavailable", "the job store is unreachable",
+                              headers={"Retry-After": retry})
+        else:
+            problem = Problem(503, "backend-error", "Service unavailable", "the job store refused the request",
+                              headers={"Retry-After": retry})
+        return problem_response(problem)

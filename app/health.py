@@ -1,7 +1,6 @@
 """Liveness, readiness and the models the live GPU workers serve."""
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
@@ -9,7 +8,7 @@ from flask import Blueprint, Response, current_app, jsonify
 
 from app.openapi import Reply, operation
 from contract.documents import Health, ModelList, Readiness
-from contract.heartbeat import Heartbeat
+from contract.heartbeat import Heartbeat, live_heartbeats
 from contract.jobs import queue_depths
 
 blueprint = Blueprint("health", __name__)
@@ -76,10 +75,4 @@ def list_models() -> Response:
 def live_gpu_workers() -> list[Heartbeat]:
     """Self-descriptions of GPU workers whose heartbeat has not expired."""
     services = current_app.extensions["imgserve"]
-    keys, client = services.keys, services.redis
-    ttl = services.settings.gpu_worker.heartbeat_ttl_s
-    worker_ids = client.zrangebyscore(keys.gpu_workers, time.time() - ttl, "+inf")
-    if not worker_ids:
-        return []
-    beats = client.mget([keys.heartbeat(w.decode()) for w in worker_ids])
-    return [beat for beat in map(Heartbeat.from_redis, beats) if beat is not None]
+    return live_heartbeats(services.redis, services.keys, services.settings.gpu_worker.heartbeat_ttl_s)

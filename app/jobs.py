@@ -5,15 +5,17 @@ import io
 import logging
 import time
 
+import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from werkzeug.datastructures import MultiDict
 
 from app import metrics
+from app.admission import admit
 from app.auth import owns
 from app.multipart import parse_form
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
-from app.uploads import check_image, option_values, read_whole_body, validate_params
+from app.uploads import check_image, declared_length, option_values, read_whole_body, validate_params
 from contract import jobs
 from contract.documents import (
     JobAccepted,
@@ -53,20 +55,49 @@ def _submit_options(settings):
                                                            ("CancelJob", "jobs_cancel_job_delete"))})})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
+    held = Reservation()
+    declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
+    if declared is not None and ("model" in request.args or request.mimetype != "multipart/form-data"):
+        # The model and the size are known before the body is read: an unknown model or a full backlog or
+        # budget costs no upload. The bytes reserved are the body's; the job's own are given back below.
+        held.take(services, _routed_model(services, request.args.get("model")), declared)
+    try:
+        return _accept(services, held)
+    except BaseException:
+        held.give_back(services)   # refused after the reservation: a bad option, not an image, Redis away
+        raise
+
+
+class Reservation:
+    """The bytes a submission reserved (app.admission) until its job is stored with them."""
+    spec: ModelSpec | None = None
+    size: int = 0
+
+    def take(self, services, spec: ModelSpec, size: int) -> None:
+        self.size = admit(services, spec, size)
+        self.spec = spec
+
+    def give_back(self, services) -> None:
+        if self.spec is None or not self.size:
+            return
+        try:
+            services.waiting.release(self.spec.key, self.size)
+        except redis.RedisError:   # Redis away: the answer says so already
+            log.warning("could not give back %d reserved bytes of model %s", self.size, self.spec.key)
+        self.size = 0
+
+
+def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
-    spec = None
-    if "model" in request.args or request.mimetype != "multipart/form-data":
-        # The model is known before the body is read: an unknown model or a full backlog costs no upload.
-        spec = _routed_model(services, request.args.get("model"))
-        _refuse_when_backlogged(services, spec)
     data, declared_type, form = _read_image(settings.api.max_upload_bytes)
     media_type = check_image(data, declared_type)
     submit_options = _submit_options(settings)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
-    if spec is None:   # named in the multipart form
-        spec = _routed_model(services, options.model)
-        _refuse_when_backlogged(services, spec)
+    if held.spec is None:   # named in the multipart form, or a body of unknown length: admitted now, as it is
+        held.take(services, _routed_model(services, options.model), len(data))
+    spec = held.spec
+    assert spec is not None
     model_deadline_ms = settings.default_deadline_ms(spec)
     if options.deadline_ms and options.deadline_ms > model_deadline_ms:
         reason = f"at most {model_deadline_ms} ms for model {spec.key}"
@@ -89,7 +120,8 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         "submitted_at": time.time(),
         **({"owner": g.client_id} if g.get("client_id") else {}),
         **({"callback_url": callback_url} if callback_url else {}),
-    }, task=task)
+    }, task=task, reserved=held.size)
+    held.size = 0   # stored: the job's bytes are given back by whatever ends it
     log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                     "model": spec.key})
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
@@ -151,6 +183,24 @@ def cancel_job(job_id: str) -> Response:
     return jsonify(job_document(record))
 
 
+@blueprint.post("/<job_id>/callback")
+@operation("Deliver an ended job's callback again, from its first attempt", tag="jobs",
+           problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
+           description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
+                       "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
+           replies={202: Reply("Queued again", JobDocument)})
+def redeliver_callback(job_id: str) -> tuple[Response, int]:
+    services = current_app.extensions["imgserve"]
+    record = _load_owned(services, job_id)
+    if not record.get("callback_url"):
+        raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
+    if not services.store.redeliver_callback(job_id):
+        raise Problem(409, "job-not-finished", "Job not finished",
+                      f"job {job_id!r} has not ended: its callback is sent when it does")
+    log.info("callback queued again", extra={"job_id": job_id})
+    return jsonify(job_document(services.store.load(job_id) or record)), 202
+
+
 def _checked_callback_url(url: str | None, settings) -> str | None:
     if not url:
         return None
@@ -198,18 +248,6 @@ def _routed_model(services, reference: str | None) -> ModelSpec:
     except UnknownModel as exc:
         raise Problem(404, "model-not-found", "Model not found", f"{exc}; served: {', '.join(exc.served)}",
                       models=exc.served) from None
-
-
-def _refuse_when_backlogged(services, spec: ModelSpec) -> None:
-    """429 while the model's work waiting (its preprocess queue + its GPU list) is over its bound: one
-    model's overload refuses only its own requests."""
-    settings = services.settings
-    limit = settings.max_backlog(spec)
-    backlog = sum(jobs.queue_depths(services.redis, services.keys, [spec.key])[spec.key].values())
-    if backlog >= limit:
-        raise Problem(429, "overloaded", "Too many requests",
-                      f"{backlog} jobs are waiting for model {spec.key} (limit {limit}); retry later",
-                      headers={"Retry-After": str(settings.backpressure.retry_after_s)})
 
 
 def _wait_seconds(max_wait_s: float) -> float:

@@ -25,6 +25,22 @@ ACCEPTED_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/g
 _READ_CHUNK = 1024 * 1024
 
 
+def declared_length(environ: dict[str, Any], limit: int) -> int | None:
+    """The body's Content-Length when there is one; a Problem when it is not a number (400) or over
+    `limit` (413): refused before anything is read or reserved."""
+    declared = environ.get("CONTENT_LENGTH") or None
+    if declared is None:
+        return None
+    try:
+        expected = int(declared)
+    except ValueError as exc:
+        raise Problem(400, "malformed-body", "Malformed body", "Content-Length is not a number") from exc
+    if expected > limit:
+        raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
+                      f"the upload of {expected} bytes exceeds the limit of {limit} bytes")
+    return expected
+
+
 def read_whole_body(environ: dict[str, Any], limit: int) -> bytes:
     """The request body, all of it or a Problem: never a truncated one.
 
@@ -33,14 +49,7 @@ def read_whole_body(environ: dict[str, Any], limit: int) -> bytes:
     framing said; fewer bytes than Content-Length promised (the client went
     away) and broken chunked framing are 400.
     """
-    declared = environ.get("CONTENT_LENGTH") or None
-    try:
-        expected = int(declared) if declared is not None else None
-    except ValueError as exc:
-        raise Problem(400, "malformed-body", "Malformed body", "Content-Length is not a number") from exc
-    if expected is not None and expected > limit:
-        raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
-                      f"the upload of {expected} bytes exceeds the limit of {limit} bytes")
+    expected = declared_length(environ, limit)
     stream, parts, size = environ["wsgi.input"], [], 0
     budget = expected if expected is not None else limit + 1
     try:

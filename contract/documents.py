@@ -94,9 +94,20 @@ class BatchInfo(Document):
 
 
 class CallbackState(Document):
-    status: Literal["waiting", "pending", "retrying", "delivered", "failed"]
+    status: Literal["waiting", "pending", "delivering", "retrying", "delivered", "failed"] = Field(
+        description="waiting: the job has not ended; pending: queued; delivering: an attempt is under way; "
+                    "retrying: the last attempt failed, the next is due at `next_attempt_at`; failed: given up "
+                    "(the dead letter: after callbacks.max_attempts or callbacks.retry_for_s, or a refused "
+                    "URL), redeliver it with POST /v1/jobs/{job_id}/callback")
     attempts: int = Field(ge=0)
     last_error: Optional[str]
+    next_attempt_at: Optional[float] = Field(None, description="epoch seconds, while retrying")
+    delivery_id: Optional[str] = Field(None, description="what X-Imgserve-Delivery-Id carries: the same for every "
+                                                         "attempt of this job's callback, for the receiver's dedup")
+
+
+class Redelivered(Document):
+    redelivered: int = Field(ge=0, description="callbacks queued again")
 
 
 class JobDocument(Document):

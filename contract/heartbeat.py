@@ -8,9 +8,13 @@ treats it as a previous life's).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
+import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from contract.keys import Keys
 
 
 class HeartbeatModel(BaseModel):
@@ -59,3 +63,12 @@ class Heartbeat(BaseModel):
             return cls.model_validate_json(raw)
         except ValidationError:
             return None
+
+
+def live_heartbeats(client: redis.Redis, keys: Keys, ttl_s: float) -> list[Heartbeat]:
+    """Self-descriptions of the GPU workers whose heartbeat has not expired."""
+    worker_ids: Any = client.zrangebyscore(keys.gpu_workers, time.time() - ttl_s, "+inf")
+    if not worker_ids:
+        return []
+    beats: Any = client.mget([keys.heartbeat(w.decode()) for w in worker_ids])
+    return [beat for beat in map(Heartbeat.from_redis, beats) if beat is not None]

@@ -16,6 +16,8 @@ from typing import Any, Mapping, Sequence, TypedDict, cast
 
 import redis
 
+from contract import budget
+from contract.budget import RELEASE_LUA
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.replies import PayloadReader
 
@@ -95,6 +97,9 @@ return verdicts
 """
 MOVED, GONE, POISON = 1, 0, -1
 
+# A callback queued: what the step that ends a job (or a redelivery) writes as its state.
+PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
+
 # What a job answered after its deadline carries instead of its result (the answer came too late to stand).
 LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 
@@ -105,7 +110,8 @@ LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the d
 # does not stand: the job ends `expired` instead (its result is dropped; a long-poll was told at the
 # deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step. Returns how
 # many jobs it ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
-FINISH_JOBS_LUA = _LUA_TERMINAL + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
+FINISH_JOBS_LUA = _LUA_TERMINAL + RELEASE_LUA + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
+local PENDING_CALLBACK = '{PENDING_CALLBACK}'
 local LATE_ERROR = '{LATE_ERROR}'
 local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
 """ + """
@@ -132,22 +138,30 @@ local function late_as_expired(key, fields)
   return kept
 end
 
-local function finish_jobs(outbox, first_key, at, ttl, channel, deadlines)
+-- The names finish_jobs needs, from FINISH_NAMES arguments at ARGV[i..i+3] (JobStore.finish_names).
+local function finish_names(outbox, i)
+  return {outbox = outbox, ttl = tonumber(ARGV[i]), channel = ARGV[i + 1], deadlines = ARGV[i + 2],
+          waiting = ARGV[i + 3]}
+end
+
+local function finish_jobs(names, first_key, at)
   local ended = 0
   for k = first_key, #KEYS do
     local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
     local status = redis.call('HGET', key, 'status')
     if status and not TERMINAL[status] then
       redis.call('HSET', key, unpack(late_as_expired(key, {unpack(ARGV, at + 2, at + 1 + count)})))
-      redis.call('EXPIRE', key, ttl)
-      redis.call('DEL', key .. UPLOAD_SUFFIX)   -- whatever ended it, its upload goes with it
-      redis.call('ZREM', deadlines, job_id)
-      if redis.call('HEXISTS', key, 'callback_url') == 1 then
-        redis.call('HSET', key, 'callback', '{"status":"pending","attempts":0,"last_error":null}')
-        redis.call('RPUSH', outbox, job_id)
-        redis.call('PUBLISH', outbox, job_id)   -- wakes the callback relays (a channel of the same name)
+      redis.call('EXPIRE', key, names.ttl)
+      if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
+        release_waiting(names.waiting, redis.call('HGET', key, 'model'), redis.call('HGET', key, 'bytes'))
       end
-      redis.call('PUBLISH', channel, job_id)
+      redis.call('ZREM', names.deadlines, job_id)
+      if redis.call('HEXISTS', key, 'callback_url') == 1 then
+        redis.call('HSET', key, 'callback', PENDING_CALLBACK)
+        redis.call('RPUSH', names.outbox, job_id)
+        redis.call('PUBLISH', names.outbox, job_id)   -- wakes the callback relays (a channel of the same name)
+      end
+      redis.call('PUBLISH', names.channel, job_id)
       ended = ended + 1
     end
     at = at + 2 + count
@@ -155,9 +169,8 @@ local function finish_jobs(outbox, first_key, at, ttl, channel, deadlines)
   return ended
 end
 """
-# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1] ttl, ARGV[2] channel, ARGV[3] the deadline index,
-# then the jobs'.
-_FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 4, tonumber(ARGV[1]), ARGV[2], ARGV[3])\n"
+# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..4] JobStore.finish_names(), then the jobs'.
+_FINISH = FINISH_JOBS_LUA + "return finish_jobs(finish_names(KEYS[1], 1), 2, 5)\n"
 
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
@@ -168,14 +181,16 @@ _FINISH = FINISH_JOBS_LUA + "return finish_jobs(KEYS[1], 2, 4, tonumber(ARGV[1])
 # it into Lua and back out, 1.2 ms of Redis's CPU against 0.4 for this (measured, one frame at a time).
 # A claim the job no longer carries (a later delivery of its task claimed it after this worker was presumed
 # dead: tasks.liveness) pushes nothing either: one frame per job, whoever decoded it.
-# KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload; ARGV[1] max frames, ARGV[2] the claim,
-# ARGV[3..] field, value, ... Returns 1 kept, 0 list full (nothing changed), -1 job gone, over or claimed by
-# another (nothing pushed).
-_KEEP_PUSHED_FRAME = _LUA_TERMINAL + f"""
+# The upload's bytes leave the waiting budget and the frame's enter it (contract.budget).
+# KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload, KEYS[4] waiting bytes; ARGV[1] max frames, ARGV[2] the
+# claim, ARGV[3] the frame's length, ARGV[4..] field, value, ... Returns 1 kept, 0 list full (nothing changed),
+# -1 job gone, over or claimed by another (nothing pushed).
+_KEEP_PUSHED_FRAME = _LUA_TERMINAL + RELEASE_LUA + f"""
 local status = redis.call('HGET', KEYS[1], 'status')
+local model, upload_bytes = redis.call('HGET', KEYS[1], 'model'), redis.call('HGET', KEYS[1], 'bytes')
 if not status or TERMINAL[status] then
   redis.call('LTRIM', KEYS[2], 1, -1)
-  redis.call('DEL', KEYS[3])
+  if redis.call('DEL', KEYS[3]) == 1 then release_waiting(KEYS[4], model, upload_bytes) end
   return -1
 end
 local claim = redis.call('HGET', KEYS[1], 'claim')
@@ -187,12 +202,29 @@ if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[1]) then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return 0
 end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-redis.call('DEL', KEYS[3])
+redis.call('HSET', KEYS[1], unpack(ARGV, 4))
+if redis.call('DEL', KEYS[3]) == 1 then release_waiting(KEYS[4], model, upload_bytes) end
+local frame_bytes = tonumber(ARGV[3])   -- waiting now, until the GPU worker's batch write gives it back
+for _, field in ipairs({{model or '', '{budget.ALL}'}}) do
+  if field ~= '' then redis.call('HINCRBY', KEYS[4], field, frame_bytes) end
+end
 return 1
 """
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
+
+# A job's callback queued again from its first attempt. KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the
+# scheduled set, KEYS[4] the dead set; ARGV[1] the job id. 1 queued, 0 not (no such job, not ended, no callback).
+_REDELIVER_CALLBACK = _LUA_TERMINAL + f"""
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or not TERMINAL[status] or redis.call('HEXISTS', KEYS[1], 'callback_url') == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'callback', '{PENDING_CALLBACK}')
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('PUBLISH', KEYS[2], ARGV[1])
+return 1
+"""
 
 # A CPU worker's claim, in one round trip instead of three (read, move, fetch the upload): this step,
 # pipelined after a plain GET of the upload, whose reply is read straight into one buffer
@@ -215,6 +247,8 @@ return reply
 """
 
 
+LARGE_UPLOAD_BYTES = 2 * 1024 * 1024   # a connection that carried a larger upload is closed after it
+
 JOB_ID_PATTERN = r"^[0-9a-f]{32}$"   # what new_job_id() makes; anything else is no job of ours
 
 
@@ -233,29 +267,68 @@ def utc_iso(epoch: float) -> str:
 class JobStore:
     """The job records in one Redis, under one namespace."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, uploads: redis.Redis | None = None) -> None:
+        """`uploads`: the client uploads are written with (the API's: a few connections, see `create`)."""
         self.redis = client
+        self.uploads = uploads or client
         self.keys = keys
         self.ttl_s = ttl_s
         self._advance = client.register_script(_ADVANCE)
         self._finish = client.register_script(_FINISH)
         self._claim = client.register_script(_CLAIM)
+        self._redeliver = client.register_script(_REDELIVER_CALLBACK)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
-               task: tuple[str, bytes] | None = None) -> None:
-        """Store the upload (claim check) and the record, and push `task` (a queue's list key, the message
-        for it) in the same transaction: one round trip, and no job without its task or task without its job."""
+               task: tuple[str, bytes] | None = None, reserved: int = 0) -> None:
+        """Store the upload (claim check), then the record and `task` (a queue's list key, the message for it)
+        in one transaction: no job without its task or task without its job.
+        `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
         record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **_encode(fields)}
+        self._write_upload(self.keys.upload(job_id), upload_ttl_s, upload)
         pipe = self.redis.pipeline(transaction=True)
-        pipe.set(self.keys.upload(job_id), upload, ex=upload_ttl_s)
+        unused = reserved - len(upload)
+        if reserved and unused > 0:   # a multipart body's own bytes around the image
+            for field in (str(fields.get("model", "")), budget.ALL):
+                if field:
+                    pipe.hincrby(self.keys.waiting_bytes, field, -unused)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), self.ttl_s)
         if "deadline_at" in fields:   # the sweeper ends it there if nothing else has (expire_overdue)
             pipe.zadd(self.keys.deadlines, {job_id: float(fields["deadline_at"])})
         if task is not None:
             pipe.lpush(*task)
-        pipe.execute()
+        try:
+            pipe.execute()
+        except redis.RedisError:
+            self._delete_quietly(self.keys.upload(job_id))   # no job holds it: it would wait for its TTL
+            raise
+
+    def _write_upload(self, key: str, ttl_s: int, upload: bytes) -> None:
+        """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the
+        buffer it read the value into as the value (followed by anything, SET's own EX or the transaction's
+        next command, it copies it). Redis also gives that connection a new buffer the upload's size, and keeps
+        it while the connection stays busy: so uploads go over few connections (the API's `uploads` client),
+        and one that carried an upload over LARGE_UPLOAD_BYTES is closed after it."""
+        if len(upload) <= LARGE_UPLOAD_BYTES:
+            self.uploads.execute_command("SETEX", key, ttl_s, upload)   # type: ignore[no-untyped-call]  # setex() warns
+            return
+        pool = self.uploads.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_command("SETEX", key, ttl_s, upload)  # type: ignore[no-untyped-call]
+            reply = connection.read_response()
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        finally:
+            connection.disconnect()  # type: ignore[no-untyped-call]  # redis-py's untyped method
+            pool.release(connection)
+
+    def _delete_quietly(self, key: str) -> None:
+        try:
+            self.redis.delete(key)
+        except redis.RedisError:
+            pass
 
     def load(self, job_id: str) -> JobRecord | None:
         raw = self.redis.hgetall(self.keys.job(job_id))
@@ -286,9 +359,13 @@ class JobStore:
         """End each (job id, terminal status, fields) that is still live, in one step: how many it
         ended (in a pipeline, with the pipeline's replies)."""
         job_keys, job_args = self.finish_arguments(outcomes)
-        return self._finish(keys=[self.keys.callback_outbox, *job_keys],
-                            args=[self.ttl_s, self.keys.job_events, self.keys.deadlines, *job_args],
+        return self._finish(keys=[self.keys.callback_outbox, *job_keys], args=[*self.finish_names(), *job_args],
                             client=client or self.redis)
+
+    def finish_names(self) -> list[Any]:
+        """What FINISH_JOBS_LUA's finish_names() reads: the record TTL, the job-events channel, the deadline
+        index and the waiting-bytes hash."""
+        return [self.ttl_s, self.keys.job_events, self.keys.deadlines, self.keys.waiting_bytes]
 
     def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
         """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""
@@ -311,8 +388,9 @@ class JobStore:
         pipe = self.redis.pipeline(transaction=True)
         pipe.lpush(frames, frame)
         # EVAL, not EVALSHA: a script Redis has forgotten would fail inside the transaction after the push.
-        pipe.eval(_KEEP_PUSHED_FRAME, 3, self.keys.job(job_id), frames, self.keys.upload(job_id), max_frames,
-                  claim, *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
+        pipe.eval(_KEEP_PUSHED_FRAME, 4, self.keys.job(job_id), frames, self.keys.upload(job_id),
+                  self.keys.waiting_bytes, max_frames, claim, len(frame),
+                  *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
         return int(pipe.execute()[1])
 
     def frame_list_has_room(self, model_key: str, max_frames: int) -> bool:
@@ -364,6 +442,12 @@ class JobStore:
                                       for job_id in ids]))
         self.redis.zrem(self.keys.deadlines, *ids)   # those that had ended otherwise, or whose record expired
         return ended
+
+    def redeliver_callback(self, job_id: str) -> bool:
+        """Queue an ended job's callback again from its first attempt (a dead letter, or a delivery the receiver
+        lost); False when the job does not exist, has not ended or has no callback."""
+        return bool(self._redeliver(keys=[self.keys.job(job_id), self.keys.callback_outbox,
+                                          self.keys.callback_scheduled, self.keys.callback_dead], args=[job_id]))
 
     def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
         return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)

@@ -48,6 +48,11 @@ class Keys:
         return f"{self.namespace}:cpu_workers"
 
     @property
+    def waiting_bytes(self) -> str:
+        """Hash: bytes of uploads and frames waiting in Redis, a field per model and `*` for all (contract.budget)."""
+        return f"{self.namespace}:waiting_bytes"
+
+    @property
     def deadlines(self) -> str:
         """Sorted set: live jobs scored by their deadline (epoch seconds), for the sweeper that ends them."""
         return f"{self.namespace}:deadlines"
@@ -108,6 +113,17 @@ class Keys:
         """Sorted set: outbox entries a relay has taken, scored by when (epoch seconds), until Celery has
         their task; an entry older than a minute goes back to the outbox (its relay died holding it)."""
         return f"{self.namespace}:callbacks:relaying"
+
+    @property
+    def callback_scheduled(self) -> str:
+        """Sorted set: job ids whose callback is retried later, scored by when (epoch seconds); the relays
+        move each into the outbox when it is due."""
+        return f"{self.namespace}:callbacks:scheduled"
+
+    @property
+    def callback_dead(self) -> str:
+        """Sorted set: job ids whose callback was given up (the dead letter), scored by when."""
+        return f"{self.namespace}:callbacks:dead"
 
     def rate_bucket(self, client_id: str) -> str:
         """Hash: an API key's token bucket (tokens, last refill)."""

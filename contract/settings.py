@@ -130,16 +130,25 @@ class GpuWorkerSettings:
 class BackpressureSettings:
     max_frames: int = 64          # the frame list never holds more; CPU workers wait for room
     max_backlog: int = 256        # preprocess queue + frame list above this: the API answers 429
-    retry_after_s: int = 1
+    retry_after_s: int = 1        # the least Retry-After a refusal gives (it is computed from the drain rate)
     room_poll_s: float = 0.005
+    # Bytes of uploads and frames waiting in Redis (contract.budget): a model's (a spec may set its own), and
+    # every model's together. Over a model's: 429; over the total, or Redis past store_full_ratio of its
+    # maxmemory: 503. Size Redis's maxmemory above the total plus the job records (see the docs).
+    max_waiting_bytes: int = 192 * 1024 * 1024
+    max_total_waiting_bytes: int = 256 * 1024 * 1024
+    store_full_ratio: float = 0.9
 
 
 @settings_class
 class CallbackSettings:
     secret: str = ""              # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
     allow_hosts: tuple[str, ...] = ()  # hosts or CIDRs allowed even when private/loopback (an internal receiver)
-    max_attempts: int = 5
-    backoff_base_s: float = 1.0   # retry n waits base * 2**n
+    max_attempts: int = 24        # deliveries tried before the callback is given up (its dead letter)...
+    retry_for_s: float = 86400.0  # ...or once it has been retried this long since its first attempt
+    backoff_base_s: float = 1.0   # attempt n+1 waits base * 2**(n-1), at most backoff_max_s, jittered
+    backoff_max_s: float = 3600.0
+    jitter: float = 0.2           # each wait drawn within +-20% of that, so receivers coming back are not stampeded
     timeout_s: float = 5.0
     max_response_bytes: int = 65536
 
@@ -230,6 +239,7 @@ class ModelSpec:
     # jobs.default_deadline_ms). One model's overload refuses only its own requests.
     max_frames: int | None = None
     max_backlog: int | None = None
+    max_waiting_bytes: int | None = None
     default_deadline_ms: int | None = None
     # Device `sim`: this model's batch latency by batch size (models differ in cost); unset: gpu_worker's.
     sim_latency_ms: dict[int, float] | None = None
@@ -244,7 +254,7 @@ class ModelSpec:
             if not re.fullmatch(MODEL_NAME_PATTERN, value):
                 raise SettingsError(f"model {what} {value!r}: letters, digits and . _ + - only (at most 64), "
                                     "starting with a letter or digit")
-        for limit in ("max_frames", "max_backlog", "default_deadline_ms"):
+        for limit in ("max_frames", "max_backlog", "max_waiting_bytes", "default_deadline_ms"):
             if getattr(self, limit) is not None and getattr(self, limit) < 1:
                 raise SettingsError(f"model {self.key}: {limit} must be >= 1")
         if self.format not in ("builtin", "torchscript", "export"):
@@ -308,6 +318,15 @@ class Settings:
         if not self.models:   # built in code with one model (tests, tools)
             object.__setattr__(self, "models", (self.model,))
         object.__setattr__(self, "model", default_model(self))
+        largest = self.api.max_upload_bytes
+        for spec in self.models:
+            if min(self.max_waiting_bytes(spec), self.backpressure.max_total_waiting_bytes) < largest:
+                raise SettingsError(f"model {spec.key}: its byte budgets (backpressure.max_waiting_bytes, "
+                                    "max_total_waiting_bytes) must hold one upload of api.max_upload_bytes "
+                                    f"({largest})")
+            if self.jobs.upload_ttl_s < self.default_deadline_ms(spec) / 1000.0 + 60:
+                raise SettingsError(f"jobs.upload_ttl_s must outlast model {spec.key}'s deadline by a minute: an "
+                                    "upload is deleted when its job ends, and its TTL is only the last resort")
 
     def max_frames(self, spec: ModelSpec) -> int:
         return spec.max_frames or self.backpressure.max_frames
@@ -317,6 +336,9 @@ class Settings:
 
     def default_deadline_ms(self, spec: ModelSpec) -> int:
         return spec.default_deadline_ms or self.jobs.default_deadline_ms
+
+    def max_waiting_bytes(self, spec: ModelSpec) -> int:
+        return spec.max_waiting_bytes or self.backpressure.max_waiting_bytes
 
 
 def version_weights(settings: Settings, name: str) -> dict[str, float]:

@@ -29,18 +29,20 @@ from gpu_worker.stats import BusyMeter, RecentStats
 log = logging.getLogger("gpu_worker")
 
 # KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4..] job hashes;
-# ARGV[1] ttl, ARGV[2] channel, ARGV[3] the deadline index, ARGV[4] frames to acknowledge (the oldest in
-# hand), ARGV[5] the count of counter field and value arguments, then those, then the jobs' (see
+# ARGV[1..4] JobStore.finish_names(), ARGV[5] frames to acknowledge (the oldest in hand), ARGV[6] their bytes,
+# ARGV[7] their model, ARGV[8] the count of counter field and value arguments, then those, then the jobs' (see
 # FINISH_JOBS_LUA).
 _WRITE_BATCH = jobs.FINISH_JOBS_LUA + """
-local acked, counters = tonumber(ARGV[4]), tonumber(ARGV[5])
+local names = finish_names(KEYS[1], 1)
+local acked, acked_bytes, model, counters = tonumber(ARGV[5]), ARGV[6], ARGV[7], tonumber(ARGV[8])
 if acked > 0 then
   redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
+  release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
 end
 if counters > 0 then
-  redis.call('HSET', KEYS[3], unpack(ARGV, 6, 5 + counters))
+  redis.call('HSET', KEYS[3], unpack(ARGV, 9, 8 + counters))
 end
-return finish_jobs(KEYS[1], 4, 6 + counters, tonumber(ARGV[1]), ARGV[2], ARGV[3])
+return finish_jobs(names, 4, 9 + counters)
 """
 
 
@@ -172,8 +174,8 @@ class Finisher:
         self._write_batch(
             keys=[self.keys.callback_outbox, self.processing_key,
                   self.keys.gpu_counters(self.worker_id), *job_keys],
-            args=[self.ttl_s, self.keys.job_events, self.keys.deadlines, batch.taken, len(counters), *counters,
-                  *job_args])
+            args=[*self.store.finish_names(), batch.taken, batch.taken_bytes, self.spec.key, len(counters),
+                  *counters, *job_args])
 
     def _counters(self, taken: int) -> dict[str, float]:
         """Running totals including the batch being written, and the host time by stage."""

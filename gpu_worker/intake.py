@@ -35,7 +35,8 @@ class InHand:
     """A batch from the moment it was taken to the moment its results are written.
 
     `taken` counts every frame popped for it (answered, failed, expired or
-    skipped alike): they are acknowledged together once the batch is written."""
+    skipped alike): they are acknowledged together once the batch is written,
+    and their `taken_bytes` leave the waiting budget then (contract.budget)."""
     seq: int
     taken: int
     closed_by: str
@@ -48,6 +49,7 @@ class InHand:
     started_at: float = 0.0           # wall clock: its turn on the device began
     give_back: Sequence[memoryview] = ()   # triage could not reach Redis: these frames return to the list
     failed: list["Outcome"] = field(default_factory=list)   # triage failed otherwise: these jobs fail
+    taken_bytes: int = 0
 
 
 class Intake:
@@ -93,7 +95,8 @@ class Intake:
         in_hand = InHand(seq=seq, taken=len(batch), closed_by=batch.closed_by,
                          opened_at=batch.opened_at + offset, closed_at=batch.closed_at + offset,
                          running=[frame for frame, _ in running],
-                         popped_at=[popped + offset for _, popped in running])
+                         popped_at=[popped + offset for _, popped in running],
+                         taken_bytes=sum(len(item) for item in batch.items))
         if in_hand.running:
             with self.clock("stage"):
                 in_hand.staged = self.device.stage(in_hand.running)
@@ -102,7 +105,8 @@ class Intake:
     def unprepared(self, batch: Batch[memoryview], exc: Exception) -> InHand:
         """A batch whose triage failed, to be written in its turn all the same."""
         in_hand = InHand(seq=self.next_seq(), taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
-                         closed_at=time.time(), running=[], popped_at=[])
+                         closed_at=time.time(), running=[], popped_at=[],
+                         taken_bytes=sum(len(item) for item in batch.items))
         if isinstance(exc, redis.RedisError):
             in_hand.give_back = batch.items
         else:

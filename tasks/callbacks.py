@@ -29,6 +29,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import re
 import socket
 import threading
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 SIGNATURE_HEADER = "X-Signature"
 TIMESTAMP_HEADER = "X-Imgserve-Timestamp"
 JOB_ID_HEADER = "X-Imgserve-Job-Id"
+DELIVERY_ID_HEADER = "X-Imgserve-Delivery-Id"   # the same on every attempt of one job's callback
 
 _URL = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?"
@@ -241,21 +243,65 @@ def key_callback_secret(entry: Mapping[str, Any]) -> str | None:
     return secret
 
 
+def backoff_s(attempts: int, base_s: float, max_s: float, jitter: float, draw: float) -> float:
+    """The wait after `attempts` failed deliveries: base * 2**(attempts-1), at most max_s, scaled by a factor
+    within [1 - jitter, 1 + jitter] (`draw` in [0, 1) picks it)."""
+    plain = min(max_s, base_s * 2.0 ** max(0, attempts - 1))
+    return plain * (1.0 - jitter + 2.0 * jitter * draw)
+
+
+# KEYS[1] job hash, KEYS[2] the scheduled set, KEYS[3] the dead set; ARGV[1] the job id, ARGV[2] the callback
+# state (JSON), ARGV[3] 'scheduled' | 'dead' | '' (where the job id waits next), ARGV[4] its score, ARGV[5] the
+# least TTL the record must keep (a callback retried for hours needs its job). A job hash that expired meanwhile
+# is not recreated by a late write. Returns 1 written, 0 gone.
+_RECORD_STATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'callback', ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+if ARGV[3] == 'scheduled' then
+  redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[1])
+elseif ARGV[3] == 'dead' then
+  redis.call('ZADD', KEYS[3], tonumber(ARGV[4]), ARGV[1])
+end
+local keep = tonumber(ARGV[5])
+if keep > 0 and redis.call('TTL', KEYS[1]) < keep then redis.call('EXPIRE', KEYS[1], keep) end
+return 1
+"""
+
+
 class CallbackSender:
+    """One delivery attempt of a job's callback, and what happens after it: delivered; retried later (the job id
+    waits in the scheduled set, which the relays move back to the outbox when due: no Celery countdown, which
+    the Redis transport would hand out again after its visibility timeout); or given up, the dead letter.
+
+    Each attempt is recorded as `delivering` before the POST. The task is acknowledged only once it ran
+    (acks_late): a worker that dies in the middle, even right after the receiver answered, has the task given
+    back (tasks.liveness) and the callback is posted again, with the same X-Imgserve-Delivery-Id; the receiver
+    drops the repeat (the README's receiver does, by job id and status). It never stays `pending`."""
+
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.service_settings = settings
         self.settings = settings.callbacks
+        self.ttl_s = settings.jobs.ttl_s
         self.redis = client
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
-        self._set_if_exists = client.register_script(
-            "if redis.call('EXISTS', KEYS[1]) == 1 then return redis.call('HSET', KEYS[1], ARGV[1], ARGV[2]) end")
+        self._record_state = client.register_script(_RECORD_STATE)
 
-    def deliver(self, job_id: str, attempt: int) -> str:
-        """One attempt; raises DeliveryFailed for the task to retry."""
+    def deliver(self, job_id: str) -> str:
+        """One attempt: 'delivered', 'retrying', 'failed' (given up), or 'gone' (no job, no callback)."""
         record = self.store.load(job_id)
         if record is None or not record.get("callback_url"):
             return "gone"
+        state = dict(record.get("callback") or {})
+        if state.get("status") == "delivered":
+            return "delivered before"   # a task given back after the delivery was recorded
+        attempts = int(state.get("attempts", 0)) + 1
+        first_at = float(state.get("first_at") or time.time())
+        delivery_id = state.get("delivery_id") or f"{job_id}.{record.get('status')}"
+        base = {"attempts": attempts, "first_at": first_at, "delivery_id": delivery_id}
+        self._record(job_id, {**base, "status": "delivering", "last_error": state.get("last_error")})
         body = json.dumps(job_document(record), separators=(",", ":")).encode()
         timestamp = str(int(time.time()))
         try:
@@ -263,33 +309,50 @@ class CallbackSender:
             if not secret:
                 raise CallbackRefused("no callback secret is configured for this job's API key")
             target = resolve_callback_url(record["callback_url"], self.settings.allow_hosts)
-            self._post(target, job_id, body, timestamp, secret)
+            self._post(target, job_id, body, timestamp, secret, delivery_id)
         except (CallbackRefused, DeliveryFailed, SettingsError) as exc:
-            final = attempt + 1 >= self.settings.max_attempts or not isinstance(exc, DeliveryFailed)
-            self._record(job_id, "failed" if final else "retrying", attempt + 1, str(exc)[:300])
-            if final:
-                return "failed"
-            raise DeliveryFailed(str(exc)) from exc
-        self._record(job_id, "delivered", attempt + 1, None)
+            return self._failed(job_id, base, str(exc)[:300], retry=isinstance(exc, DeliveryFailed))
+        self._record(job_id, {**base, "status": "delivered", "last_error": None})
         return "delivered"
 
-    def _post(self, target: CallbackTarget, job_id: str, body: bytes, timestamp: str, secret: str) -> None:
+    def _failed(self, job_id: str, base: dict[str, Any], error: str, retry: bool) -> str:
+        now = time.time()
+        attempts = int(base["attempts"])
+        within = now - float(base["first_at"]) < self.settings.retry_for_s
+        if retry and attempts < self.settings.max_attempts and within:
+            wait = backoff_s(attempts, self.settings.backoff_base_s, self.settings.backoff_max_s,
+                             self.settings.jitter, random.random())
+            self._record(job_id, {**base, "status": "retrying", "last_error": error, "next_attempt_at": now + wait},
+                         place="scheduled", score=now + wait, keep_s=int(wait) + self.ttl_s)
+            return "retrying"
+        self._record(job_id, {**base, "status": "failed", "last_error": error}, place="dead", score=now,
+                     keep_s=self.ttl_s)
+        return "failed"
+
+    def _post(self, target: CallbackTarget, job_id: str, body: bytes, timestamp: str, secret: str,
+              delivery_id: str) -> None:
         headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp, JOB_ID_HEADER: job_id,
-                   SIGNATURE_HEADER: sign(secret, timestamp, job_id, body)}
+                   DELIVERY_ID_HEADER: delivery_id, SIGNATURE_HEADER: sign(secret, timestamp, job_id, body)}
         status = post_to(target, body, headers, self.settings.timeout_s, self.settings.max_response_bytes)
         if not 200 <= status < 300:
             raise DeliveryFailed(f"receiver answered {status}")
 
-    def _record(self, job_id: str, status: str, attempts: int, error: str | None) -> None:
-        """The delivery's state on the job, in one step: a job hash that expired meanwhile is not
-        recreated (without its TTL) by a late write."""
-        state: dict[str, Any] = {"status": status, "attempts": attempts, "last_error": error}
-        self._set_if_exists(keys=[self.keys.job(job_id)], args=["callback", json.dumps(state)])
+    def _record(self, job_id: str, state: dict[str, Any], place: str = "", score: float = 0.0,
+                keep_s: int = 0) -> None:
+        """The delivery's state on the job and where the job id waits next, in one step."""
+        self._record_state(keys=[self.keys.job(job_id), self.keys.callback_scheduled, self.keys.callback_dead],
+                           args=[job_id, json.dumps(state), place, score, keep_s])
 
 
-# KEYS[1] outbox, KEYS[2] relaying (zset); ARGV[1] now, ARGV[2] taken before this is stale.
-# Entries a dead relay held go back first; then one entry moves from the outbox to `relaying`.
+# KEYS[1] outbox, KEYS[2] relaying (zset), KEYS[3] scheduled (zset); ARGV[1] now, ARGV[2] taken before this
+# is stale. Retries that are due and entries a dead relay held go to the outbox first; then one entry moves
+# from the outbox to `relaying`.
 _TAKE_FROM_OUTBOX = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1], 'LIMIT', 0, 100)
+for _, job_id in ipairs(due) do
+  redis.call('ZREM', KEYS[3], job_id)
+  redis.call('RPUSH', KEYS[1], job_id)
+end
 local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
 for _, job_id in ipairs(stale) do
   redis.call('ZREM', KEYS[2], job_id)
@@ -305,14 +368,15 @@ RELAY_STALE_AFTER_S = 60.0
 
 
 def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], limit: int = 100) -> int:
-    """Hand ended jobs' callbacks to Celery. Each entry moves to `relaying` in the step that takes it and
-    leaves it only once Celery has the task: a failed send puts it back at the outbox's head, and one whose
-    relay died is taken again after RELAY_STALE_AFTER_S. Nothing is lost."""
+    """Hand ended jobs' callbacks, and retries that are due, to Celery. Each entry moves to `relaying` in the
+    step that takes it and leaves it only once Celery has the task: a failed send puts it back at the outbox's
+    head, and one whose relay died is taken again after RELAY_STALE_AFTER_S. Nothing is lost."""
     take = client.register_script(_TAKE_FROM_OUTBOX)
     sent = 0
     while sent < limit:
         now = time.time()
-        job_id = take(keys=[keys.callback_outbox, keys.callback_relaying], args=[now, now - RELAY_STALE_AFTER_S])
+        job_id = take(keys=[keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
+                      args=[now, now - RELAY_STALE_AFTER_S])
         if job_id is None:
             break
         try:

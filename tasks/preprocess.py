@@ -87,7 +87,13 @@ class Preprocessor:
             pushed_at = time.time()
             tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
-            outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried, claim)
+            try:
+                outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried, claim)
+            except redis.exceptions.OutOfMemoryError:
+                # Redis at its maxmemory refuses the push: the frame waits here, as for room on a full list.
+                if not self._wait_for_memory(job_id, record):
+                    return "expired"
+                continue
             if outcome == jobs.PUSHED:
                 return "pushed"
             if outcome == jobs.JOB_OVER:
@@ -105,6 +111,21 @@ class Preprocessor:
             time.sleep(self.settings.backpressure.room_poll_s)
             if self.store.frame_list_has_room(model_key, limit):
                 return True
+
+
+    def _wait_for_memory(self, job_id: str, record: jobs.JobRecord) -> bool:
+        """A pause before the push is tried again; False (the job ended expired) once its deadline passed."""
+        if time.time() + OOM_RETRY_S > record["deadline_at"]:
+            try:
+                self.store.expire(job_id, "while the job store was full")
+            except redis.RedisError:
+                pass   # the sweeper ends it at its deadline
+            return False
+        time.sleep(OOM_RETRY_S)
+        return True
+
+
+OOM_RETRY_S = 0.5   # a CPU worker whose push Redis refused for memory tries again after this
 
 
 def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:

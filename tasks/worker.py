@@ -23,7 +23,7 @@ from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import load_settings
-from tasks.callbacks import CallbackSender, DeliveryFailed, OutboxRelay
+from tasks.callbacks import CallbackSender, OutboxRelay
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
 from tasks.event_batching import batch_task_events
 from tasks.full_lists import pause_while_full
@@ -119,15 +119,14 @@ def preprocess(job_id: str) -> str:
 _sender: CallbackSender | None = None
 
 
-# Not acks_late: a delivery is retried only when it failed, never re-run after a crash (at most once).
-@app.task(name=CALLBACK_TASK, bind=True, acks_late=False, max_retries=None)
-def deliver_callback(self, job_id: str) -> str:
+# acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback is
+# posted again with the same delivery id (at least once; receivers drop repeats). Retries are not Celery's:
+# the sender schedules them in Redis (tasks.callbacks.CallbackSender).
+@app.task(name=CALLBACK_TASK, acks_late=True, reject_on_worker_lost=True)
+def deliver_callback(job_id: str) -> str:
     global _sender
     if _sender is None:
         _sender = CallbackSender(settings, connect(settings, socket_timeout=10.0))
-    try:
-        outcome = _sender.deliver(job_id, self.request.retries)
-    except DeliveryFailed as exc:
-        raise self.retry(countdown=settings.callbacks.backoff_base_s * 2 ** self.request.retries, exc=exc)
+    outcome = _sender.deliver(job_id)
     log.info("callback %s", outcome, extra={"job_id": job_id, "outcome": outcome})
     return outcome

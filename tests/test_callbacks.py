@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import socket
 import threading
 import time
@@ -217,6 +218,88 @@ def test_a_failing_receiver_is_retried_with_backoff(stack):
 
 
 @pytest.mark.integration
+def test_a_receiver_away_is_retried_until_it_is_back_and_a_dead_letter_can_be_sent_again(stack):
+    """Attempts keep coming with backoff while the receiver fails (the stack gives a callback 3 attempts, 0.2 s
+    apart at first); past them the callback is the dead letter, and POST /v1/jobs/<id>/callback sends it again
+    with the same delivery id."""
+    receiver = Receiver(failures=10**6)
+    try:
+        job_id = stack.submit_ok(jpeg(320, 240), callback_url=receiver.url)
+        dead = wait_until(lambda: (d := stack.job(job_id)).get("callback", {}).get("status") == "failed" and d,
+                          60, what="the callback to be given up")
+        assert dead["callback"]["attempts"] == 3 and "500" in dead["callback"]["last_error"]
+        assert stack.redis.zscore(stack.keys.callback_dead, job_id) is not None
+        receiver.failures = 0                                 # the receiver is back
+        again = stack.session.post(stack.url(f"/v1/jobs/{job_id}/callback"), timeout=10)
+        assert again.status_code == 202 and again.json()["callback"]["status"] == "pending"
+        doc = wait_until(lambda: (d := stack.job(job_id))["callback"]["status"] == "delivered" and d, 30,
+                         what="the redelivered callback")
+    finally:
+        receiver.stop()
+    assert doc["callback"]["attempts"] == 1 and stack.redis.zscore(stack.keys.callback_dead, job_id) is None
+    ids = {call["headers"]["X-Imgserve-Delivery-Id"] for call in receiver.calls}
+    assert len(receiver.calls) == 4 and ids == {f"{job_id}.succeeded"}     # one id for every attempt
+    no_callback = stack.submit_ok(jpeg(64, 64))
+    stack.wait_terminal(no_callback)
+    assert stack.session.post(stack.url(f"/v1/jobs/{no_callback}/callback"), timeout=10).status_code == 409
+
+
+@pytest.mark.integration
+def test_every_dead_letter_can_be_sent_again_at_once(stack):
+    receiver = Receiver(failures=10**6)
+    try:
+        jobs_ = [stack.submit_ok(jpeg(64, 64, seed=i), callback_url=receiver.url) for i in range(2)]
+        for job_id in jobs_:
+            wait_until(lambda: stack.job(job_id).get("callback", {}).get("status") == "failed", 60,
+                       what="the callbacks to be given up")
+        receiver.failures = 0
+        answer = stack.session.post(stack.url("/v1/callbacks/redeliver"), timeout=10)
+        assert answer.status_code == 200 and answer.json()["redelivered"] >= 2
+        for job_id in jobs_:
+            wait_until(lambda: stack.job(job_id)["callback"]["status"] == "delivered", 30, what="redelivery")
+    finally:
+        receiver.stop()
+
+
+@pytest.mark.integration
+def test_a_callback_worker_killed_during_a_delivery_has_it_sent_again_and_it_never_stays_pending(stack):
+    """The receiver holds the first POST; the callback worker is SIGKILLed meanwhile. Its task is given back once
+    its heartbeat lapses (tasks.liveness) and a new worker delivers, with the same delivery id."""
+    import signal
+
+    from bench.processes import ManagedProcess, celery_argv
+
+    hold = threading.Event()
+    receiver = Receiver()
+    original = receiver.server.RequestHandlerClass.do_POST
+
+    def held_post(handler):
+        if not receiver.calls:
+            hold.wait(30)
+        original(handler)
+    receiver.server.RequestHandlerClass.do_POST = held_post
+    worker = stack.callback_worker
+    try:
+        job_id = stack.submit_ok(jpeg(64, 64), callback_url=receiver.url)
+        wait_until(lambda: stack.job(job_id).get("callback", {}).get("status") == "delivering", 30,
+                   what="the delivery to start")
+        os.killpg(worker.process.pid, signal.SIGKILL)
+        worker.stop()
+        hold.set()
+        stack.callback_worker = ManagedProcess(
+            "callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "-c", "4", "--without-gossip",
+                                           "--without-mingle", "--loglevel", "INFO"), stack.env, stack.log_dir)
+        doc = wait_until(lambda: (d := stack.job(job_id))["callback"]["status"] == "delivered" and d, 60,
+                         what="the delivery to be made again by another worker")
+    finally:
+        hold.set()
+        receiver.stop()
+    assert doc["callback"]["attempts"] == 2
+    ids = [call["headers"]["X-Imgserve-Delivery-Id"] for call in receiver.calls]
+    assert len(ids) == 2 and len(set(ids)) == 1                 # the receiver can tell the repeat
+
+
+@pytest.mark.integration
 def test_unsafe_callback_url_is_400_at_submit(stack):
     response = stack.submit(jpeg(64, 64), callback_url="http://169.254.169.254/latest/meta-data")
     assert response.status_code == 400
@@ -259,7 +342,7 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
                                                                    "callback_url": receiver.url, "received_at": 1.0})
             store.finish(job_id, SUCCEEDED, {"result": {"detections": [], "image": {"width": 1, "height": 1},
                                                         "model": {"name": "m", "version": "1"}}})
-            outcomes[owner] = sender.deliver(job_id, 0)
+            outcomes[owner] = sender.deliver(job_id)
     finally:
         receiver.stop()
     assert outcomes == {"team-a": "delivered", "team-b": "delivered", "team-c": "failed"}
@@ -338,5 +421,27 @@ def test_a_late_delivery_record_does_not_recreate_an_expired_job(redis_client):
 
     settings = dataclasses.replace(load_settings(), namespace="late-record")
     sender = CallbackSender(settings, redis_client)
-    sender._record("f" * 32, "delivered", 1, None)
+    sender._record("f" * 32, {"status": "delivered", "attempts": 1, "last_error": None})
     assert not redis_client.exists(sender.keys.job("f" * 32))
+
+
+def test_the_wait_between_attempts_doubles_to_its_cap_within_its_jitter():
+    from tasks.callbacks import backoff_s
+
+    plain = [backoff_s(n, 1.0, 3600.0, 0.0, 0.5) for n in range(1, 15)]
+    assert plain[:4] == [1.0, 2.0, 4.0, 8.0] and plain[-1] == 3600.0 and max(plain) == 3600.0
+    assert backoff_s(3, 1.0, 3600.0, 0.2, 0.0) == pytest.approx(3.2)        # 4 s, 20% early
+    assert backoff_s(3, 1.0, 3600.0, 0.2, 0.999999) == pytest.approx(4.8)   # 4 s, 20% late
+    total = sum(backoff_s(n, 1.0, 3600.0, 0.0, 0.5) for n in range(1, 24))   # the defaults: 23 waits
+    assert 12 * 3600 < total < 24 * 3600                                      # retried for most of a day
+
+
+def test_a_retry_is_scheduled_in_redis_and_the_relay_hands_it_over_when_due(redis_client):
+    from tasks.callbacks import relay_outbox
+
+    keys = Keys("scheduled")
+    now = time.time()
+    redis_client.zadd(keys.callback_scheduled, {"due": now - 1, "later": now + 60})
+    sent: list[str] = []
+    relay_outbox(redis_client, keys, sent.append)
+    assert sent == ["due"] and redis_client.zrange(keys.callback_scheduled, 0, -1) == [b"later"]

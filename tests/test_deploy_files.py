@@ -135,6 +135,7 @@ def test_compose_file_is_valid_and_has_every_service(compose):
 
 def test_compose_redis_keeps_an_append_only_file(compose):
     assert "--appendonly yes" in " ".join(compose["services"]["redis"]["command"])
+    assert "--maxmemory-policy noeviction" in " ".join(compose["services"]["redis"]["command"])   # never evicts jobs
 
 
 def test_compose_gpu_worker_reserves_an_nvidia_device(compose):

@@ -181,7 +181,10 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     finally:
         stack.start_gpu_worker()
     assert refused and all(r.status_code == 429 for r in refused)
-    assert all(r.headers["Retry-After"] == str(limits.retry_after_s) for r in refused)
+    # Retry-After says how long the backlog takes to drain: with no GPU worker answering, the longest.
+    from app.admission import MAX_RETRY_AFTER_S
+    assert all(limits.retry_after_s <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S for r in refused)
+    assert int(refused[-1].headers["Retry-After"]) == MAX_RETRY_AFTER_S
     assert refused[0].json()["type"] == "/problems/overloaded"
     assert longest <= limits.max_frames
     docs = [stack.wait_terminal(j, timeout_s=90) for j in accepted]
