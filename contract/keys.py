@@ -93,6 +93,11 @@ class Keys:
         """String with a TTL: a GPU worker's self-description while it lives."""
         return f"{self.namespace}:gpu:{worker_id}:heartbeat"
 
+    def gpu_epoch(self, worker_id: str) -> str:
+        """String: a GPU worker's current life (a token). Deleted when another worker reaps its frames, so a
+        worker that was only paused finds it gone and writes nothing more (gpu_worker.liveness)."""
+        return f"{self.namespace}:gpu:{worker_id}:epoch"
+
     def gpu_counters(self, worker_id: str) -> str:
         """Hash: a GPU worker's running totals (device seconds, frames, batches), updated every batch."""
         return f"{self.namespace}:gpu:{worker_id}:counters"

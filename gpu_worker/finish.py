@@ -28,11 +28,15 @@ from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")
 
-# KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4..] job hashes;
-# ARGV[1..4] JobStore.finish_names(), ARGV[5] frames to acknowledge (the oldest in hand), ARGV[6] their bytes,
-# ARGV[7] their model, ARGV[8] the count of counter field and value arguments, then those, then the jobs' (see
-# FINISH_JOBS_LUA).
+# KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5..]
+# job hashes; ARGV[1..4] JobStore.finish_names(), ARGV[5] frames to acknowledge (the oldest in hand), ARGV[6]
+# their bytes, ARGV[7] their model, ARGV[8] the count of counter field and value arguments, ARGV[9] the epoch
+# the batch was taken in ('' : unfenced), then the counters, then the jobs' (see FINISH_JOBS_LUA). Returns the
+# jobs ended, or -1 (nothing written) when the epoch is no longer the worker's.
 _WRITE_BATCH = jobs.FINISH_JOBS_LUA + """
+if ARGV[9] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[9] then
+  return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.liveness)
+end
 local names = finish_names(KEYS[1], 1)
 local acked, acked_bytes, model, counters = tonumber(ARGV[5]), ARGV[6], ARGV[7], tonumber(ARGV[8])
 if acked > 0 then
@@ -40,9 +44,9 @@ if acked > 0 then
   release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
 end
 if counters > 0 then
-  redis.call('HSET', KEYS[3], unpack(ARGV, 9, 8 + counters))
+  redis.call('HSET', KEYS[3], unpack(ARGV, 10, 9 + counters))
 end
-return finish_jobs(names, 4, 9 + counters)
+return finish_jobs(names, 5, 10 + counters)
 """
 
 
@@ -171,11 +175,14 @@ class Finisher:
     def _write(self, batch: InHand, outcomes: list[Outcome]) -> None:
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         job_keys, job_args = self.store.finish_arguments(outcomes)
-        self._write_batch(
-            keys=[self.keys.callback_outbox, self.processing_key,
-                  self.keys.gpu_counters(self.worker_id), *job_keys],
+        written = self._write_batch(
+            keys=[self.keys.callback_outbox, self.processing_key, self.keys.gpu_counters(self.worker_id),
+                  self.keys.gpu_epoch(self.worker_id), *job_keys],
             args=[*self.store.finish_names(), batch.taken, batch.taken_bytes, self.spec.key, len(counters),
-                  *counters, *job_args])
+                  batch.epoch, *counters, *job_args])
+        if written == -1:
+            log.warning("batch %d not written: this worker was presumed dead and its frames given to others",
+                        batch.seq, extra={"batch": f"{self.worker_id}:{batch.seq}"})
 
     def _counters(self, taken: int) -> dict[str, float]:
         """Running totals including the batch being written, and the host time by stage."""

@@ -50,13 +50,15 @@ class InHand:
     give_back: Sequence[memoryview] = ()   # triage could not reach Redis: these frames return to the list
     failed: list["Outcome"] = field(default_factory=list)   # triage failed otherwise: these jobs fail
     taken_bytes: int = 0
+    epoch: str = ""                   # the worker's life it was taken in: written only while that lasts
 
 
 class Intake:
     def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, source: RedisFrameSource,
                  device: Device, clock: StageClock, hold_open: Callable[[], bool],
                  next_seq: Callable[[], int] | None = None,
-                 wait_held: Callable[[float], None] | None = None) -> None:
+                 wait_held: Callable[[float], None] | None = None,
+                 epoch: Callable[[], str] = lambda: "") -> None:
         batching = settings.batching
         self.model_labels = (device.spec.name, device.spec.version)
         self.redis = client
@@ -71,6 +73,7 @@ class Intake:
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
             age_of=_frame_age, hold_open=hold_open, held_poll_s=batching.held_poll_ms / 1000.0,
             wait_held=wait_held)
+        self.epoch = epoch   # the worker's life now (gpu_worker.liveness): a batch is written only in its own
         self.seq = 0
         # Batch numbers are the worker's, shared by the models it serves (a batch id is worker:seq).
         self.next_seq = next_seq or self._own_seq
@@ -79,12 +82,15 @@ class Intake:
         self.seq += 1
         return self.seq
 
-    def collect(self) -> Batch[memoryview] | None:
-        """The next batch of frames as popped; None when the list stayed empty."""
+    def collect(self) -> tuple[Batch[memoryview], str] | None:
+        """The next batch of frames as popped, and the worker's epoch when it began to pop them; None when the
+        list stayed empty."""
+        epoch = self.epoch()
         with self.clock("pop"):
-            return self.collector.collect(self.source)
+            batch = self.collector.collect(self.source)
+        return (batch, epoch) if batch is not None else None
 
-    def prepare(self, batch: Batch[memoryview]) -> InHand:
+    def prepare(self, batch: Batch[memoryview], epoch: str = "") -> InHand:
         """The batch triaged, and its running frames staged."""
         seq = self.next_seq()
         offset = time.time() - time.monotonic()
@@ -96,17 +102,17 @@ class Intake:
                          opened_at=batch.opened_at + offset, closed_at=batch.closed_at + offset,
                          running=[frame for frame, _ in running],
                          popped_at=[popped + offset for _, popped in running],
-                         taken_bytes=sum(len(item) for item in batch.items))
+                         taken_bytes=sum(len(item) for item in batch.items), epoch=epoch)
         if in_hand.running:
             with self.clock("stage"):
                 in_hand.staged = self.device.stage(in_hand.running)
         return in_hand
 
-    def unprepared(self, batch: Batch[memoryview], exc: Exception) -> InHand:
+    def unprepared(self, batch: Batch[memoryview], exc: Exception, epoch: str = "") -> InHand:
         """A batch whose triage failed, to be written in its turn all the same."""
         in_hand = InHand(seq=self.next_seq(), taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
                          closed_at=time.time(), running=[], popped_at=[],
-                         taken_bytes=sum(len(item) for item in batch.items))
+                         taken_bytes=sum(len(item) for item in batch.items), epoch=epoch)
         if isinstance(exc, redis.RedisError):
             in_hand.give_back = batch.items
         else:

@@ -109,7 +109,7 @@ class Lane:
     finisher: Finisher
     clock: StageClock
     recent: RecentStats
-    to_stage: Handoff[Batch[memoryview]] = field(default_factory=lambda: Handoff(1))
+    to_stage: Handoff[tuple[Batch[memoryview], str]] = field(default_factory=lambda: Handoff(1))   # and its epoch
     staging: bool = False
     unanswered: int = 0
     answered: threading.Condition = field(default_factory=threading.Condition)

@@ -5,6 +5,15 @@ score in the registry). It withholds the beat when its collect loop has
 stalled, so a hung worker stops looking ready. On each beat it requeues the
 frames of workers whose heartbeat expired (they died holding them); at start
 it requeues the frames a previous life of itself left behind.
+
+Fencing. Each life of a worker has an epoch (a token in Redis) that a reaper
+deletes with the frames it takes back. A worker that was only paused past its
+TTL (SIGSTOP, a stalled VM) and wakes up finds its epoch gone at its next beat:
+it is `presumed_dead`, computes and writes nothing more (its batch write checks
+the epoch in the same step), gives back what it took since, and exits for its
+supervisor to start it again. Until a beat confirms its epoch after a silence
+longer than the TTL, it computes nothing (`current`): the frames may be
+another worker's by now.
 """
 from __future__ import annotations
 
@@ -13,6 +22,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from typing import Any, Callable
 
 import redis
@@ -27,6 +37,19 @@ from gpu_worker.source import requeue_frames_of
 log = logging.getLogger("gpu_worker")
 
 
+# KEYS[1] the worker's epoch, KEYS[2] its heartbeat, KEYS[3] the registry; ARGV[1] its epoch, ARGV[2] the
+# heartbeat's text ('' withholds it: the loop stalled), ARGV[3] its TTL (ms), ARGV[4] the worker id, ARGV[5] now.
+# 0 when the epoch is not this life's any more (a reaper took its frames), else 1.
+_BEAT = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+if ARGV[2] ~= '' then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', tonumber(ARGV[3]))
+  redis.call('ZADD', KEYS[3], tonumber(ARGV[5]), ARGV[4])
+end
+return 1
+"""
+
+
 class WorkerIdInUse(RuntimeError):
     """Another live process serves under this worker id."""
 
@@ -34,7 +57,7 @@ class WorkerIdInUse(RuntimeError):
 class Liveness:
     def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, worker_id: str,
                  describe: Callable[[], Heartbeat], last_progress: Callable[[], float],
-                 busy_fraction: Callable[[], float]) -> None:
+                 busy_fraction: Callable[[], float], on_presumed_dead: Callable[[], None] = lambda: None) -> None:
         self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
         # Every model configured, not only those this worker serves: a dead worker (or this one's previous
         # life) may have served others.
@@ -45,6 +68,21 @@ class Liveness:
         self.describe = describe
         self.last_progress = last_progress
         self.busy_fraction = busy_fraction   # the GPU busy gauge is set here, off the batches' path
+        self.on_presumed_dead = on_presumed_dead
+        self.epoch = ""
+        self.presumed_dead = False
+        self.confirmed_at = time.monotonic()   # the last time a beat found this life's epoch in Redis
+        self._beat = client.register_script(_BEAT)
+
+    def begin_epoch(self) -> None:
+        """A new life: its epoch, after the frames a previous one left were given back."""
+        self.epoch = uuid.uuid4().hex
+        self.redis.set(self.keys.gpu_epoch(self.worker_id), self.epoch)
+        self.confirmed_at = time.monotonic()
+
+    def current(self) -> bool:
+        """Whether this life is still the worker's as far as it knows: confirmed within the TTL, not reaped."""
+        return not self.presumed_dead and time.monotonic() - self.confirmed_at < self.ttl_s
 
     def claim(self, pid: int) -> None:
         """Refuse to serve beside a live worker of the same id: the two would requeue each other's frames
@@ -90,15 +128,23 @@ class Liveness:
             stopping.wait(self.ttl_s / 3.0)
 
     def beat(self) -> None:
-        """Publish that this worker lives, unless its loop has stalled."""
+        """Publish that this worker lives (unless its loop has stalled), if its epoch is still there."""
         stall_limit = max(60.0, self.ttl_s * 6)
-        if time.monotonic() - self.last_progress() > stall_limit:
+        stalled = time.monotonic() - self.last_progress() > stall_limit
+        if stalled:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
-            return
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.set(self.keys.heartbeat(self.worker_id), self.describe().to_redis(), px=int(self.ttl_s * 1000))
-        pipe.zadd(self.keys.gpu_workers, {self.worker_id: time.time()})
-        pipe.execute()
+        asked_at = time.monotonic()
+        alive = self._beat(keys=[self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id),
+                                 self.keys.gpu_workers],
+                           args=[self.epoch, "" if stalled else self.describe().to_redis(), int(self.ttl_s * 1000),
+                                 self.worker_id, time.time()])
+        if alive:
+            self.confirmed_at = asked_at
+        elif not self.presumed_dead:
+            self.presumed_dead = True
+            log.error("this worker was presumed dead (silent past its heartbeat's %g s) and its frames were given "
+                      "to others: it computes and writes nothing more, and stops", self.ttl_s)
+            self.on_presumed_dead()
 
     def requeue_own_frames(self, died: bool = True, model_keys: list[str] | None = None) -> int:
         """Frames this worker took but never answered go back first in line (of every model, or of
@@ -153,7 +199,7 @@ class Liveness:
 
     def leave(self) -> None:
         try:
-            self.redis.delete(self.keys.heartbeat(self.worker_id))
+            self.redis.delete(self.keys.heartbeat(self.worker_id), self.keys.gpu_epoch(self.worker_id))
             self.redis.zrem(self.keys.gpu_workers, self.worker_id)
         except redis.RedisError:
             pass

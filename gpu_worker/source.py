@@ -24,11 +24,15 @@ from contract.replies import PayloadReader
 # Give a worker's unanswered frames back to their models' lists, oldest first in line, and (when
 # ARGV[3] is 1: its worker died holding them) count one more attempt on each job. KEYS[1] the worker's
 # heartbeat (if it lives, nothing is touched; '' when the worker gives back its own), KEYS[2] the worker
-# registry, then per model its processing list and its frame list; ARGV[1] job key prefix, ARGV[2] worker id.
-# Atomic, so two reapers never both requeue.
+# registry, KEYS[3] the worker's epoch (deleted when reaping: a worker that was only paused finds it gone and
+# writes nothing), then per model its processing list and its frame list; ARGV[1] job key prefix, ARGV[2]
+# worker id. Atomic, so two reapers never both requeue.
 _REQUEUE = """
 if KEYS[1] ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then
   return -1
+end
+if KEYS[1] ~= '' then
+  redis.call('DEL', KEYS[3])
 end
 local function count_attempt(frame)
   local ok, header = pcall(function()
@@ -43,7 +47,7 @@ local function count_attempt(frame)
   end
 end
 local moved = 0
-for k = 3, #KEYS, 2 do
+for k = 4, #KEYS, 2 do
   while true do
     local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
     if not frame then break end
@@ -67,7 +71,7 @@ def requeue_frames_of(client: redis.Redis, keys: Keys, worker_id: str, model_key
     script = client.register_script(_REQUEUE)
     heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
     lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    return int(script(keys=[heartbeat, keys.gpu_workers, *lists],
+    return int(script(keys=[heartbeat, keys.gpu_workers, keys.gpu_epoch(worker_id), *lists],
                       args=[keys.job(""), worker_id, "1" if count_attempt else "0"]))
 
 

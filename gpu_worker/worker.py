@@ -59,6 +59,7 @@ from gpu_worker.stats import BusyMeter, RecentStats
 log = logging.getLogger("gpu_worker")
 
 EXIT_DEVICE_LOST = 3
+EXIT_PRESUMED_DEAD = 4   # paused past its heartbeat, its frames given to others: its supervisor starts it again
 # Python hands the GIL over every 5 ms by default; a device thread waking from a 6 ms batch would
 # then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
 # bounds that wait at a small cost in switches.
@@ -95,7 +96,7 @@ class GpuWorker:
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
         self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
         self.liveness = Liveness(settings, client, self.keys, worker_id, self.describe, lambda: self.last_progress,
-                                 self.busy.fraction)
+                                 self.busy.fraction, on_presumed_dead=self.stopping.set)
         self.started_at = time.time()
         self.last_progress = time.monotonic()
 
@@ -104,7 +105,8 @@ class GpuWorker:
         source = RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
         intake = Intake(self.settings, self.redis, self.store, source, device, clock,
                         hold_open=lambda: self._lane_has_work_ahead(index), next_seq=lambda: next(self._seq),
-                        wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s))
+                        wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s),
+                        epoch=lambda: self.liveness.epoch)
         finisher = Finisher(self.settings, self.redis, self.store, self.keys, self.worker_id, device.spec, clock,
                             self.busy, self.recent, retry=self._retry_until_redis_answers, model_recent=recent,
                             counters=lambda: combined_counters([lane.clock for lane in self.lanes]))
@@ -120,6 +122,7 @@ class GpuWorker:
         self._retry_until_redis_answers(lambda: self.liveness.claim(os.getpid()))
         self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
+        self._retry_until_redis_answers(self.liveness.begin_epoch)
         self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(
             self.settings.model.key))
         self._retry_until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
@@ -137,13 +140,17 @@ class GpuWorker:
         finally:
             for thread in threads:
                 thread.join()
-            if self.device_lost:   # what the device did not finish goes back, counted as a death
+            if self.device_lost or self.liveness.presumed_dead:
+                # What it did not answer goes back: counted as a death when the device was lost; a paused worker's
+                # frames taken since it woke up were never anyone else's (the reaper's went back already).
                 self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(
-                    died=True, model_keys=[lane.spec.key for lane in self.lanes]))
+                    died=self.device_lost, model_keys=[lane.spec.key for lane in self.lanes]))
             if not self.redis_abandoned:
                 self.liveness.leave()
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
-        return EXIT_DEVICE_LOST if self.device_lost else 0
+        if self.device_lost:
+            return EXIT_DEVICE_LOST
+        return EXIT_PRESUMED_DEAD if self.liveness.presumed_dead else 0
 
     def warm_up(self) -> None:
         """Every batch size of every model through staging, the device and the documents before the first
@@ -175,19 +182,19 @@ class GpuWorker:
                 self.last_progress = time.monotonic()
                 if batch is not None:
                     lane.taken()
-                    lane.to_stage.put(batch)
+                    lane.to_stage.put(batch)   # (batch, the epoch it was taken in)
         finally:
             lane.to_stage.close()
 
     def _stage_loop(self, lane: Lane) -> None:
         try:
-            for batch in lane.to_stage:
+            for batch, epoch in lane.to_stage:
                 lane.staging = True
                 try:
-                    in_hand = lane.intake.prepare(batch)
+                    in_hand = lane.intake.prepare(batch, epoch)
                 except Exception as exc:   # still written in its turn, so the order of the acks holds
                     log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
-                    in_hand = lane.intake.unprepared(batch, exc)
+                    in_hand = lane.intake.unprepared(batch, exc, epoch)
                 finally:
                     lane.staging = False
                 self.to_device.put(lane.index, in_hand)
@@ -198,7 +205,10 @@ class GpuWorker:
         while (taken := self.to_device.take()) is not None:
             lane, batch = self.lanes[taken[0]], taken[1]
             try:
-                if self.device_lost:   # its frames stay in the processing list, given back at the exit
+                if batch.staged is not None and not self.device_lost:
+                    self._wait_until_current()
+                if self.device_lost or self.liveness.presumed_dead:
+                    # Its frames stay in the processing list, given back at the exit (or another's already).
                     if batch.staged is not None:
                         lane.device.discard(batch.staged)
                     lane.done()
@@ -212,6 +222,12 @@ class GpuWorker:
                 lane.ahead_changed.set()    # the lane's gathering batch may close now
             self.to_finish.put((lane, batch))
         self.to_finish.close()
+
+    def _wait_until_current(self) -> None:
+        """Nothing goes on the device while this worker has been silent past its heartbeat's TTL (a pause, Redis
+        away): its frames may be another worker's by now. The next beat says (gpu_worker.liveness)."""
+        while not self.liveness.current() and not self.liveness.presumed_dead and not self.stopping.is_set():
+            self.stopping.wait(0.02)
 
     def _run_on_device(self, lane: Lane, batch: InHand) -> bool:
         assert batch.staged is not None   # the caller runs only staged batches

@@ -261,7 +261,7 @@ def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 # Fixtures that start real processes (Redis, Celery, the GPU worker, gunicorn): a test using one is an
 # integration test whether or not its module says so; `make test-fast` runs the others.
 PROCESS_FIXTURES = {"redis_server", "redis_client", "stack", "gunicorn_api", "shapes_stack", "tight_stack",
-                    "own_redis_stack", "make_run", "full_store_stack"}
+                    "own_redis_stack", "make_run", "full_store_stack", "fencing_stack"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

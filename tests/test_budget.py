@@ -46,8 +46,9 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
     redis_client.lmove(keys.frames(MODEL), keys.processing("w", MODEL), "RIGHT", "LEFT")
     write = redis_client.register_script(_WRITE_BATCH)
     job_keys, job_args = store.finish_arguments([("a" * 32, jobs.SUCCEEDED, {"result": {"detections": []}})])
-    assert write(keys=[keys.callback_outbox, keys.processing("w", MODEL), keys.gpu_counters("w"), *job_keys],
-                 args=[*store.finish_names(), 1, 300, MODEL, 0, *job_args]) == 1
+    assert write(keys=[keys.callback_outbox, keys.processing("w", MODEL), keys.gpu_counters("w"),
+                       keys.gpu_epoch("w"), *job_keys],
+                 args=[*store.finish_names(), 1, 300, MODEL, 0, "", *job_args]) == 1
     assert waiting(redis_client, keys) == {MODEL: 0, budget.ALL: 0}
     assert redis_client.llen(keys.processing("w", MODEL)) == 0
 
