@@ -98,3 +98,27 @@ def test_bursts_of_large_uploads_stay_within_the_budget_and_nothing_accepted_is_
     assert stack.cpu_worker.alive() and stack.gpu_worker.alive()
     assert budget.WaitingBytes(client, stack.keys).waiting().get(budget.ALL, 0) == 0   # all given back
     assert server.process.poll() is None and client.info("stats")["rejected_connections"] == 0
+
+
+def test_a_store_near_its_maxmemory_is_said_to_be_full_with_no_exception_text(full_store_stack):
+    stack, server = full_store_stack
+    client = redis.Redis.from_url(server.url)
+    filler = b"x" * (1024 * 1024)
+    try:
+        for i in range(64):                                 # until Redis itself refuses writes
+            try:
+                client.set(f"filler:{i}", filler)
+            except redis.exceptions.OutOfMemoryError:
+                break
+        time.sleep(1.1)                                     # the API reads Redis's memory at most once a second
+        response = requests.post(stack.url("/v1/jobs"), data=encode(make_image(64, 48), "JPEG"),
+                                 headers={"Content-Type": "image/jpeg"}, timeout=30)
+        problem = response.json()
+        assert response.status_code == 503 and problem["type"] == "/problems/store-full"
+        assert problem["detail"] == "the job store is full; retry later"
+        assert 1 <= int(response.headers["Retry-After"]) <= 60
+        assert "Error" not in response.text and "Traceback" not in response.text
+    finally:
+        client.delete(*[f"filler:{i}" for i in range(64)])
+    time.sleep(1.1)
+    assert stack.submit(encode(make_image(64, 48), "JPEG")).status_code == 202   # room again: served again

@@ -378,3 +378,22 @@ def test_a_gpu_worker_told_to_stop_while_redis_is_away_stops(own_redis_stack):
         stack.start_gpu_worker()
     job_id = stack.submit_ok(jpeg(160, 120, seed=9))
     assert stack.wait_terminal(job_id, timeout_s=120)["status"] == "succeeded"
+
+
+def test_a_job_ends_expired_at_its_deadline_though_nobody_reads_it(stack):
+    """The CPU workers (and the API) sweep the deadline index: the job is over when its deadline passes,
+    not when someone next looks."""
+    from contract import jobs
+
+    store = stack.api.app.extensions["imgserve"].store
+    stack.stop_gpu_worker()
+    try:
+        job_id = stack.submit_ok(jpeg(64, 64), deadline_ms=1500)
+        deadline = store.load(job_id)["deadline_at"]
+        record = wait_until(lambda: (r := store.load(job_id))["status"] == jobs.EXPIRED and r, 10,
+                            interval_s=0.05, what="the job to expire unread")
+    finally:
+        stack.start_gpu_worker()
+    assert record["finished_at"] - deadline < 1.5          # within the sweep interval of its deadline
+    assert record["error"]["code"] == "deadline"
+    assert not stack.redis.exists(stack.keys.upload(job_id))
