@@ -93,11 +93,24 @@ def create_app(settings: Settings | None = None) -> Flask:
     def stamp_arrival() -> None:
         g.received_at = time.time()
 
+    @app.after_request
+    def guard_headers(response):
+        """No answer is read as anything but its type; the HTML page runs nothing and frames nowhere."""
+        response.headers["X-Content-Type-Options"] = "nosniff"
+        if response.mimetype == "text/html":
+            response.headers["Content-Security-Policy"] = HTML_POLICY
+            response.headers["X-Frame-Options"] = "DENY"
+            response.headers["Referrer-Policy"] = "no-referrer"
+        return response
+
     app.extensions["imgserve"].listener.start()
     return app
 
 
 SWEEP_EVERY_S = 1.0
+# /docs is one self-contained page: its own styles, no script, no frames, nothing fetched.
+HTML_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; "
+               "base-uri 'none'; form-action 'none'")
 UPLOAD_CONNECTIONS = 8    # per API process: uploads written at once (more wait for one, up to the connect timeout)
 
 

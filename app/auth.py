@@ -13,19 +13,24 @@ import hashlib
 import hmac
 import math
 import sys
-import time
 
 from flask import g, request
 
 from app.problems import Problem
 
-# KEYS[1] bucket hash; ARGV now (s), rate (tokens/s), burst. Returns {allowed, retry_after_ms}.
+# KEYS[1] bucket hash; ARGV rate (tokens/s), burst. Returns {allowed, retry_after_ms}. The time is Redis's own
+# (TIME), and the refill's mark never moves back: with each API process's clock, a request that ran later
+# with an earlier time moved it back, and the same interval refilled twice (75 requests let through
+# against a bound of 50, from 50 connections at once).
 _TAKE_TOKEN = """
-local now, rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
 local tokens = tonumber(state[1]) or burst
 local at = tonumber(state[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - at) * rate)
+if now < at then now = at end
+tokens = math.min(burst, tokens + (now - at) * rate)
 local allowed = 0
 if tokens >= 1 then
   tokens = tokens - 1
@@ -52,10 +57,21 @@ def install(app) -> None:
         settings = services.settings.auth
         if not request.path.startswith("/v1/") or not settings.api_keys:
             return
-        g.client_id = _client_for(request.headers.get("Authorization", ""), settings.api_keys)
+        try:
+            g.client_id = _client_for(request.headers.get("Authorization", ""), settings.api_keys)
+        except Problem:
+            # Each address may fail to authenticate only so often: 300 guesses ran at 480/s, all 401.
+            if settings.failed_per_s > 0:
+                allowed, retry_ms = take_token(keys=[services.keys.auth_failures(request.remote_addr or "-")],
+                                               args=[settings.failed_per_s, settings.failed_burst])
+                if not allowed:
+                    raise Problem(429, "too-many-failed-authentications", "Too many requests",
+                                  "this address failed to authenticate too often; retry later",
+                                  headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))}) from None
+            raise
         if settings.rate_per_s > 0:
             allowed, retry_ms = take_token(keys=[services.keys.rate_bucket(g.client_id)],
-                                           args=[time.time(), settings.rate_per_s, settings.burst])
+                                           args=[settings.rate_per_s, settings.burst])
             if not allowed:
                 raise Problem(429, "rate-limited", "Too many requests",
                               f"key {g.client_id!r} is over {settings.rate_per_s:g} requests/s",

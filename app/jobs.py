@@ -259,7 +259,8 @@ def _read_image(limit: int) -> tuple[bytes, str | None, MultiDict[str, str]]:
     """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
     the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
     app.multipart where it can (one slice per part), else by Werkzeug."""
-    body = read_whole_body(request.environ, limit)
+    api = current_app.extensions["imgserve"].settings.api
+    body = read_whole_body(request.environ, limit, api.body_timeout_s, api.body_min_rate)
     request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
     request.environ.pop("HTTP_TRANSFER_ENCODING", None)
     request.environ["wsgi.input_terminated"] = False

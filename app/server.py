@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 from gunicorn import util
 from gunicorn.workers.ggevent import GeventWorker
 
-_REFUSED_UNREAD = ("401", "413")
+_REFUSED_UNREAD = ("401", "408", "413")
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:
@@ -25,7 +25,7 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
     body = json.dumps({"type": f"/problems/{slug}", "title": reason, "status": status,
                        "detail": message or reason}).encode()
     head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/problem+json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode("latin-1")
+            f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
     util.write_nonblock(sock, head + body)
 
 

@@ -1,6 +1,9 @@
 """Validating a submission: the image bytes and the per-job options. Pure functions."""
 from __future__ import annotations
 
+import contextlib
+import socket
+import time
 from typing import Any, Iterable, Mapping, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -41,27 +44,36 @@ def declared_length(environ: dict[str, Any], limit: int) -> int | None:
     return expected
 
 
-def read_whole_body(environ: dict[str, Any], limit: int) -> bytes:
-    """The request body, all of it or a Problem: never a truncated one.
+def read_whole_body(environ: dict[str, Any], limit: int, timeout_s: float = 10.0, min_rate: float = 65536.0) -> bytes:
+    """The request body, all of it or a Problem: never a truncated one, and never a slow one.
 
     Read from the server's own input (so Content-Length and chunked bodies are
     read alike), at most limit + 1 bytes: more than `limit` is 413 whatever the
     framing said; fewer bytes than Content-Length promised (the client went
-    away) and broken chunked framing are 400.
+    away) and broken chunked framing are 400. Under gunicorn, the body must come
+    within `timeout_s` plus its size at `min_rate` bytes/s, and no read may wait
+    longer than `timeout_s`: else 408 (a client sending 1 byte a second held a
+    worker's greenlet and its connection for as long as it cared to).
     """
     expected = declared_length(environ, limit)
-    stream, parts, size = environ["wsgi.input"], [], 0
+    stream = environ["wsgi.input"]
     budget = expected if expected is not None else limit + 1
+    sock = environ.get("gunicorn.socket")
+    deadline = time.monotonic() + timeout_s + budget / max(1.0, min_rate)
+    prior = sock.gettimeout() if sock is not None else None
+    whole = _whole_read_bound(deadline - time.monotonic()) if sock is not None else contextlib.nullcontext()
     try:
-        while size < budget:
-            chunk = stream.read(min(_READ_CHUNK, budget - size))
-            if not chunk:
-                break
-            parts.append(chunk)
-            size += len(chunk)
+        with whole:   # gunicorn's reader loops over recv() until it has what was asked: bound all of it too
+            parts, size = _read_parts(stream, budget, sock, deadline, timeout_s)
+    except socket.timeout as exc:
+        raise Problem(408, "request-timeout", "Request Timeout",
+                      "the body came too slowly: not all of it in the time allowed") from exc
     except Exception as exc:   # the server's reader: broken chunked framing, a reset connection
         raise Problem(400, "malformed-body", "Malformed body",
                       f"the request body could not be read: {type(exc).__name__}") from exc
+    finally:
+        if sock is not None:
+            sock.settimeout(prior)
     if size > limit:
         raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
                       f"the upload exceeds the limit of {limit} bytes")
@@ -69,6 +81,36 @@ def read_whole_body(environ: dict[str, Any], limit: int) -> bytes:
         raise Problem(400, "truncated-body", "Truncated body",
                       f"the body ended after {size} of the {expected} bytes its Content-Length promised")
     return b"".join(parts)
+
+
+def _whole_read_bound(seconds: float) -> Any:
+    """In a gevent worker, a timeout that interrupts whatever read is blocking when the body's deadline passes;
+    elsewhere nothing (each recv() is bounded by the socket's timeout alone)."""
+    try:
+        from gevent import Timeout
+        from gevent.monkey import is_module_patched
+    except ImportError:
+        return contextlib.nullcontext()
+    if not is_module_patched("socket"):
+        return contextlib.nullcontext()
+    return Timeout(max(0.001, seconds), socket.timeout("the body's deadline passed"))
+
+
+def _read_parts(stream: Any, budget: int, sock: Any, deadline: float, timeout_s: float) -> tuple[list[bytes], int]:
+    parts: list[bytes] = []
+    size = 0
+    while size < budget:
+        if sock is not None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise socket.timeout("the body's deadline passed")
+            sock.settimeout(min(remaining, timeout_s))
+        chunk = stream.read(min(_READ_CHUNK, budget - size))
+        if not chunk:
+            break
+        parts.append(chunk)
+        size += len(chunk)
+    return parts, size
 
 
 def sniff_image_type(data: bytes) -> str | None:

@@ -4,6 +4,7 @@ baseline beside it. Both get the same model spec and device."""
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,7 +180,7 @@ class ProcfileStack:
         metrics_dir.mkdir(exist_ok=True)
         env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "IMGSERVE_API_BIND": f"127.0.0.1:{port}",
                **({"CPU_WORKERS": str(self.options.cpu_workers)} if self.options.cpu_workers else {}),
-               "FLOWER_PORT": str(free_port()),
+               "FLOWER_PORT": str(free_port()), "FLOWER_BASIC_AUTH": f"flower:{secrets.token_urlsafe(18)}",
                "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)

@@ -130,6 +130,10 @@ class Keys:
         """Sorted set: job ids whose callback was given up (the dead letter), scored by when."""
         return f"{self.namespace}:callbacks:dead"
 
+    def auth_failures(self, address: str) -> str:
+        """Hash: a client address's token bucket for failed authentications (a 401 takes one)."""
+        return f"{self.namespace}:auth_failures:{address}"
+
     def rate_bucket(self, client_id: str) -> str:
         """Hash: an API key's token bucket (tokens, last refill)."""
         return f"{self.namespace}:rate:{client_id}"

@@ -77,6 +77,10 @@ class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
     max_image_pixels: int = 80_000_000
     max_decoded_bytes: int = 256 * 1024 * 1024   # an image's pixels in memory, as Pillow holds them
+    # A progressive JPEG is decoded once per scan: a few KB repeating one scan thousands of times held a CPU
+    # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
+    max_scans: int = 100
+    max_pixel_scans: int = 2_000_000_000          # pixels x scans: the decoding work one image may ask for
 
 
 # Settings that moved to another section: (old section, key) -> new section. A file or variable that
@@ -88,6 +92,8 @@ _MOVED = {("api", "max_image_pixels"): "decode", ("api", "max_decoded_bytes"): "
 class ApiSettings:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_wait_s: float = 30.0
+    body_timeout_s: float = 10.0   # a body must come within this plus its size at body_min_rate; else 408
+    body_min_rate: float = 65536.0  # bytes/s
     redis_timeout_s: float = 2.0
     # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
     # metrics_host), so an internal network can scrape what the public port does not show.
@@ -164,6 +170,8 @@ class AuthSettings:
     api_keys: tuple[Any, ...] = ()
     rate_per_s: float = 0.0       # per key; 0: no limit
     burst: float = 20.0
+    failed_per_s: float = 1.0     # failed authentications per client address (a 401 each); past them 429; 0: off
+    failed_burst: float = 20.0
 
     def __post_init__(self) -> None:
         for entry in self.api_keys:

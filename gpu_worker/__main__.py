@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
                              "default: gpu_worker.models, else every model configured")
     parser.add_argument("--worker-id", help="stable id; default host-device")
     parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here")
+    parser.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics port binds")
     args = parser.parse_args(argv)
     keep_freed_memory()
     configure_logging("gpu-worker")
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         except ModelLoadError as exc:
             logging.getLogger("gpu_worker").error("cannot serve the model %s: %s", spec.key, exc)
             return 2
-    metrics.serve(args.metrics_port)
+    metrics.serve(args.metrics_port, args.metrics_host)
     worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), devices,
                        args.worker_id or default_worker_id(devices[0]))
     try:

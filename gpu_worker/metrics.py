@@ -30,9 +30,11 @@ def observe_batch(model: tuple[str, str], popped: int, inferred: int, wait_s: fl
     FRAMES_INFERRED.labels(*model).inc(inferred)
 
 
-def serve(port: int) -> None:
+def serve(port: int, host: str = "127.0.0.1") -> None:
+    """Prometheus's page on this port (0: none), bound to `host`: this machine only unless told otherwise (the
+    compose file binds 0.0.0.0 on its internal network for Prometheus)."""
     if port:
-        start_http_server(port)
+        start_http_server(port, host)
 
 
 _STAGE_CHILDREN: dict[tuple[str, str, str], Histogram] = {}

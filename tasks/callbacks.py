@@ -153,8 +153,10 @@ def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (),
                          resolve: Callable[..., list] = socket.getaddrinfo) -> CallbackTarget:
     """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise)."""
     parsed = parse_callback_url(url)
-    allowed = [entry.lower() for entry in allow_hosts]
-    networks = [ipaddress.ip_network(entry, strict=False) for entry in allowed if _is_network(entry)]
+    entries = [allow_entry(entry) for entry in allow_hosts]
+    at_port = [where for where, port in entries if port is None or port == parsed.port]
+    allowed = [where for where in at_port if not _is_network(where)]
+    networks = [ipaddress.ip_network(where, strict=False) for where in at_port if _is_network(where)]
     try:
         infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     except (OSError, ValueError) as exc:
@@ -170,6 +172,23 @@ def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (),
             raise CallbackRefused(f"callback host {parsed.host!r} resolves to {reason} "
                                   "(allow it with callbacks.allow_hosts)")
     return CallbackTarget(parsed, str(addresses[0]))
+
+
+def allow_entry(entry: str) -> tuple[str, int | None]:
+    """A callbacks.allow_hosts entry as (host or network, port or None for any): `hooks.internal`,
+    `10.0.0.0/8`, `127.0.0.1:8080`, `hooks.internal:443`, `[fd00::/8]:8443` (an IPv6 one with a port in
+    brackets). A port admits that port only: an allowed loopback host is not every local service."""
+    text = entry.strip().lower()
+    try:
+        if text.startswith("["):
+            inner, _, rest = text[1:].partition("]")
+            return inner, int(rest[1:]) if rest.startswith(":") else None
+        if text.count(":") == 1:
+            where, _, port = text.partition(":")
+            return where, int(port)
+    except ValueError as exc:
+        raise SettingsError(f"callbacks.allow_hosts entry {entry!r}: its port is not a number") from exc
+    return text, None
 
 
 def check_callback_url(url: str, allow_hosts: Iterable[str] = (),

@@ -40,7 +40,8 @@ class Letterboxed:
 
 
 def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
-                 max_decoded_bytes: int = 256 * 1024 * 1024) -> tuple[Image.Image, tuple[int, int]]:
+                 max_decoded_bytes: int = 256 * 1024 * 1024, max_scans: int = 100,
+                 max_pixel_scans: int = 2_000_000_000) -> tuple[Image.Image, tuple[int, int]]:
     """Decode to an upright RGB image, no larger than needed for `target_size`.
 
     Returns the image and the original upright (width, height): JPEG draft
@@ -63,6 +64,7 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
                 raise ImageDecodeError("image_too_large", f"image of {width}x{height} {image.mode} "
                                        f"decodes to {decoded_bytes} bytes, over the limit of {max_decoded_bytes}")
             if image.format == "JPEG":
+                _check_scans(data, width, height, max_scans, max_pixel_scans)
                 _draft_for(image, target_size)
             image.seek(0)
             image.load()
@@ -77,6 +79,61 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
         raise ImageDecodeError("image_too_large", str(exc)) from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
         raise ImageDecodeError("decode_error", f"cannot decode image: {_without_addresses(str(exc))}") from exc
+
+
+SOS = b"\xff\xda"
+
+
+def _check_scans(data: bytes | memoryview, width: int, height: int, max_scans: int, max_pixel_scans: int) -> None:
+    """Refuse a JPEG whose scans ask for more decoding than allowed, before a scan is decoded. Every scan
+    starts with an SOS marker, and entropy-coded data never holds one (a 0xFF there is followed by 0x00 or a
+    restart marker), so counting the marker's bytes gives an upper bound at C speed (other segments may hold
+    the same two bytes); only a file over a limit by that bound is walked segment by segment."""
+    haystack = data.obj if isinstance(data, memoryview) else data   # the buffer itself: no copy, a superset
+    bound = haystack.count(SOS) if isinstance(haystack, (bytes, bytearray)) else bytes(data).count(SOS)
+    if bound <= max_scans and width * height * bound <= max_pixel_scans:
+        return
+    scans = jpeg_scans(bytes(data), max_scans)
+    if scans > max_scans:
+        raise ImageDecodeError("image_too_complex", f"a JPEG of more than {max_scans} scans (a progressive image "
+                                                    f"has about ten); refused before decoding")
+    if width * height * scans > max_pixel_scans:
+        raise ImageDecodeError("image_too_complex", f"{scans} scans of {width}x{height} pixels: more decoding work "
+                                                    f"than the limit of {max_pixel_scans} pixel-scans")
+
+
+def jpeg_scans(data: bytes, stop_after: int) -> int:
+    """The scans (SOS segments) of a JPEG, by its segment structure, counted up to stop_after + 1; a structure
+    that breaks off ends the count (the decoder reports what is wrong with it)."""
+    scans, pos, size = 0, 2, len(data)
+    while pos + 4 <= size and scans <= stop_after:
+        if data[pos] != 0xFF:
+            break
+        marker = data[pos + 1]
+        if marker == 0xFF:                                   # fill byte
+            pos += 1
+            continue
+        if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a length
+            pos += 2
+            continue
+        if marker == 0xD9:                                   # end of image
+            break
+        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker != 0xDA:
+            continue
+        scans += 1
+        while True:                                          # past the scan's entropy-coded data
+            pos = data.find(b"\xff", pos)
+            if pos < 0 or pos + 1 >= size:
+                return scans
+            following = data[pos + 1]
+            if following == 0x00 or 0xD0 <= following <= 0xD7:
+                pos += 2
+            elif following == 0xFF:
+                pos += 1
+            else:
+                break
+    return scans
 
 
 def _without_addresses(message: str) -> str:

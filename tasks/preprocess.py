@@ -59,8 +59,9 @@ class Preprocessor:
                     spec: ModelSpec, claim: str) -> str:
         try:
             t0 = time.perf_counter()
-            image, orig_size = decode_image(upload, spec.input_size, self.settings.decode.max_image_pixels,
-                                            self.settings.decode.max_decoded_bytes)
+            limits = self.settings.decode
+            image, orig_size = decode_image(upload, spec.input_size, limits.max_image_pixels,
+                                            limits.max_decoded_bytes, limits.max_scans, limits.max_pixel_scans)
             t1 = time.perf_counter()
             boxed = letterbox(image, orig_size, spec.input_size)
         except ImageDecodeError as exc:

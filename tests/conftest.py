@@ -188,7 +188,8 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     """The pipeline serving a detector with a known answer: one box around the whole original image."""
     workdir = tmp_path_factory.mktemp("stack")
     model = content_box_spec(workdir, STACK_INPUT_SIZE, weights="test fixture", conf=0.25, iou=0.45, max_det=10)
-    stack = start_stack(redis_server.url, workdir, model, "itest", {"api": {"max_upload_bytes": STACK_MAX_UPLOAD}})
+    stack = start_stack(redis_server.url, workdir, model, "itest", {"api": {"max_upload_bytes": STACK_MAX_UPLOAD,
+                                                                            "body_timeout_s": 2.0}})
     yield stack
     stop_stack(stack)
 

@@ -63,3 +63,47 @@ def test_only_an_admin_key_sees_every_tenants_traffic(keyed_api):
     assert tenant.status_code == 403 and tenant.json()["type"] == "/problems/forbidden"
     admin = requests.get(keyed_api.url + "/v1/stats", headers=as_key("key-ops"), timeout=10)
     assert admin.status_code == 200 and "queues" in admin.json()
+
+
+def test_the_rate_limit_holds_under_concurrent_clients(stack):
+    """50 connections at once, each one request: at most the burst (and what the rate refills meanwhile) gets
+    through. With each API process's own clock in the bucket, 75 got through against a bound of 50."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    auth = dataclasses.replace(stack.settings.auth, rate_per_s=5.0, burst=20.0,
+                               api_keys=({"id": "racer", "sha256": hash_key("key-race")},))
+    servers = [ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth))) for _ in range(2)]
+    stack.redis.delete(stack.keys.rate_bucket("racer"))
+    try:
+        def one(i: int) -> int:
+            return requests.get(servers[i % 2].url + "/v1/models", headers=as_key("key-race"), timeout=30).status_code
+        started = time.monotonic()
+        with ThreadPoolExecutor(50) as pool:
+            codes = list(pool.map(one, range(150)))
+        elapsed = time.monotonic() - started
+    finally:
+        for server in servers:
+            server.stop()
+    allowed = codes.count(200)
+    assert set(codes) <= {200, 429} and codes.count(429) > 0
+    assert allowed <= 20 + 5.0 * elapsed + 1, (allowed, elapsed)
+
+
+def test_an_address_that_keeps_failing_to_authenticate_is_throttled(stack):
+    auth = dataclasses.replace(stack.settings.auth, failed_per_s=1.0, failed_burst=5.0,
+                               api_keys=({"id": "real", "sha256": hash_key("key-real")},))
+    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
+    stack.redis.delete(stack.keys.auth_failures("127.0.0.1"))
+    try:
+        guesses = [requests.get(server.url + "/v1/models", headers=as_key(f"guess-{i}"), timeout=10)
+                   for i in range(30)]
+        real = requests.get(server.url + "/v1/models", headers=as_key("key-real"), timeout=10)
+    finally:
+        server.stop()
+    codes = [r.status_code for r in guesses]
+    assert codes[:5] == [401] * 5 and 429 in codes and codes.count(401) <= 8
+    throttled = next(r for r in guesses if r.status_code == 429)
+    assert throttled.json()["type"] == "/problems/too-many-failed-authentications"
+    assert int(throttled.headers["Retry-After"]) >= 1
+    assert real.status_code == 200                   # a right key is never what the throttle counts

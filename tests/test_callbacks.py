@@ -91,6 +91,19 @@ def test_public_targets_and_allowlisted_ones_pass():
     assert target.url.host_header == "hooks.example.com:8443" and target.address == "93.184.216.34"
 
 
+def test_an_allow_list_entry_with_a_port_admits_that_port_only():
+    """`127.0.0.1` admitted a callback to a local Redis's port; `127.0.0.1:8080` admits the receiver alone."""
+    local = fake_resolver("127.0.0.1")
+    check_callback_url("http://127.0.0.1:8080/hook", ("127.0.0.1:8080",), resolve=local)
+    with pytest.raises(CallbackRefused, match="loopback"):
+        check_callback_url("http://127.0.0.1:6379/", ("127.0.0.1:8080",), resolve=local)
+    check_callback_url("http://inside.example:8443/", ("[fd00::/8]:8443",), resolve=fake_resolver("fd00::5"))
+    with pytest.raises(CallbackRefused):
+        check_callback_url("http://inside.example:22/", ("[fd00::/8]:8443",), resolve=fake_resolver("fd00::5"))
+    check_callback_url("https://hooks.internal/x", ("hooks.internal:443",), resolve=fake_resolver("10.0.0.7"))
+    check_callback_url("http://10.1.2.3:9000/", ("10.0.0.0/8:9000",), resolve=fake_resolver("10.1.2.3"))
+
+
 @pytest.mark.parametrize("url", ["http://[", "http://example.com:99999/", "http://" + "a" * 70 + ".com/",
                                  "http://\udcff/", "http://:80/", 42])
 def test_malformed_callback_urls_are_refused_not_raised(url):

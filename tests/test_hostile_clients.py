@@ -156,3 +156,63 @@ def test_a_body_refused_unread_closes_its_connection_and_says_so(gunicorn_api):
     head = answer.partition(b"\r\n\r\n")[0].lower()
     assert head.startswith(b"http/1.1 413") and b"connection: close" in head
     assert closed_after_s < 4   # closed at once, not after reading on until keep-alive ran out (5 s)
+
+
+def test_scan_bombs_fail_fast_and_an_ordinary_image_beside_them_waits_for_none(stack):
+    """Three 2.2 MB progressive JPEGs of 20,006 scans each held every CPU child for the 60 s time limit, and an
+    ordinary image waited 59 s behind them: now they are refused from their markers, before a scan is decoded."""
+    from tests.support import scan_bomb
+
+    bomb = scan_bomb(8192, 8192, 20_000)
+    assert 2_000_000 < len(bomb) < STACK_MAX_UPLOAD
+    bombs = [stack.submit_ok(bomb) for _ in range(3)]
+    ordinary = stack.submit_ok(jpeg(320, 240))
+    started = time.monotonic()
+    ended = [stack.wait_terminal(job_id, timeout_s=30) for job_id in bombs]
+    doc = stack.wait_terminal(ordinary, timeout_s=30)
+    assert [(d["status"], d["error"]["code"]) for d in ended] == [("failed", "image_too_complex")] * 3
+    assert doc["status"] == "succeeded" and doc["timings_ms"]["queue_cpu"] < 5000
+    assert time.monotonic() - started < 20 and stack.cpu_worker.alive()
+
+
+@pytest.mark.parametrize("trickle", ["three bytes, then nothing", "one byte a second"])
+def test_a_body_that_comes_too_slowly_is_408_and_its_connection_closed(gunicorn_api, trickle):
+    """An authenticated POST promising 10,000 bytes was held open unanswered for minutes: the stack's API
+    gives a body 2 s plus its size at 64 KiB/s (api.body_timeout_s, body_min_rate)."""
+    with socket.create_connection(("127.0.0.1", gunicorn_api.port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+                     b"Content-Length: 10000\r\n\r\n\xff\xd8\xff")
+        started = time.monotonic()
+        sock.settimeout(0.05)
+        answer, sent = b"", 0
+        while time.monotonic() - started < 20:
+            if trickle == "one byte a second" and not answer and time.monotonic() - started >= sent:
+                try:
+                    sock.sendall(b"\x00")
+                    sent += 1
+                except OSError:
+                    break
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                continue
+            if not chunk:
+                break
+            answer += chunk
+        answered_after = time.monotonic() - started
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.lower().startswith(b"http/1.1 408") and b"connection: close" in head.lower(), answer[:300]
+    assert 1.5 < answered_after < 8
+    assert json.loads(body)["type"] == "/problems/request-timeout"
+
+
+def test_every_answer_says_nosniff_and_the_docs_page_runs_nothing_and_frames_nowhere(gunicorn_api):
+    docs = requests.get(f"{gunicorn_api.url}/docs", timeout=10)
+    assert docs.headers["X-Content-Type-Options"] == "nosniff" and docs.headers["X-Frame-Options"] == "DENY"
+    policy = docs.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "frame-ancestors 'none'" in policy and "script-src" not in policy
+    for response in (requests.get(f"{gunicorn_api.url}/v1/models", timeout=10),
+                     requests.get(f"{gunicorn_api.url}/v1/jobs/{'0' * 32}", timeout=10)):
+        assert response.headers["X-Content-Type-Options"] == "nosniff"
+    status, headers, _ = raw_exchange(gunicorn_api.port, b"NOT A REQUEST LINE\r\n\r\n")   # gunicorn's own answer
+    assert status == 400 and headers["x-content-type-options"] == "nosniff"

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from tasks.imaging import ImageDecodeError, decode_image, letterbox
-from tests.support import encode, make_image
+from tests.support import encode, jpeg, make_image
 
 LIMIT = 80_000_000
 
@@ -120,3 +120,36 @@ def test_small_files_that_decode_huge_stay_near_one_decoded_copy_or_are_refused_
     Image.new("RGB", (8900, 8900), (10, 20, 30)).save(rgb)
     assert float(_decode_peak_mb(str(sixteen))) < 1.5 * 8900 * 8900 * 2 / 2 ** 20   # 151 MB decoded
     assert _decode_peak_mb(str(rgb)) == "image_too_large"
+
+
+def test_scans_are_counted_from_the_markers_past_each_scans_data():
+    from tasks.imaging import jpeg_scans
+    from tests.support import scan_bomb
+
+    assert jpeg_scans(jpeg(64, 48), 100) == 1
+    progressive = encode(make_image(640, 480), "JPEG", progressive=True)
+    assert 5 <= jpeg_scans(progressive, 100) <= 15
+    assert jpeg_scans(scan_bomb(256, 256, 500), 10**6) == 506
+    assert jpeg_scans(scan_bomb(256, 256, 500), 100) == 101              # stops once past the limit
+    # Other segments may hold the SOS marker's two bytes: the upper bound is over the limit, the count is not.
+    image = jpeg(64, 48)
+    with_comment = image[:2] + b"\xff\xfe" + (2 + 300).to_bytes(2, "big") + b"\xff\xda" * 150 + image[2:]
+    assert jpeg_scans(with_comment, 100) == 1
+    assert decode_image(with_comment, 32, 10**8)[0].size[0] >= 32
+
+
+@pytest.mark.parametrize("width, height, repeats, says", [
+    (8192, 8192, 20_000, "more than 100 scans"),          # the outside check's bomb: 2.2 MB, 20,006 scans
+    (8192, 8192, 60, "pixel-scans"),                     # within the scans' limit, over the work's
+])
+def test_a_scan_bomb_fails_before_it_is_decoded(width, height, repeats, says):
+    from tests.support import scan_bomb
+
+    with pytest.raises(ImageDecodeError) as caught:
+        decode_image(scan_bomb(width, height, repeats), 320, 10**8, 10**9)
+    assert caught.value.code == "image_too_complex" and says in str(caught.value)
+
+
+def test_a_progressive_photo_within_the_limits_decodes():
+    image, size = decode_image(encode(make_image(1920, 1080), "JPEG", progressive=True), 320, 10**8)
+    assert size == (1920, 1080) and max(image.size) >= 320

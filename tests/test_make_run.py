@@ -126,3 +126,28 @@ def test_every_other_role_killed_comes_back_and_the_service_answers_again(make_r
             except requests.RequestException:
                 return False
         wait_until(flower_answers, 60, what="Flower to answer again")
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The IPv4 addresses something listens on at this port (from /proc/net/tcp: state 0A)."""
+    found = set()
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        address, _, hex_port = local.partition(":")
+        if state == "0A" and int(hex_port, 16) == port:
+            found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+    return found
+
+
+def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(make_run):
+    """Flower under make run took task-applies from any page a browser opened, and listed every tenant's jobs."""
+    flower = f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}"
+    wait_until(lambda: requests.get(flower + "/healthcheck", timeout=5).status_code == 200, 60,
+               what="Flower to answer")
+    anonymous = requests.get(flower + "/api/tasks", timeout=10)
+    forged = requests.post(flower + "/api/task/async-apply/imgserve.callback", data='{"args": ["x"]}',
+                           headers={"Origin": "http://evil.example", "Content-Type": "text/plain"}, timeout=10)
+    assert anonymous.status_code == 401 and forged.status_code in (401, 403)
+    user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
+    assert requests.get(flower + "/api/workers", auth=(user, password), timeout=30).status_code == 200
+    assert listening_addresses(int(make_run.env["GPU_METRICS_PORT"])) == {"127.0.0.1"}
