@@ -458,3 +458,40 @@ def test_a_retry_is_scheduled_in_redis_and_the_relay_hands_it_over_when_due(redi
     sent: list[str] = []
     relay_outbox(redis_client, keys, sent.append)
     assert sent == ["due"] and redis_client.zrange(keys.callback_scheduled, 0, -1) == [b"later"]
+
+
+def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_callback(redis_client):
+    """The old schedule gave up after 1+2+4+8 s; this one keeps trying for a day. Scaled down (0.1 s doubling,
+    the receiver away 1.5 s), the same code path: the sender schedules each retry in Redis, the relay hands
+    it back when due, and the callback is delivered once the receiver is back."""
+    import dataclasses
+
+    from contract.jobs import SUCCEEDED, JobStore
+    from contract.settings import load_settings
+    from tasks.callbacks import CallbackSender, relay_outbox
+
+    base = load_settings()
+    settings = dataclasses.replace(base, namespace="outage", callbacks=dataclasses.replace(
+        base.callbacks, secret=CALLBACK_SECRET, allow_hosts=("127.0.0.1",), backoff_base_s=0.1, backoff_max_s=0.4))
+    keys = Keys("outage")
+    receiver = Receiver(failures=10**6)
+    sender = CallbackSender(settings, redis_client)
+    store = JobStore(redis_client, keys, 60)
+    redis_client.hset(keys.job("j" * 32), mapping={"id": "j" * 32, "status": "running", "callback_url": receiver.url,
+                                                   "received_at": 1.0, "deadline_at": 1e12})
+    store.finish("j" * 32, SUCCEEDED, {"result": {"detections": [], "image": {"width": 1, "height": 1},
+                                                  "model": {"name": "m", "version": "1"}}})
+    back_at = time.monotonic() + 1.5
+    outcomes: list[str] = []
+    try:
+        while not outcomes or outcomes[-1] != "delivered":
+            if time.monotonic() > back_at:
+                receiver.failures = 0
+            relay_outbox(redis_client, keys, lambda job_id: outcomes.append(sender.deliver(job_id)))
+            assert time.monotonic() < back_at + 10, outcomes
+            time.sleep(0.02)
+    finally:
+        receiver.stop()
+    assert outcomes.count("retrying") >= 3 and "failed" not in outcomes and outcomes[-1] == "delivered"
+    state = store.load("j" * 32)["callback"]
+    assert state["status"] == "delivered" and state["attempts"] == len(outcomes)
