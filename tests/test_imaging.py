@@ -153,3 +153,16 @@ def test_a_scan_bomb_fails_before_it_is_decoded(width, height, repeats, says):
 def test_a_progressive_photo_within_the_limits_decodes():
     image, size = decode_image(encode(make_image(1920, 1080), "JPEG", progressive=True), 320, 10**8)
     assert size == (1920, 1080) and max(image.size) >= 320
+
+
+def test_a_baseline_jpeg_whose_scan_repeats_is_refused_by_the_decoder_itself():
+    """Why only progressive JPEGs have their scans counted: libjpeg refuses a repeated baseline scan at once."""
+    from tests.support import jpeg_segments
+
+    flat = encode(Image.new("L", (2048, 2048), 128), "JPEG", quality=90)
+    segments = jpeg_segments(flat)
+    scan = next(segment for marker, segment in segments if marker == 0xDA)
+    head = b"".join(segment for marker, segment in segments if marker not in (0xDA, 0xD9))
+    with pytest.raises(ImageDecodeError) as caught:
+        decode_image(b"\xff\xd8" + head + scan * 200 + b"\xff\xd9", 320, 10**8)
+    assert caught.value.code == "decode_error"
