@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import redis
+from flask import g
 
 from app.problems import Problem
 from contract import budget
@@ -58,10 +59,18 @@ def admit(services: Any, spec: ModelSpec, size: int) -> int:
         raise Problem(503, "store-full", "Service unavailable",
                       "the job store is full; retry later",
                       headers={"Retry-After": str(_retry_after(services, spec, 1.0))})
-    verdict = services.waiting.admit(spec.key, size, settings.max_backlog(spec), settings.max_waiting_bytes(spec),
-                                     pressure.max_total_waiting_bytes)
+    tenant = g.get("client_id") or ""
+    limit = settings.max_backlog(spec)
+    share = max(1, int(limit * settings.auth.max_backlog_share)) if tenant else limit
+    verdict = services.waiting.admit(spec.key, size, limit, settings.max_waiting_bytes(spec),
+                                     pressure.max_total_waiting_bytes, tenant, settings.tenants, share)
     if verdict.verdict == budget.ADMITTED:
         return size
+    if verdict.verdict == budget.OVER_TENANT_BACKLOG:
+        retry = _retry_after(services, spec, (verdict.backlog - share + 1) / max(1, verdict.backlog))
+        raise Problem(429, "overloaded", "Too many requests",
+                      f"{verdict.backlog} of your jobs are waiting for model {spec.key} (your share of its backlog "
+                      f"is {share}); retry later", headers={"Retry-After": str(retry)})
     if verdict.verdict == budget.OVER_BACKLOG:
         limit = settings.max_backlog(spec)
         retry = _retry_after(services, spec, (verdict.backlog - limit + 1) / max(1, verdict.backlog))
@@ -86,7 +95,8 @@ def _retry_after(services: Any, spec: ModelSpec, share: float) -> int:
     [backpressure.retry_after_s, MAX_RETRY_AFTER_S]; the most when no GPU worker answers it."""
     least = services.settings.backpressure.retry_after_s
     try:
-        backlog = sum(queue_depths(services.redis, services.keys, [spec.key])[spec.key].values())
+        depths = queue_depths(services.redis, services.keys, [spec.key], services.settings.tenants)
+        backlog = sum(depths[spec.key].values())
         rate = drain_rate(services, spec.key)
     except redis.RedisError:
         return least

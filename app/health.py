@@ -47,7 +47,7 @@ def list_models() -> Response:
     services = current_app.extensions["imgserve"]
     catalogue = services.catalogue
     workers = live_gpu_workers()
-    depths = queue_depths(services.redis, services.keys, list(catalogue.specs))
+    depths = queue_depths(services.redis, services.keys, list(catalogue.specs), services.settings.tenants)
     versions: list[dict[str, Any]] = []
     for spec in catalogue:
         served = [(info, model) for info in workers for model in info.served_models() if model.key == spec.key]

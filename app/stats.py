@@ -27,7 +27,7 @@ def stats() -> Response:
         raw = client.hgetall(keys.gpu_counters(worker.worker_id))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
-    depths = queue_depths(client, keys, list(services.catalogue.specs))
+    depths = queue_depths(client, keys, list(services.catalogue.specs), services.settings.tenants)
     summary = Stats.model_validate({
         "queues": total_depths(depths),
         "queues_by_model": depths,

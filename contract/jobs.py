@@ -462,16 +462,21 @@ def expired_fields(where: str) -> dict[str, Any]:
     return {"error": {"code": "deadline", "message": f"expired {where}"}}
 
 
-def queue_depths(client: redis.Redis, keys: Keys, model_keys: Sequence[str]) -> dict[str, dict[str, int]]:
-    """Per model (name:version): jobs waiting for a CPU worker (its Celery list) and frames waiting for a
-    GPU worker, in one round trip."""
+def queue_depths(client: redis.Redis, keys: Keys, model_keys: Sequence[str],
+                 tenants: Sequence[str] = ("",)) -> dict[str, dict[str, int]]:
+    """Per model (name:version): jobs waiting for a CPU worker (its Celery lists, one per tenant: see
+    Keys.preprocess_queue) and frames waiting for a GPU worker, in one round trip."""
     pipe = client.pipeline(transaction=False)
     for model_key in model_keys:
-        pipe.llen(keys.celery_queue(keys.preprocess_queue(model_key)))
+        for queue in keys.preprocess_queues(model_key, tenants):
+            pipe.llen(keys.celery_queue(queue))
         pipe.llen(keys.frames(model_key))
-    replies = pipe.execute()
-    return {model_key: {"preprocess": int(replies[2 * i]), "frames": int(replies[2 * i + 1])}
-            for i, model_key in enumerate(model_keys)}
+    replies = iter(pipe.execute())
+    depths = {}
+    for model_key in model_keys:
+        preprocess = sum(int(next(replies)) for _ in tenants)
+        depths[model_key] = {"preprocess": preprocess, "frames": int(next(replies))}
+    return depths
 
 
 def total_depths(depths: Mapping[str, Mapping[str, int]]) -> dict[str, int]:

@@ -8,6 +8,7 @@ are Celery's to name.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 # Celery's queue for CPU work; its Redis transport keeps the queue as a list of this name.
 PREPROCESS_QUEUE = "preprocess"
@@ -65,10 +66,15 @@ class Keys:
         """String: the raw upload (claim check), deleted once its frame is pushed or the job ends."""
         return self.job(job_id) + UPLOAD_SUFFIX
 
-    def preprocess_queue(self, model_key: str) -> str:
-        """A model's Celery queue for CPU work (its name, not its Redis key: see celery_queue). One per
-        model, consumed round robin by every CPU worker, so a flood on one model queues behind itself."""
-        return f"{PREPROCESS_QUEUE}:{model_key}"
+    def preprocess_queue(self, model_key: str, tenant: str = "") -> str:
+        """A model's Celery queue for CPU work (its name, not its Redis key: see celery_queue): one per model,
+        and per API key when keys are configured (`tenant`, the key's id; "" without keys). Every CPU worker
+        takes from them round robin, so a flood on one model, or from one key, queues behind itself."""
+        return f"{PREPROCESS_QUEUE}:{model_key}" + (f"@{tenant}" if tenant else "")
+
+    def preprocess_queues(self, model_key: str, tenants: Sequence[str] = ("",)) -> list[str]:
+        """Every CPU queue of a model: one per tenant."""
+        return [self.preprocess_queue(model_key, tenant) for tenant in tenants]
 
     def frames(self, model_key: str) -> str:
         """List: a model's packed frames (model_key is name:version) waiting for a GPU worker. LPUSH in,

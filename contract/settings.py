@@ -170,6 +170,9 @@ class AuthSettings:
     api_keys: tuple[Any, ...] = ()
     rate_per_s: float = 0.0       # per key; 0: no limit
     burst: float = 20.0
+    # A key's own jobs waiting for a CPU worker may fill at most this share of a model's backlog: past it, 429
+    # for that key alone (its flood does not get the others refused). Each key also has its own CPU queue.
+    max_backlog_share: float = 0.5
     failed_per_s: float = 1.0     # failed authentications per client address (a 401 each); past them 429; 0: off
     failed_burst: float = 20.0
 
@@ -321,6 +324,11 @@ class Settings:
     @property
     def broker_url(self) -> str:
         return self.redis_url
+
+    @property
+    def tenants(self) -> tuple[str, ...]:
+        """Whose jobs have CPU queues of their own: "" (no key, or jobs from before keys) and every API key."""
+        return ("", *(str(entry["id"]) for entry in self.auth.api_keys))
 
     def __post_init__(self) -> None:
         if not self.models:   # built in code with one model (tests, tools)

@@ -62,6 +62,7 @@ class Liveness:
         # Every model configured, not only those this worker serves: a dead worker (or this one's previous
         # life) may have served others.
         self.model_keys = [spec.key for spec in settings.models]
+        self.tenants = settings.tenants
         self.redis = client
         self.keys = keys
         self.worker_id = worker_id
@@ -118,7 +119,8 @@ class Liveness:
             try:
                 self.beat()
                 self.reap_dead_workers()
-                for model_key, depths in jobs.queue_depths(self.redis, self.keys, self.model_keys).items():
+                for model_key, depths in jobs.queue_depths(self.redis, self.keys, self.model_keys,
+                                                           self.tenants).items():
                     name, _, version = model_key.partition(":")
                     for queue_name, depth in depths.items():
                         metrics.QUEUE_DEPTH.labels(queue_name, name, version).set(depth)

@@ -56,7 +56,7 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
             super().__init__(parent, **kwargs)
             keys = Keys(settings.namespace)
             self.frames = [keys.frames(spec.key) for spec in settings.models]
-            self.queues = [keys.preprocess_queue(spec.key) for spec in settings.models]
+            self.queues = [keys.preprocess_queues(spec.key, settings.tenants) for spec in settings.models]
             self.limits = [settings.max_frames(spec) for spec in settings.models]
             self.paused: set[int] = set()
             self.held = 1
@@ -102,13 +102,15 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
             pause, resume = full_models(depths, self.limits, self.held, self.paused)
             tasks = consumer.task_consumer
             for index in pause:
-                tasks.cancel_by_queue(self.queues[index])
+                for queue in self.queues[index]:
+                    tasks.cancel_by_queue(queue)
                 self.paused.add(index)
-                log.debug("paused %s: its frame list is full", self.queues[index])
+                log.debug("paused %s: its frame list is full", self.queues[index][0])
             for index in resume:
-                tasks.add_queue(consumer.app.amqp.queues[self.queues[index]])
+                for queue in self.queues[index]:
+                    tasks.add_queue(consumer.app.amqp.queues[queue])
                 self.paused.discard(index)
-                log.debug("resumed %s", self.queues[index])
+                log.debug("resumed %s", self.queues[index][0])
             if resume:
                 tasks.consume()
 

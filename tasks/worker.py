@@ -56,14 +56,15 @@ def _name_the_role(options: dict | None = None, **_: object) -> None:
 
 @celeryd_after_setup.connect
 def _consume_every_model_queue(sender: str, instance: object, **_: object) -> None:
-    """`-Q preprocess` means every model's CPU queue (Keys.preprocess_queue) as well as the plain one
-    (jobs queued before models had queues). The worker takes from them round robin, so one model's
-    backlog waits behind itself, not in front of another model's requests."""
+    """`-Q preprocess` means every model's CPU queues (Keys.preprocess_queue: one per API key too) as well as
+    the plain one (jobs queued before models had queues). The worker takes from them round robin, so one
+    model's backlog, or one key's, waits behind itself, not in front of another's requests."""
     queues = app.amqp.queues
     if PREPROCESS_QUEUE in queues.consume_from:
         keys = Keys(settings.namespace)
         for spec in settings.models:
-            queues.select_add(keys.preprocess_queue(spec.key))
+            for queue in keys.preprocess_queues(spec.key, settings.tenants):
+                queues.select_add(queue)
 
 
 _relay: OutboxRelay | None = None

@@ -6,19 +6,40 @@ import dataclasses
 
 import pytest
 import requests
+import yaml
 
 from app import create_app
 from app.auth import hash_key
-from tests.support import ApiServer, jpeg
+from bench.processes import ManagedProcess, celery_argv
+from tests.support import ApiServer, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
 
+KEYS = ({"id": "team-a", "sha256": hash_key("key-a")}, {"id": "team-b", "sha256": hash_key("key-b")},
+        {"id": "team-c", "sha256": hash_key("key-c")}, {"id": "ops", "sha256": hash_key("key-ops"), "admin": True})
+
+
 @pytest.fixture(scope="module")
-def keyed_api(stack):
-    auth = dataclasses.replace(stack.settings.auth, rate_per_s=2.0, burst=3.0, api_keys=(
-        {"id": "team-a", "sha256": hash_key("key-a")}, {"id": "team-b", "sha256": hash_key("key-b")},
-        {"id": "team-c", "sha256": hash_key("key-c")}, {"id": "ops", "sha256": hash_key("key-ops"), "admin": True}))
+def keyed_worker(stack, tmp_path_factory):
+    """A CPU worker with the keys in its config: it takes each key's own queue (the stack's takes the plain one)."""
+    workdir = tmp_path_factory.mktemp("keyed-worker")
+    config = yaml.safe_load(stack.config_path.read_text())
+    config["auth"] = {"api_keys": [dict(entry) for entry in KEYS]}
+    path = workdir / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    worker = ManagedProcess("keyed-cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", "2", "--without-gossip",
+                                                            "--without-mingle", "--loglevel", "INFO"),
+                            {**stack.env, "IMGSERVE_CONFIG": str(path)}, workdir)
+    wait_until(lambda: "ready." in worker.log_tail() or not worker.alive(), 60, what="the keyed CPU worker")
+    assert worker.alive(), worker.log_tail()
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_api(stack, keyed_worker):
+    auth = dataclasses.replace(stack.settings.auth, rate_per_s=2.0, burst=3.0, api_keys=KEYS)
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     yield server
     server.stop()
@@ -107,3 +128,58 @@ def test_an_address_that_keeps_failing_to_authenticate_is_throttled(stack):
     assert throttled.json()["type"] == "/problems/too-many-failed-authentications"
     assert int(throttled.headers["Retry-After"]) >= 1
     assert real.status_code == 200                   # a right key is never what the throttle counts
+
+
+def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keyed_worker):
+    """Each key has its own CPU queue, taken in turn, and may fill only its share of a model's backlog
+    (auth.max_backlog_share): a flood from team-a gets team-a 429s, while team-b's jobs pass it by."""
+    import threading
+    import time
+    from collections import Counter
+
+    from gpu_worker.stats import percentile
+
+    auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=KEYS)
+    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
+    stop = threading.Event()
+    codes: Counter[int] = Counter()
+    flood_ids: list[str] = []
+
+    def flood() -> None:
+        session = requests.Session()
+        while not stop.is_set():
+            response = session.post(server.url + "/v1/jobs", data=jpeg(320, 240), timeout=30,
+                                    headers={"Content-Type": "image/jpeg", **as_key("key-a")})
+            codes[response.status_code] += 1
+            if response.status_code == 202:
+                flood_ids.append(response.json()["id"])
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
+    quiet = []
+    try:
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while codes[429] == 0 and time.monotonic() < deadline:   # team-a's share of the backlog is full
+            time.sleep(0.1)
+        for i in range(20):
+            response = requests.post(server.url + "/v1/jobs", data=jpeg(320, 240, seed=i), timeout=30,
+                                     headers={"Content-Type": "image/jpeg", **as_key("key-b")})
+            assert response.status_code == 202, response.text          # never refused for team-a's flood
+            quiet.append(response.json()["id"])
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join()
+    try:
+        docs = [requests.get(f"{server.url}/v1/jobs/{job_id}", params={"wait": 30}, headers=as_key("key-b"),
+                             timeout=60).json() for job_id in quiet]
+        for job_id in flood_ids:                                       # drain team-a's before the next test
+            requests.get(f"{server.url}/v1/jobs/{job_id}", params={"wait": 30}, headers=as_key("key-a"), timeout=60)
+    finally:
+        server.stop()
+    waits = sorted(doc["timings_ms"]["queue_cpu"] for doc in docs if doc["status"] == "succeeded")
+    print(f"team-b's queue_cpu p95 {percentile(waits, 95):.0f} ms beside team-a's flood {dict(codes)}")
+    assert len(waits) == 20 and codes[429] > 0 and codes[202] > 0
+    assert percentile(waits, 95) < 1500        # behind itself, not behind team-a's ~128 waiting jobs
