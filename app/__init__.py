@@ -15,7 +15,7 @@ from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
 from app import admission, auth, callbacks, health, jobs, metrics, openapi, stats
-from app.admission import RedisMemory
+from app.admission import RedisMemory, ServedTenants
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
@@ -48,6 +48,7 @@ class Services:
     task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
     waiting: WaitingBytes               # the bytes budgets (app.admission)
     memory: RedisMemory                 # Redis's memory against its maxmemory
+    tenants: ServedTenants              # the API keys whose own CPU queues a live worker takes
     listener: JobEventListener
 
 
@@ -73,6 +74,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         task_messages=PreprocessMessages(celery),
         waiting=WaitingBytes(client, keys),
         memory=RedisMemory(client),
+        tenants=ServedTenants(client, keys, settings.celery.heartbeat_ttl_s),
         # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks); each
         # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
         listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,

@@ -9,6 +9,7 @@ jobs lately (their heartbeats), not a constant: a store that stays full says so.
 """
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -21,10 +22,14 @@ from app.problems import Problem
 from contract import budget
 from contract.heartbeat import live_heartbeats
 from contract.jobs import queue_depths
+from contract.keys import Keys
 from contract.settings import ModelSpec
+
+log = logging.getLogger(__name__)
 
 MAX_RETRY_AFTER_S = 60        # also what a model with no GPU worker answering it gets
 MEMORY_LOOK_S = 1.0           # how stale Redis's memory figures may be (one INFO per process per second)
+TENANTS_LOOK_S = 1.0          # how stale the served API keys may be (one HGETALL per process per second)
 
 
 class RedisMemory:
@@ -51,6 +56,41 @@ class RedisMemory:
         return share
 
 
+class ServedTenants:
+    """The API keys whose own CPU queues a live CPU worker takes (Keys.cpu_tenants, refreshed by the
+    workers' heartbeats), read at most once a second per process. A key added to the API's config before
+    the workers were restarted with it has no such worker: its jobs go to the shared queues meanwhile,
+    where they are served, rather than to queues nobody takes."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: float) -> None:
+        self.redis, self.keys, self.ttl_s = client, keys, ttl_s
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._served: frozenset[str] = frozenset()
+        self._warned: set[str] = set()
+
+    def served(self, tenant: str) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            stale = now - self._read_at >= TENANTS_LOOK_S
+            if stale:
+                self._read_at = now
+        if stale:
+            seen: Any = self.redis.hgetall(self.keys.cpu_tenants)
+            oldest = time.time() - self.ttl_s
+            served = frozenset(key.decode() for key, at in seen.items() if float(at) >= oldest)
+            with self._lock:
+                self._served = served
+        with self._lock:
+            if tenant in self._served:
+                return True
+            if tenant not in self._warned:
+                self._warned.add(tenant)
+                log.warning("no live CPU worker takes API key %s's own queues (is its config older than the "
+                            "API's?): its jobs share the common queues meanwhile", tenant)
+            return False
+
+
 def admit(services: Any, spec: ModelSpec, size: int) -> int:
     """Reserve `size` bytes for a new job of `spec`'s, or refuse with a problem; the bytes reserved."""
     settings = services.settings
@@ -60,6 +100,9 @@ def admit(services: Any, spec: ModelSpec, size: int) -> int:
                       "the job store is full; retry later",
                       headers={"Retry-After": str(_retry_after(services, spec, 1.0))})
     tenant = g.get("client_id") or ""
+    if tenant and not services.tenants.served(tenant):
+        tenant = ""
+    g.queue_tenant = tenant   # where app.jobs queues the job, as counted here
     limit = settings.max_backlog(spec)
     share = max(1, int(limit * settings.auth.max_backlog_share)) if tenant else limit
     verdict = services.waiting.admit(spec.key, size, limit, settings.max_waiting_bytes(spec),

@@ -107,7 +107,7 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
     job_id = jobs.new_job_id()
-    queue = services.keys.preprocess_queue(spec.key, g.get("client_id") or "")   # the key's own: fairness
+    queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
     # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
     task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
     services.store.create(job_id, data, settings.jobs.upload_ttl_s, {

@@ -39,6 +39,12 @@ class Keys:
         """String with a TTL: a Celery worker process (CPU or callback worker) while it lives."""
         return f"{self.namespace}:cpu:{holder}:heartbeat"
 
+    @property
+    def cpu_tenants(self) -> str:
+        """Hash: API key id -> when a CPU worker last said (its heartbeat) that it takes that key's own
+        queues. The API queues a key's jobs on them only while one does, else on the shared ones."""
+        return f"{self.namespace}:cpu_tenants"
+
     def cpu_reaping(self, holder: str) -> str:
         """String with a TTL: a worker giving back a dead worker's messages (one at a time per dead worker)."""
         return f"{self.namespace}:cpu:{holder}:reaping"
@@ -71,6 +77,13 @@ class Keys:
         and per API key when keys are configured (`tenant`, the key's id; "" without keys). Every CPU worker
         takes from them round robin, so a flood on one model, or from one key, queues behind itself."""
         return f"{PREPROCESS_QUEUE}:{model_key}" + (f"@{tenant}" if tenant else "")
+
+    @staticmethod
+    def tenant_of_queue(queue: str) -> str | None:
+        """The API key id of a key's own CPU queue (preprocess_queue's name); None for any other queue."""
+        if not queue.startswith(PREPROCESS_QUEUE + ":") or "@" not in queue:
+            return None
+        return queue.partition("@")[2]
 
     def preprocess_queues(self, model_key: str, tenants: Sequence[str] = ("",)) -> list[str]:
         """Every CPU queue of a model: one per tenant."""

@@ -77,10 +77,13 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
             self.entries: list[Any] = []
             self.client: redis.Redis | None = None
             self.store: jobs.JobStore | None = None
+            self.tenants: list[str] = []   # the API keys whose own queues this worker takes
 
         def start(self, consumer: Any) -> None:
             self.client = connect(settings, socket_timeout=2.0)
             self.store = jobs.JobStore(self.client, keys, settings.jobs.ttl_s)
+            self.tenants = sorted({tenant for queue in consumer.app.amqp.queues.consume_from
+                                   if (tenant := keys.tenant_of_queue(queue))})
             channel = consumer.task_consumer.channel
             self.beat(channel)
             self.entries = [consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
@@ -104,6 +107,8 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
                 pipe = self.client.pipeline(transaction=False)
                 pipe.set(keys.cpu_heartbeat(me), str(time.time()), ex=max(1, round(ttl_s)))
                 pipe.zadd(keys.cpu_workers, {me: time.time()})
+                if self.tenants:
+                    pipe.hset(keys.cpu_tenants, mapping={tenant: str(time.time()) for tenant in self.tenants})
                 pipe.execute()
                 for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_by_tag).items():
                     log.warning("worker %s was found dead: %d tasks it held are back on their queues", holder,

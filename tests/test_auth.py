@@ -183,3 +183,25 @@ def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keye
     print(f"team-b's queue_cpu p95 {percentile(waits, 95):.0f} ms beside team-a's flood {dict(codes)}")
     assert len(waits) == 20 and codes[429] > 0 and codes[202] > 0
     assert percentile(waits, 95) < 1500        # behind itself, not behind team-a's ~128 waiting jobs
+
+
+def test_a_key_no_cpu_worker_takes_yet_is_served_from_the_shared_queue(stack, keyed_worker):
+    """A key added to the API before the CPU workers were restarted with it: its jobs go where a worker takes
+    them (the shared queue), not to a queue of its own that nobody reads, while known keys keep theirs."""
+    new_key = {"id": "team-new", "sha256": hash_key("key-new")}
+    auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=(*KEYS, new_key))
+    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
+    try:
+        keys = server.app.extensions["imgserve"].keys
+        wait_until(lambda: stack.redis.hexists(keys.cpu_tenants, "team-b"), 30,
+                   what="the keyed worker's heartbeat naming its keys")
+        for key in ("key-new", "key-b"):
+            response = requests.post(server.url + "/v1/jobs", data=jpeg(64, 64), timeout=30,
+                                     headers={"Content-Type": "image/jpeg", **as_key(key)})
+            assert response.status_code == 202, response.text
+            done = requests.get(f"{server.url}/v1/jobs/{response.json()['id']}", params={"wait": 30},
+                                headers=as_key(key), timeout=60).json()
+            assert done["status"] == "succeeded", done
+        assert not stack.redis.hexists(keys.cpu_tenants, "team-new")
+    finally:
+        server.stop()
