@@ -4,6 +4,7 @@ from __future__ import annotations
 import io
 import logging
 import time
+from collections.abc import Collection
 
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
@@ -15,7 +16,14 @@ from app.auth import owns
 from app.multipart import parse_form
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
-from app.uploads import check_image, declared_length, option_values, read_whole_body, validate_params
+from app.uploads import (
+    check_image,
+    declared_length,
+    option_values,
+    read_whole_body,
+    refuse_unknown_fields,
+    validate_params,
+)
 from contract import jobs
 from contract.documents import (
     JobAccepted,
@@ -89,9 +97,9 @@ class Reservation:
 
 def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
-    data, declared_type, form = _read_image(settings.api.max_upload_bytes)
-    media_type = check_image(data, declared_type)
     submit_options = _submit_options(settings)
+    data, declared_type, form = _read_image(settings.api.max_upload_bytes, fields=submit_options.model_fields)
+    media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
     if held.spec is None:   # named in the multipart form, or a body of unknown length: admitted now, as it is
@@ -255,10 +263,11 @@ def _wait_seconds(max_wait_s: float) -> float:
     return validate_params(wait_query_model(max_wait_s), given).wait or 0.0
 
 
-def _read_image(limit: int) -> tuple[bytes, str | None, MultiDict[str, str]]:
+def _read_image(limit: int, fields: Collection[str]) -> tuple[bytes, str | None, MultiDict[str, str]]:
     """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
     the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
-    app.multipart where it can (one slice per part), else by Werkzeug."""
+    app.multipart where it can (one slice per part), else by Werkzeug. A part named neither `image` nor
+    one of `fields` is a 400: a misspelt option would otherwise be dropped without a word."""
     api = current_app.extensions["imgserve"].settings.api
     body = read_whole_body(request.environ, limit, api.body_timeout_s, api.body_min_rate)
     request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
@@ -269,16 +278,17 @@ def _read_image(limit: int) -> tuple[bytes, str | None, MultiDict[str, str]]:
     form = parse_form(body, request.content_type or "")
     if form is not None:
         uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
-        fields = form.fields
+        given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
     else:
         uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
-        fields = request.form
+        given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
         if not uploads:
             _refuse_unparsable_multipart(body)
+    refuse_unknown_fields(part_names, known={"image", *fields})
     if not uploads:
         raise Problem(400, "missing-image", "Missing image",
                       "multipart/form-data submissions need a file field named 'image'")
     if len(uploads) > 1:
         raise Problem(400, "invalid-parameter", "Invalid parameter", "send one file field named 'image', not "
                       f"{len(uploads)}", invalid_params=[{"name": "image", "reason": "given more than once"}])
-    return uploads[0][0], uploads[0][1], fields
+    return uploads[0][0], uploads[0][1], given

@@ -87,7 +87,7 @@ def operation(summary: str, *, tag: str, replies: dict[int, Reply], **details: A
 def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:
     """The submission body: the raw image, or multipart with an `image` file and the options."""
     binary = {"type": "string", "format": "binary", "maxLength": settings.api.max_upload_bytes}
-    form: dict[str, Any] = {"type": "object", "required": ["image"],
+    form: dict[str, Any] = {"type": "object", "required": ["image"], "additionalProperties": False,
             "properties": {"image": binary, **_parameter_schemas(options)}}
     content: dict[str, Any] = {"multipart/form-data": {"schema": form}}
     content.update({media_type: {"schema": binary} for media_type in (*ACCEPTED_TYPES, "application/octet-stream")})

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import time
-from typing import Any, Iterable, Mapping, TypeVar
+from typing import Any, Collection, Iterable, Mapping, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -156,6 +156,16 @@ def validate_params(model: type[M], values: Mapping[str, Any]) -> M:
         first = params[0]["name"]
         detail = f"{first}={given.get(first)!r}: {params[0]['reason']}"
         raise Problem(400, "invalid-parameter", "Invalid parameter", detail, invalid_params=params) from None
+
+
+def refuse_unknown_fields(given: Iterable[str], known: Collection[str]) -> None:
+    """A 400 naming every form field that is not an option this operation takes."""
+    unknown = sorted({name for name in given if name not in known})
+    if unknown:
+        reasons = [{"name": name, "reason": "not a field of this form"} for name in unknown]
+        raise Problem(400, "invalid-parameter", "Invalid parameter",
+                      "unknown form field(s): " + ", ".join(repr(name) for name in unknown)
+                      + "; known: " + ", ".join(sorted(known)), invalid_params=reasons)
 
 
 def option_values(*sources: Any, names: Iterable[str]) -> dict[str, str]:

@@ -494,3 +494,19 @@ def test_a_cpu_worker_stops_taking_a_models_jobs_while_its_list_has_no_room_for_
     assert full_models([7, 0], [8, 8], held=2, paused={0}) == (set(), set())       # still full: stays paused
     assert full_models([0, 0], [8, 8], held=2, paused={0}) == (set(), {0})         # room again: resumed
     assert full_models([1], [1], held=4, paused=set()) == ({0}, set())             # a list of one: full at one
+
+
+@pytest.mark.parametrize("extra", [
+    b'--b0\r\nContent-Disposition: form-data; name=""\r\n\r\nnull\r\n',                   # a nameless field
+    b'--b0\r\nContent-Disposition: form-data; name="deadine_ms"\r\n\r\n50\r\n',            # a misspelt option
+    b'--b0\r\nContent-Disposition: form-data; name="photo"; filename="p"\r\n\r\nxx\r\n',   # another file
+    b'--b0\r\nContent-Disposition: form-data;\r\n name="deadine_ms"\r\n\r\n50\r\n',        # folded: Werkzeug parses it
+])
+def test_a_form_field_that_is_no_option_is_a_400_naming_it(routing_api, extra):
+    api, _ = routing_api
+    image = b'--b0\r\nContent-Disposition: form-data; name="image"; filename="i"\r\n\r\n' + jpeg(32, 32) + b"\r\n"
+    response = requests.post(api.url + "/v1/jobs", data=extra + image + b"--b0--\r\n",
+                             headers={"Content-Type": "multipart/form-data; boundary=b0"}, timeout=10)
+    assert response.status_code == 400, response.text
+    assert response.json()["type"] == "/problems/invalid-parameter"
+    assert "unknown form field" in response.json()["detail"] and "deadline_ms" in response.json()["detail"]
