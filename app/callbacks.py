@@ -5,7 +5,7 @@ from typing import Any, cast
 
 from flask import Blueprint, Response, current_app, g, jsonify
 
-from app.openapi import Reply, operation
+from app.operations import Reply, operation
 from contract.documents import Redelivered
 
 blueprint = Blueprint("callbacks", __name__)

@@ -6,7 +6,7 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, jsonify
 
-from app.openapi import Reply, operation
+from app.operations import Reply, operation
 from contract.documents import Health, ModelList, Readiness
 from contract.heartbeat import Heartbeat, live_heartbeats
 from contract.jobs import queue_depths

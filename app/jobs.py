@@ -14,7 +14,8 @@ from app import metrics
 from app.admission import admit
 from app.auth import owns
 from app.multipart import parse_form
-from app.openapi import Reply, image_body, operation
+from app.openapi import image_body
+from app.operations import Reply, operation
 from app.problems import Problem
 from app.uploads import (
     check_image,

@@ -19,7 +19,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from app.openapi import Reply, operation
+from app.operations import Reply, operation
 from contract.settings import Settings
 
 blueprint = Blueprint("metrics", __name__)

@@ -10,15 +10,15 @@ app runs).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable
+from typing import Any
 
 from flask import Blueprint, Flask, Response, current_app, jsonify, render_template_string
 from markupsafe import Markup, escape
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
+from app.operations import Operation, Reply, operation
 from app.uploads import ACCEPTED_TYPES
 from contract.documents import ProblemDocument
 from contract.jobs import JOB_ID_PATTERN
@@ -49,39 +49,6 @@ PATH_PARAMETERS = {
 }
 # Statuses whose problem documents always carry these headers.
 PROBLEM_HEADERS = {429: ("Retry-After",)}
-
-
-@dataclass(frozen=True)
-class Reply:
-    """One documented answer: a model (JSON), or a bare schema for another media type."""
-    description: str
-    model: type[BaseModel] | None = None
-    media_type: str = "application/json"
-    schema: dict[str, Any] | None = None
-    headers: tuple[str, ...] = ()
-    links: dict[str, dict[str, Any]] | None = None   # OpenAPI links: what a client can do next
-
-
-@dataclass(frozen=True)
-class Operation:
-    summary: str
-    tag: str
-    replies: dict[int, Reply]
-    problems: tuple[int | tuple[int, str], ...] = ()   # a status, or (status, what it means here)
-    description: str = ""
-    query: Callable[[Settings], type[BaseModel]] | None = None
-    body: Callable[[Settings], dict[str, Any]] | None = None
-    public: bool = False  # open even when API keys are configured
-
-
-def operation(summary: str, *, tag: str, replies: dict[int, Reply], **details: Any) -> Callable:
-    """Declare a view's place in the OpenAPI document."""
-    declared = Operation(summary=summary, tag=tag, replies=replies, **details)
-
-    def mark(view: Callable) -> Callable:
-        view.openapi = declared  # type: ignore[attr-defined]
-        return view
-    return mark
 
 
 def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:

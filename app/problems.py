@@ -5,6 +5,7 @@ from typing import Any
 
 from flask import Response, jsonify
 
+from app.metrics import REJECTS
 from contract.documents import ProblemDocument
 
 PROBLEM_TYPE = "application/problem+json"
@@ -22,8 +23,6 @@ class Problem(Exception):
 
 
 def problem_response(problem: Problem) -> Response:
-    from app.metrics import REJECTS
-
     REJECTS.labels(problem.slug).inc()
     body = ProblemDocument(type=f"/problems/{problem.slug}", title=problem.title,
                            status=problem.status, detail=problem.detail, **problem.extra)

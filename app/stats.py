@@ -5,7 +5,7 @@ from flask import Blueprint, Response, current_app, jsonify
 
 from app.auth import require_admin
 from app.health import live_gpu_workers
-from app.openapi import Reply, operation
+from app.operations import Reply, operation
 from contract.documents import Stats
 from contract.heartbeat import Heartbeat
 from contract.jobs import queue_depths, total_depths

@@ -1,4 +1,4 @@
-"""Where a batch runs: staged on the host by the collect thread, run by the device thread.
+"""Where a batch runs: staged on the host by the stage thread, run by the device thread.
 
 `stage()` copies the frames' contents into a staging slot (pinned on CUDA, and
 sent on with one non-blocking copy on a side stream) and their thresholds and
@@ -16,28 +16,30 @@ supervisor to restart it.
 """
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping, Protocol, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from contract.frames import CHANNELS, Frame, FrameHeader
+from contract.frames import Frame
 from contract.settings import ModelSpec
 from gpu_worker.model import BatchAssembler, LoadedModel
-from gpu_worker.postprocess import ROW_COLUMNS, Geometry, Thresholds, postprocess_rows
-
-# Per frame, what post-processing needs: its options, then how the letterbox placed it.
-PARAM_COLUMNS = ("conf", "iou", "max_det", "pad_left", "pad_top", "scale_x", "scale_y", "orig_width",
-                 "orig_height")
-# Per detection, one row of the array `run()` returns, grouped by image in batch order.
-DETECTION_COLUMNS = ROW_COLUMNS
-# Batches that can hold a slot at once: one being staged, one waiting, one on the device.
-SLOTS = 3
+from gpu_worker.postprocess import Geometry, Thresholds, postprocess_rows
+from gpu_worker.simulated import SimulatedDevice
+from gpu_worker.staging import (
+    DETECTION_COLUMNS,
+    PARAM_COLUMNS,
+    SLOTS,
+    Device,
+    DeviceOutput,
+    HostStaging,
+    Staged,
+    StagingSlots,
+    warm_up_frames,
+)
 
 
 class DeviceLost(RuntimeError):
@@ -49,132 +51,6 @@ def is_fatal(exc: BaseException) -> bool:
     if isinstance(exc, torch.OutOfMemoryError):
         return False
     return isinstance(exc, torch.AcceleratorError) or (isinstance(exc, RuntimeError) and "CUDA error" in str(exc))
-
-
-@dataclass
-class StagingSlot:
-    """Host (and on CUDA, device) buffers for one batch in flight."""
-    host: torch.Tensor              # uint8 contents, pinned on CUDA
-    params: torch.Tensor            # float64 [max batch, len(PARAM_COLUMNS)], pinned on CUDA
-    device_contents: torch.Tensor   # the contents where the model runs (the host buffer itself on CPU)
-    device_params: torch.Tensor
-
-    @property
-    def host_bytes(self) -> np.ndarray:
-        return self.host.numpy()
-
-
-class StagingSlots:
-    """A fixed set of slots, allocated once at full size; acquire() waits for a free one."""
-
-    def __init__(self, count: int, max_batch: int, input_size: int, device: torch.device) -> None:
-        if count < 1 or max_batch < 1:
-            raise ValueError("need at least one slot of at least one frame")
-        pinned = device.type == "cuda"
-        nbytes = max_batch * input_size * input_size * CHANNELS
-        self.max_batch = max_batch
-        self.count = count
-        self._free: queue.Queue[StagingSlot] = queue.Queue()
-        for _ in range(count):
-            host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-            params = torch.empty(max_batch, len(PARAM_COLUMNS), dtype=torch.float64, pin_memory=pinned)
-            on_device = (torch.empty_like(host, device=device), torch.empty_like(params, device=device)) \
-                if pinned else (host, params)
-            self._free.put(StagingSlot(host, params, *on_device))
-
-    def acquire(self) -> StagingSlot:
-        return self._free.get()
-
-    def release(self, slot: StagingSlot) -> None:
-        self._free.put(slot)
-
-
-@dataclass
-class Staged:
-    """A batch's frames on the host, in their slot, ready for the device."""
-    frames: list[Frame]
-    sizes: list[int]                # content bytes per frame
-    slot: StagingSlot
-    ready: Any = None               # CUDA event: the upload is done
-
-    def __len__(self) -> int:
-        return len(self.frames)
-
-    @property
-    def params(self) -> np.ndarray:
-        return self.slot.params[:len(self.frames)].numpy()
-
-
-@dataclass
-class DeviceOutput:
-    """One batch's answer on the host."""
-    detections: np.ndarray          # [K, len(DETECTION_COLUMNS)] float64, grouped by image in batch order
-    device_s: float                 # the device's busy time for the batch
-    infer_ms: float                 # canvas + forward
-    postprocess_ms: float           # post-processing + the copy back
-    errors: dict[int, dict[str, str]] = field(default_factory=dict)   # frame index -> error, failed alone
-
-
-class Device(Protocol):
-    spec: ModelSpec
-    name: str                       # cpu, cuda:0, sim
-    identity: str                   # what tells this device from others on the host: the GPU's UUID on CUDA
-    simulated: bool
-
-    def stage(self, frames: Sequence[Frame]) -> Staged: ...
-    def run(self, staged: Staged) -> DeviceOutput: ...
-    def discard(self, staged: Staged) -> None: ...
-    def warm_up(self, max_batch: int) -> Iterator[list[Frame]]: ...
-    def describe(self) -> dict[str, Any]: ...
-    def utilisation(self) -> float | None: ...
-
-
-def warm_up_frames(spec: ModelSpec, count: int) -> list[Frame]:
-    """Frames of a landscape image filling the input's width, for runs before serving."""
-    size = spec.input_size
-    height = max(1, size * 3 // 4)
-    header = FrameHeader(job_id="warm-up", width=size, height=height, pad_left=0, pad_top=(size - height) // 2,
-                         scale_x=1.0, scale_y=1.0, orig_width=size, orig_height=height, enqueued_at=0.0,
-                         deadline_at=0.0)
-    pixels = memoryview(bytearray(np.random.default_rng(0).integers(0, 256, size * height * CHANNELS,
-                                                                      dtype=np.uint8).tobytes()))
-    return [Frame(header=header, pixels=pixels)] * count
-
-
-def frame_params(frames: Sequence[Frame], spec: ModelSpec) -> list[list[float]]:
-    """Rows of PARAM_COLUMNS: each frame's options (else the spec's defaults) and geometry."""
-    rows = []
-    for frame in frames:
-        h, options = frame.header, frame.header.options
-        rows.append([options.get("conf", spec.conf), options.get("iou", spec.iou), options.get("max_det", spec.max_det),
-                     h.pad_left, h.pad_top, h.scale_x, h.scale_y, h.orig_width, h.orig_height])
-    return rows
-
-
-class HostStaging:
-    """The host half of staging, shared by every device: contents and params into a slot."""
-
-    def __init__(self, spec: ModelSpec, slots: StagingSlots) -> None:
-        self.spec = spec
-        self.slots = slots
-
-    def fill(self, frames: Sequence[Frame]) -> Staged:
-        if len(frames) > self.slots.max_batch:
-            raise ValueError(f"a batch of {len(frames)} frames exceeds the staging size {self.slots.max_batch}")
-        slot = self.slots.acquire()
-        host, offset, sizes = slot.host_bytes, 0, []
-        for frame in frames:
-            size = len(frame.pixels)
-            host[offset:offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
-            offset += size
-            sizes.append(size)
-        if frames:
-            slot.params[:len(frames)] = torch.tensor(frame_params(frames, self.spec), dtype=torch.float64)
-        return Staged(list(frames), sizes, slot)
-
-    def release(self, staged: Staged) -> None:
-        """The device is done with the batch: its slot can take another."""
-        self.slots.release(staged.slot)
 
 
 class TorchDevice:
@@ -370,8 +246,6 @@ def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates:
     """`sim` gives the simulated accelerator (the model's own profile when its spec has one: models differ in
     cost); anything else loads the model on a real device (raising ModelLoadError when it cannot be served)."""
     if requested == "sim":
-        from gpu_worker.simulated import SimulatedDevice
-
         return SimulatedDevice(spec, spec.sim_latency_ms or sim_profile_ms, max_batch)
     from gpu_worker.model import choose_device, load_model
 

@@ -21,9 +21,9 @@ from contract.keys import Keys
 from contract.settings import ModelSpec, Settings
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
-from gpu_worker.devices import DeviceOutput
 from gpu_worker.intake import InHand, Outcome
 from gpu_worker.stages import StageClock
+from gpu_worker.staging import DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")

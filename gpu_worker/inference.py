@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from contract.frames import Frame
-from gpu_worker.devices import Device
 from gpu_worker.finish import result_documents
+from gpu_worker.staging import Device
 from gpu_worker.stats import BusyMeter
 
 

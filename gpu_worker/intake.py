@@ -21,10 +21,10 @@ from contract.frames import Frame, FrameError, read_job_id, unpack_frame
 from contract.settings import Settings
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
-from gpu_worker.devices import Device, DeviceOutput, Staged
 from gpu_worker.model import fits_input
 from gpu_worker.source import RedisFrameSource
 from gpu_worker.stages import StageClock
+from gpu_worker.staging import Device, DeviceOutput, Staged
 
 log = logging.getLogger("gpu_worker")
 Outcome = tuple[str, jobs.JobStatus, dict[str, Any]]     # job id, terminal status, fields

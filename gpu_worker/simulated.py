@@ -21,7 +21,7 @@ import torch
 
 from contract.frames import Frame
 from contract.settings import ModelSpec
-from gpu_worker.devices import (
+from gpu_worker.staging import (
     DETECTION_COLUMNS,
     PARAM_COLUMNS,
     SLOTS,

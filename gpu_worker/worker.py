@@ -46,7 +46,7 @@ from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
 from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker import metrics
-from gpu_worker.devices import DETECTION_COLUMNS, Device, DeviceLost, DeviceOutput, inference_error
+from gpu_worker.devices import DeviceLost, inference_error
 from gpu_worker.finish import Finisher, result_documents
 from gpu_worker.handoff import Handoff
 from gpu_worker.intake import InHand, Intake
@@ -54,6 +54,7 @@ from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.liveness import Liveness
 from gpu_worker.source import RedisFrameSource
 from gpu_worker.stages import StageClock, combined_counters
+from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")

@@ -1,0 +1,50 @@
+"""The code's seams: no import circle between the project's modules (lazy imports inside functions too)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("app", "contract", "tasks", "gpu_worker", "bench", "baseline", "tools", "training")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        found.update(name for name in names if name in modules)
+    return found
+
+
+def test_no_import_circle_between_the_projects_modules():
+    paths = {module_name(p): p for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")}
+    graph = {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
+    # A package's __init__ importing its own modules is how packages work, not a circle of concepts.
+    for name in graph:
+        graph[name] = {other for other in graph[name] if not (name.startswith(other + ".") and
+                                                              paths[other].name == "__init__.py")}
+    circles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                circles.append(trail[trail.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert circles == [], "\n".join(" -> ".join(c) for c in circles)
