@@ -6,9 +6,13 @@
 - `frames`: the binary frame on the GPU list.
 - `timebill`: the stages of a request's life and their durations.
 - `documents`: the public JSON documents (job, callback, submit options) as pydantic models.
+- `models`: the models served side by side, and how a request's `model` is routed to a version.
 - `model_files`: what a model file is, and the labels / input size it carries.
+- `budget`: the admission step: a model's backlog, and the bytes waiting in Redis against their budgets.
+- `memory`: malloc's thresholds, so that freed image buffers stay in the process.
 - `connection`: how each process opens Redis.
 - `logs`: one JSON log line format for every process.
 - `heartbeat`: what a GPU worker says about itself, typed for its writer and its readers.
 - `check_secrets`: the deploy-time check that refuses weak secrets.
+- `replies`: reading Redis replies (uploads, frames) without extra copies.
 """

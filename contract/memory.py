@@ -1,21 +1,9 @@
 """Freed memory stays in the process for the next image, instead of going back to the kernel.
 
-Every image passes through buffers of about a megabyte in each process: the
-upload (API, CPU worker), the decoded and resized pixels, the frame (CPU
-worker, GPU worker). glibc's malloc serves blocks that size from mmap, or grows
-its heap for them and trims it again on free, so each buffer is fresh memory
-that the kernel must map and zero page by page: measured on the CPU worker's
-decode, letterbox and pack of one 1080p JPEG, 1,037 page faults and 3 ms of
-system CPU, against 11 ms of the work itself. With the thresholds below the
-same loop takes no page fault and no system time. In the running stack glibc's
-own adaptive threshold already avoids most of it (about 50 faults per image per
-process remain): four interleaved A/B runs at 18 QPS gave 0.1-0.2 less in
-`stack/bench` (about half a millisecond per image), most of it in the API.
-
-The price is resident memory: a process keeps what it once needed, up to
-TRIM_THRESHOLD_BYTES of free memory at its heap's top.
-Set glibc's own MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ to choose
-otherwise; then this leaves malloc alone.
+Each image passes through megabyte-sized buffers that glibc would otherwise map and zero afresh (page
+faults and system CPU on every image). The price is resident memory: up to TRIM_THRESHOLD_BYTES free
+at a heap's top. Set MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ to choose otherwise; then this
+leaves malloc alone. Measurements: docs/architecture.md ("Buffers stay in the process").
 """
 from __future__ import annotations
 

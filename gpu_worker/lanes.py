@@ -1,39 +1,25 @@
 """The models one GPU worker serves, side by side on one device.
 
-Each model is a lane: its own frame list, processing list, collect and stage
-threads, staging buffers and counters, so a batch never mixes models and each
-model's batches are answered in the order they were taken (its acks go by
-count, see source.py). The lanes meet at the device: `DeviceQueue` holds at
-most one staged batch per lane and hands the device the one that has waited
-for it longest.
-
-That is the fairness the worker gives: first come, first served between
-ready batches, one waiting batch per model, and a model's batch that became
-ready while its previous batch ran counts as ready only when that run ends
-(else a busy model, its next batch always staged ahead, would keep a second
-turn in hand): round robin between models that are all busy. A quiet model's batch waits at most for the batch on
-the device and one batch of each other model that was ready before it; a
-flooded model's backlog waits in its own list, bounded by its own limits.
-Ordering by the age of each batch's oldest frame (from when this worker took
-it) starved the quiet model instead: a busy model's next batches are taken
-from its list while its previous one still waits for the device, so they are
-always older than a quiet model's fresh frame. Measured with the flood test
-(tests/test_models.py): the quiet model's p95 was 844 ms that way.
+Each model is a lane (its own lists, collect and stage threads, staging buffers, counters); the lanes
+meet at the device, where `DeviceQueue` holds at most one staged batch per lane and serves the one that
+has waited longest: round robin between busy models. Why this order and not the frames' age:
+docs/architecture.md ("Lanes").
 """
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from contract.settings import ModelSpec
 from gpu_worker.batcher import Batch
-from gpu_worker.devices import Device
 from gpu_worker.finish import Finisher
 from gpu_worker.handoff import Handoff
 from gpu_worker.intake import Intake
 from gpu_worker.stages import StageClock
+from gpu_worker.staging import Device
 from gpu_worker.stats import RecentStats
 
 Item = TypeVar("Item")

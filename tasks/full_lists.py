@@ -1,20 +1,9 @@
 """A CPU worker stops taking a model's jobs while that model's frame list is full.
 
-A child that has decoded a frame for a full list waits for room (the list's
-bound holds, and the frame is not thrown away). Left alone, the main process
-would keep handing that model's tasks to children until every child waits on
-it, and another model's jobs would queue behind a model whose GPU side is
-saturated: measured with the flood test, the quiet model's `queue_cpu` p95
-rose to 294 ms and its p95 to 972 ms. So the main process looks at each
-model's list on its own event loop (every `CLOSE_CHECK_S` from the moment a
-list is half full until it has stayed below that for `CALM_AFTER_S`, else
-every `IDLE_CHECK_S`: a check costs a round trip) and stops
-consuming that model's queue while the list has no room for the tasks this
-worker may already hold (its prefetch: one per child), and resumes when it
-has. Stopping only once the list is full was not enough (972 -> 913 ms): the
-children already holding that model's tasks still waited, up to a whole batch
-of the busy model, for room. The model's jobs wait as what they already are (a
-task and an upload), and the children serve the other models meanwhile.
+Else every child would end up waiting for room on a saturated model while other models' jobs queue
+behind it. The main process checks each model's list on its own event loop, pauses that model's queues
+while the list lacks room for the tasks this worker may hold, and resumes them when it has. Why, and
+what was measured: docs/architecture.md ("A CPU worker stops taking a model whose frame list is full").
 """
 from __future__ import annotations
 

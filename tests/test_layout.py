@@ -48,3 +48,13 @@ def test_no_import_circle_between_the_projects_modules():
         if name not in state:
             visit(name, [name])
     assert circles == [], "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_the_architecture_page_names_every_redis_key():
+    from contract.keys import Keys
+
+    page = (REPO_ROOT / "docs" / "architecture.md").read_text()
+    internal = {"namespace", "tenant_of_queue", "preprocess_queues"}   # helpers, not keys
+    missing = [name for name in dir(Keys) if not name.startswith("_") and name not in internal
+               and f"| `{name}` |" not in page]
+    assert missing == [], f"docs/architecture.md's key table lacks {missing}"
