@@ -19,7 +19,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app.operations import Operation, Reply, operation
-from app.uploads import ACCEPTED_TYPES
+from app.problems import PROBLEM_TYPE
+from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 from contract.documents import ProblemDocument
 from contract.jobs import JOB_ID_PATTERN
 from contract.settings import Settings
@@ -27,7 +28,6 @@ from contract.settings import Settings
 blueprint = Blueprint("openapi", __name__)
 
 SCHEMA_REF = "#/components/schemas/{model}"
-PROBLEM_MEDIA_TYPE = "application/problem+json"
 TAGS = ("jobs", "models", "stats", "health", "meta")   # the order of the docs page
 PROBLEMS = {
     400: "A parameter is invalid (named in `invalid_params`)",
@@ -35,7 +35,7 @@ PROBLEMS = {
     404: "No such job, it expired, or it belongs to another key",
     409: "The job already ended",
     413: "The upload is over `api.max_upload_bytes`",
-    415: "The upload is not a JPEG, PNG, WebP, BMP or GIF image",
+    415: f"The upload is not {ACCEPTED_TYPES_TEXT}",
     429: "Too many jobs waiting, or this key is over its rate; retry after `Retry-After` seconds",
     503: "Redis or the broker is unreachable; retry shortly",
 }
@@ -86,7 +86,7 @@ def build_document(app: Flask) -> dict[str, Any]:
     return document
 
 
-def _render(declared: Operation, path_arguments: set[str], settings: Settings, registry: "_SchemaRegistry",
+def _render(declared: Operation, path_arguments: set[str], settings: Settings, registry: _SchemaRegistry,
             operation_id: str) -> dict[str, Any]:
     guarded = bool(settings.auth.api_keys) and not declared.public
     problems = dict(p if isinstance(p, tuple) else (p, PROBLEMS[p]) for p in declared.problems)
@@ -94,7 +94,7 @@ def _render(declared: Operation, path_arguments: set[str], settings: Settings, r
         problems = {401: PROBLEMS[401], 429: PROBLEMS[429], **problems}
     responses = {str(status): _reply(reply, registry) for status, reply in declared.replies.items()}
     for status, meaning in sorted(problems.items()):
-        responses[str(status)] = _reply(Reply(meaning, ProblemDocument, PROBLEM_MEDIA_TYPE,
+        responses[str(status)] = _reply(Reply(meaning, ProblemDocument, PROBLEM_TYPE,
                                               headers=PROBLEM_HEADERS.get(status, ())), registry)
     rendered: dict[str, Any] = {"operationId": operation_id.replace(".", "_"), "summary": declared.summary,
                                 "tags": [declared.tag], "responses": responses}
@@ -115,7 +115,7 @@ def _render(declared: Operation, path_arguments: set[str], settings: Settings, r
     return rendered
 
 
-def _reply(reply: Reply, registry: "_SchemaRegistry") -> dict[str, Any]:
+def _reply(reply: Reply, registry: _SchemaRegistry) -> dict[str, Any]:
     rendered: dict[str, Any] = {"description": reply.description}
     schema = registry.ref(reply.model) if reply.model else reply.schema
     if schema is not None:

@@ -5,8 +5,9 @@ the builder so that a blueprint (app.metrics among them) needs nothing of the bu
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel
 

@@ -6,9 +6,7 @@ from typing import Any
 from flask import Response, jsonify
 
 from app.metrics import REJECTS
-from contract.documents import ProblemDocument
-
-PROBLEM_TYPE = "application/problem+json"
+from contract.documents import PROBLEM_TYPE, ProblemDocument
 
 
 class Problem(Exception):

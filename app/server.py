@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from gunicorn import util
 from gunicorn.workers.ggevent import GeventWorker
+
+from contract.documents import PROBLEM_TYPE
 
 _REFUSED_UNREAD = ("401", "408", "413")
 
@@ -24,7 +27,7 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
     slug = reason.lower().replace(" ", "-")
     body = json.dumps({"type": f"/problems/{slug}", "title": reason, "status": status,
                        "detail": message or reason}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/problem+json\r\n"
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: {PROBLEM_TYPE}\r\n"
             f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
     util.write_nonblock(sock, head + body)
 

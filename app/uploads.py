@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import time
-from typing import Any, Collection, Iterable, Mapping, TypeVar
+from collections.abc import Collection, Iterable, Mapping
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -21,6 +21,7 @@ _SIGNATURES = (
 )
 M = TypeVar("M", bound=BaseModel)
 ACCEPTED_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif")
+ACCEPTED_TYPES_TEXT = "a JPEG, PNG, WebP, BMP or GIF image"
 
 
 # Large reads: gunicorn buffers what one recv() brings and copies the rest of its buffer on every
@@ -65,7 +66,7 @@ def read_whole_body(environ: dict[str, Any], limit: int, timeout_s: float = 10.0
     try:
         with whole:   # gunicorn's reader loops over recv() until it has what was asked: bound all of it too
             parts, size = _read_parts(stream, budget, sock, deadline, timeout_s)
-    except socket.timeout as exc:
+    except TimeoutError as exc:
         raise Problem(408, "request-timeout", "Request Timeout",
                       "the body came too slowly: not all of it in the time allowed") from exc
     except Exception as exc:   # the server's reader: broken chunked framing, a reset connection
@@ -93,7 +94,7 @@ def _whole_read_bound(seconds: float) -> Any:
         return contextlib.nullcontext()
     if not is_module_patched("socket"):
         return contextlib.nullcontext()
-    return Timeout(max(0.001, seconds), socket.timeout("the body's deadline passed"))
+    return Timeout(max(0.001, seconds), TimeoutError("the body's deadline passed"))
 
 
 def _read_parts(stream: Any, budget: int, sock: Any, deadline: float, timeout_s: float) -> tuple[list[bytes], int]:
@@ -103,7 +104,7 @@ def _read_parts(stream: Any, budget: int, sock: Any, deadline: float, timeout_s:
         if sock is not None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise socket.timeout("the body's deadline passed")
+                raise TimeoutError("the body's deadline passed")
             sock.settimeout(min(remaining, timeout_s))
         chunk = stream.read(min(_READ_CHUNK, budget - size))
         if not chunk:
@@ -136,7 +137,7 @@ def check_image(data: bytes, declared_type: str | None) -> str:
     sniffed = sniff_image_type(data)
     if sniffed is None:
         raise Problem(415, "unsupported-media-type", "Unsupported media type",
-                      "the content is not a JPEG, PNG, WebP, BMP or GIF image")
+                      f"the content is not {ACCEPTED_TYPES_TEXT}")
     return sniffed
 
 

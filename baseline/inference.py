@@ -7,8 +7,9 @@ worker's overlapped stages, so the two compare like for like.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from contract.frames import Frame
 from gpu_worker.finish import result_documents

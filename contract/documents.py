@@ -10,16 +10,18 @@ newer GPU worker must not break an older API.
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from enum import StrEnum
-from typing import Annotated, Any, Literal, Mapping, Optional
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from typing_extensions import TypedDict
 
 from contract.jobs import STATUSES, utc_iso
+from contract.settings import MODEL_NAME_PATTERN
 from contract.timebill import STAGE_DESCRIPTIONS
 
-JobStatus = Literal[STATUSES]  # type: ignore[valid-type]
+StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.JobStatus, as JSON spells it
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 MaxDetections = Annotated[int, Field(ge=1, le=1000)]
 
@@ -100,9 +102,9 @@ class CallbackState(Document):
                     "(the dead letter: after callbacks.max_attempts or callbacks.retry_for_s, or a refused "
                     "URL), redeliver it with POST /v1/jobs/{job_id}/callback")
     attempts: int = Field(ge=0)
-    last_error: Optional[str]
-    next_attempt_at: Optional[float] = Field(None, description="epoch seconds, while retrying")
-    delivery_id: Optional[str] = Field(None, description="what X-Imgserve-Delivery-Id carries: the same for every "
+    last_error: str | None
+    next_attempt_at: float | None = Field(None, description="epoch seconds, while retrying")
+    delivery_id: str | None = Field(None, description="what X-Imgserve-Delivery-Id carries: the same for every "
                                                          "attempt of this job's callback, for the receiver's dedup")
 
 
@@ -113,15 +115,15 @@ class Redelivered(Document):
 class JobDocument(Document):
     """A job, as `GET /v1/jobs/{job_id}` returns it and a callback POSTs it."""
     id: str
-    status: JobStatus
-    model: Optional[ModelRef] = Field(None, description="the model version the job was routed to")
-    created_at: Optional[str] = Field(json_schema_extra={"format": "date-time"})
+    status: StatusName
+    model: ModelRef | None = Field(None, description="the model version the job was routed to")
+    created_at: str | None = Field(json_schema_extra={"format": "date-time"})
     options: JobOptions
-    result: Optional[JobResult] = Field(description="set once the job succeeded")
-    error: Optional[JobError] = Field(description="set once the job failed, expired or was cancelled")
+    result: JobResult | None = Field(description="set once the job succeeded")
+    error: JobError | None = Field(description="set once the job failed, expired or was cancelled")
     timings_ms: TimeBill
-    batch: Optional[BatchInfo] = Field(description="the GPU batch that answered the job")
-    callback: Optional[CallbackState] = Field(None, description="present when the job has a callback_url")
+    batch: BatchInfo | None = Field(description="the GPU batch that answered the job")
+    callback: CallbackState | None = Field(None, description="present when the job has a callback_url")
 
 
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -163,8 +165,11 @@ class JobAccepted(Document):
 
 # --- a submission ------------------------------------------------------------------------------------
 
+MODEL_REFERENCE_PATTERN = rf"^{MODEL_NAME_PATTERN}(:{MODEL_NAME_PATTERN})?$"   # name or name:version
+
+
 class SubmitOptionsBase(Document):
-    model: str = Field(None, max_length=129, pattern=r"^[A-Za-z0-9][A-Za-z0-9._+-]*(:[A-Za-z0-9][A-Za-z0-9._+-]*)?$",  # noqa: E501
+    model: str = Field(None, max_length=129, pattern=MODEL_REFERENCE_PATTERN,
                        description="name (routed to one of its versions as configured) or name:version (pinned); "
                                    "the deployment's default model when absent; 404 if nothing of that name is served")
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
@@ -188,9 +193,6 @@ class SubmitOptionsBase(Document):
         if self.max_det is not None:
             options["max_det"] = self.max_det
         return options
-
-
-MODEL_REFERENCE_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]*(:[A-Za-z0-9][A-Za-z0-9._+-]*)?$"
 
 
 @functools.lru_cache(maxsize=8)
@@ -223,6 +225,9 @@ def wait_query_model(max_wait_s: float) -> type[WaitQueryBase]:
 class InvalidParam(Document):
     name: str
     reason: str
+
+
+PROBLEM_TYPE = "application/problem+json"   # the media type of every ProblemDocument
 
 
 class ProblemDocument(Document):
@@ -262,15 +267,15 @@ class QueueDepths(Document):
 class ServedModel(Document):
     name: str
     version: str
-    weights: Optional[str]
+    weights: str | None
     labels: list[str]
     input_size: int
     layout: str
     format: str
-    simulated: Optional[bool] = Field(None, description="served by the `sim` device; absent while no worker serves it")
-    precision: Optional[str] = Field(None, description="what the model computes in: fp32, fp16 or bf16")
-    output: Optional[str] = Field(None, description="tensor, or element 0 of a tuple (YOLOv5's own export)")
-    from_file: Optional[list[str]] = Field(None, description="spec settings read from the model file "
+    simulated: bool | None = Field(None, description="served by the `sim` device; absent while no worker serves it")
+    precision: str | None = Field(None, description="what the model computes in: fp32, fp16 or bf16")
+    output: str | None = Field(None, description="tensor, or element 0 of a tuple (YOLOv5's own export)")
+    from_file: list[str] | None = Field(None, description="spec settings read from the model file "
                                                               "(its config.txt): labels, input_size")
     defaults: ModelDefaults
     state: Literal["serving", "draining"] = Field(description="draining: takes no new jobs; remove it once its "
@@ -280,7 +285,7 @@ class ServedModel(Document):
     devices: list[str]
     workers: list[str] = Field(description="live GPU workers serving it")
     queue: QueueDepths
-    p95_ms: Optional[float] = Field(description="request start to result, p95 over the serving workers' recent "
+    p95_ms: float | None = Field(description="request start to result, p95 over the serving workers' recent "
                                                 "window (the slowest worker's); null without recent jobs")
     recent_jobs: int = Field(ge=0, description="jobs answered in that window")
 
@@ -317,14 +322,14 @@ class GpuWorkerStats(Document):
     simulated: bool
     busy: float = Field(None, description="fraction of the recent window the device computed")
     busy_window_s: float = None
-    nvml_utilisation: Optional[float] = None
+    nvml_utilisation: float | None = None
     device_seconds_total: float = None
     batches_total: int = None
     frames_total: int = None
     updated_at: float = None
     window_s: float = None
     batches: int = Field(None, description="batches in the recent window")
-    batch_size_mean: Optional[float] = None
+    batch_size_mean: float | None = None
     batch_size_histogram: dict[str, int] = None
     time_bill_ms: StageSummaries = None
     host_ms_per_batch: dict[str, HostStageTime] = Field(
@@ -339,7 +344,7 @@ class GpuSummary(Document):
     device_seconds_total: float = None
     frames_total: int = None
     batches_total: int = None
-    batch_size_mean: Optional[float] = None
+    batch_size_mean: float | None = None
     time_bill_ms: StageSummaries = Field(None, description="the busiest worker's recent time bill, per stage")
 
 
@@ -347,9 +352,9 @@ class ModelStats(Document):
     worker_id: str = Field(description="the worker whose window this is (of those serving the model, the one "
                                        "that answered most of its recent jobs)")
     jobs: int = Field(ge=0, description="jobs answered in the window")
-    p95_ms: Optional[float] = None
+    p95_ms: float | None = None
     batches: int = None
-    batch_size_mean: Optional[float] = None
+    batch_size_mean: float | None = None
     time_bill_ms: StageSummaries = None
 
 
