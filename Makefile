@@ -1,4 +1,4 @@
-.PHONY: run test test-fast lint bootstrap compose-check
+.PHONY: run test test-fast lint docs bootstrap compose-check
 
 run:          ## install what is needed, then run the whole service locally
 	scripts/run-local
@@ -7,12 +7,17 @@ test:         ## install what the tests need, then run them
 	scripts/test
 
 test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-worker or gunicorn process
-	scripts/test -m "not integration and not gpu" -q
+	scripts/test -m "not integration and not gpu and not slow" -q
 
-lint:         ## install what the checks need, then lint (ruff) and type-check (mypy; strict on contract/)
+lint:         ## install what the checks need, then lint (ruff), type-check (mypy; strict on contract/), build the docs
 	scripts/bootstrap --dev
 	.venv/bin/ruff check .
 	.venv/bin/mypy
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+
+docs:         ## build the docs site into var/site (mkdocs build --strict); .venv/bin/mkdocs serve to read it
+	scripts/bootstrap --dev
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 bootstrap:
 	scripts/bootstrap --dev

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import redis
@@ -27,6 +28,7 @@ from tests.support import (
     celery_argv,
     free_port,
     python_argv,
+    stop_together,
     wait_until,
 )
 
@@ -177,9 +179,8 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any] | str | Non
 
 
 def stop_stack(stack: Stack) -> None:
-    stack.stop_gpu_worker()
-    stack.cpu_worker.stop()
-    stack.callback_worker.stop()
+    stop_together([p for p in (stack.gpu_worker, stack.cpu_worker, stack.callback_worker) if p is not None])
+    stack.gpu_worker = None
     stack.api.stop()
 
 

@@ -7,7 +7,16 @@ import threading
 
 from PIL import Image, ImageDraw
 
-from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until  # noqa: F401
+from bench.processes import (  # noqa: F401
+    REPO_ROOT,
+    ManagedProcess,
+    RedisServer,
+    celery_argv,
+    free_port,
+    python_argv,
+    stop_together,
+    wait_until,
+)
 
 
 # --- images ---------------------------------------------------------------
@@ -102,7 +111,7 @@ class HostReads:
     def __init__(self) -> None:
         self.names: list[str] = []
 
-    def __enter__(self) -> "HostReads":
+    def __enter__(self) -> HostReads:
         from torch.utils._python_dispatch import TorchDispatchMode
 
         names = self.names

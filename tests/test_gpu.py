@@ -251,7 +251,7 @@ def test_speed_options_keep_the_answers(device, option):
 
 
 ACCELERATED = [pytest.param("cuda", "cuda_graphs", marks=needs_cuda), pytest.param("cuda", "compile", marks=needs_cuda),
-               pytest.param("cpu", "compile")]
+               pytest.param("cpu", "compile", marks=pytest.mark.slow)]   # torch.compile on this CPU: ~60 s
 
 
 @pytest.mark.parametrize("device, accelerate", ACCELERATED)
