@@ -12,9 +12,10 @@ from __future__ import annotations
 import statistics
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench.load import closed_loop
 from bench.processes import REPO_ROOT

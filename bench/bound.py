@@ -10,7 +10,7 @@ target the device cannot meet.
 from __future__ import annotations
 
 import random
-from typing import Mapping
+from collections.abc import Mapping
 
 from gpu_worker.simulated import profile_latency_s
 from gpu_worker.stats import percentile

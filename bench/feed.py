@@ -22,9 +22,10 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import redis
@@ -75,7 +76,7 @@ def frame_contents(options: FeedOptions) -> list[tuple[dict[str, Any], bytes]]:
     rng = np.random.default_rng(7)
     width, height = options.image_size
     contents = []
-    for i in range(options.distinct_images):
+    for _ in range(options.distinct_images):
         if options.source == "jpeg":
             data = _jpeg(rng, width, height)
             image, orig_size = decode_image(data, options.input_size, 10**9)

@@ -13,7 +13,8 @@ import io
 import math
 import statistics
 import time
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from PIL import Image, ImageFile
 

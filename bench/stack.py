@@ -74,7 +74,7 @@ class LocalStack:
         self.argv: dict[str, list[str]] = {}
         self.env: dict[str, str] = {}
 
-    def start(self) -> "LocalStack":
+    def start(self) -> LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
                                  extra_args=self.options.redis_args)
@@ -100,7 +100,7 @@ class LocalStack:
         self.processes.append(ManagedProcess(name, argv, env, self.workdir, root=self.options.root))
         self.argv[name], self.env = argv, env
 
-    def cpu_scope(self) -> "CpuScope":
+    def cpu_scope(self) -> CpuScope:
         """This stack's processes (their sessions) and its Redis, for CPU per image."""
         from bench.runs import CpuScope
 
@@ -134,7 +134,7 @@ class BaselineServer:
         self.process: ManagedProcess | None = None
         self.url = ""
 
-    def start(self) -> "BaselineServer":
+    def start(self) -> BaselineServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -146,7 +146,7 @@ class BaselineServer:
                    what="the baseline server")
         return self
 
-    def cpu_scope(self) -> "CpuScope":
+    def cpu_scope(self) -> CpuScope:
         from bench.runs import CpuScope
 
         return CpuScope(None, frozenset({self.process.process.pid}) if self.process else frozenset())
@@ -168,7 +168,7 @@ class ProcfileStack:
         self.url = ""
         self.env: dict[str, str] = {}
 
-    def start(self) -> "ProcfileStack":
+    def start(self) -> ProcfileStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
                                  extra_args=self.options.redis_args)
@@ -191,7 +191,7 @@ class ProcfileStack:
                    what=f"make run's processes at {self.url} to be ready")
         return self
 
-    def cpu_scope(self) -> "CpuScope":
+    def cpu_scope(self) -> CpuScope:
         from bench.runs import CpuScope
 
         return CpuScope(self.redis.port if self.redis else None,

@@ -11,7 +11,8 @@ version without budgets are given back as if they had been counted).
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import redis
 

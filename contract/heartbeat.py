@@ -9,7 +9,7 @@ treats it as a previous life's).
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -46,7 +46,7 @@ class Heartbeat(BaseModel):
     started_at: float = Field(description="epoch seconds")
     model: HeartbeatModel                      # the first model it serves (what readers before `models` read)
     models: list[HeartbeatModel] = Field(default_factory=list, description="every model it serves")
-    batching: Optional[Batching] = None
+    batching: Batching | None = None
     stats: dict[str, Any] = Field(default_factory=dict, description="busy fraction, totals, recent time bill")
 
     def served_models(self) -> list[HeartbeatModel]:
@@ -56,7 +56,7 @@ class Heartbeat(BaseModel):
         return self.model_dump_json()
 
     @classmethod
-    def from_redis(cls, raw: bytes | str | None) -> Optional["Heartbeat"]:
+    def from_redis(cls, raw: bytes | str | None) -> Heartbeat | None:
         if raw is None:
             return None
         try:

@@ -10,9 +10,10 @@ import json
 import re
 import time
 import uuid
-from datetime import datetime, timezone
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Mapping, Sequence, TypedDict, cast
+from typing import Any, TypedDict, cast
 
 import redis
 
@@ -261,7 +262,7 @@ def is_job_id(text: str) -> bool:
 
 
 def utc_iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class JobStore:

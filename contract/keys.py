@@ -7,8 +7,8 @@ are Celery's to name.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 # Celery's queue for CPU work; its Redis transport keeps the queue as a list of this name.
 PREPROCESS_QUEUE = "preprocess"

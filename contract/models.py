@@ -10,7 +10,7 @@ a job's letterbox, the GPU workers to know what they serve.
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 from contract.settings import ModelSpec, Settings, SettingsError, version_weights
 

@@ -8,7 +8,8 @@ keeps connecting, AUTH, SELECT and TLS as the client is configured) and their re
 from __future__ import annotations
 
 import socket
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import redis
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Mapping
 from dataclasses import field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import yaml
@@ -450,7 +451,7 @@ def load_model_specs(entries: Any, base_dir: Path) -> tuple[ModelSpec, ...]:
     return tuple(load_model_spec(entry, base_dir) for entry in entries)
 
 
-def _check_secrets(settings: "Settings") -> None:
+def _check_secrets(settings: Settings) -> None:
     if settings.callbacks.secret:
         check_secret("the callback secret (callbacks.secret / IMGSERVE_CALLBACK_SECRET)", settings.callbacks.secret)
     password = urlsplit(settings.redis_url).password

@@ -5,7 +5,7 @@ passes; `compute_time_bill` turns the stamps into milliseconds per stage.
 """
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 # Each stage of a request's life, in order, with what its milliseconds cover.
 STAGE_DESCRIPTIONS = {

@@ -9,7 +9,8 @@ stage, without dropping a batch that was already taken.
 from __future__ import annotations
 
 import queue
-from typing import Generic, Iterator, TypeVar
+from collections.abc import Iterator
+from typing import Generic, TypeVar
 
 Item = TypeVar("Item")
 _CLOSED = object()

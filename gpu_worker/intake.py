@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import redis
 
@@ -48,7 +49,7 @@ class InHand:
     output: DeviceOutput | None = None
     started_at: float = 0.0           # wall clock: its turn on the device began
     give_back: Sequence[memoryview] = ()   # triage could not reach Redis: these frames return to the list
-    failed: list["Outcome"] = field(default_factory=list)   # triage failed otherwise: these jobs fail
+    failed: list[Outcome] = field(default_factory=list)   # triage failed otherwise: these jobs fail
     taken_bytes: int = 0
     epoch: str = ""                   # the worker's life it was taken in: written only while that lasts
 

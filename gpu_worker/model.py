@@ -1,9 +1,10 @@
 """Loading the detector a spec names, and feeding it a batch of frames."""
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -14,7 +14,8 @@ the writes.
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch

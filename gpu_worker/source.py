@@ -14,7 +14,8 @@ left in the list (`requeue_frames_of`): the order holds again.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import redis
 

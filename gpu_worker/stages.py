@@ -21,7 +21,7 @@ class StageClock:
         self.cpu_s = dict.fromkeys(HOST_STAGES, 0.0)
         self._timers = {stage: _Timer(self, stage) for stage in HOST_STAGES}
 
-    def __call__(self, stage: str) -> "_Timer":
+    def __call__(self, stage: str) -> _Timer:
         """`with clock("write"): ...` adds the block's times to the stage."""
         return self._timers[stage]
 

@@ -7,8 +7,9 @@ threads call.
 from __future__ import annotations
 
 import queue
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 import torch

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from contract.timebill import STAGES
 

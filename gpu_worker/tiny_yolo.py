@@ -7,8 +7,6 @@ by the same post-processing as any user's export.
 """
 from __future__ import annotations
 
-from typing import List
-
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -73,9 +71,9 @@ class TinyYolo(nn.Module):
         channels = (4 * w, 8 * w, 8 * w)
         self.necks = nn.ModuleList([ConvBlock(c, c) for c in channels])
         self.heads = nn.ModuleList([nn.Conv2d(c, 4 + num_classes, 1) for c in channels])
-        self.strides: List[int] = list(STRIDES)
+        self.strides: list[int] = list(STRIDES)
 
-    def features(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def features(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = self.stage2(self.stem(x))
         p3 = self.stage3(x)
         p4 = self.stage4(p3)
@@ -84,9 +82,9 @@ class TinyYolo(nn.Module):
         p3 = p3 + self.lateral3(F.interpolate(p4, size=p3.shape[-2:], mode="nearest"))
         return [p3, p4, p5]
 
-    def raw_outputs(self, x: torch.Tensor) -> List[torch.Tensor]:
+    def raw_outputs(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Per level [B, 4 + C, H, W]: box distances (pre-softplus) and class logits."""
-        outputs: List[torch.Tensor] = []
+        outputs: list[torch.Tensor] = []
         feats = self.features(x)
         for i, (neck, head) in enumerate(zip(self.necks, self.heads)):
             outputs.append(head(neck(feats[i])))
@@ -104,8 +102,8 @@ def cell_centres(height: int, width: int, stride: int, device: torch.device) -> 
     return torch.stack([grid_x.reshape(-1), grid_y.reshape(-1)], dim=1)
 
 
-def decode_outputs(raw: List[torch.Tensor], strides: List[int]) -> torch.Tensor:
-    decoded: List[torch.Tensor] = []
+def decode_outputs(raw: list[torch.Tensor], strides: list[int]) -> torch.Tensor:
+    decoded: list[torch.Tensor] = []
     for level, out in enumerate(raw):
         batch, channels, height, width = out.shape
         stride = strides[level]

@@ -8,8 +8,9 @@ tensor; YOLOv5's `(pred,)` and `(pred, [maps])`), the same `config.txt` extra fi
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 from collections import Counter
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

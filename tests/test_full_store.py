@@ -80,7 +80,7 @@ def test_bursts_of_large_uploads_stay_within_the_budget_and_nothing_accepted_is_
     for thread in watchers:
         thread.start()
     try:
-        for burst in range(2):                                # two bursts of 40 concurrent large uploads
+        for _burst in range(2):                              # two bursts of 40 concurrent large uploads
             with ThreadPoolExecutor(40) as pool:
                 list(pool.map(submit, [images[i % len(images)] for i in range(40)]))
             time.sleep(1.0)

@@ -4,8 +4,9 @@ on a simulated device that answers at once (or on the CPU with a model that misb
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

@@ -194,7 +194,7 @@ def test_a_body_that_comes_too_slowly_is_408_and_its_connection_closed(gunicorn_
                     break
             try:
                 chunk = sock.recv(65536)
-            except socket.timeout:
+            except TimeoutError:
                 continue
             if not chunk:
                 break

@@ -7,7 +7,7 @@ import re
 import signal
 import subprocess
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import redis

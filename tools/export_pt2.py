@@ -54,13 +54,13 @@ def _prepared_like_ultralytics(model: torch.nn.Module) -> torch.nn.Module:
     for parameter in model.parameters():
         parameter.requires_grad = False
     if hasattr(model, "fuse"):
-        model = getattr(model, "fuse")()
+        model = getattr(model, "fuse")()   # noqa: B009  (getattr: nn.Module types its attributes as Tensor)
     for part in model.modules():
         if hasattr(part, "export") and hasattr(part, "dynamic"):      # Detect and its subclasses
             for name, value in (("export", True), ("dynamic", True), ("format", "torchscript")):
                 setattr(part, name, value)
         elif hasattr(part, "forward_split"):                         # C2f
-            setattr(part, "forward", getattr(part, "forward_split"))
+            setattr(part, "forward", getattr(part, "forward_split"))   # noqa: B009, B010  (likewise)
     return model
 
 

@@ -18,8 +18,8 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
+from collections.abc import Sequence
 from importlib.metadata import version
-from typing import Sequence
 
 CARRIED = ("pydantic", "redis", "hiredis")
 """Distributions the GPU checks need and the image lacks; pydantic's own needs come with it."""

@@ -2,7 +2,7 @@
 centre sampling, quality focal loss on IoU-aware class targets, GIoU boxes."""
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch.nn import functional as F

@@ -1,8 +1,8 @@
 """mAP@0.5, VOC style (all-point interpolation), on plain Python lists."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

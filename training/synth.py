@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
