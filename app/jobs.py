@@ -26,6 +26,7 @@ from app.uploads import (
     validate_params,
 )
 from contract import jobs
+from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.documents import (
     JobAccepted,
     JobDocument,
@@ -36,7 +37,6 @@ from contract.documents import (
 )
 from contract.models import UnknownModel, model_references
 from contract.settings import ModelSpec, SettingsError
-from tasks.callbacks import CallbackRefused, callback_secret, check_callback_url
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")

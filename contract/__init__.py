@@ -13,6 +13,8 @@
 - `connection`: how each process opens Redis.
 - `logs`: one JSON log line format for every process.
 - `heartbeat`: what a GPU worker says about itself, typed for its writer and its readers.
+- `callbacks`: which callback URLs may be called (checked at submit and at delivery), and which secret
+  signs a job's callbacks.
 - `check_secrets`: the deploy-time check that refuses weak secrets.
 - `replies`: reading Redis replies (uploads, frames) without extra copies.
 """

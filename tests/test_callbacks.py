@@ -13,9 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
+from contract.callbacks import CallbackRefused, check_callback_url, resolve_callback_url
 from contract.documents import JobDocument
 from contract.keys import Keys
-from tasks.callbacks import CallbackRefused, check_callback_url, post_to, resolve_callback_url, sign
+from tasks.callbacks import post_to, sign
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
 
@@ -336,9 +337,10 @@ def keyed_settings(tmp_path, monkeypatch):
 
 
 def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_path, monkeypatch):
+    from contract.callbacks import callback_secret
     from contract.jobs import SUCCEEDED, JobStore
     from contract.keys import Keys
-    from tasks.callbacks import CallbackSender, callback_secret
+    from tasks.callbacks import CallbackSender
 
     settings = keyed_settings(tmp_path, monkeypatch)
     assert callback_secret(settings, "team-a") == "team-a-callback-secret-0123"
@@ -396,7 +398,7 @@ def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
 
 
 def test_the_relay_loses_nothing_when_the_broker_refuses_a_task(redis_client):
-    from tasks.callbacks import relay_outbox
+    from tasks.callback_relay import relay_outbox
 
     keys = Keys("relay-fails")
     redis_client.rpush(keys.callback_outbox, "job-a", "job-b")
@@ -415,7 +417,7 @@ def test_the_relay_loses_nothing_when_the_broker_refuses_a_task(redis_client):
 
 
 def test_an_entry_held_by_a_relay_that_died_is_relayed_again(redis_client):
-    from tasks.callbacks import RELAY_STALE_AFTER_S, relay_outbox
+    from tasks.callback_relay import RELAY_STALE_AFTER_S, relay_outbox
 
     keys = Keys("relay-died")
     redis_client.zadd(keys.callback_relaying, {"held-by-the-dead": time.time() - RELAY_STALE_AFTER_S - 1,
@@ -450,7 +452,7 @@ def test_the_wait_between_attempts_doubles_to_its_cap_within_its_jitter():
 
 
 def test_a_retry_is_scheduled_in_redis_and_the_relay_hands_it_over_when_due(redis_client):
-    from tasks.callbacks import relay_outbox
+    from tasks.callback_relay import relay_outbox
 
     keys = Keys("scheduled")
     now = time.time()
@@ -468,7 +470,8 @@ def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_call
 
     from contract.jobs import SUCCEEDED, JobStore
     from contract.settings import load_settings
-    from tasks.callbacks import CallbackSender, relay_outbox
+    from tasks.callback_relay import relay_outbox
+    from tasks.callbacks import CallbackSender
 
     base = load_settings()
     settings = dataclasses.replace(base, namespace="outage", callbacks=dataclasses.replace(

@@ -1,0 +1,93 @@
+"""The callback outbox's relay: ended jobs' callbacks, and retries that are due, handed to Celery."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import redis
+
+from contract.keys import Keys
+
+log = logging.getLogger(__name__)
+
+
+# KEYS[1] outbox, KEYS[2] relaying (zset), KEYS[3] scheduled (zset); ARGV[1] now, ARGV[2] taken before this
+# is stale. Retries that are due and entries a dead relay held go to the outbox first; then one entry moves
+# from the outbox to `relaying`.
+_TAKE_FROM_OUTBOX = """
+local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1], 'LIMIT', 0, 100)
+for _, job_id in ipairs(due) do
+  redis.call('ZREM', KEYS[3], job_id)
+  redis.call('RPUSH', KEYS[1], job_id)
+end
+local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
+for _, job_id in ipairs(stale) do
+  redis.call('ZREM', KEYS[2], job_id)
+  redis.call('RPUSH', KEYS[1], job_id)
+end
+local job_id = redis.call('LPOP', KEYS[1])
+if job_id then
+  redis.call('ZADD', KEYS[2], ARGV[1], job_id)
+end
+return job_id
+"""
+RELAY_STALE_AFTER_S = 60.0
+
+
+def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], limit: int = 100) -> int:
+    """Hand ended jobs' callbacks, and retries that are due, to Celery. Each entry moves to `relaying` in the
+    step that takes it and leaves it only once Celery has the task: a failed send puts it back at the outbox's
+    head, and one whose relay died is taken again after RELAY_STALE_AFTER_S. Nothing is lost."""
+    take = client.register_script(_TAKE_FROM_OUTBOX)
+    sent = 0
+    while sent < limit:
+        now = time.time()
+        job_id = take(keys=[keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
+                      args=[now, now - RELAY_STALE_AFTER_S])
+        if job_id is None:
+            break
+        try:
+            send(job_id.decode())
+        except Exception:
+            pipe = client.pipeline(transaction=True)
+            pipe.zrem(keys.callback_relaying, job_id)
+            pipe.lpush(keys.callback_outbox, job_id)
+            pipe.execute()
+            raise
+        client.zrem(keys.callback_relaying, job_id)
+        sent += 1
+    return sent
+
+
+class OutboxRelay:
+    """The callback worker's relay: a thread that wakes when a job with a callback ends (the outbox's
+    channel; at least every second) and hands ended jobs' callbacks to Celery. One per callback worker;
+    several may run at once."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, send: Callable[[str], None]) -> None:
+        self.client, self.keys, self.send = client, keys, send
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="outbox-relay", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.keys.callback_outbox)
+                while not self._stopping.is_set():
+                    pubsub.get_message(timeout=1.0)
+                    relay_outbox(self.client, self.keys, self.send)
+            except Exception:   # Redis or the broker away: try again in a second, nothing was lost
+                log.warning("callback relay interrupted", exc_info=True)
+                self._stopping.wait(1.0)
+            finally:
+                pubsub.close()
