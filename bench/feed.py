@@ -203,7 +203,7 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
 
 def _start_worker(options: FeedOptions, config_path: Path, workdir: Path) -> ManagedProcess:
     env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
-           "IMGSERVE_LOG_LEVEL": "WARNING"}
+           "IMGSERVE_LOGS__LEVEL": "WARNING"}
     env.pop("IMGSERVE_REDIS_URL", None)
     return ManagedProcess("gpu-worker", python_argv("-m", "gpu_worker", "--device", options.device,
                                                     "--worker-id", WORKER_ID), env, workdir)

@@ -19,6 +19,17 @@ if TYPE_CHECKING:
     from bench.runs import CpuScope
 
 
+def legacy_api_env(port: int, workers: int | None = None, threads: int | None = None) -> dict[str, str]:
+    """The API's address and size under the variables' old names (contract.settings.LEGACY_ENV): `bench ab`
+    runs an older checkout beside this one, and both read these until 0.2; their warning is silenced."""
+    env = {"IMGSERVE_API_BIND": f"127.0.0.1:{port}", "PYTHONWARNINGS": "ignore::FutureWarning"}
+    if workers is not None:
+        env["IMGSERVE_API_WORKERS"] = str(workers)
+    if threads is not None:
+        env["IMGSERVE_API_THREADS"] = str(threads)
+    return env
+
+
 @dataclass
 class StackOptions:
     device: str = "sim"
@@ -83,8 +94,7 @@ class LocalStack:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
-               "IMGSERVE_API_BIND": f"127.0.0.1:{port}", "IMGSERVE_API_WORKERS": str(self.options.api_workers),
-               "IMGSERVE_API_THREADS": str(self.options.api_threads)}
+               **legacy_api_env(port, self.options.api_workers, self.options.api_threads)}
         env.pop("IMGSERVE_REDIS_URL", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
@@ -178,7 +188,7 @@ class ProcfileStack:
         self.url = f"http://127.0.0.1:{port}"
         metrics_dir = self.workdir / "prometheus"
         metrics_dir.mkdir(exist_ok=True)
-        env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "IMGSERVE_API_BIND": f"127.0.0.1:{port}",
+        env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), **legacy_api_env(port),
                **({"CPU_WORKERS": str(self.options.cpu_workers)} if self.options.cpu_workers else {}),
                "FLOWER_PORT": str(free_port()), "FLOWER_BASIC_AUTH": f"flower:{secrets.token_urlsafe(18)}",
                "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),

@@ -4,23 +4,25 @@ gevent workers: a connection costs a greenlet, not a thread, so long-polls
 and slow clients are cheap, and a request's headers must arrive within
 `keepalive` seconds (gunicorn bounds each header read by it) or the connection
 is dropped: a few hundred half-sent requests (slowloris) no longer take every
-thread while /healthz waits. IMGSERVE_API_WORKER_CLASS=gthread restores the
-threaded worker (IMGSERVE_API_THREADS threads each)."""
+thread while /healthz waits. `api.worker_class: gthread` (IMGSERVE_API__WORKER_CLASS=gthread) restores the
+threaded worker (`api.threads` each). Every value here comes from the settings' `api` section."""
 import glob
 import os
 import tempfile
 
 from contract.memory import keep_freed_memory
+from contract.settings import load_settings
 
 # In the master, before it forks the workers: they inherit the tuned malloc (see contract.memory).
 keep_freed_memory()
 
-bind = os.environ.get("IMGSERVE_API_BIND", "0.0.0.0:8000")
+_api = load_settings().api
+bind = _api.bind
 # gevent, with gunicorn's own error answers (bad request line, URI too long) as problem+json.
-worker_class = os.environ.get("IMGSERVE_API_WORKER_CLASS", "app.server.ProblemGeventWorker")
-workers = int(os.environ.get("IMGSERVE_API_WORKERS", "2"))
-worker_connections = int(os.environ.get("IMGSERVE_API_CONNECTIONS", "2000"))   # per worker, gevent
-threads = int(os.environ.get("IMGSERVE_API_THREADS", "64"))                    # per worker, gthread
+worker_class = _api.worker_class
+workers = _api.workers
+worker_connections = _api.connections   # per worker, gevent
+threads = _api.threads                  # per worker, gthread
 timeout = 75             # above the longest long-poll (api.max_wait_s = 30)
 graceful_timeout = 35
 keepalive = 5            # also the bound on reading a request's headers (gevent)
@@ -29,7 +31,7 @@ limit_request_fields = 60
 limit_request_field_size = 8190
 # One line per request on top of the API's own JSON lines (a job's are "job accepted" and its reads'
 # errors) cost the API and the log relay as much as a fifth of a submission: on when asked for.
-accesslog = os.environ.get("IMGSERVE_ACCESS_LOG") or None
+accesslog = _api.access_log or None
 
 # Several worker processes: their metrics must be collected across processes, whoever is scraped.
 os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="imgserve-metrics-"))
@@ -45,8 +47,6 @@ def on_starting(server):
 
 def when_ready(server):
     """With `api.metrics_port` set, /metrics is served by the master there, and not on `bind`."""
-    from contract.settings import load_settings
-
     settings = load_settings()
     if settings.api.metrics_port:
         from app.metrics import serve_on_metrics_port
@@ -58,7 +58,7 @@ def when_ready(server):
 def post_fork(server, worker):
     from contract.logs import configure_logging
 
-    configure_logging("api")
+    configure_logging("api", load_settings().logs)
 
 
 def child_exit(server, worker):

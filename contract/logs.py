@@ -14,6 +14,8 @@ import os
 import sys
 import time
 
+from contract.settings import LogSettings, log_settings_from
+
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 
 
@@ -37,13 +39,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
-def configure_logging(role: str, level: str | None = None) -> None:
-    """JSON lines on stderr for this process (IMGSERVE_LOG_FORMAT=text keeps plain text)."""
+def configure_logging(role: str, logs: LogSettings | None = None) -> None:
+    """JSON lines on stderr for this process (`logs.format: text` keeps plain text). Called before the
+    settings are read (so that their errors are logged too) the environment's IMGSERVE_LOGS__FORMAT and
+    IMGSERVE_LOGS__LEVEL decide; called again with the settings' `logs` once they are."""
+    if logs is None:
+        logs = log_settings_from(os.environ)
     handler = logging.StreamHandler(sys.stderr)
-    if os.environ.get("IMGSERVE_LOG_FORMAT", "json") == "json":
+    if logs.format == "json":
         handler.setFormatter(JsonFormatter(role))
     else:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)s {role} %(name)s %(message)s"))
     root = logging.getLogger()
     root.handlers = [handler]
-    root.setLevel(level or os.environ.get("IMGSERVE_LOG_LEVEL", "INFO"))
+    root.setLevel(logs.level.upper())

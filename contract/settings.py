@@ -26,11 +26,22 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
 CONFIG_ENV = "IMGSERVE_CONFIG"
 REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
-METRICS_PORT_ENV = "IMGSERVE_METRICS_PORT"
 # Any setting from the environment: IMGSERVE_<SECTION>__<KEY>=value (the double underscore separates the
 # section from the key; the value is read as YAML: 20, 0.5, true, [a, b]), e.g. IMGSERVE_GPU_WORKER__DEVICE=sim,
 # IMGSERVE_BATCHING__WINDOW_MS=8. Top-level keys keep their own variables (IMGSERVE_REDIS_URL).
 ENV_PREFIX, ENV_SEPARATOR = "IMGSERVE_", "__"
+# Variables from before that rule, still read for one release (0.2) with a warning: old name -> new name.
+LEGACY_ENV = {
+    "IMGSERVE_API_BIND": "IMGSERVE_API__BIND",
+    "IMGSERVE_API_WORKERS": "IMGSERVE_API__WORKERS",
+    "IMGSERVE_API_WORKER_CLASS": "IMGSERVE_API__WORKER_CLASS",
+    "IMGSERVE_API_CONNECTIONS": "IMGSERVE_API__CONNECTIONS",
+    "IMGSERVE_API_THREADS": "IMGSERVE_API__THREADS",
+    "IMGSERVE_ACCESS_LOG": "IMGSERVE_API__ACCESS_LOG",
+    "IMGSERVE_METRICS_PORT": "IMGSERVE_API__METRICS_PORT",
+    "IMGSERVE_LOG_FORMAT": "IMGSERVE_LOGS__FORMAT",
+    "IMGSERVE_LOG_LEVEL": "IMGSERVE_LOGS__LEVEL",
+}
 
 # The story's batch-size table (ms per batch on its GPU): the `sim` device's default profile.
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
@@ -100,6 +111,25 @@ class ApiSettings:
     # metrics_host), so an internal network can scrape what the public port does not show.
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
+    # The HTTP server (configs/gunicorn.conf.py reads these).
+    bind: str = "0.0.0.0:8000"
+    workers: int = 2
+    worker_class: str = "app.server.ProblemGeventWorker"   # gevent; "gthread" for threads
+    connections: int = 2000       # per worker, gevent
+    threads: int = 64             # per worker, gthread
+    access_log: str = ""          # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
+
+
+@settings_class
+class LogSettings:
+    format: str = "json"          # json: one object per line (contract.logs); text: plain lines
+    level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.format not in ("json", "text"):
+            raise SettingsError(f"logs.format must be json or text, not {self.format!r}")
+        if self.level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise SettingsError(f"logs.level must be a logging level name, not {self.level!r}")
 
 
 @settings_class
@@ -129,6 +159,8 @@ class GpuWorkerSettings:
     torch_threads: int = 0
     busy_window_s: float = 60.0
     max_attempts: int = 3         # a frame requeued this often (its worker died each time) fails as poison
+    metrics_port: int = 0         # Prometheus metrics here (0: none); --metrics-port overrides
+    metrics_host: str = "127.0.0.1"
     # device `sim`: ms per batch by batch size (the story's table by default)
     sim_latency_ms: dict[int, float] = field(default_factory=lambda: dict(STORY_PROFILE_MS))
 
@@ -313,6 +345,7 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "imgserve"
     api: ApiSettings = field(default_factory=ApiSettings)
+    logs: LogSettings = field(default_factory=LogSettings)
     decode: DecodeSettings = field(default_factory=DecodeSettings)
     jobs: JobSettings = field(default_factory=JobSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
@@ -410,8 +443,9 @@ def default_model(settings: Settings) -> ModelSpec:
 
 
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
-    """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment's overrides
-    (IMGSERVE_REDIS_URL, IMGSERVE_CALLBACK_SECRET, IMGSERVE_METRICS_PORT)."""
+    """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment: IMGSERVE_REDIS_URL,
+    IMGSERVE_CALLBACK_SECRET, and IMGSERVE_<SECTION>__<KEY> for any other setting (LEGACY_ENV's old names
+    too, with a warning)."""
     raw = _read_config(DEFAULT_CONFIG)
     overlay_path = path or os.environ.get(CONFIG_ENV)
     if overlay_path:
@@ -425,9 +459,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         raw["redis_url"] = os.environ[REDIS_URL_ENV]
     if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
-    if os.environ.get(METRICS_PORT_ENV):
-        raw["api"] = {**raw.get("api", {}), "metrics_port": int(os.environ[METRICS_PORT_ENV])}
-    raw = _moved_to_their_sections(_merge(raw, environment_overrides(os.environ)))
+    raw = _moved_to_their_sections(_merge(raw, environment_overrides(with_legacy_names(os.environ))))
     entries, single = raw.pop("models", None), raw.pop("model", None)
     raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
     raw["model"] = raw["models"][0]   # replaced by the routed default once routing is read
@@ -507,6 +539,29 @@ def _section_defaults(name: str) -> Any:
     section = _nested_type(Settings, name)
     assert section is not None, name
     return section()
+
+
+def with_legacy_names(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment with each old variable (LEGACY_ENV) given its new name, warning once per name; the
+    new name wins where both are set."""
+    renamed = dict(environ)
+    for old, new in LEGACY_ENV.items():
+        if old in environ:
+            warnings.warn(f"{old} is deprecated and will be ignored from 0.2; set {new}", FutureWarning,
+                          stacklevel=2)
+            renamed.setdefault(new, environ[old])
+            del renamed[old]
+    return renamed
+
+
+def log_settings_from(environ: Mapping[str, str]) -> LogSettings:
+    """The `logs` settings from the environment alone: for a process's first lines, before its settings
+    are read."""
+    try:
+        section = environment_overrides(with_legacy_names(environ)).get("logs", {})
+        return _build(LogSettings, {key: str(value) for key, value in section.items()})  # type: ignore[no-any-return]
+    except SettingsError:
+        return _build(LogSettings, {})  # type: ignore[no-any-return]   # load_settings says what is wrong
 
 
 def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
@@ -626,6 +681,7 @@ def _build(cls: type, raw: dict[str, Any]) -> Any:
 def _nested_type(cls: type, name: str) -> type | None:
     nested = {
         "api": ApiSettings,
+        "logs": LogSettings,
         "decode": DecodeSettings,
         "jobs": JobSettings,
         "batching": BatchingSettings,

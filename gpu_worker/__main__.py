@@ -29,12 +29,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="serve this model (each version of NAME, or one); repeat for several; "
                              "default: gpu_worker.models, else every model configured")
     parser.add_argument("--worker-id", help="stable id; default host-device")
-    parser.add_argument("--metrics-port", type=int, default=0, help="serve Prometheus metrics here")
-    parser.add_argument("--metrics-host", default="127.0.0.1", help="the address the metrics port binds")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics here (default: "
+                        "gpu_worker.metrics_port; 0: none)")
+    parser.add_argument("--metrics-host", help="the address the metrics port binds (default: gpu_worker.metrics_host)")
     args = parser.parse_args(argv)
     keep_freed_memory()
     configure_logging("gpu-worker")
     settings = load_settings(args.config)
+    configure_logging("gpu-worker", settings.logs)
     if settings.gpu_worker.torch_threads:
         torch.set_num_threads(settings.gpu_worker.torch_threads)
     try:
@@ -51,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         except ModelLoadError as exc:
             logging.getLogger("gpu_worker").error("cannot serve the model %s: %s", spec.key, exc)
             return 2
-    metrics.serve(args.metrics_port, args.metrics_host)
+    metrics.serve(settings.gpu_worker.metrics_port if args.metrics_port is None else args.metrics_port,
+                  args.metrics_host or settings.gpu_worker.metrics_host)
     worker = GpuWorker(settings, connect(settings, socket_timeout=30.0), devices,
                        args.worker_id or default_worker_id(devices[0]))
     try:

@@ -92,7 +92,7 @@ def _keep_json_logs(**_: object) -> None:
     """Celery sets up its own handler at start; put ours back so every line stays JSON. Celery's own
     two INFO lines per task ("received", "succeeded in") go: the task's line says what happened to
     the job, with its id, and the log relay and the workers pay for every line."""
-    configure_logging(_role)
+    configure_logging(_role, settings.logs)
     for name in ("celery.worker.strategy", "celery.app.trace"):
         logging.getLogger(name).setLevel(logging.WARNING)
 

@@ -209,7 +209,7 @@ class GunicornApi:
 def gunicorn_api(stack: Stack) -> Iterator[GunicornApi]:
     """The stack's API as users run it: gunicorn with configs/gunicorn.conf.py, one worker."""
     port = free_port()
-    env = {**stack.env, "IMGSERVE_API_BIND": f"127.0.0.1:{port}", "IMGSERVE_API_WORKERS": "1"}
+    env = {**stack.env, "IMGSERVE_API__BIND": f"127.0.0.1:{port}", "IMGSERVE_API__WORKERS": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = ManagedProcess("gunicorn-api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
                                                          "--access-logfile", "/dev/null", "app:create_app()"),

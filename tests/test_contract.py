@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 import time
@@ -263,6 +264,34 @@ def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
     settings = load_settings()
     assert settings.gpu_worker.device == "sim" and settings.batching.window_ms == 8.5
     assert tuple(settings.callbacks.allow_hosts) == ("10.0.0.0/8", "hooks.internal")
+
+
+def test_the_servers_and_logs_settings_follow_the_rule_and_the_old_names_still_work_with_a_warning(monkeypatch):
+    from contract.logs import configure_logging
+    from contract.settings import LEGACY_ENV
+
+    monkeypatch.setenv("IMGSERVE_API__WORKERS", "5")
+    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")          # both: the new name wins
+    monkeypatch.setenv("IMGSERVE_API_BIND", "127.0.0.1:9")  # the old name alone still works
+    monkeypatch.setenv("IMGSERVE_LOG_LEVEL", "warning")
+    with pytest.warns(FutureWarning, match="IMGSERVE_API_BIND is deprecated.*IMGSERVE_API__BIND"):
+        settings = load_settings()
+    assert (settings.api.workers, settings.api.bind, settings.logs.level) == (5, "127.0.0.1:9", "warning")
+    with pytest.warns(FutureWarning, match="IMGSERVE_LOG_LEVEL"):
+        configure_logging("test")                            # before any settings: the environment alone
+    assert logging.getLogger().level == logging.WARNING
+    configure_logging("test", settings.logs)
+    assert set(LEGACY_ENV.values()) <= {f"IMGSERVE_{section.upper()}__{key.upper()}"
+                                        for section in ("api", "logs") for key in _fields_of(section)}
+
+
+def _fields_of(section: str) -> list[str]:
+    import dataclasses
+
+    from contract import settings as settings_module
+
+    owner = {"api": settings_module.ApiSettings, "logs": settings_module.LogSettings}[section]
+    return [f.name for f in dataclasses.fields(owner)]
 
 
 @pytest.mark.parametrize("name, says", [("IMGSERVE_BATCHING__WINDOW_MZ", "unknown BatchingSettings settings"),

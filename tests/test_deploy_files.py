@@ -95,7 +95,7 @@ def test_monitoring_profile_brings_prometheus_and_grafana(compose):
     scrape = yaml.safe_load((REPO_ROOT / "monitoring" / "prometheus.yml").read_text())
     targets = {t for job in scrape["scrape_configs"] for c in job["static_configs"] for t in c["targets"]}
     api = compose["services"]["api"]
-    metrics_port = str(api["environment"]["IMGSERVE_METRICS_PORT"])
+    metrics_port = str(api["environment"]["IMGSERVE_API__METRICS_PORT"])
     gpu_command = compose["services"]["gpu-worker"]["command"]
     gpu_port = gpu_command[gpu_command.index("--metrics-port") + 1]
     assert targets == {f"api:{metrics_port}", f"gpu-worker:{gpu_port}"}

@@ -22,8 +22,8 @@ def _answers(url: str) -> bool:
 @pytest.fixture(scope="module")
 def gunicorn_api(stack, tmp_path_factory):
     public, internal = free_port(), free_port()
-    env = {**stack.env, "IMGSERVE_API_BIND": f"127.0.0.1:{public}", "IMGSERVE_API_WORKERS": "2",
-           "IMGSERVE_API_THREADS": "4", "IMGSERVE_METRICS_PORT": str(internal)}
+    env = {**stack.env, "IMGSERVE_API__BIND": f"127.0.0.1:{public}", "IMGSERVE_API__WORKERS": "2",
+           "IMGSERVE_API__THREADS": "4", "IMGSERVE_API__METRICS_PORT": str(internal)}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = ManagedProcess("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
                                                 "app:create_app()"), env, tmp_path_factory.mktemp("gunicorn"))

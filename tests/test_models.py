@@ -442,7 +442,7 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
-    env = {**multi_env(path), "IMGSERVE_API_BIND": f"127.0.0.1:{port}", "IMGSERVE_API_WORKERS": "1"}
+    env = {**multi_env(path), "IMGSERVE_API__BIND": f"127.0.0.1:{port}", "IMGSERVE_API__WORKERS": "1"}
     api = ManagedProcess("gunicorn-reload", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
                                                         "--access-logfile", "/dev/null", "app:create_app()"),
                          env, tmp_path)
