@@ -19,11 +19,12 @@ from app.admission import RedisMemory, ServedTenants
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
+from contract.config import load_settings
 from contract.connection import connect
 from contract.jobs import JobStore
 from contract.keys import Keys
 from contract.models import Catalogue
-from contract.settings import Settings, load_settings
+from contract.settings import Settings
 from tasks.celery_app import PreprocessMessages, make_celery
 
 

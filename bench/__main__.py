@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_feed(args)
     if args.command == "bound":
         from bench.bound import describe
-        from contract.settings import load_settings
+        from contract.config import load_settings
         print(describe(load_settings().gpu_worker.sim_latency_ms, args.qps, args.window_ms, args.max_batch))
         return 0
     if args.command == "nms":

@@ -10,8 +10,8 @@ import glob
 import os
 import tempfile
 
+from contract.config import load_settings
 from contract.memory import keep_freed_memory
-from contract.settings import load_settings
 
 # In the master, before it forks the workers: they inherit the tuned malloc (see contract.memory).
 keep_freed_memory()

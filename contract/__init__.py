@@ -1,6 +1,7 @@
 """The contract the API, the CPU workers and the GPU worker share.
 
-- `settings`: every setting, from YAML.
+- `settings`: every setting: the sections, their types and defaults, and the checks between them.
+- `config`: how the settings are read: files, overlays, the one environment rule (`load_settings`).
 - `keys`: every Redis key and channel.
 - `jobs`: job states (`JobStatus`), the record in Redis (`JobRecord`) and the Lua steps that move it.
 - `frames`: the binary frame on the GPU list.

@@ -1,7 +1,7 @@
 """python -m contract.check_secrets NAME [NAME ...]: refuse to start with placeholder or short secrets.
 
 The compose file runs it before every other service: each named environment
-variable must be set to a usable secret (see contract.settings.weak_secret_reason).
+variable must be set to a usable secret (weak_secret_reason below).
 `FLOWER_BASIC_AUTH` is `user:password[,user:password]`, and each password is checked.
 A name ending in `?` may be empty (a feature left off), but not weak when set.
 Exit 0 when all are usable; 1, naming each that is not, otherwise.
@@ -11,7 +11,20 @@ from __future__ import annotations
 import os
 import sys
 
-from contract.settings import weak_secret_reason
+# The rules a secret must pass, here and wherever the settings hold one (contract.settings.check_secret).
+MIN_SECRET_LENGTH = 16
+_PLACEHOLDERS = ("change-me", "changeme", "change_me", "replace-me", "replaceme", "placeholder", "your-secret")
+
+
+def weak_secret_reason(value: str) -> str | None:
+    """Why a secret must not be used (a placeholder, too short), or None."""
+    if any(placeholder in value.lower() for placeholder in _PLACEHOLDERS):
+        return "a placeholder"
+    if len(value) < MIN_SECRET_LENGTH:
+        return f"shorter than {MIN_SECRET_LENGTH} characters"
+    if len(set(value)) < 6:
+        return "too repetitive"
+    return None
 
 
 def problems(names: list[str], environ: dict[str, str]) -> list[str]:

@@ -14,7 +14,8 @@ import os
 import sys
 import time
 
-from contract.settings import LogSettings, log_settings_from
+from contract.config import log_settings_from
+from contract.settings import LogSettings
 
 _STANDARD = set(logging.LogRecord("", 0, "", 0, "", (), None).__dict__) | {"message", "asctime"}
 

@@ -87,7 +87,7 @@ class Catalogue:
     def resolve(self, reference: str | None) -> ModelSpec:
         """The model a request with `model=reference` gets (None or "": the default, as configured)."""
         if not reference:
-            reference = self.settings.routing.default or self.settings.models[0].name
+            reference = self.settings.default_reference
         name, _, version = reference.partition(":")
         if version:
             spec = self.specs.get(reference)

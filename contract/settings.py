@@ -1,47 +1,20 @@
-"""Every setting of the service, read from YAML.
-
-`configs/default.yaml` holds the defaults; the file named by `IMGSERVE_CONFIG`
-(or passed to `load_settings`) is laid over it, and `IMGSERVE_REDIS_URL`
-overrides the Redis address last, so a container can point at its Redis
-without a config file of its own.
+"""Every setting of the service: its sections as frozen, validated dataclasses, and the checks that
+tie them together (routing against the models listed). contract.config reads them from YAML and the
+environment (`load_settings`); configs/default.yaml names every one with its default.
 """
 from __future__ import annotations
 
-import os
 import re
-import warnings
-from collections.abc import Mapping
-from dataclasses import field, fields, is_dataclass
+from dataclasses import field
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
 
-import yaml
-from pydantic import ConfigDict, ValidationError
+from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from contract import model_files
+from contract.check_secrets import weak_secret_reason
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
-CONFIG_ENV = "IMGSERVE_CONFIG"
-REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
-# Any setting from the environment: IMGSERVE_<SECTION>__<KEY>=value (the double underscore separates the
-# section from the key; the value is read as YAML: 20, 0.5, true, [a, b]), e.g. IMGSERVE_GPU_WORKER__DEVICE=sim,
-# IMGSERVE_BATCHING__WINDOW_MS=8. Top-level keys keep their own variables (IMGSERVE_REDIS_URL).
-ENV_PREFIX, ENV_SEPARATOR = "IMGSERVE_", "__"
-# Variables from before that rule, still read for one release (0.2) with a warning: old name -> new name.
-LEGACY_ENV = {
-    "IMGSERVE_API_BIND": "IMGSERVE_API__BIND",
-    "IMGSERVE_API_WORKERS": "IMGSERVE_API__WORKERS",
-    "IMGSERVE_API_WORKER_CLASS": "IMGSERVE_API__WORKER_CLASS",
-    "IMGSERVE_API_CONNECTIONS": "IMGSERVE_API__CONNECTIONS",
-    "IMGSERVE_API_THREADS": "IMGSERVE_API__THREADS",
-    "IMGSERVE_ACCESS_LOG": "IMGSERVE_API__ACCESS_LOG",
-    "IMGSERVE_METRICS_PORT": "IMGSERVE_API__METRICS_PORT",
-    "IMGSERVE_LOG_FORMAT": "IMGSERVE_LOGS__FORMAT",
-    "IMGSERVE_LOG_LEVEL": "IMGSERVE_LOGS__LEVEL",
-}
 
 # The story's batch-size table (ms per batch on its GPU): the `sim` device's default profile.
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
@@ -61,21 +34,6 @@ class SettingsError(ValueError):
     """A config file or model spec that cannot be used."""
 
 
-MIN_SECRET_LENGTH = 16
-_PLACEHOLDERS = ("change-me", "changeme", "change_me", "replace-me", "replaceme", "placeholder", "your-secret")
-
-
-def weak_secret_reason(value: str) -> str | None:
-    """Why a secret must not be used (a placeholder, too short), or None."""
-    if any(placeholder in value.lower() for placeholder in _PLACEHOLDERS):
-        return "a placeholder"
-    if len(value) < MIN_SECRET_LENGTH:
-        return f"shorter than {MIN_SECRET_LENGTH} characters"
-    if len(set(value)) < 6:
-        return "too repetitive"
-    return None
-
-
 def check_secret(name: str, value: str) -> None:
     """Refuse a placeholder or short secret: a process that would run with one does not start."""
     reason = weak_secret_reason(value)
@@ -93,11 +51,6 @@ class DecodeSettings:
     # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
     max_scans: int = 100
     max_pixel_scans: int = 2_000_000_000          # pixels x scans: the decoding work one image may ask for
-
-
-# Settings that moved to another section: (old section, key) -> new section. A file or variable that
-# still names the old place is read into the new one, with a warning.
-_MOVED = {("api", "max_image_pixels"): "decode", ("api", "max_decoded_bytes"): "decode"}
 
 
 @settings_class
@@ -390,6 +343,11 @@ class Settings:
     def max_waiting_bytes(self, spec: ModelSpec) -> int:
         return spec.max_waiting_bytes or self.backpressure.max_waiting_bytes
 
+    @property
+    def default_reference(self) -> str:
+        """What a request without `model=` asks for: `routing.default`, else the first model's name."""
+        return self.routing.default or self.models[0].name
+
 
 def version_weights(settings: Settings, name: str) -> dict[str, float]:
     """How `model=name` is split over its versions: {version: weight}, weights > 0, draining ones left out.
@@ -431,7 +389,7 @@ def default_model(settings: Settings) -> ModelSpec:
     for ref in settings.gpu_worker.models:
         if ref not in by_key and ref not in names:
             raise SettingsError(f"gpu_worker.models: {ref!r} is neither a model name nor a name:version listed")
-    ref = settings.routing.default or settings.models[0].name
+    ref = settings.default_reference
     if ":" in ref:
         if ref not in by_key or ref in settings.routing.draining:
             raise SettingsError(f"routing.default: {ref!r} is not a listed model version taking jobs")
@@ -442,255 +400,3 @@ def default_model(settings: Settings) -> ModelSpec:
     return by_key[f"{ref}:{max(weights, key=lambda version: weights[version])}"]
 
 
-def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
-    """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment: IMGSERVE_REDIS_URL,
-    IMGSERVE_CALLBACK_SECRET, and IMGSERVE_<SECTION>__<KEY> for any other setting (LEGACY_ENV's old names
-    too, with a warning)."""
-    raw = _read_config(DEFAULT_CONFIG)
-    overlay_path = path or os.environ.get(CONFIG_ENV)
-    if overlay_path:
-        overlay = _read_config(Path(overlay_path))
-        if "models" in overlay and "model" in overlay:
-            raise SettingsError(f"config {overlay_path}: give `models:` (several) or `model:` (one), not both")
-        if "model" in overlay:        # one model named the old way replaces the default list
-            raw.pop("models", None)
-        raw = _merge(raw, overlay)
-    if os.environ.get(REDIS_URL_ENV):
-        raw["redis_url"] = os.environ[REDIS_URL_ENV]
-    if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
-        raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
-    raw = _moved_to_their_sections(_merge(raw, environment_overrides(with_legacy_names(os.environ))))
-    entries, single = raw.pop("models", None), raw.pop("model", None)
-    raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
-    raw["model"] = raw["models"][0]   # replaced by the routed default once routing is read
-    settings: Settings = _build(Settings, raw)
-    _check_secrets(settings)
-    return settings
-
-
-def load_model_specs(entries: Any, base_dir: Path) -> tuple[ModelSpec, ...]:
-    """`models:` as a list of entries (a spec file path, an inline spec, or {spec: path, <overrides>}) or a
-    folder whose *.yaml files are specs, in name order."""
-    if isinstance(entries, (str, os.PathLike)):
-        folder = _resolve(entries, base_dir)
-        if not folder.is_dir():
-            raise SettingsError(f"models: {folder} is not a folder of spec files (or give a list)")
-        entries = [str(path) for path in sorted(folder.glob("*.yaml"))]
-        if not entries:
-            raise SettingsError(f"models: no *.yaml spec in {folder}")
-    if not isinstance(entries, (list, tuple)) or not entries:
-        raise SettingsError("models: a non-empty list of specs, or a folder of spec files")
-    return tuple(load_model_spec(entry, base_dir) for entry in entries)
-
-
-def _check_secrets(settings: Settings) -> None:
-    if settings.callbacks.secret:
-        check_secret("the callback secret (callbacks.secret / IMGSERVE_CALLBACK_SECRET)", settings.callbacks.secret)
-    password = urlsplit(settings.redis_url).password
-    if password:
-        check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))
-
-
-def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
-    """A model spec inline (a mapping) or in its own YAML file (a path).
-
-    Relative paths resolve against the file that names them, then the repo.
-    """
-    if isinstance(value, dict) and "spec" in value:   # a spec file with this deployment's overrides
-        overrides = {key: item for key, item in value.items() if key != "spec"}
-        spec_path = _resolve(value["spec"], base_dir)
-        raw = {**_read_yaml(spec_path), **overrides}
-        if "path" not in overrides:
-            base_dir = spec_path.parent
-    elif isinstance(value, (str, os.PathLike)):
-        spec_path = _resolve(value, base_dir)
-        raw = _read_yaml(spec_path)
-        base_dir = spec_path.parent
-    elif isinstance(value, dict):
-        raw = dict(value)
-    else:
-        raise SettingsError("settings need a model: a spec file path or a mapping")
-    if raw.get("path"):
-        raw["path"] = str(_resolve(raw["path"], base_dir))
-    for key in ("mean", "std", "labels"):
-        if key in raw:
-            raw[key] = tuple(raw[key])
-    _fill_from_model_file(raw)
-    spec: ModelSpec = _build(ModelSpec, raw)
-    return spec
-
-
-def _moved_to_their_sections(raw: dict[str, Any]) -> dict[str, Any]:
-    """Settings named in their old section (a config written before they moved) go to their new one;
-    the new place wins when both are given."""
-    for (old, key), new in _MOVED.items():
-        section = raw.get(old)
-        if isinstance(section, dict) and key in section:
-            value = section.pop(key)
-            target = raw.setdefault(new, {})
-            if key not in target or target[key] == getattr(_section_defaults(new), key):
-                target[key] = value
-            warnings.warn(f"setting {old}.{key} is now {new}.{key}; the old name is read for now",
-                          DeprecationWarning, stacklevel=3)
-    return raw
-
-
-def _section_defaults(name: str) -> Any:
-    section = _nested_type(Settings, name)
-    assert section is not None, name
-    return section()
-
-
-def with_legacy_names(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment with each old variable (LEGACY_ENV) given its new name, warning once per name; the
-    new name wins where both are set."""
-    renamed = dict(environ)
-    for old, new in LEGACY_ENV.items():
-        if old in environ:
-            warnings.warn(f"{old} is deprecated and will be ignored from 0.2; set {new}", FutureWarning,
-                          stacklevel=2)
-            renamed.setdefault(new, environ[old])
-            del renamed[old]
-    return renamed
-
-
-def log_settings_from(environ: Mapping[str, str]) -> LogSettings:
-    """The `logs` settings from the environment alone: for a process's first lines, before its settings
-    are read."""
-    try:
-        section = environment_overrides(with_legacy_names(environ)).get("logs", {})
-        return _build(LogSettings, {key: str(value) for key, value in section.items()})  # type: ignore[no-any-return]
-    except SettingsError:
-        return _build(LogSettings, {})  # type: ignore[no-any-return]   # load_settings says what is wrong
-
-
-def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
-    """IMGSERVE_<SECTION>__<KEY>=value as {section: {key: value}}; an unknown section or key is refused
-    when the settings are built, like an unknown key in a file."""
-    overrides: dict[str, Any] = {}
-    for name, text in environ.items():
-        if not name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in name:
-            continue
-        section, _, key = name[len(ENV_PREFIX):].lower().partition(ENV_SEPARATOR)
-        if not section or not key or ENV_SEPARATOR in key:
-            raise SettingsError(f"{name}: expected {ENV_PREFIX}<SECTION>{ENV_SEPARATOR}<KEY>")
-        if _nested_type(Settings, section) is None:
-            raise SettingsError(f"{name}: no settings section {section!r} (the model is set in its spec file)")
-        try:
-            value = yaml.safe_load(text) if text.strip() else ""
-        except yaml.YAMLError as exc:
-            raise SettingsError(f"{name}: not a YAML value: {exc}") from exc
-        overrides.setdefault(section, {})[key] = value
-    return overrides
-
-
-def _fill_from_model_file(raw: dict[str, Any]) -> None:
-    """labels / input_size a TorchScript file carries (Ultralytics, YOLOv5), where the spec leaves them out."""
-    missing = [key for key in ("labels", "input_size") if key not in raw]
-    path = Path(raw.get("path") or "")
-    if raw.get("format") != "torchscript" or not missing or not path.is_file():
-        return
-    try:
-        found = model_files.embedded_metadata(path)
-    except model_files.ModelFileError as exc:
-        raise SettingsError(f"model file {path}: {exc}") from exc
-    taken = [key for key in missing if key in found]
-    raw.update({key: found[key] for key in taken})
-    if taken:
-        raw["from_file"] = tuple(taken)
-
-
-def _read_config(path: Path) -> dict[str, Any]:
-    """A settings file, its model references made absolute against its own folder."""
-    raw = _read_yaml(path)
-    folder = path.resolve().parent
-    if "model" in raw:
-        raw["model"] = _absolute_model_ref(raw["model"], folder)
-    models = raw.get("models")
-    if isinstance(models, str):
-        raw["models"] = str(_resolve(models, folder))
-    elif isinstance(models, list):
-        raw["models"] = [_absolute_model_ref(entry, folder) for entry in models]
-    return raw
-
-
-def _absolute_model_ref(entry: Any, folder: Path) -> Any:
-    if isinstance(entry, str):
-        return str(_resolve(entry, folder))
-    if isinstance(entry, dict):
-        entry = dict(entry)
-        for key in ("spec", "path"):
-            if isinstance(entry.get(key), str):
-                entry[key] = str(_resolve(entry[key], folder))
-    return entry
-
-
-def _resolve(value: str | os.PathLike[str], base_dir: Path) -> Path:
-    candidate = Path(value)
-    if candidate.is_absolute():
-        return candidate
-    for root in (base_dir, REPO_ROOT):
-        if (root / candidate).exists():
-            return (root / candidate).resolve()
-    return (base_dir / candidate).resolve()
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = yaml.safe_load(handle) or {}
-    except OSError as exc:
-        raise SettingsError(f"cannot read config {path}: {exc}") from exc
-    if not isinstance(data, dict):
-        raise SettingsError(f"config {path} must be a mapping")
-    return data
-
-
-def _merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
-    merged = dict(base)
-    for key, value in overlay.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        else:
-            merged[key] = value
-    return merged
-
-
-def _build(cls: type, raw: dict[str, Any]) -> Any:
-    """Build a dataclass from a mapping, refusing keys it does not know."""
-    if not isinstance(raw, dict):
-        return raw
-    known = {f.name: f for f in fields(cls)}
-    unknown = set(raw) - set(known)
-    if unknown:
-        raise SettingsError(f"unknown {cls.__name__} settings: {', '.join(sorted(unknown))}")
-    values = {}
-    for name, value in raw.items():
-        nested = _nested_type(cls, name)
-        values[name] = _build(nested, value) if nested and isinstance(value, dict) else value
-    try:
-        return cls(**values)
-    except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: ".lstrip(": ")
-                             + error["msg"].removeprefix("Value error, ") for error in exc.errors())
-        raise SettingsError(f"{cls.__name__}: {problems}") from None
-    except TypeError as exc:
-        raise SettingsError(f"{cls.__name__}: {exc}") from exc
-
-
-def _nested_type(cls: type, name: str) -> type | None:
-    nested = {
-        "api": ApiSettings,
-        "logs": LogSettings,
-        "decode": DecodeSettings,
-        "jobs": JobSettings,
-        "batching": BatchingSettings,
-        "gpu_worker": GpuWorkerSettings,
-        "celery": CeleryWorkerSettings,
-        "backpressure": BackpressureSettings,
-        "auth": AuthSettings,
-        "callbacks": CallbackSettings,
-        "routing": RoutingSettings,
-    }
-    candidate = nested.get(name) if cls is Settings else None
-    return candidate if candidate and is_dataclass(candidate) else None

@@ -9,11 +9,12 @@ import sys
 import redis
 import torch
 
+from contract.config import load_settings
 from contract.connection import connect
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.models import Catalogue
-from contract.settings import SettingsError, load_settings
+from contract.settings import SettingsError
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
 from gpu_worker.liveness import WorkerIdInUse

@@ -18,11 +18,11 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from contract.config import load_settings
 from contract.connection import connect
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
-from contract.settings import load_settings
 from tasks.callback_relay import OutboxRelay
 from tasks.callbacks import CallbackSender
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback

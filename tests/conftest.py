@@ -16,9 +16,9 @@ import yaml
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
+from contract.config import load_settings
 from contract.jobs import TERMINAL
 from contract.keys import Keys
-from contract.settings import load_settings
 from tests.support import (
     REPO_ROOT,
     ApiServer,

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from app import create_app
-from contract.settings import load_settings
+from contract.config import load_settings
 from tests.support import ApiServer, free_port, jpeg
 
 

@@ -322,7 +322,7 @@ def test_unsafe_callback_url_is_400_at_submit(stack):
 
 def keyed_settings(tmp_path, monkeypatch):
     from app.auth import hash_key
-    from contract.settings import load_settings
+    from contract.config import load_settings
 
     monkeypatch.setenv("TEAM_A_CALLBACK_SECRET", "team-a-callback-secret-0123")
     (tmp_path / "team-b.secret").write_text("team-b-callback-secret-4567\n")
@@ -371,7 +371,8 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
 
 @pytest.mark.parametrize("secret", ["change-me", "change-me-to-a-long-random-string", "short", "a" * 40])
 def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(secret, monkeypatch):
-    from contract.settings import SettingsError, load_settings
+    from contract.config import load_settings
+    from contract.settings import SettingsError
 
     monkeypatch.setenv("IMGSERVE_CALLBACK_SECRET", secret)
     with pytest.raises(SettingsError, match="callback secret"):
@@ -379,7 +380,8 @@ def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(sec
 
 
 def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
-    from contract.settings import SettingsError, load_settings
+    from contract.config import load_settings
+    from contract.settings import SettingsError
 
     monkeypatch.setenv("IMGSERVE_REDIS_URL", "redis://:change-me@redis:6379/0")
     with pytest.raises(SettingsError, match="Redis password"):
@@ -389,7 +391,8 @@ def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
 
 
 def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
-    from contract.settings import SettingsError, load_settings
+    from contract.config import load_settings
+    from contract.settings import SettingsError
 
     config = tmp_path / "inline.yaml"
     config.write_text(yaml.safe_dump({"auth": {"api_keys": [{"id": "a", "sha256": "00", "callback_secret": "x"}]}}))
@@ -431,7 +434,7 @@ def test_an_entry_held_by_a_relay_that_died_is_relayed_again(redis_client):
 def test_a_late_delivery_record_does_not_recreate_an_expired_job(redis_client):
     import dataclasses
 
-    from contract.settings import load_settings
+    from contract.config import load_settings
     from tasks.callbacks import CallbackSender
 
     settings = dataclasses.replace(load_settings(), namespace="late-record")
@@ -468,8 +471,8 @@ def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_call
     it back when due, and the callback is delivered once the receiver is back."""
     import dataclasses
 
+    from contract.config import load_settings
     from contract.jobs import SUCCEEDED, JobStore
-    from contract.settings import load_settings
     from tasks.callback_relay import relay_outbox
     from tasks.callbacks import CallbackSender
 

@@ -13,10 +13,11 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from contract import jobs
+from contract.config import load_settings
 from contract.documents import job_document
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
 from contract.keys import Keys
-from contract.settings import SettingsError, load_settings
+from contract.settings import SettingsError
 from contract.timebill import STAGES, compute_time_bill
 from tests.support import REPO_ROOT, wait_until
 
@@ -208,8 +209,8 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
 
     from redis.connection import PythonRespSerializer
 
+    from contract.config import load_settings
     from contract.connection import connect
-    from contract.settings import load_settings
 
     client = connect(dataclasses.replace(load_settings(), redis_url=redis_server.url))
     value = bytes(range(256)) * 4000   # 1 MB, every byte value
@@ -267,8 +268,8 @@ def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
 
 
 def test_the_servers_and_logs_settings_follow_the_rule_and_the_old_names_still_work_with_a_warning(monkeypatch):
+    from contract.config import LEGACY_ENV
     from contract.logs import configure_logging
-    from contract.settings import LEGACY_ENV
 
     monkeypatch.setenv("IMGSERVE_API__WORKERS", "5")
     monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")          # both: the new name wins
@@ -319,7 +320,8 @@ def test_the_default_file_names_every_setting_the_code_has_with_the_same_default
                          ("gpu_worker", settings_module.GpuWorkerSettings),
                          ("celery", settings_module.CeleryWorkerSettings),
                          ("backpressure", settings_module.BackpressureSettings),
-                         ("auth", settings_module.AuthSettings), ("callbacks", settings_module.CallbackSettings)):
+                         ("auth", settings_module.AuthSettings), ("callbacks", settings_module.CallbackSettings),
+                         ("logs", settings_module.LogSettings)):
         missing = {f.name for f in dataclasses.fields(cls)} - set(written.get(section) or {})
         assert not missing, f"configs/default.yaml lacks {section}: {sorted(missing)}"
         for field in dataclasses.fields(cls):   # and says what the code does when a file is silent

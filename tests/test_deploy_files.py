@@ -177,7 +177,7 @@ def copied_paths(stage: str) -> set[str]:
 
 
 def test_each_image_holds_what_its_role_loads():
-    from contract.settings import load_settings
+    from contract.config import load_settings
 
     weights = Path(load_settings(REPO_ROOT / "configs" / "default.yaml").model.path).resolve()
     top_level = weights.relative_to(REPO_ROOT).parts[0]

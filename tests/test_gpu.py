@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from contract.config import load_model_spec
 from contract.frames import Frame, unpack_frame
-from contract.settings import ModelSpec, load_model_spec
+from contract.settings import ModelSpec
 from gpu_worker.devices import TorchDevice
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import load_model

@@ -13,10 +13,11 @@ import redis
 import requests
 import yaml
 
+from contract.config import load_settings
 from contract.jobs import JobStatus
 from contract.keys import Keys
 from contract.models import Catalogue, SmoothWeightedRoundRobin, UnknownModel
-from contract.settings import ModelSpec, Settings, SettingsError, load_settings
+from contract.settings import ModelSpec, Settings, SettingsError
 from gpu_worker.lanes import DeviceQueue
 from gpu_worker.stats import percentile
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack

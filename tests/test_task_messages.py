@@ -8,8 +8,8 @@ import json
 
 import redis
 
+from contract.config import load_settings
 from contract.keys import Keys
-from contract.settings import load_settings
 from tasks.celery_app import PREPROCESS_TASK, PreprocessMessages, make_celery, send_preprocess
 
 VARYING = {("headers", "id"), ("headers", "root_id"), ("properties", "correlation_id"),

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contract.settings import SettingsError, load_settings
+from contract.config import load_settings
+from contract.settings import SettingsError
 from gpu_worker.model import ModelLoadError, load_model
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess
 from tests.support import build_content_box_model

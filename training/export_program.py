@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from contract.settings import REPO_ROOT, ModelSpec, load_model_spec
+from contract.config import load_model_spec
+from contract.settings import REPO_ROOT, ModelSpec
 from gpu_worker.tiny_yolo import TinyYolo
 
 SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
