@@ -3,17 +3,18 @@
     celery -A tasks.worker worker -Q preprocess --concurrency 4
     celery -A tasks.worker flower --port 5555
 
-Settings come from IMGSERVE_CONFIG / IMGSERVE_REDIS_URL (see contract.settings).
+Settings come from IMGSERVE_CONFIG and the environment (contract.config).
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
+from celery import Celery, Task
 from celery.signals import (
     after_setup_logger,
     celeryd_after_setup,
     celeryd_init,
-    worker_process_init,
     worker_ready,
     worker_shutdown,
 )
@@ -23,6 +24,7 @@ from contract.connection import connect
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
+from contract.settings import Settings
 from tasks.callback_relay import OutboxRelay
 from tasks.callbacks import CallbackSender
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
@@ -33,26 +35,81 @@ from tasks.preprocess import Preprocessor
 
 # Before the pool forks: its children inherit the tuned malloc (see contract.memory).
 keep_freed_memory()
-settings = load_settings()
-app = make_celery(settings)
-app.steps["consumer"].add(pause_while_full(settings))
-app.steps["consumer"].add(batch_task_events(settings))
-app.steps["consumer"].add(keep_alive(settings))
 log = logging.getLogger(__name__)
 
-_preprocessor: Preprocessor | None = None
-_role = "cpu-worker"
+
+class PreprocessTask(Task):
+    """The preprocess task's base: Celery makes one task object per process, so the Preprocessor (and its
+    Redis connection) is opened once per process, on first use: in a prefork child, after the fork."""
+    settings: Settings
+    _preprocessor: Preprocessor | None = None
+
+    @property
+    def preprocessor(self) -> Preprocessor:
+        if self._preprocessor is None:
+            self._preprocessor = Preprocessor(self.settings, connect(self.settings, socket_timeout=10.0))
+        return self._preprocessor
+
+
+class CallbackTask(Task):
+    """The callback task's base: one CallbackSender per process, opened on first use."""
+    settings: Settings
+    _sender: CallbackSender | None = None
+
+    @property
+    def sender(self) -> CallbackSender:
+        if self._sender is None:
+            self._sender = CallbackSender(self.settings, connect(self.settings, socket_timeout=10.0))
+        return self._sender
+
+
+def create_worker_app(settings: Settings) -> Celery:
+    """The Celery app of the CPU and callback workers: its consumer steps and its two tasks."""
+    app = make_celery(settings)
+    app.steps["consumer"].add(pause_while_full(settings))
+    app.steps["consumer"].add(batch_task_events(settings))
+    app.steps["consumer"].add(keep_alive(settings))
+
+    @app.task(base=PreprocessTask, bind=True, name=PREPROCESS_TASK, acks_late=True, reject_on_worker_lost=True,
+              settings=settings)
+    def preprocess(self: PreprocessTask, job_id: str) -> str:
+        outcome = self.preprocessor.run(job_id)
+        log.info("preprocess %s", outcome, extra={"job_id": job_id, "outcome": outcome})
+        return outcome
+
+    # acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback
+    # is posted again with the same delivery id (at least once; receivers drop repeats). Retries are not
+    # Celery's: the sender schedules them in Redis (tasks.callbacks.CallbackSender).
+    @app.task(base=CallbackTask, bind=True, name=CALLBACK_TASK, acks_late=True, reject_on_worker_lost=True,
+              settings=settings)
+    def deliver_callback(self: CallbackTask, job_id: str) -> str:
+        outcome = self.sender.deliver(job_id)
+        log.info("callback %s", outcome, extra={"job_id": job_id, "outcome": outcome})
+        return outcome
+
+    return app
+
+
+@dataclass
+class ThisWorker:
+    """What the signal handlers below share in this worker process: which role it plays, and its relay."""
+    role: str = "cpu-worker"
+    relay: OutboxRelay | None = None
+
+
+settings = load_settings()
+app = create_worker_app(settings)   # `celery -A tasks.worker` finds it here
+this_worker = ThisWorker()
 
 
 @celeryd_init.connect
 def _name_the_role(options: dict | None = None, **_: object) -> None:
     """Log lines say which worker wrote them: the one on the callbacks queue is the callback worker."""
-    global _role
     queues = (options or {}).get("queues") or []
     if isinstance(queues, str):
         queues = queues.split(",")
     if list(queues) == [CALLBACK_QUEUE]:
-        _role = "callback-worker"
+        this_worker.role = "callback-worker"
 
 
 @celeryd_after_setup.connect
@@ -68,23 +125,19 @@ def _consume_every_model_queue(sender: str, instance: object, **_: object) -> No
                 queues.select_add(queue)
 
 
-_relay: OutboxRelay | None = None
-
-
 @worker_ready.connect
 def _start_the_relay(**_: object) -> None:
     """The callback worker hands ended jobs' callbacks from the outbox to its own queue."""
-    global _relay
-    if _role == "callback-worker":
-        _relay = OutboxRelay(connect(settings, socket_timeout=10.0), Keys(settings.namespace),
-                             lambda job_id: send_callback(app, job_id))
-        _relay.start()
+    if this_worker.role == "callback-worker":
+        this_worker.relay = OutboxRelay(connect(settings, socket_timeout=10.0), Keys(settings.namespace),
+                                        lambda job_id: send_callback(app, job_id))
+        this_worker.relay.start()
 
 
 @worker_shutdown.connect
 def _stop_the_relay(**_: object) -> None:
-    if _relay is not None:
-        _relay.stop()
+    if this_worker.relay is not None:
+        this_worker.relay.stop()
 
 
 @after_setup_logger.connect
@@ -92,43 +145,6 @@ def _keep_json_logs(**_: object) -> None:
     """Celery sets up its own handler at start; put ours back so every line stays JSON. Celery's own
     two INFO lines per task ("received", "succeeded in") go: the task's line says what happened to
     the job, with its id, and the log relay and the workers pay for every line."""
-    configure_logging(_role, settings.logs)
+    configure_logging(this_worker.role, settings.logs)
     for name in ("celery.worker.strategy", "celery.app.trace"):
         logging.getLogger(name).setLevel(logging.WARNING)
-
-
-@worker_process_init.connect
-def _open_per_child(**_: object) -> None:
-    """Each prefork child opens its own Redis connection after the fork."""
-    global _preprocessor
-    _preprocessor = Preprocessor(settings, connect(settings, socket_timeout=10.0))
-
-
-def _get_preprocessor() -> Preprocessor:
-    global _preprocessor
-    if _preprocessor is None:  # solo/threads pools have no child init
-        _preprocessor = Preprocessor(settings, connect(settings, socket_timeout=10.0))
-    return _preprocessor
-
-
-@app.task(name=PREPROCESS_TASK, acks_late=True, reject_on_worker_lost=True)
-def preprocess(job_id: str) -> str:
-    outcome = _get_preprocessor().run(job_id)
-    log.info("preprocess %s", outcome, extra={"job_id": job_id, "outcome": outcome})
-    return outcome
-
-
-_sender: CallbackSender | None = None
-
-
-# acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback is
-# posted again with the same delivery id (at least once; receivers drop repeats). Retries are not Celery's:
-# the sender schedules them in Redis (tasks.callbacks.CallbackSender).
-@app.task(name=CALLBACK_TASK, acks_late=True, reject_on_worker_lost=True)
-def deliver_callback(job_id: str) -> str:
-    global _sender
-    if _sender is None:
-        _sender = CallbackSender(settings, connect(settings, socket_timeout=10.0))
-    outcome = _sender.deliver(job_id)
-    log.info("callback %s", outcome, extra={"job_id": job_id, "outcome": outcome})
-    return outcome
