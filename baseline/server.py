@@ -56,10 +56,8 @@ def create_baseline_app(settings: Settings, device: Device) -> Flask:
         except ImageDecodeError as exc:
             return jsonify({"id": uuid.uuid4().hex, "status": "failed",
                             "error": {"code": exc.code, "message": str(exc)}})
-        header = FrameHeader(job_id="baseline", width=boxed.width, height=boxed.height, pad_left=boxed.pad_left,
-                             pad_top=boxed.pad_top, scale_x=boxed.scale_x, scale_y=boxed.scale_y,
-                             orig_width=boxed.orig_width, orig_height=boxed.orig_height, enqueued_at=0.0,
-                             deadline_at=0.0, options=dict(options.for_model()))
+        header = FrameHeader(job_id="baseline", **boxed.placement.fields(), enqueued_at=0.0, deadline_at=0.0,
+                             options=dict(options.for_model()))
         run = runner.run([Frame(header=header, pixels=memoryview(boxed.pixels))])
         if run.errors:
             return jsonify({"id": uuid.uuid4().hex, "status": "failed", "error": run.errors[0]})

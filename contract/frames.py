@@ -24,8 +24,10 @@ class FrameError(ValueError):
 
 
 @dataclass(frozen=True)
-class FrameHeader:
-    job_id: str
+class Placement:
+    """How the letterbox placed an upright original in the model's square input: the one geometry type.
+    The CPU worker computes it (tasks.imaging.letterbox), the frame header carries its fields flat, and
+    the GPU worker maps boxes back with MAPPING_FIELDS of it (gpu_worker.postprocess.Geometry, per batch)."""
     width: int             # content width after resize (<= input size)
     height: int
     pad_left: int          # where the content sits in the square input
@@ -34,11 +36,37 @@ class FrameHeader:
     scale_y: float
     orig_width: int        # the upright original, EXIF orientation applied
     orig_height: int
+
+    def fields(self) -> dict[str, Any]:
+        """As FrameHeader's keyword arguments."""
+        return asdict(self)
+
+
+PLACEMENT_FIELDS = tuple(Placement.__dataclass_fields__)
+# What maps a box in the input back to the original (the content's size is not needed for that).
+MAPPING_FIELDS = ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    job_id: str
+    width: int             # the Placement's fields, flat (the wire format): see Placement
+    height: int
+    pad_left: int
+    pad_top: int
+    scale_x: float
+    scale_y: float
+    orig_width: int
+    orig_height: int
     enqueued_at: float     # epoch seconds, when the frame was pushed
     deadline_at: float     # epoch seconds; past it nobody waits for the answer
     options: dict[str, Any] = field(default_factory=dict)   # conf, iou, max_det
     stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far
     dtype: str = "uint8"
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(**{name: getattr(self, name) for name in PLACEMENT_FIELDS})
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from contract.frames import Frame
+from contract.frames import MAPPING_FIELDS, Frame
 from contract.settings import ModelSpec
 from gpu_worker.model import BatchAssembler, LoadedModel
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess_rows
@@ -238,8 +238,7 @@ def thresholds_of(params: torch.Tensor) -> Thresholds:
 
 
 def geometry_of(params: torch.Tensor) -> Geometry:
-    return Geometry(*(params[:, PARAM_COLUMNS.index(name)] for name in
-                      ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")))
+    return Geometry(**{name: params[:, PARAM_COLUMNS.index(name)] for name in MAPPING_FIELDS})
 
 
 def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates: int,

@@ -29,7 +29,8 @@ ROUNDS_PER_LOOK = 4
 
 @dataclass(frozen=True)
 class Geometry:
-    """Per image, how the letterbox placed the original: [B] tensors."""
+    """Per image, how the letterbox placed the original: [B] tensors of contract.frames.MAPPING_FIELDS
+    (a test keeps the two in step)."""
     pad_left: torch.Tensor
     pad_top: torch.Tensor
     scale_x: torch.Tensor

@@ -14,13 +14,12 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from contract.frames import CHANNELS, Frame, FrameHeader
+from contract.frames import CHANNELS, MAPPING_FIELDS, Frame, FrameHeader
 from contract.settings import ModelSpec
 from gpu_worker.postprocess import ROW_COLUMNS
 
 # Per frame, what post-processing needs: its options, then how the letterbox placed it.
-PARAM_COLUMNS = ("conf", "iou", "max_det", "pad_left", "pad_top", "scale_x", "scale_y", "orig_width",
-                 "orig_height")
+PARAM_COLUMNS = ("conf", "iou", "max_det", *MAPPING_FIELDS)
 # Per detection, one row of the array `run()` returns, grouped by image in batch order.
 DETECTION_COLUMNS = ROW_COLUMNS
 # Batches that can hold a slot at once: one being staged, one waiting, one on the device.
@@ -123,7 +122,7 @@ def frame_params(frames: Sequence[Frame], spec: ModelSpec) -> list[list[float]]:
     for frame in frames:
         h, options = frame.header, frame.header.options
         rows.append([options.get("conf", spec.conf), options.get("iou", spec.iou), options.get("max_det", spec.max_det),
-                     h.pad_left, h.pad_top, h.scale_x, h.scale_y, h.orig_width, h.orig_height])
+                     *(getattr(h, name) for name in MAPPING_FIELDS)])
     return rows
 
 

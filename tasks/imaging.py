@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
+from contract.frames import Placement
+
 # EXIF orientations that swap width and height.
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
 _EXIF_ORIENTATION_TAG = 0x0112
@@ -29,14 +31,7 @@ class ImageDecodeError(ValueError):
 @dataclass(frozen=True)
 class Letterboxed:
     pixels: bytes       # height * width * 3, RGB, contiguous
-    width: int
-    height: int
-    pad_left: int
-    pad_top: int
-    scale_x: float
-    scale_y: float
-    orig_width: int
-    orig_height: int
+    placement: Placement
 
 
 def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
@@ -170,17 +165,9 @@ def letterbox(image: Image.Image, orig_size: tuple[int, int], size: int) -> Lett
     new_h = max(1, min(size, round(orig_h * ratio)))
     if image.size != (new_w, new_h):
         image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
-    return Letterboxed(
-        pixels=image.tobytes(),
-        width=new_w,
-        height=new_h,
-        pad_left=(size - new_w) // 2,
-        pad_top=(size - new_h) // 2,
-        scale_x=new_w / orig_w,
-        scale_y=new_h / orig_h,
-        orig_width=orig_w,
-        orig_height=orig_h,
-    )
+    return Letterboxed(image.tobytes(), Placement(
+        width=new_w, height=new_h, pad_left=(size - new_w) // 2, pad_top=(size - new_h) // 2,
+        scale_x=new_w / orig_w, scale_y=new_h / orig_h, orig_width=orig_w, orig_height=orig_h))
 
 
 # Bytes per pixel as Pillow holds an image in memory (3-channel images take 4).

@@ -132,14 +132,7 @@ OOM_RETRY_S = 0.5   # a CPU worker whose push Redis refused for memory tries aga
 def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
     return FrameHeader(
         job_id=job_id,
-        width=boxed.width,
-        height=boxed.height,
-        pad_left=boxed.pad_left,
-        pad_top=boxed.pad_top,
-        scale_x=boxed.scale_x,
-        scale_y=boxed.scale_y,
-        orig_width=boxed.orig_width,
-        orig_height=boxed.orig_height,
+        **boxed.placement.fields(),
         enqueued_at=pushed_at,
         deadline_at=record["deadline_at"],
         options=record.get("options") or {},

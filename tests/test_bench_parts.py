@@ -186,7 +186,7 @@ def test_the_decode_floor_letterboxes_like_the_cpu_stage_and_counts_cpu_per_imag
     canvas = prepare(jpeg, 64)
     assert len(canvas) == 64 * 64 * 3
     boxed = letterbox(*decode_image(jpeg, 64, 10**8), 64)   # what the CPU workers push: the content only
-    assert (boxed.width, boxed.height, boxed.pad_top) == (64, 36, 14)
+    assert (boxed.placement.width, boxed.placement.height, boxed.placement.pad_top) == (64, 36, 14)
     rows = np.frombuffer(canvas, np.uint8).reshape(64, 64, 3)
     assert (rows[:14] == 114).all() and (rows[50:] == 114).all()            # the same pad, around the same content
     content = np.frombuffer(boxed.pixels, np.uint8).reshape(36, 64, 3).astype(int)

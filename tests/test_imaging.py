@@ -23,10 +23,10 @@ def test_letterbox_keeps_the_aspect_ratio_and_centres_the_content(size, expected
     image = make_image(*size)
     boxed = letterbox(image, size, 640)
     for name, value in expected.items():
-        assert getattr(boxed, name) == value, name
-    assert len(boxed.pixels) == boxed.width * boxed.height * 3
-    assert boxed.scale_x == pytest.approx(boxed.width / size[0])
-    assert boxed.scale_y == pytest.approx(boxed.height / size[1])
+        assert getattr(boxed.placement, name) == value, name
+    assert len(boxed.pixels) == boxed.placement.width * boxed.placement.height * 3
+    assert boxed.placement.scale_x == pytest.approx(boxed.placement.width / size[0])
+    assert boxed.placement.scale_y == pytest.approx(boxed.placement.height / size[1])
 
 
 def test_large_jpeg_is_decoded_in_draft_mode_but_reports_its_full_size():

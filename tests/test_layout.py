@@ -58,3 +58,17 @@ def test_the_architecture_page_names_every_redis_key():
     missing = [name for name in dir(Keys) if not name.startswith("_") and name not in internal
                and f"| `{name}` |" not in page]
     assert missing == [], f"docs/architecture.md's key table lacks {missing}"
+
+
+def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fields():
+    import dataclasses
+
+    from contract.frames import MAPPING_FIELDS, PLACEMENT_FIELDS, FrameHeader
+    from gpu_worker.postprocess import Geometry
+    from gpu_worker.staging import PARAM_COLUMNS
+
+    header_fields = [f.name for f in dataclasses.fields(FrameHeader)]
+    assert header_fields[1:1 + len(PLACEMENT_FIELDS)] == list(PLACEMENT_FIELDS)   # carried flat, in order
+    assert set(MAPPING_FIELDS) <= set(PLACEMENT_FIELDS)
+    assert tuple(f.name for f in dataclasses.fields(Geometry)) == MAPPING_FIELDS
+    assert PARAM_COLUMNS[-len(MAPPING_FIELDS):] == MAPPING_FIELDS

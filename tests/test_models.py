@@ -400,9 +400,7 @@ def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_mode
     job_id, now = jobs.new_job_id(), time.time()
     multi_stack.redis.hset(multi_stack.keys.job(job_id), mapping={
         "id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60})
-    header = FrameHeader(job_id=job_id, width=boxed.width, height=boxed.height, pad_left=boxed.pad_left,
-                         pad_top=boxed.pad_top, scale_x=boxed.scale_x, scale_y=boxed.scale_y,
-                         orig_width=boxed.orig_width, orig_height=boxed.orig_height, enqueued_at=now,
+    header = FrameHeader(job_id=job_id, **boxed.placement.fields(), enqueued_at=now,
                          deadline_at=now + 60)
     multi_stack.redis.lpush(multi_stack.keys.frames_before_models, pack_frame(header, boxed.pixels))
     removed = multi_stack.keys.frames("removed:1")     # a version taken out of the config before it drained

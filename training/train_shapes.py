@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from contract.frames import MAPPING_FIELDS
 from contract.settings import REPO_ROOT
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess
 from gpu_worker.tiny_yolo import TinyYolo
@@ -57,7 +58,7 @@ class TrainConfig:
 
 
 @dataclass
-class Letterboxed:
+class LetterboxedScene:
     image: np.ndarray          # [S, S, 3] uint8, padded
     boxes: np.ndarray          # [M, 4] in input pixels
     classes: np.ndarray        # [M]
@@ -65,25 +66,25 @@ class Letterboxed:
     geometry: tuple[float, ...]  # pad_left, pad_top, scale_x, scale_y, orig_w, orig_h
 
 
-def letterbox_scene(seed: int, size: int, generator: str) -> Letterboxed:
+def letterbox_scene(seed: int, size: int, generator: str) -> LetterboxedScene:
     scene = GENERATORS[generator](random.Random(seed))
-    boxed = letterbox(scene.image, scene.image.size, size)
+    letterboxed = letterbox(scene.image, scene.image.size, size)
+    boxed, pixels = letterboxed.placement, letterboxed.pixels
     canvas = np.full((size, size, 3), PAD, np.uint8)
-    content = np.frombuffer(boxed.pixels, np.uint8).reshape(boxed.height, boxed.width, 3)
+    content = np.frombuffer(pixels, np.uint8).reshape(boxed.height, boxed.width, 3)
     canvas[boxed.pad_top:boxed.pad_top + boxed.height, boxed.pad_left:boxed.pad_left + boxed.width] = content
     orig = np.array(scene.boxes, np.float32).reshape(-1, 4)
     scale = np.array([boxed.scale_x, boxed.scale_y] * 2, np.float32)
     offset = np.array([boxed.pad_left, boxed.pad_top] * 2, np.float32)
-    return Letterboxed(canvas, orig * scale + offset, np.array(scene.classes, np.int64), orig,
-                       (boxed.pad_left, boxed.pad_top, boxed.scale_x, boxed.scale_y,
-                        boxed.orig_width, boxed.orig_height))
+    return LetterboxedScene(canvas, orig * scale + offset, np.array(scene.classes, np.int64), orig,
+                            tuple(getattr(boxed, name) for name in MAPPING_FIELDS))
 
 
-def _make(args: tuple[int, int, str]) -> Letterboxed:
+def _make(args: tuple[int, int, str]) -> LetterboxedScene:
     return letterbox_scene(*args)
 
 
-def make_dataset(count: int, seed: int, size: int, generator: str, workers: int) -> list[Letterboxed]:
+def make_dataset(count: int, seed: int, size: int, generator: str, workers: int) -> list[LetterboxedScene]:
     jobs = [(seed * 1_000_003 + i, size, generator) for i in range(count)]
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         return list(tqdm(pool.imap(_make, jobs, chunksize=32), total=count, desc="scenes", unit="img"))
@@ -112,7 +113,7 @@ def build_model(config: TrainConfig) -> TinyYolo:
     return model
 
 
-def train(model: TinyYolo, data: list[Letterboxed], config: TrainConfig) -> list[dict]:
+def train(model: TinyYolo, data: list[LetterboxedScene], config: TrainConfig) -> list[dict]:
     images = np.stack([d.image for d in data])
     targets = [(torch.from_numpy(d.boxes), torch.from_numpy(d.classes)) for d in data]
     steps_per_epoch = len(data) // config.batch_size
@@ -147,7 +148,7 @@ def train(model: TinyYolo, data: list[Letterboxed], config: TrainConfig) -> list
 
 
 @torch.inference_mode()
-def evaluate(model: torch.nn.Module, data: list[Letterboxed], conf: float = 0.05, iou: float = 0.5,
+def evaluate(model: torch.nn.Module, data: list[LetterboxedScene], conf: float = 0.05, iou: float = 0.5,
              batch_size: int = 32) -> tuple[float, dict[int, float]]:
     """mAP@0.5 in original pixels, through the serving post-processing."""
     model.eval()
