@@ -338,10 +338,6 @@ class JobStore:
     def delete(self, job_id: str) -> None:
         self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))
 
-    def advance(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None) -> bool:
-        """Move a live job to a non-terminal status; False when it is gone or already over."""
-        return bool(self.advance_many([job_id], status, 0, fields)[0] == MOVED)
-
     def advance_many(self, job_ids: Sequence[str], status: str, max_attempts: int,
                      fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
         """Per job MOVED, GONE (absent or over) or POISON (requeued max_attempts times), in one

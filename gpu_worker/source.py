@@ -102,6 +102,3 @@ class RedisFrameSource:
         """Drop the `count` oldest frames in hand: the batch just answered (see the module's note)."""
         if count > 0:
             (client if client is not None else self.redis).ltrim(self.processing_key, 0, -(count + 1))
-
-    def pending(self) -> int:
-        return int(self.redis.llen(self.processing_key))

@@ -106,10 +106,10 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
     pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(Keys("t").job_events)
     store.create("j", b"bytes", 60, {"received_at": 1.0, "deadline_at": 1e12, "options": {"conf": 0.5}})
-    assert store.advance("j", jobs.PREPROCESSING)
+    assert advance(store, "j", jobs.PREPROCESSING)
     assert store.finish("j", jobs.SUCCEEDED, {"result": {"detections": []}})
     assert not store.finish("j", jobs.FAILED, {"error": {"code": "x"}})
-    assert not store.advance("j", jobs.RUNNING)
+    assert not advance(store, "j", jobs.RUNNING)
     record = store.load("j")
     assert record["status"] == jobs.SUCCEEDED and record["result"] == {"detections": []}
     assert record["options"] == {"conf": 0.5} and "error" not in record
@@ -153,7 +153,7 @@ def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, s
 
 def test_unknown_jobs_cannot_be_moved(redis_client):
     store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
-    assert not store.advance("nope", jobs.RUNNING)
+    assert not advance(store, "nope", jobs.RUNNING)
     assert not store.finish("nope", jobs.CANCELLED)
     assert store.load("nope") is None
 
@@ -226,7 +226,7 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
     keys = Keys("redeliver")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
     store.create("a" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert store.advance("a" * 32, jobs.PREPROCESSING)
+    assert advance(store, "a" * 32, jobs.PREPROCESSING)
     first = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
     second = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
     assert (first, second) == (jobs.PUSHED, jobs.JOB_OVER)
@@ -239,7 +239,7 @@ def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(r
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
     store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
     assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
-    assert store.advance("b" * 32, jobs.PREPROCESSING)
+    assert advance(store, "b" * 32, jobs.PREPROCESSING)
     redis_client.delete(keys.upload("b" * 32))                             # the upload expired
     assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0
@@ -256,6 +256,11 @@ def test_only_the_latest_claim_may_push_the_frame(redis_client):
     assert redis_client.llen(keys.frames("m:1")) == 0 and redis_client.exists(keys.upload("e" * 32))
     assert store.enqueue_frame("e" * 32, "m:1", b"frame", 10, {}, "second") == jobs.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
+
+
+def advance(store: jobs.JobStore, job_id: str, status: str) -> bool:
+    """Move a live job to a non-terminal status; False when it is gone or already over."""
+    return bool(store.advance_many([job_id], status, 0)[0] == jobs.MOVED)
 
 
 def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
@@ -379,7 +384,7 @@ def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_
     keys = Keys("fulllist")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
     store.create("c" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert store.advance("c" * 32, jobs.PREPROCESSING)
+    assert advance(store, "c" * 32, jobs.PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"older", b"newer")
     assert not store.frame_list_has_room("m:1", 2)
     assert store.enqueue_frame("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == jobs.LIST_FULL
@@ -397,7 +402,7 @@ def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
     keys = Keys("endedjob")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
     store.create("d" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert store.advance("d" * 32, jobs.PREPROCESSING)
+    assert advance(store, "d" * 32, jobs.PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"queued")
     assert store.fail("d" * 32, "cancelled", "ended by a test")
     assert store.enqueue_frame("d" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER

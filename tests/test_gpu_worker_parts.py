@@ -103,9 +103,9 @@ def test_frame_source_is_fifo_and_keeps_frames_until_acked(redis_client):
     source = RedisFrameSource(redis_client, keys, "w1", M)
     assert source.pop_blocking(0.1) == b"f0"
     assert source.pop_available(3) == [b"f1", b"f2", b"f3"]
-    assert source.pending() == 4
+    assert redis_client.llen(source.processing_key) == 4
     source.ack(4)
-    assert source.pending() == 0
+    assert redis_client.llen(source.processing_key) == 0
     assert source.pop_available(8) == [b"f4"]
     assert source.pop_available(8) == []
     assert source.pop_blocking(0.1) is None
