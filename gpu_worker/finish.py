@@ -10,22 +10,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import redis
 
 from contract import jobs
 from contract.frames import Frame
-from contract.keys import Keys
-from contract.settings import ModelSpec, Settings
+from contract.settings import ModelSpec
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.intake import InHand, Outcome
-from gpu_worker.stages import StageClock
+from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.staging import DeviceOutput
-from gpu_worker.stats import BusyMeter, RecentStats
 
 log = logging.getLogger("gpu_worker")
 
@@ -84,28 +81,23 @@ def documents_from_rows(per_image: list[list[list[float]]], frames: Sequence[Fra
 
 
 class Finisher:
-    def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, keys: Keys, worker_id: str,
-                 spec: ModelSpec, clock: StageClock, busy: BusyMeter, recent: RecentStats,
-                 retry: Callable[[Callable[[], Any]], Any], model_recent: RecentStats | None = None,
-                 counters: Callable[[], dict[str, float]] | None = None) -> None:
-        """`recent` is the worker's, `model_recent` this model's; `counters` the worker's host-time totals
-        by stage (all its models), written with each batch."""
-        self.redis = client
-        self.store = store
-        self.keys = keys
-        self.worker_id = worker_id
+    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters) -> None:
+        self.redis = link.redis
+        self.store = link.store
+        self.keys = link.keys
+        self.worker_id = link.worker_id
         self.spec = spec
-        self.clock = clock
-        self.busy = busy
-        self.recent = recent
-        self.retry = retry
-        self.model_recent = model_recent
-        self.host_counters = counters or clock.counters
+        self.clock = meters.clock
+        self.busy = meters.busy
+        self.recent = meters.worker_recent
+        self.retry = link.retry
+        self.model_recent = meters.recent
+        self.host_counters = link.host_counters    # written with each batch: the worker's, over all its lanes
         self.model_labels = (spec.name, spec.version)
-        self.frames_key = keys.frames(spec.key)
-        self.processing_key = keys.processing(worker_id, spec.key)
-        self.ttl_s = settings.jobs.ttl_s
-        self._write_batch = client.register_script(_WRITE_BATCH)
+        self.frames_key = link.keys.frames(spec.key)
+        self.processing_key = link.keys.processing(link.worker_id, spec.key)
+        self.ttl_s = link.settings.jobs.ttl_s
+        self._write_batch = link.redis.register_script(_WRITE_BATCH)
 
     def finish(self, batch: InHand) -> None:
         """Documents for every running job of the batch, then the one write (retried until Redis answers)."""

@@ -19,9 +19,9 @@ import redis
 
 from contract import jobs
 from contract.frames import Frame, FrameError, read_job_id, unpack_frame
-from contract.settings import Settings
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
+from gpu_worker.link import WorkerLink
 from gpu_worker.model import fits_input
 from gpu_worker.source import RedisFrameSource
 from gpu_worker.stages import StageClock
@@ -55,33 +55,26 @@ class InHand:
 
 
 class Intake:
-    def __init__(self, settings: Settings, client: redis.Redis, store: jobs.JobStore, source: RedisFrameSource,
-                 device: Device, clock: StageClock, hold_open: Callable[[], bool],
-                 next_seq: Callable[[], int] | None = None,
-                 wait_held: Callable[[float], None] | None = None,
-                 epoch: Callable[[], str] = lambda: "") -> None:
-        batching = settings.batching
+    def __init__(self, link: WorkerLink, source: RedisFrameSource, device: Device, clock: StageClock,
+                 hold_open: Callable[[], bool], wait_held: Callable[[float], None] | None = None) -> None:
+        """`hold_open`: whether this model has batches ahead (the gathering batch may keep gathering);
+        `wait_held`: wait until they are gone, or the timeout."""
+        batching = link.settings.batching
         self.model_labels = (device.spec.name, device.spec.version)
-        self.redis = client
-        self.store = store
+        self.redis = link.redis
+        self.store = link.store
         self.source = source
         self.device = device
         self.clock = clock
-        self.max_attempts = settings.gpu_worker.max_attempts
+        self.max_attempts = link.settings.gpu_worker.max_attempts
         self.input_size = device.spec.input_size
         self.collector: BatchCollector[memoryview] = BatchCollector(
             batching.max_batch_size, batching.window_ms / 1000.0,
             idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
             age_of=_frame_age, hold_open=hold_open, held_poll_s=batching.held_poll_ms / 1000.0,
             wait_held=wait_held)
-        self.epoch = epoch   # the worker's life now (gpu_worker.liveness): a batch is written only in its own
-        self.seq = 0
-        # Batch numbers are the worker's, shared by the models it serves (a batch id is worker:seq).
-        self.next_seq = next_seq or self._own_seq
-
-    def _own_seq(self) -> int:
-        self.seq += 1
-        return self.seq
+        self.epoch = link.epoch   # the worker's life now (gpu_worker.liveness): a batch is written only in its own
+        self.next_seq = link.next_seq   # a batch id is worker:seq
 
     def collect(self) -> tuple[Batch[memoryview], str] | None:
         """The next batch of frames as popped, and the worker's epoch when it began to pop them; None when the

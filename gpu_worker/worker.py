@@ -52,6 +52,7 @@ from gpu_worker.finish import Finisher, result_documents
 from gpu_worker.handoff import Handoff
 from gpu_worker.intake import InHand, Intake
 from gpu_worker.lanes import DeviceQueue, Lane
+from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
 from gpu_worker.source import RedisFrameSource
 from gpu_worker.stages import StageClock, combined_counters
@@ -93,7 +94,10 @@ class GpuWorker:
         # Gave up on Redis while stopping: no later write may happen (acks go by count, in order), and the
         # worker does not leave the registry, so its frames are reaped once its heartbeat expires.
         self.redis_abandoned = False
-        self._seq = itertools.count(1)
+        seq = itertools.count(1)
+        self.link = WorkerLink(settings, client, self.store, self.keys, worker_id, self._retry_until_redis_answers,
+                               epoch=lambda: self.liveness.epoch, next_seq=lambda: next(seq),
+                               host_counters=lambda: combined_counters([lane.clock for lane in self.lanes]))
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
         self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
@@ -105,13 +109,9 @@ class GpuWorker:
     def _lane(self, index: int, device: Device) -> Lane:
         clock, recent = StageClock(), RecentStats()
         source = RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
-        intake = Intake(self.settings, self.redis, self.store, source, device, clock,
-                        hold_open=lambda: self._lane_has_work_ahead(index), next_seq=lambda: next(self._seq),
-                        wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s),
-                        epoch=lambda: self.liveness.epoch)
-        finisher = Finisher(self.settings, self.redis, self.store, self.keys, self.worker_id, device.spec, clock,
-                            self.busy, self.recent, retry=self._retry_until_redis_answers, model_recent=recent,
-                            counters=lambda: combined_counters([lane.clock for lane in self.lanes]))
+        intake = Intake(self.link, source, device, clock, hold_open=lambda: self._lane_has_work_ahead(index),
+                        wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s))
+        finisher = Finisher(self.link, device.spec, LaneMeters(clock, recent, self.recent, self.busy))
         return Lane(index=index, device=device, intake=intake, finisher=finisher, clock=clock, recent=recent)
 
     # --- lifecycle -------------------------------------------------------
