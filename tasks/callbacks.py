@@ -5,8 +5,8 @@ Signature: `X-Signature: sha256=<hex HMAC-SHA256(secret, timestamp + "." + job i
 + "." + body)>`, with `X-Imgserve-Timestamp: <unix seconds>` and
 `X-Imgserve-Job-Id`. The secret is the job's API key's own
 (`auth.api_keys[].callback_secret_env` or `_file`), or `callbacks.secret` when
-the deployment has no keys. See the README for a receiver that refuses stale
-and replayed deliveries (docs/operations.md, "Callbacks").
+the deployment has no keys. docs/operations.md ("Callbacks") has a receiver that refuses
+stale and replayed deliveries.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class CallbackSender:
     Each attempt is recorded as `delivering` before the POST. The task is acknowledged only once it ran
     (acks_late): a worker that dies in the middle, even right after the receiver answered, has the task given
     back (tasks.liveness) and the callback is posted again, with the same X-Imgserve-Delivery-Id; the receiver
-    drops the repeat (the README's receiver does, by job id and status). It never stays `pending`."""
+    drops the repeat (the receiver in docs/operations.md does, by job id and status). It never stays `pending`."""
 
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.service_settings = settings
