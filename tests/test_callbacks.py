@@ -136,7 +136,7 @@ def test_delivery_connects_to_the_address_it_checked_with_the_urls_host(monkeypa
 
 
 def verify(secret: str, headers: dict, body: bytes, max_age_s: int = 300) -> bool:
-    """What the README's receiver does (less its replay cache)."""
+    """What the receiver in docs/operations.md does (less its replay cache)."""
     timestamp, job_id = headers["X-Imgserve-Timestamp"], headers["X-Imgserve-Job-Id"]
     message = f"{timestamp}.{job_id}.".encode() + body
     expected = "sha256=" + hmac.new(secret.encode(), message, hashlib.sha256).hexdigest()
