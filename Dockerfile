@@ -1,7 +1,11 @@
 # One image per role. `app` runs the API, the CPU workers and Flower (no torch
 # in it: a CPU worker that imports torch pays seconds and hundreds of MB per
 # child); `gpu-worker` adds PyTorch (PyPI's Linux wheel is the CUDA build).
-FROM python:3.11-slim AS base
+# BASE_IMAGE: any Debian-like image with Python 3.11 and pip (a local stand-in where registries are out of
+# reach). TORCH_INDEX_URL: a wheel index for torch instead of PyPI's CUDA build, e.g. a CPU-only index or a
+# local mirror, for a GPU-worker image without a GPU.
+ARG BASE_IMAGE=python:3.11-slim
+FROM ${BASE_IMAGE} AS base
 WORKDIR /srv/imgserve
 COPY pyproject.toml README.md ./
 COPY contract ./contract
@@ -30,7 +34,9 @@ EXPOSE 8000 5555
 FROM base AS gpu-worker
 # The default model's weights (configs/models/shapes-yolo.yaml points here).
 COPY models ./models
-RUN pip install --no-cache-dir ".[gpu]"
+ARG TORCH_INDEX_URL=
+RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==2.13.0"; fi \
+ && pip install --no-cache-dir ".[gpu]"
 ENV PROMETHEUS_MULTIPROC_DIR=
 EXPOSE 9100
 CMD ["python", "-m", "gpu_worker", "--metrics-port", "9100"]

@@ -206,3 +206,23 @@ def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_sele
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     model_expressions = [expr for expr in expressions if any(name in expr for name in per_model)]
     assert model_expressions and all('model=~"$model"' in expr for expr in model_expressions)
+
+
+def test_every_image_can_be_swapped_for_a_local_stand_in():
+    """Where registries are out of reach: the service images' base and torch index are build arguments, and
+    Redis's and the monitoring images are variables; the defaults are the public images."""
+    local = {"BASE_IMAGE": "local/python:3.11", "TORCH_INDEX_URL": "http://mirror.local/torch-cpu",
+             "REDIS_IMAGE": "local/redis:7", "PROMETHEUS_IMAGE": "local/prometheus", "GRAFANA_IMAGE": "local/grafana"}
+    result = compose_config({**SECRETS, **local}, "--profile", "monitoring")
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("api", "cpu-worker", "check-secrets", "gpu-worker"):
+        assert services[name]["build"]["args"]["BASE_IMAGE"] == "local/python:3.11", name
+    assert services["gpu-worker"]["build"]["args"]["TORCH_INDEX_URL"] == "http://mirror.local/torch-cpu"
+    assert (services["redis"]["image"], services["prometheus"]["image"], services["grafana"]["image"]) == \
+        ("local/redis:7", "local/prometheus", "local/grafana")
+    defaults = yaml.safe_load(compose_config(SECRETS, "--profile", "monitoring").stdout)["services"]
+    assert defaults["redis"]["image"] == "redis:7" and defaults["api"]["build"]["args"]["BASE_IMAGE"] == \
+        "python:3.11-slim"
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert dockerfile.index("ARG BASE_IMAGE=python:3.11-slim") < dockerfile.index("FROM ${BASE_IMAGE} AS base")
