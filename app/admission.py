@@ -13,7 +13,8 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 import redis
 from flask import g
@@ -28,8 +29,31 @@ from contract.settings import ModelSpec
 log = logging.getLogger(__name__)
 
 MAX_RETRY_AFTER_S = 60        # also what a model with no GPU worker answering it gets
-MEMORY_LOOK_S = 1.0           # how stale Redis's memory figures may be (one INFO per process per second)
-TENANTS_LOOK_S = 1.0          # how stale the served API keys may be (one HGETALL per process per second)
+LOOK_S = 1.0   # how stale Redis's memory figures and the served API keys may be: one read per process a second
+
+T = TypeVar("T")
+
+
+class ReadAtMostEvery(Generic[T]):
+    """A figure read from Redis at most once per `interval_s` in this process; calls in between, from any
+    thread, get the last reading (the first call reads)."""
+
+    def __init__(self, interval_s: float, read: Callable[[], T], initial: T) -> None:
+        self.interval_s, self.read = interval_s, read
+        self._lock = threading.Lock()
+        self._read_at = -math.inf
+        self._value = initial
+
+    def get(self) -> T:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._read_at < self.interval_s:
+                return self._value
+            self._read_at = now
+        value = self.read()
+        with self._lock:
+            self._value = value
+        return value
 
 
 class RedisMemory:
@@ -37,23 +61,16 @@ class RedisMemory:
 
     def __init__(self, client: redis.Redis) -> None:
         self.redis = client
-        self._lock = threading.Lock()
-        self._read_at = -math.inf
-        self._share = 0.0
+        self._share = ReadAtMostEvery(LOOK_S, self._read, 0.0)
 
     def share(self) -> float:
         """used_memory / maxmemory (0 when Redis has no maxmemory)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._read_at < MEMORY_LOOK_S:
-                return self._share
-            self._read_at = now
+        return self._share.get()
+
+    def _read(self) -> float:
         info: Any = self.redis.info("memory")
         limit = int(info.get("maxmemory") or 0)
-        share = int(info.get("used_memory") or 0) / limit if limit else 0.0
-        with self._lock:
-            self._share = share
-        return share
+        return int(info.get("used_memory") or 0) / limit if limit else 0.0
 
 
 class ServedTenants:
@@ -64,31 +81,22 @@ class ServedTenants:
 
     def __init__(self, client: redis.Redis, keys: Keys, ttl_s: float) -> None:
         self.redis, self.keys, self.ttl_s = client, keys, ttl_s
-        self._lock = threading.Lock()
-        self._read_at = -math.inf
-        self._served: frozenset[str] = frozenset()
+        self._served: ReadAtMostEvery[frozenset[str]] = ReadAtMostEvery(LOOK_S, self._read, frozenset())
         self._warned: set[str] = set()
 
     def served(self, tenant: str) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            stale = now - self._read_at >= TENANTS_LOOK_S
-            if stale:
-                self._read_at = now
-        if stale:
-            seen: Any = self.redis.hgetall(self.keys.cpu_tenants)
-            oldest = time.time() - self.ttl_s
-            served = frozenset(key.decode() for key, at in seen.items() if float(at) >= oldest)
-            with self._lock:
-                self._served = served
-        with self._lock:
-            if tenant in self._served:
-                return True
-            if tenant not in self._warned:
-                self._warned.add(tenant)
-                log.warning("no live CPU worker takes API key %s's own queues (is its config older than the "
-                            "API's?): its jobs share the common queues meanwhile", tenant)
-            return False
+        if tenant in self._served.get():
+            return True
+        if tenant not in self._warned:   # a set's add is atomic: at worst two threads both warn once
+            self._warned.add(tenant)
+            log.warning("no live CPU worker takes API key %s's own queues (is its config older than the "
+                        "API's?): its jobs share the common queues meanwhile", tenant)
+        return False
+
+    def _read(self) -> frozenset[str]:
+        seen: Any = self.redis.hgetall(self.keys.cpu_tenants)
+        oldest = time.time() - self.ttl_s
+        return frozenset(key.decode() for key, at in seen.items() if float(at) >= oldest)
 
 
 def admit(services: Any, spec: ModelSpec, size: int) -> int:

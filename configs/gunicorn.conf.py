@@ -16,7 +16,8 @@ from contract.memory import keep_freed_memory
 # In the master, before it forks the workers: they inherit the tuned malloc (see contract.memory).
 keep_freed_memory()
 
-_api = load_settings().api
+_settings = load_settings()   # read once: the hooks below use it too
+_api = _settings.api
 bind = _api.bind
 # gevent, with gunicorn's own error answers (bad request line, URI too long) as problem+json.
 worker_class = _api.worker_class
@@ -47,18 +48,17 @@ def on_starting(server):
 
 def when_ready(server):
     """With `api.metrics_port` set, /metrics is served by the master there, and not on `bind`."""
-    settings = load_settings()
-    if settings.api.metrics_port:
+    if _api.metrics_port:
         from app.metrics import serve_on_metrics_port
 
-        serve_on_metrics_port(settings)
-        server.log.info("metrics on %s:%d", settings.api.metrics_host, settings.api.metrics_port)
+        serve_on_metrics_port(_settings)
+        server.log.info("metrics on %s:%d", _api.metrics_host, _api.metrics_port)
 
 
 def post_fork(server, worker):
     from contract.logs import configure_logging
 
-    configure_logging("api", load_settings().logs)
+    configure_logging("api", _settings.logs)
 
 
 def child_exit(server, worker):

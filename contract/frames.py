@@ -38,8 +38,8 @@ class Placement:
     orig_height: int
 
     def fields(self) -> dict[str, Any]:
-        """As FrameHeader's keyword arguments."""
-        return asdict(self)
+        """As FrameHeader's keyword arguments (a plain copy: asdict's deep copy is not needed for numbers)."""
+        return dict(vars(self))
 
 
 PLACEMENT_FIELDS = tuple(Placement.__dataclass_fields__)
@@ -63,10 +63,6 @@ class FrameHeader:
     options: dict[str, Any] = field(default_factory=dict)   # conf, iou, max_det
     stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far
     dtype: str = "uint8"
-
-    @property
-    def placement(self) -> Placement:
-        return Placement(**{name: getattr(self, name) for name in PLACEMENT_FIELDS})
 
 
 @dataclass(frozen=True)
