@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -89,7 +90,7 @@ def run_schemathesis(base_url: str, *extra: str) -> subprocess.CompletedProcess:
             "--max-examples", str(FUZZ_EXAMPLES), "--workers", "1",   # with 2, CPython 3.11 raised
             # "SystemError: AST constructor recursion depth mismatch" now and then (two threads compiling at once)
             "--request-timeout", "20", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=400,
+    return subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=REPO_ROOT,   # the config's hooks path
                           env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""})
 
 
@@ -101,3 +102,26 @@ def test_schemathesis_finds_nothing(stack):
 def test_schemathesis_finds_nothing_with_api_keys(keyed_api):
     result = run_schemathesis(keyed_api.url, "--header", f"Authorization: Bearer {FUZZ_KEY}")
     assert result.returncode == 0, result.stdout[-12000:] + result.stderr[-3000:]
+
+
+def test_the_fuzz_hook_drops_only_a_violation_that_never_reached_the_wire():
+    from types import SimpleNamespace
+
+    from schemathesis.core.failures import AcceptedNegativeData, ServerError
+
+    from tests.fuzz_hooks import filter_failure
+
+    def accepted(message: str) -> AcceptedNegativeData:
+        return AcceptedNegativeData(operation="POST /v1/jobs", message=message, status_code=202,
+                                    expected_statuses=["400"])
+
+    def keeps(failure: Any, media_type: str, body: dict[str, Any]) -> bool:
+        return filter_failure(None, failure, SimpleNamespace(media_type=media_type, body=body), None)
+
+    conf_array = accepted("Invalid component: in body - violates `type` at /properties/conf (was number, became array)")
+    form = "multipart/form-data"
+    assert not keeps(conf_array, form, {"image": b"x", "conf": []})       # sent as the image alone: valid
+    assert keeps(conf_array, form, {"image": b"x", "conf": [1]})          # a part that says 1: refuse it
+    assert keeps(conf_array, "application/json", {"conf": []})
+    assert keeps(accepted("no property named"), form, {"conf": []})
+    assert keeps(ServerError(operation="POST /v1/jobs", status_code=500), form, {"conf": []})
