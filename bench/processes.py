@@ -67,7 +67,7 @@ class RedisServer:
 def stop_together(processes: list[ManagedProcess], sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> list[int]:
     """Signal every process first, then wait for each (SIGKILL past `timeout_s`): their graceful
     shutdowns overlap instead of adding up. Their exit statuses, in order."""
-    signalled = [process._signal(sig) for process in processes]
+    signalled = [process.signal(sig) for process in processes]
     deadline = time.monotonic() + timeout_s
     return [process._reap(sent, max(0.0, deadline - time.monotonic()))
             for process, sent in zip(processes, signalled)]
@@ -106,7 +106,8 @@ class ManagedProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
         return stop_together([self], sig, timeout_s)[0]
 
-    def _signal(self, sig: int) -> bool:
+    def signal(self, sig: int) -> bool:
+        """Send `sig` to its whole session (a pool's children too); False when it had already ended."""
         if not self.alive():
             return False
         os.killpg(self.process.pid, sig)
