@@ -19,6 +19,7 @@ from app.admission import RedisMemory, ServedTenants
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
+from contract.cache import ResultCache
 from contract.config import load_settings
 from contract.connection import connect
 from contract.jobs import JobStore
@@ -51,6 +52,7 @@ class Services:
     memory: RedisMemory                 # Redis's memory against its maxmemory
     tenants: ServedTenants              # the API keys whose own CPU queues a live worker takes
     listener: JobEventListener
+    cache: ResultCache                  # answers for repeated images (contract.cache)
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -80,6 +82,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
         listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
                                   on_tick=_sweeper(store)),
+        cache=ResultCache(client, keys, settings),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)

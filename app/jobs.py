@@ -26,6 +26,7 @@ from app.uploads import (
     validate_params,
 )
 from contract import jobs
+from contract.cache import HIT, MISS
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.documents import (
     JobAccepted,
@@ -37,6 +38,7 @@ from contract.documents import (
 )
 from contract.models import UnknownModel, model_references
 from contract.settings import ModelSpec, SettingsError
+from contract.timebill import compute_time_bill
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -116,28 +118,55 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
     job_id = jobs.new_job_id()
-    queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
-    # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
-    task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
-    services.store.create(job_id, data, settings.jobs.upload_ttl_s, {
+    fields = {
         "model": spec.key,
         "received_at": received_at,
         "deadline_at": received_at + deadline_ms / 1000.0,
         "options": options.for_model(),
         "media_type": media_type,
         "bytes": len(data),
-        "submitted_at": time.time(),
         **({"owner": g.client_id} if g.get("client_id") else {}),
         **({"callback_url": callback_url} if callback_url else {}),
-    }, task=task, reserved=held.size)
+    }
+    cache = services.cache
+    if options.cache is not False and cache.enabled_for(spec):
+        digest = cache.digest(data, spec, fields["options"], g.get("client_id") or "")
+        cached = cache.lookup(digest, spec.key, time.time())
+        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT if cached else MISS).inc()
+        if cached is not None:
+            return _answer_from_cache(services, held, job_id, fields, cached)
+        fields.update(cache=MISS, cache_key=digest)
+    queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
+    # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
+    task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
+    services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
+                          task=task, reserved=held.size)
     held.size = 0   # stored: the job's bytes are given back by whatever ends it
     log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                     "model": spec.key})
+    return _accepted(job_id, spec, fields, jobs.QUEUED)
+
+
+def _answer_from_cache(services, held: Reservation, job_id: str, fields: dict,
+                       result: str) -> tuple[Response, int, dict[str, str]]:
+    """A hit: the job is stored over already, with the cached result, as any succeeded job (its callback
+    fires, its long-polls answer at once); its time bill has receive and total only."""
+    held.give_back(services)   # nothing of it waits in Redis
+    now = time.time()
+    fields = {**fields, "submitted_at": now, "cache": HIT}
+    timings = compute_time_bill({"received_at": fields["received_at"], "submitted_at": now, "finished_at": now})
+    services.store.create_answered(job_id, fields, {"result": result, "timings": timings})
+    log.info("job answered from the cache", extra={"job_id": job_id, "model": fields["model"]})
+    return _accepted(job_id, held.spec, fields, jobs.SUCCEEDED)
+
+
+def _accepted(job_id: str, spec, fields: dict, status: str) -> tuple[Response, int, dict[str, str]]:
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
-    body = JobAccepted.model_validate({"id": job_id, "status": jobs.QUEUED, "model": model_ref(spec.key),
-                                       "links": {"self": location},
-                                       "created_at": jobs.utc_iso(received_at)})
+    body = JobAccepted.model_validate({"id": job_id, "status": status, "model": model_ref(spec.key),
+                                       "links": {"self": location}, **({"cache": fields["cache"]}
+                                                                        if "cache" in fields else {}),
+                                       "created_at": jobs.utc_iso(fields["received_at"])})
     return jsonify(body.to_json()), 202, {"Location": location}
 
 

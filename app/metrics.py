@@ -28,6 +28,8 @@ REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "ro
 REJECTS = Counter("imgserve_api_rejects_total", "Requests refused with a problem document", ["reason"])
 SUBMITTED = Counter("imgserve_api_jobs_submitted_total", "Jobs accepted, by the model version they were routed to",
                     ["model", "version"])
+CACHE_LOOKUPS = Counter("imgserve_api_cache_lookups_total", "Result-cache lookups by model version and result "
+                        "(hit, miss); the hit rate is hits over both", ["model", "version", "result"])
 LATENCY = Histogram("imgserve_api_request_seconds", "API request latency (long-polls included)", ["route"])
 
 

@@ -1,4 +1,4 @@
-"""`GET /v1/stats`: a JSON summary of queues, GPU workers and the time bill."""
+"""`GET /v1/stats`: a JSON summary of queues, GPU workers, the time bill and the result cache."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, current_app, jsonify
@@ -29,6 +29,7 @@ def stats() -> Response:
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     depths = queue_depths(client, keys, list(services.catalogue.specs), services.settings.tenants)
     summary = Stats.model_validate({
+        "cache": services.cache.stats(list(services.catalogue.specs)),
         "queues": total_depths(depths),
         "queues_by_model": depths,
         "gpu_workers": [{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,

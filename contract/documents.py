@@ -124,6 +124,10 @@ class JobDocument(Document):
     timings_ms: TimeBill
     batch: BatchInfo | None = Field(description="the GPU batch that answered the job")
     callback: CallbackState | None = Field(None, description="present when the job has a callback_url")
+    cache: Literal["hit", "miss"] | None = Field(
+        None, description="hit: answered from the result cache (no CPU or GPU stage ran: timings_ms has receive "
+                          "and total only, and there is no batch); miss: looked up, computed, and cached if it "
+                          "succeeds; absent: the cache was off for it")
 
 
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -142,6 +146,8 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     }
     if record.get("callback_url"):
         fields["callback"] = record.get("callback") or {"status": "waiting", "attempts": 0, "last_error": None}
+    if record.get("cache"):
+        fields["cache"] = record["cache"]
     return JobDocument(**fields).to_json()
 
 
@@ -157,7 +163,9 @@ class JobLinks(Document):
 
 class JobAccepted(Document):
     id: str
-    status: Literal["queued"]
+    status: Literal["queued", "succeeded"] = Field(description="succeeded: answered from the result cache "
+                                                               "(`cache` is hit); poll it as any job")
+    cache: Literal["hit", "miss"] | None = Field(None, description="as the job document's")
     model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
     links: JobLinks
@@ -183,6 +191,8 @@ class SubmitOptionsBase(Document):
 
     # Bounded by the deployment's deadline in submit_options_model(); declared here for its readers.
     deadline_ms: int = Field(None, ge=1, description="answer within this many ms or end `expired`")
+    cache: bool = Field(None, description="false: neither answer from the result cache nor store this answer "
+                                          "in it; default: as the deployment and the model configure it")
 
     def for_model(self) -> JobOptions:
         options = JobOptions()
@@ -358,7 +368,24 @@ class ModelStats(Document):
     time_bill_ms: StageSummaries = None
 
 
+class CacheModelStats(Document):
+    hits: int = Field(ge=0)
+    misses: int = Field(ge=0)
+    hit_rate: float = Field(ge=0.0, le=1.0, description="hits / (hits + misses), since the counters began")
+
+
+class CacheStats(Document):
+    enabled: bool
+    shared: bool = Field(description="one cache for every API key (true) or one per key (false)")
+    entries: int = Field(ge=0)
+    bytes: int = Field(ge=0, description="charged against max_bytes: the documents plus a fixed overhead each")
+    max_bytes: int = Field(ge=0)
+    ttl_s: int = Field(ge=1)
+    models: dict[str, CacheModelStats] = Field(description="per name:version")
+
+
 class Stats(Document):
+    cache: CacheStats = Field(description="the result cache")
     queues: QueueDepths = Field(description="summed over the models")
     queues_by_model: dict[str, QueueDepths] = Field(description="per name:version")
     gpu_workers: list[GpuWorkerStats]

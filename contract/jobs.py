@@ -19,6 +19,7 @@ import redis
 
 from contract import budget
 from contract.budget import RELEASE_LUA
+from contract.cache import REMEMBER_LUA, CacheLimits
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.replies import PayloadReader
 
@@ -69,6 +70,8 @@ class JobRecord(TypedDict, total=False):
     batch: dict[str, Any]
     error: dict[str, str]          # code, message
     callback: dict[str, Any]       # status, attempts, last_error
+    cache: str                     # contract.cache's HIT or MISS; absent when the cache was off for the job
+    cache_key: str                 # a miss's digest: its result is cached under it if it succeeds
 
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
@@ -109,9 +112,10 @@ LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the d
 # first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
 # that ends it: once per terminal state, whoever ends it. An answer written after the job's deadline
 # does not stand: the job ends `expired` instead (its result is dropped; a long-poll was told at the
-# deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step. Returns how
-# many jobs it ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
-FINISH_JOBS_LUA = _LUA_TERMINAL + RELEASE_LUA + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
+# deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step, and a job that
+# succeeded with a `cache_key` leaves its result in the result cache (contract.cache). Returns how many jobs it
+# ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
+FINISH_JOBS_LUA = _LUA_TERMINAL + RELEASE_LUA + REMEMBER_LUA + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
 local PENDING_CALLBACK = '{PENDING_CALLBACK}'
 local LATE_ERROR = '{LATE_ERROR}'
 local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
@@ -139,10 +143,10 @@ local function late_as_expired(key, fields)
   return kept
 end
 
--- The names finish_jobs needs, from FINISH_NAMES arguments at ARGV[i..i+3] (JobStore.finish_names).
+-- The names finish_jobs needs, from the FINISH_NAMES arguments at ARGV[i..] (JobStore.finish_names).
 local function finish_names(outbox, i)
   return {outbox = outbox, ttl = tonumber(ARGV[i]), channel = ARGV[i + 1], deadlines = ARGV[i + 2],
-          waiting = ARGV[i + 3]}
+          waiting = ARGV[i + 3], cache = cache_names(i + 4)}
 end
 
 local function finish_jobs(names, first_key, at)
@@ -153,6 +157,7 @@ local function finish_jobs(names, first_key, at)
     if status and not TERMINAL[status] then
       redis.call('HSET', key, unpack(late_as_expired(key, {unpack(ARGV, at + 2, at + 1 + count)})))
       redis.call('EXPIRE', key, names.ttl)
+      remember(names.cache, key, SUCCEEDED)
       if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
         release_waiting(names.waiting, redis.call('HGET', key, 'model'), redis.call('HGET', key, 'bytes'))
       end
@@ -170,8 +175,10 @@ local function finish_jobs(names, first_key, at)
   return ended
 end
 """
-# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..4] JobStore.finish_names(), then the jobs'.
-_FINISH = FINISH_JOBS_LUA + "return finish_jobs(finish_names(KEYS[1], 1), 2, 5)\n"
+FINISH_NAMES = 7   # how many arguments JobStore.finish_names() gives: scripts find theirs after them
+
+# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..FINISH_NAMES] JobStore.finish_names(), then the jobs'.
+_FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {FINISH_NAMES + 1})\n"
 
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
@@ -268,12 +275,15 @@ def utc_iso(epoch: float) -> str:
 class JobStore:
     """The job records in one Redis, under one namespace."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, uploads: redis.Redis | None = None) -> None:
-        """`uploads`: the client uploads are written with (the API's: a few connections, see `create`)."""
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, uploads: redis.Redis | None = None,
+                 cache: CacheLimits | None = None) -> None:
+        """`uploads`: the client uploads are written with (the API's: a few connections, see `create`).
+        `cache`: where jobs this store ends `succeeded` leave their results (the GPU worker's); None: nowhere."""
         self.redis = client
         self.uploads = uploads or client
         self.keys = keys
         self.ttl_s = ttl_s
+        self.cache = cache or CacheLimits(keys.cache_prefix)
         self._advance = client.register_script(_ADVANCE)
         self._finish = client.register_script(_FINISH)
         self._claim = client.register_script(_CLAIM)
@@ -304,6 +314,17 @@ class JobStore:
         except redis.RedisError:
             self._delete_quietly(self.keys.upload(job_id))   # no job holds it: it would wait for its TTL
             raise
+
+    def create_answered(self, job_id: str, fields: Mapping[str, Any], outcome: Mapping[str, Any]) -> None:
+        """Store a job that is over already (a result-cache hit): the record, then its end as any job's end (the
+        long-polls woken, its callback queued), in one transaction; no upload, no task.
+        `outcome`: the succeeded job's fields (its result, as JSON text or a mapping, and its timings)."""
+        record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **_encode(fields)}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.hset(self.keys.job(job_id), mapping=record)
+        pipe.expire(self.keys.job(job_id), self.ttl_s)
+        self.finish_many([(job_id, SUCCEEDED, outcome)], client=pipe)
+        pipe.execute()
 
     def _write_upload(self, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the
@@ -360,9 +381,12 @@ class JobStore:
                             client=client or self.redis)
 
     def finish_names(self) -> list[Any]:
-        """What FINISH_JOBS_LUA's finish_names() reads: the record TTL, the job-events channel, the deadline
-        index and the waiting-bytes hash."""
-        return [self.ttl_s, self.keys.job_events, self.keys.deadlines, self.keys.waiting_bytes]
+        """What FINISH_JOBS_LUA's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
+        channel, the deadline index, the waiting-bytes hash and the result cache's names."""
+        names = [self.ttl_s, self.keys.job_events, self.keys.deadlines, self.keys.waiting_bytes,
+                 *self.cache.finish_names()]
+        assert len(names) == FINISH_NAMES
+        return names
 
     def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
         """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""

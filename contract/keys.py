@@ -158,6 +158,36 @@ class Keys:
         return f"{self.namespace}:rate:{client_id}"
 
     @property
+    def cache_prefix(self) -> str:
+        """Prefix of the result cache's keys (contract.cache): `e:<digest>` strings (a result document, with
+        a TTL), and `lru`, `sizes`, `bytes` and `stats` below."""
+        return f"{self.namespace}:cache:"
+
+    def cache_entry(self, digest: str) -> str:
+        """String with a TTL: the result document cached for one image, model version, options and scope."""
+        return self.cache_prefix + "e:" + digest
+
+    @property
+    def cache_lru(self) -> str:
+        """Sorted set: cache digests scored by their last use (epoch seconds); the oldest go first."""
+        return self.cache_prefix + "lru"
+
+    @property
+    def cache_sizes(self) -> str:
+        """Hash: cache digest -> the bytes its entry is charged against cache.max_bytes."""
+        return self.cache_prefix + "sizes"
+
+    @property
+    def cache_bytes(self) -> str:
+        """String (integer): the bytes every entry is charged, together; never above cache.max_bytes."""
+        return self.cache_prefix + "bytes"
+
+    @property
+    def cache_stats(self) -> str:
+        """Hash: `<model>:hits` and `<model>:misses` counters, for /v1/stats and the metrics."""
+        return self.cache_prefix + "stats"
+
+    @property
     def job_events(self) -> str:
         """Pub/sub channel: a job id each time a job reaches a terminal state."""
         return f"{self.namespace}:job_events"

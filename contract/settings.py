@@ -93,6 +93,22 @@ class JobSettings:
 
 
 @settings_class
+class CacheSettings:
+    """The result cache (contract.cache): a repeated image, under the same model version and options, is
+    answered from the first one's result without a CPU worker or a GPU slot."""
+    enabled: bool = True          # a model spec's `cache: false` turns it off for that model
+    max_bytes: int = 64 * 1024 * 1024   # the entries' result documents (plus ENTRY_OVERHEAD each), never more
+    ttl_s: int = 3600             # an entry not used for this long is gone (each hit renews it)
+    # false: an entry serves only the API key that made it. true: every key of the deployment; a hit then
+    # tells one tenant that another sent the same image (docs/operations.md).
+    shared: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_bytes < 0 or self.ttl_s < 1:
+            raise SettingsError("cache.max_bytes must be >= 0 and cache.ttl_s >= 1")
+
+
+@settings_class
 class BatchingSettings:
     max_batch_size: int = 8
     window_ms: float = 12.0
@@ -240,6 +256,7 @@ class ModelSpec:
     default_deadline_ms: int | None = None
     # Device `sim`: this model's batch latency by batch size (models differ in cost); unset: gpu_worker's.
     sim_latency_ms: dict[int, float] | None = None
+    cache: bool | None = None     # the result cache for this model; unset: the deployment's cache.enabled
 
     @property
     def key(self) -> str:
@@ -307,6 +324,7 @@ class Settings:
     backpressure: BackpressureSettings = field(default_factory=BackpressureSettings)
     auth: AuthSettings = field(default_factory=AuthSettings)
     callbacks: CallbackSettings = field(default_factory=CallbackSettings)
+    cache: CacheSettings = field(default_factory=CacheSettings)
 
     @property
     def broker_url(self) -> str:
@@ -342,6 +360,11 @@ class Settings:
 
     def max_waiting_bytes(self, spec: ModelSpec) -> int:
         return spec.max_waiting_bytes or self.backpressure.max_waiting_bytes
+
+    def caches(self, spec: ModelSpec) -> bool:
+        """Whether `spec`'s results are cached: its own `cache`, else the deployment's."""
+        enabled = self.cache.enabled if spec.cache is None else spec.cache
+        return enabled and self.cache.max_bytes > 0
 
     @property
     def default_reference(self) -> str:

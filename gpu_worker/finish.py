@@ -27,24 +27,24 @@ from gpu_worker.staging import DeviceOutput
 log = logging.getLogger("gpu_worker")
 
 # KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5..]
-# job hashes; ARGV[1..4] JobStore.finish_names(), ARGV[5] frames to acknowledge (the oldest in hand), ARGV[6]
-# their bytes, ARGV[7] their model, ARGV[8] the count of counter field and value arguments, ARGV[9] the epoch
-# the batch was taken in ('' : unfenced), then the counters, then the jobs' (see FINISH_JOBS_LUA). Returns the
-# jobs ended, or -1 (nothing written) when the epoch is no longer the worker's.
-_WRITE_BATCH = jobs.FINISH_JOBS_LUA + """
-if ARGV[9] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[9] then
+# job hashes; ARGV[1..N] JobStore.finish_names() (N = jobs.FINISH_NAMES), then: frames to acknowledge (the
+# oldest in hand), their bytes, their model, the count of counter field and value arguments, the epoch the batch
+# was taken in ('' : unfenced), the counters, and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1
+# (nothing written) when the epoch is no longer the worker's.
+_WRITE_BATCH = jobs.FINISH_JOBS_LUA + f"local N = {jobs.FINISH_NAMES}\n" + """
+if ARGV[N + 5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[N + 5] then
   return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.liveness)
 end
 local names = finish_names(KEYS[1], 1)
-local acked, acked_bytes, model, counters = tonumber(ARGV[5]), ARGV[6], ARGV[7], tonumber(ARGV[8])
+local acked, acked_bytes, model, counters = tonumber(ARGV[N + 1]), ARGV[N + 2], ARGV[N + 3], tonumber(ARGV[N + 4])
 if acked > 0 then
   redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
   release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
 end
 if counters > 0 then
-  redis.call('HSET', KEYS[3], unpack(ARGV, 10, 9 + counters))
+  redis.call('HSET', KEYS[3], unpack(ARGV, N + 6, N + 5 + counters))
 end
-return finish_jobs(names, 5, 10 + counters)
+return finish_jobs(names, 5, N + 6 + counters)
 """
 
 

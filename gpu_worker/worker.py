@@ -43,6 +43,7 @@ import numpy as np
 import redis
 
 from contract import jobs
+from contract.cache import CacheLimits
 from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
 from contract.keys import Keys
 from contract.settings import Settings
@@ -86,7 +87,8 @@ class GpuWorker:
         self.device = devices[0]   # the device they share (its name, utilisation and first model for the heartbeat)
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        # The jobs it ends `succeeded` leave their results in the result cache (contract.cache).
+        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, cache=CacheLimits.of(settings, self.keys))
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()

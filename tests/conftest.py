@@ -149,6 +149,9 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any] | str | Non
     under their own namespace."""
     config = {"redis_url": redis_url, "namespace": namespace, **({"model": model} if model is not None else {}),
               "gpu_worker": {"heartbeat_ttl_s": 5},
+              # Off unless a test turns it on (tests/test_cache.py): the tests send the same few images again
+              # and again, and each must reach the CPU and GPU workers.
+              "cache": {"enabled": False},
               "callbacks": {"secret": CALLBACK_SECRET, "allow_hosts": ["127.0.0.1"], "backoff_base_s": 0.2,
                             "max_attempts": 3, "timeout_s": 2.0},
               **(extra or {})}

@@ -1,0 +1,229 @@
+"""The result cache (contract.cache): a repeated image is answered from the first one's result, within a byte
+budget, per API key, only for answers that stood. Against real Redis, and a real stack over HTTP."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+import requests
+
+from app import create_app
+from app.auth import hash_key
+from contract import jobs
+from contract.cache import ENTRY_OVERHEAD, CacheLimits, ResultCache, effective_options
+from contract.keys import Keys
+from contract.settings import CacheSettings, ModelSpec, Settings
+from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
+from tests.support import ApiServer, jpeg, wait_until
+
+MAX_BYTES = 4000   # about ten entries of the known-answer detector's one-box document
+
+SPEC = ModelSpec(name="box", version="1", labels=("content",))
+
+
+# --- the digest and the step that stores entries (real Redis, no stack) --------------------------------------
+
+def test_the_digest_covers_the_image_the_model_the_options_as_applied_and_the_key():
+    settings = Settings(model=SPEC, models=(SPEC, dataclasses.replace(SPEC, version="2")))
+    cache = ResultCache(redis.Redis(), Keys("unit"), settings)   # no command is sent here
+    image, other = jpeg(32, 32, seed=1), jpeg(32, 32, seed=2)
+    base = cache.digest(image, SPEC, {}, "team-a")
+    assert cache.digest(image, SPEC, {"conf": SPEC.conf, "max_det": SPEC.max_det}, "team-a") == base   # defaults
+    assert len({base, cache.digest(other, SPEC, {}, "team-a"), cache.digest(image, SPEC, {"conf": 0.3}, "team-a"),
+                cache.digest(image, SPEC, {}, "team-b"), cache.digest(image, settings.models[1], {}, "team-a"),
+                cache.digest(image, dataclasses.replace(SPEC, iou=0.5), {}, "team-a")}) == 6
+    shared = ResultCache(redis.Redis(), Keys("unit"),
+                         dataclasses.replace(settings, cache=CacheSettings(shared=True)))
+    assert shared.digest(image, SPEC, {}, "team-a") == shared.digest(image, SPEC, {}, "team-b")
+    assert effective_options(SPEC, {"iou": 0.6}) == (SPEC.conf, 0.6, SPEC.max_det)
+
+
+def _job(store: jobs.JobStore, job_id: str, digest: str, deadline_in_s: float = 60.0) -> None:
+    store.redis.hset(store.keys.job(job_id), mapping={"id": job_id, "status": jobs.RUNNING, "cache_key": digest,
+                                                        "deadline_at": time.time() + deadline_in_s})
+
+
+def test_only_an_answer_that_stood_is_stored_and_the_budget_evicts_the_least_recently_used(redis_client):
+    keys = Keys("cache-unit")
+    document = '{"detections":[],"image":{"width":8,"height":8}}'
+    budget = 3 * (ENTRY_OVERHEAD + len(document))                  # three entries
+    store = jobs.JobStore(redis_client, keys, ttl_s=60, cache=CacheLimits(keys.cache_prefix, budget))
+    for job_id, status, deadline_in_s in (("f", jobs.FAILED, 60), ("c", jobs.CANCELLED, 60), ("l", jobs.SUCCEEDED, -1)):
+        _job(store, job_id, "d-" + job_id, deadline_in_s)
+        store.finish(job_id, status, {"result": document} if status == jobs.SUCCEEDED else {"error": {"code": "x"}})
+        assert not redis_client.exists(keys.cache_entry("d-" + job_id)), status   # "l" ended late: expired
+    assert store.load("l")["status"] == jobs.EXPIRED
+    for i in range(5):
+        _job(store, f"s{i}", f"d{i}")
+        store.finish(f"s{i}", jobs.SUCCEEDED, {"result": document})
+        assert int(redis_client.get(keys.cache_bytes)) <= budget
+    assert [d.decode() for d in redis_client.zrange(keys.cache_lru, 0, -1)] == ["d2", "d3", "d4"]
+    assert not redis_client.exists(keys.cache_entry("d0"))
+    assert redis_client.get(keys.cache_entry("d4")) == document.encode()
+    assert sum(int(v) for v in redis_client.hvals(keys.cache_sizes)) == int(redis_client.get(keys.cache_bytes))
+    _job(store, "again", "d4")                                 # the same digest answered again: the first stays
+    store.finish("again", jobs.SUCCEEDED, {"result": '{"detections":[1]}'})
+    assert redis_client.get(keys.cache_entry("d4")) == document.encode()
+    assert int(redis_client.get(keys.cache_bytes)) == budget
+
+
+# --- a stack with the cache on ---------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cache_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("cache")
+    url = redis_server.url.rsplit("/", 1)[0] + "/10"
+    redis.Redis.from_url(url).flushdb()
+    base = content_box_spec(workdir, 64)
+    models = [{**base, "name": "box", "version": "1"}, {**base, "name": "box", "version": "2"}]
+    stack = start_stack(url, workdir, None, "cache", {"models": models, "routing": {"routes": {"box": "1"}},
+                                                      "cache": {"enabled": True, "max_bytes": MAX_BYTES}})
+    yield stack
+    stop_stack(stack)
+
+
+def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_stack):
+    image = jpeg(96, 80, seed=101)
+    first = cache_stack.wait_terminal(cache_stack.submit_ok(image))
+    assert first["status"] == "succeeded" and first["cache"] == "miss" and first["batch"]
+    accepted = cache_stack.submit(image)
+    assert accepted.status_code == 202 and accepted.json()["status"] == "succeeded"
+    assert accepted.json()["cache"] == "hit"
+    again = cache_stack.job(accepted.json()["id"])                  # over already: no wait
+    assert again["status"] == "succeeded" and again["cache"] == "hit" and again["result"] == first["result"]
+    assert again["batch"] is None and set(again["timings_ms"]) == {"receive", "total"}
+    default_conf = cache_stack.settings.models[0].conf
+    assert cache_stack.submit(image, conf=default_conf).json()["cache"] == "hit"   # the same threshold, as applied
+    assert cache_stack.submit(image, conf=0.3).json()["cache"] == "miss"          # another answer
+    assert cache_stack.submit(image, model="box:2").json()["cache"] == "miss"     # another version
+    opted_out = cache_stack.submit(image, cache="false").json()
+    assert opted_out["status"] == "queued" and "cache" not in opted_out
+    stats = cache_stack.session.get(cache_stack.url("/v1/stats"), timeout=10).json()["cache"]
+    assert stats["models"]["box:1"]["hits"] >= 2 and 0 < stats["models"]["box:1"]["hit_rate"] < 1
+    assert 0 < stats["bytes"] <= MAX_BYTES and stats["entries"] >= 1
+    metrics = cache_stack.session.get(cache_stack.url("/metrics"), timeout=10).text
+    assert 'imgserve_api_cache_lookups_total{model="box",result="hit",version="1"}' in metrics
+
+
+def test_a_hit_fires_its_callback_like_any_job(cache_stack):
+    from tests.test_callbacks import Receiver
+
+    image = jpeg(90, 70, seed=102)
+    cache_stack.wait_terminal(cache_stack.submit_ok(image))
+    receiver = Receiver()
+    try:
+        hit = cache_stack.submit(image, callback_url=receiver.url).json()
+        assert hit["cache"] == "hit"
+        wait_until(lambda: receiver.calls, 20, what="the hit's callback")
+    finally:
+        receiver.stop()
+    delivered = json.loads(receiver.calls[0]["body"])
+    assert delivered["id"] == hit["id"] and delivered["cache"] == "hit" and delivered["status"] == "succeeded"
+
+
+KEYS = ({"id": "team-a", "sha256": hash_key("key-a")}, {"id": "team-b", "sha256": hash_key("key-b")})
+
+
+def _keyed_api(stack: Stack, shared: bool) -> ApiServer:
+    auth = dataclasses.replace(stack.settings.auth, api_keys=KEYS)
+    cache = dataclasses.replace(stack.settings.cache, shared=shared)
+    return ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth, cache=cache)))
+
+
+def _submit(server: ApiServer, key: str, image: bytes, **params: str) -> dict:
+    response = requests.post(server.url + "/v1/jobs", data=image, params=params, timeout=30,
+                             headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {key}"})
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def _wait(server: ApiServer, key: str, job_id: str) -> dict:
+    return requests.get(f"{server.url}/v1/jobs/{job_id}", params={"wait": 20}, timeout=40,
+                        headers={"Authorization": f"Bearer {key}"}).json()
+
+
+def test_one_keys_entry_is_a_miss_for_another_unless_the_cache_is_shared(cache_stack):
+    per_key, shared = _keyed_api(cache_stack, shared=False), _keyed_api(cache_stack, shared=True)
+    try:
+        image = jpeg(100, 60, seed=103)
+        assert _wait(per_key, "key-a", _submit(per_key, "key-a", image)["id"])["status"] == "succeeded"
+        assert _submit(per_key, "key-a", image)["cache"] == "hit"
+        assert _submit(per_key, "key-b", image)["cache"] == "miss"        # team-b learns nothing of team-a's
+        other = jpeg(100, 60, seed=104)
+        assert _wait(shared, "key-a", _submit(shared, "key-a", other)["id"])["status"] == "succeeded"
+        assert _submit(shared, "key-b", other)["cache"] == "hit"          # shared on purpose
+    finally:
+        per_key.stop()
+        shared.stop()
+
+
+def test_a_draining_or_removed_versions_entries_are_not_served(cache_stack):
+    image = jpeg(80, 80, seed=105)
+    assert cache_stack.wait_terminal(cache_stack.submit_ok(image, model="box:2"))["status"] == "succeeded"
+    assert cache_stack.submit(image, model="box:2").json()["cache"] == "hit"
+    settings = cache_stack.settings
+    draining = dataclasses.replace(settings, routing=dataclasses.replace(settings.routing, draining=("box:2",)))
+    removed = dataclasses.replace(settings, models=settings.models[:1])
+    for changed in (draining, removed):
+        server = ApiServer(create_app(changed))
+        try:
+            pinned = requests.post(server.url + "/v1/jobs", data=image, params={"model": "box:2"}, timeout=30,
+                                   headers={"Content-Type": "image/jpeg"})
+            assert pinned.status_code == 404
+            by_name = requests.post(server.url + "/v1/jobs", data=image, params={"model": "box"}, timeout=30,
+                                    headers={"Content-Type": "image/jpeg"})
+            done = requests.get(f"{server.url}/v1/jobs/{by_name.json()['id']}", params={"wait": 20}, timeout=40).json()
+            assert done["status"] == "succeeded" and done["result"]["model"]["version"] == "1"   # never box:2's
+        finally:
+            server.stop()
+
+
+def test_a_failed_job_leaves_no_entry(cache_stack):
+    corrupt = jpeg(320, 240, seed=106)[:300] + os.urandom(500)
+    for _ in range(2):
+        job_id = cache_stack.submit_ok(corrupt)
+        done = cache_stack.wait_terminal(job_id)
+        assert done["status"] == "failed" and done["cache"] == "miss"
+        digest = cache_stack.redis.hget(cache_stack.keys.job(job_id), "cache_key").decode()
+        assert not cache_stack.redis.exists(cache_stack.keys.cache_entry(digest))
+
+
+def test_identical_requests_at_once_each_compute_and_leave_one_entry(cache_stack):
+    """Each computes (no request waits on another's job, whose deadline, key or cancellation are its own);
+    the first answer written is the entry, and both answers are the same."""
+    image = jpeg(120, 90, seed=107)
+    ids: list[str] = []
+    threads = [threading.Thread(target=lambda: ids.append(cache_stack.submit_ok(image))) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    docs = [cache_stack.wait_terminal(job_id) for job_id in ids]
+    assert [doc["cache"] for doc in docs] == ["miss", "miss"] and all(doc["batch"] for doc in docs)
+    assert docs[0]["result"] == docs[1]["result"]
+    digests = {cache_stack.redis.hget(cache_stack.keys.job(job_id), "cache_key") for job_id in ids}
+    assert len(digests) == 1 and cache_stack.redis.exists(cache_stack.keys.cache_entry(digests.pop().decode()))
+    assert cache_stack.submit(image).json()["cache"] == "hit"
+
+
+def test_a_flood_of_unique_images_keeps_the_cache_within_its_budget_and_every_job(cache_stack):
+    keys, client = cache_stack.keys, cache_stack.redis
+    ids = []
+    for i in range(40):
+        ids.append(cache_stack.submit_ok(jpeg(64, 48, seed=1000 + i)))
+        if i % 8 == 7:
+            cache_stack.wait_terminal(ids[-1])
+            assert int(client.get(keys.cache_bytes) or 0) <= MAX_BYTES
+    docs = [cache_stack.wait_terminal(job_id) for job_id in ids]
+    assert all(doc["status"] == "succeeded" for doc in docs)            # no job record gave way to the cache
+    charged = int(client.get(keys.cache_bytes))
+    assert charged <= MAX_BYTES and sum(int(v) for v in client.hvals(keys.cache_sizes)) == charged
+    assert client.zcard(keys.cache_lru) < 40
+    assert cache_stack.submit(jpeg(64, 48, seed=1039)).json()["cache"] == "hit"    # the newest stays
+    assert cache_stack.submit(jpeg(64, 48, seed=1000)).json()["cache"] == "miss"   # the oldest went
