@@ -30,7 +30,7 @@ from bench.corpus import load_corpus
 from bench.processes import REPO_ROOT
 from bench.profiles import parse_profile
 from bench.report import markdown
-from bench.runs import CpuScope, measure, meets_sla
+from bench.runs import CpuScope, hit_cost, measure, meets_sla
 from bench.stack import BaselineServer, LocalStack, ProcfileStack, StackOptions
 
 
@@ -50,8 +50,15 @@ def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace
               open_loop: bool = True, scope: CpuScope | None = CpuScope()) -> list[dict[str, Any]]:
     model = getattr(args, "model", None)
     upload = getattr(args, "upload", "raw")
-    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope, model=model, upload=upload)
-               for c in args.closed]
+    shares = getattr(args, "repeat_share", None) or [0.0]
+    results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope, model=model, upload=upload,
+                       repeat_share=share)
+               for c in args.closed for share in shares]
+    for result in results:   # each share's hit cost, against the same load without repeats
+        plain = next((r for r in results if r["concurrency"] == result["concurrency"] and not r["repeat_share"]), None)
+        if result["repeat_share"] and plain is not None:
+            result["cache_hit_cost"] = hit_cost(plain, result)
+            print(f"  repeats {result['repeat_share']:.0%}: {result['cache_hit_cost']}", file=sys.stderr)
     if open_loop:
         results += [measure(name, url, images, "open", q, args.open_duration, scope=scope, model=model,
                             upload=upload)
@@ -181,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--closed-duration", type=float, default=20.0)
     common.add_argument("--open-qps", type=parse_list(float), default=[18.0], help="open-loop rates")
     common.add_argument("--open-duration", type=float, default=60.0)
+    common.add_argument("--repeat-share", type=parse_list(float), default=[0.0],
+                        help="closed loops: the share of requests that repeat an earlier image (e.g. 0,0.5,0.9: "
+                             "each level at each share); the result cache answers repeats")
     common.add_argument("--upload", choices=load.UPLOADS, default="raw",
                         help="raw: the image as the body (Content-Type: image/jpeg); multipart: a form field "
                              "(curl -F)")

@@ -19,7 +19,7 @@ from typing import Any
 
 import requests
 
-from bench.load import TERMINAL, session_for
+from bench.load import TERMINAL, ImageStream, session_for
 from bench.stack import LocalStack, StackOptions
 
 
@@ -46,11 +46,12 @@ def run_chaos(options: StackOptions, images: list[bytes], qps: float, duration_s
 def _submit_steadily(url: str, images: list[bytes], qps: float, stop: threading.Event,
                      accepted: list[str], refused: Counter) -> None:
     session = session_for(8)
+    stream = ImageStream(images)   # every image new: the jobs are computed, not answered from the result cache
     interval, i = 1.0 / qps, 0
     next_at = time.monotonic()
     while not stop.is_set():
         try:
-            response = session.post(f"{url}/v1/jobs", data=images[i % len(images)],
+            response = session.post(f"{url}/v1/jobs", data=stream.next(i),
                                     headers={"Content-Type": "image/jpeg"}, timeout=10)
             if response.status_code == 202:
                 accepted.append(response.json()["id"])

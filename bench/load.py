@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ class Outcome:
     status: str                # a job status, or "rejected" / "error"
     reason: str | None = None  # why it did not succeed
     doc: dict[str, Any] | None = None
+    first_poll_s: float | None = None   # how long the first read of the job took
 
     @property
     def ok(self) -> bool:
@@ -37,6 +39,36 @@ class Outcome:
     @property
     def latency_s(self) -> float:
         return self.ended - self.started
+
+
+class ImageStream:
+    """Each request's image. By default every one is new: a corpus image with 16 bytes after its end (decoders
+    stop at the end marker; the result cache does not), so a run measures misses, not the cache. With
+    `repeat_share` P, a request sends, with probability P, one of the last `history` images sent (a retry, a
+    product photo checked again); the first of each is computed, the later ones may hit the result cache."""
+
+    def __init__(self, images: list[bytes], repeat_share: float = 0.0, seed: int = 0, history: int = 256) -> None:
+        if not images or not 0.0 <= repeat_share < 1.0:
+            raise ValueError("an ImageStream needs images and a repeat_share in [0, 1)")
+        self.images, self.repeat_share = images, repeat_share
+        self._rng = random.Random(seed)
+        self._run = random.getrandbits(64).to_bytes(8, "big")   # another run's images are not this run's repeats
+        self._sent: deque[bytes] = deque(maxlen=history)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def next(self, index: int) -> bytes:
+        with self._lock:
+            if self._sent and self._rng.random() < self.repeat_share:
+                return self._sent[self._rng.randrange(len(self._sent))]
+            self._count += 1
+            image = self.images[index % len(self.images)] + self._run + self._count.to_bytes(8, "big")
+            self._sent.append(image)
+            return image
+
+
+def as_stream(images: list[bytes] | ImageStream) -> ImageStream:
+    return images if isinstance(images, ImageStream) else ImageStream(images)
 
 
 def session_for(concurrency: int) -> requests.Session:
@@ -66,18 +98,22 @@ def request_once(session: requests.Session, url: str, image: bytes, give_up_s: f
         if response.status_code != 202:
             return Outcome(started, time.monotonic(), "rejected", f"http_{response.status_code}")
         job_url = f"{url}/v1/jobs/{response.json()['id']}"
+        first_poll_s = None
         while time.monotonic() - started < give_up_s:
+            polled = time.monotonic()
             doc = session.get(job_url, params={"wait": 10}, timeout=40).json()
+            if first_poll_s is None:
+                first_poll_s = time.monotonic() - polled
             if doc["status"] in TERMINAL:
-                return _outcome(started, doc)
+                return _outcome(started, doc, first_poll_s)
         return Outcome(started, time.monotonic(), "error", "gave_up")
     except requests.RequestException as exc:
         return Outcome(started, time.monotonic(), "error", type(exc).__name__)
 
 
-def _outcome(started: float, doc: dict[str, Any]) -> Outcome:
+def _outcome(started: float, doc: dict[str, Any], first_poll_s: float | None = None) -> Outcome:
     error = doc.get("error") or {}
-    return Outcome(started, time.monotonic(), doc["status"], error.get("code"), doc)
+    return Outcome(started, time.monotonic(), doc["status"], error.get("code"), doc, first_poll_s)
 
 
 def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float]:
@@ -90,17 +126,18 @@ def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float
     return arrivals
 
 
-def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed: int = 0,
+def open_loop(url: str, images: list[bytes] | ImageStream, qps: float, duration_s: float, seed: int = 0,
               max_in_flight: int = 512, tick: Callable[[], None] = lambda: None,
               model: str | None = None, upload: str = "raw") -> list[Outcome]:
     """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
     arrivals = poisson_arrivals(qps, duration_s, seed)
+    stream = as_stream(images)
     session = session_for(max_in_flight)
     outcomes: list[Outcome] = []
     lock = threading.Lock()
 
     def fire(index: int) -> None:
-        outcome = request_once(session, url, images[index % len(images)], model=model, upload=upload)
+        outcome = request_once(session, url, stream.next(index), model=model, upload=upload)
         with lock:
             outcomes.append(outcome)
         tick()
@@ -115,10 +152,11 @@ def open_loop(url: str, images: list[bytes], qps: float, duration_s: float, seed
     return outcomes
 
 
-def closed_loop(url: str, images: list[bytes], concurrency: int, duration_s: float,
+def closed_loop(url: str, images: list[bytes] | ImageStream, concurrency: int, duration_s: float,
                 tick: Callable[[], None] = lambda: None, model: str | None = None,
                 upload: str = "raw") -> list[Outcome]:
     """`concurrency` clients back to back for `duration_s`."""
+    stream = as_stream(images)
     session = session_for(concurrency)
     outcomes: list[Outcome] = []
     lock = threading.Lock()
@@ -127,7 +165,7 @@ def closed_loop(url: str, images: list[bytes], concurrency: int, duration_s: flo
     def client(offset: int) -> None:
         i = offset
         while time.monotonic() < stop_at:
-            outcome = request_once(session, url, images[i % len(images)], model=model, upload=upload)
+            outcome = request_once(session, url, stream.next(i), model=model, upload=upload)
             with lock:
                 outcomes.append(outcome)
             tick()

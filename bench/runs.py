@@ -12,6 +12,7 @@ from tqdm import tqdm
 from bench import cpu, load
 from bench.floor import against_floor, decode_floor_ms
 from bench.report import summarise
+from gpu_worker.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -27,22 +28,25 @@ class CpuScope:
 
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
             seed: int = 0, scope: CpuScope | None = CpuScope(), model: str | None = None,
-            upload: str = "raw") -> dict[str, Any]:
+            upload: str = "raw", repeat_share: float = 0.0) -> dict[str, Any]:
     """One run: closed loop at `level` clients, or open loop at `level` QPS (to `model` when given); with
     the CPU each role of the deployment spent per image, when its processes are on this machine, and that
-    against the decode floor measured right after the run on the same images (bench.floor)."""
+    against the decode floor measured right after the run on the same images (bench.floor). Each request's
+    image is new, or with probability `repeat_share` one sent before (load.ImageStream)."""
     label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
     label += f" model={model}" if model else ""
     label += " multipart" if upload == "multipart" else ""
+    label += f" repeats={repeat_share:.0%}" if repeat_share else ""
+    stream = load.ImageStream(images, repeat_share, seed)
     with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
         before = load.gpu_counters(url)
         cpu_before = scope.sample() if scope else None
         machine_before = cpu.cpu_times()
         if mode == "closed":
-            outcomes = load.closed_loop(url, images, int(level), duration_s, tick=progress.update, model=model,
+            outcomes = load.closed_loop(url, stream, int(level), duration_s, tick=progress.update, model=model,
                                         upload=upload)
         else:
-            outcomes = load.open_loop(url, images, level, duration_s, seed=seed, tick=progress.update, model=model,
+            outcomes = load.open_loop(url, stream, level, duration_s, seed=seed, tick=progress.update, model=model,
                                       upload=upload)
         cpu_after = scope.sample() if scope else None
         machine = cpu.cpu_shares(machine_before, cpu.cpu_times())
@@ -60,11 +64,31 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     if model:
         result["model"] = model
     result["upload"] = upload
+    result["repeat_share"] = repeat_share
+    hits = [o for o in outcomes if o.ok and (o.doc or {}).get("cache") == "hit"]
+    result["cache_hits"] = len(hits)
+    if hits:   # a hit's job is over when its 202 is sent: its first read answers at once
+        polls = sorted(o.first_poll_s * 1000.0 for o in hits if o.first_poll_s is not None)
+        result["cache_hit_first_poll_ms"] = {"p50": round(percentile(polls, 50), 2),
+                                             "p95": round(percentile(polls, 95), 2)}
     ratio = result.get("floor", {}).get("stack_over_floor")
     print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
           f"failed {sum(result['failures'].values())}" + (f", CPU {ratio:.2f}x the decode floor" if ratio else ""),
           file=sys.stderr)
     return result
+
+
+def hit_cost(without_repeats: dict, with_repeats: dict) -> dict[str, float] | None:
+    """What one result-cache hit costs the whole stack, from two runs at the same load, one without repeats
+    (every image a miss: m ms per image) and one with (a share h of hits, c ms per image): c = (1-h)m + h*hit."""
+    miss = (without_repeats.get("cpu_ms_per_image") or {}).get("stack")
+    mixed = (with_repeats.get("cpu_ms_per_image") or {}).get("stack")
+    share = with_repeats["cache_hits"] / with_repeats["succeeded"] if with_repeats.get("succeeded") else 0.0
+    if not miss or not mixed or share <= 0:
+        return None
+    hit = max(0.0, (mixed - (1.0 - share) * miss) / share)
+    return {"hit_share": round(share, 4), "miss_ms": round(miss, 3), "hit_ms": round(hit, 3),
+            "hit_over_miss": round(hit / miss, 4)}
 
 
 def meets_sla(result: dict, sla_ms: float) -> bool:
