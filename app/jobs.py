@@ -131,10 +131,16 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     cache = services.cache
     if options.cache is not False and cache.enabled_for(spec):
         digest = cache.digest(data, spec, fields["options"], g.get("client_id") or "")
-        cached = cache.lookup(digest, spec.key, time.time())
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT if cached else MISS).inc()
-        if cached is not None:
-            return _answer_from_cache(services, held, job_id, fields, cached)
+        now = time.time()
+        answered = {**fields, "submitted_at": now, "cache": HIT}
+        timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
+        hit = services.store.answer_from_cache(job_id, answered, digest, spec.key, held.size,
+                                               settings.cache.ttl_s, timings)
+        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT if hit else MISS).inc()
+        if hit:   # stored over already, its reserved bytes given back
+            held.size = 0
+            log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key})
+            return _accepted(job_id, spec, answered, jobs.SUCCEEDED)
         fields.update(cache=MISS, cache_key=digest)
     queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
     # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
@@ -145,19 +151,6 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                     "model": spec.key})
     return _accepted(job_id, spec, fields, jobs.QUEUED)
-
-
-def _answer_from_cache(services, held: Reservation, job_id: str, fields: dict,
-                       result: str) -> tuple[Response, int, dict[str, str]]:
-    """A hit: the job is stored over already, with the cached result, as any succeeded job (its callback
-    fires, its long-polls answer at once); its time bill has receive and total only."""
-    held.give_back(services)   # nothing of it waits in Redis
-    now = time.time()
-    fields = {**fields, "submitted_at": now, "cache": HIT}
-    timings = compute_time_bill({"received_at": fields["received_at"], "submitted_at": now, "finished_at": now})
-    services.store.create_answered(job_id, fields, {"result": result, "timings": timings})
-    log.info("job answered from the cache", extra={"job_id": job_id, "model": fields["model"]})
-    return _accepted(job_id, held.spec, fields, jobs.SUCCEEDED)
 
 
 def _accepted(job_id: str, spec, fields: dict, status: str) -> tuple[Response, int, dict[str, str]]:

@@ -2,12 +2,12 @@
 
 An entry is a succeeded job's result document, keyed by a digest of the image's bytes, the model version's
 spec (its file, size, layout, labels and default thresholds), the options that change the answer (conf, iou,
-max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing
-(`ResultCache.lookup`); the step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
-contract.jobs' FINISH_JOBS_LUA), so only answers that stood are cached: never a failure, an expiry, a
-cancellation or a late answer. Entries are charged their document's bytes plus ENTRY_OVERHEAD against
-cache.max_bytes; past it the least recently used go, in the same step, so the total never exceeds it and
-nothing but cache entries is ever evicted. docs/architecture.md has the why.
+max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing, and
+on a hit stores the job over already, in one step (contract.jobs' JobStore.answer_from_cache). The step that
+ends a job `succeeded` stores its entry (REMEMBER_LUA, inside FINISH_JOBS_LUA), so only answers that stood are
+cached: never a failure, an expiry, a cancellation or a late answer. Entries are charged their document's
+bytes plus ENTRY_OVERHEAD against cache.max_bytes; past it the least recently used go, in the same step, so
+the total never exceeds it and nothing but cache entries is ever evicted. docs/operations.md has the why.
 """
 from __future__ import annotations
 
@@ -95,22 +95,6 @@ local function remember(cache, key, succeeded)
 end
 """
 
-# KEYS[1] the entry, KEYS[2] the LRU set, KEYS[3] the stats hash; ARGV[1] the digest, ARGV[2] now, ARGV[3] the
-# TTL, ARGV[4] the model (name:version). The entry's document (its TTL and last use renewed), or nil; either way
-# the model's hit or miss counter goes up.
-_LOOKUP = """
-local document = redis.call('GET', KEYS[1])
-if document then
-  redis.call('EXPIRE', KEYS[1], ARGV[3])
-  redis.call('ZADD', KEYS[2], 'XX', ARGV[2], ARGV[1])
-  redis.call('HINCRBY', KEYS[3], ARGV[4] .. ':hits', 1)
-  return document
-end
-redis.call('HINCRBY', KEYS[3], ARGV[4] .. ':misses', 1)
-return false
-"""
-
-
 def spec_fingerprint(spec: ModelSpec) -> bytes:
     """What of a model version decides its answers, as bytes: every field of its spec (a changed default
     threshold, input size or file path is another fingerprint; new weights under the same path and version
@@ -125,12 +109,12 @@ def effective_options(spec: ModelSpec, options: Mapping[str, Any]) -> tuple[floa
 
 
 class ResultCache:
-    """The API's side of the cache: digests and lookups (the GPU worker's batch write stores the entries)."""
+    """The API's side of the cache: digests and figures. The lookup, and a hit's job stored over already, are one
+    step (contract.jobs' JobStore.answer_from_cache); the GPU worker's batch write stores the entries."""
 
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
         self.redis, self.keys, self.settings = client, keys, settings
         self._fingerprints = {spec.key: spec_fingerprint(spec) for spec in settings.models}
-        self._lookup = client.register_script(_LOOKUP)
 
     def enabled_for(self, spec: ModelSpec) -> bool:
         return self.settings.caches(spec)
@@ -145,12 +129,6 @@ class ResultCache:
         outer.update(f"\0{conf!r}\0{iou!r}\0{max_det}\0".encode())
         outer.update(("" if self.settings.cache.shared else scope).encode())
         return outer.hexdigest()
-
-    def lookup(self, digest: str, model_key: str, now: float) -> str | None:
-        """The cached result document (JSON text) for `digest`, or None; counts the hit or miss."""
-        document = self._lookup(keys=[self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats],
-                                args=[digest, repr(now), self.settings.cache.ttl_s, model_key])
-        return document.decode() if document else None
 
     def stats(self, model_keys: Sequence[str]) -> dict[str, Any]:
         """Hits, misses and the hit rate per model; entries and bytes charged in all, against the budget."""

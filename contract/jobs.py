@@ -107,6 +107,8 @@ PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
 # What a job answered after its deadline carries instead of its result (the answer came too late to stand).
 LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 
+FINISH_NAMES = 7   # how many arguments JobStore.finish_names() gives: scripts find theirs after them
+
 # A Lua function that ends each live job whose hash is in KEYS[first_key..], with its arguments from
 # ARGV[at..]: per job its id, the count of field and value arguments, the fields and values (the
 # first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
@@ -175,11 +177,35 @@ local function finish_jobs(names, first_key, at)
   return ended
 end
 """
-FINISH_NAMES = 7   # how many arguments JobStore.finish_names() gives: scripts find theirs after them
 
 # KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..FINISH_NAMES] JobStore.finish_names(), then the jobs'.
 _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {FINISH_NAMES + 1})\n"
 
+
+# A result-cache lookup (contract.cache) that, on a hit, stores the job over already, in one round trip: the
+# entry's TTL and last use renewed, the hit counted, the bytes reserved at admission given back, the record
+# written with the cached document as its result, then ended `succeeded` as any job is (finish_jobs: long-polls
+# woken, callback queued). On a miss only the miss is counted. KEYS[1] callback outbox, KEYS[2] the entry,
+# KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the job hash; ARGV[1..FINISH_NAMES] finish_names(), then
+# the digest, now, the cache TTL, the model, the bytes reserved, the count of record field and value arguments,
+# the record's, and the job's end (finish_arguments). Returns 1 on a hit, 0 on a miss.
+_ANSWER_FROM_CACHE = FINISH_JOBS_LUA + f"local N = {FINISH_NAMES}\n" + """
+local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
+local document = redis.call('GET', KEYS[2])
+if not document then
+  redis.call('HINCRBY', KEYS[4], model .. ':misses', 1)
+  return 0
+end
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('ZADD', KEYS[3], 'XX', now, digest)
+redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
+local names = finish_names(KEYS[1], 1)
+release_waiting(names.waiting, model, ARGV[N + 5])
+local count = tonumber(ARGV[N + 6])
+redis.call('HSET', KEYS[5], 'result', document, unpack(ARGV, N + 7, N + 6 + count))
+redis.call('EXPIRE', KEYS[5], names.ttl)
+return finish_jobs(names, 5, N + 7 + count)
+"""
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
 # there: the job is still in `preprocessing` with its upload (a redelivered task racing the first delivery
@@ -288,6 +314,7 @@ class JobStore:
         self._finish = client.register_script(_FINISH)
         self._claim = client.register_script(_CLAIM)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
+        self._answer = client.register_script(_ANSWER_FROM_CACHE)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
@@ -315,16 +342,17 @@ class JobStore:
             self._delete_quietly(self.keys.upload(job_id))   # no job holds it: it would wait for its TTL
             raise
 
-    def create_answered(self, job_id: str, fields: Mapping[str, Any], outcome: Mapping[str, Any]) -> None:
-        """Store a job that is over already (a result-cache hit): the record, then its end as any job's end (the
-        long-polls woken, its callback queued), in one transaction; no upload, no task.
-        `outcome`: the succeeded job's fields (its result, as JSON text or a mapping, and its timings)."""
-        record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **_encode(fields)}
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.hset(self.keys.job(job_id), mapping=record)
-        pipe.expire(self.keys.job(job_id), self.ttl_s)
-        self.finish_many([(job_id, SUCCEEDED, outcome)], client=pipe)
-        pipe.execute()
+    def answer_from_cache(self, job_id: str, fields: Mapping[str, Any], digest: str, model_key: str,
+                          reserved: int, cache_ttl_s: int, timings: Mapping[str, float]) -> bool:
+        """On a result-cache hit for `digest`, store the job over already, with the cached result and `timings`,
+        and end it as any job ends (long-polls, callback), giving back the `reserved` bytes: True. On a miss:
+        False, nothing stored. One round trip either way (_ANSWER_FROM_CACHE); no upload, no task."""
+        record = _flatten({"id": job_id, "status": QUEUED, **fields})
+        job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
+        keys = [self.keys.callback_outbox, self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats,
+                *job_keys]
+        return bool(self._answer(keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s,
+                                                  model_key, reserved, len(record), *record, *job_args]))
 
     def _write_upload(self, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the
