@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import json
 import logging
 import time
 from collections.abc import Collection
@@ -134,13 +135,15 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
         now = time.time()
         answered = {**fields, "submitted_at": now, "cache": HIT}
         timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
-        hit = services.store.answer_from_cache(job_id, answered, digest, spec.key, held.size,
-                                               settings.cache.ttl_s, timings)
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT if hit else MISS).inc()
-        if hit:   # stored over already, its reserved bytes given back
+        result = services.store.answer_from_cache(job_id, answered, digest, spec.key, held.size,
+                                                  settings.cache.ttl_s, timings)
+        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT if result else MISS).inc()
+        if result is not None:   # stored over already, its reserved bytes given back
             held.size = 0
             log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key})
-            return _accepted(job_id, spec, answered, jobs.SUCCEEDED)
+            # The answer itself in the 202: a client need not poll (it may: the job is there, succeeded).
+            answer = {"result": json.loads(result), "timings_ms": timings}
+            return _accepted(job_id, spec, answered, jobs.SUCCEEDED, answer)
         fields.update(cache=MISS, cache_key=digest)
     queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
     # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
@@ -153,13 +156,14 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     return _accepted(job_id, spec, fields, jobs.QUEUED)
 
 
-def _accepted(job_id: str, spec, fields: dict, status: str) -> tuple[Response, int, dict[str, str]]:
+def _accepted(job_id: str, spec, fields: dict, status: str,
+              answer: dict | None = None) -> tuple[Response, int, dict[str, str]]:
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
     body = JobAccepted.model_validate({"id": job_id, "status": status, "model": model_ref(spec.key),
                                        "links": {"self": location}, **({"cache": fields["cache"]}
                                                                         if "cache" in fields else {}),
-                                       "created_at": jobs.utc_iso(fields["received_at"])})
+                                       "created_at": jobs.utc_iso(fields["received_at"]), **(answer or {})})
     return jsonify(body.to_json()), 202, {"Location": location}
 
 

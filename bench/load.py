@@ -30,7 +30,6 @@ class Outcome:
     status: str                # a job status, or "rejected" / "error"
     reason: str | None = None  # why it did not succeed
     doc: dict[str, Any] | None = None
-    first_poll_s: float | None = None   # how long the first read of the job took
 
     @property
     def ok(self) -> bool:
@@ -97,23 +96,22 @@ def request_once(session: requests.Session, url: str, image: bytes, give_up_s: f
             return _outcome(started, response.json())
         if response.status_code != 202:
             return Outcome(started, time.monotonic(), "rejected", f"http_{response.status_code}")
-        job_url = f"{url}/v1/jobs/{response.json()['id']}"
-        first_poll_s = None
+        accepted = response.json()
+        if accepted["status"] in TERMINAL:   # a result-cache hit: the 202 carries the answer
+            return _outcome(started, accepted)
+        job_url = f"{url}/v1/jobs/{accepted['id']}"
         while time.monotonic() - started < give_up_s:
-            polled = time.monotonic()
             doc = session.get(job_url, params={"wait": 10}, timeout=40).json()
-            if first_poll_s is None:
-                first_poll_s = time.monotonic() - polled
             if doc["status"] in TERMINAL:
-                return _outcome(started, doc, first_poll_s)
+                return _outcome(started, doc)
         return Outcome(started, time.monotonic(), "error", "gave_up")
     except requests.RequestException as exc:
         return Outcome(started, time.monotonic(), "error", type(exc).__name__)
 
 
-def _outcome(started: float, doc: dict[str, Any], first_poll_s: float | None = None) -> Outcome:
+def _outcome(started: float, doc: dict[str, Any]) -> Outcome:
     error = doc.get("error") or {}
-    return Outcome(started, time.monotonic(), doc["status"], error.get("code"), doc, first_poll_s)
+    return Outcome(started, time.monotonic(), doc["status"], error.get("code"), doc)
 
 
 def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float]:

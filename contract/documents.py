@@ -169,6 +169,8 @@ class JobAccepted(Document):
     model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
     links: JobLinks
+    result: JobResult | None = Field(None, description="with cache: hit, the answer itself: no poll is needed")
+    timings_ms: TimeBill = Field(None, description="with cache: hit, the job's time bill")
 
 
 # --- a submission ------------------------------------------------------------------------------------

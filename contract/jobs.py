@@ -188,13 +188,13 @@ _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {F
 # woken, callback queued). On a miss only the miss is counted. KEYS[1] callback outbox, KEYS[2] the entry,
 # KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the job hash; ARGV[1..FINISH_NAMES] finish_names(), then
 # the digest, now, the cache TTL, the model, the bytes reserved, the count of record field and value arguments,
-# the record's, and the job's end (finish_arguments). Returns 1 on a hit, 0 on a miss.
+# the record's, and the job's end (finish_arguments). Returns the cached document on a hit, nil on a miss.
 _ANSWER_FROM_CACHE = FINISH_JOBS_LUA + f"local N = {FINISH_NAMES}\n" + """
 local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
 local document = redis.call('GET', KEYS[2])
 if not document then
   redis.call('HINCRBY', KEYS[4], model .. ':misses', 1)
-  return 0
+  return false
 end
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('ZADD', KEYS[3], 'XX', now, digest)
@@ -204,7 +204,8 @@ release_waiting(names.waiting, model, ARGV[N + 5])
 local count = tonumber(ARGV[N + 6])
 redis.call('HSET', KEYS[5], 'result', document, unpack(ARGV, N + 7, N + 6 + count))
 redis.call('EXPIRE', KEYS[5], names.ttl)
-return finish_jobs(names, 5, N + 7 + count)
+finish_jobs(names, 5, N + 7 + count)
+return document
 """
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
@@ -343,16 +344,17 @@ class JobStore:
             raise
 
     def answer_from_cache(self, job_id: str, fields: Mapping[str, Any], digest: str, model_key: str,
-                          reserved: int, cache_ttl_s: int, timings: Mapping[str, float]) -> bool:
+                          reserved: int, cache_ttl_s: int, timings: Mapping[str, float]) -> str | None:
         """On a result-cache hit for `digest`, store the job over already, with the cached result and `timings`,
-        and end it as any job ends (long-polls, callback), giving back the `reserved` bytes: True. On a miss:
-        False, nothing stored. One round trip either way (_ANSWER_FROM_CACHE); no upload, no task."""
+        and end it as any job ends (long-polls, callback), giving back the `reserved` bytes: the result document
+        (JSON text). On a miss: None, nothing stored. One round trip either way (_ANSWER_FROM_CACHE)."""
         record = _flatten({"id": job_id, "status": QUEUED, **fields})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
         keys = [self.keys.callback_outbox, self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats,
                 *job_keys]
-        return bool(self._answer(keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s,
-                                                  model_key, reserved, len(record), *record, *job_args]))
+        document = self._answer(keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s,
+                                                 model_key, reserved, len(record), *record, *job_args])
+        return document.decode() if document else None
 
     def _write_upload(self, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the

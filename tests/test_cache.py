@@ -94,7 +94,8 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert first["status"] == "succeeded" and first["cache"] == "miss" and first["batch"]
     accepted = cache_stack.submit(image)
     assert accepted.status_code == 202 and accepted.json()["status"] == "succeeded"
-    assert accepted.json()["cache"] == "hit"
+    assert accepted.json()["cache"] == "hit" and accepted.json()["result"] == first["result"]   # no poll needed
+    assert set(accepted.json()["timings_ms"]) == {"receive", "total"}
     again = cache_stack.job(accepted.json()["id"])                  # over already: no wait
     assert again["status"] == "succeeded" and again["cache"] == "hit" and again["result"] == first["result"]
     assert again["batch"] is None and set(again["timings_ms"]) == {"receive", "total"}

@@ -51,7 +51,9 @@ class Client:
         response = self.session.post(f"{self.base_url}/v1/jobs", data=data, params=params,
                                      headers={"Content-Type": content_type}, timeout=self.timeout_s)
         job = _json_or_raise(response)
-        return self.wait(job["id"], wait_timeout_s) if wait else job
+        if not wait or job["status"] in TERMINAL:   # over already (a result-cache hit: the 202 has its result)
+            return job
+        return self.wait(job["id"], wait_timeout_s)
 
     def status(self, job_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         params = {"wait": wait_s} if wait_s else None
