@@ -24,7 +24,6 @@ from gpu_worker.devices import TorchDevice
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import load_model
 from tests.support import REPO_ROOT, HostReads
-from training.export_program import export_shapes
 
 CUDA = torch.cuda.is_available()
 DEVICES = [pytest.param("cpu"),
@@ -247,26 +246,3 @@ def test_speed_options_keep_the_answers(device, option):
     for one, other in zip(expected, found):
         one, other = one[one[:, 4] > 0.5], other[other[:, 4] > 0.5]
         assert len(one) == len(other) and np.allclose(one[:, :4], other[:, :4], atol=tolerance)
-
-
-ACCELERATED = [pytest.param("cuda", "cuda_graphs", marks=needs_cuda), pytest.param("cuda", "compile", marks=needs_cuda),
-               pytest.param("cpu", "compile", marks=pytest.mark.slow)]   # torch.compile on this CPU: ~60 s
-
-
-@pytest.mark.parametrize("device, accelerate", ACCELERATED)
-def test_an_accelerated_forward_gives_the_eager_answers(device, accelerate, tmp_path):
-    """Batches whose size changes each time (a CUDA graph's static output is overwritten by the next
-    replay of its size), staged in one thread while the device runs in another."""
-    sizes = [8, 1, 3, 8, 2, 1, 5, 8]
-    batches = [scene_frames(size, seed=i) for i, size in enumerate(sizes)]
-    spec, _ = export_shapes(tmp_path)
-    eager = device_for(device, spec)
-    expected = [eager.run(eager.stage(frames)).detections for frames in batches]
-    fast = device_for(device, ModelSpec(**{**spec.__dict__, "accelerate": accelerate}))
-    assert len(list(fast.warm_up(8))) == 16
-    found = run_overlapped(fast, batches)
-    assert [len(rows) for rows in found] == [len(rows) for rows in expected]
-    assert sum(len(rows) for rows in found) > 0
-    for one, other in zip(expected, found):
-        assert np.array_equal(one[:, [0, 6]], other[:, [0, 6]])            # image, class
-        assert np.allclose(one[:, 1:6], other[:, 1:6], atol=1e-2)         # boxes, scores
