@@ -115,12 +115,12 @@ class Finisher:
                 documents = documents_from_rows(per_image, batch.running, self.spec)
                 outcomes = self._outcomes(batch, output, documents, readback_ms)
         with self.clock("write"):
-            self.retry(lambda: self._write(batch, outcomes))
+            written = self.retry(lambda: self._write(batch, outcomes))
         self.recent.record_batch(batch.taken)
         if self.model_recent is not None:
             self.model_recent.record_batch(batch.taken)
         metrics.observe_batch(self.model_labels, batch.taken, len(batch.running), batch.closed_at - batch.opened_at)
-        if outcomes:
+        if outcomes and written:   # a fenced write answered nothing: its jobs are another worker's now
             log.info("batch answered", extra={"batch": f"{self.worker_id}:{batch.seq}", "size": len(batch.running),
                                               "job_ids": [job_id for job_id, _, _ in outcomes]})
 
@@ -165,7 +165,8 @@ class Finisher:
         pipe.execute()
         log.warning("gave back %d frames", batch.taken)
 
-    def _write(self, batch: InHand, outcomes: list[Outcome]) -> None:
+    def _write(self, batch: InHand, outcomes: list[Outcome]) -> bool:
+        """The batch's one write; False when the worker's epoch was gone (nothing written)."""
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         job_keys, job_args = self.store.finish_arguments(outcomes)
         written = self._write_batch(
@@ -176,6 +177,8 @@ class Finisher:
         if written == -1:
             log.warning("batch %d not written: this worker was presumed dead and its frames given to others",
                         batch.seq, extra={"batch": f"{self.worker_id}:{batch.seq}"})
+            return False
+        return True
 
     def _counters(self, taken: int) -> dict[str, float]:
         """Running totals including the batch being written, and the host time by stage."""
