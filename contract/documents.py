@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from typing_extensions import TypedDict
 
+from contract.cache import CacheVerdict
 from contract.jobs import STATUSES, utc_iso
 from contract.settings import MODEL_NAME_PATTERN
 from contract.timebill import STAGE_DESCRIPTIONS
@@ -124,7 +125,7 @@ class JobDocument(Document):
     timings_ms: TimeBill
     batch: BatchInfo | None = Field(description="the GPU batch that answered the job")
     callback: CallbackState | None = Field(None, description="present when the job has a callback_url")
-    cache: Literal["hit", "miss"] | None = Field(
+    cache: CacheVerdict | None = Field(
         None, description="hit: answered from the result cache (no CPU or GPU stage ran: timings_ms has receive "
                           "and total only, and there is no batch); miss: looked up, computed, and cached if it "
                           "succeeds; absent: the cache was off for it")
@@ -165,7 +166,7 @@ class JobAccepted(Document):
     id: str
     status: Literal["queued", "succeeded"] = Field(description="succeeded: answered from the result cache "
                                                                "(`cache` is hit); poll it as any job")
-    cache: Literal["hit", "miss"] | None = Field(None, description="as the job document's")
+    cache: CacheVerdict | None = Field(None, description="as the job document's")
     model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
     links: JobLinks
