@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import redis
+from blake3 import blake3
 
 from contract.keys import Keys
 from contract.settings import ModelSpec, Settings
@@ -25,7 +26,7 @@ from contract.settings import ModelSpec, Settings
 ENTRY_OVERHEAD = 200
 HIT, MISS = "hit", "miss"
 CacheVerdict = Literal["hit", "miss"]
-_VERSION = b"imgserve-result-cache-1\0"   # bump when what a digest covers changes: old entries then miss
+_VERSION = b"imgserve-result-cache-2\0"   # bump when what a digest covers changes: old entries then miss
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,12 @@ class ResultCache:
         return self.settings.caches(spec)
 
     def digest(self, image: bytes | memoryview, spec: ModelSpec, options: Mapping[str, Any], scope: str) -> str:
-        """SHA-256 of the image (twice BLAKE2b's speed on CPUs with SHA extensions: ~0.5 ms for 0.8 MB here)
-        with the model's fingerprint, the options as applied and the scope (the API key id, "" if shared)."""
+        """BLAKE3 of the image (one thread, SIMD: 0.19 ms for 0.8 MB here, against SHA-256's 0.45 with SHA
+        extensions and BLAKE2b's 1.0) with the model's fingerprint, the options as applied and the scope (the API
+        key id, "" if shared)."""
         conf, iou, max_det = effective_options(spec, options)
-        outer = hashlib.sha256(_VERSION)
-        outer.update(hashlib.sha256(image).digest())
+        outer = blake3(_VERSION)
+        outer.update(blake3(image).digest())
         outer.update(self._fingerprints.get(spec.key) or spec_fingerprint(spec))
         outer.update(f"\0{conf!r}\0{iou!r}\0{max_det}\0".encode())
         outer.update(("" if self.settings.cache.shared else scope).encode())
