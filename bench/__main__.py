@@ -121,14 +121,16 @@ def cmd_ceiling(args: argparse.Namespace, images: list[bytes]) -> dict:
 
 def cmd_ab(args: argparse.Namespace, images: list[bytes]) -> int:
     from bench.ab import markdown as ab_markdown
-    from bench.ab import run_ab, worktree
+    from bench.ab import run_ab, setting_overlay, worktree
 
-    sides = {f"A {args.base}": worktree(args.base), "B " + (args.head or "this checkout"):
-             Path(args.head).resolve() if args.head else REPO_ROOT}
+    a_name = " ".join([f"A {args.base}", *args.base_set])
+    b_name = " ".join(["B " + (args.head or "this checkout"), *args.head_set])
+    sides = {a_name: worktree(args.base), b_name: Path(args.head).resolve() if args.head else REPO_ROOT}
     options = stack_options(args, cpu_workers=args.cpu_workers)
     concurrency, duration = args.closed[0], args.closed_duration
+    settings = {a_name: setting_overlay(args.base_set), b_name: setting_overlay(args.head_set)}
     outcome = run_ab(sides, options, images, concurrency, duration, args.rounds, upload=args.upload,
-                     log=lambda line: print(f"  {line}", file=sys.stderr))
+                     log=lambda line: print(f"  {line}", file=sys.stderr), settings=settings)
     text = ab_markdown(outcome, sides, options, concurrency, duration)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -219,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--base", required=True, help="the git ref measured as A (checked out under .bench/ab/)")
     ab.add_argument("--head", help="the checkout measured as B (default: this one)")
     ab.add_argument("--rounds", type=int, default=3, help="runs of each side")
+    ab.add_argument("--base-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a setting of A's own (repeatable), e.g. cache.enabled=false with --base HEAD")
+    ab.add_argument("--head-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a setting of B's own (repeatable)")
     sub.add_parser("compare", parents=[common, local], help="baseline vs pipeline, started here")
     ceiling = sub.add_parser("ceiling", parents=[common, local], help="highest rate within the SLA")
     ceiling.add_argument("--qps", type=parse_list(float), default=[24.0, 26.0, 28.0, 30.0])

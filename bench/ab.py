@@ -3,6 +3,8 @@
     python -m bench ab --base HEAD~1 --closed 32 --closed-duration 30 --profile fast --rounds 3
 
 The base is a git ref checked out (once) as a worktree under .bench/ab/; the other side is this checkout.
+`--base-set` / `--head-set SECTION.KEY=VALUE` give one side settings of its own: with `--base HEAD`, one
+build with a feature off against the same build with it on.
 Runs alternate A B, B A, A B... so that a drift of this shared machine's speed falls on both sides alike;
 each side's figures are the median of its runs. Every run is `measure` on a fresh ProcfileStack, with the
 CPU per image of every role and the decode floor measured right after it.
@@ -16,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from bench.load import closed_loop
 from bench.processes import REPO_ROOT
@@ -48,15 +52,32 @@ def worktree(ref: str, parent: Path = REPO_ROOT / ".bench" / "ab") -> Path:
     return path
 
 
+def setting_overlay(assignments: list[str]) -> dict[str, Any]:
+    """`SECTION.KEY=VALUE` strings (the value read as YAML: false, 20, [a, b]) as a config overlay by section:
+    one build measured with a setting and without (`--base HEAD --base-set cache.enabled=false`)."""
+    overlay: dict[str, Any] = {}
+    for assignment in assignments:
+        name, equals, value = assignment.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not equals or not dot or not section or not key:
+            raise ValueError(f"{assignment!r}: give SECTION.KEY=VALUE, e.g. cache.enabled=false")
+        overlay.setdefault(section, {})[key] = yaml.safe_load(value)
+    return overlay
+
+
 def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], concurrency: int, duration_s: float,
-           rounds: int, upload: str = "raw", log: Callable[[str], None] = lambda line: None) -> dict[str, Any]:
-    """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}."""
+           rounds: int, upload: str = "raw", log: Callable[[str], None] = lambda line: None,
+           settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
+    `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`."""
     names = list(sides)
+    side_options = {name: replace(options, root=path, extra=_laid_over(options.extra, (settings or {}).get(name, {})))
+                    for name, path in sides.items()}
     runs: list[dict[str, Any]] = []
     for i in range(rounds):
         for name in (names if i % 2 == 0 else names[::-1]):
             stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{names.index(name)}-")),
-                                  replace(options, root=sides[name])).start()
+                                  side_options[name]).start()
             try:
                 closed_loop(stack.url, images, concurrency, WARM_UP_S, upload=upload)
                 result = measure(name, stack.url, images, "closed", concurrency, duration_s,
@@ -70,6 +91,14 @@ def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], c
     summary = {name: {label: _median([pick(r) for r in runs if r["name"] == name]) for label, pick in FIGURES}
                for name in names}
     return {"runs": runs, "summary": summary}
+
+
+def _laid_over(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for section, value in overlay.items():
+        both = isinstance(value, dict) and isinstance(merged.get(section), dict)
+        merged[section] = {**merged[section], **value} if both else value
+    return merged
 
 
 def _median(values: list[Any]) -> float | None:

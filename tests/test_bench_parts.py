@@ -215,3 +215,16 @@ def test_stack_options_lay_extra_sections_over_their_own_and_set_the_sim_profile
     assert config["gpu_worker"] == {"device": "sim", "sim_latency_ms": {1: 2.0, 8: 6.0}, "max_attempts": 5}
     assert config["jobs"] == {"ttl_s": 60} and config["batching"]["max_batch_size"] == 8
     assert "sim_ms=1:2,8:6" in options.describe()
+
+
+def test_an_ab_sides_own_settings_are_read_as_yaml_by_section_and_a_malformed_one_is_refused():
+    from bench.ab import _laid_over, setting_overlay
+
+    overlay = setting_overlay(["cache.enabled=false", "batching.window_ms=8", "cache.max_bytes=1024"])
+    assert overlay == {"cache": {"enabled": False, "max_bytes": 1024}, "batching": {"window_ms": 8}}
+    base = {"batching": {"max_batch_size": 8}, "celery": {"events_flush_ms": 50}}
+    assert _laid_over(base, overlay) == {"batching": {"max_batch_size": 8, "window_ms": 8}, "celery": base["celery"],
+                                         "cache": overlay["cache"]}
+    for malformed in ("cache.enabled", "enabled=false", ".enabled=false", "cache.=1"):
+        with pytest.raises(ValueError):
+            setting_overlay([malformed])
