@@ -189,6 +189,18 @@ def input_size(url: str, model: str | None = None, default: int = 320) -> int:
     return int((chosen or listed or [{}])[0].get("input_size", default))
 
 
+def first_polls(url: str, job_ids: list[str], limit: int = 200) -> list[float]:
+    """Milliseconds of one plain read (`GET /v1/jobs/<id>`, no wait) of each job, one after another, as this
+    client saw them over loopback: for result-cache hits, their first poll (an upper bound of the API's time)."""
+    session = session_for(1)
+    taken = []
+    for job_id in job_ids[:limit]:
+        started = time.perf_counter()
+        session.get(f"{url}/v1/jobs/{job_id}", timeout=10).raise_for_status()
+        taken.append((time.perf_counter() - started) * 1000.0)
+    return taken
+
+
 def gpu_counters(url: str) -> dict[str, float] | None:
     """Device seconds and wall time now, to turn into a busy % over a run."""
     try:

@@ -94,6 +94,19 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
                      f"{floor['decode_floor_ms']:.2f}", f"{_fmt(floor.get('stack_over_floor'))}x",
                      _fmt(floor.get("cores_per_1000_images_s")), _fmt(floor.get("images_s_per_redis_core"))]
             lines.append(f"| {_run_label(r)} | " + " | ".join(cells) + " |")
+    with_repeats = [r for r in results if r.get("repeat_share")]
+    if with_repeats:
+        lines += ["", "### The result cache (`--repeat-share`: a hit's cost derived against the same load without "
+                      "repeats; its answer and first poll as this client saw them, loopback included)", "",
+                  "| run | repeats | hits | hit CPU ms | hit / miss | hit's 202 p50 / p95 ms | "
+                  "first poll p50 / p95 ms |", "|---|---|---|---|---|---|---|"]
+        for r in with_repeats:
+            cost, answer, poll = r.get("cache_hit_cost") or {}, r.get("cache_hit_ms") or {}, r.get("cache_hit_poll_ms") or {}
+            cells = [f"{r['repeat_share']:.0%}", f"{r.get('cache_hits', 0)} of {r.get('succeeded', 0)}",
+                     _fmt(cost.get("hit_ms")), _fmt(cost.get("hit_over_miss")),
+                     f"{_fmt(answer.get('p50'))} / {_fmt(answer.get('p95'))}",
+                     f"{_fmt(poll.get('p50'))} / {_fmt(poll.get('p95'))}"]
+            lines.append(f"| {_run_label(r)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
