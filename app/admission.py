@@ -101,6 +101,14 @@ class ServedTenants:
 
 def admit(services: Any, spec: ModelSpec, size: int) -> int:
     """Reserve `size` bytes for a new job of `spec`'s, or refuse with a problem; the bytes reserved."""
+    request = admission_request(services, spec, size)
+    settle(services, spec, request, services.waiting.admit(*request))
+    return size
+
+
+def admission_request(services: Any, spec: ModelSpec, size: int) -> budget.AdmissionRequest:
+    """What a new job of `spec`'s asks of the budgets, for this request's API key; a 503 at once while Redis is
+    past `store_full_ratio` of its memory."""
     settings = services.settings
     pressure = settings.backpressure
     if services.memory.share() >= pressure.store_full_ratio:
@@ -113,10 +121,18 @@ def admit(services: Any, spec: ModelSpec, size: int) -> int:
     g.queue_tenant = tenant   # where app.jobs queues the job, as counted here
     limit = settings.max_backlog(spec)
     share = max(1, int(limit * settings.auth.max_backlog_share)) if tenant else limit
-    verdict = services.waiting.admit(spec.key, size, limit, settings.max_waiting_bytes(spec),
-                                     pressure.max_total_waiting_bytes, tenant, settings.tenants, share)
+    return budget.AdmissionRequest(spec.key, size, limit, settings.max_waiting_bytes(spec),
+                                   pressure.max_total_waiting_bytes, tenant, settings.tenants, share)
+
+
+def settle(services: Any, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.Admission) -> None:
+    """Nothing when `verdict` admitted the job; else the problem that says which limit refused it."""
+    settings = services.settings
+    pressure = settings.backpressure
+    size = request.size
+    share = request.max_tenant_backlog or request.max_backlog
     if verdict.verdict == budget.ADMITTED:
-        return size
+        return
     if verdict.verdict == budget.OVER_TENANT_BACKLOG:
         retry = _retry_after(services, spec, (verdict.backlog - share + 1) / max(1, verdict.backlog))
         raise Problem(429, "overloaded", "Too many requests",

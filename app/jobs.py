@@ -12,7 +12,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from werkzeug.datastructures import MultiDict
 
 from app import metrics
-from app.admission import admit
+from app.admission import admission_request, admit, settle
 from app.auth import owns
 from app.multipart import parse_form
 from app.openapi import image_body
@@ -72,7 +72,13 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     if declared is not None and ("model" in request.args or request.mimetype != "multipart/form-data"):
         # The model and the size are known before the body is read: an unknown model or a full backlog or
         # budget costs no upload. The bytes reserved are the body's; the job's own are given back below.
-        held.take(services, _routed_model(services, request.args.get("model")), declared)
+        # Where the result cache may answer, admission waits for the body: it is one step with the lookup,
+        # and a hit needs none.
+        spec = _routed_model(services, request.args.get("model"))
+        if services.cache.enabled_for(spec):
+            held.spec = spec
+        else:
+            held.take(services, spec, declared)
     try:
         return _accept(services, held)
     except BaseException:
@@ -81,13 +87,16 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 
 
 class Reservation:
-    """The bytes a submission reserved (app.admission) until its job is stored with them."""
+    """The model a submission was routed to, and the bytes it reserved (app.admission) until its job is stored
+    with them."""
     spec: ModelSpec | None = None
     size: int = 0
+    admitted: bool = False
 
     def take(self, services, spec: ModelSpec, size: int) -> None:
-        self.size = admit(services, spec, size)
         self.spec = spec
+        self.size = admit(services, spec, size)
+        self.admitted = True
 
     def give_back(self, services) -> None:
         if self.spec is None or not self.size:
@@ -106,10 +115,12 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
-    if held.spec is None:   # named in the multipart form, or a body of unknown length: admitted now, as it is
-        held.take(services, _routed_model(services, options.model), len(data))
+    if held.spec is None:   # named in the multipart form, or a body of unknown length: routed now
+        held.spec = _routed_model(services, options.model)
     spec = held.spec
-    assert spec is not None
+    cached = options.cache is not False and services.cache.enabled_for(spec)
+    if not held.admitted and not cached:   # admitted now, as it is (with the cache, by the lookup's step)
+        held.take(services, spec, len(data))
     model_deadline_ms = settings.default_deadline_ms(spec)
     if options.deadline_ms and options.deadline_ms > model_deadline_ms:
         reason = f"at most {model_deadline_ms} ms for model {spec.key}"
@@ -129,21 +140,22 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
         **({"owner": g.client_id} if g.get("client_id") else {}),
         **({"callback_url": callback_url} if callback_url else {}),
     }
-    cache = services.cache
-    if options.cache is not False and cache.enabled_for(spec):
-        digest = cache.digest(data, spec, fields["options"], g.get("client_id") or "")
+    if cached:   # the lookup and, on a miss, the admission: one step
+        digest = services.cache.digest(data, spec, fields["options"], g.get("client_id") or "")
         now = time.time()
         answered = {**fields, "submitted_at": now, "cache": HIT}
         timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
-        result = services.store.answer_from_cache(job_id, answered, digest, spec.key, held.size,
-                                                  settings.cache.ttl_s, timings)
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT if result else MISS).inc()
-        if result is not None:   # stored over already, its reserved bytes given back
-            held.size = 0
+        admission = admission_request(services, spec, len(data))
+        outcome = services.store.answer_or_admit(job_id, answered, digest, settings.cache.ttl_s, timings, admission)
+        if isinstance(outcome, str):   # a hit, stored over already
+            metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
             log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key})
             # The answer itself in the 202: a client need not poll (it may: the job is there, succeeded).
-            answer = {"result": json.loads(result), "timings_ms": timings}
+            answer = {"result": json.loads(outcome), "timings_ms": timings}
             return _accepted(job_id, spec, answered, jobs.SUCCEEDED, answer)
+        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
+        settle(services, spec, admission, outcome)   # refused: the problem says by which limit
+        held.size, held.admitted = len(data), True
         fields.update(cache=MISS, cache_key=digest)
     queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
     # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.

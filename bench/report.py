@@ -101,7 +101,8 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
                   "| run | repeats | hits | hit CPU ms | hit / miss | hit's 202 p50 / p95 ms | "
                   "first poll p50 / p95 ms |", "|---|---|---|---|---|---|---|"]
         for r in with_repeats:
-            cost, answer, poll = r.get("cache_hit_cost") or {}, r.get("cache_hit_ms") or {}, r.get("cache_hit_poll_ms") or {}
+            cost, answer = r.get("cache_hit_cost") or {}, r.get("cache_hit_ms") or {}
+            poll = r.get("cache_hit_poll_ms") or {}
             cells = [f"{r['repeat_share']:.0%}", f"{r.get('cache_hits', 0)} of {r.get('succeeded', 0)}",
                      _fmt(cost.get("hit_ms")), _fmt(cost.get("hit_over_miss")),
                      f"{_fmt(answer.get('p50'))} / {_fmt(answer.get('p95'))}",

@@ -33,27 +33,34 @@ local function release_waiting(waiting, model, bytes)
 end
 """
 
-# KEYS[1] the model's frame list, KEYS[2] the waiting-bytes hash, KEYS[3] the tenant's own CPU queue, KEYS[4..]
-# the model's other CPU queues; ARGV[1] the model, ARGV[2] the bytes to reserve, ARGV[3] its backlog limit
-# (jobs), ARGV[4] its byte budget, ARGV[5] the total's, ARGV[6] how many jobs the tenant may have waiting in
-# its own queue. Returns {verdict, backlog, model bytes, all bytes} (after the reservation when admitted).
-_ADMIT = f"""
-local own = redis.call('LLEN', KEYS[3])
-local backlog = redis.call('LLEN', KEYS[1]) + own
-for i = 4, #KEYS do backlog = backlog + redis.call('LLEN', KEYS[i]) end
-local model_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[2], ARGV[1]) or '0'))
-local all_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[2], '{ALL}') or '0'))
-local size = tonumber(ARGV[2])
-if own >= tonumber(ARGV[6]) then return {{'tenant_backlog', own, model_bytes, all_bytes}} end
-if backlog >= tonumber(ARGV[3]) then return {{'backlog', backlog, model_bytes, all_bytes}} end
-if model_bytes + size > tonumber(ARGV[4]) then return {{'model_bytes', backlog, model_bytes, all_bytes}} end
-if all_bytes + size > tonumber(ARGV[5]) then return {{'all_bytes', backlog, model_bytes, all_bytes}} end
-if size > 0 then
-  redis.call('HINCRBY', KEYS[2], ARGV[1], size)
-  redis.call('HINCRBY', KEYS[2], '{ALL}', size)
+# A Lua function: admit(k, last, a). KEYS[k] the model's frame list, KEYS[k + 1] the waiting-bytes hash,
+# KEYS[k + 2] the tenant's own CPU queue, KEYS[k + 3..last] the model's other CPU queues; ARGV[a] the model,
+# ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
+# ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
+# {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_KEYS and
+# ADMISSION_ARGS are its count of fixed keys and of arguments: another script (the result cache's lookup,
+# contract.jobs) calls it on its own offsets.
+ADMIT_LUA = f"""
+local function admit(k, last, a)
+  local own = redis.call('LLEN', KEYS[k + 2])
+  local backlog = redis.call('LLEN', KEYS[k]) + own
+  for i = k + 3, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
+  local model_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0'))
+  local all_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], '{ALL}') or '0'))
+  local size = tonumber(ARGV[a + 1])
+  if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes}} end
+  if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes}} end
+  if model_bytes + size > tonumber(ARGV[a + 3]) then return {{'model_bytes', backlog, model_bytes, all_bytes}} end
+  if all_bytes + size > tonumber(ARGV[a + 4]) then return {{'all_bytes', backlog, model_bytes, all_bytes}} end
+  if size > 0 then
+    redis.call('HINCRBY', KEYS[k + 1], ARGV[a], size)
+    redis.call('HINCRBY', KEYS[k + 1], '{ALL}', size)
+  end
+  return {{'admitted', backlog, model_bytes + size, all_bytes + size}}
 end
-return {{'admitted', backlog, model_bytes + size, all_bytes + size}}
 """
+ADMISSION_ARGS = 6
+_ADMIT = ADMIT_LUA + "return admit(1, #KEYS, 1)\n"
 _RELEASE = RELEASE_LUA + "release_waiting(KEYS[1], ARGV[1], ARGV[2])\n"
 
 ADMITTED, OVER_BACKLOG, OVER_MODEL_BYTES, OVER_ALL_BYTES = "admitted", "backlog", "model_bytes", "all_bytes"
@@ -66,6 +73,23 @@ class Admission(NamedTuple):
                           # (its CPU queue) when that refused it
     model_bytes: int      # bytes the model has waiting in Redis
     all_bytes: int        # bytes every model has waiting
+
+    @classmethod
+    def of(cls, reply: Any) -> Admission:
+        """ADMIT_LUA's reply."""
+        return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]))
+
+
+class AdmissionRequest(NamedTuple):
+    """What a new job asks of the budgets: a model's `size` bytes for `tenant` within these limits."""
+    model_key: str
+    size: int
+    max_backlog: int
+    max_model_bytes: int
+    max_all_bytes: int
+    tenant: str = ""
+    tenants: Sequence[str] = ("",)
+    max_tenant_backlog: int | None = None
 
 
 class WaitingBytes:
@@ -81,13 +105,20 @@ class WaitingBytes:
               tenant: str = "", tenants: Sequence[str] = ("",), max_tenant_backlog: int | None = None) -> Admission:
         """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it and
         both budgets allow it, in one step."""
-        own = self.keys.celery_queue(self.keys.preprocess_queue(model_key, tenant))
-        others = [self.keys.celery_queue(queue) for queue in self.keys.preprocess_queues(model_key, tenants)]
-        reply: Any = self._admit(keys=[self.keys.frames(model_key), self.keys.waiting_bytes, own,
-                                       *[queue for queue in others if queue != own]],
-                                 args=[model_key, size, max_backlog, max_model_bytes, max_all_bytes,
-                                       max_backlog if max_tenant_backlog is None else max_tenant_backlog])
-        return Admission(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]))
+        keys, args = self.admission_arguments(AdmissionRequest(model_key, size, max_backlog, max_model_bytes,
+                                                               max_all_bytes, tenant, tenants, max_tenant_backlog))
+        return Admission.of(self._admit(keys=keys, args=args))
+
+    def admission_arguments(self, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
+        """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: four or more)."""
+        own = self.keys.celery_queue(self.keys.preprocess_queue(request.model_key, request.tenant))
+        others = [self.keys.celery_queue(queue)
+                  for queue in self.keys.preprocess_queues(request.model_key, request.tenants)]
+        keys = [self.keys.frames(request.model_key), self.keys.waiting_bytes, own,
+                *[queue for queue in others if queue != own]]
+        tenant_backlog = request.max_backlog if request.max_tenant_backlog is None else request.max_tenant_backlog
+        return keys, [request.model_key, request.size, request.max_backlog, request.max_model_bytes,
+                      request.max_all_bytes, tenant_backlog]
 
     def release(self, model_key: str, size: int, client: Any = None) -> None:
         """Give back bytes reserved for a job that was not stored after all (in a pipeline: with it)."""

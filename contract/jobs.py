@@ -189,23 +189,25 @@ _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {F
 # KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the job hash; ARGV[1..FINISH_NAMES] finish_names(), then
 # the digest, now, the cache TTL, the model, the bytes reserved, the count of record field and value arguments,
 # the record's, and the job's end (finish_arguments). Returns the cached document on a hit, nil on a miss.
-_ANSWER_FROM_CACHE = FINISH_JOBS_LUA + f"local N = {FINISH_NAMES}\n" + """
+_ANSWER_OR_ADMIT = FINISH_JOBS_LUA + budget.ADMIT_LUA + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n" + """
 local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
+local admission_keys = tonumber(ARGV[N + 5])
+local job = 5 + admission_keys
 local document = redis.call('GET', KEYS[2])
 if not document then
   redis.call('HINCRBY', KEYS[4], model .. ':misses', 1)
-  return false
+  return admit(5, job - 1, N + 6)
 end
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('ZADD', KEYS[3], 'XX', now, digest)
 redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
 local names = finish_names(KEYS[1], 1)
-release_waiting(names.waiting, model, ARGV[N + 5])
-local count = tonumber(ARGV[N + 6])
-redis.call('HSET', KEYS[5], 'result', document, unpack(ARGV, N + 7, N + 6 + count))
-redis.call('EXPIRE', KEYS[5], names.ttl)
-finish_jobs(names, 5, N + 7 + count)
-return document
+local at = N + 6 + A
+local count = tonumber(ARGV[at])
+redis.call('HSET', KEYS[job], 'result', document, unpack(ARGV, at + 1, at + count))
+redis.call('EXPIRE', KEYS[job], names.ttl)
+finish_jobs(names, job, at + 1 + count)
+return {'hit', document}
 """
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
@@ -315,7 +317,8 @@ class JobStore:
         self._finish = client.register_script(_FINISH)
         self._claim = client.register_script(_CLAIM)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
-        self._answer = client.register_script(_ANSWER_FROM_CACHE)
+        self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
+        self.waiting = budget.WaitingBytes(client, keys)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
@@ -343,18 +346,23 @@ class JobStore:
             self._delete_quietly(self.keys.upload(job_id))   # no job holds it: it would wait for its TTL
             raise
 
-    def answer_from_cache(self, job_id: str, fields: Mapping[str, Any], digest: str, model_key: str,
-                          reserved: int, cache_ttl_s: int, timings: Mapping[str, float]) -> str | None:
-        """On a result-cache hit for `digest`, store the job over already, with the cached result and `timings`,
-        and end it as any job ends (long-polls, callback), giving back the `reserved` bytes: the result document
-        (JSON text). On a miss: None, nothing stored. One round trip either way (_ANSWER_FROM_CACHE)."""
+    def answer_or_admit(self, job_id: str, fields: Mapping[str, Any], digest: str, cache_ttl_s: int,
+                        timings: Mapping[str, float], admission: budget.AdmissionRequest) -> str | budget.Admission:
+        """One step for a job the result cache may answer. On a hit for `digest`: the job stored over already,
+        with the cached result and `timings`, ended as any job ends (long-polls, callback); the result
+        document (JSON text). On a miss: the budgets' verdict on `admission` (its bytes reserved when
+        admitted), nothing stored. A hit needs no admission: it adds nothing to wait. See _ANSWER_OR_ADMIT."""
         record = _flatten({"id": job_id, "status": QUEUED, **fields})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
+        admission_keys, admission_args = self.waiting.admission_arguments(admission)
         keys = [self.keys.callback_outbox, self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats,
-                *job_keys]
-        document = self._answer(keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s,
-                                                 model_key, reserved, len(record), *record, *job_args])
-        return document.decode() if document else None
+                *admission_keys, *job_keys]
+        reply: Any = self._answer_or_admit(
+            keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s, admission.model_key,
+                             len(admission_keys), *admission_args, len(record), *record, *job_args])
+        if reply[0] == b"hit":
+            return bytes(reply[1]).decode()
+        return budget.Admission.of(reply)
 
     def _write_upload(self, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the

@@ -87,7 +87,8 @@ def test_report_counts_batches_once_and_busy_from_counters():
     assert result["gpu_busy"] == 0.25 and result["failures"] == {"rejected:http_429": 1}
     text = markdown([result])
     assert "simulated accelerator" in text and "| p | open |" in text and "result cache" not in text
-    repeated = {**result, "repeat_share": 0.9, "cache_hits": 2, "cache_hit_cost": {"hit_ms": 3.75, "hit_over_miss": 0.15},
+    repeated = {**result, "repeat_share": 0.9, "cache_hits": 2,
+                "cache_hit_cost": {"hit_ms": 3.75, "hit_over_miss": 0.15},
                 "cache_hit_ms": {"p50": 8.0, "p95": 12.0}, "cache_hit_poll_ms": {"p50": 1.5, "p95": 2.5, "polls": 2}}
     assert "| 90% | 2 of 3 | 3.75 | 0.15 | 8.00 / 12.00 | 1.50 / 2.50 |" in markdown([result, repeated])
 

@@ -15,7 +15,7 @@ import requests
 
 from app import create_app
 from app.auth import hash_key
-from contract import jobs
+from contract import budget, jobs
 from contract.cache import ENTRY_OVERHEAD, CacheLimits, ResultCache, effective_options
 from contract.keys import Keys
 from contract.settings import CacheSettings, ModelSpec, Settings
@@ -73,6 +73,28 @@ def test_only_an_answer_that_stood_is_stored_and_the_budget_evicts_the_least_rec
     assert int(redis_client.get(keys.cache_bytes)) == budget
 
 
+def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(redis_client):
+    keys = Keys("cache-admit")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    document = '{"detections":[],"image":{"width":8,"height":8}}'
+    redis_client.set(keys.cache_entry("known"), document)
+    redis_client.zadd(keys.cache_lru, {"known": 1.0})
+    full = budget.AdmissionRequest("box:1", 700, max_backlog=0, max_model_bytes=10**6, max_all_bytes=10**6,
+                                   max_tenant_backlog=10)
+    fields = {"model": "box:1", "received_at": time.time(), "deadline_at": time.time() + 30, "bytes": 700}
+    timings = {"receive": 0.1, "total": 0.2}
+    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == document   # a full backlog: served
+    assert store.load("h")["status"] == jobs.SUCCEEDED and store.load("h")["result"] == json.loads(document)
+    refused = store.answer_or_admit("m", fields, "unknown", 60, timings, full)
+    assert refused == (budget.OVER_BACKLOG, 0, 0, 0) and store.load("m") is None
+    assert budget.WaitingBytes(redis_client, keys).waiting() == {}                  # nothing reserved either way
+    admitted = store.answer_or_admit("m", fields, "unknown", 60, timings, full._replace(max_backlog=10))
+    assert admitted.verdict == budget.ADMITTED and store.load("m") is None          # the API stores it next
+    assert budget.WaitingBytes(redis_client, keys).waiting() == {"box:1": 700, budget.ALL: 700}
+    counts = redis_client.hgetall(keys.cache_stats)
+    assert counts == {b"box:1:hits": b"1", b"box:1:misses": b"2"}
+
+
 # --- a stack with the cache on ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -110,6 +132,32 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert 0 < stats["bytes"] <= MAX_BYTES and stats["entries"] >= 1
     metrics = cache_stack.session.get(cache_stack.url("/metrics"), timeout=10).text
     assert 'imgserve_api_cache_lookups_total{model="box",result="hit",version="1"}' in metrics
+
+
+def test_over_a_full_backlog_a_miss_is_refused_and_a_hit_still_answered(cache_stack):
+    """Over HTTP, an API of its own namespace whose jobs nobody takes: one job fills its backlog."""
+    settings = dataclasses.replace(cache_stack.settings, namespace="cache-full",
+                                   backpressure=dataclasses.replace(cache_stack.settings.backpressure, max_backlog=1))
+    server = ApiServer(create_app(settings))
+    try:
+        def submit(image: bytes) -> requests.Response:
+            return requests.post(server.url + "/v1/jobs", data=image, timeout=30,
+                                 headers={"Content-Type": "image/jpeg"})
+
+        waiting = submit(jpeg(64, 64, seed=111))
+        assert waiting.status_code == 202 and waiting.json()["status"] == "queued"
+        refused = submit(jpeg(64, 64, seed=112))
+        assert refused.status_code == 429 and refused.headers["Content-Type"] == "application/problem+json"
+        known = jpeg(64, 64, seed=113)
+        spec = settings.models[0]
+        digest = ResultCache(cache_stack.redis, Keys("cache-full"), settings).digest(known, spec, {}, "")
+        answer = {"detections": [], "image": {"width": 64, "height": 64}, "model": {"name": "box", "version": "1"}}
+        cache_stack.redis.set(Keys("cache-full").cache_entry(digest), json.dumps(answer))
+        hit = submit(known)
+        assert hit.status_code == 202, hit.text
+        assert hit.json()["cache"] == "hit" and hit.json()["result"] == answer
+    finally:
+        server.stop()
 
 
 def test_a_hit_fires_its_callback_like_any_job(cache_stack):
