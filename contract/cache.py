@@ -2,12 +2,13 @@
 
 An entry is a succeeded job's result document, keyed by a digest of the image's bytes, the model version's
 spec (its file, size, layout, labels and default thresholds), the options that change the answer (conf, iou,
-max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing, and
-on a hit stores the job over already, in one step (contract.jobs' JobStore.answer_from_cache). The step that
-ends a job `succeeded` stores its entry (REMEMBER_LUA, inside FINISH_JOBS_LUA), so only answers that stood are
-cached: never a failure, an expiry, a cancellation or a late answer. Entries are charged their document's
-bytes plus ENTRY_OVERHEAD against cache.max_bytes; past it the least recently used go, in the same step, so
-the total never exceeds it and nothing but cache entries is ever evicted. docs/operations.md has the why.
+max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing, in
+one step that on a hit stores the job over already and on a miss admits it (contract.jobs'
+JobStore.answer_or_admit). The step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
+FINISH_JOBS_LUA), so only answers that stood are cached: never a failure, an expiry, a cancellation or a
+late answer. Entries are charged their document's bytes plus ENTRY_OVERHEAD against cache.max_bytes; past
+it the least recently used go, in the same step, so the total never exceeds it and nothing but cache entries
+is ever evicted. docs/operations.md has the why.
 """
 from __future__ import annotations
 
@@ -110,8 +111,9 @@ def effective_options(spec: ModelSpec, options: Mapping[str, Any]) -> tuple[floa
 
 
 class ResultCache:
-    """The API's side of the cache: digests and figures. The lookup, and a hit's job stored over already, are one
-    step (contract.jobs' JobStore.answer_from_cache); the GPU worker's batch write stores the entries."""
+    """The API's side of the cache: digests and figures. The lookup, a hit's job stored over already and a miss's
+    admission are one step (contract.jobs' JobStore.answer_or_admit); the GPU worker's batch write stores the
+    entries."""
 
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
         self.redis, self.keys, self.settings = client, keys, settings
