@@ -64,6 +64,7 @@ class Liveness:
         # life) may have served others.
         self.model_keys = [spec.key for spec in settings.models]
         self.tenants = settings.tenants
+        self.cache_max_bytes = settings.cache.max_bytes
         self.redis = client
         self.keys = keys
         self.worker_id = worker_id
@@ -126,9 +127,20 @@ class Liveness:
                     for queue_name, depth in depths.items():
                         metrics.QUEUE_DEPTH.labels(queue_name, name, version).set(depth)
                 metrics.GPU_BUSY.set(self.busy_fraction())
+                self.export_cache_size()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             stopping.wait(self.ttl_s / 3.0)
+
+    def export_cache_size(self) -> None:
+        """The result cache's entries and charged bytes, for Prometheus (one round trip)."""
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zcard(self.keys.cache_lru)
+        pipe.get(self.keys.cache_bytes)
+        entries, charged = pipe.execute()
+        metrics.CACHE_ENTRIES.set(int(entries))
+        metrics.CACHE_BYTES.set(int(charged or 0))
+        metrics.CACHE_MAX_BYTES.set(self.cache_max_bytes)
 
     def beat(self) -> None:
         """Publish that this worker lives (unless its loop has stalled), if its epoch is still there."""

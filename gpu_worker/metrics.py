@@ -17,6 +17,11 @@ FRAMES_INFERRED = Counter("imgserve_gpu_frames_inferred_total", "Frames that rea
 GPU_BUSY = Gauge("imgserve_gpu_busy_ratio", "Fraction of wall time the device was busy (sliding window)")
 QUEUE_DEPTH = Gauge("imgserve_queue_depth", "Jobs waiting: a model's preprocess queue and its GPU frame list",
                     ["queue", *MODEL_LABELS])
+# The result cache's size, deployment-wide, as Redis holds it (read with the heartbeat); hits and misses are the
+# API's counter (imgserve_api_cache_lookups_total).
+CACHE_ENTRIES = Gauge("imgserve_cache_entries", "Result-cache entries held")
+CACHE_BYTES = Gauge("imgserve_cache_bytes", "Bytes charged to the result cache's entries (within cache.max_bytes)")
+CACHE_MAX_BYTES = Gauge("imgserve_cache_max_bytes", "The result cache's budget (cache.max_bytes)")
 STAGE_SECONDS = Histogram("imgserve_stage_seconds", "Time-bill stages of answered jobs", ["stage", *MODEL_LABELS],
                           buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.8, 1.2, 2, 5, 10))
 FRAMES_EXPIRED = Counter("imgserve_gpu_frames_expired_total", "Frames dropped because their deadline passed",

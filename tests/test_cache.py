@@ -95,6 +95,26 @@ def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(
     assert counts == {b"box:1:hits": b"1", b"box:1:misses": b"2"}
 
 
+def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client):
+    from prometheus_client import REGISTRY
+
+    from contract.heartbeat import Heartbeat
+    from gpu_worker.liveness import Liveness
+
+    keys = Keys("cache-gauges")
+    settings = Settings(model=SPEC, models=(SPEC,), cache=CacheSettings(max_bytes=5000))
+    store = jobs.JobStore(redis_client, keys, ttl_s=60, cache=CacheLimits.of(settings, keys))
+    for i in range(3):
+        _job(store, f"g{i}", f"gd{i}")
+        store.finish(f"g{i}", jobs.SUCCEEDED, {"result": '{"detections":[]}'})
+    liveness = Liveness(settings, redis_client, keys, "w", lambda: Heartbeat.__new__(Heartbeat), time.monotonic,
+                        lambda: 0.0)
+    liveness.export_cache_size()
+    assert REGISTRY.get_sample_value("imgserve_cache_entries") == 3
+    assert REGISTRY.get_sample_value("imgserve_cache_bytes") == 3 * (ENTRY_OVERHEAD + len('{"detections":[]}'))
+    assert REGISTRY.get_sample_value("imgserve_cache_max_bytes") == 5000
+
+
 # --- a stack with the cache on ---------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
