@@ -94,7 +94,26 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     raw["model"] = raw["models"][0]   # replaced by the routed default once routing is read
     settings: Settings = _build(Settings, raw)
     _check_secrets(settings)
+    for problem in key_share_problems(settings):
+        warnings.warn(problem, UserWarning, stacklevel=2)
     return settings
+
+
+def key_share_problems(settings: Settings) -> list[str]:
+    """Models whose backlog one API key can fill alone: its share (auth.max_backlog_share of max_backlog, in its
+    own CPU queue) and the frame list it can fill behind it (max_frames) reach max_backlog, so another key's
+    jobs are refused while it floods, which the share is there to prevent. Only with API keys configured."""
+    if not settings.auth.api_keys:
+        return []
+    problems = []
+    for spec in settings.models:
+        limit = settings.max_backlog(spec)
+        share = max(1, int(limit * settings.auth.max_backlog_share))
+        if share + settings.max_frames(spec) >= limit:
+            problems.append(f"model {spec.key}: one API key's share of the backlog ({share}) and the frame list "
+                            f"({settings.max_frames(spec)}) reach max_backlog ({limit}): a key's flood can refuse "
+                            "every other key's jobs; raise max_backlog or lower auth.max_backlog_share or max_frames")
+    return problems
 
 
 def load_model_specs(entries: Any, base_dir: Path) -> tuple[ModelSpec, ...]:

@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 from hypothesis import given
@@ -408,3 +409,15 @@ def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
     assert store.enqueue_frame("d" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"queued"]
     assert store.load("d" * 32)["status"] == jobs.FAILED
+
+
+def test_a_key_share_that_with_the_frame_list_fills_a_models_backlog_is_warned_of(tmp_path):
+    config = tmp_path / "keys.yaml"
+    config.write_text("auth:\n  api_keys:\n    - {id: team-a, sha256: " + "0" * 64 + "}\n"
+                      "backpressure: {max_backlog: 100, max_frames: 64}\n")
+    with pytest.warns(UserWarning, match=r"one API key's share of the backlog \(50\) and the frame list \(64\)"):
+        load_settings(config)
+    config.write_text(config.read_text().replace("max_backlog: 100", "max_backlog: 160"))   # 80 + 64 < 160
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_settings(config)
