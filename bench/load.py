@@ -189,16 +189,36 @@ def input_size(url: str, model: str | None = None, default: int = 320) -> int:
     return int((chosen or listed or [{}])[0].get("input_size", default))
 
 
-def first_polls(url: str, job_ids: list[str], limit: int = 200) -> list[float]:
-    """Milliseconds of one plain read (`GET /v1/jobs/<id>`, no wait) of each job, one after another, as this
-    client saw them over loopback: for result-cache hits, their first poll (an upper bound of the API's time)."""
+def first_polls(url: str, job_ids: list[str], limit: int = 200) -> tuple[list[float], list[float]]:
+    """One plain read (`GET /v1/jobs/<id>`, no wait) of each job, one after another: milliseconds as this client
+    saw them over loopback, and as the API says it took (its `Server-Timing: app;dur=`; none from an API that
+    does not say). For result-cache hits: their first poll."""
     session = session_for(1)
-    taken = []
+    seen, at_api = [], []
     for job_id in job_ids[:limit]:
         started = time.perf_counter()
-        session.get(f"{url}/v1/jobs/{job_id}", timeout=10).raise_for_status()
-        taken.append((time.perf_counter() - started) * 1000.0)
-    return taken
+        response = session.get(f"{url}/v1/jobs/{job_id}", timeout=10)
+        seen.append((time.perf_counter() - started) * 1000.0)
+        response.raise_for_status()
+        if (api_ms := server_timing_ms(response.headers.get("Server-Timing", ""))) is not None:
+            at_api.append(api_ms)
+    return seen, at_api
+
+
+def server_timing_ms(header: str, metric: str = "app") -> float | None:
+    """The `dur` of `metric` in a Server-Timing header (`app;dur=1.23`), or None."""
+    for entry in header.split(","):
+        name, *params = (part.strip() for part in entry.split(";"))
+        if name != metric:
+            continue
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur":
+                try:
+                    return float(value.strip().strip('"'))
+                except ValueError:
+                    return None
+    return None
 
 
 def gpu_counters(url: str) -> dict[str, float] | None:

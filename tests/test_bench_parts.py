@@ -89,8 +89,18 @@ def test_report_counts_batches_once_and_busy_from_counters():
     assert "simulated accelerator" in text and "| p | open |" in text and "result cache" not in text
     repeated = {**result, "repeat_share": 0.9, "cache_hits": 2,
                 "cache_hit_cost": {"hit_ms": 3.75, "hit_over_miss": 0.15},
-                "cache_hit_ms": {"p50": 8.0, "p95": 12.0}, "cache_hit_poll_ms": {"p50": 1.5, "p95": 2.5, "polls": 2}}
-    assert "| 90% | 2 of 3 | 3.75 | 0.15 | 8.00 / 12.00 | 1.50 / 2.50 |" in markdown([result, repeated])
+                "cache_hit_ms": {"p50": 8.0, "p95": 12.0}, "cache_hit_poll_ms": {"p50": 1.5, "p95": 2.5, "polls": 2},
+                "cache_hit_poll_api_ms": {"p50": 0.5, "p95": 0.9, "polls": 2}}
+    assert "| 90% | 2 of 3 | 3.75 | 0.15 | 8.00 / 12.00 | 1.50 / 2.50 | 0.50 / 0.90 |" in markdown([result, repeated])
+
+
+def test_the_apis_own_time_is_read_from_server_timing():
+    from bench.load import server_timing_ms
+
+    assert server_timing_ms("app;dur=1.23") == 1.23
+    assert server_timing_ms('db;dur=4, app;desc="api";dur="0.5"') == 0.5
+    assert server_timing_ms("db;dur=4") is None and server_timing_ms("") is None
+    assert server_timing_ms("app;dur=soon") is None
 
 
 def run(concurrency: int, qps: float, p95: float, busy: float) -> dict:

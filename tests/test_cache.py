@@ -138,6 +138,8 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert accepted.status_code == 202 and accepted.json()["status"] == "succeeded"
     assert accepted.json()["cache"] == "hit" and accepted.json()["result"] == first["result"]   # no poll needed
     assert set(accepted.json()["timings_ms"]) == {"receive", "total"}
+    poll = cache_stack.session.get(cache_stack.url(f"/v1/jobs/{accepted.json()['id']}"), timeout=10)
+    assert float(poll.headers["Server-Timing"].removeprefix("app;dur=")) < 1000   # the API's own time, in ms
     again = cache_stack.job(accepted.json()["id"])                  # over already: no wait
     assert again["status"] == "succeeded" and again["cache"] == "hit" and again["result"] == first["result"]
     assert again["batch"] is None and set(again["timings_ms"]) == {"receive", "total"}
