@@ -95,8 +95,11 @@ class Reservation:
 
     def take(self, services, spec: ModelSpec, size: int) -> None:
         self.spec = spec
-        self.size = admit(services, spec, size)
-        self.admitted = True
+        self.hold(admit(services, spec, size))
+
+    def hold(self, size: int) -> None:
+        """`size` bytes reserved for it (by app.admission's step, or by the cache lookup's)."""
+        self.size, self.admitted = size, True
 
     def give_back(self, services) -> None:
         if self.spec is None or not self.size:
@@ -155,7 +158,7 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
             return _accepted(job_id, spec, answered, jobs.SUCCEEDED, answer)
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
         settle(services, spec, admission, outcome)   # refused: the problem says by which limit
-        held.size, held.admitted = len(data), True
+        held.hold(len(data))
         fields.update(cache=MISS, cache_key=digest)
     queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
     # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.

@@ -37,9 +37,9 @@ end
 # KEYS[k + 2] the tenant's own CPU queue, KEYS[k + 3..last] the model's other CPU queues; ARGV[a] the model,
 # ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
 # ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
-# {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_KEYS and
-# ADMISSION_ARGS are its count of fixed keys and of arguments: another script (the result cache's lookup,
-# contract.jobs) calls it on its own offsets.
+# {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_ARGS is its count
+# of arguments: another script (the result cache's lookup, contract.jobs) calls it on its own offsets, with
+# admission_arguments()'s keys and arguments.
 ADMIT_LUA = f"""
 local function admit(k, last, a)
   local own = redis.call('LLEN', KEYS[k + 2])
@@ -92,6 +92,16 @@ class AdmissionRequest(NamedTuple):
     max_tenant_backlog: int | None = None
 
 
+def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
+    """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: four or more)."""
+    own = keys.celery_queue(keys.preprocess_queue(request.model_key, request.tenant))
+    others = [keys.celery_queue(queue) for queue in keys.preprocess_queues(request.model_key, request.tenants)]
+    names = [keys.frames(request.model_key), keys.waiting_bytes, own, *[queue for queue in others if queue != own]]
+    tenant_backlog = request.max_backlog if request.max_tenant_backlog is None else request.max_tenant_backlog
+    return names, [request.model_key, request.size, request.max_backlog, request.max_model_bytes,
+                   request.max_all_bytes, tenant_backlog]
+
+
 class WaitingBytes:
     """The budgets' counters in one Redis."""
 
@@ -105,20 +115,10 @@ class WaitingBytes:
               tenant: str = "", tenants: Sequence[str] = ("",), max_tenant_backlog: int | None = None) -> Admission:
         """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it and
         both budgets allow it, in one step."""
-        keys, args = self.admission_arguments(AdmissionRequest(model_key, size, max_backlog, max_model_bytes,
-                                                               max_all_bytes, tenant, tenants, max_tenant_backlog))
+        keys, args = admission_arguments(self.keys, AdmissionRequest(model_key, size, max_backlog, max_model_bytes,
+                                                                     max_all_bytes, tenant, tenants,
+                                                                     max_tenant_backlog))
         return Admission.of(self._admit(keys=keys, args=args))
-
-    def admission_arguments(self, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
-        """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: four or more)."""
-        own = self.keys.celery_queue(self.keys.preprocess_queue(request.model_key, request.tenant))
-        others = [self.keys.celery_queue(queue)
-                  for queue in self.keys.preprocess_queues(request.model_key, request.tenants)]
-        keys = [self.keys.frames(request.model_key), self.keys.waiting_bytes, own,
-                *[queue for queue in others if queue != own]]
-        tenant_backlog = request.max_backlog if request.max_tenant_backlog is None else request.max_tenant_backlog
-        return keys, [request.model_key, request.size, request.max_backlog, request.max_model_bytes,
-                      request.max_all_bytes, tenant_backlog]
 
     def release(self, model_key: str, size: int, client: Any = None) -> None:
         """Give back bytes reserved for a job that was not stored after all (in a pipeline: with it)."""

@@ -182,13 +182,14 @@ end
 _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {FINISH_NAMES + 1})\n"
 
 
-# A result-cache lookup (contract.cache) that, on a hit, stores the job over already, in one round trip: the
-# entry's TTL and last use renewed, the hit counted, the bytes reserved at admission given back, the record
-# written with the cached document as its result, then ended `succeeded` as any job is (finish_jobs: long-polls
-# woken, callback queued). On a miss only the miss is counted. KEYS[1] callback outbox, KEYS[2] the entry,
-# KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the job hash; ARGV[1..FINISH_NAMES] finish_names(), then
-# the digest, now, the cache TTL, the model, the bytes reserved, the count of record field and value arguments,
-# the record's, and the job's end (finish_arguments). Returns the cached document on a hit, nil on a miss.
+# A result-cache lookup (contract.cache) and, on a miss, the job's admission (contract.budget's admit), in one
+# round trip. On a hit: the entry's TTL and last use renewed, the hit counted, the record written with the cached
+# document as its result, then ended `succeeded` as any job is (finish_jobs: long-polls woken, callback queued);
+# no admission (a hit adds nothing to wait). On a miss: the miss counted, then admit(). KEYS[1] callback outbox,
+# KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5..4+M] admit()'s keys, KEYS[5+M] the job
+# hash; ARGV[1..FINISH_NAMES] finish_names(), then the digest, now, the cache TTL, the model, M, admit()'s
+# ADMISSION_ARGS arguments, the count of record field and value arguments, the record's, and the job's end
+# (finish_arguments). Returns {'hit', document} on a hit, admit()'s verdict on a miss.
 _ANSWER_OR_ADMIT = FINISH_JOBS_LUA + budget.ADMIT_LUA + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n" + """
 local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
 local admission_keys = tonumber(ARGV[N + 5])
@@ -318,7 +319,6 @@ class JobStore:
         self._claim = client.register_script(_CLAIM)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
         self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
-        self.waiting = budget.WaitingBytes(client, keys)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
@@ -354,7 +354,7 @@ class JobStore:
         admitted), nothing stored. A hit needs no admission: it adds nothing to wait. See _ANSWER_OR_ADMIT."""
         record = _flatten({"id": job_id, "status": QUEUED, **fields})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
-        admission_keys, admission_args = self.waiting.admission_arguments(admission)
+        admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
         keys = [self.keys.callback_outbox, self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats,
                 *admission_keys, *job_keys]
         reply: Any = self._answer_or_admit(
