@@ -26,6 +26,7 @@ from contract.jobs import JobStore
 from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import Settings
+from contract.shards import ShardUnavailable, bulk_plane
 from tasks.celery_app import PreprocessMessages, make_celery
 
 
@@ -68,7 +69,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobStore.create).
     uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0,
                       max_connections=UPLOAD_CONNECTIONS)
-    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads)
+    # With bulk shards (contract.shards) uploads go to them instead, over as few connections each.
+    bulk = bulk_plane(settings, client, max_connections=UPLOAD_CONNECTIONS)
+    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk)
     celery = make_celery(settings)
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
@@ -154,7 +157,10 @@ def _install_error_handlers(app: Flask) -> None:
     def backend_unavailable(exc: Exception):
         """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
         retry = str(app.extensions["imgserve"].settings.backpressure.retry_after_s)
-        if isinstance(exc, redis.exceptions.OutOfMemoryError):
+        if isinstance(exc, ShardUnavailable):   # only this job's shard: the next submit goes to another
+            problem = Problem(503, "shard-unavailable", "Service unavailable", "the store for this job's upload "
+                              "is unreachable; retry (a new job is placed on another)", headers={"Retry-After": "1"})
+        elif isinstance(exc, redis.exceptions.OutOfMemoryError):
             problem = Problem(503, "store-full", "Service unavailable", "the job store is full; retry later",
                               headers={"Retry-After": str(admission.MAX_RETRY_AFTER_S)})
         elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)):

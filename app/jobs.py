@@ -132,7 +132,7 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     callback_url = _checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
-    job_id = jobs.new_job_id()
+    job_id = services.store.bulk.new_job_id(jobs.new_job_id)   # on a shard not found down lately
     fields = {
         "model": spec.key,
         "received_at": received_at,
@@ -228,7 +228,7 @@ def cancel_job(job_id: str) -> Response:
         status = record["status"] if record else "gone"
         raise Problem(409, "job-already-finished", "Job already finished",
                       f"job {job_id!r} ended as {status!r} and cannot be cancelled")
-    services.redis.delete(services.keys.upload(job_id))
+    services.store.drop_upload(job_id)
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(job_document(record))
 

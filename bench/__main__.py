@@ -69,7 +69,7 @@ def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace
 def stack_options(args: argparse.Namespace, **overrides: Any) -> StackOptions:
     values = dict(device=args.device, cpu_workers=args.cpu_workers or 2, max_batch_size=args.max_batch,
                   window_ms=args.window_ms, sim_profile_ms=parse_profile(args.profile) if args.profile else None,
-                  redis_args=tuple(args.redis_args.split()))
+                  redis_args=tuple(args.redis_args.split()), bulk_shards=args.shards)
     return StackOptions(**{**values, **overrides})
 
 
@@ -83,7 +83,8 @@ def cmd_run(args: argparse.Namespace, images: list[bytes]) -> dict:
         finally:
             stack.stop()
         return {"results": results, "title": f"bench of make run's stack ({stack.options.describe()})"}
-    scope = CpuScope(args.redis_port) if args.redis_port else None
+    shard_ports = tuple(int(port) for port in args.shard_ports.split(",") if port)
+    scope = CpuScope(args.redis_port, shard_ports=shard_ports) if args.redis_port else None
     results = run_suite(args.name, args.url, images, args, scope=scope)
     return {"results": results, "title": f"bench of {args.url}"}
 
@@ -204,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     local.add_argument("--window-ms", type=float, default=12.0)
     local.add_argument("--redis-args", default="", help="more options for the stacks' redis-server, e.g. "
                                                          "'--io-threads 2 --io-threads-do-reads yes'")
+    local.add_argument("--shards", type=int, default=0,
+                       help="bulk shards: uploads and frames on this many more redis-servers (bulk.redis_urls), "
+                            "each one's CPU per image reported (default 0: all in the one Redis)")
     local.add_argument("--profile", help="device sim: the latency profile of the stacks started here (fast, story "
                                          "or 1:2,8:6,16:10 ms per batch size; default: the config's, story)")
 
@@ -217,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "deployment's default model")
     run.add_argument("--redis-port", type=int, default=6379,
                      help="the deployment's Redis port, for CPU per image by role (0: leave CPU out)")
+    run.add_argument("--shard-ports", default="",
+                     help="its bulk shards' Redis ports on this machine, comma-separated: each one's CPU per image")
     ab = sub.add_parser("ab", parents=[common, local], help="two builds of make run's stack, runs alternating")
     ab.add_argument("--base", required=True, help="the git ref measured as A (checked out under .bench/ab/)")
     ab.add_argument("--head", help="the checkout measured as B (default: this one)")

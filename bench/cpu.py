@@ -68,8 +68,11 @@ class CpuSample:
     redis_main: dict[int, float] = field(default_factory=dict)            # redis pid -> its main thread's
 
 
+SHARD_ROLE = "redis-shard"   # + the shard's index: a bulk shard's redis-server (contract.shards)
+
+
 def sample(redis_port: int | None = None, bench_pid: int | None = None,
-           sessions: set[int] | None = None) -> CpuSample:
+           sessions: set[int] | None = None, shard_ports: tuple[int, ...] = ()) -> CpuSample:
     """Every process of a role on this machine now: by its own command line, else its nearest
     ancestor's (prefork children, gunicorn workers); with `sessions`, only the processes in those
     sessions and their descendants (a bench stack's own), and its Redis."""
@@ -85,6 +88,11 @@ def sample(redis_port: int | None = None, bench_pid: int | None = None,
 
     roles: dict[int, str] = {}
     for pid in processes:
+        shard = next((i for i, port in enumerate(shard_ports) if "redis-server" in processes[pid][0]
+                      and processes[pid][0].rstrip().endswith(f":{port}")), None)
+        if shard is not None:
+            roles[pid] = f"{SHARD_ROLE}{shard}"
+            continue
         chain = list(lineage(pid))
         role = next((r for p in chain if (r := role_of(processes[p][0], redis_port)) is not None), None)
         in_scope = sessions is None or role == "redis" or any(processes[p][3] in sessions for p in chain)
@@ -108,6 +116,8 @@ def ms_per_image(before: CpuSample, after: CpuSample, images: int) -> dict[str, 
         start = before.seconds.get(pid, (role, 0.0))[1]
         totals[role] = totals.get(role, 0.0) + max(0.0, seconds - start)
     table = {role: round(totals[role] * 1000.0 / images, 2) for role in ROLE_ORDER if role in totals}
+    table.update({role: round(seconds * 1000.0 / images, 2) for role, seconds in sorted(totals.items())
+                  if role.startswith(SHARD_ROLE)})
     table["stack"] = round(sum(v for k, v in table.items() if k not in ("bench",)), 2)
     if after.redis_main:
         # Redis runs commands on one thread: with io-threads, the process's CPU is more than that one's.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from bench.cpu import ROLE_ORDER
+from bench.cpu import ROLE_ORDER, SHARD_ROLE
 from bench.load import Outcome
 from contract.timebill import STAGES
 from gpu_worker.stats import percentile, summarise_bills
@@ -71,7 +71,8 @@ def markdown(results: list[dict[str, Any]], title: str = "bench") -> str:
     lines += ["", "Cells: p50 / p95."]
     with_cpu = [r for r in results if r.get("cpu_ms_per_image")]
     if with_cpu:
-        roles = [role for role in (*ROLE_ORDER, "redis-main", "stack", "stack/bench")
+        shards = sorted({role for r in with_cpu for role in r["cpu_ms_per_image"] if role.startswith(SHARD_ROLE)})
+        roles = [role for role in (*ROLE_ORDER, "redis-main", *shards, "stack", "stack/bench")
                  if any(role in r["cpu_ms_per_image"] for r in with_cpu)]
         lines += ["", "### CPU per image (ms, per role, over the run; `stack`: all but the load generator; "
                       "`stack/bench`: the stack in units of the load generator's own CPU per image, which does the "

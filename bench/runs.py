@@ -21,9 +21,11 @@ class CpuScope:
     process sessions of its roles; None: every local process of a role."""
     redis_port: int | None = 6379
     sessions: frozenset[int] | None = None
+    shard_ports: tuple[int, ...] = ()    # the bulk shards' redis-servers (each reported as redis-shard<i>)
 
     def sample(self) -> cpu.CpuSample:
-        return cpu.sample(self.redis_port, os.getpid(), set(self.sessions) if self.sessions is not None else None)
+        return cpu.sample(self.redis_port, os.getpid(), set(self.sessions) if self.sessions is not None else None,
+                          self.shard_ports)
 
 
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,

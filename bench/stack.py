@@ -41,6 +41,7 @@ class StackOptions:
     persistent_redis: bool = False
     sim_profile_ms: dict[int, float] | None = None   # device sim: its latency profile (None: the config's)
     redis_args: tuple[str, ...] = ()                  # more redis-server options, e.g. ("--io-threads", "2")
+    bulk_shards: int = 0                              # uploads and frames on this many more servers (contract.shards)
     root: Path = REPO_ROOT                            # the checkout the stack's processes run from
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -51,17 +52,29 @@ class StackOptions:
         return (f"device={self.device} cpu_workers={workers} max_batch={self.max_batch_size} "
                 f"window_ms={self.window_ms:g}{profile}")
 
-    def config(self, redis_url: str) -> dict[str, Any]:
+    def config(self, redis_url: str, shard_urls: list[str] | None = None) -> dict[str, Any]:
         """The config file the stack's processes read: these options, then `extra` over them by section."""
         gpu_worker: dict[str, Any] = {"device": self.device}
         if self.sim_profile_ms is not None:
             gpu_worker["sim_latency_ms"] = dict(self.sim_profile_ms)
         config: dict[str, Any] = {"redis_url": redis_url, "gpu_worker": gpu_worker,
                                   "batching": {"max_batch_size": self.max_batch_size, "window_ms": self.window_ms}}
+        if shard_urls:
+            config["bulk"] = {"redis_urls": list(shard_urls)}
         for section, value in self.extra.items():
             both_sections = isinstance(value, dict) and isinstance(config.get(section), dict)
             config[section] = {**config[section], **value} if both_sections else value
         return config
+
+
+def start_shards(workdir: Path, options: StackOptions) -> list[RedisServer]:
+    """The stack's bulk shards: redis-servers of their own, in folders of their own."""
+    shards = []
+    for index in range(options.bulk_shards):
+        folder = workdir / f"shard{index}"
+        folder.mkdir(exist_ok=True)
+        shards.append(RedisServer(folder, persistent=options.persistent_redis, extra_args=options.redis_args))
+    return shards
 
 
 def answers_ok(url: str, processes: list[ManagedProcess]) -> bool:
@@ -81,6 +94,7 @@ class LocalStack:
         self.options = options
         self.processes: list[ManagedProcess] = []
         self.redis: RedisServer | None = None
+        self.shards: list[RedisServer] = []
         self.url = ""
         self.argv: dict[str, list[str]] = {}
         self.env: dict[str, str] = {}
@@ -89,8 +103,10 @@ class LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
                                  extra_args=self.options.redis_args)
+        self.shards = start_shards(self.workdir, self.options)
         config_path = self.workdir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url)))
+        shard_urls = [shard.url for shard in self.shards]
+        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url, shard_urls)))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
@@ -115,7 +131,8 @@ class LocalStack:
         from bench.runs import CpuScope
 
         return CpuScope(self.redis.port if self.redis else None,
-                        frozenset(p.process.pid for p in self.processes if p.alive()))
+                        frozenset(p.process.pid for p in self.processes if p.alive()),
+                        tuple(shard.port for shard in self.shards))
 
     def process(self, name: str) -> ManagedProcess:
         return next(p for p in reversed(self.processes) if p.name == name)
@@ -133,6 +150,8 @@ class LocalStack:
             process.stop()
         if self.redis:
             self.redis.stop()
+        for shard in self.shards:
+            shard.stop()
 
 
 class BaselineServer:
@@ -174,6 +193,7 @@ class ProcfileStack:
         self.workdir = workdir
         self.options = options
         self.redis: RedisServer | None = None
+        self.shards: list[RedisServer] = []
         self.supervisor: ManagedProcess | None = None
         self.url = ""
         self.env: dict[str, str] = {}
@@ -182,8 +202,10 @@ class ProcfileStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
                                  extra_args=self.options.redis_args)
+        self.shards = start_shards(self.workdir, self.options)
         config_path = self.workdir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url)))
+        shard_urls = [shard.url for shard in self.shards]
+        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url, shard_urls)))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         metrics_dir = self.workdir / "prometheus"
@@ -205,10 +227,13 @@ class ProcfileStack:
         from bench.runs import CpuScope
 
         return CpuScope(self.redis.port if self.redis else None,
-                        frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset())
+                        frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset(),
+                        tuple(shard.port for shard in self.shards))
 
     def stop(self) -> None:
         if self.supervisor:
             self.supervisor.stop(timeout_s=40)
         if self.redis:
             self.redis.stop()
+        for shard in self.shards:
+            shard.stop()

@@ -33,8 +33,9 @@ local function release_waiting(waiting, model, bytes)
 end
 """
 
-# A Lua function: admit(k, last, a). KEYS[k] the model's frame list, KEYS[k + 1] the waiting-bytes hash,
-# KEYS[k + 2] the tenant's own CPU queue, KEYS[k + 3..last] the model's other CPU queues; ARGV[a] the model,
+# A Lua function: admit(k, last, a). KEYS[k] the model's frame list, KEYS[k + 1] the frames-waiting hash (with
+# bulk shards, the frames on them: contract.shards), KEYS[k + 2] the waiting-bytes hash, KEYS[k + 3] the tenant's
+# own CPU queue, KEYS[k + 4..last] the model's other CPU queues; ARGV[a] the model,
 # ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
 # ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
 # {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_ARGS is its count
@@ -42,19 +43,20 @@ end
 # admission_arguments()'s keys and arguments.
 ADMIT_LUA = f"""
 local function admit(k, last, a)
-  local own = redis.call('LLEN', KEYS[k + 2])
-  local backlog = redis.call('LLEN', KEYS[k]) + own
-  for i = k + 3, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
-  local model_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0'))
-  local all_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], '{ALL}') or '0'))
+  local own = redis.call('LLEN', KEYS[k + 3])
+  local sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0'))
+  local backlog = redis.call('LLEN', KEYS[k]) + sharded + own
+  for i = k + 4, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
+  local model_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 2], ARGV[a]) or '0'))
+  local all_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 2], '{ALL}') or '0'))
   local size = tonumber(ARGV[a + 1])
   if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes}} end
   if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes}} end
   if model_bytes + size > tonumber(ARGV[a + 3]) then return {{'model_bytes', backlog, model_bytes, all_bytes}} end
   if all_bytes + size > tonumber(ARGV[a + 4]) then return {{'all_bytes', backlog, model_bytes, all_bytes}} end
   if size > 0 then
-    redis.call('HINCRBY', KEYS[k + 1], ARGV[a], size)
-    redis.call('HINCRBY', KEYS[k + 1], '{ALL}', size)
+    redis.call('HINCRBY', KEYS[k + 2], ARGV[a], size)
+    redis.call('HINCRBY', KEYS[k + 2], '{ALL}', size)
   end
   return {{'admitted', backlog, model_bytes + size, all_bytes + size}}
 end
@@ -93,10 +95,11 @@ class AdmissionRequest(NamedTuple):
 
 
 def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
-    """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: four or more)."""
+    """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: five or more)."""
     own = keys.celery_queue(keys.preprocess_queue(request.model_key, request.tenant))
     others = [keys.celery_queue(queue) for queue in keys.preprocess_queues(request.model_key, request.tenants)]
-    names = [keys.frames(request.model_key), keys.waiting_bytes, own, *[queue for queue in others if queue != own]]
+    names = [keys.frames(request.model_key), keys.frames_waiting, keys.waiting_bytes, own,
+             *[queue for queue in others if queue != own]]
     tenant_backlog = request.max_backlog if request.max_tenant_backlog is None else request.max_tenant_backlog
     return names, [request.model_key, request.size, request.max_backlog, request.max_model_bytes,
                    request.max_all_bytes, tenant_backlog]

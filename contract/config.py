@@ -24,6 +24,7 @@ from contract.settings import (
     AuthSettings,
     BackpressureSettings,
     BatchingSettings,
+    BulkSettings,
     CallbackSettings,
     CeleryWorkerSettings,
     DecodeSettings,
@@ -137,6 +138,10 @@ def _check_secrets(settings: Settings) -> None:
     password = urlsplit(settings.redis_url).password
     if password:
         check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))
+    for index, url in enumerate(settings.bulk.redis_urls):
+        password = urlsplit(url).password
+        if password:
+            check_secret(f"the Redis password in bulk.redis_urls[{index}]", unquote(password))
 
 
 def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
@@ -339,6 +344,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "auth": AuthSettings,
         "callbacks": CallbackSettings,
         "routing": RoutingSettings,
+        "bulk": BulkSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

@@ -17,13 +17,16 @@ _BUFFER_CUTOFF = 6000
 _UNCOPIED_VALUES = PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]
 
 
-def connect(settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None) -> redis.Redis:
+def connect(settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None,
+            url: str | None = None) -> redis.Redis:
     """A client returning bytes (frames are binary); timeouts bound every call. With `max_connections`, at most
-    that many connections, a caller waiting up to the connect timeout for a free one."""
+    that many connections, a caller waiting up to the connect timeout for a free one. `url`: another server
+    than redis_url's (a bulk shard)."""
+    url = url or settings.redis_url
     options: dict[str, Any] = dict(socket_connect_timeout=settings.api.redis_timeout_s, socket_timeout=socket_timeout,
                                    health_check_interval=30, retry_on_timeout=False, command_packer=_UNCOPIED_VALUES)
     if max_connections is None:
-        return redis.Redis.from_url(settings.redis_url, **options)
-    pool = redis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=max_connections,
+        return redis.Redis.from_url(url, **options)
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
                                                  timeout=settings.api.redis_timeout_s, **options)
     return redis.Redis(connection_pool=pool)

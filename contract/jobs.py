@@ -22,6 +22,7 @@ from contract.budget import RELEASE_LUA
 from contract.cache import REMEMBER_LUA, CacheLimits
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.replies import PayloadReader
+from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
 
 
 class JobStatus(StrEnum):
@@ -251,6 +252,48 @@ return 1
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
 
+# With bulk shards (contract.shards) the frame goes to the job's shard first, kept only within the shard's
+# bound: the push and this step in one MULTI, on the shard. KEYS[1] the frame list; ARGV[1] its bound.
+# Returns 1 kept, 0 dropped again (the list was full).
+_KEEP_WITHIN_BOUND = """
+if redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) then
+  redis.call('LTRIM', KEYS[1], 1, -1)
+  return 0
+end
+return 1
+"""
+
+# ...then this step, on the control plane, says whether the frame may stand: as _KEEP_PUSHED_FRAME's checks,
+# and a job already `running` with this claim is the frame's own (a GPU worker took it before this step ran:
+# the stamps are written, the status and the frame's bytes are left alone, its batch write gives them back).
+# The frame is counted among its model's frames on the shards (Keys.frames_waiting; the batch write that
+# acknowledges it counts it out, and each GPU worker's heartbeat sets the count to what the lists hold).
+# KEYS[1] job hash, KEYS[2] the upload's marker, KEYS[3] waiting bytes, KEYS[4] frames waiting; ARGV[1] the
+# claim, ARGV[2] the frame's length, ARGV[3..] field, value, ... Returns 1 (PUSHED) or -1 (JOB_OVER: the caller
+# takes the frame back).
+_MARK_PUSHED = _LUA_TERMINAL + RELEASE_LUA + f"""
+local status = redis.call('HGET', KEYS[1], 'status')
+local model, upload_bytes = redis.call('HGET', KEYS[1], 'model'), redis.call('HGET', KEYS[1], 'bytes')
+if not status or TERMINAL[status] then
+  if redis.call('DEL', KEYS[2]) == 1 then release_waiting(KEYS[3], model, upload_bytes) end
+  return -1
+end
+local claim = redis.call('HGET', KEYS[1], 'claim')
+if (claim and claim ~= ARGV[1]) or (status ~= '{PREPROCESSING}' and status ~= '{RUNNING}') then return -1 end
+if status == '{PREPROCESSING}' then
+  if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
+  redis.call('HSET', KEYS[1], 'status', '{QUEUED_GPU}')
+  if model then redis.call('HINCRBY', KEYS[4], model, 1) end
+  local frame_bytes = tonumber(ARGV[2])
+  for _, field in ipairs({{model or '', '{budget.ALL}'}}) do
+    if field ~= '' then redis.call('HINCRBY', KEYS[3], field, frame_bytes) end
+  end
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+if redis.call('DEL', KEYS[2]) == 1 then release_waiting(KEYS[3], model, upload_bytes) end
+return 1
+"""
+
 # A job's callback queued again from its first attempt. KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the
 # scheduled set, KEYS[4] the dead set; ARGV[1] the job id. 1 queued, 0 not (no such job, not ended, no callback).
 _REDELIVER_CALLBACK = _LUA_TERMINAL + f"""
@@ -306,11 +349,13 @@ class JobStore:
     """The job records in one Redis, under one namespace."""
 
     def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, uploads: redis.Redis | None = None,
-                 cache: CacheLimits | None = None) -> None:
+                 cache: CacheLimits | None = None, bulk: BulkPlane | None = None) -> None:
         """`uploads`: the client uploads are written with (the API's: a few connections, see `create`).
-        `cache`: where jobs this store ends `succeeded` leave their results (the GPU worker's); None: nowhere."""
+        `cache`: where jobs this store ends `succeeded` leave their results (the GPU worker's); None: nowhere.
+        `bulk`: where uploads and frames lie (contract.shards); None: in `client`'s Redis."""
         self.redis = client
         self.uploads = uploads or client
+        self.bulk = bulk or BulkPlane(client)
         self.keys = keys
         self.ttl_s = ttl_s
         self.cache = cache or CacheLimits(keys.cache_prefix)
@@ -319,7 +364,9 @@ class JobStore:
         self._claim = client.register_script(_CLAIM)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
         self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
+        self._mark_pushed = client.register_script(_MARK_PUSHED)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
+        self._shard_payloads: dict[int, PayloadReader] = {}
 
     def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
                task: tuple[str, bytes] | None = None, reserved: int = 0) -> None:
@@ -327,8 +374,18 @@ class JobStore:
         in one transaction: no job without its task or task without its job.
         `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
         record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **_encode(fields)}
-        self._write_upload(self.keys.upload(job_id), upload_ttl_s, upload)
+        upload_key = self.keys.upload(job_id)
         pipe = self.redis.pipeline(transaction=True)
+        if self.bulk.sharded:
+            shard = self.bulk.index(job_id)
+            try:
+                self._write_upload(self.bulk.clients[shard], upload_key, upload_ttl_s, upload)
+            except SHARD_ERRORS as exc:
+                self.bulk.mark_down(shard)
+                raise ShardUnavailable(shard, exc) from exc
+            pipe.set(upload_key, SHARDED_UPLOAD, ex=upload_ttl_s)
+        else:
+            self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
         unused = reserved - len(upload)
         if reserved and unused > 0:   # a multipart body's own bytes around the image
             for field in (str(fields.get("model", "")), budget.ALL):
@@ -343,7 +400,9 @@ class JobStore:
         try:
             pipe.execute()
         except redis.RedisError:
-            self._delete_quietly(self.keys.upload(job_id))   # no job holds it: it would wait for its TTL
+            self._delete_quietly(upload_key)   # no job holds it: it would wait for its TTL
+            if self.bulk.sharded:
+                self._delete_quietly(upload_key, self.bulk.client_for(job_id))
             raise
 
     def answer_or_admit(self, job_id: str, fields: Mapping[str, Any], digest: str, cache_ttl_s: int,
@@ -364,16 +423,16 @@ class JobStore:
             return bytes(reply[1]).decode()
         return budget.Admission.of(reply)
 
-    def _write_upload(self, key: str, ttl_s: int, upload: bytes) -> None:
+    def _write_upload(self, client: redis.Redis, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the
         buffer it read the value into as the value (followed by anything, SET's own EX or the transaction's
         next command, it copies it). Redis also gives that connection a new buffer the upload's size, and keeps
         it while the connection stays busy: so uploads go over few connections (the API's `uploads` client),
         and one that carried an upload over LARGE_UPLOAD_BYTES is closed after it."""
         if len(upload) <= LARGE_UPLOAD_BYTES:
-            self.uploads.execute_command("SETEX", key, ttl_s, upload)   # type: ignore[no-untyped-call]  # setex() warns
+            client.execute_command("SETEX", key, ttl_s, upload)   # type: ignore[no-untyped-call]  # setex() warns
             return
-        pool = self.uploads.connection_pool
+        pool = client.connection_pool
         connection = pool.get_connection()
         try:
             connection.send_command("SETEX", key, ttl_s, upload)  # type: ignore[no-untyped-call]
@@ -384,9 +443,9 @@ class JobStore:
             connection.disconnect()  # type: ignore[no-untyped-call]  # redis-py's untyped method
             pool.release(connection)
 
-    def _delete_quietly(self, key: str) -> None:
+    def _delete_quietly(self, key: str, client: redis.Redis | None = None) -> None:
         try:
-            self.redis.delete(key)
+            (client or self.redis).delete(key)
         except redis.RedisError:
             pass
 
@@ -396,6 +455,15 @@ class JobStore:
 
     def delete(self, job_id: str) -> None:
         self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))
+        if self.bulk.sharded:
+            self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
+
+    def drop_upload(self, job_id: str) -> None:
+        """The upload of a job that ended before its frame was pushed (a cancellation): gone now rather than at
+        its TTL. (Whatever ends a job drops the upload's marker with it; a shard's bytes are this call's.)"""
+        self._delete_quietly(self.keys.upload(job_id))
+        if self.bulk.sharded:
+            self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
 
     def advance_many(self, job_ids: Sequence[str], status: str, max_attempts: int,
                      fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
@@ -443,6 +511,8 @@ class JobStore:
         """Push a job's frame only if the list has room and the job still carries this `claim`, marking it
         queued_gpu and dropping its upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER
         (over, past preprocessing, or claimed since by another delivery of its task). See _KEEP_PUSHED_FRAME."""
+        if self.bulk.sharded:
+            return self._enqueue_on_shard(job_id, model_key, frame, max_frames, fields, claim)
         frames = self.keys.frames(model_key)
         pipe = self.redis.pipeline(transaction=True)
         pipe.lpush(frames, frame)
@@ -452,8 +522,41 @@ class JobStore:
                   *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
         return int(pipe.execute()[1])
 
-    def frame_list_has_room(self, model_key: str, max_frames: int) -> bool:
-        """A cheap look before sending a frame again to a list that was full."""
+    def _enqueue_on_shard(self, job_id: str, model_key: str, frame: bytes, max_frames: int,
+                          fields: Mapping[str, Any], claim: str) -> int:
+        """enqueue_frame with bulk shards: the frame onto the job's shard within the shard's bound, then the
+        control plane's verdict (_MARK_PUSHED); a frame that may not stand is taken back. A worker that dies
+        between the two leaves a frame whose job is still `preprocessing`: the task's redelivery pushes
+        another, and the first one answered wins (contract.shards' note)."""
+        index = self.bulk.index(job_id)
+        shard, frames = self.bulk.clients[index], self.keys.frames(model_key)
+        try:
+            pipe = shard.pipeline(transaction=True)
+            pipe.lpush(frames, frame)
+            # EVAL, not EVALSHA: a script the shard has forgotten would fail inside the transaction after the push.
+            pipe.eval(_KEEP_WITHIN_BOUND, 1, frames, self.bulk.frame_bound(max_frames))
+            kept = int(pipe.execute()[1])
+        except SHARD_ERRORS as exc:
+            self.bulk.mark_down(index)
+            raise ShardUnavailable(index, exc) from exc
+        if not kept:
+            return LIST_FULL
+        stamps = _flatten({"updated_at": time.time(), **fields})
+        outcome = int(self._mark_pushed(keys=[self.keys.job(job_id), self.keys.upload(job_id), self.keys.waiting_bytes,
+                                              self.keys.frames_waiting], args=[claim, len(frame), *stamps]))
+        if outcome != PUSHED:
+            try:
+                shard.lrem(frames, 1, frame)  # type: ignore[arg-type]  # redis-py's stubs say str; bytes go
+            except redis.RedisError:
+                pass   # a GPU worker that takes it finds its job over (or another frame's) and skips it
+        return outcome
+
+    def frame_list_has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
+        """A cheap look before sending a frame again to a list that was full (with shards: the job's shard's
+        list, against its share of the bound)."""
+        if self.bulk.sharded and job_id:
+            return int(self.bulk.client_for(job_id).llen(self.keys.frames(model_key))) < \
+                self.bulk.frame_bound(max_frames)
         return int(self.redis.llen(self.keys.frames(model_key))) < max_frames
 
     def claim_for_preprocessing(self, job_id: str, now: float, claim: str = "") -> tuple[str, memoryview | None,
@@ -462,6 +565,8 @@ class JobStore:
         round trip; see _CLAIM.
         A claimed job whose upload expired comes back with `upload` None. (The upload is read before
         the claim, in the same round trip: a job past this stage has no upload left to read.)"""
+        if self.bulk.sharded:
+            return self._claim_from_shard(job_id, now, claim)
         if self._payloads is None:
             self._payloads = PayloadReader(self.redis)
         commands = (("GET", self.keys.upload(job_id)),
@@ -488,6 +593,25 @@ class JobStore:
         verdict, fields = reply[0].decode(), reply[1:]
         record = _decode(dict(zip(fields[::2], fields[1::2])))
         return verdict, (upload if verdict == "claimed" else None), record
+
+    def _claim_from_shard(self, job_id: str, now: float, claim: str) -> tuple[str, memoryview | None, JobRecord]:
+        """claim_for_preprocessing with bulk shards: the claim on the control plane, then, if claimed, the
+        upload from the job's shard (ShardUnavailable when it does not answer, twice)."""
+        reply = self._claim(keys=[self.keys.job(job_id)], args=[repr(now), claim])
+        verdict, fields = reply[0].decode(), reply[1:]
+        record = _decode(dict(zip(fields[::2], fields[1::2])))
+        if verdict != "claimed":
+            return verdict, None, record
+        index = self.bulk.index(job_id)
+        reader = self._shard_payloads.setdefault(index, PayloadReader(self.bulk.clients[index]))
+        for attempt in range(2):
+            try:
+                return verdict, reader.bulks(("GET", self.keys.upload(job_id)))[0], record
+            except SHARD_ERRORS as exc:
+                if attempt:
+                    self.bulk.mark_down(index)
+                    raise ShardUnavailable(index, exc) from exc
+        raise AssertionError("unreachable")
 
     def expire_overdue(self, now: float, limit: int = 500) -> int:
         """End `expired` the live jobs whose deadline passed (the deadline index says which, oldest first, at
@@ -530,11 +654,13 @@ def queue_depths(client: redis.Redis, keys: Keys, model_keys: Sequence[str],
         for queue in keys.preprocess_queues(model_key, tenants):
             pipe.llen(keys.celery_queue(queue))
         pipe.llen(keys.frames(model_key))
+        pipe.hget(keys.frames_waiting, model_key)   # with bulk shards: their lists' count (contract.shards)
     replies = iter(pipe.execute())
     depths = {}
     for model_key in model_keys:
         preprocess = sum(int(next(replies)) for _ in tenants)
-        depths[model_key] = {"preprocess": preprocess, "frames": int(next(replies))}
+        frames = int(next(replies)) + int(next(replies) or 0)
+        depths[model_key] = {"preprocess": preprocess, "frames": frames}
     return depths
 
 

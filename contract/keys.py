@@ -69,7 +69,9 @@ class Keys:
         return f"{self.namespace}:job:{job_id}"
 
     def upload(self, job_id: str) -> str:
-        """String: the raw upload (claim check), deleted once its frame is pushed or the job ends."""
+        """String: the raw upload (claim check), deleted once its frame is pushed or the job ends. With bulk
+        shards, the bytes lie under this name on the job's shard, and here lies a marker (SHARDED_UPLOAD) that
+        every step on job records treats as the upload (contract.shards)."""
         return self.job(job_id) + UPLOAD_SUFFIX
 
     def preprocess_queue(self, model_key: str, tenant: str = "") -> str:
@@ -186,6 +188,30 @@ class Keys:
     def cache_stats(self) -> str:
         """Hash: `<model>:hits` and `<model>:misses` counters, for /v1/stats and the metrics."""
         return self.cache_prefix + "stats"
+
+    @property
+    def bulk_life(self) -> str:
+        """String, on each bulk shard (contract.shards): a token written when the shard is first seen empty. A
+        shard that answers without it lost what it held (it restarted without its data)."""
+        return f"{self.namespace}:bulk:life"
+
+    @property
+    def bulk_lives(self) -> str:
+        """Hash: shard index -> the life token last seen on that shard (contract.shards.ShardWatch)."""
+        return f"{self.namespace}:bulk:lives"
+
+    @property
+    def bulk_down(self) -> str:
+        """Hash: shard index -> when (epoch seconds) a watch first found it unreachable, while it stays so."""
+        return f"{self.namespace}:bulk:down"
+
+    @property
+    def frames_waiting(self) -> str:
+        """Hash: model (name:version) -> its frames on the bulk shards, not yet acknowledged (with shards only):
+        counted in by the push, out by the batch write, and set to what the lists hold by each GPU worker's
+        heartbeat. The admission's backlog and the CPU workers' full-list check read it (one round trip to the
+        control plane, not one per shard)."""
+        return f"{self.namespace}:frames_waiting"
 
     @property
     def job_events(self) -> str:

@@ -109,6 +109,23 @@ class CacheSettings:
 
 
 @settings_class
+class BulkSettings:
+    """Where uploads and frames live (contract.shards). None listed: in the Redis of `redis_url`, beside the
+    job records and everything else. Listed: spread over these Redis servers by a hash of the job id, while
+    the control plane (job records, Celery, heartbeats, budgets, the cache) stays at `redis_url`."""
+    redis_urls: tuple[str, ...] = ()
+    # A shard unreachable this long: the live jobs whose bytes it held end `failed` (shard_unavailable).
+    grace_s: float = 5.0
+    retry_s: float = 1.0          # a process that found a shard down sends it nothing for this long
+
+    def __post_init__(self) -> None:
+        if self.grace_s <= 0 or self.retry_s <= 0:
+            raise SettingsError("bulk.grace_s and bulk.retry_s must be > 0")
+        if len(set(self.redis_urls)) != len(self.redis_urls):
+            raise SettingsError("bulk.redis_urls: a shard is listed twice")
+
+
+@settings_class
 class BatchingSettings:
     max_batch_size: int = 8
     window_ms: float = 12.0
@@ -325,6 +342,7 @@ class Settings:
     auth: AuthSettings = field(default_factory=AuthSettings)
     callbacks: CallbackSettings = field(default_factory=CallbackSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
+    bulk: BulkSettings = field(default_factory=BulkSettings)
 
     @property
     def broker_url(self) -> str:

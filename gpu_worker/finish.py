@@ -22,11 +22,13 @@ from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.intake import InHand, Outcome
 from gpu_worker.link import LaneMeters, WorkerLink
+from gpu_worker.source import FrameSource
 from gpu_worker.staging import DeviceOutput
 
 log = logging.getLogger("gpu_worker")
 
-# KEYS[1] callback outbox, KEYS[2] processing list, KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5..]
+# KEYS[1] callback outbox, KEYS[2] processing list ('' with bulk shards: the source acks there after this),
+# KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5] the frames-waiting hash (bulk shards), KEYS[6..]
 # job hashes; ARGV[1..N] JobStore.finish_names() (N = jobs.FINISH_NAMES), then: frames to acknowledge (the
 # oldest in hand), their bytes, their model, the count of counter field and value arguments, the epoch the batch
 # was taken in ('' : unfenced), the counters, and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1
@@ -38,13 +40,17 @@ end
 local names = finish_names(KEYS[1], 1)
 local acked, acked_bytes, model, counters = tonumber(ARGV[N + 1]), ARGV[N + 2], ARGV[N + 3], tonumber(ARGV[N + 4])
 if acked > 0 then
-  redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
+  if KEYS[2] ~= '' then
+    redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
+  elseif redis.call('HINCRBY', KEYS[5], model, -acked) < 0 then   -- on bulk shards: acked after, counted out here
+    redis.call('HSET', KEYS[5], model, 0)
+  end
   release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
 end
 if counters > 0 then
   redis.call('HSET', KEYS[3], unpack(ARGV, N + 6, N + 5 + counters))
 end
-return finish_jobs(names, 5, N + 6 + counters)
+return finish_jobs(names, 6, N + 6 + counters)
 """
 
 
@@ -81,7 +87,8 @@ def documents_from_rows(per_image: list[list[list[float]]], frames: Sequence[Fra
 
 
 class Finisher:
-    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters) -> None:
+    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters, source: FrameSource) -> None:
+        self.source = source
         self.redis = link.redis
         self.store = link.store
         self.keys = link.keys
@@ -94,15 +101,16 @@ class Finisher:
         self.model_recent = meters.recent
         self.host_counters = link.host_counters    # written with each batch: the worker's, over all its lanes
         self.model_labels = (spec.name, spec.version)
-        self.frames_key = link.keys.frames(spec.key)
-        self.processing_key = link.keys.processing(link.worker_id, spec.key)
+        # Trimmed by the batch write itself, or (bulk shards) by the source once the write is done.
+        self.acked_key = link.keys.processing(link.worker_id, spec.key) if source.acked_by_batch_write else ""
         self.ttl_s = link.settings.jobs.ttl_s
         self._write_batch = link.redis.register_script(_WRITE_BATCH)
 
     def finish(self, batch: InHand) -> None:
         """Documents for every running job of the batch, then the one write (retried until Redis answers)."""
         if batch.give_back:
-            self.retry(lambda: self._give_back(batch))
+            self.retry(lambda: self.source.give_back(batch.give_back))
+            log.warning("gave back %d frames", batch.taken)
             return
         output = batch.output
         outcomes: list[Outcome] = list(batch.failed)
@@ -156,28 +164,21 @@ class Finisher:
                 outcomes.append((frame.header.job_id, jobs.SUCCEEDED, {**fields, "result": document}))
         return outcomes
 
-    def _give_back(self, batch: InHand) -> None:
-        """The batch's frames back to the front of the list (the oldest popped first), and out of
-        this worker's hands, in one step."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(self.frames_key, *reversed(batch.give_back))
-        pipe.ltrim(self.processing_key, 0, -(batch.taken + 1))
-        pipe.execute()
-        log.warning("gave back %d frames", batch.taken)
-
     def _write(self, batch: InHand, outcomes: list[Outcome]) -> bool:
         """The batch's one write; False when the worker's epoch was gone (nothing written)."""
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         job_keys, job_args = self.store.finish_arguments(outcomes)
         written = self._write_batch(
-            keys=[self.keys.callback_outbox, self.processing_key, self.keys.gpu_counters(self.worker_id),
-                  self.keys.gpu_epoch(self.worker_id), *job_keys],
+            keys=[self.keys.callback_outbox, self.acked_key, self.keys.gpu_counters(self.worker_id),
+                  self.keys.gpu_epoch(self.worker_id), self.keys.frames_waiting, *job_keys],
             args=[*self.store.finish_names(), batch.taken, batch.taken_bytes, self.spec.key, len(counters),
                   batch.epoch, *counters, *job_args])
         if written == -1:
             log.warning("batch %d not written: this worker was presumed dead and its frames given to others",
                         batch.seq, extra={"batch": f"{self.worker_id}:{batch.seq}"})
             return False
+        if not self.source.acked_by_batch_write:
+            self.source.ack(batch.taken)
         return True
 
     def _counters(self, taken: int) -> dict[str, float]:

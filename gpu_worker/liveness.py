@@ -32,8 +32,9 @@ from contract import jobs
 from contract.heartbeat import Heartbeat
 from contract.keys import Keys
 from contract.settings import Settings
+from contract.shards import BulkPlane
 from gpu_worker import metrics
-from gpu_worker.source import requeue_frames_of
+from gpu_worker.source import requeue_frames_of, requeue_sharded_frames_of
 
 log = logging.getLogger("gpu_worker")
 
@@ -58,7 +59,8 @@ class WorkerIdInUse(RuntimeError):
 class Liveness:
     def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, worker_id: str,
                  describe: Callable[[], Heartbeat], last_progress: Callable[[], float],
-                 busy_fraction: Callable[[], float], on_presumed_dead: Callable[[], None] = lambda: None) -> None:
+                 busy_fraction: Callable[[], float], on_presumed_dead: Callable[[], None] = lambda: None,
+                 bulk: BulkPlane | None = None) -> None:
         self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
         # Every model configured, not only those this worker serves: a dead worker (or this one's previous
         # life) may have served others.
@@ -66,6 +68,7 @@ class Liveness:
         self.tenants = settings.tenants
         self.cache_max_bytes = settings.cache.max_bytes
         self.redis = client
+        self.bulk = bulk or BulkPlane(client)
         self.keys = keys
         self.worker_id = worker_id
         self.describe = describe
@@ -121,6 +124,7 @@ class Liveness:
             try:
                 self.beat()
                 self.reap_dead_workers()
+                self.count_frames_on_shards()
                 for model_key, depths in jobs.queue_depths(self.redis, self.keys, self.model_keys,
                                                            self.tenants).items():
                     name, _, version = model_key.partition(":")
@@ -131,6 +135,15 @@ class Liveness:
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             stopping.wait(self.ttl_s / 3.0)
+
+    def count_frames_on_shards(self) -> None:
+        """With bulk shards: set each model's count of frames on them (Keys.frames_waiting) to what their lists
+        hold. The pushes and batch writes keep it between beats; this mends what they cannot see (frames lost
+        with a shard, given back, pushed twice). Between a beat and the acks of the frames then in GPU workers'
+        hands it reads low by those frames, at most a few batches."""
+        if self.bulk.sharded:
+            counts: Any = self.bulk.frames_waiting(self.keys, self.model_keys)
+            self.redis.hset(self.keys.frames_waiting, mapping=counts)
 
     def export_cache_size(self) -> None:
         """The result cache's entries and charged bytes, for Prometheus (one round trip)."""
@@ -165,8 +178,7 @@ class Liveness:
         """Frames this worker took but never answered go back first in line (of every model, or of
         `model_keys`). `died`: a previous life left them (an attempt is counted); else this life gives
         back what it is unsure of."""
-        moved = requeue_frames_of(self.redis, self.keys, self.worker_id, model_keys or self.model_keys,
-                                  only_if_dead=False, count_attempt=died)
+        moved = self._requeue(self.worker_id, model_keys or self.model_keys, only_if_dead=False, count_attempt=died)
         if moved:
             log.warning("requeued %d frames %s", moved,
                         f"left by a previous run of {self.worker_id}" if died else "this worker gave back")
@@ -206,11 +218,17 @@ class Liveness:
             worker_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)
             if worker_id == self.worker_id:
                 continue
-            count = requeue_frames_of(self.redis, self.keys, worker_id, self.model_keys, only_if_dead=True)
+            count = self._requeue(worker_id, self.model_keys, only_if_dead=True)
             if count > 0:
                 log.warning("requeued %d frames of dead GPU worker %s", count, worker_id)
                 moved += count
         return moved
+
+    def _requeue(self, worker_id: str, model_keys: list[str], only_if_dead: bool, count_attempt: bool = True) -> int:
+        if self.bulk.sharded:
+            return requeue_sharded_frames_of(self.redis, self.bulk, self.keys, worker_id, model_keys, only_if_dead,
+                                             count_attempt)
+        return requeue_frames_of(self.redis, self.keys, worker_id, model_keys, only_if_dead, count_attempt)
 
     def leave(self) -> None:
         try:

@@ -47,6 +47,7 @@ from contract.cache import CacheLimits
 from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
 from contract.keys import Keys
 from contract.settings import Settings
+from contract.shards import bulk_plane
 from gpu_worker import metrics
 from gpu_worker.devices import DeviceLost, inference_error
 from gpu_worker.finish import Finisher, result_documents
@@ -55,7 +56,7 @@ from gpu_worker.intake import InHand, Intake
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
-from gpu_worker.source import RedisFrameSource
+from gpu_worker.source import FrameSource, RedisFrameSource, ShardedFrameSource
 from gpu_worker.stages import StageClock, combined_counters
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
@@ -88,7 +89,9 @@ class GpuWorker:
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
         # The jobs it ends `succeeded` leave their results in the result cache (contract.cache).
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, cache=CacheLimits.of(settings, self.keys))
+        self.bulk = bulk_plane(settings, client)   # where the frames lie (contract.shards)
+        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, cache=CacheLimits.of(settings, self.keys),
+                                   bulk=self.bulk)
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()
@@ -104,16 +107,18 @@ class GpuWorker:
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
         self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
         self.liveness = Liveness(settings, client, self.keys, worker_id, self.describe, lambda: self.last_progress,
-                                 self.busy.fraction, on_presumed_dead=self.stopping.set)
+                                 self.busy.fraction, on_presumed_dead=self.stopping.set, bulk=self.bulk)
         self.started_at = time.time()
         self.last_progress = time.monotonic()
 
     def _lane(self, index: int, device: Device) -> Lane:
         clock, recent = StageClock(), RecentStats()
-        source = RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
+        source: FrameSource = (ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
+                               if self.bulk.sharded else
+                               RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key))
         intake = Intake(self.link, source, device, clock, hold_open=lambda: self._lane_has_work_ahead(index),
                         wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s))
-        finisher = Finisher(self.link, device.spec, LaneMeters(clock, recent, self.recent, self.busy))
+        finisher = Finisher(self.link, device.spec, LaneMeters(clock, recent, self.recent, self.busy), source)
         return Lane(index=index, device=device, intake=intake, finisher=finisher, clock=clock, recent=recent)
 
     # --- lifecycle -------------------------------------------------------
@@ -278,6 +283,7 @@ class GpuWorker:
         lane.wait_until_answered()
         self._retry_until_redis_answers(
             lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key]))
+        lane.intake.source.forget()
         self.stopping.wait(1.0)
 
     def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:

@@ -43,7 +43,7 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
 
         def __init__(self, parent: Any, **kwargs: Any) -> None:
             super().__init__(parent, **kwargs)
-            keys = Keys(settings.namespace)
+            keys = self.keys = Keys(settings.namespace)
             self.frames = [keys.frames(spec.key) for spec in settings.models]
             self.queues = [keys.preprocess_queues(spec.key, settings.tenants) for spec in settings.models]
             self.limits = [settings.max_frames(spec) for spec in settings.models]
@@ -52,6 +52,7 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
             self.busy_until = 0.0
             self.timer_entry: Any = None
             self.client: redis.Redis | None = None
+            self.sharded = bool(settings.bulk.redis_urls)
 
         def start(self, consumer: Any) -> None:
             if PREPROCESS_QUEUE not in consumer.app.amqp.queues.consume_from:
@@ -82,6 +83,9 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
 
         def _depths(self) -> list[int]:
             assert self.client is not None
+            if self.sharded:   # the lists lie on the shards: their count, kept on the control plane
+                counts = self.client.hmget(self.keys.frames_waiting, [spec.key for spec in settings.models])
+                return [int(count or 0) for count in counts]
             pipe = self.client.pipeline(transaction=False)
             for key in self.frames:
                 pipe.llen(key)

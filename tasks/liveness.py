@@ -10,7 +10,9 @@ Every CPU and callback worker's main process, on its own event loop:
   in its own set) goes back to the front of its queue at once, through kombu's own restore; one worker at
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
-- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobStore.expire_overdue).
+- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobStore.expire_overdue);
+- with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
+  the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
 A worker that was only paused past its heartbeat (SIGSTOP, a stalled host) finds its tasks taken over: a
 child still running one cannot push its frame (the claim it holds was replaced: JobStore.enqueue_frame).
@@ -18,6 +20,7 @@ child still running one cannot push its frame (the claim it holds was replaced: 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, cast
 
@@ -28,7 +31,9 @@ from contract import jobs
 from contract.connection import connect
 from contract.keys import Keys
 from contract.settings import Settings
+from contract.shards import bulk_plane
 from tasks.broker import holder_id
+from tasks.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +83,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
             self.client: redis.Redis | None = None
             self.store: jobs.JobStore | None = None
             self.tenants: list[str] = []   # the API keys whose own queues this worker takes
+            self.watching = threading.Event()   # set: the shard watch stops
 
         def start(self, consumer: Any) -> None:
             self.client = connect(settings, socket_timeout=2.0)
@@ -88,8 +94,23 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
             self.beat(channel)
             self.entries = [consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
                             consumer.timer.call_repeatedly(sweep_s, self.sweep, priority=10)]
+            if settings.bulk.redis_urls:
+                self.watching.clear()
+                threading.Thread(target=self.watch_shards, name="shard-watch", daemon=True).start()
+
+        def watch_shards(self) -> None:
+            client = connect(settings, socket_timeout=2.0)
+            bulk = bulk_plane(settings, client)
+            watch = ShardWatch(client, bulk, keys, jobs.JobStore(client, keys, settings.jobs.ttl_s, bulk=bulk),
+                               settings.bulk.grace_s)
+            while not self.watching.wait(sweep_s):
+                try:
+                    watch.check()
+                except redis.RedisError as exc:   # the control plane away: the consumer says so; look again later
+                    log.debug("shard watch: %s", exc)
 
         def stop(self, consumer: Any) -> None:
+            self.watching.set()
             for entry in self.entries:
                 entry.cancel()
             self.entries = []

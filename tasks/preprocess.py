@@ -17,6 +17,7 @@ from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import ModelSpec, Settings
+from contract.shards import ShardUnavailable, bulk_plane
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
 
 log = logging.getLogger(__name__)
@@ -29,13 +30,20 @@ class Preprocessor:
         self.settings = settings
         self.redis = client
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, bulk=bulk_plane(settings, client))
         self.catalogue = Catalogue(settings)
 
     def run(self, job_id: str) -> str:
         """Returns what happened, for the task's log line and Flower."""
         started_at = time.time()
         claim = uuid.uuid4().hex   # this attempt's: a later delivery that claims the job again voids it
+        try:
+            return self._run(job_id, started_at, claim)
+        except ShardUnavailable as exc:   # its bytes are out of reach: it fails now, the other shards' jobs go on
+            self.store.fail(job_id, "shard_unavailable", str(exc))
+            return "failed"
+
+    def _run(self, job_id: str, started_at: float, claim: str) -> str:
         verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at, claim)
         if verdict == "missing":
             return "missing"
@@ -43,6 +51,7 @@ class Preprocessor:
             return f"skipped ({record.get('status')})"
         if verdict == "late":
             self.store.expire(job_id, "before preprocessing")
+            self.store.drop_upload(job_id)
             return "expired"
         if upload is None:
             self.store.fail(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
@@ -110,7 +119,7 @@ class Preprocessor:
                 self.store.expire(job_id, "waiting for room on the GPU list")
                 return False
             time.sleep(self.settings.backpressure.room_poll_s)
-            if self.store.frame_list_has_room(model_key, limit):
+            if self.store.frame_list_has_room(model_key, limit, job_id):
                 return True
 
 

@@ -242,3 +242,19 @@ def test_an_ab_sides_own_settings_are_read_as_yaml_by_section_and_a_malformed_on
     for malformed in ("cache.enabled", "enabled=false", ".enabled=false", "cache.=1"):
         with pytest.raises(ValueError):
             setting_overlay([malformed])
+
+
+def test_each_bulk_shards_redis_is_a_role_of_its_own_and_part_of_the_stack(tmp_path):
+    from bench.cpu import CpuSample, ms_per_image, sample
+    from bench.processes import RedisServer
+
+    shard = RedisServer(tmp_path)
+    try:
+        roles = sample(shard_ports=(shard.port,)).seconds
+        assert roles[shard.process.pid][0] == "redis-shard0"   # found by its port, not counted as the Redis
+    finally:
+        shard.stop()
+    before = CpuSample({1: ("api", 1.0), 2: ("redis-shard0", 0.0), 3: ("redis-shard1", 0.0)})
+    after = CpuSample({1: ("api", 1.3), 2: ("redis-shard0", 0.05), 3: ("redis-shard1", 0.04)})
+    table = ms_per_image(before, after, 100)
+    assert table == {"api": 3.0, "redis-shard0": 0.5, "redis-shard1": 0.4, "stack": 3.9}

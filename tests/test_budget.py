@@ -23,6 +23,9 @@ def test_admission_checks_the_backlog_and_both_budgets_in_one_step_and_reserves(
     assert counters.admit("other:1", 900, 10, 1000, 1500) == (budget.ADMITTED, 0, 900, 1500)
     redis_client.rpush(keys.frames(MODEL), b"f1", b"f2")
     assert counters.admit(MODEL, 0, 2, 1000, 1500).verdict == budget.OVER_BACKLOG           # two jobs waiting
+    redis_client.delete(keys.frames(MODEL))
+    redis_client.hset(keys.frames_waiting, MODEL, 2)                                          # on bulk shards
+    assert counters.admit(MODEL, 0, 2, 1000, 1500).verdict == budget.OVER_BACKLOG
     counters.release(MODEL, 600)
     counters.release("other:1", 5000)                                                       # never below zero
     assert counters.waiting() == {MODEL: 0, "other:1": 0, budget.ALL: 0}
@@ -47,7 +50,7 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
     write = redis_client.register_script(_WRITE_BATCH)
     job_keys, job_args = store.finish_arguments([("a" * 32, jobs.SUCCEEDED, {"result": {"detections": []}})])
     assert write(keys=[keys.callback_outbox, keys.processing("w", MODEL), keys.gpu_counters("w"),
-                       keys.gpu_epoch("w"), *job_keys],
+                       keys.gpu_epoch("w"), keys.frames_waiting, *job_keys],
                  args=[*store.finish_names(), 1, 300, MODEL, 0, "", *job_args]) == 1
     assert waiting(redis_client, keys) == {MODEL: 0, budget.ALL: 0}
     assert redis_client.llen(keys.processing("w", MODEL)) == 0
