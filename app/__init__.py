@@ -69,8 +69,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobStore.create).
     uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0,
                       max_connections=UPLOAD_CONNECTIONS)
-    # With bulk shards (contract.shards) uploads go to them instead, over as few connections each.
-    bulk = bulk_plane(settings, client, max_connections=UPLOAD_CONNECTIONS)
+    # With bulk shards (contract.shards) uploads go to them instead, over as few connections in all.
+    per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
+    bulk = bulk_plane(settings, client, max_connections=per_shard)
     store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk)
     celery = make_celery(settings)
     app.extensions["imgserve"] = Services(

@@ -221,7 +221,9 @@ class ShardedFrameSource:
         self.in_hand: deque[tuple[int, str]] = deque()   # (shard, job id) per frame handed out, oldest first
         self.early: list[deque[memoryview]] = [deque() for _ in self.shards]   # a waiter's, not yet handed out
         self.waiting = [False] * len(self.shards)       # a waiter is blocked on the shard
-        self.unsure = [False] * len(self.shards)        # a call failed: its processing list is resynced first
+        # Its processing list is given back before the shard is used: at start (a shard that was down when the
+        # worker gave back its previous life's frames still holds them), and after a call there failed.
+        self.unsure = [True] * len(self.shards)
         self.turn = 0
 
     # --- taking -----------------------------------------------------------
