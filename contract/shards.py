@@ -31,11 +31,13 @@ SHARD_SOCKET_TIMEOUT_S = 2.0   # a shard that does not answer in this is treated
 
 
 class ShardUnavailable(redis.ConnectionError):
-    """The job's shard did not answer."""
+    """The job's shard did not answer. Its text names the shard by its place in the settings only: it ends up
+    in a job's error, which clients read (the cause, with the address, stays in `__cause__` for the logs)."""
 
     def __init__(self, index: int, cause: BaseException) -> None:
-        super().__init__(f"bulk shard {index} (bulk.redis_urls[{index}]) is unreachable: {cause}")
+        super().__init__(f"the Redis shard holding this job's bytes (bulk.redis_urls[{index}]) did not answer")
         self.index = index
+        self.cause = cause
 
 
 def shard_of(job_id: str, count: int) -> int:

@@ -40,6 +40,7 @@ class Preprocessor:
         try:
             return self._run(job_id, started_at, claim)
         except ShardUnavailable as exc:   # its bytes are out of reach: it fails now, the other shards' jobs go on
+            log.warning("%s: %s", exc, exc.cause, extra={"job_id": job_id})
             self.store.fail(job_id, "shard_unavailable", str(exc))
             return "failed"
 
