@@ -1,24 +1,21 @@
 # One image per role. `app` runs the API, the CPU workers and Flower (no torch
 # in it: a CPU worker that imports torch pays seconds and hundreds of MB per
 # child); `gpu-worker` adds PyTorch (PyPI's Linux wheel is the CUDA build).
-# BASE_IMAGE: any Debian-like image with Python 3.11 and pip (a local stand-in where registries are out of
-# reach). TORCH_INDEX_URL: a wheel index for torch instead of PyPI's CUDA build, e.g. a CPU-only index or a
-# local mirror, for a GPU-worker image without a GPU.
+# BASE_IMAGE: any Debian-like image with Python 3.11 and pip (scripts/compose-images makes a local stand-in
+# where registries are out of reach). The GPU worker's torch is PyPI's CUDA build unless GPU_BASE_IMAGE is
+# an image that already holds torch (scripts/compose-images --torch-cpu: a CPU build, for a host without a
+# GPU) or TORCH_INDEX_URL names another wheel index (a CPU-only one, a local mirror).
+# Dependencies are installed before the code is copied, so a change of code rebuilds in seconds.
 ARG BASE_IMAGE=python:3.11-slim
-FROM ${BASE_IMAGE} AS base
+ARG GPU_BASE_IMAGE=
+
+FROM ${BASE_IMAGE} AS app
 WORKDIR /srv/imgserve
-COPY pyproject.toml README.md ./
-COPY contract ./contract
-COPY app ./app
-COPY tasks ./tasks
-COPY gpu_worker ./gpu_worker
-COPY configs ./configs
 # The service runs from here (its pyproject installs dependencies only, no packages).
 ENV PYTHONUNBUFFERED=1 PROMETHEUS_MULTIPROC_DIR=/tmp/prometheus PYTHONPATH=/srv/imgserve
 # The API runs as nobody and writes its multiprocess metrics here.
 RUN mkdir -p /tmp/prometheus && chmod 1777 /tmp/prometheus
-
-FROM base AS app
+COPY pyproject.toml README.md ./
 # Pillow-SIMD is built from source here: the CPU workers decode with it. The GPU worker never imports
 # Pillow, so its image has neither the compiler nor the library.
 RUN apt-get update \
@@ -28,15 +25,25 @@ RUN apt-get update \
  # Pillow-SIMD last, from source, so nothing replaces it.
  && pip install --no-cache-dir --no-deps --force-reinstall --no-binary pillow-simd "pillow-simd==12.1.1.post0" \
  && python -c "import PIL, re; assert re.search(r'\.post\d+$', PIL.__version__), PIL.__version__"
+COPY contract ./contract
+COPY app ./app
+COPY tasks ./tasks
+COPY configs ./configs
 USER nobody
 EXPOSE 8000 5555
 
-FROM base AS gpu-worker
-# The default model's weights (configs/models/shapes-yolo.yaml points here).
-COPY models ./models
+FROM ${GPU_BASE_IMAGE:-${BASE_IMAGE}} AS gpu-worker
+WORKDIR /srv/imgserve
+ENV PYTHONUNBUFFERED=1 PYTHONPATH=/srv/imgserve
+COPY pyproject.toml README.md ./
 ARG TORCH_INDEX_URL=
+# torch already in GPU_BASE_IMAGE satisfies torch==2.13.0 (a +cpu build too): pip then installs no other.
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install --no-cache-dir --index-url "$TORCH_INDEX_URL" "torch==2.13.0"; fi \
  && pip install --no-cache-dir ".[gpu]"
-ENV PROMETHEUS_MULTIPROC_DIR=
+COPY contract ./contract
+COPY gpu_worker ./gpu_worker
+COPY configs ./configs
+# The default model's weights (configs/models/shapes-yolo.yaml points here).
+COPY models ./models
 EXPOSE 9100
 CMD ["python", "-m", "gpu_worker", "--metrics-port", "9100"]

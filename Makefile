@@ -1,4 +1,4 @@
-.PHONY: run test test-fast lint docs bootstrap compose-check
+.PHONY: run test test-fast lint docs bootstrap compose-check compose-test
 
 run:          ## install what is needed, then run the whole service locally
 	scripts/run-local
@@ -24,3 +24,6 @@ bootstrap:
 
 compose-check:
 	docker-compose config -q
+
+compose-test: ## build and run the compose stack on this machine (Docker; local stand-in images), prove it, tear it down
+	scripts/compose-test

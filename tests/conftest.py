@@ -32,6 +32,9 @@ from tests.support import (
     wait_until,
 )
 
+# tests/compose builds and runs Docker images: only `make compose-test` (which sets this) collects it.
+collect_ignore = [] if os.environ.get("IMGSERVE_COMPOSE_TEST") else ["compose"]
+
 STACK_INPUT_SIZE = 320
 # The integration stacks' GPU worker device: cpu here; IMGSERVE_TEST_DEVICE=cuda runs them on a GPU.
 TEST_DEVICE = os.environ.get("IMGSERVE_TEST_DEVICE", "cpu")

@@ -212,6 +212,7 @@ def test_every_image_can_be_swapped_for_a_local_stand_in():
     """Where registries are out of reach: the service images' base and torch index are build arguments, and
     Redis's and the monitoring images are variables; the defaults are the public images."""
     local = {"BASE_IMAGE": "local/python:3.11", "TORCH_INDEX_URL": "http://mirror.local/torch-cpu",
+             "GPU_BASE_IMAGE": "local/python-torch-cpu",
              "REDIS_IMAGE": "local/redis:7", "PROMETHEUS_IMAGE": "local/prometheus", "GRAFANA_IMAGE": "local/grafana"}
     result = compose_config({**SECRETS, **local}, "--profile", "monitoring")
     assert result.returncode == 0, result.stderr
@@ -219,10 +220,27 @@ def test_every_image_can_be_swapped_for_a_local_stand_in():
     for name in ("api", "cpu-worker", "check-secrets", "gpu-worker"):
         assert services[name]["build"]["args"]["BASE_IMAGE"] == "local/python:3.11", name
     assert services["gpu-worker"]["build"]["args"]["TORCH_INDEX_URL"] == "http://mirror.local/torch-cpu"
+    assert services["gpu-worker"]["build"]["args"]["GPU_BASE_IMAGE"] == "local/python-torch-cpu"
     assert (services["redis"]["image"], services["prometheus"]["image"], services["grafana"]["image"]) == \
         ("local/redis:7", "local/prometheus", "local/grafana")
     defaults = yaml.safe_load(compose_config(SECRETS, "--profile", "monitoring").stdout)["services"]
     assert defaults["redis"]["image"] == "redis:7" and defaults["api"]["build"]["args"]["BASE_IMAGE"] == \
         "python:3.11-slim"
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
-    assert dockerfile.index("ARG BASE_IMAGE=python:3.11-slim") < dockerfile.index("FROM ${BASE_IMAGE} AS base")
+    assert dockerfile.index("ARG BASE_IMAGE=python:3.11-slim") < dockerfile.index("FROM ${BASE_IMAGE} AS app")
+    # Without GPU_BASE_IMAGE the GPU worker starts from BASE_IMAGE and installs PyPI's (CUDA) torch.
+    assert defaults["gpu-worker"]["build"]["args"]["GPU_BASE_IMAGE"] == ""
+    assert "FROM ${GPU_BASE_IMAGE:-${BASE_IMAGE}} AS gpu-worker" in dockerfile
+
+
+def test_every_shell_wrapped_service_execs_its_process_so_a_stop_reaches_it(compose):
+    """`sh -c "..."` as a container's first process ignores SIGTERM: without exec a stop waits 10 s and kills
+    (Redis then loses its last second of writes, a CPU worker its warm shutdown). The compose test checks a
+    restarted Redis shut down cleanly; this keeps the commands right for every service."""
+    wrapped = {name: service["command"] for name, service in compose["services"].items()
+               if isinstance(service.get("command"), list) and service["command"][:2] == ["sh", "-c"]}
+    assert {"redis", "cpu-worker"} <= set(wrapped)
+    for name, command in wrapped.items():
+        assert command[2].startswith("exec "), (name, command[2])
+        assert "|" not in command[2], (name, "a pipeline runs its last command in a subshell: exec would not help")
+    assert compose["services"]["redis"]["user"] == "redis"
