@@ -135,7 +135,7 @@ def _resolved_stack(env: dict[str, str], ports: dict[str, int], with_prometheus:
 
 
 @pytest.fixture(scope="module")
-def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     if not os.environ.get("IMGSERVE_COMPOSE_TEST"):
         pytest.fail("run by `make compose-test` (it builds the images and starts the engine)")
     generated = _generated_secrets()
@@ -151,14 +151,17 @@ def deployment(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]
                        flower=f"http://127.0.0.1:{ports['flower']}", receiver=f"http://127.0.0.1:{ports['receiver']}",
                        prometheus=f"http://127.0.0.1:{ports['prometheus']}" if with_prometheus else None)
     stack.compose("down", "-v", "--remove-orphans", check=False)   # what an interrupted run left
+    failed_before = request.session.testsfailed
+    started = False
     try:
         stack.compose("build", timeout=1800)
         stack.compose("up", "-d", timeout=START_S)
         wait_until(lambda: _ready(stack), START_S, interval_s=0.5, what="the API's /readyz")
+        started = True
         yield stack
     finally:
-        if os.environ.get("IMGSERVE_COMPOSE_LOGS"):
-            print(stack.compose("logs", "--no-color", "--tail", "40", check=False).stdout)
+        if not started or request.session.testsfailed > failed_before or os.environ.get("IMGSERVE_COMPOSE_LOGS"):
+            print(stack.compose("logs", "--no-color", "--tail", "40", check=False).stdout)   # what CI shows
         down = stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
         assert down.returncode == 0, down.stderr
         left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
