@@ -31,13 +31,13 @@ import pytest
 import requests
 import yaml
 
+from contract.jobs import TERMINAL
 from tests.support import REPO_ROOT, free_port, jpeg, wait_until
 
 pytestmark = pytest.mark.compose
 
 PROJECT = "imgserve-compose-test"
 RECEIVER = "callback-receiver"
-TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
 # Each step's longest wait: a 2-core machine builds, starts and restarts containers slowly.
 START_S = 180.0
 JOB_S = 120.0
@@ -94,9 +94,13 @@ class Deployment:
             assert time.monotonic() < deadline, f"job {job_id} did not end within {timeout_s} s"
             time.sleep(0.2)
 
-    def flower_tasks(self) -> dict[str, dict[str, Any]]:
+    @property
+    def flower_auth(self) -> tuple[str, str]:
         user, password = self.secrets["FLOWER_BASIC_AUTH"].split(":", 1)
-        response = requests.get(f"{self.flower}/api/tasks", auth=(user, password), timeout=10)
+        return user, password
+
+    def flower_tasks(self) -> dict[str, dict[str, Any]]:
+        response = requests.get(f"{self.flower}/api/tasks", auth=self.flower_auth, timeout=10)
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -245,8 +249,7 @@ def _consuming(stack: Deployment, container: str) -> bool:
     name = f"celery@{container[:12]}"
     if f"{name} ready." not in logs.stdout + logs.stderr:
         return False
-    user, password = stack.secrets["FLOWER_BASIC_AUTH"].split(":", 1)
-    workers = requests.get(f"{stack.flower}/api/workers", params={"status": "true"}, auth=(user, password),
+    workers = requests.get(f"{stack.flower}/api/workers", params={"status": "true"}, auth=stack.flower_auth,
                            timeout=10).json()
     return bool(workers.get(name))
 
