@@ -48,7 +48,34 @@ def close_after_refusal(app: Callable[..., Iterable[bytes]]) -> Callable[..., It
     return wrapped
 
 
+def cheap_readiness_checks() -> None:
+    """redis-py polls a pooled connection with a zero timeout before every command (is a stale reply waiting?);
+    gevent's patched poll does that with a Timeout and two switches to its hub, half again the CPU of the
+    command itself. A zero-timeout poll never blocks, so the unpatched poll does it here; any other timeout
+    (the pub/sub listener's wait) still goes through gevent's."""
+    import select
+
+    from gevent.monkey import get_original
+    from redis._parsers import hiredis as parser
+
+    unpatched_poll = get_original("select", "poll")
+    through_gevent = parser._socket_can_read
+
+    def socket_can_read(sock: Any, timeout: float | None) -> bool:
+        if timeout != 0 or hasattr(sock, "pending"):   # TLS keeps bytes above the socket: redis-py's own check
+            return bool(through_gevent(sock, timeout))  # type: ignore[arg-type]  # redis-py passes None to block
+        poller = unpatched_poll()
+        poller.register(sock, select.POLLIN)
+        return bool(poller.poll(0))
+
+    parser._socket_can_read = socket_can_read
+
+
 class ProblemGeventWorker(GeventWorker):
+    def patch(self) -> None:
+        super().patch()
+        cheap_readiness_checks()
+
     def init_process(self) -> None:
         util.write_error = write_problem   # in this worker process only; the master keeps gunicorn's
         super().init_process()

@@ -86,9 +86,7 @@ def frame_contents(options: FeedOptions) -> list[tuple[dict[str, Any], bytes]]:
         else:
             raise SystemExit(f"--source {options.source!r}: expected jpeg or synthetic")
         boxed = letterbox(image, orig_size, options.input_size)
-        geometry = {k: getattr(boxed, k) for k in ("width", "height", "pad_left", "pad_top", "scale_x",
-                                                     "scale_y", "orig_width", "orig_height")}
-        contents.append((geometry, boxed.pixels))
+        contents.append((boxed.placement.fields(), boxed.pixels))
     return contents
 
 
