@@ -10,6 +10,7 @@
   python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit
   python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
   python -m bench ab --base HEAD~1 --profile fast --closed 32 --rounds 3     # two builds, runs alternating
+  python -m bench instructions --role api,cpu-task --base HEAD~1  # instructions per request / task, two builds
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -167,6 +168,24 @@ def cmd_feed(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_instructions(args: argparse.Namespace) -> int:
+    from bench import instructions
+    from bench.ab import worktree
+
+    unknown = [role for role in args.role if role not in instructions.ROLES]
+    if unknown:
+        raise SystemExit(f"--role {','.join(unknown)}: expected some of {', '.join(instructions.ROLES)}")
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    images = load_corpus(None, count=4)
+    counted: dict[str, list] = {}
+    for role in args.role:
+        for side, root in sides.items():
+            counted.setdefault(side, []).append(instructions.count(role, root, images))
+            print(f"  {side} {role}: {counted[side][-1].per_unit / 1e6:.2f} M instructions", file=sys.stderr)
+    print(instructions.markdown(counted))
+    return 0
+
+
 def parse_option(text: str) -> tuple[str, Any]:
     """KEY=VALUE, the value read as YAML (true, 16, fp16, [1, 2])."""
     key, sep, value = text.partition("=")
@@ -255,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
     chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
     chaos.add_argument("--qps", type=float, default=8.0)
     chaos.add_argument("--duration", type=float, default=60.0)
+    instructions = sub.add_parser("instructions", help="instructions per API request pair or CPU task (valgrind): "
+                                                        "a figure this shared machine's drift does not move")
+    instructions.add_argument("--role", type=parse_list(str), default=["api", "cpu-task"],
+                              help="api (a submit and its long-poll), cpu-task (one preprocess task)")
+    instructions.add_argument("--base", help="a git ref counted too, beside this checkout")
     feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
     feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
     feed.add_argument("--profile", type=parse_list(str), default=["fast"],
@@ -276,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "feed":
         return cmd_feed(args)
+    if args.command == "instructions":
+        return cmd_instructions(args)
     if args.command == "bound":
         from bench.bound import describe
         from contract.config import load_settings

@@ -258,3 +258,22 @@ def test_each_bulk_shards_redis_is_a_role_of_its_own_and_part_of_the_stack(tmp_p
     after = CpuSample({1: ("api", 1.3), 2: ("redis-shard0", 0.05), 3: ("redis-shard1", 0.04)})
     table = ms_per_image(before, after, 100)
     assert table == {"api": 3.0, "redis-shard0": 0.5, "redis-shard1": 0.4, "stack": 3.9}
+
+
+def test_instruction_counts_are_read_from_callgrind_and_differenced_per_unit():
+    """Two runs of different lengths: what both share (start-up, imports) cancels out."""
+    from bench.instructions import Counted, callgrind_total, markdown, per_unit
+
+    header = "# callgrind format\nversion: 1\ncmd: python\nevents: Ir\nsummary: 5000000\n\nfn=main\n1 10\n"
+    assert callgrind_total(header) == 5_000_000
+    assert callgrind_total("events: Ir\nfn=x\n1 1\ntotals: 77\n") == 77
+    with pytest.raises(ValueError):
+        callgrind_total("fn=main\n")
+    assert per_unit(3_000_000, 11_000_000, 20, 100) == 100_000
+    with pytest.raises(ValueError):
+        per_unit(1, 2, 10, 10)
+    task = Counted("cpu-task", "task", 102.5e6, reference=99.0e6)
+    assert task.over_reference == pytest.approx(3.5e6)
+    assert Counted("api", "submit + long-poll", 9.6e6).over_reference is None
+    table = markdown({"this checkout": [task]})
+    assert "| this checkout | cpu-task | task | 102.50 M | 99.00 M | 3.50 M |" in table
