@@ -43,10 +43,10 @@ import redis
 import yaml
 
 from bench.processes import RedisServer, free_port, wait_until
+from bench.stack import answers_ok
 
 ROLES = ("api", "cpu-task")
 PACKAGES = ("app", "contract", "tasks", "gpu_worker")   # the measured checkout's code
-POLL_WAITS_S = 1.0   # how long after its task was queued the bench ends a job (the API under valgrind is slow)
 CHILD = Path(__file__).with_name("instructions_child.py")   # run by path: it imports the measured checkout's code
 _RESULT = {"detections": [{"box": [10.0, 20.0, 30.0, 40.0], "score": 0.9, "class_id": 0, "label": "circle"}] * 3,
            "image": {"width": 1920, "height": 1080}, "model": {"name": "shapes-yolo", "version": "2.0.0"}}
@@ -123,14 +123,8 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
     from contract.jobs import SUCCEEDED, JobStore
     from contract.keys import Keys
 
-    def answers() -> bool:
-        try:
-            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-            connection.request("GET", "/healthz")
-            return connection.getresponse().status == 200
-        except OSError:
-            return False
-    wait_until(answers, 900, interval_s=1.0, what="the API under valgrind")
+    wait_until(lambda: answers_ok(f"http://127.0.0.1:{port}/healthz", []), 900, interval_s=1.0,
+               what="the API under valgrind")
     client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=False)
     keys = Keys("imgserve")
     store, stop = JobStore(client, keys, 3600), threading.Event()
