@@ -71,7 +71,10 @@ def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], c
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
     `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`."""
     names = list(sides)
-    side_options = {name: replace(options, root=path, extra=_laid_over(options.extra, (settings or {}).get(name, {})))
+    # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
+    # be one of the broken ones.
+    side_options = {name: replace(options, root=path, launcher="procfile",
+                                  extra=_laid_over(options.extra, (settings or {}).get(name, {})))
                     for name, path in sides.items()}
     runs: list[dict[str, Any]] = []
     for i in range(rounds):

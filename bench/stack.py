@@ -43,6 +43,10 @@ class StackOptions:
     redis_args: tuple[str, ...] = ()                  # more redis-server options, e.g. ("--io-threads", "2")
     bulk_shards: int = 0                              # uploads and frames on this many more servers (contract.shards)
     root: Path = REPO_ROOT                            # the checkout the stack's processes run from
+    # ProcfileStack: "run-local" starts it as `make run` does (scripts/run-local: settings read, bootstrap checked,
+    # the supervisor with its readiness line); "procfile": the supervisor alone (bench ab: an older checkout,
+    # whose run-local may have been broken, and which has no .venv of its own)
+    launcher: str = "run-local"
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -186,8 +190,9 @@ class BaselineServer:
 
 
 class ProcfileStack:
-    """Exactly what `make run` runs (the Procfile under tools.procfile: API, CPU workers, callback worker,
-    GPU worker, Flower), on a private Redis and free ports, so bench figures are what its users see."""
+    """Exactly what `make run` runs (scripts/run-local: the Procfile under tools.procfile: API, CPU workers,
+    callback worker, GPU worker, Flower), on a private Redis and free ports, so bench figures are what its users
+    see, and every bench or test of this stack goes through make run's own script."""
 
     def __init__(self, workdir: Path, options: StackOptions) -> None:
         self.workdir = workdir
@@ -217,8 +222,9 @@ class ProcfileStack:
                "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
         env.pop("IMGSERVE_REDIS_URL", None)
         self.env = env
-        supervisor = self.supervisor = ManagedProcess("procfile", [sys.executable, "-m", "tools.procfile", "Procfile"],
-                                                      env, self.workdir, root=self.options.root)
+        argv = ([str(self.options.root / "scripts" / "run-local")] if self.options.launcher == "run-local"
+                else [sys.executable, "-m", "tools.procfile", "Procfile"])
+        supervisor = self.supervisor = ManagedProcess("procfile", argv, env, self.workdir, root=self.options.root)
         wait_until(lambda: answers_ok(self.url + "/readyz", [supervisor]), 180, interval_s=0.3,
                    what=f"make run's processes at {self.url} to be ready")
         return self

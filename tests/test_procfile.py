@@ -174,3 +174,43 @@ def test_no_restart_keeps_honchos_rule(tmp_path: Path) -> None:
     _, err = supervisor.communicate(timeout=30)
     assert supervisor.returncode == 4 and "short ended (status 4): stopping everything" in err
     assert "restart" not in err.replace("--no-restart", "")
+
+
+def test_once_the_ready_url_answers_the_ready_line_is_said_and_an_early_death_is_restarted(tmp_path: Path) -> None:
+    """make run stopped everything when a process died in its first 15 s, even after /readyz said ready: once the
+    service said it is ready, a process that dies is restarted whatever its age; and the "ready at" line comes."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    started = tmp_path / "started"
+    (tmp_path / "Procfile").write_text(
+        f"web: exec {sys.executable} -m http.server {port} --bind 127.0.0.1\n"
+        f"worker: echo up >> {started}; exec sleep 60\n")
+    err_path = tmp_path / "err"
+    with open(err_path, "w") as err:
+        supervisor = subprocess.Popen([sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"),
+                                       "--startup-s", "120", "--ready-url", f"http://127.0.0.1:{port}/",
+                                       "--ready-message", "ready at the test's URL"],
+                                      cwd=tmp_path, stderr=err, stdout=subprocess.DEVNULL,
+                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+        try:
+            text = _wait_for_text(err_path, "ready at the test's URL")
+            worker = int(text.split("worker started (pid ")[1].split(")")[0])
+            os.kill(worker, signal.SIGKILL)                  # well inside --startup-s, after ready
+            text = _wait_for_text(err_path, "worker restarted")
+            assert "stopping everything" not in text and supervisor.poll() is None
+            assert text.count("ready at the test's URL") == 1
+            supervisor.send_signal(signal.SIGINT)            # Ctrl-C
+            assert supervisor.wait(timeout=30) == 130
+        finally:
+            if supervisor.poll() is None:
+                os.killpg(supervisor.pid, signal.SIGKILL)
+
+
+def test_before_the_service_is_ready_an_early_death_still_stops_everything(tmp_path: Path) -> None:
+    supervisor = _start(tmp_path, "short: sleep 0.3; exit 5\nlong: exec sleep 60\n", None, "--startup-s", "60",
+                        "--ready-url", "http://127.0.0.1:9/never")
+    _, err = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 5 and "short ended (status 5) within 60 s of the start: stopping everything" in err

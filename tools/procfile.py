@@ -1,6 +1,7 @@
 """Run a Procfile's processes together, their output straight to ours: what `make run` runs.
 
     python -m tools.procfile [Procfile] [--kill-wait-s 10] [--startup-s 15] [--no-restart]
+                             [--ready-url URL [--ready-message TEXT]]
 
 Each line `name: command` runs under `/bin/sh -c` in its own session, with this
 environment and `.env`'s variables over it. A process that ends once the
@@ -10,7 +11,10 @@ still hold a port or a task), then it starts again after a backoff that doubles
 from 1 s to 30 s and resets once it has stayed up a minute; every death and
 restart is said on stderr. A process that ends in the first `--startup-s`
 seconds stops everything instead (a broken config fails at once, not in a
-loop). SIGINT/SIGTERM stop every process group with SIGTERM, and SIGKILL after
+loop), unless `--ready-url` answered 200 before: once the service said it is
+ready, a process that dies is restarted whatever its age. The first 200 from
+`--ready-url` also prints `--ready-message` (make run's "ready at" line).
+SIGINT/SIGTERM stop every process group with SIGTERM, and SIGKILL after
 `--kill-wait-s`; the exit status is then 130/143, else the first process's to
 end. `--no-restart` keeps honcho's rule: the first process to end stops them all.
 
@@ -28,7 +32,10 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import FrameType
 
@@ -74,13 +81,23 @@ def parse_env(text: str) -> dict[str, str]:
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
 STAYED_UP_S = 60.0      # a process up this long starts its next backoff from BACKOFF_START_S again
+READY_POLL_S = 0.5
+
+
+def answers_ok(url: str, timeout_s: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError, ValueError):   # 503 (HTTPError), refused, timed out
+        return False
 
 
 class Supervisor:
     """The processes of one Procfile, started together, kept up, and stopped together."""
 
     def __init__(self, processes: dict[str, str], env: dict[str, str], kill_wait_s: float = 10.0,
-                 startup_s: float = 15.0, restart: bool = True) -> None:
+                 startup_s: float = 15.0, restart: bool = True, ready_url: str | None = None,
+                 ready_message: str = "") -> None:
         if not processes:
             raise ValueError("the Procfile names no process")
         self.commands = processes
@@ -98,6 +115,9 @@ class Supervisor:
         self.began = time.monotonic()
         self.stopping_since: float | None = None
         self.killed = False
+        self.ready_url = ready_url
+        self.ready_message = ready_message
+        self.ready = threading.Event()   # the service answered ready_url once: the start-up window is over
 
     def say(self, message: str) -> None:
         print(f"procfile: {message}", file=sys.stderr, flush=True)
@@ -110,6 +130,8 @@ class Supervisor:
             signal.signal(sig, self._on_signal)
         for name in self.commands:
             self._start(name)
+        if self.ready_url:
+            threading.Thread(target=self._watch_readiness, name="readiness", daemon=True).start()
         while self.live or (self.restart_at and self.stopping_since is None):
             now = time.monotonic()
             for name in sorted(self.live):
@@ -144,9 +166,22 @@ class Supervisor:
         self.started_at[name] = time.monotonic()
         self.say(f"{name} {'restarted' if again else 'started'} (pid {self.shells[name].pid})")
 
+    def _watch_readiness(self) -> None:
+        """Poll ready_url until it answers 200 once (or the supervisor stops): then say so."""
+        assert self.ready_url is not None
+        while self.stopping_since is None:
+            if answers_ok(self.ready_url):
+                self.ready.set()
+                if self.stopping_since is None:   # the message as given: make run's own line
+                    print(self.ready_message or f"procfile: ready: {self.ready_url} answers", file=sys.stderr,
+                          flush=True)
+                return
+            time.sleep(READY_POLL_S)
+
     def _ended(self, name: str, returncode: int, now: float) -> None:
         """A process ended on its own: restart it (its group stopped first), or stop everything."""
-        if not self.restart or now - self.began < self.startup_s:
+        starting = not self.ready.is_set() and now - self.began < self.startup_s
+        if not self.restart or starting:
             why = "" if not self.restart else f" within {self.startup_s:g} s of the start"
             self.say(f"{name} ended (status {returncode}){why}: stopping everything")
             if self.status is None:
@@ -220,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a process ending this soon after the start stops everything (not restarted)")
     parser.add_argument("--no-restart", action="store_true",
                         help="honcho's rule: the first process to end stops all the others")
+    parser.add_argument("--ready-url", help="the service is up once this answers 200: say so (--ready-message), "
+                                            "and restart a process that dies from then on, whatever its age")
+    parser.add_argument("--ready-message", default="", help="printed once --ready-url first answers 200")
     args = parser.parse_args(argv)
     procfile: Path = args.procfile
     env = dict(os.environ)
@@ -227,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     if dotenv.is_file():
         env.update(parse_env(dotenv.read_text()))   # as honcho did: .env over the environment
     return Supervisor(parse_procfile(procfile.read_text()), env, args.kill_wait_s, args.startup_s,
-                      restart=not args.no_restart).run()
+                      restart=not args.no_restart, ready_url=args.ready_url,
+                      ready_message=args.ready_message).run()
 
 
 if __name__ == "__main__":
