@@ -33,6 +33,9 @@ limit_request_field_size = 8190
 # One line per request on top of the API's own JSON lines (a job's are "job accepted" and its reads'
 # errors) cost the API and the log relay as much as a fifth of a submission: on when asked for.
 accesslog = _api.access_log or None
+# No control socket: nothing here uses gunicornc, and its default path (~/.gunicorn/gunicorn.ctl) is one per
+# user, so a second API on the machine (a test stack, a second checkout) removed the first one's.
+control_socket_disable = True
 
 # Several worker processes: their metrics must be collected across processes, whoever is scraped.
 os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", tempfile.mkdtemp(prefix="imgserve-metrics-"))

@@ -1,7 +1,7 @@
 """Celery entry point for CPU workers and Flower:
 
     celery -A tasks.worker worker -Q preprocess --concurrency 4
-    celery -A tasks.worker flower --port 5555
+    celery -A tasks.flower flower --port 5555   (tasks.flower: the same app, for Flower)
 
 Settings come from IMGSERVE_CONFIG and the environment (contract.config).
 """

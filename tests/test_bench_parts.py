@@ -134,6 +134,7 @@ def test_the_ideal_bound_batches_greedily_and_obeys_the_profile():
     ("/v/bin/python3 /v/bin/celery -A tasks.worker worker -Q preprocess --concurrency=2", "cpu-worker"),
     ("/v/bin/celery -A tasks.worker worker -Q callbacks -P threads", "callback-worker"),
     ("/v/bin/celery -A tasks.worker flower --address=127.0.0.1 --port=5555", "flower"),
+    ("/v/bin/celery -A tasks.flower flower --address=127.0.0.1 --port=5555", "flower"),
     ("/v/bin/python -m gpu_worker --metrics-port 9100", "gpu-worker"),
     ("redis-server 127.0.0.1:6379", "redis"), ("/usr/bin/vim notes", None),
 ])
