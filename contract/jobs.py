@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, TypedDict, cast
+from typing import Any, NamedTuple, TypedDict, cast
 
 import redis
 
@@ -190,7 +190,9 @@ _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {F
 # KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5..4+M] admit()'s keys, KEYS[5+M] the job
 # hash; ARGV[1..FINISH_NAMES] finish_names(), then the digest, now, the cache TTL, the model, M, admit()'s
 # ADMISSION_ARGS arguments, the count of record field and value arguments, the record's, and the job's end
-# (finish_arguments). Returns {'hit', document} on a hit, admit()'s verdict on a miss.
+# (finish_arguments). Returns {'hit', status, document} on a hit (status `expired` when the hit came after the
+# job's deadline: finish_jobs ends it so, and the result is not stored, as for any late answer), admit()'s
+# verdict on a miss.
 _ANSWER_OR_ADMIT = FINISH_JOBS_LUA + budget.ADMIT_LUA + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n" + """
 local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
 local admission_keys = tonumber(ARGV[N + 5])
@@ -206,10 +208,14 @@ redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
 local names = finish_names(KEYS[1], 1)
 local at = N + 6 + A
 local count = tonumber(ARGV[at])
-redis.call('HSET', KEYS[job], 'result', document, unpack(ARGV, at + 1, at + count))
+redis.call('HSET', KEYS[job], unpack(ARGV, at + 1, at + count))
 redis.call('EXPIRE', KEYS[job], names.ttl)
 finish_jobs(names, job, at + 1 + count)
-return {'hit', document}
+local status = redis.call('HGET', KEYS[job], 'status')
+if status == SUCCEEDED then   -- in time: the cached answer is its result
+  redis.call('HSET', KEYS[job], 'result', document)
+end                           -- else answered after its deadline: expired as any late answer, without it
+return {'hit', status, document}
 """
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
@@ -251,6 +257,13 @@ return 1
 """
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
+
+
+class CacheHit(NamedTuple):
+    """A submission the result cache answered (JobStore.answer_or_admit): how its job ended, and the cached
+    result document (JSON text), which the job holds only if it ended `succeeded`."""
+    status: str
+    document: str
 
 # With bulk shards (contract.shards) the frame goes to the job's shard first, kept only within the shard's
 # bound: the push and this step in one MULTI, on the shard. KEYS[1] the frame list; ARGV[1] its bound.
@@ -406,11 +419,14 @@ class JobStore:
             raise
 
     def answer_or_admit(self, job_id: str, fields: Mapping[str, Any], digest: str, cache_ttl_s: int,
-                        timings: Mapping[str, float], admission: budget.AdmissionRequest) -> str | budget.Admission:
+                        timings: Mapping[str, float],
+                        admission: budget.AdmissionRequest) -> CacheHit | budget.Admission:
         """One step for a job the result cache may answer. On a hit for `digest`: the job stored over already,
-        with the cached result and `timings`, ended as any job ends (long-polls, callback); the result
-        document (JSON text). On a miss: the budgets' verdict on `admission` (its bytes reserved when
-        admitted), nothing stored. A hit needs no admission: it adds nothing to wait. See _ANSWER_OR_ADMIT."""
+        with the cached result and `timings`, ended as any job ends (long-polls, callback); (its status, the
+        result document as JSON text). The status is `expired`, without the result stored, when the hit came
+        after the job's deadline (deadline_ms shorter than the lookup). On a miss: the budgets' verdict on
+        `admission` (its bytes reserved when admitted), nothing stored. A hit needs no admission: it adds
+        nothing to wait. See _ANSWER_OR_ADMIT."""
         record = _flatten({"id": job_id, "status": QUEUED, **fields})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
@@ -420,7 +436,7 @@ class JobStore:
             keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s, admission.model_key,
                              len(admission_keys), *admission_args, len(record), *record, *job_args])
         if reply[0] == b"hit":
-            return bytes(reply[1]).decode()
+            return CacheHit(bytes(reply[1]).decode(), bytes(reply[2]).decode())
         return budget.Admission.of(reply)
 
     def _write_upload(self, client: redis.Redis, key: str, ttl_s: int, upload: bytes) -> None:

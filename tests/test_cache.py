@@ -83,7 +83,8 @@ def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(
                                    max_tenant_backlog=10)
     fields = {"model": "box:1", "received_at": time.time(), "deadline_at": time.time() + 30, "bytes": 700}
     timings = {"receive": 0.1, "total": 0.2}
-    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == document   # a full backlog: served
+    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == (jobs.SUCCEEDED, document)   # served
+                                                                                    # over a full backlog
     assert store.load("h")["status"] == jobs.SUCCEEDED and store.load("h")["result"] == json.loads(document)
     refused = store.answer_or_admit("m", fields, "unknown", 60, timings, full)
     assert refused == (budget.OVER_BACKLOG, 0, 0, 0) and store.load("m") is None
@@ -93,6 +94,26 @@ def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(
     assert budget.WaitingBytes(redis_client, keys).waiting() == {"box:1": 700, budget.ALL: 700}
     counts = redis_client.hgetall(keys.cache_stats)
     assert counts == {b"box:1:hits": b"1", b"box:1:misses": b"2"}
+
+
+def test_a_hit_past_its_deadline_is_expired_without_the_result_never_both(redis_client):
+    """deadline_ms=1 on a repeated image: the lookup came after the deadline. The 202 said succeeded and a read
+    said expired, with the result, before: one answer now, the one every later read gives."""
+    keys = Keys("cache-late")
+    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    document = '{"detections":[],"image":{"width":8,"height":8}}'
+    redis_client.set(keys.cache_entry("known"), document)
+    request = budget.AdmissionRequest("box:1", 700, max_backlog=10, max_model_bytes=10**6, max_all_bytes=10**6,
+                                      max_tenant_backlog=10)
+    received = time.time() - 0.01
+    late = {"model": "box:1", "received_at": received, "deadline_at": received + 0.001, "bytes": 700}
+    status = store.answer_or_admit("late", late, "known", 60, {"total": 10.0}, request).status
+    record = store.load("late")
+    assert status == record["status"] == jobs.EXPIRED
+    assert record.get("result") is None and record["error"]["code"] == "deadline"
+    in_time = {**late, "deadline_at": time.time() + 30}
+    assert store.answer_or_admit("on-time", in_time, "known", 60, {"total": 1.0}, request).status == jobs.SUCCEEDED
+    assert store.load("on-time")["result"] == json.loads(document)
 
 
 def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client):
@@ -154,6 +175,27 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert 0 < stats["bytes"] <= MAX_BYTES and stats["entries"] >= 1
     metrics = cache_stack.session.get(cache_stack.url("/metrics"), timeout=10).text
     assert 'imgserve_api_cache_lookups_total{model="box",result="hit",version="1"}' in metrics
+
+
+def test_a_hit_past_a_tiny_deadline_says_expired_at_once_and_on_every_read(cache_stack):
+    """The newcomer's finding: deadline_ms=1 on a repeated image got a 202 `succeeded` with the result, and a
+    read at once said `expired`, still with the result. Whatever the answer is, the 202 and the reads agree."""
+    image = jpeg(96, 80, seed=102)
+    assert cache_stack.wait_terminal(cache_stack.submit_ok(image))["status"] == "succeeded"
+    for _ in range(2):
+        accepted = cache_stack.submit(image, deadline_ms=1).json()
+        read = cache_stack.job(accepted["id"])
+        assert accepted["cache"] == "hit" and accepted["status"] == read["status"]
+        assert read["status"] in ("succeeded", "expired")
+        if read["status"] == "expired":
+            assert accepted.get("result") is None and read["result"] is None and read["error"]["code"] == "deadline"
+        else:
+            assert accepted["result"] == read["result"] is not None
+    answered = cache_stack.session.post(cache_stack.url("/v1/jobs"), params={"wait": 5}, data=image,
+                                        headers={"Content-Type": "image/jpeg"}, timeout=30)
+    assert answered.status_code == 200 and answered.json()["cache"] == "hit"      # one call, from the cache too
+    assert answered.json()["status"] == "succeeded" and answered.json()["result"]["detections"] is not None
+    assert answered.headers["Content-Location"] == f"/v1/jobs/{answered.json()['id']}"
 
 
 def test_over_a_full_backlog_a_miss_is_refused_and_a_hit_still_answered(cache_stack):
