@@ -35,6 +35,7 @@ from contract.documents import (
     job_document,
     model_ref,
     submit_options_model,
+    submit_query_model,
     wait_query_model,
 )
 from contract.models import UnknownModel, model_references
@@ -52,6 +53,12 @@ def _submit_options(settings):
                                 tuple(model_references(settings)))
 
 
+def _submit_query(settings):
+    """The options, and `wait` (the query only: it is about this request, not the job)."""
+    return submit_query_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
+                              tuple(model_references(settings)), settings.api.max_wait_s)
+
+
 @blueprint.post("")
 @operation("Submit an image for detection", tag="jobs",
            problems=((400, "An option is invalid (named in `invalid_params`), the image is empty, missing or "
@@ -59,14 +66,20 @@ def _submit_options(settings):
                            "broken, or callbacks are disabled"),
                      (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
                      413, 415, (429, "The requested model's backlog is over its limit"), 503),
-           description="Options may come as query parameters or, with a multipart body, as form fields.",
-           query=_submit_options, body=lambda settings: image_body(settings, _submit_options(settings)),
-           replies={202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
+           description="Options may come as query parameters or, with a multipart body, as form fields. "
+                       "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "
+                       "within S seconds, else the 202 comes then.",
+           query=_submit_query, body=lambda settings: image_body(settings, _submit_options(settings)),
+           replies={200: Reply("With `wait`: the job ended within it (any end: `succeeded`, `failed`, `expired` "
+                               "or `cancelled`); the same document a read answers", JobDocument,
+                               headers=("Content-Location",)),
+                    202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
                                links={name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
                                       for name, target in (("ReadJob", "jobs_get_job_get"),
                                                            ("CancelJob", "jobs_cancel_job_delete"))})})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
+    wait_s = _wait_seconds(services.settings.api.max_wait_s)   # refused before the body is read
     held = Reservation()
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     if declared is not None and ("model" in request.args or request.mimetype != "multipart/form-data"):
@@ -80,7 +93,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
         else:
             held.take(services, spec, declared)
     try:
-        return _accept(services, held)
+        return _accept(services, held, wait_s)
     except BaseException:
         held.give_back(services)   # refused after the reservation: a bad option, not an image, Redis away
         raise
@@ -111,7 +124,7 @@ class Reservation:
         self.size = 0
 
 
-def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]:
+def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     submit_options = _submit_options(settings)
     data, declared_type, form = _read_image(settings.api.max_upload_bytes, fields=submit_options.model_fields)
@@ -150,12 +163,16 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
         timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
         admission = admission_request(services, spec, len(data))
         outcome = services.store.answer_or_admit(job_id, answered, digest, settings.cache.ttl_s, timings, admission)
-        if isinstance(outcome, str):   # a hit, stored over already
+        if isinstance(outcome, jobs.CacheHit):   # the job is over already, stored as the 202 says
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
-            log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key})
-            # The answer itself in the 202: a client need not poll (it may: the job is there, succeeded).
-            answer = {"result": json.loads(outcome), "timings_ms": timings}
-            return _accepted(job_id, spec, answered, jobs.SUCCEEDED, answer)
+            status, document = outcome
+            log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
+            if wait_s > 0:
+                return _finished(services, job_id, spec)
+            # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
+            answer = ({"result": json.loads(document), "timings_ms": timings} if status == jobs.SUCCEEDED
+                      else {"error": json.loads(jobs.LATE_ERROR)})
+            return _accepted(job_id, spec, answered, status, answer)
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
         settle(services, spec, admission, outcome)   # refused: the problem says by which limit
         held.hold(len(data))
@@ -163,12 +180,37 @@ def _accept(services, held: Reservation) -> tuple[Response, int, dict[str, str]]
     queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
     # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
     task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
-    services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
-                          task=task, reserved=held.size)
-    held.size = 0   # stored: the job's bytes are given back by whatever ends it
-    log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
-                                    "model": spec.key})
-    return _accepted(job_id, spec, fields, jobs.QUEUED)
+    # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
+    event = services.listener.register(job_id) if wait_s > 0 else None
+    try:
+        services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
+                              task=task, reserved=held.size)
+        held.size = 0   # stored: the job's bytes are given back by whatever ends it
+        log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
+                                        "model": spec.key})
+        if event is None:
+            return _accepted(job_id, spec, fields, jobs.QUEUED)
+        try:
+            record = _until_ended(services, job_id, {"id": job_id, "status": jobs.QUEUED, **fields}, wait_s, event)
+            record = _expire_if_late(services, record)   # a wait ended by the deadline: over, one way or another
+        except redis.RedisError:   # the job is stored: its 202 says where, whatever the wait met
+            log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
+            return _accepted(job_id, spec, fields, jobs.QUEUED)
+    finally:
+        if event is not None:
+            services.listener.unregister(job_id, event)
+    if record["status"] in jobs.TERMINAL:
+        return _finished(services, job_id, spec, record)
+    return _accepted(job_id, spec, fields, record["status"])
+
+
+def _finished(services, job_id: str, spec, record: dict | None = None) -> tuple[Response, int, dict[str, str]]:
+    """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
+    record = record or services.store.load(job_id)
+    if record is None:   # gone already (a TTL of seconds): the 202 still tells where it was
+        return _accepted(job_id, spec, {"received_at": g.received_at}, jobs.QUEUED)
+    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
+    return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
 
 def _accepted(job_id: str, spec, fields: dict, status: str,
@@ -192,18 +234,30 @@ def get_job(job_id: str) -> Response:
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not jobs.is_job_id(job_id):
         return jsonify(job_document(_expire_if_late(services, _load_owned(services, job_id))))
-    # Listen before the first read: an end announced after it wakes this request, so one read before the
-    # wait and one after it are enough.
+    # Listen before the first read: an end announced after it wakes this request.
     event = services.listener.register(job_id)
     try:
-        record = _load_owned(services, job_id)
-        if record["status"] not in jobs.TERMINAL:
-            # No point waiting past the deadline: the job is over by then, one way or another.
-            event.wait(min(wait_s, max(0.0, record["deadline_at"] - time.time()) + 0.05))
-            record = services.store.load(job_id) or record
+        record = _until_ended(services, job_id, _load_owned(services, job_id), wait_s, event)
     finally:
         services.listener.unregister(job_id, event)
     return jsonify(job_document(_expire_if_late(services, record)))
+
+
+def _until_ended(services, job_id: str, record: dict, wait_s: float, event) -> dict:
+    """The job once it ended, or as it stands after `wait_s`. No point waiting past its deadline: it is over by
+    then, one way or another (_expire_if_late says so). A wake-up that finds it still live (the listener
+    resubscribing wakes every waiter) waits on for the time left."""
+    until = time.monotonic() + wait_s
+    while record["status"] not in jobs.TERMINAL:
+        left = min(until - time.monotonic(), record["deadline_at"] - time.time() + 0.05)
+        if left <= 0:
+            break
+        woken = event.wait(left)
+        event.clear()
+        record = services.store.load(job_id) or record
+        if not woken:
+            break
+    return record
 
 
 def _expire_if_late(services, record: dict) -> dict:

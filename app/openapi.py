@@ -41,6 +41,8 @@ PROBLEMS = {
 }
 HEADERS = {
     "Location": {"description": "the job's URL", "schema": {"type": "string"}},
+    "Content-Location": {"description": "the job's URL: the body is the job as a read of it answers",
+                         "schema": {"type": "string"}},
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}},
 }
 PATH_PARAMETERS = {
@@ -176,7 +178,8 @@ Object detection as a service that keeps the GPU fed.
 
 Submit an image with `POST /v1/jobs` (the raw body, or a multipart form with an `image` field): the answer is
 `202` with the job's id and a `Location`. Then read `GET /v1/jobs/{job_id}`; add `?wait=20` to long-poll until
-the job ends. A job ends `succeeded` (with `result.detections` in the original image's pixels), `failed`,
+the job ends. Or in one call: `POST /v1/jobs?wait=20` answers `200` with the finished job when it ends within
+those seconds (`202` as above when it has not). A job ends `succeeded` (with `result.detections` in the original image's pixels), `failed`,
 `expired` (past its `deadline_ms`) or `cancelled`. `timings_ms` is the job's time bill: how long each stage took.
 
 With `callback_url`, the job document is also POSTed there once it ends, signed:

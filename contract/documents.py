@@ -164,13 +164,16 @@ class JobLinks(Document):
 
 class JobAccepted(Document):
     id: str
-    status: Literal["queued", "succeeded"] = Field(description="succeeded: answered from the result cache "
-                                                               "(`cache` is hit); poll it as any job")
+    status: StatusName = Field(description="queued; with `wait`, where the job stands when the wait ended "
+                                           "(it had not ended: a job that ends within it answers 200); "
+                                           "succeeded: answered from the result cache (`cache` is hit), or "
+                                           "expired: that answer came after `deadline_ms`; poll it as any job")
     cache: CacheVerdict | None = Field(None, description="as the job document's")
     model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
     links: JobLinks
     result: JobResult | None = Field(None, description="with cache: hit, the answer itself: no poll is needed")
+    error: JobError | None = Field(None, description="with cache: hit and status expired, why")
     timings_ms: TimeBill = Field(None, description="with cache: hit, the job's time bill")
 
 
@@ -219,6 +222,17 @@ def submit_options_model(max_deadline_ms: int, model_references: tuple[str, ...]
                                       json_schema_extra={"enum": list(model_references)},
                                       description=SubmitOptionsBase.model_fields["model"].description))
     return create_model("SubmitOptions", __base__=SubmitOptionsBase, **fields)
+
+
+@functools.lru_cache(maxsize=8)
+def submit_query_model(max_deadline_ms: int, model_references: tuple[str, ...], max_wait_s: float) -> type[Document]:
+    """A submission's query string: its options (submit_options_model), and `wait`, which only the query takes
+    (it is about this request, not the job)."""
+    return create_model("SubmitQuery", __base__=submit_options_model(max_deadline_ms, model_references),
+                        wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
+                                           description="one call: hold the request up to this many seconds "
+                                                       "until the job ends, and answer 200 with the finished "
+                                                       "job; 202 as without it if it has not ended by then")))
 
 
 class WaitQueryBase(Document):
