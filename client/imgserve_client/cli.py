@@ -1,6 +1,7 @@
 """imgserve: submit images, read and cancel jobs from the shell.
 
     imgserve submit street.jpg photos/ --wait          # a folder: every image in it
+    imgserve submit street.jpg --draw boxes/           # and write each image with its boxes drawn (Pillow)
     imgserve status <job-id> [--wait 10]
     imgserve cancel <job-id>
     imgserve models
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from imgserve_client import ApiError, Client
+from imgserve_client.draw import DrawingUnavailable
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
@@ -45,11 +47,19 @@ def detections_table(path: Path, doc: dict) -> list[str]:
     return lines
 
 
+def draw_to(path: Path, doc: dict, out: Path, single: bool) -> Path:
+    """`--draw OUT`: the file OUT for a single image given one with an image suffix, else OUT/<name>."""
+    from imgserve_client.draw import draw_detections
+
+    target = out if single and out.suffix.lower() in IMAGE_SUFFIXES else out / path.name
+    return draw_detections(path, doc, target)
+
+
 # Per-request options: `model` is a name (routed as the deployment says) or name:version (pinned).
 OPTIONS = (("model", str), ("conf", float), ("iou", float), ("max_det", int), ("deadline_ms", int))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="imgserve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default=os.environ.get("IMGSERVE_URL", "http://localhost:8000"))
@@ -59,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     submit.add_argument("paths", nargs="+")
     submit.add_argument("--wait", action="store_true", help="wait and print the detections")
     submit.add_argument("--concurrency", type=int, default=8)
+    submit.add_argument("--draw", metavar="OUT", type=Path,
+                        help="wait, then write each image with its boxes and labels drawn: into the folder OUT "
+                             "(same file names), or to the file OUT for a single image (.jpg, .png); needs Pillow")
     for option, kind in OPTIONS:
         submit.add_argument(f"--{option.replace('_', '-')}", dest=option, type=kind)
     status = sub.add_parser("status", help="a job's state")
@@ -67,11 +80,15 @@ def main(argv: list[str] | None = None) -> int:
     cancel = sub.add_parser("cancel", help="cancel a job")
     cancel.add_argument("job_id")
     sub.add_parser("models", help="the models being served")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     client = Client(args.url, api_key=args.api_key)
     try:
         return run(args, client)
-    except ApiError as exc:
+    except (ApiError, DrawingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
 
@@ -80,6 +97,8 @@ def run(args: argparse.Namespace, client: Client) -> int:
     if args.command == "submit":
         options = {option: getattr(args, option) for option, _ in OPTIONS}
         files = expand(args.paths)
+        if args.draw is not None and not args.wait:
+            args.wait = True    # drawing needs the answer
         if not args.wait:
             for path in files:
                 print(f"{path}\t{client.submit(path, **options)['id']}")
@@ -88,6 +107,8 @@ def run(args: argparse.Namespace, client: Client) -> int:
         for path, doc in client.submit_many(files, concurrency=args.concurrency, **options):
             print("\n".join(detections_table(path, doc)))
             failed += doc["status"] != "succeeded"
+            if args.draw is not None and doc["status"] == "succeeded":
+                print(f"  drawn: {draw_to(path, doc, args.draw, single=len(files) == 1)}")
         return 1 if failed else 0
     if args.command == "status":
         print(json.dumps(client.status(args.job_id, wait_s=args.wait), indent=2))
