@@ -58,3 +58,60 @@ def test_the_clients_terminal_states_are_the_services():
     from imgserve_client import TERMINAL as client_terminal
 
     assert set(client_terminal) == {status.value for status in TERMINAL}
+
+
+def test_submit_with_wait_is_one_call_when_the_job_ends_in_time(stack):
+    client = Client(stack.api.url)
+    calls: list[str] = []
+    client.session.hooks["response"].append(lambda response, *_, **__: calls.append(response.request.method))
+    doc = client.submit(jpeg(320, 240, seed=7), wait=True)
+    assert doc["status"] == "succeeded" and calls == ["POST"]
+
+
+def test_cli_draws_the_boxes_on_the_image(stack, tmp_path):
+    from PIL import Image
+
+    from imgserve_client.draw import COLOURS
+
+    source = tmp_path / "in.jpg"
+    source.write_bytes(jpeg(400, 300, seed=8))
+    out = tmp_path / "drawn.png"
+    result = subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit",
+                             str(source), "--draw", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert f"drawn: {out}" in result.stdout
+    drawn = Image.open(out).convert("RGB")
+    assert drawn.size == (400, 300)
+    # The test model's one box is the whole image: its outline runs along the edges, in class 0's colour.
+    assert drawn.getpixel((200, 299)) == COLOURS[0] and drawn.getpixel((0, 150)) == COLOURS[0]
+    folder = tmp_path / "boxes"
+    subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit", str(source),
+                    str(source), "--draw", str(folder)], cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+    assert [p.name for p in folder.iterdir()] == ["in.jpg"]
+
+
+def test_submit_with_wait_falls_back_to_two_calls_where_the_deployment_waits_less(stack):
+    """A deployment whose api.max_wait_s is under the client's one-call wait refuses that `wait` (400, before
+    the body is read, so no job is made): the client submits again with a shorter one, and remembers. (Its
+    long-poll asked for 25 s whatever the deployment took, and failed there.)"""
+    import dataclasses
+
+    from app import create_app
+    from tests.support import ApiServer
+
+    settings = dataclasses.replace(stack.settings, api=dataclasses.replace(stack.settings.api, max_wait_s=5))
+    server = ApiServer(create_app(settings))
+    try:
+        client = Client(server.url)
+        calls: list[tuple[str, int]] = []
+        client.session.hooks["response"].append(
+            lambda response, *_, **__: calls.append((response.request.method, response.status_code)))
+        doc = client.submit(jpeg(300, 200, seed=9), wait=True)
+        assert doc["status"] == "succeeded"
+        assert calls[0] == ("POST", 400) and calls[1][0] == "POST" and calls[1][1] in (200, 202)
+        assert {method for method, _ in calls[2:]} <= {"GET"}
+        calls.clear()
+        assert client.status(doc["id"], wait_s=20)["status"] == "succeeded" and calls == [("GET", 200)]   # learnt
+    finally:
+        server.stop()

@@ -1,0 +1,127 @@
+"""What the docs name exists: routes, query options, CLI flags, Makefile targets, the samples, the imports the
+scripts make. The newcomer check (tools/newcomer_check.py, run by CI) runs the documented blocks for real; this
+file catches, in a second and without any process, a name the docs still use after the code dropped it, and
+a script that imports what a module no longer has (`make run` broke that way for several landings)."""
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import re
+from pathlib import Path
+
+from tools.newcomer_check import DOCUMENTS, documented_blocks
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PAGES = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", REPO_ROOT / "samples" / "README.md",
+         *sorted((REPO_ROOT / "docs").glob("*.md"))]
+
+
+def _text() -> str:
+    return "\n".join(page.read_text() for page in PAGES)
+
+
+def _routes() -> set[tuple[str, str]]:
+    """(method, rule) of every route the API serves, placeholders as <>."""
+    from app import create_app
+    from contract.config import load_settings
+
+    app = create_app(load_settings())
+    return {(method, re.sub(r"<[^>]+>", "<>", rule.rule)) for rule in app.url_map.iter_rules()
+            for method in rule.methods or () if method not in ("HEAD", "OPTIONS")}
+
+
+def test_every_route_the_docs_name_is_served():
+    served = _routes()
+    named = {(method, re.sub(r"[<{][^>}]+[>}]", "<>", path).rstrip(".,:;"))
+             for method, path in re.findall(r"\b(GET|POST|DELETE|PUT|PATCH) (/[A-Za-z0-9_/<>{}.-]*)", _text())}
+    assert named, "no route found in the docs: the pattern is wrong"
+    assert named - served == set(), f"documented but not served: {sorted(named - served)}"
+
+
+def test_every_query_option_the_docs_use_is_taken():
+    from contract.config import load_settings
+    from contract.documents import submit_query_model, wait_query_model
+    from contract.models import model_references
+
+    settings = load_settings()
+    submit = set(submit_query_model(60000, tuple(model_references(settings)), 30).model_fields)
+    read = set(wait_query_model(30).model_fields)
+    used = re.findall(r"/v1/jobs(/[^?\s\"']*)?\?([A-Za-z0-9_=&.$:-]+)", _text())
+    assert used
+    for path, query in used:
+        names = {pair.split("=")[0] for pair in query.split("&") if pair}
+        taken = read if path else submit
+        assert names <= taken, f"/v1/jobs{path}?{query}: {sorted(names - taken)} not taken"
+
+
+def test_every_cli_flag_the_docs_use_exists():
+    import argparse
+
+    from imgserve_client.cli import build_parser
+
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    global_flags = {flag for a in parser._actions for flag in a.option_strings}
+    uses = re.findall(r"imgserve (submit|status|cancel|models)\b([^\n`|]*)", _text())
+    assert uses
+    for command, rest in uses:
+        flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", rest.split("#")[0]))
+        known = global_flags | {flag for a in subcommands[command]._actions for flag in a.option_strings}
+        assert flags <= known, f"imgserve {command}{rest}: {sorted(flags - known)} unknown"
+
+
+def test_every_make_target_the_docs_name_exists():
+    makefile = (REPO_ROOT / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.MULTILINE))
+    named = set(re.findall(r"`make ([a-z][a-z-]*)", _text()))
+    named |= {line.split()[1] for block, _ in documented_blocks(REPO_ROOT, DOCUMENTS)
+              for line in block.text.splitlines() if line.startswith("make ") and len(line.split()) > 1}
+    assert {"run", "test"} <= named
+    assert named <= targets, f"documented but not in the Makefile: {sorted(named - targets)}"
+    run_local = (REPO_ROOT / "scripts" / "run-local").read_text()
+    for choice in set(re.findall(r"make run REDIS=(\w+)", _text())):
+        assert f"\n  {choice})" in run_local, f"make run REDIS={choice}: run-local has no such choice"
+
+
+def test_every_runnable_block_is_python_or_shell_that_parses():
+    blocks = list(documented_blocks(REPO_ROOT, DOCUMENTS))
+    assert sum(runs for _, runs in blocks) >= 4 and any(not runs for _, runs in blocks)
+    for block, _ in blocks:
+        if block.language == "python":
+            ast.parse(block.text, filename=block.where())
+
+
+def _python_imports_in_shell(text: str) -> list[tuple[str, str]]:
+    """(module, name) of each `from M import N` inside a `python -c "..."` of a shell script or Makefile."""
+    found = []
+    for snippet in re.findall(r"python3? -c [\"'](.*?)[\"']", text):
+        for module, names in re.findall(r"from ([\w.]+) import ([\w, ]+)", snippet):
+            found += [(module, name.strip()) for name in names.split(",")]
+    return found
+
+
+def test_what_the_scripts_run_can_be_imported():
+    """Every `python -c "from M import N"` and `python -m M` of scripts/, the Makefile, the Procfile and the
+    compose file names something that exists (the stale import that broke `make run` was one of these)."""
+    files = [*sorted((REPO_ROOT / "scripts").iterdir()), REPO_ROOT / "Makefile", REPO_ROOT / "Procfile",
+             REPO_ROOT / "docker-compose.yml", REPO_ROOT / "Dockerfile"]
+    text = "\n".join(path.read_text() for path in files if path.is_file())
+    for module, name in _python_imports_in_shell(text):
+        assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"
+    modules = set(re.findall(r"(?:python3?|\$python) -m ([a-z_][\w.]*)", text))
+    modules |= set(re.findall(r"celery -A ([\w.]+)", text)) | set(re.findall(r'"-A", "([\w.]+)"', text))
+    modules -= {"venv", "pip", "pytest", "coverage"}
+    assert {"tools.procfile", "tools.run_settings", "tasks.worker", "tasks.flower", "gpu_worker"} <= modules
+    for module in sorted(modules):
+        assert importlib.util.find_spec(module) is not None, f"python -m {module}: no such module"
+
+
+def test_the_shipped_shapes_samples_are_what_their_script_makes(tmp_path):
+    from training.samples import SEEDS, write_sample
+
+    for seed in SEEDS:
+        write_sample(seed, tmp_path)
+        shipped = json.loads((REPO_ROOT / "samples" / f"shapes-{seed}.truth.json").read_text())
+        assert json.loads((tmp_path / f"shapes-{seed}.truth.json").read_text()) == shipped
+        assert (REPO_ROOT / "samples" / f"shapes-{seed}.jpg").stat().st_size > 10_000
