@@ -15,7 +15,7 @@ lint:         ## install what the checks need, then lint (ruff), type-check (myp
 	.venv/bin/mypy
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
-docs:         ## build the docs site into var/site (mkdocs build --strict); .venv/bin/mkdocs serve to read it
+docs:         ## build the docs site into var/site (mkdocs build --strict): open var/site/index.html, or .venv/bin/mkdocs serve
 	scripts/bootstrap --dev
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
