@@ -246,7 +246,7 @@ def test_two_cpu_workers_share_the_jobs(deployment: Deployment):
 def _consuming(stack: Deployment, container: str) -> bool:
     """The worker said it is ready (it consumes from then on), and Flower sees it."""
     logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
-    name = f"celery@{container[:12]}"
+    name = f"cpu@{container[:12]}"   # the compose file names the CPU workers cpu@<host>
     if f"{name} ready." not in logs.stdout + logs.stderr:
         return False
     workers = requests.get(f"{stack.flower}/api/workers", params={"status": "true"}, auth=stack.flower_auth,
