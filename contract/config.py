@@ -32,6 +32,7 @@ from contract.settings import (
     JobSettings,
     LogSettings,
     ModelSpec,
+    RedisSettings,
     RoutingSettings,
     Settings,
     SettingsError,
@@ -138,6 +139,9 @@ def _check_secrets(settings: Settings) -> None:
     password = urlsplit(settings.redis_url).password
     if password:
         check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))
+    if settings.redis.sentinel_password:
+        check_secret("the Sentinels' password (redis.sentinel_password / IMGSERVE_REDIS__SENTINEL_PASSWORD)",
+                     settings.redis.sentinel_password)
     for index, url in enumerate(settings.bulk.redis_urls):
         password = urlsplit(url).password
         if password:
@@ -345,6 +349,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "callbacks": CallbackSettings,
         "routing": RoutingSettings,
         "bulk": BulkSettings,
+        "redis": RedisSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

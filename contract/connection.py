@@ -1,12 +1,17 @@
-"""Opening Redis the same way in every process."""
+"""Opening Redis the same way in every process: the server of `redis_url`, or the primary the Sentinels of
+`redis.sentinels` name (followed through failovers: a connection to a demoted primary, or one that broke,
+asks them again), and the durable write a `202` waits for (`execute_replicated`)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import hiredis
 import redis
 from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
+from redis.sentinel import Sentinel, SentinelConnectionPool
 
 from contract.settings import Settings
 
@@ -49,16 +54,88 @@ class CommandPacker:
 COMMAND_PACKER = CommandPacker()
 
 
+class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+    """Sentinel's pool (connections to whichever server is the primary now) with BlockingConnectionPool's bound:
+    at most `max_connections`, a caller waiting `timeout` for a free one."""
+
+
 def connect(settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None,
             url: str | None = None) -> redis.Redis:
     """A client returning bytes (frames are binary); timeouts bound every call. With `max_connections`, at most
     that many connections, a caller waiting up to the connect timeout for a free one. `url`: another server
-    than redis_url's (a bulk shard)."""
-    url = url or settings.redis_url
+    than redis_url's (a bulk shard: always a plain server)."""
     options: dict[str, Any] = dict(socket_connect_timeout=settings.api.redis_timeout_s, socket_timeout=socket_timeout,
                                    health_check_interval=30, retry_on_timeout=False, command_packer=COMMAND_PACKER)
+    if url is None and settings.redis.sentinels:
+        return _primary_of(settings, options, max_connections)
+    url = url or settings.redis_url
     if max_connections is None:
         return redis.Redis.from_url(url, **options)
     pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
                                                  timeout=settings.api.redis_timeout_s, **options)
     return redis.Redis(connection_pool=pool)
+
+
+def sentinels_of(settings: Settings) -> Sentinel:
+    """The Sentinels of `redis.sentinels`, asked in turn (one down is skipped), each bounded by the connect
+    timeout. Also what a process asks which server is the primary now (contract.replication)."""
+    timeout = settings.api.redis_timeout_s
+    own: dict[str, Any] = {"socket_connect_timeout": timeout, "socket_timeout": timeout}
+    if settings.redis.sentinel_password:
+        own["password"] = settings.redis.sentinel_password
+    return Sentinel(settings.redis.sentinel_addresses(), sentinel_kwargs=own)
+
+
+def _primary_of(settings: Settings, options: dict[str, Any], max_connections: int | None) -> redis.Redis:
+    """A client of the primary the Sentinels name for `redis.service`: each new connection asks them where it is,
+    and a connection that finds a demoted primary (READONLY) breaks, so the next asks again."""
+    parts = urlsplit(settings.redis_url)
+    node = {**options, "db": int(parts.path.lstrip("/") or 0)}
+    if parts.password:
+        node["password"] = unquote(parts.password)
+    if parts.username:
+        node["username"] = unquote(parts.username)
+    if parts.scheme == "rediss":
+        node["ssl"] = True
+    sentinels = sentinels_of(settings)
+    if max_connections is None:
+        client: redis.Redis = sentinels.master_for(settings.redis.service, **node)
+    else:
+        client = sentinels.master_for(settings.redis.service, connection_pool_class=BlockingSentinelConnectionPool,
+                                      max_connections=max_connections, timeout=settings.api.redis_timeout_s, **node)
+    return client
+
+
+class NotReplicated(redis.RedisError):
+    """A write that fewer replicas than asked acknowledged in time (WAIT): it may be lost in a failover."""
+
+    def __init__(self, acknowledged: int, wanted: int) -> None:
+        super().__init__(f"{acknowledged} of {wanted} replica(s) acknowledged the write in time")
+        self.acknowledged, self.wanted = acknowledged, wanted
+
+
+def execute_and_wait(client: redis.Redis, commands: Sequence[tuple[Any, ...]], replicas: int,
+                     timeout_ms: int) -> tuple[list[Any], int]:
+    """`commands`, then, on the same connection, WAIT for `replicas` replicas, at most `timeout_ms`: (their
+    replies, raw, without response callbacks; how many replicas acknowledged). WAIT counts the replicas that
+    acknowledged everything this connection wrote, so it must follow the writes on their own connection:
+    redis-py's pipeline hands its connection back before anything can follow it, and a WAIT inside MULTI
+    returns at once. A reply that is an error (or holds one: EXEC's) is raised as ResponseError."""
+    pool = client.connection_pool
+    connection: Any = pool.get_connection()   # redis-py's Connection methods are untyped
+    try:
+        connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms)]))
+        replies = [connection.read_response() for _ in range(len(commands) + 1)]
+    except BaseException:
+        connection.disconnect()   # a reply half read would be the next user's
+        raise
+    finally:
+        pool.release(connection)
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        if isinstance(reply, list):
+            for item in reply:   # EXEC's replies, one per queued command
+                if isinstance(item, redis.ResponseError):
+                    raise item
+    return replies[:-1], int(replies[-1])

@@ -8,6 +8,7 @@ import re
 from dataclasses import field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import ConfigDict
 from pydantic.dataclasses import dataclass as pydantic_dataclass
@@ -123,6 +124,50 @@ class BulkSettings:
             raise SettingsError("bulk.grace_s and bulk.retry_s must be > 0")
         if len(set(self.redis_urls)) != len(self.redis_urls):
             raise SettingsError("bulk.redis_urls: a shard is listed twice")
+
+
+_HOST_PORT = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+@settings_class
+class RedisSettings:
+    """How every process finds the control plane's Redis, and what a `202` waits for (contract.connection).
+
+    No `sentinels`: the server of `redis_url`, as it is. Sentinels listed: the primary they name for `service`,
+    followed through failovers by every process (the API, the Celery workers and Flower, the GPU workers, the
+    bench); `redis_url` then gives only the password and the database. Bulk shards stay plain servers."""
+    sentinels: tuple[str, ...] = ()   # "host:port" of each Sentinel (three or more: a majority elects)
+    service: str = "imgserve"         # the primary's name at the Sentinels (`sentinel monitor <service> ...`)
+    sentinel_password: str = ""       # the Sentinels' own (their requirepass): IMGSERVE_REDIS__SENTINEL_PASSWORD
+    # A 202 waits (Redis WAIT, on the connection that stored the job) until this many replicas acknowledged
+    # the job's record, upload and task, for at most replica_timeout_ms; fewer: the job is withdrawn and the
+    # answer is 503 (retry). -1: 1 with sentinels listed, 0 (no wait) without.
+    min_replicas: int = -1
+    replica_timeout_ms: int = 1000
+
+    def __post_init__(self) -> None:
+        for address in self.sentinels:
+            if not _HOST_PORT.match(address):
+                raise SettingsError(f"redis.sentinels: {address!r} is not host:port")
+        if len(set(self.sentinels)) != len(self.sentinels):
+            raise SettingsError("redis.sentinels: a Sentinel is listed twice")
+        if not self.service:
+            raise SettingsError("redis.service: the name the Sentinels monitor the primary by")
+        if self.min_replicas < -1 or self.replica_timeout_ms < 1:
+            raise SettingsError("redis.min_replicas must be >= -1 (-1: the default) and replica_timeout_ms >= 1")
+
+    @property
+    def replicas_per_write(self) -> int:
+        """How many replicas a 202 waits for (min_replicas, its default resolved)."""
+        return self.min_replicas if self.min_replicas >= 0 else (1 if self.sentinels else 0)
+
+    def sentinel_addresses(self) -> list[tuple[str, int]]:
+        found = []
+        for address in self.sentinels:
+            match = _HOST_PORT.match(address)
+            assert match is not None   # checked above
+            found.append((match.group(1).strip("[]"), int(match.group(2))))
+        return found
 
 
 @settings_class
@@ -330,6 +375,7 @@ class Settings:
     models: tuple[ModelSpec, ...] = ()
     routing: RoutingSettings = field(default_factory=RoutingSettings)
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis: RedisSettings = field(default_factory=RedisSettings)
     namespace: str = "imgserve"
     api: ApiSettings = field(default_factory=ApiSettings)
     logs: LogSettings = field(default_factory=LogSettings)
@@ -346,7 +392,15 @@ class Settings:
 
     @property
     def broker_url(self) -> str:
-        return self.redis_url
+        """Celery's: redis_url, or with Sentinels one `sentinel://` URL each (kombu's form), carrying redis_url's
+        password and database for the primary they name (tasks.celery_app passes the service's name)."""
+        if not self.redis.sentinels:
+            return self.redis_url
+        parts = urlsplit(self.redis_url)
+        userinfo = parts.netloc.rpartition("@")[0]
+        database = parts.path.lstrip("/") or "0"
+        return ";".join(f"sentinel://{userinfo + '@' if userinfo else ''}{address}/{database}"
+                        for address in self.redis.sentinels)
 
     @property
     def tenants(self) -> tuple[str, ...]:

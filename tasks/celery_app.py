@@ -11,7 +11,7 @@ from celery import Celery
 
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
-from tasks.broker import TRANSPORT
+from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT
 
 PREPROCESS_TASK = "imgserve.preprocess"
 CALLBACK_TASK = "imgserve.callback"
@@ -20,8 +20,9 @@ CALLBACK_TASK = "imgserve.callback"
 def make_celery(settings: Settings) -> Celery:
     app = Celery("imgserve", broker=settings.broker_url, set_as_current=False)
     app.conf.update(
-        # Redis, with one client per channel instead of one per operation (see tasks.broker).
-        broker_transport=TRANSPORT,
+        # Redis, with one client per channel instead of one per operation (see tasks.broker); through the
+        # Sentinels of settings.redis when there are any.
+        broker_transport=SENTINEL_TRANSPORT if settings.redis.sentinels else TRANSPORT,
         # JSON only: a task carries a job id, never a pickled object.
         task_serializer="json",
         accept_content=["json"],
@@ -37,7 +38,8 @@ def make_celery(settings: Settings) -> Celery:
         # Redis transport: an unacked task comes back after this long; every key Celery keeps lives
         # under the namespace, so deployments sharing a Redis database never take each other's tasks.
         broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s,
-                                  "global_keyprefix": Keys(settings.namespace).celery_prefix},
+                                  "global_keyprefix": Keys(settings.namespace).celery_prefix,
+                                  **sentinel_options(settings)},
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=settings.api.redis_timeout_s,
         # Flower shows tasks from the workers' events; the API's own "sent" event per task only doubled
@@ -47,6 +49,17 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
     )
     return app
+
+
+def sentinel_options(settings: Settings) -> dict[str, object]:
+    """kombu's Sentinel transport options: the service's name, and the Sentinels' own password and timeouts."""
+    if not settings.redis.sentinels:
+        return {}
+    own: dict[str, object] = {"socket_connect_timeout": settings.api.redis_timeout_s,
+                              "socket_timeout": settings.api.redis_timeout_s}
+    if settings.redis.sentinel_password:
+        own["password"] = settings.redis.sentinel_password
+    return {"master_name": settings.redis.service, "sentinel_kwargs": own}
 
 
 class PreprocessMessages:
