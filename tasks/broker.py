@@ -26,13 +26,16 @@ import time
 import uuid
 from typing import Any
 
+import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from contract.keys import CELERY_HELD
 
-# Named in the Celery app's `broker_transport`; the broker URL stays redis://.
+# Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
+# SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
 TRANSPORT = "tasks.broker:Transport"
+SENTINEL_TRANSPORT = "tasks.broker:SentinelTransport"
 
 
 _holder = {"id": ""}
@@ -73,6 +76,13 @@ class Channel(kombu_redis.Channel):
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
             return super()._create_client(asynchronous=True)
+        if self._pool is None and self.connection.client is None:
+            # The channel closes after its connection was lost (kombu let go of the connection first): no pool
+            # can be made for what close() still does (putting unacked messages back). Said as a connection
+            # error, which Celery's consumer ignores while it reconnects; kombu's own AttributeError stopped
+            # the worker ("Unrecoverable error"). The messages stay held: tasks.liveness or the visibility
+            # timeout gives them back.
+            raise redis.ConnectionError("the broker connection is closing")
         client = self._sync_client
         if client is None or client.connection_pool is not self.pool:   # a reconnect makes a new pool
             client = self._sync_client = super()._create_client(asynchronous=False)
@@ -81,3 +91,12 @@ class Channel(kombu_redis.Channel):
 
 class Transport(kombu_redis.Transport):
     Channel = Channel
+
+
+class SentinelChannel(Channel, kombu_redis.SentinelChannel):
+    """This module's channel (held messages, one synchronous client) whose pools connect to the primary the
+    Sentinels name (kombu's SentinelChannel: `master_name` and `sentinel_kwargs` from the transport options)."""
+
+
+class SentinelTransport(kombu_redis.SentinelTransport):
+    Channel = SentinelChannel
