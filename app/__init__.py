@@ -21,8 +21,8 @@ from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
 from contract.cache import ResultCache
 from contract.config import load_settings
-from contract.connection import connect
-from contract.jobs import JobStore
+from contract.connection import NotReplicated, connect
+from contract.jobs import JobStore, Replication
 from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import Settings
@@ -72,20 +72,23 @@ def create_app(settings: Settings | None = None) -> Flask:
     # With bulk shards (contract.shards) uploads go to them instead, over as few connections in all.
     per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
     bulk = bulk_plane(settings, client, max_connections=per_shard)
-    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk)
+    # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
+    replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms)
+    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
+    waiting = WaitingBytes(client, keys)
     celery = make_celery(settings)
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
         store=store,
         catalogue=Catalogue(settings),
         task_messages=PreprocessMessages(celery),
-        waiting=WaitingBytes(client, keys),
+        waiting=waiting,
         memory=RedisMemory(client),
         tenants=ServedTenants(client, keys, settings.celery.heartbeat_ttl_s),
         # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks); each
         # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
         listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
-                                  on_tick=_sweeper(store)),
+                                  on_tick=_sweeper(store, waiting)),
         cache=ResultCache(client, keys, settings),
     )
     app.register_blueprint(jobs.blueprint)
@@ -124,8 +127,9 @@ HTML_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; fr
 UPLOAD_CONNECTIONS = 8    # per API process: uploads written at once (more wait for one, up to the connect timeout)
 
 
-def _sweeper(store: JobStore):
-    """The listener's tick: end overdue jobs, at most once a second."""
+def _sweeper(store: JobStore, waiting: WaitingBytes):
+    """The listener's tick: end overdue jobs, and give back the bytes a refused submission could not (Redis
+    was away), at most once a second."""
     last = [0.0]
 
     def sweep() -> None:
@@ -135,6 +139,7 @@ def _sweeper(store: JobStore):
         last[0] = now
         try:
             store.expire_overdue(now)
+            waiting.flush_unreleased()
         except redis.RedisError:
             pass   # the listener has lost Redis too, and says so
     return sweep
@@ -158,7 +163,10 @@ def _install_error_handlers(app: Flask) -> None:
     def backend_unavailable(exc: Exception):
         """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
         retry = str(app.extensions["imgserve"].settings.backpressure.retry_after_s)
-        if isinstance(exc, ShardUnavailable):   # only this job's shard: the next submit goes to another
+        if isinstance(exc, NotReplicated):   # stored on the primary only: withdrawn; a retry may well succeed
+            problem = Problem(503, "not-replicated", "Service unavailable", "the job could not be stored on enough "
+                              "replicas in time and was withdrawn; retry", headers={"Retry-After": "1"})
+        elif isinstance(exc, ShardUnavailable):   # only this job's shard: the next submit goes to another
             problem = Problem(503, "shard-unavailable", "Service unavailable", "the store for this job's upload "
                               "is unreachable; retry (a new job is placed on another)", headers={"Retry-After": "1"})
         elif isinstance(exc, redis.exceptions.OutOfMemoryError):

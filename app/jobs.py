@@ -29,6 +29,7 @@ from app.uploads import (
 from contract import jobs
 from contract.cache import HIT, MISS
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
+from contract.connection import NotReplicated
 from contract.documents import (
     JobAccepted,
     JobDocument,
@@ -119,8 +120,9 @@ class Reservation:
             return
         try:
             services.waiting.release(self.spec.key, self.size)
-        except redis.RedisError:   # Redis away: the answer says so already
-            log.warning("could not give back %d reserved bytes of model %s", self.size, self.spec.key)
+        except redis.RedisError:   # Redis away: the answer says so already; given back once it answers again
+            log.warning("could not give back %d reserved bytes of model %s yet", self.size, self.spec.key)
+            services.waiting.release_later(self.spec.key, self.size)
         self.size = 0
 
 
@@ -183,8 +185,12 @@ def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, 
     # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
     event = services.listener.register(job_id) if wait_s > 0 else None
     try:
-        services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
-                              task=task, reserved=held.size)
+        try:
+            services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
+                                  task=task, reserved=held.size)
+        except NotReplicated:
+            held.size = 0   # the job held its bytes, and its withdrawal gave them back
+            raise
         held.size = 0   # stored: the job's bytes are given back by whatever ends it
         log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                         "model": spec.key})

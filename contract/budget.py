@@ -11,6 +11,7 @@ version without budgets are given back as if they had been counted).
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -113,6 +114,8 @@ class WaitingBytes:
         self.keys = keys
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
+        self._unreleased: list[tuple[str, int]] = []   # given back while Redis was away: again at each flush
+        self._lock = threading.Lock()
 
     def admit(self, model_key: str, size: int, max_backlog: int, max_model_bytes: int, max_all_bytes: int,
               tenant: str = "", tenants: Sequence[str] = ("",), max_tenant_backlog: int | None = None) -> Admission:
@@ -127,6 +130,29 @@ class WaitingBytes:
         """Give back bytes reserved for a job that was not stored after all (in a pipeline: with it)."""
         if size > 0:
             self._release(keys=[self.keys.waiting_bytes], args=[model_key, size], client=client or self.redis)
+
+    def release_later(self, model_key: str, size: int) -> None:
+        """Bytes that could not be given back (Redis away: a restart, a failover): kept here and given back at
+        the next `flush_unreleased`. Dropped, they would stay counted as waiting for good."""
+        if size > 0:
+            with self._lock:
+                self._unreleased.append((model_key, size))
+
+    def flush_unreleased(self) -> int:
+        """Give back what `release_later` kept; what Redis still refuses stays for the next flush. How many
+        were given back."""
+        with self._lock:
+            pending, self._unreleased = self._unreleased, []
+        done = 0
+        for index, (model_key, size) in enumerate(pending):
+            try:
+                self.release(model_key, size)
+            except redis.RedisError:
+                with self._lock:
+                    self._unreleased[:0] = pending[index:]
+                break
+            done += 1
+        return done
 
     def waiting(self) -> dict[str, int]:
         """Bytes waiting, per model and `*` for all."""

@@ -7,6 +7,7 @@ cancellation, an expiry) wins, and later writers change nothing.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
@@ -20,6 +21,7 @@ import redis
 from contract import budget
 from contract.budget import RELEASE_LUA
 from contract.cache import REMEMBER_LUA, CacheLimits
+from contract.connection import NotReplicated, execute_and_wait
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.replies import PayloadReader
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
@@ -103,6 +105,8 @@ return verdicts
 MOVED, GONE, POISON = 1, 0, -1
 
 # A callback queued: what the step that ends a job (or a redelivery) writes as its state.
+log = logging.getLogger(__name__)
+
 PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
 
 # What a job answered after its deadline carries instead of its result (the answer came too late to stand).
@@ -259,6 +263,16 @@ return 1
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
 
 
+class Replication(NamedTuple):
+    """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
+    (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait."""
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+
+NO_REPLICATION = Replication()
+
+
 class CacheHit(NamedTuple):
     """A submission the result cache answered (JobStore.answer_or_admit): how its job ended, and the cached
     result document (JSON text), which the job holds only if it ended `succeeded`."""
@@ -362,10 +376,13 @@ class JobStore:
     """The job records in one Redis, under one namespace."""
 
     def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, uploads: redis.Redis | None = None,
-                 cache: CacheLimits | None = None, bulk: BulkPlane | None = None) -> None:
+                 cache: CacheLimits | None = None, bulk: BulkPlane | None = None,
+                 replication: Replication = NO_REPLICATION) -> None:
         """`uploads`: the client uploads are written with (the API's: a few connections, see `create`).
         `cache`: where jobs this store ends `succeeded` leave their results (the GPU worker's); None: nowhere.
-        `bulk`: where uploads and frames lie (contract.shards); None: in `client`'s Redis."""
+        `bulk`: where uploads and frames lie (contract.shards); None: in `client`'s Redis.
+        `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns (the API's)."""
+        self.replication = replication
         self.redis = client
         self.uploads = uploads or client
         self.bulk = bulk or BulkPlane(client)
@@ -411,12 +428,34 @@ class JobStore:
         if task is not None:
             pipe.lpush(*task)
         try:
-            pipe.execute()
+            if self.replication.replicas:
+                # WAIT after the transaction, on its connection: the upload, written before it, is acknowledged
+                # with it (a replica's offset covers everything the primary wrote before). The transaction also
+                # looks for the upload: written to a primary that a failover replaced since, it is not there.
+                replies, acknowledged = execute_and_wait(
+                    self.redis, [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key),
+                                 ("EXEC",)], self.replication.replicas, self.replication.timeout_ms)
+                if acknowledged < self.replication.replicas or not replies[-1][-1]:
+                    raise NotReplicated(acknowledged if replies[-1][-1] else 0, self.replication.replicas)
+            else:
+                pipe.execute()
+        except NotReplicated:
+            self.withdraw(job_id)
+            raise
         except redis.RedisError:
             self._delete_quietly(upload_key)   # no job holds it: it would wait for its TTL
             if self.bulk.sharded:
                 self._delete_quietly(upload_key, self.bulk.client_for(job_id))
             raise
+
+    def withdraw(self, job_id: str) -> None:
+        """A job stored on the primary that too few replicas acknowledged: its submitter is told 503 (retry), so
+        it ends here and no worker spends anything on it. Quietly: Redis may be going away as well."""
+        try:
+            self.finish(job_id, FAILED, {"error": {"code": "not_replicated", "message": "stored on too few "
+                                                    "replicas in time; the submission was refused (503)"}})
+        except redis.RedisError:
+            log.warning("could not withdraw job %s, stored on too few replicas", job_id)
 
     def answer_or_admit(self, job_id: str, fields: Mapping[str, Any], digest: str, cache_ttl_s: int,
                         timings: Mapping[str, float],
@@ -432,12 +471,30 @@ class JobStore:
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
         keys = [self.keys.callback_outbox, self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats,
                 *admission_keys, *job_keys]
-        reply: Any = self._answer_or_admit(
-            keys=keys, args=[*self.finish_names(), digest, repr(time.time()), cache_ttl_s, admission.model_key,
-                             len(admission_keys), *admission_args, len(record), *record, *job_args])
+        args = [*self.finish_names(), digest, repr(time.time()), cache_ttl_s, admission.model_key,
+                len(admission_keys), *admission_args, len(record), *record, *job_args]
+        if self.replication.replicas:   # a hit is a new job, answered: on its replicas before the 202 says so
+            reply, acknowledged = self._script_and_wait(self._answer_or_admit, keys, args)
+            if reply[0] == b"hit" and acknowledged < self.replication.replicas:
+                raise NotReplicated(acknowledged, self.replication.replicas)   # (a miss waits at `create`)
+        else:
+            reply = self._answer_or_admit(keys=keys, args=args)
         if reply[0] == b"hit":
             return CacheHit(bytes(reply[1]).decode(), bytes(reply[2]).decode())
         return budget.Admission.of(reply)
+
+    def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int]:
+        """A registered script's EVALSHA, then WAIT on its connection (execute_and_wait): (its reply, replicas
+        that acknowledged). Loaded first when the server does not know it (a new primary, a restart)."""
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            replies, acknowledged = execute_and_wait(self.redis, [command], self.replication.replicas,
+                                                     self.replication.timeout_ms)
+        except redis.exceptions.NoScriptError:
+            self.redis.script_load(script.script)
+            replies, acknowledged = execute_and_wait(self.redis, [command], self.replication.replicas,
+                                                     self.replication.timeout_ms)
+        return replies[0], acknowledged
 
     def _write_upload(self, client: redis.Redis, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the
