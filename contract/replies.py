@@ -15,6 +15,8 @@ import redis
 
 # A payload's first part comes with the line before it; larger reads only copy more of it twice.
 _LINE_READ = 8192
+# Errors that say this server is no primary (now): READONLY (a replica), LOADING (restarting), MASTERDOWN.
+_NOT_THE_PRIMARY = ("READONLY", "LOADING", "MASTERDOWN")
 Reply = Any   # memoryview | bytes | int | None | list[Reply] | redis.ResponseError
 
 
@@ -22,7 +24,8 @@ class PayloadReader:
     """Sends commands in one write and parses their replies (RESP2, and RESP3's nil): a bulk string of
     any size as a memoryview over its own buffer, arrays, integers, simple strings, and errors as
     `redis.ResponseError` values in the list (the connection stays in step). Any failure of the
-    connection drops it (a half-read reply cannot be resumed); the next call reconnects."""
+    connection drops it (a half-read reply cannot be resumed), and so does a reply that says the server is
+    no primary now; the next call takes a connection through the pool again."""
 
     def __init__(self, client: redis.Redis) -> None:
         self.pool = client.connection_pool
@@ -35,15 +38,31 @@ class PayloadReader:
         connection = self.connection
         try:
             connection.send_packed_command(connection.pack_commands(commands))
-            return [self._reply(connection._sock) for _ in commands]
+            replies = [self._reply(connection._sock) for _ in commands]
         except BaseException as exc:
-            connection.disconnect()
-            self.buffer.clear()
+            self._drop()
             if isinstance(exc, socket.timeout):
                 raise redis.TimeoutError("timeout reading a reply") from exc
             if isinstance(exc, OSError):
                 raise redis.ConnectionError(f"reading a reply: {exc}") from exc
             raise
+        for reply in replies:
+            if isinstance(reply, redis.ResponseError) and str(reply).startswith(_NOT_THE_PRIMARY):
+                # A server that became a replica (a failover) or is loading (a restart): redis-py's own replies
+                # turn this into a broken connection, and so does this one, so the next call finds the primary.
+                self._drop()
+                raise redis.ConnectionError(f"the server answered {str(reply)[:80]!r}: connecting again")
+        return replies
+
+    def _drop(self) -> None:
+        """Close the connection and give it back to the pool: the next call takes one through the pool, which
+        connects as the client is configured (with Sentinels: to the primary they name now). Reusing this one
+        would reconnect to the address it had: redis-py reconnects a closed connection there directly."""
+        connection, self.connection = self.connection, None
+        self.buffer.clear()
+        if connection is not None:
+            connection.disconnect()
+            self.pool.release(connection)
 
     def bulks(self, *commands: Sequence[Any]) -> list[memoryview | None]:
         """For commands that each answer one bulk string or nil (an error is raised)."""

@@ -3,7 +3,8 @@
 Every CPU and callback worker's main process, on its own event loop:
 
 - every third of `celery.heartbeat_ttl_s`, refreshes its heartbeat (a key with that TTL) and its entry in
-  the registry of workers;
+  the registry of workers, and gives back the messages recorded as its own that none of its tasks holds
+  (`restore_unheld`: an ack or a delivery that a failover to a replica lost);
 - then looks for registered workers whose heartbeat has lapsed: their main process died (SIGKILL, OOM, a
   host gone) with tasks in hand, which kombu would give back only after `visibility_timeout_s` (300 s;
   it cannot be shorter than the longest task). Each message such a worker held (tasks.broker keeps them
@@ -66,6 +67,48 @@ def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) ->
         pipe.execute()
         reaped[holder] = len(tags)
     return reaped
+
+
+# A message recorded as this worker's for longer than this, that no task of its holds, is given back: recorded
+# after its delivery, it is in hand within milliseconds.
+UNHELD_GRACE_S = 10.0
+
+
+def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_hand: set[str], now: float) -> int:
+    """Give back the messages recorded as held by this live worker that none of its tasks holds: a failover
+    to a replica that missed their ack (the task ended, its message still 'unacked' on the new primary), or
+    missed the delivery's reply (the worker never got it). Kombu would give them back only after
+    visibility_timeout (300 s), past any job's deadline; the reaper gives back only dead workers'. Returns how
+    many went back to their queues."""
+    held = [tag.decode() for tag in cast(set[bytes], client.smembers(keys.celery_held(me)))]
+    candidates = [tag for tag in held if tag not in in_hand]
+    if not candidates:
+        return 0
+    # Kombu's keys carry its global_keyprefix (its prefixing client leaves ZMSCORE's key as it is).
+    scores = client.zmscore(keys.celery_prefix + channel.unacked_index_key, candidates)
+    restored = 0
+    for tag, delivered_at in zip(candidates, scores):
+        if delivered_at is not None and delivered_at > now - UNHELD_GRACE_S:
+            continue   # delivered a moment ago: its task may not be in hand yet
+        if delivered_at is not None:
+            channel.qos.restore_by_tag(tag)   # back on its queue; its held entry goes with it
+            restored += 1
+        else:
+            client.srem(keys.celery_held(me), tag)   # acked after all: only the record was left
+    return restored
+
+
+def tags_in_hand() -> set[str]:
+    """The delivery tags of the tasks this worker process has received and not finished."""
+    from celery.worker import state
+
+    tags = set()
+    for request in list(state.reserved_requests):
+        message = getattr(request, "message", None)
+        tag = getattr(message, "delivery_tag", None)
+        if tag is not None:
+            tags.add(str(tag))
+    return tags
 
 
 def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
@@ -134,6 +177,10 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
                 for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_by_tag).items():
                     log.warning("worker %s was found dead: %d tasks it held are back on their queues", holder,
                                 count, extra={"dead_worker": holder, "tasks": count})
+                restored = restore_unheld(self.client, keys, me, channel, tags_in_hand(), time.time())
+                if restored:
+                    log.warning("%d tasks recorded as this worker's that it does not hold (a lost ack or delivery: "
+                                "a failover) are back on their queues", restored, extra={"tasks": restored})
             except redis.RedisError as exc:   # Redis away: the consumer reconnects on its own; beat again later
                 log.warning("worker heartbeat: %s", exc)
 

@@ -34,15 +34,27 @@ class Preprocessor:
         self.catalogue = Catalogue(settings)
 
     def run(self, job_id: str) -> str:
-        """Returns what happened, for the task's log line and Flower."""
+        """Returns what happened, for the task's log line and Flower. The job store away (a failover to another
+        primary, a restart) is waited out here, for most of the task's time limit: a task that failed instead
+        would be acked and its job left in `preprocessing` until its deadline."""
         started_at = time.time()
-        claim = uuid.uuid4().hex   # this attempt's: a later delivery that claims the job again voids it
-        try:
-            return self._run(job_id, started_at, claim)
-        except ShardUnavailable as exc:   # its bytes are out of reach: it fails now, the other shards' jobs go on
-            log.warning("%s: %s", exc, exc.cause, extra={"job_id": job_id})
-            self.store.fail(job_id, "shard_unavailable", str(exc))
-            return "failed"
+        give_up_at = time.monotonic() + self.settings.celery.task_time_limit_s * STORE_RETRY_SHARE
+        backoff = STORE_RETRY_FIRST_S
+        while True:
+            claim = uuid.uuid4().hex   # this attempt's: a later delivery that claims the job again voids it
+            try:
+                return self._run(job_id, started_at, claim)
+            except ShardUnavailable as exc:   # its bytes are out of reach: it fails now, the other shards' go on
+                log.warning("%s: %s", exc, exc.cause, extra={"job_id": job_id})
+                self.store.fail(job_id, "shard_unavailable", str(exc))
+                return "failed"
+            except (redis.ConnectionError, redis.TimeoutError) as exc:
+                if time.monotonic() + backoff > give_up_at:
+                    raise
+                log.warning("job store unavailable (%s); trying the job again in %.1f s", exc, backoff,
+                            extra={"job_id": job_id})
+                time.sleep(backoff)
+                backoff = min(backoff * 2, STORE_RETRY_MAX_S)
 
     def _run(self, job_id: str, started_at: float, claim: str) -> str:
         verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at, claim)
@@ -137,6 +149,9 @@ class Preprocessor:
 
 
 OOM_RETRY_S = 0.5   # a CPU worker whose push Redis refused for memory tries again after this
+# The job store unreachable: tried again after 0.1 s, doubling to 2 s, for at most this share of the task's
+# time limit (Sentinel's failover takes a few seconds; a Redis restart as long as it loads).
+STORE_RETRY_FIRST_S, STORE_RETRY_MAX_S, STORE_RETRY_SHARE = 0.1, 2.0, 0.75
 
 
 def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
