@@ -6,6 +6,7 @@
   python -m bench diagnose --url http://localhost:8000
   python -m bench tune --device sim --qps 18 --sla-ms 800
   python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
+  python -m bench chaos --scenario failover --qps 20 --duration 40   # the Redis primary SIGKILLed (Sentinel)
   python -m bench bound --qps 18,28                         # the floor the device profile allows
   python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit
   python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
@@ -274,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
     chaos.add_argument("--qps", type=float, default=8.0)
     chaos.add_argument("--duration", type=float, default=60.0)
+    chaos.add_argument("--scenario", choices=("kills", "failover"), default="kills",
+                       help="kills: workers and Redis killed and restarted; failover: make run's stack behind "
+                            "Sentinel (REDIS=sentinel), the primary SIGKILLed, back later as a replica")
+    chaos.add_argument("--kill-at", type=float, default=10.0, help="failover: seconds into the load")
+    chaos.add_argument("--back-after", type=float, default=10.0,
+                       help="failover: seconds from the kill until the killed server starts again")
     instructions = sub.add_parser("instructions", help="instructions per API request pair or CPU task (valgrind): "
                                                         "a figure this shared machine's drift does not move")
     instructions.add_argument("--role", type=parse_list(str), default=["api", "cpu-task"],
@@ -318,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "ab":
         return cmd_ab(args, images)
+    if args.command == "chaos" and args.scenario == "failover":
+        from bench.failover import format_failover, run_failover
+        tally = run_failover(stack_options(args, cpu_workers=args.cpu_workers), images, args.qps, args.duration,
+                             args.kill_at, args.back_after, log=lambda line: print(f"  {line}", file=sys.stderr))
+        print(format_failover(tally))
+        return 0 if tally["lost"] == 0 and tally["restarted"] == 0 else 1
     if args.command == "chaos":
         from bench.chaos import format_tally, run_chaos
         tally = run_chaos(stack_options(args), images, args.qps, args.duration,

@@ -17,6 +17,7 @@ from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv,
 
 if TYPE_CHECKING:
     from bench.runs import CpuScope
+    from tools.redis_ha import RedisHA
 
 
 def legacy_api_env(port: int, workers: int | None = None, threads: int | None = None) -> dict[str, str]:
@@ -47,6 +48,9 @@ class StackOptions:
     # the supervisor with its readiness line); "procfile": the supervisor alone (bench ab: an older checkout,
     # whose run-local may have been broken, and which has no .venv of its own)
     launcher: str = "run-local"
+    # ProcfileStack: the control plane behind Sentinel (tools.redis_ha: a primary, a replica, three Sentinels),
+    # as `make run REDIS=sentinel` runs it; every 202 then waits for the replica (settings.redis)
+    sentinel: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -69,6 +73,15 @@ class StackOptions:
             both_sections = isinstance(value, dict) and isinstance(config.get(section), dict)
             config[section] = {**config[section], **value} if both_sections else value
         return config
+
+
+def _laid_over(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`over`'s sections merged into `base`'s, key by key."""
+    merged = dict(base)
+    for section, value in over.items():
+        both = isinstance(value, dict) and isinstance(merged.get(section), dict)
+        merged[section] = {**merged[section], **value} if both else value
+    return merged
 
 
 def start_shards(workdir: Path, options: StackOptions) -> list[RedisServer]:
@@ -198,6 +211,8 @@ class ProcfileStack:
         self.workdir = workdir
         self.options = options
         self.redis: RedisServer | None = None
+        self.ha: RedisHA | None = None
+        self.redis_url = ""
         self.shards: list[RedisServer] = []
         self.supervisor: ManagedProcess | None = None
         self.url = ""
@@ -205,12 +220,11 @@ class ProcfileStack:
 
     def start(self) -> ProcfileStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
-                                 extra_args=self.options.redis_args)
+        config = self._control_plane()
         self.shards = start_shards(self.workdir, self.options)
         config_path = self.workdir / "config.yaml"
         shard_urls = [shard.url for shard in self.shards]
-        config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url, shard_urls)))
+        config_path.write_text(yaml.safe_dump(_laid_over(self.options.config(self.redis_url, shard_urls), config)))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         metrics_dir = self.workdir / "prometheus"
@@ -229,10 +243,31 @@ class ProcfileStack:
                    what=f"make run's processes at {self.url} to be ready")
         return self
 
+    def _control_plane(self) -> dict[str, Any]:
+        """A private redis-server, or (options.sentinel) a primary, a replica and three Sentinels: the settings
+        that point the stack's processes at it."""
+        if not self.options.sentinel:
+            self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
+                                     extra_args=self.options.redis_args)
+            self.redis_url = self.redis.url
+            return {}
+        from tools.redis_ha import RedisHA
+
+        self.ha = RedisHA(self.workdir / "redis-ha").start()
+        self.redis_url = "redis://127.0.0.1:6379/0"   # with Sentinels, only its database and password count
+        return {"redis": {"sentinels": self.ha.sentinels, "service": self.ha.service}}
+
+    def control_plane_port(self) -> int | None:
+        """The port of the Redis that holds the control plane now (the primary, with Sentinels)."""
+        if self.ha is not None:
+            primary = self.ha.primary()
+            return self.ha.nodes[primary].port if primary else None
+        return self.redis.port if self.redis else None
+
     def cpu_scope(self) -> CpuScope:
         from bench.runs import CpuScope
 
-        return CpuScope(self.redis.port if self.redis else None,
+        return CpuScope(self.control_plane_port(),
                         frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset(),
                         tuple(shard.port for shard in self.shards))
 
@@ -241,5 +276,7 @@ class ProcfileStack:
             self.supervisor.stop(timeout_s=40)
         if self.redis:
             self.redis.stop()
+        if self.ha is not None:
+            self.ha.stop()
         for shard in self.shards:
             shard.stop()
