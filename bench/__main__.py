@@ -126,14 +126,17 @@ def cmd_ab(args: argparse.Namespace, images: list[bytes]) -> int:
     from bench.ab import markdown as ab_markdown
     from bench.ab import run_ab, setting_overlay, worktree
 
-    a_name = " ".join([f"A {args.base}", *args.base_set])
-    b_name = " ".join(["B " + (args.head or "this checkout"), *args.head_set])
+    a_name = " ".join([f"A {args.base}", *args.base_set, *(["(Sentinel)"] if args.base_sentinel else [])])
+    b_name = " ".join(["B " + (args.head or "this checkout"), *args.head_set,
+                       *(["(Sentinel)"] if args.head_sentinel else [])])
     sides = {a_name: worktree(args.base), b_name: Path(args.head).resolve() if args.head else REPO_ROOT}
     options = stack_options(args, cpu_workers=args.cpu_workers)
     concurrency, duration = args.closed[0], args.closed_duration
     settings = {a_name: setting_overlay(args.base_set), b_name: setting_overlay(args.head_set)}
     outcome = run_ab(sides, options, images, concurrency, duration, args.rounds, upload=args.upload,
-                     log=lambda line: print(f"  {line}", file=sys.stderr), settings=settings)
+                     log=lambda line: print(f"  {line}", file=sys.stderr), settings=settings,
+                     sentinel=frozenset(name for name, on in ((a_name, args.base_sentinel),
+                                                              (b_name, args.head_sentinel)) if on))
     text = ab_markdown(outcome, sides, options, concurrency, duration)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -247,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ab.add_argument("--base", required=True, help="the git ref measured as A (checked out under .bench/ab/)")
     ab.add_argument("--head", help="the checkout measured as B (default: this one)")
     ab.add_argument("--rounds", type=int, default=3, help="runs of each side")
+    ab.add_argument("--base-sentinel", action="store_true",
+                    help="side A behind Sentinel (a primary, two replicas, three Sentinels; 202s wait for a replica)")
+    ab.add_argument("--head-sentinel", action="store_true", help="side B behind Sentinel")
     ab.add_argument("--base-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a setting of A's own (repeatable), e.g. cache.enabled=false with --base HEAD")
     ab.add_argument("--head-set", action="append", default=[], metavar="SECTION.KEY=VALUE",

@@ -36,6 +36,8 @@ FIGURES = (("images/s", lambda r: r["achieved_qps"]),
            ("Flower", lambda r: r.get("cpu_ms_per_image", {}).get("flower")),
            ("Redis", lambda r: r.get("cpu_ms_per_image", {}).get("redis")),
            ("Redis main thread", lambda r: r.get("cpu_ms_per_image", {}).get("redis-main")),
+           ("Redis replicas", lambda r: r.get("cpu_ms_per_image", {}).get("redis-replica")),
+           ("Sentinels", lambda r: r.get("cpu_ms_per_image", {}).get("redis-sentinel")),
            ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
            ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")))
 
@@ -67,13 +69,16 @@ def setting_overlay(assignments: list[str]) -> dict[str, Any]:
 
 def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], concurrency: int, duration_s: float,
            rounds: int, upload: str = "raw", log: Callable[[str], None] = lambda line: None,
-           settings: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+           settings: dict[str, dict[str, Any]] | None = None,
+           sentinel: frozenset[str] = frozenset()) -> dict[str, Any]:
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
-    `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`."""
+    `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`. `sentinel`: the sides
+    whose control plane is a Sentinel set (a primary, two replicas, three Sentinels; every 202 waits for a
+    replica), their replicas' and Sentinels' CPU counted in the stack's."""
     names = list(sides)
     # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
     # be one of the broken ones.
-    side_options = {name: replace(options, root=path, launcher="procfile",
+    side_options = {name: replace(options, root=path, launcher="procfile", sentinel=name in sentinel,
                                   extra=_laid_over(options.extra, (settings or {}).get(name, {})))
                     for name, path in sides.items()}
     runs: list[dict[str, Any]] = []

@@ -11,6 +11,7 @@ those that died during it are lost (their time is not in /proc any more).
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,8 +28,8 @@ ROLES = (
     ("supervisor", ("honcho",)),              # or a deployment's own honcho
     ("baseline", ("-m baseline",)),
 )
-ROLE_ORDER = ("api", "cpu-worker", "gpu-worker", "callback-worker", "flower", "redis", "supervisor", "baseline",
-              "bench")
+ROLE_ORDER = ("api", "cpu-worker", "gpu-worker", "callback-worker", "flower", "redis", "redis-replica",
+              "redis-sentinel", "supervisor", "baseline", "bench")
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -72,10 +73,12 @@ SHARD_ROLE = "redis-shard"   # + the shard's index: a bulk shard's redis-server 
 
 
 def sample(redis_port: int | None = None, bench_pid: int | None = None,
-           sessions: set[int] | None = None, shard_ports: tuple[int, ...] = ()) -> CpuSample:
+           sessions: set[int] | None = None, shard_ports: tuple[int, ...] = (),
+           port_roles: tuple[tuple[int, str], ...] = ()) -> CpuSample:
     """Every process of a role on this machine now: by its own command line, else its nearest
     ancestor's (prefork children, gunicorn workers); with `sessions`, only the processes in those
-    sessions and their descendants (a bench stack's own), and its Redis."""
+    sessions and their descendants (a bench stack's own), and its Redis. `port_roles`: more redis-servers,
+    each (port, role) (a Sentinel set's replicas and Sentinels)."""
     processes = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (read := _read(int(entry))) is not None:
@@ -92,6 +95,11 @@ def sample(redis_port: int | None = None, bench_pid: int | None = None,
                       and processes[pid][0].rstrip().endswith(f":{port}")), None)
         if shard is not None:
             roles[pid] = f"{SHARD_ROLE}{shard}"
+            continue
+        named = next((role for port, role in port_roles if "redis-server" in processes[pid][0]
+                      and re.search(rf":{port}\b", processes[pid][0])), None)
+        if named is not None:
+            roles[pid] = named
             continue
         chain = list(lineage(pid))
         role = next((r for p in chain if (r := role_of(processes[p][0], redis_port)) is not None), None)

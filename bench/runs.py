@@ -22,10 +22,11 @@ class CpuScope:
     redis_port: int | None = 6379
     sessions: frozenset[int] | None = None
     shard_ports: tuple[int, ...] = ()    # the bulk shards' redis-servers (each reported as redis-shard<i>)
+    port_roles: tuple[tuple[int, str], ...] = ()   # more redis-servers by port: (port, role)
 
     def sample(self) -> cpu.CpuSample:
         return cpu.sample(self.redis_port, os.getpid(), set(self.sessions) if self.sessions is not None else None,
-                          self.shard_ports)
+                          self.shard_ports, self.port_roles)
 
 
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,

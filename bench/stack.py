@@ -267,9 +267,13 @@ class ProcfileStack:
     def cpu_scope(self) -> CpuScope:
         from bench.runs import CpuScope
 
-        return CpuScope(self.control_plane_port(),
-                        frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset(),
-                        tuple(shard.port for shard in self.shards))
+        primary = self.control_plane_port()
+        others: tuple[tuple[int, str], ...] = ()
+        if self.ha is not None:   # the replicas and the Sentinels are the failover's cost: counted as roles
+            others = tuple((node.port, "redis-sentinel" if name.startswith("s") else "redis-replica")
+                           for name, node in self.ha.nodes.items() if node.port != primary)
+        return CpuScope(primary, frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset(),
+                        tuple(shard.port for shard in self.shards), others)
 
     def stop(self) -> None:
         if self.supervisor:
