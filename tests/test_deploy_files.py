@@ -244,3 +244,23 @@ def test_every_shell_wrapped_service_execs_its_process_so_a_stop_reaches_it(comp
         assert command[2].startswith("exec "), (name, command[2])
         assert "|" not in command[2], (name, "a pipeline runs its last command in a subshell: exec would not help")
     assert compose["services"]["redis"]["user"] == "redis"
+
+
+def test_the_ha_file_puts_every_process_behind_the_sentinels_and_keeps_the_password_off_command_lines():
+    """docker-compose.ha.yml laid over the main file: two replicas and three Sentinels (quorum 2), and every
+    process of the service (API, CPU and callback workers, GPU worker, Flower) given the Sentinels."""
+    result = compose_config(SECRETS, "-f", "docker-compose.yml", "-f", "docker-compose.ha.yml")
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    sentinels = [name for name in services if name.startswith("sentinel-")]
+    assert len(sentinels) == 3
+    for name in sentinels:
+        command = " ".join(services[name]["command"])
+        assert "sentinel monitor imgserve redis 6379 2" in command and "--sentinel" in command
+    for name in ("redis-replica-1", "redis-replica-2"):
+        assert "--replicaof redis 6379" in " ".join(services[name]["command"])
+    for name in ("api", "cpu-worker", "callback-worker", "gpu-worker", "flower"):
+        env = services[name]["environment"]
+        assert env["IMGSERVE_REDIS__SENTINELS"] == "[sentinel-1:26379, sentinel-2:26379, sentinel-3:26379]"
+    for name, service in services.items():
+        assert SECRETS["REDIS_PASSWORD"] not in " ".join(service.get("command") or []), name

@@ -185,5 +185,6 @@ def test_make_run_redis_sentinel_starts_and_stops_the_set(tmp_path):
     assert "export IMGSERVE_REDIS__SENTINELS='[127.0.0.1:" in started.stdout
     ha = RedisHA.load(folder)
     assert all(node.alive() for node in ha.nodes.values()) and ha.primary() == "a"
-    subprocess.run([sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)], env=env, timeout=60, check=True)
+    subprocess.run([sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)], env=env, timeout=60,
+                   check=True)
     assert not any(node.alive() for node in ha.nodes.values())
