@@ -45,6 +45,11 @@ blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
 
 
+# Query parameters POST /v1/jobs takes besides its options (contract.documents' submit_options_model): any other
+# name is refused. `wait` is the submission's long-poll.
+SUBMIT_QUERY_NAMES: frozenset[str] = frozenset({"wait"})
+
+
 def _submit_options(settings):
     """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
     `model` takes the names and name:version a request may reach."""
@@ -54,9 +59,9 @@ def _submit_options(settings):
 
 @blueprint.post("")
 @operation("Submit an image for detection", tag="jobs",
-           problems=((400, "An option is invalid (named in `invalid_params`), the image is empty, missing or "
-                           "given twice, the body is shorter than its Content-Length or its chunked framing is "
-                           "broken, or callbacks are disabled"),
+           problems=((400, "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
+                           "missing or given twice, the form has more than 64 parts, the body is shorter than its "
+                           "Content-Length or its chunked framing is broken, or callbacks are disabled"),
                      (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
                      413, 415, (429, "The requested model's backlog is over its limit"), 503),
            description="Options may come as query parameters or, with a multipart body, as form fields.",
@@ -67,6 +72,9 @@ def _submit_options(settings):
                                                            ("CancelJob", "jobs_cancel_job_delete"))})})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
+    # A misspelt option (`maxdet=1`) is refused as it is in the form, before the body is read.
+    refuse_unknown_fields(request.args.keys(), known={*_submit_options(services.settings).model_fields,
+                                                      *SUBMIT_QUERY_NAMES}, where="query parameter")
     held = Reservation()
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     if declared is not None and ("model" in request.args or request.mimetype != "multipart/form-data"):

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from app import create_app, openapi
-from tests.support import ApiServer
+from tests.support import ApiServer, jpeg
 
 pytestmark = pytest.mark.integration
 
@@ -67,3 +67,19 @@ def test_the_docs_page_and_the_document_are_built_once_and_served_as_they_were(s
     assert all(doc.status_code == 200 and doc.content == first.json for doc in documents)
     assert documents[0].headers["Content-Type"] == "application/json"
     assert documents[0].json()["paths"]["/v1/jobs"]["post"]["operationId"] == "jobs_submit_job_post"
+
+
+def test_a_misspelt_query_option_is_refused_as_a_misspelt_form_field_is(stack):
+    response = requests.post(stack.url("/v1/jobs"), params={"maxdet": "1"}, data=jpeg(64, 64),
+                             headers={"Content-Type": "image/jpeg"}, timeout=30)
+    assert response.status_code == 400 and response.headers["Content-Type"] == "application/problem+json"
+    assert response.json()["invalid_params"] == [{"name": "maxdet", "reason": "not a query parameter of this "
+                                                                              "operation"}]
+    assert "unknown query parameter(s): 'maxdet'" in response.json()["detail"]
+    spelt = requests.post(stack.url("/v1/jobs"), params={"max_det": "1"}, data=jpeg(64, 64),
+                          headers={"Content-Type": "image/jpeg"}, timeout=30)
+    assert spelt.status_code == 202, spelt.text
+    # `wait` on a submission is another change's (app.jobs.SUBMIT_QUERY_NAMES): never refused as unknown.
+    waiting = requests.post(stack.url("/v1/jobs"), params={"wait": "1"}, data=jpeg(64, 64),
+                            headers={"Content-Type": "image/jpeg"}, timeout=30)
+    assert waiting.status_code != 400, waiting.text
