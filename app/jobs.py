@@ -10,11 +10,12 @@ from collections.abc import Collection
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from werkzeug.datastructures import MultiDict
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import metrics
 from app.admission import admission_request, admit, settle
 from app.auth import owns
-from app.multipart import parse_form
+from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
@@ -325,15 +326,21 @@ def _read_image(limit: int, fields: Collection[str]) -> tuple[bytes, str | None,
     request.environ["wsgi.input_terminated"] = False
     if request.mimetype != "multipart/form-data":
         return body, request.mimetype, MultiDict()
-    form = parse_form(body, request.content_type or "")
-    if form is not None:
-        uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
-        given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
-    else:
-        uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
-        given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
-        if not uploads:
-            _refuse_unparsable_multipart(body)
+    try:
+        form = parse_form(body, request.content_type or "")
+        if form is not None:
+            uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
+            given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
+        else:   # Werkzeug's parser, held to the same count (create_app sets MAX_FORM_PARTS)
+            uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
+            given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
+    except (TooManyParts, RequestEntityTooLarge) as exc:
+        # Werkzeug says 413 for too many parts, and the body was within the size limit: a form of this shape is
+        # no submission, whatever its size (one image and a few options).
+        raise Problem(400, "too-many-parts", "Too many parts", f"the multipart body has more than {MAX_PARTS} "
+                      "parts; a submission is one 'image' part and its options") from exc
+    if form is None and not uploads:
+        _refuse_unparsable_multipart(body)
     refuse_unknown_fields(part_names, known={"image", *fields})
     if not uploads:
         raise Problem(400, "missing-image", "Missing image",
