@@ -274,8 +274,10 @@ def _checked_callback_url(url: str | None, settings) -> str | None:
     try:
         check_callback_url(url, settings.callbacks.allow_hosts)
     except CallbackRefused as exc:
-        raise Problem(400, "invalid-parameter", "Invalid parameter", str(exc),
-                      invalid_params=[{"name": "callback_url", "reason": str(exc)}]) from exc
+        # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
+        log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
+        raise Problem(400, "invalid-parameter", "Invalid parameter", f"callback_url: {exc.public}",
+                      invalid_params=[{"name": "callback_url", "reason": exc.public}]) from exc
     return url
 
 

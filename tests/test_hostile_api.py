@@ -10,6 +10,7 @@ import requests
 
 from app import create_app, openapi
 from app.multipart import MAX_PARTS
+from contract.callbacks import REFUSED_HOST
 from tests.support import ApiServer, jpeg
 
 pytestmark = pytest.mark.integration
@@ -101,3 +102,18 @@ def test_a_form_of_thousands_of_tiny_parts_is_told_so_not_that_it_is_too_large(s
     assert response.status_code == 400 and response.headers["Content-Type"] == "application/problem+json"
     document = response.json()
     assert document["type"] == "/problems/too-many-parts" and f"more than {MAX_PARTS} parts" in document["detail"]
+
+
+@pytest.mark.parametrize("url", ["http://no-such-host.invalid/hook", "http://10.0.0.1/hook", "http://[::1]:8080/",
+                                 "http://127.0.0.2:6379/"])
+def test_a_refused_callback_url_says_nothing_of_what_its_host_resolves_to(stack, url):
+    """"'vm' resolves to 127.0.0.1" and "does not resolve" told a client what internal names are: every host the
+    lookup refuses gets one answer (the reason goes to the API's log)."""
+    response = stack.submit(jpeg(64, 64), callback_url=url)
+    assert response.status_code == 400
+    document = response.json()
+    assert [param["name"] for param in document["invalid_params"]] == ["callback_url"]
+    assert document["invalid_params"][0]["reason"] == REFUSED_HOST
+    for leak in ("resolve to", "resolves to", "does not resolve", "10.0.0.1", "127.0.0", "::1", "loopback",
+                 "private", "Name or service"):
+        assert leak not in document["detail"].replace(url, ""), document["detail"]
