@@ -174,8 +174,15 @@ class CallbackSettings:
     backoff_base_s: float = 1.0   # attempt n+1 waits base * 2**(n-1), at most backoff_max_s, jittered
     backoff_max_s: float = 3600.0
     jitter: float = 0.2           # each wait drawn within +-20% of that, so receivers coming back are not stampeded
-    timeout_s: float = 5.0
+    timeout_s: float = 5.0        # the longest one wait (connect, a read, a write) of an attempt
+    # An attempt whole: the host's lookup, connecting, TLS, sending, the answer's headers and body. A receiver that
+    # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callbacks).
+    deadline_s: float = 10.0
     max_response_bytes: int = 65536
+
+    def __post_init__(self) -> None:
+        if self.deadline_s <= 0 or self.timeout_s <= 0:
+            raise SettingsError("callbacks.deadline_s and timeout_s must be > 0")
 
 
 API_KEY_FIELDS = {"id", "sha256", "callback_secret_env", "callback_secret_file", "admin"}
