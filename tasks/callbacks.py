@@ -33,11 +33,13 @@ from contract.callbacks import (
     CallbackRefused,
     CallbackTarget,
     callback_secret,
+    parse_callback_url,
     resolve_callback_url,
 )
 from contract.documents import job_document
 from contract.keys import Keys
 from contract.settings import Settings, SettingsError
+from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)
 
@@ -230,7 +232,8 @@ class CallbackSender:
     drops the repeat (the receiver in docs/operations.md does, by job id and status). It never stays `pending`.
 
     An attempt holds its thread for `callbacks.deadline_s` at most, whatever the receiver does (Celery's time
-    limits are not enforced by the threads pool: the attempt bounds itself)."""
+    limits are not enforced by the threads pool: the attempt bounds itself), and only once it has one of its
+    tenant's slots (tasks.callback_slots): a tenant's slow receivers hold that many threads, never all of them."""
 
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.service_settings = settings
@@ -239,17 +242,26 @@ class CallbackSender:
         self.redis = client
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self.slots = TenantSlots(client, self.keys, settings.callbacks.max_per_tenant, settings.callbacks.deadline_s)
         self._record_state = client.register_script(_RECORD_STATE)
 
     def deliver(self, job_id: str) -> str:
-        """One attempt: 'delivered', 'retrying', 'failed' (given up), or 'gone' (no job, no callback)."""
+        """One attempt: 'delivered', 'retrying', 'failed' (given up), 'held' (its tenant has every slot in use: it
+        waits in Redis, no attempt counted) or 'gone' (no job, no callback)."""
         record = self.store.load(job_id)
         if record is None or not record.get("callback_url"):
             return "gone"
         state = dict(record.get("callback") or {})
         if state.get("status") == "delivered":
             return "delivered before"   # a task given back after the delivery was recorded
-        return self._attempt(job_id, record, state)
+        tenant = tenant_of(record)
+        token = self.slots.take(tenant, job_id)
+        if token is None:
+            return "held"
+        try:
+            return self._attempt(job_id, record, state)
+        finally:
+            self.slots.give_back(tenant, token)
 
     def _attempt(self, job_id: str, record: jobs.JobRecord, state: dict[str, Any]) -> str:
         attempts = int(state.get("attempts", 0)) + 1
@@ -304,3 +316,12 @@ class CallbackSender:
         self._record_state(keys=[self.keys.job(job_id), self.keys.callback_scheduled, self.keys.callback_dead],
                            args=[job_id, json.dumps(state), place, score, keep_s])
 
+
+def tenant_of(record: Mapping[str, Any]) -> str:
+    """Whose slots a job's callback takes: its API key's; without one, its receiving host's."""
+    if record.get("owner"):
+        return f"key:{record['owner']}"
+    try:
+        return "host:" + parse_callback_url(record["callback_url"]).host
+    except CallbackRefused:
+        return "host:"   # refused at its attempt anyway
