@@ -1,14 +1,34 @@
-"""Hostile callback receivers, real HTTP servers on threads of this process (`Tarpit`), and one that answers at
-once (`Receiver`)."""
+"""`bench hostile`: attacks of issue 40's probe, run against a live local stack, and what a normal tenant saw
+meanwhile. Each attack is one function (`ATTACKS` names them).
+
+slow-callbacks: one API key's jobs call back a receiver that sends its headers, then a byte every 2 s; another
+key's jobs, submitted meanwhile, call back a receiver that answers at once. It prints how long after each job
+ended the normal tenant's callback arrived, and how the attacker's receiver was held (connections at once,
+how long each lasted). `--root` runs the stack from another checkout (the figures before a change).
+
+The receivers (`Tarpit`, `Receiver`) are real HTTP servers on threads of this process; tests use them too.
+"""
 from __future__ import annotations
 
+import hashlib
+import secrets
 import select
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
+
+import requests
+
+from bench.load import ImageStream
+from bench.processes import wait_until
+from bench.stack import LocalStack, StackOptions
 
 TARPIT_MODES = ("trickle", "trickle-headers", "silent")
 
@@ -155,4 +175,119 @@ class Receiver:
     def stop(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+KEY_IDS = ("attacker", "tenant")
+
+
+def keyed_stack_options(options: StackOptions, workdir: Path) -> tuple[StackOptions, dict[str, str]]:
+    """`options` with two API keys whose callbacks are allowed to this machine's receivers, each key's callback
+    secret in a file of `workdir`, and a callback worker as the Procfile runs it. The keys themselves, by id."""
+    keys, entries = {}, []
+    for key_id in KEY_IDS:
+        keys[key_id] = secrets.token_urlsafe(24)
+        secret = workdir / f"{key_id}.callback-secret"
+        secret.write_text(secrets.token_urlsafe(32))
+        entries.append({"id": key_id, "sha256": hashlib.sha256(keys[key_id].encode()).hexdigest(),
+                        "callback_secret_file": str(secret)})
+    extra = {**options.extra, "auth": {"api_keys": entries, "rate_per_s": 0},
+             "callbacks": {"allow_hosts": ["127.0.0.1"]}}
+    options.extra, options.callback_worker = extra, True
+    return options, keys
+
+
+def slow_callbacks(options: StackOptions, images: list[bytes], attackers: int = 16, duration_s: float = 60.0,
+                   interval_s: float = 2.0, every_s: float = 2.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """The attack of finding 1: `attackers` jobs of one key call back a tarpit that trickles a byte every
+    `interval_s`; for `duration_s`, another key submits a job every `every_s` with a callback to a receiver
+    that answers at once. Then the tarpit stops and the last callbacks are waited for."""
+    workdir = Path(tempfile.mkdtemp(prefix="hostile-"))
+    options, keys = keyed_stack_options(options, workdir)
+    stack = LocalStack(workdir, options).start()
+    tarpit, receiver = Tarpit("trickle", interval_s), Receiver()
+    stream = ImageStream(images)
+    normal: list[str] = []
+    try:
+        attacker = _session(keys["attacker"])
+        tenant = _session(keys["tenant"])
+        warm = _submit(tenant, stack.url, stream.next(0), receiver.url)   # a delivery before the attack
+        wait_until(lambda: warm in receiver.arrived, 60, what="the first callback")
+        log(f"before the attack: a callback {_after_end(tenant, stack.url, warm, receiver) * 1000:.0f} ms after "
+            "its job ended")
+        for i in range(attackers):
+            _submit(attacker, stack.url, stream.next(1 + i), tarpit.url)
+        wait_until(lambda: tarpit.visits, 60, what="the attacker's first callback at the tarpit")
+        started = time.monotonic()
+        i = 0
+        while time.monotonic() - started < duration_s:
+            normal.append(_submit(tenant, stack.url, stream.next(1000 + i), receiver.url))
+            i += 1
+            time.sleep(max(0.0, started + i * every_s - time.monotonic()))
+        during = [job_id for job_id in normal if job_id in receiver.arrived]
+        peak, visits = tarpit.gauge.peak, list(tarpit.visits)
+        log(f"attack over after {duration_s:g} s: {len(during)} of {len(normal)} callbacks arrived meanwhile; "
+            "the tarpit stops")
+        tarpit.stop()
+        try:
+            wait_until(lambda: all(job_id in receiver.arrived for job_id in normal), 120, interval_s=0.2,
+                       what="the normal tenant's last callbacks")
+        except AssertionError:
+            log("some of the normal tenant's callbacks never arrived")
+        delays = sorted(_after_end(tenant, stack.url, job_id, receiver) for job_id in normal
+                        if job_id in receiver.arrived)
+        held = sorted(visit.held_s for visit in visits)
+    finally:
+        tarpit.stop()
+        receiver.stop()
+        stack.stop()
+    return {"attackers": attackers, "duration_s": duration_s, "interval_s": interval_s, "normal_jobs": len(normal),
+            "arrived_during_attack": len(during), "arrived": len(delays),
+            "callback_after_job_end_s": {"p50": _pick(delays, 50), "p95": _pick(delays, 95), "max": _pick(delays, 100)},
+            "tarpit": {"connections": len(visits), "at_once_peak": peak,
+                       "held_s": {"p50": _pick(held, 50), "max": _pick(held, 100)},
+                       "closed_by_the_service": sum(visit.closed_by_client for visit in visits)}}
+
+
+def format_slow_callbacks(outcome: dict[str, Any]) -> str:
+    after, tarpit = outcome["callback_after_job_end_s"], outcome["tarpit"]
+    return "\n".join([
+        f"slow-callbacks: {outcome['attackers']} attacker jobs calling back a receiver that trickles a byte every "
+        f"{outcome['interval_s']:g} s, {outcome['duration_s']:g} s",
+        f"  normal tenant: {outcome['arrived_during_attack']} of {outcome['normal_jobs']} callbacks arrived during the "
+        f"attack, {outcome['arrived']} in all; after its job ended: p50 {after['p50']} s, p95 {after['p95']} s, "
+        f"max {after['max']} s",
+        f"  attacker's receiver: {tarpit['connections']} connections, at most {tarpit['at_once_peak']} at once, each "
+        f"held p50 {tarpit['held_s']['p50']} s, max {tarpit['held_s']['max']} s; "
+        f"{tarpit['closed_by_the_service']} ended by the service (the rest by the tarpit's stop)"])
+
+
+ATTACKS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
+    "slow-callbacks": (slow_callbacks, format_slow_callbacks),
+}
+
+
+def _session(key: str) -> requests.Session:
+    session = requests.Session()
+    session.headers["Authorization"] = f"Bearer {key}"
+    return session
+
+
+def _submit(session: requests.Session, url: str, image: bytes, callback_url: str) -> str:
+    response = session.post(f"{url}/v1/jobs", params={"callback_url": callback_url}, data=image,
+                            headers={"Content-Type": "image/jpeg"}, timeout=30)
+    response.raise_for_status()
+    return str(response.json()["id"])
+
+
+def _after_end(session: requests.Session, url: str, job_id: str, receiver: Receiver) -> float:
+    """Seconds from the job's end (its creation and its time bill's total) to its callback's arrival."""
+    doc = session.get(f"{url}/v1/jobs/{job_id}", timeout=30).json()
+    created = datetime.fromisoformat(doc["created_at"].replace("Z", "+00:00")).timestamp()
+    return receiver.arrived[job_id] - (created + doc["timings_ms"]["total"] / 1000.0)
+
+
+def _pick(values: list[float], q: float) -> float | None:
+    from gpu_worker.stats import percentile
+
+    return round(percentile(values, q), 2) if values else None
 

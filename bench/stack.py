@@ -43,6 +43,7 @@ class StackOptions:
     redis_args: tuple[str, ...] = ()                  # more redis-server options, e.g. ("--io-threads", "2")
     bulk_shards: int = 0                              # uploads and frames on this many more servers (contract.shards)
     root: Path = REPO_ROOT                            # the checkout the stack's processes run from
+    callback_worker: bool = False                     # a callback worker too, as the Procfile runs it
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -115,6 +116,10 @@ class LocalStack:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
                                               "--without-gossip", "--without-mingle", "--loglevel", "WARNING"), env)
+        if self.options.callback_worker:
+            self._spawn("callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "--concurrency=16",
+                                                       "--without-gossip", "--without-mingle", "--loglevel", "INFO"),
+                        env)
         self._spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", self.options.device,
                                               "--worker-id", "bench-gpu"), env)
         self._spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
