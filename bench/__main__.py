@@ -277,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--duration", type=float, default=60.0)
     hostile = sub.add_parser("hostile", parents=[common, local], help="an attack on a local stack, and what a normal "
                                                                        "tenant saw meanwhile")
-    hostile.add_argument("--attack", choices=("slow-callbacks",), default="slow-callbacks")
-    hostile.add_argument("--duration", type=float, default=60.0, help="how long the attack lasts (s)")
+    hostile.add_argument("--attack", choices=("slow-callbacks", "docs-flood", "metrics"), default="slow-callbacks")
+    hostile.add_argument("--duration", type=float, default=60.0, help="how long the attack lasts (s); docs-flood: "
+                                                                       "half alone, half with the flood")
     hostile.add_argument("--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs")
     hostile.add_argument("--interval", type=float, default=2.0,
                          help="slow-callbacks: the tarpit's seconds between two bytes")
