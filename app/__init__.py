@@ -16,6 +16,7 @@ from werkzeug.exceptions import HTTPException
 
 from app import admission, auth, callbacks, health, jobs, metrics, openapi, stats
 from app.admission import RedisMemory, ServedTenants
+from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
@@ -63,6 +64,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Werkzeug refuses a larger body from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes
+    app.config["MAX_FORM_PARTS"] = MAX_PARTS   # as app.multipart's own parser: past it, 400 (app.jobs)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)

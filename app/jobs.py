@@ -10,11 +10,12 @@ from collections.abc import Collection
 import redis
 from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
 from werkzeug.datastructures import MultiDict
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import metrics
 from app.admission import admission_request, admit, settle
 from app.auth import owns
-from app.multipart import parse_form
+from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
@@ -47,6 +48,11 @@ blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
 
 
+# Query parameters POST /v1/jobs takes besides its options (contract.documents' submit_options_model): any other
+# name is refused. `wait` is the submission's long-poll.
+SUBMIT_QUERY_NAMES: frozenset[str] = frozenset({"wait"})
+
+
 def _submit_options(settings):
     """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
     `model` takes the names and name:version a request may reach."""
@@ -62,9 +68,9 @@ def _submit_query(settings):
 
 @blueprint.post("")
 @operation("Submit an image for detection", tag="jobs",
-           problems=((400, "An option is invalid (named in `invalid_params`), the image is empty, missing or "
-                           "given twice, the body is shorter than its Content-Length or its chunked framing is "
-                           "broken, or callbacks are disabled"),
+           problems=((400, "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
+                           "missing or given twice, the form has more than 64 parts, the body is shorter than its "
+                           "Content-Length or its chunked framing is broken, or callbacks are disabled"),
                      (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
                      413, 415, (429, "The requested model's backlog is over its limit"), 503),
            description="Options may come as query parameters or, with a multipart body, as form fields. "
@@ -80,6 +86,9 @@ def _submit_query(settings):
                                                            ("CancelJob", "jobs_cancel_job_delete"))})})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_app.extensions["imgserve"]
+    # A misspelt option (`maxdet=1`) is refused as it is in the form, before the body is read.
+    refuse_unknown_fields(request.args.keys(), known={*_submit_options(services.settings).model_fields,
+                                                      *SUBMIT_QUERY_NAMES}, where="query parameter")
     wait_s = _wait_seconds(services.settings.api.max_wait_s)   # refused before the body is read
     held = Reservation()
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
@@ -325,8 +334,10 @@ def _checked_callback_url(url: str | None, settings) -> str | None:
     try:
         check_callback_url(url, settings.callbacks.allow_hosts)
     except CallbackRefused as exc:
-        raise Problem(400, "invalid-parameter", "Invalid parameter", str(exc),
-                      invalid_params=[{"name": "callback_url", "reason": str(exc)}]) from exc
+        # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
+        log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
+        raise Problem(400, "invalid-parameter", "Invalid parameter", f"callback_url: {exc.public}",
+                      invalid_params=[{"name": "callback_url", "reason": exc.public}]) from exc
     return url
 
 
@@ -377,15 +388,21 @@ def _read_image(limit: int, fields: Collection[str]) -> tuple[bytes, str | None,
     request.environ["wsgi.input_terminated"] = False
     if request.mimetype != "multipart/form-data":
         return body, request.mimetype, MultiDict()
-    form = parse_form(body, request.content_type or "")
-    if form is not None:
-        uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
-        given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
-    else:
-        uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
-        given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
-        if not uploads:
-            _refuse_unparsable_multipart(body)
+    try:
+        form = parse_form(body, request.content_type or "")
+        if form is not None:
+            uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
+            given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
+        else:   # Werkzeug's parser, held to the same count (create_app sets MAX_FORM_PARTS)
+            uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
+            given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
+    except (TooManyParts, RequestEntityTooLarge) as exc:
+        # Werkzeug says 413 for too many parts, and the body was within the size limit: a form of this shape is
+        # no submission, whatever its size (one image and a few options).
+        raise Problem(400, "too-many-parts", "Too many parts", f"the multipart body has more than {MAX_PARTS} "
+                      "parts; a submission is one 'image' part and its options") from exc
+    if form is None and not uploads:
+        _refuse_unparsable_multipart(body)
     refuse_unknown_fields(part_names, known={"image", *fields})
     if not uploads:
         raise Problem(400, "missing-image", "Missing image",

@@ -20,8 +20,12 @@ from werkzeug.datastructures import MultiDict
 from werkzeug.http import parse_options_header
 
 MAX_PART_HEADER_BYTES = 8192
-MAX_PARTS = 64          # more than any submission needs; a larger form goes to Werkzeug's parser and limits
+MAX_PARTS = 64          # more than any submission needs (one image and its options); more: TooManyParts
 _CHARSETS = {"ascii", "us-ascii", "utf-8", "iso-8859-1"}   # Werkzeug's list for a text part
+
+
+class TooManyParts(ValueError):
+    """The form has more than MAX_PARTS parts."""
 
 
 @dataclass(frozen=True)
@@ -42,7 +46,8 @@ class Form:
 
 
 def parse_form(body: bytes | bytearray, content_type: str) -> Form | None:
-    """The form in `body`, or None when it is not the plain form this reads (Werkzeug's parser then decides)."""
+    """The form in `body`, or None when it is not the plain form this reads (Werkzeug's parser then decides);
+    TooManyParts past MAX_PARTS parts."""
     mimetype, options = parse_options_header(content_type)
     boundary = options.get("boundary", "")
     if mimetype != "multipart/form-data" or not boundary or len(boundary) > 200 or not boundary.isascii():
@@ -59,8 +64,10 @@ def parse_form(body: bytes | bytearray, content_type: str) -> Form | None:
     files: list[FilePart] = []
     next_delimiter = b"\r\n" + delimiter
     while not body.startswith(b"--", pos):            # the close delimiter ends the form
-        if len(fields) + len(files) >= MAX_PARTS or not body.startswith(b"\r\n", pos):
+        if not body.startswith(b"\r\n", pos):
             return None
+        if len(fields) + len(files) >= MAX_PARTS:
+            raise TooManyParts(f"more than {MAX_PARTS} parts")
         headers_end = body.find(b"\r\n\r\n", pos)
         if headers_end < 0 or headers_end - pos > MAX_PART_HEADER_BYTES:
             return None

@@ -159,13 +159,15 @@ def validate_params(model: type[M], values: Mapping[str, Any]) -> M:
         raise Problem(400, "invalid-parameter", "Invalid parameter", detail, invalid_params=params) from None
 
 
-def refuse_unknown_fields(given: Iterable[str], known: Collection[str]) -> None:
-    """A 400 naming every form field that is not an option this operation takes."""
+def refuse_unknown_fields(given: Iterable[str], known: Collection[str], where: str = "form field") -> None:
+    """A 400 naming every form field (or, with where="query parameter", query parameter) that is not one this
+    operation takes."""
     unknown = sorted({name for name in given if name not in known})
     if unknown:
-        reasons = [{"name": name, "reason": "not a field of this form"} for name in unknown]
+        reason = "not a field of this form" if where == "form field" else f"not a {where} of this operation"
+        reasons = [{"name": name, "reason": reason} for name in unknown]
         raise Problem(400, "invalid-parameter", "Invalid parameter",
-                      "unknown form field(s): " + ", ".join(repr(name) for name in unknown)
+                      f"unknown {where}(s): " + ", ".join(repr(name) for name in unknown)
                       + "; known: " + ", ".join(sorted(known)), invalid_params=reasons)
 
 

@@ -7,6 +7,7 @@
   python -m bench tune --device sim --qps 18 --sla-ms 800
   python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
   python -m bench chaos --scenario failover --qps 20 --duration 40   # the Redis primary SIGKILLed (Sentinel)
+  python -m bench hostile --attack slow-callbacks --duration 60   # one tenant's tarpit, another's callbacks
   python -m bench bound --qps 18,28                         # the floor the device profile allows
   python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit
   python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
@@ -287,6 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     chaos.add_argument("--kill-at", type=float, default=10.0, help="failover: seconds into the load")
     chaos.add_argument("--back-after", type=float, default=10.0,
                        help="failover: seconds from the kill until the killed server starts again")
+    hostile = sub.add_parser("hostile", parents=[common, local], help="an attack on a local stack, and what a normal "
+                                                                       "tenant saw meanwhile")
+    hostile.add_argument("--attack", choices=("slow-callbacks", "docs-flood", "metrics"), default="slow-callbacks")
+    hostile.add_argument("--duration", type=float, default=60.0, help="how long the attack lasts (s); docs-flood: "
+                                                                       "half alone, half with the flood")
+    hostile.add_argument("--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs")
+    hostile.add_argument("--interval", type=float, default=2.0,
+                         help="slow-callbacks: the tarpit's seconds between two bytes")
+    hostile.add_argument("--root", type=Path, help="run the stack from this checkout (e.g. the figures before a "
+                                                   "change); default: this one")
     instructions = sub.add_parser("instructions", help="instructions per API request pair or CPU task (valgrind): "
                                                         "a figure this shared machine's drift does not move")
     instructions.add_argument("--role", type=parse_list(str), default=["api", "cpu-task"],
@@ -343,6 +354,15 @@ def main(argv: list[str] | None = None) -> int:
                           log=lambda line: print(f"  {line}", file=sys.stderr))
         print(format_tally(tally))
         return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
+    if args.command == "hostile":
+        from bench.hostile import ATTACKS
+        attack, describe_outcome = ATTACKS[args.attack]
+        options = stack_options(args, **({"root": args.root.resolve()} if args.root else {}))
+        outcome = attack(options, images, attackers=args.attackers, duration_s=args.duration,
+                         interval_s=args.interval, log=lambda line: print(f"  {line}", file=sys.stderr))
+        print(describe_outcome(outcome))
+        print(json.dumps(outcome))
+        return 0
     if args.command == "tune":
         from bench.tune import tune
         outcome = tune(args, images)

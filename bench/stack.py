@@ -48,9 +48,10 @@ class StackOptions:
     # the supervisor with its readiness line); "procfile": the supervisor alone (bench ab: an older checkout,
     # whose run-local may have been broken, and which has no .venv of its own)
     launcher: str = "run-local"
-    # ProcfileStack: the control plane behind Sentinel (tools.redis_ha: a primary, a replica, three Sentinels),
-    # as `make run REDIS=sentinel` runs it; every 202 then waits for the replica (settings.redis)
+    # ProcfileStack: the control plane behind Sentinel (tools.redis_ha: a primary, two replicas, three Sentinels),
+    # as `make run REDIS=sentinel` runs it; every 202 then waits for a replica (settings.redis)
     sentinel: bool = False
+    callback_worker: bool = False                     # a callback worker too, as the Procfile runs it
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -132,6 +133,10 @@ class LocalStack:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
                                               "--without-gossip", "--without-mingle", "--loglevel", "WARNING"), env)
+        if self.options.callback_worker:
+            self._spawn("callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "--concurrency=16",
+                                                       "--without-gossip", "--without-mingle", "--loglevel", "INFO"),
+                        env)
         self._spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", self.options.device,
                                               "--worker-id", "bench-gpu"), env)
         self._spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",

@@ -35,8 +35,19 @@ _NUMBER = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
+# What a client reads when its URL's host is refused after the lookup, whatever the lookup said: the reason
+# ("'vm' resolves to 127.0.0.1", "does not resolve") told a client what internal names resolve to.
+REFUSED_HOST = ("callback_url's host is not one this service may call: it must resolve, and only to public "
+                "addresses, unless the deployment admits it")
+
+
 class CallbackRefused(ValueError):
-    """A callback URL the service will not call."""
+    """A callback URL the service will not call. str() is the whole reason (for the log); `public` is what the
+    client may read: the same for what the URL's text alone decides, REFUSED_HOST for what the lookup found."""
+
+    def __init__(self, reason: str, public: str | None = None) -> None:
+        super().__init__(reason)
+        self.public = public or reason
 
 
 @dataclass(frozen=True)
@@ -130,17 +141,17 @@ def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (),
     try:
         infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     except (OSError, ValueError) as exc:
-        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}") from exc
+        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}", REFUSED_HOST) from exc
     addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
     if not addresses:
-        raise CallbackRefused(f"callback host {parsed.host!r} resolves to no address")
+        raise CallbackRefused(f"callback host {parsed.host!r} resolves to no address", REFUSED_HOST)
     for address in addresses:
         if parsed.host in allowed or any(address in network for network in networks):
             continue
         reason = forbidden_reason(address)
         if reason:
             raise CallbackRefused(f"callback host {parsed.host!r} resolves to {reason} "
-                                  "(allow it with callbacks.allow_hosts)")
+                                  "(allow it with callbacks.allow_hosts)", REFUSED_HOST)
     return CallbackTarget(parsed, str(addresses[0]))
 
 

@@ -151,6 +151,22 @@ class Keys:
         """Sorted set: job ids whose callback was given up (the dead letter), scored by when."""
         return f"{self.namespace}:callbacks:dead"
 
+    def callback_slots(self, tenant: str) -> str:
+        """Sorted set: the delivery attempts one tenant (an API key, or a receiving host) has in flight, a token
+        each scored by when it lapses (its attempt's deadline has passed by then: a worker died holding it)."""
+        return f"{self.namespace}:callbacks:slots:{tenant}"
+
+    def callback_held(self, tenant: str) -> str:
+        """List: job ids whose callback waits for one of its tenant's slots; a slot given back moves the
+        first one to the outbox."""
+        return f"{self.namespace}:callbacks:held:{tenant}"
+
+    @property
+    def callback_held_tenants(self) -> str:
+        """Set: the tenants with callbacks held, which the relays look at each second (a slot whose worker died
+        frees nobody's: it lapses, and the relay moves the held ones on)."""
+        return f"{self.namespace}:callbacks:held-tenants"
+
     def auth_failures(self, address: str) -> str:
         """Hash: a client address's token bucket for failed authentications (a 401 takes one)."""
         return f"{self.namespace}:auth_failures:{address}"

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import redis
 
 from contract.keys import Keys
+from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +67,10 @@ class OutboxRelay:
     channel; at least every second) and hands ended jobs' callbacks to Celery. One per callback worker;
     several may run at once."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, send: Callable[[str], None]) -> None:
-        self.client, self.keys, self.send = client, keys, send
+    def __init__(self, client: redis.Redis, keys: Keys, send: Callable[[str], None],
+                 slots: TenantSlots | None = None) -> None:
+        """`slots`: the tenants' callback slots, whose held callbacks it moves on once a slot has lapsed."""
+        self.client, self.keys, self.send, self.slots = client, keys, send, slots
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outbox-relay", daemon=True)
 
@@ -85,6 +88,8 @@ class OutboxRelay:
                 pubsub.subscribe(self.keys.callback_outbox)
                 while not self._stopping.is_set():
                     pubsub.get_message(timeout=1.0)
+                    if self.slots is not None:
+                        self.slots.free_lapsed()
                     relay_outbox(self.client, self.keys, self.send)
             except Exception:   # Redis or the broker away: try again in a second, nothing was lost
                 log.warning("callback relay interrupted", exc_info=True)

@@ -26,6 +26,7 @@ from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
 from tasks.callback_relay import OutboxRelay
+from tasks.callback_slots import TenantSlots
 from tasks.callbacks import CallbackSender
 from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
 from tasks.event_batching import batch_task_events
@@ -129,8 +130,9 @@ def _consume_every_model_queue(sender: str, instance: object, **_: object) -> No
 def _start_the_relay(**_: object) -> None:
     """The callback worker hands ended jobs' callbacks from the outbox to its own queue."""
     if this_worker.role == "callback-worker":
-        this_worker.relay = OutboxRelay(connect(settings, socket_timeout=10.0), Keys(settings.namespace),
-                                        lambda job_id: send_callback(app, job_id))
+        client, keys = connect(settings, socket_timeout=10.0), Keys(settings.namespace)
+        slots = TenantSlots(client, keys, settings.callbacks.max_per_tenant, settings.callbacks.deadline_s)
+        this_worker.relay = OutboxRelay(client, keys, lambda job_id: send_callback(app, job_id), slots)
         this_worker.relay.start()
 
 
