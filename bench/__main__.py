@@ -54,11 +54,13 @@ def run_suite(name: str, url: str, images: list[bytes], args: argparse.Namespace
     model = getattr(args, "model", None)
     upload = getattr(args, "upload", "raw")
     shares = getattr(args, "repeat_share", None) or [0.0]
+    calls = getattr(args, "calls", None) or ["two"]
     results = [measure(name, url, images, "closed", c, args.closed_duration, scope=scope, model=model, upload=upload,
-                       repeat_share=share)
-               for c in args.closed for share in shares]
+                       repeat_share=share, one_call=call == "one")
+               for c in args.closed for share in shares for call in calls]
     for result in results:   # each share's hit cost, against the same load without repeats
-        plain = next((r for r in results if r["concurrency"] == result["concurrency"] and not r["repeat_share"]), None)
+        plain = next((r for r in results if r["concurrency"] == result["concurrency"] and not r["repeat_share"]
+                      and r["calls"] == result["calls"]), None)
         if result["repeat_share"] and plain is not None:
             result["cache_hit_cost"] = hit_cost(plain, result)
             print(f"  repeats {result['repeat_share']:.0%}: {result['cache_hit_cost']}", file=sys.stderr)
@@ -137,7 +139,8 @@ def cmd_ab(args: argparse.Namespace, images: list[bytes]) -> int:
     outcome = run_ab(sides, options, images, concurrency, duration, args.rounds, upload=args.upload,
                      log=lambda line: print(f"  {line}", file=sys.stderr), settings=settings,
                      sentinel=frozenset(name for name, on in ((a_name, args.base_sentinel),
-                                                              (b_name, args.head_sentinel)) if on))
+                                                              (b_name, args.head_sentinel)) if on),
+                     one_call=args.calls == ["one"])
     text = ab_markdown(outcome, sides, options, concurrency, duration)
     args.out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -218,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--repeat-share", type=parse_list(float), default=[0.0],
                         help="closed loops: the share of requests that repeat an earlier image (e.g. 0,0.5,0.9: "
                              "each level at each share); the result cache answers repeats")
+    common.add_argument("--calls", type=parse_list(str), default=["two"],
+                        help="two: submit, then long-poll (the default); one: POST /v1/jobs?wait=30 answers the "
+                             "finished job; one,two: both, in turn")
     common.add_argument("--upload", choices=load.UPLOADS, default="raw",
                         help="raw: the image as the body (Content-Type: image/jpeg); multipart: a form field "
                              "(curl -F)")

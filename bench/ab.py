@@ -70,11 +70,12 @@ def setting_overlay(assignments: list[str]) -> dict[str, Any]:
 def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], concurrency: int, duration_s: float,
            rounds: int, upload: str = "raw", log: Callable[[str], None] = lambda line: None,
            settings: dict[str, dict[str, Any]] | None = None,
-           sentinel: frozenset[str] = frozenset()) -> dict[str, Any]:
+           sentinel: frozenset[str] = frozenset(), one_call: bool = False) -> dict[str, Any]:
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
     `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`. `sentinel`: the sides
     whose control plane is a Sentinel set (a primary, two replicas, three Sentinels; every 202 waits for a
-    replica), their replicas' and Sentinels' CPU counted in the stack's."""
+    replica), their replicas' and Sentinels' CPU counted in the stack's. `one_call`: each image in one call
+    (POST ?wait=) instead of a submit and a long-poll."""
     names = list(sides)
     # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
     # be one of the broken ones.
@@ -87,9 +88,9 @@ def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], c
             stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{names.index(name)}-")),
                                   side_options[name]).start()
             try:
-                closed_loop(stack.url, images, concurrency, WARM_UP_S, upload=upload)
+                closed_loop(stack.url, images, concurrency, WARM_UP_S, upload=upload, one_call=one_call)
                 result = measure(name, stack.url, images, "closed", concurrency, duration_s,
-                                 scope=stack.cpu_scope(), upload=upload)
+                                 scope=stack.cpu_scope(), upload=upload, one_call=one_call)
             finally:
                 stack.stop()
             result["round"] = i + 1

@@ -80,18 +80,26 @@ def session_for(concurrency: int) -> requests.Session:
 UPLOADS = ("raw", "multipart")
 
 
+CALLS = ("two", "one")   # submit then long-poll; or one call (POST /v1/jobs?wait=ONE_CALL_WAIT_S)
+ONE_CALL_WAIT_S = 30
+
+
 def request_once(session: requests.Session, url: str, image: bytes, give_up_s: float = 90.0,
-                 model: str | None = None, upload: str = "raw") -> Outcome:
+                 model: str | None = None, upload: str = "raw", one_call: bool = False) -> Outcome:
     """Submit (to `model`, a name or name:version, when given) as a raw body or a multipart form (`curl -F`),
-    then long-poll to the end."""
+    then long-poll to the end; with `one_call`, the submission itself waits for the end (`?wait=`), as a
+    synchronous peer's one POST does (a long-poll follows only if it did not end within the wait)."""
     started = time.monotonic()
+    params: dict[str, str] = {**({"model": model} if model else {}),
+                              **({"wait": str(ONE_CALL_WAIT_S)} if one_call else {})}
     try:
         if upload == "multipart":
             response = session.post(f"{url}/v1/jobs", files={"image": ("image.jpg", image, "image/jpeg")},
-                                    data={"model": model} if model else None, timeout=60)
+                                    data={"model": model} if model else None, timeout=90,
+                                    params={"wait": str(ONE_CALL_WAIT_S)} if one_call else None)
         else:
             response = session.post(f"{url}/v1/jobs", data=image, headers={"Content-Type": "image/jpeg"},
-                                    timeout=60, params={"model": model} if model else None)
+                                    timeout=90, params=params or None)
         if response.status_code == 200:
             return _outcome(started, response.json())
         if response.status_code != 202:
@@ -126,7 +134,7 @@ def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float
 
 def open_loop(url: str, images: list[bytes] | ImageStream, qps: float, duration_s: float, seed: int = 0,
               max_in_flight: int = 512, tick: Callable[[], None] = lambda: None,
-              model: str | None = None, upload: str = "raw") -> list[Outcome]:
+              model: str | None = None, upload: str = "raw", one_call: bool = False) -> list[Outcome]:
     """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
     arrivals = poisson_arrivals(qps, duration_s, seed)
     stream = as_stream(images)
@@ -135,7 +143,7 @@ def open_loop(url: str, images: list[bytes] | ImageStream, qps: float, duration_
     lock = threading.Lock()
 
     def fire(index: int) -> None:
-        outcome = request_once(session, url, stream.next(index), model=model, upload=upload)
+        outcome = request_once(session, url, stream.next(index), model=model, upload=upload, one_call=one_call)
         with lock:
             outcomes.append(outcome)
         tick()
@@ -152,7 +160,7 @@ def open_loop(url: str, images: list[bytes] | ImageStream, qps: float, duration_
 
 def closed_loop(url: str, images: list[bytes] | ImageStream, concurrency: int, duration_s: float,
                 tick: Callable[[], None] = lambda: None, model: str | None = None,
-                upload: str = "raw") -> list[Outcome]:
+                upload: str = "raw", one_call: bool = False) -> list[Outcome]:
     """`concurrency` clients back to back for `duration_s`."""
     stream = as_stream(images)
     session = session_for(concurrency)
@@ -163,7 +171,7 @@ def closed_loop(url: str, images: list[bytes] | ImageStream, concurrency: int, d
     def client(offset: int) -> None:
         i = offset
         while time.monotonic() < stop_at:
-            outcome = request_once(session, url, stream.next(i), model=model, upload=upload)
+            outcome = request_once(session, url, stream.next(i), model=model, upload=upload, one_call=one_call)
             with lock:
                 outcomes.append(outcome)
             tick()

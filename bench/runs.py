@@ -31,7 +31,7 @@ class CpuScope:
 
 def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
             seed: int = 0, scope: CpuScope | None = CpuScope(), model: str | None = None,
-            upload: str = "raw", repeat_share: float = 0.0) -> dict[str, Any]:
+            upload: str = "raw", repeat_share: float = 0.0, one_call: bool = False) -> dict[str, Any]:
     """One run: closed loop at `level` clients, or open loop at `level` QPS (to `model` when given); with
     the CPU each role of the deployment spent per image, when its processes are on this machine, and that
     against the decode floor measured right after the run on the same images (bench.floor). Each request's
@@ -39,6 +39,7 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     label = f"{name} {mode} {'c=' if mode == 'closed' else ''}{level:g}{'' if mode == 'closed' else ' qps'}"
     label += f" model={model}" if model else ""
     label += " multipart" if upload == "multipart" else ""
+    label += " one call" if one_call else ""
     label += f" repeats={repeat_share:.0%}" if repeat_share else ""
     stream = load.ImageStream(images, repeat_share, seed)
     with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
@@ -47,10 +48,10 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
         machine_before = cpu.cpu_times()
         if mode == "closed":
             outcomes = load.closed_loop(url, stream, int(level), duration_s, tick=progress.update, model=model,
-                                        upload=upload)
+                                        upload=upload, one_call=one_call)
         else:
             outcomes = load.open_loop(url, stream, level, duration_s, seed=seed, tick=progress.update, model=model,
-                                      upload=upload)
+                                      upload=upload, one_call=one_call)
         cpu_after = scope.sample() if scope else None
         machine = cpu.cpu_shares(machine_before, cpu.cpu_times())
         after = load.gpu_counters(url)
@@ -67,6 +68,7 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     if model:
         result["model"] = model
     result["upload"] = upload
+    result["calls"] = "one" if one_call else "two"
     result["repeat_share"] = repeat_share
     hits = [o for o in outcomes if o.ok and (o.doc or {}).get("cache") == "hit"]
     result["cache_hits"] = len(hits)
