@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageOps
 
+from contract import media
 from contract.frames import Placement
 
 # EXIF orientations that swap width and height.
@@ -45,11 +46,17 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
     against `max_pixels` and `max_decoded_bytes` before anything is decoded,
     a format without draft mode is reduced by an integer factor right after
     decoding, and conversions (16-bit, palette, alpha) run on the reduced image.
+    The bytes are opened as the type their first bytes say, by that plugin alone.
     """
+    raw = data if isinstance(data, bytes) else bytes(data)   # the one copy: BytesIO shares a bytes object
     try:
+        sniffed = media.sniff(raw)
+        if sniffed is None:
+            raise ImageDecodeError("decode_error", f"cannot decode image: not {media.ACCEPTED_TYPES_TEXT}")
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image: Image.Image = Image.open(io.BytesIO(data))
+            # formats=: a body that fails its own type's plugin is not handed to the next one that accepts it.
+            image: Image.Image = Image.open(io.BytesIO(raw), formats=[sniffed[1]])
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageDecodeError("image_too_large", f"image of {width}x{height} "
@@ -62,7 +69,7 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
                 if image.info.get("progressive"):
                     # Only a progressive JPEG decodes scan after scan: libjpeg refuses a baseline one whose scan
                     # repeats at once ("broken data stream"), so the count (0.7 ms for 0.8 MB) is spared photos.
-                    _check_scans(data, width, height, max_scans, max_pixel_scans)
+                    _check_scans(raw, width, height, max_scans, max_pixel_scans)
                 _draft_for(image, target_size)
             image.seek(0)
             image.load()
@@ -82,16 +89,15 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
 SOS = b"\xff\xda"
 
 
-def _check_scans(data: bytes | memoryview, width: int, height: int, max_scans: int, max_pixel_scans: int) -> None:
+def _check_scans(data: bytes, width: int, height: int, max_scans: int, max_pixel_scans: int) -> None:
     """Refuse a JPEG whose scans ask for more decoding than allowed, before a scan is decoded. Every scan
     starts with an SOS marker, and entropy-coded data never holds one (a 0xFF there is followed by 0x00 or a
     restart marker), so counting the marker's bytes gives an upper bound at C speed (other segments may hold
     the same two bytes); only a file over a limit by that bound is walked segment by segment."""
-    haystack = data.obj if isinstance(data, memoryview) else data   # the buffer itself: no copy, a superset
-    bound = haystack.count(SOS) if isinstance(haystack, (bytes, bytearray)) else bytes(data).count(SOS)
+    bound = data.count(SOS)
     if bound <= max_scans and width * height * bound <= max_pixel_scans:
         return
-    scans = jpeg_scans(bytes(data), max_scans)
+    scans = jpeg_scans(data, max_scans)
     if scans > max_scans:
         raise ImageDecodeError("image_too_complex", f"a JPEG of more than {max_scans} scans (a progressive image "
                                                     f"has about ten); refused before decoding")
