@@ -11,14 +11,20 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image, ImageOps
+from PIL import Image
 
 from contract import media
 from contract.frames import Placement
+from tasks.structure import DEFAULT_LIMITS, Structure, StructureLimits, TooComplex, exif_orientation
+from tasks.structure import check as check_structure
 
-# EXIF orientations that swap width and height.
+# EXIF orientations that swap width and height, and what turns each upright (as ImageOps.exif_transpose).
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
-_EXIF_ORIENTATION_TAG = 0x0112
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
+# Pillow's getexif() takes the orientation from XMP when the EXIF names none.
+_XMP_ORIENTATION = r'tiff:Orientation(="|>)([0-9])'
 
 
 class ImageDecodeError(ValueError):
@@ -37,26 +43,31 @@ class Letterboxed:
 
 def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
                  max_decoded_bytes: int = 256 * 1024 * 1024, max_scans: int = 100,
-                 max_pixel_scans: int = 2_000_000_000) -> tuple[Image.Image, tuple[int, int]]:
+                 max_pixel_scans: int = 2_000_000_000,
+                 structure: StructureLimits = DEFAULT_LIMITS) -> tuple[Image.Image, tuple[int, int]]:
     """Decode to an upright RGB image, no larger than needed for `target_size`.
 
     Returns the image and the original upright (width, height): JPEG draft
     mode may decode at 1/2, 1/4 or 1/8 scale, so the image can be smaller.
-    Memory stays near one decoded copy: the header's promise is checked
+    The bytes are opened as the type their first bytes say, by that plugin
+    alone, and its structure is walked first (tasks.structure): framing and
+    metadata that would cost more than `structure` allows are refused before
+    Pillow reads them. Memory stays near one decoded copy: the header's promise is checked
     against `max_pixels` and `max_decoded_bytes` before anything is decoded,
     a format without draft mode is reduced by an integer factor right after
     decoding, and conversions (16-bit, palette, alpha) run on the reduced image.
-    The bytes are opened as the type their first bytes say, by that plugin alone.
     """
     raw = data if isinstance(data, bytes) else bytes(data)   # the one copy: BytesIO shares a bytes object
     try:
         sniffed = media.sniff(raw)
         if sniffed is None:
             raise ImageDecodeError("decode_error", f"cannot decode image: not {media.ACCEPTED_TYPES_TEXT}")
+        fmt = sniffed[1]
+        found = check_structure(raw, fmt, structure)
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
             # formats=: a body that fails its own type's plugin is not handed to the next one that accepts it.
-            image: Image.Image = Image.open(io.BytesIO(raw), formats=[sniffed[1]])
+            image: Image.Image = Image.open(io.BytesIO(raw), formats=[fmt])
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageDecodeError("image_too_large", f"image of {width}x{height} "
@@ -73,17 +84,42 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
                 _draft_for(image, target_size)
             image.seek(0)
             image.load()
-            # Only now: reading a PNG's EXIF decodes its pixels (the chunk may follow them).
-            orig_size = (height, width) if _orientation(image) in _TRANSPOSING_ORIENTATIONS else (width, height)
+            # Only now: a PNG's text chunks may follow its pixels.
+            orientation = _orientation(found, image.info, structure)
+            orig_size = (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
             image = _reduced(image, target_size)
-            image = ImageOps.exif_transpose(image, in_place=False) if _orientation(image) != 1 else image
+            if orientation in _UPRIGHT:
+                image = image.transpose(_UPRIGHT[orientation])
             return to_rgb(image), orig_size
     except ImageDecodeError:
         raise
+    except TooComplex as exc:
+        raise ImageDecodeError("image_too_complex", str(exc)) from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageDecodeError("image_too_large", str(exc)) from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
         raise ImageDecodeError("decode_error", f"cannot decode image: {_without_addresses(str(exc))}") from exc
+
+
+def _orientation(found: Structure, info: dict, limits: StructureLimits) -> int | None:
+    """The EXIF orientation as Pillow's getexif() finds it, never by it: Pillow copies every value of the
+    directory (tasks.structure bounds that for the EXIF it reads itself, a JPEG's; this reads none)."""
+    if found.orientation is not None:
+        return found.orientation
+    if not found.has_exif and "Raw profile type exif" in info:   # ImageMagick's PNG text chunk
+        try:
+            exif = bytes.fromhex("".join(info["Raw profile type exif"].split("\n")[3:]))
+        except ValueError:
+            exif = b""
+        orientation = exif_orientation(exif, limits)
+        if orientation is not None:
+            return orientation
+    xmp = info.get("XML:com.adobe.xmp") or info.get("xmp")
+    if xmp:
+        match = re.search(_XMP_ORIENTATION if isinstance(xmp, str) else _XMP_ORIENTATION.encode(), xmp)
+        if match:
+            return int(match[2])
+    return None
 
 
 SOS = b"\xff\xda"
@@ -196,10 +232,6 @@ def _reduced(image: Image.Image, target_size: int) -> Image.Image:
         return image.reduce(factor)
     except (ValueError, NotImplementedError):   # a mode reduce() does not handle (16-bit): a box resize does
         return image.resize((max(1, image.width // factor), max(1, image.height // factor)), Image.Resampling.BOX)
-
-
-def _orientation(image: Image.Image) -> int:
-    return image.getexif().get(_EXIF_ORIENTATION_TAG, 1)
 
 
 def _draft_for(image: Image.Image, target_size: int) -> None:
