@@ -11,6 +11,7 @@
   python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
   python -m bench ab --base HEAD~1 --profile fast --closed 32 --rounds 3     # two builds, runs alternating
   python -m bench instructions --role api,cpu-task --base HEAD~1  # instructions per request / task, two builds
+  python -m bench hostile --base HEAD~1      # hostile image files against a stack; what a normal tenant saw
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -21,6 +22,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +188,28 @@ def cmd_instructions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hostile(args: argparse.Namespace, images: list[bytes]) -> int:
+    from bench.ab import worktree
+    from bench.hostile import markdown as hostile_markdown
+    from bench.hostile import run_hostile
+
+    # make run's CPU pool (three children) unless told otherwise: the probe's stack.
+    options = stack_options(args, cpu_workers=args.cpu_workers or 3)
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    texts, outcomes = [], {}
+    for side, root in sides.items():
+        outcomes[side] = run_hostile(replace(options, root=root), images, args.qps, args.quiet, args.duration,
+                                     args.copies, log=lambda line: print(f"  {line}", file=sys.stderr))
+        texts.append(hostile_markdown(side, outcomes[side]))
+    text = "\n\n".join(texts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"{stamp}-hostile.md").write_text(text + "\n")
+    (args.out / f"{stamp}-hostile.json").write_text(json.dumps(outcomes, indent=2))
+    print(text + f"\n\nFiles: {args.out / f'{stamp}-hostile.json'}")
+    return 0
+
+
 def parse_option(text: str) -> tuple[str, Any]:
     """KEY=VALUE, the value read as YAML (true, 16, fp16, [1, 2])."""
     key, sep, value = text.partition("=")
@@ -274,6 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
     chaos.add_argument("--qps", type=float, default=8.0)
     chaos.add_argument("--duration", type=float, default=60.0)
+    hostile = sub.add_parser("hostile", parents=[common, local],
+                             help="issue 40's hostile image files against a live stack, and what a normal tenant's "
+                                  "jobs saw meanwhile (queue_cpu)")
+    hostile.add_argument("--qps", type=float, default=4.0, help="the normal tenant's steady rate")
+    hostile.add_argument("--quiet", type=float, default=15.0, help="seconds of the normal tenant alone first")
+    hostile.add_argument("--duration", type=float, default=30.0, help="seconds of the attack phase")
+    hostile.add_argument("--copies", type=int, default=3, help="how many of each hostile file, sent at once")
+    hostile.add_argument("--base", help="a git ref attacked first, the same way (checked out under .bench/ab/)")
     instructions = sub.add_parser("instructions", help="instructions per API request pair or CPU task (valgrind): "
                                                         "a figure this shared machine's drift does not move")
     instructions.add_argument("--role", type=parse_list(str), default=["api", "cpu-task"],
@@ -324,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
                           log=lambda line: print(f"  {line}", file=sys.stderr))
         print(format_tally(tally))
         return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
+    if args.command == "hostile":
+        return cmd_hostile(args, images)
     if args.command == "tune":
         from bench.tune import tune
         outcome = tune(args, images)

@@ -43,6 +43,7 @@ class StackOptions:
     redis_args: tuple[str, ...] = ()                  # more redis-server options, e.g. ("--io-threads", "2")
     bulk_shards: int = 0                              # uploads and frames on this many more servers (contract.shards)
     root: Path = REPO_ROOT                            # the checkout the stack's processes run from
+    cpu_worker_args: tuple[str, ...] = ()             # more `celery worker` options, e.g. --max-memory-per-child
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -114,7 +115,8 @@ class LocalStack:
         env.pop("IMGSERVE_REDIS_URL", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
-                                              "--without-gossip", "--without-mingle", "--loglevel", "WARNING"), env)
+                                              "--without-gossip", "--without-mingle", "--loglevel", "WARNING",
+                                              *self.options.cpu_worker_args), env)
         self._spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", self.options.device,
                                               "--worker-id", "bench-gpu"), env)
         self._spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
