@@ -50,12 +50,13 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
     Returns the image and the original upright (width, height): JPEG draft
     mode may decode at 1/2, 1/4 or 1/8 scale, so the image can be smaller.
     The bytes are opened as the type their first bytes say, by that plugin
-    alone, and its structure is walked first (tasks.structure): framing and
+    alone, and their structure is walked first (tasks.structure): framing and
     metadata that would cost more than `structure` allows are refused before
-    Pillow reads them. Memory stays near one decoded copy: the header's promise is checked
-    against `max_pixels` and `max_decoded_bytes` before anything is decoded,
-    a format without draft mode is reduced by an integer factor right after
-    decoding, and conversions (16-bit, palette, alpha) run on the reduced image.
+    Pillow reads them. Memory stays near one decoded copy: the header's
+    promise is checked against `max_pixels` and `max_decoded_bytes` before
+    anything is decoded, a format without draft mode is reduced by an integer
+    factor right after decoding, and conversions (16-bit, palette, alpha) run
+    on the reduced image.
     """
     raw = data if isinstance(data, bytes) else bytes(data)   # the one copy: BytesIO shares a bytes object
     try:

@@ -204,7 +204,7 @@ def test_hostile_decoder_files_fail_fast_and_bounded_and_an_ordinary_image_waits
                (hostile.png_chunk_flood(2_500_000), "image/png", "image_too_complex"),
                (hostile.gif_im_polyglot(20, 10), "image/gif", "decode_error")]
     assert all(len(data) < STACK_MAX_UPLOAD for data, _, _ in attacks)
-    stack.wait_terminal(stack.submit_ok(jpeg(320, 240)))   # each child has decoded an ordinary image
+    stack.wait_terminal(stack.submit_ok(jpeg(320, 240)))   # the pool has decoded an image: warm, not attacked
     before = _children_peak_rss_kb(stack.cpu_worker.process.pid)
     started = time.monotonic()
     jobs = []
