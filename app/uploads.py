@@ -9,19 +9,11 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from app.problems import Problem
+from contract import media
 from contract.documents import SubmitOptionsBase, submit_options_model
+from contract.media import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 
-# Magic numbers of the image types we accept, checked on the bytes themselves.
-_SIGNATURES = (
-    (b"\xff\xd8\xff", "image/jpeg"),
-    (b"\x89PNG\r\n\x1a\n", "image/png"),
-    (b"BM", "image/bmp"),
-    (b"GIF87a", "image/gif"),
-    (b"GIF89a", "image/gif"),
-)
 M = TypeVar("M", bound=BaseModel)
-ACCEPTED_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif")
-ACCEPTED_TYPES_TEXT = "a JPEG, PNG, WebP, BMP or GIF image"
 
 
 # Large reads: gunicorn buffers what one recv() brings and copies the rest of its buffer on every
@@ -115,12 +107,8 @@ def _read_parts(stream: Any, budget: int, sock: Any, deadline: float, timeout_s:
 
 
 def sniff_image_type(data: bytes) -> str | None:
-    if len(data) >= 12 and data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "image/webp"
-    for signature, media_type in _SIGNATURES:
-        if data.startswith(signature):
-            return media_type
-    return None
+    sniffed = media.sniff(data)
+    return sniffed[0] if sniffed else None
 
 
 def check_image(data: bytes, declared_type: str | None) -> str:

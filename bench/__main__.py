@@ -13,6 +13,7 @@
   python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
   python -m bench ab --base HEAD~1 --profile fast --closed 32 --rounds 3     # two builds, runs alternating
   python -m bench instructions --role api,cpu-task --base HEAD~1  # instructions per request / task, two builds
+  python -m bench hostile --attack images --base HEAD~1   # hostile image files; what a normal tenant saw
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts).
 """
@@ -23,6 +24,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -194,6 +196,28 @@ def cmd_instructions(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_hostile(args: argparse.Namespace, images: list[bytes]) -> int:
+    from bench.ab import worktree
+    from bench.hostile_images import markdown as hostile_markdown
+    from bench.hostile_images import run_hostile
+
+    # make run's CPU pool (three children) unless told otherwise: the probe's stack.
+    options = stack_options(args, cpu_workers=args.cpu_workers or 3)
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    texts, outcomes = [], {}
+    for side, root in sides.items():
+        outcomes[side] = run_hostile(replace(options, root=root), images, args.qps, args.quiet, args.duration,
+                                     args.copies, log=lambda line: print(f"  {line}", file=sys.stderr))
+        texts.append(hostile_markdown(side, outcomes[side]))
+    text = "\n\n".join(texts)
+    args.out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (args.out / f"{stamp}-hostile.md").write_text(text + "\n")
+    (args.out / f"{stamp}-hostile.json").write_text(json.dumps(outcomes, indent=2))
+    print(text + f"\n\nFiles: {args.out / f'{stamp}-hostile.json'}")
+    return 0
+
+
 def parse_option(text: str) -> tuple[str, Any]:
     """KEY=VALUE, the value read as YAML (true, 16, fp16, [1, 2])."""
     key, sep, value = text.partition("=")
@@ -296,14 +320,21 @@ def main(argv: list[str] | None = None) -> int:
                        help="failover: seconds from the kill until the killed server starts again")
     hostile = sub.add_parser("hostile", parents=[common, local], help="an attack on a local stack, and what a normal "
                                                                        "tenant saw meanwhile")
-    hostile.add_argument("--attack", choices=("slow-callbacks", "docs-flood", "metrics"), default="slow-callbacks")
-    hostile.add_argument("--duration", type=float, default=60.0, help="how long the attack lasts (s); docs-flood: "
-                                                                       "half alone, half with the flood")
+    hostile.add_argument("--attack", choices=("images", "slow-callbacks", "docs-flood", "metrics"), default="images",
+                         help="images: issue 40's hostile image files (the normal tenant's queue_cpu); slow-callbacks: "
+                              "one tenant's tarpit receivers (another's callbacks); docs-flood; metrics")
+    hostile.add_argument("--duration", type=float, default=None, help="how long the attack lasts (s); default 30 "
+                                                                       "for images, 60 otherwise; docs-flood: half "
+                                                                       "alone, half with the flood")
     hostile.add_argument("--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs")
     hostile.add_argument("--interval", type=float, default=2.0,
                          help="slow-callbacks: the tarpit's seconds between two bytes")
     hostile.add_argument("--root", type=Path, help="run the stack from this checkout (e.g. the figures before a "
                                                    "change); default: this one")
+    hostile.add_argument("--qps", type=float, default=4.0, help="images: the normal tenant's steady rate")
+    hostile.add_argument("--quiet", type=float, default=15.0, help="images: seconds of the normal tenant alone first")
+    hostile.add_argument("--copies", type=int, default=3, help="images: how many of each hostile file, sent at once")
+    hostile.add_argument("--base", help="images: a git ref attacked first, the same way (checked out under .bench/ab/)")
     instructions = sub.add_parser("instructions", help="instructions per API request pair or CPU task (valgrind): "
                                                         "a figure this shared machine's drift does not move")
     instructions.add_argument("--role", type=parse_list(str), default=["api", "cpu-task"],
@@ -361,10 +392,15 @@ def main(argv: list[str] | None = None) -> int:
         print(format_tally(tally))
         return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
     if args.command == "hostile":
+        if args.attack == "images":
+            if args.duration is None:
+                args.duration = 30.0
+            return cmd_hostile(args, images)
         from bench.hostile import ATTACKS
         attack, describe_outcome = ATTACKS[args.attack]
         options = stack_options(args, **({"root": args.root.resolve()} if args.root else {}))
-        outcome = attack(options, images, attackers=args.attackers, duration_s=args.duration,
+        outcome = attack(options, images, attackers=args.attackers,
+                         duration_s=args.duration if args.duration is not None else 60.0,
                          interval_s=args.interval, log=lambda line: print(f"  {line}", file=sys.stderr))
         print(describe_outcome(outcome))
         print(json.dumps(outcome))

@@ -52,6 +52,7 @@ class StackOptions:
     # as `make run REDIS=sentinel` runs it; every 202 then waits for a replica (settings.redis)
     sentinel: bool = False
     callback_worker: bool = False                     # a callback worker too, as the Procfile runs it
+    cpu_worker_args: tuple[str, ...] = ()             # more `celery worker` options, e.g. --max-memory-per-child
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -132,7 +133,8 @@ class LocalStack:
         env.pop("IMGSERVE_REDIS_URL", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
-                                              "--without-gossip", "--without-mingle", "--loglevel", "WARNING"), env)
+                                              "--without-gossip", "--without-mingle", "--loglevel", "WARNING",
+                                              *self.options.cpu_worker_args), env)
         if self.options.callback_worker:
             self._spawn("callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "--concurrency=16",
                                                        "--without-gossip", "--without-mingle", "--loglevel", "INFO"),

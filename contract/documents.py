@@ -62,7 +62,8 @@ class JobResult(Document):
 
 
 class JobError(Document):
-    code: str = Field(description="decode_error, image_too_large, deadline, cancelled, poison, inference_error, ...")
+    code: str = Field(description="decode_error, image_too_large, image_too_complex, deadline, cancelled, poison, "
+                                  "inference_error, ...")
     message: str
 
 

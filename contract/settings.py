@@ -52,6 +52,16 @@ class DecodeSettings:
     # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
     max_scans: int = 100
     max_pixel_scans: int = 2_000_000_000          # pixels x scans: the decoding work one image may ask for
+    # Pillow reads a file's framing and metadata in Python, a step per block: a file of nothing but empty
+    # blocks held a CPU worker for seconds. The structure is walked first (tasks.structure), counting the steps
+    # Pillow would take: JPEG segments before the first scan, PNG and WebP chunks, GIF blocks before the first
+    # frame. GIF comment blocks are joined one onto another (their cost grows with their square): fewer.
+    max_blocks: int = 20_000
+    max_comment_blocks: int = 1_000
+    # Pillow copies each value of an EXIF directory from wherever its entry points, overlapping or not: 66 KB
+    # asked for 342 MB. A JPEG's EXIF segments joined, and the values read, at most this; the entries too.
+    max_exif_bytes: int = 256 * 1024
+    max_exif_tags: int = 1_000
 
 
 @settings_class

@@ -11,13 +11,20 @@ import re
 import warnings
 from dataclasses import dataclass
 
-from PIL import Image, ImageOps
+from PIL import Image
 
+from contract import media
 from contract.frames import Placement
+from tasks.structure import DEFAULT_LIMITS, Structure, StructureLimits, TooComplex, exif_orientation
+from tasks.structure import check as check_structure
 
-# EXIF orientations that swap width and height.
+# EXIF orientations that swap width and height, and what turns each upright (as ImageOps.exif_transpose).
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
-_EXIF_ORIENTATION_TAG = 0x0112
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
+# Pillow's getexif() takes the orientation from XMP when the EXIF names none.
+_XMP_ORIENTATION = r'tiff:Orientation(="|>)([0-9])'
 
 
 class ImageDecodeError(ValueError):
@@ -36,20 +43,32 @@ class Letterboxed:
 
 def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
                  max_decoded_bytes: int = 256 * 1024 * 1024, max_scans: int = 100,
-                 max_pixel_scans: int = 2_000_000_000) -> tuple[Image.Image, tuple[int, int]]:
+                 max_pixel_scans: int = 2_000_000_000,
+                 structure: StructureLimits = DEFAULT_LIMITS) -> tuple[Image.Image, tuple[int, int]]:
     """Decode to an upright RGB image, no larger than needed for `target_size`.
 
     Returns the image and the original upright (width, height): JPEG draft
     mode may decode at 1/2, 1/4 or 1/8 scale, so the image can be smaller.
-    Memory stays near one decoded copy: the header's promise is checked
-    against `max_pixels` and `max_decoded_bytes` before anything is decoded,
-    a format without draft mode is reduced by an integer factor right after
-    decoding, and conversions (16-bit, palette, alpha) run on the reduced image.
+    The bytes are opened as the type their first bytes say, by that plugin
+    alone, and their structure is walked first (tasks.structure): framing and
+    metadata that would cost more than `structure` allows are refused before
+    Pillow reads them. Memory stays near one decoded copy: the header's
+    promise is checked against `max_pixels` and `max_decoded_bytes` before
+    anything is decoded, a format without draft mode is reduced by an integer
+    factor right after decoding, and conversions (16-bit, palette, alpha) run
+    on the reduced image.
     """
+    raw = data if isinstance(data, bytes) else bytes(data)   # the one copy: BytesIO shares a bytes object
     try:
+        sniffed = media.sniff(raw)
+        if sniffed is None:
+            raise ImageDecodeError("decode_error", f"cannot decode image: not {media.ACCEPTED_TYPES_TEXT}")
+        fmt = sniffed[1]
+        found = check_structure(raw, fmt, structure)
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image: Image.Image = Image.open(io.BytesIO(data))
+            # formats=: a body that fails its own type's plugin is not handed to the next one that accepts it.
+            image: Image.Image = Image.open(io.BytesIO(raw), formats=[fmt])
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageDecodeError("image_too_large", f"image of {width}x{height} "
@@ -58,40 +77,64 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
             if decoded_bytes > max_decoded_bytes:
                 raise ImageDecodeError("image_too_large", f"image of {width}x{height} {image.mode} "
                                        f"decodes to {decoded_bytes} bytes, over the limit of {max_decoded_bytes}")
-            if image.format == "JPEG":
+            if image.format in ("JPEG", "MPO"):   # an MPO (a JPEG with an MPF index) is a JPEG to libjpeg
                 if image.info.get("progressive"):
                     # Only a progressive JPEG decodes scan after scan: libjpeg refuses a baseline one whose scan
                     # repeats at once ("broken data stream"), so the count (0.7 ms for 0.8 MB) is spared photos.
-                    _check_scans(data, width, height, max_scans, max_pixel_scans)
+                    _check_scans(raw, width, height, max_scans, max_pixel_scans)
                 _draft_for(image, target_size)
             image.seek(0)
             image.load()
-            # Only now: reading a PNG's EXIF decodes its pixels (the chunk may follow them).
-            orig_size = (height, width) if _orientation(image) in _TRANSPOSING_ORIENTATIONS else (width, height)
+            # Only now: a PNG's text chunks may follow its pixels.
+            orientation = _orientation(found, image.info, structure)
+            orig_size = (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
             image = _reduced(image, target_size)
-            image = ImageOps.exif_transpose(image, in_place=False) if _orientation(image) != 1 else image
+            if orientation in _UPRIGHT:
+                image = image.transpose(_UPRIGHT[orientation])
             return to_rgb(image), orig_size
     except ImageDecodeError:
         raise
+    except TooComplex as exc:
+        raise ImageDecodeError("image_too_complex", str(exc)) from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise ImageDecodeError("image_too_large", str(exc)) from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
         raise ImageDecodeError("decode_error", f"cannot decode image: {_without_addresses(str(exc))}") from exc
 
 
+def _orientation(found: Structure, info: dict, limits: StructureLimits) -> int | None:
+    """The EXIF orientation as Pillow's getexif() finds it, never by it: Pillow copies every value of the
+    directory (tasks.structure bounds that for the EXIF it reads itself, a JPEG's; this reads none)."""
+    if found.orientation is not None:
+        return found.orientation
+    if not found.has_exif and "Raw profile type exif" in info:   # ImageMagick's PNG text chunk
+        try:
+            exif = bytes.fromhex("".join(info["Raw profile type exif"].split("\n")[3:]))
+        except ValueError:
+            exif = b""
+        orientation = exif_orientation(exif, limits)
+        if orientation is not None:
+            return orientation
+    xmp = info.get("XML:com.adobe.xmp") or info.get("xmp")
+    if xmp:
+        match = re.search(_XMP_ORIENTATION if isinstance(xmp, str) else _XMP_ORIENTATION.encode(), xmp)
+        if match:
+            return int(match[2])
+    return None
+
+
 SOS = b"\xff\xda"
 
 
-def _check_scans(data: bytes | memoryview, width: int, height: int, max_scans: int, max_pixel_scans: int) -> None:
+def _check_scans(data: bytes, width: int, height: int, max_scans: int, max_pixel_scans: int) -> None:
     """Refuse a JPEG whose scans ask for more decoding than allowed, before a scan is decoded. Every scan
     starts with an SOS marker, and entropy-coded data never holds one (a 0xFF there is followed by 0x00 or a
     restart marker), so counting the marker's bytes gives an upper bound at C speed (other segments may hold
     the same two bytes); only a file over a limit by that bound is walked segment by segment."""
-    haystack = data.obj if isinstance(data, memoryview) else data   # the buffer itself: no copy, a superset
-    bound = haystack.count(SOS) if isinstance(haystack, (bytes, bytearray)) else bytes(data).count(SOS)
+    bound = data.count(SOS)
     if bound <= max_scans and width * height * bound <= max_pixel_scans:
         return
-    scans = jpeg_scans(bytes(data), max_scans)
+    scans = jpeg_scans(data, max_scans)
     if scans > max_scans:
         raise ImageDecodeError("image_too_complex", f"a JPEG of more than {max_scans} scans (a progressive image "
                                                     f"has about ten); refused before decoding")
@@ -190,10 +233,6 @@ def _reduced(image: Image.Image, target_size: int) -> Image.Image:
         return image.reduce(factor)
     except (ValueError, NotImplementedError):   # a mode reduce() does not handle (16-bit): a box resize does
         return image.resize((max(1, image.width // factor), max(1, image.height // factor)), Image.Resampling.BOX)
-
-
-def _orientation(image: Image.Image) -> int:
-    return image.getexif().get(_EXIF_ORIENTATION_TAG, 1)
 
 
 def _draft_for(image: Image.Image, target_size: int) -> None:

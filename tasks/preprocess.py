@@ -19,6 +19,7 @@ from contract.models import Catalogue
 from contract.settings import ModelSpec, Settings
 from contract.shards import ShardUnavailable, bulk_plane
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
+from tasks.structure import StructureLimits
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class Preprocessor:
         self.keys = Keys(settings.namespace)
         self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, bulk=bulk_plane(settings, client))
         self.catalogue = Catalogue(settings)
+        decode = settings.decode
+        self.structure = StructureLimits(decode.max_blocks, decode.max_comment_blocks, decode.max_exif_bytes,
+                                         decode.max_exif_tags)
 
     def run(self, job_id: str) -> str:
         """Returns what happened, for the task's log line and Flower. The job store away (a failover to another
@@ -83,7 +87,8 @@ class Preprocessor:
             t0 = time.perf_counter()
             limits = self.settings.decode
             image, orig_size = decode_image(upload, spec.input_size, limits.max_image_pixels,
-                                            limits.max_decoded_bytes, limits.max_scans, limits.max_pixel_scans)
+                                            limits.max_decoded_bytes, limits.max_scans, limits.max_pixel_scans,
+                                            self.structure)
             t1 = time.perf_counter()
             boxed = letterbox(image, orig_size, spec.input_size)
         except ImageDecodeError as exc:

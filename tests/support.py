@@ -11,6 +11,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from bench.hostile_files import jpeg_segments, scan_bomb  # noqa: F401   (the scan bomb's tests use them)
 from bench.processes import (  # noqa: F401
     REPO_ROOT,
     ManagedProcess,
@@ -135,37 +136,6 @@ class HostReads:
 
     def __len__(self) -> int:
         return len(self.names)
-
-
-def jpeg_segments(data: bytes) -> list[tuple[int, bytes]]:
-    """(marker, whole segment bytes) of a JPEG, a scan's entropy-coded data kept with its SOS segment."""
-    segments, pos = [], 2
-    while pos < len(data):
-        marker = data[pos + 1]
-        if marker == 0xD9:
-            segments.append((marker, data[pos:pos + 2]))
-            break
-        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
-        if marker == 0xDA:   # the scan's data runs to the next marker that is not a stuffed 0xFF or a restart
-            while True:
-                end = data.index(b"\xff", end)
-                if data[end + 1] == 0 or 0xD0 <= data[end + 1] <= 0xD7:
-                    end += 2
-                    continue
-                break
-        segments.append((marker, data[pos:end]))
-        pos = end
-    return segments
-
-
-def scan_bomb(width: int, height: int, repeats: int) -> bytes:
-    """A flat grey progressive JPEG whose last (AC) scan repeats `repeats` times: a few bytes a scan, a whole
-    pass over the image each for the decoder."""
-    flat = encode(Image.new("L", (width, height), 128), "JPEG", progressive=True, quality=90)
-    segments = jpeg_segments(flat)
-    scans = [segment for marker, segment in segments if marker == 0xDA]
-    head = b"".join(segment for marker, segment in segments if marker not in (0xDA, 0xD9))
-    return b"\xff\xd8" + head + b"".join(scans) + scans[-1] * repeats + b"\xff\xd9"
 
 
 FUZZ_EXAMPLES = 60    # schemathesis's examples per operation and phase (100 took 50-80 s a run on 2 busy cores)

@@ -278,3 +278,28 @@ def test_instruction_counts_are_read_from_callgrind_and_differenced_per_unit():
     assert Counted("api", "submit + long-poll", 9.6e6).over_reference is None
     table = markdown({"this checkout": [task]})
     assert "| this checkout | cpu-task | task | 102.50 M | 99.00 M | 3.50 M |" in table
+
+
+def test_bench_hostiles_files_pass_the_default_upload_limit_and_its_report_tallies_each_attack():
+    """Each attack must reach a CPU worker (a file over api.max_upload_bytes is a 413 and measures nothing);
+    the report names each attack's outcomes and the tenant's waits by phase."""
+    from bench.hostile_images import ATTACKS, Sent, _tally
+    from bench.hostile_images import markdown as hostile_markdown
+    from contract.settings import ApiSettings
+
+    sizes = {attack.name: len(attack.build()) for attack in ATTACKS}
+    assert all(size <= ApiSettings().max_upload_bytes for size in sizes.values()), sizes
+    sent = [Sent("GIF", "a" * 32, 0.0, "failed", "image_too_complex", 0.2),
+            Sent("GIF", "b" * 32, 0.0, "failed", "image_too_complex", 0.4),
+            Sent("PNG", None, 0.0, "refused", "http_413")]
+    rows = _tally(sent, {"GIF": 10, "PNG": 20})
+    assert rows[0] == {"attack": "GIF", "bytes": 10, "jobs": 2, "outcomes": {"failed image_too_complex": 2},
+                       "ended_after_s_max": 0.4}
+    assert rows[1]["outcomes"] == {"refused http_413": 1} and rows[1]["ended_after_s_max"] is None
+    text = hostile_markdown("side", {"options": "o", "qps": 4.0, "copies": 3, "attacks": rows,
+                                     "tenant": {"quiet": {"jobs": 5, "succeeded": 5, "queue_cpu_ms": {
+                                         "p50": 3.0, "p95": 9.0, "max": 12.0}}},
+                                     "memory": {"quiet_peak_mb": 66.0, "attack_peak_mb": 107.0, "children_seen": 3,
+                                                "children_at_start": 3}})
+    assert "| GIF | 10 | 2 | failed image_too_complex x2 | 0.40 s |" in text
+    assert "| quiet | 5 | 5 | 3 ms | 9 ms | 12 ms |" in text and "0 replaced" in text

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -173,6 +175,54 @@ def test_scan_bombs_fail_fast_and_an_ordinary_image_beside_them_waits_for_none(s
     assert [(d["status"], d["error"]["code"]) for d in ended] == [("failed", "image_too_complex")] * 3
     assert doc["status"] == "succeeded" and doc["timings_ms"]["queue_cpu"] < 5000
     assert time.monotonic() - started < 20 and stack.cpu_worker.alive()
+
+
+def _children_peak_rss_kb(pid: int) -> dict[int, int]:
+    """{child pid: its peak resident set (VmHWM, kB)} of a process's children: a Celery worker's pool."""
+    peaks = {}
+    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
+        try:
+            status = Path(f"/proc/{child}/status").read_text()
+        except FileNotFoundError:
+            continue
+        peaks[int(child)] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    return peaks
+
+
+def test_hostile_decoder_files_fail_fast_and_bounded_and_an_ordinary_image_waits_for_none(stack):
+    """Issue 40's decoder attacks, at this stack's upload limit (3 MB): before, each held a CPU child for
+    seconds (a GIF comment bomb, floods of empty JPEG segments and PNG chunks), grew it by hundreds of MB to
+    2 GB (EXIF entries that all point at the whole block), or succeeded (a GIF89a+IM polyglot). Now each job
+    ends failed with its reason at once, no child grows or is replaced, and an ordinary job sent after them
+    waits for none of them."""
+    from bench import hostile_files as hostile
+
+    attacks = [(hostile.gif_comment_bomb(400_000), "image/gif", "image_too_complex"),
+               (hostile.jpeg_exif_bomb(), "image/jpeg", "image_too_complex"),
+               (hostile.png_exif_bomb(2_500_000, tags=250), "image/png", "image_too_complex"),
+               (hostile.jpeg_comment_flood(2_500_000), "image/jpeg", "image_too_complex"),
+               (hostile.png_chunk_flood(2_500_000), "image/png", "image_too_complex"),
+               (hostile.gif_im_polyglot(20, 10), "image/gif", "decode_error")]
+    assert all(len(data) < STACK_MAX_UPLOAD for data, _, _ in attacks)
+    stack.wait_terminal(stack.submit_ok(jpeg(320, 240)))   # the pool has decoded an image: warm, not attacked
+    before = _children_peak_rss_kb(stack.cpu_worker.process.pid)
+    started = time.monotonic()
+    jobs = []
+    for data, media_type, _ in attacks:
+        response = stack.submit(data, content_type=media_type)
+        assert response.status_code == 202, response.text
+        jobs.append(response.json()["id"])
+    ordinary = stack.submit_ok(jpeg(320, 240, seed=5))
+    ended = [stack.wait_terminal(job_id, timeout_s=30) for job_id in jobs]
+    doc = stack.wait_terminal(ordinary, timeout_s=30)
+    assert [(d["status"], (d["error"] or {}).get("code")) for d in ended] == [("failed", code)
+                                                                              for _, _, code in attacks]
+    assert "max_exif_bytes" in ended[2]["error"]["message"] and "PNG chunks" in ended[4]["error"]["message"]
+    assert doc["status"] == "succeeded" and doc["timings_ms"]["queue_cpu"] < 2000
+    assert time.monotonic() - started < 15 and stack.cpu_worker.alive()
+    after = _children_peak_rss_kb(stack.cpu_worker.process.pid)
+    assert after.keys() == before.keys(), "a CPU child was replaced"
+    assert all(after[pid] - before[pid] < 100 * 1024 for pid in after), (before, after)
 
 
 @pytest.mark.parametrize("trickle", ["three bytes, then nothing", "one byte a second"])

@@ -1,0 +1,186 @@
+"""Hostile image files, built in memory: the attacks of issue 40's decoder findings, for the tests and
+`bench hostile`. Each is a valid-looking file of an accepted type whose framing or metadata costs the decoder
+far more than its pixels do. No Pillow here beyond encoding the small images they wrap."""
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+from PIL import Image
+
+# Every file wraps a small, ordinary picture: refused, it was refused for its structure, not its pixels.
+_SIZE = (64, 48)
+
+
+def _picture(fmt: str, **params: object) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", _SIZE, (200, 60, 30)).save(buffer, fmt, **params)
+    return buffer.getvalue()
+
+
+def gif_comment_bomb(comments: int = 400_000) -> bytes:
+    """A GIF whose first frame follows `comments` one-byte comment extensions (5 bytes each): Pillow joins
+    them by repeated byte concatenation, so the cost grows with their square (7.9 s for 400,000)."""
+    plain = _picture("GIF")
+    flags = plain[10]
+    head = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)   # header, screen and its colour table
+    return plain[:head] + b"\x21\xfe\x01x\x00" * comments + plain[head:]
+
+
+def jpeg_with_app1(payload: bytes) -> bytes:
+    """A JPEG whose first segment is an APP1 holding `payload` (no JFIF segment: Pillow then reads the EXIF
+    for the image's dpi while opening it)."""
+    plain = _picture("JPEG", quality=80)
+    rest = _segments_after_jfif(plain)
+    return b"\xff\xd8" + b"\xff\xe1" + struct.pack(">H", 2 + len(payload)) + payload + rest
+
+
+def overlapping_exif(size: int, tags: int | None = None) -> bytes:
+    """An EXIF block ("Exif\\0\\0" and a little-endian TIFF structure) of `size` bytes whose first directory's
+    entries (as many as fit, or `tags`) all point at offset 0 with the whole block as their length: each is a
+    copy of the whole block to Pillow, so the memory asked for is tags x size. (All but its last byte: a read of
+    a whole buffer from its start is the buffer itself to CPython's BytesIO, not a copy.)"""
+    tiff_size = size - 6
+    fit = (tiff_size - 8 - 2 - 4) // 12
+    count = fit if tags is None else min(tags, fit)
+    entries = b"".join(struct.pack("<HHLL", 0x1000 + index, 7, tiff_size - 1, 0) for index in range(count))
+    tiff = b"II*\x00" + struct.pack("<L", 8) + struct.pack("<H", count) + entries + b"\x00\x00\x00\x00"
+    return b"Exif\x00\x00" + tiff + b"\x00" * (tiff_size - len(tiff))
+
+
+def jpeg_exif_bomb() -> bytes:
+    """A 66 KB JPEG whose EXIF segment (64 KB, the most one segment holds) has ~5,400 entries, each
+    pointing at the whole segment: it grew a CPU worker child by 186 MB."""
+    return jpeg_with_app1(overlapping_exif(65_533))
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">L", len(data)) + kind + data + struct.pack(">L", zlib.crc32(kind + data))
+
+
+def _png_parts() -> tuple[bytes, bytes]:
+    """An ordinary PNG cut after its IHDR chunk: (signature + IHDR, the rest)."""
+    plain = _picture("PNG")
+    cut = 8 + 8 + 13 + 4
+    return plain[:cut], plain[cut:]
+
+
+def png_exif_bomb(size: int = 8 * 1024 * 1024, tags: int = 250) -> bytes:
+    """A PNG whose eXIf chunk of `size` bytes has `tags` entries each pointing at all of it: reading its EXIF
+    took a CPU worker child from 134 MB to 2.0 GB."""
+    head, rest = _png_parts()
+    return head + png_chunk(b"eXIf", overlapping_exif(size + 6, tags)[6:]) + rest
+
+
+def png_chunk_flood(total_bytes: int = 19 * 1024 * 1024) -> bytes:
+    """A PNG of empty ancillary chunks (12 bytes each; ~1.6 million in 19 MB) before its image data: Pillow
+    reads each in Python (14.8 s)."""
+    head, rest = _png_parts()
+    empty = png_chunk(b"ruSt", b"")
+    return head + empty * (total_bytes // len(empty)) + rest
+
+
+def jpeg_comment_flood(total_bytes: int = 20 * 1024 * 1024 - 4096) -> bytes:
+    """A JPEG of empty COM segments (4 bytes each) before its frame header: Pillow reads each in Python
+    (11.4 s for 20 MB). By default just under the API's 20 MiB limit."""
+    plain = _picture("JPEG", quality=80)
+    return plain[:2] + b"\xff\xfe\x00\x02" * (total_bytes // 4) + plain[2:]
+
+
+def gif_im_polyglot(width: int = 200, height: int = 100) -> bytes:
+    """A body that starts like a GIF and is an IM file: Pillow's GIF plugin fails on it, and `Image.open`
+    without `formats=` falls through to the IM plugin, which decodes it (a 200x100 image)."""
+    header = (b"GIF89a: not really\r\nImage type: RGB image\r\n"
+              + f"Image size (x*y): {width}*{height}\r\n".encode())
+    header += b"\x00" * (511 - len(header)) + b"\x1a"                # IM: the header is 512 bytes
+    # Pixel bytes free of '!', ',' and ';', so the GIF plugin finds no block and gives up.
+    return header + bytes([0x40]) * (width * height * 3)
+
+
+def _segments_after_jfif(jpeg: bytes) -> bytes:
+    """A JPEG's bytes after its SOI and (when first) its JFIF APP0 segment."""
+    pos = 2
+    if jpeg[pos:pos + 2] == b"\xff\xe0":
+        pos += 2 + struct.unpack(">H", jpeg[pos + 2:pos + 4])[0]
+    return jpeg[pos:]
+
+
+# --- the same attacks by other blocks: each costs Pillow a Python step, or more, per few bytes -------------
+def gif_stray_bytes(total_bytes: int = 20 * 1024 * 1024) -> bytes:
+    """A GIF whose first frame follows a run of bytes that start no block: Pillow steps through them one at a
+    time (2.0 s for 20 MB)."""
+    plain = _picture("GIF")
+    flags = plain[10]
+    head = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
+    return plain[:head] + b"\x00" * total_bytes + plain[head:]
+
+
+def gif_long_comment(sub_blocks: int = 400_000) -> bytes:
+    """One GIF comment extension of one-byte sub-blocks: joined one onto another (2.2 s for 400,000)."""
+    plain = _picture("GIF")
+    flags = plain[10]
+    head = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)
+    return plain[:head] + b"\x21\xfe" + b"\x01x" * sub_blocks + b"\x00" + plain[head:]
+
+
+def jpeg_photoshop_flood(total_bytes: int = 20 * 1024 * 1024) -> bytes:
+    """A JPEG of APP13 Photoshop segments full of empty 12-byte image resources: Pillow reads each resource in
+    Python (1.2 s for 20 MB)."""
+    resources = b"8BIM\x04\x04\x00\x00\x00\x00\x00\x00" * ((65_533 - 14) // 12)
+    payload = b"Photoshop 3.0\x00" + resources
+    segment = b"\xff\xed" + struct.pack(">H", 2 + len(payload)) + payload
+    plain = _picture("JPEG", quality=80)
+    return plain[:2] + segment * (total_bytes // len(segment)) + plain[2:]
+
+
+def png_profile_flood(total_bytes: int = 19 * 1024 * 1024) -> bytes:
+    """A PNG of iCCP chunks, each ~1 KB inflating to 1 MB: Pillow inflates every one (46 s for 19 MB)."""
+    head, rest = _png_parts()
+    chunk = png_chunk(b"iCCP", b"icc\x00\x00" + zlib.compress(b"\x00" * (1024 * 1024 - 1), 9))
+    return head + chunk * (total_bytes // len(chunk)) + rest
+
+
+def mpo_scan_bomb(width: int = 2048, height: int = 2048, repeats: int = 3000) -> bytes:
+    """A progressive-JPEG scan bomb (tests.support.scan_bomb's) behind an MPF segment naming two images:
+    Pillow opens it as an MPO, which the scan count (`decode.max_scans`) checked only for format "JPEG"
+    (11.3 s for this 64 KB file)."""
+    bomb = scan_bomb(width, height, repeats)
+    entries = struct.pack(">LLLHH", 0x20030000, len(bomb), 0, 0, 0) + struct.pack(">LLLHH", 0, 10, 100, 0, 0)
+    values = 8 + 2 + 12 * 3 + 4   # where the MP entries follow the directory
+    directory = (struct.pack(">H", 3) + struct.pack(">HHL4s", 0xB000, 7, 4, b"0100")
+                 + struct.pack(">HHLL", 0xB001, 4, 1, 2) + struct.pack(">HHLL", 0xB002, 7, len(entries), values))
+    payload = b"MPF\x00" + b"MM\x00\x2a" + struct.pack(">L", 8) + directory + b"\x00" * 4 + entries
+    return bomb[:2] + b"\xff\xe2" + struct.pack(">H", 2 + len(payload)) + payload + bomb[2:]
+
+
+def scan_bomb(width: int, height: int, repeats: int) -> bytes:
+    """A flat grey progressive JPEG whose last (AC) scan repeats `repeats` times: a few bytes a scan, a whole
+    pass over the image each for the decoder."""
+    flat = io.BytesIO()
+    Image.new("L", (width, height), 128).save(flat, "JPEG", progressive=True, quality=90)
+    segments = jpeg_segments(flat.getvalue())
+    scans = [segment for marker, segment in segments if marker == 0xDA]
+    head = b"".join(segment for marker, segment in segments if marker not in (0xDA, 0xD9))
+    return b"\xff\xd8" + head + b"".join(scans) + scans[-1] * repeats + b"\xff\xd9"
+
+
+def jpeg_segments(data: bytes) -> list[tuple[int, bytes]]:
+    """(marker, whole segment bytes) of a JPEG, a scan's entropy-coded data kept with its SOS segment."""
+    segments, pos = [], 2
+    while pos < len(data):
+        marker = data[pos + 1]
+        if marker == 0xD9:
+            segments.append((marker, data[pos:pos + 2]))
+            break
+        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        if marker == 0xDA:   # the scan's data runs to the next marker that is not a stuffed 0xFF or a restart
+            while True:
+                end = data.index(b"\xff", end)
+                if data[end + 1] == 0 or 0xD0 <= data[end + 1] <= 0xD7:
+                    end += 2
+                    continue
+                break
+        segments.append((marker, data[pos:end]))
+        pos = end
+    return segments
