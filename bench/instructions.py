@@ -123,8 +123,11 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
     from contract.jobs import SUCCEEDED, JobStore
     from contract.keys import Keys
 
-    wait_until(lambda: answers_ok(f"http://127.0.0.1:{port}/healthz", []), 900, interval_s=1.0,
-               what="the API under valgrind")
+    def up() -> bool:
+        if process.poll() is not None:   # gunicorn under valgrind gave up (a settings error, a failed import)
+            raise RuntimeError(f"the API under valgrind exited with {process.returncode} before answering")
+        return answers_ok(f"http://127.0.0.1:{port}/healthz", [])
+    wait_until(up, 900, interval_s=1.0, what="the API under valgrind")
     client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=False)
     keys = Keys("imgserve")
     store, stop = JobStore(client, keys, 3600), threading.Event()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 MAGIC = b"IMF1"
@@ -75,7 +75,9 @@ def pack_frame(header: FrameHeader, pixels: bytes) -> bytes:
     expected = header.width * header.height * CHANNELS
     if len(pixels) != expected:
         raise FrameError(f"pixels hold {len(pixels)} bytes, header says {expected}")
-    encoded = json.dumps(asdict(header), separators=(",", ":")).encode()
+    # vars(), not asdict(): the same JSON (fields in order, the two dicts as they are) without asdict's deep
+    # copy, a fifth of a millisecond of a CPU child's plumbing per frame (py-spy).
+    encoded = json.dumps(vars(header), separators=(",", ":")).encode()
     return b"".join((_PREFIX.pack(MAGIC, len(encoded)), encoded, pixels))
 
 
