@@ -12,8 +12,8 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
+from contract.timebill import percentile
 from gpu_worker.simulated import profile_latency_s
-from gpu_worker.stats import percentile
 
 
 def ideal_latencies(profile_ms: Mapping[int, float], qps: float, window_s: float, max_batch: int,

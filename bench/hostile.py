@@ -408,7 +408,7 @@ def _after_end(session: requests.Session, url: str, job_id: str, receiver: Recei
 
 
 def _pick(values: list[float], q: float) -> float | None:
-    from gpu_worker.stats import percentile
+    from contract.timebill import percentile
 
     return round(percentile(values, q), 2) if values else None
 

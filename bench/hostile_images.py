@@ -32,7 +32,7 @@ import requests
 from bench import hostile_files
 from bench.load import TERMINAL, ImageStream, session_for
 from bench.stack import LocalStack, StackOptions
-from gpu_worker.stats import percentile
+from contract.timebill import percentile
 
 NORMAL_KEY, ATTACKER_KEY = "bench-normal-tenant-key", "bench-attacker-key"   # a private stack's keys
 

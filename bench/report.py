@@ -7,8 +7,7 @@ from typing import Any
 
 from bench.cpu import ROLE_ORDER, SHARD_ROLE
 from bench.load import Outcome
-from contract.timebill import STAGES
-from gpu_worker.stats import percentile, summarise_bills
+from contract.timebill import STAGES, percentile, summarise_bills
 
 
 def summarise(name: str, mode: str, outcomes: list[Outcome], offered_qps: float | None,

@@ -12,7 +12,7 @@ from tqdm import tqdm
 from bench import cpu, load
 from bench.floor import against_floor, decode_floor_ms
 from bench.report import summarise
-from gpu_worker.stats import percentile
+from contract.timebill import percentile
 
 
 @dataclass(frozen=True)

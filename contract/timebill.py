@@ -1,7 +1,9 @@
 """The time bill: how long each stage of one request took.
 
 Each process stamps wall-clock times (epoch seconds) or durations as the job
-passes; `compute_time_bill` turns the stamps into milliseconds per stage.
+passes; `compute_time_bill` turns the stamps into milliseconds per stage, and
+`summarise_bills` many bills into percentiles per stage (the GPU worker's
+heartbeat and the bench's reports give the same figures).
 """
 from __future__ import annotations
 
@@ -77,3 +79,29 @@ def host_ms_per_batch(counters: Mapping[str, float]) -> dict[str, dict[str, floa
             cpu = counters.get(f"host_cpu_s:{stage}") or 0.0
             table[stage] = {"wall": round(wall / batches * 1000.0, 3), "cpu": round(cpu / batches * 1000.0, 3)}
     return table
+
+
+def summarise_bills(bills: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per stage p50 / p95 / mean in ms, and its share of the mean total."""
+    summary: dict[str, dict[str, float]] = {}
+    totals = [b["total"] for b in bills if "total" in b]
+    mean_total = sum(totals) / len(totals) if totals else 0.0
+    for stage in STAGES:
+        values = sorted(b[stage] for b in bills if stage in b)
+        if not values:
+            continue
+        mean = sum(values) / len(values)
+        summary[stage] = {"p50": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3),
+                          "mean": round(mean, 3),
+                          "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0}
+    return summary
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    position = (len(sorted_values) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)

@@ -18,8 +18,8 @@ from contract.jobs import JobStatus
 from contract.keys import Keys
 from contract.models import Catalogue, SmoothWeightedRoundRobin, UnknownModel
 from contract.settings import ModelSpec, Settings, SettingsError
+from contract.timebill import percentile
 from gpu_worker.lanes import DeviceQueue
-from gpu_worker.stats import percentile
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import REPO_ROOT, ApiServer, ManagedProcess, jpeg, python_argv, wait_until
 
