@@ -1,5 +1,5 @@
 """The REST API: `create_app(settings)` builds one Flask app with its own
-Redis client, Celery sender and long-poll listener: no module globals.
+Redis client, task messages (contract.task_messages) and long-poll listener: no module globals.
 
     gunicorn -c configs/gunicorn.conf.py 'app:create_app()'
 """
@@ -9,7 +9,6 @@ import io
 import time
 from dataclasses import dataclass
 
-import kombu.exceptions
 import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
@@ -28,7 +27,7 @@ from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
-from tasks.celery_app import PreprocessMessages, make_celery
+from contract.task_messages import PreprocessMessages
 
 
 class InMemoryFormRequest(Request):
@@ -78,12 +77,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms)
     store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
     waiting = WaitingBytes(client, keys)
-    celery = make_celery(settings)
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
         store=store,
         catalogue=Catalogue(settings),
-        task_messages=PreprocessMessages(celery),
+        task_messages=PreprocessMessages(),
         waiting=waiting,
         memory=RedisMemory(client),
         tenants=ServedTenants(client, keys, settings.celery.heartbeat_ttl_s),
@@ -161,7 +159,6 @@ def _install_error_handlers(app: Flask) -> None:
         return problem_response(Problem(exc.code or 500, slug, exc.name, detail, headers=headers))
 
     @app.errorhandler(redis.RedisError)
-    @app.errorhandler(kombu.exceptions.OperationalError)
     def backend_unavailable(exc: Exception):
         """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
         retry = str(app.extensions["imgserve"].settings.backpressure.retry_after_s)
@@ -174,7 +171,7 @@ def _install_error_handlers(app: Flask) -> None:
         elif isinstance(exc, redis.exceptions.OutOfMemoryError):
             problem = Problem(503, "store-full", "Service unavailable", "the job store is full; retry later",
                               headers={"Retry-After": str(admission.MAX_RETRY_AFTER_S)})
-        elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)):
+        elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             problem = Problem(503, "backend-unavailable", "Service unavailable", "the job store is unreachable",
                               headers={"Retry-After": retry})
         else:

@@ -25,10 +25,11 @@ from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
+from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK
 from tasks.callback_relay import OutboxRelay
 from tasks.callback_slots import TenantSlots
 from tasks.callbacks import CallbackSender
-from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
+from tasks.celery_app import make_celery, send_callback
 from tasks.event_batching import batch_task_events
 from tasks.full_lists import pause_while_full
 from tasks.liveness import keep_alive

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from tasks.celery_app import PREPROCESS_TASK, make_celery
+from contract.task_messages import PREPROCESS_TASK
+from tasks.celery_app import make_celery
 from tests.support import jpeg, wait_until
 
 pytestmark = pytest.mark.integration
