@@ -1,4 +1,5 @@
-"""The code's seams: no import circle between the project's modules (lazy imports inside functions too)."""
+"""The code's seams: the three processes meet only in contract/, and no import circle between the project's
+modules (lazy imports inside functions too)."""
 from __future__ import annotations
 
 import ast
@@ -6,6 +7,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("app", "contract", "tasks", "gpu_worker", "bench", "baseline", "tools", "training")
+# The API, the CPU (and callback) workers and the GPU worker: separate processes, deployed apart (the GPU image
+# carries no app/ or tasks/). What two of them share is the contract's, which imports none of them.
+PROCESSES = ("app", "tasks", "gpu_worker")
+# Every top-level name of this repository's own code (client/ is installed as imgserve_client).
+PROJECT = (*PACKAGES, "tests", "imgserve_client", "client")
 
 
 def module_name(path: Path) -> str:
@@ -23,6 +29,30 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
             names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
         found.update(name for name in names if name in modules)
     return found
+
+
+def imported_names(path: Path) -> list[tuple[int, str]]:
+    """Every module an import in `path` names (lazy ones too), with its line; a relative import as '.'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, "." if node.level else node.module or ""))
+    return found
+
+
+def test_each_process_imports_only_the_contract_and_its_own_modules():
+    """app/, tasks/ and gpu_worker/ import contract/ and themselves; contract/ imports only itself."""
+    crossings = []
+    for package in (*PROCESSES, "contract"):
+        allowed = {package, "contract"}
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            for line, name in imported_names(path):
+                top = name.split(".")[0]
+                if name == "." or (top in PROJECT and top not in allowed):
+                    crossings.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {name}")
+    assert crossings == [], "\n".join(crossings)
 
 
 def test_no_import_circle_between_the_projects_modules():
