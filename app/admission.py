@@ -24,7 +24,7 @@ from contract import budget
 from contract.heartbeat import live_heartbeats
 from contract.jobs import queue_depths
 from contract.keys import Keys
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 
 log = logging.getLogger(__name__)
 

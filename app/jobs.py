@@ -40,8 +40,8 @@ from contract.documents import (
     submit_query_model,
     wait_query_model,
 )
-from contract.models import UnknownModel, model_references
-from contract.settings import ModelSpec, SettingsError
+from contract.models import ModelSpec, UnknownModel, model_references
+from contract.sections import SettingsError
 from contract.timebill import compute_time_bill
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")

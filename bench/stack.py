@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def legacy_api_env(port: int, workers: int | None = None, threads: int | None = None) -> dict[str, str]:
-    """The API's address and size under the variables' old names (contract.settings.LEGACY_ENV): `bench ab`
+    """The API's address and size under the variables' old names (contract.config.LEGACY_ENV): `bench ab`
     runs an older checkout beside this one, and both read these until 0.2; their warning is silenced."""
     env = {"IMGSERVE_API_BIND": f"127.0.0.1:{port}", "PYTHONWARNINGS": "ignore::FutureWarning"}
     if workers is not None:

@@ -21,7 +21,8 @@ import redis
 from blake3 import blake3
 
 from contract.keys import Keys
-from contract.settings import ModelSpec, Settings
+from contract.models import ModelSpec
+from contract.settings import Settings
 
 # What an entry costs beyond its document: its key, its LRU member and size field (Redis's own overhead).
 ENTRY_OVERHEAD = 200

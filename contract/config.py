@@ -18,6 +18,8 @@ import yaml
 from pydantic import ValidationError
 
 from contract import model_files
+from contract.models import ModelSpec, RoutingSettings
+from contract.sections import SettingsError
 from contract.settings import (
     REPO_ROOT,
     ApiSettings,
@@ -31,11 +33,8 @@ from contract.settings import (
     GpuWorkerSettings,
     JobSettings,
     LogSettings,
-    ModelSpec,
     RedisSettings,
-    RoutingSettings,
     Settings,
-    SettingsError,
     check_secret,
 )
 

@@ -19,7 +19,7 @@ from typing_extensions import TypedDict
 
 from contract.cache import CacheVerdict
 from contract.jobs import STATUSES, utc_iso
-from contract.settings import MODEL_NAME_PATTERN
+from contract.models import MODEL_NAME_PATTERN
 from contract.timebill import STAGE_DESCRIPTIONS
 
 StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.JobStatus, as JSON spells it

@@ -1,6 +1,6 @@
-"""Every setting of the service: its sections as frozen, validated dataclasses, and the checks that
-tie them together (routing against the models listed). contract.config reads them from YAML and the
-environment (`load_settings`); configs/default.yaml names every one with its default.
+"""Every setting of the service: its sections as frozen, validated dataclasses (contract.sections), and the
+checks that tie them together. The models' own settings and their routing are contract.models'; contract.config
+reads them from YAML and the environment (`load_settings`); configs/default.yaml names every one with its default.
 """
 from __future__ import annotations
 
@@ -10,29 +10,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import ConfigDict
-from pydantic.dataclasses import dataclass as pydantic_dataclass
-
 from contract.check_secrets import weak_secret_reason
+from contract.models import ModelSpec, RoutingSettings, default_model
+from contract.sections import SettingsError, settings_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The story's batch-size table (ms per batch on its GPU): the `sim` device's default profile.
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
-
-
-# Every settings class is a pydantic dataclass: still a frozen dataclass (attribute access,
-# dataclasses.replace), and its values are type-checked and coerced where a reading is unambiguous
-# ("8" for an int, 8 for a float); unknown keys are refused (the loader names them first).
-_SETTINGS_CONFIG = ConfigDict(extra="forbid")
-
-
-def settings_class(cls: type) -> Any:
-    return pydantic_dataclass(frozen=True, config=_SETTINGS_CONFIG)(cls)
-
-
-class SettingsError(ValueError):
-    """A config file or model spec that cannot be used."""
 
 
 def check_secret(name: str, value: str) -> None:
@@ -284,110 +269,6 @@ class CeleryWorkerSettings:
             raise SettingsError("celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
                                 "and celery.sweep_s above 0")
 
-
-@settings_class
-class RoutingSettings:
-    """Which model a request gets. `model=name:version` pins a version; `model=name` follows `routes`; no
-    `model` at all gets `default`."""
-    default: str = ""             # a name or name:version; "": the first model listed
-    # model=name -> {version: weight, ...} (a split, e.g. {2.0.0: 90, 3.0.0: 10}) or one version (pinned).
-    # A name without a route: its first version listed (a version added later takes no traffic until routed).
-    routes: dict[str, Any] = field(default_factory=dict)
-    draining: tuple[str, ...] = ()   # name:version: no new jobs; still served until its lists are empty
-
-
-# A model's name and version appear in Redis keys (name:version) and in `model=`: no colons, no spaces.
-MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
-# How the GPU worker may speed a model's forward up beyond eager PyTorch (ModelSpec.accelerate).
-ACCELERATIONS = ("none", "cuda_graphs", "compile")
-
-
-@settings_class
-class ModelSpec:
-    """What the GPU worker loads and what the CPU workers letterbox for."""
-
-    name: str
-    version: str
-    format: str = "builtin"  # builtin | torchscript | export (a torch.export .pt2 file)
-    builtin: str = "tiny_yolo"
-    path: str | None = None
-    weights: str = "random"
-    input_size: int = 640
-    channel_order: str = "rgb"
-    pad_value: int = 114
-    scale: float = 1.0 / 255.0
-    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    layout: str = "yolov8"  # yolov8: [B, 4+C, N]; yolov5: [B, N, 5+C]
-    precision: str = "auto"  # auto: the model's own weights' dtype | fp32 | fp16 | bf16
-    channels_last: bool = False  # NHWC canvas and weights: faster convolutions on tensor cores
-    freeze: bool = False     # TorchScript only: torch.jit.freeze + optimize_for_inference at load
-    # none | cuda_graphs (one CUDA graph per batch size, captured at load; CUDA only) | compile (torch.compile
-    # with a dynamic batch, compiled at load; builtin and export models: TorchScript has `freeze`)
-    accelerate: str = "none"
-    labels: tuple[str, ...] = ()
-    # Which of labels / input_size were read from the model file (the spec left them out).
-    from_file: tuple[str, ...] = ()
-    conf: float = 0.25
-    iou: float = 0.45
-    max_det: int = 100
-    # Per-model limits; unset: the deployment's (backpressure.max_frames / max_backlog,
-    # jobs.default_deadline_ms). One model's overload refuses only its own requests.
-    max_frames: int | None = None
-    max_backlog: int | None = None
-    max_waiting_bytes: int | None = None
-    default_deadline_ms: int | None = None
-    # Device `sim`: this model's batch latency by batch size (models differ in cost); unset: gpu_worker's.
-    sim_latency_ms: dict[int, float] | None = None
-    cache: bool | None = None     # the result cache for this model; unset: the deployment's cache.enabled
-
-    @property
-    def key(self) -> str:
-        """name:version, as requests pin it and Redis keys carry it."""
-        return f"{self.name}:{self.version}"
-
-    def __post_init__(self) -> None:
-        for what, value in (("name", self.name), ("version", self.version)):
-            if not re.fullmatch(MODEL_NAME_PATTERN, value):
-                raise SettingsError(f"model {what} {value!r}: letters, digits and . _ + - only (at most 64), "
-                                    "starting with a letter or digit")
-        for limit in ("max_frames", "max_backlog", "max_waiting_bytes", "default_deadline_ms"):
-            if getattr(self, limit) is not None and getattr(self, limit) < 1:
-                raise SettingsError(f"model {self.key}: {limit} must be >= 1")
-        if self.format not in ("builtin", "torchscript", "export"):
-            raise SettingsError(f"model format {self.format!r}: expected builtin, torchscript or export")
-        if self.format != "builtin" and not self.path:
-            raise SettingsError(f"a {self.format} model needs a path")
-        if self.layout not in ("yolov8", "yolov5"):
-            raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
-        if self.freeze and self.format != "torchscript":
-            raise SettingsError("freeze applies to TorchScript models only")
-        if self.accelerate not in ACCELERATIONS:
-            raise SettingsError(f"accelerate {self.accelerate!r}: expected {', '.join(ACCELERATIONS)}")
-        if self.accelerate == "compile" and self.format == "torchscript":
-            raise SettingsError("accelerate: compile takes builtin and export models; for TorchScript use freeze")
-        if self.precision not in ("auto", "fp32", "fp16", "bf16"):
-            raise SettingsError(f"precision {self.precision!r}: expected auto, fp32, fp16 or bf16")
-        if self.channel_order not in ("rgb", "bgr"):
-            raise SettingsError(f"channel_order {self.channel_order!r}: expected rgb or bgr")
-        if not self.labels:
-            raise SettingsError("a model needs its labels")
-        if not 8 <= self.input_size <= 4096:
-            raise SettingsError(f"input_size {self.input_size} out of range")
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "version": self.version,
-            "weights": self.weights,
-            "labels": list(self.labels),
-            "input_size": self.input_size,
-            "layout": self.layout,
-            **({"from_file": list(self.from_file)} if self.from_file else {}),
-            "defaults": {"conf": self.conf, "iou": self.iou, "max_det": self.max_det},
-        }
-
-
 @settings_class
 class Settings:
     # The default model (routing.default, or the first listed); `models` holds every model served. A config
@@ -431,7 +312,7 @@ class Settings:
     def __post_init__(self) -> None:
         if not self.models:   # built in code with one model (tests, tools)
             object.__setattr__(self, "models", (self.model,))
-        object.__setattr__(self, "model", default_model(self))
+        object.__setattr__(self, "model", default_model(self, self.gpu_worker.models))
         largest = self.api.max_upload_bytes
         for spec in self.models:
             if min(self.max_waiting_bytes(spec), self.backpressure.max_total_waiting_bytes) < largest:
@@ -458,61 +339,3 @@ class Settings:
         """Whether `spec`'s results are cached: its own `cache`, else the deployment's."""
         enabled = self.cache.enabled if spec.cache is None else spec.cache
         return enabled and self.cache.max_bytes > 0
-
-    @property
-    def default_reference(self) -> str:
-        """What a request without `model=` asks for: `routing.default`, else the first model's name."""
-        return self.routing.default or self.models[0].name
-
-
-def version_weights(settings: Settings, name: str) -> dict[str, float]:
-    """How `model=name` is split over its versions: {version: weight}, weights > 0, draining ones left out.
-    Without a route: its first version listed that is not draining. Empty: nothing of that name takes jobs."""
-    draining = set(settings.routing.draining)
-    versions = [spec.version for spec in settings.models if spec.name == name]
-    route = settings.routing.routes.get(name)
-    if route is None:
-        live = [version for version in versions if f"{name}:{version}" not in draining]
-        return {live[0]: 1.0} if live else {}
-    weights = {str(route): 1.0} if not isinstance(route, dict) else {str(v): float(w) for v, w in route.items()}
-    return {version: weight for version, weight in weights.items()
-            if weight > 0 and f"{name}:{version}" not in draining}
-
-
-def default_model(settings: Settings) -> ModelSpec:
-    """Check `models`, `routing` and `gpu_worker.models` against each other; the spec a request without
-    `model=` gets (for a split default: its heaviest version)."""
-    by_key: dict[str, ModelSpec] = {}
-    for spec in settings.models:
-        if spec.key in by_key:
-            raise SettingsError(f"model {spec.key} is listed twice")
-        by_key[spec.key] = spec
-    names = {spec.name for spec in settings.models}
-    for key in settings.routing.draining:
-        if key not in by_key:
-            raise SettingsError(f"routing.draining: {key!r} is not a name:version listed in models")
-    for name, route in settings.routing.routes.items():
-        if name not in names:
-            raise SettingsError(f"routing.routes: no model named {name!r}")
-        weights = route if isinstance(route, dict) else {route: 1}
-        for version, weight in weights.items():
-            if f"{name}:{version}" not in by_key:
-                raise SettingsError(f"routing.routes.{name}: no version {version!r} of {name} is listed")
-            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
-                raise SettingsError(f"routing.routes.{name}.{version}: a weight >= 0, got {weight!r}")
-        if not version_weights(settings, name):
-            raise SettingsError(f"routing.routes.{name}: no version with a weight above 0 that is not draining")
-    for ref in settings.gpu_worker.models:
-        if ref not in by_key and ref not in names:
-            raise SettingsError(f"gpu_worker.models: {ref!r} is neither a model name nor a name:version listed")
-    ref = settings.default_reference
-    if ":" in ref:
-        if ref not in by_key or ref in settings.routing.draining:
-            raise SettingsError(f"routing.default: {ref!r} is not a listed model version taking jobs")
-        return by_key[ref]
-    weights = version_weights(settings, ref) if ref in names else {}
-    if not weights:
-        raise SettingsError(f"routing.default: no version of {ref!r} takes jobs")
-    return by_key[f"{ref}:{max(weights, key=lambda version: weights[version])}"]
-
-

@@ -14,7 +14,7 @@ from contract.connection import connect
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.models import Catalogue
-from contract.settings import SettingsError
+from contract.sections import SettingsError
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
 from gpu_worker.liveness import WorkerIdInUse

@@ -17,7 +17,7 @@ import numpy as np
 
 from contract import jobs
 from contract.frames import Frame
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.intake import InHand, Outcome

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.batcher import Batch
 from gpu_worker.finish import Finisher
 from gpu_worker.handoff import Handoff

@@ -10,7 +10,7 @@ import torch
 
 from contract.frames import Frame
 from contract.model_files import describe_kind, identify
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker import tiny_yolo
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from contract.frames import Frame
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.staging import (
     DETECTION_COLUMNS,
     PARAM_COLUMNS,

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from contract.frames import CHANNELS, MAPPING_FIELDS, Frame, FrameHeader
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.postprocess import ROW_COLUMNS
 
 # Per frame, what post-processing needs: its options, then how the letterbox placed it.

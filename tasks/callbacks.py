@@ -38,7 +38,8 @@ from contract.callbacks import (
 )
 from contract.documents import job_document
 from contract.keys import Keys
-from contract.settings import Settings, SettingsError
+from contract.sections import SettingsError
+from contract.settings import Settings
 from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ import redis
 from contract import jobs
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
-from contract.models import Catalogue
-from contract.settings import ModelSpec, Settings
+from contract.models import Catalogue, ModelSpec
+from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
 from tasks.structure import StructureLimits

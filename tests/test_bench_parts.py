@@ -9,7 +9,8 @@ from bench.diagnose import band, pattern
 from bench.load import Outcome
 from bench.report import markdown, summarise
 from contract.frames import unpack_frame
-from contract.settings import STORY_PROFILE_MS, ModelSpec
+from contract.models import ModelSpec
+from contract.settings import STORY_PROFILE_MS
 from contract.timebill import percentile, summarise_bills
 from gpu_worker.simulated import SimulatedDevice, profile_latency_s
 from gpu_worker.stats import BusyMeter

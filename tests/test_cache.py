@@ -18,7 +18,8 @@ from app.auth import hash_key
 from contract import budget, jobs
 from contract.cache import ENTRY_OVERHEAD, CacheLimits, ResultCache, effective_options
 from contract.keys import Keys
-from contract.settings import CacheSettings, ModelSpec, Settings
+from contract.models import ModelSpec
+from contract.settings import CacheSettings, Settings
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import ApiServer, jpeg, wait_until
 

@@ -373,7 +373,7 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
 @pytest.mark.parametrize("secret", ["change-me", "change-me-to-a-long-random-string", "short", "a" * 40])
 def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(secret, monkeypatch):
     from contract.config import load_settings
-    from contract.settings import SettingsError
+    from contract.sections import SettingsError
 
     monkeypatch.setenv("IMGSERVE_CALLBACK_SECRET", secret)
     with pytest.raises(SettingsError, match="callback secret"):
@@ -382,7 +382,7 @@ def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(sec
 
 def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
     from contract.config import load_settings
-    from contract.settings import SettingsError
+    from contract.sections import SettingsError
 
     monkeypatch.setenv("IMGSERVE_REDIS_URL", "redis://:change-me@redis:6379/0")
     with pytest.raises(SettingsError, match="Redis password"):
@@ -393,7 +393,7 @@ def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
 
 def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
     from contract.config import load_settings
-    from contract.settings import SettingsError
+    from contract.sections import SettingsError
 
     config = tmp_path / "inline.yaml"
     config.write_text(yaml.safe_dump({"auth": {"api_keys": [{"id": "a", "sha256": "00", "callback_secret": "x"}]}}))

@@ -19,7 +19,7 @@ from contract.config import load_settings
 from contract.documents import job_document
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
 from contract.keys import Keys
-from contract.settings import SettingsError
+from contract.sections import SettingsError
 from contract.timebill import STAGES, compute_time_bill
 from tests.support import REPO_ROOT, wait_until
 

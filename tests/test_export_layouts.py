@@ -18,7 +18,7 @@ import yaml
 
 from contract.config import load_model_spec
 from contract.model_files import embedded_metadata, identify
-from contract.settings import SettingsError
+from contract.sections import SettingsError
 from gpu_worker.model import ModelLoadError, load_model
 from tests.conftest import STACK_INPUT_SIZE, TEST_DEVICE, Stack
 from tests.support import ManagedProcess, build_content_box_model, jpeg, python_argv, wait_until

@@ -19,7 +19,7 @@ import torch
 
 from contract.config import load_model_spec
 from contract.frames import Frame, unpack_frame
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.devices import TorchDevice
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import load_model

@@ -11,7 +11,7 @@ import torch
 
 from contract.frames import FrameHeader, pack_frame, unpack_frame
 from contract.keys import Keys
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.model import BatchAssembler, ModelLoadError, load_model
 from gpu_worker.source import RedisFrameSource
 from tests.support import REPO_ROOT, build_content_box_model

@@ -18,7 +18,7 @@ from bench.feed import push_frames
 from contract.config import load_settings
 from contract.frames import unpack_frame
 from contract.keys import Keys
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.devices import DeviceLost, TorchDevice, is_fatal
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import LoadedModel

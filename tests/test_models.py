@@ -16,8 +16,9 @@ import yaml
 from contract.config import load_settings
 from contract.jobs import JobStatus
 from contract.keys import Keys
-from contract.models import Catalogue, SmoothWeightedRoundRobin, UnknownModel
-from contract.settings import ModelSpec, Settings, SettingsError
+from contract.models import Catalogue, ModelSpec, SmoothWeightedRoundRobin, UnknownModel
+from contract.sections import SettingsError
+from contract.settings import Settings
 from contract.timebill import percentile
 from gpu_worker.lanes import DeviceQueue
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack

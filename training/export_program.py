@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from contract.config import load_model_spec
-from contract.settings import REPO_ROOT, ModelSpec
+from contract.models import ModelSpec
+from contract.settings import REPO_ROOT
 from gpu_worker.tiny_yolo import TinyYolo
 
 SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
