@@ -222,47 +222,6 @@ end                           -- else answered after its deadline: expired as an
 return {'hit', status, document}
 """
 
-# A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
-# there: the job is still in `preprocessing` with its upload (a redelivered task racing the first delivery
-# finds the job past this stage, its upload gone) and the list is within its bound. Otherwise it drops the
-# frame again (LTRIM: nothing in a transaction runs between the two, so the leftmost frame is this one) and
-# says why. The frame stays out of Lua: a script that takes a 0.7 MB frame as an argument makes Redis copy
-# it into Lua and back out, 1.2 ms of Redis's CPU against 0.4 for this (measured, one frame at a time).
-# A claim the job no longer carries (a later delivery of its task claimed it after this worker was presumed
-# dead: tasks.liveness) pushes nothing either: one frame per job, whoever decoded it.
-# The upload's bytes leave the waiting budget and the frame's enter it (contract.budget).
-# KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload, KEYS[4] waiting bytes; ARGV[1] max frames, ARGV[2] the
-# claim, ARGV[3] the frame's length, ARGV[4..] field, value, ... Returns 1 kept, 0 list full (nothing changed),
-# -1 job gone, over or claimed by another (nothing pushed).
-_KEEP_PUSHED_FRAME = _LUA_TERMINAL + RELEASE_LUA + f"""
-local status = redis.call('HGET', KEYS[1], 'status')
-local model, upload_bytes = redis.call('HGET', KEYS[1], 'model'), redis.call('HGET', KEYS[1], 'bytes')
-if not status or TERMINAL[status] then
-  redis.call('LTRIM', KEYS[2], 1, -1)
-  if redis.call('DEL', KEYS[3]) == 1 then release_waiting(KEYS[4], model, upload_bytes) end
-  return -1
-end
-local claim = redis.call('HGET', KEYS[1], 'claim')
-if status ~= '{PREPROCESSING}' or redis.call('EXISTS', KEYS[3]) == 0 or (claim and claim ~= ARGV[2]) then
-  redis.call('LTRIM', KEYS[2], 1, -1)
-  return -1
-end
-if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[1]) then
-  redis.call('LTRIM', KEYS[2], 1, -1)
-  return 0
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-if redis.call('DEL', KEYS[3]) == 1 then release_waiting(KEYS[4], model, upload_bytes) end
-local frame_bytes = tonumber(ARGV[3])   -- waiting now, until the GPU worker's batch write gives it back
-for _, field in ipairs({{model or '', '{budget.ALL}'}}) do
-  if field ~= '' then redis.call('HINCRBY', KEYS[4], field, frame_bytes) end
-end
-return 1
-"""
-
-PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1
-
-
 class Replication(NamedTuple):
     """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
     (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait."""
@@ -278,48 +237,6 @@ class CacheHit(NamedTuple):
     result document (JSON text), which the job holds only if it ended `succeeded`."""
     status: str
     document: str
-
-# With bulk shards (contract.shards) the frame goes to the job's shard first, kept only within the shard's
-# bound: the push and this step in one MULTI, on the shard. KEYS[1] the frame list; ARGV[1] its bound.
-# Returns 1 kept, 0 dropped again (the list was full).
-_KEEP_WITHIN_BOUND = """
-if redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) then
-  redis.call('LTRIM', KEYS[1], 1, -1)
-  return 0
-end
-return 1
-"""
-
-# ...then this step, on the control plane, says whether the frame may stand: as _KEEP_PUSHED_FRAME's checks,
-# and a job already `running` with this claim is the frame's own (a GPU worker took it before this step ran:
-# the stamps are written, the status and the frame's bytes are left alone, its batch write gives them back).
-# The frame is counted among its model's frames on the shards (Keys.frames_waiting; the batch write that
-# acknowledges it counts it out, and each GPU worker's heartbeat sets the count to what the lists hold).
-# KEYS[1] job hash, KEYS[2] the upload's marker, KEYS[3] waiting bytes, KEYS[4] frames waiting; ARGV[1] the
-# claim, ARGV[2] the frame's length, ARGV[3..] field, value, ... Returns 1 (PUSHED) or -1 (JOB_OVER: the caller
-# takes the frame back).
-_MARK_PUSHED = _LUA_TERMINAL + RELEASE_LUA + f"""
-local status = redis.call('HGET', KEYS[1], 'status')
-local model, upload_bytes = redis.call('HGET', KEYS[1], 'model'), redis.call('HGET', KEYS[1], 'bytes')
-if not status or TERMINAL[status] then
-  if redis.call('DEL', KEYS[2]) == 1 then release_waiting(KEYS[3], model, upload_bytes) end
-  return -1
-end
-local claim = redis.call('HGET', KEYS[1], 'claim')
-if (claim and claim ~= ARGV[1]) or (status ~= '{PREPROCESSING}' and status ~= '{RUNNING}') then return -1 end
-if status == '{PREPROCESSING}' then
-  if redis.call('EXISTS', KEYS[2]) == 0 then return -1 end
-  redis.call('HSET', KEYS[1], 'status', '{QUEUED_GPU}')
-  if model then redis.call('HINCRBY', KEYS[4], model, 1) end
-  local frame_bytes = tonumber(ARGV[2])
-  for _, field in ipairs({{model or '', '{budget.ALL}'}}) do
-    if field ~= '' then redis.call('HINCRBY', KEYS[3], field, frame_bytes) end
-  end
-end
-redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-if redis.call('DEL', KEYS[2]) == 1 then release_waiting(KEYS[3], model, upload_bytes) end
-return 1
-"""
 
 # A job's callback queued again from its first attempt. KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the
 # scheduled set, KEYS[4] the dead set; ARGV[1] the job id. 1 queued, 0 not (no such job, not ended, no callback).
@@ -394,7 +311,6 @@ class JobStore:
         self._claim = client.register_script(_CLAIM)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
         self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
-        self._mark_pushed = client.register_script(_MARK_PUSHED)
         self._payloads: PayloadReader | None = None   # the CPU worker's: uploads read in one copy
         self._shard_payloads: dict[int, PayloadReader] = {}
 
@@ -578,59 +494,6 @@ class JobStore:
             keys.append(self.keys.job(job_id))
             args += [job_id, len(flat), *flat]
         return keys, args
-
-    def enqueue_frame(self, job_id: str, model_key: str, frame: bytes, max_frames: int,
-                      fields: Mapping[str, Any], claim: str = "") -> int:
-        """Push a job's frame only if the list has room and the job still carries this `claim`, marking it
-        queued_gpu and dropping its upload in the same step: PUSHED, LIST_FULL (try again later) or JOB_OVER
-        (over, past preprocessing, or claimed since by another delivery of its task). See _KEEP_PUSHED_FRAME."""
-        if self.bulk.sharded:
-            return self._enqueue_on_shard(job_id, model_key, frame, max_frames, fields, claim)
-        frames = self.keys.frames(model_key)
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.lpush(frames, frame)
-        # EVAL, not EVALSHA: a script Redis has forgotten would fail inside the transaction after the push.
-        pipe.eval(_KEEP_PUSHED_FRAME, 4, self.keys.job(job_id), frames, self.keys.upload(job_id),
-                  self.keys.waiting_bytes, max_frames, claim, len(frame),
-                  *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
-        return int(pipe.execute()[1])
-
-    def _enqueue_on_shard(self, job_id: str, model_key: str, frame: bytes, max_frames: int,
-                          fields: Mapping[str, Any], claim: str) -> int:
-        """enqueue_frame with bulk shards: the frame onto the job's shard within the shard's bound, then the
-        control plane's verdict (_MARK_PUSHED); a frame that may not stand is taken back. A worker that dies
-        between the two leaves a frame whose job is still `preprocessing`: the task's redelivery pushes
-        another, and the first one answered wins (contract.shards' note)."""
-        index = self.bulk.index(job_id)
-        shard, frames = self.bulk.clients[index], self.keys.frames(model_key)
-        try:
-            pipe = shard.pipeline(transaction=True)
-            pipe.lpush(frames, frame)
-            # EVAL, not EVALSHA: a script the shard has forgotten would fail inside the transaction after the push.
-            pipe.eval(_KEEP_WITHIN_BOUND, 1, frames, self.bulk.frame_bound(max_frames))
-            kept = int(pipe.execute()[1])
-        except SHARD_ERRORS as exc:
-            self.bulk.mark_down(index)
-            raise ShardUnavailable(index, exc) from exc
-        if not kept:
-            return LIST_FULL
-        stamps = _flatten({"updated_at": time.time(), **fields})
-        outcome = int(self._mark_pushed(keys=[self.keys.job(job_id), self.keys.upload(job_id), self.keys.waiting_bytes,
-                                              self.keys.frames_waiting], args=[claim, len(frame), *stamps]))
-        if outcome != PUSHED:
-            try:
-                shard.lrem(frames, 1, frame)  # type: ignore[arg-type]  # redis-py's stubs say str; bytes go
-            except redis.RedisError:
-                pass   # a GPU worker that takes it finds its job over (or another frame's) and skips it
-        return outcome
-
-    def frame_list_has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
-        """A cheap look before sending a frame again to a list that was full (with shards: the job's shard's
-        list, against its share of the bound)."""
-        if self.bulk.sharded and job_id:
-            return int(self.bulk.client_for(job_id).llen(self.keys.frames(model_key))) < \
-                self.bulk.frame_bound(max_frames)
-        return int(self.redis.llen(self.keys.frames(model_key))) < max_frames
 
     def claim_for_preprocessing(self, job_id: str, now: float, claim: str = "") -> tuple[str, memoryview | None,
                                                                                         JobRecord]:

@@ -17,23 +17,18 @@ batch's host work.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from contract.documents import ClosedBy
+from contract.frames import FrameSource
 
 Item = TypeVar("Item")
-Popped = TypeVar("Popped", covariant=True)
 
 CLOSED_BY_SIZE = ClosedBy.FULL
 CLOSED_BY_WINDOW = ClosedBy.WINDOW
 CLOSED_LATE = ClosedBy.LATE      # the first frame had already waited a window in the list
-
-
-class FrameSource(Protocol[Popped]):
-    def pop_blocking(self, timeout_s: float) -> Popped | None: ...
-    def pop_available(self, limit: int) -> Sequence[Popped]: ...
 
 
 @dataclass
@@ -49,7 +44,7 @@ class Batch(Generic[Item]):
 
 
 class BatchCollector(Generic[Item]):
-    """Gathers one batch at a time from a FrameSource."""
+    """Gathers one batch at a time from a FrameSource (contract.frames): its two pops."""
 
     def __init__(self, max_size: int, window_s: float, *, idle_timeout_s: float = 1.0,
                  poll_s: float = 0.001, age_of: Callable[[Item], float] = lambda _: 0.0,

@@ -16,13 +16,12 @@ from typing import Any
 import numpy as np
 
 from contract import jobs
-from contract.frames import Frame
+from contract.frames import Frame, FrameSource
 from contract.models import ModelSpec
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
 from gpu_worker.intake import InHand, Outcome
 from gpu_worker.link import LaneMeters, WorkerLink
-from gpu_worker.source import FrameSource
 from gpu_worker.staging import DeviceOutput
 
 log = logging.getLogger("gpu_worker")
@@ -87,7 +86,7 @@ def documents_from_rows(per_image: list[list[list[float]]], frames: Sequence[Fra
 
 
 class Finisher:
-    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters, source: FrameSource) -> None:
+    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters, source: FrameSource[memoryview]) -> None:
         self.source = source
         self.redis = link.redis
         self.store = link.store

@@ -18,12 +18,11 @@ from typing import Any
 import redis
 
 from contract import jobs
-from contract.frames import Frame, FrameError, read_job_id, unpack_frame
+from contract.frames import Frame, FrameError, FrameSource, read_job_id, unpack_frame
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
 from gpu_worker.link import WorkerLink
 from gpu_worker.model import fits_input
-from gpu_worker.source import FrameSource
 from gpu_worker.stages import StageClock
 from gpu_worker.staging import Device, DeviceOutput, Staged
 
@@ -55,7 +54,7 @@ class InHand:
 
 
 class Intake:
-    def __init__(self, link: WorkerLink, source: FrameSource, device: Device, clock: StageClock,
+    def __init__(self, link: WorkerLink, source: FrameSource[memoryview], device: Device, clock: StageClock,
                  hold_open: Callable[[], bool], wait_held: Callable[[float], None] | None = None) -> None:
         """`hold_open`: whether this model has batches ahead (the gathering batch may keep gathering);
         `wait_held`: wait until they are gone, or the timeout."""

@@ -29,12 +29,13 @@ from typing import Any
 import redis
 
 from contract import jobs
+from contract.frame_shards import requeue_sharded_frames_of
+from contract.frames import requeue_frames_of
 from contract.heartbeat import Heartbeat
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import BulkPlane
 from gpu_worker import metrics
-from gpu_worker.source import requeue_frames_of, requeue_sharded_frames_of
 
 log = logging.getLogger("gpu_worker")
 

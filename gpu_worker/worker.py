@@ -44,6 +44,8 @@ import redis
 
 from contract import jobs
 from contract.cache import CacheLimits
+from contract.frame_shards import ShardedFrameSource
+from contract.frames import FrameSource, RedisFrameSource
 from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
 from contract.keys import Keys
 from contract.settings import Settings
@@ -56,7 +58,6 @@ from gpu_worker.intake import InHand, Intake
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
-from gpu_worker.source import FrameSource, RedisFrameSource, ShardedFrameSource
 from gpu_worker.stages import StageClock, combined_counters
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
@@ -113,7 +114,7 @@ class GpuWorker:
 
     def _lane(self, index: int, device: Device) -> Lane:
         clock, recent = StageClock(), RecentStats()
-        source: FrameSource = (ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
+        source: FrameSource[memoryview] = (ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
                                if self.bulk.sharded else
                                RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key))
         intake = Intake(self.link, source, device, clock, hold_open=lambda: self._lane_has_work_ahead(index),

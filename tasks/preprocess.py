@@ -12,7 +12,8 @@ import uuid
 
 import redis
 
-from contract import jobs
+from contract import frames, jobs
+from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame
 from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec
@@ -31,7 +32,9 @@ class Preprocessor:
         self.settings = settings
         self.redis = client
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, bulk=bulk_plane(settings, client))
+        bulk = bulk_plane(settings, client)
+        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, bulk=bulk)
+        self.frames = frame_pusher(client, self.keys, bulk)
         self.catalogue = Catalogue(settings)
         decode = settings.decode
         self.structure = StructureLimits(decode.max_blocks, decode.max_comment_blocks, decode.max_exif_bytes,
@@ -116,15 +119,15 @@ class Preprocessor:
             tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
             try:
-                outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried, claim)
+                outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim)
             except redis.exceptions.OutOfMemoryError:
                 # Redis at its maxmemory refuses the push: the frame waits here, as for room on a full list.
                 if not self._wait_for_memory(job_id, record):
                     return "expired"
                 continue
-            if outcome == jobs.PUSHED:
+            if outcome == frames.PUSHED:
                 return "pushed"
-            if outcome == jobs.JOB_OVER:
+            if outcome == frames.JOB_OVER:
                 return "skipped (ended or claimed again meanwhile)"
             if not self._wait_for_room(job_id, record, spec.key, limit):
                 return "expired"
@@ -137,7 +140,7 @@ class Preprocessor:
                 self.store.expire(job_id, "waiting for room on the GPU list")
                 return False
             time.sleep(self.settings.backpressure.room_poll_s)
-            if self.store.frame_list_has_room(model_key, limit, job_id):
+            if self.frames.has_room(model_key, limit, job_id):
                 return True
 
 

@@ -14,9 +14,10 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from contract import jobs
+from contract import frames, jobs
 from contract.config import load_settings
 from contract.documents import job_document
+from contract.frame_shards import frame_pusher
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
 from contract.keys import Keys
 from contract.sections import SettingsError
@@ -255,11 +256,12 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
     the Lua step, not in Python before it)."""
     keys = Keys("redeliver")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("a" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert advance(store, "a" * 32, jobs.PREPROCESSING)
-    first = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
-    second = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
-    assert (first, second) == (jobs.PUSHED, jobs.JOB_OVER)
+    first = pusher.push("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
+    second = pusher.push("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
+    assert (first, second) == (frames.PUSHED, frames.JOB_OVER)
     assert redis_client.llen(keys.frames("m:1")) == 1
     assert store.load("a" * 32)["pushed_at"] == 1.0
 
@@ -267,11 +269,12 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
 def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(redis_client):
     keys = Keys("unclaimed")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
-    assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert advance(store, "b" * 32, jobs.PREPROCESSING)
     redis_client.delete(keys.upload("b" * 32))                             # the upload expired
-    assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0
 
 
@@ -279,12 +282,13 @@ def test_only_the_latest_claim_may_push_the_frame(redis_client):
     """A worker presumed dead (its task given back and claimed again) may still be running: its push is voided."""
     keys = Keys("fenced")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("e" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert store.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
     assert store.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"   # the redelivery
-    assert store.enqueue_frame("e" * 32, "m:1", b"stale", 10, {}, "first") == jobs.JOB_OVER
+    assert pusher.push("e" * 32, "m:1", b"stale", 10, {}, "first") == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0 and redis_client.exists(keys.upload("e" * 32))
-    assert store.enqueue_frame("e" * 32, "m:1", b"frame", 10, {}, "second") == jobs.PUSHED
+    assert pusher.push("e" * 32, "m:1", b"frame", 10, {}, "second") == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
 
 
@@ -413,16 +417,17 @@ def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_
     the frames already queued keep their order."""
     keys = Keys("fulllist")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("c" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert advance(store, "c" * 32, jobs.PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"older", b"newer")
-    assert not store.frame_list_has_room("m:1", 2)
-    assert store.enqueue_frame("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == jobs.LIST_FULL
+    assert not pusher.has_room("m:1", 2)
+    assert pusher.push("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == frames.LIST_FULL
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"newer", b"older"]
     assert store.load("c" * 32)["status"] == jobs.PREPROCESSING
     assert redis_client.exists(keys.upload("c" * 32))
-    assert store.frame_list_has_room("m:1", 3)
-    assert store.enqueue_frame("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == jobs.PUSHED
+    assert pusher.has_room("m:1", 3)
+    assert pusher.push("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame", b"newer", b"older"]
     assert store.load("c" * 32)["status"] == jobs.QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0
     assert not redis_client.exists(keys.upload("c" * 32))
@@ -431,11 +436,12 @@ def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_
 def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
     keys = Keys("endedjob")
     store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("d" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert advance(store, "d" * 32, jobs.PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"queued")
     assert store.fail("d" * 32, "cancelled", "ended by a test")
-    assert store.enqueue_frame("d" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    assert pusher.push("d" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"queued"]
     assert store.load("d" * 32)["status"] == jobs.FAILED
 

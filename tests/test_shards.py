@@ -15,11 +15,11 @@ import redis
 import requests
 
 from bench.processes import RedisServer
-from contract import jobs
+from contract import frames, jobs
+from contract.frame_shards import ShardedFrameSource, frame_pusher, requeue_sharded_frames_of
 from contract.frames import FrameHeader, pack_frame, read_job_id
 from contract.keys import Keys
 from contract.shards import SHARDED_UPLOAD, BulkPlane, ShardUnavailable, shard_of
-from gpu_worker.source import ShardedFrameSource, requeue_sharded_frames_of
 from tasks.shard_watch import ShardWatch
 from tests.conftest import STACK_INPUT_SIZE, content_box_spec, start_stack, stop_stack
 from tests.support import free_port, jpeg, wait_until
@@ -77,6 +77,7 @@ def _stored_job(store: jobs.JobStore, plane: BulkPlane, index: int, upload: byte
 def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control_plane(redis_client, plane):
     keys = Keys("sharded")
     store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    pusher = frame_pusher(redis_client, keys, plane)
     job_id = _stored_job(store, plane, 2)
     shard = plane.clients[2]
     assert shard.get(keys.upload(job_id)) == b"u" * 1000
@@ -85,7 +86,7 @@ def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control
     verdict, upload, _ = store.claim_for_preprocessing(job_id, time.time(), "c1")
     assert verdict == "claimed" and bytes(upload) == b"u" * 1000
     redis_client.hset(keys.waiting_bytes, mapping={MODEL: 1000, "*": 1000})
-    assert store.enqueue_frame(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == jobs.PUSHED
+    assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
     assert shard.lrange(keys.frames(MODEL), 0, -1) == [b"F" * 300]
     record = store.load(job_id)
     assert record["status"] == jobs.QUEUED_GPU and record["pushed_at"] == 1.0
@@ -97,17 +98,18 @@ def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control
 def test_a_shards_share_of_the_bound_holds_and_a_frame_that_may_not_stand_is_taken_back(redis_client, plane):
     keys = Keys("bound")
     store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    pusher = frame_pusher(redis_client, keys, plane)
     first, second, over = (_stored_job(store, plane, 0) for _ in range(3))
     for job_id in (first, second, over):
         store.claim_for_preprocessing(job_id, time.time(), "c")
     # max_frames 4 over 3 shards: 2 on each.
-    assert store.enqueue_frame(first, MODEL, b"1" * 10, 4, {}, "c") == jobs.PUSHED
-    assert store.enqueue_frame(second, MODEL, b"2" * 10, 4, {}, "c") == jobs.PUSHED
-    assert store.enqueue_frame(over, MODEL, b"3" * 10, 4, {}, "c") == jobs.LIST_FULL
-    assert not store.frame_list_has_room(MODEL, 4, over)
+    assert pusher.push(first, MODEL, b"1" * 10, 4, {}, "c") == frames.PUSHED
+    assert pusher.push(second, MODEL, b"2" * 10, 4, {}, "c") == frames.PUSHED
+    assert pusher.push(over, MODEL, b"3" * 10, 4, {}, "c") == frames.LIST_FULL
+    assert not pusher.has_room(MODEL, 4, over)
     plane.clients[0].rpop(keys.frames(MODEL))
     store.fail(over, "test", "ended meanwhile")
-    assert store.enqueue_frame(over, MODEL, b"3" * 10, 4, {}, "c") == jobs.JOB_OVER
+    assert pusher.push(over, MODEL, b"3" * 10, 4, {}, "c") == frames.JOB_OVER
     assert plane.clients[0].lrange(keys.frames(MODEL), 0, -1) == [b"2" * 10]   # taken back
 
 
