@@ -22,7 +22,7 @@ from contract.budget import WaitingBytes
 from contract.cache import ResultCache
 from contract.config import load_settings
 from contract.connection import NotReplicated, connect
-from contract.jobs import JobStore, Replication
+from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import Settings
@@ -46,7 +46,7 @@ class Services:
     settings: Settings
     redis: redis.Redis
     keys: Keys
-    store: JobStore
+    store: JobIntake
     catalogue: Catalogue
     task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
     waiting: WaitingBytes               # the bytes budgets (app.admission)
@@ -67,7 +67,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)
-    # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobStore.create).
+    # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
     uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0,
                       max_connections=UPLOAD_CONNECTIONS)
     # With bulk shards (contract.shards) uploads go to them instead, over as few connections in all.
@@ -75,7 +75,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     bulk = bulk_plane(settings, client, max_connections=per_shard)
     # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms)
-    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
+    store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
     waiting = WaitingBytes(client, keys)
     app.extensions["imgserve"] = Services(
         settings=settings, redis=client, keys=keys,
@@ -127,7 +127,7 @@ HTML_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; fr
 UPLOAD_CONNECTIONS = 8    # per API process: uploads written at once (more wait for one, up to the connect timeout)
 
 
-def _sweeper(store: JobStore, waiting: WaitingBytes):
+def _sweeper(store: JobIntake, waiting: WaitingBytes):
     """The listener's tick: end overdue jobs, and give back the bytes a refused submission could not (Redis
     was away), at most once a second."""
     last = [0.0]

@@ -22,7 +22,7 @@ from flask import g
 from app.problems import Problem
 from contract import budget
 from contract.heartbeat import live_heartbeats
-from contract.jobs import queue_depths
+from contract.jobs.backlog import queue_depths
 from contract.keys import Keys
 from contract.models import ModelSpec
 

@@ -9,7 +9,7 @@ from flask import Blueprint, Response, current_app, jsonify
 from app.operations import Reply, operation
 from contract.documents import Health, ModelList, Readiness
 from contract.heartbeat import Heartbeat, live_heartbeats
-from contract.jobs import queue_depths
+from contract.jobs.backlog import queue_depths
 
 blueprint = Blueprint("health", __name__)
 

@@ -27,7 +27,6 @@ from app.uploads import (
     refuse_unknown_fields,
     validate_params,
 )
-from contract import jobs
 from contract.cache import HIT, MISS
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.connection import NotReplicated
@@ -40,6 +39,9 @@ from contract.documents import (
     submit_query_model,
     wait_query_model,
 )
+from contract.jobs.ending import LATE_ERROR
+from contract.jobs.intake import CacheHit
+from contract.jobs.record import CANCELLED, QUEUED, SUCCEEDED, TERMINAL, is_job_id, new_job_id, utc_iso
 from contract.models import ModelSpec, UnknownModel, model_references
 from contract.sections import SettingsError
 from contract.timebill import compute_time_bill
@@ -156,7 +158,7 @@ def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, 
     callback_url = _checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
-    job_id = services.store.bulk.new_job_id(jobs.new_job_id)   # on a shard not found down lately
+    job_id = services.store.bulk.new_job_id(new_job_id)   # on a shard not found down lately
     fields = {
         "model": spec.key,
         "received_at": received_at,
@@ -174,15 +176,15 @@ def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, 
         timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
         admission = admission_request(services, spec, len(data))
         outcome = services.store.answer_or_admit(job_id, answered, digest, settings.cache.ttl_s, timings, admission)
-        if isinstance(outcome, jobs.CacheHit):   # the job is over already, stored as the 202 says
+        if isinstance(outcome, CacheHit):   # the job is over already, stored as the 202 says
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
             status, document = outcome
             log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
             if wait_s > 0:
                 return _finished(services, job_id, spec)
             # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
-            answer = ({"result": json.loads(document), "timings_ms": timings} if status == jobs.SUCCEEDED
-                      else {"error": json.loads(jobs.LATE_ERROR)})
+            answer = ({"result": json.loads(document), "timings_ms": timings} if status == SUCCEEDED
+                      else {"error": json.loads(LATE_ERROR)})
             return _accepted(job_id, spec, answered, status, answer)
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
         settle(services, spec, admission, outcome)   # refused: the problem says by which limit
@@ -204,17 +206,17 @@ def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, 
         log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                         "model": spec.key})
         if event is None:
-            return _accepted(job_id, spec, fields, jobs.QUEUED)
+            return _accepted(job_id, spec, fields, QUEUED)
         try:
-            record = _until_ended(services, job_id, {"id": job_id, "status": jobs.QUEUED, **fields}, wait_s, event)
+            record = _until_ended(services, job_id, {"id": job_id, "status": QUEUED, **fields}, wait_s, event)
             record = _expire_if_late(services, record)   # a wait ended by the deadline: over, one way or another
         except redis.RedisError:   # the job is stored: its 202 says where, whatever the wait met
             log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
-            return _accepted(job_id, spec, fields, jobs.QUEUED)
+            return _accepted(job_id, spec, fields, QUEUED)
     finally:
         if event is not None:
             services.listener.unregister(job_id, event)
-    if record["status"] in jobs.TERMINAL:
+    if record["status"] in TERMINAL:
         return _finished(services, job_id, spec, record)
     return _accepted(job_id, spec, fields, record["status"])
 
@@ -223,7 +225,7 @@ def _finished(services, job_id: str, spec, record: dict | None = None) -> tuple[
     """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
     record = record or services.store.load(job_id)
     if record is None:   # gone already (a TTL of seconds): the 202 still tells where it was
-        return _accepted(job_id, spec, {"received_at": g.received_at}, jobs.QUEUED)
+        return _accepted(job_id, spec, {"received_at": g.received_at}, QUEUED)
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
@@ -235,7 +237,7 @@ def _accepted(job_id: str, spec, fields: dict, status: str,
     body = JobAccepted.model_validate({"id": job_id, "status": status, "model": model_ref(spec.key),
                                        "links": {"self": location}, **({"cache": fields["cache"]}
                                                                         if "cache" in fields else {}),
-                                       "created_at": jobs.utc_iso(fields["received_at"]), **(answer or {})})
+                                       "created_at": utc_iso(fields["received_at"]), **(answer or {})})
     return jsonify(body.to_json()), 202, {"Location": location}
 
 
@@ -247,7 +249,7 @@ def _accepted(job_id: str, spec, fields: dict, status: str,
 def get_job(job_id: str) -> Response:
     services = current_app.extensions["imgserve"]
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
-    if wait_s <= 0 or not jobs.is_job_id(job_id):
+    if wait_s <= 0 or not is_job_id(job_id):
         return jsonify(job_document(_expire_if_late(services, _load_owned(services, job_id))))
     # Listen before the first read: an end announced after it wakes this request.
     event = services.listener.register(job_id)
@@ -263,7 +265,7 @@ def _until_ended(services, job_id: str, record: dict, wait_s: float, event) -> d
     then, one way or another (_expire_if_late says so). A wake-up that finds it still live (the listener
     resubscribing wakes every waiter) waits on for the time left."""
     until = time.monotonic() + wait_s
-    while record["status"] not in jobs.TERMINAL:
+    while record["status"] not in TERMINAL:
         left = min(until - time.monotonic(), record["deadline_at"] - time.time() + 0.05)
         if left <= 0:
             break
@@ -277,7 +279,7 @@ def _until_ended(services, job_id: str, record: dict, wait_s: float, event) -> d
 
 def _expire_if_late(services, record: dict) -> dict:
     """A live job past its deadline is over, even when no worker is left to say so."""
-    if record["status"] in jobs.TERMINAL or time.time() <= record["deadline_at"]:
+    if record["status"] in TERMINAL or time.time() <= record["deadline_at"]:
         return record
     services.store.expire(record["id"], "before an answer was written")
     return services.store.load(record["id"]) or record
@@ -290,7 +292,7 @@ def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_app.extensions["imgserve"]
     _load_owned(services, job_id)
-    cancelled = services.store.finish(job_id, jobs.CANCELLED,
+    cancelled = services.store.finish(job_id, CANCELLED,
                                       {"error": {"code": "cancelled", "message": "cancelled by the client"}})
     record = services.store.load(job_id)
     if not cancelled or record is None:
@@ -357,7 +359,7 @@ def _refuse_unparsable_multipart(body: bytes) -> None:
 def _load_owned(services, job_id: str) -> dict:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
-    record = services.store.load(job_id) if jobs.is_job_id(job_id) else None
+    record = services.store.load(job_id) if is_job_id(job_id) else None
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record

@@ -24,7 +24,7 @@ from app.operations import Operation, Reply, operation
 from app.problems import PROBLEM_TYPE
 from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 from contract.documents import ProblemDocument
-from contract.jobs import JOB_ID_PATTERN
+from contract.jobs.record import JOB_ID_PATTERN
 from contract.settings import Settings
 
 blueprint = Blueprint("openapi", __name__)

@@ -8,7 +8,7 @@ from app.health import live_gpu_workers
 from app.operations import Reply, operation
 from contract.documents import Stats
 from contract.heartbeat import Heartbeat
-from contract.jobs import queue_depths, total_depths
+from contract.jobs.backlog import queue_depths, total_depths
 from contract.timebill import host_ms_per_batch
 
 blueprint = Blueprint("stats", __name__)

@@ -35,8 +35,8 @@ from PIL import Image
 from bench.cpu import cpu_shares, cpu_times
 from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
 from bench.profiles import parse_profile
-from contract import jobs
 from contract.frames import FrameHeader, pack_frame
+from contract.jobs.record import QUEUED_GPU
 from contract.keys import Keys
 from contract.settings import REPO_ROOT
 from contract.timebill import HOST_STAGES, host_ms_per_batch
@@ -115,7 +115,7 @@ def push_frames(client: redis.Redis, keys: Keys, model_key: str, contents: list[
                       "resize_ms": 0.0, "pushed_at": now}
             header = FrameHeader(job_id=job_id, enqueued_at=now, deadline_at=now + 3600, stamps=stamps,
                                  **geometry)
-            pipe.hset(keys.job(job_id), mapping={"id": job_id, "status": jobs.QUEUED_GPU,
+            pipe.hset(keys.job(job_id), mapping={"id": job_id, "status": QUEUED_GPU,
                                                  "deadline_at": now + 3600, "received_at": now})
             pipe.expire(keys.job(job_id), 3600)
             pipe.lpush(keys.frames(model_key), pack_frame(header, pixels))

@@ -11,7 +11,7 @@ code; `bench ab` remains the figure users see.
 
 - api: one gevent API worker under gunicorn (the project's gunicorn config, one worker), per submit of a
   0.4-1 MB JPEG (raw body) and a poll of its job, each job ended by the bench as the GPU worker's batch write
-  would end it (JobStore.finish) before the poll is sent: the poll never waits. Whether a poll waited depends
+  would end it (JobEnding.finish) before the poll is sent: the poll never waits. Whether a poll waited depends
   on timing, and the count would move with it; a wait adds a registration, a wake-up and a second read of
   the job, which this figure leaves out. Counted: gunicorn, gevent, Flask, the app, redis-py, in that worker
   (its pub/sub listener hears every job's end either way).
@@ -120,7 +120,8 @@ def count_api(root: Path, images: list[bytes], pairs: tuple[int, int] = (20, 100
 def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: list[bytes], count: int) -> None:
     import http.client
 
-    from contract.jobs import SUCCEEDED, JobStore
+    from contract.jobs.ending import JobEnding
+    from contract.jobs.record import SUCCEEDED
     from contract.keys import Keys
 
     def up() -> bool:
@@ -130,7 +131,7 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
     wait_until(up, 900, interval_s=1.0, what="the API under valgrind")
     client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=False)
     keys = Keys("imgserve")
-    store, stop = JobStore(client, keys, 3600), threading.Event()
+    store, stop = JobEnding(client, keys, 3600), threading.Event()
 
     def finisher() -> None:   # each job ended as the GPU worker's batch write ends it
         while not stop.is_set():

@@ -22,7 +22,7 @@ if __name__ == "__main__":
 
     from contract.config import load_settings
     from contract.connection import connect
-    from contract.jobs import JobStore
+    from contract.jobs.intake import JobIntake
     from contract.keys import Keys
     from tasks.imaging import decode_image, letterbox
     from tasks.preprocess import Preprocessor
@@ -34,7 +34,7 @@ if __name__ == "__main__":
     spec = preprocessor.catalogue.default
     ids = [f"{index:032x}" for index in range(WARM_UP + count)]
     if mode == "store":
-        store = JobStore(client, Keys(settings.namespace), settings.jobs.ttl_s)
+        store = JobIntake(client, Keys(settings.namespace), settings.jobs.ttl_s)
         for index, job_id in enumerate(ids):
             image, now = images[index % len(images)], time.time()
             store.create(job_id, image, 3600, {"model": spec.key, "received_at": now, "submitted_at": now,

@@ -18,9 +18,9 @@ from typing import Any
 
 import requests
 
-from contract import jobs
+from contract.jobs.record import TERMINAL as TERMINAL_STATUSES
 
-TERMINAL = tuple(sorted(jobs.TERMINAL))
+TERMINAL = tuple(sorted(TERMINAL_STATUSES))
 
 
 @dataclass

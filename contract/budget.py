@@ -40,7 +40,7 @@ end
 # ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
 # ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
 # {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_ARGS is its count
-# of arguments: another script (the result cache's lookup, contract.jobs) calls it on its own offsets, with
+# of arguments: another script (the result cache's lookup, contract.jobs.intake) calls it on its own offsets, with
 # admission_arguments()'s keys and arguments.
 ADMIT_LUA = f"""
 local function admit(k, last, a)

@@ -3,8 +3,8 @@
 An entry is a succeeded job's result document, keyed by a digest of the image's bytes, the model version's
 spec (its file, size, layout, labels and default thresholds), the options that change the answer (conf, iou,
 max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing, in
-one step that on a hit stores the job over already and on a miss admits it (contract.jobs'
-JobStore.answer_or_admit). The step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
+one step that on a hit stores the job over already and on a miss admits it (contract.jobs.intake's
+JobIntake.answer_or_admit). The step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
 FINISH_JOBS_LUA), so only answers that stood are cached: never a failure, an expiry, a cancellation or a
 late answer. Entries are charged their document's bytes plus ENTRY_OVERHEAD against cache.max_bytes; past
 it the least recently used go, in the same step, so the total never exceeds it and nothing but cache entries
@@ -43,7 +43,7 @@ class CacheLimits:
         return cls(keys.cache_prefix, settings.cache.max_bytes, settings.cache.ttl_s)
 
     def finish_names(self) -> list[Any]:
-        """The arguments REMEMBER_LUA's cache names read (after contract.jobs' own)."""
+        """The arguments REMEMBER_LUA's cache names read (after contract.jobs.ending's own)."""
         return [self.prefix, self.max_bytes, self.ttl_s]
 
 
@@ -113,7 +113,7 @@ def effective_options(spec: ModelSpec, options: Mapping[str, Any]) -> tuple[floa
 
 class ResultCache:
     """The API's side of the cache: digests and figures. The lookup, a hit's job stored over already and a miss's
-    admission are one step (contract.jobs' JobStore.answer_or_admit); the GPU worker's batch write stores the
+    admission are one step (contract.jobs.intake's JobIntake.answer_or_admit); the GPU worker's batch write stores the
     entries."""
 
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:

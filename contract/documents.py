@@ -18,11 +18,11 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from typing_extensions import TypedDict
 
 from contract.cache import CacheVerdict
-from contract.jobs import STATUSES, utc_iso
+from contract.jobs.record import STATUSES, utc_iso
 from contract.models import MODEL_NAME_PATTERN
 from contract.timebill import STAGE_DESCRIPTIONS
 
-StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.JobStatus, as JSON spells it
+StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.record.JobStatus, as JSON spells it
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 MaxDetections = Annotated[int, Field(ge=1, le=1000)]
 

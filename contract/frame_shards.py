@@ -26,7 +26,7 @@ from contract.frames import (
     RedisFrameSource,
     read_job_id,
 )
-from contract.jobs import PREPROCESSING, QUEUED_GPU, RUNNING, _flatten
+from contract.jobs.record import PREPROCESSING, QUEUED_GPU, RUNNING, flatten_fields
 from contract.keys import Keys
 from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 
@@ -96,7 +96,7 @@ class ShardedFramePusher(FramePusher):
             raise ShardUnavailable(index, exc) from exc
         if not kept:
             return LIST_FULL
-        stamps = _flatten({"updated_at": time.time(), **fields})
+        stamps = flatten_fields({"updated_at": time.time(), **fields})
         outcome = int(self._mark_pushed(keys=[self.keys.job(job_id), self.keys.upload(job_id), self.keys.waiting_bytes,
                                               self.keys.frames_waiting], args=[claim, len(frame), *stamps]))
         if outcome != PUSHED:

@@ -31,7 +31,7 @@ from typing import Any, Protocol, TypeVar
 import redis
 
 from contract.budget import ALL, RELEASE_LUA
-from contract.jobs import _LUA_TERMINAL, PREPROCESSING, QUEUED_GPU, _flatten
+from contract.jobs.record import PREPROCESSING, QUEUED_GPU, TERMINAL_LUA, flatten_fields
 from contract.keys import Keys
 from contract.replies import PayloadReader
 
@@ -178,7 +178,7 @@ PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1   # what a push did
 # back) and nil says the frame may not stand. release_upload: the upload goes, its bytes given back (they left
 # with the frame). charge_frame: the frame's bytes wait in Redis now, until the GPU worker's batch write gives
 # them back (contract.budget).
-PUSH_LUA = _LUA_TERMINAL + RELEASE_LUA + f"""
+PUSH_LUA = TERMINAL_LUA + RELEASE_LUA + f"""
 local function release_upload(upload, waiting, model, upload_bytes)
   if redis.call('DEL', upload) == 1 then release_waiting(waiting, model, upload_bytes) end
 end
@@ -252,7 +252,7 @@ class FramePusher:
         # EVAL, not EVALSHA: a script Redis has forgotten would fail inside the transaction after the push.
         pipe.eval(_KEEP_PUSHED_FRAME, 4, self.keys.job(job_id), frames, self.keys.upload(job_id),
                   self.keys.waiting_bytes, max_frames, claim, len(frame),
-                  *_flatten({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
+                  *flatten_fields({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
         return int(pipe.execute()[1])
 
     def has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:

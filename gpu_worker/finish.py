@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from contract import jobs
 from contract.frames import Frame, FrameSource
+from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
+from contract.jobs.record import FAILED, SUCCEEDED
 from contract.models import ModelSpec
 from contract.timebill import compute_time_bill
 from gpu_worker import metrics
@@ -28,11 +29,11 @@ log = logging.getLogger("gpu_worker")
 
 # KEYS[1] callback outbox, KEYS[2] processing list ('' with bulk shards: the source acks there after this),
 # KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5] the frames-waiting hash (bulk shards), KEYS[6..]
-# job hashes; ARGV[1..N] JobStore.finish_names() (N = jobs.FINISH_NAMES), then: frames to acknowledge (the
+# job hashes; ARGV[1..N] JobEnding.finish_names() (N = FINISH_NAMES), then: frames to acknowledge (the
 # oldest in hand), their bytes, their model, the count of counter field and value arguments, the epoch the batch
 # was taken in ('' : unfenced), the counters, and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1
 # (nothing written) when the epoch is no longer the worker's.
-_WRITE_BATCH = jobs.FINISH_JOBS_LUA + f"local N = {jobs.FINISH_NAMES}\n" + """
+_WRITE_BATCH = FINISH_JOBS_LUA + f"local N = {FINISH_NAMES}\n" + """
 if ARGV[N + 5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[N + 5] then
   return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.liveness)
 end
@@ -133,7 +134,7 @@ class Finisher:
 
     def fail_all(self, batch: InHand, code: str, message: str) -> None:
         """End every running job of the batch as failed and acknowledge its frames."""
-        outcomes = [(frame.header.job_id, jobs.FAILED, {"error": {"code": code, "message": message}})
+        outcomes = [(frame.header.job_id, FAILED, {"error": {"code": code, "message": message}})
                     for frame in batch.running]
         self.retry(lambda: self._write(batch, outcomes))
 
@@ -158,9 +159,9 @@ class Finisher:
                           "closed_by": batch.closed_by, "worker": self.worker_id}}
             error = output.errors.get(index)
             if error is not None:
-                outcomes.append((frame.header.job_id, jobs.FAILED, {**fields, "error": error}))
+                outcomes.append((frame.header.job_id, FAILED, {**fields, "error": error}))
             else:
-                outcomes.append((frame.header.job_id, jobs.SUCCEEDED, {**fields, "result": document}))
+                outcomes.append((frame.header.job_id, SUCCEEDED, {**fields, "result": document}))
         return outcomes
 
     def _write(self, batch: InHand, outcomes: list[Outcome]) -> bool:

@@ -17,8 +17,9 @@ from typing import Any
 
 import redis
 
-from contract import jobs
 from contract.frames import Frame, FrameError, FrameSource, read_job_id, unpack_frame
+from contract.jobs.ending import expired_fields
+from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
 from gpu_worker.link import WorkerLink
@@ -27,7 +28,7 @@ from gpu_worker.stages import StageClock
 from gpu_worker.staging import Device, DeviceOutput, Staged
 
 log = logging.getLogger("gpu_worker")
-Outcome = tuple[str, jobs.JobStatus, dict[str, Any]]     # job id, terminal status, fields
+Outcome = tuple[str, JobStatus, dict[str, Any]]     # job id, terminal status, fields
 
 
 @dataclass
@@ -110,7 +111,7 @@ class Intake:
             in_hand.give_back = batch.items
         else:
             message = f"the GPU worker could not triage this frame: {type(exc).__name__}"
-            in_hand.failed = [(job_id, jobs.FAILED, {"error": {"code": "internal_error", "message": message}})
+            in_hand.failed = [(job_id, FAILED, {"error": {"code": "internal_error", "message": message}})
                               for job_id in map(read_job_id, batch.items) if job_id]
         return in_hand
 
@@ -128,7 +129,7 @@ class Intake:
                 job_id = read_job_id(raw)
                 log.error("bad frame: %s", exc, extra={"job_id": job_id})
                 if job_id:
-                    refused.append((job_id, jobs.FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
+                    refused.append((job_id, FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
                 continue
             frames.append((frame, popped))
         return frames, refused
@@ -142,16 +143,16 @@ class Intake:
         candidates = []
         for frame, popped in frames:
             if now > frame.header.deadline_at:
-                refused.append((frame.header.job_id, jobs.EXPIRED, jobs.expired_fields("before inference")))
+                refused.append((frame.header.job_id, EXPIRED, expired_fields("before inference")))
                 metrics.FRAMES_EXPIRED.labels(*self.model_labels).inc()
             else:
                 candidates.append((frame, popped))
         if refused:
             self.store.finish_many(refused)
-        verdicts = self.store.advance_many([frame.header.job_id for frame, _ in candidates], jobs.RUNNING,
+        verdicts = self.store.advance_many([frame.header.job_id for frame, _ in candidates], RUNNING,
                                            self.max_attempts) if candidates else []
-        self._fail_poisoned([frame for (frame, _), verdict in zip(candidates, verdicts) if verdict == jobs.POISON])
-        return [item for item, verdict in zip(candidates, verdicts) if verdict == jobs.MOVED]
+        self._fail_poisoned([frame for (frame, _), verdict in zip(candidates, verdicts) if verdict == POISON])
+        return [item for item, verdict in zip(candidates, verdicts) if verdict == MOVED]
 
     def _fail_poisoned(self, frames: list[Frame]) -> None:
         if not frames:
@@ -161,7 +162,7 @@ class Intake:
         for frame in frames:
             log.error("poison frame: GPU workers died holding it %d times", self.max_attempts,
                       extra={"job_id": frame.header.job_id})
-        self.store.finish_many([(frame.header.job_id, jobs.FAILED, {"error": {"code": "poison", "message": message}})
+        self.store.finish_many([(frame.header.job_id, FAILED, {"error": {"code": "poison", "message": message}})
                                 for frame in frames])
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import redis
 
-from contract import jobs
+from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker.stages import StageClock
@@ -20,7 +20,7 @@ class WorkerLink:
     """The worker as its lanes' parts see it: who it is, where it writes, and what only it can answer."""
     settings: Settings
     redis: redis.Redis
-    store: jobs.JobStore
+    store: JobEnding
     keys: Keys
     worker_id: str
     retry: Callable[[Callable[[], Any]], Any]        # run an action until Redis answers (or the worker stops)

@@ -28,10 +28,10 @@ from typing import Any
 
 import redis
 
-from contract import jobs
 from contract.frame_shards import requeue_sharded_frames_of
 from contract.frames import requeue_frames_of
 from contract.heartbeat import Heartbeat
+from contract.jobs.backlog import queue_depths
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import BulkPlane
@@ -126,7 +126,7 @@ class Liveness:
                 self.beat()
                 self.reap_dead_workers()
                 self.count_frames_on_shards()
-                for model_key, depths in jobs.queue_depths(self.redis, self.keys, self.model_keys,
+                for model_key, depths in queue_depths(self.redis, self.keys, self.model_keys,
                                                            self.tenants).items():
                     name, _, version = model_key.partition(":")
                     for queue_name, depth in depths.items():

@@ -42,11 +42,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from contract import jobs
 from contract.cache import CacheLimits
 from contract.frame_shards import ShardedFrameSource
 from contract.frames import FrameSource, RedisFrameSource
 from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
+from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
@@ -91,8 +91,8 @@ class GpuWorker:
         self.keys = Keys(settings.namespace)
         # The jobs it ends `succeeded` leave their results in the result cache (contract.cache).
         self.bulk = bulk_plane(settings, client)   # where the frames lie (contract.shards)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, cache=CacheLimits.of(settings, self.keys),
-                                   bulk=self.bulk)
+        self.store = JobEnding(client, self.keys, settings.jobs.ttl_s, bulk=self.bulk,
+                               cache=CacheLimits.of(settings, self.keys))
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()

@@ -28,7 +28,6 @@ from typing import Any
 import certifi
 import redis
 
-from contract import jobs
 from contract.callbacks import (
     CallbackRefused,
     CallbackTarget,
@@ -37,6 +36,7 @@ from contract.callbacks import (
     resolve_callback_url,
 )
 from contract.documents import job_document
+from contract.jobs.record import JobRecord, JobStore
 from contract.keys import Keys
 from contract.sections import SettingsError
 from contract.settings import Settings
@@ -242,7 +242,7 @@ class CallbackSender:
         self.ttl_s = settings.jobs.ttl_s
         self.redis = client
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self.store = JobStore(client, self.keys, settings.jobs.ttl_s)
         self.slots = TenantSlots(client, self.keys, settings.callbacks.max_per_tenant, settings.callbacks.deadline_s)
         self._record_state = client.register_script(_RECORD_STATE)
 
@@ -264,7 +264,7 @@ class CallbackSender:
         finally:
             self.slots.give_back(tenant, token)
 
-    def _attempt(self, job_id: str, record: jobs.JobRecord, state: dict[str, Any]) -> str:
+    def _attempt(self, job_id: str, record: JobRecord, state: dict[str, Any]) -> str:
         attempts = int(state.get("attempts", 0)) + 1
         first_at = float(state.get("first_at") or time.time())
         delivery_id = state.get("delivery_id") or f"{job_id}.{record.get('status')}"

@@ -11,7 +11,7 @@ Every CPU and callback worker's main process, on its own event loop:
   in its own set) goes back to the front of its queue at once, through kombu's own restore; one worker at
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
-- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobStore.expire_overdue);
+- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobEnding.expire_overdue);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
   the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
@@ -28,8 +28,8 @@ from typing import Any, cast
 import redis
 from celery import bootsteps
 
-from contract import jobs
 from contract.connection import connect
+from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
@@ -124,13 +124,13 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
             super().__init__(parent, **kwargs)
             self.entries: list[Any] = []
             self.client: redis.Redis | None = None
-            self.store: jobs.JobStore | None = None
+            self.store: JobEnding | None = None
             self.tenants: list[str] = []   # the API keys whose own queues this worker takes
             self.watching = threading.Event()   # set: the shard watch stops
 
         def start(self, consumer: Any) -> None:
             self.client = connect(settings, socket_timeout=2.0)
-            self.store = jobs.JobStore(self.client, keys, settings.jobs.ttl_s)
+            self.store = JobEnding(self.client, keys, settings.jobs.ttl_s)
             self.tenants = sorted({tenant for queue in consumer.app.amqp.queues.consume_from
                                    if (tenant := keys.tenant_of_queue(queue))})
             channel = consumer.task_consumer.channel
@@ -144,7 +144,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
         def watch_shards(self) -> None:
             client = connect(settings, socket_timeout=2.0)
             bulk = bulk_plane(settings, client)
-            watch = ShardWatch(client, bulk, keys, jobs.JobStore(client, keys, settings.jobs.ttl_s, bulk=bulk),
+            watch = ShardWatch(client, bulk, keys, JobEnding(client, keys, settings.jobs.ttl_s, bulk=bulk),
                                settings.bulk.grace_s)
             while not self.watching.wait(sweep_s):
                 try:

@@ -12,9 +12,11 @@ import uuid
 
 import redis
 
-from contract import frames, jobs
+from contract import frames
 from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.record import JobRecord
 from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec
 from contract.settings import Settings
@@ -33,7 +35,7 @@ class Preprocessor:
         self.redis = client
         self.keys = Keys(settings.namespace)
         bulk = bulk_plane(settings, client)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, bulk=bulk)
+        self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk)
         self.frames = frame_pusher(client, self.keys, bulk)
         self.catalogue = Catalogue(settings)
         decode = settings.decode
@@ -84,7 +86,7 @@ class Preprocessor:
             return "failed"
         return self._push_frame(job_id, record, upload, started_at, spec, claim)
 
-    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes | memoryview, started_at: float,
+    def _push_frame(self, job_id: str, record: JobRecord, upload: bytes | memoryview, started_at: float,
                     spec: ModelSpec, claim: str) -> str:
         try:
             t0 = time.perf_counter()
@@ -106,7 +108,7 @@ class Preprocessor:
                       resize_ms=(time.perf_counter() - t1) * 1000.0)
         return self._commit(job_id, record, boxed, stamps, spec, claim)
 
-    def _commit(self, job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict,
+    def _commit(self, job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict,
                 spec: ModelSpec, claim: str) -> str:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
         wait for room (never drop, never grow the model's list past its bound). Each try packs the frame afresh,
@@ -132,7 +134,7 @@ class Preprocessor:
             if not self._wait_for_room(job_id, record, spec.key, limit):
                 return "expired"
 
-    def _wait_for_room(self, job_id: str, record: jobs.JobRecord, model_key: str, limit: int) -> bool:
+    def _wait_for_room(self, job_id: str, record: JobRecord, model_key: str, limit: int) -> bool:
         """Until the model's list has room (True) or the job's deadline passes (it ends expired: False),
         looking at the list's length rather than sending the frame again each time."""
         while True:
@@ -144,7 +146,7 @@ class Preprocessor:
                 return True
 
 
-    def _wait_for_memory(self, job_id: str, record: jobs.JobRecord) -> bool:
+    def _wait_for_memory(self, job_id: str, record: JobRecord) -> bool:
         """A pause before the push is tried again; False (the job ended expired) once its deadline passed."""
         if time.time() + OOM_RETRY_S > record["deadline_at"]:
             try:
@@ -162,7 +164,7 @@ OOM_RETRY_S = 0.5   # a CPU worker whose push Redis refused for memory tries aga
 STORE_RETRY_FIRST_S, STORE_RETRY_MAX_S, STORE_RETRY_SHARE = 0.1, 2.0, 0.75
 
 
-def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
+def _header(job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
     return FrameHeader(
         job_id=job_id,
         **boxed.placement.fields(),

@@ -3,7 +3,7 @@
 A shard that answers without its life token lost what it held (it restarted without its data): the jobs
 that were waiting on it since before it started end `failed`, `shard_lost`. A shard unreachable past
 `bulk.grace_s` ends those waiting on it, `shard_unavailable`, at every look while it stays away. Several
-workers may end the same jobs: the first end wins (contract.jobs), the others change nothing.
+workers may end the same jobs: the first end wins (contract.jobs.ending), the others change nothing.
 """
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from typing import Any, cast
 
 import redis
 
-from contract import jobs
+from contract.jobs.ending import JobEnding
+from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU
 from contract.keys import Keys
 from contract.shards import SHARD_ERRORS, BulkPlane
 
@@ -22,13 +23,13 @@ log = logging.getLogger(__name__)
 
 # The live jobs a shard's loss ends: their bytes wait there. A `preprocessing` job's upload is already read
 # (its push to a dead shard fails it); a `running` one's frame is in a GPU worker's hands.
-WAITING_ON_SHARD = frozenset({jobs.QUEUED, jobs.QUEUED_GPU})
+WAITING_ON_SHARD = frozenset({QUEUED, QUEUED_GPU})
 
 
 class ShardWatch:
     """Looks at every shard; ends the jobs that waited on one that lost its data or stayed away too long."""
 
-    def __init__(self, control: redis.Redis, bulk: BulkPlane, keys: Keys, store: jobs.JobStore,
+    def __init__(self, control: redis.Redis, bulk: BulkPlane, keys: Keys, store: JobEnding,
                  grace_s: float) -> None:
         self.control = control
         self.bulk = bulk
@@ -95,7 +96,7 @@ class ShardWatch:
         doomed = []
         for job_id, (status, submitted) in zip(mine, pipe.execute()):
             if status is not None and status.decode() in WAITING_ON_SHARD and float(submitted or 0) < before:
-                doomed.append((job_id, jobs.FAILED, {"error": {"code": code, "message": message}}))
+                doomed.append((job_id, FAILED, {"error": {"code": code, "message": message}}))
         ended = 0
         for start in range(0, len(doomed), 500):
             ended += int(self.store.finish_many(doomed[start:start + 500]))

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from contract.config import load_settings
-from contract.jobs import TERMINAL
+from contract.jobs.record import TERMINAL
 from contract.keys import Keys
 from tests.support import (
     REPO_ROOT,

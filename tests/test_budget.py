@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import time
 
-from contract import budget, frames, jobs
+from contract import budget, frames
 from contract.frame_shards import frame_pusher
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import SUCCEEDED
 from contract.keys import Keys
 
 MODEL = "m:1"
@@ -38,19 +41,20 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
     from gpu_worker.finish import _WRITE_BATCH
 
     keys = Keys("budget-flow")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
     counters = budget.WaitingBytes(redis_client, keys)
     fields = {"model": MODEL, "deadline_at": time.time() + 60, "bytes": 1000}
     assert counters.admit(MODEL, 1200, 10, 10**6, 10**6).verdict == budget.ADMITTED   # a multipart body of 1,200
     store.create("a" * 32, b"u" * 1000, 60, fields, reserved=1200)
     assert waiting(redis_client, keys) == {MODEL: 1000, budget.ALL: 1000}              # the form's 200 given back
-    assert store.claim_for_preprocessing("a" * 32, time.time(), "c")[0] == "claimed"
+    assert handoff.claim_for_preprocessing("a" * 32, time.time(), "c")[0] == "claimed"
     assert pusher.push("a" * 32, MODEL, b"f" * 300, 10, {}, "c") == frames.PUSHED
     assert waiting(redis_client, keys) == {MODEL: 300, budget.ALL: 300}                # upload out, frame in
     redis_client.lmove(keys.frames(MODEL), keys.processing("w", MODEL), "RIGHT", "LEFT")
     write = redis_client.register_script(_WRITE_BATCH)
-    job_keys, job_args = store.finish_arguments([("a" * 32, jobs.SUCCEEDED, {"result": {"detections": []}})])
+    job_keys, job_args = store.finish_arguments([("a" * 32, SUCCEEDED, {"result": {"detections": []}})])
     assert write(keys=[keys.callback_outbox, keys.processing("w", MODEL), keys.gpu_counters("w"),
                        keys.gpu_epoch("w"), keys.frames_waiting, *job_keys],
                  args=[*store.finish_names(), 1, 300, MODEL, 0, "", *job_args]) == 1

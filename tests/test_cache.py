@@ -15,8 +15,11 @@ import requests
 
 from app import create_app
 from app.auth import hash_key
-from contract import budget, jobs
+from contract import budget
 from contract.cache import ENTRY_OVERHEAD, CacheLimits, ResultCache, effective_options
+from contract.jobs.ending import JobEnding
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import CANCELLED, EXPIRED, FAILED, RUNNING, SUCCEEDED, JobStore
 from contract.keys import Keys
 from contract.models import ModelSpec
 from contract.settings import CacheSettings, Settings
@@ -45,8 +48,8 @@ def test_the_digest_covers_the_image_the_model_the_options_as_applied_and_the_ke
     assert effective_options(SPEC, {"iou": 0.6}) == (SPEC.conf, 0.6, SPEC.max_det)
 
 
-def _job(store: jobs.JobStore, job_id: str, digest: str, deadline_in_s: float = 60.0) -> None:
-    store.redis.hset(store.keys.job(job_id), mapping={"id": job_id, "status": jobs.RUNNING, "cache_key": digest,
+def _job(store: JobStore, job_id: str, digest: str, deadline_in_s: float = 60.0) -> None:
+    store.redis.hset(store.keys.job(job_id), mapping={"id": job_id, "status": RUNNING, "cache_key": digest,
                                                         "deadline_at": time.time() + deadline_in_s})
 
 
@@ -54,29 +57,29 @@ def test_only_an_answer_that_stood_is_stored_and_the_budget_evicts_the_least_rec
     keys = Keys("cache-unit")
     document = '{"detections":[],"image":{"width":8,"height":8}}'
     budget = 3 * (ENTRY_OVERHEAD + len(document))                  # three entries
-    store = jobs.JobStore(redis_client, keys, ttl_s=60, cache=CacheLimits(keys.cache_prefix, budget))
-    for job_id, status, deadline_in_s in (("f", jobs.FAILED, 60), ("c", jobs.CANCELLED, 60), ("l", jobs.SUCCEEDED, -1)):
+    store = JobEnding(redis_client, keys, ttl_s=60, cache=CacheLimits(keys.cache_prefix, budget))
+    for job_id, status, deadline_in_s in (("f", FAILED, 60), ("c", CANCELLED, 60), ("l", SUCCEEDED, -1)):
         _job(store, job_id, "d-" + job_id, deadline_in_s)
-        store.finish(job_id, status, {"result": document} if status == jobs.SUCCEEDED else {"error": {"code": "x"}})
+        store.finish(job_id, status, {"result": document} if status == SUCCEEDED else {"error": {"code": "x"}})
         assert not redis_client.exists(keys.cache_entry("d-" + job_id)), status   # "l" ended late: expired
-    assert store.load("l")["status"] == jobs.EXPIRED
+    assert store.load("l")["status"] == EXPIRED
     for i in range(5):
         _job(store, f"s{i}", f"d{i}")
-        store.finish(f"s{i}", jobs.SUCCEEDED, {"result": document})
+        store.finish(f"s{i}", SUCCEEDED, {"result": document})
         assert int(redis_client.get(keys.cache_bytes)) <= budget
     assert [d.decode() for d in redis_client.zrange(keys.cache_lru, 0, -1)] == ["d2", "d3", "d4"]
     assert not redis_client.exists(keys.cache_entry("d0"))
     assert redis_client.get(keys.cache_entry("d4")) == document.encode()
     assert sum(int(v) for v in redis_client.hvals(keys.cache_sizes)) == int(redis_client.get(keys.cache_bytes))
     _job(store, "again", "d4")                                 # the same digest answered again: the first stays
-    store.finish("again", jobs.SUCCEEDED, {"result": '{"detections":[1]}'})
+    store.finish("again", SUCCEEDED, {"result": '{"detections":[1]}'})
     assert redis_client.get(keys.cache_entry("d4")) == document.encode()
     assert int(redis_client.get(keys.cache_bytes)) == budget
 
 
 def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(redis_client):
     keys = Keys("cache-admit")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     document = '{"detections":[],"image":{"width":8,"height":8}}'
     redis_client.set(keys.cache_entry("known"), document)
     redis_client.zadd(keys.cache_lru, {"known": 1.0})
@@ -84,9 +87,9 @@ def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(
                                    max_tenant_backlog=10)
     fields = {"model": "box:1", "received_at": time.time(), "deadline_at": time.time() + 30, "bytes": 700}
     timings = {"receive": 0.1, "total": 0.2}
-    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == (jobs.SUCCEEDED, document)   # served
+    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == (SUCCEEDED, document)   # served
                                                                                     # over a full backlog
-    assert store.load("h")["status"] == jobs.SUCCEEDED and store.load("h")["result"] == json.loads(document)
+    assert store.load("h")["status"] == SUCCEEDED and store.load("h")["result"] == json.loads(document)
     refused = store.answer_or_admit("m", fields, "unknown", 60, timings, full)
     assert refused == (budget.OVER_BACKLOG, 0, 0, 0) and store.load("m") is None
     assert budget.WaitingBytes(redis_client, keys).waiting() == {}                  # nothing reserved either way
@@ -101,7 +104,7 @@ def test_a_hit_past_its_deadline_is_expired_without_the_result_never_both(redis_
     """deadline_ms=1 on a repeated image: the lookup came after the deadline. The 202 said succeeded and a read
     said expired, with the result, before: one answer now, the one every later read gives."""
     keys = Keys("cache-late")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     document = '{"detections":[],"image":{"width":8,"height":8}}'
     redis_client.set(keys.cache_entry("known"), document)
     request = budget.AdmissionRequest("box:1", 700, max_backlog=10, max_model_bytes=10**6, max_all_bytes=10**6,
@@ -110,10 +113,10 @@ def test_a_hit_past_its_deadline_is_expired_without_the_result_never_both(redis_
     late = {"model": "box:1", "received_at": received, "deadline_at": received + 0.001, "bytes": 700}
     status = store.answer_or_admit("late", late, "known", 60, {"total": 10.0}, request).status
     record = store.load("late")
-    assert status == record["status"] == jobs.EXPIRED
+    assert status == record["status"] == EXPIRED
     assert record.get("result") is None and record["error"]["code"] == "deadline"
     in_time = {**late, "deadline_at": time.time() + 30}
-    assert store.answer_or_admit("on-time", in_time, "known", 60, {"total": 1.0}, request).status == jobs.SUCCEEDED
+    assert store.answer_or_admit("on-time", in_time, "known", 60, {"total": 1.0}, request).status == SUCCEEDED
     assert store.load("on-time")["result"] == json.loads(document)
 
 
@@ -125,10 +128,10 @@ def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client
 
     keys = Keys("cache-gauges")
     settings = Settings(model=SPEC, models=(SPEC,), cache=CacheSettings(max_bytes=5000))
-    store = jobs.JobStore(redis_client, keys, ttl_s=60, cache=CacheLimits.of(settings, keys))
+    store = JobEnding(redis_client, keys, ttl_s=60, cache=CacheLimits.of(settings, keys))
     for i in range(3):
         _job(store, f"g{i}", f"gd{i}")
-        store.finish(f"g{i}", jobs.SUCCEEDED, {"result": '{"detections":[]}'})
+        store.finish(f"g{i}", SUCCEEDED, {"result": '{"detections":[]}'})
     liveness = Liveness(settings, redis_client, keys, "w", lambda: Heartbeat.__new__(Heartbeat), time.monotonic,
                         lambda: 0.0)
     liveness.export_cache_size()

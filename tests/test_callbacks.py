@@ -339,7 +339,8 @@ def keyed_settings(tmp_path, monkeypatch):
 
 def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_path, monkeypatch):
     from contract.callbacks import callback_secret
-    from contract.jobs import SUCCEEDED, JobStore
+    from contract.jobs.ending import JobEnding
+    from contract.jobs.record import SUCCEEDED
     from contract.keys import Keys
     from tasks.callbacks import CallbackSender
 
@@ -348,7 +349,7 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
     assert callback_secret(settings, "team-b") == "team-b-callback-secret-4567"
     assert callback_secret(settings, "team-c") is None and callback_secret(settings, None) is None
     receiver = Receiver()
-    store = JobStore(redis_client, Keys("keyed"), 60)
+    store = JobEnding(redis_client, Keys("keyed"), 60)
     sender = CallbackSender(settings, redis_client)
     try:
         outcomes = {}
@@ -473,7 +474,8 @@ def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_call
     import dataclasses
 
     from contract.config import load_settings
-    from contract.jobs import SUCCEEDED, JobStore
+    from contract.jobs.ending import JobEnding
+    from contract.jobs.record import SUCCEEDED
     from tasks.callback_relay import relay_outbox
     from tasks.callbacks import CallbackSender
 
@@ -483,7 +485,7 @@ def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_call
     keys = Keys("outage")
     receiver = Receiver(failures=10**6)
     sender = CallbackSender(settings, redis_client)
-    store = JobStore(redis_client, keys, 60)
+    store = JobEnding(redis_client, keys, 60)
     redis_client.hset(keys.job("j" * 32), mapping={"id": "j" * 32, "status": "running", "callback_url": receiver.url,
                                                    "received_at": 1.0, "deadline_at": 1e12})
     store.finish("j" * 32, SUCCEEDED, {"result": {"detections": [], "image": {"width": 1, "height": 1},

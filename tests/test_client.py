@@ -54,7 +54,7 @@ def test_cli_reports_api_errors_plainly(stack):
 
 def test_the_clients_terminal_states_are_the_services():
     """The client imports nothing from the service; this keeps its copy honest."""
-    from contract.jobs import TERMINAL
+    from contract.jobs.record import TERMINAL
     from imgserve_client import TERMINAL as client_terminal
 
     assert set(client_terminal) == {status.value for status in TERMINAL}

@@ -14,11 +14,26 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from contract import frames, jobs
+from contract import frames
 from contract.config import load_settings
 from contract.documents import job_document
 from contract.frame_shards import frame_pusher
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
+from contract.jobs.ending import JobEnding
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import (
+    CANCELLED,
+    EXPIRED,
+    FAILED,
+    MOVED,
+    PREPROCESSING,
+    QUEUED,
+    QUEUED_GPU,
+    RUNNING,
+    SUCCEEDED,
+    JobStore,
+)
 from contract.keys import Keys
 from contract.sections import SettingsError
 from contract.timebill import STAGES, compute_time_bill
@@ -105,16 +120,16 @@ def test_bad_settings_are_refused_with_a_clear_error(tmp_path, text):
 
 
 def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
-    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    store = JobIntake(redis_client, Keys("t"), ttl_s=60)
     pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(Keys("t").job_events)
     store.create("j", b"bytes", 60, {"received_at": 1.0, "deadline_at": 1e12, "options": {"conf": 0.5}})
-    assert advance(store, "j", jobs.PREPROCESSING)
-    assert store.finish("j", jobs.SUCCEEDED, {"result": {"detections": []}})
-    assert not store.finish("j", jobs.FAILED, {"error": {"code": "x"}})
-    assert not advance(store, "j", jobs.RUNNING)
+    assert advance(store, "j", PREPROCESSING)
+    assert store.finish("j", SUCCEEDED, {"result": {"detections": []}})
+    assert not store.finish("j", FAILED, {"error": {"code": "x"}})
+    assert not advance(store, "j", RUNNING)
     record = store.load("j")
-    assert record["status"] == jobs.SUCCEEDED and record["result"] == {"detections": []}
+    assert record["status"] == SUCCEEDED and record["result"] == {"detections": []}
     assert record["options"] == {"conf": 0.5} and "error" not in record
     message = wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="the job-end message")
     assert message["data"] == b"j"
@@ -123,31 +138,31 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
 
 def test_an_answer_after_the_deadline_does_not_stand_and_the_sweeper_ends_what_nobody_ended(redis_client):
     keys = Keys("late")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     now = time.time()
     store.create("late", b"upload", 60, {"received_at": now - 2, "deadline_at": now - 0.5})
     store.create("soon", b"upload", 60, {"received_at": now, "deadline_at": now + 0.3})
     store.create("later", b"upload", 60, {"received_at": now, "deadline_at": now + 60})
     assert redis_client.zcard(keys.deadlines) == 3
-    assert store.finish("late", jobs.SUCCEEDED, {"result": {"detections": []}, "timings": {"total": 2000.0}})
+    assert store.finish("late", SUCCEEDED, {"result": {"detections": []}, "timings": {"total": 2000.0}})
     late = store.load("late")
-    assert late["status"] == jobs.EXPIRED and "result" not in late and late["error"]["code"] == "deadline"
+    assert late["status"] == EXPIRED and "result" not in late and late["error"]["code"] == "deadline"
     assert late["timings"] == {"total": 2000.0}                  # the time bill still says where the time went
     assert store.expire_overdue(now) == 0                          # it ended: no longer in the index
     assert store.expire_overdue(now + 1.0) == 1                    # `soon` is past its deadline: it ends
     soon = store.load("soon")
-    assert soon["status"] == jobs.EXPIRED and soon["error"]["message"] == "expired before an answer was written"
+    assert soon["status"] == EXPIRED and soon["error"]["message"] == "expired before an answer was written"
     assert not redis_client.exists(keys.upload("soon"))
     assert redis_client.zrange(keys.deadlines, 0, -1) == [b"later"]
-    assert store.finish("later", jobs.SUCCEEDED, {"result": {"detections": []}})   # on time: it stands
-    assert store.load("later")["status"] == jobs.SUCCEEDED and redis_client.zcard(keys.deadlines) == 0
+    assert store.finish("later", SUCCEEDED, {"result": {"detections": []}})   # on time: it stands
+    assert store.load("later")["status"] == SUCCEEDED and redis_client.zcard(keys.deadlines) == 0
     redis_client.zadd(keys.deadlines, {"gone": now - 10})          # a job whose record expired meanwhile
     assert store.expire_overdue(now) == 0 and redis_client.zcard(keys.deadlines) == 0
 
 
-@pytest.mark.parametrize("status", [jobs.FAILED, jobs.EXPIRED, jobs.CANCELLED, jobs.SUCCEEDED])
+@pytest.mark.parametrize("status", [FAILED, EXPIRED, CANCELLED, SUCCEEDED])
 def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, status):
-    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    store = JobIntake(redis_client, Keys("t"), ttl_s=60)
     store.create("u", b"twenty MiB, say", 600, {"received_at": 1.0, "deadline_at": 1e12})
     assert redis_client.exists(Keys("t").upload("u"))
     assert store.finish("u", status, {"error": {"code": "x", "message": "y"}})
@@ -155,9 +170,9 @@ def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, s
 
 
 def test_unknown_jobs_cannot_be_moved(redis_client):
-    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
-    assert not advance(store, "nope", jobs.RUNNING)
-    assert not store.finish("nope", jobs.CANCELLED)
+    store = JobEnding(redis_client, Keys("t"), ttl_s=60)
+    assert not advance(store, "nope", RUNNING)
+    assert not store.finish("nope", CANCELLED)
     assert store.load("nope") is None
 
 
@@ -255,10 +270,10 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
     """Two deliveries of one task both decoded the image: only the first push lands (the check is in
     the Lua step, not in Python before it)."""
     keys = Keys("redeliver")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
     store.create("a" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert advance(store, "a" * 32, jobs.PREPROCESSING)
+    assert advance(store, "a" * 32, PREPROCESSING)
     first = pusher.push("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
     second = pusher.push("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
     assert (first, second) == (frames.PUSHED, frames.JOB_OVER)
@@ -268,11 +283,11 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
 
 def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(redis_client):
     keys = Keys("unclaimed")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
     store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
     assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
-    assert advance(store, "b" * 32, jobs.PREPROCESSING)
+    assert advance(store, "b" * 32, PREPROCESSING)
     redis_client.delete(keys.upload("b" * 32))                             # the upload expired
     assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0
@@ -281,20 +296,21 @@ def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(r
 def test_only_the_latest_claim_may_push_the_frame(redis_client):
     """A worker presumed dead (its task given back and claimed again) may still be running: its push is voided."""
     keys = Keys("fenced")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
     store.create("e" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert store.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
-    assert store.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"   # the redelivery
+    assert handoff.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
+    assert handoff.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"   # the redelivery
     assert pusher.push("e" * 32, "m:1", b"stale", 10, {}, "first") == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0 and redis_client.exists(keys.upload("e" * 32))
     assert pusher.push("e" * 32, "m:1", b"frame", 10, {}, "second") == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
 
 
-def advance(store: jobs.JobStore, job_id: str, status: str) -> bool:
+def advance(store: JobStore, job_id: str, status: str) -> bool:
     """Move a live job to a non-terminal status; False when it is gone or already over."""
-    return bool(store.advance_many([job_id], status, 0)[0] == jobs.MOVED)
+    return bool(store.advance_many([job_id], status, 0)[0] == MOVED)
 
 
 def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
@@ -372,27 +388,28 @@ def test_the_default_file_names_every_setting_the_code_has_with_the_same_default
 
 def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     keys = Keys("claim")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
-    assert store.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    assert handoff.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
     store.create("c" * 32, b"the upload", 60, {"deadline_at": 200.0, "received_at": 99.0})
-    assert store.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
-    assert store.load("c" * 32)["status"] == jobs.QUEUED                       # the caller ends it
-    verdict, upload, record = store.claim_for_preprocessing("c" * 32, 150.0)
+    assert handoff.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
+    assert store.load("c" * 32)["status"] == QUEUED                       # the caller ends it
+    verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 150.0)
     assert (verdict, upload) == ("claimed", b"the upload")
-    assert record["status"] == jobs.PREPROCESSING and record["cpu_started_at"] == 150.0
+    assert record["status"] == PREPROCESSING and record["cpu_started_at"] == 150.0
     assert record["received_at"] == 99.0
-    assert store.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"       # a redelivery may claim again
-    store.finish("c" * 32, jobs.CANCELLED)
-    verdict, upload, record = store.claim_for_preprocessing("c" * 32, 152.0)
-    assert (verdict, upload, record["status"]) == ("over", None, jobs.CANCELLED)
+    assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"       # a redelivery may claim again
+    store.finish("c" * 32, CANCELLED)
+    verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 152.0)
+    assert (verdict, upload, record["status"]) == ("over", None, CANCELLED)
     store.create("d" * 32, b"x", 60, {"deadline_at": 200.0})
     redis_client.delete(keys.upload("d" * 32))
-    assert store.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)   # the caller fails it
+    assert handoff.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)   # the caller fails it
     redis_client.script_flush()                                                      # Redis forgot the script
-    assert store.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
+    assert handoff.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
     redis_client.script_flush()
     redis_client.client_kill_filter(_type="normal", skipme=True)   # and dropped the claim's connection (a restart)
-    assert store.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
+    assert handoff.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
 
 
 def test_a_config_naming_the_decode_limits_under_api_still_works_with_a_warning(tmp_path):
@@ -416,34 +433,34 @@ def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_
     """The frame is pushed, then checked in the same transaction: over the bound it goes again, and
     the frames already queued keep their order."""
     keys = Keys("fulllist")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
     store.create("c" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert advance(store, "c" * 32, jobs.PREPROCESSING)
+    assert advance(store, "c" * 32, PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"older", b"newer")
     assert not pusher.has_room("m:1", 2)
     assert pusher.push("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == frames.LIST_FULL
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"newer", b"older"]
-    assert store.load("c" * 32)["status"] == jobs.PREPROCESSING
+    assert store.load("c" * 32)["status"] == PREPROCESSING
     assert redis_client.exists(keys.upload("c" * 32))
     assert pusher.has_room("m:1", 3)
     assert pusher.push("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame", b"newer", b"older"]
-    assert store.load("c" * 32)["status"] == jobs.QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0
+    assert store.load("c" * 32)["status"] == QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0
     assert not redis_client.exists(keys.upload("c" * 32))
 
 
 def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
     keys = Keys("endedjob")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
     store.create("d" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert advance(store, "d" * 32, jobs.PREPROCESSING)
+    assert advance(store, "d" * 32, PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"queued")
     assert store.fail("d" * 32, "cancelled", "ended by a test")
     assert pusher.push("d" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"queued"]
-    assert store.load("d" * 32)["status"] == jobs.FAILED
+    assert store.load("d" * 32)["status"] == FAILED
 
 
 def test_a_key_share_that_with_the_frame_list_fills_a_models_backlog_is_warned_of(tmp_path):

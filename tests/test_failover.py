@@ -17,7 +17,7 @@ from bench.processes import RedisServer, wait_until
 from contract import budget
 from contract.config import load_settings
 from contract.connection import NotReplicated, connect, execute_and_wait
-from contract.jobs import JobStore, Replication
+from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.replies import PayloadReader
 from tests.support import jpeg
@@ -58,7 +58,7 @@ def test_a_job_too_few_replicas_acknowledge_is_withdrawn_and_refused(tmp_path):
     server = RedisServer(tmp_path)
     try:
         client, keys = redis.Redis(port=server.port), Keys("replicas")
-        store = JobStore(client, keys, 60, replication=Replication(1, 50))
+        store = JobIntake(client, keys, 60, replication=Replication(1, 50))
         with pytest.raises(NotReplicated) as caught:
             store.create("j1", b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": time.time() + 30})
         assert caught.value.acknowledged == 0

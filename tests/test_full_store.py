@@ -20,7 +20,7 @@ from tests.support import encode, make_image
 MAXMEMORY = 64 * 1024 * 1024
 UPLOAD_LIMIT = 6 * 1024 * 1024
 # Redis holds more than the bytes waiting: uploads still arriving sit in its query buffers, the ones being read
-# in its reply buffers, and a connection that carried an upload keeps a buffer its size (JobStore.create).
+# in its reply buffers, and a connection that carried an upload keeps a buffer its size (JobIntake.create).
 BUDGET = 20 * 1024 * 1024
 
 

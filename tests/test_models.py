@@ -14,7 +14,7 @@ import requests
 import yaml
 
 from contract.config import load_settings
-from contract.jobs import JobStatus
+from contract.jobs.record import JobStatus
 from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec, SmoothWeightedRoundRobin, UnknownModel
 from contract.sections import SettingsError
@@ -306,10 +306,10 @@ def test_two_gpu_workers_each_serve_their_own_model(multi_stack):
 
 def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(multi_stack):
     """A record without `model`, its task on the plain `preprocess` queue (an API from before this change)."""
-    from contract import jobs
+    from contract.jobs.record import new_job_id
     from tasks.celery_app import make_celery, send_preprocess
 
-    job_id = jobs.new_job_id()
+    job_id = new_job_id()
     now = time.time()
     multi_stack.api.app.extensions["imgserve"].store.create(job_id, jpeg(300, 200), 600, {
         "received_at": now, "submitted_at": now, "deadline_at": now + 60, "options": {}})
@@ -392,13 +392,13 @@ def test_bench_load_targets_the_model_it_is_given(multi_stack):
 
 
 def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_model(multi_stack):
-    from contract import jobs
     from contract.frames import FrameHeader, pack_frame
+    from contract.jobs.record import new_job_id
     from tasks.imaging import decode_image, letterbox
 
     image, size = decode_image(jpeg(300, 200), 64, 10**8, 10**9)
     boxed = letterbox(image, size, 64)
-    job_id, now = jobs.new_job_id(), time.time()
+    job_id, now = new_job_id(), time.time()
     multi_stack.redis.hset(multi_stack.keys.job(job_id), mapping={
         "id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60})
     header = FrameHeader(job_id=job_id, **boxed.placement.fields(), enqueued_at=now,

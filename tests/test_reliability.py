@@ -14,11 +14,12 @@ import yaml
 from PIL import Image
 
 from bench.processes import ManagedProcess, python_argv
-from contract import jobs
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import EXPIRED, PREPROCESSING, QUEUED_GPU, TERMINAL
 from tests.support import encode, jpeg, make_image, wait_until
 
 pytestmark = pytest.mark.integration
-TERMINAL = tuple(jobs.TERMINAL)
+TERMINAL = tuple(TERMINAL)
 
 
 # --- cancellation -----------------------------------------------------------
@@ -215,7 +216,7 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     client = connect(settings)
     client.flushdb()
     keys = Keys(settings.namespace)
-    store = jobs.JobStore(client, keys, ttl_s=60)
+    store = JobIntake(client, keys, ttl_s=60)
     frames = keys.frames(settings.model.key)
     now = time.time()
     store.create("e" * 32, jpeg(160, 120), 60, {"deadline_at": now + 60, "received_at": now, "submitted_at": now})
@@ -223,7 +224,7 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     outcome: list[str] = []
     worker = threading.Thread(target=lambda: outcome.append(Preprocessor(settings, connect(settings)).run("e" * 32)))
     worker.start()
-    wait_until(lambda: store.load("e" * 32)["status"] == jobs.PREPROCESSING, 30, what="the job to be claimed")
+    wait_until(lambda: store.load("e" * 32)["status"] == PREPROCESSING, 30, what="the job to be claimed")
     time.sleep(0.4)   # the wait under test, not a synchronisation
     assert client.llen(frames) == 2 and not outcome   # still holding its frame: the bound holds
     room_made_at = time.time()
@@ -234,7 +235,7 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     assert header.job_id == "e" * 32
     assert header.stamps["pushed_at"] >= room_made_at and header.enqueued_at >= room_made_at
     assert header.stamps["backpressure_ms"] >= 400
-    assert store.load("e" * 32)["status"] == jobs.QUEUED_GPU
+    assert store.load("e" * 32)["status"] == QUEUED_GPU
 
 
 # --- bad input ----------------------------------------------------------------
@@ -383,14 +384,13 @@ def test_a_gpu_worker_told_to_stop_while_redis_is_away_stops(own_redis_stack):
 def test_a_job_ends_expired_at_its_deadline_though_nobody_reads_it(stack):
     """The CPU workers (and the API) sweep the deadline index: the job is over when its deadline passes,
     not when someone next looks."""
-    from contract import jobs
 
     store = stack.api.app.extensions["imgserve"].store
     stack.stop_gpu_worker()
     try:
         job_id = stack.submit_ok(jpeg(64, 64), deadline_ms=1500)
         deadline = store.load(job_id)["deadline_at"]
-        record = wait_until(lambda: (r := store.load(job_id))["status"] == jobs.EXPIRED and r, 10,
+        record = wait_until(lambda: (r := store.load(job_id))["status"] == EXPIRED and r, 10,
                             interval_s=0.05, what="the job to expire unread")
     finally:
         stack.start_gpu_worker()

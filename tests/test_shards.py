@@ -15,9 +15,13 @@ import redis
 import requests
 
 from bench.processes import RedisServer
-from contract import frames, jobs
+from contract import frames
 from contract.frame_shards import ShardedFrameSource, frame_pusher, requeue_sharded_frames_of
 from contract.frames import FrameHeader, pack_frame, read_job_id
+from contract.jobs.ending import JobEnding
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import QUEUED, QUEUED_GPU, new_job_id
 from contract.keys import Keys
 from contract.shards import SHARDED_UPLOAD, BulkPlane, ShardUnavailable, shard_of
 from tasks.shard_watch import ShardWatch
@@ -28,7 +32,7 @@ MODEL = "m:1"
 
 
 def test_placement_is_the_job_ids_alone_and_spreads_evenly():
-    ids = [jobs.new_job_id() for _ in range(3000)]
+    ids = [new_job_id() for _ in range(3000)]
     counts = collections.Counter(shard_of(job_id, 3) for job_id in ids)
     assert set(counts) == {0, 1, 2}
     assert all(800 <= count <= 1200 for count in counts.values()), counts
@@ -40,9 +44,9 @@ def test_new_job_ids_avoid_a_shard_found_down_until_its_retry():
     now = [100.0]
     plane = BulkPlane(redis.Redis(), [redis.Redis(), redis.Redis(), redis.Redis()], retry_s=1.0, clock=lambda: now[0])
     plane.mark_down(1)
-    assert all(plane.index(plane.new_job_id(jobs.new_job_id)) != 1 for _ in range(200))
+    assert all(plane.index(plane.new_job_id(new_job_id)) != 1 for _ in range(200))
     now[0] += 1.5
-    assert 1 in {plane.index(plane.new_job_id(jobs.new_job_id)) for _ in range(200)}
+    assert 1 in {plane.index(plane.new_job_id(new_job_id)) for _ in range(200)}
     assert plane.frame_bound(64) == 22 and BulkPlane(redis.Redis()).frame_bound(64) == 64
 
 
@@ -64,10 +68,10 @@ def plane(redis_client: redis.Redis, shard_servers: list[RedisServer]) -> BulkPl
 
 
 def _job_on(plane: BulkPlane, index: int) -> str:
-    return next(job_id for job_id in iter(jobs.new_job_id, "") if plane.index(job_id) == index)
+    return next(job_id for job_id in iter(new_job_id, "") if plane.index(job_id) == index)
 
 
-def _stored_job(store: jobs.JobStore, plane: BulkPlane, index: int, upload: bytes = b"u" * 1000) -> str:
+def _stored_job(store: JobIntake, plane: BulkPlane, index: int, upload: bytes = b"u" * 1000) -> str:
     job_id = _job_on(plane, index)
     store.create(job_id, upload, 600, {"model": MODEL, "bytes": len(upload), "deadline_at": time.time() + 60,
                                        "submitted_at": time.time()})
@@ -76,20 +80,21 @@ def _stored_job(store: jobs.JobStore, plane: BulkPlane, index: int, upload: byte
 
 def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control_plane(redis_client, plane):
     keys = Keys("sharded")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
+    handoff = JobHandOff(redis_client, keys, 600, bulk=plane)
     pusher = frame_pusher(redis_client, keys, plane)
     job_id = _stored_job(store, plane, 2)
     shard = plane.clients[2]
     assert shard.get(keys.upload(job_id)) == b"u" * 1000
     assert redis_client.get(keys.upload(job_id)) == SHARDED_UPLOAD   # the marker the job steps read
     assert not plane.clients[0].exists(keys.upload(job_id)) and not redis_client.exists(keys.frames(MODEL))
-    verdict, upload, _ = store.claim_for_preprocessing(job_id, time.time(), "c1")
+    verdict, upload, _ = handoff.claim_for_preprocessing(job_id, time.time(), "c1")
     assert verdict == "claimed" and bytes(upload) == b"u" * 1000
     redis_client.hset(keys.waiting_bytes, mapping={MODEL: 1000, "*": 1000})
     assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
     assert shard.lrange(keys.frames(MODEL), 0, -1) == [b"F" * 300]
     record = store.load(job_id)
-    assert record["status"] == jobs.QUEUED_GPU and record["pushed_at"] == 1.0
+    assert record["status"] == QUEUED_GPU and record["pushed_at"] == 1.0
     assert not redis_client.exists(keys.upload(job_id))   # the marker went: the upload's bytes wait no more
     assert redis_client.hget(keys.waiting_bytes, MODEL) == b"300"   # the frame's bytes wait instead
     assert redis_client.hget(keys.frames_waiting, MODEL) == b"1"    # counted where the backlog reads it
@@ -97,11 +102,12 @@ def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control
 
 def test_a_shards_share_of_the_bound_holds_and_a_frame_that_may_not_stand_is_taken_back(redis_client, plane):
     keys = Keys("bound")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
+    handoff = JobHandOff(redis_client, keys, 600, bulk=plane)
     pusher = frame_pusher(redis_client, keys, plane)
     first, second, over = (_stored_job(store, plane, 0) for _ in range(3))
     for job_id in (first, second, over):
-        store.claim_for_preprocessing(job_id, time.time(), "c")
+        handoff.claim_for_preprocessing(job_id, time.time(), "c")
     # max_frames 4 over 3 shards: 2 on each.
     assert pusher.push(first, MODEL, b"1" * 10, 4, {}, "c") == frames.PUSHED
     assert pusher.push(second, MODEL, b"2" * 10, 4, {}, "c") == frames.PUSHED
@@ -117,9 +123,9 @@ def test_a_shard_that_does_not_answer_is_a_clear_error_and_is_avoided(redis_clie
     keys = Keys("down")
     dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     plane = BulkPlane(redis_client, [dead], retry_s=5.0)
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
     with pytest.raises(ShardUnavailable, match=r"bulk.redis_urls\[0\]") as raised:
-        store.create(jobs.new_job_id(), b"x", 600, {"model": MODEL})
+        store.create(new_job_id(), b"x", 600, {"model": MODEL})
     assert "127.0.0.1" not in str(raised.value)   # a job's error names no address (clients read it)
     assert not plane.is_up(0) and redis_client.dbsize() == 0   # nothing stored for it on the control plane
 
@@ -183,7 +189,7 @@ def test_a_dead_shard_is_skipped_and_the_others_still_feed_the_gpu(redis_client,
 
 def test_a_dead_workers_frames_go_back_on_every_shard_with_an_attempt_counted(redis_client, plane):
     keys = Keys("reap")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
     ids = [_stored_job(store, plane, index) for index in range(3)]
     for job_id in ids:
         shard = plane.client_for(job_id)
@@ -201,7 +207,7 @@ def test_a_dead_workers_frames_go_back_on_every_shard_with_an_attempt_counted(re
 
 def test_the_watch_ends_the_jobs_a_restarted_or_unreachable_shard_took_and_no_others(redis_client, plane):
     keys = Keys("watch")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
     watch = ShardWatch(redis_client, plane, keys, store, grace_s=1.0)
     on = {index: _stored_job(store, plane, index) for index in range(3)}
     assert watch.check() == {}   # first look: every shard's life noted
@@ -209,15 +215,15 @@ def test_the_watch_ends_the_jobs_a_restarted_or_unreachable_shard_took_and_no_ot
     time.sleep(1.1)              # (its uptime would say so; the life token is what was lost)
     assert watch.check() == {1: 1}
     assert store.load(on[1])["error"]["code"] == "shard_lost"
-    assert store.load(on[0])["status"] == store.load(on[2])["status"] == jobs.QUEUED
+    assert store.load(on[0])["status"] == store.load(on[2])["status"] == QUEUED
     later = _stored_job(store, plane, 1)   # placed after the loss: untouched
-    assert watch.check() == {} and store.load(later)["status"] == jobs.QUEUED
+    assert watch.check() == {} and store.load(later)["status"] == QUEUED
     gone = BulkPlane(redis_client, [plane.clients[0], redis.Redis(port=free_port(), socket_connect_timeout=0.3)],
                      retry_s=0.1)
     keys = Keys("watch-gone")   # the jobs above would fall on other shards of a two-shard plane
-    store = jobs.JobStore(redis_client, keys, 600, bulk=gone)
+    store = JobEnding(redis_client, keys, 600, bulk=gone)
     watch = ShardWatch(redis_client, gone, keys, store, grace_s=0.5)
-    stranded = next(job_id for job_id in iter(jobs.new_job_id, "") if gone.index(job_id) == 1)
+    stranded = next(job_id for job_id in iter(new_job_id, "") if gone.index(job_id) == 1)
     redis_client.hset(keys.job(stranded), mapping={"id": stranded, "status": "queued_gpu",
                                                    "deadline_at": time.time() + 60, "submitted_at": time.time()})
     redis_client.zadd(keys.deadlines, {stranded: time.time() + 60})

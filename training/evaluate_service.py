@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import requests
 
-from contract.jobs import TERMINAL
+from contract.jobs.record import TERMINAL
 from training.independent import independent_scene
 from training.metrics import ImagePredictions, ImageTruth, box_iou, mean_average_precision
 from training.synth import LABELS, Scene, generate_scene

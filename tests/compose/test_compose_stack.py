@@ -31,7 +31,7 @@ import pytest
 import requests
 import yaml
 
-from contract.jobs import TERMINAL
+from contract.jobs.record import TERMINAL
 from tests.support import REPO_ROOT, free_port, jpeg, wait_until
 
 pytestmark = pytest.mark.compose
