@@ -39,7 +39,16 @@ from contract.frames import FrameHeader, pack_frame
 from contract.jobs.record import QUEUED_GPU
 from contract.keys import Keys
 from contract.settings import REPO_ROOT
-from contract.timebill import HOST_STAGES, host_ms_per_batch
+from contract.timebill import (
+    CPU_STARTED_AT,
+    DECODE_MS,
+    HOST_STAGES,
+    PUSHED_AT,
+    RECEIVED_AT,
+    RESIZE_MS,
+    SUBMITTED_AT,
+    host_ms_per_batch,
+)
 from gpu_worker.simulated import profile_latency_s
 
 DEFAULT_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
@@ -111,12 +120,12 @@ def push_frames(client: redis.Redis, keys: Keys, model_key: str, contents: list[
         for i in range(first, min(count, first + chunk)):
             job_id = uuid.uuid4().hex
             geometry, pixels = contents[i % len(contents)]
-            stamps = {"received_at": now, "submitted_at": now, "cpu_started_at": now, "decode_ms": 0.0,
-                      "resize_ms": 0.0, "pushed_at": now}
+            stamps = {RECEIVED_AT: now, SUBMITTED_AT: now, CPU_STARTED_AT: now, DECODE_MS: 0.0, RESIZE_MS: 0.0,
+                      PUSHED_AT: now}
             header = FrameHeader(job_id=job_id, enqueued_at=now, deadline_at=now + 3600, stamps=stamps,
                                  **geometry)
             pipe.hset(keys.job(job_id), mapping={"id": job_id, "status": QUEUED_GPU,
-                                                 "deadline_at": now + 3600, "received_at": now})
+                                                 "deadline_at": now + 3600, RECEIVED_AT: now})
             pipe.expire(keys.job(job_id), 3600)
             pipe.lpush(keys.frames(model_key), pack_frame(header, pixels))
             ids.append(job_id)

@@ -20,7 +20,7 @@ from typing_extensions import TypedDict
 from contract.cache import CacheVerdict
 from contract.jobs.record import STATUSES, utc_iso
 from contract.models import MODEL_NAME_PATTERN
-from contract.timebill import STAGE_DESCRIPTIONS
+from contract.timebill import RECEIVED_AT, STAGE_DESCRIPTIONS
 
 StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.record.JobStatus, as JSON spells it
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -134,7 +134,7 @@ class JobDocument(Document):
 
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     """The public JSON of a stored job record."""
-    created = record.get("received_at")
+    created = record.get(RECEIVED_AT)
     fields: dict[str, Any] = {
         "id": record["id"],
         "status": record.get("status"),

@@ -19,7 +19,15 @@ from contract.frames import Frame, FrameSource
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.jobs.record import FAILED, SUCCEEDED
 from contract.models import ModelSpec
-from contract.timebill import compute_time_bill
+from contract.timebill import (
+    BATCH_CLOSED_AT,
+    DEVICE_STARTED_AT,
+    FINISHED_AT,
+    INFER_MS,
+    POPPED_AT,
+    POSTPROCESS_MS,
+    compute_time_bill,
+)
 from gpu_worker import metrics
 from gpu_worker.intake import InHand, Outcome
 from gpu_worker.link import LaneMeters, WorkerLink
@@ -142,13 +150,12 @@ class Finisher:
                   readback_ms: float) -> list[Outcome]:
         finished_at = time.time()
         size, batch_id = len(batch.running), f"{self.worker_id}:{batch.seq}"
-        durations = {"infer_ms": output.infer_ms, "postprocess_ms": output.postprocess_ms + readback_ms}
+        durations = {INFER_MS: output.infer_ms, POSTPROCESS_MS: output.postprocess_ms + readback_ms}
         outcomes: list[Outcome] = []
         for index, (frame, popped_at, document) in enumerate(zip(batch.running, batch.popped_at, documents)):
-            bill = compute_time_bill({**frame.header.stamps, "popped_at": popped_at,
-                                      "batch_closed_at": max(popped_at, batch.closed_at),
-                                      "device_started_at": batch.started_at, "finished_at": finished_at,
-                                      **durations})
+            bill = compute_time_bill({**frame.header.stamps, POPPED_AT: popped_at,
+                                      BATCH_CLOSED_AT: max(popped_at, batch.closed_at),
+                                      DEVICE_STARTED_AT: batch.started_at, FINISHED_AT: finished_at, **durations})
             self.recent.record_bill(bill)
             if self.model_recent is not None:
                 self.model_recent.record_bill(bill)

@@ -21,6 +21,15 @@ from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
+from contract.timebill import (
+    BACKPRESSURE_MS,
+    CPU_STARTED_AT,
+    DECODE_MS,
+    PUSHED_AT,
+    RECEIVED_AT,
+    RESIZE_MS,
+    SUBMITTED_AT,
+)
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
 from tasks.structure import StructureLimits
 
@@ -100,12 +109,13 @@ class Preprocessor:
             self.store.fail(job_id, exc.code, str(exc))
             return "failed"
         stamps: dict[str, float] = {}
-        if "received_at" in record:
-            stamps["received_at"] = record["received_at"]
-        if "submitted_at" in record:
-            stamps["submitted_at"] = record["submitted_at"]
-        stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0,
-                      resize_ms=(time.perf_counter() - t1) * 1000.0)
+        if RECEIVED_AT in record:
+            stamps[RECEIVED_AT] = record[RECEIVED_AT]
+        if SUBMITTED_AT in record:
+            stamps[SUBMITTED_AT] = record[SUBMITTED_AT]
+        stamps[CPU_STARTED_AT] = started_at
+        stamps[DECODE_MS] = (t1 - t0) * 1000.0
+        stamps[RESIZE_MS] = (time.perf_counter() - t1) * 1000.0
         return self._commit(job_id, record, boxed, stamps, spec, claim)
 
     def _commit(self, job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict,
@@ -118,7 +128,7 @@ class Preprocessor:
         ready = time.perf_counter()
         while True:
             pushed_at = time.time()
-            tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
+            tried = {**stamps, BACKPRESSURE_MS: (time.perf_counter() - ready) * 1000.0, PUSHED_AT: pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
             try:
                 outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim)

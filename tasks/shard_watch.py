@@ -18,6 +18,7 @@ from contract.jobs.ending import JobEnding
 from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU
 from contract.keys import Keys
 from contract.shards import SHARD_ERRORS, BulkPlane
+from contract.timebill import SUBMITTED_AT
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class ShardWatch:
             return 0
         pipe = self.control.pipeline(transaction=False)
         for job_id in mine:
-            pipe.hmget(self.keys.job(job_id), "status", "submitted_at")
+            pipe.hmget(self.keys.job(job_id), "status", SUBMITTED_AT)
         doomed = []
         for job_id, (status, submitted) in zip(mine, pipe.execute()):
             if status is not None and status.decode() in WAITING_ON_SHARD and float(submitted or 0) < before:

@@ -20,6 +20,7 @@ from contract.cache import REMEMBER_LUA, CacheLimits
 from contract.jobs.record import EXPIRED, FAILED, TERMINAL, TERMINAL_LUA, JobStatus, JobStore, flatten_fields
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.shards import BulkPlane
+from contract.timebill import FINISHED_AT
 
 # A callback queued: what the step that ends a job (or a redelivery) writes as its state.
 PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
@@ -153,7 +154,7 @@ class JobEnding(JobStore):
         args: list[Any] = []
         for job_id, status, fields in outcomes:
             assert status in TERMINAL, status
-            flat = flatten_fields({"status": status, "updated_at": now, "finished_at": now, **fields})
+            flat = flatten_fields({"status": status, "updated_at": now, FINISHED_AT: now, **fields})
             keys.append(self.keys.job(job_id))
             args += [job_id, len(flat), *flat]
         return keys, args

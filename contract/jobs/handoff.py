@@ -13,6 +13,7 @@ from contract.jobs.record import PREPROCESSING, QUEUED, JobRecord, decode_record
 from contract.keys import Keys
 from contract.replies import PayloadReader
 from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
+from contract.timebill import CPU_STARTED_AT
 
 # A CPU worker's claim, in one round trip instead of three (read, move, fetch the upload): this step,
 # pipelined after a plain GET of the upload, whose reply is read straight into one buffer
@@ -27,7 +28,7 @@ if not status then return {{'missing'}} end
 if status ~= '{QUEUED.value}' and status ~= '{PREPROCESSING.value}' then return {{'over', 'status', status}} end
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline_at'))
 if deadline and tonumber(ARGV[1]) > deadline then return {{'late'}} end
-redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', 'cpu_started_at', ARGV[1], 'updated_at', ARGV[1],
+redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', '{CPU_STARTED_AT}', ARGV[1], 'updated_at', ARGV[1],
            'claim', ARGV[2])
 local reply = redis.call('HGETALL', KEYS[1])
 table.insert(reply, 1, 'claimed')

@@ -19,6 +19,7 @@ import redis
 
 from contract.keys import Keys
 from contract.shards import BulkPlane
+from contract.timebill import FINISHED_AT, RECORD_STAMPS
 
 
 class JobStatus(StrEnum):
@@ -73,8 +74,7 @@ class JobRecord(TypedDict, total=False):
 
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
-STAMP_FIELDS = ("received_at", "submitted_at", "cpu_started_at", "decode_ms", "resize_ms", "backpressure_ms",
-                "pushed_at")
+STAMP_FIELDS = RECORD_STAMPS
 
 # The terminal states as a Lua set, rendered from TERMINAL so the scripts cannot drift from it.
 TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status.value} = true" for status in sorted(TERMINAL)) + "}\n"
@@ -191,7 +191,7 @@ def decode_record(raw: Mapping[Any, Any]) -> JobRecord:
         name, value = name_b.decode(), value_b.decode()
         if name in JSON_FIELDS:
             record[name] = json.loads(value)
-        elif name in STAMP_FIELDS or name in ("deadline_at", "updated_at", "finished_at"):
+        elif name in STAMP_FIELDS or name in ("deadline_at", "updated_at", FINISHED_AT):
             record[name] = float(value)
         else:
             record[name] = value
