@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import io
 import time
-from dataclasses import dataclass
 
 import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
-from app import admission, auth, callbacks, health, jobs, metrics, openapi, stats
-from app.admission import RedisMemory, ServedTenants
+from app import auth, callbacks, health, jobs, metrics, openapi, stats
+from app.admission import MAX_RETRY_AFTER_S, Admission
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
+from app.services import EXTENSION, Services, services
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
 from contract.cache import ResultCache
@@ -40,22 +40,6 @@ class InMemoryFormRequest(Request):
         return io.BytesIO()
 
 
-@dataclass
-class Services:
-    """What the request handlers use, hung on `app.extensions['imgserve']`."""
-    settings: Settings
-    redis: redis.Redis
-    keys: Keys
-    store: JobIntake
-    catalogue: Catalogue
-    task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
-    waiting: WaitingBytes               # the bytes budgets (app.admission)
-    memory: RedisMemory                 # Redis's memory against its maxmemory
-    tenants: ServedTenants              # the API keys whose own CPU queues a live worker takes
-    listener: JobEventListener
-    cache: ResultCache                  # answers for repeated images (contract.cache)
-
-
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or load_settings()
     app = Flask(__name__)
@@ -76,20 +60,19 @@ def create_app(settings: Settings | None = None) -> Flask:
     # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms)
     store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
-    waiting = WaitingBytes(client, keys)
-    app.extensions["imgserve"] = Services(
+    catalogue, cache = Catalogue(settings), ResultCache(client, keys, settings)
+    admission = Admission(settings, client, keys, store, catalogue, cache)
+    app.extensions[EXTENSION] = Services(
         settings=settings, redis=client, keys=keys,
         store=store,
-        catalogue=Catalogue(settings),
+        catalogue=catalogue,
+        admission=admission,
         task_messages=PreprocessMessages(),
-        waiting=waiting,
-        memory=RedisMemory(client),
-        tenants=ServedTenants(client, keys, settings.celery.heartbeat_ttl_s),
         # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks); each
         # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
         listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
-                                  on_tick=_sweeper(store, waiting)),
-        cache=ResultCache(client, keys, settings),
+                                  on_tick=_sweeper(store, admission.waiting)),
+        cache=cache,
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
@@ -116,7 +99,7 @@ def create_app(settings: Settings | None = None) -> Flask:
             response.headers["Referrer-Policy"] = "no-referrer"
         return response
 
-    app.extensions["imgserve"].listener.start()
+    services(app).listener.start()
     return app
 
 
@@ -161,7 +144,7 @@ def _install_error_handlers(app: Flask) -> None:
     @app.errorhandler(redis.RedisError)
     def backend_unavailable(exc: Exception):
         """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
-        retry = str(app.extensions["imgserve"].settings.backpressure.retry_after_s)
+        retry = str(services(app).settings.backpressure.retry_after_s)
         if isinstance(exc, NotReplicated):   # stored on the primary only: withdrawn; a retry may well succeed
             problem = Problem(503, "not-replicated", "Service unavailable", "the job could not be stored on enough "
                               "replicas in time and was withdrawn; retry", headers={"Retry-After": "1"})
@@ -170,7 +153,7 @@ def _install_error_handlers(app: Flask) -> None:
                               "is unreachable; retry (a new job is placed on another)", headers={"Retry-After": "1"})
         elif isinstance(exc, redis.exceptions.OutOfMemoryError):
             problem = Problem(503, "store-full", "Service unavailable", "the job store is full; retry later",
-                              headers={"Retry-After": str(admission.MAX_RETRY_AFTER_S)})
+                              headers={"Retry-After": str(MAX_RETRY_AFTER_S)})
         elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             problem = Problem(503, "backend-unavailable", "Service unavailable", "the job store is unreachable",
                               headers={"Retry-After": retry})

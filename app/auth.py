@@ -13,10 +13,13 @@ import hashlib
 import hmac
 import math
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from flask import g, request
 
 from app.problems import Problem
+from app.services import services as current_services
 
 # KEYS[1] bucket hash; ARGV rate (tokens/s), burst. Returns {allowed, retry_after_ms}. The time is Redis's own
 # (TIME), and the refill's mark never moves back: with each API process's clock, a request that ran later
@@ -48,7 +51,7 @@ def hash_key(key: str) -> str:
 
 
 def install(app) -> None:
-    services = app.extensions["imgserve"]
+    services = current_services(app)
     take_token = services.redis.register_script(_TAKE_TOKEN)
 
     @app.before_request
@@ -99,7 +102,7 @@ def require_admin(api_keys) -> None:
         raise Problem(403, "forbidden", "Forbidden", "this route shows every tenant's traffic: it needs an admin key")
 
 
-def owns(record: dict) -> bool:
+def owns(record: Mapping[str, Any]) -> bool:
     """Without keys every job is everyone's; with keys, only its creator's."""
     client_id = g.get("client_id")
     return client_id is None or record.get("owner") == client_id

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from flask import Blueprint, Response, current_app, g, jsonify
+from flask import Blueprint, Response, g, jsonify
 
 from app.operations import Reply, operation
+from app.services import services as current_services
 from contract.documents import Redelivered
 
 blueprint = Blueprint("callbacks", __name__)
@@ -16,7 +17,7 @@ blueprint = Blueprint("callbacks", __name__)
            problems=(503,), replies={200: Reply("How many were queued again", Redelivered)})
 def redeliver_dead() -> Response:
     """With API keys, only the caller's own jobs' callbacks; without, every one."""
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     client, keys, store = services.redis, services.keys, services.store
     caller = g.get("client_id")
     dead = [job_id.decode() for job_id in cast(list[bytes], client.zrange(keys.callback_dead, 0, -1))]

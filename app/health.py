@@ -7,6 +7,7 @@ import redis
 from flask import Blueprint, Response, current_app, jsonify
 
 from app.operations import Reply, operation
+from app.services import services as current_services
 from contract.documents import Health, ModelList, Readiness
 from contract.heartbeat import Heartbeat, live_heartbeats
 from contract.jobs.backlog import queue_depths
@@ -44,7 +45,7 @@ def readyz() -> tuple[Response, int]:
            problems=(503,),
            replies={200: Reply("One entry per model version, and per name how `model=name` is split", ModelList)})
 def list_models() -> Response:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     catalogue = services.catalogue
     workers = live_gpu_workers()
     depths = queue_depths(services.redis, services.keys, list(catalogue.specs), services.settings.tenants)
@@ -74,5 +75,5 @@ def list_models() -> Response:
 
 def live_gpu_workers() -> list[Heartbeat]:
     """Self-descriptions of GPU workers whose heartbeat has not expired."""
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     return live_heartbeats(services.redis, services.keys, services.settings.gpu_worker.heartbeat_ttl_s)

@@ -4,21 +4,25 @@ from __future__ import annotations
 import io
 import json
 import logging
+import threading
 import time
 from collections.abc import Collection
+from typing import cast
 
 import redis
-from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
+from flask import Blueprint, Response, g, jsonify, request, url_for
 from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import metrics
-from app.admission import admission_request, admit, settle
+from app.admission import Reservation
 from app.auth import owns
 from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
+from app.services import Services
+from app.services import services as current_services
 from app.uploads import (
     check_image,
     declared_length,
@@ -27,12 +31,13 @@ from app.uploads import (
     refuse_unknown_fields,
     validate_params,
 )
-from contract.cache import HIT, MISS
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.connection import NotReplicated
 from contract.documents import (
+    Document,
     JobAccepted,
     JobDocument,
+    SubmitOptionsBase,
     job_document,
     model_ref,
     submit_options_model,
@@ -40,11 +45,20 @@ from contract.documents import (
     wait_query_model,
 )
 from contract.jobs.ending import LATE_ERROR
-from contract.jobs.intake import CacheHit
-from contract.jobs.record import CANCELLED, QUEUED, SUCCEEDED, TERMINAL, is_job_id, new_job_id, utc_iso
-from contract.models import ModelSpec, UnknownModel, model_references
+from contract.jobs.record import (
+    CANCELLED,
+    QUEUED,
+    SUCCEEDED,
+    TERMINAL,
+    JobRecord,
+    is_job_id,
+    new_job_id,
+    utc_iso,
+)
+from contract.models import ModelSpec, model_references
 from contract.sections import SettingsError
-from contract.timebill import compute_time_bill
+from contract.settings import Settings
+from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -55,14 +69,14 @@ log = logging.getLogger("api")
 SUBMIT_QUERY_NAMES: frozenset[str] = frozenset({"wait"})
 
 
-def _submit_options(settings):
+def _submit_options(settings: Settings) -> type[SubmitOptionsBase]:
     """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
     `model` takes the names and name:version a request may reach."""
     return submit_options_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
                                 tuple(model_references(settings)))
 
 
-def _submit_query(settings):
+def _submit_query(settings: Settings) -> type[Document]:
     """The options, and `wait` (the query only: it is about this request, not the job)."""
     return submit_query_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
                               tuple(model_references(settings)), settings.api.max_wait_s)
@@ -87,69 +101,30 @@ def _submit_query(settings):
                                       for name, target in (("ReadJob", "jobs_get_job_get"),
                                                            ("CancelJob", "jobs_cancel_job_delete"))})})
 def submit_job() -> tuple[Response, int, dict[str, str]]:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     # A misspelt option (`maxdet=1`) is refused as it is in the form, before the body is read.
     refuse_unknown_fields(request.args.keys(), known={*_submit_options(services.settings).model_fields,
                                                       *SUBMIT_QUERY_NAMES}, where="query parameter")
     wait_s = _wait_seconds(services.settings.api.max_wait_s)   # refused before the body is read
-    held = Reservation()
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
-    if declared is not None and ("model" in request.args or request.mimetype != "multipart/form-data"):
-        # The model and the size are known before the body is read: an unknown model or a full backlog or
-        # budget costs no upload. The bytes reserved are the body's; the job's own are given back below.
-        # Where the result cache may answer, admission waits for the body: it is one step with the lookup,
-        # and a hit needs none.
-        spec = _routed_model(services, request.args.get("model"))
-        if services.cache.enabled_for(spec):
-            held.spec = spec
-        else:
-            held.take(services, spec, declared)
+    reservation = services.admission.before_body(
+        request.args.get("model"), declared, client_id=g.get("client_id") or "",
+        model_in_form="model" not in request.args and request.mimetype == "multipart/form-data")
     try:
-        return _accept(services, held, wait_s)
+        return _accept(services, reservation, wait_s)
     except BaseException:
-        held.give_back(services)   # refused after the reservation: a bad option, not an image, Redis away
+        services.admission.give_back(reservation)   # refused after the reservation: a bad option, Redis away
         raise
 
 
-class Reservation:
-    """The model a submission was routed to, and the bytes it reserved (app.admission) until its job is stored
-    with them."""
-    spec: ModelSpec | None = None
-    size: int = 0
-    admitted: bool = False
-
-    def take(self, services, spec: ModelSpec, size: int) -> None:
-        self.spec = spec
-        self.hold(admit(services, spec, size))
-
-    def hold(self, size: int) -> None:
-        """`size` bytes reserved for it (by app.admission's step, or by the cache lookup's)."""
-        self.size, self.admitted = size, True
-
-    def give_back(self, services) -> None:
-        if self.spec is None or not self.size:
-            return
-        try:
-            services.waiting.release(self.spec.key, self.size)
-        except redis.RedisError:   # Redis away: the answer says so already; given back once it answers again
-            log.warning("could not give back %d reserved bytes of model %s yet", self.size, self.spec.key)
-            services.waiting.release_later(self.spec.key, self.size)
-        self.size = 0
-
-
-def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
+def _accept(services: Services, reservation: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     submit_options = _submit_options(settings)
     data, declared_type, form = _read_image(settings.api.max_upload_bytes, fields=submit_options.model_fields)
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
-    if held.spec is None:   # named in the multipart form, or a body of unknown length: routed now
-        held.spec = _routed_model(services, options.model)
-    spec = held.spec
-    cached = options.cache is not False and services.cache.enabled_for(spec)
-    if not held.admitted and not cached:   # admitted now, as it is (with the cache, by the lookup's step)
-        held.take(services, spec, len(data))
+    spec = services.admission.route_body(reservation, options.model, len(data), options.cache)
     model_deadline_ms = settings.default_deadline_ms(spec)
     if options.deadline_ms and options.deadline_ms > model_deadline_ms:
         reason = f"at most {model_deadline_ms} ms for model {spec.key}"
@@ -161,54 +136,45 @@ def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, 
     job_id = services.store.bulk.new_job_id(new_job_id)   # on a shard not found down lately
     fields = {
         "model": spec.key,
-        "received_at": received_at,
+        RECEIVED_AT: received_at,
         "deadline_at": received_at + deadline_ms / 1000.0,
         "options": options.for_model(),
         "media_type": media_type,
         "bytes": len(data),
-        **({"owner": g.client_id} if g.get("client_id") else {}),
+        **({"owner": reservation.client_id} if reservation.client_id else {}),
         **({"callback_url": callback_url} if callback_url else {}),
     }
-    if cached:   # the lookup and, on a miss, the admission: one step
-        digest = services.cache.digest(data, spec, fields["options"], g.get("client_id") or "")
-        now = time.time()
-        answered = {**fields, "submitted_at": now, "cache": HIT}
-        timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
-        admission = admission_request(services, spec, len(data))
-        outcome = services.store.answer_or_admit(job_id, answered, digest, settings.cache.ttl_s, timings, admission)
-        if isinstance(outcome, CacheHit):   # the job is over already, stored as the 202 says
-            metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
-            status, document = outcome
-            log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
-            if wait_s > 0:
-                return _finished(services, job_id, spec)
-            # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
-            answer = ({"result": json.loads(document), "timings_ms": timings} if status == SUCCEEDED
-                      else {"error": json.loads(LATE_ERROR)})
-            return _accepted(job_id, spec, answered, status, answer)
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
-        settle(services, spec, admission, outcome)   # refused: the problem says by which limit
-        held.hold(len(data))
-        fields.update(cache=MISS, cache_key=digest)
-    queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
-    # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
+    answered = services.admission.admit(reservation, job_id, data, fields)
+    if answered is not None:   # the cache's: the job is over already, stored as the 202 says
+        (status, document), stored, timings = answered
+        log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
+        if wait_s > 0:
+            return _finished(services, job_id, spec)
+        # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
+        answer = ({"result": json.loads(document), "timings_ms": timings} if status == SUCCEEDED
+                  else {"error": json.loads(LATE_ERROR)})
+        return _accepted(job_id, spec, stored, status, answer)
+    # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
+    # is down is a 503 for both, never half.
+    queue = services.keys.preprocess_queue(spec.key, reservation.tenant)
     task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
     # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
     event = services.listener.register(job_id) if wait_s > 0 else None
     try:
         try:
-            services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
-                                  task=task, reserved=held.size)
+            services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, SUBMITTED_AT: time.time()},
+                                  task=task, reserved=reservation.size)
         except NotReplicated:
-            held.size = 0   # the job held its bytes, and its withdrawal gave them back
+            reservation.stored()   # the job held its bytes, and its withdrawal gave them back
             raise
-        held.size = 0   # stored: the job's bytes are given back by whatever ends it
+        reservation.stored()
         log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
                                         "model": spec.key})
         if event is None:
             return _accepted(job_id, spec, fields, QUEUED)
         try:
-            record = _until_ended(services, job_id, {"id": job_id, "status": QUEUED, **fields}, wait_s, event)
+            record = _until_ended(services, job_id, cast(JobRecord, {"id": job_id, "status": QUEUED, **fields}), wait_s,
+                                  event)
             record = _expire_if_late(services, record)   # a wait ended by the deadline: over, one way or another
         except redis.RedisError:   # the job is stored: its 202 says where, whatever the wait met
             log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
@@ -221,23 +187,24 @@ def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, 
     return _accepted(job_id, spec, fields, record["status"])
 
 
-def _finished(services, job_id: str, spec, record: dict | None = None) -> tuple[Response, int, dict[str, str]]:
+def _finished(services: Services, job_id: str, spec: ModelSpec,
+              record: JobRecord | None = None) -> tuple[Response, int, dict[str, str]]:
     """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
     record = record or services.store.load(job_id)
     if record is None:   # gone already (a TTL of seconds): the 202 still tells where it was
-        return _accepted(job_id, spec, {"received_at": g.received_at}, QUEUED)
+        return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
 
-def _accepted(job_id: str, spec, fields: dict, status: str,
+def _accepted(job_id: str, spec: ModelSpec, fields: dict, status: str,
               answer: dict | None = None) -> tuple[Response, int, dict[str, str]]:
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
     body = JobAccepted.model_validate({"id": job_id, "status": status, "model": model_ref(spec.key),
                                        "links": {"self": location}, **({"cache": fields["cache"]}
                                                                         if "cache" in fields else {}),
-                                       "created_at": utc_iso(fields["received_at"]), **(answer or {})})
+                                       "created_at": utc_iso(fields[RECEIVED_AT]), **(answer or {})})
     return jsonify(body.to_json()), 202, {"Location": location}
 
 
@@ -247,7 +214,7 @@ def _accepted(job_id: str, spec, fields: dict, status: str,
            query=lambda settings: wait_query_model(settings.api.max_wait_s),
            replies={200: Reply("The job", JobDocument)})
 def get_job(job_id: str) -> Response:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not is_job_id(job_id):
         return jsonify(job_document(_expire_if_late(services, _load_owned(services, job_id))))
@@ -260,7 +227,8 @@ def get_job(job_id: str) -> Response:
     return jsonify(job_document(_expire_if_late(services, record)))
 
 
-def _until_ended(services, job_id: str, record: dict, wait_s: float, event) -> dict:
+def _until_ended(services: Services, job_id: str, record: JobRecord, wait_s: float,
+                 event: threading.Event) -> JobRecord:
     """The job once it ended, or as it stands after `wait_s`. No point waiting past its deadline: it is over by
     then, one way or another (_expire_if_late says so). A wake-up that finds it still live (the listener
     resubscribing wakes every waiter) waits on for the time left."""
@@ -277,7 +245,7 @@ def _until_ended(services, job_id: str, record: dict, wait_s: float, event) -> d
     return record
 
 
-def _expire_if_late(services, record: dict) -> dict:
+def _expire_if_late(services: Services, record: JobRecord) -> JobRecord:
     """A live job past its deadline is over, even when no worker is left to say so."""
     if record["status"] in TERMINAL or time.time() <= record["deadline_at"]:
         return record
@@ -290,7 +258,7 @@ def _expire_if_late(services, record: dict) -> dict:
            replies={200: Reply("The job, now cancelled", JobDocument)})
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     _load_owned(services, job_id)
     cancelled = services.store.finish(job_id, CANCELLED,
                                       {"error": {"code": "cancelled", "message": "cancelled by the client"}})
@@ -311,7 +279,7 @@ def cancel_job(job_id: str) -> Response:
                        "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
            replies={202: Reply("Queued again", JobDocument)})
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     record = _load_owned(services, job_id)
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
@@ -322,7 +290,7 @@ def redeliver_callback(job_id: str) -> tuple[Response, int]:
     return jsonify(job_document(services.store.load(job_id) or record)), 202
 
 
-def _checked_callback_url(url: str | None, settings) -> str | None:
+def _checked_callback_url(url: str | None, settings: Settings) -> str | None:
     if not url:
         return None
     try:
@@ -356,21 +324,13 @@ def _refuse_unparsable_multipart(body: bytes) -> None:
                       invalid_params=[{"name": "image", "reason": reason}]) from exc
 
 
-def _load_owned(services, job_id: str) -> dict:
+def _load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
     record = services.store.load(job_id) if is_job_id(job_id) else None
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record
-
-
-def _routed_model(services, reference: str | None) -> ModelSpec:
-    try:
-        return services.catalogue.resolve(reference)
-    except UnknownModel as exc:
-        raise Problem(404, "model-not-found", "Model not found", f"{exc}; served: {', '.join(exc.served)}",
-                      models=exc.served) from None
 
 
 def _wait_seconds(max_wait_s: float) -> float:
@@ -383,7 +343,7 @@ def _read_image(limit: int, fields: Collection[str]) -> tuple[bytes, str | None,
     the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
     app.multipart where it can (one slice per part), else by Werkzeug. A part named neither `image` nor
     one of `fields` is a 400: a misspelt option would otherwise be dropped without a word."""
-    api = current_app.extensions["imgserve"].settings.api
+    api = current_services().settings.api
     body = read_whole_body(request.environ, limit, api.body_timeout_s, api.body_min_rate)
     request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
     request.environ.pop("HTTP_TRANSFER_ENCODING", None)

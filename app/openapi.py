@@ -22,6 +22,7 @@ from pydantic.json_schema import models_json_schema
 
 from app.operations import Operation, Reply, operation
 from app.problems import PROBLEM_TYPE
+from app.services import services as current_services
 from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 from contract.documents import ProblemDocument
 from contract.jobs.record import JOB_ID_PATTERN
@@ -68,7 +69,7 @@ def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:
 
 
 def build_document(app: Flask) -> dict[str, Any]:
-    settings: Settings = app.extensions["imgserve"].settings
+    settings = current_services(app).settings
     registry = _SchemaRegistry()
     paths: dict[str, dict[str, Any]] = {}
     declared_rules = [(rule, getattr(app.view_functions[rule.endpoint], "openapi", None))

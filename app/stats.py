@@ -1,11 +1,14 @@
 """`GET /v1/stats`: a JSON summary of queues, GPU workers, the time bill and the result cache."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify
+from typing import cast
+
+from flask import Blueprint, Response, jsonify
 
 from app.auth import require_admin
 from app.health import live_gpu_workers
 from app.operations import Reply, operation
+from app.services import services as current_services
 from contract.documents import Stats
 from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import queue_depths, total_depths
@@ -19,12 +22,12 @@ blueprint = Blueprint("stats", __name__)
            problems=((403, "API keys are configured and this one is not an admin key"), 503),
            replies={200: Reply("A summary over each GPU worker's recent window", Stats)})
 def stats() -> Response:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     require_admin(services.settings.auth.api_keys)
     client, keys = services.redis, services.keys
     workers = live_gpu_workers()
     for worker in workers:   # live totals, fresher than the heartbeat's
-        raw = client.hgetall(keys.gpu_counters(worker.worker_id))
+        raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     depths = queue_depths(client, keys, list(services.catalogue.specs), services.settings.tenants)

@@ -97,8 +97,10 @@ class ApiServer:
         self.thread.start()
 
     def stop(self) -> None:
+        from app.services import services
+
         self.server.shutdown()
-        self.app.extensions["imgserve"].listener.close()
+        services(self.app).listener.close()
 
 
 # The aten operations that make the host wait for the device on CUDA (sync_debug_mode reports them):

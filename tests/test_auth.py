@@ -10,6 +10,7 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
+from app.services import services as api_services
 from bench.processes import ManagedProcess, celery_argv
 from tests.support import ApiServer, jpeg, wait_until
 
@@ -203,7 +204,7 @@ def test_a_key_no_cpu_worker_takes_yet_is_served_from_the_shared_queue(stack, ke
     auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=(*KEYS, new_key))
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     try:
-        keys = server.app.extensions["imgserve"].keys
+        keys = api_services(server.app).keys
         wait_until(lambda: stack.redis.hexists(keys.cpu_tenants, "team-b"), 30,
                    what="the keyed worker's heartbeat naming its keys")
         for key in ("key-new", "key-b"):

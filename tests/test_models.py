@@ -13,6 +13,7 @@ import redis
 import requests
 import yaml
 
+from app.services import services as api_services
 from contract.config import load_settings
 from contract.jobs.record import JobStatus
 from contract.keys import Keys
@@ -311,7 +312,7 @@ def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(mu
 
     job_id = new_job_id()
     now = time.time()
-    multi_stack.api.app.extensions["imgserve"].store.create(job_id, jpeg(300, 200), 600, {
+    api_services(multi_stack.api.app).store.create(job_id, jpeg(300, 200), 600, {
         "received_at": now, "submitted_at": now, "deadline_at": now + 60, "options": {}})
     send_preprocess(make_celery(multi_stack.settings), job_id, "preprocess")
     job = multi_stack.wait_terminal(job_id)

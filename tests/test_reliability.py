@@ -13,6 +13,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from app.services import services as api_services
 from bench.processes import ManagedProcess, python_argv
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import EXPIRED, PREPROCESSING, QUEUED_GPU, TERMINAL
@@ -385,7 +386,7 @@ def test_a_job_ends_expired_at_its_deadline_though_nobody_reads_it(stack):
     """The CPU workers (and the API) sweep the deadline index: the job is over when its deadline passes,
     not when someone next looks."""
 
-    store = stack.api.app.extensions["imgserve"].store
+    store = api_services(stack.api.app).store
     stack.stop_gpu_worker()
     try:
         job_id = stack.submit_ok(jpeg(64, 64), deadline_ms=1500)
