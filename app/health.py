@@ -8,9 +8,9 @@ from flask import Blueprint, Response, current_app, jsonify
 
 from app.operations import Reply, operation
 from app.services import services as current_services
-from contract.documents import Health, ModelList, Readiness
 from contract.heartbeat import Heartbeat, live_heartbeats
 from contract.jobs.backlog import queue_depths
+from contract.status_documents import Health, ModelList, Readiness
 
 blueprint = Blueprint("health", __name__)
 

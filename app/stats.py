@@ -9,9 +9,9 @@ from app.auth import require_admin
 from app.health import live_gpu_workers
 from app.operations import Reply, operation
 from app.services import services as current_services
-from contract.documents import Stats
 from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import queue_depths, total_depths
+from contract.status_documents import Stats
 from contract.timebill import host_ms_per_batch
 
 blueprint = Blueprint("stats", __name__)

@@ -7,7 +7,8 @@
 - `jobs`: job states (`JobStatus`), the record in Redis (`JobRecord`) and the Lua steps that move it.
 - `frames`: the binary frame on the GPU list.
 - `timebill`: the stages of a request's life and their durations.
-- `documents`: the public JSON documents (job, callback, submit options) as pydantic models.
+- `documents`: the public JSON documents of jobs (job, callback, submit options, problems) as pydantic models;
+  `status_documents`: the service's own (health, readiness, models, stats).
 - `models`: the models served side by side (`ModelSpec`), and how a request's `model` is routed to a version.
 - `model_files`: what a model file is, and the labels / input size it carries.
 - `task_messages`: the Celery tasks' names and queues, and the preprocess message the API pushes itself.
