@@ -13,8 +13,8 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
-from bench.hostile import Gauge, Receiver, Tarpit
 from bench.processes import ManagedProcess, celery_argv
+from bench.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
 from contract.keys import Keys
 from tasks.callback_slots import LAPSE_MARGIN_S, TenantSlots
