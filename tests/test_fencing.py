@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterator
 
@@ -53,7 +52,7 @@ def test_a_worker_paused_past_its_heartbeat_writes_nothing_it_held_and_stops(fen
     def steady_load() -> None:
         while not stop.is_set():
             submitted.append(stack.submit_ok(jpeg(80, 60, seed=len(submitted))))
-            time.sleep(0.05)
+            stop.wait(0.05)
 
     try:
         wait_until(lambda: stack.redis.exists(stack.keys.heartbeat("fencing-second")), 60,
@@ -68,7 +67,8 @@ def test_a_worker_paused_past_its_heartbeat_writes_nothing_it_held_and_stops(fen
                    what="the second worker to take the paused one's frames")
         os.kill(paused.process.pid, signal.SIGCONT)
         status = paused.process.wait(30)
-        time.sleep(1.0)
+        after = len(submitted)   # the load goes on a while with the second worker alone
+        wait_until(lambda: len(submitted) >= after + 10, 30, what="ten more jobs after the paused worker stopped")
         stop.set()
         load.join()
         docs = [stack.wait_terminal(job_id, timeout_s=60) for job_id in submitted]

@@ -3,7 +3,6 @@ refusals say what is full and for how long, and nothing accepted is lost."""
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,10 +11,11 @@ import pytest
 import redis
 import requests
 
+from app.services import services as api_services
 from bench.processes import RedisServer
 from contract import budget
 from tests.conftest import content_box_spec, start_stack, stop_stack
-from tests.support import encode, make_image
+from tests.support import encode, make_image, wait_until
 
 MAXMEMORY = 64 * 1024 * 1024
 UPLOAD_LIMIT = 6 * 1024 * 1024
@@ -67,14 +67,16 @@ def test_bursts_of_large_uploads_stay_within_the_budget_and_nothing_accepted_is_
                 retry_afters.append(int(response.headers["Retry-After"]))
 
     def watch_memory() -> None:
-        while not stop.is_set():
+        while not stop.wait(0.01):
             peak[0] = max(peak[0], int(client.info("memory")["used_memory"]))
-            time.sleep(0.01)
 
     def steady_small() -> None:
         while not stop.is_set():
             submit(small)
-            time.sleep(0.2)                                   # five small images a second meanwhile
+            stop.wait(0.2)                                    # five small images a second meanwhile
+
+    def waiting_bytes() -> int:
+        return budget.WaitingBytes(client, stack.keys).waiting().get(budget.ALL, 0)
 
     watchers = [threading.Thread(target=watch_memory), threading.Thread(target=steady_small)]
     for thread in watchers:
@@ -83,7 +85,8 @@ def test_bursts_of_large_uploads_stay_within_the_budget_and_nothing_accepted_is_
         for _burst in range(2):                              # two bursts of 40 concurrent large uploads
             with ThreadPoolExecutor(40) as pool:
                 list(pool.map(submit, [images[i % len(images)] for i in range(40)]))
-            time.sleep(1.0)
+            # The next burst once the budget has room again for some of it (the work drained by half).
+            wait_until(lambda: waiting_bytes() <= BUDGET // 2, 120, what="the first burst's bytes to drain")
         docs = [stack.wait_terminal(job_id, timeout_s=120) for job_id in list(accepted)]
     finally:
         stop.set()
@@ -103,6 +106,7 @@ def test_bursts_of_large_uploads_stay_within_the_budget_and_nothing_accepted_is_
 def test_a_store_near_its_maxmemory_is_said_to_be_full_with_no_exception_text(full_store_stack):
     stack, server = full_store_stack
     client = redis.Redis.from_url(server.url)
+    memory, full = api_services(stack.api.app).admission.memory, stack.settings.backpressure.store_full_ratio
     filler = b"x" * (1024 * 1024)
     try:
         for i in range(64):                                 # until Redis itself refuses writes
@@ -110,7 +114,8 @@ def test_a_store_near_its_maxmemory_is_said_to_be_full_with_no_exception_text(fu
                 client.set(f"filler:{i}", filler)
             except redis.exceptions.OutOfMemoryError:
                 break
-        time.sleep(1.1)                                     # the API reads Redis's memory at most once a second
+        # The API reads Redis's memory at most once a second (app.admission's RedisMemory): until it has seen it.
+        wait_until(lambda: memory.share() >= full, 10, what="the API to read Redis's memory as full")
         response = requests.post(stack.url("/v1/jobs"), data=encode(make_image(64, 48), "JPEG"),
                                  headers={"Content-Type": "image/jpeg"}, timeout=30)
         problem = response.json()
@@ -120,5 +125,5 @@ def test_a_store_near_its_maxmemory_is_said_to_be_full_with_no_exception_text(fu
         assert "Error" not in response.text and "Traceback" not in response.text
     finally:
         client.delete(*[f"filler:{i}" for i in range(64)])
-    time.sleep(1.1)
+    wait_until(lambda: memory.share() < full, 10, what="the API to read Redis's memory as freed")
     assert stack.submit(encode(make_image(64, 48), "JPEG")).status_code == 202   # room again: served again

@@ -14,6 +14,7 @@ import pytest
 import redis
 import requests
 
+from app.services import services as api_services
 from bench.processes import RedisServer
 from contract import frames
 from contract.frame_shards import ShardedFrameSource, frame_pusher, requeue_sharded_frames_of
@@ -211,9 +212,8 @@ def test_the_watch_ends_the_jobs_a_restarted_or_unreachable_shard_took_and_no_ot
     watch = ShardWatch(redis_client, plane, keys, store, grace_s=1.0)
     on = {index: _stored_job(store, plane, index) for index in range(3)}
     assert watch.check() == {}   # first look: every shard's life noted
-    plane.clients[1].flushdb()   # shard 1 restarted without its data
-    time.sleep(1.1)              # (its uptime would say so; the life token is what was lost)
-    assert watch.check() == {1: 1}
+    plane.clients[1].flushdb()   # shard 1 restarted without its data (its uptime would not say so: the life token does)
+    assert wait_until(watch.check, 10, what="the watch to find shard 1's data lost") == {1: 1}
     assert store.load(on[1])["error"]["code"] == "shard_lost"
     assert store.load(on[0])["status"] == store.load(on[2])["status"] == QUEUED
     later = _stored_job(store, plane, 1)   # placed after the loss: untouched
@@ -303,7 +303,8 @@ def test_the_stack_spreads_jobs_over_the_shards_and_loses_none_when_one_dies(sha
     assert set(refused) <= {503} and len(refused) <= 8, refused          # only the few that met the dead shard
     # It comes back (empty: no persistence here): within its retry, new jobs are placed on it again and succeed.
     shard_servers[1].start()
-    time.sleep(1.0)   # past bulk.retry_s, so the API tries it again
+    api_plane = api_services(stack.api.app).store.bulk
+    wait_until(lambda: api_plane.is_up(1), 10, what="the API to try the shard again (past bulk.retry_s)")
     # Ids are random: a third land on shard 1, so submit until one does ((2/3)^40 of never: none at all).
     back: list[str] = []
     while not any(shard_of(job_id, plane_count) == 1 for job_id in back):
