@@ -156,6 +156,20 @@ def version_weights(settings: Deployment, name: str) -> dict[str, float]:
 def default_model(settings: Deployment, served: Sequence[str] = ()) -> ModelSpec:
     """Check `models`, `routing` and the models GPU workers are told to serve (`served`: gpu_worker.models)
     against each other; the spec a request without `model=` gets (for a split default: its heaviest version)."""
+    by_key = _checked_routing(settings, served)
+    ref = default_reference(settings)
+    if ":" in ref:
+        if ref not in by_key or ref in settings.routing.draining:
+            raise SettingsError(f"routing.default: {ref!r} is not a listed model version taking jobs")
+        return by_key[ref]
+    weights = version_weights(settings, ref) if ref in {spec.name for spec in settings.models} else {}
+    if not weights:
+        raise SettingsError(f"routing.default: no version of {ref!r} takes jobs")
+    return by_key[f"{ref}:{max(weights, key=lambda version: weights[version])}"]
+
+
+def _checked_routing(settings: Deployment, served: Sequence[str]) -> dict[str, ModelSpec]:
+    """The models by name:version, once each; every route, draining version and served model names one."""
     by_key: dict[str, ModelSpec] = {}
     for spec in settings.models:
         if spec.key in by_key:
@@ -179,15 +193,7 @@ def default_model(settings: Deployment, served: Sequence[str] = ()) -> ModelSpec
     for ref in served:
         if ref not in by_key and ref not in names:
             raise SettingsError(f"gpu_worker.models: {ref!r} is neither a model name nor a name:version listed")
-    ref = default_reference(settings)
-    if ":" in ref:
-        if ref not in by_key or ref in settings.routing.draining:
-            raise SettingsError(f"routing.default: {ref!r} is not a listed model version taking jobs")
-        return by_key[ref]
-    weights = version_weights(settings, ref) if ref in names else {}
-    if not weights:
-        raise SettingsError(f"routing.default: no version of {ref!r} takes jobs")
-    return by_key[f"{ref}:{max(weights, key=lambda version: weights[version])}"]
+    return by_key
 
 
 def model_references(settings: Deployment) -> list[str]:

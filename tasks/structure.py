@@ -76,7 +76,7 @@ _NO_LENGTH = frozenset([0xC8, *range(0xD0, 0xDA), *range(0xF0, 0xFE)])
 _SOF = frozenset([0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF, 0xDE])
 
 
-def _jpeg(data: bytes, limits: StructureLimits) -> Structure:
+def _jpeg(data: bytes, limits: StructureLimits) -> Structure:  # noqa: C901  # one walk, a branch per marker kind
     steps = _Steps(limits.max_blocks, "JPEG segments, and bytes between them, before the first scan "
                                       "(a photo has about 20)")
     exif: list[tuple[int, int]] = []   # the APP1 EXIF payloads, as Pillow joins them
