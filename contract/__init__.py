@@ -4,9 +4,11 @@
 - `sections`: what a settings section is (a frozen, validated dataclass) and `SettingsError`.
 - `config`: how the settings are read: files, overlays, the one environment rule (`load_settings`).
 - `keys`: every Redis key and channel.
-- `jobs`: job states (`JobStatus`), the record in Redis (`JobRecord`) and the Lua steps that move it.
-- `frames`: the binary frame on the GPU list.
-- `timebill`: the stages of a request's life and their durations.
+- `jobs`: a job's record and its moves, by who makes them (a package: `record`, `ending`, `intake`, `handoff`,
+  `backlog`).
+- `frames`: the frame list: the binary frame, its header in Python and in Lua, and the list's moves (push, pop,
+  ack, give back, requeue); `frame_shards`: the same over bulk shards.
+- `timebill`: the stages of a request's life, the stamps that bound them, a bill and the summaries of many.
 - `documents`: the public JSON documents of jobs (job, callback, submit options, problems) as pydantic models;
   `status_documents`: the service's own (health, readiness, models, stats).
 - `models`: the models served side by side (`ModelSpec`), and how a request's `model` is routed to a version.
