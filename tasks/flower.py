@@ -4,12 +4,28 @@ The workers' own app (tasks.worker), on kombu's plain Redis transport. The worke
 (tasks.broker) names itself `tasks.broker:Transport` in the broker URL Flower reads, and Flower's Broker
 tab knows brokers by that URL's scheme: it answered 404 ("'redis' broker is not supported"). Flower
 publishes no task and holds no message, which is all tasks.broker changes, so kombu's own serves it; the
-queues it lists are the same keys (global_keyprefix is read from the same transport options).
+queues it lists are the same keys (global_keyprefix is read from the same transport options). Flower 1's
+/dashboard, which older links name, goes to the workers page.
 """
 from __future__ import annotations
+
+from tornado.web import RedirectHandler
 
 from tasks.worker import app
 
 app.conf.broker_transport = None   # the scheme of broker_url (redis://) picks kombu's own transport
+
+
+def _keep_old_links() -> None:
+    """Flower 1's /dashboard is Flower 2's workers page: links and bookmarks to it answered 404. Added to Flower's
+    own routes before its catch-all, when this module is loaded (`-A tasks.flower`, before Flower builds its
+    application from that list)."""
+    from flower import urls
+
+    if not any(route[0] == r"/dashboard/?" for route in urls.handlers if isinstance(route, tuple)):
+        urls.handlers.insert(len(urls.handlers) - 1, (r"/dashboard/?", RedirectHandler, {"url": "/workers"}))
+
+
+_keep_old_links()
 
 __all__ = ["app"]

@@ -150,4 +150,9 @@ def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(m
     assert anonymous.status_code == 401 and forged.status_code in (401, 403)
     user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
     assert requests.get(flower + "/api/workers", auth=(user, password), timeout=30).status_code == 200
+    # Pages a newcomer's links name: the Broker tab (404 on this project's transport before) and Flower 1's
+    # /dashboard (now the workers page).
+    assert requests.get(flower + "/broker", auth=(user, password), timeout=30).status_code == 200
+    dashboard = requests.get(flower + "/dashboard", auth=(user, password), timeout=30)
+    assert dashboard.status_code == 200 and dashboard.url.endswith("/workers")
     assert listening_addresses(int(make_run.env["GPU_METRICS_PORT"])) == {"127.0.0.1"}
