@@ -1,36 +1,31 @@
 """The jobs resource: submit an image, read (or long-poll) its job."""
 from __future__ import annotations
 
-import io
 import json
 import logging
-import threading
 import time
-from collections.abc import Collection
 from typing import cast
 
 import redis
 from flask import Blueprint, Response, g, jsonify, request, url_for
-from werkzeug.datastructures import MultiDict
-from werkzeug.exceptions import RequestEntityTooLarge
 
 from app import metrics
 from app.admission import Reservation
 from app.auth import owns
-from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
 from app.services import Services
 from app.services import services as current_services
+from app.submission import read_submission
 from app.uploads import (
     check_image,
     declared_length,
     option_values,
-    read_whole_body,
     refuse_unknown_fields,
     validate_params,
 )
+from app.waiters import expire_if_late, until_ended
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.connection import NotReplicated
 from contract.documents import (
@@ -120,7 +115,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
 def _accept(services: Services, reservation: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     submit_options = _submit_options(settings)
-    data, declared_type, form = _read_image(settings.api.max_upload_bytes, fields=submit_options.model_fields)
+    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields)
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
@@ -173,9 +168,9 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
         if event is None:
             return _accepted(job_id, spec, fields, QUEUED)
         try:
-            record = _until_ended(services, job_id, cast(JobRecord, {"id": job_id, "status": QUEUED, **fields}), wait_s,
-                                  event)
-            record = _expire_if_late(services, record)   # a wait ended by the deadline: over, one way or another
+            waiting = cast(JobRecord, {"id": job_id, "status": QUEUED, **fields})
+            record = until_ended(services.store, job_id, waiting, wait_s, event)
+            record = expire_if_late(services.store, record)   # a wait ended by the deadline: over, one way or another
         except redis.RedisError:   # the job is stored: its 202 says where, whatever the wait met
             log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
             return _accepted(job_id, spec, fields, QUEUED)
@@ -217,40 +212,14 @@ def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not is_job_id(job_id):
-        return jsonify(job_document(_expire_if_late(services, _load_owned(services, job_id))))
+        return jsonify(job_document(expire_if_late(services.store, _load_owned(services, job_id))))
     # Listen before the first read: an end announced after it wakes this request.
     event = services.listener.register(job_id)
     try:
-        record = _until_ended(services, job_id, _load_owned(services, job_id), wait_s, event)
+        record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
     finally:
         services.listener.unregister(job_id, event)
-    return jsonify(job_document(_expire_if_late(services, record)))
-
-
-def _until_ended(services: Services, job_id: str, record: JobRecord, wait_s: float,
-                 event: threading.Event) -> JobRecord:
-    """The job once it ended, or as it stands after `wait_s`. No point waiting past its deadline: it is over by
-    then, one way or another (_expire_if_late says so). A wake-up that finds it still live (the listener
-    resubscribing wakes every waiter) waits on for the time left."""
-    until = time.monotonic() + wait_s
-    while record["status"] not in TERMINAL:
-        left = min(until - time.monotonic(), record["deadline_at"] - time.time() + 0.05)
-        if left <= 0:
-            break
-        woken = event.wait(left)
-        event.clear()
-        record = services.store.load(job_id) or record
-        if not woken:
-            break
-    return record
-
-
-def _expire_if_late(services: Services, record: JobRecord) -> JobRecord:
-    """A live job past its deadline is over, even when no worker is left to say so."""
-    if record["status"] in TERMINAL or time.time() <= record["deadline_at"]:
-        return record
-    services.store.expire(record["id"], "before an answer was written")
-    return services.store.load(record["id"]) or record
+    return jsonify(job_document(expire_if_late(services.store, record)))
 
 
 @blueprint.delete("/<job_id>")
@@ -311,19 +280,6 @@ def _checked_callback_url(url: str | None, settings: Settings) -> str | None:
     return url
 
 
-def _refuse_unparsable_multipart(body: bytes) -> None:
-    """Werkzeug drops a multipart body it cannot parse without a word; say why instead of "missing"."""
-    from werkzeug.formparser import parse_form_data
-
-    environ = {**request.environ, "wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))}
-    try:
-        parse_form_data(environ, silent=False)
-    except Exception as exc:
-        reason = "a part's headers are not UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)[:200]
-        raise Problem(400, "malformed-body", "Malformed body", f"the multipart body cannot be parsed: {reason}",
-                      invalid_params=[{"name": "image", "reason": reason}]) from exc
-
-
 def _load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
@@ -336,40 +292,3 @@ def _load_owned(services: Services, job_id: str) -> JobRecord:
 def _wait_seconds(max_wait_s: float) -> float:
     given = option_values(request.args, names=("wait",))
     return validate_params(wait_query_model(max_wait_s), given).wait or 0.0
-
-
-def _read_image(limit: int, fields: Collection[str]) -> tuple[bytes, str | None, MultiDict[str, str]]:
-    """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
-    the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
-    app.multipart where it can (one slice per part), else by Werkzeug. A part named neither `image` nor
-    one of `fields` is a 400: a misspelt option would otherwise be dropped without a word."""
-    api = current_services().settings.api
-    body = read_whole_body(request.environ, limit, api.body_timeout_s, api.body_min_rate)
-    request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
-    request.environ.pop("HTTP_TRANSFER_ENCODING", None)
-    request.environ["wsgi.input_terminated"] = False
-    if request.mimetype != "multipart/form-data":
-        return body, request.mimetype, MultiDict()
-    try:
-        form = parse_form(body, request.content_type or "")
-        if form is not None:
-            uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
-            given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
-        else:   # Werkzeug's parser, held to the same count (create_app sets MAX_FORM_PARTS)
-            uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
-            given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
-    except (TooManyParts, RequestEntityTooLarge) as exc:
-        # Werkzeug says 413 for too many parts, and the body was within the size limit: a form of this shape is
-        # no submission, whatever its size (one image and a few options).
-        raise Problem(400, "too-many-parts", "Too many parts", f"the multipart body has more than {MAX_PARTS} "
-                      "parts; a submission is one 'image' part and its options") from exc
-    if form is None and not uploads:
-        _refuse_unparsable_multipart(body)
-    refuse_unknown_fields(part_names, known={"image", *fields})
-    if not uploads:
-        raise Problem(400, "missing-image", "Missing image",
-                      "multipart/form-data submissions need a file field named 'image'")
-    if len(uploads) > 1:
-        raise Problem(400, "invalid-parameter", "Invalid parameter", "send one file field named 'image', not "
-                      f"{len(uploads)}", invalid_params=[{"name": "image", "reason": "given more than once"}])
-    return uploads[0][0], uploads[0][1], given
