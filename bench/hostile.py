@@ -111,13 +111,13 @@ def slow_callbacks(options: StackOptions, images: list[bytes], attackers: int = 
 def format_slow_callbacks(outcome: dict[str, Any]) -> str:
     after, tarpit = outcome["callback_after_job_end_s"], outcome["tarpit"]
     return "\n".join([
-        f"slow-callbacks: {outcome['attackers']} attacker jobs calling back a receiver that trickles a byte every "
-        f"{outcome['interval_s']:g} s, {outcome['duration_s']:g} s",
-        f"  normal tenant: {outcome['arrived_during_attack']} of {outcome['normal_jobs']} callbacks arrived during the "
-        f"attack, {outcome['arrived']} in all; after its job ended: p50 {after['p50']} s, p95 {after['p95']} s, "
-        f"max {after['max']} s",
-        f"  attacker's receiver: {tarpit['connections']} connections, at most {tarpit['at_once_peak']} at once, each "
-        f"held p50 {tarpit['held_s']['p50']} s, max {tarpit['held_s']['max']} s; "
+        f"slow-callbacks: {outcome['attackers']} attacker jobs calling back a receiver that trickles a byte "
+        f"every {outcome['interval_s']:g} s, {outcome['duration_s']:g} s",
+        f"  normal tenant: {outcome['arrived_during_attack']} of {outcome['normal_jobs']} callbacks arrived "
+        f"during the attack, {outcome['arrived']} in all; after its job ended: p50 {after['p50']} s, "
+        f"p95 {after['p95']} s, max {after['max']} s",
+        f"  attacker's receiver: {tarpit['connections']} connections, at most {tarpit['at_once_peak']} at once, "
+        f"each held p50 {tarpit['held_s']['p50']} s, max {tarpit['held_s']['max']} s; "
         f"{tarpit['closed_by_the_service']} ended by the service (the rest by the tarpit's stop)"])
 
 

@@ -224,8 +224,11 @@ def test_an_unknown_or_draining_model_is_404_naming_what_is_served(routing_api):
 
 def test_a_full_model_is_refused_while_another_model_takes_jobs(routing_api):
     api, _ = routing_api
-    submit = lambda model: requests.post(api.url + "/v1/jobs", params={"model": model}, data=jpeg(32, 32),  # noqa: E731
-                                         headers={"Content-Type": "image/jpeg"}, timeout=10)
+
+    def submit(model: str) -> requests.Response:
+        return requests.post(api.url + "/v1/jobs", params={"model": model}, data=jpeg(32, 32),
+                             headers={"Content-Type": "image/jpeg"}, timeout=10)
+
     codes = [submit("other").status_code for _ in range(5)]
     assert codes == [202, 202, 202, 429, 429]
     assert "other:1" in submit("other").json()["detail"]
@@ -450,8 +453,11 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _answers(url + "/healthz") or not api.alive(), 60, what="gunicorn to answer")
-        routed = lambda: requests.post(url + "/v1/jobs", params={"model": "det"}, data=jpeg(32, 32),  # noqa: E731
-                                       headers={"Content-Type": "image/jpeg"}, timeout=10).json()["model"]["version"]
+
+        def routed() -> str:
+            return requests.post(url + "/v1/jobs", params={"model": "det"}, data=jpeg(32, 32),
+                                 headers={"Content-Type": "image/jpeg"}, timeout=10).json()["model"]["version"]
+
         assert {routed() for _ in range(5)} == {"1"}
         config["routing"]["routes"]["det"] = {"1": 0, "2": 100}
         path.write_text(yaml.safe_dump(config))
