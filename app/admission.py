@@ -16,6 +16,7 @@ model's budget: 429, that model is overloaded (others are served). Over the tota
 long the waiting work takes to drain by enough, at the rate the GPU workers have answered this model's jobs
 lately (their heartbeats), not a constant: a store that stays full says so.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,8 +43,8 @@ from contract.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_ti
 
 log = logging.getLogger(__name__)
 
-MAX_RETRY_AFTER_S = 60        # also what a model with no GPU worker answering it gets
-LOOK_S = 1.0   # how stale Redis's memory figures and the served API keys may be: one read per process a second
+MAX_RETRY_AFTER_S = 60  # also what a model with no GPU worker answering it gets
+LOOK_S = 1.0  # how stale Redis's memory figures and the served API keys may be: one read per process a second
 
 T = TypeVar("T")
 
@@ -101,10 +102,13 @@ class ServedTenants:
     def served(self, tenant: str) -> bool:
         if tenant in self._served.get():
             return True
-        if tenant not in self._warned:   # a set's add is atomic: at worst two threads both warn once
+        if tenant not in self._warned:  # a set's add is atomic: at worst two threads both warn once
             self._warned.add(tenant)
-            log.warning("no live CPU worker takes API key %s's own queues (is its config older than the "
-                        "API's?): its jobs share the common queues meanwhile", tenant)
+            log.warning(
+                "no live CPU worker takes API key %s's own queues (is its config older than the "
+                "API's?): its jobs share the common queues meanwhile",
+                tenant,
+            )
         return False
 
     def _read(self) -> frozenset[str]:
@@ -117,12 +121,13 @@ class ServedTenants:
 class Reservation:
     """One submission's admission: the model it was routed to, the bytes reserved for it until its job is stored
     with them, and the tenant whose queue the job goes on (as counted when it was admitted)."""
-    client_id: str = ""           # the API key's id ("" without keys)
+
+    client_id: str = ""  # the API key's id ("" without keys)
     spec: ModelSpec | None = None
-    size: int = 0                 # bytes reserved, given back unless a stored job holds them
+    size: int = 0  # bytes reserved, given back unless a stored job holds them
     admitted: bool = False
-    cached: bool = False          # the result cache may answer it: admitted with the lookup
-    tenant: str = ""              # whose CPU queue: the key's own, or "" (the shared ones)
+    cached: bool = False  # the result cache may answer it: admitted with the lookup
+    tenant: str = ""  # whose CPU queue: the key's own, or "" (the shared ones)
 
     def stored(self) -> None:
         """Its job is stored and holds the bytes now: whatever ends the job gives them back."""
@@ -132,8 +137,15 @@ class Reservation:
 class Admission:
     """Routing, the reservation, the result cache's lookup, and the verdicts of the budgets, for one API process."""
 
-    def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, store: JobIntake, catalogue: Catalogue,
-                 cache: ResultCache) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        keys: Keys,
+        store: JobIntake,
+        catalogue: Catalogue,
+        cache: ResultCache,
+    ) -> None:
         self.settings, self.redis, self.keys = settings, client, keys
         self.store, self.catalogue, self.cache = store, catalogue, cache
         self.waiting = budget.WaitingBytes(client, keys)
@@ -145,11 +157,13 @@ class Admission:
         try:
             return self.catalogue.resolve(reference)
         except UnknownModel as exc:
-            raise Problem(404, "model-not-found", "Model not found", f"{exc}; served: {', '.join(exc.served)}",
-                          models=exc.served) from None
+            raise Problem(
+                404, "model-not-found", "Model not found", f"{exc}; served: {', '.join(exc.served)}", models=exc.served
+            ) from None
 
-    def before_body(self, reference: str | None, declared: int | None, model_in_form: bool,
-                    client_id: str) -> Reservation:
+    def before_body(
+        self, reference: str | None, declared: int | None, model_in_form: bool, client_id: str
+    ) -> Reservation:
         """A submission whose model and size are known before its body is read (`declared`: its Content-Length;
         `model_in_form`: a multipart body may name the model itself) is routed and its body's bytes reserved now;
         the job's own are given back when it is stored. Where the cache may answer, admission waits for the body."""
@@ -162,8 +176,7 @@ class Admission:
                 self._take(reservation, spec, declared)
         return reservation
 
-    def route_body(self, reservation: Reservation, reference: str | None, size: int,
-                   cache: bool | None) -> ModelSpec:
+    def route_body(self, reservation: Reservation, reference: str | None, size: int, cache: bool | None) -> ModelSpec:
         """After the body: routed now if it was not (a model named in the form, or a body of unknown length), and
         admitted as it is unless the cache may answer it (`cache`: the request's option), whose lookup admits it."""
         if reservation.spec is None:
@@ -174,15 +187,16 @@ class Admission:
             self._take(reservation, spec, size)
         return spec
 
-    def admit(self, reservation: Reservation, job_id: str, data: bytes,
-              fields: dict[str, Any]) -> tuple[CacheHit, dict[str, Any], dict[str, float]] | None:
+    def admit(
+        self, reservation: Reservation, job_id: str, data: bytes, fields: dict[str, Any]
+    ) -> tuple[CacheHit, dict[str, Any], dict[str, float]] | None:
         """For a submission the cache may answer, the lookup and, on a miss, its admission, in one step. On a hit:
         (the hit, the job's fields as stored, its time bill): the job is over already. On a miss: None, admitted,
         and `fields` say so (cache, cache_key). A submission admitted before: None, nothing done."""
         if not reservation.cached:
             return None
         spec = reservation.spec
-        assert spec is not None   # routed by route_body
+        assert spec is not None  # routed by route_body
         digest = self.cache.digest(data, spec, fields["options"], reservation.client_id)
         now = time.time()
         answered = {**fields, SUBMITTED_AT: now, "cache": HIT}
@@ -193,7 +207,7 @@ class Admission:
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
             return outcome, answered, timings
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
-        self._settle(spec, request, outcome)   # refused: the problem says by which limit
+        self._settle(spec, request, outcome)  # refused: the problem says by which limit
         reservation.size, reservation.admitted = len(data), True
         fields.update(cache=MISS, cache_key=digest)
         return None
@@ -205,7 +219,7 @@ class Admission:
         key, size = reservation.spec.key, reservation.size
         try:
             self.waiting.release(key, size)
-        except redis.RedisError:   # Redis away: the answer says so already; given back once it answers again
+        except redis.RedisError:  # Redis away: the answer says so already; given back once it answers again
             log.warning("could not give back %d reserved bytes of model %s yet", size, key)
             self.waiting.release_later(key, size)
         reservation.size = 0
@@ -222,17 +236,29 @@ class Admission:
         is decided here); a 503 at once while Redis is past `store_full_ratio` of its memory."""
         pressure = self.settings.backpressure
         if self.memory.share() >= pressure.store_full_ratio:
-            raise Problem(503, "store-full", "Service unavailable",
-                          "the job store is full; retry later",
-                          headers={"Retry-After": str(self._retry_after(spec, 1.0))})
+            raise Problem(
+                503,
+                "store-full",
+                "Service unavailable",
+                "the job store is full; retry later",
+                headers={"Retry-After": str(self._retry_after(spec, 1.0))},
+            )
         tenant = reservation.client_id
         if tenant and not self.tenants.served(tenant):
             tenant = ""
         reservation.tenant = tenant
         limit = self.settings.max_backlog(spec)
         share = max(1, int(limit * self.settings.auth.max_backlog_share)) if tenant else limit
-        return budget.AdmissionRequest(spec.key, size, limit, self.settings.max_waiting_bytes(spec),
-                                       pressure.max_total_waiting_bytes, tenant, self.settings.tenants, share)
+        return budget.AdmissionRequest(
+            spec.key,
+            size,
+            limit,
+            self.settings.max_waiting_bytes(spec),
+            pressure.max_total_waiting_bytes,
+            tenant,
+            self.settings.tenants,
+            share,
+        )
 
     def _settle(self, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.Admission) -> None:
         """Nothing when `verdict` admitted the job; else the problem that says which limit refused it."""
@@ -242,26 +268,43 @@ class Admission:
         share = request.max_tenant_backlog or request.max_backlog
         if verdict.verdict == budget.OVER_TENANT_BACKLOG:
             retry = self._retry_after(spec, (verdict.backlog - share + 1) / max(1, verdict.backlog))
-            raise Problem(429, "overloaded", "Too many requests",
-                          f"{verdict.backlog} of your jobs are waiting for model {spec.key} (your share of its "
-                          f"backlog is {share}); retry later", headers={"Retry-After": str(retry)})
+            raise Problem(
+                429,
+                "overloaded",
+                "Too many requests",
+                f"{verdict.backlog} of your jobs are waiting for model {spec.key} (your share of its "
+                f"backlog is {share}); retry later",
+                headers={"Retry-After": str(retry)},
+            )
         if verdict.verdict == budget.OVER_BACKLOG:
             limit = self.settings.max_backlog(spec)
             retry = self._retry_after(spec, (verdict.backlog - limit + 1) / max(1, verdict.backlog))
-            raise Problem(429, "overloaded", "Too many requests",
-                          f"{verdict.backlog} jobs are waiting for model {spec.key} (limit {limit}); retry later",
-                          headers={"Retry-After": str(retry)})
+            raise Problem(
+                429,
+                "overloaded",
+                "Too many requests",
+                f"{verdict.backlog} jobs are waiting for model {spec.key} (limit {limit}); retry later",
+                headers={"Retry-After": str(retry)},
+            )
         if verdict.verdict == budget.OVER_MODEL_BYTES:
             limit = self.settings.max_waiting_bytes(spec)
             retry = self._retry_after(spec, (verdict.model_bytes + size - limit) / max(1, verdict.model_bytes))
-            raise Problem(429, "overloaded", "Too many requests",
-                          f"model {spec.key} has {verdict.model_bytes} bytes of images waiting (limit {limit}); "
-                          "retry later", headers={"Retry-After": str(retry)})
+            raise Problem(
+                429,
+                "overloaded",
+                "Too many requests",
+                f"model {spec.key} has {verdict.model_bytes} bytes of images waiting (limit {limit}); retry later",
+                headers={"Retry-After": str(retry)},
+            )
         limit = self.settings.backpressure.max_total_waiting_bytes
         retry = self._retry_after(spec, (verdict.all_bytes + size - limit) / max(1, verdict.all_bytes))
-        raise Problem(503, "store-full", "Service unavailable",
-                      f"{verdict.all_bytes} bytes of images are waiting (limit {limit}); retry later",
-                      headers={"Retry-After": str(retry)})
+        raise Problem(
+            503,
+            "store-full",
+            "Service unavailable",
+            f"{verdict.all_bytes} bytes of images are waiting (limit {limit}); retry later",
+            headers={"Retry-After": str(retry)},
+        )
 
     def _retry_after(self, spec: ModelSpec, share: float) -> int:
         """Seconds until `share` of the model's waiting work has drained at its recent rate, within

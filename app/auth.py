@@ -7,6 +7,7 @@ only to the key that created it. Each key has a token bucket in Redis
 
     python -m app.auth <key>        # prints the sha256 to put in the config
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -65,27 +66,43 @@ def install(app) -> None:
         except Problem:
             # Each address may fail to authenticate only so often: 300 guesses ran at 480/s, all 401.
             if settings.failed_per_s > 0:
-                allowed, retry_ms = take_token(keys=[services.keys.auth_failures(request.remote_addr or "-")],
-                                               args=[settings.failed_per_s, settings.failed_burst])
+                allowed, retry_ms = take_token(
+                    keys=[services.keys.auth_failures(request.remote_addr or "-")],
+                    args=[settings.failed_per_s, settings.failed_burst],
+                )
                 if not allowed:
-                    raise Problem(429, "too-many-failed-authentications", "Too many requests",
-                                  "this address failed to authenticate too often; retry later",
-                                  headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))}) from None
+                    raise Problem(
+                        429,
+                        "too-many-failed-authentications",
+                        "Too many requests",
+                        "this address failed to authenticate too often; retry later",
+                        headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))},
+                    ) from None
             raise
         if settings.rate_per_s > 0:
-            allowed, retry_ms = take_token(keys=[services.keys.rate_bucket(g.client_id)],
-                                           args=[settings.rate_per_s, settings.burst])
+            allowed, retry_ms = take_token(
+                keys=[services.keys.rate_bucket(g.client_id)], args=[settings.rate_per_s, settings.burst]
+            )
             if not allowed:
-                raise Problem(429, "rate-limited", "Too many requests",
-                              f"key {g.client_id!r} is over {settings.rate_per_s:g} requests/s",
-                              headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))})
+                raise Problem(
+                    429,
+                    "rate-limited",
+                    "Too many requests",
+                    f"key {g.client_id!r} is over {settings.rate_per_s:g} requests/s",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))},
+                )
 
 
 def _client_for(header: str, api_keys) -> str:
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key:
-        raise Problem(401, "unauthorized", "Unauthorized", "send Authorization: Bearer <api key>",
-                      headers={"WWW-Authenticate": "Bearer"})
+        raise Problem(
+            401,
+            "unauthorized",
+            "Unauthorized",
+            "send Authorization: Bearer <api key>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     digest = hash_key(key.strip())
     for entry in api_keys:
         if hmac.compare_digest(digest, str(entry["sha256"])):

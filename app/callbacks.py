@@ -1,4 +1,5 @@
 """`POST /v1/callbacks/redeliver`: every callback of the caller's that was given up, queued again."""
+
 from __future__ import annotations
 
 from typing import Any, cast
@@ -13,8 +14,12 @@ blueprint = Blueprint("callbacks", __name__)
 
 
 @blueprint.post("/v1/callbacks/redeliver")
-@operation("Deliver again every callback of yours that was given up (the dead letters)", tag="jobs",
-           problems=(503,), replies={200: Reply("How many were queued again", Redelivered)})
+@operation(
+    "Deliver again every callback of yours that was given up (the dead letters)",
+    tag="jobs",
+    problems=(503,),
+    replies={200: Reply("How many were queued again", Redelivered)},
+)
 def redeliver_dead() -> Response:
     """With API keys, only the caller's own jobs' callbacks; without, every one."""
     services = current_services()
@@ -25,7 +30,10 @@ def redeliver_dead() -> Response:
     for job_id in dead:
         pipe.hget(keys.job(job_id), "owner")
     owners: list[Any] = pipe.execute() if dead else []
-    mine = [job_id for job_id, owner in zip(dead, owners)
-            if caller is None or (owner is not None and owner.decode() == caller)]
+    mine = [
+        job_id
+        for job_id, owner in zip(dead, owners)
+        if caller is None or (owner is not None and owner.decode() == caller)
+    ]
     queued = sum(store.redeliver_callback(job_id) for job_id in mine)
     return jsonify(Redelivered.model_validate({"redelivered": queued}).to_json())

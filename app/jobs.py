@@ -1,4 +1,5 @@
 """The jobs resource: submit an image, read (or long-poll) its job."""
+
 from __future__ import annotations
 
 import json
@@ -67,48 +68,80 @@ SUBMIT_QUERY_NAMES: frozenset[str] = frozenset({"wait"})
 def _submit_options(settings: Settings) -> type[SubmitOptionsBase]:
     """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
     `model` takes the names and name:version a request may reach."""
-    return submit_options_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
-                                tuple(model_references(settings)))
+    return submit_options_model(
+        max(settings.default_deadline_ms(spec) for spec in settings.models), tuple(model_references(settings))
+    )
 
 
 def _submit_query(settings: Settings) -> type[Document]:
     """The options, and `wait` (the query only: it is about this request, not the job)."""
-    return submit_query_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
-                              tuple(model_references(settings)), settings.api.max_wait_s)
+    return submit_query_model(
+        max(settings.default_deadline_ms(spec) for spec in settings.models),
+        tuple(model_references(settings)),
+        settings.api.max_wait_s,
+    )
 
 
 @blueprint.post("")
-@operation("Submit an image for detection", tag="jobs",
-           problems=((400, "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
-                           "missing or given twice, the form has more than 64 parts, the body is shorter than its "
-                           "Content-Length or its chunked framing is broken, or callbacks are disabled"),
-                     (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
-                     413, 415, (429, "The requested model's backlog is over its limit"), 503),
-           description="Options may come as query parameters or, with a multipart body, as form fields. "
-                       "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "
-                       "within S seconds, else the 202 comes then.",
-           query=_submit_query, body=lambda settings: image_body(settings, _submit_options(settings)),
-           replies={200: Reply("With `wait`: the job ended within it (any end: `succeeded`, `failed`, `expired` "
-                               "or `cancelled`); the same document a read answers", JobDocument,
-                               headers=("Content-Location",)),
-                    202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
-                               links={name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
-                                      for name, target in (("ReadJob", "jobs_get_job_get"),
-                                                           ("CancelJob", "jobs_cancel_job_delete"))})})
+@operation(
+    "Submit an image for detection",
+    tag="jobs",
+    problems=(
+        (
+            400,
+            "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
+            "missing or given twice, the form has more than 64 parts, the body is shorter than its "
+            "Content-Length or its chunked framing is broken, or callbacks are disabled",
+        ),
+        (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
+        413,
+        415,
+        (429, "The requested model's backlog is over its limit"),
+        503,
+    ),
+    description="Options may come as query parameters or, with a multipart body, as form fields. "
+    "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "
+    "within S seconds, else the 202 comes then.",
+    query=_submit_query,
+    body=lambda settings: image_body(settings, _submit_options(settings)),
+    replies={
+        200: Reply(
+            "With `wait`: the job ended within it (any end: `succeeded`, `failed`, `expired` "
+            "or `cancelled`); the same document a read answers",
+            JobDocument,
+            headers=("Content-Location",),
+        ),
+        202: Reply(
+            "Accepted: poll the job at `Location`",
+            JobAccepted,
+            headers=("Location",),
+            links={
+                name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
+                for name, target in (("ReadJob", "jobs_get_job_get"), ("CancelJob", "jobs_cancel_job_delete"))
+            },
+        ),
+    },
+)
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_services()
     # A misspelt option (`maxdet=1`) is refused as it is in the form, before the body is read.
-    refuse_unknown_fields(request.args.keys(), known={*_submit_options(services.settings).model_fields,
-                                                      *SUBMIT_QUERY_NAMES}, where="query parameter")
-    wait_s = _wait_seconds(services.settings.api.max_wait_s)   # refused before the body is read
+    refuse_unknown_fields(
+        request.args.keys(),
+        known={*_submit_options(services.settings).model_fields, *SUBMIT_QUERY_NAMES},
+        where="query parameter",
+    )
+    wait_s = _wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     reservation = services.admission.before_body(
-        request.args.get("model"), declared, client_id=g.get("client_id") or "",
-        model_in_form="model" not in request.args and request.mimetype == "multipart/form-data")
+        request.args.get("model"),
+        declared,
+        client_id=g.get("client_id") or "",
+        model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
+    )
     try:
         return _accept(services, reservation, wait_s)
     except BaseException:
-        services.admission.give_back(reservation)   # refused after the reservation: a bad option, Redis away
+        services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
         raise
 
 
@@ -123,12 +156,17 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
     model_deadline_ms = settings.default_deadline_ms(spec)
     if options.deadline_ms and options.deadline_ms > model_deadline_ms:
         reason = f"at most {model_deadline_ms} ms for model {spec.key}"
-        raise Problem(400, "invalid-parameter", "Invalid parameter", f"deadline_ms={options.deadline_ms}: {reason}",
-                      invalid_params=[{"name": "deadline_ms", "reason": reason}])
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"deadline_ms={options.deadline_ms}: {reason}",
+            invalid_params=[{"name": "deadline_ms", "reason": reason}],
+        )
     callback_url = _checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
-    job_id = services.store.bulk.new_job_id(new_job_id)   # on a shard not found down lately
+    job_id = services.store.bulk.new_job_id(new_job_id)  # on a shard not found down lately
     fields = {
         "model": spec.key,
         RECEIVED_AT: received_at,
@@ -140,14 +178,17 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
         **({"callback_url": callback_url} if callback_url else {}),
     }
     answered = services.admission.admit(reservation, job_id, data, fields)
-    if answered is not None:   # the cache's: the job is over already, stored as the 202 says
+    if answered is not None:  # the cache's: the job is over already, stored as the 202 says
         (status, document), stored, timings = answered
         log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
         if wait_s > 0:
             return _finished(services, job_id, spec)
         # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
-        answer = ({"result": json.loads(document), "timings_ms": timings} if status == SUCCEEDED
-                  else {"error": json.loads(LATE_ERROR)})
+        answer = (
+            {"result": json.loads(document), "timings_ms": timings}
+            if status == SUCCEEDED
+            else {"error": json.loads(LATE_ERROR)}
+        )
         return _accepted(job_id, spec, stored, status, answer)
     # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
     # is down is a 503 for both, never half.
@@ -157,21 +198,28 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
     event = services.listener.register(job_id) if wait_s > 0 else None
     try:
         try:
-            services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, SUBMITTED_AT: time.time()},
-                                  task=task, reserved=reservation.size)
+            services.store.create(
+                job_id,
+                data,
+                settings.jobs.upload_ttl_s,
+                {**fields, SUBMITTED_AT: time.time()},
+                task=task,
+                reserved=reservation.size,
+            )
         except NotReplicated:
-            reservation.stored()   # the job held its bytes, and its withdrawal gave them back
+            reservation.stored()  # the job held its bytes, and its withdrawal gave them back
             raise
         reservation.stored()
-        log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
-                                        "model": spec.key})
+        log.info(
+            "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
+        )
         if event is None:
             return _accepted(job_id, spec, fields, QUEUED)
         try:
             waiting = cast(JobRecord, {"id": job_id, "status": QUEUED, **fields})
             record = until_ended(services.store, job_id, waiting, wait_s, event)
-            record = expire_if_late(services.store, record)   # a wait ended by the deadline: over, one way or another
-        except redis.RedisError:   # the job is stored: its 202 says where, whatever the wait met
+            record = expire_if_late(services.store, record)  # a wait ended by the deadline: over, one way or another
+        except redis.RedisError:  # the job is stored: its 202 says where, whatever the wait met
             log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
             return _accepted(job_id, spec, fields, QUEUED)
     finally:
@@ -182,32 +230,44 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
     return _accepted(job_id, spec, fields, record["status"])
 
 
-def _finished(services: Services, job_id: str, spec: ModelSpec,
-              record: JobRecord | None = None) -> tuple[Response, int, dict[str, str]]:
+def _finished(
+    services: Services, job_id: str, spec: ModelSpec, record: JobRecord | None = None
+) -> tuple[Response, int, dict[str, str]]:
     """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
     record = record or services.store.load(job_id)
-    if record is None:   # gone already (a TTL of seconds): the 202 still tells where it was
+    if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
         return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
 
-def _accepted(job_id: str, spec: ModelSpec, fields: dict, status: str,
-              answer: dict | None = None) -> tuple[Response, int, dict[str, str]]:
+def _accepted(
+    job_id: str, spec: ModelSpec, fields: dict, status: str, answer: dict | None = None
+) -> tuple[Response, int, dict[str, str]]:
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
-    body = JobAccepted.model_validate({"id": job_id, "status": status, "model": model_ref(spec.key),
-                                       "links": {"self": location}, **({"cache": fields["cache"]}
-                                                                        if "cache" in fields else {}),
-                                       "created_at": utc_iso(fields[RECEIVED_AT]), **(answer or {})})
+    body = JobAccepted.model_validate(
+        {
+            "id": job_id,
+            "status": status,
+            "model": model_ref(spec.key),
+            "links": {"self": location},
+            **({"cache": fields["cache"]} if "cache" in fields else {}),
+            "created_at": utc_iso(fields[RECEIVED_AT]),
+            **(answer or {}),
+        }
+    )
     return jsonify(body.to_json()), 202, {"Location": location}
 
 
 @blueprint.get("/<job_id>")
-@operation("Read a job, optionally waiting for it to end", tag="jobs",
-           problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
-           query=lambda settings: wait_query_model(settings.api.max_wait_s),
-           replies={200: Reply("The job", JobDocument)})
+@operation(
+    "Read a job, optionally waiting for it to end",
+    tag="jobs",
+    problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
+    query=lambda settings: wait_query_model(settings.api.max_wait_s),
+    replies={200: Reply("The job", JobDocument)},
+)
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
@@ -223,38 +283,54 @@ def get_job(job_id: str) -> Response:
 
 
 @blueprint.delete("/<job_id>")
-@operation("Cancel a job that has not ended", tag="jobs", problems=(404, 409, 503),
-           replies={200: Reply("The job, now cancelled", JobDocument)})
+@operation(
+    "Cancel a job that has not ended",
+    tag="jobs",
+    problems=(404, 409, 503),
+    replies={200: Reply("The job, now cancelled", JobDocument)},
+)
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_services()
     _load_owned(services, job_id)
-    cancelled = services.store.finish(job_id, CANCELLED,
-                                      {"error": {"code": "cancelled", "message": "cancelled by the client"}})
+    cancelled = services.store.finish(
+        job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}}
+    )
     record = services.store.load(job_id)
     if not cancelled or record is None:
         status = record["status"] if record else "gone"
-        raise Problem(409, "job-already-finished", "Job already finished",
-                      f"job {job_id!r} ended as {status!r} and cannot be cancelled")
+        raise Problem(
+            409,
+            "job-already-finished",
+            "Job already finished",
+            f"job {job_id!r} ended as {status!r} and cannot be cancelled",
+        )
     services.store.drop_upload(job_id)
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(job_document(record))
 
 
 @blueprint.post("/<job_id>/callback")
-@operation("Deliver an ended job's callback again, from its first attempt", tag="jobs",
-           problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
-           description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
-                       "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
-           replies={202: Reply("Queued again", JobDocument)})
+@operation(
+    "Deliver an ended job's callback again, from its first attempt",
+    tag="jobs",
+    problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
+    description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
+    "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
+    replies={202: Reply("Queued again", JobDocument)},
+)
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
     record = _load_owned(services, job_id)
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
     if not services.store.redeliver_callback(job_id):
-        raise Problem(409, "job-not-finished", "Job not finished",
-                      f"job {job_id!r} has not ended: its callback is sent when it does")
+        raise Problem(
+            409,
+            "job-not-finished",
+            "Job not finished",
+            f"job {job_id!r} has not ended: its callback is sent when it does",
+        )
     log.info("callback queued again", extra={"job_id": job_id})
     return jsonify(job_document(services.store.load(job_id) or record)), 202
 
@@ -267,16 +343,25 @@ def _checked_callback_url(url: str | None, settings: Settings) -> str | None:
     except SettingsError:
         secret = None
     if not secret:
-        raise Problem(400, "callbacks-disabled", "Callbacks disabled",
-                      "no callback secret is configured for this deployment (callbacks.secret) or, with API "
-                      "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)")
+        raise Problem(
+            400,
+            "callbacks-disabled",
+            "Callbacks disabled",
+            "no callback secret is configured for this deployment (callbacks.secret) or, with API "
+            "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)",
+        )
     try:
         check_callback_url(url, settings.callbacks.allow_hosts)
     except CallbackRefused as exc:
         # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
         log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
-        raise Problem(400, "invalid-parameter", "Invalid parameter", f"callback_url: {exc.public}",
-                      invalid_params=[{"name": "callback_url", "reason": exc.public}]) from exc
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"callback_url: {exc.public}",
+            invalid_params=[{"name": "callback_url", "reason": exc.public}],
+        ) from exc
     return url
 
 

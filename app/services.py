@@ -1,5 +1,6 @@
 """What the API's request handlers use: one `Services` per app, built by `create_app`, and `services()`, the typed
 way to reach it (instead of an untyped look-up in `current_app.extensions`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from contract.models import Catalogue
 from contract.settings import Settings
 from contract.task_messages import PreprocessMessages
 
-EXTENSION = "imgserve"   # the key in app.extensions
+EXTENSION = "imgserve"  # the key in app.extensions
 
 
 @dataclass
@@ -27,10 +28,10 @@ class Services:
     keys: Keys
     store: JobIntake
     catalogue: Catalogue
-    admission: Admission                # routing, the budgets and the result cache's lookup (app.admission)
-    task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
+    admission: Admission  # routing, the budgets and the result cache's lookup (app.admission)
+    task_messages: PreprocessMessages  # the CPU task of each job, pushed with the job itself
     listener: JobEventListener
-    cache: ResultCache                  # answers for repeated images (contract.cache)
+    cache: ResultCache  # answers for repeated images (contract.cache)
 
 
 def services(app: Flask | None = None) -> Services:

@@ -1,4 +1,5 @@
 """`GET /v1/stats`: a JSON summary of queues, GPU workers, the time bill and the result cache."""
+
 from __future__ import annotations
 
 from typing import cast
@@ -18,28 +19,35 @@ blueprint = Blueprint("stats", __name__)
 
 
 @blueprint.get("/v1/stats")
-@operation("Queues, GPU busy fraction, batch sizes and the recent time bill", tag="stats",
-           problems=((403, "API keys are configured and this one is not an admin key"), 503),
-           replies={200: Reply("A summary over each GPU worker's recent window", Stats)})
+@operation(
+    "Queues, GPU busy fraction, batch sizes and the recent time bill",
+    tag="stats",
+    problems=((403, "API keys are configured and this one is not an admin key"), 503),
+    replies={200: Reply("A summary over each GPU worker's recent window", Stats)},
+)
 def stats() -> Response:
     services = current_services()
     require_admin(services.settings.auth.api_keys)
     client, keys = services.redis, services.keys
     workers = live_gpu_workers()
-    for worker in workers:   # live totals, fresher than the heartbeat's
+    for worker in workers:  # live totals, fresher than the heartbeat's
         raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     depths = queue_depths(client, keys, list(services.catalogue.specs), services.settings.tenants)
-    summary = Stats.model_validate({
-        "cache": services.cache.stats(list(services.catalogue.specs)),
-        "queues": total_depths(depths),
-        "queues_by_model": depths,
-        "gpu_workers": [{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
-                         **w.stats} for w in workers],
-        "gpu": _combined(workers),
-        "models": _per_model(workers),
-    })
+    summary = Stats.model_validate(
+        {
+            "cache": services.cache.stats(list(services.catalogue.specs)),
+            "queues": total_depths(depths),
+            "queues_by_model": depths,
+            "gpu_workers": [
+                {"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated, **w.stats}
+                for w in workers
+            ],
+            "gpu": _combined(workers),
+            "models": _per_model(workers),
+        }
+    )
     return jsonify(summary.to_json())
 
 

@@ -5,6 +5,7 @@ workers publish a job id when a job ends) and sets the events of the requests
 waiting on that id. No request polls Redis while it waits, and a thousand
 waiting requests cost one Redis connection, not a thousand.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,7 +25,7 @@ class JobEventListener:
     def __init__(self, client: redis.Redis, channel: str, on_tick=lambda: None) -> None:
         self.redis = client
         self.channel = channel
-        self.on_tick = on_tick   # run after every event and at least every second
+        self.on_tick = on_tick  # run after every event and at least every second
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = defaultdict(set)
         self._thread: threading.Thread | None = None

@@ -18,6 +18,7 @@
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts). Each command's options and the
 function that runs it are in its group's module: bench/commands/ (load, faults, parts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,9 @@ GROUPS = (load, faults, parts)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     common, local = common_parser(), local_parser()
     commands = {}

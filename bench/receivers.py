@@ -1,6 +1,7 @@
 """Callback receivers for `bench hostile` and the tests: a tarpit that holds each connection it is sent (trickling
 its answer, or never answering) and a prompt receiver; real HTTP servers on threads of this process, each counting
 what it was sent and how long every visit lasted."""
+
 from __future__ import annotations
 
 import select
@@ -17,10 +18,11 @@ TARPIT_MODES = ("trickle", "trickle-headers", "silent")
 @dataclass
 class Visit:
     """One connection a tarpit held: when it opened and closed (monotonic), and who closed it."""
+
     opened: float
     closed: float | None = None
     closed_by_client: bool = False
-    sent: int = 0          # bytes of the answer sent
+    sent: int = 0  # bytes of the answer sent
 
     @property
     def held_s(self) -> float:
@@ -30,6 +32,7 @@ class Visit:
 @dataclass
 class Gauge:
     """Connections open at once, over one or several tarpits, and the most there ever were."""
+
     now: int = 0
     peak: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -82,15 +85,18 @@ class Tarpit:
                 if not self._read_request(conn):
                     visit.closed_by_client = True
                     return
-                conn.sendall(b"HTTP/1.1 200 OK\r\n" if self.mode == "trickle-headers" else
-                             b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000000\r\n\r\n")
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\n"
+                    if self.mode == "trickle-headers"
+                    else b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000000\r\n\r\n"
+                )
             drip = b"X-Slow: " + b"a" * 1_000_000 if self.mode == "trickle-headers" else b"." * 1_000_000
             while not self._stopping.is_set():
                 if _hung_up(conn, self.interval_s):
                     visit.closed_by_client = True
                     return
                 if self.mode != "silent":
-                    conn.sendall(drip[visit.sent:visit.sent + 1])
+                    conn.sendall(drip[visit.sent : visit.sent + 1])
                     visit.sent += 1
         except OSError:
             visit.closed_by_client = True
@@ -110,8 +116,14 @@ class Tarpit:
                 return False
             data += chunk
         head, _, body = data.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
+        length = next(
+            (
+                int(line.split(b":", 1)[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            ),
+            0,
+        )
         while len(body) < length:
             chunk = conn.recv(65536)
             if not chunk:

@@ -10,6 +10,7 @@ late answer. Entries are charged their document's bytes plus ENTRY_OVERHEAD agai
 it the least recently used go, in the same step, so the total never exceeds it and nothing but cache entries
 is ever evicted. docs/operations.md has the why.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,14 +29,15 @@ from contract.settings import Settings
 ENTRY_OVERHEAD = 200
 HIT, MISS = "hit", "miss"
 CacheVerdict = Literal["hit", "miss"]
-_VERSION = b"imgserve-result-cache-2\0"   # bump when what a digest covers changes: old entries then miss
+_VERSION = b"imgserve-result-cache-2\0"  # bump when what a digest covers changes: old entries then miss
 
 
 @dataclass(frozen=True)
 class CacheLimits:
     """What the step that ends jobs needs to store entries: where, how many bytes in all, how long."""
+
     prefix: str
-    max_bytes: int = 0   # 0: store nothing
+    max_bytes: int = 0  # 0: store nothing
     ttl_s: int = 3600
 
     @classmethod
@@ -52,9 +54,11 @@ class CacheLimits:
 # stays (identical requests computed at once give the same answer). A digest whose entry expired but whose
 # charge remains is charged again only once. Then, while over budget: the entries unused past their TTL
 # first (gone already; their charge goes), then the least recently used.
-REMEMBER_LUA = f"""
+REMEMBER_LUA = (
+    f"""
 local ENTRY_OVERHEAD = {ENTRY_OVERHEAD}
-""" + """
+"""
+    + """
 local function cache_names(i)
   return {prefix = ARGV[i], max = tonumber(ARGV[i + 1]), ttl = tonumber(ARGV[i + 2])}
 end
@@ -97,6 +101,8 @@ local function remember(cache, key, succeeded)
   end
 end
 """
+)
+
 
 def spec_fingerprint(spec: ModelSpec) -> bytes:
     """What of a model version decides its answers, as bytes: every field of its spec (a changed default
@@ -107,8 +113,11 @@ def spec_fingerprint(spec: ModelSpec) -> bytes:
 
 def effective_options(spec: ModelSpec, options: Mapping[str, Any]) -> tuple[float, float, int]:
     """conf, iou and max_det as the GPU worker applies them: an unset option is the model's default."""
-    return (float(options.get("conf", spec.conf)), float(options.get("iou", spec.iou)),
-            int(options.get("max_det", spec.max_det)))
+    return (
+        float(options.get("conf", spec.conf)),
+        float(options.get("iou", spec.iou)),
+        int(options.get("max_det", spec.max_det)),
+    )
 
 
 class ResultCache:
@@ -145,8 +154,17 @@ class ResultCache:
         per_model = {}
         for key in model_keys:
             hits, misses = int(counts.get(f"{key}:hits".encode(), 0)), int(counts.get(f"{key}:misses".encode(), 0))
-            per_model[key] = {"hits": hits, "misses": misses,
-                              "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0}
-        return {"enabled": self.settings.cache.enabled, "shared": self.settings.cache.shared,
-                "entries": int(entries), "bytes": int(charged or 0), "max_bytes": self.settings.cache.max_bytes,
-                "ttl_s": self.settings.cache.ttl_s, "models": per_model}
+            per_model[key] = {
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            }
+        return {
+            "enabled": self.settings.cache.enabled,
+            "shared": self.settings.cache.shared,
+            "entries": int(entries),
+            "bytes": int(charged or 0),
+            "max_bytes": self.settings.cache.max_bytes,
+            "ttl_s": self.settings.cache.ttl_s,
+            "models": per_model,
+        }

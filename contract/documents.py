@@ -8,6 +8,7 @@ document from them, so the description cannot drift from what is served.
 Documents built from other processes' data ignore fields they do not name: a
 newer GPU worker must not break an older API.
 """
+
 from __future__ import annotations
 
 import functools
@@ -38,9 +39,9 @@ class Document(BaseModel):
 
 # --- a job ------------------------------------------------------------------------------------------
 
+
 class Detection(Document):
-    box: list[float] = Field(min_length=4, max_length=4,
-                             description="x1, y1, x2, y2 in the original image's pixels")
+    box: list[float] = Field(min_length=4, max_length=4, description="x1, y1, x2, y2 in the original image's pixels")
     score: Probability
     class_id: int = Field(ge=0)
     label: str
@@ -63,29 +64,35 @@ class JobResult(Document):
 
 
 class JobError(Document):
-    code: str = Field(description="decode_error, image_too_large, image_too_complex, deadline, cancelled, poison, "
-                                  "inference_error, ...")
+    code: str = Field(
+        description="decode_error, image_too_large, image_too_complex, deadline, cancelled, poison, "
+        "inference_error, ..."
+    )
     message: str
 
 
 class JobOptions(TypedDict, total=False):
     """The options the GPU worker applies; unset ones fall back to the model's defaults."""
+
     conf: Probability
     iou: Probability
     max_det: MaxDetections
 
 
 TimeBill = TypedDict(  # type: ignore[misc]
-    "TimeBill", {stage: Annotated[float, Field(ge=0.0, description=text)]
-                 for stage, text in STAGE_DESCRIPTIONS.items()}, total=False)
+    "TimeBill",
+    {stage: Annotated[float, Field(ge=0.0, description=text)] for stage, text in STAGE_DESCRIPTIONS.items()},
+    total=False,
+)
 TimeBill.__doc__ = "Milliseconds per stage of this request; stages not reached yet are absent."
 
 
 class ClosedBy(StrEnum):
     """Why a batch closed, as a job's `batch.closed_by` says."""
-    FULL = "full"        # it reached the largest batch size
-    WINDOW = "window"    # the batching window ran out first
-    LATE = "late"        # its first frame had already waited a whole window on the list
+
+    FULL = "full"  # it reached the largest batch size
+    WINDOW = "window"  # the batching window ran out first
+    LATE = "late"  # its first frame had already waited a whole window on the list
 
 
 class BatchInfo(Document):
@@ -93,22 +100,28 @@ class BatchInfo(Document):
     seq: int
     size: int = Field(ge=1, description="frames in the batch")
     index: int = Field(ge=0, description="this frame's place in the batch")
-    closed_by: ClosedBy = Field(description="why the batch closed: full (the largest batch size), window (the "
-                                            "window ran out), late (its first frame had already waited a window)")
+    closed_by: ClosedBy = Field(
+        description="why the batch closed: full (the largest batch size), window (the "
+        "window ran out), late (its first frame had already waited a window)"
+    )
     worker: str
 
 
 class CallbackState(Document):
     status: Literal["waiting", "pending", "delivering", "retrying", "delivered", "failed"] = Field(
         description="waiting: the job has not ended; pending: queued; delivering: an attempt is under way; "
-                    "retrying: the last attempt failed, the next is due at `next_attempt_at`; failed: given up "
-                    "(the dead letter: after callbacks.max_attempts or callbacks.retry_for_s, or a refused "
-                    "URL), redeliver it with POST /v1/jobs/{job_id}/callback")
+        "retrying: the last attempt failed, the next is due at `next_attempt_at`; failed: given up "
+        "(the dead letter: after callbacks.max_attempts or callbacks.retry_for_s, or a refused "
+        "URL), redeliver it with POST /v1/jobs/{job_id}/callback"
+    )
     attempts: int = Field(ge=0)
     last_error: str | None
     next_attempt_at: float | None = Field(None, description="epoch seconds, while retrying")
-    delivery_id: str | None = Field(None, description="what X-Imgserve-Delivery-Id carries: the same for every "
-                                                         "attempt of this job's callback, for the receiver's dedup")
+    delivery_id: str | None = Field(
+        None,
+        description="what X-Imgserve-Delivery-Id carries: the same for every "
+        "attempt of this job's callback, for the receiver's dedup",
+    )
 
 
 class Redelivered(Document):
@@ -117,6 +130,7 @@ class Redelivered(Document):
 
 class JobDocument(Document):
     """A job, as `GET /v1/jobs/{job_id}` returns it and a callback POSTs it."""
+
     id: str
     status: StatusName
     model: ModelRef | None = Field(None, description="the model version the job was routed to")
@@ -128,9 +142,11 @@ class JobDocument(Document):
     batch: BatchInfo | None = Field(description="the GPU batch that answered the job")
     callback: CallbackState | None = Field(None, description="present when the job has a callback_url")
     cache: CacheVerdict | None = Field(
-        None, description="hit: answered from the result cache (no CPU or GPU stage ran: timings_ms has receive "
-                          "and total only, and there is no batch); miss: looked up, computed, and cached if it "
-                          "succeeds; absent: the cache was off for it")
+        None,
+        description="hit: answered from the result cache (no CPU or GPU stage ran: timings_ms has receive "
+        "and total only, and there is no batch); miss: looked up, computed, and cached if it "
+        "succeeds; absent: the cache was off for it",
+    )
 
 
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -166,10 +182,12 @@ class JobLinks(Document):
 
 class JobAccepted(Document):
     id: str
-    status: StatusName = Field(description="queued; with `wait`, where the job stands when the wait ended "
-                                           "(it had not ended: a job that ends within it answers 200); "
-                                           "succeeded: answered from the result cache (`cache` is hit), or "
-                                           "expired: that answer came after `deadline_ms`; poll it as any job")
+    status: StatusName = Field(
+        description="queued; with `wait`, where the job stands when the wait ended "
+        "(it had not ended: a job that ends within it answers 200); "
+        "succeeded: answered from the result cache (`cache` is hit), or "
+        "expired: that answer came after `deadline_ms`; poll it as any job"
+    )
     cache: CacheVerdict | None = Field(None, description="as the job document's")
     model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
@@ -181,26 +199,37 @@ class JobAccepted(Document):
 
 # --- a submission ------------------------------------------------------------------------------------
 
-MODEL_REFERENCE_PATTERN = rf"^{MODEL_NAME_PATTERN}(:{MODEL_NAME_PATTERN})?$"   # name or name:version
+MODEL_REFERENCE_PATTERN = rf"^{MODEL_NAME_PATTERN}(:{MODEL_NAME_PATTERN})?$"  # name or name:version
 
 
 class SubmitOptionsBase(Document):
-    model: str = Field(None, max_length=129, pattern=MODEL_REFERENCE_PATTERN,
-                       description="name (routed to one of its versions as configured) or name:version (pinned); "
-                                   "the deployment's default model when absent; 404 if nothing of that name is served")
+    model: str = Field(
+        None,
+        max_length=129,
+        pattern=MODEL_REFERENCE_PATTERN,
+        description="name (routed to one of its versions as configured) or name:version (pinned); "
+        "the deployment's default model when absent; 404 if nothing of that name is served",
+    )
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
     iou: Probability = Field(None, description="NMS IoU threshold; the model's default when absent")
     max_det: MaxDetections = Field(None, description="most detections returned")
-    callback_url: str = Field(None, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#\s\\@]+",
-                              json_schema_extra={"format": "uri"},
-                              description="http(s) URL that receives the job document, signed, once it ends; "
-                                          "no user@, no backslash, no #; a host that resolves to a private "
-                                          "address is refused (400)")
+    callback_url: str = Field(
+        None,
+        max_length=2048,
+        pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#\s\\@]+",
+        json_schema_extra={"format": "uri"},
+        description="http(s) URL that receives the job document, signed, once it ends; "
+        "no user@, no backslash, no #; a host that resolves to a private "
+        "address is refused (400)",
+    )
 
     # Bounded by the deployment's deadline in submit_options_model(); declared here for its readers.
     deadline_ms: int = Field(None, ge=1, description="answer within this many ms or end `expired`")
-    cache: bool = Field(None, description="false: neither answer from the result cache nor store this answer "
-                                          "in it; default: as the deployment and the model configure it")
+    cache: bool = Field(
+        None,
+        description="false: neither answer from the result cache nor store this answer "
+        "in it; default: as the deployment and the model configure it",
+    )
 
     def for_model(self) -> JobOptions:
         options = JobOptions()
@@ -217,12 +246,23 @@ class SubmitOptionsBase(Document):
 def submit_options_model(max_deadline_ms: int, model_references: tuple[str, ...] = ()) -> type[SubmitOptionsBase]:
     """The submission options, with the deployment's deadline as deadline_ms's bound and, in the schema,
     the models it serves as `model`'s values (checked against the routing, not here: an unknown one is 404)."""
-    fields: dict[str, Any] = {"deadline_ms": (int, Field(None, ge=1, le=max_deadline_ms,
-                                                         description="answer within this many ms or end `expired`"))}
+    fields: dict[str, Any] = {
+        "deadline_ms": (
+            int,
+            Field(None, ge=1, le=max_deadline_ms, description="answer within this many ms or end `expired`"),
+        )
+    }
     if model_references:
-        fields["model"] = (str, Field(None, max_length=129, pattern=MODEL_REFERENCE_PATTERN,
-                                      json_schema_extra={"enum": list(model_references)},
-                                      description=SubmitOptionsBase.model_fields["model"].description))
+        fields["model"] = (
+            str,
+            Field(
+                None,
+                max_length=129,
+                pattern=MODEL_REFERENCE_PATTERN,
+                json_schema_extra={"enum": list(model_references)},
+                description=SubmitOptionsBase.model_fields["model"].description,
+            ),
+        )
     return create_model("SubmitOptions", __base__=SubmitOptionsBase, **fields)
 
 
@@ -230,37 +270,60 @@ def submit_options_model(max_deadline_ms: int, model_references: tuple[str, ...]
 def submit_query_model(max_deadline_ms: int, model_references: tuple[str, ...], max_wait_s: float) -> type[Document]:
     """A submission's query string: its options (submit_options_model), and `wait`, which only the query takes
     (it is about this request, not the job)."""
-    return create_model("SubmitQuery", __base__=submit_options_model(max_deadline_ms, model_references),
-                        wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
-                                           description="one call: hold the request up to this many seconds "
-                                                       "until the job ends, and answer 200 with the finished "
-                                                       "job; 202 as without it if it has not ended by then")))
+    return create_model(
+        "SubmitQuery",
+        __base__=submit_options_model(max_deadline_ms, model_references),
+        wait=(
+            float,
+            Field(
+                None,
+                ge=0.0,
+                le=max_wait_s,
+                allow_inf_nan=False,
+                description="one call: hold the request up to this many seconds "
+                "until the job ends, and answer 200 with the finished "
+                "job; 202 as without it if it has not ended by then",
+            ),
+        ),
+    )
 
 
 class WaitQueryBase(Document):
-    wait: float = None   # bounded by the deployment's longest long-poll in wait_query_model()
+    wait: float = None  # bounded by the deployment's longest long-poll in wait_query_model()
 
 
 @functools.lru_cache(maxsize=8)
 def wait_query_model(max_wait_s: float) -> type[WaitQueryBase]:
-    return create_model("WaitQuery", __base__=WaitQueryBase,
-                        wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
-                                           description="long-poll: hold the request up to this many "
-                                                       "seconds until the job ends")))
+    return create_model(
+        "WaitQuery",
+        __base__=WaitQueryBase,
+        wait=(
+            float,
+            Field(
+                None,
+                ge=0.0,
+                le=max_wait_s,
+                allow_inf_nan=False,
+                description="long-poll: hold the request up to this many seconds until the job ends",
+            ),
+        ),
+    )
 
 
 # --- errors -----------------------------------------------------------------------------------------
+
 
 class InvalidParam(Document):
     name: str
     reason: str
 
 
-PROBLEM_TYPE = "application/problem+json"   # the media type of every ProblemDocument
+PROBLEM_TYPE = "application/problem+json"  # the media type of every ProblemDocument
 
 
 class ProblemDocument(Document):
     """RFC 9457 problem details: every API error has this shape."""
+
     type: str = Field(description="/problems/<slug>, e.g. /problems/overloaded")
     title: str
     status: int = Field(ge=400, le=599)

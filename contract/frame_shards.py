@@ -5,6 +5,7 @@ shard's share of the bound, then the control plane's verdict on the job (the sam
 contract.frames' PUSH_LUA); a frame that may not stand is taken back. Out: `ShardedFrameSource`, a processing list
 per shard; `requeue_sharded_frames_of` gives a dead worker's frames back on every shard that answers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -51,7 +52,9 @@ return 1
 # lists hold). KEYS[1] job hash, KEYS[2] the upload's marker, KEYS[3] waiting bytes, KEYS[4] frames waiting;
 # ARGV[1] the claim, ARGV[2] the frame's length, ARGV[3..] field, value, ... Returns PUSHED or JOB_OVER (the
 # caller takes the frame back).
-_MARK_PUSHED = PUSH_LUA + f"""
+_MARK_PUSHED = (
+    PUSH_LUA
+    + f"""
 local status, model, upload_bytes = live_job(KEYS[1], KEYS[2], KEYS[3])
 if not status then return {JOB_OVER} end
 local claim = redis.call('HGET', KEYS[1], 'claim')
@@ -66,6 +69,7 @@ redis.call('HSET', KEYS[1], unpack(ARGV, 3))
 release_upload(KEYS[2], KEYS[3], model, upload_bytes)
 return {PUSHED}
 """
+)
 
 
 class ShardedFramePusher(FramePusher):
@@ -76,8 +80,9 @@ class ShardedFramePusher(FramePusher):
         self.bulk = bulk
         self._mark_pushed = client.register_script(_MARK_PUSHED)
 
-    def push(self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any],
-             claim: str = "") -> int:
+    def push(
+        self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any], claim: str = ""
+    ) -> int:
         """FramePusher.push with bulk shards: the frame onto the job's shard within the shard's bound, then the
         control plane's verdict (_MARK_PUSHED); a frame that may not stand is taken back. A worker that dies
         between the two leaves a frame whose job is still `preprocessing`: the task's redelivery pushes
@@ -97,13 +102,22 @@ class ShardedFramePusher(FramePusher):
         if not kept:
             return LIST_FULL
         stamps = flatten_fields({"updated_at": time.time(), **fields})
-        outcome = int(self._mark_pushed(keys=[self.keys.job(job_id), self.keys.upload(job_id), self.keys.waiting_bytes,
-                                              self.keys.frames_waiting], args=[claim, len(frame), *stamps]))
+        outcome = int(
+            self._mark_pushed(
+                keys=[
+                    self.keys.job(job_id),
+                    self.keys.upload(job_id),
+                    self.keys.waiting_bytes,
+                    self.keys.frames_waiting,
+                ],
+                args=[claim, len(frame), *stamps],
+            )
+        )
         if outcome != PUSHED:
             try:
                 shard.lrem(frames, 1, frame)  # type: ignore[arg-type]  # redis-py's stubs say str; bytes go
             except redis.RedisError:
-                pass   # a GPU worker that takes it finds its job over (or another frame's) and skips it
+                pass  # a GPU worker that takes it finds its job over (or another frame's) and skips it
         return outcome
 
     def has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
@@ -122,7 +136,9 @@ def frame_pusher(client: redis.Redis, keys: Keys, bulk: BulkPlane | None = None)
 # the worker's processing lists back to their frame lists, oldest first in line, and returns the job ids it
 # read from the moved frames' headers (their attempts are counted on the control plane). KEYS per model its
 # processing list and its frame list.
-_REQUEUE_ON_SHARD = FRAME_JOB_ID_LUA + """
+_REQUEUE_ON_SHARD = (
+    FRAME_JOB_ID_LUA
+    + """
 local moved = {}
 for k = 1, #KEYS, 2 do
   while true do
@@ -133,6 +149,7 @@ for k = 1, #KEYS, 2 do
 end
 return moved
 """
+)
 
 # On the control plane, before: KEYS[1] the worker's heartbeat ('' when it gives back its own), KEYS[2] its
 # epoch. -1 if it lives; else 1, its epoch deleted (a paused worker finds it gone and writes nothing more).
@@ -153,8 +170,15 @@ return #KEYS
 """
 
 
-def requeue_sharded_frames_of(client: redis.Redis, bulk: BulkPlane, keys: Keys, worker_id: str,
-                              model_keys: Sequence[str], only_if_dead: bool, count_attempt: bool = True) -> int:
+def requeue_sharded_frames_of(
+    client: redis.Redis,
+    bulk: BulkPlane,
+    keys: Keys,
+    worker_id: str,
+    model_keys: Sequence[str],
+    only_if_dead: bool,
+    count_attempt: bool = True,
+) -> int:
     """requeue_frames_of over bulk shards: fenced on the control plane, moved on each shard, attempts counted.
     A shard that does not answer keeps its part: the worker stays in the registry (when reaping), so the next
     reaper tries again."""
@@ -189,7 +213,7 @@ class ShardedFrameSource:
     fails is skipped for `bulk.retry_s`; before it is used again, once none of its frames is in hand, what is
     left in its processing list goes back (the worker may not know all it took there)."""
 
-    acked_by_batch_write = False   # `ack` trims the shards' lists after the batch write (Finisher)
+    acked_by_batch_write = False  # `ack` trims the shards' lists after the batch write (Finisher)
 
     def __init__(self, bulk: BulkPlane, keys: Keys, worker_id: str, model_key: str) -> None:
         self.bulk = bulk
@@ -198,9 +222,9 @@ class ShardedFrameSource:
         self.model_key = model_key
         self.shards = [RedisFrameSource(shard, keys, worker_id, model_key) for shard in bulk.clients]
         self.lock = threading.Condition()
-        self.in_hand: deque[tuple[int, str]] = deque()   # (shard, job id) per frame handed out, oldest first
-        self.early: list[deque[memoryview]] = [deque() for _ in self.shards]   # a waiter's, not yet handed out
-        self.waiting = [False] * len(self.shards)       # a waiter is blocked on the shard
+        self.in_hand: deque[tuple[int, str]] = deque()  # (shard, job id) per frame handed out, oldest first
+        self.early: list[deque[memoryview]] = [deque() for _ in self.shards]  # a waiter's, not yet handed out
+        self.waiting = [False] * len(self.shards)  # a waiter is blocked on the shard
         # Its processing list is given back before the shard is used: at start (a shard that was down when the
         # worker gave back its previous life's frames still holds them), and after a call there failed.
         self.unsure = [True] * len(self.shards)
@@ -234,8 +258,12 @@ class ShardedFrameSource:
             for index in self._rotation():
                 if not self.waiting[index] and self._usable(index):
                     self.waiting[index] = True
-                    threading.Thread(target=self._wait_on, args=(index, timeout_s), daemon=True,
-                                     name=f"frames-{self.model_key}-{index}").start()
+                    threading.Thread(
+                        target=self._wait_on,
+                        args=(index, timeout_s),
+                        daemon=True,
+                        name=f"frames-{self.model_key}-{index}",
+                    ).start()
             self.lock.wait_for(lambda: any(self.early), timeout_s)
             for index in self._rotation():
                 if self.early[index]:
@@ -304,7 +332,7 @@ class ShardedFrameSource:
                 pipe.delete(*uploads)
             try:
                 pipe.execute()
-            except SHARD_ERRORS as exc:   # answered all the same; the list is given back before its next use
+            except SHARD_ERRORS as exc:  # answered all the same; the list is given back before its next use
                 self._failed(index, exc)
 
     def give_back(self, frames: Sequence[memoryview]) -> None:

@@ -19,6 +19,7 @@ then gives back whatever is left in the list (`requeue_frames_of`): the order ho
 
 With bulk shards (contract.shards) the same moves are contract.frame_shards': a list per shard.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,13 +52,14 @@ class Placement:
     """How the letterbox placed an upright original in the model's square input: the one geometry type.
     The CPU worker computes it (tasks.imaging.letterbox), the frame header carries its fields flat, and
     the GPU worker maps boxes back with MAPPING_FIELDS of it (gpu_worker.postprocess.Geometry, per batch)."""
-    width: int             # content width after resize (<= input size)
+
+    width: int  # content width after resize (<= input size)
     height: int
-    pad_left: int          # where the content sits in the square input
+    pad_left: int  # where the content sits in the square input
     pad_top: int
-    scale_x: float         # content pixels per original pixel
+    scale_x: float  # content pixels per original pixel
     scale_y: float
-    orig_width: int        # the upright original, EXIF orientation applied
+    orig_width: int  # the upright original, EXIF orientation applied
     orig_height: int
 
     def fields(self) -> dict[str, Any]:
@@ -73,7 +75,7 @@ MAPPING_FIELDS = ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "or
 @dataclass(frozen=True)
 class FrameHeader:
     job_id: str
-    width: int             # the Placement's fields, flat (the wire format): see Placement
+    width: int  # the Placement's fields, flat (the wire format): see Placement
     height: int
     pad_left: int
     pad_top: int
@@ -81,9 +83,9 @@ class FrameHeader:
     scale_y: float
     orig_width: int
     orig_height: int
-    enqueued_at: float     # epoch seconds, when the frame was pushed
-    deadline_at: float     # epoch seconds; past it nobody waits for the answer
-    options: dict[str, Any] = field(default_factory=dict)   # conf, iou, max_det
+    enqueued_at: float  # epoch seconds, when the frame was pushed
+    deadline_at: float  # epoch seconds; past it nobody waits for the answer
+    options: dict[str, Any] = field(default_factory=dict)  # conf, iou, max_det
     stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far
     dtype: str = "uint8"
 
@@ -91,7 +93,7 @@ class FrameHeader:
 @dataclass(frozen=True)
 class Frame:
     header: FrameHeader
-    pixels: memoryview     # height * width * 3 bytes, a view into the popped value
+    pixels: memoryview  # height * width * 3 bytes, a view into the popped value
 
 
 def pack_frame(header: FrameHeader, pixels: bytes) -> bytes:
@@ -151,7 +153,7 @@ def _header_length(data: bytes | memoryview) -> int:
 def _read_header(data: bytes | memoryview) -> FrameHeader:
     length = _header_length(data)
     try:
-        raw = json.loads(bytes(data[_PREFIX.size:_PREFIX.size + length]))
+        raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + length]))
         header = FrameHeader(**raw)
     except (ValueError, TypeError) as exc:
         raise FrameError(f"bad frame header: {exc}") from exc
@@ -160,8 +162,7 @@ def _read_header(data: bytes | memoryview) -> FrameHeader:
 
 
 def _check_header(header: FrameHeader) -> None:
-    ints = (header.width, header.height, header.pad_left, header.pad_top,
-            header.orig_width, header.orig_height)
+    ints = (header.width, header.height, header.pad_left, header.pad_top, header.orig_width, header.orig_height)
     if not all(isinstance(v, int) and v >= 0 for v in ints) or not header.width or not header.height:
         raise FrameError("frame geometry must be positive integers")
     if header.dtype != "uint8":
@@ -171,14 +172,17 @@ def _check_header(header: FrameHeader) -> None:
 
 
 # --- the list: in -------------------------------------------------------------------------------------------
-PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1   # what a push did
+PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 
 # What a push (here, and on a bulk shard: contract.frame_shards) checks and does, in the same commands either way.
 # live_job: the job's status, model and upload's bytes; a job gone or ended loses its upload (its bytes given
 # back) and nil says the frame may not stand. release_upload: the upload goes, its bytes given back (they left
 # with the frame). charge_frame: the frame's bytes wait in Redis now, until the GPU worker's batch write gives
 # them back (contract.budget).
-PUSH_LUA = TERMINAL_LUA + RELEASE_LUA + f"""
+PUSH_LUA = (
+    TERMINAL_LUA
+    + RELEASE_LUA
+    + f"""
 local function release_upload(upload, waiting, model, upload_bytes)
   if redis.call('DEL', upload) == 1 then release_waiting(waiting, model, upload_bytes) end
 end
@@ -199,6 +203,7 @@ local function charge_frame(waiting, model, frame_bytes)
   end
 end
 """
+)
 
 # A CPU worker's frame goes in as a plain LPUSH, and this step, in the same MULTI, keeps it only if it may be
 # there: the job is still in `preprocessing` with its upload (a redelivered task racing the first delivery
@@ -212,7 +217,9 @@ end
 # KEYS[1] job hash, KEYS[2] frame list, KEYS[3] upload, KEYS[4] waiting bytes; ARGV[1] max frames, ARGV[2] the
 # claim, ARGV[3] the frame's length, ARGV[4..] field, value, ... Returns PUSHED, LIST_FULL (nothing changed) or
 # JOB_OVER (gone, over or claimed by another: nothing pushed).
-_KEEP_PUSHED_FRAME = PUSH_LUA + f"""
+_KEEP_PUSHED_FRAME = (
+    PUSH_LUA
+    + f"""
 local status, model, upload_bytes = live_job(KEYS[1], KEYS[3], KEYS[4])
 if not status then
   redis.call('LTRIM', KEYS[2], 1, -1)
@@ -232,6 +239,7 @@ release_upload(KEYS[3], KEYS[4], model, upload_bytes)
 charge_frame(KEYS[4], model, tonumber(ARGV[3]))
 return {PUSHED}
 """
+)
 
 
 class FramePusher:
@@ -241,8 +249,9 @@ class FramePusher:
         self.redis = client
         self.keys = keys
 
-    def push(self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any],
-             claim: str = "") -> int:
+    def push(
+        self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any], claim: str = ""
+    ) -> int:
         """Push a job's frame only if the list has room and the job still carries this `claim`, marking it
         queued_gpu (with `fields`: its stamps) and dropping its upload in the same step: PUSHED, LIST_FULL (try
         again later) or JOB_OVER (over, past preprocessing, or claimed since by another delivery of its task)."""
@@ -250,9 +259,18 @@ class FramePusher:
         pipe = self.redis.pipeline(transaction=True)
         pipe.lpush(frames, frame)
         # EVAL, not EVALSHA: a script Redis has forgotten would fail inside the transaction after the push.
-        pipe.eval(_KEEP_PUSHED_FRAME, 4, self.keys.job(job_id), frames, self.keys.upload(job_id),
-                  self.keys.waiting_bytes, max_frames, claim, len(frame),
-                  *flatten_fields({"status": QUEUED_GPU, "updated_at": time.time(), **fields}))
+        pipe.eval(
+            _KEEP_PUSHED_FRAME,
+            4,
+            self.keys.job(job_id),
+            frames,
+            self.keys.upload(job_id),
+            self.keys.waiting_bytes,
+            max_frames,
+            claim,
+            len(frame),
+            *flatten_fields({"status": QUEUED_GPU, "updated_at": time.time(), **fields}),
+        )
         return int(pipe.execute()[1])
 
     def has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
@@ -268,7 +286,8 @@ class FrameSource(Protocol[Popped]):
     """What a GPU worker's lane takes frames from and answers them to: RedisFrameSource, or ShardedFrameSource
     (contract.frame_shards); the batcher (gpu_worker.batcher) uses the two pops. A frame is a memoryview there;
     generic so that the batcher's tests can pop anything."""
-    acked_by_batch_write: bool   # the batch write trims the processing list itself (else `ack` does, after it)
+
+    acked_by_batch_write: bool  # the batch write trims the processing list itself (else `ack` does, after it)
 
     def pop_blocking(self, timeout_s: float) -> Popped | None: ...
     def pop_available(self, limit: int) -> Sequence[Popped]: ...
@@ -280,13 +299,13 @@ class FrameSource(Protocol[Popped]):
 class RedisFrameSource:
     """One model's frame list, and this worker's processing list for it."""
 
-    acked_by_batch_write = True   # the Finisher's one write trims the processing list (ack is for tools)
+    acked_by_batch_write = True  # the Finisher's one write trims the processing list (ack is for tools)
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, model_key: str) -> None:
         self.redis = client
         self.frames_key = keys.frames(model_key)
         self.processing_key = keys.processing(worker_id, model_key)
-        self.reader = PayloadReader(client)   # frames are read straight into one buffer each
+        self.reader = PayloadReader(client)  # frames are read straight into one buffer each
 
     def pop_blocking(self, timeout_s: float) -> memoryview | None:
         # Oldest frame is at the right (producers LPUSH): FIFO.
@@ -323,7 +342,9 @@ class RedisFrameSource:
 # registry, KEYS[3] the worker's epoch (deleted when reaping: a worker that was only paused finds it gone and
 # writes nothing), then per model its processing list and its frame list; ARGV[1] job key prefix, ARGV[2]
 # worker id. Atomic, so two reapers never both requeue.
-_REQUEUE = FRAME_JOB_ID_LUA + """
+_REQUEUE = (
+    FRAME_JOB_ID_LUA
+    + """
 if KEYS[1] ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then
   return -1
 end
@@ -355,14 +376,25 @@ if KEYS[1] ~= '' then
 end
 return moved
 """
+)
 
 
-def requeue_frames_of(client: redis.Redis, keys: Keys, worker_id: str, model_keys: Sequence[str],
-                      only_if_dead: bool, count_attempt: bool = True) -> int:
+def requeue_frames_of(
+    client: redis.Redis,
+    keys: Keys,
+    worker_id: str,
+    model_keys: Sequence[str],
+    only_if_dead: bool,
+    count_attempt: bool = True,
+) -> int:
     """Move `worker_id`'s processing lists of these models back to the models' frame lists; -1 if it
     turned out alive. `count_attempt`: the worker died holding them (a step towards `poison`)."""
     script = client.register_script(_REQUEUE)
     heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
     lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    return int(script(keys=[heartbeat, keys.gpu_workers, keys.gpu_epoch(worker_id), *lists],
-                      args=[keys.job(""), worker_id, "1" if count_attempt else "0"]))
+    return int(
+        script(
+            keys=[heartbeat, keys.gpu_workers, keys.gpu_epoch(worker_id), *lists],
+            args=[keys.job(""), worker_id, "1" if count_attempt else "0"],
+        )
+    )

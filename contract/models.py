@@ -7,6 +7,7 @@ draining (no new jobs, still served until their lists are empty). The settings c
 when they are built (`default_model`). Every process builds one `Catalogue` from the same settings: the API to
 route, the CPU workers to find a job's letterbox, the GPU workers to know what they serve.
 """
+
 from __future__ import annotations
 
 import re
@@ -22,11 +23,12 @@ from contract.sections import SettingsError, settings_class
 class RoutingSettings:
     """Which model a request gets. `model=name:version` pins a version; `model=name` follows `routes`; no
     `model` at all gets `default`."""
-    default: str = ""             # a name or name:version; "": the first model listed
+
+    default: str = ""  # a name or name:version; "": the first model listed
     # model=name -> {version: weight, ...} (a split, e.g. {2.0.0: 90, 3.0.0: 10}) or one version (pinned).
     # A name without a route: its first version listed (a version added later takes no traffic until routed).
     routes: dict[str, Any] = field(default_factory=dict)
-    draining: tuple[str, ...] = ()   # name:version: no new jobs; still served until its lists are empty
+    draining: tuple[str, ...] = ()  # name:version: no new jobs; still served until its lists are empty
 
 
 # A model's name and version appear in Redis keys (name:version) and in `model=`: no colons, no spaces.
@@ -54,7 +56,7 @@ class ModelSpec:
     layout: str = "yolov8"  # yolov8: [B, 4+C, N]; yolov5: [B, N, 5+C]
     precision: str = "auto"  # auto: the model's own weights' dtype | fp32 | fp16 | bf16
     channels_last: bool = False  # NHWC canvas and weights: faster convolutions on tensor cores
-    freeze: bool = False     # TorchScript only: torch.jit.freeze + optimize_for_inference at load
+    freeze: bool = False  # TorchScript only: torch.jit.freeze + optimize_for_inference at load
     # none | cuda_graphs (one CUDA graph per batch size, captured at load; CUDA only) | compile (torch.compile
     # with a dynamic batch, compiled at load; builtin and export models: TorchScript has `freeze`)
     accelerate: str = "none"
@@ -72,7 +74,7 @@ class ModelSpec:
     default_deadline_ms: int | None = None
     # Device `sim`: this model's batch latency by batch size (models differ in cost); unset: gpu_worker's.
     sim_latency_ms: dict[int, float] | None = None
-    cache: bool | None = None     # the result cache for this model; unset: the deployment's cache.enabled
+    cache: bool | None = None  # the result cache for this model; unset: the deployment's cache.enabled
 
     @property
     def key(self) -> str:
@@ -82,8 +84,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for what, value in (("name", self.name), ("version", self.version)):
             if not re.fullmatch(MODEL_NAME_PATTERN, value):
-                raise SettingsError(f"model {what} {value!r}: letters, digits and . _ + - only (at most 64), "
-                                    "starting with a letter or digit")
+                raise SettingsError(
+                    f"model {what} {value!r}: letters, digits and . _ + - only (at most 64), "
+                    "starting with a letter or digit"
+                )
         for limit in ("max_frames", "max_backlog", "max_waiting_bytes", "default_deadline_ms"):
             if getattr(self, limit) is not None and getattr(self, limit) < 1:
                 raise SettingsError(f"model {self.key}: {limit} must be >= 1")
@@ -149,8 +153,9 @@ def version_weights(settings: Deployment, name: str) -> dict[str, float]:
         live = [version for version in versions if f"{name}:{version}" not in draining]
         return {live[0]: 1.0} if live else {}
     weights = {str(route): 1.0} if not isinstance(route, dict) else {str(v): float(w) for v, w in route.items()}
-    return {version: weight for version, weight in weights.items()
-            if weight > 0 and f"{name}:{version}" not in draining}
+    return {
+        version: weight for version, weight in weights.items() if weight > 0 and f"{name}:{version}" not in draining
+    }
 
 
 def default_model(settings: Deployment, served: Sequence[str] = ()) -> ModelSpec:
@@ -199,8 +204,7 @@ def _checked_routing(settings: Deployment, served: Sequence[str]) -> dict[str, M
 def model_references(settings: Deployment) -> list[str]:
     """Every `model=` value a request may give: the names routed somewhere, then each name:version that
     takes jobs, in the order the models are listed."""
-    names = [name for name in dict.fromkeys(spec.name for spec in settings.models)
-             if version_weights(settings, name)]
+    names = [name for name in dict.fromkeys(spec.name for spec in settings.models) if version_weights(settings, name)]
     return names + keys_taking_jobs(settings)
 
 
@@ -248,9 +252,11 @@ class Catalogue:
         self.specs = {spec.key: spec for spec in settings.models}
         self.draining = frozenset(settings.routing.draining)
         self.default = settings.model
-        self._routers = {name: SmoothWeightedRoundRobin(weights)
-                         for name in dict.fromkeys(spec.name for spec in settings.models)
-                         if (weights := version_weights(settings, name))}
+        self._routers = {
+            name: SmoothWeightedRoundRobin(weights)
+            for name in dict.fromkeys(spec.name for spec in settings.models)
+            if (weights := version_weights(settings, name))
+        }
 
     def __iter__(self) -> Iterator[ModelSpec]:
         return iter(self.specs.values())
@@ -275,13 +281,13 @@ class Catalogue:
             if spec is None:
                 raise UnknownModel(reference, "no such model version", self.taking_jobs())
             if reference in self.draining:
-                raise UnknownModel(reference, "this version is draining (being removed): it takes no new jobs",
-                                   self.taking_jobs())
+                raise UnknownModel(
+                    reference, "this version is draining (being removed): it takes no new jobs", self.taking_jobs()
+                )
             return spec
         router = self._routers.get(name)
         if router is None:
-            reason = ("every version is draining" if any(spec.name == name for spec in self)
-                      else "no such model")
+            reason = "every version is draining" if any(spec.name == name for spec in self) else "no such model"
             raise UnknownModel(reference, reason, self.taking_jobs())
         return self.specs[f"{name}:{router.pick()}"]
 

@@ -2,6 +2,7 @@
 error a setting that cannot be used raises (`SettingsError`). contract.settings gathers the sections;
 contract.models holds the models' own (a model's spec, the routing), which the settings check against each other.
 """
+
 from __future__ import annotations
 
 from typing import Any

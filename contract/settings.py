@@ -2,6 +2,7 @@
 checks that tie them together. The models' own settings and their routing are contract.models'; contract.config
 reads them from YAML and the environment (`load_settings`); configs/default.yaml names every one with its default.
 """
+
 from __future__ import annotations
 
 import re
@@ -24,19 +25,21 @@ def check_secret(name: str, value: str) -> None:
     """Refuse a placeholder or short secret: a process that would run with one does not start."""
     reason = weak_secret_reason(value)
     if reason:
-        raise SettingsError(f"{name} is {reason}; generate one with "
-                            "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        raise SettingsError(
+            f"{name} is {reason}; generate one with python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
 
 
 @settings_class
 class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
+
     max_image_pixels: int = 80_000_000
-    max_decoded_bytes: int = 256 * 1024 * 1024   # an image's pixels in memory, as Pillow holds them
+    max_decoded_bytes: int = 256 * 1024 * 1024  # an image's pixels in memory, as Pillow holds them
     # A progressive JPEG is decoded once per scan: a few KB repeating one scan thousands of times held a CPU
     # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
     max_scans: int = 100
-    max_pixel_scans: int = 2_000_000_000          # pixels x scans: the decoding work one image may ask for
+    max_pixel_scans: int = 2_000_000_000  # pixels x scans: the decoding work one image may ask for
     # Pillow reads a file's framing and metadata in Python, a step per block: a file of nothing but empty
     # blocks held a CPU worker for seconds. The structure is walked first (tasks.structure), counting the steps
     # Pillow would take: JPEG segments before the first scan, PNG and WebP chunks, GIF blocks before the first
@@ -53,7 +56,7 @@ class DecodeSettings:
 class ApiSettings:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_wait_s: float = 30.0
-    body_timeout_s: float = 10.0   # a body must come within this plus its size at body_min_rate; else 408
+    body_timeout_s: float = 10.0  # a body must come within this plus its size at body_min_rate; else 408
     body_min_rate: float = 65536.0  # bytes/s
     redis_timeout_s: float = 2.0
     # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
@@ -63,15 +66,15 @@ class ApiSettings:
     # The HTTP server (configs/gunicorn.conf.py reads these).
     bind: str = "0.0.0.0:8000"
     workers: int = 2
-    worker_class: str = "app.server.ProblemGeventWorker"   # gevent; "gthread" for threads
-    connections: int = 2000       # per worker, gevent
-    threads: int = 64             # per worker, gthread
-    access_log: str = ""          # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
+    worker_class: str = "app.server.ProblemGeventWorker"  # gevent; "gthread" for threads
+    connections: int = 2000  # per worker, gevent
+    threads: int = 64  # per worker, gthread
+    access_log: str = ""  # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
 
 
 @settings_class
 class LogSettings:
-    format: str = "json"          # json: one object per line (contract.logs); text: plain lines
+    format: str = "json"  # json: one object per line (contract.logs); text: plain lines
     level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -92,9 +95,10 @@ class JobSettings:
 class CacheSettings:
     """The result cache (contract.cache): a repeated image, under the same model version and options, is
     answered from the first one's result without a CPU worker or a GPU slot."""
-    enabled: bool = True          # a model spec's `cache: false` turns it off for that model
-    max_bytes: int = 64 * 1024 * 1024   # the entries' result documents (plus ENTRY_OVERHEAD each), never more
-    ttl_s: int = 3600             # an entry not used for this long is gone (each hit renews it)
+
+    enabled: bool = True  # a model spec's `cache: false` turns it off for that model
+    max_bytes: int = 64 * 1024 * 1024  # the entries' result documents (plus ENTRY_OVERHEAD each), never more
+    ttl_s: int = 3600  # an entry not used for this long is gone (each hit renews it)
     # false: an entry serves only the API key that made it. true: every key of the deployment; a hit then
     # tells one tenant that another sent the same image (docs/operations.md).
     shared: bool = False
@@ -109,10 +113,11 @@ class BulkSettings:
     """Where uploads and frames live (contract.shards). None listed: in the Redis of `redis_url`, beside the
     job records and everything else. Listed: spread over these Redis servers by a hash of the job id, while
     the control plane (job records, Celery, heartbeats, budgets, the cache) stays at `redis_url`."""
+
     redis_urls: tuple[str, ...] = ()
     # A shard unreachable this long: the live jobs whose bytes it held end `failed` (shard_unavailable).
     grace_s: float = 5.0
-    retry_s: float = 1.0          # a process that found a shard down sends it nothing for this long
+    retry_s: float = 1.0  # a process that found a shard down sends it nothing for this long
 
     def __post_init__(self) -> None:
         if self.grace_s <= 0 or self.retry_s <= 0:
@@ -131,9 +136,10 @@ class RedisSettings:
     No `sentinels`: the server of `redis_url`, as it is. Sentinels listed: the primary they name for `service`,
     followed through failovers by every process (the API, the Celery workers and Flower, the GPU workers, the
     bench); `redis_url` then gives only the password and the database. Bulk shards stay plain servers."""
-    sentinels: tuple[str, ...] = ()   # "host:port" of each Sentinel (three or more: a majority elects)
-    service: str = "imgserve"         # the primary's name at the Sentinels (`sentinel monitor <service> ...`)
-    sentinel_password: str = ""       # the Sentinels' own (their requirepass): IMGSERVE_REDIS__SENTINEL_PASSWORD
+
+    sentinels: tuple[str, ...] = ()  # "host:port" of each Sentinel (three or more: a majority elects)
+    service: str = "imgserve"  # the primary's name at the Sentinels (`sentinel monitor <service> ...`)
+    sentinel_password: str = ""  # the Sentinels' own (their requirepass): IMGSERVE_REDIS__SENTINEL_PASSWORD
     # A 202 waits (Redis WAIT, on the connection that stored the job) until this many replicas acknowledged
     # the job's record, upload and task, for at most replica_timeout_ms; fewer: the job is withdrawn and the
     # answer is 503 (retry). -1: 1 with sentinels listed, 0 (no wait) without.
@@ -160,7 +166,7 @@ class RedisSettings:
         found = []
         for address in self.sentinels:
             match = _HOST_PORT.match(address)
-            assert match is not None   # checked above
+            assert match is not None  # checked above
             found.append((match.group(1).strip("[]"), int(match.group(2))))
         return found
 
@@ -171,7 +177,7 @@ class BatchingSettings:
     window_ms: float = 12.0
     idle_poll_s: float = 1.0
     gather_poll_ms: float = 2.0
-    held_poll_ms: float = 5.0     # a batch held open behind its model's running batch looks this often
+    held_poll_ms: float = 5.0  # a batch held open behind its model's running batch looks this often
 
 
 @settings_class
@@ -184,8 +190,8 @@ class GpuWorkerSettings:
     max_candidates: int = 1000
     torch_threads: int = 0
     busy_window_s: float = 60.0
-    max_attempts: int = 3         # a frame requeued this often (its worker died each time) fails as poison
-    metrics_port: int = 0         # Prometheus metrics here (0: none); --metrics-port overrides
+    max_attempts: int = 3  # a frame requeued this often (its worker died each time) fails as poison
+    metrics_port: int = 0  # Prometheus metrics here (0: none); --metrics-port overrides
     metrics_host: str = "127.0.0.1"
     # device `sim`: ms per batch by batch size (the story's table by default)
     sim_latency_ms: dict[int, float] = field(default_factory=lambda: dict(STORY_PROFILE_MS))
@@ -193,9 +199,9 @@ class GpuWorkerSettings:
 
 @settings_class
 class BackpressureSettings:
-    max_frames: int = 64          # the frame list never holds more; CPU workers wait for room
-    max_backlog: int = 256        # preprocess queue + frame list above this: the API answers 429
-    retry_after_s: int = 1        # the least Retry-After a refusal gives (it is computed from the drain rate)
+    max_frames: int = 64  # the frame list never holds more; CPU workers wait for room
+    max_backlog: int = 256  # preprocess queue + frame list above this: the API answers 429
+    retry_after_s: int = 1  # the least Retry-After a refusal gives (it is computed from the drain rate)
     room_poll_s: float = 0.005
     # Bytes of uploads and frames waiting in Redis (contract.budget): a model's (a spec may set its own), and
     # every model's together. Over a model's: 429; over the total, or Redis past store_full_ratio of its
@@ -207,14 +213,14 @@ class BackpressureSettings:
 
 @settings_class
 class CallbackSettings:
-    secret: str = ""              # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
+    secret: str = ""  # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
     allow_hosts: tuple[str, ...] = ()  # hosts or CIDRs allowed even when private/loopback (an internal receiver)
-    max_attempts: int = 24        # deliveries tried before the callback is given up (its dead letter)...
+    max_attempts: int = 24  # deliveries tried before the callback is given up (its dead letter)...
     retry_for_s: float = 86400.0  # ...or once it has been retried this long since its first attempt
-    backoff_base_s: float = 1.0   # attempt n+1 waits base * 2**(n-1), at most backoff_max_s, jittered
+    backoff_base_s: float = 1.0  # attempt n+1 waits base * 2**(n-1), at most backoff_max_s, jittered
     backoff_max_s: float = 3600.0
-    jitter: float = 0.2           # each wait drawn within +-20% of that, so receivers coming back are not stampeded
-    timeout_s: float = 5.0        # the longest one wait (connect, a read, a write) of an attempt
+    jitter: float = 0.2  # each wait drawn within +-20% of that, so receivers coming back are not stampeded
+    timeout_s: float = 5.0  # the longest one wait (connect, a read, a write) of an attempt
     # An attempt whole: the host's lookup, connecting, TLS, sending, the answer's headers and body. A receiver that
     # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callbacks).
     deadline_s: float = 10.0
@@ -238,12 +244,12 @@ class AuthSettings:
     # A key's callback secret is named, never written here: an environment variable or a file (a compose secret).
     # `admin: true` lets a key read /v1/stats (every tenant's traffic).
     api_keys: tuple[Any, ...] = ()
-    rate_per_s: float = 0.0       # per key; 0: no limit
+    rate_per_s: float = 0.0  # per key; 0: no limit
     burst: float = 20.0
     # A key's own jobs waiting for a CPU worker may fill at most this share of a model's backlog: past it, 429
     # for that key alone (its flood does not get the others refused). Each key also has its own CPU queue.
     max_backlog_share: float = 0.5
-    failed_per_s: float = 1.0     # failed authentications per client address (a 401 each); past them 429; 0: off
+    failed_per_s: float = 1.0  # failed authentications per client address (a 401 each); past them 429; 0: off
     failed_burst: float = 20.0
 
     def __post_init__(self) -> None:
@@ -252,22 +258,27 @@ class AuthSettings:
                 raise SettingsError("each auth.api_keys entry needs an id and a sha256")
             unknown = set(entry) - API_KEY_FIELDS
             if unknown:
-                raise SettingsError(f"unknown auth.api_keys fields: {', '.join(sorted(unknown))} "
-                                    f"(a callback secret is named by callback_secret_env or callback_secret_file)")
+                raise SettingsError(
+                    f"unknown auth.api_keys fields: {', '.join(sorted(unknown))} "
+                    f"(a callback secret is named by callback_secret_env or callback_secret_file)"
+                )
 
 
 @settings_class
 class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
-    events_flush_ms: int = 250    # task events leave in one message this long after the first (tasks.event_batching)
+    events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.event_batching)
     heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.liveness)
-    sweep_s: float = 0.5          # how often each worker ends the jobs whose deadline passed (tasks.liveness)
+    sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.liveness)
 
     def __post_init__(self) -> None:
         if self.heartbeat_ttl_s < 3 or self.sweep_s <= 0:
-            raise SettingsError("celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
-                                "and celery.sweep_s above 0")
+            raise SettingsError(
+                "celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
+                "and celery.sweep_s above 0"
+            )
+
 
 @settings_class
 class Settings:
@@ -301,8 +312,9 @@ class Settings:
         parts = urlsplit(self.redis_url)
         userinfo = parts.netloc.rpartition("@")[0]
         database = parts.path.lstrip("/") or "0"
-        return ";".join(f"sentinel://{userinfo + '@' if userinfo else ''}{address}/{database}"
-                        for address in self.redis.sentinels)
+        return ";".join(
+            f"sentinel://{userinfo + '@' if userinfo else ''}{address}/{database}" for address in self.redis.sentinels
+        )
 
     @property
     def tenants(self) -> tuple[str, ...]:
@@ -310,18 +322,22 @@ class Settings:
         return ("", *(str(entry["id"]) for entry in self.auth.api_keys))
 
     def __post_init__(self) -> None:
-        if not self.models:   # built in code with one model (tests, tools)
+        if not self.models:  # built in code with one model (tests, tools)
             object.__setattr__(self, "models", (self.model,))
         object.__setattr__(self, "model", default_model(self, self.gpu_worker.models))
         largest = self.api.max_upload_bytes
         for spec in self.models:
             if min(self.max_waiting_bytes(spec), self.backpressure.max_total_waiting_bytes) < largest:
-                raise SettingsError(f"model {spec.key}: its byte budgets (backpressure.max_waiting_bytes, "
-                                    "max_total_waiting_bytes) must hold one upload of api.max_upload_bytes "
-                                    f"({largest})")
+                raise SettingsError(
+                    f"model {spec.key}: its byte budgets (backpressure.max_waiting_bytes, "
+                    "max_total_waiting_bytes) must hold one upload of api.max_upload_bytes "
+                    f"({largest})"
+                )
             if self.jobs.upload_ttl_s < self.default_deadline_ms(spec) / 1000.0 + 60:
-                raise SettingsError(f"jobs.upload_ttl_s must outlast model {spec.key}'s deadline by a minute: an "
-                                    "upload is deleted when its job ends, and its TTL is only the last resort")
+                raise SettingsError(
+                    f"jobs.upload_ttl_s must outlast model {spec.key}'s deadline by a minute: an "
+                    "upload is deleted when its job ends, and its TTL is only the last resort"
+                )
 
     def max_frames(self, spec: ModelSpec) -> int:
         return spec.max_frames or self.backpressure.max_frames

@@ -3,6 +3,7 @@
 As contract.documents' (whose `Document` base they share): the answers are built through them and the OpenAPI
 document is generated from them; built from GPU workers' heartbeats, they ignore fields they do not name.
 """
+
 from __future__ import annotations
 
 from typing import Literal
@@ -45,18 +46,22 @@ class ServedModel(Document):
     simulated: bool | None = Field(None, description="served by the `sim` device; absent while no worker serves it")
     precision: str | None = Field(None, description="what the model computes in: fp32, fp16 or bf16")
     output: str | None = Field(None, description="tensor, or element 0 of a tuple (YOLOv5's own export)")
-    from_file: list[str] | None = Field(None, description="spec settings read from the model file "
-                                                              "(its config.txt): labels, input_size")
+    from_file: list[str] | None = Field(
+        None, description="spec settings read from the model file (its config.txt): labels, input_size"
+    )
     defaults: ModelDefaults
-    state: Literal["serving", "draining"] = Field(description="draining: takes no new jobs; remove it once its "
-                                                              "queue is empty")
+    state: Literal["serving", "draining"] = Field(
+        description="draining: takes no new jobs; remove it once its queue is empty"
+    )
     default: bool = Field(description="a request without `model` may get this version")
     share: float = Field(ge=0, le=1, description="its share of `model=<name>` requests (0: reached only pinned)")
     devices: list[str]
     workers: list[str] = Field(description="live GPU workers serving it")
     queue: QueueDepths
-    p95_ms: float | None = Field(description="request start to result, p95 over the serving workers' recent "
-                                                "window (the slowest worker's); null without recent jobs")
+    p95_ms: float | None = Field(
+        description="request start to result, p95 over the serving workers' recent "
+        "window (the slowest worker's); null without recent jobs"
+    )
     recent_jobs: int = Field(ge=0, description="jobs answered in that window")
 
 
@@ -103,8 +108,10 @@ class GpuWorkerStats(Document):
     batch_size_histogram: dict[str, int] = None
     time_bill_ms: StageSummaries = None
     host_ms_per_batch: dict[str, HostStageTime] = Field(
-        None, description="the worker's host time per batch by stage since it started (its collect, stage, "
-                          "device and finish threads): wall, and the stage thread's CPU")
+        None,
+        description="the worker's host time per batch by stage since it started (its collect, stage, "
+        "device and finish threads): wall, and the stage thread's CPU",
+    )
 
 
 class GpuSummary(Document):
@@ -119,8 +126,10 @@ class GpuSummary(Document):
 
 
 class ModelStats(Document):
-    worker_id: str = Field(description="the worker whose window this is (of those serving the model, the one "
-                                       "that answered most of its recent jobs)")
+    worker_id: str = Field(
+        description="the worker whose window this is (of those serving the model, the one "
+        "that answered most of its recent jobs)"
+    )
     jobs: int = Field(ge=0, description="jobs answered in the window")
     p95_ms: float | None = None
     batches: int = None
@@ -150,5 +159,4 @@ class Stats(Document):
     queues_by_model: dict[str, QueueDepths] = Field(description="per name:version")
     gpu_workers: list[GpuWorkerStats]
     gpu: GpuSummary
-    models: dict[str, ModelStats] = Field(description="per name:version: its recent jobs, p95, batches and "
-                                                      "time bill")
+    models: dict[str, ModelStats] = Field(description="per name:version: its recent jobs, p95, batches and time bill")

@@ -4,6 +4,7 @@ The API pushes each job's preprocess task itself, in the Redis transaction that 
 all or nothing), so it needs the message's exact form but no Celery app; the CPU and callback workers (tasks/)
 register their tasks under these names and route them to these queues.
 """
+
 from __future__ import annotations
 
 import base64
@@ -19,7 +20,7 @@ CALLBACK_TASK = "imgserve.callback"
 # Each task's queue when nothing else is said (a job's preprocess task goes to its model's: Keys.preprocess_queue).
 TASK_QUEUES = {PREPROCESS_TASK: PREPROCESS_QUEUE, CALLBACK_TASK: CALLBACK_QUEUE}
 
-_NODE_ID = uuid.uuid4().int   # kombu's node id: random, once per process
+_NODE_ID = uuid.uuid4().int  # kombu's node id: random, once per process
 
 
 def reply_address(owner: object) -> str:
@@ -47,16 +48,40 @@ class PreprocessMessages:
     def build(self, job_id: str, queue: str) -> bytes:
         task_id = str(uuid.uuid4())
         body = json.dumps([[job_id], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])
-        return json.dumps({
-            "body": base64.b64encode(body.encode()).decode(),
-            "content-encoding": "utf-8",
-            "content-type": "application/json",
-            "headers": {"lang": "py", "task": PREPROCESS_TASK, "id": task_id, "shadow": None, "eta": None,
-                        "expires": None, "group": None, "group_index": None, "retries": 0,
-                        "timelimit": [None, None], "root_id": task_id, "parent_id": None,
-                        "argsrepr": repr([job_id]), "kwargsrepr": "{}", "origin": self.origin,
-                        "ignore_result": None, "replaced_task_nesting": 0, "stamped_headers": None, "stamps": {}},
-            "properties": {"correlation_id": task_id, "reply_to": self.reply_to, "delivery_mode": 2,
-                           "delivery_info": {"exchange": "", "routing_key": queue}, "priority": 0,
-                           "body_encoding": "base64", "delivery_tag": str(uuid.uuid4())},
-        }).encode()
+        return json.dumps(
+            {
+                "body": base64.b64encode(body.encode()).decode(),
+                "content-encoding": "utf-8",
+                "content-type": "application/json",
+                "headers": {
+                    "lang": "py",
+                    "task": PREPROCESS_TASK,
+                    "id": task_id,
+                    "shadow": None,
+                    "eta": None,
+                    "expires": None,
+                    "group": None,
+                    "group_index": None,
+                    "retries": 0,
+                    "timelimit": [None, None],
+                    "root_id": task_id,
+                    "parent_id": None,
+                    "argsrepr": repr([job_id]),
+                    "kwargsrepr": "{}",
+                    "origin": self.origin,
+                    "ignore_result": None,
+                    "replaced_task_nesting": 0,
+                    "stamped_headers": None,
+                    "stamps": {},
+                },
+                "properties": {
+                    "correlation_id": task_id,
+                    "reply_to": self.reply_to,
+                    "delivery_mode": 2,
+                    "delivery_info": {"exchange": "", "routing_key": queue},
+                    "priority": 0,
+                    "body_encoding": "base64",
+                    "delivery_tag": str(uuid.uuid4()),
+                },
+            }
+        ).encode()

@@ -6,6 +6,7 @@ turns the stamps into milliseconds per stage, and
 `summarise_bills` many bills into percentiles per stage (the GPU worker's
 heartbeat and the bench's reports give the same figures).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -30,19 +31,19 @@ STAGES = tuple(STAGE_DESCRIPTIONS)
 # The stamps, by the process that writes each, in the order a job meets them: a moment (epoch seconds, `_at`) or
 # a duration (milliseconds, `_ms`). The job record keeps the API's and the CPU worker's (RECORD_STAMPS); the
 # frame's header carries them on to the GPU worker (FrameHeader.stamps), which adds its own and bills the job.
-RECEIVED_AT: Final = "received_at"              # API: the request began
-SUBMITTED_AT: Final = "submitted_at"            # API: the upload stored, the task queued
-CPU_STARTED_AT: Final = "cpu_started_at"        # CPU worker: the job claimed
-DECODE_MS: Final = "decode_ms"                  # CPU worker
-RESIZE_MS: Final = "resize_ms"                  # CPU worker
-BACKPRESSURE_MS: Final = "backpressure_ms"      # CPU worker: the frame waiting for room on its list
-PUSHED_AT: Final = "pushed_at"                  # CPU worker: the frame pushed
-POPPED_AT: Final = "popped_at"                  # GPU worker: the frame taken from the list
-BATCH_CLOSED_AT: Final = "batch_closed_at"      # GPU worker
+RECEIVED_AT: Final = "received_at"  # API: the request began
+SUBMITTED_AT: Final = "submitted_at"  # API: the upload stored, the task queued
+CPU_STARTED_AT: Final = "cpu_started_at"  # CPU worker: the job claimed
+DECODE_MS: Final = "decode_ms"  # CPU worker
+RESIZE_MS: Final = "resize_ms"  # CPU worker
+BACKPRESSURE_MS: Final = "backpressure_ms"  # CPU worker: the frame waiting for room on its list
+PUSHED_AT: Final = "pushed_at"  # CPU worker: the frame pushed
+POPPED_AT: Final = "popped_at"  # GPU worker: the frame taken from the list
+BATCH_CLOSED_AT: Final = "batch_closed_at"  # GPU worker
 DEVICE_STARTED_AT: Final = "device_started_at"  # GPU worker: the batch's turn on the device
-INFER_MS: Final = "infer_ms"                    # GPU worker
-POSTPROCESS_MS: Final = "postprocess_ms"        # GPU worker
-FINISHED_AT: Final = "finished_at"              # whoever ends the job
+INFER_MS: Final = "infer_ms"  # GPU worker
+POSTPROCESS_MS: Final = "postprocess_ms"  # GPU worker
+FINISHED_AT: Final = "finished_at"  # whoever ends the job
 RECORD_STAMPS = (RECEIVED_AT, SUBMITTED_AT, CPU_STARTED_AT, DECODE_MS, RESIZE_MS, BACKPRESSURE_MS, PUSHED_AT)
 
 _SPANS = {
@@ -53,8 +54,13 @@ _SPANS = {
     "device_queue": (BATCH_CLOSED_AT, DEVICE_STARTED_AT),
     "total": (RECEIVED_AT, FINISHED_AT),
 }
-_DURATIONS = {"decode": DECODE_MS, "resize": RESIZE_MS, "backpressure": BACKPRESSURE_MS, "infer": INFER_MS,
-              "postprocess": POSTPROCESS_MS}
+_DURATIONS = {
+    "decode": DECODE_MS,
+    "resize": RESIZE_MS,
+    "backpressure": BACKPRESSURE_MS,
+    "infer": INFER_MS,
+    "postprocess": POSTPROCESS_MS,
+}
 
 
 # Per stage in order: (stage, the stamp holding its duration) or (stage, start stamp, end stamp).
@@ -112,9 +118,12 @@ def summarise_bills(bills: list[Mapping[str, float]]) -> dict[str, dict[str, flo
         if not values:
             continue
         mean = sum(values) / len(values)
-        summary[stage] = {"p50": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3),
-                          "mean": round(mean, 3),
-                          "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0}
+        summary[stage] = {
+            "p50": round(percentile(values, 50), 3),
+            "p95": round(percentile(values, 95), 3),
+            "mean": round(mean, 3),
+            "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0,
+        }
     return summary
 
 

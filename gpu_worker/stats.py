@@ -1,5 +1,6 @@
 """What a GPU worker measures about itself: device busy time over a sliding
 window, batch sizes and recent time bills. Published in its heartbeat."""
+
 from __future__ import annotations
 
 import time
@@ -40,8 +41,9 @@ class BusyMeter:
 class RecentStats:
     """Batch sizes and time bills of the last minutes, summarised on demand."""
 
-    def __init__(self, window_s: float = 300.0, max_jobs: int = 20_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, window_s: float = 300.0, max_jobs: int = 20_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window_s = window_s
         self.clock = clock
         self.batches: deque[tuple[float, int]] = deque(maxlen=max_jobs)

@@ -1,5 +1,6 @@
 """The Celery app of the CPU and callback workers, configured from settings. The tasks' names, queues and the
 preprocess message the API pushes itself are contract.task_messages'."""
+
 from __future__ import annotations
 
 from celery import Celery
@@ -30,9 +31,11 @@ def make_celery(settings: Settings) -> Celery:
         task_routes={task: {"queue": queue} for task, queue in TASK_QUEUES.items()},
         # Redis transport: an unacked task comes back after this long; every key Celery keeps lives
         # under the namespace, so deployments sharing a Redis database never take each other's tasks.
-        broker_transport_options={"visibility_timeout": settings.celery.visibility_timeout_s,
-                                  "global_keyprefix": Keys(settings.namespace).celery_prefix,
-                                  **sentinel_options(settings)},
+        broker_transport_options={
+            "visibility_timeout": settings.celery.visibility_timeout_s,
+            "global_keyprefix": Keys(settings.namespace).celery_prefix,
+            **sentinel_options(settings),
+        },
         broker_connection_retry_on_startup=True,
         broker_connection_timeout=settings.api.redis_timeout_s,
         # Flower shows tasks from the workers' events; the API's own "sent" event per task only doubled
@@ -48,8 +51,10 @@ def sentinel_options(settings: Settings) -> dict[str, object]:
     """kombu's Sentinel transport options: the service's name, and the Sentinels' own password and timeouts."""
     if not settings.redis.sentinels:
         return {}
-    own: dict[str, object] = {"socket_connect_timeout": settings.api.redis_timeout_s,
-                              "socket_timeout": settings.api.redis_timeout_s}
+    own: dict[str, object] = {
+        "socket_connect_timeout": settings.api.redis_timeout_s,
+        "socket_timeout": settings.api.redis_timeout_s,
+    }
     if settings.redis.sentinel_password:
         own["password"] = settings.redis.sentinel_password
     return {"master_name": settings.redis.service, "sentinel_kwargs": own}
@@ -58,8 +63,9 @@ def sentinel_options(settings: Settings) -> dict[str, object]:
 def send_preprocess(app: Celery, job_id: str, queue: str) -> None:
     """Queue one job for a CPU worker on its model's queue (Keys.preprocess_queue); fails fast when the
     broker is down."""
-    app.send_task(PREPROCESS_TASK, args=[job_id], queue=queue,
-                  retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1})
+    app.send_task(
+        PREPROCESS_TASK, args=[job_id], queue=queue, retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1}
+    )
 
 
 def send_callback(app: Celery, job_id: str) -> None:

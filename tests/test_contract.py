@@ -1,4 +1,5 @@
 """The shared contract: frames, settings, time bill, job records (real Redis)."""
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,21 @@ from tests.support import REPO_ROOT, wait_until
 
 
 def header(**overrides) -> FrameHeader:
-    values = dict(job_id="j1", width=4, height=2, pad_left=0, pad_top=1, scale_x=0.5, scale_y=0.5,
-                  orig_width=8, orig_height=4, enqueued_at=1.0, deadline_at=2.0,
-                  options={"conf": 0.3}, stamps={"received_at": 0.5})
+    values = dict(
+        job_id="j1",
+        width=4,
+        height=2,
+        pad_left=0,
+        pad_top=1,
+        scale_x=0.5,
+        scale_y=0.5,
+        orig_width=8,
+        orig_height=4,
+        enqueued_at=1.0,
+        deadline_at=2.0,
+        options={"conf": 0.3},
+        stamps={"received_at": 0.5},
+    )
     return FrameHeader(**{**values, **overrides})
 
 
@@ -54,13 +67,16 @@ def test_frame_round_trip_keeps_header_and_pixels():
     assert bytes(frame.pixels) == pixels
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda raw: raw[:3],                               # shorter than the prefix
-    lambda raw: b"XXXX" + raw[4:],                     # bad magic
-    lambda raw: raw[:-1],                              # pixels missing
-    lambda raw: raw[:8] + b"[" + raw[9:],              # header not JSON
-    lambda raw: raw[:4] + b"\xff\xff\xff\xff" + raw[8:],  # absurd header length
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda raw: raw[:3],  # shorter than the prefix
+        lambda raw: b"XXXX" + raw[4:],  # bad magic
+        lambda raw: raw[:-1],  # pixels missing
+        lambda raw: raw[:8] + b"[" + raw[9:],  # header not JSON
+        lambda raw: raw[:4] + b"\xff\xff\xff\xff" + raw[8:],  # absurd header length
+    ],
+)
 def test_damaged_frames_raise_frame_error(mutate):
     raw = pack_frame(header(), bytes(24))
     with pytest.raises(FrameError):
@@ -79,10 +95,21 @@ def test_job_id_can_be_read_from_a_frame_with_damaged_pixels():
 
 
 def test_time_bill_has_every_stage_from_the_stamps():
-    stamps = {"received_at": 10.0, "submitted_at": 10.002, "cpu_started_at": 10.010, "decode_ms": 5.0,
-              "resize_ms": 2.0, "backpressure_ms": 0.0, "pushed_at": 10.020, "popped_at": 10.030,
-              "batch_closed_at": 10.042, "device_started_at": 10.050, "infer_ms": 70.0, "postprocess_ms": 3.0,
-              "finished_at": 10.200}
+    stamps = {
+        "received_at": 10.0,
+        "submitted_at": 10.002,
+        "cpu_started_at": 10.010,
+        "decode_ms": 5.0,
+        "resize_ms": 2.0,
+        "backpressure_ms": 0.0,
+        "pushed_at": 10.020,
+        "popped_at": 10.030,
+        "batch_closed_at": 10.042,
+        "device_started_at": 10.050,
+        "infer_ms": 70.0,
+        "postprocess_ms": 3.0,
+        "finished_at": 10.200,
+    }
     bill = compute_time_bill(stamps)
     assert list(bill) == list(STAGES)
     assert bill["receive"] == pytest.approx(2.0) and bill["queue_gpu"] == pytest.approx(10.0)
@@ -109,9 +136,14 @@ def test_overlay_settings_and_env_redis_url(tmp_path, monkeypatch):
     assert settings.namespace == "other" and settings.redis_url == "redis://example:1/2"
 
 
-@pytest.mark.parametrize("text", ["batching: {windw_ms: 5}\n", "model: {name: x, version: 1, labels: [], "
-                                  "format: builtin}\n", "model: {name: x, version: 1, labels: [a], "
-                                  "format: onnx}\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "batching: {windw_ms: 5}\n",
+        "model: {name: x, version: 1, labels: [], format: builtin}\n",
+        "model: {name: x, version: 1, labels: [a], format: onnx}\n",
+    ],
+)
 def test_bad_settings_are_refused_with_a_clear_error(tmp_path, text):
     overlay = tmp_path / "bad.yaml"
     overlay.write_text(text)
@@ -147,16 +179,16 @@ def test_an_answer_after_the_deadline_does_not_stand_and_the_sweeper_ends_what_n
     assert store.finish("late", SUCCEEDED, {"result": {"detections": []}, "timings": {"total": 2000.0}})
     late = store.load("late")
     assert late["status"] == EXPIRED and "result" not in late and late["error"]["code"] == "deadline"
-    assert late["timings"] == {"total": 2000.0}                  # the time bill still says where the time went
-    assert store.expire_overdue(now) == 0                          # it ended: no longer in the index
-    assert store.expire_overdue(now + 1.0) == 1                    # `soon` is past its deadline: it ends
+    assert late["timings"] == {"total": 2000.0}  # the time bill still says where the time went
+    assert store.expire_overdue(now) == 0  # it ended: no longer in the index
+    assert store.expire_overdue(now + 1.0) == 1  # `soon` is past its deadline: it ends
     soon = store.load("soon")
     assert soon["status"] == EXPIRED and soon["error"]["message"] == "expired before an answer was written"
     assert not redis_client.exists(keys.upload("soon"))
     assert redis_client.zrange(keys.deadlines, 0, -1) == [b"later"]
-    assert store.finish("later", SUCCEEDED, {"result": {"detections": []}})   # on time: it stands
+    assert store.finish("later", SUCCEEDED, {"result": {"detections": []}})  # on time: it stands
     assert store.load("later")["status"] == SUCCEEDED and redis_client.zcard(keys.deadlines) == 0
-    redis_client.zadd(keys.deadlines, {"gone": now - 10})          # a job whose record expired meanwhile
+    redis_client.zadd(keys.deadlines, {"gone": now - 10})  # a job whose record expired meanwhile
     assert store.expire_overdue(now) == 0 and redis_client.zcard(keys.deadlines) == 0
 
 
@@ -189,7 +221,6 @@ def test_cpu_worker_never_imports_torch():
     assert result.returncode == 0, result.stderr
 
 
-
 @hypothesis_settings(max_examples=300)
 @given(st.binary(max_size=200))
 def test_no_bytes_make_frame_unpacking_raise_anything_but_frame_error(data):
@@ -200,8 +231,12 @@ def test_no_bytes_make_frame_unpacking_raise_anything_but_frame_error(data):
             pass
 
 
-@given(st.dictionaries(st.sampled_from(["job_id", "width", "height", "pad_left", "dtype", "scale_x"]),
-                       st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.floats())))
+@given(
+    st.dictionaries(
+        st.sampled_from(["job_id", "width", "height", "pad_left", "dtype", "scale_x"]),
+        st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.floats()),
+    )
+)
 def test_no_header_contents_make_unpacking_raise_anything_but_frame_error(fields):
     import json as _json
     import struct as _struct
@@ -229,7 +264,7 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     from contract.connection import COMMAND_PACKER, connect
 
     client = connect(dataclasses.replace(load_settings(), redis_url=redis_server.url))
-    value = bytes(range(256)) * 4000   # 1 MB, every byte value
+    value = bytes(range(256)) * 4000  # 1 MB, every byte value
     client.set("itest:big", value)
     assert client.get("itest:big") == value
     assert client.connection_pool.connection_kwargs["command_packer"] is COMMAND_PACKER
@@ -238,12 +273,16 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     client.delete("itest:big")
 
 
-_ARGUMENT = st.one_of(st.text(max_size=20), st.binary(max_size=20), st.integers(), st.floats(allow_nan=False),
-                      st.binary(min_size=6001, max_size=7000).map(memoryview))
+_ARGUMENT = st.one_of(
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.binary(min_size=6001, max_size=7000).map(memoryview),
+)
 
 
-@given(st.sampled_from(["SET", "EVALSHA", b"HSET", "SCRIPT LOAD", b"CLIENT SETNAME"]),
-       st.lists(_ARGUMENT, max_size=12))
+@given(st.sampled_from(["SET", "EVALSHA", b"HSET", "SCRIPT LOAD", b"CLIENT SETNAME"]), st.lists(_ARGUMENT, max_size=12))
 def test_the_command_packer_writes_what_redis_pys_own_writes(command, arguments):
     """Byte for byte what redis-py's packer sends (floats as repr, ints, text as UTF-8, words of a command
     split), only faster; what redis-py refuses is refused too."""
@@ -285,10 +324,10 @@ def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(r
     keys = Keys("unclaimed")
     store = JobIntake(redis_client, keys, ttl_s=60)
     pusher = frame_pusher(redis_client, keys)
-    store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
+    store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})  # still queued: not claimed
     assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert advance(store, "b" * 32, PREPROCESSING)
-    redis_client.delete(keys.upload("b" * 32))                             # the upload expired
+    redis_client.delete(keys.upload("b" * 32))  # the upload expired
     assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0
 
@@ -301,7 +340,7 @@ def test_only_the_latest_claim_may_push_the_frame(redis_client):
     pusher = frame_pusher(redis_client, keys)
     store.create("e" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert handoff.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
-    assert handoff.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"   # the redelivery
+    assert handoff.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"  # the redelivery
     assert pusher.push("e" * 32, "m:1", b"stale", 10, {}, "first") == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0 and redis_client.exists(keys.upload("e" * 32))
     assert pusher.push("e" * 32, "m:1", b"frame", 10, {}, "second") == frames.PUSHED
@@ -327,18 +366,19 @@ def test_the_servers_and_logs_settings_follow_the_rule_and_the_old_names_still_w
     from contract.logs import configure_logging
 
     monkeypatch.setenv("IMGSERVE_API__WORKERS", "5")
-    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")          # both: the new name wins
+    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")  # both: the new name wins
     monkeypatch.setenv("IMGSERVE_API_BIND", "127.0.0.1:9")  # the old name alone still works
     monkeypatch.setenv("IMGSERVE_LOG_LEVEL", "warning")
     with pytest.warns(FutureWarning, match="IMGSERVE_API_BIND is deprecated.*IMGSERVE_API__BIND"):
         settings = load_settings()
     assert (settings.api.workers, settings.api.bind, settings.logs.level) == (5, "127.0.0.1:9", "warning")
     with pytest.warns(FutureWarning, match="IMGSERVE_LOG_LEVEL"):
-        configure_logging("test")                            # before any settings: the environment alone
+        configure_logging("test")  # before any settings: the environment alone
     assert logging.getLogger().level == logging.WARNING
     configure_logging("test", settings.logs)
-    assert set(LEGACY_ENV.values()) <= {f"IMGSERVE_{section.upper()}__{key.upper()}"
-                                        for section in ("api", "logs") for key in _fields_of(section)}
+    assert set(LEGACY_ENV.values()) <= {
+        f"IMGSERVE_{section.upper()}__{key.upper()}" for section in ("api", "logs") for key in _fields_of(section)
+    }
 
 
 def _fields_of(section: str) -> list[str]:
@@ -350,9 +390,14 @@ def _fields_of(section: str) -> list[str]:
     return [f.name for f in dataclasses.fields(owner)]
 
 
-@pytest.mark.parametrize("name, says", [("IMGSERVE_BATCHING__WINDOW_MZ", "unknown BatchingSettings settings"),
-                                        ("IMGSERVE_NOPE__X", "no settings section 'nope'"),
-                                        ("IMGSERVE_MODEL__CONF", "no settings section 'model'")])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("IMGSERVE_BATCHING__WINDOW_MZ", "unknown BatchingSettings settings"),
+        ("IMGSERVE_NOPE__X", "no settings section 'nope'"),
+        ("IMGSERVE_MODEL__CONF", "no settings section 'model'"),
+    ],
+)
 def test_a_misspelt_environment_setting_is_refused_by_name(monkeypatch, name, says):
     monkeypatch.setenv(name, "1")
     with pytest.raises(SettingsError, match=says):
@@ -375,23 +420,23 @@ def test_the_default_file_names_every_setting_the_code_has_with_the_same_default
     types = typing.get_type_hints(Settings)
     sections = 0
     for top in dataclasses.fields(Settings):
-        if top.name in ("model", "models"):   # a spec file, or a list of them instead: one or the other
+        if top.name in ("model", "models"):  # a spec file, or a list of them instead: one or the other
             assert "model" in written and "\n# models:" in text, top.name
             continue
         assert top.name in written, f"configs/default.yaml lacks {top.name}"
         cls = types[top.name]
-        if not dataclasses.is_dataclass(cls):   # a plain setting (redis_url, namespace)
+        if not dataclasses.is_dataclass(cls):  # a plain setting (redis_url, namespace)
             assert written[top.name] == top.default, top.name
             continue
         sections += 1
         missing = {f.name for f in dataclasses.fields(cls)} - set(written[top.name] or {})
         assert not missing, f"configs/default.yaml lacks {top.name}: {sorted(missing)}"
-        for field in dataclasses.fields(cls):   # and says what the code does when a file is silent
+        for field in dataclasses.fields(cls):  # and says what the code does when a file is silent
             in_code, in_file = getattr(cls(), field.name), written[top.name][field.name]
             if isinstance(in_code, dict):
                 in_code, in_file = ({float(k): float(v) for k, v in d.items()} for d in (in_code, in_file))
             assert (tuple(in_file) if isinstance(in_file, list) else in_file) == in_code, (top.name, field.name)
-    assert sections >= 14   # the sections of today (routing, redis, api .. bulk): the walk found them
+    assert sections >= 14  # the sections of today (routing, redis, api .. bulk): the walk found them
 
 
 def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
@@ -401,22 +446,22 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     assert handoff.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
     store.create("c" * 32, b"the upload", 60, {"deadline_at": 200.0, "received_at": 99.0})
     assert handoff.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
-    assert store.load("c" * 32)["status"] == QUEUED                       # the caller ends it
+    assert store.load("c" * 32)["status"] == QUEUED  # the caller ends it
     verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 150.0)
     assert (verdict, upload) == ("claimed", b"the upload")
     assert record["status"] == PREPROCESSING and record["cpu_started_at"] == 150.0
     assert record["received_at"] == 99.0
-    assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"       # a redelivery may claim again
+    assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"  # a redelivery may claim again
     store.finish("c" * 32, CANCELLED)
     verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 152.0)
     assert (verdict, upload, record["status"]) == ("over", None, CANCELLED)
     store.create("d" * 32, b"x", 60, {"deadline_at": 200.0})
     redis_client.delete(keys.upload("d" * 32))
-    assert handoff.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)   # the caller fails it
-    redis_client.script_flush()                                                      # Redis forgot the script
+    assert handoff.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)  # the caller fails it
+    redis_client.script_flush()  # Redis forgot the script
     assert handoff.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
     redis_client.script_flush()
-    redis_client.client_kill_filter(_type="normal", skipme=True)   # and dropped the claim's connection (a restart)
+    redis_client.client_kill_filter(_type="normal", skipme=True)  # and dropped the claim's connection (a restart)
     assert handoff.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
 
 
@@ -473,11 +518,13 @@ def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
 
 def test_a_key_share_that_with_the_frame_list_fills_a_models_backlog_is_warned_of(tmp_path):
     config = tmp_path / "keys.yaml"
-    config.write_text("auth:\n  api_keys:\n    - {id: team-a, sha256: " + "0" * 64 + "}\n"
-                      "backpressure: {max_backlog: 100, max_frames: 64}\n")
+    config.write_text(
+        "auth:\n  api_keys:\n    - {id: team-a, sha256: " + "0" * 64 + "}\n"
+        "backpressure: {max_backlog: 100, max_frames: 64}\n"
+    )
     with pytest.warns(UserWarning, match=r"one API key's share of the backlog \(50\) and the frame list \(64\)"):
         load_settings(config)
-    config.write_text(config.read_text().replace("max_backlog: 100", "max_backlog: 160"))   # 80 + 64 < 160
+    config.write_text(config.read_text().replace("max_backlog: 100", "max_backlog: 160"))  # 80 + 64 < 160
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_settings(config)

@@ -1,5 +1,6 @@
 """The code's seams: the three processes meet only in contract/, and no import circle between the project's
 modules (lazy imports inside functions too)."""
+
 from __future__ import annotations
 
 import ast
@@ -60,8 +61,9 @@ def test_no_import_circle_between_the_projects_modules():
     graph = {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
     # A package's __init__ importing its own modules is how packages work, not a circle of concepts.
     for name in graph:
-        graph[name] = {other for other in graph[name] if not (name.startswith(other + ".") and
-                                                              paths[other].name == "__init__.py")}
+        graph[name] = {
+            other for other in graph[name] if not (name.startswith(other + ".") and paths[other].name == "__init__.py")
+        }
     circles = []
     state: dict[str, int] = {}
 
@@ -69,7 +71,7 @@ def test_no_import_circle_between_the_projects_modules():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                circles.append(trail[trail.index(nxt):] + [nxt])
+                circles.append(trail[trail.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
@@ -84,9 +86,10 @@ def test_the_architecture_page_names_every_redis_key():
     from contract.keys import Keys
 
     page = (REPO_ROOT / "docs" / "architecture.md").read_text()
-    internal = {"namespace", "tenant_of_queue", "preprocess_queues"}   # helpers, not keys
-    missing = [name for name in dir(Keys) if not name.startswith("_") and name not in internal
-               and f"| `{name}` |" not in page]
+    internal = {"namespace", "tenant_of_queue", "preprocess_queues"}  # helpers, not keys
+    missing = [
+        name for name in dir(Keys) if not name.startswith("_") and name not in internal and f"| `{name}` |" not in page
+    ]
     assert missing == [], f"docs/architecture.md's key table lacks {missing}"
 
 
@@ -98,7 +101,7 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
     from gpu_worker.staging import PARAM_COLUMNS
 
     header_fields = [f.name for f in dataclasses.fields(FrameHeader)]
-    assert header_fields[1:1 + len(PLACEMENT_FIELDS)] == list(PLACEMENT_FIELDS)   # carried flat, in order
+    assert header_fields[1 : 1 + len(PLACEMENT_FIELDS)] == list(PLACEMENT_FIELDS)  # carried flat, in order
     assert set(MAPPING_FIELDS) <= set(PLACEMENT_FIELDS)
     assert tuple(f.name for f in dataclasses.fields(Geometry)) == MAPPING_FIELDS
-    assert PARAM_COLUMNS[-len(MAPPING_FIELDS):] == MAPPING_FIELDS
+    assert PARAM_COLUMNS[-len(MAPPING_FIELDS) :] == MAPPING_FIELDS

@@ -1,4 +1,5 @@
 """What Flower sees: every task's events, from a real CPU worker, several to a message (tasks.event_batching)."""
+
 from __future__ import annotations
 
 import threading
@@ -32,8 +33,9 @@ def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
             return next((task for args, task in task_of_job.items() if job_id in args), None)
 
     with app.connection_for_read() as connection:
-        receiver = app.events.Receiver(connection, handlers={"task-received": on_event, "task-started": on_event,
-                                                             "task-succeeded": on_event})
+        receiver = app.events.Receiver(
+            connection, handlers={"task-received": on_event, "task-started": on_event, "task-succeeded": on_event}
+        )
         deliver = receiver._receive
 
         def count_and_deliver(body: Any, message: Any) -> None:
@@ -68,8 +70,9 @@ def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
                 with lock:
                     return task is not None and "task-succeeded" in kinds_by_task[task]
 
-            wait_until(lambda: all(succeeded_heard(job_id) for job_id in job_ids), 30,
-                       what="every job's task-succeeded event")
+            wait_until(
+                lambda: all(succeeded_heard(job_id) for job_id in job_ids), 30, what="every job's task-succeeded event"
+            )
         finally:
             receiver.should_stop = True
             listening.join(timeout=10)

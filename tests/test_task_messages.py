@@ -1,5 +1,6 @@
 """The API pushes each job's Celery task itself (contract.task_messages.PreprocessMessages): it must be the
 message Celery's own publisher would have pushed, so that workers and Flower cannot tell them apart."""
+
 from __future__ import annotations
 
 import base64
@@ -13,8 +14,14 @@ from contract.keys import Keys
 from contract.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
 from tasks.celery_app import make_celery, send_preprocess
 
-VARYING = {("headers", "id"), ("headers", "root_id"), ("properties", "correlation_id"),
-           ("properties", "delivery_tag"), ("headers", "origin"), ("properties", "reply_to")}
+VARYING = {
+    ("headers", "id"),
+    ("headers", "root_id"),
+    ("properties", "correlation_id"),
+    ("properties", "delivery_tag"),
+    ("headers", "origin"),
+    ("properties", "reply_to"),
+}
 
 
 def _flatten(message: dict, path: tuple = ()) -> dict:
@@ -40,14 +47,15 @@ def test_the_message_is_celerys_own_but_for_its_ids(redis_server):
 
     theirs_flat, ours_flat = _flatten(celerys), _flatten(ours)
     assert theirs_flat.keys() == ours_flat.keys()
-    assert {k: v for k, v in ours_flat.items() if k not in VARYING} == \
-        {k: v for k, v in theirs_flat.items() if k not in VARYING}
+    assert {k: v for k, v in ours_flat.items() if k not in VARYING} == {
+        k: v for k, v in theirs_flat.items() if k not in VARYING
+    }
     assert ours["headers"]["task"] == PREPROCESS_TASK and ours["properties"]["delivery_info"]["routing_key"] == queue
     assert json.loads(base64.b64decode(ours["body"]))[0] == ["a" * 32]
     assert ours["headers"]["root_id"] == ours["headers"]["id"] == ours["properties"]["correlation_id"]
     assert ours["headers"]["origin"].split("@")[0].startswith("gen")
     again = json.loads(PreprocessMessages().build("a" * 32, queue))
-    assert again["headers"]["id"] != ours["headers"]["id"]                     # a task id per message
+    assert again["headers"]["id"] != ours["headers"]["id"]  # a task id per message
     assert again["properties"]["delivery_tag"] != ours["properties"]["delivery_tag"]
 
 

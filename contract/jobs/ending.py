@@ -7,6 +7,7 @@ cache (contract.cache). Scripts that end jobs among other work (the GPU worker's
 hit: contract.jobs.intake) start with it; `JobEnding` runs it alone (`finish_many`), ends the overdue ones
 (`expire_overdue`, the sweeper of every CPU worker and API process) and queues an ended job's callback again.
 """
+
 from __future__ import annotations
 
 import time
@@ -28,7 +29,7 @@ PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
 # What a job answered after its deadline carries instead of its result (the answer came too late to stand).
 LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 
-FINISH_NAMES = 7   # how many arguments JobEnding.finish_names() gives: scripts find theirs after them
+FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: scripts find theirs after them
 
 # A Lua function that ends each live job whose hash is in KEYS[first_key..], with its arguments from
 # ARGV[at..]: per job its id, the count of field and value arguments, the fields and values (the
@@ -38,11 +39,16 @@ FINISH_NAMES = 7   # how many arguments JobEnding.finish_names() gives: scripts 
 # deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step, and a job that
 # succeeded with a `cache_key` leaves its result in the result cache (contract.cache). Returns how many jobs it
 # ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
-FINISH_JOBS_LUA = TERMINAL_LUA + RELEASE_LUA + REMEMBER_LUA + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
+FINISH_JOBS_LUA = (
+    TERMINAL_LUA
+    + RELEASE_LUA
+    + REMEMBER_LUA
+    + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
 local PENDING_CALLBACK = '{PENDING_CALLBACK}'
 local LATE_ERROR = '{LATE_ERROR}'
 local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
-""" + """
+"""
+    + """
 local function late_as_expired(key, fields)
   local status, finished, result
   for i = 1, #fields, 2 do
@@ -98,13 +104,16 @@ local function finish_jobs(names, first_key, at)
   return ended
 end
 """
+)
 
 # KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..FINISH_NAMES] JobEnding.finish_names(), then the jobs'.
 _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {FINISH_NAMES + 1})\n"
 
 # A job's callback queued again from its first attempt. KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the
 # scheduled set, KEYS[4] the dead set; ARGV[1] the job id. 1 queued, 0 not (no such job, not ended, no callback).
-_REDELIVER_CALLBACK = TERMINAL_LUA + f"""
+_REDELIVER_CALLBACK = (
+    TERMINAL_LUA
+    + f"""
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or not TERMINAL[status] or redis.call('HEXISTS', KEYS[1], 'callback_url') == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'callback', '{PENDING_CALLBACK}')
@@ -114,21 +123,27 @@ redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('PUBLISH', KEYS[2], ARGV[1])
 return 1
 """
+)
 
 
 class JobEnding(JobStore):
     """The job records, and the steps that end jobs."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None,
-                 cache: CacheLimits | None = None) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        ttl_s: int,
+        bulk: BulkPlane | None = None,
+        cache: CacheLimits | None = None,
+    ) -> None:
         """`cache`: where jobs this ends `succeeded` leave their results (the GPU worker's); None: nowhere."""
         super().__init__(client, keys, ttl_s, bulk)
         self.cache = cache or CacheLimits(keys.cache_prefix)
         self._finish = client.register_script(_FINISH)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
 
-    def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None,
-               client: Any = None) -> bool:
+    def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None, client: Any = None) -> bool:
         """End a job once; the first terminal state wins and wakes its long-polls."""
         return bool(self.finish_many([(job_id, status, fields or {})], client))
 
@@ -136,14 +151,22 @@ class JobEnding(JobStore):
         """End each (job id, terminal status, fields) that is still live, in one step: how many it
         ended (in a pipeline, with the pipeline's replies)."""
         job_keys, job_args = self.finish_arguments(outcomes)
-        return self._finish(keys=[self.keys.callback_outbox, *job_keys], args=[*self.finish_names(), *job_args],
-                            client=client or self.redis)
+        return self._finish(
+            keys=[self.keys.callback_outbox, *job_keys],
+            args=[*self.finish_names(), *job_args],
+            client=client or self.redis,
+        )
 
     def finish_names(self) -> list[Any]:
         """What FINISH_JOBS_LUA's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
         channel, the deadline index, the waiting-bytes hash and the result cache's names."""
-        names = [self.ttl_s, self.keys.job_events, self.keys.deadlines, self.keys.waiting_bytes,
-                 *self.cache.finish_names()]
+        names = [
+            self.ttl_s,
+            self.keys.job_events,
+            self.keys.deadlines,
+            self.keys.waiting_bytes,
+            *self.cache.finish_names(),
+        ]
         assert len(names) == FINISH_NAMES
         return names
 
@@ -174,16 +197,26 @@ class JobEnding(JobStore):
         if not overdue:
             return 0
         ids = [job_id.decode() for job_id in overdue]
-        ended = int(self.finish_many([(job_id, EXPIRED, expired_fields("before an answer was written"))
-                                      for job_id in ids]))
-        self.redis.zrem(self.keys.deadlines, *ids)   # those that had ended otherwise, or whose record expired
+        ended = int(
+            self.finish_many([(job_id, EXPIRED, expired_fields("before an answer was written")) for job_id in ids])
+        )
+        self.redis.zrem(self.keys.deadlines, *ids)  # those that had ended otherwise, or whose record expired
         return ended
 
     def redeliver_callback(self, job_id: str) -> bool:
         """Queue an ended job's callback again from its first attempt (a dead letter, or a delivery the receiver
         lost); False when the job does not exist, has not ended or has no callback."""
-        return bool(self._redeliver(keys=[self.keys.job(job_id), self.keys.callback_outbox,
-                                          self.keys.callback_scheduled, self.keys.callback_dead], args=[job_id]))
+        return bool(
+            self._redeliver(
+                keys=[
+                    self.keys.job(job_id),
+                    self.keys.callback_outbox,
+                    self.keys.callback_scheduled,
+                    self.keys.callback_dead,
+                ],
+                args=[job_id],
+            )
+        )
 
 
 def expired_fields(where: str) -> dict[str, Any]:

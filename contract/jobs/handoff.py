@@ -4,6 +4,7 @@ The claim carries a token of this attempt that the frame's push must show (contr
 delivered twice is decoded once, and a late attempt (its worker presumed dead, the task claimed again) cannot push.
 What the worker does with the job then: push its frame (contract.frames), or end it (contract.jobs.ending).
 """
+
 from __future__ import annotations
 
 import redis
@@ -42,11 +43,12 @@ class JobHandOff(JobEnding):
     def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None) -> None:
         super().__init__(client, keys, ttl_s, bulk)
         self._claim = client.register_script(_CLAIM)
-        self._payloads: PayloadReader | None = None   # uploads read in one copy
+        self._payloads: PayloadReader | None = None  # uploads read in one copy
         self._shard_payloads: dict[int, PayloadReader] = {}
 
-    def claim_for_preprocessing(self, job_id: str, now: float, claim: str = "") -> tuple[str, memoryview | None,
-                                                                                        JobRecord]:
+    def claim_for_preprocessing(
+        self, job_id: str, now: float, claim: str = ""
+    ) -> tuple[str, memoryview | None, JobRecord]:
         """A CPU worker takes a queued job as `claim` (its push must show it): (verdict, upload, record) in one
         round trip; see _CLAIM.
         A claimed job whose upload expired comes back with `upload` None. (The upload is read before
@@ -55,8 +57,10 @@ class JobHandOff(JobEnding):
             return self._claim_from_shard(job_id, now, claim)
         if self._payloads is None:
             self._payloads = PayloadReader(self.redis)
-        commands = (("GET", self.keys.upload(job_id)),
-                    ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim))
+        commands = (
+            ("GET", self.keys.upload(job_id)),
+            ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim),
+        )
         reconnected = reloaded = False
         while True:
             try:
@@ -69,7 +73,7 @@ class JobHandOff(JobEnding):
                 reconnected = True
                 continue
             if isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT") and not reloaded:
-                self.redis.script_load(_CLAIM)   # a restarted Redis forgot it: load it, try again
+                self.redis.script_load(_CLAIM)  # a restarted Redis forgot it: load it, try again
                 reloaded = True
                 continue
             for answer in (upload, reply):

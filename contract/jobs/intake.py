@@ -7,6 +7,7 @@ time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result
 the admission (contract.budget's admit), in one round trip; on a hit the job is stored ended already. The API's
 admission (app.admission) decides what to do with either answer.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,7 +37,11 @@ log = logging.getLogger(__name__)
 # (finish_arguments). Returns {'hit', status, document} on a hit (status `expired` when the hit came after the
 # job's deadline: finish_jobs ends it so, and the result is not stored, as for any late answer), admit()'s
 # verdict on a miss.
-_ANSWER_OR_ADMIT = FINISH_JOBS_LUA + budget.ADMIT_LUA + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n" + """
+_ANSWER_OR_ADMIT = (
+    FINISH_JOBS_LUA
+    + budget.ADMIT_LUA
+    + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n"
+    + """
 local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
 local admission_keys = tonumber(ARGV[N + 5])
 local job = 5 + admission_keys
@@ -60,13 +65,15 @@ if status == SUCCEEDED then   -- in time: the cached answer is its result
 end                           -- else answered after its deadline: expired as any late answer, without it
 return {'hit', status, document}
 """
+)
 
-LARGE_UPLOAD_BYTES = 2 * 1024 * 1024   # a connection that carried a larger upload is closed after it
+LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
 
 
 class Replication(NamedTuple):
     """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
     (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait."""
+
     replicas: int = 0
     timeout_ms: int = 1000
 
@@ -77,6 +84,7 @@ NO_REPLICATION = Replication()
 class CacheHit(NamedTuple):
     """A submission the result cache answered (JobIntake.answer_or_admit): how its job ended, and the cached
     result document (JSON text), which the job holds only if it ended `succeeded`."""
+
     status: str
     document: str
 
@@ -84,9 +92,16 @@ class CacheHit(NamedTuple):
 class JobIntake(JobEnding):
     """The API's side of the job records: new jobs in, and the ones it ends (a withdrawal, a cache hit)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, uploads: redis.Redis | None = None,
-                 bulk: BulkPlane | None = None, cache: CacheLimits | None = None,
-                 replication: Replication = NO_REPLICATION) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        ttl_s: int,
+        uploads: redis.Redis | None = None,
+        bulk: BulkPlane | None = None,
+        cache: CacheLimits | None = None,
+        replication: Replication = NO_REPLICATION,
+    ) -> None:
         """`uploads`: the client uploads are written with (a few connections, see `_write_upload`).
         `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns."""
         super().__init__(client, keys, ttl_s, bulk, cache)
@@ -94,8 +109,15 @@ class JobIntake(JobEnding):
         self.replication = replication
         self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
 
-    def create(self, job_id: str, upload: bytes, upload_ttl_s: int, fields: Mapping[str, Any],
-               task: tuple[str, bytes] | None = None, reserved: int = 0) -> None:
+    def create(
+        self,
+        job_id: str,
+        upload: bytes,
+        upload_ttl_s: int,
+        fields: Mapping[str, Any],
+        task: tuple[str, bytes] | None = None,
+        reserved: int = 0,
+    ) -> None:
         """Store the upload (claim check), then the record and `task` (a queue's list key, the message for it)
         in one transaction: no job without its task or task without its job.
         `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
@@ -113,13 +135,13 @@ class JobIntake(JobEnding):
         else:
             self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
         unused = reserved - len(upload)
-        if reserved and unused > 0:   # a multipart body's own bytes around the image
+        if reserved and unused > 0:  # a multipart body's own bytes around the image
             for field in (str(fields.get("model", "")), budget.ALL):
                 if field:
                     pipe.hincrby(self.keys.waiting_bytes, field, -unused)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), self.ttl_s)
-        if "deadline_at" in fields:   # the sweeper ends it there if nothing else has (expire_overdue)
+        if "deadline_at" in fields:  # the sweeper ends it there if nothing else has (expire_overdue)
             pipe.zadd(self.keys.deadlines, {job_id: float(fields["deadline_at"])})
         if task is not None:
             pipe.lpush(*task)
@@ -129,8 +151,11 @@ class JobIntake(JobEnding):
                 # with it (a replica's offset covers everything the primary wrote before). The transaction also
                 # looks for the upload: written to a primary that a failover replaced since, it is not there.
                 replies, acknowledged = execute_and_wait(
-                    self.redis, [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key),
-                                 ("EXEC",)], self.replication.replicas, self.replication.timeout_ms)
+                    self.redis,
+                    [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key), ("EXEC",)],
+                    self.replication.replicas,
+                    self.replication.timeout_ms,
+                )
                 if acknowledged < self.replication.replicas or not replies[-1][-1]:
                     raise NotReplicated(acknowledged if replies[-1][-1] else 0, self.replication.replicas)
             else:
@@ -139,7 +164,7 @@ class JobIntake(JobEnding):
             self.withdraw(job_id)
             raise
         except redis.RedisError:
-            self._delete_quietly(upload_key)   # no job holds it: it would wait for its TTL
+            self._delete_quietly(upload_key)  # no job holds it: it would wait for its TTL
             if self.bulk.sharded:
                 self._delete_quietly(upload_key, self.bulk.client_for(job_id))
             raise
@@ -148,14 +173,28 @@ class JobIntake(JobEnding):
         """A job stored on the primary that too few replicas acknowledged: its submitter is told 503 (retry), so
         it ends here and no worker spends anything on it. Quietly: Redis may be going away as well."""
         try:
-            self.finish(job_id, FAILED, {"error": {"code": "not_replicated", "message": "stored on too few "
-                                                    "replicas in time; the submission was refused (503)"}})
+            self.finish(
+                job_id,
+                FAILED,
+                {
+                    "error": {
+                        "code": "not_replicated",
+                        "message": "stored on too few replicas in time; the submission was refused (503)",
+                    }
+                },
+            )
         except redis.RedisError:
             log.warning("could not withdraw job %s, stored on too few replicas", job_id)
 
-    def answer_or_admit(self, job_id: str, fields: Mapping[str, Any], digest: str, cache_ttl_s: int,
-                        timings: Mapping[str, float],
-                        admission: budget.AdmissionRequest) -> CacheHit | budget.Admission:
+    def answer_or_admit(
+        self,
+        job_id: str,
+        fields: Mapping[str, Any],
+        digest: str,
+        cache_ttl_s: int,
+        timings: Mapping[str, float],
+        admission: budget.AdmissionRequest,
+    ) -> CacheHit | budget.Admission:
         """One step for a job the result cache may answer. On a hit for `digest`: the job stored over already,
         with the cached result and `timings`, ended as any job ends (long-polls, callback); (its status, the
         result document as JSON text). The status is `expired`, without the result stored, when the hit came
@@ -165,14 +204,30 @@ class JobIntake(JobEnding):
         record = flatten_fields({"id": job_id, "status": QUEUED, **fields})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
-        keys = [self.keys.callback_outbox, self.keys.cache_entry(digest), self.keys.cache_lru, self.keys.cache_stats,
-                *admission_keys, *job_keys]
-        args = [*self.finish_names(), digest, repr(time.time()), cache_ttl_s, admission.model_key,
-                len(admission_keys), *admission_args, len(record), *record, *job_args]
-        if self.replication.replicas:   # a hit is a new job, answered: on its replicas before the 202 says so
+        keys = [
+            self.keys.callback_outbox,
+            self.keys.cache_entry(digest),
+            self.keys.cache_lru,
+            self.keys.cache_stats,
+            *admission_keys,
+            *job_keys,
+        ]
+        args = [
+            *self.finish_names(),
+            digest,
+            repr(time.time()),
+            cache_ttl_s,
+            admission.model_key,
+            len(admission_keys),
+            *admission_args,
+            len(record),
+            *record,
+            *job_args,
+        ]
+        if self.replication.replicas:  # a hit is a new job, answered: on its replicas before the 202 says so
             reply, acknowledged = self._script_and_wait(self._answer_or_admit, keys, args)
             if reply[0] == b"hit" and acknowledged < self.replication.replicas:
-                raise NotReplicated(acknowledged, self.replication.replicas)   # (a miss waits at `create`)
+                raise NotReplicated(acknowledged, self.replication.replicas)  # (a miss waits at `create`)
         else:
             reply = self._answer_or_admit(keys=keys, args=args)
         if reply[0] == b"hit":
@@ -184,12 +239,14 @@ class JobIntake(JobEnding):
         that acknowledged). Loaded first when the server does not know it (a new primary, a restart)."""
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
-            replies, acknowledged = execute_and_wait(self.redis, [command], self.replication.replicas,
-                                                     self.replication.timeout_ms)
+            replies, acknowledged = execute_and_wait(
+                self.redis, [command], self.replication.replicas, self.replication.timeout_ms
+            )
         except redis.exceptions.NoScriptError:
             self.redis.script_load(script.script)
-            replies, acknowledged = execute_and_wait(self.redis, [command], self.replication.replicas,
-                                                     self.replication.timeout_ms)
+            replies, acknowledged = execute_and_wait(
+                self.redis, [command], self.replication.replicas, self.replication.timeout_ms
+            )
         return replies[0], acknowledged
 
     def _write_upload(self, client: redis.Redis, key: str, ttl_s: int, upload: bytes) -> None:
@@ -199,7 +256,7 @@ class JobIntake(JobEnding):
         it while the connection stays busy: so uploads go over few connections (the API's `uploads` client),
         and one that carried an upload over LARGE_UPLOAD_BYTES is closed after it."""
         if len(upload) <= LARGE_UPLOAD_BYTES:
-            client.execute_command("SETEX", key, ttl_s, upload)   # type: ignore[no-untyped-call]  # setex() warns
+            client.execute_command("SETEX", key, ttl_s, upload)  # type: ignore[no-untyped-call]  # setex() warns
             return
         pool = client.connection_pool
         connection = pool.get_connection()

@@ -4,6 +4,7 @@ A job is a Redis hash under `Keys.job(id)`. Its moves are Lua scripts so that a 
 reaches a job first (its result, a cancellation, an expiry) wins, and later writers change nothing. How jobs end
 is contract.jobs.ending; `JobStore` here reads a record, deletes it, and moves live jobs along (`advance_many`).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,18 +25,23 @@ from contract.timebill import FINISHED_AT, RECORD_STAMPS
 
 class JobStatus(StrEnum):
     """A job's life, in order; the last four are terminal (the first to be written wins)."""
-    QUEUED = "queued"                 # stored, its task sent to the CPU workers
-    PREPROCESSING = "preprocessing"   # a CPU worker claimed it
-    QUEUED_GPU = "queued_gpu"         # its frame is on the GPU list
-    RUNNING = "running"               # a GPU worker took it into a batch
+
+    QUEUED = "queued"  # stored, its task sent to the CPU workers
+    PREPROCESSING = "preprocessing"  # a CPU worker claimed it
+    QUEUED_GPU = "queued_gpu"  # its frame is on the GPU list
+    RUNNING = "running"  # a GPU worker took it into a batch
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     EXPIRED = "expired"
     CANCELLED = "cancelled"
 
 
-QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = (JobStatus.QUEUED, JobStatus.PREPROCESSING, JobStatus.QUEUED_GPU,
-                                             JobStatus.RUNNING)
+QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = (
+    JobStatus.QUEUED,
+    JobStatus.PREPROCESSING,
+    JobStatus.QUEUED_GPU,
+    JobStatus.RUNNING,
+)
 SUCCEEDED, FAILED, EXPIRED, CANCELLED = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED
 STATUSES = tuple(JobStatus)
 TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
@@ -45,21 +51,22 @@ class JobRecord(TypedDict, total=False):
     """A job's hash as the processes read it (`JobStore.load`): the fields each stage writes, decoded.
     Written by `create` (id .. owner, callback_url), the CPU worker (the stamps up to pushed_at), the GPU
     worker (result, timings, batch), whoever ends it (error, finished_at) and the callback worker."""
+
     id: str
-    status: str                    # a JobStatus value
-    model: str                     # name:version the API routed it to (absent on jobs from before models)
+    status: str  # a JobStatus value
+    model: str  # name:version the API routed it to (absent on jobs from before models)
     received_at: float
     submitted_at: float
     deadline_at: float
     updated_at: float
     finished_at: float
-    options: dict[str, Any]        # conf, iou, max_det as the client gave them
+    options: dict[str, Any]  # conf, iou, max_det as the client gave them
     media_type: str
     bytes: str
-    owner: str                     # the API key's id, when keys are configured
+    owner: str  # the API key's id, when keys are configured
     callback_url: str
     cpu_started_at: float
-    claim: str                     # the CPU worker's claim token: only its holder may push the frame
+    claim: str  # the CPU worker's claim token: only its holder may push the frame
     decode_ms: float
     resize_ms: float
     backpressure_ms: float
@@ -67,10 +74,10 @@ class JobRecord(TypedDict, total=False):
     result: dict[str, Any]
     timings: dict[str, float]
     batch: dict[str, Any]
-    error: dict[str, str]          # code, message
-    callback: dict[str, Any]       # status, attempts, last_error
-    cache: str                     # contract.cache's HIT or MISS; absent when the cache was off for the job
-    cache_key: str                 # a miss's digest: its result is cached under it if it succeeds
+    error: dict[str, str]  # code, message
+    callback: dict[str, Any]  # status, attempts, last_error
+    cache: str  # contract.cache's HIT or MISS; absent when the cache was off for the job
+    cache_key: str  # a miss's digest: its result is cached under it if it succeeds
 
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
@@ -82,7 +89,9 @@ TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status.value} = true" for sta
 
 # KEYS job hashes; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ... (the same for each job).
 # Per job: 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
-_ADVANCE = TERMINAL_LUA + """
+_ADVANCE = (
+    TERMINAL_LUA
+    + """
 local limit = tonumber(ARGV[1])
 local verdicts = {}
 for i, key in ipairs(KEYS) do
@@ -98,10 +107,11 @@ for i, key in ipairs(KEYS) do
 end
 return verdicts
 """
+)
 MOVED, GONE, POISON = 1, 0, -1
 
 
-JOB_ID_PATTERN = r"^[0-9a-f]{32}$"   # what new_job_id() makes; anything else is no job of ours
+JOB_ID_PATTERN = r"^[0-9a-f]{32}$"  # what new_job_id() makes; anything else is no job of ours
 
 
 def new_job_id() -> str:
@@ -114,7 +124,6 @@ def is_job_id(text: str) -> bool:
 
 def utc_iso(epoch: float) -> str:
     return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
 
 
 class JobStore:
@@ -145,15 +154,22 @@ class JobStore:
         if self.bulk.sharded:
             self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
 
-    def advance_many(self, job_ids: Sequence[str], status: str, max_attempts: int,
-                     fields: Mapping[str, Any] | None = None, client: Any = None) -> Any:
+    def advance_many(
+        self,
+        job_ids: Sequence[str],
+        status: str,
+        max_attempts: int,
+        fields: Mapping[str, Any] | None = None,
+        client: Any = None,
+    ) -> Any:
         """Per job MOVED, GONE (absent or over) or POISON (requeued max_attempts times), in one
         step; in a pipeline, the reply comes with the pipeline's."""
         assert status not in TERMINAL, status
-        args: list[Any] = [max_attempts,
-                           *flatten_fields({"status": status, "updated_at": time.time(), **(fields or {})})]
-        return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args,
-                             client=client or self.redis)
+        args: list[Any] = [
+            max_attempts,
+            *flatten_fields({"status": status, "updated_at": time.time(), **(fields or {})}),
+        ]
+        return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args, client=client or self.redis)
 
     def _delete_quietly(self, key: str, client: redis.Redis | None = None) -> None:
         try:
@@ -167,7 +183,7 @@ def encode_fields(fields: Mapping[str, Any]) -> dict[str, str]:
     return {name: encode_value(value) for name, value in fields.items()}
 
 
-_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))   # one encoder, not one per value
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder, not one per value
 
 
 def encode_value(value: Any) -> str:
