@@ -9,9 +9,10 @@ test:         ## install what the tests need, then run them
 test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-worker or gunicorn process
 	scripts/test -m "not integration and not gpu and not slow" -q
 
-lint:         ## install what the checks need, then lint (ruff), type-check (mypy; strict on contract/), build the docs
+lint:         ## install what the checks need, then lint and format-check (ruff), type-check (mypy; strict on contract/), build the docs
 	scripts/bootstrap --dev
 	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 	.venv/bin/mypy
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 

@@ -1,34 +1,34 @@
 """The REST API: `create_app(settings)` builds one Flask app with its own
-Redis client, Celery sender and long-poll listener: no module globals.
+Redis client, task messages (contract.task_messages) and long-poll listener: no module globals.
 
     gunicorn -c configs/gunicorn.conf.py 'app:create_app()'
 """
+
 from __future__ import annotations
 
 import io
 import time
-from dataclasses import dataclass
 
-import kombu.exceptions
 import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
-from app import admission, auth, callbacks, health, jobs, metrics, openapi, stats
-from app.admission import RedisMemory, ServedTenants
+from app import auth, callbacks, health, jobs, metrics, openapi, stats
+from app.admission import MAX_RETRY_AFTER_S, Admission
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
+from app.services import EXTENSION, Services, services
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
 from contract.cache import ResultCache
 from contract.config import load_settings
 from contract.connection import NotReplicated, connect
-from contract.jobs import JobStore, Replication
+from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.models import Catalogue
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
-from tasks.celery_app import PreprocessMessages, make_celery
+from contract.task_messages import PreprocessMessages
 
 
 class InMemoryFormRequest(Request):
@@ -36,25 +36,14 @@ class InMemoryFormRequest(Request):
     api.max_upload_bytes): Werkzeug's default spools a part over 500 KB to a temporary file on disk,
     a write and a read back of every photo."""
 
-    def _get_file_stream(self, total_content_length: int | None, content_type: str | None,
-                         filename: str | None = None, content_length: int | None = None) -> io.BytesIO:
+    def _get_file_stream(
+        self,
+        total_content_length: int | None,
+        content_type: str | None,
+        filename: str | None = None,
+        content_length: int | None = None,
+    ) -> io.BytesIO:
         return io.BytesIO()
-
-
-@dataclass
-class Services:
-    """What the request handlers use, hung on `app.extensions['imgserve']`."""
-    settings: Settings
-    redis: redis.Redis
-    keys: Keys
-    store: JobStore
-    catalogue: Catalogue
-    task_messages: PreprocessMessages   # the CPU task of each job, pushed with the job itself
-    waiting: WaitingBytes               # the bytes budgets (app.admission)
-    memory: RedisMemory                 # Redis's memory against its maxmemory
-    tenants: ServedTenants              # the API keys whose own CPU queues a live worker takes
-    listener: JobEventListener
-    cache: ResultCache                  # answers for repeated images (contract.cache)
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -64,38 +53,40 @@ def create_app(settings: Settings | None = None) -> Flask:
     # Werkzeug refuses a larger body from its Content-Length, before reading it.
     app.config["MAX_CONTENT_LENGTH"] = settings.api.max_upload_bytes
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes
-    app.config["MAX_FORM_PARTS"] = MAX_PARTS   # as app.multipart's own parser: past it, 400 (app.jobs)
+    app.config["MAX_FORM_PARTS"] = MAX_PARTS  # as app.multipart's own parser: past it, 400 (app.jobs)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
     client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
     keys = Keys(settings.namespace)
-    # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobStore.create).
-    uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0,
-                      max_connections=UPLOAD_CONNECTIONS)
+    # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
+    uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
     # With bulk shards (contract.shards) uploads go to them instead, over as few connections in all.
     per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
     bulk = bulk_plane(settings, client, max_connections=per_shard)
     # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms)
-    store = JobStore(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
-    waiting = WaitingBytes(client, keys)
-    celery = make_celery(settings)
-    app.extensions["imgserve"] = Services(
-        settings=settings, redis=client, keys=keys,
+    store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
+    catalogue, cache = Catalogue(settings), ResultCache(client, keys, settings)
+    admission = Admission(settings, client, keys, store, catalogue, cache)
+    app.extensions[EXTENSION] = Services(
+        settings=settings,
+        redis=client,
+        keys=keys,
         store=store,
-        catalogue=Catalogue(settings),
-        task_messages=PreprocessMessages(celery),
-        waiting=waiting,
-        memory=RedisMemory(client),
-        tenants=ServedTenants(client, keys, settings.celery.heartbeat_ttl_s),
+        catalogue=catalogue,
+        admission=admission,
+        task_messages=PreprocessMessages(),
         # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks); each
         # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
-        listener=JobEventListener(redis.Redis(connection_pool=client.connection_pool), keys.job_events,
-                                  on_tick=_sweeper(store, waiting)),
-        cache=ResultCache(client, keys, settings),
+        listener=JobEventListener(
+            redis.Redis(connection_pool=client.connection_pool),
+            keys.job_events,
+            on_tick=_sweeper(store, admission.waiting),
+        ),
+        cache=cache,
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
-    if not settings.api.metrics_port:   # otherwise served on an internal port, not here
+    if not settings.api.metrics_port:  # otherwise served on an internal port, not here
         app.register_blueprint(metrics.blueprint)
     app.register_blueprint(stats.blueprint)
     app.register_blueprint(callbacks.blueprint)
@@ -118,18 +109,20 @@ def create_app(settings: Settings | None = None) -> Flask:
             response.headers["Referrer-Policy"] = "no-referrer"
         return response
 
-    app.extensions["imgserve"].listener.start()
+    services(app).listener.start()
     return app
 
 
 SWEEP_EVERY_S = 1.0
 # /docs is one self-contained page: its own styles, no script, no frames, nothing fetched.
-HTML_POLICY = ("default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; "
-               "base-uri 'none'; form-action 'none'")
-UPLOAD_CONNECTIONS = 8    # per API process: uploads written at once (more wait for one, up to the connect timeout)
+HTML_POLICY = (
+    "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; "
+    "base-uri 'none'; form-action 'none'"
+)
+UPLOAD_CONNECTIONS = 8  # per API process: uploads written at once (more wait for one, up to the connect timeout)
 
 
-def _sweeper(store: JobStore, waiting: WaitingBytes):
+def _sweeper(store: JobIntake, waiting: WaitingBytes):
     """The listener's tick: end overdue jobs, and give back the bytes a refused submission could not (Redis
     was away), at most once a second."""
     last = [0.0]
@@ -143,7 +136,8 @@ def _sweeper(store: JobStore, waiting: WaitingBytes):
             store.expire_overdue(now)
             waiting.flush_unreleased()
         except redis.RedisError:
-            pass   # the listener has lost Redis too, and says so
+            pass  # the listener has lost Redis too, and says so
+
     return sweep
 
 
@@ -161,23 +155,47 @@ def _install_error_handlers(app: Flask) -> None:
         return problem_response(Problem(exc.code or 500, slug, exc.name, detail, headers=headers))
 
     @app.errorhandler(redis.RedisError)
-    @app.errorhandler(kombu.exceptions.OperationalError)
     def backend_unavailable(exc: Exception):
         """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
-        retry = str(app.extensions["imgserve"].settings.backpressure.retry_after_s)
-        if isinstance(exc, NotReplicated):   # stored on the primary only: withdrawn; a retry may well succeed
-            problem = Problem(503, "not-replicated", "Service unavailable", "the job could not be stored on enough "
-                              "replicas in time and was withdrawn; retry", headers={"Retry-After": "1"})
-        elif isinstance(exc, ShardUnavailable):   # only this job's shard: the next submit goes to another
-            problem = Problem(503, "shard-unavailable", "Service unavailable", "the store for this job's upload "
-                              "is unreachable; retry (a new job is placed on another)", headers={"Retry-After": "1"})
+        retry = str(services(app).settings.backpressure.retry_after_s)
+        if isinstance(exc, NotReplicated):  # stored on the primary only: withdrawn; a retry may well succeed
+            problem = Problem(
+                503,
+                "not-replicated",
+                "Service unavailable",
+                "the job could not be stored on enough replicas in time and was withdrawn; retry",
+                headers={"Retry-After": "1"},
+            )
+        elif isinstance(exc, ShardUnavailable):  # only this job's shard: the next submit goes to another
+            problem = Problem(
+                503,
+                "shard-unavailable",
+                "Service unavailable",
+                "the store for this job's upload is unreachable; retry (a new job is placed on another)",
+                headers={"Retry-After": "1"},
+            )
         elif isinstance(exc, redis.exceptions.OutOfMemoryError):
-            problem = Problem(503, "store-full", "Service unavailable", "the job store is full; retry later",
-                              headers={"Retry-After": str(admission.MAX_RETRY_AFTER_S)})
-        elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError, kombu.exceptions.OperationalError)):
-            problem = Problem(503, "backend-unavailable", "Service unavailable", "the job store is unreachable",
-                              headers={"Retry-After": retry})
+            problem = Problem(
+                503,
+                "store-full",
+                "Service unavailable",
+                "the job store is full; retry later",
+                headers={"Retry-After": str(MAX_RETRY_AFTER_S)},
+            )
+        elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+            problem = Problem(
+                503,
+                "backend-unavailable",
+                "Service unavailable",
+                "the job store is unreachable",
+                headers={"Retry-After": retry},
+            )
         else:
-            problem = Problem(503, "backend-error", "Service unavailable", "the job store refused the request",
-                              headers={"Retry-After": retry})
+            problem = Problem(
+                503,
+                "backend-error",
+                "Service unavailable",
+                "the job store refused the request",
+                headers={"Retry-After": retry},
+            )
         return problem_response(problem)

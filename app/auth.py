@@ -7,16 +7,20 @@ only to the key that created it. Each key has a token bucket in Redis
 
     python -m app.auth <key>        # prints the sha256 to put in the config
 """
+
 from __future__ import annotations
 
 import hashlib
 import hmac
 import math
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from flask import g, request
 
 from app.problems import Problem
+from app.services import services as current_services
 
 # KEYS[1] bucket hash; ARGV rate (tokens/s), burst. Returns {allowed, retry_after_ms}. The time is Redis's own
 # (TIME), and the refill's mark never moves back: with each API process's clock, a request that ran later
@@ -48,7 +52,7 @@ def hash_key(key: str) -> str:
 
 
 def install(app) -> None:
-    services = app.extensions["imgserve"]
+    services = current_services(app)
     take_token = services.redis.register_script(_TAKE_TOKEN)
 
     @app.before_request
@@ -62,27 +66,43 @@ def install(app) -> None:
         except Problem:
             # Each address may fail to authenticate only so often: 300 guesses ran at 480/s, all 401.
             if settings.failed_per_s > 0:
-                allowed, retry_ms = take_token(keys=[services.keys.auth_failures(request.remote_addr or "-")],
-                                               args=[settings.failed_per_s, settings.failed_burst])
+                allowed, retry_ms = take_token(
+                    keys=[services.keys.auth_failures(request.remote_addr or "-")],
+                    args=[settings.failed_per_s, settings.failed_burst],
+                )
                 if not allowed:
-                    raise Problem(429, "too-many-failed-authentications", "Too many requests",
-                                  "this address failed to authenticate too often; retry later",
-                                  headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))}) from None
+                    raise Problem(
+                        429,
+                        "too-many-failed-authentications",
+                        "Too many requests",
+                        "this address failed to authenticate too often; retry later",
+                        headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))},
+                    ) from None
             raise
         if settings.rate_per_s > 0:
-            allowed, retry_ms = take_token(keys=[services.keys.rate_bucket(g.client_id)],
-                                           args=[settings.rate_per_s, settings.burst])
+            allowed, retry_ms = take_token(
+                keys=[services.keys.rate_bucket(g.client_id)], args=[settings.rate_per_s, settings.burst]
+            )
             if not allowed:
-                raise Problem(429, "rate-limited", "Too many requests",
-                              f"key {g.client_id!r} is over {settings.rate_per_s:g} requests/s",
-                              headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))})
+                raise Problem(
+                    429,
+                    "rate-limited",
+                    "Too many requests",
+                    f"key {g.client_id!r} is over {settings.rate_per_s:g} requests/s",
+                    headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))},
+                )
 
 
 def _client_for(header: str, api_keys) -> str:
     scheme, _, key = header.partition(" ")
     if scheme.lower() != "bearer" or not key:
-        raise Problem(401, "unauthorized", "Unauthorized", "send Authorization: Bearer <api key>",
-                      headers={"WWW-Authenticate": "Bearer"})
+        raise Problem(
+            401,
+            "unauthorized",
+            "Unauthorized",
+            "send Authorization: Bearer <api key>",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
     digest = hash_key(key.strip())
     for entry in api_keys:
         if hmac.compare_digest(digest, str(entry["sha256"])):
@@ -99,7 +119,7 @@ def require_admin(api_keys) -> None:
         raise Problem(403, "forbidden", "Forbidden", "this route shows every tenant's traffic: it needs an admin key")
 
 
-def owns(record: dict) -> bool:
+def owns(record: Mapping[str, Any]) -> bool:
     """Without keys every job is everyone's; with keys, only its creator's."""
     client_id = g.get("client_id")
     return client_id is None or record.get("owner") == client_id

@@ -1,48 +1,60 @@
 """The jobs resource: submit an image, read (or long-poll) its job."""
+
 from __future__ import annotations
 
-import io
 import json
 import logging
 import time
-from collections.abc import Collection
+from typing import cast
 
 import redis
-from flask import Blueprint, Response, current_app, g, jsonify, request, url_for
-from werkzeug.datastructures import MultiDict
-from werkzeug.exceptions import RequestEntityTooLarge
+from flask import Blueprint, Response, g, jsonify, request, url_for
 
 from app import metrics
-from app.admission import admission_request, admit, settle
+from app.admission import Reservation
 from app.auth import owns
-from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
+from app.services import Services
+from app.services import services as current_services
+from app.submission import read_submission
 from app.uploads import (
     check_image,
     declared_length,
     option_values,
-    read_whole_body,
     refuse_unknown_fields,
     validate_params,
 )
-from contract import jobs
-from contract.cache import HIT, MISS
+from app.waiters import expire_if_late, until_ended
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.connection import NotReplicated
 from contract.documents import (
+    Document,
     JobAccepted,
     JobDocument,
+    SubmitOptionsBase,
     job_document,
     model_ref,
     submit_options_model,
     submit_query_model,
     wait_query_model,
 )
-from contract.models import UnknownModel, model_references
-from contract.settings import ModelSpec, SettingsError
-from contract.timebill import compute_time_bill
+from contract.jobs.ending import LATE_ERROR
+from contract.jobs.record import (
+    CANCELLED,
+    QUEUED,
+    SUCCEEDED,
+    TERMINAL,
+    JobRecord,
+    is_job_id,
+    new_job_id,
+    utc_iso,
+)
+from contract.models import ModelSpec, model_references
+from contract.sections import SettingsError
+from contract.settings import Settings
+from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -53,274 +65,277 @@ log = logging.getLogger("api")
 SUBMIT_QUERY_NAMES: frozenset[str] = frozenset({"wait"})
 
 
-def _submit_options(settings):
+def _submit_options(settings: Settings) -> type[SubmitOptionsBase]:
     """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
     `model` takes the names and name:version a request may reach."""
-    return submit_options_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
-                                tuple(model_references(settings)))
+    return submit_options_model(
+        max(settings.default_deadline_ms(spec) for spec in settings.models), tuple(model_references(settings))
+    )
 
 
-def _submit_query(settings):
+def _submit_query(settings: Settings) -> type[Document]:
     """The options, and `wait` (the query only: it is about this request, not the job)."""
-    return submit_query_model(max(settings.default_deadline_ms(spec) for spec in settings.models),
-                              tuple(model_references(settings)), settings.api.max_wait_s)
+    return submit_query_model(
+        max(settings.default_deadline_ms(spec) for spec in settings.models),
+        tuple(model_references(settings)),
+        settings.api.max_wait_s,
+    )
 
 
 @blueprint.post("")
-@operation("Submit an image for detection", tag="jobs",
-           problems=((400, "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
-                           "missing or given twice, the form has more than 64 parts, the body is shorter than its "
-                           "Content-Length or its chunked framing is broken, or callbacks are disabled"),
-                     (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
-                     413, 415, (429, "The requested model's backlog is over its limit"), 503),
-           description="Options may come as query parameters or, with a multipart body, as form fields. "
-                       "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "
-                       "within S seconds, else the 202 comes then.",
-           query=_submit_query, body=lambda settings: image_body(settings, _submit_options(settings)),
-           replies={200: Reply("With `wait`: the job ended within it (any end: `succeeded`, `failed`, `expired` "
-                               "or `cancelled`); the same document a read answers", JobDocument,
-                               headers=("Content-Location",)),
-                    202: Reply("Accepted: poll the job at `Location`", JobAccepted, headers=("Location",),
-                               links={name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
-                                      for name, target in (("ReadJob", "jobs_get_job_get"),
-                                                           ("CancelJob", "jobs_cancel_job_delete"))})})
+@operation(
+    "Submit an image for detection",
+    tag="jobs",
+    problems=(
+        (
+            400,
+            "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
+            "missing or given twice, the form has more than 64 parts, the body is shorter than its "
+            "Content-Length or its chunked framing is broken, or callbacks are disabled",
+        ),
+        (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
+        413,
+        415,
+        (429, "The requested model's backlog is over its limit"),
+        503,
+    ),
+    description="Options may come as query parameters or, with a multipart body, as form fields. "
+    "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "
+    "within S seconds, else the 202 comes then.",
+    query=_submit_query,
+    body=lambda settings: image_body(settings, _submit_options(settings)),
+    replies={
+        200: Reply(
+            "With `wait`: the job ended within it (any end: `succeeded`, `failed`, `expired` "
+            "or `cancelled`); the same document a read answers",
+            JobDocument,
+            headers=("Content-Location",),
+        ),
+        202: Reply(
+            "Accepted: poll the job at `Location`",
+            JobAccepted,
+            headers=("Location",),
+            links={
+                name: {"operationId": target, "parameters": {"job_id": "$response.body#/id"}}
+                for name, target in (("ReadJob", "jobs_get_job_get"), ("CancelJob", "jobs_cancel_job_delete"))
+            },
+        ),
+    },
+)
 def submit_job() -> tuple[Response, int, dict[str, str]]:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     # A misspelt option (`maxdet=1`) is refused as it is in the form, before the body is read.
-    refuse_unknown_fields(request.args.keys(), known={*_submit_options(services.settings).model_fields,
-                                                      *SUBMIT_QUERY_NAMES}, where="query parameter")
-    wait_s = _wait_seconds(services.settings.api.max_wait_s)   # refused before the body is read
-    held = Reservation()
+    refuse_unknown_fields(
+        request.args.keys(),
+        known={*_submit_options(services.settings).model_fields, *SUBMIT_QUERY_NAMES},
+        where="query parameter",
+    )
+    wait_s = _wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
-    if declared is not None and ("model" in request.args or request.mimetype != "multipart/form-data"):
-        # The model and the size are known before the body is read: an unknown model or a full backlog or
-        # budget costs no upload. The bytes reserved are the body's; the job's own are given back below.
-        # Where the result cache may answer, admission waits for the body: it is one step with the lookup,
-        # and a hit needs none.
-        spec = _routed_model(services, request.args.get("model"))
-        if services.cache.enabled_for(spec):
-            held.spec = spec
-        else:
-            held.take(services, spec, declared)
+    reservation = services.admission.before_body(
+        request.args.get("model"),
+        declared,
+        client_id=g.get("client_id") or "",
+        model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
+    )
     try:
-        return _accept(services, held, wait_s)
+        return _accept(services, reservation, wait_s)
     except BaseException:
-        held.give_back(services)   # refused after the reservation: a bad option, not an image, Redis away
+        services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
         raise
 
 
-class Reservation:
-    """The model a submission was routed to, and the bytes it reserved (app.admission) until its job is stored
-    with them."""
-    spec: ModelSpec | None = None
-    size: int = 0
-    admitted: bool = False
-
-    def take(self, services, spec: ModelSpec, size: int) -> None:
-        self.spec = spec
-        self.hold(admit(services, spec, size))
-
-    def hold(self, size: int) -> None:
-        """`size` bytes reserved for it (by app.admission's step, or by the cache lookup's)."""
-        self.size, self.admitted = size, True
-
-    def give_back(self, services) -> None:
-        if self.spec is None or not self.size:
-            return
-        try:
-            services.waiting.release(self.spec.key, self.size)
-        except redis.RedisError:   # Redis away: the answer says so already; given back once it answers again
-            log.warning("could not give back %d reserved bytes of model %s yet", self.size, self.spec.key)
-            services.waiting.release_later(self.spec.key, self.size)
-        self.size = 0
-
-
-def _accept(services, held: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
+def _accept(services: Services, reservation: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     submit_options = _submit_options(settings)
-    data, declared_type, form = _read_image(settings.api.max_upload_bytes, fields=submit_options.model_fields)
+    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields)
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
-    if held.spec is None:   # named in the multipart form, or a body of unknown length: routed now
-        held.spec = _routed_model(services, options.model)
-    spec = held.spec
-    cached = options.cache is not False and services.cache.enabled_for(spec)
-    if not held.admitted and not cached:   # admitted now, as it is (with the cache, by the lookup's step)
-        held.take(services, spec, len(data))
+    spec = services.admission.route_body(reservation, options.model, len(data), options.cache)
     model_deadline_ms = settings.default_deadline_ms(spec)
     if options.deadline_ms and options.deadline_ms > model_deadline_ms:
         reason = f"at most {model_deadline_ms} ms for model {spec.key}"
-        raise Problem(400, "invalid-parameter", "Invalid parameter", f"deadline_ms={options.deadline_ms}: {reason}",
-                      invalid_params=[{"name": "deadline_ms", "reason": reason}])
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"deadline_ms={options.deadline_ms}: {reason}",
+            invalid_params=[{"name": "deadline_ms", "reason": reason}],
+        )
     callback_url = _checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
-    job_id = services.store.bulk.new_job_id(jobs.new_job_id)   # on a shard not found down lately
+    job_id = services.store.bulk.new_job_id(new_job_id)  # on a shard not found down lately
     fields = {
         "model": spec.key,
-        "received_at": received_at,
+        RECEIVED_AT: received_at,
         "deadline_at": received_at + deadline_ms / 1000.0,
         "options": options.for_model(),
         "media_type": media_type,
         "bytes": len(data),
-        **({"owner": g.client_id} if g.get("client_id") else {}),
+        **({"owner": reservation.client_id} if reservation.client_id else {}),
         **({"callback_url": callback_url} if callback_url else {}),
     }
-    if cached:   # the lookup and, on a miss, the admission: one step
-        digest = services.cache.digest(data, spec, fields["options"], g.get("client_id") or "")
-        now = time.time()
-        answered = {**fields, "submitted_at": now, "cache": HIT}
-        timings = compute_time_bill({"received_at": received_at, "submitted_at": now, "finished_at": now})
-        admission = admission_request(services, spec, len(data))
-        outcome = services.store.answer_or_admit(job_id, answered, digest, settings.cache.ttl_s, timings, admission)
-        if isinstance(outcome, jobs.CacheHit):   # the job is over already, stored as the 202 says
-            metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
-            status, document = outcome
-            log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
-            if wait_s > 0:
-                return _finished(services, job_id, spec)
-            # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
-            answer = ({"result": json.loads(document), "timings_ms": timings} if status == jobs.SUCCEEDED
-                      else {"error": json.loads(jobs.LATE_ERROR)})
-            return _accepted(job_id, spec, answered, status, answer)
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
-        settle(services, spec, admission, outcome)   # refused: the problem says by which limit
-        held.hold(len(data))
-        fields.update(cache=MISS, cache_key=digest)
-    queue = services.keys.preprocess_queue(spec.key, g.queue_tenant)   # the key's own, as admitted: fairness
-    # The job and its Celery task in one transaction: a Redis that is down is a 503 for both, never half.
+    answered = services.admission.admit(reservation, job_id, data, fields)
+    if answered is not None:  # the cache's: the job is over already, stored as the 202 says
+        (status, document), stored, timings = answered
+        log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
+        if wait_s > 0:
+            return _finished(services, job_id, spec)
+        # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
+        answer = (
+            {"result": json.loads(document), "timings_ms": timings}
+            if status == SUCCEEDED
+            else {"error": json.loads(LATE_ERROR)}
+        )
+        return _accepted(job_id, spec, stored, status, answer)
+    # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
+    # is down is a 503 for both, never half.
+    queue = services.keys.preprocess_queue(spec.key, reservation.tenant)
     task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
     # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
     event = services.listener.register(job_id) if wait_s > 0 else None
     try:
         try:
-            services.store.create(job_id, data, settings.jobs.upload_ttl_s, {**fields, "submitted_at": time.time()},
-                                  task=task, reserved=held.size)
+            services.store.create(
+                job_id,
+                data,
+                settings.jobs.upload_ttl_s,
+                {**fields, SUBMITTED_AT: time.time()},
+                task=task,
+                reserved=reservation.size,
+            )
         except NotReplicated:
-            held.size = 0   # the job held its bytes, and its withdrawal gave them back
+            reservation.stored()  # the job held its bytes, and its withdrawal gave them back
             raise
-        held.size = 0   # stored: the job's bytes are given back by whatever ends it
-        log.info("job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type,
-                                        "model": spec.key})
+        reservation.stored()
+        log.info(
+            "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
+        )
         if event is None:
-            return _accepted(job_id, spec, fields, jobs.QUEUED)
+            return _accepted(job_id, spec, fields, QUEUED)
         try:
-            record = _until_ended(services, job_id, {"id": job_id, "status": jobs.QUEUED, **fields}, wait_s, event)
-            record = _expire_if_late(services, record)   # a wait ended by the deadline: over, one way or another
-        except redis.RedisError:   # the job is stored: its 202 says where, whatever the wait met
+            waiting = cast(JobRecord, {"id": job_id, "status": QUEUED, **fields})
+            record = until_ended(services.store, job_id, waiting, wait_s, event)
+            record = expire_if_late(services.store, record)  # a wait ended by the deadline: over, one way or another
+        except redis.RedisError:  # the job is stored: its 202 says where, whatever the wait met
             log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
-            return _accepted(job_id, spec, fields, jobs.QUEUED)
+            return _accepted(job_id, spec, fields, QUEUED)
     finally:
         if event is not None:
             services.listener.unregister(job_id, event)
-    if record["status"] in jobs.TERMINAL:
+    if record["status"] in TERMINAL:
         return _finished(services, job_id, spec, record)
     return _accepted(job_id, spec, fields, record["status"])
 
 
-def _finished(services, job_id: str, spec, record: dict | None = None) -> tuple[Response, int, dict[str, str]]:
+def _finished(
+    services: Services, job_id: str, spec: ModelSpec, record: JobRecord | None = None
+) -> tuple[Response, int, dict[str, str]]:
     """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
     record = record or services.store.load(job_id)
-    if record is None:   # gone already (a TTL of seconds): the 202 still tells where it was
-        return _accepted(job_id, spec, {"received_at": g.received_at}, jobs.QUEUED)
+    if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
+        return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
 
-def _accepted(job_id: str, spec, fields: dict, status: str,
-              answer: dict | None = None) -> tuple[Response, int, dict[str, str]]:
+def _accepted(
+    job_id: str, spec: ModelSpec, fields: dict, status: str, answer: dict | None = None
+) -> tuple[Response, int, dict[str, str]]:
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
-    body = JobAccepted.model_validate({"id": job_id, "status": status, "model": model_ref(spec.key),
-                                       "links": {"self": location}, **({"cache": fields["cache"]}
-                                                                        if "cache" in fields else {}),
-                                       "created_at": jobs.utc_iso(fields["received_at"]), **(answer or {})})
+    body = JobAccepted.model_validate(
+        {
+            "id": job_id,
+            "status": status,
+            "model": model_ref(spec.key),
+            "links": {"self": location},
+            **({"cache": fields["cache"]} if "cache" in fields else {}),
+            "created_at": utc_iso(fields[RECEIVED_AT]),
+            **(answer or {}),
+        }
+    )
     return jsonify(body.to_json()), 202, {"Location": location}
 
 
 @blueprint.get("/<job_id>")
-@operation("Read a job, optionally waiting for it to end", tag="jobs",
-           problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
-           query=lambda settings: wait_query_model(settings.api.max_wait_s),
-           replies={200: Reply("The job", JobDocument)})
+@operation(
+    "Read a job, optionally waiting for it to end",
+    tag="jobs",
+    problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
+    query=lambda settings: wait_query_model(settings.api.max_wait_s),
+    replies={200: Reply("The job", JobDocument)},
+)
 def get_job(job_id: str) -> Response:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
-    if wait_s <= 0 or not jobs.is_job_id(job_id):
-        return jsonify(job_document(_expire_if_late(services, _load_owned(services, job_id))))
+    if wait_s <= 0 or not is_job_id(job_id):
+        return jsonify(job_document(expire_if_late(services.store, _load_owned(services, job_id))))
     # Listen before the first read: an end announced after it wakes this request.
     event = services.listener.register(job_id)
     try:
-        record = _until_ended(services, job_id, _load_owned(services, job_id), wait_s, event)
+        record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
     finally:
         services.listener.unregister(job_id, event)
-    return jsonify(job_document(_expire_if_late(services, record)))
-
-
-def _until_ended(services, job_id: str, record: dict, wait_s: float, event) -> dict:
-    """The job once it ended, or as it stands after `wait_s`. No point waiting past its deadline: it is over by
-    then, one way or another (_expire_if_late says so). A wake-up that finds it still live (the listener
-    resubscribing wakes every waiter) waits on for the time left."""
-    until = time.monotonic() + wait_s
-    while record["status"] not in jobs.TERMINAL:
-        left = min(until - time.monotonic(), record["deadline_at"] - time.time() + 0.05)
-        if left <= 0:
-            break
-        woken = event.wait(left)
-        event.clear()
-        record = services.store.load(job_id) or record
-        if not woken:
-            break
-    return record
-
-
-def _expire_if_late(services, record: dict) -> dict:
-    """A live job past its deadline is over, even when no worker is left to say so."""
-    if record["status"] in jobs.TERMINAL or time.time() <= record["deadline_at"]:
-        return record
-    services.store.expire(record["id"], "before an answer was written")
-    return services.store.load(record["id"]) or record
+    return jsonify(job_document(expire_if_late(services.store, record)))
 
 
 @blueprint.delete("/<job_id>")
-@operation("Cancel a job that has not ended", tag="jobs", problems=(404, 409, 503),
-           replies={200: Reply("The job, now cancelled", JobDocument)})
+@operation(
+    "Cancel a job that has not ended",
+    tag="jobs",
+    problems=(404, 409, 503),
+    replies={200: Reply("The job, now cancelled", JobDocument)},
+)
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     _load_owned(services, job_id)
-    cancelled = services.store.finish(job_id, jobs.CANCELLED,
-                                      {"error": {"code": "cancelled", "message": "cancelled by the client"}})
+    cancelled = services.store.finish(
+        job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}}
+    )
     record = services.store.load(job_id)
     if not cancelled or record is None:
         status = record["status"] if record else "gone"
-        raise Problem(409, "job-already-finished", "Job already finished",
-                      f"job {job_id!r} ended as {status!r} and cannot be cancelled")
+        raise Problem(
+            409,
+            "job-already-finished",
+            "Job already finished",
+            f"job {job_id!r} ended as {status!r} and cannot be cancelled",
+        )
     services.store.drop_upload(job_id)
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(job_document(record))
 
 
 @blueprint.post("/<job_id>/callback")
-@operation("Deliver an ended job's callback again, from its first attempt", tag="jobs",
-           problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
-           description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
-                       "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
-           replies={202: Reply("Queued again", JobDocument)})
+@operation(
+    "Deliver an ended job's callback again, from its first attempt",
+    tag="jobs",
+    problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
+    description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
+    "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
+    replies={202: Reply("Queued again", JobDocument)},
+)
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     record = _load_owned(services, job_id)
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
     if not services.store.redeliver_callback(job_id):
-        raise Problem(409, "job-not-finished", "Job not finished",
-                      f"job {job_id!r} has not ended: its callback is sent when it does")
+        raise Problem(
+            409,
+            "job-not-finished",
+            "Job not finished",
+            f"job {job_id!r} has not ended: its callback is sent when it does",
+        )
     log.info("callback queued again", extra={"job_id": job_id})
     return jsonify(job_document(services.store.load(job_id) or record)), 202
 
 
-def _checked_callback_url(url: str | None, settings) -> str | None:
+def _checked_callback_url(url: str | None, settings: Settings) -> str | None:
     if not url:
         return None
     try:
@@ -328,86 +343,37 @@ def _checked_callback_url(url: str | None, settings) -> str | None:
     except SettingsError:
         secret = None
     if not secret:
-        raise Problem(400, "callbacks-disabled", "Callbacks disabled",
-                      "no callback secret is configured for this deployment (callbacks.secret) or, with API "
-                      "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)")
+        raise Problem(
+            400,
+            "callbacks-disabled",
+            "Callbacks disabled",
+            "no callback secret is configured for this deployment (callbacks.secret) or, with API "
+            "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)",
+        )
     try:
         check_callback_url(url, settings.callbacks.allow_hosts)
     except CallbackRefused as exc:
         # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
         log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
-        raise Problem(400, "invalid-parameter", "Invalid parameter", f"callback_url: {exc.public}",
-                      invalid_params=[{"name": "callback_url", "reason": exc.public}]) from exc
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"callback_url: {exc.public}",
+            invalid_params=[{"name": "callback_url", "reason": exc.public}],
+        ) from exc
     return url
 
 
-def _refuse_unparsable_multipart(body: bytes) -> None:
-    """Werkzeug drops a multipart body it cannot parse without a word; say why instead of "missing"."""
-    from werkzeug.formparser import parse_form_data
-
-    environ = {**request.environ, "wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))}
-    try:
-        parse_form_data(environ, silent=False)
-    except Exception as exc:
-        reason = "a part's headers are not UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)[:200]
-        raise Problem(400, "malformed-body", "Malformed body", f"the multipart body cannot be parsed: {reason}",
-                      invalid_params=[{"name": "image", "reason": reason}]) from exc
-
-
-def _load_owned(services, job_id: str) -> dict:
+def _load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
-    record = services.store.load(job_id) if jobs.is_job_id(job_id) else None
+    record = services.store.load(job_id) if is_job_id(job_id) else None
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record
 
 
-def _routed_model(services, reference: str | None) -> ModelSpec:
-    try:
-        return services.catalogue.resolve(reference)
-    except UnknownModel as exc:
-        raise Problem(404, "model-not-found", "Model not found", f"{exc}; served: {', '.join(exc.served)}",
-                      models=exc.served) from None
-
-
 def _wait_seconds(max_wait_s: float) -> float:
     given = option_values(request.args, names=("wait",))
     return validate_params(wait_query_model(max_wait_s), given).wait or 0.0
-
-
-def _read_image(limit: int, fields: Collection[str]) -> tuple[bytes, str | None, MultiDict[str, str]]:
-    """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
-    the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
-    app.multipart where it can (one slice per part), else by Werkzeug. A part named neither `image` nor
-    one of `fields` is a 400: a misspelt option would otherwise be dropped without a word."""
-    api = current_app.extensions["imgserve"].settings.api
-    body = read_whole_body(request.environ, limit, api.body_timeout_s, api.body_min_rate)
-    request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
-    request.environ.pop("HTTP_TRANSFER_ENCODING", None)
-    request.environ["wsgi.input_terminated"] = False
-    if request.mimetype != "multipart/form-data":
-        return body, request.mimetype, MultiDict()
-    try:
-        form = parse_form(body, request.content_type or "")
-        if form is not None:
-            uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
-            given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
-        else:   # Werkzeug's parser, held to the same count (create_app sets MAX_FORM_PARTS)
-            uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
-            given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
-    except (TooManyParts, RequestEntityTooLarge) as exc:
-        # Werkzeug says 413 for too many parts, and the body was within the size limit: a form of this shape is
-        # no submission, whatever its size (one image and a few options).
-        raise Problem(400, "too-many-parts", "Too many parts", f"the multipart body has more than {MAX_PARTS} "
-                      "parts; a submission is one 'image' part and its options") from exc
-    if form is None and not uploads:
-        _refuse_unparsable_multipart(body)
-    refuse_unknown_fields(part_names, known={"image", *fields})
-    if not uploads:
-        raise Problem(400, "missing-image", "Missing image",
-                      "multipart/form-data submissions need a file field named 'image'")
-    if len(uploads) > 1:
-        raise Problem(400, "invalid-parameter", "Invalid parameter", "send one file field named 'image', not "
-                      f"{len(uploads)}", invalid_params=[{"name": "image", "reason": "given more than once"}])
-    return uploads[0][0], uploads[0][1], given

@@ -1,6 +1,7 @@
 """Prometheus metrics of the API (multiprocess-safe under gunicorn when
 PROMETHEUS_MULTIPROC_DIR is set, as scripts/run-local and the image do): at
 /metrics on the API's port, or only on `api.metrics_port` when one is set."""
+
 from __future__ import annotations
 
 import os
@@ -26,16 +27,20 @@ blueprint = Blueprint("metrics", __name__)
 
 REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "route", "status"])
 REJECTS = Counter("imgserve_api_rejects_total", "Requests refused with a problem document", ["reason"])
-SUBMITTED = Counter("imgserve_api_jobs_submitted_total", "Jobs accepted, by the model version they were routed to",
-                    ["model", "version"])
-CACHE_LOOKUPS = Counter("imgserve_api_cache_lookups_total", "Result-cache lookups by model version and result "
-                        "(hit, miss); the hit rate is hits over both", ["model", "version", "result"])
+SUBMITTED = Counter(
+    "imgserve_api_jobs_submitted_total", "Jobs accepted, by the model version they were routed to", ["model", "version"]
+)
+CACHE_LOOKUPS = Counter(
+    "imgserve_api_cache_lookups_total",
+    "Result-cache lookups by model version and result (hit, miss); the hit rate is hits over both",
+    ["model", "version", "result"],
+)
 LATENCY = Histogram("imgserve_api_request_seconds", "API request latency (long-polls included)", ["route"])
 
 # Labels come from a closed set: each new value is a new series in every scrape (and in the multiprocess mmap
 # files), and anyone may send any method to any path (3,000 random methods made 3,435 series, a 147 ms scrape).
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
-OTHER = "other"   # any other method; a path that is no route of the API
+OTHER = "other"  # any other method; a path that is no route of the API
 
 
 def method_label(method: str) -> str:
@@ -60,8 +65,12 @@ def install(app: Flask) -> None:
 
 
 @blueprint.get("/metrics")
-@operation("Prometheus metrics of the API processes", tag="health", public=True,
-           replies={200: Reply("Prometheus text format", media_type="text/plain", schema={"type": "string"})})
+@operation(
+    "Prometheus metrics of the API processes",
+    tag="health",
+    public=True,
+    replies={200: Reply("Prometheus text format", media_type="text/plain", schema={"type": "string"})},
+)
 def expose() -> Response:
     return Response(generate_latest(api_registry()), mimetype=CONTENT_TYPE_LATEST)
 
@@ -77,6 +86,5 @@ def api_registry() -> CollectorRegistry:
 
 def serve_on_metrics_port(settings: Settings) -> WSGIServer:
     """The internal metrics listener; gunicorn's master starts it (configs/gunicorn.conf.py)."""
-    server, _thread = start_http_server(settings.api.metrics_port, settings.api.metrics_host,
-                                        registry=api_registry())
+    server, _thread = start_http_server(settings.api.metrics_port, settings.api.metrics_host, registry=api_registry())
     return server

@@ -12,6 +12,7 @@ Werkzeug's parser, with its tolerance and its error messages, still decides ever
 does read a body, it reads what Werkzeug reads: the same names, values (decoded by the part's charset as
 Werkzeug does), files and media types (a test compares the two on every form the clients send).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,8 @@ from werkzeug.datastructures import MultiDict
 from werkzeug.http import parse_options_header
 
 MAX_PART_HEADER_BYTES = 8192
-MAX_PARTS = 64          # more than any submission needs (one image and its options); more: TooManyParts
-_CHARSETS = {"ascii", "us-ascii", "utf-8", "iso-8859-1"}   # Werkzeug's list for a text part
+MAX_PARTS = 64  # more than any submission needs (one image and its options); more: TooManyParts
+_CHARSETS = {"ascii", "us-ascii", "utf-8", "iso-8859-1"}  # Werkzeug's list for a text part
 
 
 class TooManyParts(ValueError):
@@ -32,7 +33,7 @@ class TooManyParts(ValueError):
 class FilePart:
     name: str
     filename: str
-    mimetype: str        # the part's Content-Type without parameters, lower case ("" when absent)
+    mimetype: str  # the part's Content-Type without parameters, lower case ("" when absent)
     data: bytes
 
 
@@ -63,7 +64,7 @@ def parse_form(body: bytes | bytearray, content_type: str) -> Form | None:
     fields: list[tuple[str, str]] = []
     files: list[FilePart] = []
     next_delimiter = b"\r\n" + delimiter
-    while not body.startswith(b"--", pos):            # the close delimiter ends the form
+    while not body.startswith(b"--", pos):  # the close delimiter ends the form
         if not body.startswith(b"\r\n", pos):
             return None
         if len(fields) + len(files) >= MAX_PARTS:
@@ -71,7 +72,7 @@ def parse_form(body: bytes | bytearray, content_type: str) -> Form | None:
         headers_end = body.find(b"\r\n\r\n", pos)
         if headers_end < 0 or headers_end - pos > MAX_PART_HEADER_BYTES:
             return None
-        headers = _part_headers(body[pos + 2:headers_end])
+        headers = _part_headers(body[pos + 2 : headers_end])
         content_end = body.find(next_delimiter, headers_end + 4)
         if headers is None or content_end < 0:
             return None
@@ -79,7 +80,7 @@ def parse_form(body: bytes | bytearray, content_type: str) -> Form | None:
         name = params.get("name")
         if disposition != "form-data" or name is None:
             return None
-        content = bytes(body[headers_end + 4:content_end])
+        content = bytes(body[headers_end + 4 : content_end])
         part_type = headers.get("content-type", "")
         if "filename" in params:
             files.append(FilePart(name, params["filename"], parse_options_header(part_type)[0].lower(), content))

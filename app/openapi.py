@@ -7,6 +7,7 @@ generated from the app's URL map, its settings and those models the first
 time it is asked for, then kept on the app with its JSON and its page as bytes
 (nothing it reads changes while the app runs; `published`).
 """
+
 from __future__ import annotations
 
 import re
@@ -22,15 +23,16 @@ from pydantic.json_schema import models_json_schema
 
 from app.operations import Operation, Reply, operation
 from app.problems import PROBLEM_TYPE
+from app.services import services as current_services
 from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 from contract.documents import ProblemDocument
-from contract.jobs import JOB_ID_PATTERN
+from contract.jobs.record import JOB_ID_PATTERN
 from contract.settings import Settings
 
 blueprint = Blueprint("openapi", __name__)
 
 SCHEMA_REF = "#/components/schemas/{model}"
-TAGS = ("jobs", "models", "stats", "health", "meta")   # the order of the docs page
+TAGS = ("jobs", "models", "stats", "health", "meta")  # the order of the docs page
 PROBLEMS = {
     400: "A parameter is invalid (named in `invalid_params`)",
     401: "No or an unknown API key (only when keys are configured)",
@@ -43,13 +45,17 @@ PROBLEMS = {
 }
 HEADERS = {
     "Location": {"description": "the job's URL", "schema": {"type": "string"}},
-    "Content-Location": {"description": "the job's URL: the body is the job as a read of it answers",
-                         "schema": {"type": "string"}},
+    "Content-Location": {
+        "description": "the job's URL: the body is the job as a read of it answers",
+        "schema": {"type": "string"},
+    },
     "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}},
 }
 PATH_PARAMETERS = {
-    "job_id": {"description": "the `id` the submission answered with",
-               "schema": {"type": "string", "pattern": JOB_ID_PATTERN}},
+    "job_id": {
+        "description": "the `id` the submission answered with",
+        "schema": {"type": "string", "pattern": JOB_ID_PATTERN},
+    },
 }
 # Statuses whose problem documents always carry these headers.
 PROBLEM_HEADERS = {429: ("Retry-After",)}
@@ -58,27 +64,37 @@ PROBLEM_HEADERS = {429: ("Retry-After",)}
 def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:
     """The submission body: the raw image, or multipart with an `image` file and the options."""
     binary = {"type": "string", "format": "binary", "maxLength": settings.api.max_upload_bytes}
-    form: dict[str, Any] = {"type": "object", "required": ["image"], "additionalProperties": False,
-            "properties": {"image": binary, **_parameter_schemas(options)}}
+    form: dict[str, Any] = {
+        "type": "object",
+        "required": ["image"],
+        "additionalProperties": False,
+        "properties": {"image": binary, **_parameter_schemas(options)},
+    }
     content: dict[str, Any] = {"multipart/form-data": {"schema": form}}
     content.update({media_type: {"schema": binary} for media_type in (*ACCEPTED_TYPES, "application/octet-stream")})
-    return {"required": True, "content": content,
-            "description": "The image, as the raw body or as the `image` field of a multipart form. "
-                           "Its bytes decide its type, whatever the declared one."}
+    return {
+        "required": True,
+        "content": content,
+        "description": "The image, as the raw body or as the `image` field of a multipart form. "
+        "Its bytes decide its type, whatever the declared one.",
+    }
 
 
 def build_document(app: Flask) -> dict[str, Any]:
-    settings: Settings = app.extensions["imgserve"].settings
+    settings = current_services(app).settings
     registry = _SchemaRegistry()
     paths: dict[str, dict[str, Any]] = {}
-    declared_rules = [(rule, getattr(app.view_functions[rule.endpoint], "openapi", None))
-                      for rule in app.url_map.iter_rules()]
-    for rule, declared in sorted(((r, d) for r, d in declared_rules if d is not None),
-                                 key=lambda item: (TAGS.index(item[1].tag), item[0].rule)):
+    declared_rules = [
+        (rule, getattr(app.view_functions[rule.endpoint], "openapi", None)) for rule in app.url_map.iter_rules()
+    ]
+    for rule, declared in sorted(
+        ((r, d) for r, d in declared_rules if d is not None), key=lambda item: (TAGS.index(item[1].tag), item[0].rule)
+    ):
         path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
         for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
-            paths.setdefault(path, {})[method.lower()] = _render(declared, rule.arguments, settings, registry,
-                                                               f"{rule.endpoint}.{method.lower()}")
+            paths.setdefault(path, {})[method.lower()] = _render(
+                declared, rule.arguments, settings, registry, f"{rule.endpoint}.{method.lower()}"
+            )
     document: dict[str, Any] = {
         "openapi": "3.1.0",
         "info": {"title": "imgserve", "version": _version(), "description": DESCRIPTION},
@@ -90,26 +106,40 @@ def build_document(app: Flask) -> dict[str, Any]:
     return document
 
 
-def _render(declared: Operation, path_arguments: set[str], settings: Settings, registry: _SchemaRegistry,
-            operation_id: str) -> dict[str, Any]:
+def _render(
+    declared: Operation, path_arguments: set[str], settings: Settings, registry: _SchemaRegistry, operation_id: str
+) -> dict[str, Any]:
     guarded = bool(settings.auth.api_keys) and not declared.public
     problems = dict(p if isinstance(p, tuple) else (p, PROBLEMS[p]) for p in declared.problems)
     if guarded:
         problems = {401: PROBLEMS[401], 429: PROBLEMS[429], **problems}
     responses = {str(status): _reply(reply, registry) for status, reply in declared.replies.items()}
     for status, meaning in sorted(problems.items()):
-        responses[str(status)] = _reply(Reply(meaning, ProblemDocument, PROBLEM_TYPE,
-                                              headers=PROBLEM_HEADERS.get(status, ())), registry)
-    rendered: dict[str, Any] = {"operationId": operation_id.replace(".", "_"), "summary": declared.summary,
-                                "tags": [declared.tag], "responses": responses}
+        responses[str(status)] = _reply(
+            Reply(meaning, ProblemDocument, PROBLEM_TYPE, headers=PROBLEM_HEADERS.get(status, ())), registry
+        )
+    rendered: dict[str, Any] = {
+        "operationId": operation_id.replace(".", "_"),
+        "summary": declared.summary,
+        "tags": [declared.tag],
+        "responses": responses,
+    }
     if declared.description:
         rendered["description"] = declared.description
-    parameters = [{"name": name, "in": "path", "required": True, **PATH_PARAMETERS[name]}
-                  for name in sorted(path_arguments)]
+    parameters = [
+        {"name": name, "in": "path", "required": True, **PATH_PARAMETERS[name]} for name in sorted(path_arguments)
+    ]
     if declared.query:
-        parameters += [{"name": name, "in": "query", "required": False, "schema": schema,
-                        "description": schema.pop("description", "")}
-                       for name, schema in _parameter_schemas(declared.query(settings)).items()]
+        parameters += [
+            {
+                "name": name,
+                "in": "query",
+                "required": False,
+                "schema": schema,
+                "description": schema.pop("description", ""),
+            }
+            for name, schema in _parameter_schemas(declared.query(settings)).items()
+        ]
     if parameters:
         rendered["parameters"] = parameters
     if declared.body:
@@ -134,8 +164,10 @@ def _reply(reply: Reply, registry: _SchemaRegistry) -> dict[str, Any]:
 def _parameter_schemas(model: type[BaseModel]) -> dict[str, dict[str, Any]]:
     """A flat model's fields as parameter schemas (unset means absent, never null)."""
     properties = model.model_json_schema()["properties"]
-    return {name: {k: v for k, v in schema.items() if k != "title" and not (k == "default" and v is None)}
-            for name, schema in properties.items()}
+    return {
+        name: {k: v for k, v in schema.items() if k != "title" and not (k == "default" and v is None)}
+        for name, schema in properties.items()
+    }
 
 
 class _SchemaRegistry:
@@ -152,8 +184,7 @@ class _SchemaRegistry:
 
     def resolve(self) -> dict[str, Any]:
         models = list(dict.fromkeys(model for model, _ in self._wanted))
-        refs, schemas = models_json_schema([(model, "serialization") for model in models],
-                                           ref_template=SCHEMA_REF)
+        refs, schemas = models_json_schema([(model, "serialization") for model in models], ref_template=SCHEMA_REF)
         for model, placeholder in self._wanted:
             placeholder.update(refs[(model, "serialization")])
         return _without_null_defaults(schemas.get("$defs", {}))
@@ -193,16 +224,20 @@ When API keys are configured, every `/v1` route needs `Authorization: Bearer <ke
 
 
 @blueprint.get("/openapi.json")
-@operation("This OpenAPI document", tag="meta", public=True,
-           replies={200: Reply("OpenAPI 3.1", schema={"type": "object"})})
+@operation(
+    "This OpenAPI document", tag="meta", public=True, replies={200: Reply("OpenAPI 3.1", schema={"type": "object"})}
+)
 def openapi_document() -> Response:
     return Response(published(current_app).json, mimetype="application/json")
 
 
 @blueprint.get("/docs")
-@operation("Human-readable API documentation", tag="meta", public=True,
-           replies={200: Reply("An HTML page rendered from /openapi.json", media_type="text/html",
-                               schema={"type": "string"})})
+@operation(
+    "Human-readable API documentation",
+    tag="meta",
+    public=True,
+    replies={200: Reply("An HTML page rendered from /openapi.json", media_type="text/html", schema={"type": "string"})},
+)
 def docs_page() -> Response:
     return Response(published(current_app).html, mimetype="text/html")
 
@@ -210,6 +245,7 @@ def docs_page() -> Response:
 @dataclass(frozen=True)
 class Published:
     """The document and both its renderings, as served: bytes made once."""
+
     document: dict[str, Any]
     json: bytes
     html: bytes
@@ -224,13 +260,14 @@ def published(app: Flask) -> Published:
     key (8 clients fetching it took authenticated calls from a p90 of 22 ms to 1.2 s)."""
     built = app.extensions.get("imgserve.openapi")
     if built is None:
-        with _publishing:   # several first calls at once build it once
+        with _publishing:  # several first calls at once build it once
             built = app.extensions.get("imgserve.openapi")
             if built is None:
                 document = build_document(app)
                 with app.app_context():
-                    html = render_template_string(DOCS_TEMPLATE, doc=document, describe=describe_schema,
-                                                  code=code_spans)
+                    html = render_template_string(
+                        DOCS_TEMPLATE, doc=document, describe=describe_schema, code=code_spans
+                    )
                     built = Published(document, app.json.dumps(document).encode(), html.encode())
                 app.extensions["imgserve.openapi"] = built
     return built
@@ -255,7 +292,9 @@ def describe_schema(schema: dict[str, Any]) -> str:
     if kind == "object" and "additionalProperties" in schema:
         return "map of " + describe_schema(schema["additionalProperties"])
     low, high = schema.get("minimum"), schema.get("maximum")
-    bounds = f" {low if low is not None else ''}..{high if high is not None else ''}" if (low, high) != (None, None) else ""
+    bounds = (
+        f" {low if low is not None else ''}..{high if high is not None else ''}" if (low, high) != (None, None) else ""
+    )
     return f"{kind}{' (' + schema['format'] + ')' if 'format' in schema else ''}{bounds}"
 
 

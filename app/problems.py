@@ -1,4 +1,5 @@
 """RFC 9457 problem details: every API error is JSON of one shape."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -12,8 +13,9 @@ from contract.documents import PROBLEM_TYPE, ProblemDocument
 class Problem(Exception):
     """Raise anywhere in a request to answer with a problem document."""
 
-    def __init__(self, status: int, slug: str, title: str, detail: str,
-                 headers: dict[str, str] | None = None, **extra: Any) -> None:
+    def __init__(
+        self, status: int, slug: str, title: str, detail: str, headers: dict[str, str] | None = None, **extra: Any
+    ) -> None:
         super().__init__(detail)
         self.status, self.slug, self.title, self.detail = status, slug, title, detail
         self.headers = headers or {}
@@ -22,8 +24,13 @@ class Problem(Exception):
 
 def problem_response(problem: Problem) -> Response:
     REJECTS.labels(problem.slug).inc()
-    body = ProblemDocument(type=f"/problems/{problem.slug}", title=problem.title,
-                           status=problem.status, detail=problem.detail, **problem.extra)
+    body = ProblemDocument(
+        type=f"/problems/{problem.slug}",
+        title=problem.title,
+        status=problem.status,
+        detail=problem.detail,
+        **problem.extra,
+    )
     response = jsonify(body.to_json())
     response.status_code = problem.status
     response.mimetype = PROBLEM_TYPE

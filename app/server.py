@@ -7,6 +7,7 @@ from the service has one shape. And a request refused before its body was
 read (401, 413) closes its connection and says so: otherwise gunicorn would
 answer `keep-alive` and then read the whole refused body to find the next request.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,26 +27,33 @@ _REFUSED_UNREAD = ("401", "408", "413")
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:
     """What gunicorn.util.write_error writes, as application/problem+json."""
     slug = reason.lower().replace(" ", "-")
-    body = json.dumps({"type": f"/problems/{slug}", "title": reason, "status": status,
-                       "detail": message or reason}).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: {PROBLEM_TYPE}\r\n"
-            f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\n\r\n").encode("latin-1")
+    body = json.dumps(
+        {"type": f"/problems/{slug}", "title": reason, "status": status, "detail": message or reason}
+    ).encode()
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: {PROBLEM_TYPE}\r\n"
+        f"X-Content-Type-Options: nosniff\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode("latin-1")
     util.write_nonblock(sock, head + body)
 
 
 def close_after_refusal(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
     """WSGI middleware: a 401 or 413 to a request that carries a body ends the connection."""
+
     def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        carries_body = environ.get("CONTENT_LENGTH") not in (None, "", "0") or \
-            "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+        carries_body = (
+            environ.get("CONTENT_LENGTH") not in (None, "", "0")
+            or "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+        )
 
         def refusing_start_response(status: str, headers: list, exc_info: Any = None) -> Any:
-            response = getattr(start_response, "__self__", None)   # gunicorn's Response
+            response = getattr(start_response, "__self__", None)  # gunicorn's Response
             if carries_body and status[:3] in _REFUSED_UNREAD and response is not None:
                 response.must_close = True
             return start_response(status, headers, exc_info)
 
         return app(environ, refusing_start_response)
+
     return wrapped
 
 
@@ -63,7 +71,7 @@ def cheap_readiness_checks() -> None:
     through_gevent = parser._socket_can_read
 
     def socket_can_read(sock: Any, timeout: float | None) -> bool:
-        if timeout != 0 or hasattr(sock, "pending"):   # TLS keeps bytes above the socket: redis-py's own check
+        if timeout != 0 or hasattr(sock, "pending"):  # TLS keeps bytes above the socket: redis-py's own check
             return bool(through_gevent(sock, timeout))  # type: ignore[arg-type]  # redis-py passes None to block
         poller = unpatched_poll()
         poller.register(sock, select.POLLIN)
@@ -77,6 +85,7 @@ class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is unty
     the head, then the body, in two sends: on loopback each send is most of a small answer's cost (py-spy: a
     third of the API worker's CPU in socket sends), and every answer here is a small JSON document. A body
     over COALESCE_MAX_BYTES, a chunked one, or none at all (HEAD, 204, 304) gets the head on its own, first."""
+
     _head = b""
 
     def send_headers(self) -> None:
@@ -85,7 +94,7 @@ class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is unty
         tosend = self.default_headers()
         tosend.extend([f"{name}: {value}\r\n" for name, value in self.headers])
         self._head = util.to_bytestring("{}\r\n".format("".join(tosend)), "latin-1")
-        self.headers_sent = True   # as gunicorn means it: decided, and going out with the body
+        self.headers_sent = True  # as gunicorn means it: decided, and going out with the body
         if self.chunked:
             self._flush_head()
 
@@ -96,7 +105,7 @@ class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is unty
         super()._emit_body(data)
 
     def close(self) -> None:
-        self._flush_head()   # a response without body bytes (HEAD, 204, an empty body)
+        self._flush_head()  # a response without body bytes (HEAD, 204, an empty body)
         super().close()
 
     def _flush_head(self) -> None:
@@ -114,8 +123,8 @@ class ProblemGeventWorker(GeventWorker):
         cheap_readiness_checks()
 
     def init_process(self) -> None:
-        util.write_error = write_problem   # in this worker process only; the master keeps gunicorn's
-        wsgi.Response = OneWriteResponse   # gunicorn.http.wsgi.create builds this worker's HTTP/1 responses
+        util.write_error = write_problem  # in this worker process only; the master keeps gunicorn's
+        wsgi.Response = OneWriteResponse  # gunicorn.http.wsgi.create builds this worker's HTTP/1 responses
         super().init_process()
 
     def load_wsgi(self) -> None:

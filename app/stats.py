@@ -1,42 +1,53 @@
 """`GET /v1/stats`: a JSON summary of queues, GPU workers, the time bill and the result cache."""
+
 from __future__ import annotations
 
-from flask import Blueprint, Response, current_app, jsonify
+from typing import cast
+
+from flask import Blueprint, Response, jsonify
 
 from app.auth import require_admin
 from app.health import live_gpu_workers
 from app.operations import Reply, operation
-from contract.documents import Stats
+from app.services import services as current_services
 from contract.heartbeat import Heartbeat
-from contract.jobs import queue_depths, total_depths
+from contract.jobs.backlog import queue_depths, total_depths
+from contract.status_documents import Stats
 from contract.timebill import host_ms_per_batch
 
 blueprint = Blueprint("stats", __name__)
 
 
 @blueprint.get("/v1/stats")
-@operation("Queues, GPU busy fraction, batch sizes and the recent time bill", tag="stats",
-           problems=((403, "API keys are configured and this one is not an admin key"), 503),
-           replies={200: Reply("A summary over each GPU worker's recent window", Stats)})
+@operation(
+    "Queues, GPU busy fraction, batch sizes and the recent time bill",
+    tag="stats",
+    problems=((403, "API keys are configured and this one is not an admin key"), 503),
+    replies={200: Reply("A summary over each GPU worker's recent window", Stats)},
+)
 def stats() -> Response:
-    services = current_app.extensions["imgserve"]
+    services = current_services()
     require_admin(services.settings.auth.api_keys)
     client, keys = services.redis, services.keys
     workers = live_gpu_workers()
-    for worker in workers:   # live totals, fresher than the heartbeat's
-        raw = client.hgetall(keys.gpu_counters(worker.worker_id))
+    for worker in workers:  # live totals, fresher than the heartbeat's
+        raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     depths = queue_depths(client, keys, list(services.catalogue.specs), services.settings.tenants)
-    summary = Stats.model_validate({
-        "cache": services.cache.stats(list(services.catalogue.specs)),
-        "queues": total_depths(depths),
-        "queues_by_model": depths,
-        "gpu_workers": [{"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated,
-                         **w.stats} for w in workers],
-        "gpu": _combined(workers),
-        "models": _per_model(workers),
-    })
+    summary = Stats.model_validate(
+        {
+            "cache": services.cache.stats(list(services.catalogue.specs)),
+            "queues": total_depths(depths),
+            "queues_by_model": depths,
+            "gpu_workers": [
+                {"worker_id": w.worker_id, "device": w.model.device, "simulated": w.model.simulated, **w.stats}
+                for w in workers
+            ],
+            "gpu": _combined(workers),
+            "models": _per_model(workers),
+        }
+    )
     return jsonify(summary.to_json())
 
 

@@ -1,4 +1,5 @@
 """Validating a submission: the image bytes and the per-job options. Pure functions."""
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,12 @@ def declared_length(environ: dict[str, Any], limit: int) -> int | None:
     except ValueError as exc:
         raise Problem(400, "malformed-body", "Malformed body", "Content-Length is not a number") from exc
     if expected > limit:
-        raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
-                      f"the upload of {expected} bytes exceeds the limit of {limit} bytes")
+        raise Problem(
+            413,
+            "request-entity-too-large",
+            "Request Entity Too Large",
+            f"the upload of {expected} bytes exceeds the limit of {limit} bytes",
+        )
     return expected
 
 
@@ -56,23 +61,33 @@ def read_whole_body(environ: dict[str, Any], limit: int, timeout_s: float = 10.0
     prior = sock.gettimeout() if sock is not None else None
     whole = _whole_read_bound(deadline - time.monotonic()) if sock is not None else contextlib.nullcontext()
     try:
-        with whole:   # gunicorn's reader loops over recv() until it has what was asked: bound all of it too
+        with whole:  # gunicorn's reader loops over recv() until it has what was asked: bound all of it too
             parts, size = _read_parts(stream, budget, sock, deadline, timeout_s)
     except TimeoutError as exc:
-        raise Problem(408, "request-timeout", "Request Timeout",
-                      "the body came too slowly: not all of it in the time allowed") from exc
-    except Exception as exc:   # the server's reader: broken chunked framing, a reset connection
-        raise Problem(400, "malformed-body", "Malformed body",
-                      f"the request body could not be read: {type(exc).__name__}") from exc
+        raise Problem(
+            408, "request-timeout", "Request Timeout", "the body came too slowly: not all of it in the time allowed"
+        ) from exc
+    except Exception as exc:  # the server's reader: broken chunked framing, a reset connection
+        raise Problem(
+            400, "malformed-body", "Malformed body", f"the request body could not be read: {type(exc).__name__}"
+        ) from exc
     finally:
         if sock is not None:
             sock.settimeout(prior)
     if size > limit:
-        raise Problem(413, "request-entity-too-large", "Request Entity Too Large",
-                      f"the upload exceeds the limit of {limit} bytes")
+        raise Problem(
+            413,
+            "request-entity-too-large",
+            "Request Entity Too Large",
+            f"the upload exceeds the limit of {limit} bytes",
+        )
     if expected is not None and size < expected:
-        raise Problem(400, "truncated-body", "Truncated body",
-                      f"the body ended after {size} of the {expected} bytes its Content-Length promised")
+        raise Problem(
+            400,
+            "truncated-body",
+            "Truncated body",
+            f"the body ended after {size} of the {expected} bytes its Content-Length promised",
+        )
     return b"".join(parts)
 
 
@@ -120,12 +135,17 @@ def check_image(data: bytes, declared_type: str | None) -> str:
         raise Problem(400, "empty-image", "Empty image", "the image is empty")
     declared = (declared_type or "").split(";")[0].strip().lower()
     if declared and declared != "application/octet-stream" and not declared.startswith("image/"):
-        raise Problem(415, "unsupported-media-type", "Unsupported media type",
-                      f"{declared!r} is not an image type; send one of {', '.join(ACCEPTED_TYPES)}")
+        raise Problem(
+            415,
+            "unsupported-media-type",
+            "Unsupported media type",
+            f"{declared!r} is not an image type; send one of {', '.join(ACCEPTED_TYPES)}",
+        )
     sniffed = sniff_image_type(data)
     if sniffed is None:
-        raise Problem(415, "unsupported-media-type", "Unsupported media type",
-                      f"the content is not {ACCEPTED_TYPES_TEXT}")
+        raise Problem(
+            415, "unsupported-media-type", "Unsupported media type", f"the content is not {ACCEPTED_TYPES_TEXT}"
+        )
     return sniffed
 
 
@@ -154,9 +174,16 @@ def refuse_unknown_fields(given: Iterable[str], known: Collection[str], where: s
     if unknown:
         reason = "not a field of this form" if where == "form field" else f"not a {where} of this operation"
         reasons = [{"name": name, "reason": reason} for name in unknown]
-        raise Problem(400, "invalid-parameter", "Invalid parameter",
-                      f"unknown {where}(s): " + ", ".join(repr(name) for name in unknown)
-                      + "; known: " + ", ".join(sorted(known)), invalid_params=reasons)
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"unknown {where}(s): "
+            + ", ".join(repr(name) for name in unknown)
+            + "; known: "
+            + ", ".join(sorted(known)),
+            invalid_params=reasons,
+        )
 
 
 def option_values(*sources: Any, names: Iterable[str]) -> dict[str, str]:
@@ -168,7 +195,12 @@ def option_values(*sources: Any, names: Iterable[str]) -> dict[str, str]:
             given = source.getlist(name)
             if name in values or len(given) > 1:
                 detail = f"{name} is given more than once"
-                raise Problem(400, "invalid-parameter", "Invalid parameter", detail,
-                              invalid_params=[{"name": name, "reason": detail}])
+                raise Problem(
+                    400,
+                    "invalid-parameter",
+                    "Invalid parameter",
+                    detail,
+                    invalid_params=[{"name": name, "reason": detail}],
+                )
             values[name] = given[0]
     return values

@@ -1,17 +1,22 @@
-"""Long-poll support: one pub/sub listener per API process wakes every waiter.
+"""Long-poll support: one pub/sub listener per API process wakes every waiter, and the wait for one job's end.
 
 Each process subscribes once to the job-events channel (the GPU and CPU
 workers publish a job id when a job ends) and sets the events of the requests
 waiting on that id. No request polls Redis while it waits, and a thousand
 waiting requests cost one Redis connection, not a thousand.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import defaultdict
 
 import redis
+
+from contract.jobs.ending import JobEnding
+from contract.jobs.record import TERMINAL, JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +25,7 @@ class JobEventListener:
     def __init__(self, client: redis.Redis, channel: str, on_tick=lambda: None) -> None:
         self.redis = client
         self.channel = channel
-        self.on_tick = on_tick   # run after every event and at least every second
+        self.on_tick = on_tick  # run after every event and at least every second
         self._lock = threading.Lock()
         self._waiters: dict[str, set[threading.Event]] = defaultdict(set)
         self._thread: threading.Thread | None = None
@@ -95,3 +100,28 @@ class JobEventListener:
             for events in self._waiters.values():
                 for event in events:
                     event.set()
+
+
+def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float, event: threading.Event) -> JobRecord:
+    """The job once it ended, or as it stands after `wait_s`. No point waiting past its deadline: it is over by
+    then, one way or another (expire_if_late says so). A wake-up that finds it still live (the listener
+    resubscribing wakes every waiter) waits on for the time left."""
+    until = time.monotonic() + wait_s
+    while record["status"] not in TERMINAL:
+        left = min(until - time.monotonic(), record["deadline_at"] - time.time() + 0.05)
+        if left <= 0:
+            break
+        woken = event.wait(left)
+        event.clear()
+        record = store.load(job_id) or record
+        if not woken:
+            break
+    return record
+
+
+def expire_if_late(store: JobEnding, record: JobRecord) -> JobRecord:
+    """A live job past its deadline is over, even when no worker is left to say so."""
+    if record["status"] in TERMINAL or time.time() <= record["deadline_at"]:
+        return record
+    store.expire(record["id"], "before an answer was written")
+    return store.load(record["id"]) or record

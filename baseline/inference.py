@@ -4,6 +4,7 @@ The serial baseline answers each request this way, through the same device
 code (canvas, model, post-processing, or the simulated device) as the GPU
 worker's overlapped stages, so the two compare like for like.
 """
+
 from __future__ import annotations
 
 import time
@@ -19,11 +20,11 @@ from gpu_worker.stats import BusyMeter
 
 @dataclass(frozen=True)
 class BatchRun:
-    documents: list[dict[str, Any]]   # one result document per frame, in order
-    infer_ms: float                   # canvas + forward
-    postprocess_ms: float             # post-processing + the documents
-    device_s: float                   # device busy time
-    errors: dict[int, dict[str, str]] = field(default_factory=dict)   # frame index -> error, failed alone
+    documents: list[dict[str, Any]]  # one result document per frame, in order
+    infer_ms: float  # canvas + forward
+    postprocess_ms: float  # post-processing + the documents
+    device_s: float  # device busy time
+    errors: dict[int, dict[str, str]] = field(default_factory=dict)  # frame index -> error, failed alone
 
 
 class BatchRunner:
@@ -38,5 +39,6 @@ class BatchRunner:
         started = time.perf_counter()
         documents = result_documents(output.detections, frames, self.device.spec)
         documents_ms = (time.perf_counter() - started) * 1000.0
-        return BatchRun(documents, output.infer_ms, output.postprocess_ms + documents_ms, output.device_s,
-                        output.errors)
+        return BatchRun(
+            documents, output.infer_ms, output.postprocess_ms + documents_ms, output.device_s, output.errors
+        )

@@ -7,6 +7,7 @@ serialise, in the request thread, with one thread. `POST /v1/jobs` answers
 200 with the finished job document (the same JSON as the pipeline's
 `GET /v1/jobs/<id>`), so the bench can drive both alike.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,39 +41,67 @@ def create_baseline_app(settings: Settings, device: Device) -> Flask:
 
     @app.post("/v1/jobs")
     def detect() -> Response:
-        data = request.get_data(cache=False) if request.mimetype != "multipart/form-data" else \
-            request.files["image"].read()
+        data = (
+            request.get_data(cache=False)
+            if request.mimetype != "multipart/form-data"
+            else request.files["image"].read()
+        )
         check_image(data, None)
         options = parse_options({**request.args, **request.form}, settings.jobs.default_deadline_ms)
         parsed_at = time.time()
         spec = device.spec
         try:
             t0 = time.perf_counter()
-            image, orig = decode_image(data, spec.input_size, settings.decode.max_image_pixels,
-                                       settings.decode.max_decoded_bytes)
+            image, orig = decode_image(
+                data, spec.input_size, settings.decode.max_image_pixels, settings.decode.max_decoded_bytes
+            )
             t1 = time.perf_counter()
             boxed = letterbox(image, orig, spec.input_size)
             t2 = time.perf_counter()
         except ImageDecodeError as exc:
-            return jsonify({"id": uuid.uuid4().hex, "status": "failed",
-                            "error": {"code": exc.code, "message": str(exc)}})
-        header = FrameHeader(job_id="baseline", **boxed.placement.fields(), enqueued_at=0.0, deadline_at=0.0,
-                             options=dict(options.for_model()))
+            return jsonify(
+                {"id": uuid.uuid4().hex, "status": "failed", "error": {"code": exc.code, "message": str(exc)}}
+            )
+        header = FrameHeader(
+            job_id="baseline",
+            **boxed.placement.fields(),
+            enqueued_at=0.0,
+            deadline_at=0.0,
+            options=dict(options.for_model()),
+        )
         run = runner.run([Frame(header=header, pixels=memoryview(boxed.pixels))])
         if run.errors:
             return jsonify({"id": uuid.uuid4().hex, "status": "failed", "error": run.errors[0]})
-        timings = {"receive": (parsed_at - g.received_at) * 1000, "decode": (t1 - t0) * 1000,
-                   "resize": (t2 - t1) * 1000, "infer": run.infer_ms, "postprocess": run.postprocess_ms,
-                   "total": (time.time() - g.received_at) * 1000}
-        return jsonify({"id": uuid.uuid4().hex, "status": "succeeded", "result": run.documents[0],
-                        "timings_ms": {k: round(v, 3) for k, v in timings.items()},
-                        "batch": {"size": 1, "id": "serial"}})
+        timings = {
+            "receive": (parsed_at - g.received_at) * 1000,
+            "decode": (t1 - t0) * 1000,
+            "resize": (t2 - t1) * 1000,
+            "infer": run.infer_ms,
+            "postprocess": run.postprocess_ms,
+            "total": (time.time() - g.received_at) * 1000,
+        }
+        return jsonify(
+            {
+                "id": uuid.uuid4().hex,
+                "status": "succeeded",
+                "result": run.documents[0],
+                "timings_ms": {k: round(v, 3) for k, v in timings.items()},
+                "batch": {"size": 1, "id": "serial"},
+            }
+        )
 
     @app.get("/v1/stats")
     def stats() -> Response:
-        return jsonify({"mode": "baseline", "gpu": {"busy": runner.busy.fraction(),
-                                                    "device_seconds_total": runner.busy.total_s,
-                                                    "simulated": device.simulated}})
+        return jsonify(
+            {
+                "mode": "baseline",
+                "gpu": {
+                    "busy": runner.busy.fraction(),
+                    "device_seconds_total": runner.busy.total_s,
+                    "simulated": device.simulated,
+                },
+            }
+        )
 
     @app.get("/healthz")
     def healthz() -> Response:
@@ -90,8 +119,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     settings = load_settings(args.config)
-    device = open_device(settings.model, args.device or settings.gpu_worker.device, 1,
-                         settings.gpu_worker.max_candidates, settings.gpu_worker.sim_latency_ms)
+    device = open_device(
+        settings.model,
+        args.device or settings.gpu_worker.device,
+        1,
+        settings.gpu_worker.max_candidates,
+        settings.gpu_worker.sim_latency_ms,
+    )
     app = create_baseline_app(settings, device)
     from werkzeug.serving import run_simple
 

@@ -9,6 +9,7 @@ Runs alternate A B, B A, A B... so that a drift of this shared machine's speed f
 each side's figures are the median of its runs. Every run is `measure` on a fresh ProcfileStack, with the
 CPU per image of every role and the decode floor measured right after it.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -27,30 +28,37 @@ from bench.runs import measure
 from bench.stack import ProcfileStack, StackOptions
 
 WARM_UP_S = 5.0
-FIGURES = (("images/s", lambda r: r["achieved_qps"]),
-           ("p95 ms", lambda r: r["latency_ms"]["p95"]),
-           ("stack CPU ms/image", lambda r: r.get("cpu_ms_per_image", {}).get("stack")),
-           ("API", lambda r: r.get("cpu_ms_per_image", {}).get("api")),
-           ("CPU workers", lambda r: r.get("cpu_ms_per_image", {}).get("cpu-worker")),
-           ("GPU worker", lambda r: r.get("cpu_ms_per_image", {}).get("gpu-worker")),
-           ("Flower", lambda r: r.get("cpu_ms_per_image", {}).get("flower")),
-           ("Redis", lambda r: r.get("cpu_ms_per_image", {}).get("redis")),
-           ("Redis main thread", lambda r: r.get("cpu_ms_per_image", {}).get("redis-main")),
-           ("Redis replicas", lambda r: r.get("cpu_ms_per_image", {}).get("redis-replica")),
-           ("Sentinels", lambda r: r.get("cpu_ms_per_image", {}).get("redis-sentinel")),
-           ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
-           ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")))
+FIGURES = (
+    ("images/s", lambda r: r["achieved_qps"]),
+    ("p95 ms", lambda r: r["latency_ms"]["p95"]),
+    ("stack CPU ms/image", lambda r: r.get("cpu_ms_per_image", {}).get("stack")),
+    ("API", lambda r: r.get("cpu_ms_per_image", {}).get("api")),
+    ("CPU workers", lambda r: r.get("cpu_ms_per_image", {}).get("cpu-worker")),
+    ("GPU worker", lambda r: r.get("cpu_ms_per_image", {}).get("gpu-worker")),
+    ("Flower", lambda r: r.get("cpu_ms_per_image", {}).get("flower")),
+    ("Redis", lambda r: r.get("cpu_ms_per_image", {}).get("redis")),
+    ("Redis main thread", lambda r: r.get("cpu_ms_per_image", {}).get("redis-main")),
+    ("Redis replicas", lambda r: r.get("cpu_ms_per_image", {}).get("redis-replica")),
+    ("Sentinels", lambda r: r.get("cpu_ms_per_image", {}).get("redis-sentinel")),
+    ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
+    ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")),
+)
 
 
 def worktree(ref: str, parent: Path = REPO_ROOT / ".bench" / "ab") -> Path:
     """A checkout of `ref` (kept between runs: one per commit)."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=REPO_ROOT, check=True,
-                         capture_output=True, text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{ref}^{{commit}}"], cwd=REPO_ROOT, check=True, capture_output=True, text=True
+    ).stdout.strip()
     path = parent / sha[:12]
     if not (path / "Procfile").exists():
         parent.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["git", "worktree", "add", "--force", "--detach", str(path), sha], cwd=REPO_ROOT, check=True,
-                       capture_output=True)
+        subprocess.run(
+            ["git", "worktree", "add", "--force", "--detach", str(path), sha],
+            cwd=REPO_ROOT,
+            check=True,
+            capture_output=True,
+        )
     return path
 
 
@@ -67,10 +75,19 @@ def setting_overlay(assignments: list[str]) -> dict[str, Any]:
     return overlay
 
 
-def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], concurrency: int, duration_s: float,
-           rounds: int, upload: str = "raw", log: Callable[[str], None] = lambda line: None,
-           settings: dict[str, dict[str, Any]] | None = None,
-           sentinel: frozenset[str] = frozenset(), one_call: bool = False) -> dict[str, Any]:
+def run_ab(
+    sides: dict[str, Path],
+    options: StackOptions,
+    images: list[bytes],
+    concurrency: int,
+    duration_s: float,
+    rounds: int,
+    upload: str = "raw",
+    log: Callable[[str], None] = lambda line: None,
+    settings: dict[str, dict[str, Any]] | None = None,
+    sentinel: frozenset[str] = frozenset(),
+    one_call: bool = False,
+) -> dict[str, Any]:
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
     `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`. `sentinel`: the sides
     whose control plane is a Sentinel set (a primary, two replicas, three Sentinels; every 202 waits for a
@@ -79,26 +96,45 @@ def run_ab(sides: dict[str, Path], options: StackOptions, images: list[bytes], c
     names = list(sides)
     # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
     # be one of the broken ones.
-    side_options = {name: replace(options, root=path, launcher="procfile", sentinel=name in sentinel,
-                                  extra=_laid_over(options.extra, (settings or {}).get(name, {})))
-                    for name, path in sides.items()}
+    side_options = {
+        name: replace(
+            options,
+            root=path,
+            launcher="procfile",
+            sentinel=name in sentinel,
+            extra=_laid_over(options.extra, (settings or {}).get(name, {})),
+        )
+        for name, path in sides.items()
+    }
     runs: list[dict[str, Any]] = []
     for i in range(rounds):
-        for name in (names if i % 2 == 0 else names[::-1]):
-            stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{names.index(name)}-")),
-                                  side_options[name]).start()
+        for name in names if i % 2 == 0 else names[::-1]:
+            stack = ProcfileStack(Path(tempfile.mkdtemp(prefix=f"ab-{names.index(name)}-")), side_options[name]).start()
             try:
                 closed_loop(stack.url, images, concurrency, WARM_UP_S, upload=upload, one_call=one_call)
-                result = measure(name, stack.url, images, "closed", concurrency, duration_s,
-                                 scope=stack.cpu_scope(), upload=upload, one_call=one_call)
+                result = measure(
+                    name,
+                    stack.url,
+                    images,
+                    "closed",
+                    concurrency,
+                    duration_s,
+                    scope=stack.cpu_scope(),
+                    upload=upload,
+                    one_call=one_call,
+                )
             finally:
                 stack.stop()
             result["round"] = i + 1
             runs.append(result)
-            log(f"round {i + 1} {name}: {result['achieved_qps']:.1f} images/s, "
-                f"{result.get('floor', {}).get('stack_over_floor')}x the floor")
-    summary = {name: {label: _median([pick(r) for r in runs if r["name"] == name]) for label, pick in FIGURES}
-               for name in names}
+            log(
+                f"round {i + 1} {name}: {result['achieved_qps']:.1f} images/s, "
+                f"{result.get('floor', {}).get('stack_over_floor')}x the floor"
+            )
+    summary = {
+        name: {label: _median([pick(r) for r in runs if r["name"] == name]) for label, pick in FIGURES}
+        for name in names
+    }
     return {"runs": runs, "summary": summary}
 
 
@@ -115,22 +151,36 @@ def _median(values: list[Any]) -> float | None:
     return round(statistics.median(present), 2) if present else None
 
 
-def markdown(outcome: dict[str, Any], sides: dict[str, Path], options: StackOptions, concurrency: int,
-             duration_s: float) -> str:
+def markdown(
+    outcome: dict[str, Any], sides: dict[str, Path], options: StackOptions, concurrency: int, duration_s: float
+) -> str:
     names = list(sides)
     upload = outcome["runs"][0].get("upload", "raw") if outcome["runs"] else "raw"
-    lines = [f"## bench ab: make run's stack, {concurrency} clients in a closed loop ({upload} uploads), "
-             f"{duration_s:g} s a run, runs alternating ({options.describe()})", ""]
+    lines = [
+        f"## bench ab: make run's stack, {concurrency} clients in a closed loop ({upload} uploads), "
+        f"{duration_s:g} s a run, runs alternating ({options.describe()})",
+        "",
+    ]
     lines += [f"- **{name}**: `{path}`" for name, path in sides.items()]
-    lines += ["", "Medians of each side's runs:", "",
-              "| figure | " + " | ".join(names) + f" | {names[1]} / {names[0]} |", "|---|" + "---|" * (len(names) + 1)]
+    lines += [
+        "",
+        "Medians of each side's runs:",
+        "",
+        "| figure | " + " | ".join(names) + f" | {names[1]} / {names[0]} |",
+        "|---|" + "---|" * (len(names) + 1),
+    ]
     summary = outcome["summary"]
     for label, _ in FIGURES:
         a, b = summary[names[0]][label], summary[names[1]][label]
         ratio = f"{b / a:.2f}" if a and b is not None else "-"
         lines.append(f"| {label} | {_fmt(a)} | {_fmt(b)} | {ratio} |")
-    lines += ["", "Each run:", "", "| round | side | " + " | ".join(label for label, _ in FIGURES) + " |",
-              "|---|---|" + "---|" * len(FIGURES)]
+    lines += [
+        "",
+        "Each run:",
+        "",
+        "| round | side | " + " | ".join(label for label, _ in FIGURES) + " |",
+        "|---|---|" + "---|" * len(FIGURES),
+    ]
     for r in outcome["runs"]:
         lines.append(f"| {r['round']} | {r['name']} | " + " | ".join(_fmt(pick(r)) for _, pick in FIGURES) + " |")
     return "\n".join(lines)

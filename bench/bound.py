@@ -7,17 +7,24 @@ simulated device's profile. Its p95 is a floor for the device-side part of any
 real deployment's latency at that load: use it to tell a slow pipeline from a
 target the device cannot meet.
 """
+
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
 
+from contract.timebill import percentile
 from gpu_worker.simulated import profile_latency_s
-from gpu_worker.stats import percentile
 
 
-def ideal_latencies(profile_ms: Mapping[int, float], qps: float, window_s: float, max_batch: int,
-                    duration_s: float = 3600.0, seed: int = 1) -> tuple[list[float], float]:
+def ideal_latencies(
+    profile_ms: Mapping[int, float],
+    qps: float,
+    window_s: float,
+    max_batch: int,
+    duration_s: float = 3600.0,
+    seed: int = 1,
+) -> tuple[list[float], float]:
     """Sorted per-image latencies (s) from arrival to batch end, and the device busy fraction."""
     rng = random.Random(seed)
     arrivals, t = [], rng.expovariate(qps)
@@ -42,5 +49,7 @@ def describe(profile_ms: Mapping[int, float], rates: list[float], window_ms: flo
         lat, busy = ideal_latencies(profile_ms, qps, window_ms / 1000.0, max_batch)
         ms = [percentile(lat, q) * 1000 for q in (50, 95, 99)]
         lines.append(f"| {qps:g} | {ms[0]:.0f} | {ms[1]:.0f} | {ms[2]:.0f} | {busy:.0%} |")
-    return "\n".join(lines) + ("\n\nIdeal device-side latency (no HTTP, queue, decode or host overhead): "
-                               "a floor for the end-to-end figures at the same load.")
+    return "\n".join(lines) + (
+        "\n\nIdeal device-side latency (no HTTP, queue, decode or host overhead): "
+        "a floor for the end-to-end figures at the same load."
+    )

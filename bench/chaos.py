@@ -6,6 +6,7 @@ duplicated (must be 0: a job whose answer changed after it was first read).
 Redis runs with an append-only file fsynced on every write, as a deployment
 that must lose nothing would.
 """
+
 from __future__ import annotations
 
 import signal
@@ -23,8 +24,7 @@ from bench.load import TERMINAL, ImageStream, session_for
 from bench.stack import LocalStack, StackOptions
 
 
-def run_chaos(options: StackOptions, images: list[bytes], qps: float, duration_s: float,
-              log=print) -> dict[str, Any]:
+def run_chaos(options: StackOptions, images: list[bytes], qps: float, duration_s: float, log=print) -> dict[str, Any]:
     options.persistent_redis = True
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="chaos-")), options).start()
     accepted: list[str] = []
@@ -43,16 +43,18 @@ def run_chaos(options: StackOptions, images: list[bytes], qps: float, duration_s
     return {"accepted": len(accepted), "refused": dict(refused), **tally}
 
 
-def _submit_steadily(url: str, images: list[bytes], qps: float, stop: threading.Event,
-                     accepted: list[str], refused: Counter) -> None:
+def _submit_steadily(
+    url: str, images: list[bytes], qps: float, stop: threading.Event, accepted: list[str], refused: Counter
+) -> None:
     session = session_for(8)
-    stream = ImageStream(images)   # every image new: the jobs are computed, not answered from the result cache
+    stream = ImageStream(images)  # every image new: the jobs are computed, not answered from the result cache
     interval, i = 1.0 / qps, 0
     next_at = time.monotonic()
     while not stop.is_set():
         try:
-            response = session.post(f"{url}/v1/jobs", data=stream.next(i),
-                                    headers={"Content-Type": "image/jpeg"}, timeout=10)
+            response = session.post(
+                f"{url}/v1/jobs", data=stream.next(i), headers={"Content-Type": "image/jpeg"}, timeout=10
+            )
             if response.status_code == 202:
                 accepted.append(response.json()["id"])
             else:
@@ -74,8 +76,9 @@ def _misbehave(stack: LocalStack, duration_s: float, log) -> None:
     at(0.15)
     _kill_and_restart(stack, "gpu-worker", log)
     at(0.35)
-    children = subprocess.run(["pgrep", "-P", str(stack.process("cpu-worker").process.pid)],
-                              capture_output=True, text=True).stdout.split()
+    children = subprocess.run(
+        ["pgrep", "-P", str(stack.process("cpu-worker").process.pid)], capture_output=True, text=True
+    ).stdout.split()
     if children:
         subprocess.run(["kill", "-9", children[0]])
         log(f"SIGKILL celery child {children[0]}")
@@ -116,12 +119,19 @@ def _follow(url: str, ids: list[str], give_up_s: float = 180.0) -> dict[str, Any
         if pending:
             time.sleep(0.5)
     time.sleep(1.0)
-    duplicated = sum(1 for job_id, doc in final.items()
-                     if (_read(session, url, job_id) or {}).get("batch") != doc.get("batch"))
+    duplicated = sum(
+        1 for job_id, doc in final.items() if (_read(session, url, job_id) or {}).get("batch") != doc.get("batch")
+    )
     statuses = Counter(doc["status"] for doc in final.values())
     failed = Counter((doc.get("error") or {}).get("code") for doc in final.values() if doc["status"] == "failed")
-    return {"succeeded": statuses["succeeded"], "failed": dict(failed), "expired": statuses["expired"],
-            "cancelled": statuses["cancelled"], "lost": len(pending), "duplicated": duplicated}
+    return {
+        "succeeded": statuses["succeeded"],
+        "failed": dict(failed),
+        "expired": statuses["expired"],
+        "cancelled": statuses["cancelled"],
+        "lost": len(pending),
+        "duplicated": duplicated,
+    }
 
 
 def _read(session: requests.Session, url: str, job_id: str) -> dict | None:
@@ -135,11 +145,13 @@ def _read(session: requests.Session, url: str, job_id: str) -> dict | None:
 def format_tally(tally: dict[str, Any]) -> str:
     failed = ", ".join(f"{k} x{v}" for k, v in tally["failed"].items()) or "none"
     refused = ", ".join(f"{k} x{v}" for k, v in tally["refused"].items()) or "none"
-    return "\n".join([
-        "| accepted | succeeded | failed | expired | lost | duplicated |",
-        "|---|---|---|---|---|---|",
-        f"| {tally['accepted']} | {tally['succeeded']} | {sum(tally['failed'].values())} | {tally['expired']} | "
-        f"{tally['lost']} | {tally['duplicated']} |",
-        "",
-        f"failed by reason: {failed}; refused at submit (not accepted): {refused}",
-    ])
+    return "\n".join(
+        [
+            "| accepted | succeeded | failed | expired | lost | duplicated |",
+            "|---|---|---|---|---|---|",
+            f"| {tally['accepted']} | {tally['succeeded']} | {sum(tally['failed'].values())} | {tally['expired']} | "
+            f"{tally['lost']} | {tally['duplicated']} |",
+            "",
+            f"failed by reason: {failed}; refused at submit (not accepted): {refused}",
+        ]
+    )

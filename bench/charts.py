@@ -1,5 +1,6 @@
 """PNG charts drawn with Pillow itself (matplotlib would pull plain Pillow over
 Pillow-SIMD): throughput and p95 against concurrency, and the time bill."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,10 +8,18 @@ from typing import Any
 
 from PIL import Image, ImageDraw, ImageFont
 
-STAGE_COLOURS = {"receive": (120, 120, 120), "queue_cpu": (240, 170, 60), "decode": (220, 90, 60),
-                 "resize": (200, 60, 120), "backpressure": (175, 175, 175), "queue_gpu": (150, 100, 200),
-                 "batch_wait": (90, 140, 230), "device_queue": (60, 90, 160),
-                 "infer": (40, 170, 90), "postprocess": (30, 160, 170)}
+STAGE_COLOURS = {
+    "receive": (120, 120, 120),
+    "queue_cpu": (240, 170, 60),
+    "decode": (220, 90, 60),
+    "resize": (200, 60, 120),
+    "backpressure": (175, 175, 175),
+    "queue_gpu": (150, 100, 200),
+    "batch_wait": (90, 140, 230),
+    "device_queue": (60, 90, 160),
+    "infer": (40, 170, 90),
+    "postprocess": (30, 160, 170),
+}
 SERIES = [(40, 110, 220), (230, 90, 40), (40, 170, 90), (150, 80, 200)]
 FONT = ImageFont.load_default()
 
@@ -26,8 +35,9 @@ def concurrency_chart(results: list[dict[str, Any]], path: Path) -> Path | None:
     panels = (("achieved QPS", lambda r: r["achieved_qps"]), ("p95 latency (ms)", lambda r: r["latency_ms"]["p95"]))
     for p, (label, value) in enumerate(panels):
         left, top, width, height = 70 + p * 480, 50, 400, 300
-        points = {n: [(r["concurrency"], value(r)) for r in closed if r["name"] == n and value(r) is not None]
-                  for n in names}
+        points = {
+            n: [(r["concurrency"], value(r)) for r in closed if r["name"] == n and value(r) is not None] for n in names
+        }
         top_value = max([v for pts in points.values() for _, v in pts] + [1.0]) * 1.15
         draw.rectangle((left, top, left + width, top + height), outline=(0, 0, 0))
         draw.text((left, top - 20), label, fill=(0, 0, 0), font=FONT)
@@ -63,8 +73,9 @@ def time_bill_chart(results: list[dict[str, Any]], path: Path) -> Path | None:
     scale = 700 / longest
     for i, r in enumerate(rows):
         y = 50 + 34 * i
-        label = f"{r['name']} {r['mode']} " + (f"c={r['concurrency']}" if r["concurrency"] else
-                                               f"{r['offered_qps']:g} qps")
+        label = f"{r['name']} {r['mode']} " + (
+            f"c={r['concurrency']}" if r["concurrency"] else f"{r['offered_qps']:g} qps"
+        )
         draw.text((10, y + 6), label[:32], fill=(0, 0, 0), font=FONT)
         x = 240
         for stage, colour in STAGE_COLOURS.items():
@@ -72,8 +83,9 @@ def time_bill_chart(results: list[dict[str, Any]], path: Path) -> Path | None:
             if width > 0:
                 draw.rectangle((x, y, x + width, y + 24), fill=colour)
                 x += width
-        draw.text((x + 6, y + 6), f"{r['time_bill_ms'].get('total', {}).get('mean', 0):.0f} ms", fill=(0, 0, 0),
-                  font=FONT)
+        draw.text(
+            (x + 6, y + 6), f"{r['time_bill_ms'].get('total', {}).get('mean', 0):.0f} ms", fill=(0, 0, 0), font=FONT
+        )
     x = 20
     for stage, colour in STAGE_COLOURS.items():
         draw.rectangle((x, height - 30, x + 12, height - 18), fill=colour)

@@ -1,5 +1,6 @@
 """The bench's images: photo-like 1920x1080 JPEGs of 300 KB to 1 MB, generated
 once from a seed and cached, or the JPEGs/PNGs of a folder the user names."""
+
 from __future__ import annotations
 
 import io
@@ -30,8 +31,7 @@ def photo_like_jpeg(seed: int, size: tuple[int, int] = SIZE) -> bytes:
     return buffer.getvalue()
 
 
-def load_corpus(folder: Path | None = None, count: int = 24, seed: int = 7,
-                cache: Path = DEFAULT_CACHE) -> list[bytes]:
+def load_corpus(folder: Path | None = None, count: int = 24, seed: int = 7, cache: Path = DEFAULT_CACHE) -> list[bytes]:
     """The named folder's images, or `count` generated JPEGs (cached by seed)."""
     if folder is not None:
         files = sorted(p for p in folder.iterdir() if p.suffix.lower() in (".jpg", ".jpeg", ".png", ".webp"))

@@ -8,6 +8,7 @@ run; the difference, divided by the requests that succeeded, is each role's
 CPU milliseconds per image. Processes born during the run count from zero;
 those that died during it are lost (their time is not in /proc any more).
 """
+
 from __future__ import annotations
 
 import os
@@ -24,12 +25,23 @@ ROLES = (
     ("flower", ("celery", "flower")),
     ("gpu-worker", ("-m gpu_worker",)),
     ("redis", ("redis-server",)),
-    ("supervisor", ("-m tools.procfile",)),   # what make run runs the Procfile with
-    ("supervisor", ("honcho",)),              # or a deployment's own honcho
+    ("supervisor", ("-m tools.procfile",)),  # what make run runs the Procfile with
+    ("supervisor", ("honcho",)),  # or a deployment's own honcho
     ("baseline", ("-m baseline",)),
 )
-ROLE_ORDER = ("api", "cpu-worker", "gpu-worker", "callback-worker", "flower", "redis", "redis-replica",
-              "redis-sentinel", "supervisor", "baseline", "bench")
+ROLE_ORDER = (
+    "api",
+    "cpu-worker",
+    "gpu-worker",
+    "callback-worker",
+    "flower",
+    "redis",
+    "redis-replica",
+    "redis-sentinel",
+    "supervisor",
+    "baseline",
+    "bench",
+)
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -39,7 +51,7 @@ def thread_seconds(pid: int, tid: int) -> float | None:
         stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()
+    fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
@@ -50,7 +62,7 @@ def _read(pid: int) -> tuple[str, int, float, int] | None:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2:].split()   # after the command name, which may hold spaces
+    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
     return cmdline, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK, int(fields[3])
 
 
@@ -65,16 +77,20 @@ def role_of(cmdline: str, redis_port: int | None = None) -> str | None:
 
 @dataclass
 class CpuSample:
-    seconds: dict[int, tuple[str, float]] = field(default_factory=dict)   # pid -> (role, CPU seconds)
-    redis_main: dict[int, float] = field(default_factory=dict)            # redis pid -> its main thread's
+    seconds: dict[int, tuple[str, float]] = field(default_factory=dict)  # pid -> (role, CPU seconds)
+    redis_main: dict[int, float] = field(default_factory=dict)  # redis pid -> its main thread's
 
 
-SHARD_ROLE = "redis-shard"   # + the shard's index: a bulk shard's redis-server (contract.shards)
+SHARD_ROLE = "redis-shard"  # + the shard's index: a bulk shard's redis-server (contract.shards)
 
 
-def sample(redis_port: int | None = None, bench_pid: int | None = None,
-           sessions: set[int] | None = None, shard_ports: tuple[int, ...] = (),
-           port_roles: tuple[tuple[int, str], ...] = ()) -> CpuSample:
+def sample(
+    redis_port: int | None = None,
+    bench_pid: int | None = None,
+    sessions: set[int] | None = None,
+    shard_ports: tuple[int, ...] = (),
+    port_roles: tuple[tuple[int, str], ...] = (),
+) -> CpuSample:
     """Every process of a role on this machine now: by its own command line, else its nearest
     ancestor's (prefork children, gunicorn workers); with `sessions`, only the processes in those
     sessions and their descendants (a bench stack's own), and its Redis. `port_roles`: more redis-servers,
@@ -91,13 +107,25 @@ def sample(redis_port: int | None = None, bench_pid: int | None = None,
 
     roles: dict[int, str] = {}
     for pid in processes:
-        shard = next((i for i, port in enumerate(shard_ports) if "redis-server" in processes[pid][0]
-                      and processes[pid][0].rstrip().endswith(f":{port}")), None)
+        shard = next(
+            (
+                i
+                for i, port in enumerate(shard_ports)
+                if "redis-server" in processes[pid][0] and processes[pid][0].rstrip().endswith(f":{port}")
+            ),
+            None,
+        )
         if shard is not None:
             roles[pid] = f"{SHARD_ROLE}{shard}"
             continue
-        named = next((role for port, role in port_roles if "redis-server" in processes[pid][0]
-                      and re.search(rf":{port}\b", processes[pid][0])), None)
+        named = next(
+            (
+                role
+                for port, role in port_roles
+                if "redis-server" in processes[pid][0] and re.search(rf":{port}\b", processes[pid][0])
+            ),
+            None,
+        )
         if named is not None:
             roles[pid] = named
             continue
@@ -124,8 +152,13 @@ def ms_per_image(before: CpuSample, after: CpuSample, images: int) -> dict[str, 
         start = before.seconds.get(pid, (role, 0.0))[1]
         totals[role] = totals.get(role, 0.0) + max(0.0, seconds - start)
     table = {role: round(totals[role] * 1000.0 / images, 2) for role in ROLE_ORDER if role in totals}
-    table.update({role: round(seconds * 1000.0 / images, 2) for role, seconds in sorted(totals.items())
-                  if role.startswith(SHARD_ROLE)})
+    table.update(
+        {
+            role: round(seconds * 1000.0 / images, 2)
+            for role, seconds in sorted(totals.items())
+            if role.startswith(SHARD_ROLE)
+        }
+    )
     table["stack"] = round(sum(v for k, v in table.items() if k not in ("bench",)), 2)
     if after.redis_main:
         # Redis runs commands on one thread: with io-threads, the process's CPU is more than that one's.

@@ -6,6 +6,7 @@ job's end (succeeded, failed by reason, expired: each expired job's deadline aga
 a job that got a 202: must be 0), answers that changed after a client read them (status or result), jobs done
 twice (read ended, then ended again by another batch), and whether any process was restarted (none may be).
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -26,12 +27,13 @@ from bench.stack import ProcfileStack, StackOptions
 @dataclass
 class Followed:
     """One accepted job as its client saw it."""
+
     job_id: str
-    submitted: float                 # monotonic
-    deadline_at: float               # monotonic, from its deadline_ms
+    submitted: float  # monotonic
+    deadline_at: float  # monotonic, from its deadline_ms
     first_end: dict[str, Any] | None = None
     read_at: float = 0.0
-    missing: int = 0                 # reads that answered 404
+    missing: int = 0  # reads that answered 404
 
 
 @dataclass
@@ -43,9 +45,16 @@ class FailoverRun:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
-def run_failover(options: StackOptions, images: list[bytes], qps: float = 20.0, duration_s: float = 40.0,
-                 kill_at_s: float = 10.0, back_after_s: float = 10.0, deadline_ms: int = 60_000,
-                 log=print) -> dict[str, Any]:
+def run_failover(
+    options: StackOptions,
+    images: list[bytes],
+    qps: float = 20.0,
+    duration_s: float = 40.0,
+    kill_at_s: float = 10.0,
+    back_after_s: float = 10.0,
+    deadline_ms: int = 60_000,
+    log=print,
+) -> dict[str, Any]:
     """The scenario on a fresh stack; the tally (see the module's note)."""
     options.sentinel = True
     stack = ProcfileStack(Path(tempfile.mkdtemp(prefix="failover-")), options).start()
@@ -80,16 +89,28 @@ def run_failover(options: StackOptions, images: list[bytes], qps: float = 20.0, 
     return tally
 
 
-def _submit(url: str, images: list[bytes], qps: float, deadline_ms: int, stop: threading.Event, run: FailoverRun,
-            followers: ThreadPoolExecutor) -> None:
+def _submit(
+    url: str,
+    images: list[bytes],
+    qps: float,
+    deadline_ms: int,
+    stop: threading.Event,
+    run: FailoverRun,
+    followers: ThreadPoolExecutor,
+) -> None:
     session = session_for(16)
-    stream = ImageStream(images)   # every image new: computed, not answered from the result cache
+    stream = ImageStream(images)  # every image new: computed, not answered from the result cache
     interval, i, next_at = 1.0 / qps, 0, time.monotonic()
     while not stop.is_set():
         started = time.monotonic()
         try:
-            response = session.post(f"{url}/v1/jobs", data=stream.next(i), params={"deadline_ms": deadline_ms},
-                                    headers={"Content-Type": "image/jpeg"}, timeout=15)
+            response = session.post(
+                f"{url}/v1/jobs",
+                data=stream.next(i),
+                params={"deadline_ms": deadline_ms},
+                headers={"Content-Type": "image/jpeg"},
+                timeout=15,
+            )
             if response.status_code == 202:
                 job = Followed(response.json()["id"], started, started + deadline_ms / 1000.0)
                 with run.lock:
@@ -98,8 +119,9 @@ def _submit(url: str, images: list[bytes], qps: float, deadline_ms: int, stop: t
                         run.first_202_after_kill_s = time.monotonic() - run.killed_at
                 followers.submit(_follow, url, job)
             else:
-                problem = response.json().get("type", "") if response.headers.get("Content-Type", "").endswith(
-                    "json") else ""
+                problem = (
+                    response.json().get("type", "") if response.headers.get("Content-Type", "").endswith("json") else ""
+                )
                 run.refused[f"{response.status_code} {problem.rsplit('/', 1)[-1]}".strip()] += 1
         except requests.RequestException as exc:
             run.refused[type(exc).__name__] += 1
@@ -158,13 +180,21 @@ def _tally(stack: ProcfileStack, run: FailoverRun) -> dict[str, Any]:
         elif later and later.get("batch") != job.first_end.get("batch"):
             redone.append(job.job_id)
     supervisor = stack.supervisor.log_tail(2_000_000) if stack.supervisor else ""
-    return {"accepted": len(run.accepted), "refused": dict(run.refused), **{k: ends[k] for k in TERMINAL},
-            "failed_by": dict(failed), "expired_in_outage": expired_in_outage, "lost": len(lost),
-            "lost_ids": lost[:10], "changed_after_read": len(changed), "changed_ids": changed[:10],
-            "done_twice": len(redone), "read_404_then_found": sum(1 for j in run.accepted if j.missing and
-                                                                 j.first_end is not None),
-            "first_202_after_kill_s": run.first_202_after_kill_s,
-            "restarted": supervisor.count(" restarted (pid")}
+    return {
+        "accepted": len(run.accepted),
+        "refused": dict(run.refused),
+        **{k: ends[k] for k in TERMINAL},
+        "failed_by": dict(failed),
+        "expired_in_outage": expired_in_outage,
+        "lost": len(lost),
+        "lost_ids": lost[:10],
+        "changed_after_read": len(changed),
+        "changed_ids": changed[:10],
+        "done_twice": len(redone),
+        "read_404_then_found": sum(1 for j in run.accepted if j.missing and j.first_end is not None),
+        "first_202_after_kill_s": run.first_202_after_kill_s,
+        "restarted": supervisor.count(" restarted (pid"),
+    }
 
 
 def format_failover(tally: dict[str, Any]) -> str:
@@ -172,14 +202,16 @@ def format_failover(tally: dict[str, Any]) -> str:
     refused = ", ".join(f"{k} x{v}" for k, v in tally["refused"].items()) or "none"
     first = tally["first_202_after_kill_s"]
     first_text = f"{first:.1f} s" if first is not None else "none"
-    return "\n".join([
-        "| accepted | succeeded | failed | expired (in the outage) | lost | changed after read | done twice | "
-        "first 202 after the kill | processes restarted |",
-        "|---|---|---|---|---|---|---|---|---|",
-        f"| {tally['accepted']} | {tally['succeeded']} | {tally['failed']} | {tally['expired']} "
-        f"({tally['expired_in_outage']}) | {tally['lost']} | {tally['changed_after_read']} | {tally['done_twice']} "
-        f"| {first_text} | {tally['restarted']} |",
-        "",
-        f"failed by reason: {failed}; refused at submit: {refused}; the killed primary came back as "
-        f"{tally.get('killed_comes_back_as')}",
-    ])
+    return "\n".join(
+        [
+            "| accepted | succeeded | failed | expired (in the outage) | lost | changed after read | done twice | "
+            "first 202 after the kill | processes restarted |",
+            "|---|---|---|---|---|---|---|---|---|",
+            f"| {tally['accepted']} | {tally['succeeded']} | {tally['failed']} | {tally['expired']} "
+            f"({tally['expired_in_outage']}) | {tally['lost']} | {tally['changed_after_read']} | {tally['done_twice']} "
+            f"| {first_text} | {tally['restarted']} |",
+            "",
+            f"failed by reason: {failed}; refused at submit: {refused}; the killed primary came back as "
+            f"{tally.get('killed_comes_back_as')}",
+        ]
+    )

@@ -11,6 +11,7 @@ A second drain of the same frames by a bare consumer (the worker's Redis
 calls and nothing else) measures the rate at which Redis itself, push and pop,
 becomes the limit.
 """
+
 from __future__ import annotations
 
 import io
@@ -35,11 +36,20 @@ from PIL import Image
 from bench.cpu import cpu_shares, cpu_times
 from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
 from bench.profiles import parse_profile
-from contract import jobs
 from contract.frames import FrameHeader, pack_frame
+from contract.jobs.record import QUEUED_GPU
 from contract.keys import Keys
 from contract.settings import REPO_ROOT
-from contract.timebill import HOST_STAGES, host_ms_per_batch
+from contract.timebill import (
+    CPU_STARTED_AT,
+    DECODE_MS,
+    HOST_STAGES,
+    PUSHED_AT,
+    RECEIVED_AT,
+    RESIZE_MS,
+    SUBMITTED_AT,
+    host_ms_per_batch,
+)
 from gpu_worker.simulated import profile_latency_s
 
 DEFAULT_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
@@ -50,18 +60,18 @@ WORKER_ID = "feed-gpu"
 @dataclass
 class FeedOptions:
     device: str = "sim"
-    profile: str = "fast"              # fast | story | "1:2,8:6,16:10" (ms per batch size)
+    profile: str = "fast"  # fast | story | "1:2,8:6,16:10" (ms per batch size)
     frames: int = 1600
     input_size: int = 320
-    source: str = "jpeg"               # jpeg: the real CPU stage on generated JPEGs | synthetic
+    source: str = "jpeg"  # jpeg: the real CPU stage on generated JPEGs | synthetic
     image_size: tuple[int, int] = (640, 480)
     distinct_images: int = 16
     max_batch: int = 8
     window_ms: float = 12.0
     model: Path = DEFAULT_SPEC
-    model_options: dict[str, Any] = field(default_factory=dict)   # over the spec's own: accelerate, precision...
+    model_options: dict[str, Any] = field(default_factory=dict)  # over the spec's own: accelerate, precision...
     redis_check: bool = True
-    py_spy: Path | None = None         # record the worker with py-spy (collapsed stacks) into this file
+    py_spy: Path | None = None  # record the worker with py-spy (collapsed stacks) into this file
     extra_config: dict[str, Any] = field(default_factory=dict)
 
     def profile_ms(self) -> dict[int, float]:
@@ -100,8 +110,14 @@ def _jpeg(rng: np.random.Generator, width: int, height: int) -> bytes:
     return buffer.getvalue()
 
 
-def push_frames(client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]],
-                count: int, chunk: int = 64) -> tuple[list[str], float]:
+def push_frames(
+    client: redis.Redis,
+    keys: Keys,
+    model_key: str,
+    contents: list[tuple[dict[str, Any], bytes]],
+    count: int,
+    chunk: int = 64,
+) -> tuple[list[str], float]:
     """Job records (queued_gpu, as the CPU stage leaves them) and their frames; the push's seconds."""
     ids: list[str] = []
     started = time.perf_counter()
@@ -111,12 +127,19 @@ def push_frames(client: redis.Redis, keys: Keys, model_key: str, contents: list[
         for i in range(first, min(count, first + chunk)):
             job_id = uuid.uuid4().hex
             geometry, pixels = contents[i % len(contents)]
-            stamps = {"received_at": now, "submitted_at": now, "cpu_started_at": now, "decode_ms": 0.0,
-                      "resize_ms": 0.0, "pushed_at": now}
-            header = FrameHeader(job_id=job_id, enqueued_at=now, deadline_at=now + 3600, stamps=stamps,
-                                 **geometry)
-            pipe.hset(keys.job(job_id), mapping={"id": job_id, "status": jobs.QUEUED_GPU,
-                                                 "deadline_at": now + 3600, "received_at": now})
+            stamps = {
+                RECEIVED_AT: now,
+                SUBMITTED_AT: now,
+                CPU_STARTED_AT: now,
+                DECODE_MS: 0.0,
+                RESIZE_MS: 0.0,
+                PUSHED_AT: now,
+            }
+            header = FrameHeader(job_id=job_id, enqueued_at=now, deadline_at=now + 3600, stamps=stamps, **geometry)
+            pipe.hset(
+                keys.job(job_id),
+                mapping={"id": job_id, "status": QUEUED_GPU, "deadline_at": now + 3600, RECEIVED_AT: now},
+            )
             pipe.expire(keys.job(job_id), 3600)
             pipe.lpush(keys.frames(model_key), pack_frame(header, pixels))
             ids.append(job_id)
@@ -151,9 +174,14 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
     client = redis.Redis.from_url(server.url)
     keys = Keys(NAMESPACE)
     try:
-        config = {"redis_url": server.url, "namespace": NAMESPACE, "model": spec_raw,
-                  "batching": {"max_batch_size": options.max_batch, "window_ms": options.window_ms},
-                  "gpu_worker": {"sim_latency_ms": options.profile_ms()}, **options.extra_config}
+        config = {
+            "redis_url": server.url,
+            "namespace": NAMESPACE,
+            "model": spec_raw,
+            "batching": {"max_batch_size": options.max_batch, "window_ms": options.window_ms},
+            "gpu_worker": {"sim_latency_ms": options.profile_ms()},
+            **options.extra_config,
+        }
         config_path = workdir / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         model_key = f"{spec_raw['name']}:{spec_raw['version']}"
@@ -163,8 +191,12 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         profiler = _profiler(options, worker)
         cpu_before = cpu_times()
         try:
-            wait_until(lambda: _all_answered(client, keys, len(ids)) or not worker.alive(), 600, interval_s=0.05,
-                       what="the worker to drain the frames")
+            wait_until(
+                lambda: _all_answered(client, keys, len(ids)) or not worker.alive(),
+                600,
+                interval_s=0.05,
+                what="the worker to drain the frames",
+            )
             if profiler is not None:
                 profiler.send_signal(signal.SIGINT)
                 profiler.wait(60)
@@ -181,8 +213,12 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
         client.close()
         server.stop()
     result = {
-        "options": {**asdict(options), "model": str(options.model), "py_spy": str(options.py_spy or "") or None,
-                    "profile_ms": options.profile_ms()},
+        "options": {
+            **asdict(options),
+            "model": str(options.model),
+            "py_spy": str(options.py_spy or "") or None,
+            "profile_ms": options.profile_ms(),
+        },
         "run": run_label(options),
         "frame_kb": round(frame_bytes / 1024, 1),
         "frames_per_s": round(measured["fps"], 1),
@@ -200,11 +236,19 @@ def run_feed(options: FeedOptions, log: Callable[[str], None] = print) -> dict[s
 
 
 def _start_worker(options: FeedOptions, config_path: Path, workdir: Path) -> ManagedProcess:
-    env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
-           "IMGSERVE_LOGS__LEVEL": "WARNING"}
+    env = {
+        **os.environ,
+        "IMGSERVE_CONFIG": str(config_path),
+        "PYTHONUNBUFFERED": "1",
+        "IMGSERVE_LOGS__LEVEL": "WARNING",
+    }
     env.pop("IMGSERVE_REDIS_URL", None)
-    return ManagedProcess("gpu-worker", python_argv("-m", "gpu_worker", "--device", options.device,
-                                                    "--worker-id", WORKER_ID), env, workdir)
+    return ManagedProcess(
+        "gpu-worker",
+        python_argv("-m", "gpu_worker", "--device", options.device, "--worker-id", WORKER_ID),
+        env,
+        workdir,
+    )
 
 
 def _profiler(options: FeedOptions, worker: ManagedProcess) -> subprocess.Popen | None:
@@ -212,10 +256,25 @@ def _profiler(options: FeedOptions, worker: ManagedProcess) -> subprocess.Popen 
     one line per stack), until interrupted. py-spy is not a dependency: `pip install py-spy` first."""
     if not options.py_spy:
         return None
-    return subprocess.Popen(["py-spy", "record", "--format", "raw", "--rate", "500", "--threads", "--gil",
-                             "--nonblocking",
-                             "--pid", str(worker.process.pid), "--output", str(options.py_spy)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            "py-spy",
+            "record",
+            "--format",
+            "raw",
+            "--rate",
+            "500",
+            "--threads",
+            "--gil",
+            "--nonblocking",
+            "--pid",
+            str(worker.process.pid),
+            "--output",
+            str(options.py_spy),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def _all_answered(client: redis.Redis, keys: Keys, count: int) -> bool:
@@ -252,10 +311,11 @@ def _throughput(client: redis.Redis, keys: Keys, ids: list[str]) -> dict[str, An
     return {"fps": fps, "mean_batch": sum(sizes) / len(sizes) if sizes else 0.0, "statuses": statuses}
 
 
-def redis_drain_rate(client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]],
-                     options: FeedOptions) -> float:
+def redis_drain_rate(
+    client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]], options: FeedOptions
+) -> float:
     """Frames/s of the worker's Redis calls alone (take a batch, ack it): Redis's own ceiling here."""
-    from gpu_worker.source import RedisFrameSource
+    from contract.frames import RedisFrameSource
 
     client.delete(keys.frames(model_key))
     push_frames(client, keys, model_key, contents, options.frames)
@@ -272,29 +332,46 @@ def redis_drain_rate(client: redis.Redis, keys: Keys, model_key: str, contents: 
 
 # --- the report -----------------------------------------------------------
 def markdown(results: list[dict[str, Any]]) -> str:
-    lines = ["## bench feed: one GPU worker against the device's limit", "",
-             "| device | profile | input | frame KB | frames/s | device limit | share | mean batch | "
-             "Redis limit | push | CPU busy / stolen |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "## bench feed: one GPU worker against the device's limit",
+        "",
+        "| device | profile | input | frame KB | frames/s | device limit | share | mean batch | "
+        "Redis limit | push | CPU busy / stolen |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         o = r["options"]
         profile = o["profile"] if o["device"] == "sim" else "-"
-        lines.append(f"| {r['run']} | {profile} | {o['input_size']} | {r['frame_kb']:.0f} | "
-                     f"{r['frames_per_s']:.0f} | {r['device_limit_fps']:.0f} | **{r['share_of_limit']:.0%}** | "
-                     f"{r['mean_batch']:.2f} | {_fmt(r['redis_limit_fps'])} | {r['push_fps']:.0f} | "
-                     f"{_shares(r['machine_cpu'])} |")
+        lines.append(
+            f"| {r['run']} | {profile} | {o['input_size']} | {r['frame_kb']:.0f} | "
+            f"{r['frames_per_s']:.0f} | {r['device_limit_fps']:.0f} | **{r['share_of_limit']:.0%}** | "
+            f"{r['mean_batch']:.2f} | {_fmt(r['redis_limit_fps'])} | {r['push_fps']:.0f} | "
+            f"{_shares(r['machine_cpu'])} |"
+        )
     stages = [s for s in HOST_STAGES if any(s in r["host_ms_per_batch"] for r in results)]
     if stages:
-        lines += ["", "Host time per batch by stage, ms (wall / CPU of the stage's thread):", "",
-                  "| run | " + " | ".join(stages) + " |", "|---|" + "---|" * len(stages)]
+        lines += [
+            "",
+            "Host time per batch by stage, ms (wall / CPU of the stage's thread):",
+            "",
+            "| run | " + " | ".join(stages) + " |",
+            "|---|" + "---|" * len(stages),
+        ]
         for r in results:
             o, table = r["options"], r["host_ms_per_batch"]
             cells = [f"{table[s]['wall']:.2f} / {table[s]['cpu']:.2f}" if s in table else "-" for s in stages]
-            lines.append(f"| {r['run']} {o['profile'] if o['device'] == 'sim' else ''} {o['input_size']} | "
-                         + " | ".join(cells) + " |")
-    lines += ["", "Device limit: " + "; ".join(sorted({r['device_limit'] for r in results})) + ". "
-              "Share: frames/s over that limit, measured from the first batch's write to the last. "
-              "Redis limit: one consumer taking and acking frames with the worker's own calls, nothing else. "
-              "CPU: the machine's cores during the drain, busy and stolen by the hypervisor."]
+            lines.append(
+                f"| {r['run']} {o['profile'] if o['device'] == 'sim' else ''} {o['input_size']} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    lines += [
+        "",
+        "Device limit: " + "; ".join(sorted({r["device_limit"] for r in results})) + ". "
+        "Share: frames/s over that limit, measured from the first batch's write to the last. "
+        "Redis limit: one consumer taking and acking frames with the worker's own calls, nothing else. "
+        "CPU: the machine's cores during the drain, busy and stolen by the hypervisor.",
+    ]
     return "\n".join(lines)
 
 

@@ -7,6 +7,7 @@ it and a letterbox onto the square canvas. No HTTP, no queue, no Redis, no Pytho
 in the bench's own process, one thread, on the images the run sent, right after the run: the ratio of
 the stack's CPU per image (every process, Redis included) to it is the overhead the stack adds.
 """
+
 from __future__ import annotations
 
 import io
@@ -44,7 +45,7 @@ def decode_floor_ms(images: list[bytes], size: int = 320, passes: int = 3) -> fl
     (a pass disturbed by another process's burst does not set the figure)."""
     if not images:
         raise ValueError("no images to measure the decode floor on")
-    prepare(images[0], size)   # imports and first-call costs stay out of the figure
+    prepare(images[0], size)  # imports and first-call costs stay out of the figure
     per_pass = []
     for _ in range(passes):
         started = time.thread_time()

@@ -13,23 +13,20 @@ metrics: random methods on /healthz against make run's stack; /metrics's series,
 
 `--root` runs the stack from another checkout (the figures before a change).
 
-The receivers (`Tarpit`, `Receiver`) are real HTTP servers on threads of this process; tests use them too.
+The callback receivers (`Tarpit`, `Receiver`: bench/receivers.py) are real HTTP servers on threads of this process.
 """
+
 from __future__ import annotations
 
 import hashlib
 import random
 import secrets
-import select
-import socket
 import string
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from datetime import datetime
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -37,160 +34,15 @@ import requests
 
 from bench.load import ImageStream
 from bench.processes import wait_until
+from bench.receivers import Receiver, Tarpit
 from bench.stack import LocalStack, StackOptions
-
-TARPIT_MODES = ("trickle", "trickle-headers", "silent")
-
-
-@dataclass
-class Visit:
-    """One connection a tarpit held: when it opened and closed (monotonic), and who closed it."""
-    opened: float
-    closed: float | None = None
-    closed_by_client: bool = False
-    sent: int = 0          # bytes of the answer sent
-
-    @property
-    def held_s(self) -> float:
-        return (self.closed if self.closed is not None else time.monotonic()) - self.opened
-
-
-@dataclass
-class Gauge:
-    """Connections open at once, over one or several tarpits, and the most there ever were."""
-    now: int = 0
-    peak: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def change(self, by: int) -> None:
-        with self.lock:
-            self.now += by
-            self.peak = max(self.peak, self.now)
-
-
-class Tarpit:
-    """A receiver that holds whoever calls it, on 127.0.0.1, one thread per connection, until the caller hangs up
-    or `stop()`:
-
-    - trickle: reads the request, sends its status line and headers (a Content-Length far ahead), then one byte of
-      body every `interval_s`;
-    - trickle-headers: sends its status line, then one byte of a header every `interval_s`, never ending them;
-    - silent: accepts, reads whatever comes (a TLS ClientHello too), never answers."""
-
-    def __init__(self, mode: str = "trickle", interval_s: float = 1.0, gauge: Gauge | None = None) -> None:
-        if mode not in TARPIT_MODES:
-            raise ValueError(f"mode {mode!r}: one of {', '.join(TARPIT_MODES)}")
-        self.mode, self.interval_s = mode, interval_s
-        self.gauge = gauge or Gauge()
-        self.visits: list[Visit] = []
-        self._stopping = threading.Event()
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}/hook"
-        threading.Thread(target=self._accept, name=f"tarpit-{self.port}", daemon=True).start()
-
-    def stop(self) -> None:
-        self._stopping.set()
-        self._listener.close()
-
-    def _accept(self) -> None:
-        while not self._stopping.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._hold, args=(conn,), daemon=True).start()
-
-    def _hold(self, conn: socket.socket) -> None:
-        visit = Visit(time.monotonic())
-        self.visits.append(visit)
-        self.gauge.change(+1)
-        try:
-            if self.mode != "silent":
-                if not self._read_request(conn):
-                    visit.closed_by_client = True
-                    return
-                conn.sendall(b"HTTP/1.1 200 OK\r\n" if self.mode == "trickle-headers" else
-                             b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1000000\r\n\r\n")
-            drip = b"X-Slow: " + b"a" * 1_000_000 if self.mode == "trickle-headers" else b"." * 1_000_000
-            while not self._stopping.is_set():
-                if _hung_up(conn, self.interval_s):
-                    visit.closed_by_client = True
-                    return
-                if self.mode != "silent":
-                    conn.sendall(drip[visit.sent:visit.sent + 1])
-                    visit.sent += 1
-        except OSError:
-            visit.closed_by_client = True
-        finally:
-            visit.closed = time.monotonic()
-            conn.close()
-            self.gauge.change(-1)
-
-    @staticmethod
-    def _read_request(conn: socket.socket) -> bool:
-        """The request's head and its Content-Length of body; False when the caller hung up first."""
-        conn.settimeout(30)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                       if line.lower().startswith(b"content-length:")), 0)
-        while len(body) < length:
-            chunk = conn.recv(65536)
-            if not chunk:
-                return False
-            body += chunk
-        conn.settimeout(None)
-        return True
-
-
-def _hung_up(conn: socket.socket, wait_s: float) -> bool:
-    """Waits up to wait_s on the caller; True once it has closed its end (what it sends meanwhile is dropped:
-    a silent tarpit reads a TLS ClientHello as it reads anything)."""
-    readable, _, _ = select.select([conn], [], [], wait_s)
-    return bool(readable) and not conn.recv(65536)
-
-
-class Receiver:
-    """A receiver that answers 200 at once and notes when each job's callback arrived (time.time())."""
-
-    def __init__(self) -> None:
-        self.arrived: dict[str, float] = {}
-        self.calls: list[dict[str, Any]] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                receiver.calls.append({"body": body, "headers": dict(self.headers)})
-                receiver.arrived.setdefault(self.headers.get("X-Imgserve-Job-Id", ""), time.time())
-                self.send_response(200)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.port = self.server.server_address[1]
-        self.url = f"http://127.0.0.1:{self.port}/hook"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def stop(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
 
 KEY_IDS = ("attacker", "tenant")
 
 
-def keyed_stack_options(options: StackOptions, workdir: Path,
-                        callback_worker: bool = True) -> tuple[StackOptions, dict[str, str]]:
+def keyed_stack_options(
+    options: StackOptions, workdir: Path, callback_worker: bool = True
+) -> tuple[StackOptions, dict[str, str]]:
     """`options` with two API keys whose callbacks are allowed to this machine's receivers, each key's callback
     secret in a file of `workdir`, and a callback worker as the Procfile runs it. The keys themselves, by id."""
     keys, entries = {}, []
@@ -198,16 +50,31 @@ def keyed_stack_options(options: StackOptions, workdir: Path,
         keys[key_id] = secrets.token_urlsafe(24)
         secret = workdir / f"{key_id}.callback-secret"
         secret.write_text(secrets.token_urlsafe(32))
-        entries.append({"id": key_id, "sha256": hashlib.sha256(keys[key_id].encode()).hexdigest(),
-                        "callback_secret_file": str(secret)})
-    extra = {**options.extra, "auth": {"api_keys": entries, "rate_per_s": 0},
-             "callbacks": {"allow_hosts": ["127.0.0.1"]}}
+        entries.append(
+            {
+                "id": key_id,
+                "sha256": hashlib.sha256(keys[key_id].encode()).hexdigest(),
+                "callback_secret_file": str(secret),
+            }
+        )
+    extra = {
+        **options.extra,
+        "auth": {"api_keys": entries, "rate_per_s": 0},
+        "callbacks": {"allow_hosts": ["127.0.0.1"]},
+    }
     options.extra, options.callback_worker = extra, callback_worker
     return options, keys
 
 
-def slow_callbacks(options: StackOptions, images: list[bytes], attackers: int = 16, duration_s: float = 60.0,
-                   interval_s: float = 2.0, every_s: float = 2.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+def slow_callbacks(
+    options: StackOptions,
+    images: list[bytes],
+    attackers: int = 16,
+    duration_s: float = 60.0,
+    interval_s: float = 2.0,
+    every_s: float = 2.0,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
     """The attack of finding 1: `attackers` jobs of one key call back a tarpit that trickles a byte every
     `interval_s`; for `duration_s`, another key submits a job every `every_s` with a callback to a receiver
     that answers at once. Then the tarpit stops and the last callbacks are waited for."""
@@ -220,10 +87,12 @@ def slow_callbacks(options: StackOptions, images: list[bytes], attackers: int = 
     try:
         attacker = _session(keys["attacker"])
         tenant = _session(keys["tenant"])
-        warm = _submit(tenant, stack.url, stream.next(0), receiver.url)   # a delivery before the attack
+        warm = _submit(tenant, stack.url, stream.next(0), receiver.url)  # a delivery before the attack
         wait_until(lambda: warm in receiver.arrived, 60, what="the first callback")
-        log(f"before the attack: a callback {_after_end(tenant, stack.url, warm, receiver) * 1000:.0f} ms after "
-            "its job ended")
+        log(
+            f"before the attack: a callback {_after_end(tenant, stack.url, warm, receiver) * 1000:.0f} ms after "
+            "its job ended"
+        )
         for i in range(attackers):
             _submit(attacker, stack.url, stream.next(1 + i), tarpit.url)
         wait_until(lambda: tarpit.visits, 60, what="the attacker's first callback at the tarpit")
@@ -235,44 +104,69 @@ def slow_callbacks(options: StackOptions, images: list[bytes], attackers: int = 
             time.sleep(max(0.0, started + i * every_s - time.monotonic()))
         during = [job_id for job_id in normal if job_id in receiver.arrived]
         peak, visits = tarpit.gauge.peak, list(tarpit.visits)
-        log(f"attack over after {duration_s:g} s: {len(during)} of {len(normal)} callbacks arrived meanwhile; "
-            "the tarpit stops")
+        log(
+            f"attack over after {duration_s:g} s: {len(during)} of {len(normal)} callbacks arrived meanwhile; "
+            "the tarpit stops"
+        )
         tarpit.stop()
         try:
-            wait_until(lambda: all(job_id in receiver.arrived for job_id in normal), 120, interval_s=0.2,
-                       what="the normal tenant's last callbacks")
+            wait_until(
+                lambda: all(job_id in receiver.arrived for job_id in normal),
+                120,
+                interval_s=0.2,
+                what="the normal tenant's last callbacks",
+            )
         except AssertionError:
             log("some of the normal tenant's callbacks never arrived")
-        delays = sorted(_after_end(tenant, stack.url, job_id, receiver) for job_id in normal
-                        if job_id in receiver.arrived)
+        delays = sorted(
+            _after_end(tenant, stack.url, job_id, receiver) for job_id in normal if job_id in receiver.arrived
+        )
         held = sorted(visit.held_s for visit in visits)
     finally:
         tarpit.stop()
         receiver.stop()
         stack.stop()
-    return {"attackers": attackers, "duration_s": duration_s, "interval_s": interval_s, "normal_jobs": len(normal),
-            "arrived_during_attack": len(during), "arrived": len(delays),
-            "callback_after_job_end_s": {"p50": _pick(delays, 50), "p95": _pick(delays, 95), "max": _pick(delays, 100)},
-            "tarpit": {"connections": len(visits), "at_once_peak": peak,
-                       "held_s": {"p50": _pick(held, 50), "max": _pick(held, 100)},
-                       "closed_by_the_service": sum(visit.closed_by_client for visit in visits)}}
+    return {
+        "attackers": attackers,
+        "duration_s": duration_s,
+        "interval_s": interval_s,
+        "normal_jobs": len(normal),
+        "arrived_during_attack": len(during),
+        "arrived": len(delays),
+        "callback_after_job_end_s": {"p50": _pick(delays, 50), "p95": _pick(delays, 95), "max": _pick(delays, 100)},
+        "tarpit": {
+            "connections": len(visits),
+            "at_once_peak": peak,
+            "held_s": {"p50": _pick(held, 50), "max": _pick(held, 100)},
+            "closed_by_the_service": sum(visit.closed_by_client for visit in visits),
+        },
+    }
 
 
 def format_slow_callbacks(outcome: dict[str, Any]) -> str:
     after, tarpit = outcome["callback_after_job_end_s"], outcome["tarpit"]
-    return "\n".join([
-        f"slow-callbacks: {outcome['attackers']} attacker jobs calling back a receiver that trickles a byte every "
-        f"{outcome['interval_s']:g} s, {outcome['duration_s']:g} s",
-        f"  normal tenant: {outcome['arrived_during_attack']} of {outcome['normal_jobs']} callbacks arrived during the "
-        f"attack, {outcome['arrived']} in all; after its job ended: p50 {after['p50']} s, p95 {after['p95']} s, "
-        f"max {after['max']} s",
-        f"  attacker's receiver: {tarpit['connections']} connections, at most {tarpit['at_once_peak']} at once, each "
-        f"held p50 {tarpit['held_s']['p50']} s, max {tarpit['held_s']['max']} s; "
-        f"{tarpit['closed_by_the_service']} ended by the service (the rest by the tarpit's stop)"])
+    return "\n".join(
+        [
+            f"slow-callbacks: {outcome['attackers']} attacker jobs calling back a receiver that trickles a byte "
+            f"every {outcome['interval_s']:g} s, {outcome['duration_s']:g} s",
+            f"  normal tenant: {outcome['arrived_during_attack']} of {outcome['normal_jobs']} callbacks arrived "
+            f"during the attack, {outcome['arrived']} in all; after its job ended: p50 {after['p50']} s, "
+            f"p95 {after['p95']} s, max {after['max']} s",
+            f"  attacker's receiver: {tarpit['connections']} connections, at most {tarpit['at_once_peak']} at once, "
+            f"each held p50 {tarpit['held_s']['p50']} s, max {tarpit['held_s']['max']} s; "
+            f"{tarpit['closed_by_the_service']} ended by the service (the rest by the tarpit's stop)",
+        ]
+    )
 
 
-def docs_flood(options: StackOptions, images: list[bytes], clients: int = 8, duration_s: float = 20.0,
-               log: Callable[[str], None] = print, **_ignored: Any) -> dict[str, Any]:
+def docs_flood(
+    options: StackOptions,
+    images: list[bytes],
+    clients: int = 8,
+    duration_s: float = 20.0,
+    log: Callable[[str], None] = print,
+    **_ignored: Any,
+) -> dict[str, Any]:
     """Finding 6: the API's CPU per call of /docs and of /healthz (one client, one after another), then an
     authenticated poll's latency alone and while `clients` threads fetch /docs without a key."""
     workdir = Path(tempfile.mkdtemp(prefix="hostile-"))
@@ -280,11 +174,14 @@ def docs_flood(options: StackOptions, images: list[bytes], clients: int = 8, dur
     stack = LocalStack(workdir, options).start()
     try:
         tenant = _session(keys["tenant"])
-        job = tenant.post(f"{stack.url}/v1/jobs", data=images[0], headers={"Content-Type": "image/jpeg"},
-                          timeout=30).json()["id"]
+        job = tenant.post(
+            f"{stack.url}/v1/jobs", data=images[0], headers={"Content-Type": "image/jpeg"}, timeout=30
+        ).json()["id"]
         plain = requests.Session()
-        cost = {path: _api_cpu_ms(stack, plain, f"{stack.url}{path}", calls)
-                for path, calls in (("/healthz", 1000), ("/docs", 200), ("/openapi.json", 200))}
+        cost = {
+            path: _api_cpu_ms(stack, plain, f"{stack.url}{path}", calls)
+            for path, calls in (("/healthz", 1000), ("/docs", 200), ("/openapi.json", 200))
+        }
         log(f"API CPU per call: {cost}")
         alone = _poll_latencies(tenant, f"{stack.url}/v1/jobs/{job}", duration_s / 2)
         stop = threading.Event()
@@ -293,6 +190,7 @@ def docs_flood(options: StackOptions, images: list[bytes], clients: int = 8, dur
             session = requests.Session()
             while not stop.is_set():
                 session.get(f"{stack.url}/docs", timeout=30)
+
         flood = [threading.Thread(target=fetch_docs, daemon=True) for _ in range(clients)]
         for thread in flood:
             thread.start()
@@ -304,21 +202,33 @@ def docs_flood(options: StackOptions, images: list[bytes], clients: int = 8, dur
                 thread.join(30)
     finally:
         stack.stop()
-    return {"clients": clients, "api_cpu_ms_per_call": cost,
-            "poll_ms_alone": _quantiles(alone), "poll_ms_with_docs_flood": _quantiles(flooded)}
+    return {
+        "clients": clients,
+        "api_cpu_ms_per_call": cost,
+        "poll_ms_alone": _quantiles(alone),
+        "poll_ms_with_docs_flood": _quantiles(flooded),
+    }
 
 
 def format_docs_flood(outcome: dict[str, Any]) -> str:
     cost, alone, flooded = outcome["api_cpu_ms_per_call"], outcome["poll_ms_alone"], outcome["poll_ms_with_docs_flood"]
-    return "\n".join([
-        "docs-flood: " + ", ".join(f"{path} {ms} ms" for path, ms in cost.items()) + " of the API's CPU per call",
-        f"  an authenticated poll alone: p50 {alone['p50']} ms, p90 {alone['p90']} ms ({alone['n']} polls)",
-        f"  with {outcome['clients']} clients fetching /docs: p50 {flooded['p50']} ms, p90 {flooded['p90']} ms "
-        f"({flooded['n']} polls)"])
+    return "\n".join(
+        [
+            "docs-flood: " + ", ".join(f"{path} {ms} ms" for path, ms in cost.items()) + " of the API's CPU per call",
+            f"  an authenticated poll alone: p50 {alone['p50']} ms, p90 {alone['p90']} ms ({alone['n']} polls)",
+            f"  with {outcome['clients']} clients fetching /docs: p50 {flooded['p50']} ms, p90 {flooded['p90']} ms "
+            f"({flooded['n']} polls)",
+        ]
+    )
 
 
-def metrics_cardinality(options: StackOptions, images: list[bytes], requests_sent: int = 3000,
-                        log: Callable[[str], None] = print, **_ignored: Any) -> dict[str, Any]:
+def metrics_cardinality(
+    options: StackOptions,
+    images: list[bytes],
+    requests_sent: int = 3000,
+    log: Callable[[str], None] = print,
+    **_ignored: Any,
+) -> dict[str, Any]:
     """Finding 5: random methods on /healthz, without a key, against make run's stack (its API in Prometheus's
     multiprocess mode, as deployed); /metrics's series, size and scrape time before and after, and the size of
     the metrics files."""
@@ -341,9 +251,11 @@ def metrics_cardinality(options: StackOptions, images: list[bytes], requests_sen
 
 def format_metrics_cardinality(outcome: dict[str, Any]) -> str:
     before, after = outcome["before"], outcome["after"]
-    return (f"metrics: {outcome['requests']} random methods on /healthz: /metrics {before['series']} -> "
-            f"{after['series']} series, {before['bytes']} -> {after['bytes']} bytes, a scrape {before['ms']} -> "
-            f"{after['ms']} ms (median of 5); the metrics files {outcome['metrics_files_bytes']} bytes")
+    return (
+        f"metrics: {outcome['requests']} random methods on /healthz: /metrics {before['series']} -> "
+        f"{after['series']} series, {before['bytes']} -> {after['bytes']} bytes, a scrape {before['ms']} -> "
+        f"{after['ms']} ms (median of 5); the metrics files {outcome['metrics_files_bytes']} bytes"
+    )
 
 
 ATTACKS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
@@ -394,8 +306,13 @@ def _session(key: str) -> requests.Session:
 
 
 def _submit(session: requests.Session, url: str, image: bytes, callback_url: str) -> str:
-    response = session.post(f"{url}/v1/jobs", params={"callback_url": callback_url}, data=image,
-                            headers={"Content-Type": "image/jpeg"}, timeout=30)
+    response = session.post(
+        f"{url}/v1/jobs",
+        params={"callback_url": callback_url},
+        data=image,
+        headers={"Content-Type": "image/jpeg"},
+        timeout=30,
+    )
     response.raise_for_status()
     return str(response.json()["id"])
 
@@ -408,7 +325,6 @@ def _after_end(session: requests.Session, url: str, job_id: str, receiver: Recei
 
 
 def _pick(values: list[float], q: float) -> float | None:
-    from gpu_worker.stats import percentile
+    from contract.timebill import percentile
 
     return round(percentile(values, q), 2) if values else None
-

@@ -1,6 +1,7 @@
 """Hostile image files, built in memory: the attacks of issue 40's decoder findings, for the tests and
 `bench hostile`. Each is a valid-looking file of an accepted type whose framing or metadata costs the decoder
 far more than its pixels do. No Pillow here beyond encoding the small images they wrap."""
+
 from __future__ import annotations
 
 import io
@@ -24,7 +25,7 @@ def gif_comment_bomb(comments: int = 400_000) -> bytes:
     them by repeated byte concatenation, so the cost grows with their square (7.9 s for 400,000)."""
     plain = _picture("GIF")
     flags = plain[10]
-    head = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)   # header, screen and its colour table
+    head = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # header, screen and its colour table
     return plain[:head] + b"\x21\xfe\x01x\x00" * comments + plain[head:]
 
 
@@ -91,9 +92,8 @@ def jpeg_comment_flood(total_bytes: int = 20 * 1024 * 1024 - 4096) -> bytes:
 def gif_im_polyglot(width: int = 200, height: int = 100) -> bytes:
     """A body that starts like a GIF and is an IM file: Pillow's GIF plugin fails on it, and `Image.open`
     without `formats=` falls through to the IM plugin, which decodes it (a 200x100 image)."""
-    header = (b"GIF89a: not really\r\nImage type: RGB image\r\n"
-              + f"Image size (x*y): {width}*{height}\r\n".encode())
-    header += b"\x00" * (511 - len(header)) + b"\x1a"                # IM: the header is 512 bytes
+    header = b"GIF89a: not really\r\nImage type: RGB image\r\n" + f"Image size (x*y): {width}*{height}\r\n".encode()
+    header += b"\x00" * (511 - len(header)) + b"\x1a"  # IM: the header is 512 bytes
     # Pixel bytes free of '!', ',' and ';', so the GIF plugin finds no block and gives up.
     return header + bytes([0x40]) * (width * height * 3)
 
@@ -101,8 +101,8 @@ def gif_im_polyglot(width: int = 200, height: int = 100) -> bytes:
 def _segments_after_jfif(jpeg: bytes) -> bytes:
     """A JPEG's bytes after its SOI and (when first) its JFIF APP0 segment."""
     pos = 2
-    if jpeg[pos:pos + 2] == b"\xff\xe0":
-        pos += 2 + struct.unpack(">H", jpeg[pos + 2:pos + 4])[0]
+    if jpeg[pos : pos + 2] == b"\xff\xe0":
+        pos += 2 + struct.unpack(">H", jpeg[pos + 2 : pos + 4])[0]
     return jpeg[pos:]
 
 
@@ -147,9 +147,13 @@ def mpo_scan_bomb(width: int = 2048, height: int = 2048, repeats: int = 3000) ->
     (11.3 s for this 64 KB file)."""
     bomb = scan_bomb(width, height, repeats)
     entries = struct.pack(">LLLHH", 0x20030000, len(bomb), 0, 0, 0) + struct.pack(">LLLHH", 0, 10, 100, 0, 0)
-    values = 8 + 2 + 12 * 3 + 4   # where the MP entries follow the directory
-    directory = (struct.pack(">H", 3) + struct.pack(">HHL4s", 0xB000, 7, 4, b"0100")
-                 + struct.pack(">HHLL", 0xB001, 4, 1, 2) + struct.pack(">HHLL", 0xB002, 7, len(entries), values))
+    values = 8 + 2 + 12 * 3 + 4  # where the MP entries follow the directory
+    directory = (
+        struct.pack(">H", 3)
+        + struct.pack(">HHL4s", 0xB000, 7, 4, b"0100")
+        + struct.pack(">HHLL", 0xB001, 4, 1, 2)
+        + struct.pack(">HHLL", 0xB002, 7, len(entries), values)
+    )
     payload = b"MPF\x00" + b"MM\x00\x2a" + struct.pack(">L", 8) + directory + b"\x00" * 4 + entries
     return bomb[:2] + b"\xff\xe2" + struct.pack(">H", 2 + len(payload)) + payload + bomb[2:]
 
@@ -171,10 +175,10 @@ def jpeg_segments(data: bytes) -> list[tuple[int, bytes]]:
     while pos < len(data):
         marker = data[pos + 1]
         if marker == 0xD9:
-            segments.append((marker, data[pos:pos + 2]))
+            segments.append((marker, data[pos : pos + 2]))
             break
-        end = pos + 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
-        if marker == 0xDA:   # the scan's data runs to the next marker that is not a stuffed 0xFF or a restart
+        end = pos + 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
+        if marker == 0xDA:  # the scan's data runs to the next marker that is not a stuffed 0xFF or a restart
             while True:
                 end = data.index(b"\xff", end)
                 if data[end + 1] == 0 or 0xD0 <= data[end + 1] <= 0xD7:

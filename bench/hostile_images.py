@@ -13,6 +13,7 @@ were replaced.
 Attacks that are not image files (issue 40's slow callback receivers) plug in as `more_attacks`: callables
 given the stack's URL and the attacker's headers, returning the ids of the jobs they submitted.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,9 +33,9 @@ import requests
 from bench import hostile_files
 from bench.load import TERMINAL, ImageStream, session_for
 from bench.stack import LocalStack, StackOptions
-from gpu_worker.stats import percentile
+from contract.timebill import percentile
 
-NORMAL_KEY, ATTACKER_KEY = "bench-normal-tenant-key", "bench-attacker-key"   # a private stack's keys
+NORMAL_KEY, ATTACKER_KEY = "bench-normal-tenant-key", "bench-attacker-key"  # a private stack's keys
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Sent:
 @dataclass
 class MemoryWatch:
     """The CPU worker's children, sampled: the peak resident memory each reached, and who came and went."""
+
     parent: int
     peak_kb: dict[int, int] = field(default_factory=dict)
     stop: threading.Event = field(default_factory=threading.Event)
@@ -91,21 +93,33 @@ def _children_rss_kb(parent: int) -> dict[int, int]:
     return found
 
 
-def run_hostile(options: StackOptions, images: list[bytes], qps: float, quiet_s: float, attack_s: float,
-                copies: int, attacks: Sequence[FileAttack] = ATTACKS, more_attacks: Sequence[MoreAttack] = (),
-                log: Callable[[str], None] = print) -> dict[str, Any]:
-    keys = [{"id": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
-            for name, key in (("normal", NORMAL_KEY), ("attacker", ATTACKER_KEY))]
-    options = replace(options, extra={**options.extra, "auth": {"api_keys": keys, "rate_per_s": 0.0},
-                                      "cache": {"enabled": False}},
-                      cpu_worker_args=("--max-memory-per-child=1048576",))   # as make run's Procfile
+def run_hostile(
+    options: StackOptions,
+    images: list[bytes],
+    qps: float,
+    quiet_s: float,
+    attack_s: float,
+    copies: int,
+    attacks: Sequence[FileAttack] = ATTACKS,
+    more_attacks: Sequence[MoreAttack] = (),
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    keys = [
+        {"id": name, "sha256": hashlib.sha256(key.encode()).hexdigest()}
+        for name, key in (("normal", NORMAL_KEY), ("attacker", ATTACKER_KEY))
+    ]
+    options = replace(
+        options,
+        extra={**options.extra, "auth": {"api_keys": keys, "rate_per_s": 0.0}, "cache": {"enabled": False}},
+        cpu_worker_args=("--max-memory-per-child=1048576",),
+    )  # as make run's Procfile
     built = [(attack, attack.build()) for attack in attacks]
     stack = LocalStack(Path(tempfile.mkdtemp(prefix="hostile-")), options).start()
     try:
         watch = MemoryWatch(stack.process("cpu-worker").process.pid)
         watcher = threading.Thread(target=watch.run, daemon=True)
         watcher.start()
-        normal: list[tuple[str, str]] = []   # (phase, job id)
+        normal: list[tuple[str, str]] = []  # (phase, job id)
         stop = threading.Event()
         phase = ["quiet"]
         loader = threading.Thread(target=_submit_steadily, args=(stack.url, images, qps, stop, normal, phase))
@@ -116,7 +130,7 @@ def run_hostile(options: StackOptions, images: list[bytes], qps: float, quiet_s:
         log(f"quiet phase over ({len(normal)} jobs); attacking: {len(built)} files x {copies}")
         attack_started = time.monotonic()
         sent = _attack(stack.url, built, copies, more_attacks)
-        follower = threading.Thread(target=_follow_hostile, args=(stack.url, sent))   # their end times are a figure
+        follower = threading.Thread(target=_follow_hostile, args=(stack.url, sent))  # their end times are a figure
         follower.start()
         time.sleep(max(0.0, attack_started + attack_s - time.monotonic()))
         stop.set()
@@ -128,24 +142,29 @@ def run_hostile(options: StackOptions, images: list[bytes], qps: float, quiet_s:
         watcher.join()
     finally:
         stack.stop()
-    return {"attacks": _tally(sent, {attack.name: len(data) for attack, data in built}), "tenant": tenant,
-            "memory": _memory(quiet_peak, watch.peak_kb), "options": options.describe(),
-            "copies": copies, "qps": qps}
+    return {
+        "attacks": _tally(sent, {attack.name: len(data) for attack, data in built}),
+        "tenant": tenant,
+        "memory": _memory(quiet_peak, watch.peak_kb),
+        "options": options.describe(),
+        "copies": copies,
+        "qps": qps,
+    }
 
 
 def _headers(key: str, media_type: str = "image/jpeg") -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", "Content-Type": media_type}
 
 
-def _submit_steadily(url: str, images: list[bytes], qps: float, stop: threading.Event,
-                     accepted: list[tuple[str, str]], phase: list[str]) -> None:
+def _submit_steadily(
+    url: str, images: list[bytes], qps: float, stop: threading.Event, accepted: list[tuple[str, str]], phase: list[str]
+) -> None:
     session = session_for(4)
     stream = ImageStream(images)
     interval, index, next_at = 1.0 / qps, 0, time.monotonic()
     while not stop.is_set():
         try:
-            response = session.post(f"{url}/v1/jobs", data=stream.next(index), headers=_headers(NORMAL_KEY),
-                                    timeout=30)
+            response = session.post(f"{url}/v1/jobs", data=stream.next(index), headers=_headers(NORMAL_KEY), timeout=30)
             if response.status_code == 202:
                 accepted.append((phase[0], response.json()["id"]))
         except requests.RequestException:
@@ -155,38 +174,45 @@ def _submit_steadily(url: str, images: list[bytes], qps: float, stop: threading.
         time.sleep(max(0.0, next_at - time.monotonic()))
 
 
-def _attack(url: str, built: list[tuple[FileAttack, bytes]], copies: int,
-            more_attacks: Sequence[MoreAttack]) -> list[Sent]:
+def _attack(
+    url: str, built: list[tuple[FileAttack, bytes]], copies: int, more_attacks: Sequence[MoreAttack]
+) -> list[Sent]:
     """Every file `copies` times, all at once (as the probe sent its three GIFs)."""
+
     def send(attack: FileAttack, data: bytes) -> Sent:
         sent_at = time.monotonic()
         try:
-            response = requests.post(f"{url}/v1/jobs", data=data, headers=_headers(ATTACKER_KEY, attack.media_type),
-                                     timeout=60)
+            response = requests.post(
+                f"{url}/v1/jobs", data=data, headers=_headers(ATTACKER_KEY, attack.media_type), timeout=60
+            )
         except requests.RequestException as exc:
             return Sent(attack.name, None, sent_at, "error", type(exc).__name__)
         if response.status_code != 202:
-            return Sent(attack.name, None, sent_at, "refused", f"http_{response.status_code}",
-                        time.monotonic() - sent_at)
+            return Sent(
+                attack.name, None, sent_at, "refused", f"http_{response.status_code}", time.monotonic() - sent_at
+            )
         return Sent(attack.name, response.json()["id"], sent_at)
 
     with ThreadPoolExecutor(8) as pool:
         sent = list(pool.map(lambda item: send(*item), [item for item in built for _ in range(copies)]))
     for more in more_attacks:
         sent_at = time.monotonic()
-        sent += [Sent(getattr(more, "__name__", "more"), job_id, sent_at)
-                 for job_id in more(url, _headers(ATTACKER_KEY))]
+        sent += [
+            Sent(getattr(more, "__name__", "more"), job_id, sent_at) for job_id in more(url, _headers(ATTACKER_KEY))
+        ]
     return sent
 
 
 def _follow_hostile(url: str, sent: list[Sent], give_up_s: float = 180.0) -> None:
     """Long-poll each hostile job to its end (a thread each: their end times are the figure)."""
+
     def follow(item: Sent) -> None:
         session = requests.Session()
         while item.job_id and time.monotonic() - item.sent_at < give_up_s:
             try:
-                doc = session.get(f"{url}/v1/jobs/{item.job_id}", params={"wait": 10},
-                                  headers=_headers(ATTACKER_KEY), timeout=40).json()
+                doc = session.get(
+                    f"{url}/v1/jobs/{item.job_id}", params={"wait": 10}, headers=_headers(ATTACKER_KEY), timeout=40
+                ).json()
             except requests.RequestException:
                 continue
             if doc["status"] in TERMINAL:
@@ -206,8 +232,9 @@ def _tenant_waits(url: str, jobs: list[tuple[str, str]], give_up_s: float = 180.
     for _, job_id in jobs:
         while time.monotonic() < deadline:
             try:
-                doc = session.get(f"{url}/v1/jobs/{job_id}", params={"wait": 10}, headers=_headers(NORMAL_KEY),
-                                  timeout=40).json()
+                doc = session.get(
+                    f"{url}/v1/jobs/{job_id}", params={"wait": 10}, headers=_headers(NORMAL_KEY), timeout=40
+                ).json()
             except requests.RequestException:
                 continue
             if doc["status"] in TERMINAL:
@@ -216,12 +243,14 @@ def _tenant_waits(url: str, jobs: list[tuple[str, str]], give_up_s: float = 180.
     phases: dict[str, dict[str, Any]] = {}
     for phase in ("quiet", "attack"):
         ended = [docs[job_id] for name, job_id in jobs if name == phase and job_id in docs]
-        waits = sorted(doc["timings_ms"]["queue_cpu"] for doc in ended
-                       if "queue_cpu" in (doc.get("timings_ms") or {}))
-        phases[phase] = {"jobs": sum(1 for name, _ in jobs if name == phase),
-                         "succeeded": sum(1 for doc in ended if doc["status"] == "succeeded"),
-                         "queue_cpu_ms": {"p50": percentile(waits, 50), "p95": percentile(waits, 95),
-                                          "max": max(waits, default=0.0)} if waits else {}}
+        waits = sorted(doc["timings_ms"]["queue_cpu"] for doc in ended if "queue_cpu" in (doc.get("timings_ms") or {}))
+        phases[phase] = {
+            "jobs": sum(1 for name, _ in jobs if name == phase),
+            "succeeded": sum(1 for doc in ended if doc["status"] == "succeeded"),
+            "queue_cpu_ms": {"p50": percentile(waits, 50), "p95": percentile(waits, 95), "max": max(waits, default=0.0)}
+            if waits
+            else {},
+        }
     return phases
 
 
@@ -230,22 +259,37 @@ def _tally(sent: list[Sent], sizes: dict[str, int]) -> list[dict[str, Any]]:
     for name in dict.fromkeys(item.attack for item in sent):
         items = [item for item in sent if item.attack == name]
         ended = [item.ended_after_s for item in items if item.ended_after_s is not None]
-        rows.append({"attack": name, "bytes": sizes.get(name), "jobs": len(items),
-                     "outcomes": dict(Counter(f"{item.status} {item.code or ''}".strip() for item in items)),
-                     "ended_after_s_max": max(ended, default=None)})
+        rows.append(
+            {
+                "attack": name,
+                "bytes": sizes.get(name),
+                "jobs": len(items),
+                "outcomes": dict(Counter(f"{item.status} {item.code or ''}".strip() for item in items)),
+                "ended_after_s_max": max(ended, default=None),
+            }
+        )
     return rows
 
 
 def _memory(quiet_kb: dict[int, int], peak_kb: dict[int, int]) -> dict[str, Any]:
-    return {"quiet_peak_mb": max(quiet_kb.values(), default=0) / 1024,
-            "attack_peak_mb": max(peak_kb.values(), default=0) / 1024,
-            "children_seen": len(peak_kb), "children_at_start": len(quiet_kb)}
+    return {
+        "quiet_peak_mb": max(quiet_kb.values(), default=0) / 1024,
+        "attack_peak_mb": max(peak_kb.values(), default=0) / 1024,
+        "children_seen": len(peak_kb),
+        "children_at_start": len(quiet_kb),
+    }
 
 
 def markdown(title: str, outcome: dict[str, Any]) -> str:
-    lines = [f"### {title}", "", f"{outcome['options']}; normal tenant {outcome['qps']:g} jobs/s; each file sent "
-             f"{outcome['copies']} times at once by another key", "",
-             "| attack | bytes | jobs | ended | last ended after |", "|---|---|---|---|---|"]
+    lines = [
+        f"### {title}",
+        "",
+        f"{outcome['options']}; normal tenant {outcome['qps']:g} jobs/s; each file sent "
+        f"{outcome['copies']} times at once by another key",
+        "",
+        "| attack | bytes | jobs | ended | last ended after |",
+        "|---|---|---|---|---|",
+    ]
     for row in outcome["attacks"]:
         ended = ", ".join(f"{k} x{v}" for k, v in row["outcomes"].items())
         after = f"{row['ended_after_s_max']:.2f} s" if row["ended_after_s_max"] is not None else "-"
@@ -256,7 +300,10 @@ def markdown(title: str, outcome: dict[str, Any]) -> str:
         cells = [f"{waits[k]:.0f} ms" for k in ("p50", "p95", "max")] if waits else ["-"] * 3
         lines.append(f"| {phase} | {row['jobs']} | {row['succeeded']} | " + " | ".join(cells) + " |")
     memory = outcome["memory"]
-    lines += ["", f"CPU children: peak RSS {memory['quiet_peak_mb']:.0f} MB in the quiet phase, "
-                  f"{memory['attack_peak_mb']:.0f} MB over the run (sampled every 0.1 s); "
-                  f"{memory['children_seen'] - memory['children_at_start']} replaced or added"]
+    lines += [
+        "",
+        f"CPU children: peak RSS {memory['quiet_peak_mb']:.0f} MB in the quiet phase, "
+        f"{memory['attack_peak_mb']:.0f} MB over the run (sampled every 0.1 s); "
+        f"{memory['children_seen'] - memory['children_at_start']} replaced or added",
+    ]
     return "\n".join(lines)

@@ -11,7 +11,7 @@ code; `bench ab` remains the figure users see.
 
 - api: one gevent API worker under gunicorn (the project's gunicorn config, one worker), per submit of a
   0.4-1 MB JPEG (raw body) and a poll of its job, each job ended by the bench as the GPU worker's batch write
-  would end it (JobStore.finish) before the poll is sent: the poll never waits. Whether a poll waited depends
+  would end it (JobEnding.finish) before the poll is sent: the poll never waits. Whether a poll waited depends
   on timing, and the count would move with it; a wait adds a registration, a wake-up and a second read of
   the job, which this figure leaves out. Counted: gunicorn, gevent, Flask, the app, redis-py, in that worker
   (its pub/sub listener hears every job's end either way).
@@ -22,6 +22,7 @@ code; `bench ab` remains the figure users see.
 Each figure is the difference between a run of N1 units and one of N2, over N2 - N1: start-up and imports
 cancel out. A run of the API takes minutes (valgrind runs Python some 50 times slower).
 """
+
 from __future__ import annotations
 
 import base64
@@ -46,18 +47,21 @@ from bench.processes import RedisServer, free_port, wait_until
 from bench.stack import answers_ok
 
 ROLES = ("api", "cpu-task")
-PACKAGES = ("app", "contract", "tasks", "gpu_worker")   # the measured checkout's code
-CHILD = Path(__file__).with_name("instructions_child.py")   # run by path: it imports the measured checkout's code
-_RESULT = {"detections": [{"box": [10.0, 20.0, 30.0, 40.0], "score": 0.9, "class_id": 0, "label": "circle"}] * 3,
-           "image": {"width": 1920, "height": 1080}, "model": {"name": "shapes-yolo", "version": "2.0.0"}}
+PACKAGES = ("app", "contract", "tasks", "gpu_worker")  # the measured checkout's code
+CHILD = Path(__file__).with_name("instructions_child.py")  # run by path: it imports the measured checkout's code
+_RESULT = {
+    "detections": [{"box": [10.0, 20.0, 30.0, 40.0], "score": 0.9, "class_id": 0, "label": "circle"}] * 3,
+    "image": {"width": 1920, "height": 1080},
+    "model": {"name": "shapes-yolo", "version": "2.0.0"},
+}
 
 
 @dataclass(frozen=True)
 class Counted:
     role: str
     unit: str
-    per_unit: float                  # instructions
-    reference: float | None = None   # cpu-task: decode + letterbox alone, per image
+    per_unit: float  # instructions
+    reference: float | None = None  # cpu-task: decode + letterbox alone, per image
 
     @property
     def over_reference(self) -> float | None:
@@ -79,14 +83,24 @@ def per_unit(first: int, second: int, first_units: int, second_units: int) -> fl
     return (second - first) / (second_units - first_units)
 
 
-def _counted(argv: list[str], cwd: Path, env: dict[str, str], work: Path,
-             drive: Callable[[subprocess.Popen], None] = lambda process: None) -> int:
+def _counted(
+    argv: list[str],
+    cwd: Path,
+    env: dict[str, str],
+    work: Path,
+    drive: Callable[[subprocess.Popen], None] = lambda process: None,
+) -> int:
     """Run `argv` (and its children) under callgrind; `drive` does the work meanwhile and stops it. The largest
     count of its processes: the one that did the work (a gunicorn worker, not its master)."""
     out = Path(tempfile.mkdtemp(prefix="callgrind-", dir=work))
-    process = subprocess.Popen(["valgrind", "--tool=callgrind", "--trace-children=yes",
-                                f"--callgrind-out-file={out}/cg.%p", *argv], cwd=cwd, env=env,
-                               stdout=subprocess.DEVNULL, stderr=open(out / "stderr", "w"), start_new_session=True)
+    process = subprocess.Popen(
+        ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={out}/cg.%p", *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=open(out / "stderr", "w"),
+        start_new_session=True,
+    )
     try:
         drive(process)
         process.wait(timeout=1800)
@@ -109,34 +123,52 @@ def count_api(root: Path, images: list[bytes], pairs: tuple[int, int] = (20, 100
         env = {**os.environ, "IMGSERVE_CONFIG": str(config), "IMGSERVE_API__BIND": f"127.0.0.1:{port}"}
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         try:
-            return _counted([sys.executable, "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--timeout", "900",
-                             "app:create_app()"], root, env, work,
-                            lambda process: _drive_api(process, port, server.url, images, count))
+            return _counted(
+                [
+                    sys.executable,
+                    "-m",
+                    "gunicorn",
+                    "-c",
+                    "configs/gunicorn.conf.py",
+                    "--timeout",
+                    "900",
+                    "app:create_app()",
+                ],
+                root,
+                env,
+                work,
+                lambda process: _drive_api(process, port, server.url, images, count),
+            )
         finally:
             server.stop()
+
     return Counted("api", "submit + poll", per_unit(run(pairs[0]), run(pairs[1]), *pairs))
 
 
 def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: list[bytes], count: int) -> None:
     import http.client
 
-    from contract.jobs import SUCCEEDED, JobStore
+    from contract.jobs.ending import JobEnding
+    from contract.jobs.record import SUCCEEDED
     from contract.keys import Keys
 
     def up() -> bool:
-        if process.poll() is not None:   # gunicorn under valgrind gave up (a settings error, a failed import)
+        if process.poll() is not None:  # gunicorn under valgrind gave up (a settings error, a failed import)
             raise RuntimeError(f"the API under valgrind exited with {process.returncode} before answering")
         return answers_ok(f"http://127.0.0.1:{port}/healthz", [])
+
     wait_until(up, 900, interval_s=1.0, what="the API under valgrind")
     client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=False)
     keys = Keys("imgserve")
-    store, stop = JobStore(client, keys, 3600), threading.Event()
+    store, stop = JobEnding(client, keys, 3600), threading.Event()
 
-    def finisher() -> None:   # each job ended as the GPU worker's batch write ends it
+    def finisher() -> None:  # each job ended as the GPU worker's batch write ends it
         while not stop.is_set():
-            queues = [key.decode() if isinstance(key, bytes) else key
-                      for key in client.keys(keys.celery_prefix + "preprocess*")]
-            if not queues:   # the first submit makes its model's queue
+            queues = [
+                key.decode() if isinstance(key, bytes) else key
+                for key in client.keys(keys.celery_prefix + "preprocess*")
+            ]
+            if not queues:  # the first submit makes its model's queue
                 time.sleep(0.05)
                 continue
             taken = client.brpop(queues, timeout=0.2)
@@ -147,7 +179,7 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
     def client_loop(turns: int, offset: int) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         for turn in range(turns):
-            body = images[(offset + turn) % len(images)] + os.urandom(16)   # every image new to the cache
+            body = images[(offset + turn) % len(images)] + os.urandom(16)  # every image new to the cache
             connection.request("POST", "/v1/jobs", body=body, headers={"Content-Type": "image/jpeg"})
             reply = connection.getresponse()
             accepted = json.loads(reply.read())
@@ -161,7 +193,7 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
 
     threading.Thread(target=finisher, daemon=True).start()
     try:
-        with ThreadPoolExecutor(4) as pool:   # a client's failure is raised here: no count of a broken run
+        with ThreadPoolExecutor(4) as pool:  # a client's failure is raised here: no count of a broken run
             for done in [pool.submit(client_loop, count // 4, i) for i in range(4)]:
                 done.result()
     finally:
@@ -187,6 +219,7 @@ def count_cpu_task(root: Path, images: list[bytes], tasks: tuple[int, int] = (10
             return _counted(argv, root, dict(os.environ), work)
         finally:
             server.stop()
+
     task = per_unit(run("task", tasks[0]), run("task", tasks[1]), *tasks)
     decode = per_unit(run("decode", tasks[0]), run("decode", tasks[1]), *tasks)
     return Counted("cpu-task", "task", task, reference=decode)
@@ -194,15 +227,19 @@ def count_cpu_task(root: Path, images: list[bytes], tasks: tuple[int, int] = (10
 
 def _store_jobs(root: Path, redis_url: str, work: Path, count: int) -> None:
     """The jobs the child's tasks take, stored as the API stores them, outside the count."""
-    subprocess.run([sys.executable, str(CHILD), str(root), redis_url, str(work), "store", str(count)], cwd=root,
-                   check=True)
+    subprocess.run(
+        [sys.executable, str(CHILD), str(root), redis_url, str(work), "store", str(count)], cwd=root, check=True
+    )
 
 
 def count(role: str, root: Path, images: list[bytes]) -> Counted:
     # Bytecode compiled first, outside the count: a module changed since its last import would be compiled in the
     # first, shorter run only, and the difference between the runs would come out short by that much.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", *(str(root / name) for name in PACKAGES)], check=True,
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", *(str(root / name) for name in PACKAGES)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
     if role == "api":
         return count_api(root, images)
     if role == "cpu-task":
@@ -212,8 +249,12 @@ def count(role: str, root: Path, images: list[bytes]) -> Counted:
 
 def markdown(counted: dict[str, list[Counted]]) -> str:
     """One table: a row per role and side."""
-    lines = ["## bench instructions: user-space instructions per unit (valgrind callgrind)", "",
-             "| side | role | unit | instructions | decode + letterbox alone | over it |", "|---|---|---|---|---|---|"]
+    lines = [
+        "## bench instructions: user-space instructions per unit (valgrind callgrind)",
+        "",
+        "| side | role | unit | instructions | decode + letterbox alone | over it |",
+        "|---|---|---|---|---|---|",
+    ]
     for side, rows in counted.items():
         for row in rows:
             reference = f"{row.reference / 1e6:.2f} M" if row.reference is not None else "-"

@@ -5,6 +5,7 @@ Closed loop: a fixed number of clients, each sending its next request when
 its last one ends. The serial baseline answers the submit itself (200 with the
 finished job); the pipeline answers 202 and is long-polled.
 """
+
 from __future__ import annotations
 
 import random
@@ -18,16 +19,16 @@ from typing import Any
 
 import requests
 
-from contract import jobs
+from contract.jobs.record import TERMINAL as TERMINAL_STATUSES
 
-TERMINAL = tuple(sorted(jobs.TERMINAL))
+TERMINAL = tuple(sorted(TERMINAL_STATUSES))
 
 
 @dataclass
 class Outcome:
-    started: float             # monotonic seconds
+    started: float  # monotonic seconds
     ended: float
-    status: str                # a job status, or "rejected" / "error"
+    status: str  # a job status, or "rejected" / "error"
     reason: str | None = None  # why it did not succeed
     doc: dict[str, Any] | None = None
 
@@ -51,7 +52,7 @@ class ImageStream:
             raise ValueError("an ImageStream needs images and a repeat_share in [0, 1)")
         self.images, self.repeat_share = images, repeat_share
         self._rng = random.Random(seed)
-        self._run = random.getrandbits(64).to_bytes(8, "big")   # another run's images are not this run's repeats
+        self._run = random.getrandbits(64).to_bytes(8, "big")  # another run's images are not this run's repeats
         self._sent: deque[bytes] = deque(maxlen=history)
         self._count = 0
         self._lock = threading.Lock()
@@ -80,32 +81,46 @@ def session_for(concurrency: int) -> requests.Session:
 UPLOADS = ("raw", "multipart")
 
 
-CALLS = ("two", "one")   # submit then long-poll; or one call (POST /v1/jobs?wait=ONE_CALL_WAIT_S)
+CALLS = ("two", "one")  # submit then long-poll; or one call (POST /v1/jobs?wait=ONE_CALL_WAIT_S)
 ONE_CALL_WAIT_S = 30
 
 
-def request_once(session: requests.Session, url: str, image: bytes, give_up_s: float = 90.0,
-                 model: str | None = None, upload: str = "raw", one_call: bool = False) -> Outcome:
+def request_once(
+    session: requests.Session,
+    url: str,
+    image: bytes,
+    give_up_s: float = 90.0,
+    model: str | None = None,
+    upload: str = "raw",
+    one_call: bool = False,
+) -> Outcome:
     """Submit (to `model`, a name or name:version, when given) as a raw body or a multipart form (`curl -F`),
     then long-poll to the end; with `one_call`, the submission itself waits for the end (`?wait=`), as a
     synchronous peer's one POST does (a long-poll follows only if it did not end within the wait)."""
     started = time.monotonic()
-    params: dict[str, str] = {**({"model": model} if model else {}),
-                              **({"wait": str(ONE_CALL_WAIT_S)} if one_call else {})}
+    params: dict[str, str] = {
+        **({"model": model} if model else {}),
+        **({"wait": str(ONE_CALL_WAIT_S)} if one_call else {}),
+    }
     try:
         if upload == "multipart":
-            response = session.post(f"{url}/v1/jobs", files={"image": ("image.jpg", image, "image/jpeg")},
-                                    data={"model": model} if model else None, timeout=90,
-                                    params={"wait": str(ONE_CALL_WAIT_S)} if one_call else None)
+            response = session.post(
+                f"{url}/v1/jobs",
+                files={"image": ("image.jpg", image, "image/jpeg")},
+                data={"model": model} if model else None,
+                timeout=90,
+                params={"wait": str(ONE_CALL_WAIT_S)} if one_call else None,
+            )
         else:
-            response = session.post(f"{url}/v1/jobs", data=image, headers={"Content-Type": "image/jpeg"},
-                                    timeout=90, params=params or None)
+            response = session.post(
+                f"{url}/v1/jobs", data=image, headers={"Content-Type": "image/jpeg"}, timeout=90, params=params or None
+            )
         if response.status_code == 200:
             return _outcome(started, response.json())
         if response.status_code != 202:
             return Outcome(started, time.monotonic(), "rejected", f"http_{response.status_code}")
         accepted = response.json()
-        if accepted["status"] in TERMINAL:   # a result-cache hit: the 202 carries the answer
+        if accepted["status"] in TERMINAL:  # a result-cache hit: the 202 carries the answer
             return _outcome(started, accepted)
         job_url = f"{url}/v1/jobs/{accepted['id']}"
         while time.monotonic() - started < give_up_s:
@@ -132,9 +147,18 @@ def poisson_arrivals(qps: float, duration_s: float, seed: int = 0) -> list[float
     return arrivals
 
 
-def open_loop(url: str, images: list[bytes] | ImageStream, qps: float, duration_s: float, seed: int = 0,
-              max_in_flight: int = 512, tick: Callable[[], None] = lambda: None,
-              model: str | None = None, upload: str = "raw", one_call: bool = False) -> list[Outcome]:
+def open_loop(
+    url: str,
+    images: list[bytes] | ImageStream,
+    qps: float,
+    duration_s: float,
+    seed: int = 0,
+    max_in_flight: int = 512,
+    tick: Callable[[], None] = lambda: None,
+    model: str | None = None,
+    upload: str = "raw",
+    one_call: bool = False,
+) -> list[Outcome]:
     """Poisson arrivals at `qps` for `duration_s`; waits for every request to end."""
     arrivals = poisson_arrivals(qps, duration_s, seed)
     stream = as_stream(images)
@@ -158,9 +182,16 @@ def open_loop(url: str, images: list[bytes] | ImageStream, qps: float, duration_
     return outcomes
 
 
-def closed_loop(url: str, images: list[bytes] | ImageStream, concurrency: int, duration_s: float,
-                tick: Callable[[], None] = lambda: None, model: str | None = None,
-                upload: str = "raw", one_call: bool = False) -> list[Outcome]:
+def closed_loop(
+    url: str,
+    images: list[bytes] | ImageStream,
+    concurrency: int,
+    duration_s: float,
+    tick: Callable[[], None] = lambda: None,
+    model: str | None = None,
+    upload: str = "raw",
+    one_call: bool = False,
+) -> list[Outcome]:
     """`concurrency` clients back to back for `duration_s`."""
     stream = as_stream(images)
     session = session_for(concurrency)
@@ -192,8 +223,11 @@ def input_size(url: str, model: str | None = None, default: int = 320) -> int:
     except (requests.RequestException, ValueError, KeyError):
         return default
     name, _, version = (model or "").partition(":")
-    chosen = [m for m in listed if m.get("name") == name and (not version or m.get("version") == version)] \
-        if model else [m for m in listed if m.get("default")]
+    chosen = (
+        [m for m in listed if m.get("name") == name and (not version or m.get("version") == version)]
+        if model
+        else [m for m in listed if m.get("default")]
+    )
     return int((chosen or listed or [{}])[0].get("input_size", default))
 
 
@@ -238,5 +272,9 @@ def gpu_counters(url: str) -> dict[str, float] | None:
     gpu = stats.get("gpu", {})
     workers = stats.get("gpu_workers", [])
     simulated = gpu.get("simulated", any(w.get("simulated") for w in workers))
-    return {"device_seconds": float(gpu.get("device_seconds_total", 0.0)), "wall": time.monotonic(),
-            "workers": max(1, int(gpu.get("workers", 1))), "simulated": bool(simulated)}
+    return {
+        "device_seconds": float(gpu.get("device_seconds_total", 0.0)),
+        "wall": time.monotonic(),
+        "workers": max(1, int(gpu.get("workers", 1))),
+        "simulated": bool(simulated),
+    }

@@ -1,5 +1,6 @@
 """Real processes on this machine: a private redis-server, and children whose
 output goes to log files. Used by the bench's local stacks and by the tests."""
+
 from __future__ import annotations
 
 import os
@@ -18,8 +19,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
 
-def wait_until(predicate: Callable[[], T], timeout_s: float = 30.0, interval_s: float = 0.05,
-               what: str = "condition") -> T:
+def wait_until(
+    predicate: Callable[[], T], timeout_s: float = 30.0, interval_s: float = 0.05, what: str = "condition"
+) -> T:
     """Poll with a deadline; the value of the first truthy call, else AssertionError."""
     deadline = time.monotonic() + timeout_s
     while True:
@@ -46,16 +48,28 @@ class RedisServer:
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
-        self.persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else \
-            ["--appendonly", "no"]
+        self.persistence = ["--appendonly", "yes", "--appendfsync", "always"] if persistent else ["--appendonly", "no"]
         self.extra_args = list(extra_args)
         self.start()
 
     def start(self) -> None:
         self.process = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             *self.persistence, "--dir", str(self.workdir), *self.extra_args],
-            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            [
+                "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                *self.persistence,
+                "--dir",
+                str(self.workdir),
+                *self.extra_args,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+        )
         client = redis.Redis(port=self.port)
         wait_until(lambda: _pings(client), 10, what="redis-server to answer")
 
@@ -69,8 +83,7 @@ def stop_together(processes: list[ManagedProcess], sig: int = signal.SIGTERM, ti
     shutdowns overlap instead of adding up. Their exit statuses, in order."""
     signalled = [process.signal(sig) for process in processes]
     deadline = time.monotonic() + timeout_s
-    return [process._reap(sent, max(0.0, deadline - time.monotonic()))
-            for process, sent in zip(processes, signalled)]
+    return [process._reap(sent, max(0.0, deadline - time.monotonic())) for process, sent in zip(processes, signalled)]
 
 
 def _pings(client: redis.Redis) -> bool:
@@ -91,14 +104,19 @@ def with_checkout_on_path(env: dict[str, str], root: Path = REPO_ROOT) -> dict[s
 class ManagedProcess:
     """A real child process in its own session, with its output in a log file."""
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path,
-                 root: Path = REPO_ROOT) -> None:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_dir: Path, root: Path = REPO_ROOT) -> None:
         """`root`: the checkout it runs from (the bench's A/B runs an older one beside this one)."""
         self.name = name
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(argv, cwd=root, env=with_checkout_on_path(env, root), stdout=self._log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(
+            argv,
+            cwd=root,
+            env=with_checkout_on_path(env, root),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def alive(self) -> bool:
         return self.process.poll() is None

@@ -1,4 +1,5 @@
 """Latency profiles of the simulated device (`device: sim`): ms per batch size, interpolated."""
+
 from __future__ import annotations
 
 from contract.settings import STORY_PROFILE_MS

@@ -1,5 +1,6 @@
 """One measured run of the bench, and whether it met the SLA: shared by the
 commands of `python -m bench` and by `tune`."""
+
 from __future__ import annotations
 
 import os
@@ -12,26 +13,43 @@ from tqdm import tqdm
 from bench import cpu, load
 from bench.floor import against_floor, decode_floor_ms
 from bench.report import summarise
-from gpu_worker.stats import percentile
+from contract.timebill import percentile
 
 
 @dataclass(frozen=True)
 class CpuScope:
     """Which processes of this machine are the deployment: a Redis port, and (a bench stack's) the
     process sessions of its roles; None: every local process of a role."""
+
     redis_port: int | None = 6379
     sessions: frozenset[int] | None = None
-    shard_ports: tuple[int, ...] = ()    # the bulk shards' redis-servers (each reported as redis-shard<i>)
-    port_roles: tuple[tuple[int, str], ...] = ()   # more redis-servers by port: (port, role)
+    shard_ports: tuple[int, ...] = ()  # the bulk shards' redis-servers (each reported as redis-shard<i>)
+    port_roles: tuple[tuple[int, str], ...] = ()  # more redis-servers by port: (port, role)
 
     def sample(self) -> cpu.CpuSample:
-        return cpu.sample(self.redis_port, os.getpid(), set(self.sessions) if self.sessions is not None else None,
-                          self.shard_ports, self.port_roles)
+        return cpu.sample(
+            self.redis_port,
+            os.getpid(),
+            set(self.sessions) if self.sessions is not None else None,
+            self.shard_ports,
+            self.port_roles,
+        )
 
 
-def measure(name: str, url: str, images: list[bytes], mode: str, level: float, duration_s: float,
-            seed: int = 0, scope: CpuScope | None = CpuScope(), model: str | None = None,
-            upload: str = "raw", repeat_share: float = 0.0, one_call: bool = False) -> dict[str, Any]:
+def measure(
+    name: str,
+    url: str,
+    images: list[bytes],
+    mode: str,
+    level: float,
+    duration_s: float,
+    seed: int = 0,
+    scope: CpuScope | None = CpuScope(),
+    model: str | None = None,
+    upload: str = "raw",
+    repeat_share: float = 0.0,
+    one_call: bool = False,
+) -> dict[str, Any]:
     """One run: closed loop at `level` clients, or open loop at `level` QPS (to `model` when given); with
     the CPU each role of the deployment spent per image, when its processes are on this machine, and that
     against the decode floor measured right after the run on the same images (bench.floor). Each request's
@@ -47,11 +65,21 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
         cpu_before = scope.sample() if scope else None
         machine_before = cpu.cpu_times()
         if mode == "closed":
-            outcomes = load.closed_loop(url, stream, int(level), duration_s, tick=progress.update, model=model,
-                                        upload=upload, one_call=one_call)
+            outcomes = load.closed_loop(
+                url, stream, int(level), duration_s, tick=progress.update, model=model, upload=upload, one_call=one_call
+            )
         else:
-            outcomes = load.open_loop(url, stream, level, duration_s, seed=seed, tick=progress.update, model=model,
-                                      upload=upload, one_call=one_call)
+            outcomes = load.open_loop(
+                url,
+                stream,
+                level,
+                duration_s,
+                seed=seed,
+                tick=progress.update,
+                model=model,
+                upload=upload,
+                one_call=one_call,
+            )
         cpu_after = scope.sample() if scope else None
         machine = cpu.cpu_shares(machine_before, cpu.cpu_times())
         after = load.gpu_counters(url)
@@ -60,9 +88,10 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     result = summarise(name, mode, outcomes, offered, int(level) if mode == "closed" else None, before, after)
     if cpu_before is not None and cpu_after is not None:
         result["cpu_ms_per_image"] = cpu.ms_per_image(cpu_before, cpu_after, result["succeeded"])
-        result["floor"] = against_floor(result["cpu_ms_per_image"],
-                                        decode_floor_ms(images, load.input_size(url, model)))
-    result["machine_cpu"] = machine   # busy and stolen shares of this machine's cores over the run
+        result["floor"] = against_floor(
+            result["cpu_ms_per_image"], decode_floor_ms(images, load.input_size(url, model))
+        )
+    result["machine_cpu"] = machine  # busy and stolen shares of this machine's cores over the run
     if mode == "open":
         result["target_qps"] = level
     if model:
@@ -72,19 +101,24 @@ def measure(name: str, url: str, images: list[bytes], mode: str, level: float, d
     result["repeat_share"] = repeat_share
     hits = [o for o in outcomes if o.ok and (o.doc or {}).get("cache") == "hit"]
     result["cache_hits"] = len(hits)
-    if hits:   # a hit's 202 carries its answer: the whole request, as the client saw it
+    if hits:  # a hit's 202 carries its answer: the whole request, as the client saw it
         answers = sorted(o.latency_s * 1000.0 for o in hits)
         result["cache_hit_ms"] = {"p50": round(percentile(answers, 50), 2), "p95": round(percentile(answers, 95), 2)}
         # After the run, on the idle stack: a hit's first poll, the API's answer for a job stored over already.
         seen, at_api = load.first_polls(url, [str(o.doc["id"]) for o in hits if o.doc and "id" in o.doc])
         for key, taken in (("cache_hit_poll_ms", sorted(seen)), ("cache_hit_poll_api_ms", sorted(at_api))):
             if taken:
-                result[key] = {"p50": round(percentile(taken, 50), 2), "p95": round(percentile(taken, 95), 2),
-                               "polls": len(taken)}
+                result[key] = {
+                    "p50": round(percentile(taken, 50), 2),
+                    "p95": round(percentile(taken, 95), 2),
+                    "polls": len(taken),
+                }
     ratio = result.get("floor", {}).get("stack_over_floor")
-    print(f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
-          f"failed {sum(result['failures'].values())}" + (f", CPU {ratio:.2f}x the decode floor" if ratio else ""),
-          file=sys.stderr)
+    print(
+        f"  {label}: {result['achieved_qps']:.2f} QPS, p95 {result['latency_ms']['p95']} ms, "
+        f"failed {sum(result['failures'].values())}" + (f", CPU {ratio:.2f}x the decode floor" if ratio else ""),
+        file=sys.stderr,
+    )
     return result
 
 
@@ -97,8 +131,12 @@ def hit_cost(without_repeats: dict, with_repeats: dict) -> dict[str, float] | No
     if not miss or not mixed or share <= 0:
         return None
     hit = max(0.0, (mixed - (1.0 - share) * miss) / share)
-    return {"hit_share": round(share, 4), "miss_ms": round(miss, 3), "hit_ms": round(hit, 3),
-            "hit_over_miss": round(hit / miss, 4)}
+    return {
+        "hit_share": round(share, 4),
+        "miss_ms": round(miss, 3),
+        "hit_ms": round(hit, 3),
+        "hit_over_miss": round(hit / miss, 4),
+    }
 
 
 def meets_sla(result: dict, sla_ms: float) -> bool:

@@ -1,6 +1,7 @@
 """A whole deployment on this machine, started and stopped by the bench:
 private Redis, Celery CPU workers, a GPU worker, gunicorn API; and the serial
 baseline beside it. Both get the same model spec and device."""
+
 from __future__ import annotations
 
 import os
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 
 
 def legacy_api_env(port: int, workers: int | None = None, threads: int | None = None) -> dict[str, str]:
-    """The API's address and size under the variables' old names (contract.settings.LEGACY_ENV): `bench ab`
+    """The API's address and size under the variables' old names (contract.config.LEGACY_ENV): `bench ab`
     runs an older checkout beside this one, and both read these until 0.2; their warning is silenced."""
     env = {"IMGSERVE_API_BIND": f"127.0.0.1:{port}", "PYTHONWARNINGS": "ignore::FutureWarning"}
     if workers is not None:
@@ -34,16 +35,16 @@ def legacy_api_env(port: int, workers: int | None = None, threads: int | None = 
 @dataclass
 class StackOptions:
     device: str = "sim"
-    cpu_workers: int | None = 2   # None: the Procfile's own default (make run's stack only)
+    cpu_workers: int | None = 2  # None: the Procfile's own default (make run's stack only)
     max_batch_size: int = 8
     window_ms: float = 12.0
     api_workers: int = 2
     api_threads: int = 128
     persistent_redis: bool = False
-    sim_profile_ms: dict[int, float] | None = None   # device sim: its latency profile (None: the config's)
-    redis_args: tuple[str, ...] = ()                  # more redis-server options, e.g. ("--io-threads", "2")
-    bulk_shards: int = 0                              # uploads and frames on this many more servers (contract.shards)
-    root: Path = REPO_ROOT                            # the checkout the stack's processes run from
+    sim_profile_ms: dict[int, float] | None = None  # device sim: its latency profile (None: the config's)
+    redis_args: tuple[str, ...] = ()  # more redis-server options, e.g. ("--io-threads", "2")
+    bulk_shards: int = 0  # uploads and frames on this many more servers (contract.shards)
+    root: Path = REPO_ROOT  # the checkout the stack's processes run from
     # ProcfileStack: "run-local" starts it as `make run` does (scripts/run-local: settings read, bootstrap checked,
     # the supervisor with its readiness line); "procfile": the supervisor alone (bench ab: an older checkout,
     # whose run-local may have been broken, and which has no .venv of its own)
@@ -51,24 +52,32 @@ class StackOptions:
     # ProcfileStack: the control plane behind Sentinel (tools.redis_ha: a primary, two replicas, three Sentinels),
     # as `make run REDIS=sentinel` runs it; every 202 then waits for a replica (settings.redis)
     sentinel: bool = False
-    callback_worker: bool = False                     # a callback worker too, as the Procfile runs it
-    cpu_worker_args: tuple[str, ...] = ()             # more `celery worker` options, e.g. --max-memory-per-child
+    callback_worker: bool = False  # a callback worker too, as the Procfile runs it
+    cpu_worker_args: tuple[str, ...] = ()  # more `celery worker` options, e.g. --max-memory-per-child
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
         workers = self.cpu_workers if self.cpu_workers is not None else "Procfile's"
-        profile = "" if self.sim_profile_ms is None or self.device != "sim" else \
-            " sim_ms=" + ",".join(f"{size}:{ms:g}" for size, ms in sorted(self.sim_profile_ms.items()))
-        return (f"device={self.device} cpu_workers={workers} max_batch={self.max_batch_size} "
-                f"window_ms={self.window_ms:g}{profile}")
+        profile = (
+            ""
+            if self.sim_profile_ms is None or self.device != "sim"
+            else " sim_ms=" + ",".join(f"{size}:{ms:g}" for size, ms in sorted(self.sim_profile_ms.items()))
+        )
+        return (
+            f"device={self.device} cpu_workers={workers} max_batch={self.max_batch_size} "
+            f"window_ms={self.window_ms:g}{profile}"
+        )
 
     def config(self, redis_url: str, shard_urls: list[str] | None = None) -> dict[str, Any]:
         """The config file the stack's processes read: these options, then `extra` over them by section."""
         gpu_worker: dict[str, Any] = {"device": self.device}
         if self.sim_profile_ms is not None:
             gpu_worker["sim_latency_ms"] = dict(self.sim_profile_ms)
-        config: dict[str, Any] = {"redis_url": redis_url, "gpu_worker": gpu_worker,
-                                  "batching": {"max_batch_size": self.max_batch_size, "window_ms": self.window_ms}}
+        config: dict[str, Any] = {
+            "redis_url": redis_url,
+            "gpu_worker": gpu_worker,
+            "batching": {"max_batch_size": self.max_batch_size, "window_ms": self.window_ms},
+        }
         if shard_urls:
             config["bulk"] = {"redis_urls": list(shard_urls)}
         for section, value in self.extra.items():
@@ -120,29 +129,68 @@ class LocalStack:
 
     def start(self) -> LocalStack:
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
-                                 extra_args=self.options.redis_args)
+        self.redis = RedisServer(
+            self.workdir, persistent=self.options.persistent_redis, extra_args=self.options.redis_args
+        )
         self.shards = start_shards(self.workdir, self.options)
         config_path = self.workdir / "config.yaml"
         shard_urls = [shard.url for shard in self.shards]
         config_path.write_text(yaml.safe_dump(self.options.config(self.redis.url, shard_urls)))
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
-        env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1",
-               **legacy_api_env(port, self.options.api_workers, self.options.api_threads)}
+        env = {
+            **os.environ,
+            "IMGSERVE_CONFIG": str(config_path),
+            "PYTHONUNBUFFERED": "1",
+            **legacy_api_env(port, self.options.api_workers, self.options.api_threads),
+        }
         env.pop("IMGSERVE_REDIS_URL", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        self._spawn("cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", str(self.options.cpu_workers),
-                                              "--without-gossip", "--without-mingle", "--loglevel", "WARNING",
-                                              *self.options.cpu_worker_args), env)
+        self._spawn(
+            "cpu-worker",
+            celery_argv(
+                "worker",
+                "-Q",
+                "preprocess",
+                "-c",
+                str(self.options.cpu_workers),
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel",
+                "WARNING",
+                *self.options.cpu_worker_args,
+            ),
+            env,
+        )
         if self.options.callback_worker:
-            self._spawn("callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "--concurrency=16",
-                                                       "--without-gossip", "--without-mingle", "--loglevel", "INFO"),
-                        env)
-        self._spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", self.options.device,
-                                              "--worker-id", "bench-gpu"), env)
-        self._spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
-                                       "--access-logfile", "/dev/null", "app:create_app()"), env)
+            self._spawn(
+                "callback-worker",
+                celery_argv(
+                    "worker",
+                    "-Q",
+                    "callbacks",
+                    "-P",
+                    "threads",
+                    "--concurrency=16",
+                    "--without-gossip",
+                    "--without-mingle",
+                    "--loglevel",
+                    "INFO",
+                ),
+                env,
+            )
+        self._spawn(
+            "gpu-worker",
+            python_argv("-m", "gpu_worker", "--device", self.options.device, "--worker-id", "bench-gpu"),
+            env,
+        )
+        self._spawn(
+            "api",
+            python_argv(
+                "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
+            ),
+            env,
+        )
         wait_until(self._ready, 120, interval_s=0.2, what=f"the stack at {self.url} to be ready")
         return self
 
@@ -154,9 +202,11 @@ class LocalStack:
         """This stack's processes (their sessions) and its Redis, for CPU per image."""
         from bench.runs import CpuScope
 
-        return CpuScope(self.redis.port if self.redis else None,
-                        frozenset(p.process.pid for p in self.processes if p.alive()),
-                        tuple(shard.port for shard in self.shards))
+        return CpuScope(
+            self.redis.port if self.redis else None,
+            frozenset(p.process.pid for p in self.processes if p.alive()),
+            tuple(shard.port for shard in self.shards),
+        )
 
     def process(self, name: str) -> ManagedProcess:
         return next(p for p in reversed(self.processes) if p.name == name)
@@ -192,11 +242,13 @@ class BaselineServer:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.process = ManagedProcess("baseline", python_argv("-m", "baseline", "--device", self.device,
-                                                              "--port", str(port)), env, self.workdir)
+        self.process = ManagedProcess(
+            "baseline", python_argv("-m", "baseline", "--device", self.device, "--port", str(port)), env, self.workdir
+        )
         process = self.process
-        wait_until(lambda: answers_ok(self.url + "/healthz", [process]), 120, interval_s=0.2,
-                   what="the baseline server")
+        wait_until(
+            lambda: answers_ok(self.url + "/healthz", [process]), 120, interval_s=0.2, what="the baseline server"
+        )
         return self
 
     def cpu_scope(self) -> CpuScope:
@@ -236,32 +288,46 @@ class ProcfileStack:
         self.url = f"http://127.0.0.1:{port}"
         metrics_dir = self.workdir / "prometheus"
         metrics_dir.mkdir(exist_ok=True)
-        env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), **legacy_api_env(port),
-               **({"CPU_WORKERS": str(self.options.cpu_workers)} if self.options.cpu_workers else {}),
-               "FLOWER_PORT": str(free_port()), "FLOWER_BASIC_AUTH": f"flower:{secrets.token_urlsafe(18)}",
-               "GPU_METRICS_PORT": str(free_port()), "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
-               "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"}
+        env = {
+            **os.environ,
+            "IMGSERVE_CONFIG": str(config_path),
+            **legacy_api_env(port),
+            **({"CPU_WORKERS": str(self.options.cpu_workers)} if self.options.cpu_workers else {}),
+            "FLOWER_PORT": str(free_port()),
+            "FLOWER_BASIC_AUTH": f"flower:{secrets.token_urlsafe(18)}",
+            "GPU_METRICS_PORT": str(free_port()),
+            "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
+            "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+        }
         env.pop("IMGSERVE_REDIS_URL", None)
         self.env = env
-        argv = ([str(self.options.root / "scripts" / "run-local")] if self.options.launcher == "run-local"
-                else [sys.executable, "-m", "tools.procfile", "Procfile"])
+        argv = (
+            [str(self.options.root / "scripts" / "run-local")]
+            if self.options.launcher == "run-local"
+            else [sys.executable, "-m", "tools.procfile", "Procfile"]
+        )
         supervisor = self.supervisor = ManagedProcess("procfile", argv, env, self.workdir, root=self.options.root)
-        wait_until(lambda: answers_ok(self.url + "/readyz", [supervisor]), 180, interval_s=0.3,
-                   what=f"make run's processes at {self.url} to be ready")
+        wait_until(
+            lambda: answers_ok(self.url + "/readyz", [supervisor]),
+            180,
+            interval_s=0.3,
+            what=f"make run's processes at {self.url} to be ready",
+        )
         return self
 
     def _control_plane(self) -> dict[str, Any]:
         """A private redis-server, or (options.sentinel) a primary, a replica and three Sentinels: the settings
         that point the stack's processes at it."""
         if not self.options.sentinel:
-            self.redis = RedisServer(self.workdir, persistent=self.options.persistent_redis,
-                                     extra_args=self.options.redis_args)
+            self.redis = RedisServer(
+                self.workdir, persistent=self.options.persistent_redis, extra_args=self.options.redis_args
+            )
             self.redis_url = self.redis.url
             return {}
         from tools.redis_ha import RedisHA
 
         self.ha = RedisHA(self.workdir / "redis-ha").start()
-        self.redis_url = "redis://127.0.0.1:6379/0"   # with Sentinels, only its database and password count
+        self.redis_url = "redis://127.0.0.1:6379/0"  # with Sentinels, only its database and password count
         return {"redis": {"sentinels": self.ha.sentinels, "service": self.ha.service}}
 
     def control_plane_port(self) -> int | None:
@@ -276,11 +342,18 @@ class ProcfileStack:
 
         primary = self.control_plane_port()
         others: tuple[tuple[int, str], ...] = ()
-        if self.ha is not None:   # the replicas and the Sentinels are the failover's cost: counted as roles
-            others = tuple((node.port, "redis-sentinel" if name.startswith("s") else "redis-replica")
-                           for name, node in self.ha.nodes.items() if node.port != primary)
-        return CpuScope(primary, frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset(),
-                        tuple(shard.port for shard in self.shards), others)
+        if self.ha is not None:  # the replicas and the Sentinels are the failover's cost: counted as roles
+            others = tuple(
+                (node.port, "redis-sentinel" if name.startswith("s") else "redis-replica")
+                for name, node in self.ha.nodes.items()
+                if node.port != primary
+            )
+        return CpuScope(
+            primary,
+            frozenset({self.supervisor.process.pid}) if self.supervisor else frozenset(),
+            tuple(shard.port for shard in self.shards),
+            others,
+        )
 
     def stop(self) -> None:
         if self.supervisor:

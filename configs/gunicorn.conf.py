@@ -6,6 +6,7 @@ and slow clients are cheap, and a request's headers must arrive within
 is dropped: a few hundred half-sent requests (slowloris) no longer take every
 thread while /healthz waits. `api.worker_class: gthread` (IMGSERVE_API__WORKER_CLASS=gthread) restores the
 threaded worker (`api.threads` each). Every value here comes from the settings' `api` section."""
+
 import glob
 import os
 import tempfile
@@ -16,17 +17,17 @@ from contract.memory import keep_freed_memory
 # In the master, before it forks the workers: they inherit the tuned malloc (see contract.memory).
 keep_freed_memory()
 
-_settings = load_settings()   # read once: the hooks below use it too
+_settings = load_settings()  # read once: the hooks below use it too
 _api = _settings.api
 bind = _api.bind
 # gevent, with gunicorn's own error answers (bad request line, URI too long) as problem+json.
 worker_class = _api.worker_class
 workers = _api.workers
-worker_connections = _api.connections   # per worker, gevent
-threads = _api.threads                  # per worker, gthread
-timeout = 75             # above the longest long-poll (api.max_wait_s = 30)
+worker_connections = _api.connections  # per worker, gevent
+threads = _api.threads  # per worker, gthread
+timeout = 75  # above the longest long-poll (api.max_wait_s = 30)
 graceful_timeout = 35
-keepalive = 5            # also the bound on reading a request's headers (gevent)
+keepalive = 5  # also the bound on reading a request's headers (gevent)
 limit_request_line = 8190
 limit_request_fields = 60
 limit_request_field_size = 8190

@@ -1,14 +1,19 @@
 """The contract the API, the CPU workers and the GPU worker share.
 
 - `settings`: every setting: the sections, their types and defaults, and the checks between them.
+- `sections`: what a settings section is (a frozen, validated dataclass) and `SettingsError`.
 - `config`: how the settings are read: files, overlays, the one environment rule (`load_settings`).
 - `keys`: every Redis key and channel.
-- `jobs`: job states (`JobStatus`), the record in Redis (`JobRecord`) and the Lua steps that move it.
-- `frames`: the binary frame on the GPU list.
-- `timebill`: the stages of a request's life and their durations.
-- `documents`: the public JSON documents (job, callback, submit options) as pydantic models.
-- `models`: the models served side by side, and how a request's `model` is routed to a version.
+- `jobs`: a job's record and its moves, by who makes them (a package: `record`, `ending`, `intake`, `handoff`,
+  `backlog`).
+- `frames`: the frame list: the binary frame, its header in Python and in Lua, and the list's moves (push, pop,
+  ack, give back, requeue); `frame_shards`: the same over bulk shards.
+- `timebill`: the stages of a request's life, the stamps that bound them, a bill and the summaries of many.
+- `documents`: the public JSON documents of jobs (job, callback, submit options, problems) as pydantic models;
+  `status_documents`: the service's own (health, readiness, models, stats).
+- `models`: the models served side by side (`ModelSpec`), and how a request's `model` is routed to a version.
 - `model_files`: what a model file is, and the labels / input size it carries.
+- `task_messages`: the Celery tasks' names and queues, and the preprocess message the API pushes itself.
 - `budget`: the admission step: a model's backlog, and the bytes waiting in Redis against their budgets.
 - `memory`: malloc's thresholds, so that freed image buffers stay in the process.
 - `connection`: how each process opens Redis.

@@ -9,6 +9,7 @@ and the GPU worker's batch write (its frames go). The counters live in one hash,
 a field per model (name:version) and `*` for all. They never go below zero (frames and uploads from a
 version without budgets are given back as if they had been counted).
 """
+
 from __future__ import annotations
 
 import threading
@@ -40,7 +41,7 @@ end
 # ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
 # ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
 # {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_ARGS is its count
-# of arguments: another script (the result cache's lookup, contract.jobs) calls it on its own offsets, with
+# of arguments: another script (the result cache's lookup, contract.jobs.intake) calls it on its own offsets, with
 # admission_arguments()'s keys and arguments.
 ADMIT_LUA = f"""
 local function admit(k, last, a)
@@ -71,11 +72,11 @@ OVER_TENANT_BACKLOG = "tenant_backlog"
 
 
 class Admission(NamedTuple):
-    verdict: str          # ADMITTED, or which limit refused it
-    backlog: int          # the model's jobs waiting (its CPU queues and its frame list); the tenant's own
-                          # (its CPU queue) when that refused it
-    model_bytes: int      # bytes the model has waiting in Redis
-    all_bytes: int        # bytes every model has waiting
+    verdict: str  # ADMITTED, or which limit refused it
+    backlog: int  # the model's jobs waiting (its CPU queues and its frame list); the tenant's own
+    # (its CPU queue) when that refused it
+    model_bytes: int  # bytes the model has waiting in Redis
+    all_bytes: int  # bytes every model has waiting
 
     @classmethod
     def of(cls, reply: Any) -> Admission:
@@ -85,6 +86,7 @@ class Admission(NamedTuple):
 
 class AdmissionRequest(NamedTuple):
     """What a new job asks of the budgets: a model's `size` bytes for `tenant` within these limits."""
+
     model_key: str
     size: int
     max_backlog: int
@@ -99,11 +101,22 @@ def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str
     """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: five or more)."""
     own = keys.celery_queue(keys.preprocess_queue(request.model_key, request.tenant))
     others = [keys.celery_queue(queue) for queue in keys.preprocess_queues(request.model_key, request.tenants)]
-    names = [keys.frames(request.model_key), keys.frames_waiting, keys.waiting_bytes, own,
-             *[queue for queue in others if queue != own]]
+    names = [
+        keys.frames(request.model_key),
+        keys.frames_waiting,
+        keys.waiting_bytes,
+        own,
+        *[queue for queue in others if queue != own],
+    ]
     tenant_backlog = request.max_backlog if request.max_tenant_backlog is None else request.max_tenant_backlog
-    return names, [request.model_key, request.size, request.max_backlog, request.max_model_bytes,
-                   request.max_all_bytes, tenant_backlog]
+    return names, [
+        request.model_key,
+        request.size,
+        request.max_backlog,
+        request.max_model_bytes,
+        request.max_all_bytes,
+        tenant_backlog,
+    ]
 
 
 class WaitingBytes:
@@ -114,16 +127,28 @@ class WaitingBytes:
         self.keys = keys
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
-        self._unreleased: list[tuple[str, int]] = []   # given back while Redis was away: again at each flush
+        self._unreleased: list[tuple[str, int]] = []  # given back while Redis was away: again at each flush
         self._lock = threading.Lock()
 
-    def admit(self, model_key: str, size: int, max_backlog: int, max_model_bytes: int, max_all_bytes: int,
-              tenant: str = "", tenants: Sequence[str] = ("",), max_tenant_backlog: int | None = None) -> Admission:
+    def admit(
+        self,
+        model_key: str,
+        size: int,
+        max_backlog: int,
+        max_model_bytes: int,
+        max_all_bytes: int,
+        tenant: str = "",
+        tenants: Sequence[str] = ("",),
+        max_tenant_backlog: int | None = None,
+    ) -> Admission:
         """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it and
         both budgets allow it, in one step."""
-        keys, args = admission_arguments(self.keys, AdmissionRequest(model_key, size, max_backlog, max_model_bytes,
-                                                                     max_all_bytes, tenant, tenants,
-                                                                     max_tenant_backlog))
+        keys, args = admission_arguments(
+            self.keys,
+            AdmissionRequest(
+                model_key, size, max_backlog, max_model_bytes, max_all_bytes, tenant, tenants, max_tenant_backlog
+            ),
+        )
         return Admission.of(self._admit(keys=keys, args=args))
 
     def release(self, model_key: str, size: int, client: Any = None) -> None:

@@ -3,13 +3,14 @@
 An entry is a succeeded job's result document, keyed by a digest of the image's bytes, the model version's
 spec (its file, size, layout, labels and default thresholds), the options that change the answer (conf, iou,
 max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing, in
-one step that on a hit stores the job over already and on a miss admits it (contract.jobs'
-JobStore.answer_or_admit). The step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
+one step that on a hit stores the job over already and on a miss admits it (contract.jobs.intake's
+JobIntake.answer_or_admit). The step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
 FINISH_JOBS_LUA), so only answers that stood are cached: never a failure, an expiry, a cancellation or a
 late answer. Entries are charged their document's bytes plus ENTRY_OVERHEAD against cache.max_bytes; past
 it the least recently used go, in the same step, so the total never exceeds it and nothing but cache entries
 is ever evicted. docs/operations.md has the why.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -21,20 +22,22 @@ import redis
 from blake3 import blake3
 
 from contract.keys import Keys
-from contract.settings import ModelSpec, Settings
+from contract.models import ModelSpec
+from contract.settings import Settings
 
 # What an entry costs beyond its document: its key, its LRU member and size field (Redis's own overhead).
 ENTRY_OVERHEAD = 200
 HIT, MISS = "hit", "miss"
 CacheVerdict = Literal["hit", "miss"]
-_VERSION = b"imgserve-result-cache-2\0"   # bump when what a digest covers changes: old entries then miss
+_VERSION = b"imgserve-result-cache-2\0"  # bump when what a digest covers changes: old entries then miss
 
 
 @dataclass(frozen=True)
 class CacheLimits:
     """What the step that ends jobs needs to store entries: where, how many bytes in all, how long."""
+
     prefix: str
-    max_bytes: int = 0   # 0: store nothing
+    max_bytes: int = 0  # 0: store nothing
     ttl_s: int = 3600
 
     @classmethod
@@ -42,7 +45,7 @@ class CacheLimits:
         return cls(keys.cache_prefix, settings.cache.max_bytes, settings.cache.ttl_s)
 
     def finish_names(self) -> list[Any]:
-        """The arguments REMEMBER_LUA's cache names read (after contract.jobs' own)."""
+        """The arguments REMEMBER_LUA's cache names read (after contract.jobs.ending's own)."""
         return [self.prefix, self.max_bytes, self.ttl_s]
 
 
@@ -51,9 +54,11 @@ class CacheLimits:
 # stays (identical requests computed at once give the same answer). A digest whose entry expired but whose
 # charge remains is charged again only once. Then, while over budget: the entries unused past their TTL
 # first (gone already; their charge goes), then the least recently used.
-REMEMBER_LUA = f"""
+REMEMBER_LUA = (
+    f"""
 local ENTRY_OVERHEAD = {ENTRY_OVERHEAD}
-""" + """
+"""
+    + """
 local function cache_names(i)
   return {prefix = ARGV[i], max = tonumber(ARGV[i + 1]), ttl = tonumber(ARGV[i + 2])}
 end
@@ -96,6 +101,8 @@ local function remember(cache, key, succeeded)
   end
 end
 """
+)
+
 
 def spec_fingerprint(spec: ModelSpec) -> bytes:
     """What of a model version decides its answers, as bytes: every field of its spec (a changed default
@@ -106,13 +113,16 @@ def spec_fingerprint(spec: ModelSpec) -> bytes:
 
 def effective_options(spec: ModelSpec, options: Mapping[str, Any]) -> tuple[float, float, int]:
     """conf, iou and max_det as the GPU worker applies them: an unset option is the model's default."""
-    return (float(options.get("conf", spec.conf)), float(options.get("iou", spec.iou)),
-            int(options.get("max_det", spec.max_det)))
+    return (
+        float(options.get("conf", spec.conf)),
+        float(options.get("iou", spec.iou)),
+        int(options.get("max_det", spec.max_det)),
+    )
 
 
 class ResultCache:
     """The API's side of the cache: digests and figures. The lookup, a hit's job stored over already and a miss's
-    admission are one step (contract.jobs' JobStore.answer_or_admit); the GPU worker's batch write stores the
+    admission are one step (contract.jobs.intake's JobIntake.answer_or_admit); the GPU worker's batch write stores the
     entries."""
 
     def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
@@ -144,8 +154,17 @@ class ResultCache:
         per_model = {}
         for key in model_keys:
             hits, misses = int(counts.get(f"{key}:hits".encode(), 0)), int(counts.get(f"{key}:misses".encode(), 0))
-            per_model[key] = {"hits": hits, "misses": misses,
-                              "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0}
-        return {"enabled": self.settings.cache.enabled, "shared": self.settings.cache.shared,
-                "entries": int(entries), "bytes": int(charged or 0), "max_bytes": self.settings.cache.max_bytes,
-                "ttl_s": self.settings.cache.ttl_s, "models": per_model}
+            per_model[key] = {
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": round(hits / (hits + misses), 4) if hits + misses else 0.0,
+            }
+        return {
+            "enabled": self.settings.cache.enabled,
+            "shared": self.settings.cache.shared,
+            "entries": int(entries),
+            "bytes": int(charged or 0),
+            "max_bytes": self.settings.cache.max_bytes,
+            "ttl_s": self.settings.cache.ttl_s,
+            "models": per_model,
+        }

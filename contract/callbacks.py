@@ -15,6 +15,7 @@ the Host header and, for https, in SNI and the certificate check. Checked at
 submit and again at each delivery. Bounded timeouts and response size; no
 redirects; no proxies from the environment.
 """
+
 from __future__ import annotations
 
 import ipaddress
@@ -25,11 +26,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from contract.settings import Settings, SettingsError, check_secret
+from contract.sections import SettingsError
+from contract.settings import Settings, check_secret
 
 _URL = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?"
-    r"(?P<path>/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*)?(?P<query>\?[A-Za-z0-9\-._~!$&'()*+,;=:@/%?]*)?")
+    r"(?P<path>/[A-Za-z0-9\-._~!$&'()*+,;=:@/%]*)?(?P<query>\?[A-Za-z0-9\-._~!$&'()*+,;=:@/%?]*)?"
+)
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _NUMBER = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")
@@ -37,8 +40,10 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 # What a client reads when its URL's host is refused after the lookup, whatever the lookup said: the reason
 # ("'vm' resolves to 127.0.0.1", "does not resolve") told a client what internal names resolve to.
-REFUSED_HOST = ("callback_url's host is not one this service may call: it must resolve, and only to public "
-                "addresses, unless the deployment admits it")
+REFUSED_HOST = (
+    "callback_url's host is not one this service may call: it must resolve, and only to public "
+    "addresses, unless the deployment admits it"
+)
 
 
 class CallbackRefused(ValueError):
@@ -52,10 +57,10 @@ class CallbackRefused(ValueError):
 
 @dataclass(frozen=True)
 class CallbackUrl:
-    scheme: str        # http | https
-    host: str          # as written, lower case; an IPv6 address without its brackets
+    scheme: str  # http | https
+    host: str  # as written, lower case; an IPv6 address without its brackets
     port: int
-    target: str        # path and query: what the request line asks for
+    target: str  # path and query: what the request line asks for
 
     @property
     def host_header(self) -> str:
@@ -66,7 +71,7 @@ class CallbackUrl:
 @dataclass(frozen=True)
 class CallbackTarget:
     url: CallbackUrl
-    address: str       # the address that passed the check: the one the delivery connects to
+    address: str  # the address that passed the check: the one the delivery connects to
 
 
 def parse_callback_url(url: str) -> CallbackUrl:
@@ -100,14 +105,16 @@ def _checked_host(host: str) -> str:
             raise CallbackRefused(f"callback_url's host {host} is not an IPv6 address") from exc
     host = host.lower()
     labels = host.split(".")
-    if all(_NUMBER.fullmatch(label) for label in labels):   # an address: only the canonical dotted form
+    if all(_NUMBER.fullmatch(label) for label in labels):  # an address: only the canonical dotted form
         try:
             address = ipaddress.IPv4Address(host)
         except ValueError:
             address = None
         if address is None or str(address) != host:
-            raise CallbackRefused(f"callback_url's host {host!r} is a number that is not a dotted-decimal "
-                                  "IPv4 address (decimal, octal and hex forms are refused)")
+            raise CallbackRefused(
+                f"callback_url's host {host!r} is a number that is not a dotted-decimal "
+                "IPv4 address (decimal, octal and hex forms are refused)"
+            )
         return host
     if len(host) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
         raise CallbackRefused(f"callback_url's host {host!r} is not a valid DNS name")
@@ -124,14 +131,21 @@ def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
         if address in _NAT64:
             candidates.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
     for candidate in candidates:
-        if (not candidate.is_global or candidate.is_multicast or candidate.is_reserved
-                or candidate.is_unspecified or candidate.is_loopback or candidate.is_link_local):
+        if (
+            not candidate.is_global
+            or candidate.is_multicast
+            or candidate.is_reserved
+            or candidate.is_unspecified
+            or candidate.is_loopback
+            or candidate.is_link_local
+        ):
             return f"{address}, a loopback, private, link-local, shared or reserved address"
     return None
 
 
-def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (),
-                         resolve: Callable[..., list[Any]] = socket.getaddrinfo) -> CallbackTarget:
+def resolve_callback_url(
+    url: str, allow_hosts: Iterable[str] = (), resolve: Callable[..., list[Any]] = socket.getaddrinfo
+) -> CallbackTarget:
     """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise)."""
     parsed = parse_callback_url(url)
     entries = [allow_entry(entry) for entry in allow_hosts]
@@ -150,8 +164,10 @@ def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (),
             continue
         reason = forbidden_reason(address)
         if reason:
-            raise CallbackRefused(f"callback host {parsed.host!r} resolves to {reason} "
-                                  "(allow it with callbacks.allow_hosts)", REFUSED_HOST)
+            raise CallbackRefused(
+                f"callback host {parsed.host!r} resolves to {reason} (allow it with callbacks.allow_hosts)",
+                REFUSED_HOST,
+            )
     return CallbackTarget(parsed, str(addresses[0]))
 
 
@@ -172,8 +188,9 @@ def allow_entry(entry: str) -> tuple[str, int | None]:
     return text, None
 
 
-def check_callback_url(url: str, allow_hosts: Iterable[str] = (),
-                       resolve: Callable[..., list[Any]] = socket.getaddrinfo) -> None:
+def check_callback_url(
+    url: str, allow_hosts: Iterable[str] = (), resolve: Callable[..., list[Any]] = socket.getaddrinfo
+) -> None:
     resolve_callback_url(url, allow_hosts, resolve)
 
 

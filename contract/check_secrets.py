@@ -6,6 +6,7 @@ variable must be set to a usable secret (weak_secret_reason below).
 A name ending in `?` may be empty (a feature left off), but not weak when set.
 Exit 0 when all are usable; 1, naming each that is not, otherwise.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,8 +57,11 @@ def _secrets_in(name: str, value: str) -> list[tuple[str, str]]:
 def main(argv: list[str] | None = None) -> int:
     found = problems(list(sys.argv[1:] if argv is None else argv), dict(os.environ))
     for problem in found:
-        print(f"refusing to start: {problem}; generate one with "
-              "python -c 'import secrets; print(secrets.token_urlsafe(32))'", file=sys.stderr)
+        print(
+            f"refusing to start: {problem}; generate one with "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'",
+            file=sys.stderr,
+        )
     return 1 if found else 0
 
 

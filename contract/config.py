@@ -4,6 +4,7 @@
 `load_settings`) is laid over it; then the environment: `IMGSERVE_REDIS_URL`, `IMGSERVE_CALLBACK_SECRET`,
 and `IMGSERVE_<SECTION>__<KEY>` for any other setting. What the settings are is contract.settings.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,6 +19,8 @@ import yaml
 from pydantic import ValidationError
 
 from contract import model_files
+from contract.models import ModelSpec, RoutingSettings
+from contract.sections import SettingsError
 from contract.settings import (
     REPO_ROOT,
     ApiSettings,
@@ -31,11 +34,8 @@ from contract.settings import (
     GpuWorkerSettings,
     JobSettings,
     LogSettings,
-    ModelSpec,
     RedisSettings,
-    RoutingSettings,
     Settings,
-    SettingsError,
     check_secret,
 )
 
@@ -83,7 +83,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         overlay = _read_config(Path(overlay_path))
         if "models" in overlay and "model" in overlay:
             raise SettingsError(f"config {overlay_path}: give `models:` (several) or `model:` (one), not both")
-        if "model" in overlay:        # one model named the old way replaces the default list
+        if "model" in overlay:  # one model named the old way replaces the default list
             raw.pop("models", None)
         raw = _merge(raw, overlay)
     if os.environ.get(REDIS_URL_ENV):
@@ -93,7 +93,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     raw = _moved_to_their_sections(_merge(raw, environment_overrides(with_legacy_names(os.environ))))
     entries, single = raw.pop("models", None), raw.pop("model", None)
     raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
-    raw["model"] = raw["models"][0]   # replaced by the routed default once routing is read
+    raw["model"] = raw["models"][0]  # replaced by the routed default once routing is read
     settings: Settings = _build(Settings, raw)
     _check_secrets(settings)
     for problem in key_share_problems(settings):
@@ -112,9 +112,11 @@ def key_share_problems(settings: Settings) -> list[str]:
         limit = settings.max_backlog(spec)
         share = max(1, int(limit * settings.auth.max_backlog_share))
         if share + settings.max_frames(spec) >= limit:
-            problems.append(f"model {spec.key}: one API key's share of the backlog ({share}) and the frame list "
-                            f"({settings.max_frames(spec)}) reach max_backlog ({limit}): a key's flood can refuse "
-                            "every other key's jobs; raise max_backlog or lower auth.max_backlog_share or max_frames")
+            problems.append(
+                f"model {spec.key}: one API key's share of the backlog ({share}) and the frame list "
+                f"({settings.max_frames(spec)}) reach max_backlog ({limit}): a key's flood can refuse "
+                "every other key's jobs; raise max_backlog or lower auth.max_backlog_share or max_frames"
+            )
     return problems
 
 
@@ -140,8 +142,10 @@ def _check_secrets(settings: Settings) -> None:
     if password:
         check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))
     if settings.redis.sentinel_password:
-        check_secret("the Sentinels' password (redis.sentinel_password / IMGSERVE_REDIS__SENTINEL_PASSWORD)",
-                     settings.redis.sentinel_password)
+        check_secret(
+            "the Sentinels' password (redis.sentinel_password / IMGSERVE_REDIS__SENTINEL_PASSWORD)",
+            settings.redis.sentinel_password,
+        )
     for index, url in enumerate(settings.bulk.redis_urls):
         password = urlsplit(url).password
         if password:
@@ -153,7 +157,7 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
 
     Relative paths resolve against the file that names them, then the repo.
     """
-    if isinstance(value, dict) and "spec" in value:   # a spec file with this deployment's overrides
+    if isinstance(value, dict) and "spec" in value:  # a spec file with this deployment's overrides
         overrides = {key: item for key, item in value.items() if key != "spec"}
         spec_path = _resolve(value["spec"], base_dir)
         raw = {**_read_yaml(spec_path), **overrides}
@@ -187,8 +191,11 @@ def _moved_to_their_sections(raw: dict[str, Any]) -> dict[str, Any]:
             target = raw.setdefault(new, {})
             if key not in target or target[key] == getattr(_section_defaults(new), key):
                 target[key] = value
-            warnings.warn(f"setting {old}.{key} is now {new}.{key}; the old name is read for now",
-                          DeprecationWarning, stacklevel=3)
+            warnings.warn(
+                f"setting {old}.{key} is now {new}.{key}; the old name is read for now",
+                DeprecationWarning,
+                stacklevel=3,
+            )
     return raw
 
 
@@ -204,8 +211,7 @@ def with_legacy_names(environ: Mapping[str, str]) -> dict[str, str]:
     renamed = dict(environ)
     for old, new in LEGACY_ENV.items():
         if old in environ:
-            warnings.warn(f"{old} is deprecated and will be ignored from 0.2; set {new}", FutureWarning,
-                          stacklevel=2)
+            warnings.warn(f"{old} is deprecated and will be ignored from 0.2; set {new}", FutureWarning, stacklevel=2)
             renamed.setdefault(new, environ[old])
             del renamed[old]
     return renamed
@@ -228,7 +234,7 @@ def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     for name, text in environ.items():
         if not name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in name:
             continue
-        section, _, key = name[len(ENV_PREFIX):].lower().partition(ENV_SEPARATOR)
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition(ENV_SEPARATOR)
         if not section or not key or ENV_SEPARATOR in key:
             raise SettingsError(f"{name}: expected {ENV_PREFIX}<SECTION>{ENV_SEPARATOR}<KEY>")
         if _nested_type(Settings, section) is None:
@@ -328,8 +334,10 @@ def _build(cls: type, raw: dict[str, Any]) -> Any:
     try:
         return cls(**values)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in error['loc'])}: ".lstrip(": ")
-                             + error["msg"].removeprefix("Value error, ") for error in exc.errors())
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in error['loc'])}: ".lstrip(": ") + error["msg"].removeprefix("Value error, ")
+            for error in exc.errors()
+        )
         raise SettingsError(f"{cls.__name__}: {problems}") from None
     except TypeError as exc:
         raise SettingsError(f"{cls.__name__}: {exc}") from exc

@@ -1,6 +1,7 @@
 """Opening Redis the same way in every process: the server of `redis_url`, or the primary the Sentinels of
 `redis.sentinels` name (followed through failovers: a connection to a demoted primary, or one that broke,
 asks them again), and the durable write a `202` waits for (`execute_replicated`)."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -43,11 +44,11 @@ class CommandPacker:
                     return _REDIS_PY_PACKER.pack(*args)  # type: ignore[no-any-return,no-untyped-call]
         command = args[0]
         if (isinstance(command, str) and " " in command) or (isinstance(command, bytes) and b" " in command):
-            args = (*command.split(), *args[1:])   # "SCRIPT LOAD": Redis wants the words apart
+            args = (*command.split(), *args[1:])  # "SCRIPT LOAD": Redis wants the words apart
         packable: Any = tuple(repr(value) if type(value) is float else value for value in args)
         try:
             return [hiredis.pack_command(packable)]
-        except TypeError as exc:   # None, a bool, a bytearray: what redis-py's encoder refuses too
+        except TypeError as exc:  # None, a bool, a bytearray: what redis-py's encoder refuses too
             raise redis.DataError(f"Invalid input in command {command!r}: {exc}") from None
 
 
@@ -59,20 +60,27 @@ class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConne
     at most `max_connections`, a caller waiting `timeout` for a free one."""
 
 
-def connect(settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None,
-            url: str | None = None) -> redis.Redis:
+def connect(
+    settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None, url: str | None = None
+) -> redis.Redis:
     """A client returning bytes (frames are binary); timeouts bound every call. With `max_connections`, at most
     that many connections, a caller waiting up to the connect timeout for a free one. `url`: another server
     than redis_url's (a bulk shard: always a plain server)."""
-    options: dict[str, Any] = dict(socket_connect_timeout=settings.api.redis_timeout_s, socket_timeout=socket_timeout,
-                                   health_check_interval=30, retry_on_timeout=False, command_packer=COMMAND_PACKER)
+    options: dict[str, Any] = dict(
+        socket_connect_timeout=settings.api.redis_timeout_s,
+        socket_timeout=socket_timeout,
+        health_check_interval=30,
+        retry_on_timeout=False,
+        command_packer=COMMAND_PACKER,
+    )
     if url is None and settings.redis.sentinels:
         return _primary_of(settings, options, max_connections)
     url = url or settings.redis_url
     if max_connections is None:
         return redis.Redis.from_url(url, **options)
-    pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
-                                                 timeout=settings.api.redis_timeout_s, **options)
+    pool = redis.BlockingConnectionPool.from_url(
+        url, max_connections=max_connections, timeout=settings.api.redis_timeout_s, **options
+    )
     return redis.Redis(connection_pool=pool)
 
 
@@ -101,8 +109,13 @@ def _primary_of(settings: Settings, options: dict[str, Any], max_connections: in
     if max_connections is None:
         client: redis.Redis = sentinels.master_for(settings.redis.service, **node)
     else:
-        client = sentinels.master_for(settings.redis.service, connection_pool_class=BlockingSentinelConnectionPool,
-                                      max_connections=max_connections, timeout=settings.api.redis_timeout_s, **node)
+        client = sentinels.master_for(
+            settings.redis.service,
+            connection_pool_class=BlockingSentinelConnectionPool,
+            max_connections=max_connections,
+            timeout=settings.api.redis_timeout_s,
+            **node,
+        )
     return client
 
 
@@ -114,20 +127,21 @@ class NotReplicated(redis.RedisError):
         self.acknowledged, self.wanted = acknowledged, wanted
 
 
-def execute_and_wait(client: redis.Redis, commands: Sequence[tuple[Any, ...]], replicas: int,
-                     timeout_ms: int) -> tuple[list[Any], int]:
+def execute_and_wait(
+    client: redis.Redis, commands: Sequence[tuple[Any, ...]], replicas: int, timeout_ms: int
+) -> tuple[list[Any], int]:
     """`commands`, then, on the same connection, WAIT for `replicas` replicas, at most `timeout_ms`: (their
     replies, raw, without response callbacks; how many replicas acknowledged). WAIT counts the replicas that
     acknowledged everything this connection wrote, so it must follow the writes on their own connection:
     redis-py's pipeline hands its connection back before anything can follow it, and a WAIT inside MULTI
     returns at once. A reply that is an error (or holds one: EXEC's) is raised as ResponseError."""
     pool = client.connection_pool
-    connection: Any = pool.get_connection()   # redis-py's Connection methods are untyped
+    connection: Any = pool.get_connection()  # redis-py's Connection methods are untyped
     try:
         connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms)]))
         replies = [connection.read_response() for _ in range(len(commands) + 1)]
     except BaseException:
-        connection.disconnect()   # a reply half read would be the next user's
+        connection.disconnect()  # a reply half read would be the next user's
         raise
     finally:
         pool.release(connection)
@@ -135,7 +149,7 @@ def execute_and_wait(client: redis.Redis, commands: Sequence[tuple[Any, ...]], r
         if isinstance(reply, redis.ResponseError):
             raise reply
         if isinstance(reply, list):
-            for item in reply:   # EXEC's replies, one per queued command
+            for item in reply:  # EXEC's replies, one per queued command
                 if isinstance(item, redis.ResponseError):
                     raise item
     return replies[:-1], int(replies[-1])

@@ -1,5 +1,6 @@
-"""The public JSON documents: what the API answers, what a callback POSTs, and
-the options a submission may carry.
+"""The public JSON documents of jobs: what the API answers about a job, what a callback POSTs, the options a
+submission may carry and the problem document of every error (the service's own, health, models and stats:
+contract.status_documents).
 
 One pydantic model per document. Responses are built through these models,
 submissions are validated by them, and `app/openapi.py` generates the OpenAPI
@@ -7,6 +8,7 @@ document from them, so the description cannot drift from what is served.
 Documents built from other processes' data ignore fields they do not name: a
 newer GPU worker must not break an older API.
 """
+
 from __future__ import annotations
 
 import functools
@@ -18,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from typing_extensions import TypedDict
 
 from contract.cache import CacheVerdict
-from contract.jobs import STATUSES, utc_iso
-from contract.settings import MODEL_NAME_PATTERN
-from contract.timebill import STAGE_DESCRIPTIONS
+from contract.jobs.record import STATUSES, utc_iso
+from contract.models import MODEL_NAME_PATTERN
+from contract.timebill import RECEIVED_AT, STAGE_DESCRIPTIONS
 
-StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.JobStatus, as JSON spells it
+StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.record.JobStatus, as JSON spells it
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
 MaxDetections = Annotated[int, Field(ge=1, le=1000)]
 
@@ -37,9 +39,9 @@ class Document(BaseModel):
 
 # --- a job ------------------------------------------------------------------------------------------
 
+
 class Detection(Document):
-    box: list[float] = Field(min_length=4, max_length=4,
-                             description="x1, y1, x2, y2 in the original image's pixels")
+    box: list[float] = Field(min_length=4, max_length=4, description="x1, y1, x2, y2 in the original image's pixels")
     score: Probability
     class_id: int = Field(ge=0)
     label: str
@@ -62,29 +64,35 @@ class JobResult(Document):
 
 
 class JobError(Document):
-    code: str = Field(description="decode_error, image_too_large, image_too_complex, deadline, cancelled, poison, "
-                                  "inference_error, ...")
+    code: str = Field(
+        description="decode_error, image_too_large, image_too_complex, deadline, cancelled, poison, "
+        "inference_error, ..."
+    )
     message: str
 
 
 class JobOptions(TypedDict, total=False):
     """The options the GPU worker applies; unset ones fall back to the model's defaults."""
+
     conf: Probability
     iou: Probability
     max_det: MaxDetections
 
 
 TimeBill = TypedDict(  # type: ignore[misc]
-    "TimeBill", {stage: Annotated[float, Field(ge=0.0, description=text)]
-                 for stage, text in STAGE_DESCRIPTIONS.items()}, total=False)
+    "TimeBill",
+    {stage: Annotated[float, Field(ge=0.0, description=text)] for stage, text in STAGE_DESCRIPTIONS.items()},
+    total=False,
+)
 TimeBill.__doc__ = "Milliseconds per stage of this request; stages not reached yet are absent."
 
 
 class ClosedBy(StrEnum):
     """Why a batch closed, as a job's `batch.closed_by` says."""
-    FULL = "full"        # it reached the largest batch size
-    WINDOW = "window"    # the batching window ran out first
-    LATE = "late"        # its first frame had already waited a whole window on the list
+
+    FULL = "full"  # it reached the largest batch size
+    WINDOW = "window"  # the batching window ran out first
+    LATE = "late"  # its first frame had already waited a whole window on the list
 
 
 class BatchInfo(Document):
@@ -92,22 +100,28 @@ class BatchInfo(Document):
     seq: int
     size: int = Field(ge=1, description="frames in the batch")
     index: int = Field(ge=0, description="this frame's place in the batch")
-    closed_by: ClosedBy = Field(description="why the batch closed: full (the largest batch size), window (the "
-                                            "window ran out), late (its first frame had already waited a window)")
+    closed_by: ClosedBy = Field(
+        description="why the batch closed: full (the largest batch size), window (the "
+        "window ran out), late (its first frame had already waited a window)"
+    )
     worker: str
 
 
 class CallbackState(Document):
     status: Literal["waiting", "pending", "delivering", "retrying", "delivered", "failed"] = Field(
         description="waiting: the job has not ended; pending: queued; delivering: an attempt is under way; "
-                    "retrying: the last attempt failed, the next is due at `next_attempt_at`; failed: given up "
-                    "(the dead letter: after callbacks.max_attempts or callbacks.retry_for_s, or a refused "
-                    "URL), redeliver it with POST /v1/jobs/{job_id}/callback")
+        "retrying: the last attempt failed, the next is due at `next_attempt_at`; failed: given up "
+        "(the dead letter: after callbacks.max_attempts or callbacks.retry_for_s, or a refused "
+        "URL), redeliver it with POST /v1/jobs/{job_id}/callback"
+    )
     attempts: int = Field(ge=0)
     last_error: str | None
     next_attempt_at: float | None = Field(None, description="epoch seconds, while retrying")
-    delivery_id: str | None = Field(None, description="what X-Imgserve-Delivery-Id carries: the same for every "
-                                                         "attempt of this job's callback, for the receiver's dedup")
+    delivery_id: str | None = Field(
+        None,
+        description="what X-Imgserve-Delivery-Id carries: the same for every "
+        "attempt of this job's callback, for the receiver's dedup",
+    )
 
 
 class Redelivered(Document):
@@ -116,6 +130,7 @@ class Redelivered(Document):
 
 class JobDocument(Document):
     """A job, as `GET /v1/jobs/{job_id}` returns it and a callback POSTs it."""
+
     id: str
     status: StatusName
     model: ModelRef | None = Field(None, description="the model version the job was routed to")
@@ -127,14 +142,16 @@ class JobDocument(Document):
     batch: BatchInfo | None = Field(description="the GPU batch that answered the job")
     callback: CallbackState | None = Field(None, description="present when the job has a callback_url")
     cache: CacheVerdict | None = Field(
-        None, description="hit: answered from the result cache (no CPU or GPU stage ran: timings_ms has receive "
-                          "and total only, and there is no batch); miss: looked up, computed, and cached if it "
-                          "succeeds; absent: the cache was off for it")
+        None,
+        description="hit: answered from the result cache (no CPU or GPU stage ran: timings_ms has receive "
+        "and total only, and there is no batch); miss: looked up, computed, and cached if it "
+        "succeeds; absent: the cache was off for it",
+    )
 
 
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     """The public JSON of a stored job record."""
-    created = record.get("received_at")
+    created = record.get(RECEIVED_AT)
     fields: dict[str, Any] = {
         "id": record["id"],
         "status": record.get("status"),
@@ -165,10 +182,12 @@ class JobLinks(Document):
 
 class JobAccepted(Document):
     id: str
-    status: StatusName = Field(description="queued; with `wait`, where the job stands when the wait ended "
-                                           "(it had not ended: a job that ends within it answers 200); "
-                                           "succeeded: answered from the result cache (`cache` is hit), or "
-                                           "expired: that answer came after `deadline_ms`; poll it as any job")
+    status: StatusName = Field(
+        description="queued; with `wait`, where the job stands when the wait ended "
+        "(it had not ended: a job that ends within it answers 200); "
+        "succeeded: answered from the result cache (`cache` is hit), or "
+        "expired: that answer came after `deadline_ms`; poll it as any job"
+    )
     cache: CacheVerdict | None = Field(None, description="as the job document's")
     model: ModelRef = Field(description="the model version the job was routed to")
     created_at: str = Field(json_schema_extra={"format": "date-time"})
@@ -180,26 +199,37 @@ class JobAccepted(Document):
 
 # --- a submission ------------------------------------------------------------------------------------
 
-MODEL_REFERENCE_PATTERN = rf"^{MODEL_NAME_PATTERN}(:{MODEL_NAME_PATTERN})?$"   # name or name:version
+MODEL_REFERENCE_PATTERN = rf"^{MODEL_NAME_PATTERN}(:{MODEL_NAME_PATTERN})?$"  # name or name:version
 
 
 class SubmitOptionsBase(Document):
-    model: str = Field(None, max_length=129, pattern=MODEL_REFERENCE_PATTERN,
-                       description="name (routed to one of its versions as configured) or name:version (pinned); "
-                                   "the deployment's default model when absent; 404 if nothing of that name is served")
+    model: str = Field(
+        None,
+        max_length=129,
+        pattern=MODEL_REFERENCE_PATTERN,
+        description="name (routed to one of its versions as configured) or name:version (pinned); "
+        "the deployment's default model when absent; 404 if nothing of that name is served",
+    )
     conf: Probability = Field(None, description="confidence threshold; the model's default when absent")
     iou: Probability = Field(None, description="NMS IoU threshold; the model's default when absent")
     max_det: MaxDetections = Field(None, description="most detections returned")
-    callback_url: str = Field(None, max_length=2048, pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#\s\\@]+",
-                              json_schema_extra={"format": "uri"},
-                              description="http(s) URL that receives the job document, signed, once it ends; "
-                                          "no user@, no backslash, no #; a host that resolves to a private "
-                                          "address is refused (400)")
+    callback_url: str = Field(
+        None,
+        max_length=2048,
+        pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://[^/?#\s\\@]+",
+        json_schema_extra={"format": "uri"},
+        description="http(s) URL that receives the job document, signed, once it ends; "
+        "no user@, no backslash, no #; a host that resolves to a private "
+        "address is refused (400)",
+    )
 
     # Bounded by the deployment's deadline in submit_options_model(); declared here for its readers.
     deadline_ms: int = Field(None, ge=1, description="answer within this many ms or end `expired`")
-    cache: bool = Field(None, description="false: neither answer from the result cache nor store this answer "
-                                          "in it; default: as the deployment and the model configure it")
+    cache: bool = Field(
+        None,
+        description="false: neither answer from the result cache nor store this answer "
+        "in it; default: as the deployment and the model configure it",
+    )
 
     def for_model(self) -> JobOptions:
         options = JobOptions()
@@ -216,12 +246,23 @@ class SubmitOptionsBase(Document):
 def submit_options_model(max_deadline_ms: int, model_references: tuple[str, ...] = ()) -> type[SubmitOptionsBase]:
     """The submission options, with the deployment's deadline as deadline_ms's bound and, in the schema,
     the models it serves as `model`'s values (checked against the routing, not here: an unknown one is 404)."""
-    fields: dict[str, Any] = {"deadline_ms": (int, Field(None, ge=1, le=max_deadline_ms,
-                                                         description="answer within this many ms or end `expired`"))}
+    fields: dict[str, Any] = {
+        "deadline_ms": (
+            int,
+            Field(None, ge=1, le=max_deadline_ms, description="answer within this many ms or end `expired`"),
+        )
+    }
     if model_references:
-        fields["model"] = (str, Field(None, max_length=129, pattern=MODEL_REFERENCE_PATTERN,
-                                      json_schema_extra={"enum": list(model_references)},
-                                      description=SubmitOptionsBase.model_fields["model"].description))
+        fields["model"] = (
+            str,
+            Field(
+                None,
+                max_length=129,
+                pattern=MODEL_REFERENCE_PATTERN,
+                json_schema_extra={"enum": list(model_references)},
+                description=SubmitOptionsBase.model_fields["model"].description,
+            ),
+        )
     return create_model("SubmitOptions", __base__=SubmitOptionsBase, **fields)
 
 
@@ -229,184 +270,63 @@ def submit_options_model(max_deadline_ms: int, model_references: tuple[str, ...]
 def submit_query_model(max_deadline_ms: int, model_references: tuple[str, ...], max_wait_s: float) -> type[Document]:
     """A submission's query string: its options (submit_options_model), and `wait`, which only the query takes
     (it is about this request, not the job)."""
-    return create_model("SubmitQuery", __base__=submit_options_model(max_deadline_ms, model_references),
-                        wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
-                                           description="one call: hold the request up to this many seconds "
-                                                       "until the job ends, and answer 200 with the finished "
-                                                       "job; 202 as without it if it has not ended by then")))
+    return create_model(
+        "SubmitQuery",
+        __base__=submit_options_model(max_deadline_ms, model_references),
+        wait=(
+            float,
+            Field(
+                None,
+                ge=0.0,
+                le=max_wait_s,
+                allow_inf_nan=False,
+                description="one call: hold the request up to this many seconds "
+                "until the job ends, and answer 200 with the finished "
+                "job; 202 as without it if it has not ended by then",
+            ),
+        ),
+    )
 
 
 class WaitQueryBase(Document):
-    wait: float = None   # bounded by the deployment's longest long-poll in wait_query_model()
+    wait: float = None  # bounded by the deployment's longest long-poll in wait_query_model()
 
 
 @functools.lru_cache(maxsize=8)
 def wait_query_model(max_wait_s: float) -> type[WaitQueryBase]:
-    return create_model("WaitQuery", __base__=WaitQueryBase,
-                        wait=(float, Field(None, ge=0.0, le=max_wait_s, allow_inf_nan=False,
-                                           description="long-poll: hold the request up to this many "
-                                                       "seconds until the job ends")))
+    return create_model(
+        "WaitQuery",
+        __base__=WaitQueryBase,
+        wait=(
+            float,
+            Field(
+                None,
+                ge=0.0,
+                le=max_wait_s,
+                allow_inf_nan=False,
+                description="long-poll: hold the request up to this many seconds until the job ends",
+            ),
+        ),
+    )
 
 
 # --- errors -----------------------------------------------------------------------------------------
+
 
 class InvalidParam(Document):
     name: str
     reason: str
 
 
-PROBLEM_TYPE = "application/problem+json"   # the media type of every ProblemDocument
+PROBLEM_TYPE = "application/problem+json"  # the media type of every ProblemDocument
 
 
 class ProblemDocument(Document):
     """RFC 9457 problem details: every API error has this shape."""
+
     type: str = Field(description="/problems/<slug>, e.g. /problems/overloaded")
     title: str
     status: int = Field(ge=400, le=599)
     detail: str
     invalid_params: list[InvalidParam] = Field(None, description="the request fields at fault")
     models: list[str] = Field(None, description="with model-not-found: the name:version of every model served")
-
-
-# --- health, models, stats ------------------------------------------------------------------------
-
-class Health(Document):
-    status: Literal["ok"]
-
-
-class Readiness(Document):
-    ready: bool
-    redis: bool = Field(description="the job store answers")
-    gpu_workers: int = Field(ge=0, description="GPU workers with a fresh heartbeat")
-    detail: str
-
-
-class ModelDefaults(Document):
-    conf: float
-    iou: float
-    max_det: int
-
-
-class QueueDepths(Document):
-    preprocess: int = Field(ge=0, description="jobs waiting for a CPU worker")
-    frames: int = Field(ge=0, description="frames waiting for a GPU worker")
-
-
-class ServedModel(Document):
-    name: str
-    version: str
-    weights: str | None
-    labels: list[str]
-    input_size: int
-    layout: str
-    format: str
-    simulated: bool | None = Field(None, description="served by the `sim` device; absent while no worker serves it")
-    precision: str | None = Field(None, description="what the model computes in: fp32, fp16 or bf16")
-    output: str | None = Field(None, description="tensor, or element 0 of a tuple (YOLOv5's own export)")
-    from_file: list[str] | None = Field(None, description="spec settings read from the model file "
-                                                              "(its config.txt): labels, input_size")
-    defaults: ModelDefaults
-    state: Literal["serving", "draining"] = Field(description="draining: takes no new jobs; remove it once its "
-                                                              "queue is empty")
-    default: bool = Field(description="a request without `model` may get this version")
-    share: float = Field(ge=0, le=1, description="its share of `model=<name>` requests (0: reached only pinned)")
-    devices: list[str]
-    workers: list[str] = Field(description="live GPU workers serving it")
-    queue: QueueDepths
-    p95_ms: float | None = Field(description="request start to result, p95 over the serving workers' recent "
-                                                "window (the slowest worker's); null without recent jobs")
-    recent_jobs: int = Field(ge=0, description="jobs answered in that window")
-
-
-class ModelName(Document):
-    name: str
-    versions: list[str]
-    routes: dict[str, float] = Field(description="`model=<name>`: version -> weight (empty: every version draining)")
-
-
-class ModelList(Document):
-    models: list[ServedModel]
-    names: list[ModelName]
-
-
-class StageSummary(Document):
-    p50: float
-    p95: float
-    mean: float
-    share: float = Field(description="fraction of the mean total")
-
-
-StageSummaries = dict[str, StageSummary]
-
-
-class HostStageTime(Document):
-    wall: float = Field(description="ms per batch, wall clock")
-    cpu: float = Field(description="ms per batch, the stage thread's CPU time")
-
-
-class GpuWorkerStats(Document):
-    worker_id: str
-    device: str
-    simulated: bool
-    busy: float = Field(None, description="fraction of the recent window the device computed")
-    busy_window_s: float = None
-    nvml_utilisation: float | None = None
-    device_seconds_total: float = None
-    batches_total: int = None
-    frames_total: int = None
-    updated_at: float = None
-    window_s: float = None
-    batches: int = Field(None, description="batches in the recent window")
-    batch_size_mean: float | None = None
-    batch_size_histogram: dict[str, int] = None
-    time_bill_ms: StageSummaries = None
-    host_ms_per_batch: dict[str, HostStageTime] = Field(
-        None, description="the worker's host time per batch by stage since it started (its collect, stage, "
-                          "device and finish threads): wall, and the stage thread's CPU")
-
-
-class GpuSummary(Document):
-    workers: int
-    simulated: bool = None
-    busy: float = Field(None, description="mean busy fraction across workers")
-    device_seconds_total: float = None
-    frames_total: int = None
-    batches_total: int = None
-    batch_size_mean: float | None = None
-    time_bill_ms: StageSummaries = Field(None, description="the busiest worker's recent time bill, per stage")
-
-
-class ModelStats(Document):
-    worker_id: str = Field(description="the worker whose window this is (of those serving the model, the one "
-                                       "that answered most of its recent jobs)")
-    jobs: int = Field(ge=0, description="jobs answered in the window")
-    p95_ms: float | None = None
-    batches: int = None
-    batch_size_mean: float | None = None
-    time_bill_ms: StageSummaries = None
-
-
-class CacheModelStats(Document):
-    hits: int = Field(ge=0)
-    misses: int = Field(ge=0)
-    hit_rate: float = Field(ge=0.0, le=1.0, description="hits / (hits + misses), since the counters began")
-
-
-class CacheStats(Document):
-    enabled: bool
-    shared: bool = Field(description="one cache for every API key (true) or one per key (false)")
-    entries: int = Field(ge=0)
-    bytes: int = Field(ge=0, description="charged against max_bytes: the documents plus a fixed overhead each")
-    max_bytes: int = Field(ge=0)
-    ttl_s: int = Field(ge=1)
-    models: dict[str, CacheModelStats] = Field(description="per name:version")
-
-
-class Stats(Document):
-    cache: CacheStats = Field(description="the result cache")
-    queues: QueueDepths = Field(description="summed over the models")
-    queues_by_model: dict[str, QueueDepths] = Field(description="per name:version")
-    gpu_workers: list[GpuWorkerStats]
-    gpu: GpuSummary
-    models: dict[str, ModelStats] = Field(description="per name:version: its recent jobs, p95, batches and "
-                                                      "time bill")

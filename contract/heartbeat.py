@@ -6,6 +6,7 @@ worker that finds its id taken. JSON, validated on both sides: a heartbeat
 that does not parse is no heartbeat (the API skips it; a starting worker
 treats it as a previous life's).
 """
+
 from __future__ import annotations
 
 import time
@@ -19,7 +20,8 @@ from contract.keys import Keys
 
 class HeartbeatModel(BaseModel):
     """The model as this worker serves it: the spec's public description plus where it runs."""
-    model_config = ConfigDict(extra="allow")   # labels, layout, precision, ... pass through to /v1/models
+
+    model_config = ConfigDict(extra="allow")  # labels, layout, precision, ... pass through to /v1/models
 
     name: str
     version: str
@@ -38,13 +40,13 @@ class Batching(BaseModel):
 
 
 class Heartbeat(BaseModel):
-    model_config = ConfigDict(extra="ignore")   # a newer worker may say more than this reader knows
+    model_config = ConfigDict(extra="ignore")  # a newer worker may say more than this reader knows
 
     worker_id: str
     pid: int
     host: str
     started_at: float = Field(description="epoch seconds")
-    model: HeartbeatModel                      # the first model it serves (what readers before `models` read)
+    model: HeartbeatModel  # the first model it serves (what readers before `models` read)
     models: list[HeartbeatModel] = Field(default_factory=list, description="every model it serves")
     batching: Batching | None = None
     stats: dict[str, Any] = Field(default_factory=dict, description="busy fraction, totals, recent time bill")

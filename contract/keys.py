@@ -5,6 +5,7 @@ its bindings) live beside these in the same Redis, under `celery_prefix`, so two
 deployments with different namespaces never share work; past the prefix they
 are Celery's to name.
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -13,8 +14,8 @@ from dataclasses import dataclass
 # Celery's queue for CPU work; its Redis transport keeps the queue as a list of this name.
 PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
-UPLOAD_SUFFIX = ":upload"   # a job's upload is its key plus this (the Lua that ends a job deletes it so)
-CELERY_HELD = "held:"       # + a worker process's id: the messages it holds, under Celery's key prefix
+UPLOAD_SUFFIX = ":upload"  # a job's upload is its key plus this (the Lua that ends a job deletes it so)
+CELERY_HELD = "held:"  # + a worker process's id: the messages it holds, under Celery's key prefix
 
 
 @dataclass(frozen=True)

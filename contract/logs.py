@@ -6,6 +6,7 @@ its jobs in `job_ids` (one line per batch, not eight, on its hot path).
 
     log.info("job accepted", extra={"job_id": job_id})
 """
+
 from __future__ import annotations
 
 import json

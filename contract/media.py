@@ -1,6 +1,7 @@
 """The image types the service accepts, told by their first bytes: the API's sniff (its 415) and the CPU
 worker's choice of decoder read the same table, so a body is decoded as the type it was admitted as and
 nothing else (Pillow, left to guess, tries every plugin it has)."""
+
 from __future__ import annotations
 
 # (magic number, media type, Pillow's format name); WebP is a RIFF container told by bytes 8-12.

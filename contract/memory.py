@@ -5,6 +5,7 @@ faults and system CPU on every image). The price is resident memory: up to TRIM_
 at a heap's top. Set MALLOC_MMAP_THRESHOLD_ or MALLOC_TRIM_THRESHOLD_ to choose otherwise; then this
 leaves malloc alone. Measurements: docs/architecture.md ("Buffers stay in the process").
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,5 +32,6 @@ def keep_freed_memory() -> bool:
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     mallopt.restype = ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD,
-                                                                                   TRIM_THRESHOLD_BYTES))
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+    )

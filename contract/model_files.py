@@ -7,6 +7,7 @@ JSON `config.txt` among the archive's extra files (`names`, `imgsz`, `stride`,
 `task`, ...); a spec that leaves `labels` or `input_size` out gets them from
 there, so a 320 export is no longer run at 640 by accident.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,10 @@ KINDS = {
     "torchscript": "a TorchScript archive (torch.jit.save; format: torchscript)",
     "export": "a torch.export program (.pt2, torch.export.save; format: export)",
     "checkpoint": "a PyTorch checkpoint (torch.save: weights or a pickled module, e.g. an Ultralytics .pt), "
-                  "not a program this service can run: export it to TorchScript or .pt2 first",
-    "onnx": "an ONNX model, which this service does not run: export the PyTorch model to TorchScript "
-            "or .pt2 instead",
+    "not a program this service can run: export it to TorchScript or .pt2 first",
+    "onnx": "an ONNX model, which this service does not run: export the PyTorch model to TorchScript or .pt2 instead",
     "safetensors": "a safetensors weights file (weights without the network): export the model to "
-                   "TorchScript or .pt2 instead",
+    "TorchScript or .pt2 instead",
     "zip": "a ZIP archive, but not a TorchScript or torch.export one",
     "unknown": "not a file this service recognises (TorchScript and torch.export .pt2 are served)",
 }
@@ -43,11 +43,11 @@ def identify(path: Path) -> str:
         head = file.read(64)
     if head.startswith(b"PK\x03\x04"):
         return _archive_kind(path)
-    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):   # a pickle: legacy torch.save
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):  # a pickle: legacy torch.save
         return "checkpoint"
     if _looks_like_onnx(head):
         return "onnx"
-    if len(head) > 9 and head[8:10] == b'{"':   # u64 header length, then a JSON header
+    if len(head) > 9 and head[8:10] == b'{"':  # u64 header length, then a JSON header
         return "safetensors"
     return "unknown"
 
@@ -71,7 +71,7 @@ def embedded_metadata(path: Path) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if "names" in config:
         found["labels"] = _labels(config["names"])
-    size = config.get("imgsz", (config.get("shape") or [None] * 4)[2:] or None)   # YOLOv5: shape [B, 3, H, W]
+    size = config.get("imgsz", (config.get("shape") or [None] * 4)[2:] or None)  # YOLOv5: shape [B, 3, H, W]
     if size is not None:
         found["input_size"] = _square_size(size)
     return found
@@ -96,8 +96,10 @@ def _square_size(size: Any) -> int:
     if not sizes or not all(isinstance(s, int) and s > 0 for s in sizes):
         raise ModelFileError(f"the file's config.txt gives an input size not understood: {size!r}")
     if len(set(sizes)) != 1:
-        raise ModelFileError(f"the file was exported for a {sizes[-1]}x{sizes[0]} input; this service "
-                             f"feeds square inputs: re-export it square, or set input_size in the spec")
+        raise ModelFileError(
+            f"the file was exported for a {sizes[-1]}x{sizes[0]} input; this service "
+            f"feeds square inputs: re-export it square, or set input_size in the spec"
+        )
     return sizes[0]
 
 

@@ -1,7 +1,8 @@
-"""Every setting of the service: its sections as frozen, validated dataclasses, and the checks that
-tie them together (routing against the models listed). contract.config reads them from YAML and the
-environment (`load_settings`); configs/default.yaml names every one with its default.
+"""Every setting of the service: its sections as frozen, validated dataclasses (contract.sections), and the
+checks that tie them together. The models' own settings and their routing are contract.models'; contract.config
+reads them from YAML and the environment (`load_settings`); configs/default.yaml names every one with its default.
 """
+
 from __future__ import annotations
 
 import re
@@ -10,10 +11,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from pydantic import ConfigDict
-from pydantic.dataclasses import dataclass as pydantic_dataclass
-
 from contract.check_secrets import weak_secret_reason
+from contract.models import ModelSpec, RoutingSettings, default_model
+from contract.sections import SettingsError, settings_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -21,37 +21,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
 
 
-# Every settings class is a pydantic dataclass: still a frozen dataclass (attribute access,
-# dataclasses.replace), and its values are type-checked and coerced where a reading is unambiguous
-# ("8" for an int, 8 for a float); unknown keys are refused (the loader names them first).
-_SETTINGS_CONFIG = ConfigDict(extra="forbid")
-
-
-def settings_class(cls: type) -> Any:
-    return pydantic_dataclass(frozen=True, config=_SETTINGS_CONFIG)(cls)
-
-
-class SettingsError(ValueError):
-    """A config file or model spec that cannot be used."""
-
-
 def check_secret(name: str, value: str) -> None:
     """Refuse a placeholder or short secret: a process that would run with one does not start."""
     reason = weak_secret_reason(value)
     if reason:
-        raise SettingsError(f"{name} is {reason}; generate one with "
-                            "python -c 'import secrets; print(secrets.token_urlsafe(32))'")
+        raise SettingsError(
+            f"{name} is {reason}; generate one with python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
 
 
 @settings_class
 class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
+
     max_image_pixels: int = 80_000_000
-    max_decoded_bytes: int = 256 * 1024 * 1024   # an image's pixels in memory, as Pillow holds them
+    max_decoded_bytes: int = 256 * 1024 * 1024  # an image's pixels in memory, as Pillow holds them
     # A progressive JPEG is decoded once per scan: a few KB repeating one scan thousands of times held a CPU
     # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
     max_scans: int = 100
-    max_pixel_scans: int = 2_000_000_000          # pixels x scans: the decoding work one image may ask for
+    max_pixel_scans: int = 2_000_000_000  # pixels x scans: the decoding work one image may ask for
     # Pillow reads a file's framing and metadata in Python, a step per block: a file of nothing but empty
     # blocks held a CPU worker for seconds. The structure is walked first (tasks.structure), counting the steps
     # Pillow would take: JPEG segments before the first scan, PNG and WebP chunks, GIF blocks before the first
@@ -68,7 +56,7 @@ class DecodeSettings:
 class ApiSettings:
     max_upload_bytes: int = 20 * 1024 * 1024
     max_wait_s: float = 30.0
-    body_timeout_s: float = 10.0   # a body must come within this plus its size at body_min_rate; else 408
+    body_timeout_s: float = 10.0  # a body must come within this plus its size at body_min_rate; else 408
     body_min_rate: float = 65536.0  # bytes/s
     redis_timeout_s: float = 2.0
     # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
@@ -78,15 +66,15 @@ class ApiSettings:
     # The HTTP server (configs/gunicorn.conf.py reads these).
     bind: str = "0.0.0.0:8000"
     workers: int = 2
-    worker_class: str = "app.server.ProblemGeventWorker"   # gevent; "gthread" for threads
-    connections: int = 2000       # per worker, gevent
-    threads: int = 64             # per worker, gthread
-    access_log: str = ""          # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
+    worker_class: str = "app.server.ProblemGeventWorker"  # gevent; "gthread" for threads
+    connections: int = 2000  # per worker, gevent
+    threads: int = 64  # per worker, gthread
+    access_log: str = ""  # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
 
 
 @settings_class
 class LogSettings:
-    format: str = "json"          # json: one object per line (contract.logs); text: plain lines
+    format: str = "json"  # json: one object per line (contract.logs); text: plain lines
     level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -107,9 +95,10 @@ class JobSettings:
 class CacheSettings:
     """The result cache (contract.cache): a repeated image, under the same model version and options, is
     answered from the first one's result without a CPU worker or a GPU slot."""
-    enabled: bool = True          # a model spec's `cache: false` turns it off for that model
-    max_bytes: int = 64 * 1024 * 1024   # the entries' result documents (plus ENTRY_OVERHEAD each), never more
-    ttl_s: int = 3600             # an entry not used for this long is gone (each hit renews it)
+
+    enabled: bool = True  # a model spec's `cache: false` turns it off for that model
+    max_bytes: int = 64 * 1024 * 1024  # the entries' result documents (plus ENTRY_OVERHEAD each), never more
+    ttl_s: int = 3600  # an entry not used for this long is gone (each hit renews it)
     # false: an entry serves only the API key that made it. true: every key of the deployment; a hit then
     # tells one tenant that another sent the same image (docs/operations.md).
     shared: bool = False
@@ -124,10 +113,11 @@ class BulkSettings:
     """Where uploads and frames live (contract.shards). None listed: in the Redis of `redis_url`, beside the
     job records and everything else. Listed: spread over these Redis servers by a hash of the job id, while
     the control plane (job records, Celery, heartbeats, budgets, the cache) stays at `redis_url`."""
+
     redis_urls: tuple[str, ...] = ()
     # A shard unreachable this long: the live jobs whose bytes it held end `failed` (shard_unavailable).
     grace_s: float = 5.0
-    retry_s: float = 1.0          # a process that found a shard down sends it nothing for this long
+    retry_s: float = 1.0  # a process that found a shard down sends it nothing for this long
 
     def __post_init__(self) -> None:
         if self.grace_s <= 0 or self.retry_s <= 0:
@@ -146,9 +136,10 @@ class RedisSettings:
     No `sentinels`: the server of `redis_url`, as it is. Sentinels listed: the primary they name for `service`,
     followed through failovers by every process (the API, the Celery workers and Flower, the GPU workers, the
     bench); `redis_url` then gives only the password and the database. Bulk shards stay plain servers."""
-    sentinels: tuple[str, ...] = ()   # "host:port" of each Sentinel (three or more: a majority elects)
-    service: str = "imgserve"         # the primary's name at the Sentinels (`sentinel monitor <service> ...`)
-    sentinel_password: str = ""       # the Sentinels' own (their requirepass): IMGSERVE_REDIS__SENTINEL_PASSWORD
+
+    sentinels: tuple[str, ...] = ()  # "host:port" of each Sentinel (three or more: a majority elects)
+    service: str = "imgserve"  # the primary's name at the Sentinels (`sentinel monitor <service> ...`)
+    sentinel_password: str = ""  # the Sentinels' own (their requirepass): IMGSERVE_REDIS__SENTINEL_PASSWORD
     # A 202 waits (Redis WAIT, on the connection that stored the job) until this many replicas acknowledged
     # the job's record, upload and task, for at most replica_timeout_ms; fewer: the job is withdrawn and the
     # answer is 503 (retry). -1: 1 with sentinels listed, 0 (no wait) without.
@@ -175,7 +166,7 @@ class RedisSettings:
         found = []
         for address in self.sentinels:
             match = _HOST_PORT.match(address)
-            assert match is not None   # checked above
+            assert match is not None  # checked above
             found.append((match.group(1).strip("[]"), int(match.group(2))))
         return found
 
@@ -186,7 +177,7 @@ class BatchingSettings:
     window_ms: float = 12.0
     idle_poll_s: float = 1.0
     gather_poll_ms: float = 2.0
-    held_poll_ms: float = 5.0     # a batch held open behind its model's running batch looks this often
+    held_poll_ms: float = 5.0  # a batch held open behind its model's running batch looks this often
 
 
 @settings_class
@@ -199,8 +190,8 @@ class GpuWorkerSettings:
     max_candidates: int = 1000
     torch_threads: int = 0
     busy_window_s: float = 60.0
-    max_attempts: int = 3         # a frame requeued this often (its worker died each time) fails as poison
-    metrics_port: int = 0         # Prometheus metrics here (0: none); --metrics-port overrides
+    max_attempts: int = 3  # a frame requeued this often (its worker died each time) fails as poison
+    metrics_port: int = 0  # Prometheus metrics here (0: none); --metrics-port overrides
     metrics_host: str = "127.0.0.1"
     # device `sim`: ms per batch by batch size (the story's table by default)
     sim_latency_ms: dict[int, float] = field(default_factory=lambda: dict(STORY_PROFILE_MS))
@@ -208,9 +199,9 @@ class GpuWorkerSettings:
 
 @settings_class
 class BackpressureSettings:
-    max_frames: int = 64          # the frame list never holds more; CPU workers wait for room
-    max_backlog: int = 256        # preprocess queue + frame list above this: the API answers 429
-    retry_after_s: int = 1        # the least Retry-After a refusal gives (it is computed from the drain rate)
+    max_frames: int = 64  # the frame list never holds more; CPU workers wait for room
+    max_backlog: int = 256  # preprocess queue + frame list above this: the API answers 429
+    retry_after_s: int = 1  # the least Retry-After a refusal gives (it is computed from the drain rate)
     room_poll_s: float = 0.005
     # Bytes of uploads and frames waiting in Redis (contract.budget): a model's (a spec may set its own), and
     # every model's together. Over a model's: 429; over the total, or Redis past store_full_ratio of its
@@ -222,14 +213,14 @@ class BackpressureSettings:
 
 @settings_class
 class CallbackSettings:
-    secret: str = ""              # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
+    secret: str = ""  # HMAC key; IMGSERVE_CALLBACK_SECRET overrides; empty: callbacks refused
     allow_hosts: tuple[str, ...] = ()  # hosts or CIDRs allowed even when private/loopback (an internal receiver)
-    max_attempts: int = 24        # deliveries tried before the callback is given up (its dead letter)...
+    max_attempts: int = 24  # deliveries tried before the callback is given up (its dead letter)...
     retry_for_s: float = 86400.0  # ...or once it has been retried this long since its first attempt
-    backoff_base_s: float = 1.0   # attempt n+1 waits base * 2**(n-1), at most backoff_max_s, jittered
+    backoff_base_s: float = 1.0  # attempt n+1 waits base * 2**(n-1), at most backoff_max_s, jittered
     backoff_max_s: float = 3600.0
-    jitter: float = 0.2           # each wait drawn within +-20% of that, so receivers coming back are not stampeded
-    timeout_s: float = 5.0        # the longest one wait (connect, a read, a write) of an attempt
+    jitter: float = 0.2  # each wait drawn within +-20% of that, so receivers coming back are not stampeded
+    timeout_s: float = 5.0  # the longest one wait (connect, a read, a write) of an attempt
     # An attempt whole: the host's lookup, connecting, TLS, sending, the answer's headers and body. A receiver that
     # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callbacks).
     deadline_s: float = 10.0
@@ -253,12 +244,12 @@ class AuthSettings:
     # A key's callback secret is named, never written here: an environment variable or a file (a compose secret).
     # `admin: true` lets a key read /v1/stats (every tenant's traffic).
     api_keys: tuple[Any, ...] = ()
-    rate_per_s: float = 0.0       # per key; 0: no limit
+    rate_per_s: float = 0.0  # per key; 0: no limit
     burst: float = 20.0
     # A key's own jobs waiting for a CPU worker may fill at most this share of a model's backlog: past it, 429
     # for that key alone (its flood does not get the others refused). Each key also has its own CPU queue.
     max_backlog_share: float = 0.5
-    failed_per_s: float = 1.0     # failed authentications per client address (a 401 each); past them 429; 0: off
+    failed_per_s: float = 1.0  # failed authentications per client address (a 401 each); past them 429; 0: off
     failed_burst: float = 20.0
 
     def __post_init__(self) -> None:
@@ -267,125 +258,26 @@ class AuthSettings:
                 raise SettingsError("each auth.api_keys entry needs an id and a sha256")
             unknown = set(entry) - API_KEY_FIELDS
             if unknown:
-                raise SettingsError(f"unknown auth.api_keys fields: {', '.join(sorted(unknown))} "
-                                    f"(a callback secret is named by callback_secret_env or callback_secret_file)")
+                raise SettingsError(
+                    f"unknown auth.api_keys fields: {', '.join(sorted(unknown))} "
+                    f"(a callback secret is named by callback_secret_env or callback_secret_file)"
+                )
 
 
 @settings_class
 class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
-    events_flush_ms: int = 250    # task events leave in one message this long after the first (tasks.event_batching)
+    events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.event_batching)
     heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.liveness)
-    sweep_s: float = 0.5          # how often each worker ends the jobs whose deadline passed (tasks.liveness)
+    sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.liveness)
 
     def __post_init__(self) -> None:
         if self.heartbeat_ttl_s < 3 or self.sweep_s <= 0:
-            raise SettingsError("celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
-                                "and celery.sweep_s above 0")
-
-
-@settings_class
-class RoutingSettings:
-    """Which model a request gets. `model=name:version` pins a version; `model=name` follows `routes`; no
-    `model` at all gets `default`."""
-    default: str = ""             # a name or name:version; "": the first model listed
-    # model=name -> {version: weight, ...} (a split, e.g. {2.0.0: 90, 3.0.0: 10}) or one version (pinned).
-    # A name without a route: its first version listed (a version added later takes no traffic until routed).
-    routes: dict[str, Any] = field(default_factory=dict)
-    draining: tuple[str, ...] = ()   # name:version: no new jobs; still served until its lists are empty
-
-
-# A model's name and version appear in Redis keys (name:version) and in `model=`: no colons, no spaces.
-MODEL_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}"
-# How the GPU worker may speed a model's forward up beyond eager PyTorch (ModelSpec.accelerate).
-ACCELERATIONS = ("none", "cuda_graphs", "compile")
-
-
-@settings_class
-class ModelSpec:
-    """What the GPU worker loads and what the CPU workers letterbox for."""
-
-    name: str
-    version: str
-    format: str = "builtin"  # builtin | torchscript | export (a torch.export .pt2 file)
-    builtin: str = "tiny_yolo"
-    path: str | None = None
-    weights: str = "random"
-    input_size: int = 640
-    channel_order: str = "rgb"
-    pad_value: int = 114
-    scale: float = 1.0 / 255.0
-    mean: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    std: tuple[float, float, float] = (1.0, 1.0, 1.0)
-    layout: str = "yolov8"  # yolov8: [B, 4+C, N]; yolov5: [B, N, 5+C]
-    precision: str = "auto"  # auto: the model's own weights' dtype | fp32 | fp16 | bf16
-    channels_last: bool = False  # NHWC canvas and weights: faster convolutions on tensor cores
-    freeze: bool = False     # TorchScript only: torch.jit.freeze + optimize_for_inference at load
-    # none | cuda_graphs (one CUDA graph per batch size, captured at load; CUDA only) | compile (torch.compile
-    # with a dynamic batch, compiled at load; builtin and export models: TorchScript has `freeze`)
-    accelerate: str = "none"
-    labels: tuple[str, ...] = ()
-    # Which of labels / input_size were read from the model file (the spec left them out).
-    from_file: tuple[str, ...] = ()
-    conf: float = 0.25
-    iou: float = 0.45
-    max_det: int = 100
-    # Per-model limits; unset: the deployment's (backpressure.max_frames / max_backlog,
-    # jobs.default_deadline_ms). One model's overload refuses only its own requests.
-    max_frames: int | None = None
-    max_backlog: int | None = None
-    max_waiting_bytes: int | None = None
-    default_deadline_ms: int | None = None
-    # Device `sim`: this model's batch latency by batch size (models differ in cost); unset: gpu_worker's.
-    sim_latency_ms: dict[int, float] | None = None
-    cache: bool | None = None     # the result cache for this model; unset: the deployment's cache.enabled
-
-    @property
-    def key(self) -> str:
-        """name:version, as requests pin it and Redis keys carry it."""
-        return f"{self.name}:{self.version}"
-
-    def __post_init__(self) -> None:
-        for what, value in (("name", self.name), ("version", self.version)):
-            if not re.fullmatch(MODEL_NAME_PATTERN, value):
-                raise SettingsError(f"model {what} {value!r}: letters, digits and . _ + - only (at most 64), "
-                                    "starting with a letter or digit")
-        for limit in ("max_frames", "max_backlog", "max_waiting_bytes", "default_deadline_ms"):
-            if getattr(self, limit) is not None and getattr(self, limit) < 1:
-                raise SettingsError(f"model {self.key}: {limit} must be >= 1")
-        if self.format not in ("builtin", "torchscript", "export"):
-            raise SettingsError(f"model format {self.format!r}: expected builtin, torchscript or export")
-        if self.format != "builtin" and not self.path:
-            raise SettingsError(f"a {self.format} model needs a path")
-        if self.layout not in ("yolov8", "yolov5"):
-            raise SettingsError(f"model layout {self.layout!r}: expected yolov8 or yolov5")
-        if self.freeze and self.format != "torchscript":
-            raise SettingsError("freeze applies to TorchScript models only")
-        if self.accelerate not in ACCELERATIONS:
-            raise SettingsError(f"accelerate {self.accelerate!r}: expected {', '.join(ACCELERATIONS)}")
-        if self.accelerate == "compile" and self.format == "torchscript":
-            raise SettingsError("accelerate: compile takes builtin and export models; for TorchScript use freeze")
-        if self.precision not in ("auto", "fp32", "fp16", "bf16"):
-            raise SettingsError(f"precision {self.precision!r}: expected auto, fp32, fp16 or bf16")
-        if self.channel_order not in ("rgb", "bgr"):
-            raise SettingsError(f"channel_order {self.channel_order!r}: expected rgb or bgr")
-        if not self.labels:
-            raise SettingsError("a model needs its labels")
-        if not 8 <= self.input_size <= 4096:
-            raise SettingsError(f"input_size {self.input_size} out of range")
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "version": self.version,
-            "weights": self.weights,
-            "labels": list(self.labels),
-            "input_size": self.input_size,
-            "layout": self.layout,
-            **({"from_file": list(self.from_file)} if self.from_file else {}),
-            "defaults": {"conf": self.conf, "iou": self.iou, "max_det": self.max_det},
-        }
+            raise SettingsError(
+                "celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
+                "and celery.sweep_s above 0"
+            )
 
 
 @settings_class
@@ -420,8 +312,9 @@ class Settings:
         parts = urlsplit(self.redis_url)
         userinfo = parts.netloc.rpartition("@")[0]
         database = parts.path.lstrip("/") or "0"
-        return ";".join(f"sentinel://{userinfo + '@' if userinfo else ''}{address}/{database}"
-                        for address in self.redis.sentinels)
+        return ";".join(
+            f"sentinel://{userinfo + '@' if userinfo else ''}{address}/{database}" for address in self.redis.sentinels
+        )
 
     @property
     def tenants(self) -> tuple[str, ...]:
@@ -429,18 +322,22 @@ class Settings:
         return ("", *(str(entry["id"]) for entry in self.auth.api_keys))
 
     def __post_init__(self) -> None:
-        if not self.models:   # built in code with one model (tests, tools)
+        if not self.models:  # built in code with one model (tests, tools)
             object.__setattr__(self, "models", (self.model,))
-        object.__setattr__(self, "model", default_model(self))
+        object.__setattr__(self, "model", default_model(self, self.gpu_worker.models))
         largest = self.api.max_upload_bytes
         for spec in self.models:
             if min(self.max_waiting_bytes(spec), self.backpressure.max_total_waiting_bytes) < largest:
-                raise SettingsError(f"model {spec.key}: its byte budgets (backpressure.max_waiting_bytes, "
-                                    "max_total_waiting_bytes) must hold one upload of api.max_upload_bytes "
-                                    f"({largest})")
+                raise SettingsError(
+                    f"model {spec.key}: its byte budgets (backpressure.max_waiting_bytes, "
+                    "max_total_waiting_bytes) must hold one upload of api.max_upload_bytes "
+                    f"({largest})"
+                )
             if self.jobs.upload_ttl_s < self.default_deadline_ms(spec) / 1000.0 + 60:
-                raise SettingsError(f"jobs.upload_ttl_s must outlast model {spec.key}'s deadline by a minute: an "
-                                    "upload is deleted when its job ends, and its TTL is only the last resort")
+                raise SettingsError(
+                    f"jobs.upload_ttl_s must outlast model {spec.key}'s deadline by a minute: an "
+                    "upload is deleted when its job ends, and its TTL is only the last resort"
+                )
 
     def max_frames(self, spec: ModelSpec) -> int:
         return spec.max_frames or self.backpressure.max_frames
@@ -458,61 +355,3 @@ class Settings:
         """Whether `spec`'s results are cached: its own `cache`, else the deployment's."""
         enabled = self.cache.enabled if spec.cache is None else spec.cache
         return enabled and self.cache.max_bytes > 0
-
-    @property
-    def default_reference(self) -> str:
-        """What a request without `model=` asks for: `routing.default`, else the first model's name."""
-        return self.routing.default or self.models[0].name
-
-
-def version_weights(settings: Settings, name: str) -> dict[str, float]:
-    """How `model=name` is split over its versions: {version: weight}, weights > 0, draining ones left out.
-    Without a route: its first version listed that is not draining. Empty: nothing of that name takes jobs."""
-    draining = set(settings.routing.draining)
-    versions = [spec.version for spec in settings.models if spec.name == name]
-    route = settings.routing.routes.get(name)
-    if route is None:
-        live = [version for version in versions if f"{name}:{version}" not in draining]
-        return {live[0]: 1.0} if live else {}
-    weights = {str(route): 1.0} if not isinstance(route, dict) else {str(v): float(w) for v, w in route.items()}
-    return {version: weight for version, weight in weights.items()
-            if weight > 0 and f"{name}:{version}" not in draining}
-
-
-def default_model(settings: Settings) -> ModelSpec:
-    """Check `models`, `routing` and `gpu_worker.models` against each other; the spec a request without
-    `model=` gets (for a split default: its heaviest version)."""
-    by_key: dict[str, ModelSpec] = {}
-    for spec in settings.models:
-        if spec.key in by_key:
-            raise SettingsError(f"model {spec.key} is listed twice")
-        by_key[spec.key] = spec
-    names = {spec.name for spec in settings.models}
-    for key in settings.routing.draining:
-        if key not in by_key:
-            raise SettingsError(f"routing.draining: {key!r} is not a name:version listed in models")
-    for name, route in settings.routing.routes.items():
-        if name not in names:
-            raise SettingsError(f"routing.routes: no model named {name!r}")
-        weights = route if isinstance(route, dict) else {route: 1}
-        for version, weight in weights.items():
-            if f"{name}:{version}" not in by_key:
-                raise SettingsError(f"routing.routes.{name}: no version {version!r} of {name} is listed")
-            if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
-                raise SettingsError(f"routing.routes.{name}.{version}: a weight >= 0, got {weight!r}")
-        if not version_weights(settings, name):
-            raise SettingsError(f"routing.routes.{name}: no version with a weight above 0 that is not draining")
-    for ref in settings.gpu_worker.models:
-        if ref not in by_key and ref not in names:
-            raise SettingsError(f"gpu_worker.models: {ref!r} is neither a model name nor a name:version listed")
-    ref = settings.default_reference
-    if ":" in ref:
-        if ref not in by_key or ref in settings.routing.draining:
-            raise SettingsError(f"routing.default: {ref!r} is not a listed model version taking jobs")
-        return by_key[ref]
-    weights = version_weights(settings, ref) if ref in names else {}
-    if not weights:
-        raise SettingsError(f"routing.default: no version of {ref!r} takes jobs")
-    return by_key[f"{ref}:{max(weights, key=lambda version: weights[version])}"]
-
-

@@ -12,6 +12,7 @@ found down for `bulk.retry_s`; `tasks.shard_watch` (every CPU worker's sweep) en
 waiting on a shard which lost its data (`shard_lost`) or stayed unreachable past `bulk.grace_s`
 (`shard_unavailable`). Jobs on other shards go on.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,9 +26,9 @@ from contract.connection import connect
 from contract.keys import Keys
 from contract.settings import Settings
 
-SHARDED_UPLOAD = b"@shard"   # the control plane's stand-in for an upload that lies on the job's shard
+SHARDED_UPLOAD = b"@shard"  # the control plane's stand-in for an upload that lies on the job's shard
 SHARD_ERRORS = (redis.ConnectionError, redis.TimeoutError)
-SHARD_SOCKET_TIMEOUT_S = 2.0   # a shard that does not answer in this is treated as down
+SHARD_SOCKET_TIMEOUT_S = 2.0  # a shard that does not answer in this is treated as down
 
 
 class ShardUnavailable(redis.ConnectionError):
@@ -48,8 +49,13 @@ def shard_of(job_id: str, count: int) -> int:
 class BulkPlane:
     """The bulk plane as one process sees it: its clients, the placement rule, which shards it found down."""
 
-    def __init__(self, control: redis.Redis, shards: Sequence[redis.Redis] = (), retry_s: float = 1.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        control: redis.Redis,
+        shards: Sequence[redis.Redis] = (),
+        retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if retry_s <= 0:
             raise ValueError(f"retry_s must be > 0, got {retry_s}")
         self.sharded = bool(shards)
@@ -108,13 +114,20 @@ class BulkPlane:
         return totals
 
 
-def connect_shards(settings: Settings, socket_timeout: float | None = SHARD_SOCKET_TIMEOUT_S,
-                   max_connections: int | None = None) -> list[redis.Redis]:
+def connect_shards(
+    settings: Settings, socket_timeout: float | None = SHARD_SOCKET_TIMEOUT_S, max_connections: int | None = None
+) -> list[redis.Redis]:
     """A client per bulk shard (none without shards)."""
-    return [connect(settings, socket_timeout=socket_timeout, max_connections=max_connections, url=url)
-            for url in settings.bulk.redis_urls]
+    return [
+        connect(settings, socket_timeout=socket_timeout, max_connections=max_connections, url=url)
+        for url in settings.bulk.redis_urls
+    ]
 
 
-def bulk_plane(settings: Settings, control: redis.Redis, socket_timeout: float | None = SHARD_SOCKET_TIMEOUT_S,
-               max_connections: int | None = None) -> BulkPlane:
+def bulk_plane(
+    settings: Settings,
+    control: redis.Redis,
+    socket_timeout: float | None = SHARD_SOCKET_TIMEOUT_S,
+    max_connections: int | None = None,
+) -> BulkPlane:
     return BulkPlane(control, connect_shards(settings, socket_timeout, max_connections), settings.bulk.retry_s)

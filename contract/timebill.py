@@ -1,11 +1,16 @@
 """The time bill: how long each stage of one request took.
 
 Each process stamps wall-clock times (epoch seconds) or durations as the job
-passes; `compute_time_bill` turns the stamps into milliseconds per stage.
+passes (the stamps' names are here, beside the stages they bound); `compute_time_bill`
+turns the stamps into milliseconds per stage, and
+`summarise_bills` many bills into percentiles per stage (the GPU worker's
+heartbeat and the bench's reports give the same figures).
 """
+
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Final
 
 # Each stage of a request's life, in order, with what its milliseconds cover.
 STAGE_DESCRIPTIONS = {
@@ -23,19 +28,43 @@ STAGE_DESCRIPTIONS = {
 }
 STAGES = tuple(STAGE_DESCRIPTIONS)
 
+# The stamps, by the process that writes each, in the order a job meets them: a moment (epoch seconds, `_at`) or
+# a duration (milliseconds, `_ms`). The job record keeps the API's and the CPU worker's (RECORD_STAMPS); the
+# frame's header carries them on to the GPU worker (FrameHeader.stamps), which adds its own and bills the job.
+RECEIVED_AT: Final = "received_at"  # API: the request began
+SUBMITTED_AT: Final = "submitted_at"  # API: the upload stored, the task queued
+CPU_STARTED_AT: Final = "cpu_started_at"  # CPU worker: the job claimed
+DECODE_MS: Final = "decode_ms"  # CPU worker
+RESIZE_MS: Final = "resize_ms"  # CPU worker
+BACKPRESSURE_MS: Final = "backpressure_ms"  # CPU worker: the frame waiting for room on its list
+PUSHED_AT: Final = "pushed_at"  # CPU worker: the frame pushed
+POPPED_AT: Final = "popped_at"  # GPU worker: the frame taken from the list
+BATCH_CLOSED_AT: Final = "batch_closed_at"  # GPU worker
+DEVICE_STARTED_AT: Final = "device_started_at"  # GPU worker: the batch's turn on the device
+INFER_MS: Final = "infer_ms"  # GPU worker
+POSTPROCESS_MS: Final = "postprocess_ms"  # GPU worker
+FINISHED_AT: Final = "finished_at"  # whoever ends the job
+RECORD_STAMPS = (RECEIVED_AT, SUBMITTED_AT, CPU_STARTED_AT, DECODE_MS, RESIZE_MS, BACKPRESSURE_MS, PUSHED_AT)
+
 _SPANS = {
-    "receive": ("received_at", "submitted_at"),
-    "queue_cpu": ("submitted_at", "cpu_started_at"),
-    "queue_gpu": ("pushed_at", "popped_at"),
-    "batch_wait": ("popped_at", "batch_closed_at"),
-    "device_queue": ("batch_closed_at", "device_started_at"),
-    "total": ("received_at", "finished_at"),
+    "receive": (RECEIVED_AT, SUBMITTED_AT),
+    "queue_cpu": (SUBMITTED_AT, CPU_STARTED_AT),
+    "queue_gpu": (PUSHED_AT, POPPED_AT),
+    "batch_wait": (POPPED_AT, BATCH_CLOSED_AT),
+    "device_queue": (BATCH_CLOSED_AT, DEVICE_STARTED_AT),
+    "total": (RECEIVED_AT, FINISHED_AT),
 }
-_DURATIONS = ("decode", "resize", "backpressure", "infer", "postprocess")
+_DURATIONS = {
+    "decode": DECODE_MS,
+    "resize": RESIZE_MS,
+    "backpressure": BACKPRESSURE_MS,
+    "infer": INFER_MS,
+    "postprocess": POSTPROCESS_MS,
+}
 
 
 # Per stage in order: (stage, the stamp holding its duration) or (stage, start stamp, end stamp).
-_RULES = tuple((stage, f"{stage}_ms") if stage in _DURATIONS else (stage, *_SPANS[stage]) for stage in STAGES)
+_RULES = tuple((stage, _DURATIONS[stage]) if stage in _DURATIONS else (stage, *_SPANS[stage]) for stage in STAGES)
 
 
 def compute_time_bill(stamps: Mapping[str, float]) -> dict[str, float]:
@@ -77,3 +106,32 @@ def host_ms_per_batch(counters: Mapping[str, float]) -> dict[str, dict[str, floa
             cpu = counters.get(f"host_cpu_s:{stage}") or 0.0
             table[stage] = {"wall": round(wall / batches * 1000.0, 3), "cpu": round(cpu / batches * 1000.0, 3)}
     return table
+
+
+def summarise_bills(bills: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
+    """Per stage p50 / p95 / mean in ms, and its share of the mean total."""
+    summary: dict[str, dict[str, float]] = {}
+    totals = [b["total"] for b in bills if "total" in b]
+    mean_total = sum(totals) / len(totals) if totals else 0.0
+    for stage in STAGES:
+        values = sorted(b[stage] for b in bills if stage in b)
+        if not values:
+            continue
+        mean = sum(values) / len(values)
+        summary[stage] = {
+            "p50": round(percentile(values, 50), 3),
+            "p95": round(percentile(values, 95), 3),
+            "mean": round(mean, 3),
+            "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0,
+        }
+    return summary
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Linear-interpolated percentile of an already sorted list."""
+    if not sorted_values:
+        return float("nan")
+    position = (len(sorted_values) - 1) * q / 100.0
+    low = int(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)

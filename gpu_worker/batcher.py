@@ -14,32 +14,28 @@ wakes as soon as the batch ahead is done: polling Redis every millisecond for
 the whole of a long batch cost the worker and Redis more than the rest of a
 batch's host work.
 """
+
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, TypeVar
 
 from contract.documents import ClosedBy
+from contract.frames import FrameSource
 
 Item = TypeVar("Item")
-Popped = TypeVar("Popped", covariant=True)
 
 CLOSED_BY_SIZE = ClosedBy.FULL
 CLOSED_BY_WINDOW = ClosedBy.WINDOW
-CLOSED_LATE = ClosedBy.LATE      # the first frame had already waited a window in the list
-
-
-class FrameSource(Protocol[Popped]):
-    def pop_blocking(self, timeout_s: float) -> Popped | None: ...
-    def pop_available(self, limit: int) -> Sequence[Popped]: ...
+CLOSED_LATE = ClosedBy.LATE  # the first frame had already waited a window in the list
 
 
 @dataclass
 class Batch(Generic[Item]):
     items: list[Item]
-    opened_at: float          # clock time the first frame was popped
+    opened_at: float  # clock time the first frame was popped
     closed_at: float
     closed_by: str
     popped_at: list[float] = field(default_factory=list)  # clock time each item was popped
@@ -49,15 +45,22 @@ class Batch(Generic[Item]):
 
 
 class BatchCollector(Generic[Item]):
-    """Gathers one batch at a time from a FrameSource."""
+    """Gathers one batch at a time from a FrameSource (contract.frames): its two pops."""
 
-    def __init__(self, max_size: int, window_s: float, *, idle_timeout_s: float = 1.0,
-                 poll_s: float = 0.001, age_of: Callable[[Item], float] = lambda _: 0.0,
-                 hold_open: Callable[[], bool] = lambda: False,
-                 clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep,
-                 held_poll_s: float | None = None,
-                 wait_held: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        max_size: int,
+        window_s: float,
+        *,
+        idle_timeout_s: float = 1.0,
+        poll_s: float = 0.001,
+        age_of: Callable[[Item], float] = lambda _: 0.0,
+        hold_open: Callable[[], bool] = lambda: False,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        held_poll_s: float | None = None,
+        wait_held: Callable[[float], None] | None = None,
+    ) -> None:
         if max_size < 1:
             raise ValueError(f"max_size must be >= 1, got {max_size}")
         if window_s < 0:
@@ -109,5 +112,4 @@ class BatchCollector(Generic[Item]):
                 else:
                     self.sleep(min(self.poll_s, deadline - now))
         closed_by = CLOSED_BY_SIZE if len(items) >= self.max_size else (CLOSED_LATE if late else CLOSED_BY_WINDOW)
-        return Batch(items=items, opened_at=opened_at, closed_at=self.clock(),
-                     closed_by=closed_by, popped_at=popped_at)
+        return Batch(items=items, opened_at=opened_at, closed_at=self.clock(), closed_by=closed_by, popped_at=popped_at)

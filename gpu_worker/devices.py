@@ -14,6 +14,7 @@ the device itself is gone (a CUDA error other than running out of memory)
 raises `DeviceLost`: the worker gives its frames back and exits for its
 supervisor to restart it.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from contract.frames import MAPPING_FIELDS, Frame
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.model import BatchAssembler, LoadedModel
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess_rows
 from gpu_worker.simulated import SimulatedDevice
@@ -82,7 +83,7 @@ class TorchDevice:
             return None
         try:
             return torch.cuda.utilization(self.device) / 100.0
-        except Exception:   # no pynvml, no driver support: the figure is optional
+        except Exception:  # no pynvml, no driver support: the figure is optional
             return None
 
     def _bind_thread(self) -> None:
@@ -99,7 +100,7 @@ class TorchDevice:
             slot, total = staged.slot, sum(staged.sizes)
             with torch.cuda.stream(self.copy_stream):
                 slot.device_contents[:total].copy_(slot.host[:total], non_blocking=True)
-                slot.device_params[:len(frames)].copy_(slot.params[:len(frames)], non_blocking=True)
+                slot.device_params[: len(frames)].copy_(slot.params[: len(frames)], non_blocking=True)
                 staged.ready = torch.cuda.Event(blocking=True)
                 staged.ready.record(self.copy_stream)
         return staged
@@ -113,7 +114,7 @@ class TorchDevice:
                     self.compute_stream.wait_event(staged.ready)
                 return self._run_batch(staged)
         finally:
-            self._quiesce()   # nothing queued may still read this slot when the next batch fills it
+            self._quiesce()  # nothing queued may still read this slot when the next batch fills it
             self.host.release(staged)
 
     def discard(self, staged: Staged) -> None:
@@ -134,7 +135,7 @@ class TorchDevice:
             done = torch.cuda.Event(blocking=True)
             done.record(self.compute_stream)
             done.synchronize()
-        except Exception:   # a lost device: the worker is leaving, the slot will not be filled again
+        except Exception:  # a lost device: the worker is leaving, the slot will not be filled again
             pass
 
     def _on_compute_stream(self) -> Any:
@@ -148,9 +149,9 @@ class TorchDevice:
             canvas = self.assemble(staged.slot.device_contents, staged.frames, staged.sizes)
             output = self.model.module(canvas)
             marks.forward_done()
-            rows = self._postprocess(output, staged.slot.device_params[:len(staged)])
+            rows = self._postprocess(output, staged.slot.device_params[: len(staged)])
             marks.postprocess_done()
-            infer_s, postprocess_s = marks.seconds()   # waits for the device: its errors surface here
+            infer_s, postprocess_s = marks.seconds()  # waits for the device: its errors surface here
         except Exception as exc:
             if is_fatal(exc):
                 raise DeviceLost(str(exc)) from exc
@@ -160,8 +161,9 @@ class TorchDevice:
         return DeviceOutput(rows, infer_s + postprocess_s, infer_s * 1000.0, postprocess_s * 1000.0)
 
     def _postprocess(self, output: torch.Tensor, params: torch.Tensor) -> np.ndarray:
-        return postprocess_rows(output, self.spec.layout, thresholds_of(params), geometry_of(params),
-                                self.max_candidates)
+        return postprocess_rows(
+            output, self.spec.layout, thresholds_of(params), geometry_of(params), self.max_candidates
+        )
 
     def _frame_by_frame(self, staged: Staged, canvas: torch.Tensor | None, started: float) -> DeviceOutput:
         """After a failed batch: each frame alone, from the canvas already on the device when there is one."""
@@ -170,11 +172,11 @@ class TorchDevice:
         for i, frame in enumerate(staged.frames):
             try:
                 if canvas is not None:
-                    one = canvas[i:i + 1]
+                    one = canvas[i : i + 1]
                 else:
-                    contents = staged.slot.device_contents[int(offsets[i]):int(offsets[i + 1])]
+                    contents = staged.slot.device_contents[int(offsets[i]) : int(offsets[i + 1])]
                     one = self.assemble(contents, [frame], [staged.sizes[i]])
-                found = self._postprocess(self.model.module(one), staged.slot.device_params[i:i + 1])
+                found = self._postprocess(self.model.module(one), staged.slot.device_params[i : i + 1])
                 found[:, 0] = i
                 rows.append(found)
             except Exception as exc:
@@ -187,8 +189,10 @@ class TorchDevice:
 
     def _failed_alone(self, staged: Staged, exc: Exception, started: float) -> DeviceOutput:
         elapsed = time.perf_counter() - started
-        return DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), elapsed, elapsed * 1000.0, 0.0,
-                            {0: inference_error(exc)})
+        return DeviceOutput(
+            np.empty((0, len(DETECTION_COLUMNS))), elapsed, elapsed * 1000.0, 0.0, {0: inference_error(exc)}
+        )
+
 
 class _Marks:
     """Where a batch's device time went: CUDA events on the compute stream (device time, not the
@@ -233,16 +237,20 @@ def inference_error(exc: BaseException) -> dict[str, str]:
 
 def thresholds_of(params: torch.Tensor) -> Thresholds:
     columns = PARAM_COLUMNS.index
-    return Thresholds(conf=params[:, columns("conf")].float(), iou=params[:, columns("iou")].float(),
-                      max_det=params[:, columns("max_det")].long())
+    return Thresholds(
+        conf=params[:, columns("conf")].float(),
+        iou=params[:, columns("iou")].float(),
+        max_det=params[:, columns("max_det")].long(),
+    )
 
 
 def geometry_of(params: torch.Tensor) -> Geometry:
     return Geometry(**{name: params[:, PARAM_COLUMNS.index(name)] for name in MAPPING_FIELDS})
 
 
-def open_device(spec: ModelSpec, requested: str, max_batch: int, max_candidates: int,
-                sim_profile_ms: Mapping[int, float]) -> Device:
+def open_device(
+    spec: ModelSpec, requested: str, max_batch: int, max_candidates: int, sim_profile_ms: Mapping[int, float]
+) -> Device:
     """`sim` gives the simulated accelerator (the model's own profile when its spec has one: models differ in
     cost); anything else loads the model on a real device (raising ModelLoadError when it cannot be served)."""
     if requested == "sim":

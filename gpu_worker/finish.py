@@ -6,6 +6,7 @@ its frame failed with alone), its time bill and its batch, and one Lua script
 ends every job, acknowledges every frame the batch took and updates the
 worker's counters, atomically. Results wait in memory until Redis takes them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -15,25 +16,36 @@ from typing import Any
 
 import numpy as np
 
-from contract import jobs
-from contract.frames import Frame
-from contract.settings import ModelSpec
-from contract.timebill import compute_time_bill
+from contract.frames import Frame, FrameSource
+from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
+from contract.jobs.record import FAILED, SUCCEEDED
+from contract.models import ModelSpec
+from contract.timebill import (
+    BATCH_CLOSED_AT,
+    DEVICE_STARTED_AT,
+    FINISHED_AT,
+    INFER_MS,
+    POPPED_AT,
+    POSTPROCESS_MS,
+    compute_time_bill,
+)
 from gpu_worker import metrics
 from gpu_worker.intake import InHand, Outcome
 from gpu_worker.link import LaneMeters, WorkerLink
-from gpu_worker.source import FrameSource
 from gpu_worker.staging import DeviceOutput
 
 log = logging.getLogger("gpu_worker")
 
 # KEYS[1] callback outbox, KEYS[2] processing list ('' with bulk shards: the source acks there after this),
 # KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5] the frames-waiting hash (bulk shards), KEYS[6..]
-# job hashes; ARGV[1..N] JobStore.finish_names() (N = jobs.FINISH_NAMES), then: frames to acknowledge (the
+# job hashes; ARGV[1..N] JobEnding.finish_names() (N = FINISH_NAMES), then: frames to acknowledge (the
 # oldest in hand), their bytes, their model, the count of counter field and value arguments, the epoch the batch
 # was taken in ('' : unfenced), the counters, and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1
 # (nothing written) when the epoch is no longer the worker's.
-_WRITE_BATCH = jobs.FINISH_JOBS_LUA + f"local N = {jobs.FINISH_NAMES}\n" + """
+_WRITE_BATCH = (
+    FINISH_JOBS_LUA
+    + f"local N = {FINISH_NAMES}\n"
+    + """
 if ARGV[N + 5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[N + 5] then
   return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.liveness)
 end
@@ -52,6 +64,7 @@ if counters > 0 then
 end
 return finish_jobs(names, 6, N + 6 + counters)
 """
+)
 
 
 def detections_per_image(detections: np.ndarray, count: int) -> list[list[list[float]]]:
@@ -64,7 +77,7 @@ def detections_per_image(detections: np.ndarray, count: int) -> list[list[list[f
     rounded[:, 5] = np.round(detections[:, 5], 4)
     bounds = np.searchsorted(detections[:, 0], np.arange(count + 1), side="left").tolist()
     rows = rounded.tolist()
-    return [rows[bounds[i]:bounds[i + 1]] for i in range(count)]
+    return [rows[bounds[i] : bounds[i + 1]] for i in range(count)]
 
 
 def result_documents(detections: np.ndarray, frames: Sequence[Frame], spec: ModelSpec) -> list[dict[str, Any]]:
@@ -72,22 +85,34 @@ def result_documents(detections: np.ndarray, frames: Sequence[Frame], spec: Mode
     return documents_from_rows(detections_per_image(detections, len(frames)), frames, spec)
 
 
-def documents_from_rows(per_image: list[list[list[float]]], frames: Sequence[Frame],
-                        spec: ModelSpec) -> list[dict[str, Any]]:
+def documents_from_rows(
+    per_image: list[list[list[float]]], frames: Sequence[Frame], spec: ModelSpec
+) -> list[dict[str, Any]]:
     labels = spec.labels
     model = {"name": spec.name, "version": spec.version}
     documents = []
     for frame, rows in zip(frames, per_image):
-        found = [{"box": row[1:5], "score": row[5], "class_id": int(row[6]),
-                  "label": labels[int(row[6])] if int(row[6]) < len(labels) else str(int(row[6]))}
-                 for row in rows]
-        documents.append({"detections": found, "image": {"width": frame.header.orig_width,
-                                                          "height": frame.header.orig_height}, "model": model})
+        found = [
+            {
+                "box": row[1:5],
+                "score": row[5],
+                "class_id": int(row[6]),
+                "label": labels[int(row[6])] if int(row[6]) < len(labels) else str(int(row[6])),
+            }
+            for row in rows
+        ]
+        documents.append(
+            {
+                "detections": found,
+                "image": {"width": frame.header.orig_width, "height": frame.header.orig_height},
+                "model": model,
+            }
+        )
     return documents
 
 
 class Finisher:
-    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters, source: FrameSource) -> None:
+    def __init__(self, link: WorkerLink, spec: ModelSpec, meters: LaneMeters, source: FrameSource[memoryview]) -> None:
         self.source = source
         self.redis = link.redis
         self.store = link.store
@@ -99,7 +124,7 @@ class Finisher:
         self.recent = meters.worker_recent
         self.retry = link.retry
         self.model_recent = meters.recent
-        self.host_counters = link.host_counters    # written with each batch: the worker's, over all its lanes
+        self.host_counters = link.host_counters  # written with each batch: the worker's, over all its lanes
         self.model_labels = (spec.name, spec.version)
         # Trimmed by the batch write itself, or (bulk shards) by the source once the write is done.
         self.acked_key = link.keys.processing(link.worker_id, spec.key) if source.acked_by_batch_write else ""
@@ -128,40 +153,61 @@ class Finisher:
         if self.model_recent is not None:
             self.model_recent.record_batch(batch.taken)
         metrics.observe_batch(self.model_labels, batch.taken, len(batch.running), batch.closed_at - batch.opened_at)
-        if outcomes and written:   # a fenced write answered nothing: its jobs are another worker's now
-            log.info("batch answered", extra={"batch": f"{self.worker_id}:{batch.seq}", "size": len(batch.running),
-                                              "job_ids": [job_id for job_id, _, _ in outcomes]})
+        if outcomes and written:  # a fenced write answered nothing: its jobs are another worker's now
+            log.info(
+                "batch answered",
+                extra={
+                    "batch": f"{self.worker_id}:{batch.seq}",
+                    "size": len(batch.running),
+                    "job_ids": [job_id for job_id, _, _ in outcomes],
+                },
+            )
 
     def fail_all(self, batch: InHand, code: str, message: str) -> None:
         """End every running job of the batch as failed and acknowledge its frames."""
-        outcomes = [(frame.header.job_id, jobs.FAILED, {"error": {"code": code, "message": message}})
-                    for frame in batch.running]
+        outcomes = [
+            (frame.header.job_id, FAILED, {"error": {"code": code, "message": message}}) for frame in batch.running
+        ]
         self.retry(lambda: self._write(batch, outcomes))
 
-    def _outcomes(self, batch: InHand, output: DeviceOutput, documents: list[dict[str, Any]],
-                  readback_ms: float) -> list[Outcome]:
+    def _outcomes(
+        self, batch: InHand, output: DeviceOutput, documents: list[dict[str, Any]], readback_ms: float
+    ) -> list[Outcome]:
         finished_at = time.time()
         size, batch_id = len(batch.running), f"{self.worker_id}:{batch.seq}"
-        durations = {"infer_ms": output.infer_ms, "postprocess_ms": output.postprocess_ms + readback_ms}
+        durations = {INFER_MS: output.infer_ms, POSTPROCESS_MS: output.postprocess_ms + readback_ms}
         outcomes: list[Outcome] = []
         for index, (frame, popped_at, document) in enumerate(zip(batch.running, batch.popped_at, documents)):
-            bill = compute_time_bill({**frame.header.stamps, "popped_at": popped_at,
-                                      "batch_closed_at": max(popped_at, batch.closed_at),
-                                      "device_started_at": batch.started_at, "finished_at": finished_at,
-                                      **durations})
+            bill = compute_time_bill(
+                {
+                    **frame.header.stamps,
+                    POPPED_AT: popped_at,
+                    BATCH_CLOSED_AT: max(popped_at, batch.closed_at),
+                    DEVICE_STARTED_AT: batch.started_at,
+                    FINISHED_AT: finished_at,
+                    **durations,
+                }
+            )
             self.recent.record_bill(bill)
             if self.model_recent is not None:
                 self.model_recent.record_bill(bill)
             metrics.observe_bill(self.model_labels, bill)
             fields: dict[str, Any] = {
                 "timings": bill,
-                "batch": {"id": batch_id, "seq": batch.seq, "size": size, "index": index,
-                          "closed_by": batch.closed_by, "worker": self.worker_id}}
+                "batch": {
+                    "id": batch_id,
+                    "seq": batch.seq,
+                    "size": size,
+                    "index": index,
+                    "closed_by": batch.closed_by,
+                    "worker": self.worker_id,
+                },
+            }
             error = output.errors.get(index)
             if error is not None:
-                outcomes.append((frame.header.job_id, jobs.FAILED, {**fields, "error": error}))
+                outcomes.append((frame.header.job_id, FAILED, {**fields, "error": error}))
             else:
-                outcomes.append((frame.header.job_id, jobs.SUCCEEDED, {**fields, "result": document}))
+                outcomes.append((frame.header.job_id, SUCCEEDED, {**fields, "result": document}))
         return outcomes
 
     def _write(self, batch: InHand, outcomes: list[Outcome]) -> bool:
@@ -169,13 +215,31 @@ class Finisher:
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         job_keys, job_args = self.store.finish_arguments(outcomes)
         written = self._write_batch(
-            keys=[self.keys.callback_outbox, self.acked_key, self.keys.gpu_counters(self.worker_id),
-                  self.keys.gpu_epoch(self.worker_id), self.keys.frames_waiting, *job_keys],
-            args=[*self.store.finish_names(), batch.taken, batch.taken_bytes, self.spec.key, len(counters),
-                  batch.epoch, *counters, *job_args])
+            keys=[
+                self.keys.callback_outbox,
+                self.acked_key,
+                self.keys.gpu_counters(self.worker_id),
+                self.keys.gpu_epoch(self.worker_id),
+                self.keys.frames_waiting,
+                *job_keys,
+            ],
+            args=[
+                *self.store.finish_names(),
+                batch.taken,
+                batch.taken_bytes,
+                self.spec.key,
+                len(counters),
+                batch.epoch,
+                *counters,
+                *job_args,
+            ],
+        )
         if written == -1:
-            log.warning("batch %d not written: this worker was presumed dead and its frames given to others",
-                        batch.seq, extra={"batch": f"{self.worker_id}:{batch.seq}"})
+            log.warning(
+                "batch %d not written: this worker was presumed dead and its frames given to others",
+                batch.seq,
+                extra={"batch": f"{self.worker_id}:{batch.seq}"},
+            )
             return False
         if not self.source.acked_by_batch_write:
             self.source.ack(batch.taken)
@@ -183,7 +247,10 @@ class Finisher:
 
     def _counters(self, taken: int) -> dict[str, float]:
         """Running totals including the batch being written, and the host time by stage."""
-        return {"device_seconds_total": round(self.busy.total_s, 6),
-                "batches_total": self.recent.batches_total + 1,
-                "frames_total": self.recent.frames_total + taken, "updated_at": time.time(),
-                **self.host_counters()}
+        return {
+            "device_seconds_total": round(self.busy.total_s, 6),
+            "batches_total": self.recent.batches_total + 1,
+            "frames_total": self.recent.frames_total + taken,
+            "updated_at": time.time(),
+            **self.host_counters(),
+        }

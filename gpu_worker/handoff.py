@@ -6,6 +6,7 @@ is room. `close()` ends it: the consumer's iteration takes what is still
 waiting, then stops. That is how a shutdown runs the pipeline dry, stage by
 stage, without dropping a batch that was already taken.
 """
+
 from __future__ import annotations
 
 import queue

@@ -7,6 +7,7 @@ the frames, triages them in one Redis round trip (unreadable frames fail,
 late ones expire, the rest move to `running` unless they have killed workers
 too often), then copies the running frames into a staging slot for the device.
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,18 +18,18 @@ from typing import Any
 
 import redis
 
-from contract import jobs
-from contract.frames import Frame, FrameError, read_job_id, unpack_frame
+from contract.frames import Frame, FrameError, FrameSource, read_job_id, unpack_frame
+from contract.jobs.ending import expired_fields
+from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
 from gpu_worker.link import WorkerLink
 from gpu_worker.model import fits_input
-from gpu_worker.source import FrameSource
 from gpu_worker.stages import StageClock
 from gpu_worker.staging import Device, DeviceOutput, Staged
 
 log = logging.getLogger("gpu_worker")
-Outcome = tuple[str, jobs.JobStatus, dict[str, Any]]     # job id, terminal status, fields
+Outcome = tuple[str, JobStatus, dict[str, Any]]  # job id, terminal status, fields
 
 
 @dataclass
@@ -38,25 +39,33 @@ class InHand:
     `taken` counts every frame popped for it (answered, failed, expired or
     skipped alike): they are acknowledged together once the batch is written,
     and their `taken_bytes` leave the waiting budget then (contract.budget)."""
+
     seq: int
     taken: int
     closed_by: str
-    opened_at: float                  # wall clock: its first frame was popped
-    closed_at: float                  # wall clock: the window closed
-    running: list[Frame]              # the frames of jobs still wanted, in batch order
-    popped_at: list[float]            # wall clock, per running frame
+    opened_at: float  # wall clock: its first frame was popped
+    closed_at: float  # wall clock: the window closed
+    running: list[Frame]  # the frames of jobs still wanted, in batch order
+    popped_at: list[float]  # wall clock, per running frame
     staged: Staged | None = None
     output: DeviceOutput | None = None
-    started_at: float = 0.0           # wall clock: its turn on the device began
-    give_back: Sequence[memoryview] = ()   # triage could not reach Redis: these frames return to the list
-    failed: list[Outcome] = field(default_factory=list)   # triage failed otherwise: these jobs fail
+    started_at: float = 0.0  # wall clock: its turn on the device began
+    give_back: Sequence[memoryview] = ()  # triage could not reach Redis: these frames return to the list
+    failed: list[Outcome] = field(default_factory=list)  # triage failed otherwise: these jobs fail
     taken_bytes: int = 0
-    epoch: str = ""                   # the worker's life it was taken in: written only while that lasts
+    epoch: str = ""  # the worker's life it was taken in: written only while that lasts
 
 
 class Intake:
-    def __init__(self, link: WorkerLink, source: FrameSource, device: Device, clock: StageClock,
-                 hold_open: Callable[[], bool], wait_held: Callable[[float], None] | None = None) -> None:
+    def __init__(
+        self,
+        link: WorkerLink,
+        source: FrameSource[memoryview],
+        device: Device,
+        clock: StageClock,
+        hold_open: Callable[[], bool],
+        wait_held: Callable[[float], None] | None = None,
+    ) -> None:
         """`hold_open`: whether this model has batches ahead (the gathering batch may keep gathering);
         `wait_held`: wait until they are gone, or the timeout."""
         batching = link.settings.batching
@@ -69,12 +78,17 @@ class Intake:
         self.max_attempts = link.settings.gpu_worker.max_attempts
         self.input_size = device.spec.input_size
         self.collector: BatchCollector[memoryview] = BatchCollector(
-            batching.max_batch_size, batching.window_ms / 1000.0,
-            idle_timeout_s=batching.idle_poll_s, poll_s=batching.gather_poll_ms / 1000.0,
-            age_of=_frame_age, hold_open=hold_open, held_poll_s=batching.held_poll_ms / 1000.0,
-            wait_held=wait_held)
-        self.epoch = link.epoch   # the worker's life now (gpu_worker.liveness): a batch is written only in its own
-        self.next_seq = link.next_seq   # a batch id is worker:seq
+            batching.max_batch_size,
+            batching.window_ms / 1000.0,
+            idle_timeout_s=batching.idle_poll_s,
+            poll_s=batching.gather_poll_ms / 1000.0,
+            age_of=_frame_age,
+            hold_open=hold_open,
+            held_poll_s=batching.held_poll_ms / 1000.0,
+            wait_held=wait_held,
+        )
+        self.epoch = link.epoch  # the worker's life now (gpu_worker.liveness): a batch is written only in its own
+        self.next_seq = link.next_seq  # a batch id is worker:seq
 
     def collect(self) -> tuple[Batch[memoryview], str] | None:
         """The next batch of frames as popped, and the worker's epoch when it began to pop them; None when the
@@ -92,11 +106,17 @@ class Intake:
             frames, refused = self._unpack(batch)
         with self.clock("triage"):
             running = self._triage(frames, refused)
-        in_hand = InHand(seq=seq, taken=len(batch), closed_by=batch.closed_by,
-                         opened_at=batch.opened_at + offset, closed_at=batch.closed_at + offset,
-                         running=[frame for frame, _ in running],
-                         popped_at=[popped + offset for _, popped in running],
-                         taken_bytes=sum(len(item) for item in batch.items), epoch=epoch)
+        in_hand = InHand(
+            seq=seq,
+            taken=len(batch),
+            closed_by=batch.closed_by,
+            opened_at=batch.opened_at + offset,
+            closed_at=batch.closed_at + offset,
+            running=[frame for frame, _ in running],
+            popped_at=[popped + offset for _, popped in running],
+            taken_bytes=sum(len(item) for item in batch.items),
+            epoch=epoch,
+        )
         if in_hand.running:
             with self.clock("stage"):
                 in_hand.staged = self.device.stage(in_hand.running)
@@ -104,15 +124,26 @@ class Intake:
 
     def unprepared(self, batch: Batch[memoryview], exc: Exception, epoch: str = "") -> InHand:
         """A batch whose triage failed, to be written in its turn all the same."""
-        in_hand = InHand(seq=self.next_seq(), taken=len(batch), closed_by=batch.closed_by, opened_at=time.time(),
-                         closed_at=time.time(), running=[], popped_at=[],
-                         taken_bytes=sum(len(item) for item in batch.items), epoch=epoch)
+        in_hand = InHand(
+            seq=self.next_seq(),
+            taken=len(batch),
+            closed_by=batch.closed_by,
+            opened_at=time.time(),
+            closed_at=time.time(),
+            running=[],
+            popped_at=[],
+            taken_bytes=sum(len(item) for item in batch.items),
+            epoch=epoch,
+        )
         if isinstance(exc, redis.RedisError):
             in_hand.give_back = batch.items
         else:
             message = f"the GPU worker could not triage this frame: {type(exc).__name__}"
-            in_hand.failed = [(job_id, jobs.FAILED, {"error": {"code": "internal_error", "message": message}})
-                              for job_id in map(read_job_id, batch.items) if job_id]
+            in_hand.failed = [
+                (job_id, FAILED, {"error": {"code": "internal_error", "message": message}})
+                for job_id in map(read_job_id, batch.items)
+                if job_id
+            ]
         return in_hand
 
     def _unpack(self, batch: Batch[memoryview]) -> tuple[list[tuple[Frame, float]], list[Outcome]]:
@@ -122,20 +153,21 @@ class Intake:
             try:
                 frame = unpack_frame(raw)
                 if not fits_input(frame, self.input_size):
-                    raise FrameError(f"content {frame.header.width}x{frame.header.height} at "
-                                     f"({frame.header.pad_left}, {frame.header.pad_top}) does not fit the "
-                                     f"model's {self.input_size}x{self.input_size} input")
+                    raise FrameError(
+                        f"content {frame.header.width}x{frame.header.height} at "
+                        f"({frame.header.pad_left}, {frame.header.pad_top}) does not fit the "
+                        f"model's {self.input_size}x{self.input_size} input"
+                    )
             except FrameError as exc:
                 job_id = read_job_id(raw)
                 log.error("bad frame: %s", exc, extra={"job_id": job_id})
                 if job_id:
-                    refused.append((job_id, jobs.FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
+                    refused.append((job_id, FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
                 continue
             frames.append((frame, popped))
         return frames, refused
 
-    def _triage(self, frames: list[tuple[Frame, float]],
-                refused: list[Outcome]) -> list[tuple[Frame, float]]:
+    def _triage(self, frames: list[tuple[Frame, float]], refused: list[Outcome]) -> list[tuple[Frame, float]]:
         """One round trip moves the frames' jobs to running (unless poisoned); the unreadable, the
         late and the poisoned cost one more each, only when there are any. (Not one pipeline: redis-py
         checks a pipeline's scripts with an extra round trip of its own.)"""
@@ -143,27 +175,35 @@ class Intake:
         candidates = []
         for frame, popped in frames:
             if now > frame.header.deadline_at:
-                refused.append((frame.header.job_id, jobs.EXPIRED, jobs.expired_fields("before inference")))
+                refused.append((frame.header.job_id, EXPIRED, expired_fields("before inference")))
                 metrics.FRAMES_EXPIRED.labels(*self.model_labels).inc()
             else:
                 candidates.append((frame, popped))
         if refused:
             self.store.finish_many(refused)
-        verdicts = self.store.advance_many([frame.header.job_id for frame, _ in candidates], jobs.RUNNING,
-                                           self.max_attempts) if candidates else []
-        self._fail_poisoned([frame for (frame, _), verdict in zip(candidates, verdicts) if verdict == jobs.POISON])
-        return [item for item, verdict in zip(candidates, verdicts) if verdict == jobs.MOVED]
+        verdicts = (
+            self.store.advance_many([frame.header.job_id for frame, _ in candidates], RUNNING, self.max_attempts)
+            if candidates
+            else []
+        )
+        self._fail_poisoned([frame for (frame, _), verdict in zip(candidates, verdicts) if verdict == POISON])
+        return [item for item, verdict in zip(candidates, verdicts) if verdict == MOVED]
 
     def _fail_poisoned(self, frames: list[Frame]) -> None:
         if not frames:
             return
-        message = (f"the job's frame was in hand each time a GPU worker died ({self.max_attempts} times); "
-                   "not trying again")
+        message = (
+            f"the job's frame was in hand each time a GPU worker died ({self.max_attempts} times); not trying again"
+        )
         for frame in frames:
-            log.error("poison frame: GPU workers died holding it %d times", self.max_attempts,
-                      extra={"job_id": frame.header.job_id})
-        self.store.finish_many([(frame.header.job_id, jobs.FAILED, {"error": {"code": "poison", "message": message}})
-                                for frame in frames])
+            log.error(
+                "poison frame: GPU workers died holding it %d times",
+                self.max_attempts,
+                extra={"job_id": frame.header.job_id},
+            )
+        self.store.finish_many(
+            [(frame.header.job_id, FAILED, {"error": {"code": "poison", "message": message}}) for frame in frames]
+        )
 
 
 def _frame_age(raw: memoryview) -> float:

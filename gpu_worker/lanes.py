@@ -5,6 +5,7 @@ meet at the device, where `DeviceQueue` holds at most one staged batch per lane 
 has waited longest: round robin between busy models. Why this order and not the frames' age:
 docs/architecture.md ("Lanes").
 """
+
 from __future__ import annotations
 
 import threading
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.batcher import Batch
 from gpu_worker.finish import Finisher
 from gpu_worker.handoff import Handoff
@@ -34,7 +35,7 @@ class DeviceQueue(Generic[Item]):
         self.clock = clock
         self._slots: list[Item | None] = [None] * lanes
         self._put_at = [0.0] * lanes
-        self._last: int | None = None   # the lane whose item the device took last
+        self._last: int | None = None  # the lane whose item the device took last
         # The lane whose item the device holds, from `take` (under the lock: no moment when it is neither
         # waiting nor running) to `done`.
         self.running: int | None = None
@@ -67,7 +68,7 @@ class DeviceQueue(Generic[Item]):
         with self._changed:
             self._changed.wait_for(lambda: any(slot is not None for slot in self._slots) or all(self._closed))
             last = self._last
-            if last is not None and self._slots[last] is not None:   # put while its predecessor ran
+            if last is not None and self._slots[last] is not None:  # put while its predecessor ran
                 self._put_at[last] = max(self._put_at[last], self.clock())
             ready = [(self._put_at[lane], lane) for lane, slot in enumerate(self._slots) if slot is not None]
             if not ready:
@@ -89,13 +90,14 @@ class DeviceQueue(Generic[Item]):
 @dataclass
 class Lane:
     """One model on this worker: its stages' state, and the count of its batches taken, not yet written."""
+
     index: int
     device: Device
     intake: Intake
     finisher: Finisher
     clock: StageClock
     recent: RecentStats
-    to_stage: Handoff[tuple[Batch[memoryview], str]] = field(default_factory=lambda: Handoff(1))   # and its epoch
+    to_stage: Handoff[tuple[Batch[memoryview], str]] = field(default_factory=lambda: Handoff(1))  # and its epoch
     staging: bool = False
     unanswered: int = 0
     answered: threading.Condition = field(default_factory=threading.Condition)

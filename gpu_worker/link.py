@@ -1,5 +1,6 @@
 """What travels together to a lane's intake and finisher: the worker they belong to, and the meters a
 lane keeps. The worker (gpu_worker.worker) builds one WorkerLink and one LaneMeters per lane."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -8,7 +9,7 @@ from typing import Any
 
 import redis
 
-from contract import jobs
+from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from gpu_worker.stages import StageClock
@@ -18,21 +19,23 @@ from gpu_worker.stats import BusyMeter, RecentStats
 @dataclass(frozen=True)
 class WorkerLink:
     """The worker as its lanes' parts see it: who it is, where it writes, and what only it can answer."""
+
     settings: Settings
     redis: redis.Redis
-    store: jobs.JobStore
+    store: JobEnding
     keys: Keys
     worker_id: str
-    retry: Callable[[Callable[[], Any]], Any]        # run an action until Redis answers (or the worker stops)
-    epoch: Callable[[], str]                          # the worker's life now: a batch is written only in its own
-    next_seq: Callable[[], int]                       # batch numbers, shared by every model it serves
-    host_counters: Callable[[], dict[str, float]]     # host time by stage over all its lanes
+    retry: Callable[[Callable[[], Any]], Any]  # run an action until Redis answers (or the worker stops)
+    epoch: Callable[[], str]  # the worker's life now: a batch is written only in its own
+    next_seq: Callable[[], int]  # batch numbers, shared by every model it serves
+    host_counters: Callable[[], dict[str, float]]  # host time by stage over all its lanes
 
 
 @dataclass(frozen=True)
 class LaneMeters:
     """One lane's clocks and windows, beside the worker's that every lane feeds."""
-    clock: StageClock          # this lane's host time by stage
-    recent: RecentStats        # this model's recent jobs on this worker
+
+    clock: StageClock  # this lane's host time by stage
+    recent: RecentStats  # this model's recent jobs on this worker
     worker_recent: RecentStats
-    busy: BusyMeter            # the device's busy time, the worker's
+    busy: BusyMeter  # the device's busy time, the worker's

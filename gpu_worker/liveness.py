@@ -15,6 +15,7 @@ supervisor to start it again. Until a beat confirms its epoch after a silence
 longer than the TTL, it computes nothing (`current`): the frames may be
 another worker's by now.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,13 +29,14 @@ from typing import Any
 
 import redis
 
-from contract import jobs
+from contract.frame_shards import requeue_sharded_frames_of
+from contract.frames import requeue_frames_of
 from contract.heartbeat import Heartbeat
+from contract.jobs.backlog import queue_depths
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import BulkPlane
 from gpu_worker import metrics
-from gpu_worker.source import requeue_frames_of, requeue_sharded_frames_of
 
 log = logging.getLogger("gpu_worker")
 
@@ -57,10 +59,18 @@ class WorkerIdInUse(RuntimeError):
 
 
 class Liveness:
-    def __init__(self, settings: Settings, client: redis.Redis, keys: Keys, worker_id: str,
-                 describe: Callable[[], Heartbeat], last_progress: Callable[[], float],
-                 busy_fraction: Callable[[], float], on_presumed_dead: Callable[[], None] = lambda: None,
-                 bulk: BulkPlane | None = None) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        client: redis.Redis,
+        keys: Keys,
+        worker_id: str,
+        describe: Callable[[], Heartbeat],
+        last_progress: Callable[[], float],
+        busy_fraction: Callable[[], float],
+        on_presumed_dead: Callable[[], None] = lambda: None,
+        bulk: BulkPlane | None = None,
+    ) -> None:
         self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
         # Every model configured, not only those this worker serves: a dead worker (or this one's previous
         # life) may have served others.
@@ -73,11 +83,11 @@ class Liveness:
         self.worker_id = worker_id
         self.describe = describe
         self.last_progress = last_progress
-        self.busy_fraction = busy_fraction   # the GPU busy gauge is set here, off the batches' path
+        self.busy_fraction = busy_fraction  # the GPU busy gauge is set here, off the batches' path
         self.on_presumed_dead = on_presumed_dead
         self.epoch = ""
         self.presumed_dead = False
-        self.confirmed_at = time.monotonic()   # the last time a beat found this life's epoch in Redis
+        self.confirmed_at = time.monotonic()  # the last time a beat found this life's epoch in Redis
         self._beat = client.register_script(_BEAT)
 
     def begin_epoch(self) -> None:
@@ -108,10 +118,12 @@ class Liveness:
             time.sleep(min(0.25, self.ttl_s / 12))
             remaining = self.redis.pttl(key)
             if remaining < 0:
-                return                                   # it expired unrefreshed: that worker is gone
+                return  # it expired unrefreshed: that worker is gone
             if remaining > last:
-                raise WorkerIdInUse(f"worker id {self.worker_id!r} is in use by pid {info.pid} on "
-                                    f"{info.host}; give this worker its own --worker-id")
+                raise WorkerIdInUse(
+                    f"worker id {self.worker_id!r} is in use by pid {info.pid} on "
+                    f"{info.host}; give this worker its own --worker-id"
+                )
             last = remaining
 
     def start(self, stopping: threading.Event) -> threading.Thread:
@@ -125,8 +137,7 @@ class Liveness:
                 self.beat()
                 self.reap_dead_workers()
                 self.count_frames_on_shards()
-                for model_key, depths in jobs.queue_depths(self.redis, self.keys, self.model_keys,
-                                                           self.tenants).items():
+                for model_key, depths in queue_depths(self.redis, self.keys, self.model_keys, self.tenants).items():
                     name, _, version = model_key.partition(":")
                     for queue_name, depth in depths.items():
                         metrics.QUEUE_DEPTH.labels(queue_name, name, version).set(depth)
@@ -162,16 +173,25 @@ class Liveness:
         if stalled:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
         asked_at = time.monotonic()
-        alive = self._beat(keys=[self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id),
-                                 self.keys.gpu_workers],
-                           args=[self.epoch, "" if stalled else self.describe().to_redis(), int(self.ttl_s * 1000),
-                                 self.worker_id, time.time()])
+        alive = self._beat(
+            keys=[self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id), self.keys.gpu_workers],
+            args=[
+                self.epoch,
+                "" if stalled else self.describe().to_redis(),
+                int(self.ttl_s * 1000),
+                self.worker_id,
+                time.time(),
+            ],
+        )
         if alive:
             self.confirmed_at = asked_at
         elif not self.presumed_dead:
             self.presumed_dead = True
-            log.error("this worker was presumed dead (silent past its heartbeat's %g s) and its frames were given "
-                      "to others: it computes and writes nothing more, and stops", self.ttl_s)
+            log.error(
+                "this worker was presumed dead (silent past its heartbeat's %g s) and its frames were given "
+                "to others: it computes and writes nothing more, and stops",
+                self.ttl_s,
+            )
             self.on_presumed_dead()
 
     def requeue_own_frames(self, died: bool = True, model_keys: list[str] | None = None) -> int:
@@ -180,8 +200,11 @@ class Liveness:
         back what it is unsure of."""
         moved = self._requeue(self.worker_id, model_keys or self.model_keys, only_if_dead=False, count_attempt=died)
         if moved:
-            log.warning("requeued %d frames %s", moved,
-                        f"left by a previous run of {self.worker_id}" if died else "this worker gave back")
+            log.warning(
+                "requeued %d frames %s",
+                moved,
+                f"left by a previous run of {self.worker_id}" if died else "this worker gave back",
+            )
         return moved
 
     def adopt_frames_from_before_models(self, default_model_key: str) -> int:
@@ -206,8 +229,12 @@ class Liveness:
             waiting = 0 if key in served else self.redis.llen(key)
             if waiting:
                 orphans.append(key)
-                log.warning("%d frames wait on %s, a list no configured model reads (a version removed before "
-                            "its list drained?); their jobs will expire", waiting, key)
+                log.warning(
+                    "%d frames wait on %s, a list no configured model reads (a version removed before "
+                    "its list drained?); their jobs will expire",
+                    waiting,
+                    key,
+                )
         return orphans
 
     def reap_dead_workers(self) -> int:
@@ -226,8 +253,9 @@ class Liveness:
 
     def _requeue(self, worker_id: str, model_keys: list[str], only_if_dead: bool, count_attempt: bool = True) -> int:
         if self.bulk.sharded:
-            return requeue_sharded_frames_of(self.redis, self.bulk, self.keys, worker_id, model_keys, only_if_dead,
-                                             count_attempt)
+            return requeue_sharded_frames_of(
+                self.redis, self.bulk, self.keys, worker_id, model_keys, only_if_dead, count_attempt
+            )
         return requeue_frames_of(self.redis, self.keys, worker_id, model_keys, only_if_dead, count_attempt)
 
     def leave(self) -> None:
@@ -245,6 +273,6 @@ def _alive(pid: Any) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:   # someone else's process: alive
+    except PermissionError:  # someone else's process: alive
         return True
     return True

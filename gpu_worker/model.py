@@ -1,4 +1,5 @@
 """Loading the detector a spec names, and feeding it a batch of frames."""
+
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -10,7 +11,7 @@ import torch
 
 from contract.frames import Frame
 from contract.model_files import describe_kind, identify
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker import tiny_yolo
 
 
@@ -26,13 +27,19 @@ class LoadedModel:
     spec: ModelSpec
     module: torch.nn.Module
     device: torch.device
-    dtype: torch.dtype = torch.float32   # what the model computes in: its input canvas is built in it
-    output: str = "tensor"               # or "element 0 of a tuple" (YOLOv5's own export)
+    dtype: torch.dtype = torch.float32  # what the model computes in: its input canvas is built in it
+    output: str = "tensor"  # or "element 0 of a tuple" (YOLOv5's own export)
 
     def describe(self) -> dict[str, Any]:
-        return {**self.spec.describe(), "device": str(self.device), "simulated": False, "format": self.spec.format,
-                "precision": next(name for name, dtype in PRECISIONS.items() if dtype == self.dtype),
-                "accelerate": self.spec.accelerate, "output": self.output}
+        return {
+            **self.spec.describe(),
+            "device": str(self.device),
+            "simulated": False,
+            "format": self.spec.format,
+            "precision": next(name for name, dtype in PRECISIONS.items() if dtype == self.dtype),
+            "accelerate": self.spec.accelerate,
+            "output": self.output,
+        }
 
 
 class FirstOutput(torch.nn.Module):
@@ -79,7 +86,7 @@ def load_model(spec: ModelSpec, device: torch.device, max_batch: int = 8) -> Loa
         module = module.to(memory_format=torch.channels_last)  # type: ignore[call-overload]  # not in the stubs
     if spec.freeze:
         module = _frozen(module)
-    if device.type == "cuda":   # cuDNN autotunes each shape on its first run: the load checks, warm-up, captures
+    if device.type == "cuda":  # cuDNN autotunes each shape on its first run: the load checks, warm-up, captures
         torch.backends.cudnn.benchmark = True
     loaded = LoadedModel(spec=spec, module=module, device=device, dtype=dtype)
     if _prediction_first_in_tuple(_probe(loaded, 1)):
@@ -94,7 +101,7 @@ def _accelerated(loaded: LoadedModel, max_batch: int) -> torch.nn.Module:
     """The spec's `accelerate`, applied once the module is final (precision, layout, freezing, output)."""
     spec, module = loaded.spec, loaded.module
     if spec.accelerate == "compile":
-        try:   # compiled by the load checks that follow: batch 1 (specialised) and the largest (dynamic)
+        try:  # compiled by the load checks that follow: batch 1 (specialised) and the largest (dynamic)
             return torch.compile(module, dynamic=True)  # type: ignore[return-value]  # a callable wrapper
         except Exception as exc:
             raise ModelLoadError(f"accelerate: compile failed: {last_line(exc)}") from exc
@@ -129,7 +136,7 @@ class CudaGraphs(torch.nn.Module):
             for batch in range(max_batch, 0, -1):
                 static_input = blank(batch)
                 side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):   # eager runs first: autotuning, lazy loading, TorchScript profiling
+                with torch.cuda.stream(side):  # eager runs first: autotuning, lazy loading, TorchScript profiling
                     for _ in range(3):
                         inner(static_input)
                 torch.cuda.current_stream(device).wait_stream(side)
@@ -231,8 +238,12 @@ def _probe(loaded: LoadedModel, batch: int) -> Any:
 
 
 def _prediction_first_in_tuple(output: Any) -> bool:
-    return (isinstance(output, (tuple, list)) and len(output) > 0 and isinstance(output[0], torch.Tensor)
-            and output[0].dim() == 3)
+    return (
+        isinstance(output, (tuple, list))
+        and len(output) > 0
+        and isinstance(output[0], torch.Tensor)
+        and output[0].dim() == 3
+    )
 
 
 def _check_output(loaded: LoadedModel, batch: int) -> None:
@@ -246,7 +257,8 @@ def _check_output(loaded: LoadedModel, batch: int) -> None:
     if actual != expected:
         raise ModelLoadError(
             f"layout {loaded.spec.layout} with {classes} labels expects {expected} values per box, "
-            f"the model gives {actual} (output shape {tuple(output.shape)})")
+            f"the model gives {actual} (output shape {tuple(output.shape)})"
+        )
 
 
 def last_line(exc: BaseException) -> str:
@@ -290,9 +302,10 @@ class BatchAssembler:
         offset = 0
         for i, (frame, length) in enumerate(zip(frames, sizes)):
             h = frame.header
-            content = contents[offset:offset + length].view(h.height, h.width, 3).permute(2, 0, 1)
-            batch[i, :, h.pad_top:h.pad_top + h.height, h.pad_left:h.pad_left + h.width] = \
+            content = contents[offset : offset + length].view(h.height, h.width, 3).permute(2, 0, 1)
+            batch[i, :, h.pad_top : h.pad_top + h.height, h.pad_left : h.pad_left + h.width] = (
                 content.flip(0) if self.bgr else content
+            )
             offset += length
         # Normalised in float32, then handed to the model in its own precision.
         return batch.mul_(self.gain).add_(self.bias).to(self.dtype, memory_format=self.memory_format)

@@ -12,6 +12,7 @@ the scan stop), and its answer, once (`postprocess_rows`). A typical batch - its
 candidates in one chunk - costs three. `tests.support.HostReads` counts them on
 any machine.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ ROUNDS_PER_LOOK = 4
 class Geometry:
     """Per image, how the letterbox placed the original: [B] tensors of contract.frames.MAPPING_FIELDS
     (a test keeps the two in step)."""
+
     pad_left: torch.Tensor
     pad_top: torch.Tensor
     scale_x: torch.Tensor
@@ -41,28 +43,29 @@ class Geometry:
 
 @dataclass(frozen=True)
 class Thresholds:
-    conf: torch.Tensor      # [B] float
-    iou: torch.Tensor       # [B] float
-    max_det: torch.Tensor   # [B] int
+    conf: torch.Tensor  # [B] float
+    iou: torch.Tensor  # [B] float
+    max_det: torch.Tensor  # [B] int
 
 
 @dataclass(frozen=True)
 class Detections:
     """Flat over the batch: row i belongs to image `image_index[i]`."""
-    image_index: torch.Tensor   # [K] long
-    boxes: torch.Tensor         # [K, 4] x1, y1, x2, y2 in original pixels
-    scores: torch.Tensor        # [K]
-    class_ids: torch.Tensor     # [K] long
+
+    image_index: torch.Tensor  # [K] long
+    boxes: torch.Tensor  # [K, 4] x1, y1, x2, y2 in original pixels
+    scores: torch.Tensor  # [K]
+    class_ids: torch.Tensor  # [K] long
 
 
 def split_layout(output: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Model output -> (cxcywh [B, N, 4], class scores [B, N, C])."""
     if output.dim() != 3:
         raise ValueError(f"detector output must be 3-D, got shape {tuple(output.shape)}")
-    if layout == "yolov8":                       # [B, 4 + C, N]
+    if layout == "yolov8":  # [B, 4 + C, N]
         rows = output.transpose(1, 2)
         return rows[..., :4], rows[..., 4:]
-    if layout == "yolov5":                       # [B, N, 5 + C], objectness at 4
+    if layout == "yolov5":  # [B, N, 5 + C], objectness at 4
         return output[..., :4], output[..., 5:] * output[..., 4:5]
     raise ValueError(f"unknown layout {layout!r}")
 
@@ -75,21 +78,22 @@ def cxcywh_to_xyxy(boxes: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Candidates:
     """Each image's best candidates, [B, k, ...] in score order, and which of them NMS keeps."""
-    boxes: torch.Tensor         # [B, k, 4] x1, y1, x2, y2 in input pixels
-    scores: torch.Tensor        # [B, k]
-    class_ids: torch.Tensor     # [B, k] long
-    keep: torch.Tensor          # [B, k] bool
+
+    boxes: torch.Tensor  # [B, k, 4] x1, y1, x2, y2 in input pixels
+    scores: torch.Tensor  # [B, k]
+    class_ids: torch.Tensor  # [B, k] long
+    keep: torch.Tensor  # [B, k] bool
 
 
 def select(output: torch.Tensor, layout: str, thresholds: Thresholds, max_candidates: int = 1000) -> Candidates:
     """Confidence filter, top candidates per image, class-aware NMS, max_det: all on the output's device."""
     cxcywh, class_scores = split_layout(output.float(), layout)
-    scores, class_ids = class_scores.max(dim=-1)                       # [B, N]
+    scores, class_ids = class_scores.max(dim=-1)  # [B, N]
     below = scores < thresholds.conf[:, None]
     scores = scores.masked_fill(below, -1.0)
     # NMS costs k^2: take no more candidates than the fullest image has above its threshold (a host read).
     k = min(max_candidates, int((~below).sum(dim=1).max()) if len(scores) else 0)
-    top_scores, top_index = scores.topk(k, dim=1)                      # sorted, best first
+    top_scores, top_index = scores.topk(k, dim=1)  # sorted, best first
     valid = top_scores >= 0
     boxes = cxcywh_to_xyxy(torch.gather(cxcywh, 1, top_index[..., None].expand(-1, -1, 4)))
     classes = torch.gather(class_ids, 1, top_index)
@@ -98,8 +102,9 @@ def select(output: torch.Tensor, layout: str, thresholds: Thresholds, max_candid
     return Candidates(boxes, top_scores, classes, keep)
 
 
-def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry,
-                max_candidates: int = 1000) -> Detections:
+def postprocess(
+    output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry, max_candidates: int = 1000
+) -> Detections:
     """The kept detections as tensors on the output's device."""
     found = select(output, layout, thresholds, max_candidates)
     image_index, slot = found.keep.nonzero(as_tuple=True)
@@ -115,8 +120,9 @@ def postprocess(output: torch.Tensor, layout: str, thresholds: Thresholds, geome
 ROW_COLUMNS = ("image", "x1", "y1", "x2", "y2", "score", "class_id")
 
 
-def postprocess_rows(output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry,
-                     max_candidates: int = 1000) -> np.ndarray:
+def postprocess_rows(
+    output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry, max_candidates: int = 1000
+) -> np.ndarray:
     """The kept detections on the host, as rows of ROW_COLUMNS (float64) grouped by image in batch order.
 
     Every candidate slot is mapped back to original pixels on the device and the whole [B, k] block comes
@@ -126,25 +132,41 @@ def postprocess_rows(output: torch.Tensor, layout: str, thresholds: Thresholds, 
     batch, k = found.keep.shape
     image_index = torch.arange(batch, device=output.device)[:, None].expand(batch, k).reshape(-1)
     boxes = unletterbox(found.boxes.reshape(-1, 4), geometry, image_index)
-    block = torch.cat([image_index[:, None].double(), boxes.double(), found.scores.reshape(-1, 1).double(),
-                       found.class_ids.reshape(-1, 1).double(), found.keep.reshape(-1, 1).double()], dim=1)
+    block = torch.cat(
+        [
+            image_index[:, None].double(),
+            boxes.double(),
+            found.scores.reshape(-1, 1).double(),
+            found.class_ids.reshape(-1, 1).double(),
+            found.keep.reshape(-1, 1).double(),
+        ],
+        dim=1,
+    )
     on_host = block.cpu().numpy()
     return on_host[on_host[:, -1] > 0, :-1]
 
 
 def unletterbox(boxes: torch.Tensor, geometry: Geometry, image_index: torch.Tensor) -> torch.Tensor:
     """Input-pixel boxes [K, 4] -> original-image pixels, clipped to the image."""
-    g = {name: getattr(geometry, name).to(boxes.device, torch.float32)[image_index]
-         for name in ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")}
-    x = (boxes[:, 0::2] - g["pad_left"][:, None]) / g["scale_x"][:, None]      # slices: a list index would be
-    y = (boxes[:, 1::2] - g["pad_top"][:, None]) / g["scale_y"][:, None]       # copied to the device each time
+    g = {
+        name: getattr(geometry, name).to(boxes.device, torch.float32)[image_index]
+        for name in ("pad_left", "pad_top", "scale_x", "scale_y", "orig_width", "orig_height")
+    }
+    x = (boxes[:, 0::2] - g["pad_left"][:, None]) / g["scale_x"][:, None]  # slices: a list index would be
+    y = (boxes[:, 1::2] - g["pad_top"][:, None]) / g["scale_y"][:, None]  # copied to the device each time
     x = torch.minimum(x.clamp(min=0), g["orig_width"][:, None])
     y = torch.minimum(y.clamp(min=0), g["orig_height"][:, None])
     return torch.stack([x[:, 0], y[:, 0], x[:, 1], y[:, 1]], dim=1)
 
 
-def nms_keep(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, iou: torch.Tensor,
-             max_det: torch.Tensor | None = None, chunk: int = NMS_CHUNK) -> torch.Tensor:
+def nms_keep(
+    boxes: torch.Tensor,
+    classes: torch.Tensor,
+    valid: torch.Tensor,
+    iou: torch.Tensor,
+    max_det: torch.Tensor | None = None,
+    chunk: int = NMS_CHUNK,
+) -> torch.Tensor:
     """Class-aware greedy NMS per image: a [B, K] keep mask. Inputs [B, K, ...] sorted by score, best first.
 
     One NMS for the whole batch, keyed by (image, class): boxes of different images or classes never
@@ -167,9 +189,10 @@ def nms_keep(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, io
         end = min(start + chunk, k)
         inter, union = _overlap(boxes[:, start:end], boxes[:, start:])
         # IoU > t  <=>  inter > t * union: no division over the [B, chunk, K] block
-        overlaps = (inter > union.mul_(iou[:, None, None])) \
-            & (classes[:, start:end, None] == classes[:, None, start:])              # [B, chunk, K - start]
-        own, later = overlaps[:, :, :end - start], overlaps[:, :, end - start:]
+        overlaps = (inter > union.mul_(iou[:, None, None])) & (
+            classes[:, start:end, None] == classes[:, None, start:]
+        )  # [B, chunk, K - start]
+        own, later = overlaps[:, :, : end - start], overlaps[:, :, end - start :]
         settling = _ChunkSettling(own, ~removed[:, start:end])
         while True:
             kept, settled = settling.advance()
@@ -180,7 +203,7 @@ def nms_keep(boxes: torch.Tensor, classes: torch.Tensor, valid: torch.Tensor, io
             if max_det is not None:
                 full = (keep[:, :start].sum(dim=1) + kept.sum(dim=1) >= max_det).all()
                 next_start = torch.where(full, k, next_start)
-            read = int(next_start * 2 + settled.int())                     # the chunk's one host read
+            read = int(next_start * 2 + settled.int())  # the chunk's one host read
             if read & 1:
                 break
         keep[:, start:end] = kept
@@ -193,7 +216,7 @@ def _first_alive(removed: torch.Tensor, offset: int) -> torch.Tensor:
     """Where, counting from `offset`, the first candidate still alive in some image is; offset +
     removed.shape[1] when there is none. A tensor: nothing is read here."""
     alive = (~removed).any(dim=0)
-    if alive.numel() == 0:   # a fill on the device: torch.tensor(offset, device=...) would be a synchronous copy
+    if alive.numel() == 0:  # a fill on the device: torch.tensor(offset, device=...) would be a synchronous copy
         return torch.full((), offset, dtype=torch.long, device=removed.device)
     return torch.where(alive.any(), offset + alive.int().argmax(), offset + alive.numel())
 
@@ -208,19 +231,22 @@ class _ChunkSettling:
     def __init__(self, overlaps: torch.Tensor, alive: torch.Tensor, rounds_per_look: int = ROUNDS_PER_LOOK) -> None:
         n = alive.shape[1]
         earlier = torch.ones(n, n, dtype=torch.bool, device=alive.device).triu(diagonal=1)
-        self.suppresses = overlaps & earlier & alive[:, :, None]                   # [B, j, i]
+        self.suppresses = overlaps & earlier & alive[:, :, None]  # [B, j, i]
         self.alive, self.kept = alive, alive
         self.rounds_left, self.rounds_per_look = n, rounds_per_look
 
     def advance(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rounds_left <= 0:   # n rounds always settle n candidates
+        if self.rounds_left <= 0:  # n rounds always settle n candidates
             return self.kept, torch.ones((), dtype=torch.bool, device=self.alive.device)
         for _ in range(min(self.rounds_per_look, self.rounds_left)):
             previous = self.kept
             self.kept = self.alive & ~(self.suppresses & previous[:, :, None]).any(dim=1)
             self.rounds_left -= 1
-        settled = (self.kept == previous).all() if self.rounds_left > 0 \
+        settled = (
+            (self.kept == previous).all()
+            if self.rounds_left > 0
             else torch.ones((), dtype=torch.bool, device=self.alive.device)
+        )
         return self.kept, settled
 
 
@@ -232,17 +258,19 @@ def iou_between(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
 
 def _overlap(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Intersection and union areas, [B, M, N] each, with as few [B, M, N] temporaries as it takes."""
+
     def area(boxes: torch.Tensor) -> torch.Tensor:
         return (boxes[..., 2] - boxes[..., 0]).clamp(min=0) * (boxes[..., 3] - boxes[..., 1]).clamp(min=0)
 
     def span(low: int, high: int) -> torch.Tensor:
-        return (torch.minimum(first[:, :, None, high], second[:, None, :, high])
-                - torch.maximum(first[:, :, None, low], second[:, None, :, low])).clamp_(min=0)
+        return (
+            torch.minimum(first[:, :, None, high], second[:, None, :, high])
+            - torch.maximum(first[:, :, None, low], second[:, None, :, low])
+        ).clamp_(min=0)
 
     inter = span(0, 2).mul_(span(1, 3))
     union = (area(first)[:, :, None] + area(second)[:, None, :]).sub_(inter)
     return inter, union
-
 
 
 def pairwise_iou(boxes: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ back as one array (a few synthetic objects per image, inside the original
 image, honouring each job's `conf` and `max_det`), the result documents and
 the writes.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 
 from contract.frames import Frame
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.staging import (
     DETECTION_COLUMNS,
     PARAM_COLUMNS,
@@ -53,9 +54,10 @@ class SimulatedDevice:
     name = "sim"
     identity = "sim"
 
-    def __init__(self, spec: ModelSpec, profile_ms: Mapping[int, float], max_batch: int,
-                 slots: int = SLOTS, seed: int = 0) -> None:
-        profile_latency_s(profile_ms, 1)   # refuse an empty profile now, not at the first batch
+    def __init__(
+        self, spec: ModelSpec, profile_ms: Mapping[int, float], max_batch: int, slots: int = SLOTS, seed: int = 0
+    ) -> None:
+        profile_latency_s(profile_ms, 1)  # refuse an empty profile now, not at the first batch
         self.spec = spec
         self.profile_ms = dict(profile_ms)
         self.host = HostStaging(spec, StagingSlots(slots, max_batch, spec.input_size, torch.device("cpu")))
@@ -63,8 +65,13 @@ class SimulatedDevice:
         self.patterns = detection_patterns(self.rng, len(spec.labels))
 
     def describe(self) -> dict[str, Any]:
-        return {**self.spec.describe(), "device": "sim", "simulated": True, "format": self.spec.format,
-                "sim_latency_ms": {str(size): ms for size, ms in sorted(self.profile_ms.items())}}
+        return {
+            **self.spec.describe(),
+            "device": "sim",
+            "simulated": True,
+            "format": self.spec.format,
+            "sim_latency_ms": {str(size): ms for size, ms in sorted(self.profile_ms.items())},
+        }
 
     def stage(self, frames: Sequence[Frame]) -> Staged:
         return self.host.fill(frames)
@@ -100,8 +107,8 @@ class SimulatedDevice:
     def synthetic_detections(self, params: np.ndarray) -> np.ndarray:
         """OBJECTS_PER_IMAGE boxes inside each original image, best first, cut by conf and max_det."""
         count, n = len(params), OBJECTS_PER_IMAGE
-        chosen = self.patterns[self.rng.integers(0, len(self.patterns), count)]       # [count, n, 6]
-        conf, max_det = params[:, _CONF:_CONF + 1], params[:, _MAX_DET:_MAX_DET + 1]
+        chosen = self.patterns[self.rng.integers(0, len(self.patterns), count)]  # [count, n, 6]
+        conf, max_det = params[:, _CONF : _CONF + 1], params[:, _MAX_DET : _MAX_DET + 1]
         image, slot = np.nonzero((chosen[..., 4] >= conf) & (np.arange(n)[None, :] < max_det))
         rows = np.empty((len(image), len(DETECTION_COLUMNS)))
         rows[:, 0] = image

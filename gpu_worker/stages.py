@@ -5,6 +5,7 @@ wall time it took and the CPU time its thread spent, so wall minus CPU is the
 time it waited (on Redis, on the device, on the GIL). The totals are published
 with the worker's counters; `bench feed` divides them by the batches.
 """
+
 from __future__ import annotations
 
 import time
@@ -46,8 +47,9 @@ class _Timer:
     def __enter__(self) -> None:
         self.wall, self.cpu = time.perf_counter(), time.thread_time()
 
-    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
-                 traceback: TracebackType | None) -> None:
+    def __exit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
         self.clock.add(self.stage, time.perf_counter() - self.wall, time.thread_time() - self.cpu)
 
 

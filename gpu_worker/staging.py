@@ -4,6 +4,7 @@ Every device (gpu_worker.devices' TorchDevice, gpu_worker.simulated's SimulatedD
 way (`HostStaging`) and answers the same `DeviceOutput`; the `Device` protocol is what the worker's
 threads call.
 """
+
 from __future__ import annotations
 
 import queue
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 
 from contract.frames import CHANNELS, MAPPING_FIELDS, Frame, FrameHeader
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.postprocess import ROW_COLUMNS
 
 # Per frame, what post-processing needs: its options, then how the letterbox placed it.
@@ -29,9 +30,10 @@ SLOTS = 3
 @dataclass
 class StagingSlot:
     """Host (and on CUDA, device) buffers for one batch in flight."""
-    host: torch.Tensor              # uint8 contents, pinned on CUDA
-    params: torch.Tensor            # float64 [max batch, len(PARAM_COLUMNS)], pinned on CUDA
-    device_contents: torch.Tensor   # the contents where the model runs (the host buffer itself on CPU)
+
+    host: torch.Tensor  # uint8 contents, pinned on CUDA
+    params: torch.Tensor  # float64 [max batch, len(PARAM_COLUMNS)], pinned on CUDA
+    device_contents: torch.Tensor  # the contents where the model runs (the host buffer itself on CPU)
     device_params: torch.Tensor
 
     @property
@@ -53,8 +55,11 @@ class StagingSlots:
         for _ in range(count):
             host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
             params = torch.empty(max_batch, len(PARAM_COLUMNS), dtype=torch.float64, pin_memory=pinned)
-            on_device = (torch.empty_like(host, device=device), torch.empty_like(params, device=device)) \
-                if pinned else (host, params)
+            on_device = (
+                (torch.empty_like(host, device=device), torch.empty_like(params, device=device))
+                if pinned
+                else (host, params)
+            )
             self._free.put(StagingSlot(host, params, *on_device))
 
     def acquire(self) -> StagingSlot:
@@ -67,33 +72,35 @@ class StagingSlots:
 @dataclass
 class Staged:
     """A batch's frames on the host, in their slot, ready for the device."""
+
     frames: list[Frame]
-    sizes: list[int]                # content bytes per frame
+    sizes: list[int]  # content bytes per frame
     slot: StagingSlot
-    ready: Any = None               # CUDA event: the upload is done
+    ready: Any = None  # CUDA event: the upload is done
 
     def __len__(self) -> int:
         return len(self.frames)
 
     @property
     def params(self) -> np.ndarray:
-        return self.slot.params[:len(self.frames)].numpy()
+        return self.slot.params[: len(self.frames)].numpy()
 
 
 @dataclass
 class DeviceOutput:
     """One batch's answer on the host."""
-    detections: np.ndarray          # [K, len(DETECTION_COLUMNS)] float64, grouped by image in batch order
-    device_s: float                 # the device's busy time for the batch
-    infer_ms: float                 # canvas + forward
-    postprocess_ms: float           # post-processing + the copy back
-    errors: dict[int, dict[str, str]] = field(default_factory=dict)   # frame index -> error, failed alone
+
+    detections: np.ndarray  # [K, len(DETECTION_COLUMNS)] float64, grouped by image in batch order
+    device_s: float  # the device's busy time for the batch
+    infer_ms: float  # canvas + forward
+    postprocess_ms: float  # post-processing + the copy back
+    errors: dict[int, dict[str, str]] = field(default_factory=dict)  # frame index -> error, failed alone
 
 
 class Device(Protocol):
     spec: ModelSpec
-    name: str                       # cpu, cuda:0, sim
-    identity: str                   # what tells this device from others on the host: the GPU's UUID on CUDA
+    name: str  # cpu, cuda:0, sim
+    identity: str  # what tells this device from others on the host: the GPU's UUID on CUDA
     simulated: bool
 
     def stage(self, frames: Sequence[Frame]) -> Staged: ...
@@ -108,11 +115,22 @@ def warm_up_frames(spec: ModelSpec, count: int) -> list[Frame]:
     """Frames of a landscape image filling the input's width, for runs before serving."""
     size = spec.input_size
     height = max(1, size * 3 // 4)
-    header = FrameHeader(job_id="warm-up", width=size, height=height, pad_left=0, pad_top=(size - height) // 2,
-                         scale_x=1.0, scale_y=1.0, orig_width=size, orig_height=height, enqueued_at=0.0,
-                         deadline_at=0.0)
-    pixels = memoryview(bytearray(np.random.default_rng(0).integers(0, 256, size * height * CHANNELS,
-                                                                      dtype=np.uint8).tobytes()))
+    header = FrameHeader(
+        job_id="warm-up",
+        width=size,
+        height=height,
+        pad_left=0,
+        pad_top=(size - height) // 2,
+        scale_x=1.0,
+        scale_y=1.0,
+        orig_width=size,
+        orig_height=height,
+        enqueued_at=0.0,
+        deadline_at=0.0,
+    )
+    pixels = memoryview(
+        bytearray(np.random.default_rng(0).integers(0, 256, size * height * CHANNELS, dtype=np.uint8).tobytes())
+    )
     return [Frame(header=header, pixels=pixels)] * count
 
 
@@ -121,8 +139,14 @@ def frame_params(frames: Sequence[Frame], spec: ModelSpec) -> list[list[float]]:
     rows = []
     for frame in frames:
         h, options = frame.header, frame.header.options
-        rows.append([options.get("conf", spec.conf), options.get("iou", spec.iou), options.get("max_det", spec.max_det),
-                     *(getattr(h, name) for name in MAPPING_FIELDS)])
+        rows.append(
+            [
+                options.get("conf", spec.conf),
+                options.get("iou", spec.iou),
+                options.get("max_det", spec.max_det),
+                *(getattr(h, name) for name in MAPPING_FIELDS),
+            ]
+        )
     return rows
 
 
@@ -140,11 +164,11 @@ class HostStaging:
         host, offset, sizes = slot.host_bytes, 0, []
         for frame in frames:
             size = len(frame.pixels)
-            host[offset:offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
+            host[offset : offset + size] = np.frombuffer(frame.pixels, dtype=np.uint8)
             offset += size
             sizes.append(size)
         if frames:
-            slot.params[:len(frames)] = torch.tensor(frame_params(frames, self.spec), dtype=torch.float64)
+            slot.params[: len(frames)] = torch.tensor(frame_params(frames, self.spec), dtype=torch.float64)
         return Staged(list(frames), sizes, slot)
 
     def release(self, staged: Staged) -> None:

@@ -1,5 +1,6 @@
 """What a GPU worker measures about itself: device busy time over a sliding
 window, batch sizes and recent time bills. Published in its heartbeat."""
+
 from __future__ import annotations
 
 import time
@@ -7,7 +8,7 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from contract.timebill import STAGES
+from contract.timebill import percentile, summarise_bills
 
 
 class BusyMeter:
@@ -40,8 +41,9 @@ class BusyMeter:
 class RecentStats:
     """Batch sizes and time bills of the last minutes, summarised on demand."""
 
-    def __init__(self, window_s: float = 300.0, max_jobs: int = 20_000,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, window_s: float = 300.0, max_jobs: int = 20_000, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.window_s = window_s
         self.clock = clock
         self.batches: deque[tuple[float, int]] = deque(maxlen=max_jobs)
@@ -74,29 +76,3 @@ class RecentStats:
             "batch_size_histogram": dict(sorted(Counter(sizes).items())),
             "time_bill_ms": summarise_bills(bills),
         }
-
-
-def summarise_bills(bills: list[Mapping[str, float]]) -> dict[str, dict[str, float]]:
-    """Per stage p50 / p95 / mean in ms, and its share of the mean total."""
-    summary: dict[str, dict[str, float]] = {}
-    totals = [b["total"] for b in bills if "total" in b]
-    mean_total = sum(totals) / len(totals) if totals else 0.0
-    for stage in STAGES:
-        values = sorted(b[stage] for b in bills if stage in b)
-        if not values:
-            continue
-        mean = sum(values) / len(values)
-        summary[stage] = {"p50": round(percentile(values, 50), 3), "p95": round(percentile(values, 95), 3),
-                          "mean": round(mean, 3),
-                          "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0}
-    return summary
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Linear-interpolated percentile of an already sorted list."""
-    if not sorted_values:
-        return float("nan")
-    position = (len(sorted_values) - 1) * q / 100.0
-    low = int(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)

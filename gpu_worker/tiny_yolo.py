@@ -5,6 +5,7 @@ sigmoid scores, N = cells of the stride-8, 16 and 32 maps. The decode is part
 of forward(), as in exported YOLOv8 models, so a TorchScript export is served
 by the same post-processing as any user's export.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,11 +61,11 @@ class TinyYolo(nn.Module):
         super().__init__()
         self.num_classes = num_classes
         w = width
-        self.stem = ConvBlock(3, w, 2)                     # /2
-        self.stage2 = Stage(w, 2 * w)                      # /4
-        self.stage3 = Stage(2 * w, 4 * w)                  # /8
-        self.stage4 = Stage(4 * w, 8 * w)                  # /16
-        self.stage5 = Stage(8 * w, 8 * w)                  # /32
+        self.stem = ConvBlock(3, w, 2)  # /2
+        self.stage2 = Stage(w, 2 * w)  # /4
+        self.stage3 = Stage(2 * w, 4 * w)  # /8
+        self.stage4 = Stage(4 * w, 8 * w)  # /16
+        self.stage5 = Stage(8 * w, 8 * w)  # /32
         self.context = PooledContext(8 * w)
         self.lateral4 = nn.Conv2d(8 * w, 8 * w, 1)
         self.lateral3 = nn.Conv2d(8 * w, 4 * w, 1)
@@ -109,7 +110,7 @@ def decode_outputs(raw: list[torch.Tensor], strides: list[int]) -> torch.Tensor:
         stride = strides[level]
         flat = out.reshape(batch, channels, height * width)
         centres = cell_centres(height, width, stride, out.device).t().unsqueeze(0)  # [1, 2, HW]
-        dist = F.softplus(flat[:, :4]) * stride                                  # l, t, r, b
+        dist = F.softplus(flat[:, :4]) * stride  # l, t, r, b
         x1y1 = centres - dist[:, :2]
         x2y2 = centres + dist[:, 2:4]
         cxcy = (x1y1 + x2y2) / 2

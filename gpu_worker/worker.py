@@ -25,6 +25,7 @@ still written in its turn: its frames go back to the list when Redis failed
 stops the worker: finished batches are written, the frames in hand go back to
 the list, and the process exits with EXIT_DEVICE_LOST for its supervisor.
 """
+
 from __future__ import annotations
 
 import gc
@@ -42,9 +43,11 @@ from typing import Any
 import numpy as np
 import redis
 
-from contract import jobs
 from contract.cache import CacheLimits
+from contract.frame_shards import ShardedFrameSource
+from contract.frames import FrameSource, RedisFrameSource
 from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
+from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
@@ -56,7 +59,6 @@ from gpu_worker.intake import InHand, Intake
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
-from gpu_worker.source import FrameSource, RedisFrameSource, ShardedFrameSource
 from gpu_worker.stages import StageClock, combined_counters
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
@@ -64,7 +66,7 @@ from gpu_worker.stats import BusyMeter, RecentStats
 log = logging.getLogger("gpu_worker")
 
 EXIT_DEVICE_LOST = 3
-EXIT_PRESUMED_DEAD = 4   # paused past its heartbeat, its frames given to others: its supervisor starts it again
+EXIT_PRESUMED_DEAD = 4  # paused past its heartbeat, its frames given to others: its supervisor starts it again
 # Python hands the GIL over every 5 ms by default; a device thread waking from a 6 ms batch would
 # then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
 # bounds that wait at a small cost in switches.
@@ -85,13 +87,14 @@ class GpuWorker:
             raise ValueError("a GPU worker serves at least one model")
         self.settings = settings
         self.redis = client
-        self.device = devices[0]   # the device they share (its name, utilisation and first model for the heartbeat)
+        self.device = devices[0]  # the device they share (its name, utilisation and first model for the heartbeat)
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
         # The jobs it ends `succeeded` leave their results in the result cache (contract.cache).
-        self.bulk = bulk_plane(settings, client)   # where the frames lie (contract.shards)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, cache=CacheLimits.of(settings, self.keys),
-                                   bulk=self.bulk)
+        self.bulk = bulk_plane(settings, client)  # where the frames lie (contract.shards)
+        self.store = JobEnding(
+            client, self.keys, settings.jobs.ttl_s, bulk=self.bulk, cache=CacheLimits.of(settings, self.keys)
+        )
         self.busy = BusyMeter(settings.gpu_worker.busy_window_s)
         self.recent = RecentStats()
         self.stopping = threading.Event()
@@ -100,24 +103,49 @@ class GpuWorker:
         # worker does not leave the registry, so its frames are reaped once its heartbeat expires.
         self.redis_abandoned = False
         seq = itertools.count(1)
-        self.link = WorkerLink(settings, client, self.store, self.keys, worker_id, self._retry_until_redis_answers,
-                               epoch=lambda: self.liveness.epoch, next_seq=lambda: next(seq),
-                               host_counters=lambda: combined_counters([lane.clock for lane in self.lanes]))
+        self.link = WorkerLink(
+            settings,
+            client,
+            self.store,
+            self.keys,
+            worker_id,
+            self._retry_until_redis_answers,
+            epoch=lambda: self.liveness.epoch,
+            next_seq=lambda: next(seq),
+            host_counters=lambda: combined_counters([lane.clock for lane in self.lanes]),
+        )
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
         self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
-        self.liveness = Liveness(settings, client, self.keys, worker_id, self.describe, lambda: self.last_progress,
-                                 self.busy.fraction, on_presumed_dead=self.stopping.set, bulk=self.bulk)
+        self.liveness = Liveness(
+            settings,
+            client,
+            self.keys,
+            worker_id,
+            self.describe,
+            lambda: self.last_progress,
+            self.busy.fraction,
+            on_presumed_dead=self.stopping.set,
+            bulk=self.bulk,
+        )
         self.started_at = time.time()
         self.last_progress = time.monotonic()
 
     def _lane(self, index: int, device: Device) -> Lane:
         clock, recent = StageClock(), RecentStats()
-        source: FrameSource = (ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
-                               if self.bulk.sharded else
-                               RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key))
-        intake = Intake(self.link, source, device, clock, hold_open=lambda: self._lane_has_work_ahead(index),
-                        wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s))
+        source: FrameSource[memoryview] = (
+            ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
+            if self.bulk.sharded
+            else RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
+        )
+        intake = Intake(
+            self.link,
+            source,
+            device,
+            clock,
+            hold_open=lambda: self._lane_has_work_ahead(index),
+            wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s),
+        )
         finisher = Finisher(self.link, device.spec, LaneMeters(clock, recent, self.recent, self.busy), source)
         return Lane(index=index, device=device, intake=intake, finisher=finisher, clock=clock, recent=recent)
 
@@ -132,18 +160,26 @@ class GpuWorker:
         self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
         self._retry_until_redis_answers(self.liveness.begin_epoch)
-        self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(
-            self.settings.model.key))
+        self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(self.settings.model.key))
         self._retry_until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
         self.liveness.start(self.stopping)
-        threads = [thread for lane in self.lanes for thread in (
-            threading.Thread(target=self._collect_loop, args=(lane,), name=f"collect-{lane.index}", daemon=True),
-            threading.Thread(target=self._stage_loop, args=(lane,), name=f"stage-{lane.index}", daemon=True))]
+        threads = [
+            thread
+            for lane in self.lanes
+            for thread in (
+                threading.Thread(target=self._collect_loop, args=(lane,), name=f"collect-{lane.index}", daemon=True),
+                threading.Thread(target=self._stage_loop, args=(lane,), name=f"stage-{lane.index}", daemon=True),
+            )
+        ]
         threads.append(threading.Thread(target=self._finish_loop, name="finish", daemon=True))
         for thread in threads:
             thread.start()
-        log.info("gpu worker %s serving %s on %s", self.worker_id,
-                 ", ".join(lane.spec.key for lane in self.lanes), self.device.name)
+        log.info(
+            "gpu worker %s serving %s on %s",
+            self.worker_id,
+            ", ".join(lane.spec.key for lane in self.lanes),
+            self.device.name,
+        )
         try:
             self._device_loop()
         finally:
@@ -152,8 +188,11 @@ class GpuWorker:
             if self.device_lost or self.liveness.presumed_dead:
                 # What it did not answer goes back: counted as a death when the device was lost; a paused worker's
                 # frames taken since it woke up were never anyone else's (the reaper's went back already).
-                self._retry_until_redis_answers(lambda: self.liveness.requeue_own_frames(
-                    died=self.device_lost, model_keys=[lane.spec.key for lane in self.lanes]))
+                self._retry_until_redis_answers(
+                    lambda: self.liveness.requeue_own_frames(
+                        died=self.device_lost, model_keys=[lane.spec.key for lane in self.lanes]
+                    )
+                )
             if not self.redis_abandoned:
                 self.liveness.leave()
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
@@ -180,18 +219,22 @@ class GpuWorker:
             while not self.stopping.is_set():
                 try:
                     batch = lane.intake.collect()
-                except Exception as exc:   # Redis, or anything unforeseen: answer what is in hand, then resync
-                    log.warning("collecting a batch of %s failed (%s); resyncing", lane.spec.key, exc,
-                                exc_info=not isinstance(exc, redis.RedisError))
+                except Exception as exc:  # Redis, or anything unforeseen: answer what is in hand, then resync
+                    log.warning(
+                        "collecting a batch of %s failed (%s); resyncing",
+                        lane.spec.key,
+                        exc,
+                        exc_info=not isinstance(exc, redis.RedisError),
+                    )
                     try:
                         self._resync(lane)
-                    except redis.RedisError:   # stopping with Redis away (logged): nothing more to take
+                    except redis.RedisError:  # stopping with Redis away (logged): nothing more to take
                         break
                     continue
                 self.last_progress = time.monotonic()
                 if batch is not None:
                     lane.taken()
-                    lane.to_stage.put(batch)   # (batch, the epoch it was taken in)
+                    lane.to_stage.put(batch)  # (batch, the epoch it was taken in)
         finally:
             lane.to_stage.close()
 
@@ -201,7 +244,7 @@ class GpuWorker:
                 lane.staging = True
                 try:
                     in_hand = lane.intake.prepare(batch, epoch)
-                except Exception as exc:   # still written in its turn, so the order of the acks holds
+                except Exception as exc:  # still written in its turn, so the order of the acks holds
                     log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
                     in_hand = lane.intake.unprepared(batch, exc, epoch)
                 finally:
@@ -228,7 +271,7 @@ class GpuWorker:
                     continue
             finally:
                 self.to_device.done()
-                lane.ahead_changed.set()    # the lane's gathering batch may close now
+                lane.ahead_changed.set()  # the lane's gathering batch may close now
             self.to_finish.put((lane, batch))
         self.to_finish.close()
 
@@ -239,7 +282,7 @@ class GpuWorker:
             self.stopping.wait(0.02)
 
     def _run_on_device(self, lane: Lane, batch: InHand) -> bool:
-        assert batch.staged is not None   # the caller runs only staged batches
+        assert batch.staged is not None  # the caller runs only staged batches
         try:
             with lane.clock("forward"):
                 batch.output = lane.device.run(batch.staged)
@@ -248,10 +291,15 @@ class GpuWorker:
             self.device_lost = True
             self.stopping.set()
             return False
-        except Exception as exc:   # a defect around the model: the batch's jobs fail, the worker serves on
+        except Exception as exc:  # a defect around the model: the batch's jobs fail, the worker serves on
             log.exception("the device stage failed on batch %d", batch.seq)
-            batch.output = DeviceOutput(np.empty((0, len(DETECTION_COLUMNS))), 0.0, 0.0, 0.0,
-                                        {i: inference_error(exc) for i in range(len(batch.running))})
+            batch.output = DeviceOutput(
+                np.empty((0, len(DETECTION_COLUMNS))),
+                0.0,
+                0.0,
+                0.0,
+                {i: inference_error(exc) for i in range(len(batch.running))},
+            )
         ended = time.monotonic()
         self.busy.record(ended - batch.output.device_s, ended)
         metrics.DEVICE_SECONDS.labels(lane.spec.name, lane.spec.version).inc(batch.output.device_s)
@@ -261,9 +309,9 @@ class GpuWorker:
         for lane, batch in self.to_finish:
             try:
                 lane.finisher.finish(batch)
-            except redis.RedisError:   # only once stopping (its retries gave up, logged): the frames stay in hand
+            except redis.RedisError:  # only once stopping (its retries gave up, logged): the frames stay in hand
                 pass
-            except Exception:   # a defect: the batch's jobs fail rather than stay running, and the order holds
+            except Exception:  # a defect: the batch's jobs fail rather than stay running, and the order holds
                 log.exception("finishing batch %d failed", batch.seq)
                 lane.finisher.fail_all(batch, "internal_error", "the GPU worker could not write this result")
             lane.done()
@@ -274,15 +322,17 @@ class GpuWorker:
         open: closed at its window, it takes its place in the device queue (see lanes.py); held open it
         would wait, unseen, while batches of the busy model overtook it."""
         lane = self.lanes[index]
-        return (self.to_device.running == index or lane.staging or lane.to_stage.waiting()
-                or self.to_device.waiting(index))
+        return (
+            self.to_device.running == index or lane.staging or lane.to_stage.waiting() or self.to_device.waiting(index)
+        )
 
     def _resync(self, lane: Lane) -> None:
         """After a failed call the lane's processing list may hold frames this worker does not know it
         took, or no longer means to answer: answer every batch of it in hand, then give back what is left."""
         lane.wait_until_answered()
         self._retry_until_redis_answers(
-            lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key]))
+            lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key])
+        )
         lane.intake.source.forget()
         self.stopping.wait(1.0)
 
@@ -299,11 +349,14 @@ class GpuWorker:
             except redis.RedisError as exc:
                 if self.stopping.is_set():
                     self.redis_abandoned = True
-                    log.error("redis unavailable (%s) while stopping: giving up; the frames in hand stay in "
-                              "this worker's processing list", exc)
+                    log.error(
+                        "redis unavailable (%s) while stopping: giving up; the frames in hand stay in "
+                        "this worker's processing list",
+                        exc,
+                    )
                     raise
                 log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
-                self.stopping.wait(delay)   # SIGTERM cuts the wait short
+                self.stopping.wait(delay)  # SIGTERM cuts the wait short
                 delay = min(delay * 2, 5.0)
 
     # --- what the heartbeat says -----------------------------------------
@@ -311,18 +364,30 @@ class GpuWorker:
     def _model_stats(lane: Lane) -> dict[str, Any]:
         """One model's recent window on this worker: jobs, p95, batch sizes, the time bill."""
         summary = lane.recent.summary()
-        return {**lane.recent.latency(), "batches": summary["batches"], "batch_size_mean": summary["batch_size_mean"],
-                "time_bill_ms": summary["time_bill_ms"]}
+        return {
+            **lane.recent.latency(),
+            "batches": summary["batches"],
+            "batch_size_mean": summary["batch_size_mean"],
+            "time_bill_ms": summary["time_bill_ms"],
+        }
 
     def describe(self) -> Heartbeat:
         collector = self.lanes[0].intake.collector
         return Heartbeat(
-            worker_id=self.worker_id, pid=os.getpid(), host=socket.gethostname(), started_at=self.started_at,
+            worker_id=self.worker_id,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_at=self.started_at,
             model=HeartbeatModel(**self.device.describe()),
             models=[HeartbeatModel(**lane.device.describe(), stats=self._model_stats(lane)) for lane in self.lanes],
             batching=Batching(max_batch_size=collector.max_size, window_ms=collector.window_s * 1000.0),
-            stats={"busy": round(self.busy.fraction(), 4), "busy_window_s": self.busy.window_s,
-                   "nvml_utilisation": self.device.utilisation(),
-                   "device_seconds_total": round(self.busy.total_s, 4),
-                   "batches_total": self.recent.batches_total, "frames_total": self.recent.frames_total,
-                   **self.recent.summary()})
+            stats={
+                "busy": round(self.busy.fraction(), 4),
+                "busy_window_s": self.busy.window_s,
+                "nvml_utilisation": self.device.utilisation(),
+                "device_seconds_total": round(self.busy.total_s, 4),
+                "batches_total": self.recent.batches_total,
+                "frames_total": self.recent.frames_total,
+                **self.recent.summary(),
+            },
+        )

@@ -18,6 +18,7 @@ holding worker's own set (`Keys.celery_held`), and the ack removes it: a
 worker found dead (its heartbeat lapsed, tasks.liveness) has exactly those
 messages given back at once.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,18 +56,20 @@ class HeldQoS(kombu_redis.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         delivery = message.delivery_info
         with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()}) \
-                .hset(self.unacked_key, delivery_tag,
-                      kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]])) \
-                .sadd(CELERY_HELD + holder_id(), delivery_tag) \
-                .execute()
+            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()}).hset(
+                self.unacked_key,
+                delivery_tag,
+                kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]]),
+            ).sadd(CELERY_HELD + holder_id(), delivery_tag).execute()
             virtual.QoS.append(self, message, delivery_tag)
 
     def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
         with self.pipe_or_acquire(pipe) as pipe:
-            return pipe.zrem(self.unacked_index_key, delivery_tag) \
-                       .hdel(self.unacked_key, delivery_tag) \
-                       .srem(CELERY_HELD + holder_id(), delivery_tag)
+            return (
+                pipe.zrem(self.unacked_index_key, delivery_tag)
+                .hdel(self.unacked_key, delivery_tag)
+                .srem(CELERY_HELD + holder_id(), delivery_tag)
+            )
 
 
 class Channel(kombu_redis.Channel):
@@ -84,7 +87,7 @@ class Channel(kombu_redis.Channel):
             # timeout gives them back.
             raise redis.ConnectionError("the broker connection is closing")
         client = self._sync_client
-        if client is None or client.connection_pool is not self.pool:   # a reconnect makes a new pool
+        if client is None or client.connection_pool is not self.pool:  # a reconnect makes a new pool
             client = self._sync_client = super()._create_client(asynchronous=False)
         return client
 

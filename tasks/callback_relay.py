@@ -1,4 +1,5 @@
 """The callback outbox's relay: ended jobs' callbacks, and retries that are due, handed to Celery."""
+
 from __future__ import annotations
 
 import logging
@@ -45,8 +46,10 @@ def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], l
     sent = 0
     while sent < limit:
         now = time.time()
-        job_id = take(keys=[keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
-                      args=[now, now - RELAY_STALE_AFTER_S])
+        job_id = take(
+            keys=[keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
+            args=[now, now - RELAY_STALE_AFTER_S],
+        )
         if job_id is None:
             break
         try:
@@ -67,8 +70,9 @@ class OutboxRelay:
     channel; at least every second) and hands ended jobs' callbacks to Celery. One per callback worker;
     several may run at once."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, send: Callable[[str], None],
-                 slots: TenantSlots | None = None) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, send: Callable[[str], None], slots: TenantSlots | None = None
+    ) -> None:
         """`slots`: the tenants' callback slots, whose held callbacks it moves on once a slot has lapsed."""
         self.client, self.keys, self.send, self.slots = client, keys, send, slots
         self._stopping = threading.Event()
@@ -91,7 +95,7 @@ class OutboxRelay:
                     if self.slots is not None:
                         self.slots.free_lapsed()
                     relay_outbox(self.client, self.keys, self.send)
-            except Exception:   # Redis or the broker away: try again in a second, nothing was lost
+            except Exception:  # Redis or the broker away: try again in a second, nothing was lost
                 log.warning("callback relay interrupted", exc_info=True)
                 self._stopping.wait(1.0)
             finally:

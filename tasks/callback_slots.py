@@ -9,6 +9,7 @@ holding one frees it then, and the relays, looking at the tenants with held call
 on. The tenant is the job's API key; without keys, the callback URL's host (one slow receiver then holds no more
 than its share, whoever sent the jobs).
 """
+
 from __future__ import annotations
 
 import time
@@ -84,18 +85,29 @@ class TenantSlots:
     def take(self, tenant: str, job_id: str) -> str | None:
         """A slot's token, or None: the job id waits in the tenant's held list until a slot is given back."""
         token, now = uuid.uuid4().hex, time.time()
-        taken = self._take(keys=[self.keys.callback_slots(tenant), self.keys.callback_held(tenant),
-                                 self.keys.callback_held_tenants],
-                           args=[now, token, now + self.hold_s + LAPSE_MARGIN_S, self.cap, job_id, tenant])
+        taken = self._take(
+            keys=[self.keys.callback_slots(tenant), self.keys.callback_held(tenant), self.keys.callback_held_tenants],
+            args=[now, token, now + self.hold_s + LAPSE_MARGIN_S, self.cap, job_id, tenant],
+        )
         return token if taken else None
 
     def give_back(self, tenant: str, token: str) -> None:
-        self._give_back(keys=[self.keys.callback_slots(tenant), self.keys.callback_held(tenant),
-                              self.keys.callback_held_tenants, self.keys.callback_outbox], args=[token, tenant])
+        self._give_back(
+            keys=[
+                self.keys.callback_slots(tenant),
+                self.keys.callback_held(tenant),
+                self.keys.callback_held_tenants,
+                self.keys.callback_outbox,
+            ],
+            args=[token, tenant],
+        )
 
     def free_lapsed(self) -> int:
         """The relays' sweep: held callbacks of tenants whose slots lapsed (or were freed with none held then)
         moved to the outbox. How many moved."""
-        return int(self._free_lapsed(keys=[self.keys.callback_held_tenants, self.keys.callback_outbox],
-                                     args=[self.keys.callback_slots(""), self.keys.callback_held(""), time.time(),
-                                           self.cap]))
+        return int(
+            self._free_lapsed(
+                keys=[self.keys.callback_held_tenants, self.keys.callback_outbox],
+                args=[self.keys.callback_slots(""), self.keys.callback_held(""), time.time(), self.cap],
+            )
+        )

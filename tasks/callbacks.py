@@ -8,6 +8,7 @@ Signature: `X-Signature: sha256=<hex HMAC-SHA256(secret, timestamp + "." + job i
 the deployment has no keys. docs/operations.md ("Callbacks") has a receiver that refuses
 stale and replayed deliveries.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -28,7 +29,6 @@ from typing import Any
 import certifi
 import redis
 
-from contract import jobs
 from contract.callbacks import (
     CallbackRefused,
     CallbackTarget,
@@ -37,8 +37,10 @@ from contract.callbacks import (
     resolve_callback_url,
 )
 from contract.documents import job_document
+from contract.jobs.record import JobRecord, JobStore
 from contract.keys import Keys
-from contract.settings import Settings, SettingsError
+from contract.sections import SettingsError
+from contract.settings import Settings
 from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)
@@ -46,7 +48,7 @@ log = logging.getLogger(__name__)
 SIGNATURE_HEADER = "X-Signature"
 TIMESTAMP_HEADER = "X-Imgserve-Timestamp"
 JOB_ID_HEADER = "X-Imgserve-Job-Id"
-DELIVERY_ID_HEADER = "X-Imgserve-Delivery-Id"   # the same on every attempt of one job's callback
+DELIVERY_ID_HEADER = "X-Imgserve-Delivery-Id"  # the same on every attempt of one job's callback
 USER_AGENT = "imgserve-callbacks"
 
 
@@ -111,8 +113,14 @@ def tls_context() -> ssl.SSLContext:
         return _tls_context
 
 
-def post_to(target: CallbackTarget, body: bytes, headers: Mapping[str, str], timeout_s: float,
-            max_response_bytes: int, deadline_s: float | None = None) -> int:
+def post_to(
+    target: CallbackTarget,
+    body: bytes,
+    headers: Mapping[str, str],
+    timeout_s: float,
+    max_response_bytes: int,
+    deadline_s: float | None = None,
+) -> int:
     """POST to the checked address itself; the URL's host goes in Host (and SNI and the certificate
     check for https). Returns the status; reads at most max_response_bytes of the answer.
 
@@ -123,8 +131,9 @@ def post_to(target: CallbackTarget, body: bytes, headers: Mapping[str, str], tim
     return post_within(target, body, headers, deadline, max_response_bytes)
 
 
-def post_within(target: CallbackTarget, body: bytes, headers: Mapping[str, str], deadline: Deadline,
-                max_response_bytes: int) -> int:
+def post_within(
+    target: CallbackTarget, body: bytes, headers: Mapping[str, str], deadline: Deadline, max_response_bytes: int
+) -> int:
     url = target.url
     family = socket.AF_INET6 if ":" in target.address else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -132,11 +141,17 @@ def post_within(target: CallbackTarget, body: bytes, headers: Mapping[str, str],
         sock.settimeout(deadline.left())
         sock.connect((target.address, url.port))
         if url.scheme == "https":
-            sock.settimeout(deadline.left())   # the handshake is one call: bounded by the timeout as it starts
+            sock.settimeout(deadline.left())  # the handshake is one call: bounded by the timeout as it starts
             sock = tls_context().wrap_socket(sock, server_hostname=url.host)
-        lines = [f"POST {url.target} HTTP/1.1", f"Host: {url.host_header}", f"User-Agent: {USER_AGENT}",
-                 "Accept-Encoding: identity", "Connection: close", f"Content-Length: {len(body)}",
-                 *(f"{name}: {value}" for name, value in headers.items())]
+        lines = [
+            f"POST {url.target} HTTP/1.1",
+            f"Host: {url.host_header}",
+            f"User-Agent: {USER_AGENT}",
+            "Accept-Encoding: identity",
+            "Connection: close",
+            f"Content-Length: {len(body)}",
+            *(f"{name}: {value}" for name, value in headers.items()),
+        ]
         _send_all(sock, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body, deadline)
         response = http.client.HTTPResponse(_DeadlineSocket(sock, deadline), method="POST")  # type: ignore[arg-type]
         response.begin()
@@ -158,17 +173,18 @@ def _send_all(sock: socket.socket, data: bytes, deadline: Deadline) -> None:
     view = memoryview(data)
     while view:
         sock.settimeout(deadline.left())
-        view = view[sock.send(view):]
+        view = view[sock.send(view) :]
 
 
 def bounded_resolver(deadline: Deadline) -> Callable[..., list[Any]]:
     """getaddrinfo within the deadline. The lookup cannot be interrupted, so it runs in a helper thread that is
     left to the resolver's own timeout when the deadline passes (an attacker's name server that never answers
     would otherwise hold the callback thread for the resolver's timeouts and retries)."""
+
     def resolve(host: str, port: int, **kwargs: Any) -> list[Any]:
         try:
             ipaddress.ip_address(host)
-            return socket.getaddrinfo(host, port, **kwargs)   # a literal address: no lookup, nothing to wait for
+            return socket.getaddrinfo(host, port, **kwargs)  # a literal address: no lookup, nothing to wait for
         except ValueError:
             pass
         outcome: dict[str, Any] = {}
@@ -178,6 +194,7 @@ def bounded_resolver(deadline: Deadline) -> Callable[..., list[Any]]:
                 outcome["infos"] = socket.getaddrinfo(host, port, **kwargs)
             except Exception as exc:
                 outcome["error"] = exc
+
         helper = threading.Thread(target=lookup, name="callback-lookup", daemon=True)
         helper.start()
         helper.join(max(0.0, deadline.at - time.monotonic()))
@@ -186,6 +203,7 @@ def bounded_resolver(deadline: Deadline) -> Callable[..., list[Any]]:
         if "error" in outcome:
             raise outcome["error"]
         return list(outcome["infos"])
+
     return resolve
 
 
@@ -241,7 +259,7 @@ class CallbackSender:
         self.ttl_s = settings.jobs.ttl_s
         self.redis = client
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s)
+        self.store = JobStore(client, self.keys, settings.jobs.ttl_s)
         self.slots = TenantSlots(client, self.keys, settings.callbacks.max_per_tenant, settings.callbacks.deadline_s)
         self._record_state = client.register_script(_RECORD_STATE)
 
@@ -253,7 +271,7 @@ class CallbackSender:
             return "gone"
         state = dict(record.get("callback") or {})
         if state.get("status") == "delivered":
-            return "delivered before"   # a task given back after the delivery was recorded
+            return "delivered before"  # a task given back after the delivery was recorded
         tenant = tenant_of(record)
         token = self.slots.take(tenant, job_id)
         if token is None:
@@ -263,7 +281,7 @@ class CallbackSender:
         finally:
             self.slots.give_back(tenant, token)
 
-    def _attempt(self, job_id: str, record: jobs.JobRecord, state: dict[str, Any]) -> str:
+    def _attempt(self, job_id: str, record: JobRecord, state: dict[str, Any]) -> str:
         attempts = int(state.get("attempts", 0)) + 1
         first_at = float(state.get("first_at") or time.time())
         delivery_id = state.get("delivery_id") or f"{job_id}.{record.get('status')}"
@@ -276,8 +294,9 @@ class CallbackSender:
             secret = callback_secret(self.service_settings, record.get("owner"))
             if not secret:
                 raise CallbackRefused("no callback secret is configured for this job's API key")
-            target = resolve_callback_url(record["callback_url"], self.settings.allow_hosts,
-                                          resolve=bounded_resolver(deadline))
+            target = resolve_callback_url(
+                record["callback_url"], self.settings.allow_hosts, resolve=bounded_resolver(deadline)
+            )
             self._post(target, job_id, body, timestamp, secret, delivery_id, deadline)
         except CallbackRefused as exc:
             # The job's owner reads last_error: what the lookup found goes to this log only (as at submit).
@@ -293,28 +312,53 @@ class CallbackSender:
         attempts = int(base["attempts"])
         within = now - float(base["first_at"]) < self.settings.retry_for_s
         if retry and attempts < self.settings.max_attempts and within:
-            wait = backoff_s(attempts, self.settings.backoff_base_s, self.settings.backoff_max_s,
-                             self.settings.jitter, random.random())
-            self._record(job_id, {**base, "status": "retrying", "last_error": error, "next_attempt_at": now + wait},
-                         place="scheduled", score=now + wait, keep_s=int(wait) + self.ttl_s)
+            wait = backoff_s(
+                attempts,
+                self.settings.backoff_base_s,
+                self.settings.backoff_max_s,
+                self.settings.jitter,
+                random.random(),
+            )
+            self._record(
+                job_id,
+                {**base, "status": "retrying", "last_error": error, "next_attempt_at": now + wait},
+                place="scheduled",
+                score=now + wait,
+                keep_s=int(wait) + self.ttl_s,
+            )
             return "retrying"
-        self._record(job_id, {**base, "status": "failed", "last_error": error}, place="dead", score=now,
-                     keep_s=self.ttl_s)
+        self._record(
+            job_id, {**base, "status": "failed", "last_error": error}, place="dead", score=now, keep_s=self.ttl_s
+        )
         return "failed"
 
-    def _post(self, target: CallbackTarget, job_id: str, body: bytes, timestamp: str, secret: str,
-              delivery_id: str, deadline: Deadline) -> None:
-        headers = {"Content-Type": "application/json", TIMESTAMP_HEADER: timestamp, JOB_ID_HEADER: job_id,
-                   DELIVERY_ID_HEADER: delivery_id, SIGNATURE_HEADER: sign(secret, timestamp, job_id, body)}
+    def _post(
+        self,
+        target: CallbackTarget,
+        job_id: str,
+        body: bytes,
+        timestamp: str,
+        secret: str,
+        delivery_id: str,
+        deadline: Deadline,
+    ) -> None:
+        headers = {
+            "Content-Type": "application/json",
+            TIMESTAMP_HEADER: timestamp,
+            JOB_ID_HEADER: job_id,
+            DELIVERY_ID_HEADER: delivery_id,
+            SIGNATURE_HEADER: sign(secret, timestamp, job_id, body),
+        }
         status = post_within(target, body, headers, deadline, self.settings.max_response_bytes)
         if not 200 <= status < 300:
             raise DeliveryFailed(f"receiver answered {status}")
 
-    def _record(self, job_id: str, state: dict[str, Any], place: str = "", score: float = 0.0,
-                keep_s: int = 0) -> None:
+    def _record(self, job_id: str, state: dict[str, Any], place: str = "", score: float = 0.0, keep_s: int = 0) -> None:
         """The delivery's state on the job and where the job id waits next, in one step."""
-        self._record_state(keys=[self.keys.job(job_id), self.keys.callback_scheduled, self.keys.callback_dead],
-                           args=[job_id, json.dumps(state), place, score, keep_s])
+        self._record_state(
+            keys=[self.keys.job(job_id), self.keys.callback_scheduled, self.keys.callback_dead],
+            args=[job_id, json.dumps(state), place, score, keep_s],
+        )
 
 
 def tenant_of(record: Mapping[str, Any]) -> str:
@@ -324,4 +368,4 @@ def tenant_of(record: Mapping[str, Any]) -> str:
     try:
         return "host:" + parse_callback_url(record["callback_url"]).host
     except CallbackRefused:
-        return "host:"   # refused at its attempt anyway
+        return "host:"  # refused at its attempt anyway

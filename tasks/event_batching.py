@@ -10,6 +10,7 @@ first event instead, so a message carries every event of that interval
 tasks with the same times (each event is stamped when it happens); it hears of
 them up to that interval later. 0 keeps Celery's own behaviour.
 """
+
 from __future__ import annotations
 
 from typing import Any

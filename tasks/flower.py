@@ -7,13 +7,14 @@ publishes no task and holds no message, which is all tasks.broker changes, so ko
 queues it lists are the same keys (global_keyprefix is read from the same transport options). Flower 1's
 /dashboard, which older links name, goes to the workers page.
 """
+
 from __future__ import annotations
 
 from tornado.web import RedirectHandler
 
 from tasks.worker import app
 
-app.conf.broker_transport = None   # the scheme of broker_url (redis://) picks kombu's own transport
+app.conf.broker_transport = None  # the scheme of broker_url (redis://) picks kombu's own transport
 
 
 def _keep_old_links() -> None:

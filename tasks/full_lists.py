@@ -5,6 +5,7 @@ behind it. The main process checks each model's list on its own event loop, paus
 while the list lacks room for the tasks this worker may hold, and resumes them when it has. Why, and
 what was measured: docs/architecture.md ("A CPU worker stops taking a model whose frame list is full").
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,7 +21,7 @@ from contract.settings import Settings
 
 log = logging.getLogger(__name__)
 
-CLOSE_CHECK_S = 0.01    # 20 ms let the quiet model's queue_cpu p95 reach 133 ms in the flood test; 10 ms: 17-46
+CLOSE_CHECK_S = 0.01  # 20 ms let the quiet model's queue_cpu p95 reach 133 ms in the flood test; 10 ms: 17-46
 IDLE_CHECK_S = 0.1
 # A busy model's list empties by a whole batch at a time and refills within milliseconds: judged by one
 # look, it would seem calm half the time (and slow checks let the children fill it and wait on it again).
@@ -34,7 +35,7 @@ def full_models(depths: list[int], limits: list[int], held: int, paused: set[int
     return full - paused, paused - full
 
 
-def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
+def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C901  # a class's methods, counted as one
     """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of
     ours)."""
 
@@ -56,7 +57,7 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
 
         def start(self, consumer: Any) -> None:
             if PREPROCESS_QUEUE not in consumer.app.amqp.queues.consume_from:
-                return   # the callback worker
+                return  # the callback worker
             self.client = connect(settings, socket_timeout=1.0)
             self.held = max(1, int(getattr(consumer, "initial_prefetch_count", 0) or 1))
             self._schedule(consumer, IDLE_CHECK_S)
@@ -72,7 +73,7 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
         def check(self, consumer: Any) -> None:
             try:
                 depths = self._depths()
-            except redis.RedisError:   # the consumer has its own reconnection; look again later
+            except redis.RedisError:  # the consumer has its own reconnection; look again later
                 self._schedule(consumer, IDLE_CHECK_S)
                 return
             now = time.monotonic()
@@ -83,7 +84,7 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:
 
         def _depths(self) -> list[int]:
             assert self.client is not None
-            if self.sharded:   # the lists lie on the shards: their count, kept on the control plane
+            if self.sharded:  # the lists lie on the shards: their count, kept on the control plane
                 counts = self.client.hmget(self.keys.frames_waiting, [spec.key for spec in settings.models])
                 return [int(count or 0) for count in counts]
             pipe = self.client.pipeline(transaction=False)

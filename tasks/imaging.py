@@ -3,6 +3,7 @@
 No torch here: a CPU worker that imported it would pay seconds and hundreds of
 MB per child for nothing.
 """
+
 from __future__ import annotations
 
 import io
@@ -20,9 +21,15 @@ from tasks.structure import check as check_structure
 
 # EXIF orientations that swap width and height, and what turns each upright (as ImageOps.exif_transpose).
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
-_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
-            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
-            8: Image.Transpose.ROTATE_90}
+_UPRIGHT = {
+    2: Image.Transpose.FLIP_LEFT_RIGHT,
+    3: Image.Transpose.ROTATE_180,
+    4: Image.Transpose.FLIP_TOP_BOTTOM,
+    5: Image.Transpose.TRANSPOSE,
+    6: Image.Transpose.ROTATE_270,
+    7: Image.Transpose.TRANSVERSE,
+    8: Image.Transpose.ROTATE_90,
+}
 # Pillow's getexif() takes the orientation from XMP when the EXIF names none.
 _XMP_ORIENTATION = r'tiff:Orientation(="|>)([0-9])'
 
@@ -37,14 +44,19 @@ class ImageDecodeError(ValueError):
 
 @dataclass(frozen=True)
 class Letterboxed:
-    pixels: bytes       # height * width * 3, RGB, contiguous
+    pixels: bytes  # height * width * 3, RGB, contiguous
     placement: Placement
 
 
-def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
-                 max_decoded_bytes: int = 256 * 1024 * 1024, max_scans: int = 100,
-                 max_pixel_scans: int = 2_000_000_000,
-                 structure: StructureLimits = DEFAULT_LIMITS) -> tuple[Image.Image, tuple[int, int]]:
+def decode_image(
+    data: bytes | memoryview,
+    target_size: int,
+    max_pixels: int,
+    max_decoded_bytes: int = 256 * 1024 * 1024,
+    max_scans: int = 100,
+    max_pixel_scans: int = 2_000_000_000,
+    structure: StructureLimits = DEFAULT_LIMITS,
+) -> tuple[Image.Image, tuple[int, int]]:
     """Decode to an upright RGB image, no larger than needed for `target_size`.
 
     Returns the image and the original upright (width, height): JPEG draft
@@ -58,7 +70,7 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
     factor right after decoding, and conversions (16-bit, palette, alpha) run
     on the reduced image.
     """
-    raw = data if isinstance(data, bytes) else bytes(data)   # the one copy: BytesIO shares a bytes object
+    raw = data if isinstance(data, bytes) else bytes(data)  # the one copy: BytesIO shares a bytes object
     try:
         sniffed = media.sniff(raw)
         if sniffed is None:
@@ -71,13 +83,17 @@ def decode_image(data: bytes | memoryview, target_size: int, max_pixels: int,
             image: Image.Image = Image.open(io.BytesIO(raw), formats=[fmt])
             width, height = image.size
             if width * height > max_pixels:
-                raise ImageDecodeError("image_too_large", f"image of {width}x{height} "
-                                       f"pixels exceeds the limit of {max_pixels}")
+                raise ImageDecodeError(
+                    "image_too_large", f"image of {width}x{height} pixels exceeds the limit of {max_pixels}"
+                )
             decoded_bytes = width * height * _bytes_per_pixel(image.mode)
             if decoded_bytes > max_decoded_bytes:
-                raise ImageDecodeError("image_too_large", f"image of {width}x{height} {image.mode} "
-                                       f"decodes to {decoded_bytes} bytes, over the limit of {max_decoded_bytes}")
-            if image.format in ("JPEG", "MPO"):   # an MPO (a JPEG with an MPF index) is a JPEG to libjpeg
+                raise ImageDecodeError(
+                    "image_too_large",
+                    f"image of {width}x{height} {image.mode} "
+                    f"decodes to {decoded_bytes} bytes, over the limit of {max_decoded_bytes}",
+                )
+            if image.format in ("JPEG", "MPO"):  # an MPO (a JPEG with an MPF index) is a JPEG to libjpeg
                 if image.info.get("progressive"):
                     # Only a progressive JPEG decodes scan after scan: libjpeg refuses a baseline one whose scan
                     # repeats at once ("broken data stream"), so the count (0.7 ms for 0.8 MB) is spared photos.
@@ -107,7 +123,7 @@ def _orientation(found: Structure, info: dict, limits: StructureLimits) -> int |
     directory (tasks.structure bounds that for the EXIF it reads itself, a JPEG's; this reads none)."""
     if found.orientation is not None:
         return found.orientation
-    if not found.has_exif and "Raw profile type exif" in info:   # ImageMagick's PNG text chunk
+    if not found.has_exif and "Raw profile type exif" in info:  # ImageMagick's PNG text chunk
         try:
             exif = bytes.fromhex("".join(info["Raw profile type exif"].split("\n")[3:]))
         except ValueError:
@@ -136,11 +152,16 @@ def _check_scans(data: bytes, width: int, height: int, max_scans: int, max_pixel
         return
     scans = jpeg_scans(data, max_scans)
     if scans > max_scans:
-        raise ImageDecodeError("image_too_complex", f"a JPEG of more than {max_scans} scans (a progressive image "
-                                                    f"has about ten); refused before decoding")
+        raise ImageDecodeError(
+            "image_too_complex",
+            f"a JPEG of more than {max_scans} scans (a progressive image has about ten); refused before decoding",
+        )
     if width * height * scans > max_pixel_scans:
-        raise ImageDecodeError("image_too_complex", f"{scans} scans of {width}x{height} pixels: more decoding work "
-                                                    f"than the limit of {max_pixel_scans} pixel-scans")
+        raise ImageDecodeError(
+            "image_too_complex",
+            f"{scans} scans of {width}x{height} pixels: more decoding work "
+            f"than the limit of {max_pixel_scans} pixel-scans",
+        )
 
 
 def jpeg_scans(data: bytes, stop_after: int) -> int:
@@ -151,19 +172,19 @@ def jpeg_scans(data: bytes, stop_after: int) -> int:
         if data[pos] != 0xFF:
             break
         marker = data[pos + 1]
-        if marker == 0xFF:                                   # fill byte
+        if marker == 0xFF:  # fill byte
             pos += 1
             continue
         if marker in (0x01, 0xD8) or 0xD0 <= marker <= 0xD7:  # markers without a length
             pos += 2
             continue
-        if marker == 0xD9:                                   # end of image
+        if marker == 0xD9:  # end of image
             break
-        pos += 2 + int.from_bytes(data[pos + 2:pos + 4], "big")
+        pos += 2 + int.from_bytes(data[pos + 2 : pos + 4], "big")
         if marker != 0xDA:
             continue
         scans += 1
-        while True:                                          # past the scan's entropy-coded data
+        while True:  # past the scan's entropy-coded data
             pos = data.find(b"\xff", pos)
             if pos < 0 or pos + 1 >= size:
                 return scans
@@ -208,9 +229,19 @@ def letterbox(image: Image.Image, orig_size: tuple[int, int], size: int) -> Lett
     new_h = max(1, min(size, round(orig_h * ratio)))
     if image.size != (new_w, new_h):
         image = image.resize((new_w, new_h), Image.Resampling.BILINEAR)
-    return Letterboxed(image.tobytes(), Placement(
-        width=new_w, height=new_h, pad_left=(size - new_w) // 2, pad_top=(size - new_h) // 2,
-        scale_x=new_w / orig_w, scale_y=new_h / orig_h, orig_width=orig_w, orig_height=orig_h))
+    return Letterboxed(
+        image.tobytes(),
+        Placement(
+            width=new_w,
+            height=new_h,
+            pad_left=(size - new_w) // 2,
+            pad_top=(size - new_h) // 2,
+            scale_x=new_w / orig_w,
+            scale_y=new_h / orig_h,
+            orig_width=orig_w,
+            orig_height=orig_h,
+        ),
+    )
 
 
 # Bytes per pixel as Pillow holds an image in memory (3-channel images take 4).
@@ -231,7 +262,7 @@ def _reduced(image: Image.Image, target_size: int) -> Image.Image:
         image = image.convert("RGBA" if "transparency" in image.info else "RGB")
     try:
         return image.reduce(factor)
-    except (ValueError, NotImplementedError):   # a mode reduce() does not handle (16-bit): a box resize does
+    except (ValueError, NotImplementedError):  # a mode reduce() does not handle (16-bit): a box resize does
         return image.resize((max(1, image.width // factor), max(1, image.height // factor)), Image.Resampling.BOX)
 
 

@@ -11,13 +11,14 @@ Every CPU and callback worker's main process, on its own event loop:
   in its own set) goes back to the front of its queue at once, through kombu's own restore; one worker at
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
-- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobStore.expire_overdue);
+- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobEnding.expire_overdue);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
   the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
 A worker that was only paused past its heartbeat (SIGSTOP, a stalled host) finds its tasks taken over: a
-child still running one cannot push its frame (the claim it holds was replaced: JobStore.enqueue_frame).
+child still running one cannot push its frame (the claim it holds was replaced: contract.frames' FramePusher.push).
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,8 +29,8 @@ from typing import Any, cast
 import redis
 from celery import bootsteps
 
-from contract import jobs
 from contract.connection import connect
+from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
@@ -55,8 +56,9 @@ def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) ->
     reaped: dict[str, int] = {}
     for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
         holder = raw.decode()
-        if holder == me or not may_reap(keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)],
-                                        args=[me, REAP_LOCK_S]):
+        if holder == me or not may_reap(
+            keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], args=[me, REAP_LOCK_S]
+        ):
             continue
         tags = [tag.decode() for tag in cast(set[bytes], client.smembers(keys.celery_held(holder)))]
         for tag in tags:
@@ -89,12 +91,12 @@ def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_ha
     restored = 0
     for tag, delivered_at in zip(candidates, scores):
         if delivered_at is not None and delivered_at > now - UNHELD_GRACE_S:
-            continue   # delivered a moment ago: its task may not be in hand yet
+            continue  # delivered a moment ago: its task may not be in hand yet
         if delivered_at is not None:
-            channel.qos.restore_by_tag(tag)   # back on its queue; its held entry goes with it
+            channel.qos.restore_by_tag(tag)  # back on its queue; its held entry goes with it
             restored += 1
         else:
-            client.srem(keys.celery_held(me), tag)   # acked after all: only the record was left
+            client.srem(keys.celery_held(me), tag)  # acked after all: only the record was left
     return restored
 
 
@@ -111,7 +113,7 @@ def tags_in_hand() -> set[str]:
     return tags
 
 
-def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
+def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C901  # a class's methods, counted as one
     """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of ours)."""
     keys = Keys(settings.namespace)
     ttl_s, sweep_s = settings.celery.heartbeat_ttl_s, settings.celery.sweep_s
@@ -124,19 +126,22 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
             super().__init__(parent, **kwargs)
             self.entries: list[Any] = []
             self.client: redis.Redis | None = None
-            self.store: jobs.JobStore | None = None
-            self.tenants: list[str] = []   # the API keys whose own queues this worker takes
-            self.watching = threading.Event()   # set: the shard watch stops
+            self.store: JobEnding | None = None
+            self.tenants: list[str] = []  # the API keys whose own queues this worker takes
+            self.watching = threading.Event()  # set: the shard watch stops
 
         def start(self, consumer: Any) -> None:
             self.client = connect(settings, socket_timeout=2.0)
-            self.store = jobs.JobStore(self.client, keys, settings.jobs.ttl_s)
-            self.tenants = sorted({tenant for queue in consumer.app.amqp.queues.consume_from
-                                   if (tenant := keys.tenant_of_queue(queue))})
+            self.store = JobEnding(self.client, keys, settings.jobs.ttl_s)
+            self.tenants = sorted(
+                {tenant for queue in consumer.app.amqp.queues.consume_from if (tenant := keys.tenant_of_queue(queue))}
+            )
             channel = consumer.task_consumer.channel
             self.beat(channel)
-            self.entries = [consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
-                            consumer.timer.call_repeatedly(sweep_s, self.sweep, priority=10)]
+            self.entries = [
+                consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
+                consumer.timer.call_repeatedly(sweep_s, self.sweep, priority=10),
+            ]
             if settings.bulk.redis_urls:
                 self.watching.clear()
                 threading.Thread(target=self.watch_shards, name="shard-watch", daemon=True).start()
@@ -144,12 +149,13 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
         def watch_shards(self) -> None:
             client = connect(settings, socket_timeout=2.0)
             bulk = bulk_plane(settings, client)
-            watch = ShardWatch(client, bulk, keys, jobs.JobStore(client, keys, settings.jobs.ttl_s, bulk=bulk),
-                               settings.bulk.grace_s)
+            watch = ShardWatch(
+                client, bulk, keys, JobEnding(client, keys, settings.jobs.ttl_s, bulk=bulk), settings.bulk.grace_s
+            )
             while not self.watching.wait(sweep_s):
                 try:
                     watch.check()
-                except redis.RedisError as exc:   # the control plane away: the consumer says so; look again later
+                except redis.RedisError as exc:  # the control plane away: the consumer says so; look again later
                     log.debug("shard watch: %s", exc)
 
         def stop(self, consumer: Any) -> None:
@@ -157,7 +163,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
             for entry in self.entries:
                 entry.cancel()
             self.entries = []
-            if self.client is not None:   # a clean stop: kombu gives back what this worker holds itself
+            if self.client is not None:  # a clean stop: kombu gives back what this worker holds itself
                 try:
                     self.client.delete(keys.cpu_heartbeat(holder_id()))
                     self.client.zrem(keys.cpu_workers, holder_id())
@@ -175,13 +181,21 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:
                     pipe.hset(keys.cpu_tenants, mapping={tenant: str(time.time()) for tenant in self.tenants})
                 pipe.execute()
                 for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_by_tag).items():
-                    log.warning("worker %s was found dead: %d tasks it held are back on their queues", holder,
-                                count, extra={"dead_worker": holder, "tasks": count})
+                    log.warning(
+                        "worker %s was found dead: %d tasks it held are back on their queues",
+                        holder,
+                        count,
+                        extra={"dead_worker": holder, "tasks": count},
+                    )
                 restored = restore_unheld(self.client, keys, me, channel, tags_in_hand(), time.time())
                 if restored:
-                    log.warning("%d tasks recorded as this worker's that it does not hold (a lost ack or delivery: "
-                                "a failover) are back on their queues", restored, extra={"tasks": restored})
-            except redis.RedisError as exc:   # Redis away: the consumer reconnects on its own; beat again later
+                    log.warning(
+                        "%d tasks recorded as this worker's that it does not hold (a lost ack or delivery: "
+                        "a failover) are back on their queues",
+                        restored,
+                        extra={"tasks": restored},
+                    )
+            except redis.RedisError as exc:  # Redis away: the consumer reconnects on its own; beat again later
                 log.warning("worker heartbeat: %s", exc)
 
         def sweep(self) -> None:

@@ -4,6 +4,7 @@ Idempotent: a redelivered task finds its job already past this stage (or over)
 and does nothing, because the push, the status change and the upload's
 deletion happen in one transaction.
 """
+
 from __future__ import annotations
 
 import logging
@@ -12,12 +13,24 @@ import uuid
 
 import redis
 
-from contract import jobs
+from contract import frames
+from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.record import JobRecord
 from contract.keys import Keys
-from contract.models import Catalogue
-from contract.settings import ModelSpec, Settings
+from contract.models import Catalogue, ModelSpec
+from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
+from contract.timebill import (
+    BACKPRESSURE_MS,
+    CPU_STARTED_AT,
+    DECODE_MS,
+    PUSHED_AT,
+    RECEIVED_AT,
+    RESIZE_MS,
+    SUBMITTED_AT,
+)
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
 from tasks.structure import StructureLimits
 
@@ -31,11 +44,14 @@ class Preprocessor:
         self.settings = settings
         self.redis = client
         self.keys = Keys(settings.namespace)
-        self.store = jobs.JobStore(client, self.keys, settings.jobs.ttl_s, bulk=bulk_plane(settings, client))
+        bulk = bulk_plane(settings, client)
+        self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk)
+        self.frames = frame_pusher(client, self.keys, bulk)
         self.catalogue = Catalogue(settings)
         decode = settings.decode
-        self.structure = StructureLimits(decode.max_blocks, decode.max_comment_blocks, decode.max_exif_bytes,
-                                         decode.max_exif_tags)
+        self.structure = StructureLimits(
+            decode.max_blocks, decode.max_comment_blocks, decode.max_exif_bytes, decode.max_exif_tags
+        )
 
     def run(self, job_id: str) -> str:
         """Returns what happened, for the task's log line and Flower. The job store away (a failover to another
@@ -45,18 +61,19 @@ class Preprocessor:
         give_up_at = time.monotonic() + self.settings.celery.task_time_limit_s * STORE_RETRY_SHARE
         backoff = STORE_RETRY_FIRST_S
         while True:
-            claim = uuid.uuid4().hex   # this attempt's: a later delivery that claims the job again voids it
+            claim = uuid.uuid4().hex  # this attempt's: a later delivery that claims the job again voids it
             try:
                 return self._run(job_id, started_at, claim)
-            except ShardUnavailable as exc:   # its bytes are out of reach: it fails now, the other shards' go on
+            except ShardUnavailable as exc:  # its bytes are out of reach: it fails now, the other shards' go on
                 log.warning("%s: %s", exc, exc.cause, extra={"job_id": job_id})
                 self.store.fail(job_id, "shard_unavailable", str(exc))
                 return "failed"
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if time.monotonic() + backoff > give_up_at:
                     raise
-                log.warning("job store unavailable (%s); trying the job again in %.1f s", exc, backoff,
-                            extra={"job_id": job_id})
+                log.warning(
+                    "job store unavailable (%s); trying the job again in %.1f s", exc, backoff, extra={"job_id": job_id}
+                )
                 time.sleep(backoff)
                 backoff = min(backoff * 2, STORE_RETRY_MAX_S)
 
@@ -76,35 +93,48 @@ class Preprocessor:
         # A job from before models had names in the record is the default model's.
         spec = self.catalogue.get(record["model"]) if "model" in record else self.catalogue.default
         if spec is None:
-            self.store.fail(job_id, "unknown_model", f"model {record.get('model')!r} is not configured on this "
-                                                     "CPU worker (its config differs from the API's)")
+            self.store.fail(
+                job_id,
+                "unknown_model",
+                f"model {record.get('model')!r} is not configured on this "
+                "CPU worker (its config differs from the API's)",
+            )
             return "failed"
         return self._push_frame(job_id, record, upload, started_at, spec, claim)
 
-    def _push_frame(self, job_id: str, record: jobs.JobRecord, upload: bytes | memoryview, started_at: float,
-                    spec: ModelSpec, claim: str) -> str:
+    def _push_frame(
+        self, job_id: str, record: JobRecord, upload: bytes | memoryview, started_at: float, spec: ModelSpec, claim: str
+    ) -> str:
         try:
             t0 = time.perf_counter()
             limits = self.settings.decode
-            image, orig_size = decode_image(upload, spec.input_size, limits.max_image_pixels,
-                                            limits.max_decoded_bytes, limits.max_scans, limits.max_pixel_scans,
-                                            self.structure)
+            image, orig_size = decode_image(
+                upload,
+                spec.input_size,
+                limits.max_image_pixels,
+                limits.max_decoded_bytes,
+                limits.max_scans,
+                limits.max_pixel_scans,
+                self.structure,
+            )
             t1 = time.perf_counter()
             boxed = letterbox(image, orig_size, spec.input_size)
         except ImageDecodeError as exc:
             self.store.fail(job_id, exc.code, str(exc))
             return "failed"
         stamps: dict[str, float] = {}
-        if "received_at" in record:
-            stamps["received_at"] = record["received_at"]
-        if "submitted_at" in record:
-            stamps["submitted_at"] = record["submitted_at"]
-        stamps.update(cpu_started_at=started_at, decode_ms=(t1 - t0) * 1000.0,
-                      resize_ms=(time.perf_counter() - t1) * 1000.0)
+        if RECEIVED_AT in record:
+            stamps[RECEIVED_AT] = record[RECEIVED_AT]
+        if SUBMITTED_AT in record:
+            stamps[SUBMITTED_AT] = record[SUBMITTED_AT]
+        stamps[CPU_STARTED_AT] = started_at
+        stamps[DECODE_MS] = (t1 - t0) * 1000.0
+        stamps[RESIZE_MS] = (time.perf_counter() - t1) * 1000.0
         return self._commit(job_id, record, boxed, stamps, spec, claim)
 
-    def _commit(self, job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict,
-                spec: ModelSpec, claim: str) -> str:
+    def _commit(
+        self, job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict, spec: ModelSpec, claim: str
+    ) -> str:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
         wait for room (never drop, never grow the model's list past its bound). Each try packs the frame afresh,
         stamped at that moment: a frame that waited for room is billed `backpressure`, not `queue_gpu`,
@@ -113,23 +143,23 @@ class Preprocessor:
         ready = time.perf_counter()
         while True:
             pushed_at = time.time()
-            tried = {**stamps, "backpressure_ms": (time.perf_counter() - ready) * 1000.0, "pushed_at": pushed_at}
+            tried = {**stamps, BACKPRESSURE_MS: (time.perf_counter() - ready) * 1000.0, PUSHED_AT: pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
             try:
-                outcome = self.store.enqueue_frame(job_id, spec.key, frame, limit, tried, claim)
+                outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim)
             except redis.exceptions.OutOfMemoryError:
                 # Redis at its maxmemory refuses the push: the frame waits here, as for room on a full list.
                 if not self._wait_for_memory(job_id, record):
                     return "expired"
                 continue
-            if outcome == jobs.PUSHED:
+            if outcome == frames.PUSHED:
                 return "pushed"
-            if outcome == jobs.JOB_OVER:
+            if outcome == frames.JOB_OVER:
                 return "skipped (ended or claimed again meanwhile)"
             if not self._wait_for_room(job_id, record, spec.key, limit):
                 return "expired"
 
-    def _wait_for_room(self, job_id: str, record: jobs.JobRecord, model_key: str, limit: int) -> bool:
+    def _wait_for_room(self, job_id: str, record: JobRecord, model_key: str, limit: int) -> bool:
         """Until the model's list has room (True) or the job's deadline passes (it ends expired: False),
         looking at the list's length rather than sending the frame again each time."""
         while True:
@@ -137,29 +167,28 @@ class Preprocessor:
                 self.store.expire(job_id, "waiting for room on the GPU list")
                 return False
             time.sleep(self.settings.backpressure.room_poll_s)
-            if self.store.frame_list_has_room(model_key, limit, job_id):
+            if self.frames.has_room(model_key, limit, job_id):
                 return True
 
-
-    def _wait_for_memory(self, job_id: str, record: jobs.JobRecord) -> bool:
+    def _wait_for_memory(self, job_id: str, record: JobRecord) -> bool:
         """A pause before the push is tried again; False (the job ended expired) once its deadline passed."""
         if time.time() + OOM_RETRY_S > record["deadline_at"]:
             try:
                 self.store.expire(job_id, "while the job store was full")
             except redis.RedisError:
-                pass   # the sweeper ends it at its deadline
+                pass  # the sweeper ends it at its deadline
             return False
         time.sleep(OOM_RETRY_S)
         return True
 
 
-OOM_RETRY_S = 0.5   # a CPU worker whose push Redis refused for memory tries again after this
+OOM_RETRY_S = 0.5  # a CPU worker whose push Redis refused for memory tries again after this
 # The job store unreachable: tried again after 0.1 s, doubling to 2 s, for at most this share of the task's
 # time limit (Sentinel's failover takes a few seconds; a Redis restart as long as it loads).
 STORE_RETRY_FIRST_S, STORE_RETRY_MAX_S, STORE_RETRY_SHARE = 0.1, 2.0, 0.75
 
 
-def _header(job_id: str, record: jobs.JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
+def _header(job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
     return FrameHeader(
         job_id=job_id,
         **boxed.placement.fields(),

@@ -12,6 +12,7 @@ The walks follow Pillow 12's parsers (JpegImagePlugin's marker loop, PngImagePlu
 GifImagePlugin._seek, TiffImagePlugin's directory loader), not the formats' specifications: where the two
 disagree on a crafted file, the file must be judged as Pillow will read it. Pure functions; no Pillow here.
 """
+
 from __future__ import annotations
 
 import re
@@ -26,6 +27,7 @@ class TooComplex(ValueError):
 @dataclass(frozen=True)
 class StructureLimits:
     """contract.settings.DecodeSettings' structural limits (the same defaults; see there)."""
+
     max_blocks: int = 20_000
     max_comment_blocks: int = 1_000
     max_exif_bytes: int = 256 * 1024
@@ -39,14 +41,15 @@ DEFAULT_LIMITS = StructureLimits()
 class Structure:
     """What a walk learnt on the way: whether the image has an EXIF block Pillow will hold in `info["exif"]`,
     and the orientation its first directory names (None: it names none)."""
+
     has_exif: bool = False
     orientation: int | None = None
 
 
 # Fixed rules, beside the settings: no real file comes near them.
-MAX_EXIF_PREFIXES = 4        # "Exif\0\0" headers Pillow strips one by one, copying the rest each time
-MAX_EXIF_SEGMENTS = 16       # JPEG APP1 EXIF segments Pillow joins one by one (the standard has one)
-MAX_PNG_PROFILES = 4         # iCCP chunks, each inflated up to 1 MB (the PNG standard allows one)
+MAX_EXIF_PREFIXES = 4  # "Exif\0\0" headers Pillow strips one by one, copying the rest each time
+MAX_EXIF_SEGMENTS = 16  # JPEG APP1 EXIF segments Pillow joins one by one (the standard has one)
+MAX_PNG_PROFILES = 4  # iCCP chunks, each inflated up to 1 MB (the PNG standard allows one)
 
 ORIENTATION_TAG = 0x0112
 
@@ -76,15 +79,16 @@ _NO_LENGTH = frozenset([0xC8, *range(0xD0, 0xDA), *range(0xF0, 0xFE)])
 _SOF = frozenset([0xC0, 0xC1, 0xC2, 0xC3, 0xC5, 0xC6, 0xC7, 0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF, 0xDE])
 
 
-def _jpeg(data: bytes, limits: StructureLimits) -> Structure:
-    steps = _Steps(limits.max_blocks, "JPEG segments, and bytes between them, before the first scan "
-                                      "(a photo has about 20)")
-    exif: list[tuple[int, int]] = []   # the APP1 EXIF payloads, as Pillow joins them
+def _jpeg(data: bytes, limits: StructureLimits) -> Structure:  # noqa: C901  # one walk, a branch per marker kind
+    steps = _Steps(
+        limits.max_blocks, "JPEG segments, and bytes between them, before the first scan (a photo has about 20)"
+    )
+    exif: list[tuple[int, int]] = []  # the APP1 EXIF payloads, as Pillow joins them
     exif_bytes = 0
     mpf: tuple[int, int] | None = None
     pos, size = 2, len(data)
     while pos + 1 < size:
-        if data[pos] != 0xFF:                  # junk: Pillow reads it a byte at a time
+        if data[pos] != 0xFF:  # junk: Pillow reads it a byte at a time
             found = data.find(b"\xff", pos)
             if found < 0:
                 break
@@ -92,7 +96,7 @@ def _jpeg(data: bytes, limits: StructureLimits) -> Structure:
             pos = found
             continue
         marker = data[pos + 1]
-        if marker == 0xFF:                     # fill bytes: a step each
+        if marker == 0xFF:  # fill bytes: a step each
             fill = _FILL.match(data, pos)
             end = fill.end() if fill else pos + 1
             steps.take(end - pos - 1)
@@ -102,28 +106,30 @@ def _jpeg(data: bytes, limits: StructureLimits) -> Structure:
         if marker == 0x00 or marker in _NO_LENGTH:
             pos += 2
             continue
-        if marker < 0xC0 or pos + 4 > size:    # Pillow: "no marker found", or the file ends
+        if marker < 0xC0 or pos + 4 > size:  # Pillow: "no marker found", or the file ends
             break
         start, end = pos + 4, pos + 2 + max(2, (data[pos + 2] << 8) | data[pos + 3])
-        if marker == 0xDA or end > size:       # the first scan, or a segment the file cuts short
+        if marker == 0xDA or end > size:  # the first scan, or a segment the file cuts short
             break
-        if marker == 0xDB:                     # DQT: a Python loop per 65-byte table
+        if marker == 0xDB:  # DQT: a Python loop per 65-byte table
             steps.take((end - start) // 65)
-        elif marker in _SOF:                   # SOF: a Python step per 3 bytes (a component each)
+        elif marker in _SOF:  # SOF: a Python step per 3 bytes (a component each)
             steps.take((end - start) // 3)
         elif marker == 0xED and data.startswith(b"Photoshop 3.0\x00", start, end):
-            steps.take(data.count(b"8BIM", start, end))   # a Python step per image resource
+            steps.take(data.count(b"8BIM", start, end))  # a Python step per image resource
         elif marker == 0xE1 and data.startswith(b"Exif\x00\x00", start, end):
-            exif.append((start + 6 if exif else start, end))   # Pillow: info["exif"] += s[6:]
+            exif.append((start + 6 if exif else start, end))  # Pillow: info["exif"] += s[6:]
             exif_bytes += exif[-1][1] - exif[-1][0]
             if len(exif) > MAX_EXIF_SEGMENTS or exif_bytes > limits.max_exif_bytes:
-                raise TooComplex(f"JPEG EXIF of {len(exif)} segments and {exif_bytes} bytes: over "
-                                 f"{MAX_EXIF_SEGMENTS} segments or decode.max_exif_bytes "
-                                 f"({limits.max_exif_bytes}); refused before decoding")
+                raise TooComplex(
+                    f"JPEG EXIF of {len(exif)} segments and {exif_bytes} bytes: over "
+                    f"{MAX_EXIF_SEGMENTS} segments or decode.max_exif_bytes "
+                    f"({limits.max_exif_bytes}); refused before decoding"
+                )
         elif marker == 0xE2 and data.startswith(b"MPF\x00", start, end):
-            mpf = (start + 4, end)             # the last one counts: Pillow keeps it alone
+            mpf = (start + 4, end)  # the last one counts: Pillow keeps it alone
         pos = end
-    if mpf is not None:                        # Pillow reads every value of the MPO index directory
+    if mpf is not None:  # Pillow reads every value of the MPO index directory
         _directory(data, *mpf, limits, "MPF (MPO index)")
     if not exif:
         return Structure()
@@ -144,12 +150,14 @@ def _png(data: bytes, limits: StructureLimits) -> Structure:
         if kind == b"IEND" or end + 4 > size:
             break
         if kind == b"eXIf":
-            exif = (start, end)                # the last one counts: Pillow keeps it alone
+            exif = (start, end)  # the last one counts: Pillow keeps it alone
         elif kind == b"iCCP":
             profiles += 1
             if profiles > MAX_PNG_PROFILES:
-                raise TooComplex(f"more than {MAX_PNG_PROFILES} PNG iCCP chunks (each inflated up to 1 MB; "
-                                 "the standard allows one); refused before decoding")
+                raise TooComplex(
+                    f"more than {MAX_PNG_PROFILES} PNG iCCP chunks (each inflated up to 1 MB; "
+                    "the standard allows one); refused before decoding"
+                )
         pos = end + 4
     if exif is None:
         return Structure()
@@ -162,16 +170,18 @@ _GIF_BLOCK = re.compile(rb"[!,;]")
 
 def _gif(data: bytes, limits: StructureLimits) -> Structure:
     steps = _Steps(limits.max_blocks, "GIF blocks, sub-blocks and bytes between them before the first frame")
-    comments = _Steps(limits.max_comment_blocks, "GIF comment blocks before the first frame (Pillow joins "
-                                                 "them one by one: the cost grows with their square)")
+    comments = _Steps(
+        limits.max_comment_blocks,
+        "GIF comment blocks before the first frame (Pillow joins them one by one: the cost grows with their square)",
+    )
     size = len(data)
     flags = data[10] if size > 10 else 0
-    pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)   # past the screen and its colour table
+    pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # past the screen and its colour table
     while pos < size:
         byte = data[pos]
-        if byte in (0x2C, 0x3B):               # the first image descriptor, or the trailer
+        if byte in (0x2C, 0x3B):  # the first image descriptor, or the trailer
             break
-        if byte != 0x21:                       # anything else: Pillow reads it a byte at a time
+        if byte != 0x21:  # anything else: Pillow reads it a byte at a time
             found = _GIF_BLOCK.search(data, pos)
             end = found.start() if found else size
             steps.take(end - pos)
@@ -181,7 +191,7 @@ def _gif(data: bytes, limits: StructureLimits) -> Structure:
         steps.take()
         block = pos + 2
         pos, got = _sub_block(data, block)
-        if label == 0xFE:                      # comment: joined sub-block by sub-block, then onto the last
+        if label == 0xFE:  # comment: joined sub-block by sub-block, then onto the last
             comments.take()
             while got:
                 steps.take()
@@ -190,8 +200,8 @@ def _gif(data: bytes, limits: StructureLimits) -> Structure:
             continue
         if label == 0xFF and got and data.startswith(b"NETSCAPE2.0", block + 1, pos):
             steps.take()
-            pos, _ = _sub_block(data, pos)     # the loop count: one more self.data()
-        while True:                            # `while self.data(): pass`, past a terminator if need be
+            pos, _ = _sub_block(data, pos)  # the loop count: one more self.data()
+        while True:  # `while self.data(): pass`, past a terminator if need be
             steps.take()
             pos, got = _sub_block(data, pos)
             if not got:
@@ -217,7 +227,7 @@ def _webp(data: bytes, limits: StructureLimits) -> Structure:
         steps.take()
         start, end = pos + 8, pos + 8 + length
         if kind == b"EXIF" and exif is None and end <= size:
-            exif = (start, end)                # the first one counts: libwebp hands Pillow that one
+            exif = (start, end)  # the first one counts: libwebp hands Pillow that one
         pos = end + (length & 1)
     if exif is None:
         return Structure()
@@ -241,11 +251,12 @@ def exif_orientation(data: bytes, limits: StructureLimits, start: int = 0, end: 
     for neither); TooComplex when reading it would take more than the limits allow."""
     end = len(data) if end is None else end
     first = start
-    while data.startswith(b"Exif\x00\x00", start, end):   # Pillow strips them one by one
+    while data.startswith(b"Exif\x00\x00", start, end):  # Pillow strips them one by one
         start += 6
         if start - first > 6 * MAX_EXIF_PREFIXES:
-            raise TooComplex(f"an EXIF block behind more than {MAX_EXIF_PREFIXES} 'Exif' headers; "
-                             "refused before decoding")
+            raise TooComplex(
+                f"an EXIF block behind more than {MAX_EXIF_PREFIXES} 'Exif' headers; refused before decoding"
+            )
     return _directory(data, start, end, limits, "EXIF")
 
 
@@ -253,7 +264,7 @@ def _directory(data: bytes, start: int, end: int, limits: StructureLimits, what:
     """Check the TIFF structure in data[start:end] as Pillow loads its first directory: its entries, and the
     bytes Pillow copies for the values stored out of line (each read afresh, however they overlap). Returns
     the orientation entry's value (see exif_orientation)."""
-    order = _BYTE_ORDERS.get(data[start:start + 4]) if end - start >= 8 else None
+    order = _BYTE_ORDERS.get(data[start : start + 4]) if end - start >= 8 else None
     if order is None:
         return None
     length = end - start
@@ -261,23 +272,27 @@ def _directory(data: bytes, start: int, end: int, limits: StructureLimits, what:
     if offset + 2 > length:
         return None
     (count,) = struct.unpack_from(order + "H", data, start + offset)
-    readable = min(count, (length - offset - 2) // 12)   # Pillow stops where the block does
+    readable = min(count, (length - offset - 2) // 12)  # Pillow stops where the block does
     if readable > limits.max_exif_tags:
-        raise TooComplex(f"{what} directory of {readable} entries: over decode.max_exif_tags "
-                         f"({limits.max_exif_tags}); refused before decoding")
+        raise TooComplex(
+            f"{what} directory of {readable} entries: over decode.max_exif_tags "
+            f"({limits.max_exif_tags}); refused before decoding"
+        )
     first = start + offset + 2
     copied, orientation = 0, None
-    for tag, kind, number, value in struct.iter_unpack(order + "HHL4s", data[first:first + 12 * readable]):
+    for tag, kind, number, value in struct.iter_unpack(order + "HHL4s", data[first : first + 12 * readable]):
         unit = _TYPE_SIZES.get(kind)
         if unit is None or number == 0:
             continue
-        if number * unit > 4:                  # out of line: Pillow copies it from the offset the entry names
+        if number * unit > 4:  # out of line: Pillow copies it from the offset the entry names
             (at,) = struct.unpack(order + "L", value)
             copied += min(number * unit, max(0, length - at))
             if copied > limits.max_exif_bytes:
-                raise TooComplex(f"{what} directory whose values take more than decode.max_exif_bytes "
-                                 f"({limits.max_exif_bytes}) bytes to read (its {readable} entries overlap "
-                                 f"in a block of {length}); refused before decoding")
+                raise TooComplex(
+                    f"{what} directory whose values take more than decode.max_exif_bytes "
+                    f"({limits.max_exif_bytes}) bytes to read (its {readable} entries overlap "
+                    f"in a block of {length}); refused before decoding"
+                )
             if tag == ORIENTATION_TAG:
                 orientation = 0
         elif tag == ORIENTATION_TAG:

@@ -5,6 +5,7 @@
 
 Settings come from IMGSERVE_CONFIG and the environment (contract.config).
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,10 +26,11 @@ from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
+from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK
 from tasks.callback_relay import OutboxRelay
 from tasks.callback_slots import TenantSlots
 from tasks.callbacks import CallbackSender
-from tasks.celery_app import CALLBACK_TASK, PREPROCESS_TASK, make_celery, send_callback
+from tasks.celery_app import make_celery, send_callback
 from tasks.event_batching import batch_task_events
 from tasks.full_lists import pause_while_full
 from tasks.liveness import keep_alive
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 class PreprocessTask(Task):
     """The preprocess task's base: Celery makes one task object per process, so the Preprocessor (and its
     Redis connection) is opened once per process, on first use: in a prefork child, after the fork."""
+
     settings: Settings
     _preprocessor: Preprocessor | None = None
 
@@ -54,6 +57,7 @@ class PreprocessTask(Task):
 
 class CallbackTask(Task):
     """The callback task's base: one CallbackSender per process, opened on first use."""
+
     settings: Settings
     _sender: CallbackSender | None = None
 
@@ -71,8 +75,14 @@ def create_worker_app(settings: Settings) -> Celery:
     app.steps["consumer"].add(batch_task_events(settings))
     app.steps["consumer"].add(keep_alive(settings))
 
-    @app.task(base=PreprocessTask, bind=True, name=PREPROCESS_TASK, acks_late=True, reject_on_worker_lost=True,
-              settings=settings)
+    @app.task(
+        base=PreprocessTask,
+        bind=True,
+        name=PREPROCESS_TASK,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        settings=settings,
+    )
     def preprocess(self: PreprocessTask, job_id: str) -> str:
         outcome = self.preprocessor.run(job_id)
         log.info("preprocess %s", outcome, extra={"job_id": job_id, "outcome": outcome})
@@ -81,8 +91,9 @@ def create_worker_app(settings: Settings) -> Celery:
     # acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback
     # is posted again with the same delivery id (at least once; receivers drop repeats). Retries are not
     # Celery's: the sender schedules them in Redis (tasks.callbacks.CallbackSender).
-    @app.task(base=CallbackTask, bind=True, name=CALLBACK_TASK, acks_late=True, reject_on_worker_lost=True,
-              settings=settings)
+    @app.task(
+        base=CallbackTask, bind=True, name=CALLBACK_TASK, acks_late=True, reject_on_worker_lost=True, settings=settings
+    )
     def deliver_callback(self: CallbackTask, job_id: str) -> str:
         outcome = self.sender.deliver(job_id)
         log.info("callback %s", outcome, extra={"job_id": job_id, "outcome": outcome})
@@ -94,12 +105,13 @@ def create_worker_app(settings: Settings) -> Celery:
 @dataclass
 class ThisWorker:
     """What the signal handlers below share in this worker process: which role it plays, and its relay."""
+
     role: str = "cpu-worker"
     relay: OutboxRelay | None = None
 
 
 settings = load_settings()
-app = create_worker_app(settings)   # `celery -A tasks.worker` finds it here
+app = create_worker_app(settings)  # `celery -A tasks.worker` finds it here
 this_worker = ThisWorker()
 
 

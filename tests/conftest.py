@@ -1,5 +1,6 @@
 """Fixtures: a private redis-server on a free port (never the machine's shared
 Redis), and a whole running stack of real processes on top of it."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from contract.config import load_settings
-from contract.jobs import TERMINAL
+from contract.jobs.record import TERMINAL
 from contract.keys import Keys
 from tests.support import (
     REPO_ROOT,
@@ -44,8 +45,7 @@ STACK_MAX_UPLOAD = 3 * 1024 * 1024
 
 # Property tests check what code does, not how fast: on a shared 2-core machine a first draw can take
 # over a second while other tests' processes start, which Hypothesis would report as a failure.
-hypothesis_settings.register_profile("shared-machine", deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
+hypothesis_settings.register_profile("shared-machine", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 hypothesis_settings.load_profile("shared-machine")
 
 
@@ -68,6 +68,7 @@ def redis_client(redis_server: RedisServer) -> Iterator[redis.Redis]:
 @dataclass
 class Stack:
     """API + Celery CPU worker + GPU worker, all real, sharing one private Redis."""
+
     config_path: Path
     log_dir: Path
     env: dict[str, str]
@@ -80,7 +81,7 @@ class Stack:
     gpu_worker: ManagedProcess | None = None
     gpu_worker_id: str = "test-gpu"
     gpu_device: str = TEST_DEVICE
-    gpu_models: tuple[str, ...] = ()   # --model arguments of the stack's GPU worker (none: every model)
+    gpu_models: tuple[str, ...] = ()  # --model arguments of the stack's GPU worker (none: every model)
     session: requests.Session = field(default_factory=requests.Session)
 
     def url(self, path: str) -> str:
@@ -92,8 +93,12 @@ class Stack:
         return self.keys.frames(self.settings.model.key)
 
     def submit(self, data: bytes, content_type: str = "image/jpeg", **options: Any) -> requests.Response:
-        return self.session.post(self.url("/v1/jobs"), files={"image": ("image", data, content_type)},
-                                 data={k: str(v) for k, v in options.items()}, timeout=30)
+        return self.session.post(
+            self.url("/v1/jobs"),
+            files={"image": ("image", data, content_type)},
+            data={k: str(v) for k, v in options.items()},
+            timeout=30,
+        )
 
     def submit_ok(self, data: bytes, **options: Any) -> str:
         response = self.submit(data, **options)
@@ -101,8 +106,9 @@ class Stack:
         return response.json()["id"]
 
     def job(self, job_id: str, wait: float = 0) -> dict[str, Any]:
-        response = self.session.get(self.url(f"/v1/jobs/{job_id}"), params={"wait": wait} if wait else None,
-                                    timeout=wait + 30)
+        response = self.session.get(
+            self.url(f"/v1/jobs/{job_id}"), params={"wait": wait} if wait else None, timeout=wait + 30
+        )
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -117,11 +123,24 @@ class Stack:
     def start_gpu_worker(self) -> None:
         assert self.gpu_worker is None or not self.gpu_worker.alive()
         self.gpu_worker = ManagedProcess(
-            "gpu-worker", python_argv("-m", "gpu_worker", "--device", self.gpu_device, "--worker-id",
-                                      self.gpu_worker_id, *[arg for m in self.gpu_models for arg in ("--model", m)]),
-            self.env, self.log_dir)
-        wait_until(lambda: self.redis.exists(self.keys.heartbeat(self.gpu_worker_id)) or self._gpu_died(),
-                   60, what="the GPU worker's first heartbeat")
+            "gpu-worker",
+            python_argv(
+                "-m",
+                "gpu_worker",
+                "--device",
+                self.gpu_device,
+                "--worker-id",
+                self.gpu_worker_id,
+                *[arg for m in self.gpu_models for arg in ("--model", m)],
+            ),
+            self.env,
+            self.log_dir,
+        )
+        wait_until(
+            lambda: self.redis.exists(self.keys.heartbeat(self.gpu_worker_id)) or self._gpu_died(),
+            60,
+            what="the GPU worker's first heartbeat",
+        )
         assert self.gpu_worker.alive(), self.gpu_worker.log_tail()
 
     def stop_gpu_worker(self) -> None:
@@ -141,23 +160,46 @@ def content_box_spec(workdir: Path, input_size: int, **extra: Any) -> dict[str, 
     """A model spec for the known-answer detector, its TorchScript file written into workdir."""
     model_path = workdir / "content_box.pt"
     build_content_box_model(num_classes=2).save(str(model_path))
-    return {"name": "content-box", "version": "test", "format": "torchscript", "path": str(model_path),
-            "input_size": input_size, "layout": "yolov8", "labels": ["content", "other"], **extra}
+    return {
+        "name": "content-box",
+        "version": "test",
+        "format": "torchscript",
+        "path": str(model_path),
+        "input_size": input_size,
+        "layout": "yolov8",
+        "labels": ["content", "other"],
+        **extra,
+    }
 
 
-def start_stack(redis_url: str, workdir: Path, model: dict[str, Any] | str | None, namespace: str,
-                extra: dict[str, Any] | None = None, gpu_device: str = TEST_DEVICE,
-                gpu_models: tuple[str, ...] = ()) -> Stack:
+def start_stack(
+    redis_url: str,
+    workdir: Path,
+    model: dict[str, Any] | str | None,
+    namespace: str,
+    extra: dict[str, Any] | None = None,
+    gpu_device: str = TEST_DEVICE,
+    gpu_models: tuple[str, ...] = (),
+) -> Stack:
     """API + Celery worker + GPU worker for one model (or, with `models` in `extra` and model None, several),
     under their own namespace."""
-    config = {"redis_url": redis_url, "namespace": namespace, **({"model": model} if model is not None else {}),
-              "gpu_worker": {"heartbeat_ttl_s": 5},
-              # Off unless a test turns it on (tests/test_cache.py): the tests send the same few images again
-              # and again, and each must reach the CPU and GPU workers.
-              "cache": {"enabled": False},
-              "callbacks": {"secret": CALLBACK_SECRET, "allow_hosts": ["127.0.0.1"], "backoff_base_s": 0.2,
-                            "max_attempts": 3, "timeout_s": 2.0},
-              **(extra or {})}
+    config = {
+        "redis_url": redis_url,
+        "namespace": namespace,
+        **({"model": model} if model is not None else {}),
+        "gpu_worker": {"heartbeat_ttl_s": 5},
+        # Off unless a test turns it on (tests/test_cache.py): the tests send the same few images again
+        # and again, and each must reach the CPU and GPU workers.
+        "cache": {"enabled": False},
+        "callbacks": {
+            "secret": CALLBACK_SECRET,
+            "allow_hosts": ["127.0.0.1"],
+            "backoff_base_s": 0.2,
+            "max_attempts": 3,
+            "timeout_s": 2.0,
+        },
+        **(extra or {}),
+    }
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
@@ -167,18 +209,46 @@ def start_stack(redis_url: str, workdir: Path, model: dict[str, Any] | str | Non
 
     # Each stack's Celery queue lives in its own Redis database, so two stacks never share tasks.
     cpu_worker = ManagedProcess(
-        "cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", "2", "--without-gossip",
-                                  "--without-mingle", "--loglevel", "INFO"), env, workdir)
-    stack = Stack(config_path=config_path, log_dir=workdir, env=env, api=ApiServer(create_app(settings)),
-                  redis=redis.Redis.from_url(redis_url), keys=Keys(settings.namespace),
-                  settings=settings, cpu_worker=cpu_worker, gpu_worker_id=f"{namespace}-gpu",
-                  gpu_device=gpu_device, gpu_models=gpu_models)
+        "cpu-worker",
+        celery_argv(
+            "worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO"
+        ),
+        env,
+        workdir,
+    )
+    stack = Stack(
+        config_path=config_path,
+        log_dir=workdir,
+        env=env,
+        api=ApiServer(create_app(settings)),
+        redis=redis.Redis.from_url(redis_url),
+        keys=Keys(settings.namespace),
+        settings=settings,
+        cpu_worker=cpu_worker,
+        gpu_worker_id=f"{namespace}-gpu",
+        gpu_device=gpu_device,
+        gpu_models=gpu_models,
+    )
     stack.callback_worker = ManagedProcess(
-        "callback-worker", celery_argv("worker", "-Q", "callbacks", "-P", "threads", "-c", "4",
-                                       "--without-gossip", "--without-mingle", "--loglevel", "INFO"), env, workdir)
+        "callback-worker",
+        celery_argv(
+            "worker",
+            "-Q",
+            "callbacks",
+            "-P",
+            "threads",
+            "-c",
+            "4",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel",
+            "INFO",
+        ),
+        env,
+        workdir,
+    )
     for worker in (cpu_worker, stack.callback_worker):
-        wait_until(lambda: "ready." in worker.log_tail() or not worker.alive(), 60,
-                   what=f"{worker.name} to be ready")
+        wait_until(lambda: "ready." in worker.log_tail() or not worker.alive(), 60, what=f"{worker.name} to be ready")
         assert worker.alive(), worker.log_tail()
     stack.start_gpu_worker()
     return stack
@@ -195,8 +265,13 @@ def stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     """The pipeline serving a detector with a known answer: one box around the whole original image."""
     workdir = tmp_path_factory.mktemp("stack")
     model = content_box_spec(workdir, STACK_INPUT_SIZE, weights="test fixture", conf=0.25, iou=0.45, max_det=10)
-    stack = start_stack(redis_server.url, workdir, model, "itest", {"api": {"max_upload_bytes": STACK_MAX_UPLOAD,
-                                                                            "body_timeout_s": 2.0}})
+    stack = start_stack(
+        redis_server.url,
+        workdir,
+        model,
+        "itest",
+        {"api": {"max_upload_bytes": STACK_MAX_UPLOAD, "body_timeout_s": 2.0}},
+    )
     yield stack
     stop_stack(stack)
 
@@ -217,9 +292,14 @@ def gunicorn_api(stack: Stack) -> Iterator[GunicornApi]:
     port = free_port()
     env = {**stack.env, "IMGSERVE_API__BIND": f"127.0.0.1:{port}", "IMGSERVE_API__WORKERS": "1"}
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    process = ManagedProcess("gunicorn-api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
-                                                         "--access-logfile", "/dev/null", "app:create_app()"),
-                             env, stack.log_dir)
+    process = ManagedProcess(
+        "gunicorn-api",
+        python_argv(
+            "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
+        ),
+        env,
+        stack.log_dir,
+    )
     api = GunicornApi(process, port)
     wait_until(lambda: _answers(api.url + "/healthz") or not process.alive(), 60, what="gunicorn to answer")
     assert process.alive(), process.log_tail()
@@ -268,8 +348,18 @@ def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
 
 # Fixtures that start real processes (Redis, Celery, the GPU worker, gunicorn): a test using one is an
 # integration test whether or not its module says so; `make test-fast` runs the others.
-PROCESS_FIXTURES = {"redis_server", "redis_client", "stack", "gunicorn_api", "shapes_stack", "tight_stack",
-                    "own_redis_stack", "make_run", "full_store_stack", "fencing_stack"}
+PROCESS_FIXTURES = {
+    "redis_server",
+    "redis_client",
+    "stack",
+    "gunicorn_api",
+    "shapes_stack",
+    "tight_stack",
+    "own_redis_stack",
+    "make_run",
+    "full_store_stack",
+    "fencing_stack",
+}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,4 +1,5 @@
 """Schemathesis hooks for fuzzing this API (schemathesis.toml loads this file; run from the repository root)."""
+
 from __future__ import annotations
 
 import re

@@ -1,5 +1,6 @@
 """Test helpers: images made in memory, a detector with known answers, and
 handles on real processes (Redis, Celery worker, GPU worker, API server)."""
+
 from __future__ import annotations
 
 import io
@@ -46,8 +47,7 @@ def jpeg(width: int, height: int, seed: int = 0, quality: int = 92) -> bytes:
 
 
 # --- a detector whose answer is known -------------------------------------
-def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: str = "yolov8",
-                            script: bool = True):
+def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: str = "yolov8", script: bool = True):
     """TorchScript detector that finds the letterboxed content: one box around
     every pixel that differs from the pad grey. Mapped back through the
     letterbox it must equal the whole original image, [0, 0, W, H]."""
@@ -62,9 +62,9 @@ def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: 
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             b, _, h, w = x.shape
-            content = (x - self.pad).abs().amax(dim=1) > 1.5 / 255.0          # [B, H, W]
-            cols = content.any(dim=1)                                         # [B, W]
-            rows = content.any(dim=2)                                         # [B, H]
+            content = (x - self.pad).abs().amax(dim=1) > 1.5 / 255.0  # [B, H, W]
+            cols = content.any(dim=1)  # [B, W]
+            rows = content.any(dim=2)  # [B, H]
             xs = torch.arange(w, device=x.device, dtype=torch.float32)
             ys = torch.arange(h, device=x.device, dtype=torch.float32)
             x1 = torch.where(cols, xs, float(w)).amin(dim=1)
@@ -76,8 +76,8 @@ def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: 
             scores[:, 0] = 0.9
             if self.yolov5:
                 obj = torch.ones(b, 1, device=x.device)
-                return torch.cat([box, obj, scores], dim=1).unsqueeze(1)      # [B, 1, 5 + C]
-            return torch.cat([box, scores], dim=1).unsqueeze(2)               # [B, 4 + C, 1]
+                return torch.cat([box, obj, scores], dim=1).unsqueeze(1)  # [B, 1, 5 + C]
+            return torch.cat([box, scores], dim=1).unsqueeze(2)  # [B, 4 + C, 1]
 
     return torch.jit.script(ContentBox()) if script else ContentBox()
 
@@ -97,15 +97,30 @@ class ApiServer:
         self.thread.start()
 
     def stop(self) -> None:
+        from app.services import services
+
         self.server.shutdown()
-        self.app.extensions["imgserve"].listener.close()
+        services(self.app).listener.close()
 
 
 # The aten operations that make the host wait for the device on CUDA (sync_debug_mode reports them):
 # a scalar read (`item()`, `bool()`, `int()`), data-dependent shapes, and a whole-tensor comparison.
-HOST_READS = frozenset({"item", "_local_scalar_dense", "is_nonzero", "nonzero", "nonzero_numpy", "argwhere",
-                        "equal", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
-                        "repeat_interleave"})
+HOST_READS = frozenset(
+    {
+        "item",
+        "_local_scalar_dense",
+        "is_nonzero",
+        "nonzero",
+        "nonzero_numpy",
+        "argwhere",
+        "equal",
+        "masked_select",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "repeat_interleave",
+    }
+)
 
 
 class HostReads:
@@ -138,15 +153,31 @@ class HostReads:
         return len(self.names)
 
 
-FUZZ_EXAMPLES = 60    # schemathesis's examples per operation and phase (100 took 50-80 s a run on 2 busy cores)
+FUZZ_EXAMPLES = 60  # schemathesis's examples per operation and phase (100 took 50-80 s a run on 2 busy cores)
 
 
 def run_schemathesis(base_url: str, *extra: str) -> subprocess.CompletedProcess:
     """The schemathesis CLI, as a user would run it: every check, every phase (tests/test_openapi*.py)."""
-    argv = [str(Path(sys.executable).with_name("schemathesis")), "--config-file", str(REPO_ROOT / "schemathesis.toml"),
-            "run", base_url + "/openapi.json",
-            "--max-examples", str(FUZZ_EXAMPLES), "--workers", "1",   # with 2, CPython 3.11 raised
-            # "SystemError: AST constructor recursion depth mismatch" now and then (two threads compiling at once)
-            "--request-timeout", "20", *extra]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=REPO_ROOT,   # the config's hooks path
-                          env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""})
+    argv = [
+        str(Path(sys.executable).with_name("schemathesis")),
+        "--config-file",
+        str(REPO_ROOT / "schemathesis.toml"),
+        "run",
+        base_url + "/openapi.json",
+        "--max-examples",
+        str(FUZZ_EXAMPLES),
+        "--workers",
+        "1",  # with 2, CPython 3.11 raised
+        # "SystemError: AST constructor recursion depth mismatch" now and then (two threads compiling at once)
+        "--request-timeout",
+        "20",
+        *extra,
+    ]
+    return subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=REPO_ROOT,  # the config's hooks path
+        env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""},
+    )

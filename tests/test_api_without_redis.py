@@ -1,4 +1,5 @@
 """With nothing listening at the Redis address, the API answers 503 problems, fast."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,11 @@ from tests.support import ApiServer, free_port, jpeg
 @pytest.fixture(scope="module")
 def api_without_redis():
     settings = load_settings()
-    settings = dataclasses.replace(settings, redis_url=f"redis://127.0.0.1:{free_port()}/0",
-                                   api=dataclasses.replace(settings.api, redis_timeout_s=0.5))
+    settings = dataclasses.replace(
+        settings,
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",
+        api=dataclasses.replace(settings.api, redis_timeout_s=0.5),
+    )
     server = ApiServer(create_app(settings))
     yield server
     server.stop()
@@ -24,8 +28,7 @@ def api_without_redis():
 
 def test_submit_is_503_with_retry_after_when_redis_is_down(api_without_redis):
     started = time.monotonic()
-    response = requests.post(api_without_redis.url + "/v1/jobs", files={"image": ("a.jpg", jpeg(64, 64))},
-                             timeout=30)
+    response = requests.post(api_without_redis.url + "/v1/jobs", files={"image": ("a.jpg", jpeg(64, 64))}, timeout=30)
     assert response.status_code == 503
     assert response.headers["Content-Type"] == "application/problem+json"
     assert response.headers["Retry-After"] == "1"

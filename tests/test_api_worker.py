@@ -1,4 +1,5 @@
 """The API's gunicorn worker (app.server): what it changes in a gevent-patched process."""
+
 from __future__ import annotations
 
 import subprocess
@@ -31,8 +32,9 @@ print("ok")
 def test_zero_timeout_readiness_checks_skip_gevents_hub_and_real_waits_do_not():
     """redis-py's check before each command polls with a zero timeout: done without gevent's hub (it cannot
     block); a wait with a timeout (the long-polls' pub/sub listener) still yields to other greenlets."""
-    result = subprocess.run([sys.executable, "-c", _READINESS], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", _READINESS], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -73,17 +75,17 @@ def test_a_bodiless_a_large_and_a_chunked_answer_still_send_their_head_first():
     head_only.start_response("200 OK", [("Content-Length", "11")])
     head_only.write(b"")
     head_only.close()
-    assert len(sock.sent) == 1 and sock.sent[0].endswith(b"\r\n\r\n")        # HEAD: the head, no body
+    assert len(sock.sent) == 1 and sock.sent[0].endswith(b"\r\n\r\n")  # HEAD: the head, no body
 
     large, sock = _response()
     body = b"x" * (200 * 1024)
     large.start_response("200 OK", [("Content-Length", str(len(body)))])
     large.write(body)
     large.close()
-    assert sock.sent[0].endswith(b"\r\n\r\n") and b"".join(sock.sent[1:]) == body   # not copied behind the head
+    assert sock.sent[0].endswith(b"\r\n\r\n") and b"".join(sock.sent[1:]) == body  # not copied behind the head
 
     chunked, sock = _response()
-    chunked.start_response("200 OK", [("Content-Type", "text/plain")])       # no length: chunked framing
+    chunked.start_response("200 OK", [("Content-Type", "text/plain")])  # no length: chunked framing
     chunked.write(b"abc")
     chunked.close()
     assert sock.sent[0].endswith(b"\r\n\r\n") and b"Transfer-Encoding: chunked" in sock.sent[0]

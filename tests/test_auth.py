@@ -1,5 +1,6 @@
 """API keys, per-key visibility and the per-key rate limit, over real HTTP.
 A second API with keys configured serves the same queues as the stack's."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -10,14 +11,19 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
+from app.services import services as api_services
 from bench.processes import ManagedProcess, celery_argv
 from tests.support import ApiServer, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
 
-KEYS = ({"id": "team-a", "sha256": hash_key("key-a")}, {"id": "team-b", "sha256": hash_key("key-b")},
-        {"id": "team-c", "sha256": hash_key("key-c")}, {"id": "ops", "sha256": hash_key("key-ops"), "admin": True})
+KEYS = (
+    {"id": "team-a", "sha256": hash_key("key-a")},
+    {"id": "team-b", "sha256": hash_key("key-b")},
+    {"id": "team-c", "sha256": hash_key("key-c")},
+    {"id": "ops", "sha256": hash_key("key-ops"), "admin": True},
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +34,14 @@ def keyed_worker(stack, tmp_path_factory):
     config["auth"] = {"api_keys": [dict(entry) for entry in KEYS]}
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    worker = ManagedProcess("keyed-cpu-worker", celery_argv("worker", "-Q", "preprocess", "-c", "2", "--without-gossip",
-                                                            "--without-mingle", "--loglevel", "INFO"),
-                            {**stack.env, "IMGSERVE_CONFIG": str(path)}, workdir)
+    worker = ManagedProcess(
+        "keyed-cpu-worker",
+        celery_argv(
+            "worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO"
+        ),
+        {**stack.env, "IMGSERVE_CONFIG": str(path)},
+        workdir,
+    )
     wait_until(lambda: "ready." in worker.log_tail() or not worker.alive(), 60, what="the keyed CPU worker")
     assert worker.alive(), worker.log_tail()
     yield worker
@@ -51,16 +62,21 @@ def as_key(key: str | None) -> dict[str, str]:
 
 def test_without_a_key_v1_is_refused_but_health_stays_open(keyed_api):
     for headers in (as_key(None), as_key("wrong")):
-        response = requests.post(keyed_api.url + "/v1/jobs", data=jpeg(64, 64), timeout=10,
-                                 headers={"Content-Type": "image/jpeg", **headers})
+        response = requests.post(
+            keyed_api.url + "/v1/jobs", data=jpeg(64, 64), timeout=10, headers={"Content-Type": "image/jpeg", **headers}
+        )
         assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
     assert requests.get(keyed_api.url + "/healthz", timeout=10).status_code == 200
     assert requests.get(keyed_api.url + "/readyz", timeout=10).status_code == 200
 
 
 def test_a_job_is_visible_only_to_the_key_that_created_it(keyed_api, stack):
-    response = requests.post(keyed_api.url + "/v1/jobs", data=jpeg(64, 64), timeout=10,
-                             headers={"Content-Type": "image/jpeg", **as_key("key-a")})
+    response = requests.post(
+        keyed_api.url + "/v1/jobs",
+        data=jpeg(64, 64),
+        timeout=10,
+        headers={"Content-Type": "image/jpeg", **as_key("key-a")},
+    )
     assert response.status_code == 202
     job_url = keyed_api.url + response.json()["links"]["self"]
     mine = requests.get(job_url, params={"wait": 20}, headers=as_key("key-a"), timeout=40)
@@ -71,8 +87,7 @@ def test_a_job_is_visible_only_to_the_key_that_created_it(keyed_api, stack):
 
 
 def test_each_key_has_its_own_token_bucket(keyed_api):
-    statuses = [requests.get(keyed_api.url + "/v1/models", headers=as_key("key-b"), timeout=10)
-                for _ in range(6)]
+    statuses = [requests.get(keyed_api.url + "/v1/models", headers=as_key("key-b"), timeout=10) for _ in range(6)]
     limited = [r for r in statuses if r.status_code == 429]
     assert limited and int(limited[0].headers["Retry-After"]) >= 1
     assert limited[0].json()["type"] == "/problems/rate-limited"
@@ -92,13 +107,16 @@ def test_the_rate_limit_holds_under_concurrent_clients(stack):
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    auth = dataclasses.replace(stack.settings.auth, rate_per_s=5.0, burst=20.0,
-                               api_keys=({"id": "racer", "sha256": hash_key("key-race")},))
+    auth = dataclasses.replace(
+        stack.settings.auth, rate_per_s=5.0, burst=20.0, api_keys=({"id": "racer", "sha256": hash_key("key-race")},)
+    )
     servers = [ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth))) for _ in range(2)]
     stack.redis.delete(stack.keys.rate_bucket("racer"))
     try:
+
         def one(i: int) -> int:
             return requests.get(servers[i % 2].url + "/v1/models", headers=as_key("key-race"), timeout=30).status_code
+
         started = time.monotonic()
         with ThreadPoolExecutor(50) as pool:
             codes = list(pool.map(one, range(150)))
@@ -112,13 +130,16 @@ def test_the_rate_limit_holds_under_concurrent_clients(stack):
 
 
 def test_an_address_that_keeps_failing_to_authenticate_is_throttled(stack):
-    auth = dataclasses.replace(stack.settings.auth, failed_per_s=1.0, failed_burst=5.0,
-                               api_keys=({"id": "real", "sha256": hash_key("key-real")},))
+    auth = dataclasses.replace(
+        stack.settings.auth,
+        failed_per_s=1.0,
+        failed_burst=5.0,
+        api_keys=({"id": "real", "sha256": hash_key("key-real")},),
+    )
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     stack.redis.delete(stack.keys.auth_failures("127.0.0.1"))
     try:
-        guesses = [requests.get(server.url + "/v1/models", headers=as_key(f"guess-{i}"), timeout=10)
-                   for i in range(30)]
+        guesses = [requests.get(server.url + "/v1/models", headers=as_key(f"guess-{i}"), timeout=10) for i in range(30)]
         real = requests.get(server.url + "/v1/models", headers=as_key("key-real"), timeout=10)
     finally:
         server.stop()
@@ -127,7 +148,7 @@ def test_an_address_that_keeps_failing_to_authenticate_is_throttled(stack):
     throttled = next(r for r in guesses if r.status_code == 429)
     assert throttled.json()["type"] == "/problems/too-many-failed-authentications"
     assert int(throttled.headers["Retry-After"]) >= 1
-    assert real.status_code == 200                   # a right key is never what the throttle counts
+    assert real.status_code == 200  # a right key is never what the throttle counts
 
 
 def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keyed_worker):
@@ -140,7 +161,7 @@ def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keye
     import time
     from collections import Counter
 
-    from gpu_worker.stats import percentile
+    from contract.timebill import percentile
 
     auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=KEYS)
     # team-a's share: 80 jobs. Its jobs the worker moved on also count on the model's frame list (max_frames,
@@ -155,15 +176,19 @@ def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keye
     def flood() -> None:
         session = requests.Session()
         while not stop.is_set():
-            response = session.post(server.url + "/v1/jobs", data=jpeg(320, 240), timeout=30,
-                                    headers={"Content-Type": "image/jpeg", **as_key("key-a")})
+            response = session.post(
+                server.url + "/v1/jobs",
+                data=jpeg(320, 240),
+                timeout=30,
+                headers={"Content-Type": "image/jpeg", **as_key("key-a")},
+            )
             codes[response.status_code] += 1
             if response.status_code == 202:
                 flood_ids.append(response.json()["id"])
 
     threads = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
     quiet = []
-    keyed_worker.signal(signal.SIGSTOP)   # for less than celery.heartbeat_ttl_s: it stays a live worker of team-a's
+    keyed_worker.signal(signal.SIGSTOP)  # for less than celery.heartbeat_ttl_s: it stays a live worker of team-a's
     paused = True
     try:
         for thread in threads:
@@ -172,9 +197,13 @@ def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keye
         keyed_worker.signal(signal.SIGCONT)
         paused = False
         for i in range(20):
-            response = requests.post(server.url + "/v1/jobs", data=jpeg(320, 240, seed=i), timeout=30,
-                                     headers={"Content-Type": "image/jpeg", **as_key("key-b")})
-            assert response.status_code == 202, response.text          # never refused for team-a's flood
+            response = requests.post(
+                server.url + "/v1/jobs",
+                data=jpeg(320, 240, seed=i),
+                timeout=30,
+                headers={"Content-Type": "image/jpeg", **as_key("key-b")},
+            )
+            assert response.status_code == 202, response.text  # never refused for team-a's flood
             quiet.append(response.json()["id"])
             time.sleep(0.2)
     finally:
@@ -184,16 +213,20 @@ def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keye
         for thread in threads:
             thread.join()
     try:
-        docs = [requests.get(f"{server.url}/v1/jobs/{job_id}", params={"wait": 30}, headers=as_key("key-b"),
-                             timeout=60).json() for job_id in quiet]
-        for job_id in flood_ids:                                       # drain team-a's before the next test
+        docs = [
+            requests.get(
+                f"{server.url}/v1/jobs/{job_id}", params={"wait": 30}, headers=as_key("key-b"), timeout=60
+            ).json()
+            for job_id in quiet
+        ]
+        for job_id in flood_ids:  # drain team-a's before the next test
             requests.get(f"{server.url}/v1/jobs/{job_id}", params={"wait": 30}, headers=as_key("key-a"), timeout=60)
     finally:
         server.stop()
     waits = sorted(doc["timings_ms"]["queue_cpu"] for doc in docs if doc["status"] == "succeeded")
     print(f"team-b's queue_cpu p95 {percentile(waits, 95):.0f} ms beside team-a's flood {dict(codes)}")
     assert len(waits) == 20 and codes[202] >= 80
-    assert percentile(waits, 95) < 1500        # behind itself, not behind team-a's 80 waiting jobs
+    assert percentile(waits, 95) < 1500  # behind itself, not behind team-a's 80 waiting jobs
 
 
 def test_a_key_no_cpu_worker_takes_yet_is_served_from_the_shared_queue(stack, keyed_worker):
@@ -203,15 +236,23 @@ def test_a_key_no_cpu_worker_takes_yet_is_served_from_the_shared_queue(stack, ke
     auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=(*KEYS, new_key))
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     try:
-        keys = server.app.extensions["imgserve"].keys
-        wait_until(lambda: stack.redis.hexists(keys.cpu_tenants, "team-b"), 30,
-                   what="the keyed worker's heartbeat naming its keys")
+        keys = api_services(server.app).keys
+        wait_until(
+            lambda: stack.redis.hexists(keys.cpu_tenants, "team-b"),
+            30,
+            what="the keyed worker's heartbeat naming its keys",
+        )
         for key in ("key-new", "key-b"):
-            response = requests.post(server.url + "/v1/jobs", data=jpeg(64, 64), timeout=30,
-                                     headers={"Content-Type": "image/jpeg", **as_key(key)})
+            response = requests.post(
+                server.url + "/v1/jobs",
+                data=jpeg(64, 64),
+                timeout=30,
+                headers={"Content-Type": "image/jpeg", **as_key(key)},
+            )
             assert response.status_code == 202, response.text
-            done = requests.get(f"{server.url}/v1/jobs/{response.json()['id']}", params={"wait": 30},
-                                headers=as_key(key), timeout=60).json()
+            done = requests.get(
+                f"{server.url}/v1/jobs/{response.json()['id']}", params={"wait": 30}, headers=as_key(key), timeout=60
+            ).json()
             assert done["status"] == "succeeded", done
         assert not stack.redis.hexists(keys.cpu_tenants, "team-new")
     finally:

@@ -1,4 +1,5 @@
 """The batching window, on a fake clock: no Redis, no sleeps."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ class ScriptedSource:
         self.clock = clock
         self.pending = sorted(arrivals, key=lambda arrival: arrival[0])
         self.blocking_calls = 0
-        self.looks: list[tuple[int, int]] = []   # (frames asked for, frames given)
+        self.looks: list[tuple[int, int]] = []  # (frames asked for, frames given)
 
     def pop_blocking(self, timeout_s: float):
         self.blocking_calls += 1
@@ -125,7 +126,7 @@ def test_a_look_that_found_nothing_asks_for_one_frame_next_and_one_that_found_so
     source = ScriptedSource(clock, [(100.001, "a"), (100.0041, "b"), (100.0042, "c"), (100.0081, "d")])
     batch = collector(clock).collect(source)
     assert batch.items == ["a", "b", "c", "d"] and batch.closed_by == CLOSED_BY_WINDOW
-    in_window = source.looks[1:]   # the first look, before the blocking pop, asks for a whole batch
+    in_window = source.looks[1:]  # the first look, before the blocking pop, asks for a whole batch
     assert source.looks[0] == (8, 0)
     room = 7
     previous_found = True

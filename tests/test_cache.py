@@ -1,5 +1,6 @@
 """The result cache (contract.cache): a repeated image is answered from the first one's result, within a byte
 budget, per API key, only for answers that stood. Against real Redis, and a real stack over HTTP."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,82 +16,99 @@ import requests
 
 from app import create_app
 from app.auth import hash_key
-from contract import budget, jobs
+from contract import budget
 from contract.cache import ENTRY_OVERHEAD, CacheLimits, ResultCache, effective_options
+from contract.jobs.ending import JobEnding
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import CANCELLED, EXPIRED, FAILED, RUNNING, SUCCEEDED, JobStore
 from contract.keys import Keys
-from contract.settings import CacheSettings, ModelSpec, Settings
+from contract.models import ModelSpec
+from contract.settings import CacheSettings, Settings
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import ApiServer, jpeg, wait_until
 
-MAX_BYTES = 4000   # about ten entries of the known-answer detector's one-box document
+MAX_BYTES = 4000  # about ten entries of the known-answer detector's one-box document
 
 SPEC = ModelSpec(name="box", version="1", labels=("content",))
 
 
 # --- the digest and the step that stores entries (real Redis, no stack) --------------------------------------
 
+
 def test_the_digest_covers_the_image_the_model_the_options_as_applied_and_the_key():
     settings = Settings(model=SPEC, models=(SPEC, dataclasses.replace(SPEC, version="2")))
-    cache = ResultCache(redis.Redis(), Keys("unit"), settings)   # no command is sent here
+    cache = ResultCache(redis.Redis(), Keys("unit"), settings)  # no command is sent here
     image, other = jpeg(32, 32, seed=1), jpeg(32, 32, seed=2)
     base = cache.digest(image, SPEC, {}, "team-a")
-    assert cache.digest(image, SPEC, {"conf": SPEC.conf, "max_det": SPEC.max_det}, "team-a") == base   # defaults
-    assert len({base, cache.digest(other, SPEC, {}, "team-a"), cache.digest(image, SPEC, {"conf": 0.3}, "team-a"),
-                cache.digest(image, SPEC, {}, "team-b"), cache.digest(image, settings.models[1], {}, "team-a"),
-                cache.digest(image, dataclasses.replace(SPEC, iou=0.5), {}, "team-a")}) == 6
-    shared = ResultCache(redis.Redis(), Keys("unit"),
-                         dataclasses.replace(settings, cache=CacheSettings(shared=True)))
+    assert cache.digest(image, SPEC, {"conf": SPEC.conf, "max_det": SPEC.max_det}, "team-a") == base  # defaults
+    assert (
+        len(
+            {
+                base,
+                cache.digest(other, SPEC, {}, "team-a"),
+                cache.digest(image, SPEC, {"conf": 0.3}, "team-a"),
+                cache.digest(image, SPEC, {}, "team-b"),
+                cache.digest(image, settings.models[1], {}, "team-a"),
+                cache.digest(image, dataclasses.replace(SPEC, iou=0.5), {}, "team-a"),
+            }
+        )
+        == 6
+    )
+    shared = ResultCache(redis.Redis(), Keys("unit"), dataclasses.replace(settings, cache=CacheSettings(shared=True)))
     assert shared.digest(image, SPEC, {}, "team-a") == shared.digest(image, SPEC, {}, "team-b")
     assert effective_options(SPEC, {"iou": 0.6}) == (SPEC.conf, 0.6, SPEC.max_det)
 
 
-def _job(store: jobs.JobStore, job_id: str, digest: str, deadline_in_s: float = 60.0) -> None:
-    store.redis.hset(store.keys.job(job_id), mapping={"id": job_id, "status": jobs.RUNNING, "cache_key": digest,
-                                                        "deadline_at": time.time() + deadline_in_s})
+def _job(store: JobStore, job_id: str, digest: str, deadline_in_s: float = 60.0) -> None:
+    store.redis.hset(
+        store.keys.job(job_id),
+        mapping={"id": job_id, "status": RUNNING, "cache_key": digest, "deadline_at": time.time() + deadline_in_s},
+    )
 
 
 def test_only_an_answer_that_stood_is_stored_and_the_budget_evicts_the_least_recently_used(redis_client):
     keys = Keys("cache-unit")
     document = '{"detections":[],"image":{"width":8,"height":8}}'
-    budget = 3 * (ENTRY_OVERHEAD + len(document))                  # three entries
-    store = jobs.JobStore(redis_client, keys, ttl_s=60, cache=CacheLimits(keys.cache_prefix, budget))
-    for job_id, status, deadline_in_s in (("f", jobs.FAILED, 60), ("c", jobs.CANCELLED, 60), ("l", jobs.SUCCEEDED, -1)):
+    budget = 3 * (ENTRY_OVERHEAD + len(document))  # three entries
+    store = JobEnding(redis_client, keys, ttl_s=60, cache=CacheLimits(keys.cache_prefix, budget))
+    for job_id, status, deadline_in_s in (("f", FAILED, 60), ("c", CANCELLED, 60), ("l", SUCCEEDED, -1)):
         _job(store, job_id, "d-" + job_id, deadline_in_s)
-        store.finish(job_id, status, {"result": document} if status == jobs.SUCCEEDED else {"error": {"code": "x"}})
-        assert not redis_client.exists(keys.cache_entry("d-" + job_id)), status   # "l" ended late: expired
-    assert store.load("l")["status"] == jobs.EXPIRED
+        store.finish(job_id, status, {"result": document} if status == SUCCEEDED else {"error": {"code": "x"}})
+        assert not redis_client.exists(keys.cache_entry("d-" + job_id)), status  # "l" ended late: expired
+    assert store.load("l")["status"] == EXPIRED
     for i in range(5):
         _job(store, f"s{i}", f"d{i}")
-        store.finish(f"s{i}", jobs.SUCCEEDED, {"result": document})
+        store.finish(f"s{i}", SUCCEEDED, {"result": document})
         assert int(redis_client.get(keys.cache_bytes)) <= budget
     assert [d.decode() for d in redis_client.zrange(keys.cache_lru, 0, -1)] == ["d2", "d3", "d4"]
     assert not redis_client.exists(keys.cache_entry("d0"))
     assert redis_client.get(keys.cache_entry("d4")) == document.encode()
     assert sum(int(v) for v in redis_client.hvals(keys.cache_sizes)) == int(redis_client.get(keys.cache_bytes))
-    _job(store, "again", "d4")                                 # the same digest answered again: the first stays
-    store.finish("again", jobs.SUCCEEDED, {"result": '{"detections":[1]}'})
+    _job(store, "again", "d4")  # the same digest answered again: the first stays
+    store.finish("again", SUCCEEDED, {"result": '{"detections":[1]}'})
     assert redis_client.get(keys.cache_entry("d4")) == document.encode()
     assert int(redis_client.get(keys.cache_bytes)) == budget
 
 
 def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(redis_client):
     keys = Keys("cache-admit")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     document = '{"detections":[],"image":{"width":8,"height":8}}'
     redis_client.set(keys.cache_entry("known"), document)
     redis_client.zadd(keys.cache_lru, {"known": 1.0})
-    full = budget.AdmissionRequest("box:1", 700, max_backlog=0, max_model_bytes=10**6, max_all_bytes=10**6,
-                                   max_tenant_backlog=10)
+    full = budget.AdmissionRequest(
+        "box:1", 700, max_backlog=0, max_model_bytes=10**6, max_all_bytes=10**6, max_tenant_backlog=10
+    )
     fields = {"model": "box:1", "received_at": time.time(), "deadline_at": time.time() + 30, "bytes": 700}
     timings = {"receive": 0.1, "total": 0.2}
-    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == (jobs.SUCCEEDED, document)   # served
-                                                                                    # over a full backlog
-    assert store.load("h")["status"] == jobs.SUCCEEDED and store.load("h")["result"] == json.loads(document)
+    assert store.answer_or_admit("h", fields, "known", 60, timings, full) == (SUCCEEDED, document)  # served
+    # over a full backlog
+    assert store.load("h")["status"] == SUCCEEDED and store.load("h")["result"] == json.loads(document)
     refused = store.answer_or_admit("m", fields, "unknown", 60, timings, full)
     assert refused == (budget.OVER_BACKLOG, 0, 0, 0) and store.load("m") is None
-    assert budget.WaitingBytes(redis_client, keys).waiting() == {}                  # nothing reserved either way
+    assert budget.WaitingBytes(redis_client, keys).waiting() == {}  # nothing reserved either way
     admitted = store.answer_or_admit("m", fields, "unknown", 60, timings, full._replace(max_backlog=10))
-    assert admitted.verdict == budget.ADMITTED and store.load("m") is None          # the API stores it next
+    assert admitted.verdict == budget.ADMITTED and store.load("m") is None  # the API stores it next
     assert budget.WaitingBytes(redis_client, keys).waiting() == {"box:1": 700, budget.ALL: 700}
     counts = redis_client.hgetall(keys.cache_stats)
     assert counts == {b"box:1:hits": b"1", b"box:1:misses": b"2"}
@@ -100,19 +118,20 @@ def test_a_hit_past_its_deadline_is_expired_without_the_result_never_both(redis_
     """deadline_ms=1 on a repeated image: the lookup came after the deadline. The 202 said succeeded and a read
     said expired, with the result, before: one answer now, the one every later read gives."""
     keys = Keys("cache-late")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     document = '{"detections":[],"image":{"width":8,"height":8}}'
     redis_client.set(keys.cache_entry("known"), document)
-    request = budget.AdmissionRequest("box:1", 700, max_backlog=10, max_model_bytes=10**6, max_all_bytes=10**6,
-                                      max_tenant_backlog=10)
+    request = budget.AdmissionRequest(
+        "box:1", 700, max_backlog=10, max_model_bytes=10**6, max_all_bytes=10**6, max_tenant_backlog=10
+    )
     received = time.time() - 0.01
     late = {"model": "box:1", "received_at": received, "deadline_at": received + 0.001, "bytes": 700}
     status = store.answer_or_admit("late", late, "known", 60, {"total": 10.0}, request).status
     record = store.load("late")
-    assert status == record["status"] == jobs.EXPIRED
+    assert status == record["status"] == EXPIRED
     assert record.get("result") is None and record["error"]["code"] == "deadline"
     in_time = {**late, "deadline_at": time.time() + 30}
-    assert store.answer_or_admit("on-time", in_time, "known", 60, {"total": 1.0}, request).status == jobs.SUCCEEDED
+    assert store.answer_or_admit("on-time", in_time, "known", 60, {"total": 1.0}, request).status == SUCCEEDED
     assert store.load("on-time")["result"] == json.loads(document)
 
 
@@ -124,12 +143,13 @@ def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client
 
     keys = Keys("cache-gauges")
     settings = Settings(model=SPEC, models=(SPEC,), cache=CacheSettings(max_bytes=5000))
-    store = jobs.JobStore(redis_client, keys, ttl_s=60, cache=CacheLimits.of(settings, keys))
+    store = JobEnding(redis_client, keys, ttl_s=60, cache=CacheLimits.of(settings, keys))
     for i in range(3):
         _job(store, f"g{i}", f"gd{i}")
-        store.finish(f"g{i}", jobs.SUCCEEDED, {"result": '{"detections":[]}'})
-    liveness = Liveness(settings, redis_client, keys, "w", lambda: Heartbeat.__new__(Heartbeat), time.monotonic,
-                        lambda: 0.0)
+        store.finish(f"g{i}", SUCCEEDED, {"result": '{"detections":[]}'})
+    liveness = Liveness(
+        settings, redis_client, keys, "w", lambda: Heartbeat.__new__(Heartbeat), time.monotonic, lambda: 0.0
+    )
     liveness.export_cache_size()
     assert REGISTRY.get_sample_value("imgserve_cache_entries") == 3
     assert REGISTRY.get_sample_value("imgserve_cache_bytes") == 3 * (ENTRY_OVERHEAD + len('{"detections":[]}'))
@@ -138,6 +158,7 @@ def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client
 
 # --- a stack with the cache on ---------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def cache_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("cache")
@@ -145,8 +166,13 @@ def cache_stack(redis_server, tmp_path_factory) -> Iterator[Stack]:
     redis.Redis.from_url(url).flushdb()
     base = content_box_spec(workdir, 64)
     models = [{**base, "name": "box", "version": "1"}, {**base, "name": "box", "version": "2"}]
-    stack = start_stack(url, workdir, None, "cache", {"models": models, "routing": {"routes": {"box": "1"}},
-                                                      "cache": {"enabled": True, "max_bytes": MAX_BYTES}})
+    stack = start_stack(
+        url,
+        workdir,
+        None,
+        "cache",
+        {"models": models, "routing": {"routes": {"box": "1"}}, "cache": {"enabled": True, "max_bytes": MAX_BYTES}},
+    )
     yield stack
     stop_stack(stack)
 
@@ -157,17 +183,17 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert first["status"] == "succeeded" and first["cache"] == "miss" and first["batch"]
     accepted = cache_stack.submit(image)
     assert accepted.status_code == 202 and accepted.json()["status"] == "succeeded"
-    assert accepted.json()["cache"] == "hit" and accepted.json()["result"] == first["result"]   # no poll needed
+    assert accepted.json()["cache"] == "hit" and accepted.json()["result"] == first["result"]  # no poll needed
     assert set(accepted.json()["timings_ms"]) == {"receive", "total"}
     poll = cache_stack.session.get(cache_stack.url(f"/v1/jobs/{accepted.json()['id']}"), timeout=10)
-    assert float(poll.headers["Server-Timing"].removeprefix("app;dur=")) < 1000   # the API's own time, in ms
-    again = cache_stack.job(accepted.json()["id"])                  # over already: no wait
+    assert float(poll.headers["Server-Timing"].removeprefix("app;dur=")) < 1000  # the API's own time, in ms
+    again = cache_stack.job(accepted.json()["id"])  # over already: no wait
     assert again["status"] == "succeeded" and again["cache"] == "hit" and again["result"] == first["result"]
     assert again["batch"] is None and set(again["timings_ms"]) == {"receive", "total"}
     default_conf = cache_stack.settings.models[0].conf
-    assert cache_stack.submit(image, conf=default_conf).json()["cache"] == "hit"   # the same threshold, as applied
-    assert cache_stack.submit(image, conf=0.3).json()["cache"] == "miss"          # another answer
-    assert cache_stack.submit(image, model="box:2").json()["cache"] == "miss"     # another version
+    assert cache_stack.submit(image, conf=default_conf).json()["cache"] == "hit"  # the same threshold, as applied
+    assert cache_stack.submit(image, conf=0.3).json()["cache"] == "miss"  # another answer
+    assert cache_stack.submit(image, model="box:2").json()["cache"] == "miss"  # another version
     opted_out = cache_stack.submit(image, cache="false").json()
     assert opted_out["status"] == "queued" and "cache" not in opted_out
     stats = cache_stack.session.get(cache_stack.url("/v1/stats"), timeout=10).json()["cache"]
@@ -191,22 +217,28 @@ def test_a_hit_past_a_tiny_deadline_says_expired_at_once_and_on_every_read(cache
             assert accepted.get("result") is None and read["result"] is None and read["error"]["code"] == "deadline"
         else:
             assert accepted["result"] == read["result"] is not None
-    answered = cache_stack.session.post(cache_stack.url("/v1/jobs"), params={"wait": 5}, data=image,
-                                        headers={"Content-Type": "image/jpeg"}, timeout=30)
-    assert answered.status_code == 200 and answered.json()["cache"] == "hit"      # one call, from the cache too
+    answered = cache_stack.session.post(
+        cache_stack.url("/v1/jobs"), params={"wait": 5}, data=image, headers={"Content-Type": "image/jpeg"}, timeout=30
+    )
+    assert answered.status_code == 200 and answered.json()["cache"] == "hit"  # one call, from the cache too
     assert answered.json()["status"] == "succeeded" and answered.json()["result"]["detections"] is not None
     assert answered.headers["Content-Location"] == f"/v1/jobs/{answered.json()['id']}"
 
 
 def test_over_a_full_backlog_a_miss_is_refused_and_a_hit_still_answered(cache_stack):
     """Over HTTP, an API of its own namespace whose jobs nobody takes: one job fills its backlog."""
-    settings = dataclasses.replace(cache_stack.settings, namespace="cache-full",
-                                   backpressure=dataclasses.replace(cache_stack.settings.backpressure, max_backlog=1))
+    settings = dataclasses.replace(
+        cache_stack.settings,
+        namespace="cache-full",
+        backpressure=dataclasses.replace(cache_stack.settings.backpressure, max_backlog=1),
+    )
     server = ApiServer(create_app(settings))
     try:
+
         def submit(image: bytes) -> requests.Response:
-            return requests.post(server.url + "/v1/jobs", data=image, timeout=30,
-                                 headers={"Content-Type": "image/jpeg"})
+            return requests.post(
+                server.url + "/v1/jobs", data=image, timeout=30, headers={"Content-Type": "image/jpeg"}
+            )
 
         waiting = submit(jpeg(64, 64, seed=111))
         assert waiting.status_code == 202 and waiting.json()["status"] == "queued"
@@ -250,15 +282,21 @@ def _keyed_api(stack: Stack, shared: bool) -> ApiServer:
 
 
 def _submit(server: ApiServer, key: str, image: bytes, **params: str) -> dict:
-    response = requests.post(server.url + "/v1/jobs", data=image, params=params, timeout=30,
-                             headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {key}"})
+    response = requests.post(
+        server.url + "/v1/jobs",
+        data=image,
+        params=params,
+        timeout=30,
+        headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {key}"},
+    )
     assert response.status_code == 202, response.text
     return response.json()
 
 
 def _wait(server: ApiServer, key: str, job_id: str) -> dict:
-    return requests.get(f"{server.url}/v1/jobs/{job_id}", params={"wait": 20}, timeout=40,
-                        headers={"Authorization": f"Bearer {key}"}).json()
+    return requests.get(
+        f"{server.url}/v1/jobs/{job_id}", params={"wait": 20}, timeout=40, headers={"Authorization": f"Bearer {key}"}
+    ).json()
 
 
 def test_one_keys_entry_is_a_miss_for_another_unless_the_cache_is_shared(cache_stack):
@@ -267,10 +305,10 @@ def test_one_keys_entry_is_a_miss_for_another_unless_the_cache_is_shared(cache_s
         image = jpeg(100, 60, seed=103)
         assert _wait(per_key, "key-a", _submit(per_key, "key-a", image)["id"])["status"] == "succeeded"
         assert _submit(per_key, "key-a", image)["cache"] == "hit"
-        assert _submit(per_key, "key-b", image)["cache"] == "miss"        # team-b learns nothing of team-a's
+        assert _submit(per_key, "key-b", image)["cache"] == "miss"  # team-b learns nothing of team-a's
         other = jpeg(100, 60, seed=104)
         assert _wait(shared, "key-a", _submit(shared, "key-a", other)["id"])["status"] == "succeeded"
-        assert _submit(shared, "key-b", other)["cache"] == "hit"          # shared on purpose
+        assert _submit(shared, "key-b", other)["cache"] == "hit"  # shared on purpose
     finally:
         per_key.stop()
         shared.stop()
@@ -286,13 +324,23 @@ def test_a_draining_or_removed_versions_entries_are_not_served(cache_stack):
     for changed in (draining, removed):
         server = ApiServer(create_app(changed))
         try:
-            pinned = requests.post(server.url + "/v1/jobs", data=image, params={"model": "box:2"}, timeout=30,
-                                   headers={"Content-Type": "image/jpeg"})
+            pinned = requests.post(
+                server.url + "/v1/jobs",
+                data=image,
+                params={"model": "box:2"},
+                timeout=30,
+                headers={"Content-Type": "image/jpeg"},
+            )
             assert pinned.status_code == 404
-            by_name = requests.post(server.url + "/v1/jobs", data=image, params={"model": "box"}, timeout=30,
-                                    headers={"Content-Type": "image/jpeg"})
+            by_name = requests.post(
+                server.url + "/v1/jobs",
+                data=image,
+                params={"model": "box"},
+                timeout=30,
+                headers={"Content-Type": "image/jpeg"},
+            )
             done = requests.get(f"{server.url}/v1/jobs/{by_name.json()['id']}", params={"wait": 20}, timeout=40).json()
-            assert done["status"] == "succeeded" and done["result"]["model"]["version"] == "1"   # never box:2's
+            assert done["status"] == "succeeded" and done["result"]["model"]["version"] == "1"  # never box:2's
         finally:
             server.stop()
 
@@ -334,9 +382,9 @@ def test_a_flood_of_unique_images_keeps_the_cache_within_its_budget_and_every_jo
             cache_stack.wait_terminal(ids[-1])
             assert int(client.get(keys.cache_bytes) or 0) <= MAX_BYTES
     docs = [cache_stack.wait_terminal(job_id) for job_id in ids]
-    assert all(doc["status"] == "succeeded" for doc in docs)            # no job record gave way to the cache
+    assert all(doc["status"] == "succeeded" for doc in docs)  # no job record gave way to the cache
     charged = int(client.get(keys.cache_bytes))
     assert charged <= MAX_BYTES and sum(int(v) for v in client.hvals(keys.cache_sizes)) == charged
     assert client.zcard(keys.cache_lru) < 40
-    assert cache_stack.submit(jpeg(64, 48, seed=1039)).json()["cache"] == "hit"    # the newest stays
-    assert cache_stack.submit(jpeg(64, 48, seed=1000)).json()["cache"] == "miss"   # the oldest went
+    assert cache_stack.submit(jpeg(64, 48, seed=1039)).json()["cache"] == "hit"  # the newest stays
+    assert cache_stack.submit(jpeg(64, 48, seed=1000)).json()["cache"] == "miss"  # the oldest went

@@ -1,4 +1,5 @@
 """The Python client and the imgserve CLI against the running stack."""
+
 from __future__ import annotations
 
 import subprocess
@@ -39,22 +40,32 @@ def test_cli_submits_a_folder_and_prints_the_detections(stack, tmp_path):
     for i in range(3):
         (tmp_path / f"photo{i}.jpg").write_bytes(jpeg(320 + i, 240, seed=i))
     (tmp_path / "notes.txt").write_text("not an image")
-    result = subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit",
-                             str(tmp_path), "--wait"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit", str(tmp_path), "--wait"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("1 detections in") == 3
     assert "content" in result.stdout and "notes.txt" not in result.stdout
 
 
 def test_cli_reports_api_errors_plainly(stack):
-    result = subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "status", "nope"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "status", "nope"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and "404" in result.stderr
 
 
 def test_the_clients_terminal_states_are_the_services():
     """The client imports nothing from the service; this keeps its copy honest."""
-    from contract.jobs import TERMINAL
+    from contract.jobs.record import TERMINAL
     from imgserve_client import TERMINAL as client_terminal
 
     assert set(client_terminal) == {status.value for status in TERMINAL}
@@ -76,9 +87,23 @@ def test_cli_draws_the_boxes_on_the_image(stack, tmp_path):
     source = tmp_path / "in.jpg"
     source.write_bytes(jpeg(400, 300, seed=8))
     out = tmp_path / "drawn.png"
-    result = subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit",
-                             str(source), "--draw", str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "imgserve_client.cli",
+            "--url",
+            stack.api.url,
+            "submit",
+            str(source),
+            "--draw",
+            str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert f"drawn: {out}" in result.stdout
     drawn = Image.open(out).convert("RGB")
@@ -86,8 +111,24 @@ def test_cli_draws_the_boxes_on_the_image(stack, tmp_path):
     # The test model's one box is the whole image: its outline runs along the edges, in class 0's colour.
     assert drawn.getpixel((200, 299)) == COLOURS[0] and drawn.getpixel((0, 150)) == COLOURS[0]
     folder = tmp_path / "boxes"
-    subprocess.run([sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit", str(source),
-                    str(source), "--draw", str(folder)], cwd=REPO_ROOT, check=True, capture_output=True, timeout=120)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "imgserve_client.cli",
+            "--url",
+            stack.api.url,
+            "submit",
+            str(source),
+            str(source),
+            "--draw",
+            str(folder),
+        ],
+        cwd=REPO_ROOT,
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     assert [p.name for p in folder.iterdir()] == ["in.jpg"]
 
 
@@ -106,12 +147,13 @@ def test_submit_with_wait_falls_back_to_two_calls_where_the_deployment_waits_les
         client = Client(server.url)
         calls: list[tuple[str, int]] = []
         client.session.hooks["response"].append(
-            lambda response, *_, **__: calls.append((response.request.method, response.status_code)))
+            lambda response, *_, **__: calls.append((response.request.method, response.status_code))
+        )
         doc = client.submit(jpeg(300, 200, seed=9), wait=True)
         assert doc["status"] == "succeeded"
         assert calls[0] == ("POST", 400) and calls[1][0] == "POST" and calls[1][1] in (200, 202)
         assert {method for method, _ in calls[2:]} <= {"GET"}
         calls.clear()
-        assert client.status(doc["id"], wait_s=20)["status"] == "succeeded" and calls == [("GET", 200)]   # learnt
+        assert client.status(doc["id"], wait_s=20)["status"] == "succeeded" and calls == [("GET", 200)]  # learnt
     finally:
         server.stop()

@@ -1,4 +1,5 @@
 """The shared contract: frames, settings, time bill, job records (real Redis)."""
+
 from __future__ import annotations
 
 import json
@@ -14,20 +15,48 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from contract import jobs
+from contract import frames
 from contract.config import load_settings
 from contract.documents import job_document
+from contract.frame_shards import frame_pusher
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
+from contract.jobs.ending import JobEnding
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import (
+    CANCELLED,
+    EXPIRED,
+    FAILED,
+    MOVED,
+    PREPROCESSING,
+    QUEUED,
+    QUEUED_GPU,
+    RUNNING,
+    SUCCEEDED,
+    JobStore,
+)
 from contract.keys import Keys
-from contract.settings import SettingsError
+from contract.sections import SettingsError
 from contract.timebill import STAGES, compute_time_bill
 from tests.support import REPO_ROOT, wait_until
 
 
 def header(**overrides) -> FrameHeader:
-    values = dict(job_id="j1", width=4, height=2, pad_left=0, pad_top=1, scale_x=0.5, scale_y=0.5,
-                  orig_width=8, orig_height=4, enqueued_at=1.0, deadline_at=2.0,
-                  options={"conf": 0.3}, stamps={"received_at": 0.5})
+    values = dict(
+        job_id="j1",
+        width=4,
+        height=2,
+        pad_left=0,
+        pad_top=1,
+        scale_x=0.5,
+        scale_y=0.5,
+        orig_width=8,
+        orig_height=4,
+        enqueued_at=1.0,
+        deadline_at=2.0,
+        options={"conf": 0.3},
+        stamps={"received_at": 0.5},
+    )
     return FrameHeader(**{**values, **overrides})
 
 
@@ -38,13 +67,16 @@ def test_frame_round_trip_keeps_header_and_pixels():
     assert bytes(frame.pixels) == pixels
 
 
-@pytest.mark.parametrize("mutate", [
-    lambda raw: raw[:3],                               # shorter than the prefix
-    lambda raw: b"XXXX" + raw[4:],                     # bad magic
-    lambda raw: raw[:-1],                              # pixels missing
-    lambda raw: raw[:8] + b"[" + raw[9:],              # header not JSON
-    lambda raw: raw[:4] + b"\xff\xff\xff\xff" + raw[8:],  # absurd header length
-])
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda raw: raw[:3],  # shorter than the prefix
+        lambda raw: b"XXXX" + raw[4:],  # bad magic
+        lambda raw: raw[:-1],  # pixels missing
+        lambda raw: raw[:8] + b"[" + raw[9:],  # header not JSON
+        lambda raw: raw[:4] + b"\xff\xff\xff\xff" + raw[8:],  # absurd header length
+    ],
+)
 def test_damaged_frames_raise_frame_error(mutate):
     raw = pack_frame(header(), bytes(24))
     with pytest.raises(FrameError):
@@ -63,10 +95,21 @@ def test_job_id_can_be_read_from_a_frame_with_damaged_pixels():
 
 
 def test_time_bill_has_every_stage_from_the_stamps():
-    stamps = {"received_at": 10.0, "submitted_at": 10.002, "cpu_started_at": 10.010, "decode_ms": 5.0,
-              "resize_ms": 2.0, "backpressure_ms": 0.0, "pushed_at": 10.020, "popped_at": 10.030,
-              "batch_closed_at": 10.042, "device_started_at": 10.050, "infer_ms": 70.0, "postprocess_ms": 3.0,
-              "finished_at": 10.200}
+    stamps = {
+        "received_at": 10.0,
+        "submitted_at": 10.002,
+        "cpu_started_at": 10.010,
+        "decode_ms": 5.0,
+        "resize_ms": 2.0,
+        "backpressure_ms": 0.0,
+        "pushed_at": 10.020,
+        "popped_at": 10.030,
+        "batch_closed_at": 10.042,
+        "device_started_at": 10.050,
+        "infer_ms": 70.0,
+        "postprocess_ms": 3.0,
+        "finished_at": 10.200,
+    }
     bill = compute_time_bill(stamps)
     assert list(bill) == list(STAGES)
     assert bill["receive"] == pytest.approx(2.0) and bill["queue_gpu"] == pytest.approx(10.0)
@@ -93,9 +136,14 @@ def test_overlay_settings_and_env_redis_url(tmp_path, monkeypatch):
     assert settings.namespace == "other" and settings.redis_url == "redis://example:1/2"
 
 
-@pytest.mark.parametrize("text", ["batching: {windw_ms: 5}\n", "model: {name: x, version: 1, labels: [], "
-                                  "format: builtin}\n", "model: {name: x, version: 1, labels: [a], "
-                                  "format: onnx}\n"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "batching: {windw_ms: 5}\n",
+        "model: {name: x, version: 1, labels: [], format: builtin}\n",
+        "model: {name: x, version: 1, labels: [a], format: onnx}\n",
+    ],
+)
 def test_bad_settings_are_refused_with_a_clear_error(tmp_path, text):
     overlay = tmp_path / "bad.yaml"
     overlay.write_text(text)
@@ -104,16 +152,16 @@ def test_bad_settings_are_refused_with_a_clear_error(tmp_path, text):
 
 
 def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
-    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    store = JobIntake(redis_client, Keys("t"), ttl_s=60)
     pubsub = redis_client.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(Keys("t").job_events)
     store.create("j", b"bytes", 60, {"received_at": 1.0, "deadline_at": 1e12, "options": {"conf": 0.5}})
-    assert advance(store, "j", jobs.PREPROCESSING)
-    assert store.finish("j", jobs.SUCCEEDED, {"result": {"detections": []}})
-    assert not store.finish("j", jobs.FAILED, {"error": {"code": "x"}})
-    assert not advance(store, "j", jobs.RUNNING)
+    assert advance(store, "j", PREPROCESSING)
+    assert store.finish("j", SUCCEEDED, {"result": {"detections": []}})
+    assert not store.finish("j", FAILED, {"error": {"code": "x"}})
+    assert not advance(store, "j", RUNNING)
     record = store.load("j")
-    assert record["status"] == jobs.SUCCEEDED and record["result"] == {"detections": []}
+    assert record["status"] == SUCCEEDED and record["result"] == {"detections": []}
     assert record["options"] == {"conf": 0.5} and "error" not in record
     message = wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="the job-end message")
     assert message["data"] == b"j"
@@ -122,31 +170,31 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
 
 def test_an_answer_after_the_deadline_does_not_stand_and_the_sweeper_ends_what_nobody_ended(redis_client):
     keys = Keys("late")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
     now = time.time()
     store.create("late", b"upload", 60, {"received_at": now - 2, "deadline_at": now - 0.5})
     store.create("soon", b"upload", 60, {"received_at": now, "deadline_at": now + 0.3})
     store.create("later", b"upload", 60, {"received_at": now, "deadline_at": now + 60})
     assert redis_client.zcard(keys.deadlines) == 3
-    assert store.finish("late", jobs.SUCCEEDED, {"result": {"detections": []}, "timings": {"total": 2000.0}})
+    assert store.finish("late", SUCCEEDED, {"result": {"detections": []}, "timings": {"total": 2000.0}})
     late = store.load("late")
-    assert late["status"] == jobs.EXPIRED and "result" not in late and late["error"]["code"] == "deadline"
-    assert late["timings"] == {"total": 2000.0}                  # the time bill still says where the time went
-    assert store.expire_overdue(now) == 0                          # it ended: no longer in the index
-    assert store.expire_overdue(now + 1.0) == 1                    # `soon` is past its deadline: it ends
+    assert late["status"] == EXPIRED and "result" not in late and late["error"]["code"] == "deadline"
+    assert late["timings"] == {"total": 2000.0}  # the time bill still says where the time went
+    assert store.expire_overdue(now) == 0  # it ended: no longer in the index
+    assert store.expire_overdue(now + 1.0) == 1  # `soon` is past its deadline: it ends
     soon = store.load("soon")
-    assert soon["status"] == jobs.EXPIRED and soon["error"]["message"] == "expired before an answer was written"
+    assert soon["status"] == EXPIRED and soon["error"]["message"] == "expired before an answer was written"
     assert not redis_client.exists(keys.upload("soon"))
     assert redis_client.zrange(keys.deadlines, 0, -1) == [b"later"]
-    assert store.finish("later", jobs.SUCCEEDED, {"result": {"detections": []}})   # on time: it stands
-    assert store.load("later")["status"] == jobs.SUCCEEDED and redis_client.zcard(keys.deadlines) == 0
-    redis_client.zadd(keys.deadlines, {"gone": now - 10})          # a job whose record expired meanwhile
+    assert store.finish("later", SUCCEEDED, {"result": {"detections": []}})  # on time: it stands
+    assert store.load("later")["status"] == SUCCEEDED and redis_client.zcard(keys.deadlines) == 0
+    redis_client.zadd(keys.deadlines, {"gone": now - 10})  # a job whose record expired meanwhile
     assert store.expire_overdue(now) == 0 and redis_client.zcard(keys.deadlines) == 0
 
 
-@pytest.mark.parametrize("status", [jobs.FAILED, jobs.EXPIRED, jobs.CANCELLED, jobs.SUCCEEDED])
+@pytest.mark.parametrize("status", [FAILED, EXPIRED, CANCELLED, SUCCEEDED])
 def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, status):
-    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
+    store = JobIntake(redis_client, Keys("t"), ttl_s=60)
     store.create("u", b"twenty MiB, say", 600, {"received_at": 1.0, "deadline_at": 1e12})
     assert redis_client.exists(Keys("t").upload("u"))
     assert store.finish("u", status, {"error": {"code": "x", "message": "y"}})
@@ -154,9 +202,9 @@ def test_whatever_ends_a_job_deletes_its_upload_in_the_same_step(redis_client, s
 
 
 def test_unknown_jobs_cannot_be_moved(redis_client):
-    store = jobs.JobStore(redis_client, Keys("t"), ttl_s=60)
-    assert not advance(store, "nope", jobs.RUNNING)
-    assert not store.finish("nope", jobs.CANCELLED)
+    store = JobEnding(redis_client, Keys("t"), ttl_s=60)
+    assert not advance(store, "nope", RUNNING)
+    assert not store.finish("nope", CANCELLED)
     assert store.load("nope") is None
 
 
@@ -173,7 +221,6 @@ def test_cpu_worker_never_imports_torch():
     assert result.returncode == 0, result.stderr
 
 
-
 @hypothesis_settings(max_examples=300)
 @given(st.binary(max_size=200))
 def test_no_bytes_make_frame_unpacking_raise_anything_but_frame_error(data):
@@ -184,8 +231,12 @@ def test_no_bytes_make_frame_unpacking_raise_anything_but_frame_error(data):
             pass
 
 
-@given(st.dictionaries(st.sampled_from(["job_id", "width", "height", "pad_left", "dtype", "scale_x"]),
-                       st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.floats())))
+@given(
+    st.dictionaries(
+        st.sampled_from(["job_id", "width", "height", "pad_left", "dtype", "scale_x"]),
+        st.one_of(st.integers(-5, 5), st.text(max_size=3), st.none(), st.floats()),
+    )
+)
 def test_no_header_contents_make_unpacking_raise_anything_but_frame_error(fields):
     import json as _json
     import struct as _struct
@@ -213,7 +264,7 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     from contract.connection import COMMAND_PACKER, connect
 
     client = connect(dataclasses.replace(load_settings(), redis_url=redis_server.url))
-    value = bytes(range(256)) * 4000   # 1 MB, every byte value
+    value = bytes(range(256)) * 4000  # 1 MB, every byte value
     client.set("itest:big", value)
     assert client.get("itest:big") == value
     assert client.connection_pool.connection_kwargs["command_packer"] is COMMAND_PACKER
@@ -222,12 +273,16 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     client.delete("itest:big")
 
 
-_ARGUMENT = st.one_of(st.text(max_size=20), st.binary(max_size=20), st.integers(), st.floats(allow_nan=False),
-                      st.binary(min_size=6001, max_size=7000).map(memoryview))
+_ARGUMENT = st.one_of(
+    st.text(max_size=20),
+    st.binary(max_size=20),
+    st.integers(),
+    st.floats(allow_nan=False),
+    st.binary(min_size=6001, max_size=7000).map(memoryview),
+)
 
 
-@given(st.sampled_from(["SET", "EVALSHA", b"HSET", "SCRIPT LOAD", b"CLIENT SETNAME"]),
-       st.lists(_ARGUMENT, max_size=12))
+@given(st.sampled_from(["SET", "EVALSHA", b"HSET", "SCRIPT LOAD", b"CLIENT SETNAME"]), st.lists(_ARGUMENT, max_size=12))
 def test_the_command_packer_writes_what_redis_pys_own_writes(command, arguments):
     """Byte for byte what redis-py's packer sends (floats as repr, ints, text as UTF-8, words of a command
     split), only faster; what redis-py refuses is refused too."""
@@ -254,43 +309,47 @@ def test_a_redelivered_preprocess_task_cannot_push_a_second_frame(redis_client):
     """Two deliveries of one task both decoded the image: only the first push lands (the check is in
     the Lua step, not in Python before it)."""
     keys = Keys("redeliver")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("a" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert advance(store, "a" * 32, jobs.PREPROCESSING)
-    first = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
-    second = store.enqueue_frame("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
-    assert (first, second) == (jobs.PUSHED, jobs.JOB_OVER)
+    assert advance(store, "a" * 32, PREPROCESSING)
+    first = pusher.push("a" * 32, "m:1", b"frame", 10, {"pushed_at": 1.0})
+    second = pusher.push("a" * 32, "m:1", b"frame", 10, {"pushed_at": 2.0})
+    assert (first, second) == (frames.PUSHED, frames.JOB_OVER)
     assert redis_client.llen(keys.frames("m:1")) == 1
     assert store.load("a" * 32)["pushed_at"] == 1.0
 
 
 def test_a_frame_is_not_pushed_for_a_job_not_yet_claimed_or_without_its_upload(redis_client):
     keys = Keys("unclaimed")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
-    store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})          # still queued: not claimed
-    assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
-    assert advance(store, "b" * 32, jobs.PREPROCESSING)
-    redis_client.delete(keys.upload("b" * 32))                             # the upload expired
-    assert store.enqueue_frame("b" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
+    store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})  # still queued: not claimed
+    assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
+    assert advance(store, "b" * 32, PREPROCESSING)
+    redis_client.delete(keys.upload("b" * 32))  # the upload expired
+    assert pusher.push("b" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0
 
 
 def test_only_the_latest_claim_may_push_the_frame(redis_client):
     """A worker presumed dead (its task given back and claimed again) may still be running: its push is voided."""
     keys = Keys("fenced")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("e" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert store.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
-    assert store.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"   # the redelivery
-    assert store.enqueue_frame("e" * 32, "m:1", b"stale", 10, {}, "first") == jobs.JOB_OVER
+    assert handoff.claim_for_preprocessing("e" * 32, time.time(), "first")[0] == "claimed"
+    assert handoff.claim_for_preprocessing("e" * 32, time.time(), "second")[0] == "claimed"  # the redelivery
+    assert pusher.push("e" * 32, "m:1", b"stale", 10, {}, "first") == frames.JOB_OVER
     assert redis_client.llen(keys.frames("m:1")) == 0 and redis_client.exists(keys.upload("e" * 32))
-    assert store.enqueue_frame("e" * 32, "m:1", b"frame", 10, {}, "second") == jobs.PUSHED
+    assert pusher.push("e" * 32, "m:1", b"frame", 10, {}, "second") == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
 
 
-def advance(store: jobs.JobStore, job_id: str, status: str) -> bool:
+def advance(store: JobStore, job_id: str, status: str) -> bool:
     """Move a live job to a non-terminal status; False when it is gone or already over."""
-    return bool(store.advance_many([job_id], status, 0)[0] == jobs.MOVED)
+    return bool(store.advance_many([job_id], status, 0)[0] == MOVED)
 
 
 def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
@@ -307,18 +366,19 @@ def test_the_servers_and_logs_settings_follow_the_rule_and_the_old_names_still_w
     from contract.logs import configure_logging
 
     monkeypatch.setenv("IMGSERVE_API__WORKERS", "5")
-    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")          # both: the new name wins
+    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")  # both: the new name wins
     monkeypatch.setenv("IMGSERVE_API_BIND", "127.0.0.1:9")  # the old name alone still works
     monkeypatch.setenv("IMGSERVE_LOG_LEVEL", "warning")
     with pytest.warns(FutureWarning, match="IMGSERVE_API_BIND is deprecated.*IMGSERVE_API__BIND"):
         settings = load_settings()
     assert (settings.api.workers, settings.api.bind, settings.logs.level) == (5, "127.0.0.1:9", "warning")
     with pytest.warns(FutureWarning, match="IMGSERVE_LOG_LEVEL"):
-        configure_logging("test")                            # before any settings: the environment alone
+        configure_logging("test")  # before any settings: the environment alone
     assert logging.getLogger().level == logging.WARNING
     configure_logging("test", settings.logs)
-    assert set(LEGACY_ENV.values()) <= {f"IMGSERVE_{section.upper()}__{key.upper()}"
-                                        for section in ("api", "logs") for key in _fields_of(section)}
+    assert set(LEGACY_ENV.values()) <= {
+        f"IMGSERVE_{section.upper()}__{key.upper()}" for section in ("api", "logs") for key in _fields_of(section)
+    }
 
 
 def _fields_of(section: str) -> list[str]:
@@ -330,9 +390,14 @@ def _fields_of(section: str) -> list[str]:
     return [f.name for f in dataclasses.fields(owner)]
 
 
-@pytest.mark.parametrize("name, says", [("IMGSERVE_BATCHING__WINDOW_MZ", "unknown BatchingSettings settings"),
-                                        ("IMGSERVE_NOPE__X", "no settings section 'nope'"),
-                                        ("IMGSERVE_MODEL__CONF", "no settings section 'model'")])
+@pytest.mark.parametrize(
+    "name, says",
+    [
+        ("IMGSERVE_BATCHING__WINDOW_MZ", "unknown BatchingSettings settings"),
+        ("IMGSERVE_NOPE__X", "no settings section 'nope'"),
+        ("IMGSERVE_MODEL__CONF", "no settings section 'model'"),
+    ],
+)
 def test_a_misspelt_environment_setting_is_refused_by_name(monkeypatch, name, says):
     monkeypatch.setenv(name, "1")
     with pytest.raises(SettingsError, match=says):
@@ -340,55 +405,64 @@ def test_a_misspelt_environment_setting_is_refused_by_name(monkeypatch, name, sa
 
 
 def test_the_default_file_names_every_setting_the_code_has_with_the_same_default():
-    """configs/default.yaml is where a reader looks for a setting: every field of every section is there,
-    with the value the code falls back to, so the two places cannot drift apart."""
+    """configs/default.yaml is where a reader looks for a setting: every field of Settings and every field of each of
+    its sections is there, with the value the code falls back to, so the two places cannot drift apart. The list
+    is Settings' own fields: a section added to the code is checked without being named here."""
     import dataclasses
+    import typing
 
     import yaml
 
-    from contract import settings as settings_module
+    from contract.settings import Settings
 
-    written = yaml.safe_load((REPO_ROOT / "configs" / "default.yaml").read_text())
-    for section, cls in (("api", settings_module.ApiSettings), ("decode", settings_module.DecodeSettings),
-                         ("jobs", settings_module.JobSettings),
-                         ("batching", settings_module.BatchingSettings),
-                         ("gpu_worker", settings_module.GpuWorkerSettings),
-                         ("celery", settings_module.CeleryWorkerSettings),
-                         ("backpressure", settings_module.BackpressureSettings),
-                         ("auth", settings_module.AuthSettings), ("callbacks", settings_module.CallbackSettings),
-                         ("logs", settings_module.LogSettings)):
-        missing = {f.name for f in dataclasses.fields(cls)} - set(written.get(section) or {})
-        assert not missing, f"configs/default.yaml lacks {section}: {sorted(missing)}"
-        for field in dataclasses.fields(cls):   # and says what the code does when a file is silent
-            in_code, in_file = getattr(cls(), field.name), written[section][field.name]
+    text = (REPO_ROOT / "configs" / "default.yaml").read_text()
+    written = yaml.safe_load(text)
+    types = typing.get_type_hints(Settings)
+    sections = 0
+    for top in dataclasses.fields(Settings):
+        if top.name in ("model", "models"):  # a spec file, or a list of them instead: one or the other
+            assert "model" in written and "\n# models:" in text, top.name
+            continue
+        assert top.name in written, f"configs/default.yaml lacks {top.name}"
+        cls = types[top.name]
+        if not dataclasses.is_dataclass(cls):  # a plain setting (redis_url, namespace)
+            assert written[top.name] == top.default, top.name
+            continue
+        sections += 1
+        missing = {f.name for f in dataclasses.fields(cls)} - set(written[top.name] or {})
+        assert not missing, f"configs/default.yaml lacks {top.name}: {sorted(missing)}"
+        for field in dataclasses.fields(cls):  # and says what the code does when a file is silent
+            in_code, in_file = getattr(cls(), field.name), written[top.name][field.name]
             if isinstance(in_code, dict):
                 in_code, in_file = ({float(k): float(v) for k, v in d.items()} for d in (in_code, in_file))
-            assert (tuple(in_file) if isinstance(in_file, list) else in_file) == in_code, (section, field.name)
+            assert (tuple(in_file) if isinstance(in_file, list) else in_file) == in_code, (top.name, field.name)
+    assert sections >= 14  # the sections of today (routing, redis, api .. bulk): the walk found them
 
 
 def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     keys = Keys("claim")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
-    assert store.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    assert handoff.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
     store.create("c" * 32, b"the upload", 60, {"deadline_at": 200.0, "received_at": 99.0})
-    assert store.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
-    assert store.load("c" * 32)["status"] == jobs.QUEUED                       # the caller ends it
-    verdict, upload, record = store.claim_for_preprocessing("c" * 32, 150.0)
+    assert handoff.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
+    assert store.load("c" * 32)["status"] == QUEUED  # the caller ends it
+    verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 150.0)
     assert (verdict, upload) == ("claimed", b"the upload")
-    assert record["status"] == jobs.PREPROCESSING and record["cpu_started_at"] == 150.0
+    assert record["status"] == PREPROCESSING and record["cpu_started_at"] == 150.0
     assert record["received_at"] == 99.0
-    assert store.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"       # a redelivery may claim again
-    store.finish("c" * 32, jobs.CANCELLED)
-    verdict, upload, record = store.claim_for_preprocessing("c" * 32, 152.0)
-    assert (verdict, upload, record["status"]) == ("over", None, jobs.CANCELLED)
+    assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"  # a redelivery may claim again
+    store.finish("c" * 32, CANCELLED)
+    verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 152.0)
+    assert (verdict, upload, record["status"]) == ("over", None, CANCELLED)
     store.create("d" * 32, b"x", 60, {"deadline_at": 200.0})
     redis_client.delete(keys.upload("d" * 32))
-    assert store.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)   # the caller fails it
-    redis_client.script_flush()                                                      # Redis forgot the script
-    assert store.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
+    assert handoff.claim_for_preprocessing("d" * 32, 150.0)[:2] == ("claimed", None)  # the caller fails it
+    redis_client.script_flush()  # Redis forgot the script
+    assert handoff.claim_for_preprocessing("d" * 32, 151.0)[0] == "claimed"
     redis_client.script_flush()
-    redis_client.client_kill_filter(_type="normal", skipme=True)   # and dropped the claim's connection (a restart)
-    assert store.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
+    redis_client.client_kill_filter(_type="normal", skipme=True)  # and dropped the claim's connection (a restart)
+    assert handoff.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
 
 
 def test_a_config_naming_the_decode_limits_under_api_still_works_with_a_warning(tmp_path):
@@ -412,41 +486,45 @@ def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_
     """The frame is pushed, then checked in the same transaction: over the bound it goes again, and
     the frames already queued keep their order."""
     keys = Keys("fulllist")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("c" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert advance(store, "c" * 32, jobs.PREPROCESSING)
+    assert advance(store, "c" * 32, PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"older", b"newer")
-    assert not store.frame_list_has_room("m:1", 2)
-    assert store.enqueue_frame("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == jobs.LIST_FULL
+    assert not pusher.has_room("m:1", 2)
+    assert pusher.push("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == frames.LIST_FULL
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"newer", b"older"]
-    assert store.load("c" * 32)["status"] == jobs.PREPROCESSING
+    assert store.load("c" * 32)["status"] == PREPROCESSING
     assert redis_client.exists(keys.upload("c" * 32))
-    assert store.frame_list_has_room("m:1", 3)
-    assert store.enqueue_frame("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == jobs.PUSHED
+    assert pusher.has_room("m:1", 3)
+    assert pusher.push("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame", b"newer", b"older"]
-    assert store.load("c" * 32)["status"] == jobs.QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0
+    assert store.load("c" * 32)["status"] == QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0
     assert not redis_client.exists(keys.upload("c" * 32))
 
 
 def test_a_frame_for_a_job_that_ended_is_not_left_in_the_list(redis_client):
     keys = Keys("endedjob")
-    store = jobs.JobStore(redis_client, keys, ttl_s=60)
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
     store.create("d" * 32, b"upload", 60, {"deadline_at": 1e12})
-    assert advance(store, "d" * 32, jobs.PREPROCESSING)
+    assert advance(store, "d" * 32, PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"queued")
     assert store.fail("d" * 32, "cancelled", "ended by a test")
-    assert store.enqueue_frame("d" * 32, "m:1", b"frame", 10, {}) == jobs.JOB_OVER
+    assert pusher.push("d" * 32, "m:1", b"frame", 10, {}) == frames.JOB_OVER
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"queued"]
-    assert store.load("d" * 32)["status"] == jobs.FAILED
+    assert store.load("d" * 32)["status"] == FAILED
 
 
 def test_a_key_share_that_with_the_frame_list_fills_a_models_backlog_is_warned_of(tmp_path):
     config = tmp_path / "keys.yaml"
-    config.write_text("auth:\n  api_keys:\n    - {id: team-a, sha256: " + "0" * 64 + "}\n"
-                      "backpressure: {max_backlog: 100, max_frames: 64}\n")
+    config.write_text(
+        "auth:\n  api_keys:\n    - {id: team-a, sha256: " + "0" * 64 + "}\n"
+        "backpressure: {max_backlog: 100, max_frames: 64}\n"
+    )
     with pytest.warns(UserWarning, match=r"one API key's share of the backlog \(50\) and the frame list \(64\)"):
         load_settings(config)
-    config.write_text(config.read_text().replace("max_backlog: 100", "max_backlog: 160"))   # 80 + 64 < 160
+    config.write_text(config.read_text().replace("max_backlog: 100", "max_backlog: 160"))  # 80 + 64 < 160
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_settings(config)

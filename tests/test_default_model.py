@@ -1,5 +1,6 @@
 """The shipped default model, served through the whole stack, finds the shapes
 where they are, in original pixels, in portrait, landscape, small and large images."""
+
 from __future__ import annotations
 
 import random
@@ -22,8 +23,12 @@ def test_the_default_settings_serve_the_trained_shapes_model():
 
 
 def test_every_object_is_found_with_iou_over_0_8_through_the_service(shapes_stack):
-    scenes = [(name, generate_scene(random.Random(50_000 + i), CLEAR_SCENES, size=size))
-              for i in range(3) for name, size in CATEGORIES if size]
+    scenes = [
+        (name, generate_scene(random.Random(50_000 + i), CLEAR_SCENES, size=size))
+        for i in range(3)
+        for name, size in CATEGORIES
+        if size
+    ]
     report = evaluate_service(shapes_stack.api.url, scenes, concurrency=4)
     print("\n".join(report.lines()))
     assert report.failures == 0
@@ -50,20 +55,22 @@ def test_a_plain_drawing_of_two_circles_and_a_triangle_is_found(shapes_stack):
     assert [label for label, _ in found] == ["circle", "circle", "triangle"], found
     truth = {"circle": [(200, 300, 600, 700), (1300, 150, 1550, 400)], "triangle": [(750, 500, 1250, 950)]}
     from training.metrics import box_iou
+
     for label, box in found:
         assert max(box_iou(box, t) for t in truth[label]) > 0.8, (label, box)
 
 
 def test_map_through_the_service_on_scenes_from_a_generator_training_never_saw(shapes_stack):
-    report = evaluate_service(shapes_stack.api.url, held_out_scenes(40, seed=60_000, generator="independent"),
-                              concurrency=4)
+    report = evaluate_service(
+        shapes_stack.api.url, held_out_scenes(40, seed=60_000, generator="independent"), concurrency=4
+    )
     print("\n".join(report.lines()))
     assert report.failures == 0
-    assert report.map50 >= 0.9   # the model card's figure is on 400 scenes; 40 vary more
+    assert report.map50 >= 0.9  # the model card's figure is on 400 scenes; 40 vary more
 
 
 def test_map_through_the_service_on_held_out_scenes(shapes_stack):
     report = evaluate_service(shapes_stack.api.url, held_out_scenes(40, seed=30_000), concurrency=4)
     print("\n".join(report.lines()))
     assert report.failures == 0
-    assert report.map50 >= 0.85   # the model card's figure is on 400 scenes; 40 vary more
+    assert report.map50 >= 0.85  # the model card's figure is on 400 scenes; 40 vary more

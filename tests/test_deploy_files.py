@@ -1,4 +1,5 @@
 """The compose file and the Procfile describe the same processes."""
+
 from __future__ import annotations
 
 import json
@@ -14,16 +15,20 @@ import yaml
 
 from tests.support import REPO_ROOT
 
-SECRETS = {"REDIS_PASSWORD": "test-redis-secret-8f2Kq", "FLOWER_BASIC_AUTH": "admin:test-flower-secret-x9",
-           "GRAFANA_ADMIN_PASSWORD": "test-grafana-secret-p4"}
+SECRETS = {
+    "REDIS_PASSWORD": "test-redis-secret-8f2Kq",
+    "FLOWER_BASIC_AUTH": "admin:test-flower-secret-x9",
+    "GRAFANA_ADMIN_PASSWORD": "test-grafana-secret-p4",
+}
 
 
 def compose_config(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (scripts/bootstrap --dev installs it)")
     clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
-    return subprocess.run(["docker-compose", *args, "config"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          env={**clean, **env})
+    return subprocess.run(
+        ["docker-compose", *args, "config"], cwd=REPO_ROOT, capture_output=True, text=True, env={**clean, **env}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +70,38 @@ def test_every_service_waits_for_the_secrets_check(compose):
 
 
 def test_the_env_example_copied_unchanged_does_not_start():
-    values = dict(line.split("=", 1) for line in (REPO_ROOT / ".env.example").read_text().splitlines()
-                  if line and not line.startswith("#"))
+    values = dict(
+        line.split("=", 1)
+        for line in (REPO_ROOT / ".env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
     assert compose_config(values).returncode != 0
     from contract.check_secrets import problems
 
     assert problems(["REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD"], values)
 
 
-@pytest.mark.parametrize("env,ok", [
-    ({"REDIS_PASSWORD": "change-me-to-a-long-random-string"}, False),
-    ({"REDIS_PASSWORD": "short"}, False),
-    ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd"}, True),
-    ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd", "FLOWER_BASIC_AUTH": "admin:change-me"}, False),
-    ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd", "FLOWER_BASIC_AUTH": "admin:Xq7-3pLk_vR92mZt8sWd"}, True),
-    ({}, False),
-])
+@pytest.mark.parametrize(
+    "env,ok",
+    [
+        ({"REDIS_PASSWORD": "change-me-to-a-long-random-string"}, False),
+        ({"REDIS_PASSWORD": "short"}, False),
+        ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd"}, True),
+        ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd", "FLOWER_BASIC_AUTH": "admin:change-me"}, False),
+        ({"REDIS_PASSWORD": "Xq7-3pLk_vR92mZt8sWd", "FLOWER_BASIC_AUTH": "admin:Xq7-3pLk_vR92mZt8sWd"}, True),
+        ({}, False),
+    ],
+)
 def test_the_secrets_check_refuses_placeholders_and_short_secrets(env, ok):
     names = ["REDIS_PASSWORD"] + (["FLOWER_BASIC_AUTH"] if "FLOWER_BASIC_AUTH" in env else []) + ["CALLBACK?"]
-    result = subprocess.run([sys.executable, "-m", "contract.check_secrets", *names], cwd=REPO_ROOT,
-                            env={**os.environ, **env}, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "contract.check_secrets", *names],
+        cwd=REPO_ROOT,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert (result.returncode == 0) is ok, result.stderr
     assert ok or "refusing to start" in result.stderr
 
@@ -101,8 +118,9 @@ def test_monitoring_profile_brings_prometheus_and_grafana(compose):
     assert targets == {f"api:{metrics_port}", f"gpu-worker:{gpu_port}"}
     # Scraped over the internal network; never published beside the API's port.
     assert metrics_port in {str(p) for p in api["expose"]}
-    assert all(str(p.get("target", p) if isinstance(p, dict) else p).split(":")[-1] != metrics_port
-               for p in api["ports"])
+    assert all(
+        str(p.get("target", p) if isinstance(p, dict) else p).split(":")[-1] != metrics_port for p in api["ports"]
+    )
 
 
 def exported_sample_names() -> set[str]:
@@ -129,13 +147,22 @@ def test_dashboard_parses_and_every_metric_it_uses_exists():
 
 
 def test_compose_file_is_valid_and_has_every_service(compose):
-    assert set(compose["services"]) >= {"check-secrets", "redis", "api", "cpu-worker", "callback-worker",
-                                        "gpu-worker", "flower", "prometheus", "grafana"}
+    assert set(compose["services"]) >= {
+        "check-secrets",
+        "redis",
+        "api",
+        "cpu-worker",
+        "callback-worker",
+        "gpu-worker",
+        "flower",
+        "prometheus",
+        "grafana",
+    }
 
 
 def test_compose_redis_keeps_an_append_only_file(compose):
     assert "--appendonly yes" in " ".join(compose["services"]["redis"]["command"])
-    assert "--maxmemory-policy noeviction" in " ".join(compose["services"]["redis"]["command"])   # never evicts jobs
+    assert "--maxmemory-policy noeviction" in " ".join(compose["services"]["redis"]["command"])  # never evicts jobs
 
 
 def test_compose_gpu_worker_reserves_an_nvidia_device(compose):
@@ -189,8 +216,10 @@ def test_the_gpu_worker_runs_without_pillow_which_its_image_does_not_install():
     import subprocess
     import sys
 
-    probe = ("import sys; sys.modules['PIL'] = None\n"
-             "import gpu_worker.__main__, gpu_worker.worker, gpu_worker.devices, gpu_worker.simulated")
+    probe = (
+        "import sys; sys.modules['PIL'] = None\n"
+        "import gpu_worker.__main__, gpu_worker.worker, gpu_worker.devices, gpu_worker.simulated"
+    )
     done = subprocess.run([sys.executable, "-c", probe], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     gpu_stage = (REPO_ROOT / "Dockerfile").read_text().split("AS gpu-worker", 1)[1]
@@ -201,8 +230,13 @@ def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_sele
     dashboard = json.loads((REPO_ROOT / "monitoring" / "grafana" / "dashboards" / "imgserve.json").read_text())
     [selector] = dashboard["templating"]["list"]
     assert selector["name"] == "model" and selector["includeAll"] and selector["multi"]
-    per_model = ("imgserve_gpu_batch", "imgserve_stage_seconds", "imgserve_queue_depth", "imgserve_gpu_frames",
-                 "imgserve_api_jobs_submitted")
+    per_model = (
+        "imgserve_gpu_batch",
+        "imgserve_stage_seconds",
+        "imgserve_queue_depth",
+        "imgserve_gpu_frames",
+        "imgserve_api_jobs_submitted",
+    )
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     model_expressions = [expr for expr in expressions if any(name in expr for name in per_model)]
     assert model_expressions and all('model=~"$model"' in expr for expr in model_expressions)
@@ -211,9 +245,14 @@ def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_sele
 def test_every_image_can_be_swapped_for_a_local_stand_in():
     """Where registries are out of reach: the service images' base and torch index are build arguments, and
     Redis's and the monitoring images are variables; the defaults are the public images."""
-    local = {"BASE_IMAGE": "local/python:3.11", "TORCH_INDEX_URL": "http://mirror.local/torch-cpu",
-             "GPU_BASE_IMAGE": "local/python-torch-cpu",
-             "REDIS_IMAGE": "local/redis:7", "PROMETHEUS_IMAGE": "local/prometheus", "GRAFANA_IMAGE": "local/grafana"}
+    local = {
+        "BASE_IMAGE": "local/python:3.11",
+        "TORCH_INDEX_URL": "http://mirror.local/torch-cpu",
+        "GPU_BASE_IMAGE": "local/python-torch-cpu",
+        "REDIS_IMAGE": "local/redis:7",
+        "PROMETHEUS_IMAGE": "local/prometheus",
+        "GRAFANA_IMAGE": "local/grafana",
+    }
     result = compose_config({**SECRETS, **local}, "--profile", "monitoring")
     assert result.returncode == 0, result.stderr
     services = yaml.safe_load(result.stdout)["services"]
@@ -221,11 +260,15 @@ def test_every_image_can_be_swapped_for_a_local_stand_in():
         assert services[name]["build"]["args"]["BASE_IMAGE"] == "local/python:3.11", name
     assert services["gpu-worker"]["build"]["args"]["TORCH_INDEX_URL"] == "http://mirror.local/torch-cpu"
     assert services["gpu-worker"]["build"]["args"]["GPU_BASE_IMAGE"] == "local/python-torch-cpu"
-    assert (services["redis"]["image"], services["prometheus"]["image"], services["grafana"]["image"]) == \
-        ("local/redis:7", "local/prometheus", "local/grafana")
+    assert (services["redis"]["image"], services["prometheus"]["image"], services["grafana"]["image"]) == (
+        "local/redis:7",
+        "local/prometheus",
+        "local/grafana",
+    )
     defaults = yaml.safe_load(compose_config(SECRETS, "--profile", "monitoring").stdout)["services"]
-    assert defaults["redis"]["image"] == "redis:7" and defaults["api"]["build"]["args"]["BASE_IMAGE"] == \
-        "python:3.11-slim"
+    assert (
+        defaults["redis"]["image"] == "redis:7" and defaults["api"]["build"]["args"]["BASE_IMAGE"] == "python:3.11-slim"
+    )
     dockerfile = (REPO_ROOT / "Dockerfile").read_text()
     assert dockerfile.index("ARG BASE_IMAGE=python:3.11-slim") < dockerfile.index("FROM ${BASE_IMAGE} AS app")
     # Without GPU_BASE_IMAGE the GPU worker starts from BASE_IMAGE and installs PyPI's (CUDA) torch.
@@ -237,8 +280,11 @@ def test_every_shell_wrapped_service_execs_its_process_so_a_stop_reaches_it(comp
     """`sh -c "..."` as a container's first process ignores SIGTERM: without exec a stop waits 10 s and kills
     (Redis then loses its last second of writes, a CPU worker its warm shutdown). The compose test checks a
     restarted Redis shut down cleanly; this keeps the commands right for every service."""
-    wrapped = {name: service["command"] for name, service in compose["services"].items()
-               if isinstance(service.get("command"), list) and service["command"][:2] == ["sh", "-c"]}
+    wrapped = {
+        name: service["command"]
+        for name, service in compose["services"].items()
+        if isinstance(service.get("command"), list) and service["command"][:2] == ["sh", "-c"]
+    }
     assert {"redis", "cpu-worker"} <= set(wrapped)
     for name, command in wrapped.items():
         assert command[2].startswith("exec "), (name, command[2])

@@ -2,6 +2,7 @@
 scripts make. The newcomer check (tools/newcomer_check.py, run by CI) runs the documented blocks for real; this
 file catches, in a second and without any process, a name the docs still use after the code dropped it, and
 a script that imports what a module no longer has (`make run` broke that way for several landings)."""
+
 from __future__ import annotations
 
 import ast
@@ -13,8 +14,12 @@ from pathlib import Path
 from tools.newcomer_check import DOCUMENTS, documented_blocks
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-PAGES = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", REPO_ROOT / "samples" / "README.md",
-         *sorted((REPO_ROOT / "docs").glob("*.md"))]
+PAGES = [
+    REPO_ROOT / "README.md",
+    REPO_ROOT / "CONTRIBUTING.md",
+    REPO_ROOT / "samples" / "README.md",
+    *sorted((REPO_ROOT / "docs").glob("*.md")),
+]
 
 
 def _text() -> str:
@@ -27,14 +32,20 @@ def _routes() -> set[tuple[str, str]]:
     from contract.config import load_settings
 
     app = create_app(load_settings())
-    return {(method, re.sub(r"<[^>]+>", "<>", rule.rule)) for rule in app.url_map.iter_rules()
-            for method in rule.methods or () if method not in ("HEAD", "OPTIONS")}
+    return {
+        (method, re.sub(r"<[^>]+>", "<>", rule.rule))
+        for rule in app.url_map.iter_rules()
+        for method in rule.methods or ()
+        if method not in ("HEAD", "OPTIONS")
+    }
 
 
 def test_every_route_the_docs_name_is_served():
     served = _routes()
-    named = {(method, re.sub(r"[<{][^>}]+[>}]", "<>", path).rstrip(".,:;"))
-             for method, path in re.findall(r"\b(GET|POST|DELETE|PUT|PATCH) (/[A-Za-z0-9_/<>{}.-]*)", _text())}
+    named = {
+        (method, re.sub(r"[<{][^>}]+[>}]", "<>", path).rstrip(".,:;"))
+        for method, path in re.findall(r"\b(GET|POST|DELETE|PUT|PATCH) (/[A-Za-z0-9_/<>{}.-]*)", _text())
+    }
     assert named, "no route found in the docs: the pattern is wrong"
     assert named - served == set(), f"documented but not served: {sorted(named - served)}"
 
@@ -75,8 +86,12 @@ def test_every_make_target_the_docs_name_exists():
     makefile = (REPO_ROOT / "Makefile").read_text()
     targets = set(re.findall(r"^([a-z][a-z-]*):", makefile, re.MULTILINE))
     named = set(re.findall(r"`make ([a-z][a-z-]*)", _text()))
-    named |= {line.split()[1] for block, _ in documented_blocks(REPO_ROOT, DOCUMENTS)
-              for line in block.text.splitlines() if line.startswith("make ") and len(line.split()) > 1}
+    named |= {
+        line.split()[1]
+        for block, _ in documented_blocks(REPO_ROOT, DOCUMENTS)
+        for line in block.text.splitlines()
+        if line.startswith("make ") and len(line.split()) > 1
+    }
     assert {"run", "test"} <= named
     assert named <= targets, f"documented but not in the Makefile: {sorted(named - targets)}"
     run_local = (REPO_ROOT / "scripts" / "run-local").read_text()
@@ -104,8 +119,13 @@ def _python_imports_in_shell(text: str) -> list[tuple[str, str]]:
 def test_what_the_scripts_run_can_be_imported():
     """Every `python -c "from M import N"` and `python -m M` of scripts/, the Makefile, the Procfile and the
     compose file names something that exists (the stale import that broke `make run` was one of these)."""
-    files = [*sorted((REPO_ROOT / "scripts").iterdir()), REPO_ROOT / "Makefile", REPO_ROOT / "Procfile",
-             REPO_ROOT / "docker-compose.yml", REPO_ROOT / "Dockerfile"]
+    files = [
+        *sorted((REPO_ROOT / "scripts").iterdir()),
+        REPO_ROOT / "Makefile",
+        REPO_ROOT / "Procfile",
+        REPO_ROOT / "docker-compose.yml",
+        REPO_ROOT / "Dockerfile",
+    ]
     text = "\n".join(path.read_text() for path in files if path.is_file())
     for module, name in _python_imports_in_shell(text):
         assert hasattr(importlib.import_module(module), name), f"{module} has no {name}"

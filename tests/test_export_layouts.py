@@ -5,6 +5,7 @@ Ultralytics and YOLOv5 cannot be installed here (they need torchvision, which do
 the pinned torch), so each file is built as their exporters build it: the same output forms (a
 tensor; YOLOv5's `(pred,)` and `(pred, [maps])`), the same `config.txt` extra file, fp16 weights.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,7 @@ import yaml
 
 from contract.config import load_model_spec
 from contract.model_files import embedded_metadata, identify
-from contract.settings import SettingsError
+from contract.sections import SettingsError
 from gpu_worker.model import ModelLoadError, load_model
 from tests.conftest import STACK_INPUT_SIZE, TEST_DEVICE, Stack
 from tests.support import ManagedProcess, build_content_box_model, jpeg, python_argv, wait_until
@@ -41,26 +42,33 @@ class PredictionTuple(torch.nn.Module):
 class PredictionAndMaps(PredictionTuple):
     """YOLOv5 traced without its export flag: `(pred, [feature maps])`."""
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:   # type: ignore[override]
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:  # type: ignore[override]
         return self.inner(x), [x[:, :1, ::8, ::8]]
 
 
 def ultralytics_config(names: Any = None, imgsz: Any = STACK_INPUT_SIZE) -> str:
     """What Ultralytics' TorchScript exporter writes into config.txt (json.dumps of its metadata)."""
-    return json.dumps({"description": "Ultralytics YOLOv8n model", "stride": 32, "task": "detect", "batch": 1,
-                       "imgsz": [imgsz, imgsz] if isinstance(imgsz, int) else imgsz,
-                       "names": names if names is not None else {0: LABELS[0], 1: LABELS[1]}})
+    return json.dumps(
+        {
+            "description": "Ultralytics YOLOv8n model",
+            "stride": 32,
+            "task": "detect",
+            "batch": 1,
+            "imgsz": [imgsz, imgsz] if isinstance(imgsz, int) else imgsz,
+            "names": names if names is not None else {0: LABELS[0], 1: LABELS[1]},
+        }
+    )
 
 
 def write_model(folder: Path, kind: str) -> dict[str, Any]:
     """One export as a user would have it, and the spec that serves it (labels / input_size left out
     where the file carries them)."""
     spec: dict[str, Any] = {"name": kind, "version": "1"}
-    if kind == "yolov8-torchscript":          # Ultralytics' exporter: a tensor and config.txt
+    if kind == "yolov8-torchscript":  # Ultralytics' exporter: a tensor and config.txt
         path = folder / "yolov8n.torchscript"
         build_content_box_model(2).save(str(path), _extra_files={"config.txt": ultralytics_config()})
         spec.update(format="torchscript", layout="yolov8")
-    elif kind in ("yolov5-tuple", "yolov5-tuple-with-maps"):   # YOLOv5's exporter: (pred,) / a trace
+    elif kind in ("yolov5-tuple", "yolov5-tuple-with-maps"):  # YOLOv5's exporter: (pred,) / a trace
         path = folder / "yolov5s.torchscript"
         wrapper = PredictionAndMaps if kind.endswith("maps") else PredictionTuple
         scripted = torch.jit.script(wrapper(build_content_box_model(2, layout="yolov5")))
@@ -70,9 +78,11 @@ def write_model(folder: Path, kind: str) -> dict[str, Any]:
     elif kind == "pt2-dynamic-batch":
         path = folder / "detector.pt2"
         batch = torch.export.Dim("batch", min=1, max=64)
-        program = torch.export.export(build_content_box_model(2, script=False),
-                                      (torch.zeros(2, 3, STACK_INPUT_SIZE, STACK_INPUT_SIZE),),
-                                      dynamic_shapes=({0: batch},))
+        program = torch.export.export(
+            build_content_box_model(2, script=False),
+            (torch.zeros(2, 3, STACK_INPUT_SIZE, STACK_INPUT_SIZE),),
+            dynamic_shapes=({0: batch},),
+        )
         torch.export.save(program, str(path))
         spec.update(format="export", layout="yolov8", labels=LABELS, input_size=STACK_INPUT_SIZE)
     elif kind == "fp16-torchscript":
@@ -127,12 +137,15 @@ def onnx_bytes() -> bytes:
     return b"\x08\x08\x12\x07pytorch\x1a\x042.13:" + bytes(64)
 
 
-@pytest.mark.parametrize("content, says", [
-    (onnx_bytes(), "an ONNX model"),
-    (None, "a PyTorch checkpoint"),
-    (b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19." + bytes(32), "a PyTorch checkpoint"),   # legacy torch.save
-    (b"not a model at all", "not a file this service recognises"),
-])
+@pytest.mark.parametrize(
+    "content, says",
+    [
+        (onnx_bytes(), "an ONNX model"),
+        (None, "a PyTorch checkpoint"),
+        (b"\x80\x02\x8a\x0al\xfc\x9cF\xf9 j\xa8P\x19." + bytes(32), "a PyTorch checkpoint"),  # legacy torch.save
+        (b"not a model at all", "not a file this service recognises"),
+    ],
+)
 def test_a_file_of_another_kind_is_named_not_called_corrupted(tmp_path, content, says):
     path = tmp_path / "model.pt"
     if content is None:
@@ -140,8 +153,10 @@ def test_a_file_of_another_kind_is_named_not_called_corrupted(tmp_path, content,
         torch.save({"model": build_content_box_model(2).state_dict(), "names": LABELS}, str(path))
     else:
         path.write_bytes(content)
-    spec = load_model_spec({"name": "m", "version": "1", "format": "torchscript", "path": str(path),
-                            "labels": LABELS, "input_size": 64}, tmp_path)
+    spec = load_model_spec(
+        {"name": "m", "version": "1", "format": "torchscript", "path": str(path), "labels": LABELS, "input_size": 64},
+        tmp_path,
+    )
     with pytest.raises(ModelLoadError, match=f"is {says}.*the spec says format: torchscript"):
         load_model(spec, CPU)
 
@@ -149,8 +164,11 @@ def test_a_file_of_another_kind_is_named_not_called_corrupted(tmp_path, content,
 def test_a_pt2_named_as_torchscript_says_which_format_it_is(tmp_path):
     spec = write_model(tmp_path, "pt2-dynamic-batch")
     assert identify(Path(spec["path"])) == "export"
-    with pytest.raises(ModelLoadError, match=r"torch.export program .*format: export\); the spec says format: "
-                                             r"torchscript"):
+    with pytest.raises(
+        ModelLoadError,
+        match=r"torch.export program .*format: export\); the spec says format: "
+        r"torchscript",
+    ):
         load_model(load_model_spec({**spec, "format": "torchscript"}, tmp_path), CPU)
 
 
@@ -164,18 +182,27 @@ def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
 
     def serve(kind: str) -> None:
         config = yaml.safe_load(stack.config_path.read_text())
-        config["model"] = {**write_model(tmp_path, kind), "name": stack.settings.model.name,
-                           "version": stack.settings.model.version}
+        config["model"] = {
+            **write_model(tmp_path, kind),
+            "name": stack.settings.model.name,
+            "version": stack.settings.model.version,
+        }
         config_path = tmp_path / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         stack.stop_gpu_worker()
         worker_id = f"{stack.gpu_worker_id}-{kind}"
-        process = ManagedProcess(f"gpu-worker-{kind}", python_argv("-m", "gpu_worker", "--device", TEST_DEVICE,
-                                                                   "--worker-id", worker_id),
-                                 {**stack.env, "IMGSERVE_CONFIG": str(config_path)}, tmp_path)
+        process = ManagedProcess(
+            f"gpu-worker-{kind}",
+            python_argv("-m", "gpu_worker", "--device", TEST_DEVICE, "--worker-id", worker_id),
+            {**stack.env, "IMGSERVE_CONFIG": str(config_path)},
+            tmp_path,
+        )
         swapped.append(process)
-        wait_until(lambda: stack.redis.exists(stack.keys.heartbeat(worker_id)) or not process.alive(), 60,
-                   what=f"the {kind} GPU worker's first heartbeat")
+        wait_until(
+            lambda: stack.redis.exists(stack.keys.heartbeat(worker_id)) or not process.alive(),
+            60,
+            what=f"the {kind} GPU worker's first heartbeat",
+        )
         assert process.alive(), process.log_tail()
 
     yield serve
@@ -187,8 +214,10 @@ def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_export_is_served_end_to_end(stack, swap_model, kind):
     swap_model(kind)
-    job_ids = [stack.submit_ok(jpeg(width, height, seed=i)) for i, (width, height) in
-               enumerate([(640, 480), (300, 500), (1024, 256)])]
+    job_ids = [
+        stack.submit_ok(jpeg(width, height, seed=i))
+        for i, (width, height) in enumerate([(640, 480), (300, 500), (1024, 256)])
+    ]
     for job_id, (width, height) in zip(job_ids, [(640, 480), (300, 500), (1024, 256)]):
         doc = stack.wait_terminal(job_id)
         assert doc["status"] == "succeeded", doc
@@ -203,9 +232,25 @@ def test_the_pt2_recipe_writes_a_program_and_a_spec_the_worker_serves(tmp_path):
     import sys
 
     out = tmp_path / "models" / "tiny.pt2"
-    done = subprocess.run([sys.executable, "-m", "tools.export_pt2", "gpu_worker.tiny_yolo:build_random",
-                           "--labels", "a,b,c", "--imgsz", "64", "--max-batch", "8", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tools.export_pt2",
+            "gpu_worker.tiny_yolo:build_random",
+            "--labels",
+            "a,b,c",
+            "--imgsz",
+            "64",
+            "--max-batch",
+            "8",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr
     spec = load_model_spec(str(out.with_suffix(".yaml")), tmp_path)
     assert (spec.format, spec.layout, spec.input_size, spec.labels) == ("export", "yolov8", 64, ("a", "b", "c"))
@@ -218,15 +263,26 @@ def test_the_pt2_recipe_says_why_it_cannot_read_an_ultralytics_model_here(tmp_pa
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-m", "tools.export_pt2", str(tmp_path / "yolov8n.yaml"),
-                           "--out", str(tmp_path / "y.pt2")], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "tools.export_pt2", str(tmp_path / "yolov8n.yaml"), "--out", str(tmp_path / "y.pt2")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode != 0 and "ultralytics" in done.stderr
 
 
 def test_v1_models_says_what_the_file_gave_and_how_its_output_is_read(stack, swap_model):
     swap_model("yolov5-tuple")
     worker_id = f"{stack.gpu_worker_id}-yolov5-tuple"
-    served = wait_until(lambda: [m for m in stack.session.get(stack.url("/v1/models"), timeout=10).json()["models"]
-                                 if m["workers"] == [worker_id]], 30, what="the swapped model in /v1/models")
+    served = wait_until(
+        lambda: [
+            m
+            for m in stack.session.get(stack.url("/v1/models"), timeout=10).json()["models"]
+            if m["workers"] == [worker_id]
+        ],
+        30,
+        what="the swapped model in /v1/models",
+    )
     assert served[0]["output"] == "element 0 of a tuple"
     assert served[0]["from_file"] == ["labels", "input_size"] and served[0]["precision"] == "fp32"

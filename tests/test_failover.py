@@ -1,6 +1,7 @@
 """The control plane behind Sentinel (settings.redis): every process follows a failover, a 202 waits until a
 replica holds the job, and the primary SIGKILLed under load loses no accepted job. Real redis-servers and
 Sentinels (tools.redis_ha), make run's own processes (bench.stack.ProcfileStack), real HTTP."""
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,7 @@ from bench.processes import RedisServer, wait_until
 from contract import budget
 from contract.config import load_settings
 from contract.connection import NotReplicated, connect, execute_and_wait
-from contract.jobs import JobStore, Replication
+from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.replies import PayloadReader
 from tests.support import jpeg
@@ -46,7 +47,7 @@ def test_a_sentinel_client_writes_to_the_primary_and_a_202s_write_reaches_a_repl
     primary = ha.wait_settled(30)
     assert client.connection_pool.get_master_address()[1] == ha.nodes[primary].port
     replies, acknowledged = execute_and_wait(client, [("MULTI",), ("SET", "durable", "1"), ("EXEC",)], 2, 2000)
-    assert replies[-1] == [b"OK"] and acknowledged == 2      # both replicas hold it
+    assert replies[-1] == [b"OK"] and acknowledged == 2  # both replicas hold it
     for name in ("a", "b", "c"):
         node = redis.Redis(port=ha.nodes[name].port)
         wait_until(lambda n=node: n.get("durable") == b"1", 5, what=f"{name} to hold the write")
@@ -58,7 +59,7 @@ def test_a_job_too_few_replicas_acknowledge_is_withdrawn_and_refused(tmp_path):
     server = RedisServer(tmp_path)
     try:
         client, keys = redis.Redis(port=server.port), Keys("replicas")
-        store = JobStore(client, keys, 60, replication=Replication(1, 50))
+        store = JobIntake(client, keys, 60, replication=Replication(1, 50))
         with pytest.raises(NotReplicated) as caught:
             store.create("j1", b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": time.time() + 30})
         assert caught.value.acknowledged == 0
@@ -81,8 +82,8 @@ def test_a_payload_connection_that_meets_a_replica_finds_the_primary_again(tmp_p
         reader = PayloadReader(redis.Redis(port=replica.port))
         with pytest.raises(redis.ConnectionError, match="READONLY"):
             reader.execute(("SET", "k", "v"))
-        assert reader.connection is None                  # dropped: the next call takes one through the pool
-        assert reader.execute(("GET", "k")) == [None]     # and it works
+        assert reader.connection is None  # dropped: the next call takes one through the pool
+        assert reader.execute(("GET", "k")) == [None]  # and it works
     finally:
         replica.stop()
         primary.stop()
@@ -96,11 +97,11 @@ def test_bytes_that_could_not_be_given_back_are_given_back_once_redis_answers(tm
     client.hset(keys.waiting_bytes, mapping={"m:1": 1000, budget.ALL: 1000})
     server.stop()
     waiting.release_later("m:1", 400)
-    assert waiting.flush_unreleased() == 0                # Redis away: kept
+    assert waiting.flush_unreleased() == 0  # Redis away: kept
     server.start()
     assert waiting.flush_unreleased() == 1
     assert waiting.waiting() == {"m:1": 600, budget.ALL: 600}
-    assert waiting.flush_unreleased() == 0                # once
+    assert waiting.flush_unreleased() == 0  # once
     server.stop()
 
 
@@ -115,8 +116,9 @@ def test_a_celery_worker_gives_back_a_message_it_is_recorded_holding_but_does_no
 
     keys = Keys("unheld")
     client = redis.Redis.from_url(redis_server.url)
-    with kombu.Connection(redis_server.url, transport=TRANSPORT,
-                          transport_options={"global_keyprefix": keys.celery_prefix}) as connection:
+    with kombu.Connection(
+        redis_server.url, transport=TRANSPORT, transport_options={"global_keyprefix": keys.celery_prefix}
+    ) as connection:
         channel = connection.channel()
         queue = kombu.Queue("unheld-q", kombu.Exchange("unheld-q", type="direct"), "unheld-q")
         producer = kombu.Producer(channel)
@@ -127,15 +129,16 @@ def test_a_celery_worker_gives_back_a_message_it_is_recorded_holding_but_does_no
         assert client.llen(keys.celery_prefix + "unheld-q") == 0
         assert client.scard(keys.celery_held(holder_id())) == 2
         fresh = restore_unheld(client, keys, holder_id(), channel, in_hand=set(), now=time.time())
-        assert fresh == 0                                  # delivered a moment ago: left alone
+        assert fresh == 0  # delivered a moment ago: left alone
         later = time.time() + UNHELD_GRACE_S + 1
         assert restore_unheld(client, keys, holder_id(), channel, in_hand={tags["in-hand"]}, now=later) == 1
-        assert client.llen(keys.celery_prefix + "unheld-q") == 1   # the one nobody held is back on its queue
+        assert client.llen(keys.celery_prefix + "unheld-q") == 1  # the one nobody held is back on its queue
         assert client.smembers(keys.celery_held(holder_id())) == {tags["in-hand"].encode()}
         channel.qos.ack(tags["in-hand"])
 
 
 # --- the whole stack through a failover ---------------------------------------------------------------------
+
 
 def test_the_primary_killed_under_load_loses_no_accepted_job(tmp_path):
     """make run REDIS=sentinel's stack at a steady 15 images/s; the primary SIGKILLed; the old primary back
@@ -152,7 +155,7 @@ def test_the_primary_killed_under_load_loses_no_accepted_job(tmp_path):
     assert tally["failed"] == 0 and tally["expired"] == tally["expired_in_outage"] == 0
     assert tally["succeeded"] == tally["accepted"]
     assert tally["first_202_after_kill_s"] is not None and tally["first_202_after_kill_s"] < 10.0
-    assert tally["restarted"] == 0                        # every process followed the new primary by itself
+    assert tally["restarted"] == 0  # every process followed the new primary by itself
     assert tally["killed_comes_back_as"] == "slave"
     # An answer read before the failover may be re-done once if its write did not reach a replica in time
     # (docs/reliability.md says when); measured here, and rare: the window is the replication lag.
@@ -180,11 +183,18 @@ def test_make_run_redis_sentinel_starts_and_stops_the_set(tmp_path):
     """`python -m tools.redis_ha` as run-local uses it: start prints the settings' variables, stop ends all."""
     folder = tmp_path / "set"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    started = subprocess.run([sys.executable, "-m", "tools.redis_ha", "start", "--dir", str(folder)], env=env,
-                             capture_output=True, text=True, timeout=60, check=True)
+    started = subprocess.run(
+        [sys.executable, "-m", "tools.redis_ha", "start", "--dir", str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     assert "export IMGSERVE_REDIS__SENTINELS='[127.0.0.1:" in started.stdout
     ha = RedisHA.load(folder)
     assert all(node.alive() for node in ha.nodes.values()) and ha.primary() == "a"
-    subprocess.run([sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)], env=env, timeout=60,
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)], env=env, timeout=60, check=True
+    )
     assert not any(node.alive() for node in ha.nodes.values())

@@ -7,6 +7,7 @@ under TORCH_CUDA_SANITIZER=1 by the smoke script), memory stays flat, an out-of-
 answered frame by frame, a fatal CUDA error becomes DeviceLost, and the host syncs per batch are
 counted and bounded.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -19,15 +20,17 @@ import torch
 
 from contract.config import load_model_spec
 from contract.frames import Frame, unpack_frame
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.devices import TorchDevice
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import load_model
 from tests.support import REPO_ROOT, HostReads
 
 CUDA = torch.cuda.is_available()
-DEVICES = [pytest.param("cpu"),
-           pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")])]
+DEVICES = [
+    pytest.param("cpu"),
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]),
+]
 needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not CUDA, reason="needs CUDA")]
 SHAPES = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
 
@@ -71,13 +74,17 @@ def test_every_model_format_loads_and_runs_batch_one_and_the_largest(device, tmp
     from tests.test_user_models import CpuConstantsInTheGraph
 
     dynamic = torch.export.Dim("batch", min=1, max=64)
-    program = torch.export.export(CpuConstantsInTheGraph(), (torch.zeros(2, 3, 64, 64),),
-                                  dynamic_shapes=({0: dynamic},))   # exported on the CPU, devices in its graph
+    program = torch.export.export(
+        CpuConstantsInTheGraph(), (torch.zeros(2, 3, 64, 64),), dynamic_shapes=({0: dynamic},)
+    )  # exported on the CPU, devices in its graph
     torch.export.save(program, str(tmp_path / "consts.pt2"))
-    specs = [shapes_spec(),                                                         # TorchScript
-             ModelSpec(name="b", version="1", labels=("a", "b", "c"), input_size=128),  # builtin
-             ModelSpec(name="e", version="1", format="export", path=str(tmp_path / "consts.pt2"),
-                       labels=("a", "b"), input_size=64)]
+    specs = [
+        shapes_spec(),  # TorchScript
+        ModelSpec(name="b", version="1", labels=("a", "b", "c"), input_size=128),  # builtin
+        ModelSpec(
+            name="e", version="1", format="export", path=str(tmp_path / "consts.pt2"), labels=("a", "b"), input_size=64
+        ),
+    ]
     for spec in specs:
         loaded = load_model(spec, torch.device(device), max_batch=8)
         size = spec.input_size
@@ -104,7 +111,7 @@ def test_cuda_and_cpu_give_the_same_detections(device, batch, channel_order):
         confident_cpu, confident_cuda = on_cpu[on_cpu[:, 4] > 0.5], on_cuda[on_cuda[:, 4] > 0.5]
         assert len(confident_cpu) == len(confident_cuda)
         if len(confident_cpu):
-            assert np.allclose(confident_cpu[:, :4], confident_cuda[:, :4], atol=1.0)   # original pixels
+            assert np.allclose(confident_cpu[:, :4], confident_cuda[:, :4], atol=1.0)  # original pixels
             assert np.allclose(confident_cpu[:, 4], confident_cuda[:, 4], atol=2e-3)
             assert (confident_cpu[:, 5] == confident_cuda[:, 5]).all()
 
@@ -228,10 +235,12 @@ def test_host_syncs_per_batch_are_counted_and_bounded(device, capsys):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message).lower()]
     with capsys.disabled():
-        print(f"\nhost reads in one batch of 8 on {device}: {len(reads)} {reads.names}"
-              + (f"; syncs sync_debug_mode saw: {len(syncs)}" if device == "cuda" else ""))
+        print(
+            f"\nhost reads in one batch of 8 on {device}: {len(reads)} {reads.names}"
+            + (f"; syncs sync_debug_mode saw: {len(syncs)}" if device == "cuda" else "")
+        )
     assert len(output.detections) > 0
-    assert 1 <= len(reads) <= 2          # at least the candidate count: the counter works
+    assert 1 <= len(reads) <= 2  # at least the candidate count: the counter works
     assert len(syncs) <= 2 + 1 + 2
 
 
@@ -242,7 +251,7 @@ def test_speed_options_keep_the_answers(device, option):
     plain, tuned = device_for(device), device_for(device, shapes_spec(**option))
     expected = detections_by_image(plain.run(plain.stage(frames)).detections, 4)
     found = detections_by_image(tuned.run(tuned.stage(frames)).detections, 4)
-    tolerance = 4.0 if option.get("precision") == "bf16" else 0.5     # bf16 keeps 8 bits of mantissa
+    tolerance = 4.0 if option.get("precision") == "bf16" else 0.5  # bf16 keeps 8 bits of mantissa
     for one, other in zip(expected, found):
         one, other = one[one[:, 4] > 0.5], other[other[:, 4] > 0.5]
         assert len(one) == len(other) and np.allclose(one[:, :4], other[:, :4], atol=tolerance)

@@ -3,6 +3,7 @@
 A GPU is lent to few sessions; an import the image cannot satisfy would spend one on tracebacks. These run
 the smoke's import check here, in a fresh interpreter, with what the image lacks made unimportable.
 """
+
 from __future__ import annotations
 
 import subprocess
@@ -13,8 +14,13 @@ from tools import gpu_image
 
 
 def run_check(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "tools.gpu_image", "check", *args], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "tools.gpu_image", "check", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_gpu_checks_import_without_the_packages_the_image_lacks():

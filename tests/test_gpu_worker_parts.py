@@ -1,4 +1,5 @@
 """GPU-worker parts: model loading, batch assembly, the frame list in real Redis."""
+
 from __future__ import annotations
 
 import subprocess
@@ -9,16 +10,15 @@ import pytest
 import redis
 import torch
 
-from contract.frames import FrameHeader, pack_frame, unpack_frame
+from contract.frames import FrameHeader, RedisFrameSource, pack_frame, unpack_frame
 from contract.keys import Keys
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.model import BatchAssembler, ModelLoadError, load_model
-from gpu_worker.source import RedisFrameSource
 from tests.support import REPO_ROOT, build_content_box_model
 
 CPU = torch.device("cpu")
 
-M = "m:1"   # the model key these frame lists belong to
+M = "m:1"  # the model key these frame lists belong to
 
 
 def spec(**overrides) -> ModelSpec:
@@ -54,19 +54,35 @@ def test_yolov5_export_loads_with_its_layout(tmp_path):
 
 def test_gpu_worker_exits_with_a_clear_message_when_its_model_cannot_load(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text(f"model: {{name: x, version: '1', format: torchscript, path: {tmp_path}/no.pt, "
-                      f"labels: [a]}}\n")
-    result = subprocess.run([sys.executable, "-m", "gpu_worker", "--config", str(config), "--device", "cpu"],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    config.write_text(f"model: {{name: x, version: '1', format: torchscript, path: {tmp_path}/no.pt, labels: [a]}}\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gpu_worker", "--config", str(config), "--device", "cpu"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "model file not found" in result.stderr
 
 
-def make_frame(job_id: str, width: int, height: int, pad_left: int, pad_top: int, value: int = 200,
-               options: dict | None = None):
-    header = FrameHeader(job_id=job_id, width=width, height=height, pad_left=pad_left, pad_top=pad_top,
-                         scale_x=1.0, scale_y=1.0, orig_width=width, orig_height=height, enqueued_at=0.0,
-                         deadline_at=1e12, options=options or {})
+def make_frame(
+    job_id: str, width: int, height: int, pad_left: int, pad_top: int, value: int = 200, options: dict | None = None
+):
+    header = FrameHeader(
+        job_id=job_id,
+        width=width,
+        height=height,
+        pad_left=pad_left,
+        pad_top=pad_top,
+        scale_x=1.0,
+        scale_y=1.0,
+        orig_width=width,
+        orig_height=height,
+        enqueued_at=0.0,
+        deadline_at=1e12,
+        options=options or {},
+    )
     pixels = np.zeros((height, width, 3), np.uint8)
     pixels[..., 0], pixels[..., 1], pixels[..., 2] = value, value // 2, 0
     return pack_frame(header, pixels.tobytes())
@@ -117,7 +133,7 @@ def test_ack_drops_the_oldest_frames_in_hand(redis_client):
     source = RedisFrameSource(redis_client, keys, "w1", M)
     source.pop_available(2)
     source.pop_available(1)
-    source.ack(2)                                   # the first batch, answered first
+    source.ack(2)  # the first batch, answered first
     assert redis_client.lrange(keys.processing("w1", M), 0, -1) == [b"c"]
 
 
@@ -132,11 +148,11 @@ def test_frames_of_any_size_come_back_whole_and_the_reader_recovers_from_errors(
         source.pop_available(2)
     redis_client.delete(keys.frames(M))
     redis_client.lpush(keys.frames(M), b"\r\n$5\r\n")
-    assert source.pop_available(2) == [b"\r\n$5\r\n"]   # the connection was dropped and opened again
+    assert source.pop_available(2) == [b"\r\n$5\r\n"]  # the connection was dropped and opened again
 
 
 def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redis_client):
-    from gpu_worker.source import requeue_frames_of
+    from contract.frames import requeue_frames_of
 
     keys = Keys("t")
     frames = [make_frame(f"job{i}", 2, 2, 0, 0) for i in range(3)]
@@ -147,10 +163,10 @@ def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redi
     source.pop_available(3)
     redis_client.zadd(keys.gpu_workers, {"dead": 1.0})
     redis_client.set(keys.heartbeat("dead"), "{}")
-    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == -1   # still alive: untouched
+    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == -1  # still alive: untouched
     redis_client.delete(keys.heartbeat("dead"))
     assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == 3
-    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == 0    # a second reaper finds nothing
+    assert requeue_frames_of(redis_client, keys, "dead", [M], only_if_dead=True) == 0  # a second reaper finds nothing
     assert RedisFrameSource(redis_client, keys, "live", M).pop_available(3) == frames
     assert [redis_client.hget(keys.job(f"job{i}"), "attempts") for i in range(3)] == [b"1"] * 3
     assert redis_client.zscore(keys.gpu_workers, "dead") is None

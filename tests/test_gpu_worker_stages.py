@@ -1,6 +1,7 @@
 """The GPU worker's overlapped stages: hand-offs, the device's retry frame by frame, a lost
 device, a batch that cannot be triaged. The worker runs in this process against a real Redis,
 on a simulated device that answers at once (or on the CPU with a model that misbehaves)."""
+
 from __future__ import annotations
 
 import threading
@@ -18,7 +19,7 @@ from bench.feed import push_frames
 from contract.config import load_settings
 from contract.frames import unpack_frame
 from contract.keys import Keys
-from contract.settings import ModelSpec
+from contract.models import ModelSpec
 from gpu_worker.devices import DeviceLost, TorchDevice, is_fatal
 from gpu_worker.handoff import Handoff
 from gpu_worker.model import LoadedModel
@@ -29,8 +30,16 @@ from tests.test_gpu_worker_parts import make_frame
 
 SPEC = {"name": "m", "version": "1", "labels": ["a", "b"], "input_size": 64}
 MODEL_KEY = "m:1"
-GEOMETRY = {"width": 64, "height": 48, "pad_left": 0, "pad_top": 8, "scale_x": 1.0, "scale_y": 1.0,
-            "orig_width": 64, "orig_height": 48}
+GEOMETRY = {
+    "width": 64,
+    "height": 48,
+    "pad_left": 0,
+    "pad_top": 8,
+    "scale_x": 1.0,
+    "scale_y": 1.0,
+    "orig_width": 64,
+    "orig_height": 48,
+}
 CONTENT = (GEOMETRY, bytes(64 * 48 * 3))
 
 
@@ -42,8 +51,8 @@ def test_a_handoff_holds_one_item_and_its_close_lets_the_consumer_finish_what_wa
     third_put = threading.Thread(target=lambda: (handoff.put(2), handoff.close()))
     third_put.start()
     third_put.join(0.2)
-    assert third_put.is_alive()                 # no room: the producer waits, memory stays bounded
-    assert list(handoff) == [1, 2]              # then the consumer drains it and stops at the close
+    assert third_put.is_alive()  # no room: the producer waits, memory stays bounded
+    assert list(handoff) == [1, 2]  # then the consumer drains it and stops at the close
     third_put.join(5)
     assert not handoff.waiting()
 
@@ -65,27 +74,38 @@ def test_a_failed_batch_is_retried_frame_by_frame_from_its_canvas_so_one_bad_fra
     frames = [unpack_frame(make_frame(f"j{i}", 16, 16, 0, 0, value=0 if i == 2 else 200)) for i in range(4)]
     output = device.run(device.stage(frames))
     assert output.errors == {2: {"code": "inference_error", "message": "ValueError: dark frame"}}
-    assert output.detections[:, 0].tolist() == [0, 1, 3]     # the others answered, in batch order
+    assert output.detections[:, 0].tolist() == [0, 1, 3]  # the others answered, in batch order
     assert device.run(device.stage(frames[:2])).errors == {}  # and the device goes on serving
 
 
-@pytest.mark.parametrize("error,fatal", [
-    (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
-    (RuntimeError("CUDA error: device-side assert triggered"), True),
-    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
-    (RuntimeError("shape '[8, 3]' is invalid for input of size 5"), False),
-])
+@pytest.mark.parametrize(
+    "error,fatal",
+    [
+        (torch.AcceleratorError("CUDA error: an illegal memory access was encountered"), True),
+        (RuntimeError("CUDA error: device-side assert triggered"), True),
+        (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), False),
+        (RuntimeError("shape '[8, 3]' is invalid for input of size 5"), False),
+    ],
+)
 def test_only_errors_that_poison_the_device_are_fatal(error, fatal):
     assert is_fatal(error) is fatal
 
 
 # --- the worker, in this process -----------------------------------------------
-def worker_on(client: redis.Redis, tmp_path: Path, device_of: Callable[[ModelSpec], Any] | None = None,
-              max_batch: int = 2) -> GpuWorker:
+def worker_on(
+    client: redis.Redis, tmp_path: Path, device_of: Callable[[ModelSpec], Any] | None = None, max_batch: int = 2
+) -> GpuWorker:
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"namespace": "stages", "model": SPEC,
-                                      "batching": {"max_batch_size": max_batch, "window_ms": 1},
-                                      "gpu_worker": {"heartbeat_ttl_s": 5}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "namespace": "stages",
+                "model": SPEC,
+                "batching": {"max_batch_size": max_batch, "window_ms": 1},
+                "gpu_worker": {"heartbeat_ttl_s": 5},
+            }
+        )
+    )
     settings = load_settings(config)
     device = (device_of or instant_device)(settings.model)
     return GpuWorker(settings, client, [device], "stages-gpu")
@@ -101,17 +121,20 @@ def statuses(client: redis.Redis, keys: Keys, ids: list[str]) -> list[str]:
 
 def run_until(worker: GpuWorker, done: Callable[[], bool]) -> int:
     """worker.run() here (it owns the signal handlers); a watcher stops it once `done()`."""
+
     def watch() -> None:
         try:
             wait_until(done, 60, what="the worker's work")
         finally:
             worker.stopping.set()
+
     threading.Thread(target=watch, daemon=True).start()
     return worker.run()
 
 
-def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_lost(redis_client, tmp_path,
-                                                                                     monkeypatch):
+def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_lost(
+    redis_client, tmp_path, monkeypatch
+):
     keys = Keys("stages")
     ids, _ = push_frames(redis_client, keys, MODEL_KEY, [CONTENT], 9)
     worker = worker_on(redis_client, tmp_path)
@@ -126,12 +149,12 @@ def test_a_batch_whose_triage_loses_redis_goes_back_in_its_turn_and_nothing_is_l
 
     monkeypatch.setattr(worker.store, "advance_many", fails_once)
     code = run_until(worker, lambda: statuses(redis_client, keys, ids) == ["succeeded"] * 9)
-    assert code == 0 and len(calls) > 5                      # five batches, and the one that failed
+    assert code == 0 and len(calls) > 5  # five batches, and the one that failed
     assert redis_client.llen(keys.processing("stages-gpu", MODEL_KEY)) == 0
     assert redis_client.llen(keys.frames(MODEL_KEY)) == 0
     batches = [yaml.safe_load(redis_client.hget(keys.job(job_id), "batch")) for job_id in ids]
     assert all(batch["worker"] == "stages-gpu" for batch in batches)
-    assert redis_client.hget(keys.job(ids[2]), "attempts") is None    # given back is not an attempt
+    assert redis_client.hget(keys.job(ids[2]), "attempts") is None  # given back is not an attempt
 
 
 class LosesTheDevice:
@@ -157,7 +180,7 @@ def test_a_lost_device_writes_what_it_finished_gives_back_what_it_held_and_exits
     ids, _ = push_frames(redis_client, keys, MODEL_KEY, [CONTENT], 6)
     worker = worker_on(redis_client, tmp_path, LosesTheDevice)
     assert worker.run() == EXIT_DEVICE_LOST
-    assert statuses(redis_client, keys, ids[:2]) == ["succeeded"] * 2            # the first batch
+    assert statuses(redis_client, keys, ids[:2]) == ["succeeded"] * 2  # the first batch
     held = [job_id for job_id in ids[2:] if redis_client.hget(keys.job(job_id), "attempts") == b"1"]
     assert held and statuses(redis_client, keys, held) == ["running"] * len(held)  # back in line, counted
     assert redis_client.llen(keys.processing("stages-gpu", MODEL_KEY)) == 0
@@ -170,7 +193,7 @@ def test_warm_up_runs_every_batch_size_through_the_device(redis_client, tmp_path
     device = TorchDevice(LoadedModel(spec, RefusesDarkFrames(), torch.device("cpu")), max_batch=3, max_candidates=10)
     sizes = [len(frames) for frames in device.warm_up(3)]
     assert sizes == [1, 2, 3, 1, 2, 3]
-    assert np.frombuffer(device.host.slots.acquire().host.numpy(), np.uint8).any()   # the slots were touched
+    assert np.frombuffer(device.host.slots.acquire().host.numpy(), np.uint8).any()  # the slots were touched
 
 
 class BreaksOnce(LosesTheDevice):
@@ -203,13 +226,20 @@ def test_a_damaged_or_oversized_frame_fails_its_own_job_as_bad_frame_and_the_res
     from tests.test_gpu_worker_parts import make_frame
 
     good = make_frame("good", 48, 32, 8, 16)
-    truncated = make_frame("truncated", 48, 32, 8, 16)[:-10]      # its header promises more pixels
-    too_wide = make_frame("too-wide", 80, 32, 0, 16)               # does not fit a 64 input
-    unreadable = b"not a frame at all"                             # no job id to fail: logged, dropped
-    batch = Batch(items=[memoryview(f) for f in (good, truncated, too_wide, unreadable)], opened_at=0.0,
-                  closed_at=0.0, closed_by="full", popped_at=[1.0, 2.0, 3.0, 4.0])
-    frames, refused = Intake._unpack(SimpleNamespace(input_size=64), batch)   # type: ignore[arg-type]
+    truncated = make_frame("truncated", 48, 32, 8, 16)[:-10]  # its header promises more pixels
+    too_wide = make_frame("too-wide", 80, 32, 0, 16)  # does not fit a 64 input
+    unreadable = b"not a frame at all"  # no job id to fail: logged, dropped
+    batch = Batch(
+        items=[memoryview(f) for f in (good, truncated, too_wide, unreadable)],
+        opened_at=0.0,
+        closed_at=0.0,
+        closed_by="full",
+        popped_at=[1.0, 2.0, 3.0, 4.0],
+    )
+    frames, refused = Intake._unpack(SimpleNamespace(input_size=64), batch)  # type: ignore[arg-type]
     assert [frame.header.job_id for frame, _ in frames] == ["good"] and frames[0][1] == 1.0
     assert [(job_id, status, fields["error"]["code"]) for job_id, status, fields in refused] == [
-        ("truncated", "failed", "bad_frame"), ("too-wide", "failed", "bad_frame")]
+        ("truncated", "failed", "bad_frame"),
+        ("too-wide", "failed", "bad_frame"),
+    ]
     assert "does not fit the model's 64x64 input" in refused[1][2]["error"]["message"]

@@ -2,6 +2,7 @@
 second, one that trickles its headers, one that never answers, over http and https. An attempt ends at its
 deadline whatever the receiver does, and one tenant's receivers hold its own slots, never another tenant's:
 its callbacks wait in Redis while another's are delivered."""
+
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
-from bench.hostile import Gauge, Receiver, Tarpit
 from bench.processes import ManagedProcess, celery_argv
+from bench.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
 from contract.keys import Keys
 from tasks.callback_slots import LAPSE_MARGIN_S, TenantSlots
@@ -22,11 +23,12 @@ from tasks.callbacks import DeliveryFailed, post_to
 from tests.support import ApiServer, jpeg, wait_until
 
 DEADLINE_S = 3.0
-MARGIN_S = 3.0        # what a busy 2-core machine may add to an attempt's end, beyond its deadline
+MARGIN_S = 3.0  # what a busy 2-core machine may add to an attempt's end, beyond its deadline
 
 
-@pytest.mark.parametrize("mode,scheme", [("trickle", "http"), ("trickle-headers", "http"), ("silent", "http"),
-                                         ("silent", "https")])
+@pytest.mark.parametrize(
+    "mode,scheme", [("trickle", "http"), ("trickle-headers", "http"), ("silent", "http"), ("silent", "https")]
+)
 def test_an_attempt_ends_at_its_deadline_whatever_the_receiver_does(mode, scheme):
     """Each read waited at most the timeout, so a byte a second held the attempt as long as the receiver cared
     to: 234 s in the probe. The tarpit would go on for a minute; the attempt ends at its deadline (here shorter
@@ -38,14 +40,15 @@ def test_an_attempt_ends_at_its_deadline_whatever_the_receiver_does(mode, scheme
         with pytest.raises(DeliveryFailed, match=f"did not answer within {DEADLINE_S:g} s"):
             post_to(target, b"{}", {"Content-Type": "application/json"}, 10.0, 65536, deadline_s=DEADLINE_S)
         taken = time.monotonic() - started
-        [visit] = wait_until(lambda: [v for v in tarpit.visits if v.closed is not None], 10,
-                             what="the tarpit to see the attempt hang up")
+        [visit] = wait_until(
+            lambda: [v for v in tarpit.visits if v.closed is not None], 10, what="the tarpit to see the attempt hang up"
+        )
     finally:
         tarpit.stop()
     assert DEADLINE_S - 0.1 <= taken < DEADLINE_S + MARGIN_S, taken
-    assert visit.closed_by_client                        # the service hung up: the tarpit had a minute to go
+    assert visit.closed_by_client  # the service hung up: the tarpit had a minute to go
     if mode == "trickle":
-        assert visit.sent >= 1                           # it was mid-answer: headers sent, the body trickling
+        assert visit.sent >= 1  # it was mid-answer: headers sent, the body trickling
 
 
 def test_a_tenants_slots_hold_its_excess_in_redis_and_each_one_given_back_hands_one_on(redis_client):
@@ -53,14 +56,14 @@ def test_a_tenants_slots_hold_its_excess_in_redis_and_each_one_given_back_hands_
     slots = TenantSlots(redis_client, keys, cap=2, hold_s=DEADLINE_S)
     first, second = slots.take("key:a", "a1"), slots.take("key:a", "a2")
     assert first and second
-    assert slots.take("key:a", "a3") is None and slots.take("key:a", "a4") is None   # held, no thread kept
-    assert slots.take("key:b", "b1")                                                # another tenant's are its own
+    assert slots.take("key:a", "a3") is None and slots.take("key:a", "a4") is None  # held, no thread kept
+    assert slots.take("key:b", "b1")  # another tenant's are its own
     assert redis_client.lrange(keys.callback_held("key:a"), 0, -1) == [b"a3", b"a4"]
     slots.give_back("key:a", first)
-    assert redis_client.lrange(keys.callback_outbox, 0, -1) == [b"a3"]             # a3's turn
+    assert redis_client.lrange(keys.callback_outbox, 0, -1) == [b"a3"]  # a3's turn
     assert redis_client.lrange(keys.callback_held("key:a"), 0, -1) == [b"a4"]
-    third = slots.take("key:a", "a3")                                               # a3, from the outbox
-    assert third and slots.free_lapsed() == 0                                       # both slots in use: a4 waits
+    third = slots.take("key:a", "a3")  # a3, from the outbox
+    assert third and slots.free_lapsed() == 0  # both slots in use: a4 waits
     # Workers that died holding slots: a slot lapses after its deadline and margin, and the relays' sweep hands
     # the held callback on.
     lapsed = time.time() - 1
@@ -68,8 +71,9 @@ def test_a_tenants_slots_hold_its_excess_in_redis_and_each_one_given_back_hands_
     assert slots.free_lapsed() == 1
     assert redis_client.lrange(keys.callback_outbox, 0, -1) == [b"a3", b"a4"]
     assert not redis_client.sismember(keys.callback_held_tenants, "key:a")
-    token_until = redis_client.zscore(keys.callback_slots("key:b"), redis_client.zrange(keys.callback_slots("key:b"),
-                                                                                        0, 0)[0])
+    token_until = redis_client.zscore(
+        keys.callback_slots("key:b"), redis_client.zrange(keys.callback_slots("key:b"), 0, 0)[0]
+    )
     assert token_until <= time.time() + DEADLINE_S + LAPSE_MARGIN_S + 1
 
 
@@ -98,9 +102,24 @@ def keyed_callbacks(stack, tmp_path_factory):
 
     settings = load_settings(path)
     stack.callback_worker.stop()
-    worker = ManagedProcess("keyed-callback-worker", celery_argv(
-        "worker", "-Q", "callbacks", "-P", "threads", "-c", "4", "--without-gossip", "--without-mingle",
-        "--loglevel", "INFO"), {**stack.env, "IMGSERVE_CONFIG": str(path)}, workdir)
+    worker = ManagedProcess(
+        "keyed-callback-worker",
+        celery_argv(
+            "worker",
+            "-Q",
+            "callbacks",
+            "-P",
+            "threads",
+            "-c",
+            "4",
+            "--without-gossip",
+            "--without-mingle",
+            "--loglevel",
+            "INFO",
+        ),
+        {**stack.env, "IMGSERVE_CONFIG": str(path)},
+        workdir,
+    )
     api = None
     try:
         wait_until(lambda: "ready." in worker.log_tail() or not worker.alive(), 60, what="the keyed callback worker")
@@ -111,16 +130,39 @@ def keyed_callbacks(stack, tmp_path_factory):
         if api is not None:
             api.stop()
         worker.stop()
-        stack.callback_worker = ManagedProcess("callback-worker", celery_argv(
-            "worker", "-Q", "callbacks", "-P", "threads", "-c", "4", "--without-gossip", "--without-mingle",
-            "--loglevel", "INFO"), stack.env, stack.log_dir)
-        wait_until(lambda: "ready." in stack.callback_worker.log_tail() or not stack.callback_worker.alive(), 60,
-                   what="the stack's callback worker back")
+        stack.callback_worker = ManagedProcess(
+            "callback-worker",
+            celery_argv(
+                "worker",
+                "-Q",
+                "callbacks",
+                "-P",
+                "threads",
+                "-c",
+                "4",
+                "--without-gossip",
+                "--without-mingle",
+                "--loglevel",
+                "INFO",
+            ),
+            stack.env,
+            stack.log_dir,
+        )
+        wait_until(
+            lambda: "ready." in stack.callback_worker.log_tail() or not stack.callback_worker.alive(),
+            60,
+            what="the stack's callback worker back",
+        )
 
 
 def submit_as(api, key: str, callback_url: str, seed: int) -> str:
-    response = requests.post(api.url + "/v1/jobs", params={"callback_url": callback_url}, data=jpeg(64, 64, seed=seed),
-                             headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {key}"}, timeout=30)
+    response = requests.post(
+        api.url + "/v1/jobs",
+        params={"callback_url": callback_url},
+        data=jpeg(64, 64, seed=seed),
+        headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {key}"},
+        timeout=30,
+    )
     assert response.status_code == 202, response.text
     return response.json()["id"]
 
@@ -135,8 +177,7 @@ def ended_visits(tarpits: list[Tarpit]) -> list:
     return [visit for tarpit in tarpits for visit in tarpit.visits if visit.closed is not None]
 
 
-def test_one_tenants_tarpits_hold_its_own_slots_and_another_tenants_callback_is_delivered_meanwhile(
-        keyed_callbacks):
+def test_one_tenants_tarpits_hold_its_own_slots_and_another_tenants_callback_is_delivered_meanwhile(keyed_callbacks):
     """The probe: 16 of one tenant's jobs called back a receiver trickling a byte every 2 s and held all 16
     callback threads for 234 s; another tenant's callback stayed pending all along. Here 8 of the attacker's
     jobs call back two tarpits (one trickling its answer, one silent) that would hold each connection for
@@ -153,20 +194,27 @@ def test_one_tenants_tarpits_hold_its_own_slots_and_another_tenants_callback_is_
         wait_until(lambda: gauge.peak >= CAP, 60, what="the attacker's callbacks to reach its tarpits")
         victim = submit_as(api, "key-victim", receiver.url, seed=100)
         # Well within the minute the tarpits would hold 4 threads each: before, the victim waited all of it.
-        wait_until(lambda: callback_of(api, "key-victim", victim)["status"] == "delivered", 30,
-                   what="the victim's callback while the attacker's receivers hang")
+        wait_until(
+            lambda: callback_of(api, "key-victim", victim)["status"] == "delivered",
+            30,
+            what="the victim's callback while the attacker's receivers hang",
+        )
         attackers_then = [callback_of(api, "key-attacker", job_id)["status"] for job_id in attacks]
         # The attacker's attempts, meanwhile, end at their deadline and hand their slots on.
-        ended = wait_until(lambda: len(visits := ended_visits(tarpits)) >= 2 * CAP and visits, 30,
-                           what="the attacker's first attempts to end")
+        ended = wait_until(
+            lambda: len(visits := ended_visits(tarpits)) >= 2 * CAP and visits,
+            30,
+            what="the attacker's first attempts to end",
+        )
     finally:
         for tarpit in tarpits:
             tarpit.stop()
         receiver.stop()
-    assert "delivered" not in attackers_then, attackers_then   # the tarpits never let one through
-    assert gauge.peak <= CAP, gauge.peak                       # at most its slots, over both tarpits
-    assert ended and all(visit.closed_by_client and visit.held_s < DEADLINE_S + MARGIN_S for visit in ended), \
-        [(visit.closed_by_client, round(visit.held_s, 2)) for visit in ended]
+    assert "delivered" not in attackers_then, attackers_then  # the tarpits never let one through
+    assert gauge.peak <= CAP, gauge.peak  # at most its slots, over both tarpits
+    assert ended and all(visit.closed_by_client and visit.held_s < DEADLINE_S + MARGIN_S for visit in ended), [
+        (visit.closed_by_client, round(visit.held_s, 2)) for visit in ended
+    ]
     [call] = [call for call in receiver.calls if call["headers"]["X-Imgserve-Job-Id"] == victim]
     assert verify("victim-callback-secret-0123456789", call["headers"], call["body"])
     assert json.loads(call["body"])["status"] == "succeeded"

@@ -1,4 +1,5 @@
 """Decode and letterbox: the CPU worker's pure functions."""
+
 from __future__ import annotations
 
 import io
@@ -13,12 +14,15 @@ from tests.support import encode, jpeg, make_image
 LIMIT = 80_000_000
 
 
-@pytest.mark.parametrize("size,expected", [
-    ((1920, 1080), dict(width=640, height=360, pad_left=0, pad_top=140)),
-    ((1080, 1920), dict(width=360, height=640, pad_left=140, pad_top=0)),
-    ((100, 50), dict(width=640, height=320, pad_left=0, pad_top=160)),
-    ((1, 10000), dict(width=1, height=640, pad_left=319, pad_top=0)),
-])
+@pytest.mark.parametrize(
+    "size,expected",
+    [
+        ((1920, 1080), dict(width=640, height=360, pad_left=0, pad_top=140)),
+        ((1080, 1920), dict(width=360, height=640, pad_left=140, pad_top=0)),
+        ((100, 50), dict(width=640, height=320, pad_left=0, pad_top=160)),
+        ((1, 10000), dict(width=1, height=640, pad_left=319, pad_top=0)),
+    ],
+)
 def test_letterbox_keeps_the_aspect_ratio_and_centres_the_content(size, expected):
     image = make_image(*size)
     boxed = letterbox(image, size, 640)
@@ -33,8 +37,8 @@ def test_large_jpeg_is_decoded_in_draft_mode_but_reports_its_full_size():
     data = encode(make_image(4000, 3000), "JPEG", quality=90)
     image, orig = decode_image(data, 640, LIMIT)
     assert orig == (4000, 3000)
-    assert image.size == (1000, 750)   # DCT-scaled by libjpeg (1/4), still >= the target: not decoded whole
-                                       # and reduced after (that gives 666x500 and costs 40% more)
+    assert image.size == (1000, 750)  # DCT-scaled by libjpeg (1/4), still >= the target: not decoded whole
+    # and reduced after (that gives 666x500 and costs 40% more)
     assert image.mode == "RGB"
 
 
@@ -47,8 +51,19 @@ def test_exif_orientation_is_applied():
     assert image.size == (200, 400)
 
 
-@pytest.mark.parametrize("mode,fmt", [("L", "PNG"), ("LA", "PNG"), ("RGBA", "PNG"), ("P", "PNG"),
-                                      ("CMYK", "JPEG"), ("RGB", "WEBP"), ("RGB", "BMP"), ("1", "PNG")])
+@pytest.mark.parametrize(
+    "mode,fmt",
+    [
+        ("L", "PNG"),
+        ("LA", "PNG"),
+        ("RGBA", "PNG"),
+        ("P", "PNG"),
+        ("CMYK", "JPEG"),
+        ("RGB", "WEBP"),
+        ("RGB", "BMP"),
+        ("1", "PNG"),
+    ],
+)
 def test_every_colour_mode_becomes_rgb(mode, fmt):
     data = encode(make_image(120, 80, mode=mode), fmt)
     image, orig = decode_image(data, 640, LIMIT)
@@ -64,7 +79,7 @@ def test_palette_transparency_is_composited_on_the_pad_grey():
 
 
 def test_sixteen_bit_images_keep_their_contrast():
-    values = (np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16)
+    values = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16
     data = encode(Image.fromarray(values), "PNG")
     decoded, _ = decode_image(data, 640, LIMIT)
     channel = np.asarray(decoded)[..., 0]
@@ -99,15 +114,19 @@ def _decode_peak_mb(path: str) -> str:
     import subprocess
     import sys
 
-    code = ("import resource, sys; from tasks.imaging import decode_image, ImageDecodeError\n"
-            "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-            f"data = open({path!r}, 'rb').read()\n"
-            "try:\n    decode_image(data, 320, 80_000_000, 256 * 1024 * 1024)\n"
-            "except ImageDecodeError as exc:\n    print(exc.code); sys.exit()\n"
-            "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)")
+    code = (
+        "import resource, sys; from tasks.imaging import decode_image, ImageDecodeError\n"
+        "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        f"data = open({path!r}, 'rb').read()\n"
+        "try:\n    decode_image(data, 320, 80_000_000, 256 * 1024 * 1024)\n"
+        "except ImageDecodeError as exc:\n    print(exc.code); sys.exit()\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024)"
+    )
     from tests.support import REPO_ROOT
-    return subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
-                          check=True, timeout=120).stdout.strip()
+
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=120
+    ).stdout.strip()
 
 
 def test_small_files_that_decode_huge_stay_near_one_decoded_copy_or_are_refused_unread(tmp_path):
@@ -119,7 +138,7 @@ def test_small_files_that_decode_huge_stay_near_one_decoded_copy_or_are_refused_
     Image.fromarray(np.tile(np.arange(8900, dtype=np.uint16), (8900, 1))).save(sixteen)
     rgb = tmp_path / "rgb.png"
     Image.new("RGB", (8900, 8900), (10, 20, 30)).save(rgb)
-    assert float(_decode_peak_mb(str(sixteen))) < 1.5 * 8900 * 8900 * 2 / 2 ** 20   # 151 MB decoded
+    assert float(_decode_peak_mb(str(sixteen))) < 1.5 * 8900 * 8900 * 2 / 2**20  # 151 MB decoded
     assert _decode_peak_mb(str(rgb)) == "image_too_large"
 
 
@@ -131,7 +150,7 @@ def test_scans_are_counted_from_the_markers_past_each_scans_data():
     progressive = encode(make_image(640, 480), "JPEG", progressive=True)
     assert 5 <= jpeg_scans(progressive, 100) <= 15
     assert jpeg_scans(scan_bomb(256, 256, 500), 10**6) == 506
-    assert jpeg_scans(scan_bomb(256, 256, 500), 100) == 101              # stops once past the limit
+    assert jpeg_scans(scan_bomb(256, 256, 500), 100) == 101  # stops once past the limit
     # Other segments may hold the SOS marker's two bytes: the upper bound is over the limit, the count is not.
     image = jpeg(64, 48)
     with_comment = image[:2] + b"\xff\xfe" + (2 + 300).to_bytes(2, "big") + b"\xff\xda" * 150 + image[2:]
@@ -139,10 +158,13 @@ def test_scans_are_counted_from_the_markers_past_each_scans_data():
     assert decode_image(with_comment, 32, 10**8)[0].size[0] >= 32
 
 
-@pytest.mark.parametrize("width, height, repeats, says", [
-    (8192, 8192, 20_000, "more than 100 scans"),          # the outside check's bomb: 2.2 MB, 20,006 scans
-    (8192, 8192, 60, "pixel-scans"),                     # within the scans' limit, over the work's
-])
+@pytest.mark.parametrize(
+    "width, height, repeats, says",
+    [
+        (8192, 8192, 20_000, "more than 100 scans"),  # the outside check's bomb: 2.2 MB, 20,006 scans
+        (8192, 8192, 60, "pixel-scans"),  # within the scans' limit, over the work's
+    ],
+)
 def test_a_scan_bomb_fails_before_it_is_decoded(width, height, repeats, says):
     from tests.support import scan_bomb
 
@@ -153,7 +175,7 @@ def test_a_scan_bomb_fails_before_it_is_decoded(width, height, repeats, says):
 
 def test_a_progressive_photo_within_the_limits_decodes():
     image, size = decode_image(encode(make_image(1920, 1080), "JPEG", progressive=True), 320, 10**8)
-    assert size == (1920, 1080) and image.size == (480, 270)   # its scans counted, then draft mode as for any
+    assert size == (1920, 1080) and image.size == (480, 270)  # its scans counted, then draft mode as for any
 
 
 def test_a_baseline_jpeg_whose_scan_repeats_is_refused_by_the_decoder_itself():

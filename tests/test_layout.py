@@ -1,4 +1,6 @@
-"""The code's seams: no import circle between the project's modules (lazy imports inside functions too)."""
+"""The code's seams: the three processes meet only in contract/, and no import circle between the project's
+modules (lazy imports inside functions too)."""
+
 from __future__ import annotations
 
 import ast
@@ -6,6 +8,11 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("app", "contract", "tasks", "gpu_worker", "bench", "baseline", "tools", "training")
+# The API, the CPU (and callback) workers and the GPU worker: separate processes, deployed apart (the GPU image
+# carries no app/ or tasks/). What two of them share is the contract's, which imports none of them.
+PROCESSES = ("app", "tasks", "gpu_worker")
+# Every top-level name of this repository's own code (client/ is installed as imgserve_client).
+PROJECT = (*PACKAGES, "tests", "imgserve_client", "client")
 
 
 def module_name(path: Path) -> str:
@@ -25,13 +32,38 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
     return found
 
 
+def imported_names(path: Path) -> list[tuple[int, str]]:
+    """Every module an import in `path` names (lazy ones too), with its line; a relative import as '.'."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            found.append((node.lineno, "." if node.level else node.module or ""))
+    return found
+
+
+def test_each_process_imports_only_the_contract_and_its_own_modules():
+    """app/, tasks/ and gpu_worker/ import contract/ and themselves; contract/ imports only itself."""
+    crossings = []
+    for package in (*PROCESSES, "contract"):
+        allowed = {package, "contract"}
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            for line, name in imported_names(path):
+                top = name.split(".")[0]
+                if name == "." or (top in PROJECT and top not in allowed):
+                    crossings.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {name}")
+    assert crossings == [], "\n".join(crossings)
+
+
 def test_no_import_circle_between_the_projects_modules():
     paths = {module_name(p): p for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")}
     graph = {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
     # A package's __init__ importing its own modules is how packages work, not a circle of concepts.
     for name in graph:
-        graph[name] = {other for other in graph[name] if not (name.startswith(other + ".") and
-                                                              paths[other].name == "__init__.py")}
+        graph[name] = {
+            other for other in graph[name] if not (name.startswith(other + ".") and paths[other].name == "__init__.py")
+        }
     circles = []
     state: dict[str, int] = {}
 
@@ -39,7 +71,7 @@ def test_no_import_circle_between_the_projects_modules():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                circles.append(trail[trail.index(nxt):] + [nxt])
+                circles.append(trail[trail.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt, trail + [nxt])
         state[node] = 2
@@ -54,9 +86,10 @@ def test_the_architecture_page_names_every_redis_key():
     from contract.keys import Keys
 
     page = (REPO_ROOT / "docs" / "architecture.md").read_text()
-    internal = {"namespace", "tenant_of_queue", "preprocess_queues"}   # helpers, not keys
-    missing = [name for name in dir(Keys) if not name.startswith("_") and name not in internal
-               and f"| `{name}` |" not in page]
+    internal = {"namespace", "tenant_of_queue", "preprocess_queues"}  # helpers, not keys
+    missing = [
+        name for name in dir(Keys) if not name.startswith("_") and name not in internal and f"| `{name}` |" not in page
+    ]
     assert missing == [], f"docs/architecture.md's key table lacks {missing}"
 
 
@@ -68,7 +101,7 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
     from gpu_worker.staging import PARAM_COLUMNS
 
     header_fields = [f.name for f in dataclasses.fields(FrameHeader)]
-    assert header_fields[1:1 + len(PLACEMENT_FIELDS)] == list(PLACEMENT_FIELDS)   # carried flat, in order
+    assert header_fields[1 : 1 + len(PLACEMENT_FIELDS)] == list(PLACEMENT_FIELDS)  # carried flat, in order
     assert set(MAPPING_FIELDS) <= set(PLACEMENT_FIELDS)
     assert tuple(f.name for f in dataclasses.fields(Geometry)) == MAPPING_FIELDS
-    assert PARAM_COLUMNS[-len(MAPPING_FIELDS):] == MAPPING_FIELDS
+    assert PARAM_COLUMNS[-len(MAPPING_FIELDS) :] == MAPPING_FIELDS

@@ -1,5 +1,6 @@
 """`make run`'s own processes (the Procfile under tools.procfile) keep the service up when one dies, and a
 dead CPU worker's tasks come back in seconds, not after kombu's visibility timeout."""
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,15 @@ from bench.stack import ProcfileStack, StackOptions
 from contract.keys import Keys
 from tests.support import jpeg
 
-STARTUP_S = 15.0    # tools.procfile's default: a process ending sooner stops everything
+STARTUP_S = 15.0  # tools.procfile's default: a process ending sooner stops everything
 
 
 @pytest.fixture(scope="module")
 def make_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcfileStack]:
     started = time.monotonic()
-    stack = ProcfileStack(tmp_path_factory.mktemp("make-run"),
-                          StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})).start()
+    stack = ProcfileStack(
+        tmp_path_factory.mktemp("make-run"), StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})
+    ).start()
     # Past the supervisor's start-up window, where a process that ends stops everything instead of restarting.
     time.sleep(max(0.0, started + STARTUP_S + 1 - time.monotonic()))
     yield stack
@@ -39,10 +41,13 @@ def supervisor_log(stack: ProcfileStack) -> str:
 
 def pid_of(stack: ProcfileStack, role: str) -> int:
     """The role's own process as the supervisor last started it: past the `sh -c` (and `env`) it runs it in."""
-    pid = int(re.findall(rf"procfile: {re.escape(role)} (?:started|restarted) \(pid (\d+)\)",
-                         supervisor_log(stack))[-1])
-    while open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0] in (b"/bin/sh", b"env") \
-            and len(children := children_of(pid)) == 1:
+    pid = int(
+        re.findall(rf"procfile: {re.escape(role)} (?:started|restarted) \(pid (\d+)\)", supervisor_log(stack))[-1]
+    )
+    while (
+        open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0] in (b"/bin/sh", b"env")
+        and len(children := children_of(pid)) == 1
+    ):
         pid = children[0]
     return pid
 
@@ -56,8 +61,12 @@ def submit_and_finish(stack: ProcfileStack, seed: int, timeout_s: float = 60.0) 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            response = requests.post(f"{stack.url}/v1/jobs", data=jpeg(160, 120, seed=seed),
-                                     headers={"Content-Type": "image/jpeg"}, timeout=10)
+            response = requests.post(
+                f"{stack.url}/v1/jobs",
+                data=jpeg(160, 120, seed=seed),
+                headers={"Content-Type": "image/jpeg"},
+                timeout=10,
+            )
             if response.status_code == 202:
                 break
         except requests.RequestException:
@@ -71,6 +80,7 @@ def wait_for_end(stack: ProcfileStack, job_id: str, timeout_s: float) -> dict:
     def ended() -> dict | None:
         doc = requests.get(f"{stack.url}/v1/jobs/{job_id}", params={"wait": 5}, timeout=15).json()
         return doc if doc["status"] in ("succeeded", "failed", "expired", "cancelled") else None
+
     return wait_until(ended, max(1.0, timeout_s), interval_s=0.0, what=f"job {job_id} to end")
 
 
@@ -84,26 +94,28 @@ def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_co
     wait_until(lambda: cpu_worker_ready(make_run), 60, what="the CPU worker to be ready")
     main = pid_of(make_run, "cpu-worker")
     assert b"celery" in open(f"/proc/{main}/cmdline", "rb").read() and children_of(main)
-    for child in children_of(main):       # the pool cannot run it: the task stays in the main process's hands
+    for child in children_of(main):  # the pool cannot run it: the task stays in the main process's hands
         os.kill(child, signal.SIGSTOP)
-    response = requests.post(f"{make_run.url}/v1/jobs", data=jpeg(160, 120, seed=1),
-                             headers={"Content-Type": "image/jpeg"}, timeout=10)
+    response = requests.post(
+        f"{make_run.url}/v1/jobs", data=jpeg(160, 120, seed=1), headers={"Content-Type": "image/jpeg"}, timeout=10
+    )
     job_id = response.json()["id"]
 
     def held() -> bool:
         return any(client.scard(key) for key in client.scan_iter(keys.celery_held("*")))
+
     wait_until(held, 20, what="the CPU worker to hold the task")
     killed_at = time.monotonic()
-    os.killpg(os.getpgid(main), signal.SIGKILL)   # the main process and its children, as an OOM kill or a lost host
-                                                  # would
+    os.killpg(os.getpgid(main), signal.SIGKILL)  # the main process and its children, as an OOM kill or a lost host
+    # would
     doc = wait_for_end(make_run, job_id, 60)
     assert doc["status"] == "succeeded"
     recovered_s = time.monotonic() - killed_at
     print(f"a killed CPU worker's task served {recovered_s:.1f} s after the kill")
-    assert recovered_s < 30                # kombu alone: visibility_timeout_s (300) and its restore interval
+    assert recovered_s < 30  # kombu alone: visibility_timeout_s (300) and its restore interval
     log = supervisor_log(make_run)
     assert "cpu-worker ended (status -9)" in log and "cpu-worker restarted" in log
-    assert "was found dead: 1 tasks it held are back on their queues" in log   # the new worker's line
+    assert "was found dead: 1 tasks it held are back on their queues" in log  # the new worker's line
     assert submit_and_finish(make_run, seed=2)["status"] == "succeeded"
 
 
@@ -112,19 +124,22 @@ def test_every_other_role_killed_comes_back_and_the_service_answers_again(make_r
     before = supervisor_log(make_run).count(f"{role} restarted")
     killed_at = time.monotonic()
     os.kill(pid_of(make_run, role), signal.SIGKILL)
-    wait_until(lambda: supervisor_log(make_run).count(f"{role} restarted") > before, 60,
-               what=f"{role} to be restarted")
+    wait_until(lambda: supervisor_log(make_run).count(f"{role} restarted") > before, 60, what=f"{role} to be restarted")
     restarted_s = time.monotonic() - killed_at
     assert submit_and_finish(make_run, seed=3)["status"] == "succeeded"
     served_s = time.monotonic() - killed_at
     print(f"{role}: restarted {restarted_s:.1f} s after the kill, a job served {served_s:.1f} s after")
     if role == "flower":
+
         def flower_answers() -> bool:
             try:
-                return requests.get(f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}/healthcheck",
-                                    timeout=5).status_code == 200
+                return (
+                    requests.get(f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}/healthcheck", timeout=5).status_code
+                    == 200
+                )
             except requests.RequestException:
                 return False
+
         wait_until(flower_answers, 60, what="Flower to answer again")
 
 
@@ -135,18 +150,21 @@ def listening_addresses(port: int) -> set[str]:
         local, state = line.split()[1], line.split()[3]
         address, _, hex_port = local.partition(":")
         if state == "0A" and int(hex_port, 16) == port:
-            found.add(".".join(str(int(address[i:i + 2], 16)) for i in (6, 4, 2, 0)))
+            found.add(".".join(str(int(address[i : i + 2], 16)) for i in (6, 4, 2, 0)))
     return found
 
 
 def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(make_run):
     """Flower under make run took task-applies from any page a browser opened, and listed every tenant's jobs."""
     flower = f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}"
-    wait_until(lambda: requests.get(flower + "/healthcheck", timeout=5).status_code == 200, 60,
-               what="Flower to answer")
+    wait_until(lambda: requests.get(flower + "/healthcheck", timeout=5).status_code == 200, 60, what="Flower to answer")
     anonymous = requests.get(flower + "/api/tasks", timeout=10)
-    forged = requests.post(flower + "/api/task/async-apply/imgserve.callback", data='{"args": ["x"]}',
-                           headers={"Origin": "http://evil.example", "Content-Type": "text/plain"}, timeout=10)
+    forged = requests.post(
+        flower + "/api/task/async-apply/imgserve.callback",
+        data='{"args": ["x"]}',
+        headers={"Origin": "http://evil.example", "Content-Type": "text/plain"},
+        timeout=10,
+    )
     assert anonymous.status_code == 401 and forged.status_code in (401, 403)
     user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
     assert requests.get(flower + "/api/workers", auth=(user, password), timeout=30).status_code == 200

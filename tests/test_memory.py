@@ -1,4 +1,5 @@
 """contract.memory: a process that handles megabyte buffers keeps reusing the same memory."""
+
 from __future__ import annotations
 
 import os
@@ -32,10 +33,14 @@ print(tuned, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _faults(mode: str, **env: str) -> tuple[str, int]:
-    environ = {**{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}, **env,
-               "PYTHONPATH": str(REPO_ROOT)}
-    out = subprocess.run([sys.executable, "-c", _PROBE, mode], env=environ, capture_output=True, text=True,
-                         check=True).stdout.split()
+    environ = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")},
+        **env,
+        "PYTHONPATH": str(REPO_ROOT),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE, mode], env=environ, capture_output=True, text=True, check=True
+    ).stdout.split()
     return out[0], int(out[1])
 
 
@@ -44,7 +49,7 @@ def test_freed_megabytes_are_reused_without_page_faults() -> None:
     untuned, faults_untuned = _faults("plain")
     tuned, faults_tuned = _faults("tune")
     assert (untuned, tuned) == ("False", "True")
-    assert faults_untuned > 200 * 100          # glibc's own way: fresh pages for (nearly) every buffer
+    assert faults_untuned > 200 * 100  # glibc's own way: fresh pages for (nearly) every buffer
     assert faults_tuned < faults_untuned / 20
 
 

@@ -1,5 +1,6 @@
 """`api.metrics_port`: the API's metrics on an internal port only, from every
 gunicorn worker, and no /metrics on the public port (real gunicorn, real HTTP)."""
+
 from __future__ import annotations
 
 import re
@@ -22,29 +23,40 @@ def _answers(url: str) -> bool:
 @pytest.fixture(scope="module")
 def gunicorn_api(stack, tmp_path_factory):
     public, internal = free_port(), free_port()
-    env = {**stack.env, "IMGSERVE_API__BIND": f"127.0.0.1:{public}", "IMGSERVE_API__WORKERS": "2",
-           "IMGSERVE_API__THREADS": "4", "IMGSERVE_API__METRICS_PORT": str(internal)}
+    env = {
+        **stack.env,
+        "IMGSERVE_API__BIND": f"127.0.0.1:{public}",
+        "IMGSERVE_API__WORKERS": "2",
+        "IMGSERVE_API__THREADS": "4",
+        "IMGSERVE_API__METRICS_PORT": str(internal),
+    }
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    process = ManagedProcess("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
-                                                "app:create_app()"), env, tmp_path_factory.mktemp("gunicorn"))
+    process = ManagedProcess(
+        "api",
+        python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"),
+        env,
+        tmp_path_factory.mktemp("gunicorn"),
+    )
     base = f"http://127.0.0.1:{public}"
-    wait_until(lambda: _answers(base + "/healthz") and _answers(f"http://127.0.0.1:{internal}/metrics")
-               or not process.alive(), 60, what="gunicorn with an internal metrics port")
+    wait_until(
+        lambda: _answers(base + "/healthz") and _answers(f"http://127.0.0.1:{internal}/metrics") or not process.alive(),
+        60,
+        what="gunicorn with an internal metrics port",
+    )
     assert process.alive(), process.log_tail()
     yield base, f"http://127.0.0.1:{internal}"
     process.stop()
 
 
 def healthz_count(metrics_text: str) -> float:
-    match = re.search(r'imgserve_api_requests_total\{method="GET",route="/healthz",status="200"\} (\S+)',
-                      metrics_text)
+    match = re.search(r'imgserve_api_requests_total\{method="GET",route="/healthz",status="200"\} (\S+)', metrics_text)
     return float(match.group(1)) if match else 0.0
 
 
 def test_metrics_are_only_on_the_internal_port_and_count_every_worker(gunicorn_api):
     public, internal = gunicorn_api
     before = healthz_count(requests.get(internal + "/metrics", timeout=10).text)
-    with requests.Session() as first, requests.Session() as second:   # two connections: likely both workers
+    with requests.Session() as first, requests.Session() as second:  # two connections: likely both workers
         for _ in range(10):
             assert first.get(public + "/healthz", timeout=10).status_code == 200
             assert second.get(public + "/healthz", timeout=10).status_code == 200

@@ -1,4 +1,5 @@
 """Several models side by side: settings, routing, the device queue, and real stacks serving two models."""
+
 from __future__ import annotations
 
 import threading
@@ -13,13 +14,15 @@ import redis
 import requests
 import yaml
 
+from app.services import services as api_services
 from contract.config import load_settings
-from contract.jobs import JobStatus
+from contract.jobs.record import JobStatus
 from contract.keys import Keys
-from contract.models import Catalogue, SmoothWeightedRoundRobin, UnknownModel
-from contract.settings import ModelSpec, Settings, SettingsError
+from contract.models import Catalogue, ModelSpec, SmoothWeightedRoundRobin, UnknownModel
+from contract.sections import SettingsError
+from contract.settings import Settings
+from contract.timebill import percentile
 from gpu_worker.lanes import DeviceQueue
-from gpu_worker.stats import percentile
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import REPO_ROOT, ApiServer, ManagedProcess, jpeg, python_argv, wait_until
 
@@ -47,28 +50,40 @@ def test_models_come_as_a_list_of_files_inline_specs_and_overrides_or_as_a_folde
     (tmp_path / "specs" / "b.yaml").write_text(yaml.safe_dump({"name": "b", "version": "1", "labels": ["x"]}))
     (tmp_path / "specs" / "a.yaml").write_text(yaml.safe_dump({"name": "a", "version": "1", "labels": ["x"]}))
     config = tmp_path / "c.yaml"
-    config.write_text(yaml.safe_dump({"models": [SHAPES, {"spec": SHAPES, "version": "3.0.0", "max_backlog": 5},
-                                                 {"name": "inline", "version": "0.1", "labels": ["x"]}]}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "models": [
+                    SHAPES,
+                    {"spec": SHAPES, "version": "3.0.0", "max_backlog": 5},
+                    {"name": "inline", "version": "0.1", "labels": ["x"]},
+                ]
+            }
+        )
+    )
     settings = load_settings(config)
     assert [m.key for m in settings.models] == ["shapes-yolo:2.0.0", "shapes-yolo:3.0.0", "inline:0.1"]
-    assert settings.models[1].path == settings.models[0].path          # the spec file's path, resolved from it
+    assert settings.models[1].path == settings.models[0].path  # the spec file's path, resolved from it
     assert settings.max_backlog(settings.models[1]) == 5 and settings.max_backlog(settings.models[0]) == 256
     config.write_text(yaml.safe_dump({"models": "specs"}))
     assert [m.key for m in load_settings(config).models] == ["a:1", "b:1"]
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"model": SHAPES, "models": [SHAPES]}, "not both"),
-    ({"models": [SHAPES, SHAPES]}, "listed twice"),
-    ({"models": [SHAPES], "routing": {"routes": {"shapes-yolo": {"9.9.9": 1}}}}, "no version '9.9.9'"),
-    ({"models": [SHAPES], "routing": {"routes": {"shapes-yolo": {"2.0.0": -1}}}}, "a weight >= 0"),
-    ({"models": [SHAPES], "routing": {"routes": {"other": "1"}}}, "no model named 'other'"),
-    ({"models": [SHAPES], "routing": {"draining": ["shapes-yolo:1.0.0"]}}, "routing.draining"),
-    ({"models": [SHAPES], "routing": {"draining": ["shapes-yolo:2.0.0"]}}, "no version of 'shapes-yolo' takes"),
-    ({"models": [SHAPES], "routing": {"default": "other"}}, "routing.default"),
-    ({"models": [SHAPES], "gpu_worker": {"models": ["other"]}}, "gpu_worker.models"),
-    ({"models": [{"spec": SHAPES, "name": "has:colon"}]}, "model name 'has:colon'"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        ({"model": SHAPES, "models": [SHAPES]}, "not both"),
+        ({"models": [SHAPES, SHAPES]}, "listed twice"),
+        ({"models": [SHAPES], "routing": {"routes": {"shapes-yolo": {"9.9.9": 1}}}}, "no version '9.9.9'"),
+        ({"models": [SHAPES], "routing": {"routes": {"shapes-yolo": {"2.0.0": -1}}}}, "a weight >= 0"),
+        ({"models": [SHAPES], "routing": {"routes": {"other": "1"}}}, "no model named 'other'"),
+        ({"models": [SHAPES], "routing": {"draining": ["shapes-yolo:1.0.0"]}}, "routing.draining"),
+        ({"models": [SHAPES], "routing": {"draining": ["shapes-yolo:2.0.0"]}}, "no version of 'shapes-yolo' takes"),
+        ({"models": [SHAPES], "routing": {"default": "other"}}, "routing.default"),
+        ({"models": [SHAPES], "gpu_worker": {"models": ["other"]}}, "gpu_worker.models"),
+        ({"models": [{"spec": SHAPES, "name": "has:colon"}]}, "model name 'has:colon'"),
+    ],
+)
 def test_a_routing_that_cannot_work_is_refused_at_load(tmp_path, config, message):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -82,16 +97,23 @@ def test_a_split_is_exact_over_its_period_and_spread_out():
     picks = [router.pick() for _ in range(1000)]
     assert Counter(picks) == {"old": 900, "new": 100}
     runs = "".join("n" if p == "new" else "o" for p in picks).split("n")
-    assert max(len(run) for run in runs) <= 9                 # never ten of the old in a row
+    assert max(len(run) for run in runs) <= 9  # never ten of the old in a row
 
 
 def test_requests_reach_the_default_a_routed_version_or_the_pinned_one():
-    settings = settings_with(spec("a", "1"), spec("a", "2"), spec("a", "3"), spec("b"),
-                             routes={"a": {"1": 3, "2": 1}}, draining=("a:3",), default="b")
+    settings = settings_with(
+        spec("a", "1"),
+        spec("a", "2"),
+        spec("a", "3"),
+        spec("b"),
+        routes={"a": {"1": 3, "2": 1}},
+        draining=("a:3",),
+        default="b",
+    )
     catalogue = Catalogue(settings)
     assert catalogue.resolve(None).key == catalogue.resolve("").key == "b:1"
     assert Counter(catalogue.resolve("a").version for _ in range(400)) == {"1": 300, "2": 100}
-    assert catalogue.resolve("a:2").key == "a:2"       # pinned, whatever the split
+    assert catalogue.resolve("a:2").key == "a:2"  # pinned, whatever the split
     with pytest.raises(UnknownModel, match="draining") as draining:
         catalogue.resolve("a:3")
     assert draining.value.served == ["a:1", "a:2", "b:1"]
@@ -135,12 +157,12 @@ def test_the_device_takes_the_batch_that_waited_longest_one_per_model_in_turn():
     now = [0.0]
     queue: DeviceQueue[str] = DeviceQueue(2, clock=lambda: now[0])
     queue.put(0, "busy-1")
-    assert queue.take() == (0, "busy-1")     # on the device from 0 to 10
-    queue.put(0, "busy-2")                   # staged at once, while its predecessor runs
+    assert queue.take() == (0, "busy-1")  # on the device from 0 to 10
+    queue.put(0, "busy-2")  # staged at once, while its predecessor runs
     now[0] = 4.0
-    queue.put(1, "quiet-1")                  # ready at 4
+    queue.put(1, "quiet-1")  # ready at 4
     now[0] = 10.0
-    assert queue.take() == (1, "quiet-1")    # busy-2 counts from 10, when busy-1 ended
+    assert queue.take() == (1, "quiet-1")  # busy-2 counts from 10, when busy-1 ended
     now[0] = 11.0
     queue.put(1, "quiet-2")
     assert [queue.take(), queue.take()] == [(0, "busy-2"), (1, "quiet-2")]
@@ -152,7 +174,7 @@ def test_a_lane_runs_at_most_one_batch_ahead_and_closing_drains_what_waits():
     second_put = threading.Event()
     thread = threading.Thread(target=lambda: (queue.put(0, 2), second_put.set()))
     thread.start()
-    assert not second_put.wait(0.2)                 # lane 0's slot is taken: its next batch waits
+    assert not second_put.wait(0.2)  # lane 0's slot is taken: its next batch waits
     assert queue.take() == (0, 1)
     assert second_put.wait(5)
     queue.close(0)
@@ -171,12 +193,18 @@ def routing_api(redis_server, tmp_path_factory) -> Iterator[tuple[ApiServer, Any
 
     workdir = tmp_path_factory.mktemp("routing")
     base = content_box_spec(workdir, 64)
-    config = {"redis_url": redis_server.url.rsplit("/", 1)[0] + "/5", "namespace": "routing",
-              "models": [{**base, "name": "det", "version": "1"}, {**base, "name": "det", "version": "2"},
-                         {**base, "name": "det", "version": "3"}, {**base, "name": "other", "version": "1",
-                                                                    "max_backlog": 3}],
-              "routing": {"routes": {"det": {"1": 90, "2": 10}}, "draining": ["det:3"]},
-              "backpressure": {"max_backlog": 2000}}
+    config = {
+        "redis_url": redis_server.url.rsplit("/", 1)[0] + "/5",
+        "namespace": "routing",
+        "models": [
+            {**base, "name": "det", "version": "1"},
+            {**base, "name": "det", "version": "2"},
+            {**base, "name": "det", "version": "3"},
+            {**base, "name": "other", "version": "1", "max_backlog": 3},
+        ],
+        "routing": {"routes": {"det": {"1": 90, "2": 10}}, "draining": ["det:3"]},
+        "backpressure": {"max_backlog": 2000},
+    }
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     settings = load_settings(path)
@@ -194,13 +222,14 @@ def test_a_version_split_routes_within_five_percent_over_1000_jobs_and_queues_ea
     session = requests.Session()
     routed = Counter()
     for _ in range(1000):
-        response = session.post(api.url + "/v1/jobs?model=det", data=image, headers={"Content-Type": "image/jpeg"},
-                                timeout=30)
+        response = session.post(
+            api.url + "/v1/jobs?model=det", data=image, headers={"Content-Type": "image/jpeg"}, timeout=30
+        )
         assert response.status_code == 202, response.text
         routed[response.json()["model"]["version"]] += 1
     assert abs(routed["1"] / 1000 - 0.9) <= 0.05 * 0.9 and abs(routed["2"] / 1000 - 0.1) <= 0.05 * 0.1
     assert routed["3"] == 0
-    for version in ("1", "2"):   # each job's task waits on its own model's CPU queue, and its record says so
+    for version in ("1", "2"):  # each job's task waits on its own model's CPU queue, and its record says so
         assert client.llen(keys.celery_queue(keys.preprocess_queue(f"det:{version}"))) == routed[version]
     job_id = response.json()["id"]
     assert session.get(api.url + f"/v1/jobs/{job_id}", timeout=10).json()["model"]["name"] == "det"
@@ -209,21 +238,35 @@ def test_a_version_split_routes_within_five_percent_over_1000_jobs_and_queues_ea
 def test_an_unknown_or_draining_model_is_404_naming_what_is_served(routing_api):
     api, _ = routing_api
     for reference in ("nope", "det:9", "det:3"):
-        response = requests.post(api.url + "/v1/jobs", params={"model": reference}, data=jpeg(32, 32),
-                                 headers={"Content-Type": "image/jpeg"}, timeout=10)
+        response = requests.post(
+            api.url + "/v1/jobs",
+            params={"model": reference},
+            data=jpeg(32, 32),
+            headers={"Content-Type": "image/jpeg"},
+            timeout=10,
+        )
         assert response.status_code == 404, response.text
         assert response.headers["Content-Type"] == "application/problem+json"
         assert response.json()["type"] == "/problems/model-not-found"
         assert response.json()["models"] == ["det:1", "det:2", "other:1"]
-    form = requests.post(api.url + "/v1/jobs", files={"image": ("i", jpeg(32, 32), "image/jpeg")},
-                         data={"model": "det:3"}, timeout=10)   # named in the form, not the query
+    form = requests.post(
+        api.url + "/v1/jobs", files={"image": ("i", jpeg(32, 32), "image/jpeg")}, data={"model": "det:3"}, timeout=10
+    )  # named in the form, not the query
     assert form.status_code == 404 and "draining" in form.json()["detail"]
 
 
 def test_a_full_model_is_refused_while_another_model_takes_jobs(routing_api):
     api, _ = routing_api
-    submit = lambda model: requests.post(api.url + "/v1/jobs", params={"model": model}, data=jpeg(32, 32),  # noqa: E731
-                                         headers={"Content-Type": "image/jpeg"}, timeout=10)
+
+    def submit(model: str) -> requests.Response:
+        return requests.post(
+            api.url + "/v1/jobs",
+            params={"model": model},
+            data=jpeg(32, 32),
+            headers={"Content-Type": "image/jpeg"},
+            timeout=10,
+        )
+
     codes = [submit("other").status_code for _ in range(5)]
     assert codes == [202, 202, 202, 429, 429]
     assert "other:1" in submit("other").json()["detail"]
@@ -238,8 +281,7 @@ def test_models_lists_every_version_with_its_state_share_and_queue(routing_api):
     assert versions["det:3"]["state"] == "draining" and versions["det:3"]["share"] == 0.0
     assert versions["det:1"]["queue"]["preprocess"] > 0 and versions["det:1"]["workers"] == []
     assert versions["det:1"]["default"] and not versions["other:1"]["default"]
-    assert {n["name"]: n["routes"] for n in listing["names"]} == {"det": {"1": 90.0, "2": 10.0},
-                                                                   "other": {"1": 1.0}}
+    assert {n["name"]: n["routes"] for n in listing["names"]} == {"det": {"1": 90.0, "2": 10.0}, "other": {"1": 1.0}}
 
 
 # --- real stacks serving two models -----------------------------------------------------------------
@@ -247,8 +289,10 @@ def two_models(workdir: Path, **limits: Any) -> list[dict[str, Any]]:
     """The known-answer detector twice, at two input sizes: a frame letterboxed for one does not fit
     the other (the GPU worker would fail it as bad_frame), so a right answer proves the right letterbox."""
     base = content_box_spec(workdir, 64)
-    return [{**base, "name": "small", "version": "1", "input_size": 64},
-            {**base, "name": "large", "version": "1", "input_size": 160, **limits}]
+    return [
+        {**base, "name": "small", "version": "1", "input_size": 64},
+        {**base, "name": "large", "version": "1", "input_size": 160, **limits},
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -272,11 +316,18 @@ def test_one_gpu_worker_serves_two_models_of_different_input_sizes(multi_stack):
     jobs = [answer(multi_stack, model, seed) for seed, model in enumerate(["small", "large"] * 3)]
     assert {job["batch"]["worker"] for job in jobs} == {multi_stack.gpu_worker_id}
     listing = multi_stack.session.get(multi_stack.url("/v1/models"), timeout=10).json()["models"]
-    assert {m["name"]: m["workers"] for m in listing} == {"small": [multi_stack.gpu_worker_id],
-                                                          "large": [multi_stack.gpu_worker_id]}
+    assert {m["name"]: m["workers"] for m in listing} == {
+        "small": [multi_stack.gpu_worker_id],
+        "large": [multi_stack.gpu_worker_id],
+    }
     assert {m["name"]: m["input_size"] for m in listing} == {"small": 64, "large": 160}
-    wait_until(lambda: all(m["p95_ms"] for m in multi_stack.session.get(
-        multi_stack.url("/v1/models"), timeout=10).json()["models"]), 15, what="p95 per model in /v1/models")
+    wait_until(
+        lambda: all(
+            m["p95_ms"] for m in multi_stack.session.get(multi_stack.url("/v1/models"), timeout=10).json()["models"]
+        ),
+        15,
+        what="p95 per model in /v1/models",
+    )
     stats = multi_stack.session.get(multi_stack.url("/v1/stats"), timeout=10).json()
     assert set(stats["queues_by_model"]) == set(stats["models"]) == {"small:1", "large:1"}
     assert all(model["time_bill_ms"]["total"]["p95"] > 0 for model in stats["models"].values())
@@ -284,17 +335,30 @@ def test_one_gpu_worker_serves_two_models_of_different_input_sizes(multi_stack):
 
 def test_two_gpu_workers_each_serve_their_own_model(multi_stack):
     multi_stack.stop_gpu_worker()
-    workers = [ManagedProcess(f"gpu-{model}", python_argv("-m", "gpu_worker", "--device", multi_stack.gpu_device,
-                                                          "--worker-id", f"gpu-{model}", "--model", model),
-                              multi_stack.env, multi_stack.log_dir) for model in ("small", "large")]
+    workers = [
+        ManagedProcess(
+            f"gpu-{model}",
+            python_argv(
+                "-m", "gpu_worker", "--device", multi_stack.gpu_device, "--worker-id", f"gpu-{model}", "--model", model
+            ),
+            multi_stack.env,
+            multi_stack.log_dir,
+        )
+        for model in ("small", "large")
+    ]
     try:
         for worker in workers:
-            wait_until(lambda: multi_stack.redis.exists(multi_stack.keys.heartbeat(worker.name))
-                       or not worker.alive(), 60, what=f"{worker.name}'s heartbeat")
+            wait_until(
+                lambda: multi_stack.redis.exists(multi_stack.keys.heartbeat(worker.name)) or not worker.alive(),
+                60,
+                what=f"{worker.name}'s heartbeat",
+            )
             assert worker.alive(), worker.log_tail()
         jobs = {model: answer(multi_stack, model, seed) for seed, model in enumerate(["small", "large"])}
-        assert {model: job["batch"]["worker"] for model, job in jobs.items()} == {"small": "gpu-small",
-                                                                                "large": "gpu-large"}
+        assert {model: job["batch"]["worker"] for model, job in jobs.items()} == {
+            "small": "gpu-small",
+            "large": "gpu-large",
+        }
         listing = multi_stack.session.get(multi_stack.url("/v1/models"), timeout=10).json()["models"]
         assert {m["name"]: m["workers"] for m in listing} == {"small": ["gpu-small"], "large": ["gpu-large"]}
     finally:
@@ -305,21 +369,25 @@ def test_two_gpu_workers_each_serve_their_own_model(multi_stack):
 
 def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(multi_stack):
     """A record without `model`, its task on the plain `preprocess` queue (an API from before this change)."""
-    from contract import jobs
+    from contract.jobs.record import new_job_id
     from tasks.celery_app import make_celery, send_preprocess
 
-    job_id = jobs.new_job_id()
+    job_id = new_job_id()
     now = time.time()
-    multi_stack.api.app.extensions["imgserve"].store.create(job_id, jpeg(300, 200), 600, {
-        "received_at": now, "submitted_at": now, "deadline_at": now + 60, "options": {}})
+    api_services(multi_stack.api.app).store.create(
+        job_id, jpeg(300, 200), 600, {"received_at": now, "submitted_at": now, "deadline_at": now + 60, "options": {}}
+    )
     send_preprocess(make_celery(multi_stack.settings), job_id, "preprocess")
     job = multi_stack.wait_terminal(job_id)
     assert job["status"] == "succeeded" and job["result"]["model"]["name"] == "small"
 
 
 # --- a flood on one model ----------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=[{"max_backlog": 16}, {"max_backlog": 48, "max_frames": 8}],
-                ids=["list-never-full", "cpu-workers-wait-for-room"])
+@pytest.fixture(
+    scope="module",
+    params=[{"max_backlog": 16}, {"max_backlog": 48, "max_frames": 8}],
+    ids=["list-never-full", "cpu-workers-wait-for-room"],
+)
 def flood_stack(request, redis_server, tmp_path_factory) -> Iterator[Stack]:
     """Two models on one simulated GPU worker: `small` 40 ms for one frame, 120 ms for eight; `large` half
     as heavy again (it drains 44 frames/s, which the flood outruns on a slow machine too), with few jobs
@@ -332,16 +400,23 @@ def flood_stack(request, redis_server, tmp_path_factory) -> Iterator[Stack]:
     flooded 2-core machine took the p95 past 800 ms in one run of four or five."""
     workdir = tmp_path_factory.mktemp("flood")
     url = redis_server.url.rsplit("/", 1)[0] + "/7"
-    redis.Redis.from_url(url).flushdb()   # the previous case's leftovers (its refused flood) are not this one's
-    stack = start_stack(url, workdir, None, "flood",
-                        {"models": two_models(workdir, sim_latency_ms={1: 60, 8: 180}, **request.param),
-                         "gpu_worker": {"heartbeat_ttl_s": 5, "sim_latency_ms": {1: 40, 8: 120}}},
-                        gpu_device="sim")
+    redis.Redis.from_url(url).flushdb()  # the previous case's leftovers (its refused flood) are not this one's
+    stack = start_stack(
+        url,
+        workdir,
+        None,
+        "flood",
+        {
+            "models": two_models(workdir, sim_latency_ms={1: 60, 8: 180}, **request.param),
+            "gpu_worker": {"heartbeat_ttl_s": 5, "sim_latency_ms": {1: 40, 8: 120}},
+        },
+        gpu_device="sim",
+    )
     yield stack
     stop_stack(stack)
 
 
-SLA_MS = 800   # the story's latency boundary
+SLA_MS = 800  # the story's latency boundary
 
 
 def test_a_flood_on_one_model_leaves_the_others_p95_within_its_sla(flood_stack):
@@ -352,8 +427,13 @@ def test_a_flood_on_one_model_leaves_the_others_p95_within_its_sla(flood_stack):
     def flood() -> None:
         session = requests.Session()
         while not stop.is_set():
-            response = session.post(flood_stack.url("/v1/jobs"), params={"model": "large"}, data=image,
-                                    headers={"Content-Type": "image/jpeg"}, timeout=30)
+            response = session.post(
+                flood_stack.url("/v1/jobs"),
+                params={"model": "large"},
+                data=image,
+                headers={"Content-Type": "image/jpeg"},
+                timeout=30,
+            )
             flood_codes[response.status_code] += 1
 
     threads = [threading.Thread(target=flood, daemon=True) for _ in range(4)]
@@ -364,21 +444,26 @@ def test_a_flood_on_one_model_leaves_the_others_p95_within_its_sla(flood_stack):
         quiet = []
         for seed in range(30):
             quiet.append(flood_stack.submit_ok(jpeg(300, 200, seed=seed), model="small"))
-            time.sleep(0.1)   # a steady quiet load, 10 per second
+            time.sleep(0.1)  # a steady quiet load, 10 per second
         done = [flood_stack.wait_terminal(job_id) for job_id in quiet]
     finally:
         stop.set()
         for thread in threads:
             thread.join()
-    assert [(job["status"], job["error"], job["timings_ms"]) for job in done
-            if job["status"] != JobStatus.SUCCEEDED] == []
+    assert [
+        (job["status"], job["error"], job["timings_ms"]) for job in done if job["status"] != JobStatus.SUCCEEDED
+    ] == []
     totals = sorted(job["timings_ms"]["total"] for job in done)
     p95 = percentile(totals, 95)
-    stages = {stage: round(percentile(sorted(job["timings_ms"].get(stage, 0.0) for job in done), 95))
-              for stage in done[0]["timings_ms"]}
-    print(f"quiet model under a flood: p95 {p95:.0f} ms over {len(totals)} jobs (p95 by stage {stages}); "
-          f"flood answered {dict(flood_codes)}")
-    assert flood_codes[202] > 0 and flood_codes[429] > 0                       # the flood was real, and refused
+    stages = {
+        stage: round(percentile(sorted(job["timings_ms"].get(stage, 0.0) for job in done), 95))
+        for stage in done[0]["timings_ms"]
+    }
+    print(
+        f"quiet model under a flood: p95 {p95:.0f} ms over {len(totals)} jobs (p95 by stage {stages}); "
+        f"flood answered {dict(flood_codes)}"
+    )
+    assert flood_codes[202] > 0 and flood_codes[429] > 0  # the flood was real, and refused
     assert p95 <= SLA_MS
 
 
@@ -391,22 +476,23 @@ def test_bench_load_targets_the_model_it_is_given(multi_stack):
 
 
 def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_model(multi_stack):
-    from contract import jobs
     from contract.frames import FrameHeader, pack_frame
+    from contract.jobs.record import new_job_id
     from tasks.imaging import decode_image, letterbox
 
     image, size = decode_image(jpeg(300, 200), 64, 10**8, 10**9)
     boxed = letterbox(image, size, 64)
-    job_id, now = jobs.new_job_id(), time.time()
-    multi_stack.redis.hset(multi_stack.keys.job(job_id), mapping={
-        "id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60})
-    header = FrameHeader(job_id=job_id, **boxed.placement.fields(), enqueued_at=now,
-                         deadline_at=now + 60)
+    job_id, now = new_job_id(), time.time()
+    multi_stack.redis.hset(
+        multi_stack.keys.job(job_id),
+        mapping={"id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60},
+    )
+    header = FrameHeader(job_id=job_id, **boxed.placement.fields(), enqueued_at=now, deadline_at=now + 60)
     multi_stack.redis.lpush(multi_stack.keys.frames_before_models, pack_frame(header, boxed.pixels))
-    removed = multi_stack.keys.frames("removed:1")     # a version taken out of the config before it drained
+    removed = multi_stack.keys.frames("removed:1")  # a version taken out of the config before it drained
     multi_stack.redis.lpush(removed, b"a frame nobody will read")
     multi_stack.stop_gpu_worker()
-    multi_stack.start_gpu_worker()     # moves it to the default model's list at start
+    multi_stack.start_gpu_worker()  # moves it to the default model's list at start
     job = multi_stack.wait_terminal(job_id)
     assert job["status"] == "succeeded" and job["result"]["model"]["name"] == "small"
     assert multi_stack.redis.llen(multi_stack.keys.frames_before_models) == 0
@@ -435,21 +521,37 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
     from tests.support import free_port
 
     base = content_box_spec(tmp_path, 64)
-    config = {"redis_url": redis_server.url.rsplit("/", 1)[0] + "/8", "namespace": "reload",
-              "models": [{**base, "name": "det", "version": "1"}, {**base, "name": "det", "version": "2"}],
-              "routing": {"routes": {"det": {"1": 100}}}}
+    config = {
+        "redis_url": redis_server.url.rsplit("/", 1)[0] + "/8",
+        "namespace": "reload",
+        "models": [{**base, "name": "det", "version": "1"}, {**base, "name": "det", "version": "2"}],
+        "routing": {"routes": {"det": {"1": 100}}},
+    }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     port = free_port()
     env = {**multi_env(path), "IMGSERVE_API__BIND": f"127.0.0.1:{port}", "IMGSERVE_API__WORKERS": "1"}
-    api = ManagedProcess("gunicorn-reload", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py",
-                                                        "--access-logfile", "/dev/null", "app:create_app()"),
-                         env, tmp_path)
+    api = ManagedProcess(
+        "gunicorn-reload",
+        python_argv(
+            "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
+        ),
+        env,
+        tmp_path,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until(lambda: _answers(url + "/healthz") or not api.alive(), 60, what="gunicorn to answer")
-        routed = lambda: requests.post(url + "/v1/jobs", params={"model": "det"}, data=jpeg(32, 32),  # noqa: E731
-                                       headers={"Content-Type": "image/jpeg"}, timeout=10).json()["model"]["version"]
+
+        def routed() -> str:
+            return requests.post(
+                url + "/v1/jobs",
+                params={"model": "det"},
+                data=jpeg(32, 32),
+                headers={"Content-Type": "image/jpeg"},
+                timeout=10,
+            ).json()["model"]["version"]
+
         assert {routed() for _ in range(5)} == {"1"}
         config["routing"]["routes"]["det"] = {"1": 0, "2": 100}
         path.write_text(yaml.safe_dump(config))
@@ -491,22 +593,29 @@ def test_a_cpu_worker_stops_taking_a_models_jobs_while_its_list_has_no_room_for_
 
     # limits 8 and 8; this worker may hold 2 tasks: a list at 6 has no room left for them
     assert full_models([6, 5], [8, 8], held=2, paused=set()) == ({0}, set())
-    assert full_models([7, 0], [8, 8], held=2, paused={0}) == (set(), set())       # still full: stays paused
-    assert full_models([0, 0], [8, 8], held=2, paused={0}) == (set(), {0})         # room again: resumed
-    assert full_models([1], [1], held=4, paused=set()) == ({0}, set())             # a list of one: full at one
+    assert full_models([7, 0], [8, 8], held=2, paused={0}) == (set(), set())  # still full: stays paused
+    assert full_models([0, 0], [8, 8], held=2, paused={0}) == (set(), {0})  # room again: resumed
+    assert full_models([1], [1], held=4, paused=set()) == ({0}, set())  # a list of one: full at one
 
 
-@pytest.mark.parametrize("extra", [
-    b'--b0\r\nContent-Disposition: form-data; name=""\r\n\r\nnull\r\n',                   # a nameless field
-    b'--b0\r\nContent-Disposition: form-data; name="deadine_ms"\r\n\r\n50\r\n',            # a misspelt option
-    b'--b0\r\nContent-Disposition: form-data; name="photo"; filename="p"\r\n\r\nxx\r\n',   # another file
-    b'--b0\r\nContent-Disposition: form-data;\r\n name="deadine_ms"\r\n\r\n50\r\n',        # folded: Werkzeug parses it
-])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        b'--b0\r\nContent-Disposition: form-data; name=""\r\n\r\nnull\r\n',  # a nameless field
+        b'--b0\r\nContent-Disposition: form-data; name="deadine_ms"\r\n\r\n50\r\n',  # a misspelt option
+        b'--b0\r\nContent-Disposition: form-data; name="photo"; filename="p"\r\n\r\nxx\r\n',  # another file
+        b'--b0\r\nContent-Disposition: form-data;\r\n name="deadine_ms"\r\n\r\n50\r\n',  # folded: Werkzeug parses it
+    ],
+)
 def test_a_form_field_that_is_no_option_is_a_400_naming_it(routing_api, extra):
     api, _ = routing_api
     image = b'--b0\r\nContent-Disposition: form-data; name="image"; filename="i"\r\n\r\n' + jpeg(32, 32) + b"\r\n"
-    response = requests.post(api.url + "/v1/jobs", data=extra + image + b"--b0--\r\n",
-                             headers={"Content-Type": "multipart/form-data; boundary=b0"}, timeout=10)
+    response = requests.post(
+        api.url + "/v1/jobs",
+        data=extra + image + b"--b0--\r\n",
+        headers={"Content-Type": "multipart/form-data; boundary=b0"},
+        timeout=10,
+    )
     assert response.status_code == 400, response.text
     assert response.json()["type"] == "/problems/invalid-parameter"
     assert "unknown form field" in response.json()["detail"] and "deadline_ms" in response.json()["detail"]

@@ -1,4 +1,5 @@
 """app.multipart reads a form in memory as Werkzeug's parser does, or hands it back (None) for Werkzeug."""
+
 from __future__ import annotations
 
 import io
@@ -39,19 +40,24 @@ def builder_form(data: dict) -> tuple[bytes, str]:
 
 FORMS = {
     "requests, file only": requests_form({"image": ("a.jpg", PHOTO, "image/jpeg")}),
-    "requests, file and options": requests_form({"image": ("a.jpg", PHOTO, "image/JPEG")},
-                                                {"conf": "0.4", "model": "shapes-yolo:2.0.0"}),
+    "requests, file and options": requests_form(
+        {"image": ("a.jpg", PHOTO, "image/JPEG")}, {"conf": "0.4", "model": "shapes-yolo:2.0.0"}
+    ),
     "requests, no part type": requests_form({"image": ("a.jpg", PHOTO)}),
     "werkzeug's builder": builder_form({"image": (io.BytesIO(PHOTO), "photo.png", "image/png"), "iou": "0.5"}),
     "two images": requests_form([("image", ("a.jpg", PHOTO, "image/jpeg")), ("image", ("b.jpg", b"x", "image/png"))]),
     "an empty file and an empty field": requests_form({"image": ("a.jpg", b"", "image/jpeg")}, {"conf": ""}),
     "a preamble, an epilogue and a charset": (
-        b"preamble\r\n--b0\r\nContent-Disposition: form-data; name=\"note\"\r\n"
+        b'preamble\r\n--b0\r\nContent-Disposition: form-data; name="note"\r\n'
         b"Content-Type: text/plain; charset=iso-8859-1\r\n\r\ncaf\xe9\r\n"
         b"--b0\r\nContent-Disposition: form-data; name=\"image\"; filename*=UTF-8''%C3%A9t%C3%A9.jpg\r\n"
-        b"Content-Type: image/jpeg\r\n\r\n" + PHOTO + b"\r\n--b0--\r\nepilogue", "multipart/form-data; boundary=b0"),
-    "a field that is not UTF-8": (b"--b0\r\nContent-Disposition: form-data; name=\"conf\"\r\n\r\n\xff0.4\r\n--b0--\r\n",
-                                  "multipart/form-data; boundary=\"b0\""),
+        b"Content-Type: image/jpeg\r\n\r\n" + PHOTO + b"\r\n--b0--\r\nepilogue",
+        "multipart/form-data; boundary=b0",
+    ),
+    "a field that is not UTF-8": (
+        b'--b0\r\nContent-Disposition: form-data; name="conf"\r\n\r\n\xff0.4\r\n--b0--\r\n',
+        'multipart/form-data; boundary="b0"',
+    ),
 }
 
 
@@ -61,29 +67,36 @@ def test_a_plain_form_reads_as_werkzeug_reads_it(name):
     assert ours(body, content_type) == werkzeug_reads(body, content_type)
 
 
-@pytest.mark.parametrize("body", [
-    b"--b0\nContent-Disposition: form-data; name=\"image\"; filename=\"a\"\n\nxx\n--b0--\n",        # LF only
-    b"--b0\r\nContent-Disposition: form-data;\r\n name=\"image\"; filename=\"a\"\r\n\r\nxx\r\n--b0--\r\n",  # folded
-    b"--b0\r\nContent-Disposition: form-data; name=\"image\"; filename=\"\xff.jpg\"\r\n\r\nxx\r\n--b0--\r\n",
-    b"--b0  \r\nContent-Disposition: form-data; name=\"image\"; filename=\"a\"\r\n\r\nxx\r\n--b0--\r\n",   # padding
-    b"--b0\r\nContent-Disposition: form-data; name=\"image\"; filename=\"a\"\r\n\r\nxx with no end",
-    b"--b0\r\nContent-Disposition: attachment; name=\"image\"\r\n\r\nxx\r\n--b0--\r\n",
-    b"--b0\r\nContent-Disposition: form-data\r\n\r\nxx\r\n--b0--\r\n",                                  # no name
-    b"--b0\r\nContent-Disposition: form-data; name=a\r\nContent-Disposition: form-data; name=b\r\n\r\nx\r\n--b0--",
-    b"no delimiter at all",
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'--b0\nContent-Disposition: form-data; name="image"; filename="a"\n\nxx\n--b0--\n',  # LF only
+        b'--b0\r\nContent-Disposition: form-data;\r\n name="image"; filename="a"\r\n\r\nxx\r\n--b0--\r\n',  # folded
+        b'--b0\r\nContent-Disposition: form-data; name="image"; filename="\xff.jpg"\r\n\r\nxx\r\n--b0--\r\n',
+        b'--b0  \r\nContent-Disposition: form-data; name="image"; filename="a"\r\n\r\nxx\r\n--b0--\r\n',  # padding
+        b'--b0\r\nContent-Disposition: form-data; name="image"; filename="a"\r\n\r\nxx with no end',
+        b'--b0\r\nContent-Disposition: attachment; name="image"\r\n\r\nxx\r\n--b0--\r\n',
+        b"--b0\r\nContent-Disposition: form-data\r\n\r\nxx\r\n--b0--\r\n",  # no name
+        b"--b0\r\nContent-Disposition: form-data; name=a\r\nContent-Disposition: form-data; name=b\r\n\r\nx\r\n--b0--",
+        b"no delimiter at all",
+    ],
+)
 def test_anything_else_is_left_to_werkzeug(body):
     assert parse_form(body, "multipart/form-data; boundary=b0") is None
 
 
 def test_a_plain_form_of_more_parts_than_a_submission_has_is_refused_as_such():
     """Left to Werkzeug, 2,000 parts came back as 413 "exceeds the limit of 20971520 bytes" for 120 KB."""
-    many = b"".join(b"--b0\r\nContent-Disposition: form-data; name=\"f%d\"\r\n\r\nx\r\n" % i
-                    for i in range(MAX_PARTS + 1)) + b"--b0--\r\n"
+    many = (
+        b"".join(b'--b0\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nx\r\n' % i for i in range(MAX_PARTS + 1))
+        + b"--b0--\r\n"
+    )
     with pytest.raises(TooManyParts):
         parse_form(many, "multipart/form-data; boundary=b0")
-    enough = b"".join(b"--b0\r\nContent-Disposition: form-data; name=\"f%d\"\r\n\r\nx\r\n" % i
-                      for i in range(MAX_PARTS)) + b"--b0--\r\n"
+    enough = (
+        b"".join(b'--b0\r\nContent-Disposition: form-data; name="f%d"\r\n\r\nx\r\n' % i for i in range(MAX_PARTS))
+        + b"--b0--\r\n"
+    )
     form = parse_form(enough, "multipart/form-data; boundary=b0")
     assert form is not None and len(form.fields) == MAX_PARTS
 

@@ -1,5 +1,6 @@
 """The OpenAPI document: generated from the code, complete, and true of the
 running API (schemathesis over real HTTP against the real stack)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -15,14 +16,22 @@ pytestmark = pytest.mark.integration
 
 def test_every_route_is_documented(stack):
     document = requests.get(stack.url("/openapi.json"), timeout=10).json()
-    served = {(rule.rule.replace("<job_id>", "{job_id}"), method.lower())
-              for rule in stack.api.app.url_map.iter_rules() if rule.endpoint != "static"
-              for method in rule.methods - {"HEAD", "OPTIONS"}}
+    served = {
+        (rule.rule.replace("<job_id>", "{job_id}"), method.lower())
+        for rule in stack.api.app.url_map.iter_rules()
+        if rule.endpoint != "static"
+        for method in rule.methods - {"HEAD", "OPTIONS"}
+    }
     documented = {(path, method) for path, methods in document["paths"].items() for method in methods}
     assert served == documented
     operation_ids = [op["operationId"] for methods in document["paths"].values() for op in methods.values()]
-    links = [link for methods in document["paths"].values() for op in methods.values()
-             for reply in op["responses"].values() for link in reply.get("links", {}).values()]
+    links = [
+        link
+        for methods in document["paths"].values()
+        for op in methods.values()
+        for reply in op["responses"].values()
+        for link in reply.get("links", {}).values()
+    ]
     assert len(set(operation_ids)) == len(operation_ids) and links
     assert all(link["operationId"] in operation_ids for link in links)
 
@@ -39,8 +48,19 @@ def test_bounds_come_from_the_settings_and_the_models(stack):
     assert body["multipart/form-data"]["schema"]["required"] == ["image"]
     assert body["image/jpeg"]["schema"]["maxLength"] == stack.settings.api.max_upload_bytes
     stages = document["components"]["schemas"]["TimeBill"]["properties"]
-    assert list(stages) == ["receive", "queue_cpu", "decode", "resize", "backpressure", "queue_gpu", "batch_wait",
-                            "device_queue", "infer", "postprocess", "total"]
+    assert list(stages) == [
+        "receive",
+        "queue_cpu",
+        "decode",
+        "resize",
+        "backpressure",
+        "queue_gpu",
+        "batch_wait",
+        "device_queue",
+        "infer",
+        "postprocess",
+        "total",
+    ]
 
 
 def test_a_real_job_document_matches_its_schema(stack):
@@ -62,7 +82,7 @@ def test_the_docs_page_lists_every_operation(stack):
     for path, methods in document["paths"].items():
         for method, operation in methods.items():
             assert f'id="{operation["operationId"]}"' in page.text, (method, path)
-    assert 'id="JobDocument"' in page.text and "src=" not in page.text   # self-contained: no CDN
+    assert 'id="JobDocument"' in page.text and "src=" not in page.text  # self-contained: no CDN
 
 
 def test_schemathesis_finds_nothing(stack):
@@ -78,16 +98,17 @@ def test_the_fuzz_hook_drops_only_a_violation_that_never_reached_the_wire():
     from tests.fuzz_hooks import filter_failure
 
     def accepted(message: str) -> AcceptedNegativeData:
-        return AcceptedNegativeData(operation="POST /v1/jobs", message=message, status_code=202,
-                                    expected_statuses=["400"])
+        return AcceptedNegativeData(
+            operation="POST /v1/jobs", message=message, status_code=202, expected_statuses=["400"]
+        )
 
     def keeps(failure: Any, media_type: str, body: dict[str, Any]) -> bool:
         return filter_failure(None, failure, SimpleNamespace(media_type=media_type, body=body), None)
 
     conf_array = accepted("Invalid component: in body - violates `type` at /properties/conf (was number, became array)")
     form = "multipart/form-data"
-    assert not keeps(conf_array, form, {"image": b"x", "conf": []})       # sent as the image alone: valid
-    assert keeps(conf_array, form, {"image": b"x", "conf": [1]})          # a part that says 1: refuse it
+    assert not keeps(conf_array, form, {"image": b"x", "conf": []})  # sent as the image alone: valid
+    assert keeps(conf_array, form, {"image": b"x", "conf": [1]})  # a part that says 1: refuse it
     assert keeps(conf_array, "application/json", {"conf": []})
     assert keeps(accepted("no property named"), form, {"conf": []})
     assert keeps(ServerError(operation="POST /v1/jobs", status_code=500), form, {"conf": []})

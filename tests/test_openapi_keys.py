@@ -1,5 +1,6 @@
 """The API fuzzed with API keys configured (the auth paths, each key's own queues): its own file, so that
 the suite's two pytest processes run it beside tests/test_openapi.py's run without keys."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,9 @@ FUZZ_KEY = "fuzz-key"
 
 @pytest.fixture(scope="module")
 def keyed_api(stack):
-    auth = dataclasses.replace(stack.settings.auth, rate_per_s=1000.0, burst=1000.0,
-                               api_keys=({"id": "fuzz", "sha256": hash_key(FUZZ_KEY)},))
+    auth = dataclasses.replace(
+        stack.settings.auth, rate_per_s=1000.0, burst=1000.0, api_keys=({"id": "fuzz", "sha256": hash_key(FUZZ_KEY)},)
+    )
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     yield server
     server.stop()

@@ -1,6 +1,7 @@
 """End to end over real HTTP, a real Celery worker, a real GPU-worker process
 (CPU device) and a private Redis. The model is a TorchScript detector whose
 answer is known: one box around the whole original image."""
+
 from __future__ import annotations
 
 import os
@@ -22,7 +23,7 @@ def assert_whole_image_box(doc: dict, width: int, height: int) -> None:
     [detection] = result["detections"]
     assert detection["label"] == "content" and detection["class_id"] == 0
     assert detection["score"] == pytest.approx(0.9)
-    tolerance = 2.5 * max(width, height) / 320   # a couple of input pixels, in original pixels
+    tolerance = 2.5 * max(width, height) / 320  # a couple of input pixels, in original pixels
     x1, y1, x2, y2 = detection["box"]
     assert 0 <= x1 <= tolerance and 0 <= y1 <= tolerance, detection
     assert width - tolerance <= x2 <= width and height - tolerance <= y2 <= height, detection
@@ -54,13 +55,14 @@ def test_letterbox_is_undone_for_portrait_landscape_small_and_large(stack, width
 
 def test_png_raw_body_and_per_request_options(stack):
     data = encode(make_image(300, 200, mode="RGBA"), "PNG")
-    response = stack.session.post(stack.url("/v1/jobs?conf=0.95"), data=data,
-                                  headers={"Content-Type": "image/png"}, timeout=30)
+    response = stack.session.post(
+        stack.url("/v1/jobs?conf=0.95"), data=data, headers={"Content-Type": "image/png"}, timeout=30
+    )
     assert response.status_code == 202, response.text
     doc = stack.wait_terminal(response.json()["id"])
     assert doc["status"] == "succeeded"
     assert doc["options"] == {"conf": 0.95}
-    assert doc["result"]["detections"] == []   # the model's 0.9 is under the job's own threshold
+    assert doc["result"]["detections"] == []  # the model's 0.9 is under the job's own threshold
 
 
 def test_long_poll_returns_as_soon_as_the_job_ends(stack):
@@ -109,7 +111,7 @@ def test_one_job_alone_is_dispatched_when_the_window_closes(stack):
     job_id = stack.submit_ok(jpeg(320, 320))
     doc = stack.wait_terminal(job_id)
     assert doc["batch"]["size"] == 1
-    assert doc["batch"]["closed_by"] in ("window", "late")   # late: a stalled shared core let it age a window
+    assert doc["batch"]["closed_by"] in ("window", "late")  # late: a stalled shared core let it age a window
     # The window runs on the worker's clock (12 ms), not on Redis's ~100 ms blocking timeouts; the bound is
     # wide because 2 shared cores can stall any thread for tens of ms (bench measures the real figure).
     assert doc["timings_ms"]["batch_wait"] < 90
@@ -128,13 +130,15 @@ def test_too_large_upload_is_413(stack):
     assert response.json()["title"] == "Request Entity Too Large"
 
 
-@pytest.mark.parametrize("data,content_type", [
-    (b"hello, not an image", "text/plain"),
-    (os.urandom(2048), "image/jpeg"),
-])
+@pytest.mark.parametrize(
+    "data,content_type",
+    [
+        (b"hello, not an image", "text/plain"),
+        (os.urandom(2048), "image/jpeg"),
+    ],
+)
 def test_non_images_are_415(stack, data, content_type):
-    response = stack.session.post(stack.url("/v1/jobs"), data=data, headers={"Content-Type": content_type},
-                                  timeout=10)
+    response = stack.session.post(stack.url("/v1/jobs"), data=data, headers={"Content-Type": content_type}, timeout=10)
     assert response.status_code == 415
     assert response.json()["type"] == "/problems/unsupported-media-type"
 
@@ -195,7 +199,7 @@ def test_a_job_nobody_answers_expires_at_its_deadline(stack):
     stack.stop_gpu_worker()
     try:
         job_id = stack.submit_ok(jpeg(200, 200), deadline_ms=1500)
-        doc = stack.job(job_id, wait=20)    # the wait ends at the deadline, not after 20 s
+        doc = stack.job(job_id, wait=20)  # the wait ends at the deadline, not after 20 s
     finally:
         stack.start_gpu_worker()
     assert doc["status"] == "expired"
@@ -209,7 +213,7 @@ def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
     with caplog.at_level(logging.INFO, logger="api"):
         job_id = stack.submit_ok(jpeg(200, 150))
         assert stack.wait_terminal(job_id)["status"] == "succeeded"
-    assert any(getattr(r, "job_id", None) == job_id for r in caplog.records)     # the API
+    assert any(getattr(r, "job_id", None) == job_id for r in caplog.records)  # the API
 
     def lines_about(process) -> list[dict]:
         entries = []
@@ -223,7 +227,7 @@ def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
     cpu = wait_until(lambda: lines_about(stack.cpu_worker), 10, what="the CPU worker's line")
     gpu = wait_until(lambda: lines_about(stack.gpu_worker), 10, what="the GPU worker's line")
     assert cpu[0]["role"] == "cpu-worker" and cpu[0]["outcome"] == "pushed"
-    assert gpu[0]["role"] == "gpu-worker" and gpu[0]["msg"] == "batch answered"   # one line per batch
+    assert gpu[0]["role"] == "gpu-worker" and gpu[0]["msg"] == "batch answered"  # one line per batch
 
 
 def test_deployments_sharing_a_redis_database_never_take_each_others_tasks(stack):
@@ -235,7 +239,7 @@ def test_deployments_sharing_a_redis_database_never_take_each_others_tasks(stack
     send_preprocess(other, "0" * 32, "preprocess")
     other_queue = "another-deployment:celery:preprocess"
     assert stack.redis.llen(other_queue) == 1
-    assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"   # this stack's worker runs
-    assert stack.redis.llen(other_queue) == 1                                            # and left that one alone
+    assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"  # this stack's worker runs
+    assert stack.redis.llen(other_queue) == 1  # and left that one alone
     assert stack.redis.exists(stack.keys.celery_prefix + "_kombu.binding.preprocess")
     stack.redis.delete(other_queue)

@@ -1,4 +1,5 @@
 """Post-processing on known tensors: layouts, thresholds, NMS, letterbox inversion."""
+
 from __future__ import annotations
 
 import random
@@ -40,31 +41,46 @@ GEOMETRY = geometry([(0, 140, 1 / 3, 1 / 3, 1920, 1080), (140, 0, 1 / 3, 1 / 3, 
 
 
 def test_yolov8_boxes_are_decoded_filtered_and_mapped_to_original_pixels():
-    output = yolov8_output([
-        [(100, 240, 40, 20, [0.9, 0.1]),        # kept: class 0
-         (102, 240, 40, 20, [0.8, 0.1]),        # suppressed by the first (same class, IoU > .45)
-         (102, 240, 40, 20, [0.1, 0.7]),        # kept: other class
-         (500, 300, 10, 10, [0.2, 0.1])],       # under conf
-        [(200, 320, 20, 40, [0.1, 0.95]),
-         (0, 0, 0, 0, [0.0, 0.0]),
-         (0, 0, 0, 0, [0.0, 0.0]),
-         (0, 0, 0, 0, [0.0, 0.0])],
-    ])
+    output = yolov8_output(
+        [
+            [
+                (100, 240, 40, 20, [0.9, 0.1]),  # kept: class 0
+                (102, 240, 40, 20, [0.8, 0.1]),  # suppressed by the first (same class, IoU > .45)
+                (102, 240, 40, 20, [0.1, 0.7]),  # kept: other class
+                (500, 300, 10, 10, [0.2, 0.1]),
+            ],  # under conf
+            [
+                (200, 320, 20, 40, [0.1, 0.95]),
+                (0, 0, 0, 0, [0.0, 0.0]),
+                (0, 0, 0, 0, [0.0, 0.0]),
+                (0, 0, 0, 0, [0.0, 0.0]),
+            ],
+        ]
+    )
     dets = postprocess(output, "yolov8", thresholds([0.25, 0.25], [0.45, 0.45], [100, 100]), GEOMETRY)
     assert dets.image_index.tolist() == [0, 0, 1]
     assert dets.class_ids.tolist() == [0, 1, 1]
     assert dets.scores.tolist() == pytest.approx([0.9, 0.7, 0.95])
-    expected = torch.tensor([
-        [(80 - 0) * 3, (230 - 140) * 3, (120 - 0) * 3, (250 - 140) * 3],
-        [(82 - 0) * 3, (230 - 140) * 3, (122 - 0) * 3, (250 - 140) * 3],
-        [(190 - 140) * 3, 300 * 3, (210 - 140) * 3, 340 * 3],
-    ], dtype=torch.float32)
+    expected = torch.tensor(
+        [
+            [(80 - 0) * 3, (230 - 140) * 3, (120 - 0) * 3, (250 - 140) * 3],
+            [(82 - 0) * 3, (230 - 140) * 3, (122 - 0) * 3, (250 - 140) * 3],
+            [(190 - 140) * 3, 300 * 3, (210 - 140) * 3, 340 * 3],
+        ],
+        dtype=torch.float32,
+    )
     torch.testing.assert_close(dets.boxes, expected, rtol=0, atol=1e-3)
 
 
 def test_yolov5_layout_multiplies_objectness_into_class_scores():
-    output = torch.tensor([[[100, 240, 40, 20, 0.5, 0.9, 0.2],     # 0.45 for class 0
-                            [300, 300, 40, 20, 0.2, 0.9, 0.9]]])   # 0.18: under conf
+    output = torch.tensor(
+        [
+            [
+                [100, 240, 40, 20, 0.5, 0.9, 0.2],  # 0.45 for class 0
+                [300, 300, 40, 20, 0.2, 0.9, 0.9],
+            ]
+        ]
+    )  # 0.18: under conf
     dets = postprocess(output, "yolov5", thresholds([0.3], [0.45], [100]), geometry([GEOMETRY_ROW0]))
     assert dets.scores.tolist() == pytest.approx([0.45])
     assert dets.class_ids.tolist() == [0]
@@ -82,12 +98,13 @@ def test_boxes_are_clipped_to_the_original_image():
 
 
 def test_each_image_keeps_its_own_conf_and_max_det():
-    boxes = [(50 + 60 * i, 300, 20, 20, [0.9 - 0.1 * i]) for i in range(5)]   # disjoint boxes
+    boxes = [(50 + 60 * i, 300, 20, 20, [0.9 - 0.1 * i]) for i in range(5)]  # disjoint boxes
     output = yolov8_output([boxes, boxes])
-    dets = postprocess(output, "yolov8", thresholds([0.25, 0.65], [0.45, 0.45], [2, 100]),
-                       geometry([GEOMETRY_ROW0, GEOMETRY_ROW0]))
+    dets = postprocess(
+        output, "yolov8", thresholds([0.25, 0.65], [0.45, 0.45], [2, 100]), geometry([GEOMETRY_ROW0, GEOMETRY_ROW0])
+    )
     counts = torch.bincount(dets.image_index, minlength=2).tolist()
-    assert counts == [2, 3]   # image 0: max_det 2; image 1: scores 0.9, 0.8, 0.7 pass 0.65
+    assert counts == [2, 3]  # image 0: max_det 2; image 1: scores 0.9, 0.8, 0.7 pass 0.65
 
 
 def reference_greedy_nms(boxes, scores, classes, iou_threshold):
@@ -114,7 +131,7 @@ def random_candidates(seed: int, count: int, classes: int):
     for _ in range(count):
         x, y = rng.uniform(0, 200), rng.uniform(0, 200)
         boxes.append([x, y, x + rng.uniform(5, 80), y + rng.uniform(5, 80)])
-    scores = rng.sample(range(1, 10 * count), count)      # distinct: no ties to order
+    scores = rng.sample(range(1, 10 * count), count)  # distinct: no ties to order
     return boxes, [s / (10 * count) for s in scores], [rng.randrange(classes) for _ in range(count)]
 
 
@@ -165,10 +182,14 @@ def test_a_suppression_chain_longer_than_one_look_settles_exactly():
     """Each box overlaps only its neighbours: greedy keeps every other one, which takes as many
     rounds of the chunk's fixed point as the chain is long - several looks, one answer."""
     count = 6 * ROUNDS_PER_LOOK + 1
-    boxes = [[5.0 * i, 0.0, 5.0 * i + 14.0, 10.0] for i in range(count)]   # IoU: neighbour .47, next one .17
-    scores = [1.0 - i / 100 for i in range(count)]                            # the chain runs in score order
-    keep = nms_keep(torch.tensor([boxes]), torch.zeros(1, count, dtype=torch.long),
-                    torch.ones(1, count, dtype=torch.bool), torch.tensor([0.25]))
+    boxes = [[5.0 * i, 0.0, 5.0 * i + 14.0, 10.0] for i in range(count)]  # IoU: neighbour .47, next one .17
+    scores = [1.0 - i / 100 for i in range(count)]  # the chain runs in score order
+    keep = nms_keep(
+        torch.tensor([boxes]),
+        torch.zeros(1, count, dtype=torch.long),
+        torch.ones(1, count, dtype=torch.bool),
+        torch.tensor([0.25]),
+    )
     kept = keep[0].nonzero().flatten().tolist()
     assert kept == reference_greedy_nms(boxes, scores, [0] * count, 0.25) == list(range(0, count, 2))
 
@@ -180,8 +201,13 @@ def test_the_scan_jumps_to_the_next_candidate_still_alive():
     apart = [[100.0 + 20 * i, 0.0, 110.0 + 20 * i, 10.0] for i in range(3)]
     boxes = torch.tensor([piled + apart])
     with HostReads() as reads:
-        keep = nms_keep(boxes, torch.zeros(1, 24, dtype=torch.long), torch.ones(1, 24, dtype=torch.bool),
-                        torch.tensor([0.5]), chunk=4)
+        keep = nms_keep(
+            boxes,
+            torch.zeros(1, 24, dtype=torch.long),
+            torch.ones(1, 24, dtype=torch.bool),
+            torch.tensor([0.5]),
+            chunk=4,
+        )
     assert keep[0].nonzero().flatten().tolist() == [0, 21, 22, 23]
     assert len(reads) == 2
 

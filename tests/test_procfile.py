@@ -1,4 +1,5 @@
 """tools.procfile: what `make run` runs the Procfile with (real processes: small shell commands)."""
+
 from __future__ import annotations
 
 import os
@@ -29,14 +30,16 @@ def test_malformed_procfiles_are_refused(text: str) -> None:
 
 def test_the_repository_procfile_parses() -> None:
     assert {"api", "cpu-worker", "gpu-worker", "flower", "callback-worker"} <= set(
-        parse_procfile((REPO_ROOT / "Procfile").read_text()))
+        parse_procfile((REPO_ROOT / "Procfile").read_text())
+    )
 
 
 def test_env_file_values() -> None:
-    text = ("# comment\nPLAIN=a b\nexport EXPORTED=1\nSINGLE='x \\n y'\nDOUBLE=\"x\\ny \\\"q\\\"\"\n"
-            "EMPTY=\nnot a line\n  SPACED = no\n")
-    assert parse_env(text) == {"PLAIN": "a b", "EXPORTED": "1", "SINGLE": "x \\n y", "DOUBLE": 'x\ny "q"',
-                               "EMPTY": ""}
+    text = (
+        '# comment\nPLAIN=a b\nexport EXPORTED=1\nSINGLE=\'x \\n y\'\nDOUBLE="x\\ny \\"q\\""\n'
+        "EMPTY=\nnot a line\n  SPACED = no\n"
+    )
+    assert parse_env(text) == {"PLAIN": "a b", "EXPORTED": "1", "SINGLE": "x \\n y", "DOUBLE": 'x\ny "q"', "EMPTY": ""}
 
 
 def _start(tmp_path: Path, procfile: str, env_file: str | None = None, *options: str) -> subprocess.Popen:
@@ -44,9 +47,15 @@ def _start(tmp_path: Path, procfile: str, env_file: str | None = None, *options:
     if env_file is not None:
         (tmp_path / ".env").write_text(env_file)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"), *options],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"), *options],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _alive(pid: int) -> bool:
@@ -69,19 +78,23 @@ def _wait_for(path: Path, timeout_s: float = 20.0) -> str:
 
 def test_output_is_the_processes_own_and_the_first_to_end_stops_the_rest(tmp_path: Path) -> None:
     pids = tmp_path / "sleeper.pid"
-    supervisor = _start(tmp_path, f"talker: until [ -s {pids} ]; do sleep 0.05; done; "
-                                  f"echo '{{\"role\": \"talker\"}}'; exit 3\n"
-                                  f"sleeper: echo $$ > {pids}; exec sleep 60\n")
+    supervisor = _start(
+        tmp_path,
+        f"talker: until [ -s {pids} ]; do sleep 0.05; done; "
+        f'echo \'{{"role": "talker"}}\'; exit 3\n'
+        f"sleeper: echo $$ > {pids}; exec sleep 60\n",
+    )
     out, err = supervisor.communicate(timeout=30)
     assert supervisor.returncode == 3
-    assert out == '{"role": "talker"}\n'   # as written, no prefix added
+    assert out == '{"role": "talker"}\n'  # as written, no prefix added
     assert "talker stopped (status 3)" in err and "sent SIGTERM to sleeper" in err
     assert not _alive(int(pids.read_text()))
 
 
 def test_env_file_over_the_environment(tmp_path: Path) -> None:
-    supervisor = _start(tmp_path, "show: echo \"$FROM_DOTENV $HOME_SET\"\n",
-                        env_file="FROM_DOTENV=dotenv\nHOME_SET=\"over\"\n")
+    supervisor = _start(
+        tmp_path, 'show: echo "$FROM_DOTENV $HOME_SET"\n', env_file='FROM_DOTENV=dotenv\nHOME_SET="over"\n'
+    )
     out, _ = supervisor.communicate(timeout=30)
     assert out == "dotenv over\n" and supervisor.returncode == 0
 
@@ -100,8 +113,13 @@ def test_sigterm_stops_every_process_group_children_included(tmp_path: Path) -> 
 
 def test_a_process_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
     ready = tmp_path / "ready"
-    supervisor = _start(tmp_path, f"stubborn: trap '' TERM; echo up > {ready}; while true; do sleep 0.1; done\n"
-                                  "quick: sleep 0.5; exit 0\n", None, "--kill-wait-s", "1")
+    supervisor = _start(
+        tmp_path,
+        f"stubborn: trap '' TERM; echo up > {ready}; while true; do sleep 0.1; done\nquick: sleep 0.5; exit 0\n",
+        None,
+        "--kill-wait-s",
+        "1",
+    )
     _wait_for(ready)
     _, err = supervisor.communicate(timeout=60)
     assert supervisor.returncode == 0
@@ -112,11 +130,14 @@ def test_it_waits_for_a_process_still_shutting_down_after_its_shell_ended(tmp_pa
     """SIGTERM ends the `sh -c` at once; the process it started may take a while (a Celery worker finishing
     its tasks), and whoever stopped the supervisor then stops what that process still needs (Redis)."""
     ready, done = tmp_path / "ready", tmp_path / "done"
-    supervisor = _start(tmp_path, f"slow: sh -c 'trap \"sleep 1; echo done > {done}; exit 0\" TERM; "
-                                  f"echo up > {ready}; while true; do sleep 0.1; done'\n")
+    supervisor = _start(
+        tmp_path,
+        f'slow: sh -c \'trap "sleep 1; echo done > {done}; exit 0" TERM; '
+        f"echo up > {ready}; while true; do sleep 0.1; done'\n",
+    )
     _wait_for(ready)
     supervisor.send_signal(signal.SIGTERM)
-    supervisor.wait(timeout=30)   # not communicate(): the slow process holds the pipes open until it ends
+    supervisor.wait(timeout=30)  # not communicate(): the slow process holds the pipes open until it ends
     assert done.exists(), "the supervisor ended before the process it ran"
     assert "slow stopped" in supervisor.communicate(timeout=30)[1]
 
@@ -136,31 +157,37 @@ def test_a_process_that_dies_once_the_service_is_up_is_restarted_its_group_stopp
     take the service down; what it left in its group (a master's workers) goes before it starts again."""
     starts, child_pids = tmp_path / "starts", tmp_path / "children"
     (tmp_path / "Procfile").write_text(
-        f"worker: echo started >> {starts}; sleep 60 & echo $! >> {child_pids}; wait\n"
-        "steady: exec sleep 60\n")
+        f"worker: echo started >> {starts}; sleep 60 & echo $! >> {child_pids}; wait\nsteady: exec sleep 60\n"
+    )
     err_path = tmp_path / "err"
     with open(err_path, "w") as err:
-        supervisor = subprocess.Popen([sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"),
-                                       "--startup-s", "0.5"], cwd=tmp_path, stderr=err, stdout=subprocess.DEVNULL,
-                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+        supervisor = subprocess.Popen(
+            [sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"), "--startup-s", "0.5"],
+            cwd=tmp_path,
+            stderr=err,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            start_new_session=True,
+        )
         try:
             _wait_for(starts)
-            time.sleep(0.8)                                   # past the startup window
+            time.sleep(0.8)  # past the startup window
             shell = int(_wait_for_text(err_path, "worker started (pid").split("worker started (pid ")[1].split(")")[0])
             first_child = int(child_pids.read_text().split()[0])
-            os.kill(shell, signal.SIGKILL)                    # the role's main process dies; its child lives on
+            os.kill(shell, signal.SIGKILL)  # the role's main process dies; its child lives on
             text = _wait_for_text(err_path, "worker restarted")
             assert "worker ended (status -9)" in text and "restarting in 1 s" in text
-            assert not _alive(first_child)                    # its group was stopped before the restart
+            assert not _alive(first_child)  # its group was stopped before the restart
             wait_until_lines = time.monotonic() + 10
             while len(starts.read_text().split()) < 2 and time.monotonic() < wait_until_lines:
                 time.sleep(0.05)
-            assert len(starts.read_text().split()) == 2 and supervisor.poll() is None   # the service stays up
-            second = int(_wait_for_text(err_path, "worker restarted (pid").split("worker restarted (pid ")[1]
-                         .split(")")[0])
-            os.kill(second, signal.SIGKILL)                   # again at once: the backoff doubles
+            assert len(starts.read_text().split()) == 2 and supervisor.poll() is None  # the service stays up
+            second = int(
+                _wait_for_text(err_path, "worker restarted (pid").split("worker restarted (pid ")[1].split(")")[0]
+            )
+            os.kill(second, signal.SIGKILL)  # again at once: the backoff doubles
             assert "restarting in 2 s" in _wait_for_text(err_path, "restarting in 2 s")
-            supervisor.send_signal(signal.SIGTERM)            # Ctrl-C still stops everything
+            supervisor.send_signal(signal.SIGTERM)  # Ctrl-C still stops everything
             assert supervisor.wait(timeout=30) == 143
         finally:
             if supervisor.poll() is None:
@@ -169,8 +196,9 @@ def test_a_process_that_dies_once_the_service_is_up_is_restarted_its_group_stopp
 
 
 def test_no_restart_keeps_honchos_rule(tmp_path: Path) -> None:
-    supervisor = _start(tmp_path, "short: sleep 1; exit 4\nlong: exec sleep 60\n", None, "--startup-s", "0",
-                        "--no-restart")
+    supervisor = _start(
+        tmp_path, "short: sleep 1; exit 4\nlong: exec sleep 60\n", None, "--startup-s", "0", "--no-restart"
+    )
     _, err = supervisor.communicate(timeout=30)
     assert supervisor.returncode == 4 and "short ended (status 4): stopping everything" in err
     assert "restart" not in err.replace("--no-restart", "")
@@ -187,22 +215,37 @@ def test_once_the_ready_url_answers_the_ready_line_is_said_and_an_early_death_is
     started = tmp_path / "started"
     (tmp_path / "Procfile").write_text(
         f"web: exec {sys.executable} -m http.server {port} --bind 127.0.0.1\n"
-        f"worker: echo up >> {started}; exec sleep 60\n")
+        f"worker: echo up >> {started}; exec sleep 60\n"
+    )
     err_path = tmp_path / "err"
     with open(err_path, "w") as err:
-        supervisor = subprocess.Popen([sys.executable, "-m", "tools.procfile", str(tmp_path / "Procfile"),
-                                       "--startup-s", "120", "--ready-url", f"http://127.0.0.1:{port}/",
-                                       "--ready-message", "ready at the test's URL"],
-                                      cwd=tmp_path, stderr=err, stdout=subprocess.DEVNULL,
-                                      env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, start_new_session=True)
+        supervisor = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tools.procfile",
+                str(tmp_path / "Procfile"),
+                "--startup-s",
+                "120",
+                "--ready-url",
+                f"http://127.0.0.1:{port}/",
+                "--ready-message",
+                "ready at the test's URL",
+            ],
+            cwd=tmp_path,
+            stderr=err,
+            stdout=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+            start_new_session=True,
+        )
         try:
             text = _wait_for_text(err_path, "ready at the test's URL")
             worker = int(text.split("worker started (pid ")[1].split(")")[0])
-            os.kill(worker, signal.SIGKILL)                  # well inside --startup-s, after ready
+            os.kill(worker, signal.SIGKILL)  # well inside --startup-s, after ready
             text = _wait_for_text(err_path, "worker restarted")
             assert "stopping everything" not in text and supervisor.poll() is None
             assert text.count("ready at the test's URL") == 1
-            supervisor.send_signal(signal.SIGINT)            # Ctrl-C
+            supervisor.send_signal(signal.SIGINT)  # Ctrl-C
             assert supervisor.wait(timeout=30) == 130
         finally:
             if supervisor.poll() is None:
@@ -210,7 +253,14 @@ def test_once_the_ready_url_answers_the_ready_line_is_said_and_an_early_death_is
 
 
 def test_before_the_service_is_ready_an_early_death_still_stops_everything(tmp_path: Path) -> None:
-    supervisor = _start(tmp_path, "short: sleep 0.3; exit 5\nlong: exec sleep 60\n", None, "--startup-s", "60",
-                        "--ready-url", "http://127.0.0.1:9/never")
+    supervisor = _start(
+        tmp_path,
+        "short: sleep 0.3; exit 5\nlong: exec sleep 60\n",
+        None,
+        "--startup-s",
+        "60",
+        "--ready-url",
+        "http://127.0.0.1:9/never",
+    )
     _, err = supervisor.communicate(timeout=30)
     assert supervisor.returncode == 5 and "short ended (status 5) within 60 s of the start: stopping everything" in err

@@ -1,5 +1,6 @@
 """Nothing lost: cancellation, crashes of real processes, poison frames,
 backpressure and bad input. Real processes, real signals."""
+
 from __future__ import annotations
 
 import io
@@ -13,12 +14,14 @@ import pytest
 import yaml
 from PIL import Image
 
+from app.services import services as api_services
 from bench.processes import ManagedProcess, python_argv
-from contract import jobs
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import EXPIRED, PREPROCESSING, QUEUED_GPU, TERMINAL
 from tests.support import encode, jpeg, make_image, wait_until
 
 pytestmark = pytest.mark.integration
-TERMINAL = tuple(jobs.TERMINAL)
+TERMINAL = tuple(TERMINAL)
 
 
 # --- cancellation -----------------------------------------------------------
@@ -32,7 +35,7 @@ def test_cancel_a_waiting_job_then_409_once_it_is_over(stack):
     finally:
         stack.start_gpu_worker()
     wait_until(lambda: stack.redis.llen(stack.frames_key) == 0, 30, what="the frame to be drained")
-    assert stack.job(job_id)["status"] == "cancelled"          # the GPU worker skipped it
+    assert stack.job(job_id)["status"] == "cancelled"  # the GPU worker skipped it
     again = stack.session.delete(stack.url(f"/v1/jobs/{job_id}"), timeout=10)
     assert again.status_code == 409 and again.json()["type"] == "/problems/job-already-finished"
     assert stack.session.delete(stack.url("/v1/jobs/nope"), timeout=10).status_code == 404
@@ -79,30 +82,32 @@ def slow_sim_worker(stack, name: str, latency_ms: float = 1500, max_batch: int =
     path = stack.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**stack.env, "IMGSERVE_CONFIG": str(path)}
-    worker = ManagedProcess(name, python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", name),
-                            env, stack.log_dir)
-    wait_until(lambda: stack.redis.exists(stack.keys.heartbeat(name)) or not worker.alive(), 60,
-               what=f"{name}'s heartbeat")
+    worker = ManagedProcess(
+        name, python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", name), env, stack.log_dir
+    )
+    wait_until(
+        lambda: stack.redis.exists(stack.keys.heartbeat(name)) or not worker.alive(), 60, what=f"{name}'s heartbeat"
+    )
     return worker
 
 
 def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
     stack.stop_gpu_worker()
     try:
-        for attempt in range(2):   # killed twice, restarted twice
+        for attempt in range(2):  # killed twice, restarted twice
             worker = slow_sim_worker(stack, "killable-gpu")
             ids = [stack.submit_ok(jpeg(320, 240, seed=attempt * 10 + i)) for i in range(4)]
             held = stack.keys.processing("killable-gpu", stack.settings.model.key)
             wait_until(lambda: stack.redis.llen(held) > 0, 30, what="a batch in hand")
             worker.stop(signal.SIGKILL)
             assert stack.redis.llen(stack.keys.processing("killable-gpu", stack.settings.model.key)) > 0
-            restarted = slow_sim_worker(stack, "killable-gpu")   # requeues its own frames first
+            restarted = slow_sim_worker(stack, "killable-gpu")  # requeues its own frames first
             docs = [stack.wait_terminal(j, timeout_s=90) for j in ids]
             assert [d["status"] for d in docs] == ["succeeded"] * 4, docs
             assert stack.redis.llen(stack.keys.processing("killable-gpu", stack.settings.model.key)) == 0
             first = [d["batch"]["id"] for d in docs]
             time.sleep(0.5)
-            assert [stack.job(j)["batch"]["id"] for j in ids] == first   # one answer each, never rewritten
+            assert [stack.job(j)["batch"]["id"] for j in ids] == first  # one answer each, never rewritten
             restarted.stop()
     finally:
         stack.start_gpu_worker()
@@ -121,7 +126,7 @@ def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
         assert stack.redis.llen(processing) == 0
         statuses = [stack.job(j)["status"] for j in ids]
         assert statuses.count("succeeded") >= 8 and set(statuses) <= {"succeeded", "queued_gpu"}, statuses
-        assert stack.redis.llen(stack.frames_key) == statuses.count("queued_gpu")   # the rest wait in line
+        assert stack.redis.llen(stack.frames_key) == statuses.count("queued_gpu")  # the rest wait in line
     finally:
         stack.start_gpu_worker()
     assert [stack.wait_terminal(j)["status"] for j in ids] == ["succeeded"] * len(ids)
@@ -129,8 +134,13 @@ def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
 
 def test_a_second_worker_with_a_live_workers_id_refuses_to_start(stack):
     """It would requeue the live one's frames at start (duplicate work) and neither could be reaped."""
-    result = subprocess.run(python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", stack.gpu_worker_id),
-                            env=stack.env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", stack.gpu_worker_id),
+        env=stack.env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "is in use by pid" in result.stderr, result.stderr[-2000:]
     assert stack.gpu_worker.alive()
     assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"
@@ -142,7 +152,7 @@ def celery_children(parent_pid: int) -> list[int]:
 
 
 def test_a_celery_child_killed_mid_task_has_its_task_redelivered(stack):
-    big = encode(make_image(6000, 6000), "PNG")   # about a second to decode: easy to hit mid-task
+    big = encode(make_image(6000, 6000), "PNG")  # about a second to decode: easy to hit mid-task
     assert len(big) < stack.settings.api.max_upload_bytes
     job_id = stack.submit_ok(big)
     wait_until(lambda: stack.job(job_id)["status"] == "preprocessing", 30, what="preprocessing to start")
@@ -172,9 +182,12 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
         # The CPU worker stops taking this model's tasks once the list has no room for the tasks it may hold
         # (tasks.full_lists: 2 children x prefetch 1), so the list settles between max_frames - 2 and
         # max_frames, depending on what its children held at that moment: not always full.
-        wait_until(lambda: stack.redis.llen(stack.frames_key) >= limits.max_frames - 2, 30,
-                   what="the frame list to fill up to where the CPU worker pauses")
-        watch_until = time.monotonic() + 1.0   # the children still holding frames push or wait: never past the bound
+        wait_until(
+            lambda: stack.redis.llen(stack.frames_key) >= limits.max_frames - 2,
+            30,
+            what="the frame list to fill up to where the CPU worker pauses",
+        )
+        watch_until = time.monotonic() + 1.0  # the children still holding frames push or wait: never past the bound
         while time.monotonic() < watch_until:
             longest = max(longest, stack.redis.llen(stack.frames_key))
             time.sleep(0.01)
@@ -183,6 +196,7 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     assert refused and all(r.status_code == 429 for r in refused)
     # Retry-After says how long the backlog takes to drain: with no GPU worker answering, the longest.
     from app.admission import MAX_RETRY_AFTER_S
+
     assert all(limits.retry_after_s <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S for r in refused)
     assert int(refused[-1].headers["Retry-After"]) == MAX_RETRY_AFTER_S
     assert refused[0].json()["type"] == "/problems/overloaded"
@@ -195,7 +209,7 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     # the next test makes one wait for certain.
     waited = [d["timings_ms"] for d in docs if d["timings_ms"]["backpressure"] > 300]
     assert all(bill["queue_gpu"] < bill["backpressure"] for bill in waited)
-    assert stack.submit(jpeg(160, 120)).status_code == 202    # back to normal by itself
+    assert stack.submit(jpeg(160, 120)).status_code == 202  # back to normal by itself
 
 
 def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis_server, tmp_path):
@@ -209,13 +223,20 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     from tasks.preprocess import Preprocessor
 
     config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump({"redis_url": redis_server.url.rsplit("/", 1)[0] + "/4",
-                                      "namespace": "waitroom", "backpressure": {"max_frames": 2}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "redis_url": redis_server.url.rsplit("/", 1)[0] + "/4",
+                "namespace": "waitroom",
+                "backpressure": {"max_frames": 2},
+            }
+        )
+    )
     settings = load_settings(config)
     client = connect(settings)
     client.flushdb()
     keys = Keys(settings.namespace)
-    store = jobs.JobStore(client, keys, ttl_s=60)
+    store = JobIntake(client, keys, ttl_s=60)
     frames = keys.frames(settings.model.key)
     now = time.time()
     store.create("e" * 32, jpeg(160, 120), 60, {"deadline_at": now + 60, "received_at": now, "submitted_at": now})
@@ -223,9 +244,9 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     outcome: list[str] = []
     worker = threading.Thread(target=lambda: outcome.append(Preprocessor(settings, connect(settings)).run("e" * 32)))
     worker.start()
-    wait_until(lambda: store.load("e" * 32)["status"] == jobs.PREPROCESSING, 30, what="the job to be claimed")
-    time.sleep(0.4)   # the wait under test, not a synchronisation
-    assert client.llen(frames) == 2 and not outcome   # still holding its frame: the bound holds
+    wait_until(lambda: store.load("e" * 32)["status"] == PREPROCESSING, 30, what="the job to be claimed")
+    time.sleep(0.4)  # the wait under test, not a synchronisation
+    assert client.llen(frames) == 2 and not outcome  # still holding its frame: the bound holds
     room_made_at = time.time()
     client.rpop(frames)
     worker.join(timeout=30)
@@ -234,7 +255,7 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     assert header.job_id == "e" * 32
     assert header.stamps["pushed_at"] >= room_made_at and header.enqueued_at >= room_made_at
     assert header.stamps["backpressure_ms"] >= 400
-    assert store.load("e" * 32)["status"] == jobs.QUEUED_GPU
+    assert store.load("e" * 32)["status"] == QUEUED_GPU
 
 
 # --- bad input ----------------------------------------------------------------
@@ -260,29 +281,40 @@ def bomb() -> bytes:
         return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
 
     header = struct.pack(">IIBBBBB", 30000, 30000, 8, 0, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(30001) * 4))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(bytes(30001) * 4))
+        + chunk(b"IEND", b"")
+    )
 
 
-@pytest.mark.parametrize("name,data,content_type,status,outcome", [
-    ("empty body", b"", "image/jpeg", 400, None),
-    ("random bytes as jpeg", os.urandom(4096), "image/jpeg", 415, None),
-    ("png declared as jpeg", encode(make_image(50, 40), "PNG"), "image/jpeg", 202, ("succeeded", (50, 40))),
-    ("truncated jpeg", jpeg(400, 300)[:600], "image/jpeg", 202, ("failed", "decode_error")),
-    ("truncated png", encode(make_image(400, 300), "PNG")[:300], "image/png", 202, ("failed", "decode_error")),
-    ("decompression bomb", bomb(), "image/png", 202, ("failed", "image_too_large")),
-    ("1x10000", encode(make_image(1, 10000), "PNG"), "image/png", 202, ("succeeded", (1, 10000))),
-    ("1x1", encode(make_image(1, 1), "PNG"), "image/png", 202, ("succeeded", (1, 1))),
-    ("cmyk jpeg", encode(make_image(120, 80, mode="CMYK"), "JPEG"), "image/jpeg", 202, ("succeeded", (120, 80))),
-    ("grayscale", encode(make_image(120, 80, mode="L"), "PNG"), "image/png", 202, ("succeeded", (120, 80))),
-    ("palette with alpha", encode(make_image(120, 80, mode="P"), "PNG", transparency=0), "image/png", 202,
-     ("succeeded", (120, 80))),
-    ("animated gif", gif_animated(), "image/gif", 202, ("succeeded", (64, 48))),
-    ("exif rotated", exif_rotated(), "image/jpeg", 202, ("succeeded", (200, 400))),
-])
+@pytest.mark.parametrize(
+    "name,data,content_type,status,outcome",
+    [
+        ("empty body", b"", "image/jpeg", 400, None),
+        ("random bytes as jpeg", os.urandom(4096), "image/jpeg", 415, None),
+        ("png declared as jpeg", encode(make_image(50, 40), "PNG"), "image/jpeg", 202, ("succeeded", (50, 40))),
+        ("truncated jpeg", jpeg(400, 300)[:600], "image/jpeg", 202, ("failed", "decode_error")),
+        ("truncated png", encode(make_image(400, 300), "PNG")[:300], "image/png", 202, ("failed", "decode_error")),
+        ("decompression bomb", bomb(), "image/png", 202, ("failed", "image_too_large")),
+        ("1x10000", encode(make_image(1, 10000), "PNG"), "image/png", 202, ("succeeded", (1, 10000))),
+        ("1x1", encode(make_image(1, 1), "PNG"), "image/png", 202, ("succeeded", (1, 1))),
+        ("cmyk jpeg", encode(make_image(120, 80, mode="CMYK"), "JPEG"), "image/jpeg", 202, ("succeeded", (120, 80))),
+        ("grayscale", encode(make_image(120, 80, mode="L"), "PNG"), "image/png", 202, ("succeeded", (120, 80))),
+        (
+            "palette with alpha",
+            encode(make_image(120, 80, mode="P"), "PNG", transparency=0),
+            "image/png",
+            202,
+            ("succeeded", (120, 80)),
+        ),
+        ("animated gif", gif_animated(), "image/gif", 202, ("succeeded", (64, 48))),
+        ("exif rotated", exif_rotated(), "image/jpeg", 202, ("succeeded", (200, 400))),
+    ],
+)
 def test_bad_and_odd_input(stack, name, data, content_type, status, outcome):
-    response = stack.session.post(stack.url("/v1/jobs"), data=data, headers={"Content-Type": content_type},
-                                  timeout=30)
+    response = stack.session.post(stack.url("/v1/jobs"), data=data, headers={"Content-Type": content_type}, timeout=30)
     assert response.status_code == status, (name, response.text)
     if outcome is None:
         assert response.headers["Content-Type"] == "application/problem+json"
@@ -292,8 +324,8 @@ def test_bad_and_odd_input(stack, name, data, content_type, status, outcome):
     assert doc["status"] == expected_status, (name, doc)
     if expected_status == "failed":
         assert doc["error"]["code"] == detail
-        assert not stack.redis.exists(stack.keys.upload(doc["id"]))   # not kept for upload_ttl_s
-        assert " at 0x" not in doc["error"]["message"]                # no memory addresses
+        assert not stack.redis.exists(stack.keys.upload(doc["id"]))  # not kept for upload_ttl_s
+        assert " at 0x" not in doc["error"]["message"]  # no memory addresses
     else:
         assert (doc["result"]["image"]["width"], doc["result"]["image"]["height"]) == detail
 
@@ -313,8 +345,12 @@ def test_small_files_that_decode_huge_are_served_or_refused_without_losing_the_w
 
 
 def test_malformed_multipart_is_400(stack):
-    response = stack.session.post(stack.url("/v1/jobs"), data=b"--xx\r\nnonsense",
-                                  headers={"Content-Type": "multipart/form-data; boundary=xx"}, timeout=10)
+    response = stack.session.post(
+        stack.url("/v1/jobs"),
+        data=b"--xx\r\nnonsense",
+        headers={"Content-Type": "multipart/form-data; boundary=xx"},
+        timeout=10,
+    )
     assert response.status_code == 400
 
 
@@ -330,8 +366,10 @@ def test_oversize_upload_is_413_from_its_declared_length(stack):
     import socket
 
     with socket.create_connection(("127.0.0.1", stack.api.port), timeout=10) as sock:
-        sock.sendall(b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
-                     b"Content-Length: 999999999\r\n\r\n" + b"\xff\xd8\xff" + bytes(1000))
+        sock.sendall(
+            b"POST /v1/jobs HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n"
+            b"Content-Length: 999999999\r\n\r\n" + b"\xff\xd8\xff" + bytes(1000)
+        )
         reply = sock.recv(4096)
     assert reply.startswith(b"HTTP/1.1 413")
 
@@ -349,15 +387,18 @@ def test_redis_stopped_and_restarted_the_api_answers_503_then_everything_recover
         assert response.headers["Retry-After"] and response.json()["status"] == 503
         assert time.monotonic() - started < 10
         not_ready = stack.session.get(stack.url("/readyz"), timeout=10)
-        assert not_ready.status_code == 503 and str(server.port) not in not_ready.text   # no host:port
+        assert not_ready.status_code == 503 and str(server.port) not in not_ready.text  # no host:port
     finally:
         server.start()
     # Workers reconnect by themselves: no process was restarted.
-    wait_until(lambda: stack.session.get(stack.url("/readyz"), timeout=10).status_code == 200, 60,
-               what="readiness after Redis came back")
+    wait_until(
+        lambda: stack.session.get(stack.url("/readyz"), timeout=10).status_code == 200,
+        60,
+        what="readiness after Redis came back",
+    )
     after = [stack.submit_ok(jpeg(160, 120, seed=3 + i)) for i in range(3)]
     assert [stack.wait_terminal(j, timeout_s=120)["status"] for j in after] == ["succeeded"] * 3
-    assert stack.wait_terminal(before)["status"] == "succeeded"     # the append-only file kept it
+    assert stack.wait_terminal(before)["status"] == "succeeded"  # the append-only file kept it
     assert stack.cpu_worker.alive() and stack.gpu_worker.alive()
 
 
@@ -383,17 +424,20 @@ def test_a_gpu_worker_told_to_stop_while_redis_is_away_stops(own_redis_stack):
 def test_a_job_ends_expired_at_its_deadline_though_nobody_reads_it(stack):
     """The CPU workers (and the API) sweep the deadline index: the job is over when its deadline passes,
     not when someone next looks."""
-    from contract import jobs
 
-    store = stack.api.app.extensions["imgserve"].store
+    store = api_services(stack.api.app).store
     stack.stop_gpu_worker()
     try:
         job_id = stack.submit_ok(jpeg(64, 64), deadline_ms=1500)
         deadline = store.load(job_id)["deadline_at"]
-        record = wait_until(lambda: (r := store.load(job_id))["status"] == jobs.EXPIRED and r, 10,
-                            interval_s=0.05, what="the job to expire unread")
+        record = wait_until(
+            lambda: (r := store.load(job_id))["status"] == EXPIRED and r,
+            10,
+            interval_s=0.05,
+            what="the job to expire unread",
+        )
     finally:
         stack.start_gpu_worker()
-    assert record["finished_at"] - deadline < 1.5          # within the sweep interval of its deadline
+    assert record["finished_at"] - deadline < 1.5  # within the sweep interval of its deadline
     assert record["error"]["code"] == "deadline"
     assert not stack.redis.exists(stack.keys.upload(job_id))

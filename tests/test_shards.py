@@ -2,6 +2,7 @@
 
 Real redis-servers throughout: the parts against three shards of their own, then the whole stack on a control
 Redis and three shards, one of which is killed under load."""
+
 from __future__ import annotations
 
 import collections
@@ -14,12 +15,17 @@ import pytest
 import redis
 import requests
 
+from app.services import services as api_services
 from bench.processes import RedisServer
-from contract import jobs
+from contract import frames
+from contract.frame_shards import ShardedFrameSource, frame_pusher, requeue_sharded_frames_of
 from contract.frames import FrameHeader, pack_frame, read_job_id
+from contract.jobs.ending import JobEnding
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import QUEUED, QUEUED_GPU, new_job_id
 from contract.keys import Keys
 from contract.shards import SHARDED_UPLOAD, BulkPlane, ShardUnavailable, shard_of
-from gpu_worker.source import ShardedFrameSource, requeue_sharded_frames_of
 from tasks.shard_watch import ShardWatch
 from tests.conftest import STACK_INPUT_SIZE, content_box_spec, start_stack, stop_stack
 from tests.support import free_port, jpeg, wait_until
@@ -28,7 +34,7 @@ MODEL = "m:1"
 
 
 def test_placement_is_the_job_ids_alone_and_spreads_evenly():
-    ids = [jobs.new_job_id() for _ in range(3000)]
+    ids = [new_job_id() for _ in range(3000)]
     counts = collections.Counter(shard_of(job_id, 3) for job_id in ids)
     assert set(counts) == {0, 1, 2}
     assert all(800 <= count <= 1200 for count in counts.values()), counts
@@ -40,9 +46,9 @@ def test_new_job_ids_avoid_a_shard_found_down_until_its_retry():
     now = [100.0]
     plane = BulkPlane(redis.Redis(), [redis.Redis(), redis.Redis(), redis.Redis()], retry_s=1.0, clock=lambda: now[0])
     plane.mark_down(1)
-    assert all(plane.index(plane.new_job_id(jobs.new_job_id)) != 1 for _ in range(200))
+    assert all(plane.index(plane.new_job_id(new_job_id)) != 1 for _ in range(200))
     now[0] += 1.5
-    assert 1 in {plane.index(plane.new_job_id(jobs.new_job_id)) for _ in range(200)}
+    assert 1 in {plane.index(plane.new_job_id(new_job_id)) for _ in range(200)}
     assert plane.frame_bound(64) == 22 and BulkPlane(redis.Redis()).frame_bound(64) == 64
 
 
@@ -64,67 +70,86 @@ def plane(redis_client: redis.Redis, shard_servers: list[RedisServer]) -> BulkPl
 
 
 def _job_on(plane: BulkPlane, index: int) -> str:
-    return next(job_id for job_id in iter(jobs.new_job_id, "") if plane.index(job_id) == index)
+    return next(job_id for job_id in iter(new_job_id, "") if plane.index(job_id) == index)
 
 
-def _stored_job(store: jobs.JobStore, plane: BulkPlane, index: int, upload: bytes = b"u" * 1000) -> str:
+def _stored_job(store: JobIntake, plane: BulkPlane, index: int, upload: bytes = b"u" * 1000) -> str:
     job_id = _job_on(plane, index)
-    store.create(job_id, upload, 600, {"model": MODEL, "bytes": len(upload), "deadline_at": time.time() + 60,
-                                       "submitted_at": time.time()})
+    store.create(
+        job_id,
+        upload,
+        600,
+        {"model": MODEL, "bytes": len(upload), "deadline_at": time.time() + 60, "submitted_at": time.time()},
+    )
     return job_id
 
 
 def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control_plane(redis_client, plane):
     keys = Keys("sharded")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
+    handoff = JobHandOff(redis_client, keys, 600, bulk=plane)
+    pusher = frame_pusher(redis_client, keys, plane)
     job_id = _stored_job(store, plane, 2)
     shard = plane.clients[2]
     assert shard.get(keys.upload(job_id)) == b"u" * 1000
-    assert redis_client.get(keys.upload(job_id)) == SHARDED_UPLOAD   # the marker the job steps read
+    assert redis_client.get(keys.upload(job_id)) == SHARDED_UPLOAD  # the marker the job steps read
     assert not plane.clients[0].exists(keys.upload(job_id)) and not redis_client.exists(keys.frames(MODEL))
-    verdict, upload, _ = store.claim_for_preprocessing(job_id, time.time(), "c1")
+    verdict, upload, _ = handoff.claim_for_preprocessing(job_id, time.time(), "c1")
     assert verdict == "claimed" and bytes(upload) == b"u" * 1000
     redis_client.hset(keys.waiting_bytes, mapping={MODEL: 1000, "*": 1000})
-    assert store.enqueue_frame(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == jobs.PUSHED
+    assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
     assert shard.lrange(keys.frames(MODEL), 0, -1) == [b"F" * 300]
     record = store.load(job_id)
-    assert record["status"] == jobs.QUEUED_GPU and record["pushed_at"] == 1.0
-    assert not redis_client.exists(keys.upload(job_id))   # the marker went: the upload's bytes wait no more
-    assert redis_client.hget(keys.waiting_bytes, MODEL) == b"300"   # the frame's bytes wait instead
-    assert redis_client.hget(keys.frames_waiting, MODEL) == b"1"    # counted where the backlog reads it
+    assert record["status"] == QUEUED_GPU and record["pushed_at"] == 1.0
+    assert not redis_client.exists(keys.upload(job_id))  # the marker went: the upload's bytes wait no more
+    assert redis_client.hget(keys.waiting_bytes, MODEL) == b"300"  # the frame's bytes wait instead
+    assert redis_client.hget(keys.frames_waiting, MODEL) == b"1"  # counted where the backlog reads it
 
 
 def test_a_shards_share_of_the_bound_holds_and_a_frame_that_may_not_stand_is_taken_back(redis_client, plane):
     keys = Keys("bound")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
+    handoff = JobHandOff(redis_client, keys, 600, bulk=plane)
+    pusher = frame_pusher(redis_client, keys, plane)
     first, second, over = (_stored_job(store, plane, 0) for _ in range(3))
     for job_id in (first, second, over):
-        store.claim_for_preprocessing(job_id, time.time(), "c")
+        handoff.claim_for_preprocessing(job_id, time.time(), "c")
     # max_frames 4 over 3 shards: 2 on each.
-    assert store.enqueue_frame(first, MODEL, b"1" * 10, 4, {}, "c") == jobs.PUSHED
-    assert store.enqueue_frame(second, MODEL, b"2" * 10, 4, {}, "c") == jobs.PUSHED
-    assert store.enqueue_frame(over, MODEL, b"3" * 10, 4, {}, "c") == jobs.LIST_FULL
-    assert not store.frame_list_has_room(MODEL, 4, over)
+    assert pusher.push(first, MODEL, b"1" * 10, 4, {}, "c") == frames.PUSHED
+    assert pusher.push(second, MODEL, b"2" * 10, 4, {}, "c") == frames.PUSHED
+    assert pusher.push(over, MODEL, b"3" * 10, 4, {}, "c") == frames.LIST_FULL
+    assert not pusher.has_room(MODEL, 4, over)
     plane.clients[0].rpop(keys.frames(MODEL))
     store.fail(over, "test", "ended meanwhile")
-    assert store.enqueue_frame(over, MODEL, b"3" * 10, 4, {}, "c") == jobs.JOB_OVER
-    assert plane.clients[0].lrange(keys.frames(MODEL), 0, -1) == [b"2" * 10]   # taken back
+    assert pusher.push(over, MODEL, b"3" * 10, 4, {}, "c") == frames.JOB_OVER
+    assert plane.clients[0].lrange(keys.frames(MODEL), 0, -1) == [b"2" * 10]  # taken back
 
 
 def test_a_shard_that_does_not_answer_is_a_clear_error_and_is_avoided(redis_client):
     keys = Keys("down")
     dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
     plane = BulkPlane(redis_client, [dead], retry_s=5.0)
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
     with pytest.raises(ShardUnavailable, match=r"bulk.redis_urls\[0\]") as raised:
-        store.create(jobs.new_job_id(), b"x", 600, {"model": MODEL})
-    assert "127.0.0.1" not in str(raised.value)   # a job's error names no address (clients read it)
-    assert not plane.is_up(0) and redis_client.dbsize() == 0   # nothing stored for it on the control plane
+        store.create(new_job_id(), b"x", 600, {"model": MODEL})
+    assert "127.0.0.1" not in str(raised.value)  # a job's error names no address (clients read it)
+    assert not plane.is_up(0) and redis_client.dbsize() == 0  # nothing stored for it on the control plane
 
 
 def _push_frame(client: redis.Redis, keys: Keys, job_id: str) -> None:
-    header = FrameHeader(job_id=job_id, width=8, height=8, pad_left=0, pad_top=0, scale_x=1.0, scale_y=1.0,
-                         orig_width=8, orig_height=8, enqueued_at=time.time(), deadline_at=time.time() + 60)
+    header = FrameHeader(
+        job_id=job_id,
+        width=8,
+        height=8,
+        pad_left=0,
+        pad_top=0,
+        scale_x=1.0,
+        scale_y=1.0,
+        orig_width=8,
+        orig_height=8,
+        enqueued_at=time.time(),
+        deadline_at=time.time() + 60,
+    )
     client.lpush(keys.frames(MODEL), pack_frame(header, bytes(8 * 8 * 3)))
 
 
@@ -136,7 +161,7 @@ def test_the_gpu_source_takes_from_every_shard_and_acks_each_by_count(redis_clie
         for job_id in ids:
             _push_frame(plane.clients[index], keys, job_id)
             plane.clients[index].set(keys.upload(job_id), b"upload")
-    looks = [source.pop_available(6) for _ in range(3)]   # one shard a look, in turn
+    looks = [source.pop_available(6) for _ in range(3)]  # one shard a look, in turn
     assert [len(look) for look in looks] == [3, 3, 3]
     assert len({plane.index(read_job_id(look[0])) for look in looks}) == 3
     taken = [frame for look in looks for frame in look]
@@ -144,13 +169,13 @@ def test_the_gpu_source_takes_from_every_shard_and_acks_each_by_count(redis_clie
     for frame in taken:
         job_id = read_job_id(frame)
         by_shard[plane.index(job_id)].append(job_id)
-    assert dict(by_shard) == pushed   # every shard drained, each in its own order (oldest first)
+    assert dict(by_shard) == pushed  # every shard drained, each in its own order (oldest first)
     source.ack(5)
     remaining = sum(plane.clients[i].llen(keys.processing("w1", MODEL)) for i in range(3))
     assert remaining == 4
     assert len(source.in_hand) == 4
     uploads_left = sum(plane.clients[i].exists(keys.upload(j)) for i in range(3) for j in pushed[i])
-    assert uploads_left == 4   # the acked frames' uploads went with them, the others' wait
+    assert uploads_left == 4  # the acked frames' uploads went with them, the others' wait
 
 
 def test_a_blocked_gpu_source_wakes_for_a_frame_on_any_shard(redis_client, plane):
@@ -162,7 +187,7 @@ def test_a_blocked_gpu_source_wakes_for_a_frame_on_any_shard(redis_client, plane
     started = time.monotonic()
     frame = source.pop_blocking(5.0)
     assert frame is not None and read_job_id(frame) == job_id
-    assert time.monotonic() - started < 4.0   # woken by the frame, not by the timeout
+    assert time.monotonic() - started < 4.0  # woken by the frame, not by the timeout
 
 
 def test_a_dead_shard_is_skipped_and_the_others_still_feed_the_gpu(redis_client, shard_servers):
@@ -173,15 +198,15 @@ def test_a_dead_shard_is_skipped_and_the_others_still_feed_the_gpu(redis_client,
     source = ShardedFrameSource(plane, keys, "w1", MODEL)
     job_id = _job_on(plane, 0)
     _push_frame(live, keys, job_id)
-    frames = source.pop_available(4) + source.pop_available(4)   # one look at each
+    frames = source.pop_available(4) + source.pop_available(4)  # one look at each
     assert [read_job_id(frame) for frame in frames] == [job_id]
     assert not plane.is_up(1)
-    assert source.pop_blocking(0.2) is None   # nothing more, and no error from the dead one
+    assert source.pop_blocking(0.2) is None  # nothing more, and no error from the dead one
 
 
 def test_a_dead_workers_frames_go_back_on_every_shard_with_an_attempt_counted(redis_client, plane):
     keys = Keys("reap")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
     ids = [_stored_job(store, plane, index) for index in range(3)]
     for job_id in ids:
         shard = plane.client_for(job_id)
@@ -199,32 +224,35 @@ def test_a_dead_workers_frames_go_back_on_every_shard_with_an_attempt_counted(re
 
 def test_the_watch_ends_the_jobs_a_restarted_or_unreachable_shard_took_and_no_others(redis_client, plane):
     keys = Keys("watch")
-    store = jobs.JobStore(redis_client, keys, 600, bulk=plane)
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
     watch = ShardWatch(redis_client, plane, keys, store, grace_s=1.0)
     on = {index: _stored_job(store, plane, index) for index in range(3)}
-    assert watch.check() == {}   # first look: every shard's life noted
-    plane.clients[1].flushdb()   # shard 1 restarted without its data
-    time.sleep(1.1)              # (its uptime would say so; the life token is what was lost)
-    assert watch.check() == {1: 1}
+    assert watch.check() == {}  # first look: every shard's life noted
+    plane.clients[1].flushdb()  # shard 1 restarted without its data (its uptime would not say so: the life token does)
+    assert wait_until(watch.check, 10, what="the watch to find shard 1's data lost") == {1: 1}
     assert store.load(on[1])["error"]["code"] == "shard_lost"
-    assert store.load(on[0])["status"] == store.load(on[2])["status"] == jobs.QUEUED
-    later = _stored_job(store, plane, 1)   # placed after the loss: untouched
-    assert watch.check() == {} and store.load(later)["status"] == jobs.QUEUED
-    gone = BulkPlane(redis_client, [plane.clients[0], redis.Redis(port=free_port(), socket_connect_timeout=0.3)],
-                     retry_s=0.1)
-    keys = Keys("watch-gone")   # the jobs above would fall on other shards of a two-shard plane
-    store = jobs.JobStore(redis_client, keys, 600, bulk=gone)
+    assert store.load(on[0])["status"] == store.load(on[2])["status"] == QUEUED
+    later = _stored_job(store, plane, 1)  # placed after the loss: untouched
+    assert watch.check() == {} and store.load(later)["status"] == QUEUED
+    gone = BulkPlane(
+        redis_client, [plane.clients[0], redis.Redis(port=free_port(), socket_connect_timeout=0.3)], retry_s=0.1
+    )
+    keys = Keys("watch-gone")  # the jobs above would fall on other shards of a two-shard plane
+    store = JobEnding(redis_client, keys, 600, bulk=gone)
     watch = ShardWatch(redis_client, gone, keys, store, grace_s=0.5)
-    stranded = next(job_id for job_id in iter(jobs.new_job_id, "") if gone.index(job_id) == 1)
-    redis_client.hset(keys.job(stranded), mapping={"id": stranded, "status": "queued_gpu",
-                                                   "deadline_at": time.time() + 60, "submitted_at": time.time()})
+    stranded = next(job_id for job_id in iter(new_job_id, "") if gone.index(job_id) == 1)
+    redis_client.hset(
+        keys.job(stranded),
+        mapping={"id": stranded, "status": "queued_gpu", "deadline_at": time.time() + 60, "submitted_at": time.time()},
+    )
     redis_client.zadd(keys.deadlines, {stranded: time.time() + 60})
-    assert watch.check() == {}   # within its grace
+    assert watch.check() == {}  # within its grace
     wait_until(lambda: watch.check() == {1: 1}, 10, what="the grace to pass")
     assert store.load(stranded)["error"]["code"] == "shard_unavailable"
 
 
 # --- the whole stack on three shards ---------------------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def sharded_stack(shard_servers, redis_server, tmp_path_factory: pytest.TempPathFactory):
@@ -236,9 +264,13 @@ def sharded_stack(shard_servers, redis_server, tmp_path_factory: pytest.TempPath
     model = content_box_spec(workdir, STACK_INPUT_SIZE, weights="test fixture", conf=0.25, iou=0.45, max_det=10)
     url = redis_server.url.rsplit("/", 1)[0] + "/9"
     redis.Redis.from_url(url).flushdb()
-    stack = start_stack(url, workdir, model, "sharded",
-                        {"bulk": {"redis_urls": [server.url for server in shard_servers], "grace_s": 2.0,
-                                  "retry_s": 0.5}})
+    stack = start_stack(
+        url,
+        workdir,
+        model,
+        "sharded",
+        {"bulk": {"redis_urls": [server.url for server in shard_servers], "grace_s": 2.0, "retry_s": 0.5}},
+    )
     yield stack
     stop_stack(stack)
 
@@ -247,14 +279,18 @@ def test_the_stack_spreads_jobs_over_the_shards_and_loses_none_when_one_dies(sha
     stack = sharded_stack
     image = jpeg(640, 480)
     ids: list[str] = []
-    while min(collections.Counter(shard_of(job_id, 3) for job_id in ids).values() or [0]) < 2 or \
-            len({shard_of(job_id, 3) for job_id in ids}) < 3:
+    while (
+        min(collections.Counter(shard_of(job_id, 3) for job_id in ids).values() or [0]) < 2
+        or len({shard_of(job_id, 3) for job_id in ids}) < 3
+    ):
         ids.append(stack.submit_ok(image))
         assert len(ids) < 60
     assert all(stack.wait_terminal(job_id)["status"] == "succeeded" for job_id in ids)
-    pushes = [int(redis.Redis.from_url(s.url).info("commandstats").get("cmdstat_lpush", {}).get("calls", 0))
-              for s in shard_servers]
-    assert all(count > 0 for count in pushes), pushes   # every shard carried frames
+    pushes = [
+        int(redis.Redis.from_url(s.url).info("commandstats").get("cmdstat_lpush", {}).get("calls", 0))
+        for s in shard_servers
+    ]
+    assert all(count > 0 for count in pushes), pushes  # every shard carried frames
 
     # Under load, shard 1 dies: its jobs fail with a clear code, every other job succeeds, none is lost.
     accepted: list[str] = []
@@ -280,7 +316,7 @@ def test_the_stack_spreads_jobs_over_the_shards_and_loses_none_when_one_dies(sha
         stop.set()
         for future in clients:
             future.result()
-    ends = {job_id: stack.wait_terminal(job_id, timeout_s=90) for job_id in accepted}   # none stays pending
+    ends = {job_id: stack.wait_terminal(job_id, timeout_s=90) for job_id in accepted}  # none stays pending
     plane_count = len(shard_servers)
     by_code = collections.Counter((doc["status"], (doc.get("error") or {}).get("code")) for doc in ends.values())
     for job_id, doc in ends.items():
@@ -288,14 +324,17 @@ def test_the_stack_spreads_jobs_over_the_shards_and_loses_none_when_one_dies(sha
             assert doc["status"] == "succeeded", (job_id, doc, by_code)
         else:
             assert doc["status"] == "succeeded" or doc["error"]["code"] in {"shard_unavailable", "shard_lost"}, doc
-    print(f"accepted {len(accepted)} (at the kill {killed_at}), refused {collections.Counter(refused)}, "
-          f"ends {dict(by_code)}")   # the figures docs/reliability.md quotes (pytest -s)
-    after = accepted[killed_at + 5:]
-    assert all(shard_of(job_id, plane_count) != 1 for job_id in after)   # new jobs went to the live shards
-    assert set(refused) <= {503} and len(refused) <= 8, refused          # only the few that met the dead shard
+    print(
+        f"accepted {len(accepted)} (at the kill {killed_at}), refused {collections.Counter(refused)}, "
+        f"ends {dict(by_code)}"
+    )  # the figures docs/reliability.md quotes (pytest -s)
+    after = accepted[killed_at + 5 :]
+    assert all(shard_of(job_id, plane_count) != 1 for job_id in after)  # new jobs went to the live shards
+    assert set(refused) <= {503} and len(refused) <= 8, refused  # only the few that met the dead shard
     # It comes back (empty: no persistence here): within its retry, new jobs are placed on it again and succeed.
     shard_servers[1].start()
-    time.sleep(1.0)   # past bulk.retry_s, so the API tries it again
+    api_plane = api_services(stack.api.app).store.bulk
+    wait_until(lambda: api_plane.is_up(1), 10, what="the API to try the shard again (past bulk.retry_s)")
     # Ids are random: a third land on shard 1, so submit until one does ((2/3)^40 of never: none at all).
     back: list[str] = []
     while not any(shard_of(job_id, plane_count) == 1 for job_id in back):

@@ -1,4 +1,5 @@
 """What Flower sees: every task's events, from a real CPU worker, several to a message (tasks.event_batching)."""
+
 from __future__ import annotations
 
 import threading
@@ -7,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from tasks.celery_app import PREPROCESS_TASK, make_celery
+from contract.task_messages import PREPROCESS_TASK
+from tasks.celery_app import make_celery
 from tests.support import jpeg, wait_until
 
 pytestmark = pytest.mark.integration
@@ -31,8 +33,9 @@ def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
             return next((task for args, task in task_of_job.items() if job_id in args), None)
 
     with app.connection_for_read() as connection:
-        receiver = app.events.Receiver(connection, handlers={"task-received": on_event, "task-started": on_event,
-                                                             "task-succeeded": on_event})
+        receiver = app.events.Receiver(
+            connection, handlers={"task-received": on_event, "task-started": on_event, "task-succeeded": on_event}
+        )
         deliver = receiver._receive
 
         def count_and_deliver(body: Any, message: Any) -> None:
@@ -67,8 +70,9 @@ def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
                 with lock:
                     return task is not None and "task-succeeded" in kinds_by_task[task]
 
-            wait_until(lambda: all(succeeded_heard(job_id) for job_id in job_ids), 30,
-                       what="every job's task-succeeded event")
+            wait_until(
+                lambda: all(succeeded_heard(job_id) for job_id in job_ids), 30, what="every job's task-succeeded event"
+            )
         finally:
             receiver.should_stop = True
             listening.join(timeout=10)

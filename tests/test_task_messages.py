@@ -1,5 +1,6 @@
-"""The API pushes each job's Celery task itself (tasks.celery_app.PreprocessMessages): it must be the
+"""The API pushes each job's Celery task itself (contract.task_messages.PreprocessMessages): it must be the
 message Celery's own publisher would have pushed, so that workers and Flower cannot tell them apart."""
+
 from __future__ import annotations
 
 import base64
@@ -10,10 +11,17 @@ import redis
 
 from contract.config import load_settings
 from contract.keys import Keys
-from tasks.celery_app import PREPROCESS_TASK, PreprocessMessages, make_celery, send_preprocess
+from contract.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
+from tasks.celery_app import make_celery, send_preprocess
 
-VARYING = {("headers", "id"), ("headers", "root_id"), ("properties", "correlation_id"),
-           ("properties", "delivery_tag"), ("headers", "origin"), ("properties", "reply_to")}
+VARYING = {
+    ("headers", "id"),
+    ("headers", "root_id"),
+    ("properties", "correlation_id"),
+    ("properties", "delivery_tag"),
+    ("headers", "origin"),
+    ("properties", "reply_to"),
+}
 
 
 def _flatten(message: dict, path: tuple = ()) -> dict:
@@ -35,16 +43,30 @@ def test_the_message_is_celerys_own_but_for_its_ids(redis_server):
     client.delete(keys.celery_queue(queue))
     send_preprocess(app, "a" * 32, queue)
     celerys = json.loads(client.rpop(keys.celery_queue(queue)))
-    ours = json.loads(PreprocessMessages(app).build("a" * 32, queue))
+    ours = json.loads(PreprocessMessages().build("a" * 32, queue))
 
     theirs_flat, ours_flat = _flatten(celerys), _flatten(ours)
     assert theirs_flat.keys() == ours_flat.keys()
-    assert {k: v for k, v in ours_flat.items() if k not in VARYING} == \
-        {k: v for k, v in theirs_flat.items() if k not in VARYING}
+    assert {k: v for k, v in ours_flat.items() if k not in VARYING} == {
+        k: v for k, v in theirs_flat.items() if k not in VARYING
+    }
     assert ours["headers"]["task"] == PREPROCESS_TASK and ours["properties"]["delivery_info"]["routing_key"] == queue
     assert json.loads(base64.b64decode(ours["body"]))[0] == ["a" * 32]
     assert ours["headers"]["root_id"] == ours["headers"]["id"] == ours["properties"]["correlation_id"]
     assert ours["headers"]["origin"].split("@")[0].startswith("gen")
-    again = json.loads(PreprocessMessages(app).build("a" * 32, queue))
-    assert again["headers"]["id"] != ours["headers"]["id"]                     # a task id per message
+    again = json.loads(PreprocessMessages().build("a" * 32, queue))
+    assert again["headers"]["id"] != ours["headers"]["id"]  # a task id per message
     assert again["properties"]["delivery_tag"] != ours["properties"]["delivery_tag"]
+
+
+def test_the_reply_address_is_one_uuid_per_sender_in_celerys_form():
+    """Celery's app.oid is a version-3 UUID of the process and the app; the API's sender has one of its own."""
+    import uuid
+
+    from celery import Celery
+
+    messages = PreprocessMessages()
+    address = json.loads(messages.build("a" * 32, "preprocess"))["properties"]["reply_to"]
+    assert address == json.loads(messages.build("b" * 32, "preprocess"))["properties"]["reply_to"]
+    assert uuid.UUID(address).version == uuid.UUID(Celery(set_as_current=False).oid).version == 3
+    assert reply_address(object()) != address

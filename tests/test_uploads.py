@@ -1,4 +1,5 @@
 """Submission validation: pure functions, including a property test."""
+
 from __future__ import annotations
 
 import pytest
@@ -10,20 +11,25 @@ from app.uploads import check_image, parse_options, sniff_image_type
 from tests.support import encode, make_image
 
 
-@pytest.mark.parametrize("fmt,media_type", [("JPEG", "image/jpeg"), ("PNG", "image/png"), ("WEBP", "image/webp"),
-                                            ("BMP", "image/bmp"), ("GIF", "image/gif")])
+@pytest.mark.parametrize(
+    "fmt,media_type",
+    [("JPEG", "image/jpeg"), ("PNG", "image/png"), ("WEBP", "image/webp"), ("BMP", "image/bmp"), ("GIF", "image/gif")],
+)
 def test_real_images_are_sniffed_by_their_bytes(fmt, media_type):
     data = encode(make_image(16, 16), fmt)
     assert sniff_image_type(data) == media_type
-    assert check_image(data, "image/jpeg") == media_type   # the bytes win over the declared type
+    assert check_image(data, "image/jpeg") == media_type  # the bytes win over the declared type
 
 
-@pytest.mark.parametrize("data,declared,status", [
-    (b"", "image/jpeg", 400),
-    (b"plain text", "text/plain", 415),
-    (b"\xff\xd8\xff\xe0", "text/html", 415),
-    (b"random bytes here", "image/png", 415),
-])
+@pytest.mark.parametrize(
+    "data,declared,status",
+    [
+        (b"", "image/jpeg", 400),
+        (b"plain text", "text/plain", 415),
+        (b"\xff\xd8\xff\xe0", "text/html", 415),
+        (b"random bytes here", "image/png", 415),
+    ],
+)
 def test_unacceptable_uploads_are_problems(data, declared, status):
     with pytest.raises(Problem) as caught:
         check_image(data, declared)
@@ -36,8 +42,18 @@ def test_options_parse_and_fall_back_to_model_defaults():
     assert options.deadline_ms == 500
 
 
-@pytest.mark.parametrize("values", [{"conf": "abc"}, {"conf": "1.5"}, {"iou": "nan"}, {"max_det": "0"},
-                                    {"max_det": "2.5"}, {"deadline_ms": "-1"}, {"deadline_ms": "999999"}])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"conf": "abc"},
+        {"conf": "1.5"},
+        {"iou": "nan"},
+        {"max_det": "0"},
+        {"max_det": "2.5"},
+        {"deadline_ms": "-1"},
+        {"deadline_ms": "999999"},
+    ],
+)
 def test_bad_options_are_400_naming_the_field(values):
     with pytest.raises(Problem) as caught:
         parse_options(values, 60_000)
@@ -67,10 +83,14 @@ def test_an_option_named_twice_is_a_400_not_a_silent_choice():
     from app.uploads import option_values
 
     names = ("conf", "max_det")
-    assert option_values(MultiDict({"conf": "0.3"}), MultiDict({"max_det": "5", "other": "x"}), names=names) == \
-        {"conf": "0.3", "max_det": "5"}
-    for sources in ((MultiDict({"conf": "0.3"}), MultiDict({"conf": "0.5"})),   # query and form
-                    (MultiDict([("max_det", "1"), ("max_det", "2")]),)):        # repeated in one
+    assert option_values(MultiDict({"conf": "0.3"}), MultiDict({"max_det": "5", "other": "x"}), names=names) == {
+        "conf": "0.3",
+        "max_det": "5",
+    }
+    for sources in (
+        (MultiDict({"conf": "0.3"}), MultiDict({"conf": "0.5"})),  # query and form
+        (MultiDict([("max_det", "1"), ("max_det", "2")]),),
+    ):  # repeated in one
         with pytest.raises(Problem) as caught:
             option_values(*sources, names=names)
         assert caught.value.status == 400 and "more than once" in caught.value.detail

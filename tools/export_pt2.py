@@ -15,6 +15,7 @@ spec (labels, input size, layout) is written beside it.
 Ultralytics needs torchvision, which does not import beside this project's
 torch, so that path is not exercised in CI here; the module:function path is.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,9 +41,11 @@ def load_source(source: str, labels: list[str] | None) -> tuple[torch.nn.Module,
             return factory(), labels
     try:
         from ultralytics import YOLO
-    except Exception as exc:   # not installed, or torchvision does not import beside this torch
-        raise SystemExit(f"{source}: reading an Ultralytics model needs the ultralytics package, which does not "
-                         f"import here ({type(exc).__name__}: {exc}); export from a venv where it does") from exc
+    except Exception as exc:  # not installed, or torchvision does not import beside this torch
+        raise SystemExit(
+            f"{source}: reading an Ultralytics model needs the ultralytics package, which does not "
+            f"import here ({type(exc).__name__}: {exc}); export from a venv where it does"
+        ) from exc
     model = YOLO(source).model
     names = model.names
     found = [names[i] for i in sorted(names)] if isinstance(names, dict) else list(names)
@@ -54,13 +57,13 @@ def _prepared_like_ultralytics(model: torch.nn.Module) -> torch.nn.Module:
     for parameter in model.parameters():
         parameter.requires_grad = False
     if hasattr(model, "fuse"):
-        model = getattr(model, "fuse")()   # noqa: B009  (getattr: nn.Module types its attributes as Tensor)
+        model = getattr(model, "fuse")()  # noqa: B009  (getattr: nn.Module types its attributes as Tensor)
     for part in model.modules():
-        if hasattr(part, "export") and hasattr(part, "dynamic"):      # Detect and its subclasses
+        if hasattr(part, "export") and hasattr(part, "dynamic"):  # Detect and its subclasses
             for name, value in (("export", True), ("dynamic", True), ("format", "torchscript")):
                 setattr(part, name, value)
-        elif hasattr(part, "forward_split"):                         # C2f
-            setattr(part, "forward", getattr(part, "forward_split"))   # noqa: B009, B010  (likewise)
+        elif hasattr(part, "forward_split"):  # C2f
+            setattr(part, "forward", getattr(part, "forward_split"))  # noqa: B009, B010  (likewise)
     return model
 
 
@@ -81,18 +84,26 @@ def check(out: Path, imgsz: int, max_batch: int, classes: int) -> str:
         with torch.no_grad():
             output = module(torch.zeros(size, 3, imgsz, imgsz))
         if not isinstance(output, torch.Tensor) or output.dim() != 3 or output.shape[0] != size:
-            raise SystemExit(f"the program's output at batch {size} is not a [B, ., .] tensor: "
-                             f"{getattr(output, 'shape', type(output).__name__)}")
-        layout = ("yolov8" if output.shape[1] == 4 + classes else
-                  "yolov5" if output.shape[2] == 5 + classes else "")
+            raise SystemExit(
+                f"the program's output at batch {size} is not a [B, ., .] tensor: "
+                f"{getattr(output, 'shape', type(output).__name__)}"
+            )
+        layout = "yolov8" if output.shape[1] == 4 + classes else "yolov5" if output.shape[2] == 5 + classes else ""
         if not layout:
             raise SystemExit(f"output {tuple(output.shape)} fits neither [B, 4+{classes}, N] nor [B, N, 5+{classes}]")
     return layout
 
 
 def write_spec(out: Path, name: str, imgsz: int, labels: list[str], layout: str) -> Path:
-    spec: dict[str, Any] = {"name": name, "version": "1", "format": "export", "path": out.name,
-                            "input_size": imgsz, "layout": layout, "labels": labels}
+    spec: dict[str, Any] = {
+        "name": name,
+        "version": "1",
+        "format": "export",
+        "path": out.name,
+        "input_size": imgsz,
+        "layout": layout,
+        "labels": labels,
+    }
     spec_path = out.with_suffix(".yaml")
     spec_path.write_text(yaml.safe_dump(spec, sort_keys=False))
     return spec_path
@@ -104,8 +115,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the .pt2 to write (its spec goes beside it)")
     parser.add_argument("--imgsz", type=int, default=640, help="square input size")
     parser.add_argument("--max-batch", type=int, default=64, help="largest batch the program accepts")
-    parser.add_argument("--labels", type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
-                        help="comma-separated class names (read from an Ultralytics model otherwise)")
+    parser.add_argument(
+        "--labels",
+        type=lambda text: [t.strip() for t in text.split(",") if t.strip()],
+        help="comma-separated class names (read from an Ultralytics model otherwise)",
+    )
     parser.add_argument("--name", help="the model's name in the spec (default: the output's stem)")
     args = parser.parse_args(argv)
     model, labels = load_source(args.source, args.labels)

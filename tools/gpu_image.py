@@ -11,6 +11,7 @@ which the checks must therefore never import: the API's and the CPU workers' own
 --block-absent` makes `ABSENT` unimportable first, so this machine's suite (which has them all) catches a GPU
 check that starts needing one, rather than the rare session that is lent a GPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,25 @@ from importlib.metadata import version
 CARRIED = ("pydantic", "redis", "hiredis")
 """Distributions the GPU checks need and the image lacks; pydantic's own needs come with it."""
 
-ABSENT = ("flask", "celery", "kombu", "billiard", "gunicorn", "gevent", "flower",
-          "schemathesis")
+ABSENT = ("flask", "celery", "kombu", "billiard", "gunicorn", "gevent", "flower", "schemathesis")
 """Top-level modules the image lacks and nobody carries (werkzeug, click and requests are there)."""
 
-NEEDED = CARRIED + ("contract.settings", "contract.documents", "contract.heartbeat", "gpu_worker.worker",
-                    "gpu_worker.model", "gpu_worker.metrics", "gpu_worker.__main__", "bench.feed", "bench.runs",
-                    "bench.processes", "tests.conftest", "tests.support", "tests.test_gpu", "training.export_program")
+NEEDED = CARRIED + (
+    "contract.settings",
+    "contract.documents",
+    "contract.heartbeat",
+    "gpu_worker.worker",
+    "gpu_worker.model",
+    "gpu_worker.metrics",
+    "gpu_worker.__main__",
+    "bench.feed",
+    "bench.runs",
+    "bench.processes",
+    "tests.conftest",
+    "tests.support",
+    "tests.test_gpu",
+    "training.export_program",
+)
 """What `pytest -m gpu`, `bench feed` (and the `python -m gpu_worker` it starts) and the export import (the
 carried distributions' modules have their names)."""
 

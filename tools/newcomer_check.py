@@ -22,6 +22,7 @@ A failure says which step and prints make run's last log lines; the exit status 
 the copy installs its own .venv as a newcomer's would (minutes); by default it links this checkout's, so the
 check costs what the service's start does.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,13 +44,13 @@ from typing import Any
 import requests
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-READY_LIMIT_S = 180.0      # the service's start on a busy 2-core machine (8-35 s seen); the install comes first
-STOP_LIMIT_S = 20.0        # Ctrl-C to every process gone
-BLOCK_LIMIT_S = 120.0      # one documented block
+READY_LIMIT_S = 180.0  # the service's start on a busy 2-core machine (8-35 s seen); the install comes first
+STOP_LIMIT_S = 20.0  # Ctrl-C to every process gone
+BLOCK_LIMIT_S = 120.0  # one documented block
 DOCUMENTS = ("README.md", "docs/quickstart.md")
-ILLUSTRATIVE = "<!-- illustrative"   # on the line before a fence: shown, not run (say why after it)
+ILLUSTRATIVE = "<!-- illustrative"  # on the line before a fence: shown, not run (say why after it)
 FIRST_EXAMPLE = "samples/shapes-36.jpg"
-PROBLEM = re.compile(r'"status"\s*:\s*[45]\d\d')   # a problem document's numeric status (a job's is a word)
+PROBLEM = re.compile(r'"status"\s*:\s*[45]\d\d')  # a problem document's numeric status (a job's is a word)
 _FENCE = re.compile(r"^```(\w+)\s*$")
 
 
@@ -61,7 +62,7 @@ class CheckFailed(Exception):
 class Block:
     document: str
     line: int
-    language: str     # bash | python
+    language: str  # bash | python
     text: str
 
     def where(self) -> str:
@@ -79,7 +80,7 @@ def documented_blocks(root: Path, documents: tuple[str, ...] = DOCUMENTS) -> Ite
                 end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
                 language = "python" if match.group(1) in ("python", "py") else "bash"
                 marked = i > 0 and lines[i - 1].strip().startswith(ILLUSTRATIVE)
-                yield Block(document, i + 1, language, "\n".join(lines[i + 1:end]) + "\n"), not marked
+                yield Block(document, i + 1, language, "\n".join(lines[i + 1 : end]) + "\n"), not marked
                 i = end
             i += 1
 
@@ -93,8 +94,16 @@ def free_port() -> int:
 def copy_checkout(source: Path, target: Path, fresh_venv: bool) -> None:
     """The files git tracks or would track (untracked but not ignored: work in progress counts), as a clone
     would hold them."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=source,
-                            capture_output=True, check=True).stdout.decode().split("\0")
+    listed = (
+        subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=source,
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .split("\0")
+    )
     for name in filter(None, listed):
         path = source / name
         if path.is_file() and not path.is_symlink():
@@ -109,7 +118,7 @@ def _start_time(pid: int) -> str | None:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
         return None
-    return None if fields[0] == "Z" else fields[19]   # state; starttime (field 22 of stat)
+    return None if fields[0] == "Z" else fields[19]  # state; starttime (field 22 of stat)
 
 
 def descendants(root_pid: int) -> dict[int, tuple[str, str]]:
@@ -157,8 +166,15 @@ class MakeRun:
 
     def start(self) -> MakeRun:
         log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(["make", "run", "REDIS=private"], cwd=self.root, env=self.env, stdout=log,
-                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.process = subprocess.Popen(
+            ["make", "run", "REDIS=private"],
+            cwd=self.root,
+            env=self.env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         log.close()
         self.started_at = time.monotonic()
         return self
@@ -183,7 +199,8 @@ class MakeRun:
                 return match.group(0) if requests.get(api + "/readyz", timeout=5).status_code == 200 else None
             except requests.RequestException:
                 return None
-        line = wait_for(ready, READY_LIMIT_S, "`make run`'s \"ready at\" line and /readyz 200")
+
+        line = wait_for(ready, READY_LIMIT_S, '`make run`\'s "ready at" line and /readyz 200')
         print(f"newcomer check: make run ready in {time.monotonic() - self.started_at:.1f} s")
         return str(line)
 
@@ -203,8 +220,10 @@ class MakeRun:
         if left:
             for pid in left:
                 os.kill(pid, signal.SIGKILL)
-            raise CheckFailed("after Ctrl-C these processes of `make run` were still running (killed now): "
-                              + "; ".join(f"{pid} {command}" for pid, (_, command) in left.items()))
+            raise CheckFailed(
+                "after Ctrl-C these processes of `make run` were still running (killed now): "
+                + "; ".join(f"{pid} {command}" for pid, (_, command) in left.items())
+            )
         print(f"newcomer check: Ctrl-C stopped `make run` and its {len(started)} processes in {took:.1f} s")
         return took
 
@@ -229,8 +248,11 @@ def wait_for_gone(started: dict[int, tuple[str, str]], limit_s: float) -> dict[i
 
 def run_block(block: Block, root: Path, env: dict[str, str], api: str) -> str:
     text = block.text.replace("http://localhost:8000", api).replace("http://127.0.0.1:8000", api)
-    argv = ([str(root / ".venv" / "bin" / "python"), "-c", text] if block.language == "python"
-            else ["bash", "-euo", "pipefail", "-c", text])
+    argv = (
+        [str(root / ".venv" / "bin" / "python"), "-c", text]
+        if block.language == "python"
+        else ["bash", "-euo", "pipefail", "-c", text]
+    )
     try:
         result = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True, timeout=BLOCK_LIMIT_S)
     except subprocess.TimeoutExpired:
@@ -245,8 +267,12 @@ def run_block(block: Block, root: Path, env: dict[str, str], api: str) -> str:
 
 def check_first_example(root: Path, api: str) -> str:
     """The README's first example, one call on the sample: the boxes the sample's truth holds. Returns its id."""
-    answer = requests.post(api + "/v1/jobs", params={"wait": 20}, timeout=60,
-                           files={"image": (FIRST_EXAMPLE, (root / FIRST_EXAMPLE).read_bytes(), "image/jpeg")})
+    answer = requests.post(
+        api + "/v1/jobs",
+        params={"wait": 20},
+        timeout=60,
+        files={"image": (FIRST_EXAMPLE, (root / FIRST_EXAMPLE).read_bytes(), "image/jpeg")},
+    )
     if answer.status_code != 200:
         raise CheckFailed(f"one call on {FIRST_EXAMPLE}: {answer.status_code} {answer.text[:500]}")
     doc = answer.json()
@@ -278,13 +304,13 @@ def check_flower(ready_line: str, flower_port: int) -> None:
 
     def workers() -> list[str] | None:
         try:
-            response = requests.get(url + "/api/workers", params={"refresh": "1"}, auth=(user, password),
-                                    timeout=20)
+            response = requests.get(url + "/api/workers", params={"refresh": "1"}, auth=(user, password), timeout=20)
         except requests.RequestException:
             return None
         names = sorted(response.json()) if response.status_code == 200 else []
         roles = {name.split("@")[0] for name in names}
         return names if {"cpu", "callbacks"} <= roles else None
+
     names = wait_for(workers, 60, "Flower listing the CPU and the callback worker", interval_s=2.0)
     if requests.get(url + "/api/workers", timeout=10).status_code != 401:
         raise CheckFailed("Flower answered without credentials")
@@ -295,11 +321,21 @@ def check_flower(ready_line: str, flower_port: int) -> None:
 
 def newcomer_env(root: Path, api_port: int, flower_port: int, metrics_port: int) -> dict[str, str]:
     """The environment of someone who just cloned: nothing of this project's set, the ports the docs name."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("IMGSERVE_", "FLOWER_", "PROMETHEUS_", "VIRTUAL_ENV", "PYTHON", "CPU_WORKERS",
-                                "GPU_METRICS", "REDIS"))}
-    env.update({"IMGSERVE_API__BIND": f"127.0.0.1:{api_port}", "FLOWER_PORT": str(flower_port),
-                "GPU_METRICS_PORT": str(metrics_port), "IMGSERVE_URL": f"http://127.0.0.1:{api_port}"})
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(
+            ("IMGSERVE_", "FLOWER_", "PROMETHEUS_", "VIRTUAL_ENV", "PYTHON", "CPU_WORKERS", "GPU_METRICS", "REDIS")
+        )
+    }
+    env.update(
+        {
+            "IMGSERVE_API__BIND": f"127.0.0.1:{api_port}",
+            "FLOWER_PORT": str(flower_port),
+            "GPU_METRICS_PORT": str(metrics_port),
+            "IMGSERVE_URL": f"http://127.0.0.1:{api_port}",
+        }
+    )
     env["PATH"] = ":".join(p for p in env.get("PATH", "").split(":") if ".venv" not in p)
     return env
 
@@ -349,13 +385,16 @@ def check(workdir: Path, fresh_venv: bool) -> None:
 
 
 def _failure(step: str, exc: BaseException, run: MakeRun) -> str:
-    return (f"{step} failed: {exc}\n--- the last lines of `make run` ({run.log_path}):\n{run.tail()}")
+    return f"{step} failed: {exc}\n--- the last lines of `make run` ({run.log_path}):\n{run.tail()}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="scripts/newcomer-check", description=__doc__.splitlines()[0])
-    parser.add_argument("--fresh-venv", action="store_true",
-                        help="install the copy's own .venv (as a newcomer does; minutes) instead of linking this one")
+    parser.add_argument(
+        "--fresh-venv",
+        action="store_true",
+        help="install the copy's own .venv (as a newcomer does; minutes) instead of linking this one",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the copy and the logs (printed where)")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="newcomer-"))
@@ -363,8 +402,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check(workdir, args.fresh_venv)
     except CheckFailed as failure:
-        print(f"newcomer check FAILED: make run, the README's first command, as a newcomer runs it: {failure}",
-              file=sys.stderr)
+        print(
+            f"newcomer check FAILED: make run, the README's first command, as a newcomer runs it: {failure}",
+            file=sys.stderr,
+        )
         print(f"newcomer check: the copy and its logs are kept in {workdir}", file=sys.stderr)
         return 1
     print(f"newcomer check: passed in {time.monotonic() - began:.0f} s")

@@ -24,6 +24,7 @@ passed it through a multiprocessing queue and printed it again with a prefix:
 about 1 ms of CPU per image at three log lines a job. The service's lines are
 JSON carrying their `role` already, which the prefix only repeated.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -80,7 +81,7 @@ def parse_env(text: str) -> dict[str, str]:
 
 BACKOFF_START_S = 1.0
 BACKOFF_MAX_S = 30.0
-STAYED_UP_S = 60.0      # a process up this long starts its next backoff from BACKOFF_START_S again
+STAYED_UP_S = 60.0  # a process up this long starts its next backoff from BACKOFF_START_S again
 READY_POLL_S = 0.5
 
 
@@ -88,16 +89,23 @@ def answers_ok(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as response:
             return bool(response.status == 200)
-    except (urllib.error.URLError, OSError, ValueError):   # 503 (HTTPError), refused, timed out
+    except (urllib.error.URLError, OSError, ValueError):  # 503 (HTTPError), refused, timed out
         return False
 
 
 class Supervisor:
     """The processes of one Procfile, started together, kept up, and stopped together."""
 
-    def __init__(self, processes: dict[str, str], env: dict[str, str], kill_wait_s: float = 10.0,
-                 startup_s: float = 15.0, restart: bool = True, ready_url: str | None = None,
-                 ready_message: str = "") -> None:
+    def __init__(
+        self,
+        processes: dict[str, str],
+        env: dict[str, str],
+        kill_wait_s: float = 10.0,
+        startup_s: float = 15.0,
+        restart: bool = True,
+        ready_url: str | None = None,
+        ready_message: str = "",
+    ) -> None:
         if not processes:
             raise ValueError("the Procfile names no process")
         self.commands = processes
@@ -106,18 +114,18 @@ class Supervisor:
         self.startup_s = startup_s
         self.restart = restart
         self.shells: dict[str, subprocess.Popen] = {}
-        self.live: set[str] = set()       # whose process group may still hold a process
+        self.live: set[str] = set()  # whose process group may still hold a process
         self.started_at: dict[str, float] = {}
         self.backoff_s: dict[str, float] = {}
-        self.restart_at: dict[str, float] = {}   # ended, its group gone: starts again then
-        self.ending: dict[str, float] = {}       # ended; its group was sent SIGTERM at this time
+        self.restart_at: dict[str, float] = {}  # ended, its group gone: starts again then
+        self.ending: dict[str, float] = {}  # ended; its group was sent SIGTERM at this time
         self.status: int | None = None
         self.began = time.monotonic()
         self.stopping_since: float | None = None
         self.killed = False
         self.ready_url = ready_url
         self.ready_message = ready_message
-        self.ready = threading.Event()   # the service answered ready_url once: the start-up window is over
+        self.ready = threading.Event()  # the service answered ready_url once: the start-up window is over
 
     def say(self, message: str) -> None:
         print(f"procfile: {message}", file=sys.stderr, flush=True)
@@ -146,22 +154,22 @@ class Supervisor:
                         self.say(f"{name} stopped (status {returncode})")
                 elif name in self.ending and now - self.ending[name] > self.kill_wait_s:
                     self._signal(name, signal.SIGKILL)
-                    self.ending[name] = float("inf")   # once
+                    self.ending[name] = float("inf")  # once
             for name, at in sorted(self.restart_at.items()):
                 if self.stopping_since is None and name not in self.live and now >= at:
                     del self.restart_at[name]
                     self.ending.pop(name, None)
                     self._start(name, again=True)
-            if (self.stopping_since is not None and not self.killed
-                    and now - self.stopping_since > self.kill_wait_s):
+            if self.stopping_since is not None and not self.killed and now - self.stopping_since > self.kill_wait_s:
                 self.killed = True
                 self._signal_all(signal.SIGKILL)
             time.sleep(POLL_S)
         return self.status or 0
 
     def _start(self, name: str, again: bool = False) -> None:
-        self.shells[name] = subprocess.Popen(["/bin/sh", "-c", self.commands[name]], env=self.env,
-                                             start_new_session=True)
+        self.shells[name] = subprocess.Popen(
+            ["/bin/sh", "-c", self.commands[name]], env=self.env, start_new_session=True
+        )
         self.live.add(name)
         self.started_at[name] = time.monotonic()
         self.say(f"{name} {'restarted' if again else 'started'} (pid {self.shells[name].pid})")
@@ -172,9 +180,10 @@ class Supervisor:
         while self.stopping_since is None:
             if answers_ok(self.ready_url):
                 self.ready.set()
-                if self.stopping_since is None:   # the message as given: make run's own line
-                    print(self.ready_message or f"procfile: ready: {self.ready_url} answers", file=sys.stderr,
-                          flush=True)
+                if self.stopping_since is None:  # the message as given: make run's own line
+                    print(
+                        self.ready_message or f"procfile: ready: {self.ready_url} answers", file=sys.stderr, flush=True
+                    )
                 return
             time.sleep(READY_POLL_S)
 
@@ -194,7 +203,7 @@ class Supervisor:
         self.restart_at[name] = now + backoff
         self.ending[name] = now
         self.say(f"{name} ended (status {returncode}) after {up_s:.0f} s up; restarting in {backoff:g} s")
-        self._signal(name, signal.SIGTERM)   # what is left of its group (a master's workers, a pool's children)
+        self._signal(name, signal.SIGTERM)  # what is left of its group (a master's workers, a pool's children)
 
     def stop(self) -> None:
         if self.stopping_since is None:
@@ -215,7 +224,7 @@ class Supervisor:
     def _signal(self, name: str, sig: signal.Signals) -> None:
         pid = self.shells[name].pid
         try:
-            os.killpg(pid, sig)   # the whole group: gunicorn's and Celery's own children too
+            os.killpg(pid, sig)  # the whole group: gunicorn's and Celery's own children too
         except ProcessLookupError:
             pass
         else:
@@ -227,7 +236,7 @@ def _group_alive(pgid: int) -> bool:
     has not read its status yet)."""
     try:
         entries = os.listdir("/proc")
-    except OSError:   # no /proc: ask the kernel, zombies included
+    except OSError:  # no /proc: ask the kernel, zombies included
         try:
             os.killpg(pgid, 0)
         except ProcessLookupError:
@@ -249,24 +258,42 @@ def _group_alive(pgid: int) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.procfile", description=__doc__.splitlines()[0])
     parser.add_argument("procfile", nargs="?", type=Path, default=Path("Procfile"))
-    parser.add_argument("--kill-wait-s", type=float, default=10.0,
-                        help="how long the processes have to end after SIGTERM before SIGKILL")
-    parser.add_argument("--startup-s", type=float, default=15.0,
-                        help="a process ending this soon after the start stops everything (not restarted)")
-    parser.add_argument("--no-restart", action="store_true",
-                        help="honcho's rule: the first process to end stops all the others")
-    parser.add_argument("--ready-url", help="the service is up once this answers 200: say so (--ready-message), "
-                                            "and restart a process that dies from then on, whatever its age")
+    parser.add_argument(
+        "--kill-wait-s",
+        type=float,
+        default=10.0,
+        help="how long the processes have to end after SIGTERM before SIGKILL",
+    )
+    parser.add_argument(
+        "--startup-s",
+        type=float,
+        default=15.0,
+        help="a process ending this soon after the start stops everything (not restarted)",
+    )
+    parser.add_argument(
+        "--no-restart", action="store_true", help="honcho's rule: the first process to end stops all the others"
+    )
+    parser.add_argument(
+        "--ready-url",
+        help="the service is up once this answers 200: say so (--ready-message), "
+        "and restart a process that dies from then on, whatever its age",
+    )
     parser.add_argument("--ready-message", default="", help="printed once --ready-url first answers 200")
     args = parser.parse_args(argv)
     procfile: Path = args.procfile
     env = dict(os.environ)
     dotenv = procfile.parent / ".env"
     if dotenv.is_file():
-        env.update(parse_env(dotenv.read_text()))   # as honcho did: .env over the environment
-    return Supervisor(parse_procfile(procfile.read_text()), env, args.kill_wait_s, args.startup_s,
-                      restart=not args.no_restart, ready_url=args.ready_url,
-                      ready_message=args.ready_message).run()
+        env.update(parse_env(dotenv.read_text()))  # as honcho did: .env over the environment
+    return Supervisor(
+        parse_procfile(procfile.read_text()),
+        env,
+        args.kill_wait_s,
+        args.startup_s,
+        restart=not args.no_restart,
+        ready_url=args.ready_url,
+        ready_message=args.ready_message,
+    ).run()
 
 
 if __name__ == "__main__":

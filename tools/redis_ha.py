@@ -18,6 +18,7 @@ failover follows within about a second (two of three Sentinels agree, one is ele
 Lower finds a dead primary sooner; the cost is a failover for a primary that was only slow that long (a
 fork for a rewrite of its append-only file on a busy host, a long script).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -68,9 +69,10 @@ class Node:
 class RedisHA:
     """The six processes in `folder`: servers `a` (the primary at the start), `b` and `c` (its replicas), and
     the Sentinels s1-s3."""
+
     folder: Path
     service: str = SERVICE
-    password: str = ""                       # the servers' requirepass (and the Sentinels' auth-pass); none: ""
+    password: str = ""  # the servers' requirepass (and the Sentinels' auth-pass); none: ""
     down_after_ms: int = DOWN_AFTER_MS
     nodes: dict[str, Node] = field(default_factory=dict)
 
@@ -98,28 +100,54 @@ class RedisHA:
         home = self.folder / name
         home.mkdir(exist_ok=True)
         auth = ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
-        argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(home), "--save", "",
-                "--appendonly", "yes", "--appendfsync", "everysec", "--logfile", str(home / "redis.log"),
-                *auth, *extra]
+        argv = [
+            "redis-server",
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--dir",
+            str(home),
+            "--save",
+            "",
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "everysec",
+            "--logfile",
+            str(home / "redis.log"),
+            *auth,
+            *extra,
+        ]
         self._spawn(Node(name, port, argv))
 
     def _sentinel(self, name: str, port: int, primary: int) -> None:
         home = self.folder / name
         home.mkdir(exist_ok=True)
-        config = home / "sentinel.conf"   # Sentinel rewrites it with what it learns: its own file
-        lines = [f"port {port}", "bind 127.0.0.1", f"dir {home}", f"logfile {home / 'sentinel.log'}",
-                 f"sentinel monitor {self.service} 127.0.0.1 {primary} 2",
-                 f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
-                 f"sentinel failover-timeout {self.service} {FAILOVER_TIMEOUT_MS}",
-                 f"sentinel parallel-syncs {self.service} 1"]
+        config = home / "sentinel.conf"  # Sentinel rewrites it with what it learns: its own file
+        lines = [
+            f"port {port}",
+            "bind 127.0.0.1",
+            f"dir {home}",
+            f"logfile {home / 'sentinel.log'}",
+            f"sentinel monitor {self.service} 127.0.0.1 {primary} 2",
+            f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
+            f"sentinel failover-timeout {self.service} {FAILOVER_TIMEOUT_MS}",
+            f"sentinel parallel-syncs {self.service} 1",
+        ]
         if self.password:
             lines.append(f"sentinel auth-pass {self.service} {self.password}")
         config.write_text("\n".join(lines) + "\n")
         self._spawn(Node(name, port, ["redis-server", str(config), "--sentinel"]))
 
     def _spawn(self, node: Node) -> None:
-        process = subprocess.Popen(node.argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            node.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         node.pid = process.pid
         self.nodes[node.name] = node
 
@@ -139,7 +167,7 @@ class RedisHA:
         for name in ("s1", "s2", "s3", *reversed(SERVERS)):
             node = self.nodes.get(name)
             if node is not None and node.alive():
-                os.kill(node.pid, signal.SIGTERM)   # redis-server: SHUTDOWN, its append-only file written out
+                os.kill(node.pid, signal.SIGTERM)  # redis-server: SHUTDOWN, its append-only file written out
         deadline = time.monotonic() + 15
         while any(n.alive() for n in self.nodes.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -155,8 +183,10 @@ class RedisHA:
 
     def env(self) -> dict[str, str]:
         """The variables that point every process at this set (contract.config's names)."""
-        return {"IMGSERVE_REDIS__SENTINELS": "[" + ", ".join(self.sentinels) + "]",
-                "IMGSERVE_REDIS__SERVICE": self.service}
+        return {
+            "IMGSERVE_REDIS__SENTINELS": "[" + ", ".join(self.sentinels) + "]",
+            "IMGSERVE_REDIS__SERVICE": self.service,
+        }
 
     def _ask(self, name: str) -> redis.Redis:
         return redis.Redis(port=self.nodes[name].port, socket_timeout=2, socket_connect_timeout=2)
@@ -169,7 +199,7 @@ class RedisHA:
                 address: Any = self._ask(name).sentinel_get_master_addr_by_name(self.service)
             except redis.RedisError:
                 continue
-            if address:   # (host, port), or None before it knows
+            if address:  # (host, port), or None before it knows
                 votes[int(address[1])] = votes.get(int(address[1]), 0) + 1
         for node in (self.nodes[name] for name in SERVERS):
             if votes.get(node.port, 0) >= 2:
@@ -179,8 +209,9 @@ class RedisHA:
     def role(self, name: str) -> str | None:
         """What the server itself says it is (master / slave), or None when it does not answer."""
         try:
-            reply = redis.Redis(port=self.nodes[name].port, password=self.password or None, socket_timeout=2,
-                                socket_connect_timeout=2).execute_command("ROLE")
+            reply = redis.Redis(
+                port=self.nodes[name].port, password=self.password or None, socket_timeout=2, socket_connect_timeout=2
+            ).execute_command("ROLE")
         except redis.RedisError:
             return None
         role = reply[0]
@@ -203,12 +234,16 @@ class RedisHA:
     def _replicas_linked(self, primary: str) -> int:
         """How many replicas the primary streams to (state online)."""
         try:
-            info = redis.Redis(port=self.nodes[primary].port, password=self.password or None,
-                               socket_timeout=2).info("replication")
+            info = redis.Redis(port=self.nodes[primary].port, password=self.password or None, socket_timeout=2).info(
+                "replication"
+            )
         except redis.RedisError:
             return 0
-        return sum(1 for key, value in info.items()
-                   if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online")
+        return sum(
+            1
+            for key, value in info.items()
+            if key.startswith("slave") and isinstance(value, dict) and value.get("state") == "online"
+        )
 
     def kill_primary(self) -> str:
         """SIGKILL the server the Sentinels name the primary (a machine lost): its name."""
@@ -240,8 +275,9 @@ def main(argv: list[str] | None = None) -> int:
         ha = RedisHA(args.dir.resolve()).start()
         for key, value in ha.env().items():
             print(f"export {key}='{value}'")
-        print(f"# primary {ha.primary()}: "
-              + ", ".join(f"{n.name} {n.port}" for n in ha.nodes.values()), file=sys.stderr)
+        print(
+            f"# primary {ha.primary()}: " + ", ".join(f"{n.name} {n.port}" for n in ha.nodes.values()), file=sys.stderr
+        )
         return 0
     if not (args.dir / "nodes.json").exists():
         print(f"no Redis set in {args.dir}", file=sys.stderr)

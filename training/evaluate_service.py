@@ -6,6 +6,7 @@ proven end to end.
     .venv/bin/python -m training.evaluate_service --url http://localhost:8000 --images 200
     .venv/bin/python -m training.evaluate_service --generator independent   # scenes training never saw
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,14 +18,19 @@ from dataclasses import dataclass
 
 import requests
 
-from contract.jobs import TERMINAL
+from contract.jobs.record import TERMINAL
 from training.independent import independent_scene
 from training.metrics import ImagePredictions, ImageTruth, box_iou, mean_average_precision
 from training.synth import LABELS, Scene, generate_scene
 
 # (name, size or None for random) - each held-out image gets one in turn.
-CATEGORIES = (("landscape", (1280, 720)), ("portrait", (720, 1280)), ("small", (240, 180)),
-              ("large", (2400, 1600)), ("random", None))
+CATEGORIES = (
+    ("landscape", (1280, 720)),
+    ("portrait", (720, 1280)),
+    ("small", (240, 180)),
+    ("large", (2400, 1600)),
+    ("random", None),
+)
 
 
 @dataclass
@@ -34,15 +40,16 @@ class Report:
     per_category: dict[str, float]
     images: int
     objects: int
-    recall_iou80: float       # objects matched by a same-class detection with IoU >= 0.8
+    recall_iou80: float  # objects matched by a same-class detection with IoU >= 0.8
     failures: int
 
     def lines(self) -> list[str]:
-        rows = [f"mAP@0.5 {self.map50:.4f} over {self.images} images, {self.objects} objects "
-                f"(through the service)",
-                "per class: " + ", ".join(f"{k} {v:.3f}" for k, v in self.per_class.items()),
-                "per image kind: " + ", ".join(f"{k} {v:.3f}" for k, v in self.per_category.items()),
-                f"objects found with IoU >= 0.8: {self.recall_iou80:.3f}; failed jobs: {self.failures}"]
+        rows = [
+            f"mAP@0.5 {self.map50:.4f} over {self.images} images, {self.objects} objects (through the service)",
+            "per class: " + ", ".join(f"{k} {v:.3f}" for k, v in self.per_class.items()),
+            "per image kind: " + ", ".join(f"{k} {v:.3f}" for k, v in self.per_category.items()),
+            f"objects found with IoU >= 0.8: {self.recall_iou80:.3f}; failed jobs: {self.failures}",
+        ]
         return rows
 
 
@@ -67,8 +74,9 @@ def encode_jpeg(scene: Scene, quality: int = 92) -> bytes:
 
 
 def detect(session: requests.Session, url: str, data: bytes, conf: float, timeout_s: float = 120.0) -> dict:
-    response = session.post(f"{url}/v1/jobs", files={"image": ("scene.jpg", data, "image/jpeg")},
-                            data={"conf": str(conf)}, timeout=30)
+    response = session.post(
+        f"{url}/v1/jobs", files={"image": ("scene.jpg", data, "image/jpeg")}, data={"conf": str(conf)}, timeout=30
+    )
     response.raise_for_status()
     job_id = response.json()["id"]
     for _ in range(int(timeout_s / 10) + 1):
@@ -78,8 +86,7 @@ def detect(session: requests.Session, url: str, data: bytes, conf: float, timeou
     return doc
 
 
-def evaluate_service(url: str, scenes: list[tuple[str, Scene]], conf: float = 0.05,
-                     concurrency: int = 8) -> Report:
+def evaluate_service(url: str, scenes: list[tuple[str, Scene]], conf: float = 0.05, concurrency: int = 8) -> Report:
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=concurrency)
     session.mount("http://", adapter)
@@ -92,28 +99,38 @@ def evaluate_service(url: str, scenes: list[tuple[str, Scene]], conf: float = 0.
     for name, _ in CATEGORIES:
         picked = [i for i, (kind, _) in enumerate(scenes) if kind == name]
         if picked:
-            per_category[name] = mean_average_precision([truths[i] for i in picked],
-                                                         [predictions[i] for i in picked], len(LABELS))[0]
-    return Report(map50=map50, per_class={LABELS[c]: v for c, v in per_class.items()},
-                  per_category=per_category, images=len(scenes), objects=sum(len(t.boxes) for t in truths),
-                  recall_iou80=_recall_at(truths, predictions, 0.8),
-                  failures=sum(doc["status"] != "succeeded" for doc in docs))
+            per_category[name] = mean_average_precision(
+                [truths[i] for i in picked], [predictions[i] for i in picked], len(LABELS)
+            )[0]
+    return Report(
+        map50=map50,
+        per_class={LABELS[c]: v for c, v in per_class.items()},
+        per_category=per_category,
+        images=len(scenes),
+        objects=sum(len(t.boxes) for t in truths),
+        recall_iou80=_recall_at(truths, predictions, 0.8),
+        failures=sum(doc["status"] != "succeeded" for doc in docs),
+    )
 
 
 def _predictions(doc: dict) -> ImagePredictions:
     detections = (doc.get("result") or {}).get("detections", [])
-    return ImagePredictions([d["box"] for d in detections], [d["score"] for d in detections],
-                            [d["class_id"] for d in detections])
+    return ImagePredictions(
+        [d["box"] for d in detections], [d["score"] for d in detections], [d["class_id"] for d in detections]
+    )
 
 
-def _recall_at(truths: list[ImageTruth], predictions: list[ImagePredictions], threshold: float,
-               min_score: float = 0.3) -> float:
+def _recall_at(
+    truths: list[ImageTruth], predictions: list[ImagePredictions], threshold: float, min_score: float = 0.3
+) -> float:
     found = total = 0
     for truth, pred in zip(truths, predictions):
         for box, cls in zip(truth.boxes, truth.classes):
             total += 1
-            found += any(c == cls and s >= min_score and box_iou(box, b) >= threshold
-                         for b, s, c in zip(pred.boxes, pred.scores, pred.classes))
+            found += any(
+                c == cls and s >= min_score and box_iou(box, b) >= threshold
+                for b, s, c in zip(pred.boxes, pred.scores, pred.classes)
+            )
     return found / total if total else 1.0
 
 
@@ -124,8 +141,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=20_000)
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--min-map", type=float, default=0.0, help="exit 1 below this mAP")
-    parser.add_argument("--generator", choices=("synth", "independent"), default="synth",
-                        help="synth: the training generator's family; independent: training/independent.py")
+    parser.add_argument(
+        "--generator",
+        choices=("synth", "independent"),
+        default="synth",
+        help="synth: the training generator's family; independent: training/independent.py",
+    )
     args = parser.parse_args(argv)
     scenes = held_out_scenes(args.images, args.seed, args.generator)
     report = evaluate_service(args.url, scenes, concurrency=args.concurrency)

@@ -5,6 +5,7 @@
 The default model ships as TorchScript, which `accelerate: compile` cannot take; the same weights as an
 exported program can (and so can a user's own `.pt2`). `scripts/gpu-smoke` measures `compile` on it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +15,8 @@ import torch
 import yaml
 
 from contract.config import load_model_spec
-from contract.settings import REPO_ROOT, ModelSpec
+from contract.models import ModelSpec
+from contract.settings import REPO_ROOT
 from gpu_worker.tiny_yolo import TinyYolo
 
 SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
@@ -27,8 +29,9 @@ def export_shapes(out_dir: Path) -> tuple[ModelSpec, Path]:
     module = TinyYolo(len(spec.labels)).eval()
     module.load_state_dict(torch.jit.load(str(spec.path)).state_dict())
     size = spec.input_size
-    program = torch.export.export(module, (torch.zeros(2, 3, size, size),),
-                                  dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},))
+    program = torch.export.export(
+        module, (torch.zeros(2, 3, size, size),), dynamic_shapes=({0: torch.export.Dim("batch", min=1, max=MAX_BATCH)},)
+    )
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = out_dir / "shapes-yolo.pt2"
     torch.export.save(program, str(weights))

@@ -12,6 +12,7 @@ aliased edges) rather than the shapes scores badly here:
   Lanczos filter and composited, as a paint program would render it;
 - 640x480 to 1920x1080, landscape and portrait, objects 5-40% of the short side.
 """
+
 from __future__ import annotations
 
 import colorsys
@@ -67,8 +68,11 @@ def _hsv(hue: float, saturation: float, value: float) -> np.ndarray:
 def _muted_colour_near(rng: random.Random, background_value: float) -> np.ndarray:
     """Low saturation, brightness 0.12-0.3 away from the background's (up or down, as room allows)."""
     step = rng.uniform(0.12, 0.30)
-    value = background_value + step if (background_value + step <= 1.0 and rng.random() < 0.5) \
-        or background_value - step < 0.05 else background_value - step
+    value = (
+        background_value + step
+        if (background_value + step <= 1.0 and rng.random() < 0.5) or background_value - step < 0.05
+        else background_value - step
+    )
     return _hsv(rng.random(), rng.uniform(0.15, 0.6), min(1.0, max(0.0, value)))
 
 
@@ -78,7 +82,7 @@ def _outline(class_id: int, x: float, y: float, side: float, turned: bool, rng: 
     if class_id == 1:
         corners = [(-0.5, -0.5), (0.5, -0.5), (0.5, 0.5), (-0.5, 0.5)]
     elif class_id == 2:
-        corners = [(0.0, -0.5), (0.5, 0.5), (-0.5, 0.5)]     # apex up, base down
+        corners = [(0.0, -0.5), (0.5, 0.5), (-0.5, 0.5)]  # apex up, base down
     else:
         return None
     angle = rng.uniform(0, 2 * math.pi) if turned else 0.0

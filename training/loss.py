@@ -1,5 +1,6 @@
 """Training loss for the anchor-free TinyYolo head: FCOS-style assignment with
 centre sampling, quality focal loss on IoU-aware class targets, GIoU boxes."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -29,8 +30,7 @@ def anchor_grid(shapes: Sequence[tuple[int, int]], strides: Sequence[int], devic
     return torch.cat(centres), torch.cat(cell_strides), torch.cat(ranges)
 
 
-def assign(centres: torch.Tensor, strides: torch.Tensor, ranges: torch.Tensor,
-           gt_boxes: torch.Tensor) -> torch.Tensor:
+def assign(centres: torch.Tensor, strides: torch.Tensor, ranges: torch.Tensor, gt_boxes: torch.Tensor) -> torch.Tensor:
     """For each cell, the index of the object it must predict, or -1."""
     n = len(centres)
     if len(gt_boxes) == 0:
@@ -38,7 +38,7 @@ def assign(centres: torch.Tensor, strides: torch.Tensor, ranges: torch.Tensor,
     x, y = centres[:, 0:1], centres[:, 1:2]
     l, t = x - gt_boxes[:, 0], y - gt_boxes[:, 1]
     r, b = gt_boxes[:, 2] - x, gt_boxes[:, 3] - y
-    ltrb = torch.stack([l, t, r, b], dim=2)                                    # [N, M, 4]
+    ltrb = torch.stack([l, t, r, b], dim=2)  # [N, M, 4]
     inside = ltrb.amin(dim=2) > 0
     gcx, gcy = (gt_boxes[:, 0] + gt_boxes[:, 2]) / 2, (gt_boxes[:, 1] + gt_boxes[:, 3]) / 2
     radius = CENTRE_RADIUS * strides[:, None]
@@ -77,13 +77,17 @@ def aligned_giou(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.
     return iou, iou - (hull - union) / hull.clamp(min=1e-6)
 
 
-def detection_loss(raw: list[torch.Tensor], strides: Sequence[int], targets: list[tuple[torch.Tensor, torch.Tensor]],
-                   box_weight: float = 2.0) -> tuple[torch.Tensor, dict[str, float]]:
+def detection_loss(
+    raw: list[torch.Tensor],
+    strides: Sequence[int],
+    targets: list[tuple[torch.Tensor, torch.Tensor]],
+    box_weight: float = 2.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """raw: per level [B, 4 + C, H, W]; targets: per image (boxes [M, 4] xyxy, classes [M])."""
     device = raw[0].device
     shapes = [(r.shape[2], r.shape[3]) for r in raw]
     centres, cell_strides, ranges = anchor_grid(shapes, strides, device)
-    flat = torch.cat([r.flatten(2) for r in raw], dim=2).transpose(1, 2)      # [B, N, 4 + C]
+    flat = torch.cat([r.flatten(2) for r in raw], dim=2).transpose(1, 2)  # [B, N, 4 + C]
     dist = F.softplus(flat[..., :4]) * cell_strides[None, :, None]
     pred_boxes = torch.cat([centres[None] - dist[..., :2], centres[None] + dist[..., 2:]], dim=2)
     logits = flat[..., 4:]

@@ -1,4 +1,5 @@
 """mAP@0.5, VOC style (all-point interpolation), on plain Python lists."""
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -30,16 +31,24 @@ def box_iou(a: Box, b: Box) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def average_precision(truths: Sequence[ImageTruth], predictions: Sequence[ImagePredictions], class_id: int,
-                      iou_threshold: float = 0.5) -> float | None:
+def average_precision(
+    truths: Sequence[ImageTruth], predictions: Sequence[ImagePredictions], class_id: int, iou_threshold: float = 0.5
+) -> float | None:
     """AP of one class; None when the class has no ground truth."""
     gt = {i: [b for b, c in zip(t.boxes, t.classes) if c == class_id] for i, t in enumerate(truths)}
     total = sum(len(v) for v in gt.values())
     if total == 0:
         return None
     taken = {i: [False] * len(v) for i, v in gt.items()}
-    ranked = sorted(((s, i, b) for i, p in enumerate(predictions)
-                     for b, s, c in zip(p.boxes, p.scores, p.classes) if c == class_id), key=lambda r: -r[0])
+    ranked = sorted(
+        (
+            (s, i, b)
+            for i, p in enumerate(predictions)
+            for b, s, c in zip(p.boxes, p.scores, p.classes)
+            if c == class_id
+        ),
+        key=lambda r: -r[0],
+    )
     hits = np.zeros(len(ranked))
     for k, (_, image, box) in enumerate(ranked):
         overlaps = [box_iou(box, g) for g in gt[image]]
@@ -59,8 +68,9 @@ def average_precision(truths: Sequence[ImageTruth], predictions: Sequence[ImageP
     return float(np.sum((recall[steps + 1] - recall[steps]) * precision[steps + 1]))
 
 
-def mean_average_precision(truths: Sequence[ImageTruth], predictions: Sequence[ImagePredictions],
-                           num_classes: int, iou_threshold: float = 0.5) -> tuple[float, dict[int, float]]:
+def mean_average_precision(
+    truths: Sequence[ImageTruth], predictions: Sequence[ImagePredictions], num_classes: int, iou_threshold: float = 0.5
+) -> tuple[float, dict[int, float]]:
     per_class = {c: average_precision(truths, predictions, c, iou_threshold) for c in range(num_classes)}
     scored = {c: ap for c, ap in per_class.items() if ap is not None}
     return (sum(scored.values()) / len(scored) if scored else 0.0), scored

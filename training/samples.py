@@ -7,6 +7,7 @@ default model scores mAP@0.5 0.951 on its held-out scenes) at 1280x720, saved as
 its true boxes go to `<name>.truth.json` beside it: {"width", "height", "objects": [{"label", "box"}]},
 boxes in pixels (x1, y1, x2, y2). The seeds shipped are the ones samples/README.md names.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,9 +26,14 @@ def write_sample(seed: int, out: Path) -> Path:
     scene = generate_scene(random.Random(seed), size=SIZE)
     image_path = out / f"shapes-{seed}.jpg"
     scene.image.convert("RGB").save(image_path, "JPEG", quality=QUALITY)
-    truth = {"width": SIZE[0], "height": SIZE[1],
-             "objects": [{"label": LABELS[class_id], "box": [round(v, 1) for v in box]}
-                         for class_id, box in zip(scene.classes, scene.boxes)]}
+    truth = {
+        "width": SIZE[0],
+        "height": SIZE[1],
+        "objects": [
+            {"label": LABELS[class_id], "box": [round(v, 1) for v in box]}
+            for class_id, box in zip(scene.classes, scene.boxes)
+        ],
+    }
     (out / f"shapes-{seed}.truth.json").write_text(json.dumps(truth, indent=1) + "\n")
     return image_path
 

@@ -3,6 +3,7 @@ evaluation data. Circles, squares and triangles in several colours and sizes,
 rotated, overlapping a little, on noisy and textured backgrounds, in images of
 many sizes and aspect ratios. No torch: the bench and tests use it too.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,18 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFilter
 
 LABELS = ("circle", "square", "triangle")
-PALETTE = ((230, 40, 40), (40, 180, 60), (40, 80, 230), (245, 200, 30), (240, 120, 20),
-           (150, 60, 200), (30, 200, 210), (250, 250, 250), (20, 20, 20), (240, 90, 170))
+PALETTE = (
+    (230, 40, 40),
+    (40, 180, 60),
+    (40, 80, 230),
+    (245, 200, 30),
+    (240, 120, 20),
+    (150, 60, 200),
+    (30, 200, 210),
+    (250, 250, 250),
+    (20, 20, 20),
+    (240, 90, 170),
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +37,7 @@ class SceneSettings:
     max_aspect: float = 2.6
     min_objects: int = 1
     max_objects: int = 6
-    min_object_frac: float = 0.07     # object size as a fraction of the image's short side
+    min_object_frac: float = 0.07  # object size as a fraction of the image's short side
     max_object_frac: float = 0.45
     max_overlap_iou: float = 0.15
 
@@ -34,20 +45,20 @@ class SceneSettings:
 @dataclass
 class Scene:
     image: Image.Image
-    boxes: list[tuple[float, float, float, float]] = field(default_factory=list)   # x1, y1, x2, y2
+    boxes: list[tuple[float, float, float, float]] = field(default_factory=list)  # x1, y1, x2, y2
     classes: list[int] = field(default_factory=list)
 
 
-def generate_scene(rng: random.Random, settings: SceneSettings = SceneSettings(),
-                   size: tuple[int, int] | None = None) -> Scene:
+def generate_scene(
+    rng: random.Random, settings: SceneSettings = SceneSettings(), size: tuple[int, int] | None = None
+) -> Scene:
     width, height = size or _random_size(rng, settings)
     image = _background(rng, width, height)
     draw = ImageDraw.Draw(image)
     scene = Scene(image=image)
     colours: list[tuple[int, int, int]] = []
     wanted = rng.randint(settings.min_objects, settings.max_objects)
-    for class_id, box, polygon in _placed(scene, wanted, settings,
-                                          lambda: _place_shape(rng, width, height, settings)):
+    for class_id, box, polygon in _placed(scene, wanted, settings, lambda: _place_shape(rng, width, height, settings)):
         touching = {colour for colour, other in zip(colours, scene.boxes) if _iou(box, other) > 0}
         colour = _contrasting_colour(rng, image, box, avoid=touching)
         colours.append(colour)
@@ -58,8 +69,9 @@ def generate_scene(rng: random.Random, settings: SceneSettings = SceneSettings()
     return scene
 
 
-def _placed(scene: Scene, wanted: int, settings: SceneSettings,
-            propose: Callable[[], Any]) -> Iterator[tuple[int, Any, Any]]:
+def _placed(
+    scene: Scene, wanted: int, settings: SceneSettings, propose: Callable[[], Any]
+) -> Iterator[tuple[int, Any, Any]]:
     """Up to `wanted` shapes from `propose` (class id, box, polygon; None: nothing fits), each kept only if
     it overlaps no earlier one by more than max_overlap_iou, at most 8 tries a shape. The caller draws each
     one it is given; the scene records it when the caller asks for the next."""
@@ -118,13 +130,19 @@ def _place_shape(rng: random.Random, width: int, height: int, settings: SceneSet
     if class_id == 1:
         points = _rotated([(-1, -1), (1, -1), (1, 1), (-1, 1)], rng.uniform(0, math.pi / 2))
     else:
-        points = _rotated([(math.cos(a), math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)],
-                          rng.uniform(0, 2 * math.pi))
+        points = _rotated(
+            [(math.cos(a), math.sin(a)) for a in (-math.pi / 2, math.pi / 6, 5 * math.pi / 6)],
+            rng.uniform(0, 2 * math.pi),
+        )
     xs, ys = [p[0] for p in points], [p[1] for p in points]
     scale = size / max(max(xs) - min(xs), max(ys) - min(ys))
     polygon = [(cx + x * scale, cy + y * scale) for x, y in points]
-    box = (min(p[0] for p in polygon), min(p[1] for p in polygon),
-           max(p[0] for p in polygon), max(p[1] for p in polygon))
+    box = (
+        min(p[0] for p in polygon),
+        min(p[1] for p in polygon),
+        max(p[0] for p in polygon),
+        max(p[1] for p in polygon),
+    )
     if box[0] < 0 or box[1] < 0 or box[2] > width or box[3] > height:
         return None
     return class_id, box, polygon
@@ -158,15 +176,17 @@ def _iou(a, b) -> float:
 @dataclass(frozen=True)
 class RandomisedSettings(SceneSettings):
     """Scenes for training, randomised along every axis a user's image may differ in."""
+
     max_side: int = 800
     max_objects: int = 7
-    min_object_frac: float = 0.03     # of the short side
+    min_object_frac: float = 0.03  # of the short side
     max_object_frac: float = 0.60
-    min_contrast: float = 14.0        # CIE76 delta E between a shape and the background under it
+    min_contrast: float = 14.0  # CIE76 delta E between a shape and the background under it
 
 
-def randomised_scene(rng: random.Random, settings: RandomisedSettings = RandomisedSettings(),
-                     size: tuple[int, int] | None = None) -> Scene:
+def randomised_scene(
+    rng: random.Random, settings: RandomisedSettings = RandomisedSettings(), size: tuple[int, int] | None = None
+) -> Scene:
     """Any colour with enough contrast (drawn in CIELAB), flat, noisy, graded or busy backgrounds,
     fills and outlines, 3-60% of the short side, upright and turned, several triangle shapes,
     aliased or anti-aliased edges, touching neighbours; then blur, noise and JPEG at quality 30-95."""
@@ -176,10 +196,12 @@ def randomised_scene(rng: random.Random, settings: RandomisedSettings = Randomis
     colours: list[np.ndarray] = []
     wanted = rng.randint(settings.min_objects, settings.max_objects)
     smooth = rng.random() < 0.5
-    for class_id, box, polygon in _placed(scene, wanted, settings,
-                                          lambda: _randomised_shape(rng, width, height, settings)):
-        touching = [colour for colour, other in zip(colours, scene.boxes) if _iou(box, other) > 0
-                    or _gap(box, other) < 3]
+    for class_id, box, polygon in _placed(
+        scene, wanted, settings, lambda: _randomised_shape(rng, width, height, settings)
+    ):
+        touching = [
+            colour for colour, other in zip(colours, scene.boxes) if _iou(box, other) > 0 or _gap(box, other) < 3
+        ]
         colour = _colour_with_contrast(rng, image, box, touching, settings.min_contrast)
         outline = rng.random() < 0.15
         _draw(image, class_id, box, polygon, tuple(int(v) for v in colour), outline, smooth, rng)
@@ -191,12 +213,12 @@ def randomised_scene(rng: random.Random, settings: RandomisedSettings = Randomis
 def _randomised_background(rng: random.Random, width: int, height: int) -> Image.Image:
     kind = rng.random()
     if kind < 0.3:
-        return _background(rng, width, height)                       # busy: the original scenes
+        return _background(rng, width, height)  # busy: the original scenes
     np_rng = np.random.default_rng(rng.getrandbits(32))
     first = _lab_to_rgb(np_rng.uniform([10, -60, -60], [95, 60, 60]))
-    if kind < 0.75:                                                   # flat, maybe lightly noisy
+    if kind < 0.75:  # flat, maybe lightly noisy
         pixels = np.broadcast_to(first, (height, width, 3)).astype(np.float32)
-    else:                                                             # a soft gradient
+    else:  # a soft gradient
         second = np.clip(first + np_rng.normal(0, 25, 3), 0, 255)
         t = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :, None]
         pixels = np.broadcast_to(first * (1 - t) + second * t, (height, width, 3)).astype(np.float32)
@@ -225,8 +247,12 @@ def _randomised_shape(rng: random.Random, width: int, height: int, settings: Ran
     scale = size / max(max(xs) - min(xs), max(ys) - min(ys))
     mid_x, mid_y = (max(xs) + min(xs)) / 2, (max(ys) + min(ys)) / 2
     polygon = [(cx + (x - mid_x) * scale, cy + (y - mid_y) * scale) for x, y in points]
-    box = (min(p[0] for p in polygon), min(p[1] for p in polygon),
-           max(p[0] for p in polygon), max(p[1] for p in polygon))
+    box = (
+        min(p[0] for p in polygon),
+        min(p[1] for p in polygon),
+        max(p[0] for p in polygon),
+        max(p[1] for p in polygon),
+    )
     if box[0] < 0 or box[1] < 0 or box[2] > width or box[3] > height:
         return None
     return class_id, box, polygon
@@ -247,8 +273,9 @@ def _triangle(rng: random.Random):
     return _rotated(points, angle)
 
 
-def _draw(image: Image.Image, class_id: int, box, polygon, colour, outline: bool, smooth: bool,
-          rng: random.Random) -> None:
+def _draw(
+    image: Image.Image, class_id: int, box, polygon, colour, outline: bool, smooth: bool, rng: random.Random
+) -> None:
     """Filled or outlined; smooth: drawn at 4x on a mask and reduced, as a paint program anti-aliases."""
     line = max(2, int(rng.uniform(0.04, 0.12) * max(box[2] - box[0], box[3] - box[1])))
     factor = 4 if smooth else 1
@@ -260,8 +287,10 @@ def _draw(image: Image.Image, class_id: int, box, polygon, colour, outline: bool
     shift = [((x - left) * factor, (y - top) * factor) for x, y in (polygon or [])]
     ring = {"fill": None, "outline": 255, "width": line * factor} if outline else {"fill": 255}
     if class_id == 0:
-        draw.ellipse(((box[0] - left) * factor, (box[1] - top) * factor,
-                      (box[2] - left) * factor, (box[3] - top) * factor), **ring)
+        draw.ellipse(
+            ((box[0] - left) * factor, (box[1] - top) * factor, (box[2] - left) * factor, (box[3] - top) * factor),
+            **ring,
+        )
     elif outline:
         draw.line(shift + shift[:1], fill=255, width=line * factor, joint="curve")
     else:
@@ -283,8 +312,9 @@ def _colour_with_contrast(rng: random.Random, image: Image.Image, box, touching,
         lab = np.array([rng.uniform(5, 97), rng.uniform(-70, 70), rng.uniform(-70, 70)])
         colour = _lab_to_rgb(lab)
         seen = _rgb_to_lab(colour)
-        if np.linalg.norm(seen - under) >= min_contrast and all(np.linalg.norm(seen - o) >= min_contrast
-                                                                 for o in others):
+        if np.linalg.norm(seen - under) >= min_contrast and all(
+            np.linalg.norm(seen - o) >= min_contrast for o in others
+        ):
             break
     return colour
 
@@ -298,6 +328,7 @@ def _degraded(rng: random.Random, image: Image.Image) -> Image.Image:
         image = Image.fromarray(noisy.clip(0, 255).astype(np.uint8), "RGB")
     if rng.random() < 0.7:
         import io
+
         buffer = io.BytesIO()
         image.save(buffer, "JPEG", quality=rng.randint(30, 95))
         image = Image.open(io.BytesIO(buffer.getvalue())).convert("RGB")
@@ -324,7 +355,7 @@ def _rgb_to_lab(rgb: np.ndarray) -> np.ndarray:
 def _lab_to_rgb(lab: np.ndarray) -> np.ndarray:
     fy = (lab[0] + 16) / 116
     f = np.array([fy + lab[1] / 500, fy, fy - lab[2] / 200])
-    xyz = np.where(f > 6 / 29, f ** 3, 3 * (6 / 29) ** 2 * (f - 4 / 29)) * _WHITE
+    xyz = np.where(f > 6 / 29, f**3, 3 * (6 / 29) ** 2 * (f - 4 / 29)) * _WHITE
     linear = np.clip(np.linalg.solve(_RGB_TO_XYZ, xyz), 0, 1)
     c = np.where(linear <= 0.0031308, 12.92 * linear, 1.055 * linear ** (1 / 2.4) - 0.055)
     return np.clip(c * 255.0, 0, 255)

@@ -6,6 +6,7 @@ Writes models/shapes-yolo.pt (TorchScript), models/shapes-yolo.md (the model
 card) and configs/models/shapes-yolo.yaml (the spec the GPU worker serves).
 Everything is generated here from a fixed seed: no download.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,10 +60,10 @@ class TrainConfig:
 
 @dataclass
 class LetterboxedScene:
-    image: np.ndarray          # [S, S, 3] uint8, padded
-    boxes: np.ndarray          # [M, 4] in input pixels
-    classes: np.ndarray        # [M]
-    orig_boxes: np.ndarray     # [M, 4] in original pixels
+    image: np.ndarray  # [S, S, 3] uint8, padded
+    boxes: np.ndarray  # [M, 4] in input pixels
+    classes: np.ndarray  # [M]
+    orig_boxes: np.ndarray  # [M, 4] in original pixels
     geometry: tuple[float, ...]  # pad_left, pad_top, scale_x, scale_y, orig_w, orig_h
 
 
@@ -72,12 +73,17 @@ def letterbox_scene(seed: int, size: int, generator: str) -> LetterboxedScene:
     boxed, pixels = letterboxed.placement, letterboxed.pixels
     canvas = np.full((size, size, 3), PAD, np.uint8)
     content = np.frombuffer(pixels, np.uint8).reshape(boxed.height, boxed.width, 3)
-    canvas[boxed.pad_top:boxed.pad_top + boxed.height, boxed.pad_left:boxed.pad_left + boxed.width] = content
+    canvas[boxed.pad_top : boxed.pad_top + boxed.height, boxed.pad_left : boxed.pad_left + boxed.width] = content
     orig = np.array(scene.boxes, np.float32).reshape(-1, 4)
     scale = np.array([boxed.scale_x, boxed.scale_y] * 2, np.float32)
     offset = np.array([boxed.pad_left, boxed.pad_top] * 2, np.float32)
-    return LetterboxedScene(canvas, orig * scale + offset, np.array(scene.classes, np.int64), orig,
-                            tuple(getattr(boxed, name) for name in MAPPING_FIELDS))
+    return LetterboxedScene(
+        canvas,
+        orig * scale + offset,
+        np.array(scene.classes, np.int64),
+        orig,
+        tuple(getattr(boxed, name) for name in MAPPING_FIELDS),
+    )
 
 
 def _make(args: tuple[int, int, str]) -> LetterboxedScene:
@@ -107,7 +113,7 @@ def flip_batch(images: torch.Tensor, targets: list, horizontal: bool, vertical: 
 def build_model(config: TrainConfig) -> TinyYolo:
     torch.manual_seed(config.seed)
     model = TinyYolo(len(LABELS), width=config.width)
-    prior = -math.log((1 - 0.01) / 0.01)   # start every class score near 1%
+    prior = -math.log((1 - 0.01) / 0.01)  # start every class score near 1%
     for head in model.heads:  # type: ignore[union-attr]  # a ModuleList of Conv2d
         torch.nn.init.constant_(head.bias[4:], prior)  # type: ignore[index]
     return model
@@ -121,7 +127,8 @@ def train(model: TinyYolo, data: list[LetterboxedScene], config: TrainConfig) ->
     optimiser = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     warmup = max(1, total // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimiser, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total)))
+        optimiser, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * step / total))
+    )
     rng = np.random.default_rng(config.seed)
     history = []
     model.train()
@@ -129,10 +136,14 @@ def train(model: TinyYolo, data: list[LetterboxedScene], config: TrainConfig) ->
     for epoch in range(config.epochs):
         order = rng.permutation(len(data))
         for step in range(steps_per_epoch):
-            index = order[step * config.batch_size:(step + 1) * config.batch_size]
-            batch, batch_targets = flip_batch(to_tensor(images[index]), [targets[i] for i in index],
-                                              bool(rng.random() < 0.5), bool(rng.random() < 0.5),
-                                              config.input_size)
+            index = order[step * config.batch_size : (step + 1) * config.batch_size]
+            batch, batch_targets = flip_batch(
+                to_tensor(images[index]),
+                [targets[i] for i in index],
+                bool(rng.random() < 0.5),
+                bool(rng.random() < 0.5),
+                config.input_size,
+            )
             loss, parts = detection_loss(model.raw_outputs(batch), model.strides, batch_targets)
             optimiser.zero_grad(set_to_none=True)
             loss.backward()
@@ -141,30 +152,36 @@ def train(model: TinyYolo, data: list[LetterboxedScene], config: TrainConfig) ->
             schedule.step()
             progress.update()
             progress.set_postfix(epoch=epoch + 1, loss=f"{loss.item():.3f}", iou=f"{parts['iou']:.2f}")
-        history.append({"epoch": epoch + 1, "loss": round(loss.item(), 4),
-                        **{k: round(v, 4) for k, v in parts.items()}})
+        history.append(
+            {"epoch": epoch + 1, "loss": round(loss.item(), 4), **{k: round(v, 4) for k, v in parts.items()}}
+        )
     progress.close()
     return history
 
 
 @torch.inference_mode()
-def evaluate(model: torch.nn.Module, data: list[LetterboxedScene], conf: float = 0.05, iou: float = 0.5,
-             batch_size: int = 32) -> tuple[float, dict[int, float]]:
+def evaluate(
+    model: torch.nn.Module, data: list[LetterboxedScene], conf: float = 0.05, iou: float = 0.5, batch_size: int = 32
+) -> tuple[float, dict[int, float]]:
     """mAP@0.5 in original pixels, through the serving post-processing."""
     model.eval()
     truths, predictions = [], []
     for start in range(0, len(data), batch_size):
-        chunk = data[start:start + batch_size]
+        chunk = data[start : start + batch_size]
         output = model(to_tensor(np.stack([d.image for d in chunk])))
         geometry = torch.tensor([d.geometry for d in chunk], dtype=torch.float64)
         n = len(chunk)
-        dets = postprocess(output, "yolov8", Thresholds(torch.full((n,), conf), torch.full((n,), iou),
-                                                          torch.full((n,), 100)),
-                           Geometry(*(geometry[:, i] for i in range(6))))
+        dets = postprocess(
+            output,
+            "yolov8",
+            Thresholds(torch.full((n,), conf), torch.full((n,), iou), torch.full((n,), 100)),
+            Geometry(*(geometry[:, i] for i in range(6))),
+        )
         for i, d in enumerate(chunk):
             mine = dets.image_index == i
-            predictions.append(ImagePredictions(dets.boxes[mine].tolist(), dets.scores[mine].tolist(),
-                                                dets.class_ids[mine].tolist()))
+            predictions.append(
+                ImagePredictions(dets.boxes[mine].tolist(), dets.scores[mine].tolist(), dets.class_ids[mine].tolist())
+            )
             truths.append(ImageTruth(d.orig_boxes.tolist(), d.classes.tolist()))
     return mean_average_precision(truths, predictions, len(LABELS))
 
@@ -176,11 +193,17 @@ def export(model: TinyYolo, config: TrainConfig, results: dict, out_dir: Path, s
     scripted.save(str(weights))
     parameters = sum(p.numel() for p in model.parameters())
     spec_path.write_text(SPEC_TEMPLATE.format(input_size=config.input_size, map=results["map50"]))
-    (out_dir / "shapes-yolo.md").write_text(CARD_TEMPLATE.format(
-        parameters=parameters, config=json.dumps(asdict(config), indent=2),
-        scenes=json.dumps({"train": asdict(TRAIN_SCENES), "eval": asdict(EVAL_SCENES)}, indent=2),
-        results=json.dumps(results, indent=2), size_kb=weights.stat().st_size // 1024,
-        input_size=config.input_size, **results))
+    (out_dir / "shapes-yolo.md").write_text(
+        CARD_TEMPLATE.format(
+            parameters=parameters,
+            config=json.dumps(asdict(config), indent=2),
+            scenes=json.dumps({"train": asdict(TRAIN_SCENES), "eval": asdict(EVAL_SCENES)}, indent=2),
+            results=json.dumps(results, indent=2),
+            size_kb=weights.stat().st_size // 1024,
+            input_size=config.input_size,
+            **results,
+        )
+    )
     return weights
 
 
@@ -281,23 +304,32 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(config.threads)
     started = time.time()
     train_data = make_dataset(config.train_images, config.seed, config.input_size, "train", config.threads)
-    eval_sets = {name: make_dataset(config.eval_images, config.seed + 10_000, config.input_size, name,
-                                    config.threads) for name in ("independent", "synth")}
+    eval_sets = {
+        name: make_dataset(config.eval_images, config.seed + 10_000, config.input_size, name, config.threads)
+        for name in ("independent", "synth")
+    }
     model = build_model(config)
     train_started = time.time()
     history = train(model, train_data, config)
     train_minutes = (time.time() - train_started) / 60
     scores = {name: evaluate(model, data) for name, data in eval_sets.items()}
     map50, per_class = scores["independent"]
-    results = {"map50": round(map50, 4), "per_class": {LABELS[c]: round(v, 4) for c, v in per_class.items()},
-               "synth_map50": round(scores["synth"][0], 4),
-               "synth_per_class": {LABELS[c]: round(v, 4) for c, v in scores["synth"][1].items()},
-               "eval_images": config.eval_images, "train_minutes": round(train_minutes, 2),
-               "total_minutes": round((time.time() - started) / 60, 2), "history": history}
+    results = {
+        "map50": round(map50, 4),
+        "per_class": {LABELS[c]: round(v, 4) for c, v in per_class.items()},
+        "synth_map50": round(scores["synth"][0], 4),
+        "synth_per_class": {LABELS[c]: round(v, 4) for c, v in scores["synth"][1].items()},
+        "eval_images": config.eval_images,
+        "train_minutes": round(train_minutes, 2),
+        "total_minutes": round((time.time() - started) / 60, 2),
+        "history": history,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     weights = export(model, config, results, args.out, args.spec)
-    print(f"mAP@0.5 independent {map50:.4f} {results['per_class']}, synth {results['synth_map50']:.4f} "
-          f"-> {weights} ({results['total_minutes']} min)")
+    print(
+        f"mAP@0.5 independent {map50:.4f} {results['per_class']}, synth {results['synth_map50']:.4f} "
+        f"-> {weights} ({results['total_minutes']} min)"
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
 
 --url (or IMGSERVE_URL) names the API; --api-key (or IMGSERVE_API_KEY) a key.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,10 @@ def detections_table(path: Path, doc: dict) -> list[str]:
         error = doc.get("error") or {}
         return [f"{path}: {doc['status']} {error.get('code', '')} {error.get('message', '')}".rstrip()]
     image = doc["result"]["image"]
-    lines = [f"{path}: {len(doc['result']['detections'])} detections in {image['width']}x{image['height']} "
-             f"({doc['timings_ms'].get('total', 0):.0f} ms)"]
+    lines = [
+        f"{path}: {len(doc['result']['detections'])} detections in {image['width']}x{image['height']} "
+        f"({doc['timings_ms'].get('total', 0):.0f} ms)"
+    ]
     lines.append(f"  {'label':<12} {'score':>6}  box (x1, y1, x2, y2)")
     for d in doc["result"]["detections"]:
         box = ", ".join(f"{v:.0f}" for v in d["box"])
@@ -60,8 +63,9 @@ OPTIONS = (("model", str), ("conf", float), ("iou", float), ("max_det", int), ("
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="imgserve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="imgserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--url", default=os.environ.get("IMGSERVE_URL", "http://localhost:8000"))
     parser.add_argument("--api-key", default=os.environ.get("IMGSERVE_API_KEY"))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,9 +73,13 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("paths", nargs="+")
     submit.add_argument("--wait", action="store_true", help="wait and print the detections")
     submit.add_argument("--concurrency", type=int, default=8)
-    submit.add_argument("--draw", metavar="OUT", type=Path,
-                        help="wait, then write each image with its boxes and labels drawn: into the folder OUT "
-                             "(same file names), or to the file OUT for a single image (.jpg, .png); needs Pillow")
+    submit.add_argument(
+        "--draw",
+        metavar="OUT",
+        type=Path,
+        help="wait, then write each image with its boxes and labels drawn: into the folder OUT "
+        "(same file names), or to the file OUT for a single image (.jpg, .png); needs Pillow",
+    )
     for option, kind in OPTIONS:
         submit.add_argument(f"--{option.replace('_', '-')}", dest=option, type=kind)
     status = sub.add_parser("status", help="a job's state")
@@ -98,7 +106,7 @@ def run(args: argparse.Namespace, client: Client) -> int:
         options = {option: getattr(args, option) for option, _ in OPTIONS}
         files = expand(args.paths)
         if args.draw is not None and not args.wait:
-            args.wait = True    # drawing needs the answer
+            args.wait = True  # drawing needs the answer
         if not args.wait:
             for path in files:
                 print(f"{path}\t{client.submit(path, **options)['id']}")

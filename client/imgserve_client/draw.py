@@ -7,6 +7,7 @@ Needs Pillow (or Pillow-SIMD), which the client does not require otherwise: `pip
 'imgserve-client[draw]'`. Boxes are in the original image's pixels with its EXIF orientation applied (as the
 API gives them), so the image is turned the same way before drawing.
 """
+
 from __future__ import annotations
 
 from io import BytesIO
@@ -14,8 +15,16 @@ from pathlib import Path
 from typing import Any
 
 # One colour per class id, in turn: distinct on photos and on flat backgrounds.
-COLOURS = ((255, 56, 56), (50, 205, 50), (30, 144, 255), (255, 178, 29), (207, 62, 255), (0, 212, 187),
-           (255, 112, 31), (255, 55, 199))
+COLOURS = (
+    (255, 56, 56),
+    (50, 205, 50),
+    (30, 144, 255),
+    (255, 178, 29),
+    (207, 62, 255),
+    (0, 212, 187),
+    (255, 112, 31),
+    (255, 55, 199),
+)
 
 
 class DrawingUnavailable(RuntimeError):
@@ -27,7 +36,7 @@ def draw_detections(image: str | Path | bytes, doc: dict[str, Any], out: str | P
     The format follows `out`'s suffix (.jpg, .png, ...)."""
     try:
         from PIL import Image, ImageDraw, ImageFont, ImageOps
-    except ImportError as exc:   # the client's only dependency is requests
+    except ImportError as exc:  # the client's only dependency is requests
         raise DrawingUnavailable("drawing needs Pillow: pip install 'imgserve-client[draw]'") from exc
     source = Image.open(BytesIO(image) if isinstance(image, (bytes, bytearray)) else image)
     picture = ImageOps.exif_transpose(source).convert("RGB")
@@ -36,7 +45,7 @@ def draw_detections(image: str | Path | bytes, doc: dict[str, Any], out: str | P
     width = max(2, side // 400)
     try:
         font: Any = ImageFont.load_default(size=max(12, side // 60))
-    except (TypeError, OSError):   # an older Pillow, or one without FreeType: the small bitmap font
+    except (TypeError, OSError):  # an older Pillow, or one without FreeType: the small bitmap font
         font = ImageFont.load_default()
     for detection in (doc.get("result") or {}).get("detections", []):
         colour = COLOURS[int(detection.get("class_id", 0)) % len(COLOURS)]
@@ -45,7 +54,7 @@ def draw_detections(image: str | Path | bytes, doc: dict[str, Any], out: str | P
         caption = f"{detection.get('label', detection.get('class_id'))} {detection['score']:.2f}"
         left, top, right, bottom = draw.textbbox((0, 0), caption, font=font)
         text_w, text_h = right - left, bottom - top
-        y = y1 - text_h - 2 * width if y1 - text_h - 2 * width >= 0 else y1   # above the box, or inside it
+        y = y1 - text_h - 2 * width if y1 - text_h - 2 * width >= 0 else y1  # above the box, or inside it
         draw.rectangle((x1, y, x1 + text_w + 2 * width, y + text_h + 2 * width), fill=colour)
         draw.text((x1 + width - left, y + width - top), caption, fill=(0, 0, 0), font=font)
     path = Path(out)

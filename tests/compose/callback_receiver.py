@@ -1,5 +1,6 @@
 """A callback receiver for the compose test, run in a container of the stack's own network: it keeps every POST
 (headers and body) in memory and lists them at GET /received. Standard library only."""
+
 from __future__ import annotations
 
 import base64
@@ -18,8 +19,9 @@ class Receiver(BaseHTTPRequestHandler):
         length = int(self.headers.get("Content-Length", "0"))
         body = self.rfile.read(length)
         with lock:
-            received.append({"path": self.path, "headers": dict(self.headers.items()),
-                             "body": base64.b64encode(body).decode()})
+            received.append(
+                {"path": self.path, "headers": dict(self.headers.items()), "body": base64.b64encode(body).decode()}
+            )
         self.send_response(204)
         self.end_headers()
 
@@ -37,5 +39,5 @@ class Receiver(BaseHTTPRequestHandler):
 
 
 if __name__ == "__main__":
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))   # the container's first process: a stop ends it
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the container's first process: a stop ends it
     ThreadingHTTPServer(("0.0.0.0", 8080), Receiver).serve_forever()

@@ -9,6 +9,7 @@ every container, network and volume it made.
 
 Only `make compose-test` runs this module (it sets IMGSERVE_COMPOSE_TEST and builds the images first); a machine
 without a Docker engine fails there, loudly."""
+
 from __future__ import annotations
 
 import base64
@@ -31,7 +32,7 @@ import pytest
 import requests
 import yaml
 
-from contract.jobs import TERMINAL
+from contract.jobs.record import TERMINAL
 from tests.support import REPO_ROOT, free_port, jpeg, wait_until
 
 pytestmark = pytest.mark.compose
@@ -54,8 +55,12 @@ class Deployment:
     session: requests.Session = field(default_factory=requests.Session)
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        done = subprocess.run(["docker-compose", "-p", PROJECT, "-f", str(self.compose_file), *args],
-                              capture_output=True, text=True, timeout=timeout)
+        done = subprocess.run(
+            ["docker-compose", "-p", PROJECT, "-f", str(self.compose_file), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         if check:
             assert done.returncode == 0, f"docker-compose {' '.join(args)}:\n{done.stdout}\n{done.stderr}"
         return done
@@ -68,8 +73,9 @@ class Deployment:
         return json.loads(done.stdout)[0]
 
     def submit(self, data: bytes, **params: str) -> requests.Response:
-        return self.session.post(f"{self.api}/v1/jobs", data=data, params=params,
-                                 headers={"Content-Type": "image/jpeg"}, timeout=30)
+        return self.session.post(
+            f"{self.api}/v1/jobs", data=data, params=params, headers={"Content-Type": "image/jpeg"}, timeout=30
+        )
 
     def submit_ok(self, data: bytes, **params: str) -> str:
         response = self.submit(data, **params)
@@ -77,8 +83,9 @@ class Deployment:
         return response.json()["id"]
 
     def job(self, job_id: str, wait: float = 0) -> dict[str, Any]:
-        response = self.session.get(f"{self.api}/v1/jobs/{job_id}", params={"wait": wait} if wait else None,
-                                    timeout=wait + 30)
+        response = self.session.get(
+            f"{self.api}/v1/jobs/{job_id}", params={"wait": wait} if wait else None, timeout=wait + 30
+        )
         assert response.status_code == 200, response.text
         return response.json()
 
@@ -90,7 +97,7 @@ class Deployment:
                 if doc["status"] in TERMINAL:
                     return doc
             except (requests.ConnectionError, AssertionError):
-                pass   # the API answers 503 while Redis restarts
+                pass  # the API answers 503 while Redis restarts
             assert time.monotonic() < deadline, f"job {job_id} did not end within {timeout_s} s"
             time.sleep(0.2)
 
@@ -106,10 +113,12 @@ class Deployment:
 
 
 def _generated_secrets() -> dict[str, str]:
-    return {"REDIS_PASSWORD": secrets.token_urlsafe(24),
-            "FLOWER_BASIC_AUTH": "admin:" + secrets.token_urlsafe(24),
-            "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(24),
-            "IMGSERVE_CALLBACK_SECRET": secrets.token_urlsafe(32)}
+    return {
+        "REDIS_PASSWORD": secrets.token_urlsafe(24),
+        "FLOWER_BASIC_AUTH": "admin:" + secrets.token_urlsafe(24),
+        "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(24),
+        "IMGSERVE_CALLBACK_SECRET": secrets.token_urlsafe(32),
+    }
 
 
 def _resolved_stack(env: dict[str, str], ports: dict[str, int], with_prometheus: bool) -> dict[str, Any]:
@@ -120,14 +129,14 @@ def _resolved_stack(env: dict[str, str], ports: dict[str, int], with_prometheus:
     stack = yaml.safe_load(done.stdout)
     services = stack["services"]
     gpu = services["gpu-worker"]
-    gpu.pop("deploy")   # the nvidia device reservation: only a GPU host can grant it
+    gpu.pop("deploy")  # the nvidia device reservation: only a GPU host can grant it
     gpu["command"] = ["cpu" if arg == "cuda" else arg for arg in gpu["command"]]
     allowed = json.dumps([f"{RECEIVER}:8080"])
     for name in ("api", "callback-worker"):
         services[name]["environment"]["IMGSERVE_CALLBACKS__ALLOW_HOSTS"] = allowed
-    services.pop("grafana", None)   # no Debian package, so no local stand-in (docs/deployment.md)
+    services.pop("grafana", None)  # no Debian package, so no local stand-in (docs/deployment.md)
     if with_prometheus:
-        services["prometheus"].pop("profiles")   # up starts it without --profile
+        services["prometheus"].pop("profiles")  # up starts it without --profile
         services["prometheus"]["ports"] = [f"127.0.0.1:{ports['prometheus']}:9090"]
     services[RECEIVER] = {
         "image": services["api"]["image"],
@@ -145,16 +154,26 @@ def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
     generated = _generated_secrets()
     ports = {name: free_port() for name in ("api", "flower", "receiver", "prometheus")}
     with_prometheus = bool(os.environ.get("PROMETHEUS_IMAGE"))
-    env = {**{k: v for k, v in os.environ.items() if k not in generated}, **generated,
-           "API_PORT": str(ports["api"]), "FLOWER_PORT": str(ports["flower"]),
-           # Two children per CPU worker: on a 2-core host two workers then run four decodes at once.
-           "CPU_WORKER_CONCURRENCY": "2", "CPU_WORKER_MEMORY": "1g"}
+    env = {
+        **{k: v for k, v in os.environ.items() if k not in generated},
+        **generated,
+        "API_PORT": str(ports["api"]),
+        "FLOWER_PORT": str(ports["flower"]),
+        # Two children per CPU worker: on a 2-core host two workers then run four decodes at once.
+        "CPU_WORKER_CONCURRENCY": "2",
+        "CPU_WORKER_MEMORY": "1g",
+    }
     compose_file = tmp_path_factory.mktemp("compose") / "docker-compose.yml"
     compose_file.write_text(yaml.safe_dump(_resolved_stack(env, ports, with_prometheus), sort_keys=False))
-    stack = Deployment(compose_file, generated, api=f"http://127.0.0.1:{ports['api']}",
-                       flower=f"http://127.0.0.1:{ports['flower']}", receiver=f"http://127.0.0.1:{ports['receiver']}",
-                       prometheus=f"http://127.0.0.1:{ports['prometheus']}" if with_prometheus else None)
-    stack.compose("down", "-v", "--remove-orphans", check=False)   # what an interrupted run left
+    stack = Deployment(
+        compose_file,
+        generated,
+        api=f"http://127.0.0.1:{ports['api']}",
+        flower=f"http://127.0.0.1:{ports['flower']}",
+        receiver=f"http://127.0.0.1:{ports['receiver']}",
+        prometheus=f"http://127.0.0.1:{ports['prometheus']}" if with_prometheus else None,
+    )
+    stack.compose("down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
     failed_before = request.session.testsfailed
     started = False
     try:
@@ -165,11 +184,14 @@ def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         yield stack
     finally:
         if not started or request.session.testsfailed > failed_before or os.environ.get("IMGSERVE_COMPOSE_LOGS"):
-            print(stack.compose("logs", "--no-color", "--tail", "40", check=False).stdout)   # what CI shows
+            print(stack.compose("logs", "--no-color", "--tail", "40", check=False).stdout)  # what CI shows
         down = stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
         assert down.returncode == 0, down.stderr
-        left = subprocess.run(["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
-                              capture_output=True, text=True).stdout.split()
+        left = subprocess.run(
+            ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
+            capture_output=True,
+            text=True,
+        ).stdout.split()
         assert not left, f"containers left behind: {left}"
 
 
@@ -212,8 +234,10 @@ def test_a_job_is_answered_by_poll_and_by_a_signed_callback(deployment: Deployme
     post = wait_until(delivered, JOB_S, interval_s=0.2, what="the callback")
     body = base64.b64decode(post["body"])
     message = f"{post['headers']['X-Imgserve-Timestamp']}.{job_id}.".encode() + body
-    expected = "sha256=" + hmac.new(deployment.secrets["IMGSERVE_CALLBACK_SECRET"].encode(), message,
-                                    hashlib.sha256).hexdigest()
+    expected = (
+        "sha256="
+        + hmac.new(deployment.secrets["IMGSERVE_CALLBACK_SECRET"].encode(), message, hashlib.sha256).hexdigest()
+    )
     assert hmac.compare_digest(post["headers"]["X-Signature"], expected)
     assert json.loads(body)["id"] == job_id and json.loads(body)["status"] == "succeeded"
 
@@ -222,8 +246,12 @@ def test_flower_needs_its_basic_auth_and_shows_the_tasks(deployment: Deployment)
     assert requests.get(f"{deployment.flower}/api/tasks", timeout=10).status_code == 401
     wrong = requests.get(f"{deployment.flower}/api/tasks", auth=("admin", "not-the-password"), timeout=10)
     assert wrong.status_code == 401
-    tasks = wait_until(lambda: [t for t in deployment.flower_tasks().values() if t.get("state") == "SUCCESS"],
-                       60, interval_s=0.5, what="a finished task in Flower")
+    tasks = wait_until(
+        lambda: [t for t in deployment.flower_tasks().values() if t.get("state") == "SUCCESS"],
+        60,
+        interval_s=0.5,
+        what="a finished task in Flower",
+    )
     assert any(task["name"].endswith("preprocess") for task in tasks)
 
 
@@ -231,26 +259,32 @@ def test_two_cpu_workers_share_the_jobs(deployment: Deployment):
     deployment.compose("up", "-d", "--no-recreate", "--scale", "cpu-worker=2", "cpu-worker", timeout=START_S)
     assert len(deployment.containers("cpu-worker")) == 2
     containers = deployment.containers("cpu-worker")
-    wait_until(lambda: all(_consuming(deployment, c) for c in containers), START_S, interval_s=0.5,
-               what="both CPU workers consuming")
+    wait_until(
+        lambda: all(_consuming(deployment, c) for c in containers),
+        START_S,
+        interval_s=0.5,
+        what="both CPU workers consuming",
+    )
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         job_ids = list(pool.map(lambda i: deployment.submit_ok(jpeg(800, 600, seed=100 + i)), range(24)))
         docs = list(pool.map(deployment.wait_terminal, job_ids))
     assert [doc["status"] for doc in docs] == ["succeeded"] * len(job_ids)
     wanted = set(job_ids)
-    workers = wait_until(lambda: _workers_of(deployment, wanted), 30, interval_s=0.5,
-                         what="Flower's record of the jobs' tasks")
+    workers = wait_until(
+        lambda: _workers_of(deployment, wanted), 30, interval_s=0.5, what="Flower's record of the jobs' tasks"
+    )
     assert len(workers) == 2, workers
 
 
 def _consuming(stack: Deployment, container: str) -> bool:
     """The worker said it is ready (it consumes from then on), and Flower sees it."""
     logs = subprocess.run(["docker", "logs", container], capture_output=True, text=True)
-    name = f"cpu@{container[:12]}"   # the compose file names the CPU workers cpu@<host>
+    name = f"cpu@{container[:12]}"  # the compose file names the CPU workers cpu@<host>
     if f"{name} ready." not in logs.stdout + logs.stderr:
         return False
-    workers = requests.get(f"{stack.flower}/api/workers", params={"status": "true"}, auth=stack.flower_auth,
-                           timeout=10).json()
+    workers = requests.get(
+        f"{stack.flower}/api/workers", params={"status": "true"}, auth=stack.flower_auth, timeout=10
+    ).json()
     return bool(workers.get(name))
 
 
@@ -294,9 +328,14 @@ def test_killed_workers_are_restarted_and_no_job_is_lost(deployment: Deployment)
         for container in (gpu, cpu):
             os.kill(_host_pid(deployment, container), signal.SIGKILL)
         for container in (gpu, cpu):
-            wait_until(lambda c=container: deployment.inspect(c)["RestartCount"] > restarts[c]
-                       and deployment.inspect(c)["State"]["Running"], START_S, interval_s=0.5,
-                       what=f"container {container[:12]} restarted")
+            wait_until(
+                lambda c=container: (
+                    deployment.inspect(c)["RestartCount"] > restarts[c] and deployment.inspect(c)["State"]["Running"]
+                ),
+                START_S,
+                interval_s=0.5,
+                what=f"container {container[:12]} restarted",
+            )
         after_restart = len(accepted)
         wait_until(lambda: len(accepted) >= after_restart + 5, 60, what="jobs accepted after the restarts")
     finally:
@@ -306,8 +345,10 @@ def test_killed_workers_are_restarted_and_no_job_is_lost(deployment: Deployment)
     docs = {job_id: deployment.wait_terminal(job_id, timeout_s=JOB_S) for job_id in accepted}
     failed = {job_id: doc for job_id, doc in docs.items() if doc["status"] != "succeeded"}
     assert not failed, failed
-    print(f"compose kill test: {len(accepted)} accepted, {unfinished} unfinished when both workers were killed, "
-          f"{len(docs) - len(failed)} succeeded, 0 lost")
+    print(
+        f"compose kill test: {len(accepted)} accepted, {unfinished} unfinished when both workers were killed, "
+        f"{len(docs) - len(failed)} succeeded, 0 lost"
+    )
 
 
 def test_the_redis_volume_outlives_a_restart_and_no_job_is_lost(deployment: Deployment):

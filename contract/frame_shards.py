@@ -1,158 +1,155 @@
-"""The GPU list in Redis, seen from one GPU worker.
+"""The frame lists over bulk shards (contract.shards): contract.frames' moves, a list per shard.
 
-Frames move, never vanish: BLMOVE/LMOVE carry each frame from the shared list
-into this worker's processing list, and only `ack` removes them once their
-results are written. A worker that dies leaves its frames there to be found.
-
-The processing list is in the order the frames were taken: the newest at the
-left, the oldest at the right. The worker answers its batches in the order it
-took them, so a batch's frames are always the rightmost ones when it is acked,
-and `ack` drops them by count, without sending them back over the wire. After
-an error that may have left the worker unsure what it holds (a Redis call that
-failed half way), it answers what it has in hand, then gives back whatever is
-left in the list (`requeue_frames_of`): the order holds again.
+A job's frame lies on its upload's shard. In: `ShardedFramePusher.push`, the frame onto the shard within the
+shard's share of the bound, then the control plane's verdict on the job (the same checks as a push in one Redis:
+contract.frames' PUSH_LUA); a frame that may not stand is taken back. Out: `ShardedFrameSource`, a processing list
+per shard; `requeue_sharded_frames_of` gives a dead worker's frames back on every shard that answers.
 """
+
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import redis
 
-from contract.frames import read_job_id
+from contract.frames import (
+    FRAME_JOB_ID_LUA,
+    JOB_OVER,
+    LIST_FULL,
+    PUSH_LUA,
+    PUSHED,
+    FramePusher,
+    RedisFrameSource,
+    read_job_id,
+)
+from contract.jobs.record import PREPROCESSING, QUEUED_GPU, RUNNING, flatten_fields
 from contract.keys import Keys
-from contract.replies import PayloadReader
-from contract.shards import SHARD_ERRORS, BulkPlane
+from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 
-log = logging.getLogger("gpu_worker")
+log = logging.getLogger(__name__)
 
-# Give a worker's unanswered frames back to their models' lists, oldest first in line, and (when
-# ARGV[3] is 1: its worker died holding them) count one more attempt on each job. KEYS[1] the worker's
-# heartbeat (if it lives, nothing is touched; '' when the worker gives back its own), KEYS[2] the worker
-# registry, KEYS[3] the worker's epoch (deleted when reaping: a worker that was only paused finds it gone and
-# writes nothing), then per model its processing list and its frame list; ARGV[1] job key prefix, ARGV[2]
-# worker id. Atomic, so two reapers never both requeue.
-_REQUEUE = """
-if KEYS[1] ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then
-  return -1
+# The frame goes to the job's shard first, kept only within the shard's bound: the push and this step in one
+# MULTI, on the shard. KEYS[1] the frame list; ARGV[1] its bound. Returns 1 kept, 0 dropped again (the list was
+# full).
+_KEEP_WITHIN_BOUND = """
+if redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) then
+  redis.call('LTRIM', KEYS[1], 1, -1)
+  return 0
 end
-if KEYS[1] ~= '' then
-  redis.call('DEL', KEYS[3])
-end
-local function count_attempt(frame)
-  local ok, header = pcall(function()
-    local length = struct.unpack('>I4', string.sub(frame, 5, 8))
-    return cjson.decode(string.sub(frame, 9, 8 + length))
-  end)
-  if ok and type(header) == 'table' and type(header.job_id) == 'string' then
-    local job = ARGV[1] .. header.job_id
-    if redis.call('EXISTS', job) == 1 then
-      redis.call('HINCRBY', job, 'attempts', 1)
-    end
-  end
-end
-local moved = 0
-for k = 4, #KEYS, 2 do
-  while true do
-    local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
-    if not frame then break end
-    moved = moved + 1
-    if ARGV[3] == '1' then
-      count_attempt(frame)
-    end
-  end
-end
-if KEYS[1] ~= '' then
-  redis.call('ZREM', KEYS[2], ARGV[2])
-end
-return moved
+return 1
 """
 
+# ...then this step, on the control plane, says whether the frame may stand: as contract.frames'
+# _KEEP_PUSHED_FRAME's checks, and a job already `running` with this claim is the frame's own (a GPU worker took
+# it before this step ran: the stamps are written, the status and the frame's bytes are left alone, its batch
+# write gives them back). The frame is counted among its model's frames on the shards (Keys.frames_waiting; the
+# batch write that acknowledges it counts it out, and each GPU worker's heartbeat sets the count to what the
+# lists hold). KEYS[1] job hash, KEYS[2] the upload's marker, KEYS[3] waiting bytes, KEYS[4] frames waiting;
+# ARGV[1] the claim, ARGV[2] the frame's length, ARGV[3..] field, value, ... Returns PUSHED or JOB_OVER (the
+# caller takes the frame back).
+_MARK_PUSHED = (
+    PUSH_LUA
+    + f"""
+local status, model, upload_bytes = live_job(KEYS[1], KEYS[2], KEYS[3])
+if not status then return {JOB_OVER} end
+local claim = redis.call('HGET', KEYS[1], 'claim')
+if (claim and claim ~= ARGV[1]) or (status ~= '{PREPROCESSING}' and status ~= '{RUNNING}') then return {JOB_OVER} end
+if status == '{PREPROCESSING}' then
+  if redis.call('EXISTS', KEYS[2]) == 0 then return {JOB_OVER} end
+  redis.call('HSET', KEYS[1], 'status', '{QUEUED_GPU}')
+  if model then redis.call('HINCRBY', KEYS[4], model, 1) end
+  charge_frame(KEYS[3], model, tonumber(ARGV[2]))
+end
+redis.call('HSET', KEYS[1], unpack(ARGV, 3))
+release_upload(KEYS[2], KEYS[3], model, upload_bytes)
+return {PUSHED}
+"""
+)
 
-class FrameSource(Protocol):
-    """What a lane takes frames from and acknowledges them to: RedisFrameSource or ShardedFrameSource."""
-    acked_by_batch_write: bool
 
-    def pop_blocking(self, timeout_s: float) -> memoryview | None: ...
-    def pop_available(self, limit: int) -> list[memoryview]: ...
-    def ack(self, count: int, client: Any = None) -> None: ...
-    def give_back(self, frames: Sequence[memoryview]) -> None: ...
-    def forget(self) -> None: ...
+class ShardedFramePusher(FramePusher):
+    """The CPU workers' end of the frame lists over bulk shards."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, bulk: BulkPlane) -> None:
+        super().__init__(client, keys)
+        self.bulk = bulk
+        self._mark_pushed = client.register_script(_MARK_PUSHED)
+
+    def push(
+        self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any], claim: str = ""
+    ) -> int:
+        """FramePusher.push with bulk shards: the frame onto the job's shard within the shard's bound, then the
+        control plane's verdict (_MARK_PUSHED); a frame that may not stand is taken back. A worker that dies
+        between the two leaves a frame whose job is still `preprocessing`: the task's redelivery pushes
+        another, and the first one answered wins (contract.shards' note). ShardUnavailable when the shard does
+        not answer."""
+        index = self.bulk.index(job_id)
+        shard, frames = self.bulk.clients[index], self.keys.frames(model_key)
+        try:
+            pipe = shard.pipeline(transaction=True)
+            pipe.lpush(frames, frame)
+            # EVAL, not EVALSHA: a script the shard has forgotten would fail inside the transaction after the push.
+            pipe.eval(_KEEP_WITHIN_BOUND, 1, frames, self.bulk.frame_bound(max_frames))
+            kept = int(pipe.execute()[1])
+        except SHARD_ERRORS as exc:
+            self.bulk.mark_down(index)
+            raise ShardUnavailable(index, exc) from exc
+        if not kept:
+            return LIST_FULL
+        stamps = flatten_fields({"updated_at": time.time(), **fields})
+        outcome = int(
+            self._mark_pushed(
+                keys=[
+                    self.keys.job(job_id),
+                    self.keys.upload(job_id),
+                    self.keys.waiting_bytes,
+                    self.keys.frames_waiting,
+                ],
+                args=[claim, len(frame), *stamps],
+            )
+        )
+        if outcome != PUSHED:
+            try:
+                shard.lrem(frames, 1, frame)  # type: ignore[arg-type]  # redis-py's stubs say str; bytes go
+            except redis.RedisError:
+                pass  # a GPU worker that takes it finds its job over (or another frame's) and skips it
+        return outcome
+
+    def has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
+        """The job's shard's list, against its share of the bound."""
+        if not job_id:
+            return super().has_room(model_key, max_frames)
+        return int(self.bulk.client_for(job_id).llen(self.keys.frames(model_key))) < self.bulk.frame_bound(max_frames)
 
 
-def requeue_frames_of(client: redis.Redis, keys: Keys, worker_id: str, model_keys: Sequence[str],
-                      only_if_dead: bool, count_attempt: bool = True) -> int:
-    """Move `worker_id`'s processing lists of these models back to the models' frame lists; -1 if it
-    turned out alive. `count_attempt`: the worker died holding them (a step towards `poison`)."""
-    script = client.register_script(_REQUEUE)
-    heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
-    lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    return int(script(keys=[heartbeat, keys.gpu_workers, keys.gpu_epoch(worker_id), *lists],
-                      args=[keys.job(""), worker_id, "1" if count_attempt else "0"]))
-
-
-class RedisFrameSource:
-    """One model's frame list, and this worker's processing list for it."""
-
-    acked_by_batch_write = True   # the Finisher's one write trims the processing list (ack is for tools)
-
-    def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, model_key: str) -> None:
-        self.redis = client
-        self.frames_key = keys.frames(model_key)
-        self.processing_key = keys.processing(worker_id, model_key)
-        self.reader = PayloadReader(client)   # frames are read straight into one buffer each
-
-    def pop_blocking(self, timeout_s: float) -> memoryview | None:
-        # Oldest frame is at the right (producers LPUSH): FIFO.
-        return self.reader.bulks(("BLMOVE", self.frames_key, self.processing_key, "RIGHT", "LEFT", timeout_s))[0]
-
-    def pop_available(self, limit: int) -> list[memoryview]:
-        """Up to `limit` frames, oldest first, in one round trip. Not a Lua script: a script that
-        returns frames makes Redis copy each one into the script and again into the reply (about
-        4x the server CPU of LMOVE for a 225 KB frame)."""
-        if limit <= 0:
-            return []
-        move = ("LMOVE", self.frames_key, self.processing_key, "RIGHT", "LEFT")
-        return [frame for frame in self.reader.bulks(*[move] * limit) if frame is not None]
-
-    def ack(self, count: int, client: Any = None) -> None:
-        """Drop the `count` oldest frames in hand: the batch just answered (see the module's note)."""
-        if count > 0:
-            (client if client is not None else self.redis).ltrim(self.processing_key, 0, -(count + 1))
-
-    def give_back(self, frames: Sequence[memoryview]) -> None:
-        """The oldest frames in hand (these, in order) back to the front of the list, in one step."""
-        pipe = self.redis.pipeline(transaction=True)
-        pipe.rpush(self.frames_key, *reversed(frames))
-        pipe.ltrim(self.processing_key, 0, -(len(frames) + 1))
-        pipe.execute()
-
-    def forget(self) -> None:
-        """Nothing to forget: what is in hand is in the processing list alone."""
+def frame_pusher(client: redis.Redis, keys: Keys, bulk: BulkPlane | None = None) -> FramePusher:
+    """The CPU workers' end of the frame lists: over `bulk`'s shards when it has any, else in `client`'s Redis."""
+    return ShardedFramePusher(client, keys, bulk) if bulk is not None and bulk.sharded else FramePusher(client, keys)
 
 
 # With bulk shards: a dead worker's frames go back per shard (contract.shards). On each shard this step moves
 # the worker's processing lists back to their frame lists, oldest first in line, and returns the job ids it
 # read from the moved frames' headers (their attempts are counted on the control plane). KEYS per model its
 # processing list and its frame list.
-_REQUEUE_ON_SHARD = """
+_REQUEUE_ON_SHARD = (
+    FRAME_JOB_ID_LUA
+    + """
 local moved = {}
 for k = 1, #KEYS, 2 do
   while true do
     local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
     if not frame then break end
-    local ok, header = pcall(function()
-      local length = struct.unpack('>I4', string.sub(frame, 5, 8))
-      return cjson.decode(string.sub(frame, 9, 8 + length))
-    end)
-    moved[#moved + 1] = (ok and type(header) == 'table' and type(header.job_id) == 'string') and header.job_id or ''
+    moved[#moved + 1] = frame_job_id(frame) or ''
   end
 end
 return moved
 """
+)
 
 # On the control plane, before: KEYS[1] the worker's heartbeat ('' when it gives back its own), KEYS[2] its
 # epoch. -1 if it lives; else 1, its epoch deleted (a paused worker finds it gone and writes nothing more).
@@ -173,8 +170,15 @@ return #KEYS
 """
 
 
-def requeue_sharded_frames_of(client: redis.Redis, bulk: BulkPlane, keys: Keys, worker_id: str,
-                              model_keys: Sequence[str], only_if_dead: bool, count_attempt: bool = True) -> int:
+def requeue_sharded_frames_of(
+    client: redis.Redis,
+    bulk: BulkPlane,
+    keys: Keys,
+    worker_id: str,
+    model_keys: Sequence[str],
+    only_if_dead: bool,
+    count_attempt: bool = True,
+) -> int:
     """requeue_frames_of over bulk shards: fenced on the control plane, moved on each shard, attempts counted.
     A shard that does not answer keeps its part: the worker stays in the registry (when reaping), so the next
     reaper tries again."""
@@ -209,7 +213,7 @@ class ShardedFrameSource:
     fails is skipped for `bulk.retry_s`; before it is used again, once none of its frames is in hand, what is
     left in its processing list goes back (the worker may not know all it took there)."""
 
-    acked_by_batch_write = False   # `ack` trims the shards' lists after the batch write (Finisher)
+    acked_by_batch_write = False  # `ack` trims the shards' lists after the batch write (Finisher)
 
     def __init__(self, bulk: BulkPlane, keys: Keys, worker_id: str, model_key: str) -> None:
         self.bulk = bulk
@@ -218,9 +222,9 @@ class ShardedFrameSource:
         self.model_key = model_key
         self.shards = [RedisFrameSource(shard, keys, worker_id, model_key) for shard in bulk.clients]
         self.lock = threading.Condition()
-        self.in_hand: deque[tuple[int, str]] = deque()   # (shard, job id) per frame handed out, oldest first
-        self.early: list[deque[memoryview]] = [deque() for _ in self.shards]   # a waiter's, not yet handed out
-        self.waiting = [False] * len(self.shards)       # a waiter is blocked on the shard
+        self.in_hand: deque[tuple[int, str]] = deque()  # (shard, job id) per frame handed out, oldest first
+        self.early: list[deque[memoryview]] = [deque() for _ in self.shards]  # a waiter's, not yet handed out
+        self.waiting = [False] * len(self.shards)  # a waiter is blocked on the shard
         # Its processing list is given back before the shard is used: at start (a shard that was down when the
         # worker gave back its previous life's frames still holds them), and after a call there failed.
         self.unsure = [True] * len(self.shards)
@@ -254,8 +258,12 @@ class ShardedFrameSource:
             for index in self._rotation():
                 if not self.waiting[index] and self._usable(index):
                     self.waiting[index] = True
-                    threading.Thread(target=self._wait_on, args=(index, timeout_s), daemon=True,
-                                     name=f"frames-{self.model_key}-{index}").start()
+                    threading.Thread(
+                        target=self._wait_on,
+                        args=(index, timeout_s),
+                        daemon=True,
+                        name=f"frames-{self.model_key}-{index}",
+                    ).start()
             self.lock.wait_for(lambda: any(self.early), timeout_s)
             for index in self._rotation():
                 if self.early[index]:
@@ -324,7 +332,7 @@ class ShardedFrameSource:
                 pipe.delete(*uploads)
             try:
                 pipe.execute()
-            except SHARD_ERRORS as exc:   # answered all the same; the list is given back before its next use
+            except SHARD_ERRORS as exc:  # answered all the same; the list is given back before its next use
                 self._failed(index, exc)
 
     def give_back(self, frames: Sequence[memoryview]) -> None:

@@ -1,0 +1,39 @@
+"""What the API's request handlers use: one `Services` per app, built by `create_app`, and `services()`, the typed
+way to reach it (instead of an untyped look-up in `current_app.extensions`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import cast
+
+import redis
+from flask import Flask, current_app
+
+from app.admission import Admission
+from app.waiters import JobEventListener
+from contract.cache import ResultCache
+from contract.jobs.intake import JobIntake
+from contract.keys import Keys
+from contract.models import Catalogue
+from contract.settings import Settings
+from contract.task_messages import PreprocessMessages
+
+EXTENSION = "imgserve"  # the key in app.extensions
+
+
+@dataclass
+class Services:
+    settings: Settings
+    redis: redis.Redis
+    keys: Keys
+    store: JobIntake
+    catalogue: Catalogue
+    admission: Admission  # routing, the budgets and the result cache's lookup (app.admission)
+    task_messages: PreprocessMessages  # the CPU task of each job, pushed with the job itself
+    listener: JobEventListener
+    cache: ResultCache  # answers for repeated images (contract.cache)
+
+
+def services(app: Flask | None = None) -> Services:
+    """The Services of `app`, by default the one handling this request."""
+    return cast(Services, (current_app if app is None else app).extensions[EXTENSION])

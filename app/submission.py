@@ -1,0 +1,82 @@
+"""A submission's body: read whole within its limits (app.uploads), then the image from the raw body or from the
+form's `image` part, and the form's other fields (app.multipart's parser where it can, else Werkzeug's)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Collection
+
+from flask import Request
+from werkzeug.datastructures import MultiDict
+from werkzeug.exceptions import RequestEntityTooLarge
+
+from app.multipart import MAX_PARTS, TooManyParts, parse_form
+from app.problems import Problem
+from app.uploads import read_whole_body, refuse_unknown_fields
+from contract.settings import ApiSettings
+
+
+def read_submission(
+    request: Request, api: ApiSettings, fields: Collection[str]
+) -> tuple[bytes, str | None, MultiDict[str, str]]:
+    """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
+    the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
+    app.multipart where it can (one slice per part), else by Werkzeug. A part named neither `image` nor
+    one of `fields` is a 400: a misspelt option would otherwise be dropped without a word."""
+    body = read_whole_body(request.environ, api.max_upload_bytes, api.body_timeout_s, api.body_min_rate)
+    request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
+    request.environ.pop("HTTP_TRANSFER_ENCODING", None)
+    request.environ["wsgi.input_terminated"] = False
+    if request.mimetype != "multipart/form-data":
+        return body, request.mimetype, MultiDict()
+    try:
+        form = parse_form(body, request.content_type or "")
+        if form is not None:
+            uploads = [(part.data, part.mimetype) for part in form.files_named("image")]
+            given, part_names = form.fields, [*form.fields.keys(), *(part.name for part in form.files)]
+        else:  # Werkzeug's parser, held to the same count (create_app sets MAX_FORM_PARTS)
+            uploads = [(part.read(), part.mimetype) for part in request.files.getlist("image")]
+            given, part_names = request.form, [*request.form.keys(), *request.files.keys()]
+    except (TooManyParts, RequestEntityTooLarge) as exc:
+        # Werkzeug says 413 for too many parts, and the body was within the size limit: a form of this shape is
+        # no submission, whatever its size (one image and a few options).
+        raise Problem(
+            400,
+            "too-many-parts",
+            "Too many parts",
+            f"the multipart body has more than {MAX_PARTS} parts; a submission is one 'image' part and its options",
+        ) from exc
+    if form is None and not uploads:
+        _refuse_unparsable_multipart(request, body)
+    refuse_unknown_fields(part_names, known={"image", *fields})
+    if not uploads:
+        raise Problem(
+            400, "missing-image", "Missing image", "multipart/form-data submissions need a file field named 'image'"
+        )
+    if len(uploads) > 1:
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"send one file field named 'image', not {len(uploads)}",
+            invalid_params=[{"name": "image", "reason": "given more than once"}],
+        )
+    return uploads[0][0], uploads[0][1], given
+
+
+def _refuse_unparsable_multipart(request: Request, body: bytes) -> None:
+    """Werkzeug drops a multipart body it cannot parse without a word; say why instead of "missing"."""
+    from werkzeug.formparser import parse_form_data
+
+    environ = {**request.environ, "wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))}
+    try:
+        parse_form_data(environ, silent=False)
+    except Exception as exc:
+        reason = "a part's headers are not UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)[:200]
+        raise Problem(
+            400,
+            "malformed-body",
+            "Malformed body",
+            f"the multipart body cannot be parsed: {reason}",
+            invalid_params=[{"name": "image", "reason": reason}],
+        ) from exc

@@ -1,0 +1,133 @@
+"""The commands that load a stack while something goes wrong: workers and Redis killed, a Redis failover, an attack
+(hostile images, slow callback receivers, a docs flood, metrics' labels), and what a normal tenant saw."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from bench.commands.common import log_line, stack_options, write_files
+from bench.corpus import load_corpus
+from bench.processes import REPO_ROOT
+
+
+def add_commands(
+    sub: Any, common: argparse.ArgumentParser, local: argparse.ArgumentParser
+) -> dict[str, Callable[[argparse.Namespace], int]]:
+    chaos = sub.add_parser("chaos", parents=[common, local], help="load while killing workers and Redis")
+    chaos.add_argument("--qps", type=float, default=8.0)
+    chaos.add_argument("--duration", type=float, default=60.0)
+    chaos.add_argument(
+        "--scenario",
+        choices=("kills", "failover"),
+        default="kills",
+        help="kills: workers and Redis killed and restarted; failover: make run's stack behind "
+        "Sentinel (REDIS=sentinel), the primary SIGKILLed, back later as a replica",
+    )
+    chaos.add_argument("--kill-at", type=float, default=10.0, help="failover: seconds into the load")
+    chaos.add_argument(
+        "--back-after",
+        type=float,
+        default=10.0,
+        help="failover: seconds from the kill until the killed server starts again",
+    )
+    hostile = sub.add_parser(
+        "hostile", parents=[common, local], help="an attack on a local stack, and what a normal tenant saw meanwhile"
+    )
+    hostile.add_argument(
+        "--attack",
+        choices=("images", "slow-callbacks", "docs-flood", "metrics"),
+        default="images",
+        help="images: issue 40's hostile image files (the normal tenant's queue_cpu); slow-callbacks: "
+        "one tenant's tarpit receivers (another's callbacks); docs-flood; metrics",
+    )
+    hostile.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="how long the attack lasts (s); default 30 "
+        "for images, 60 otherwise; docs-flood: half "
+        "alone, half with the flood",
+    )
+    hostile.add_argument("--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs")
+    hostile.add_argument(
+        "--interval", type=float, default=2.0, help="slow-callbacks: the tarpit's seconds between two bytes"
+    )
+    hostile.add_argument(
+        "--root",
+        type=Path,
+        help="run the stack from this checkout (e.g. the figures before a change); default: this one",
+    )
+    hostile.add_argument("--qps", type=float, default=4.0, help="images: the normal tenant's steady rate")
+    hostile.add_argument("--quiet", type=float, default=15.0, help="images: seconds of the normal tenant alone first")
+    hostile.add_argument("--copies", type=int, default=3, help="images: how many of each hostile file, sent at once")
+    hostile.add_argument("--base", help="images: a git ref attacked first, the same way (checked out under .bench/ab/)")
+    return {"chaos": cmd_chaos, "hostile": cmd_hostile}
+
+
+def cmd_chaos(args: argparse.Namespace) -> int:
+    images = load_corpus(args.corpus, count=args.images)
+    if args.scenario == "failover":
+        from bench.failover import format_failover, run_failover
+
+        tally = run_failover(
+            stack_options(args, cpu_workers=args.cpu_workers),
+            images,
+            args.qps,
+            args.duration,
+            args.kill_at,
+            args.back_after,
+            log=log_line,
+        )
+        print(format_failover(tally))
+        return 0 if tally["lost"] == 0 and tally["restarted"] == 0 else 1
+    from bench.chaos import format_tally, run_chaos
+
+    tally = run_chaos(stack_options(args), images, args.qps, args.duration, log=log_line)
+    print(format_tally(tally))
+    return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
+
+
+def cmd_hostile(args: argparse.Namespace) -> int:
+    images = load_corpus(args.corpus, count=args.images)
+    if args.attack == "images":
+        return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
+    from bench.hostile import ATTACKS
+
+    attack, describe_outcome = ATTACKS[args.attack]
+    options = stack_options(args, **({"root": args.root.resolve()} if args.root else {}))
+    outcome = attack(
+        options,
+        images,
+        attackers=args.attackers,
+        duration_s=args.duration if args.duration is not None else 60.0,
+        interval_s=args.interval,
+        log=log_line,
+    )
+    print(describe_outcome(outcome))
+    print(json.dumps(outcome))
+    return 0
+
+
+def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: float) -> int:
+    """Issue 40's hostile image files against each side's stack, and what the normal tenant saw."""
+    from bench.ab import worktree
+    from bench.hostile_images import markdown as hostile_markdown
+    from bench.hostile_images import run_hostile
+
+    # make run's CPU pool (three children) unless told otherwise: the probe's stack.
+    options = stack_options(args, cpu_workers=args.cpu_workers or 3)
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    texts, outcomes = [], {}
+    for side, root in sides.items():
+        outcomes[side] = run_hostile(
+            replace(options, root=root), images, args.qps, args.quiet, duration_s, args.copies, log=log_line
+        )
+        texts.append(hostile_markdown(side, outcomes[side]))
+    text = "\n\n".join(texts)
+    print(text + f"\n\nFiles: {write_files(args.out, 'hostile', text, outcomes)}")
+    return 0

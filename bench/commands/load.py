@@ -1,0 +1,244 @@
+"""The load commands: a deployment, or stacks started here, under load, and the report of where the time went."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.commands.common import (
+    log_line,
+    parse_list,
+    print_report,
+    stack_options,
+    write_files,
+)
+from bench.corpus import load_corpus
+from bench.processes import REPO_ROOT
+from bench.runs import CpuScope, hit_cost, measure, meets_sla
+from bench.stack import BaselineServer, LocalStack, ProcfileStack
+
+
+def add_commands(
+    sub: Any, common: argparse.ArgumentParser, local: argparse.ArgumentParser
+) -> dict[str, Callable[[argparse.Namespace], int]]:
+    run = sub.add_parser("run", parents=[common, local], help="load a running deployment, or make run's stack")
+    run.add_argument("--url", default="http://localhost:8000")
+    run.add_argument(
+        "--stack",
+        choices=("local",),
+        help="local: start make run's processes (the Procfile under tools.procfile, Flower included) "
+        "on a private Redis, and load them",
+    )
+    run.add_argument("--name", default="service")
+    run.add_argument(
+        "--model", help="submit to this model (name, or name:version pinned); default: the deployment's default model"
+    )
+    run.add_argument(
+        "--redis-port",
+        type=int,
+        default=6379,
+        help="the deployment's Redis port, for CPU per image by role (0: leave CPU out)",
+    )
+    run.add_argument(
+        "--shard-ports",
+        default="",
+        help="its bulk shards' Redis ports on this machine, comma-separated: each one's CPU per image",
+    )
+    ab = sub.add_parser("ab", parents=[common, local], help="two builds of make run's stack, runs alternating")
+    ab.add_argument("--base", required=True, help="the git ref measured as A (checked out under .bench/ab/)")
+    ab.add_argument("--head", help="the checkout measured as B (default: this one)")
+    ab.add_argument("--rounds", type=int, default=3, help="runs of each side")
+    ab.add_argument(
+        "--base-sentinel",
+        action="store_true",
+        help="side A behind Sentinel (a primary, two replicas, three Sentinels; 202s wait for a replica)",
+    )
+    ab.add_argument("--head-sentinel", action="store_true", help="side B behind Sentinel")
+    ab.add_argument(
+        "--base-set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a setting of A's own (repeatable), e.g. cache.enabled=false with --base HEAD",
+    )
+    ab.add_argument(
+        "--head-set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="a setting of B's own (repeatable)"
+    )
+    sub.add_parser("compare", parents=[common, local], help="baseline vs pipeline, started here")
+    ceiling = sub.add_parser("ceiling", parents=[common, local], help="highest rate within the SLA")
+    ceiling.add_argument("--qps", type=parse_list(float), default=[24.0, 26.0, 28.0, 30.0])
+    ceiling.add_argument("--sla-ms", type=float, default=800.0)
+    diagnose_parser = sub.add_parser("diagnose", parents=[common], help="the story's checklist against a deployment")
+    diagnose_parser.add_argument("--url", default="http://localhost:8000")
+    tune_parser = sub.add_parser("tune", parents=[common, local], help="sweep workers x batch x window at a load")
+    tune_parser.add_argument("--qps", type=float, default=18.0)
+    tune_parser.add_argument("--sla-ms", type=float, default=800.0)
+    tune_parser.add_argument("--workers", type=parse_list(int), default=[1, 2])
+    tune_parser.add_argument("--batches", type=parse_list(int), default=[4, 8, 16])
+    tune_parser.add_argument("--windows", type=parse_list(float), default=[6.0, 12.0, 24.0])
+    tune_parser.add_argument("--write", type=Path, default=Path(".bench") / "tuned.yaml")
+    return {
+        "run": cmd_run,
+        "ab": cmd_ab,
+        "compare": cmd_compare,
+        "ceiling": cmd_ceiling,
+        "diagnose": cmd_diagnose,
+        "tune": cmd_tune,
+    }
+
+
+def run_suite(
+    name: str,
+    url: str,
+    images: list[bytes],
+    args: argparse.Namespace,
+    open_loop: bool = True,
+    scope: CpuScope | None = CpuScope(),
+) -> list[dict[str, Any]]:
+    model = getattr(args, "model", None)
+    upload = getattr(args, "upload", "raw")
+    shares = getattr(args, "repeat_share", None) or [0.0]
+    calls = getattr(args, "calls", None) or ["two"]
+    results = [
+        measure(
+            name,
+            url,
+            images,
+            "closed",
+            c,
+            args.closed_duration,
+            scope=scope,
+            model=model,
+            upload=upload,
+            repeat_share=share,
+            one_call=call == "one",
+        )
+        for c in args.closed
+        for share in shares
+        for call in calls
+    ]
+    for result in results:  # each share's hit cost, against the same load without repeats
+        plain = next(
+            (
+                r
+                for r in results
+                if r["concurrency"] == result["concurrency"] and not r["repeat_share"] and r["calls"] == result["calls"]
+            ),
+            None,
+        )
+        if result["repeat_share"] and plain is not None:
+            result["cache_hit_cost"] = hit_cost(plain, result)
+            print(f"  repeats {result['repeat_share']:.0%}: {result['cache_hit_cost']}", file=sys.stderr)
+    if open_loop:
+        results += [
+            measure(name, url, images, "open", q, args.open_duration, scope=scope, model=model, upload=upload)
+            for q in args.open_qps
+        ]
+    return results
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    images = load_corpus(args.corpus, count=args.images)
+    if args.stack == "local":  # make run's own processes, started here on a private Redis
+        # Without --cpu-workers, the pool make run starts (the Procfile's default), not the bench's.
+        options = stack_options(args, cpu_workers=args.cpu_workers)
+        stack = ProcfileStack(Path(tempfile.mkdtemp(prefix="bench-")), options).start()
+        try:
+            results = run_suite(args.name, stack.url, images, args, scope=stack.cpu_scope())
+        finally:
+            stack.stop()
+        return print_report(
+            {"results": results, "title": f"bench of make run's stack ({stack.options.describe()})"}, args.out
+        )
+    shard_ports = tuple(int(port) for port in args.shard_ports.split(",") if port)
+    scope = CpuScope(args.redis_port, shard_ports=shard_ports) if args.redis_port else None
+    results = run_suite(args.name, args.url, images, args, scope=scope)
+    return print_report({"results": results, "title": f"bench of {args.url}"}, args.out)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    images = load_corpus(args.corpus, count=args.images)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-"))
+    results = []
+    baseline = BaselineServer(workdir / "baseline", args.device).start()
+    try:
+        results += run_suite("baseline", baseline.url, images, args, open_loop=False, scope=baseline.cpu_scope())
+    finally:
+        baseline.stop()
+    stack = LocalStack(workdir / "pipeline", stack_options(args)).start()
+    try:
+        results += run_suite("pipeline", stack.url, images, args, scope=stack.cpu_scope())
+    finally:
+        stack.stop()
+    return print_report({"results": results, "title": f"baseline vs pipeline ({stack.options.describe()})"}, args.out)
+
+
+def cmd_ceiling(args: argparse.Namespace) -> int:
+    """Open-loop rates in turn; the highest one still served within the SLA."""
+    images = load_corpus(args.corpus, count=args.images)
+    stack = LocalStack(Path(tempfile.mkdtemp(prefix="bench-")), stack_options(args)).start()
+    try:
+        results = [
+            measure("pipeline", stack.url, images, "open", q, args.open_duration, scope=stack.cpu_scope())
+            for q in args.qps
+        ]
+    finally:
+        stack.stop()
+    served = [r for r in results if meets_sla(r, args.sla_ms)]
+    ceiling = max((r["offered_qps"] for r in served), default=None)
+    summary = (
+        f"highest offered rate served at p95 <= {args.sla_ms:g} ms: {ceiling if ceiling is not None else 'none'} QPS"
+    )
+    title = f"ceiling at p95 <= {args.sla_ms:g} ms ({stack.options.describe()})"
+    return print_report({"results": results, "title": title, "ceiling_qps": ceiling, "summary": summary}, args.out)
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from bench.tune import tune
+
+    return print_report(tune(args, load_corpus(args.corpus, count=args.images)), args.out)
+
+
+def cmd_diagnose(args: argparse.Namespace) -> int:
+    from bench.diagnose import diagnose
+
+    print(diagnose(args.url, load_corpus(args.corpus, count=args.images)))
+    return 0
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from bench.ab import markdown as ab_markdown
+    from bench.ab import run_ab, setting_overlay, worktree
+
+    images = load_corpus(args.corpus, count=args.images)
+    a_name = " ".join([f"A {args.base}", *args.base_set, *(["(Sentinel)"] if args.base_sentinel else [])])
+    b_name = " ".join(
+        ["B " + (args.head or "this checkout"), *args.head_set, *(["(Sentinel)"] if args.head_sentinel else [])]
+    )
+    sides = {a_name: worktree(args.base), b_name: Path(args.head).resolve() if args.head else REPO_ROOT}
+    options = stack_options(args, cpu_workers=args.cpu_workers)
+    concurrency, duration = args.closed[0], args.closed_duration
+    settings = {a_name: setting_overlay(args.base_set), b_name: setting_overlay(args.head_set)}
+    outcome = run_ab(
+        sides,
+        options,
+        images,
+        concurrency,
+        duration,
+        args.rounds,
+        upload=args.upload,
+        log=log_line,
+        settings=settings,
+        sentinel=frozenset(name for name, on in ((a_name, args.base_sentinel), (b_name, args.head_sentinel)) if on),
+        one_call=args.calls == ["one"],
+    )
+    text = ab_markdown(outcome, sides, options, concurrency, duration)
+    written = write_files(
+        args.out, "ab", text, {"sides": {k: str(v) for k, v in sides.items()}, "base": args.base, **outcome}
+    )
+    print(text + f"\n\nFiles: {written}")
+    return 0

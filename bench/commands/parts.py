@@ -1,0 +1,137 @@
+"""The commands that measure one part alone: the GPU worker fed in advance, the device profile's latency floor,
+post-processing's worst cases, and instructions per API request or CPU task under valgrind."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.commands.common import log_line, parse_list, parse_option, write_files
+from bench.corpus import load_corpus
+from bench.processes import REPO_ROOT
+
+
+def add_commands(
+    sub: Any, common: argparse.ArgumentParser, local: argparse.ArgumentParser
+) -> dict[str, Callable[[argparse.Namespace], int]]:
+    bound = sub.add_parser("bound", help="the latency floor the device profile alone allows")
+    bound.add_argument("--qps", type=parse_list(float), default=[10.0, 18.0, 26.0, 28.0, 30.0])
+    bound.add_argument("--window-ms", type=float, default=12.0)
+    bound.add_argument("--max-batch", type=int, default=8)
+    nms = sub.add_parser("nms", help="post-processing's worst cases per batch (conf=0), on this machine's CPU")
+    nms.add_argument("--batch", type=int, default=8)
+    nms.add_argument("--max-candidates", type=int, default=1000)
+    nms.add_argument("--max-det", type=parse_list(int), default=[100, 1000])
+    instructions = sub.add_parser(
+        "instructions",
+        help="instructions per API request pair or CPU task (valgrind): "
+        "a figure this shared machine's drift does not move",
+    )
+    instructions.add_argument(
+        "--role",
+        type=parse_list(str),
+        default=["api", "cpu-task"],
+        help="api (a submit and its long-poll), cpu-task (one preprocess task)",
+    )
+    instructions.add_argument("--base", help="a git ref counted too, beside this checkout")
+    feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
+    feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
+    feed.add_argument(
+        "--profile",
+        type=parse_list(str),
+        default=["fast"],
+        help="sim latency profiles, each fast, story or 1:2,8:6,16:10 (ms per batch size)",
+    )
+    feed.add_argument("--frames", type=int, default=1600, help="frames pushed in advance")
+    feed.add_argument("--input-size", type=parse_list(int), default=[320], help="model input sizes, e.g. 320,640")
+    feed.add_argument(
+        "--source",
+        choices=("jpeg", "synthetic"),
+        default="jpeg",
+        help="jpeg: the real CPU stage on generated JPEGs; synthetic: random content",
+    )
+    feed.add_argument("--image-size", default="640x480", help="WxH of the images the frames come from")
+    feed.add_argument("--max-batch", type=int, default=8)
+    feed.add_argument("--window-ms", type=float, default=12.0)
+    feed.add_argument("--model", type=Path, help="the model spec file (default: shapes-yolo)")
+    feed.add_argument(
+        "--model-option",
+        type=parse_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a spec field over the file's, e.g. accelerate=cuda_graphs or precision=fp16 (repeatable)",
+    )
+    feed.add_argument("--no-redis-check", action="store_true", help="skip measuring Redis's own drain rate")
+    feed.add_argument("--py-spy", type=Path, help="profile the worker with py-spy into this file (collapsed stacks)")
+    feed.add_argument("--out", type=Path, default=Path(".bench") / "results")
+    return {"bound": cmd_bound, "nms": cmd_nms, "instructions": cmd_instructions, "feed": cmd_feed}
+
+
+def cmd_bound(args: argparse.Namespace) -> int:
+    from bench.bound import describe
+    from contract.config import load_settings
+
+    print(describe(load_settings().gpu_worker.sim_latency_ms, args.qps, args.window_ms, args.max_batch))
+    return 0
+
+
+def cmd_nms(args: argparse.Namespace) -> int:
+    from bench.nms import describe as describe_nms
+
+    print("\n\n".join(describe_nms(args.batch, args.max_candidates, max_det) for max_det in args.max_det))
+    return 0
+
+
+def cmd_feed(args: argparse.Namespace) -> int:
+    from bench.feed import FeedOptions, markdown, run_feed
+
+    width, height = (int(v) for v in args.image_size.lower().split("x"))
+    profiles = args.profile if args.device == "sim" else args.profile[:1]
+    results = []
+    for size in args.input_size:
+        for profile in profiles:
+            options = FeedOptions(
+                device=args.device,
+                profile=profile,
+                frames=args.frames,
+                input_size=size,
+                source=args.source,
+                image_size=(width, height),
+                max_batch=args.max_batch,
+                window_ms=args.window_ms,
+                redis_check=not args.no_redis_check,
+                py_spy=args.py_spy,
+                model_options=dict(args.model_option),
+                **({"model": args.model.resolve()} if args.model else {}),
+            )
+            results.append(run_feed(options, log=log_line))
+            print(
+                f"  {args.device} {profile} {size}: {results[-1]['frames_per_s']:.0f} frames/s, "
+                f"{results[-1]['share_of_limit']:.0%} of the limit",
+                file=sys.stderr,
+            )
+    text = markdown(results)
+    print(text + f"\n\nFiles: {write_files(args.out, 'feed', text, {'title': 'bench feed', 'results': results})}")
+    return 0
+
+
+def cmd_instructions(args: argparse.Namespace) -> int:
+    from bench import instructions
+    from bench.ab import worktree
+
+    unknown = [role for role in args.role if role not in instructions.ROLES]
+    if unknown:
+        raise SystemExit(f"--role {','.join(unknown)}: expected some of {', '.join(instructions.ROLES)}")
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    images = load_corpus(None, count=4)
+    counted: dict[str, list] = {}
+    for role in args.role:
+        for side, root in sides.items():
+            counted.setdefault(side, []).append(instructions.count(role, root, images))
+            print(f"  {side} {role}: {counted[side][-1].per_unit / 1e6:.2f} M instructions", file=sys.stderr)
+    print(instructions.markdown(counted))
+    return 0

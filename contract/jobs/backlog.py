@@ -1,0 +1,41 @@
+"""The backlog: per model, the jobs waiting for a CPU worker and the frames waiting for a GPU worker.
+
+Read by the API's admission (a refusal's Retry-After), its health and stats pages; the admission's own count
+is in Lua (contract.budget's admit), from the same lists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import redis
+
+from contract.keys import Keys
+
+
+def queue_depths(
+    client: redis.Redis, keys: Keys, model_keys: Sequence[str], tenants: Sequence[str] = ("",)
+) -> dict[str, dict[str, int]]:
+    """Per model (name:version): jobs waiting for a CPU worker (its Celery lists, one per tenant: see
+    Keys.preprocess_queue) and frames waiting for a GPU worker, in one round trip."""
+    pipe = client.pipeline(transaction=False)
+    for model_key in model_keys:
+        for queue in keys.preprocess_queues(model_key, tenants):
+            pipe.llen(keys.celery_queue(queue))
+        pipe.llen(keys.frames(model_key))
+        pipe.hget(keys.frames_waiting, model_key)  # with bulk shards: their lists' count (contract.shards)
+    replies = iter(pipe.execute())
+    depths = {}
+    for model_key in model_keys:
+        preprocess = sum(int(next(replies)) for _ in tenants)
+        frames = int(next(replies)) + int(next(replies) or 0)
+        depths[model_key] = {"preprocess": preprocess, "frames": frames}
+    return depths
+
+
+def total_depths(depths: Mapping[str, Mapping[str, int]]) -> dict[str, int]:
+    """queue_depths summed over the models."""
+    return {
+        "preprocess": sum(d["preprocess"] for d in depths.values()),
+        "frames": sum(d["frames"] for d in depths.values()),
+    }

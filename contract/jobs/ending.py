@@ -1,0 +1,224 @@
+"""How jobs end, whoever ends them: the GPU worker's answer, a failure, a cancellation, an expiry.
+
+One Lua function, FINISH_JOBS_LUA's `finish_jobs`, ends jobs in every process: the first terminal state wins; the
+upload and the deadline entry go, the bytes are released (contract.budget), a callback enters the outbox,
+`job_events` is published, and a job that succeeded in time with a `cache_key` leaves its result in the result
+cache (contract.cache). Scripts that end jobs among other work (the GPU worker's batch write, the API's cache
+hit: contract.jobs.intake) start with it; `JobEnding` runs it alone (`finish_many`), ends the overdue ones
+(`expire_overdue`, the sweeper of every CPU worker and API process) and queues an ended job's callback again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
+
+import redis
+
+from contract.budget import RELEASE_LUA
+from contract.cache import REMEMBER_LUA, CacheLimits
+from contract.jobs.record import EXPIRED, FAILED, TERMINAL, TERMINAL_LUA, JobStatus, JobStore, flatten_fields
+from contract.keys import UPLOAD_SUFFIX, Keys
+from contract.shards import BulkPlane
+from contract.timebill import FINISHED_AT
+
+# A callback queued: what the step that ends a job (or a redelivery) writes as its state.
+PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
+
+# What a job answered after its deadline carries instead of its result (the answer came too late to stand).
+LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
+
+FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: scripts find theirs after them
+
+# A Lua function that ends each live job whose hash is in KEYS[first_key..], with its arguments from
+# ARGV[at..]: per job its id, the count of field and value arguments, the fields and values (the
+# first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
+# that ends it: once per terminal state, whoever ends it. An answer written after the job's deadline
+# does not stand: the job ends `expired` instead (its result is dropped; a long-poll was told at the
+# deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step, and a job that
+# succeeded with a `cache_key` leaves its result in the result cache (contract.cache). Returns how many jobs it
+# ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
+FINISH_JOBS_LUA = (
+    TERMINAL_LUA
+    + RELEASE_LUA
+    + REMEMBER_LUA
+    + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
+local PENDING_CALLBACK = '{PENDING_CALLBACK}'
+local LATE_ERROR = '{LATE_ERROR}'
+local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
+"""
+    + """
+local function late_as_expired(key, fields)
+  local status, finished, result
+  for i = 1, #fields, 2 do
+    if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
+    elseif fields[i] == 'result' then result = i end
+  end
+  local deadline = tonumber(redis.call('HGET', key, 'deadline_at'))
+  if not status or fields[status + 1] ~= SUCCEEDED or not deadline or not finished
+      or tonumber(fields[finished + 1]) <= deadline then
+    return fields
+  end
+  local kept = {}
+  for i = 1, #fields, 2 do
+    if i ~= result then
+      kept[#kept + 1] = fields[i]
+      kept[#kept + 1] = (i == status) and EXPIRED or fields[i + 1]
+    end
+  end
+  kept[#kept + 1] = 'error'
+  kept[#kept + 1] = LATE_ERROR
+  return kept
+end
+
+-- The names finish_jobs needs, from the FINISH_NAMES arguments at ARGV[i..] (JobEnding.finish_names).
+local function finish_names(outbox, i)
+  return {outbox = outbox, ttl = tonumber(ARGV[i]), channel = ARGV[i + 1], deadlines = ARGV[i + 2],
+          waiting = ARGV[i + 3], cache = cache_names(i + 4)}
+end
+
+local function finish_jobs(names, first_key, at)
+  local ended = 0
+  for k = first_key, #KEYS do
+    local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
+    local status = redis.call('HGET', key, 'status')
+    if status and not TERMINAL[status] then
+      redis.call('HSET', key, unpack(late_as_expired(key, {unpack(ARGV, at + 2, at + 1 + count)})))
+      redis.call('EXPIRE', key, names.ttl)
+      remember(names.cache, key, SUCCEEDED)
+      if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
+        release_waiting(names.waiting, redis.call('HGET', key, 'model'), redis.call('HGET', key, 'bytes'))
+      end
+      redis.call('ZREM', names.deadlines, job_id)
+      if redis.call('HEXISTS', key, 'callback_url') == 1 then
+        redis.call('HSET', key, 'callback', PENDING_CALLBACK)
+        redis.call('RPUSH', names.outbox, job_id)
+        redis.call('PUBLISH', names.outbox, job_id)   -- wakes the callback relays (a channel of the same name)
+      end
+      redis.call('PUBLISH', names.channel, job_id)
+      ended = ended + 1
+    end
+    at = at + 2 + count
+  end
+  return ended
+end
+"""
+)
+
+# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..FINISH_NAMES] JobEnding.finish_names(), then the jobs'.
+_FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {FINISH_NAMES + 1})\n"
+
+# A job's callback queued again from its first attempt. KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the
+# scheduled set, KEYS[4] the dead set; ARGV[1] the job id. 1 queued, 0 not (no such job, not ended, no callback).
+_REDELIVER_CALLBACK = (
+    TERMINAL_LUA
+    + f"""
+local status = redis.call('HGET', KEYS[1], 'status')
+if not status or not TERMINAL[status] or redis.call('HEXISTS', KEYS[1], 'callback_url') == 0 then return 0 end
+redis.call('HSET', KEYS[1], 'callback', '{PENDING_CALLBACK}')
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('PUBLISH', KEYS[2], ARGV[1])
+return 1
+"""
+)
+
+
+class JobEnding(JobStore):
+    """The job records, and the steps that end jobs."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        ttl_s: int,
+        bulk: BulkPlane | None = None,
+        cache: CacheLimits | None = None,
+    ) -> None:
+        """`cache`: where jobs this ends `succeeded` leave their results (the GPU worker's); None: nowhere."""
+        super().__init__(client, keys, ttl_s, bulk)
+        self.cache = cache or CacheLimits(keys.cache_prefix)
+        self._finish = client.register_script(_FINISH)
+        self._redeliver = client.register_script(_REDELIVER_CALLBACK)
+
+    def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None, client: Any = None) -> bool:
+        """End a job once; the first terminal state wins and wakes its long-polls."""
+        return bool(self.finish_many([(job_id, status, fields or {})], client))
+
+    def finish_many(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]], client: Any = None) -> Any:
+        """End each (job id, terminal status, fields) that is still live, in one step: how many it
+        ended (in a pipeline, with the pipeline's replies)."""
+        job_keys, job_args = self.finish_arguments(outcomes)
+        return self._finish(
+            keys=[self.keys.callback_outbox, *job_keys],
+            args=[*self.finish_names(), *job_args],
+            client=client or self.redis,
+        )
+
+    def finish_names(self) -> list[Any]:
+        """What FINISH_JOBS_LUA's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
+        channel, the deadline index, the waiting-bytes hash and the result cache's names."""
+        names = [
+            self.ttl_s,
+            self.keys.job_events,
+            self.keys.deadlines,
+            self.keys.waiting_bytes,
+            *self.cache.finish_names(),
+        ]
+        assert len(names) == FINISH_NAMES
+        return names
+
+    def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
+        """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""
+        now = time.time()
+        keys: list[str] = []
+        args: list[Any] = []
+        for job_id, status, fields in outcomes:
+            assert status in TERMINAL, status
+            flat = flatten_fields({"status": status, "updated_at": now, FINISHED_AT: now, **fields})
+            keys.append(self.keys.job(job_id))
+            args += [job_id, len(flat), *flat]
+        return keys, args
+
+    def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
+        return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)
+
+    def expire(self, job_id: str, where: str) -> bool:
+        """The job's deadline passed `where` (e.g. "before preprocessing"): it ends `expired`."""
+        return self.finish(job_id, EXPIRED, expired_fields(where))
+
+    def expire_overdue(self, now: float, limit: int = 500) -> int:
+        """End `expired` the live jobs whose deadline passed (the deadline index says which, oldest first, at
+        most `limit` a call); how many it ended. Every CPU worker calls it every `celery.sweep_s`: a job
+        ends within about that of its deadline whether anyone reads it or not."""
+        overdue = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, "-inf", now, start=0, num=limit))
+        if not overdue:
+            return 0
+        ids = [job_id.decode() for job_id in overdue]
+        ended = int(
+            self.finish_many([(job_id, EXPIRED, expired_fields("before an answer was written")) for job_id in ids])
+        )
+        self.redis.zrem(self.keys.deadlines, *ids)  # those that had ended otherwise, or whose record expired
+        return ended
+
+    def redeliver_callback(self, job_id: str) -> bool:
+        """Queue an ended job's callback again from its first attempt (a dead letter, or a delivery the receiver
+        lost); False when the job does not exist, has not ended or has no callback."""
+        return bool(
+            self._redeliver(
+                keys=[
+                    self.keys.job(job_id),
+                    self.keys.callback_outbox,
+                    self.keys.callback_scheduled,
+                    self.keys.callback_dead,
+                ],
+                args=[job_id],
+            )
+        )
+
+
+def expired_fields(where: str) -> dict[str, Any]:
+    """What an expired job carries: one error code, `deadline`, and where the deadline passed."""
+    return {"error": {"code": "deadline", "message": f"expired {where}"}}

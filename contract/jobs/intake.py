@@ -1,0 +1,270 @@
+"""The API's intake: a new job stored with its upload and its Celery task, or answered from the result cache.
+
+`create` writes the upload first (a claim check; on a bulk shard when there are shards), then the record, the
+deadline entry and the task in one transaction: no job without its task or task without its job. With replicas
+to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.connection); too few in
+time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result cache's lookup and, on a miss,
+the admission (contract.budget's admit), in one round trip; on a hit the job is stored ended already. The API's
+admission (app.admission) decides what to do with either answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import redis
+
+from contract import budget
+from contract.cache import CacheLimits
+from contract.connection import NotReplicated, execute_and_wait
+from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES, JobEnding
+from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
+from contract.keys import Keys
+from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
+
+log = logging.getLogger(__name__)
+
+# A result-cache lookup (contract.cache) and, on a miss, the job's admission (contract.budget's admit), in one
+# round trip. On a hit: the entry's TTL and last use renewed, the hit counted, the record written with the cached
+# document as its result, then ended `succeeded` as any job is (finish_jobs: long-polls woken, callback queued);
+# no admission (a hit adds nothing to wait). On a miss: the miss counted, then admit(). KEYS[1] callback outbox,
+# KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5..4+M] admit()'s keys, KEYS[5+M] the job
+# hash; ARGV[1..FINISH_NAMES] finish_names(), then the digest, now, the cache TTL, the model, M, admit()'s
+# ADMISSION_ARGS arguments, the count of record field and value arguments, the record's, and the job's end
+# (finish_arguments). Returns {'hit', status, document} on a hit (status `expired` when the hit came after the
+# job's deadline: finish_jobs ends it so, and the result is not stored, as for any late answer), admit()'s
+# verdict on a miss.
+_ANSWER_OR_ADMIT = (
+    FINISH_JOBS_LUA
+    + budget.ADMIT_LUA
+    + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n"
+    + """
+local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
+local admission_keys = tonumber(ARGV[N + 5])
+local job = 5 + admission_keys
+local document = redis.call('GET', KEYS[2])
+if not document then
+  redis.call('HINCRBY', KEYS[4], model .. ':misses', 1)
+  return admit(5, job - 1, N + 6)
+end
+redis.call('EXPIRE', KEYS[2], ttl)
+redis.call('ZADD', KEYS[3], 'XX', now, digest)
+redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
+local names = finish_names(KEYS[1], 1)
+local at = N + 6 + A
+local count = tonumber(ARGV[at])
+redis.call('HSET', KEYS[job], unpack(ARGV, at + 1, at + count))
+redis.call('EXPIRE', KEYS[job], names.ttl)
+finish_jobs(names, job, at + 1 + count)
+local status = redis.call('HGET', KEYS[job], 'status')
+if status == SUCCEEDED then   -- in time: the cached answer is its result
+  redis.call('HSET', KEYS[job], 'result', document)
+end                           -- else answered after its deadline: expired as any late answer, without it
+return {'hit', status, document}
+"""
+)
+
+LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
+
+
+class Replication(NamedTuple):
+    """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
+    (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+
+
+NO_REPLICATION = Replication()
+
+
+class CacheHit(NamedTuple):
+    """A submission the result cache answered (JobIntake.answer_or_admit): how its job ended, and the cached
+    result document (JSON text), which the job holds only if it ended `succeeded`."""
+
+    status: str
+    document: str
+
+
+class JobIntake(JobEnding):
+    """The API's side of the job records: new jobs in, and the ones it ends (a withdrawal, a cache hit)."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        ttl_s: int,
+        uploads: redis.Redis | None = None,
+        bulk: BulkPlane | None = None,
+        cache: CacheLimits | None = None,
+        replication: Replication = NO_REPLICATION,
+    ) -> None:
+        """`uploads`: the client uploads are written with (a few connections, see `_write_upload`).
+        `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns."""
+        super().__init__(client, keys, ttl_s, bulk, cache)
+        self.uploads = uploads or client
+        self.replication = replication
+        self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
+
+    def create(
+        self,
+        job_id: str,
+        upload: bytes,
+        upload_ttl_s: int,
+        fields: Mapping[str, Any],
+        task: tuple[str, bytes] | None = None,
+        reserved: int = 0,
+    ) -> None:
+        """Store the upload (claim check), then the record and `task` (a queue's list key, the message for it)
+        in one transaction: no job without its task or task without its job.
+        `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
+        record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **encode_fields(fields)}
+        upload_key = self.keys.upload(job_id)
+        pipe = self.redis.pipeline(transaction=True)
+        if self.bulk.sharded:
+            shard = self.bulk.index(job_id)
+            try:
+                self._write_upload(self.bulk.clients[shard], upload_key, upload_ttl_s, upload)
+            except SHARD_ERRORS as exc:
+                self.bulk.mark_down(shard)
+                raise ShardUnavailable(shard, exc) from exc
+            pipe.set(upload_key, SHARDED_UPLOAD, ex=upload_ttl_s)
+        else:
+            self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
+        unused = reserved - len(upload)
+        if reserved and unused > 0:  # a multipart body's own bytes around the image
+            for field in (str(fields.get("model", "")), budget.ALL):
+                if field:
+                    pipe.hincrby(self.keys.waiting_bytes, field, -unused)
+        pipe.hset(self.keys.job(job_id), mapping=record)
+        pipe.expire(self.keys.job(job_id), self.ttl_s)
+        if "deadline_at" in fields:  # the sweeper ends it there if nothing else has (expire_overdue)
+            pipe.zadd(self.keys.deadlines, {job_id: float(fields["deadline_at"])})
+        if task is not None:
+            pipe.lpush(*task)
+        try:
+            if self.replication.replicas:
+                # WAIT after the transaction, on its connection: the upload, written before it, is acknowledged
+                # with it (a replica's offset covers everything the primary wrote before). The transaction also
+                # looks for the upload: written to a primary that a failover replaced since, it is not there.
+                replies, acknowledged = execute_and_wait(
+                    self.redis,
+                    [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key), ("EXEC",)],
+                    self.replication.replicas,
+                    self.replication.timeout_ms,
+                )
+                if acknowledged < self.replication.replicas or not replies[-1][-1]:
+                    raise NotReplicated(acknowledged if replies[-1][-1] else 0, self.replication.replicas)
+            else:
+                pipe.execute()
+        except NotReplicated:
+            self.withdraw(job_id)
+            raise
+        except redis.RedisError:
+            self._delete_quietly(upload_key)  # no job holds it: it would wait for its TTL
+            if self.bulk.sharded:
+                self._delete_quietly(upload_key, self.bulk.client_for(job_id))
+            raise
+
+    def withdraw(self, job_id: str) -> None:
+        """A job stored on the primary that too few replicas acknowledged: its submitter is told 503 (retry), so
+        it ends here and no worker spends anything on it. Quietly: Redis may be going away as well."""
+        try:
+            self.finish(
+                job_id,
+                FAILED,
+                {
+                    "error": {
+                        "code": "not_replicated",
+                        "message": "stored on too few replicas in time; the submission was refused (503)",
+                    }
+                },
+            )
+        except redis.RedisError:
+            log.warning("could not withdraw job %s, stored on too few replicas", job_id)
+
+    def answer_or_admit(
+        self,
+        job_id: str,
+        fields: Mapping[str, Any],
+        digest: str,
+        cache_ttl_s: int,
+        timings: Mapping[str, float],
+        admission: budget.AdmissionRequest,
+    ) -> CacheHit | budget.Admission:
+        """One step for a job the result cache may answer. On a hit for `digest`: the job stored over already,
+        with the cached result and `timings`, ended as any job ends (long-polls, callback); (its status, the
+        result document as JSON text). The status is `expired`, without the result stored, when the hit came
+        after the job's deadline (deadline_ms shorter than the lookup). On a miss: the budgets' verdict on
+        `admission` (its bytes reserved when admitted), nothing stored. A hit needs no admission: it adds
+        nothing to wait. See _ANSWER_OR_ADMIT."""
+        record = flatten_fields({"id": job_id, "status": QUEUED, **fields})
+        job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
+        admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
+        keys = [
+            self.keys.callback_outbox,
+            self.keys.cache_entry(digest),
+            self.keys.cache_lru,
+            self.keys.cache_stats,
+            *admission_keys,
+            *job_keys,
+        ]
+        args = [
+            *self.finish_names(),
+            digest,
+            repr(time.time()),
+            cache_ttl_s,
+            admission.model_key,
+            len(admission_keys),
+            *admission_args,
+            len(record),
+            *record,
+            *job_args,
+        ]
+        if self.replication.replicas:  # a hit is a new job, answered: on its replicas before the 202 says so
+            reply, acknowledged = self._script_and_wait(self._answer_or_admit, keys, args)
+            if reply[0] == b"hit" and acknowledged < self.replication.replicas:
+                raise NotReplicated(acknowledged, self.replication.replicas)  # (a miss waits at `create`)
+        else:
+            reply = self._answer_or_admit(keys=keys, args=args)
+        if reply[0] == b"hit":
+            return CacheHit(bytes(reply[1]).decode(), bytes(reply[2]).decode())
+        return budget.Admission.of(reply)
+
+    def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int]:
+        """A registered script's EVALSHA, then WAIT on its connection (execute_and_wait): (its reply, replicas
+        that acknowledged). Loaded first when the server does not know it (a new primary, a restart)."""
+        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            replies, acknowledged = execute_and_wait(
+                self.redis, [command], self.replication.replicas, self.replication.timeout_ms
+            )
+        except redis.exceptions.NoScriptError:
+            self.redis.script_load(script.script)
+            replies, acknowledged = execute_and_wait(
+                self.redis, [command], self.replication.replicas, self.replication.timeout_ms
+            )
+        return replies[0], acknowledged
+
+    def _write_upload(self, client: redis.Redis, key: str, ttl_s: int, upload: bytes) -> None:
+        """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the
+        buffer it read the value into as the value (followed by anything, SET's own EX or the transaction's
+        next command, it copies it). Redis also gives that connection a new buffer the upload's size, and keeps
+        it while the connection stays busy: so uploads go over few connections (the API's `uploads` client),
+        and one that carried an upload over LARGE_UPLOAD_BYTES is closed after it."""
+        if len(upload) <= LARGE_UPLOAD_BYTES:
+            client.execute_command("SETEX", key, ttl_s, upload)  # type: ignore[no-untyped-call]  # setex() warns
+            return
+        pool = client.connection_pool
+        connection = pool.get_connection()
+        try:
+            connection.send_command("SETEX", key, ttl_s, upload)  # type: ignore[no-untyped-call]
+            reply = connection.read_response()
+            if isinstance(reply, redis.ResponseError):
+                raise reply
+        finally:
+            connection.disconnect()  # type: ignore[no-untyped-call]  # redis-py's untyped method
+            pool.release(connection)

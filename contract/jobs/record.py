@@ -1,0 +1,214 @@
+"""A job's record: its states, the hash it lies in, how its fields are encoded, and the moves that keep it live.
+
+A job is a Redis hash under `Keys.job(id)`. Its moves are Lua scripts so that a terminal state is final: whatever
+reaches a job first (its result, a cancellation, an expiry) wins, and later writers change nothing. How jobs end
+is contract.jobs.ending; `JobStore` here reads a record, deletes it, and moves live jobs along (`advance_many`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, TypedDict, cast
+
+import redis
+
+from contract.keys import Keys
+from contract.shards import BulkPlane
+from contract.timebill import FINISHED_AT, RECORD_STAMPS
+
+
+class JobStatus(StrEnum):
+    """A job's life, in order; the last four are terminal (the first to be written wins)."""
+
+    QUEUED = "queued"  # stored, its task sent to the CPU workers
+    PREPROCESSING = "preprocessing"  # a CPU worker claimed it
+    QUEUED_GPU = "queued_gpu"  # its frame is on the GPU list
+    RUNNING = "running"  # a GPU worker took it into a batch
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    EXPIRED = "expired"
+    CANCELLED = "cancelled"
+
+
+QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = (
+    JobStatus.QUEUED,
+    JobStatus.PREPROCESSING,
+    JobStatus.QUEUED_GPU,
+    JobStatus.RUNNING,
+)
+SUCCEEDED, FAILED, EXPIRED, CANCELLED = JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.EXPIRED, JobStatus.CANCELLED
+STATUSES = tuple(JobStatus)
+TERMINAL = frozenset({SUCCEEDED, FAILED, EXPIRED, CANCELLED})
+
+
+class JobRecord(TypedDict, total=False):
+    """A job's hash as the processes read it (`JobStore.load`): the fields each stage writes, decoded.
+    Written by `create` (id .. owner, callback_url), the CPU worker (the stamps up to pushed_at), the GPU
+    worker (result, timings, batch), whoever ends it (error, finished_at) and the callback worker."""
+
+    id: str
+    status: str  # a JobStatus value
+    model: str  # name:version the API routed it to (absent on jobs from before models)
+    received_at: float
+    submitted_at: float
+    deadline_at: float
+    updated_at: float
+    finished_at: float
+    options: dict[str, Any]  # conf, iou, max_det as the client gave them
+    media_type: str
+    bytes: str
+    owner: str  # the API key's id, when keys are configured
+    callback_url: str
+    cpu_started_at: float
+    claim: str  # the CPU worker's claim token: only its holder may push the frame
+    decode_ms: float
+    resize_ms: float
+    backpressure_ms: float
+    pushed_at: float
+    result: dict[str, Any]
+    timings: dict[str, float]
+    batch: dict[str, Any]
+    error: dict[str, str]  # code, message
+    callback: dict[str, Any]  # status, attempts, last_error
+    cache: str  # contract.cache's HIT or MISS; absent when the cache was off for the job
+    cache_key: str  # a miss's digest: its result is cached under it if it succeeds
+
+
+JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
+STAMP_FIELDS = RECORD_STAMPS
+
+# The terminal states as a Lua set, rendered from TERMINAL so the scripts cannot drift from it.
+TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status.value} = true" for status in sorted(TERMINAL)) + "}\n"
+
+
+# KEYS job hashes; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ... (the same for each job).
+# Per job: 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
+_ADVANCE = (
+    TERMINAL_LUA
+    + """
+local limit = tonumber(ARGV[1])
+local verdicts = {}
+for i, key in ipairs(KEYS) do
+  local status = redis.call('HGET', key, 'status')
+  if not status or TERMINAL[status] then
+    verdicts[i] = 0
+  elseif limit > 0 and tonumber(redis.call('HGET', key, 'attempts') or '0') >= limit then
+    verdicts[i] = -1
+  else
+    redis.call('HSET', key, unpack(ARGV, 2))
+    verdicts[i] = 1
+  end
+end
+return verdicts
+"""
+)
+MOVED, GONE, POISON = 1, 0, -1
+
+
+JOB_ID_PATTERN = r"^[0-9a-f]{32}$"  # what new_job_id() makes; anything else is no job of ours
+
+
+def new_job_id() -> str:
+    return uuid.uuid4().hex
+
+
+def is_job_id(text: str) -> bool:
+    return re.fullmatch(JOB_ID_PATTERN[1:-1], text) is not None
+
+
+def utc_iso(epoch: float) -> str:
+    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+class JobStore:
+    """The job records in one Redis, under one namespace (with bulk shards, their uploads on the shards)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None) -> None:
+        """`ttl_s`: how long a record stays once ended. `bulk`: where uploads and frames lie (contract.shards);
+        None: in `client`'s Redis."""
+        self.redis = client
+        self.bulk = bulk or BulkPlane(client)
+        self.keys = keys
+        self.ttl_s = ttl_s
+        self._advance = client.register_script(_ADVANCE)
+
+    def load(self, job_id: str) -> JobRecord | None:
+        raw = self.redis.hgetall(self.keys.job(job_id))
+        return decode_record(raw) if raw else None
+
+    def delete(self, job_id: str) -> None:
+        self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))
+        if self.bulk.sharded:
+            self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
+
+    def drop_upload(self, job_id: str) -> None:
+        """The upload of a job that ended before its frame was pushed (a cancellation): gone now rather than at
+        its TTL. (Whatever ends a job drops the upload's marker with it; a shard's bytes are this call's.)"""
+        self._delete_quietly(self.keys.upload(job_id))
+        if self.bulk.sharded:
+            self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
+
+    def advance_many(
+        self,
+        job_ids: Sequence[str],
+        status: str,
+        max_attempts: int,
+        fields: Mapping[str, Any] | None = None,
+        client: Any = None,
+    ) -> Any:
+        """Per job MOVED, GONE (absent or over) or POISON (requeued max_attempts times), in one
+        step; in a pipeline, the reply comes with the pipeline's."""
+        assert status not in TERMINAL, status
+        args: list[Any] = [
+            max_attempts,
+            *flatten_fields({"status": status, "updated_at": time.time(), **(fields or {})}),
+        ]
+        return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args, client=client or self.redis)
+
+    def _delete_quietly(self, key: str, client: redis.Redis | None = None) -> None:
+        try:
+            (client or self.redis).delete(key)
+        except redis.RedisError:
+            pass
+
+
+def encode_fields(fields: Mapping[str, Any]) -> dict[str, str]:
+    """Fields as a job hash holds them: dicts and lists as compact JSON, the rest as text."""
+    return {name: encode_value(value) for name, value in fields.items()}
+
+
+_COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))  # one encoder, not one per value
+
+
+def encode_value(value: Any) -> str:
+    if isinstance(value, (dict, list)):
+        return _COMPACT_JSON.encode(value)
+    return str(value)
+
+
+def flatten_fields(fields: Mapping[str, Any]) -> list[str]:
+    """encode_fields as HSET's arguments: name, value, name, value, ..."""
+    flat: list[str] = []
+    for name, value in fields.items():
+        flat += [name, encode_value(value)]
+    return flat
+
+
+def decode_record(raw: Mapping[Any, Any]) -> JobRecord:
+    """A job hash as redis-py returns it (bytes names and values) -> its record."""
+    record: dict[str, Any] = {}
+    for name_b, value_b in raw.items():
+        name, value = name_b.decode(), value_b.decode()
+        if name in JSON_FIELDS:
+            record[name] = json.loads(value)
+        elif name in STAMP_FIELDS or name in ("deadline_at", "updated_at", FINISHED_AT):
+            record[name] = float(value)
+        else:
+            record[name] = value
+    return cast(JobRecord, record)
