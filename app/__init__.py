@@ -22,7 +22,7 @@ from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
 from contract.cache import ResultCache
 from contract.config import load_settings
-from contract.connection import NotReplicated, connect
+from contract.connection import NotReplicated, close_idle_connections, connect
 from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.models import Catalogue
@@ -55,7 +55,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes
     app.config["MAX_FORM_PARTS"] = MAX_PARTS  # as app.multipart's own parser: past it, 400 (app.jobs)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
-    client = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0)
+    # Bounded, and what a burst opened is closed again once idle (contract.connection.IdleClosingPool).
+    client = connect(
+        settings,
+        socket_timeout=settings.api.redis_timeout_s + 3.0,
+        max_connections=max(REDIS_CONNECTIONS, settings.api.threads + 2),
+    )  # gthread: one a thread
     keys = Keys(settings.namespace)
     # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
     uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
@@ -80,7 +85,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         listener=JobEventListener(
             redis.Redis(connection_pool=client.connection_pool),
             keys.job_events,
-            on_tick=_sweeper(store, admission.waiting),
+            on_tick=_ticks(_sweeper(store, admission.waiting), _idle_closer([client, uploads, *bulk.clients])),
         ),
         cache=cache,
     )
@@ -120,6 +125,37 @@ HTML_POLICY = (
     "base-uri 'none'; form-action 'none'"
 )
 UPLOAD_CONNECTIONS = 8  # per API process: uploads written at once (more wait for one, up to the connect timeout)
+# Per API process: Redis round trips in flight at once, the pub/sub listener's connection included (more wait for
+# one, up to the connect timeout). Issue 41's burst (40 QPS on 2 cores) left 7 more than its steady load used; 64
+# at ~1 ms a round trip is ~60,000 a second, far more than one process's core asks for.
+REDIS_CONNECTIONS = 64
+# A connection left unused in its pool this long is closed (it reopens when needed): what a burst opened goes.
+REDIS_IDLE_S = 60.0
+IDLE_CHECK_EVERY_S = 10.0
+
+
+def _ticks(*ticks):
+    def tick() -> None:
+        for each in ticks:
+            each()
+
+    return tick
+
+
+def _idle_closer(clients: list[redis.Redis]):
+    """The listener's tick: close the connections idle past REDIS_IDLE_S, looked for every IDLE_CHECK_EVERY_S."""
+    last = [time.monotonic()]
+    distinct = list({id(client.connection_pool): client for client in clients}.values())  # bulk may be the control
+
+    def close_idle() -> None:
+        now = time.monotonic()
+        if now - last[0] < IDLE_CHECK_EVERY_S:
+            return
+        last[0] = now
+        for client in distinct:
+            close_idle_connections(client, REDIS_IDLE_S)
+
+    return close_idle
 
 
 def _sweeper(store: JobIntake, waiting: WaitingBytes):

@@ -14,6 +14,7 @@
   python -m bench ab --base HEAD~1 --profile fast --closed 32 --rounds 3     # two builds, runs alternating
   python -m bench instructions --role api,cpu-task --base HEAD~1  # instructions per request / task, two builds
   python -m bench hostile --attack images --base HEAD~1   # hostile image files; what a normal tenant saw
+  python -m bench soak --minutes 30 --qps 15 [--burst-qps 40]   # make run's stack for long: does anything grow?
 
 Reports go to the terminal (Markdown) and to --out (JSON, Markdown, PNG charts). Each command's options and the
 function that runs it are in its group's module: bench/commands/ (load, faults, parts).

@@ -4,7 +4,8 @@ asks them again), and the durable write a `202` waits for (`execute_replicated`)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -55,17 +56,58 @@ class CommandPacker:
 COMMAND_PACKER = CommandPacker()
 
 
-class BlockingSentinelConnectionPool(SentinelConnectionPool, redis.BlockingConnectionPool):
+class IdleClosing:
+    """A bounded pool (redis.BlockingConnectionPool) whose connections left idle are closed by `close_idle`.
+
+    redis-py's pools keep every connection they ever opened: an API process under a burst opened one per
+    greenlet in a Redis round trip at once and held them, and their descriptors (and Redis's client buffers),
+    for the rest of its life. The pool is a stack (the last released is taken first), so under a steady load
+    the connections beyond what it needs sit idle at the bottom: those are the ones closed. A closed
+    connection keeps its place in the pool and connects again if a later command needs it."""
+
+    pool: Any  # BlockingConnectionPool's LifoQueue of connections
+
+    def __init__(self, *args: Any, clock: Callable[[], float] = time.monotonic, **kwargs: Any) -> None:
+        self.clock = clock
+        super().__init__(*args, **kwargs)
+
+    def release(self, connection: Any) -> None:
+        connection.imgserve_released_at = self.clock()  # on the connection itself: nothing to prune
+        super().release(connection)  # type: ignore[misc]  # the pool class this is mixed into
+
+    def close_idle(self, idle_s: float) -> int:
+        """Disconnect the connections that have waited in the pool longer than `idle_s`; how many it closed."""
+        cutoff = self.clock() - idle_s
+        closed = 0
+        # Under the queue's own lock no caller can take a connection while it is being closed.
+        with self.pool.mutex:
+            for connection in self.pool.queue:
+                if (
+                    connection is not None
+                    and getattr(connection, "_sock", None) is not None
+                    and getattr(connection, "imgserve_released_at", cutoff) < cutoff
+                ):
+                    connection.disconnect()
+                    closed += 1
+        return closed
+
+
+class IdleClosingPool(IdleClosing, redis.BlockingConnectionPool):
+    """A plain server's bounded pool that closes its idle connections."""
+
+
+class BlockingSentinelConnectionPool(IdleClosing, SentinelConnectionPool, redis.BlockingConnectionPool):
     """Sentinel's pool (connections to whichever server is the primary now) with BlockingConnectionPool's bound:
-    at most `max_connections`, a caller waiting `timeout` for a free one."""
+    at most `max_connections`, a caller waiting `timeout` for a free one; idle connections closed as above."""
 
 
 def connect(
     settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None, url: str | None = None
 ) -> redis.Redis:
     """A client returning bytes (frames are binary); timeouts bound every call. With `max_connections`, at most
-    that many connections, a caller waiting up to the connect timeout for a free one. `url`: another server
-    than redis_url's (a bulk shard: always a plain server)."""
+    that many connections, a caller waiting up to the connect timeout for a free one, in a pool that closes its
+    idle connections (IdleClosing). `url`: another server than redis_url's (a bulk shard: always a plain
+    server)."""
     options: dict[str, Any] = dict(
         socket_connect_timeout=settings.api.redis_timeout_s,
         socket_timeout=socket_timeout,
@@ -78,10 +120,16 @@ def connect(
     url = url or settings.redis_url
     if max_connections is None:
         return redis.Redis.from_url(url, **options)
-    pool = redis.BlockingConnectionPool.from_url(
+    pool = IdleClosingPool.from_url(
         url, max_connections=max_connections, timeout=settings.api.redis_timeout_s, **options
     )
     return redis.Redis(connection_pool=pool)
+
+
+def close_idle_connections(client: redis.Redis, idle_s: float) -> int:
+    """IdleClosing.close_idle for a client whose pool is one (0 otherwise)."""
+    pool = client.connection_pool
+    return pool.close_idle(idle_s) if isinstance(pool, IdleClosing) else 0
 
 
 def sentinels_of(settings: Settings) -> Sentinel:

@@ -117,14 +117,20 @@ def summarise_bills(bills: list[Mapping[str, float]]) -> dict[str, dict[str, flo
         values = sorted(b[stage] for b in bills if stage in b)
         if not values:
             continue
-        mean = sum(values) / len(values)
-        summary[stage] = {
-            "p50": round(percentile(values, 50), 3),
-            "p95": round(percentile(values, 95), 3),
-            "mean": round(mean, 3),
-            "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0,
-        }
+        summary[stage] = stage_figures(values, mean_total, stage)
     return summary
+
+
+def stage_figures(values: list[float], mean_total: float, stage: str) -> dict[str, float]:
+    """One stage's p50 / p95 / mean and its share of the mean total, from its sorted values (summarise_bills,
+    and the GPU worker's window of the same figures in arrays: gpu_worker.stats.summarise_columns)."""
+    mean = sum(values) / len(values)
+    return {
+        "p50": round(percentile(values, 50), 3),
+        "p95": round(percentile(values, 95), 3),
+        "mean": round(mean, 3),
+        "share": round(mean / mean_total, 4) if mean_total and stage != "total" else 1.0,
+    }
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

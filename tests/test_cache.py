@@ -90,6 +90,31 @@ def test_only_an_answer_that_stood_is_stored_and_the_budget_evicts_the_least_rec
     assert int(redis_client.get(keys.cache_bytes)) == budget
 
 
+def test_an_expired_entrys_bookkeeping_goes_with_the_next_entries_stored_under_budget(redis_client):
+    """An entry's key expires by its TTL; its LRU member, size field and charge used to stay until the budget
+    filled (hours at the story's rate: Redis grew past what the TTLs predict). Each entry stored now takes up to
+    STALE_PER_ENTRY of the expired ones with it."""
+    keys = Keys("cache-stale")
+    document = '{"detections":[],"image":{"width":8,"height":8}}'
+    store = JobEnding(redis_client, keys, ttl_s=60, cache=CacheLimits(keys.cache_prefix, 10**6, ttl_s=60))
+    for i in range(3):
+        _job(store, f"old{i}", f"old{i}")
+        store.finish(f"old{i}", SUCCEEDED, {"result": document})
+    # Their TTL ran out: the keys are gone, and their last use is more than a TTL ago.
+    redis_client.delete(*[keys.cache_entry(f"old{i}") for i in range(3)])
+    redis_client.zadd(keys.cache_lru, {f"old{i}": time.time() - 61 - i for i in range(3)})
+    _job(store, "new", "new")
+    store.finish("new", SUCCEEDED, {"result": document})
+    left = {d.decode() for d in redis_client.zrange(keys.cache_lru, 0, -1)}
+    assert left == {"new", "old0"}  # the two oldest went, within budget
+    assert {f.decode() for f in redis_client.hkeys(keys.cache_sizes)} == left
+    assert int(redis_client.get(keys.cache_bytes)) == 2 * (ENTRY_OVERHEAD + len(document))
+    _job(store, "next", "next")
+    store.finish("next", SUCCEEDED, {"result": document})
+    assert {d.decode() for d in redis_client.zrange(keys.cache_lru, 0, -1)} == {"new", "next"}
+    assert int(redis_client.get(keys.cache_bytes)) == 2 * (ENTRY_OVERHEAD + len(document))
+
+
 def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(redis_client):
     keys = Keys("cache-admit")
     store = JobIntake(redis_client, keys, ttl_s=60)

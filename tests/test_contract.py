@@ -273,6 +273,37 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     client.delete("itest:big")
 
 
+def test_a_bounded_pool_closes_the_connections_a_burst_left_idle(redis_server):
+    """An API process held every connection a burst opened for the rest of its life (issue 41: 19 -> 26
+    descriptors per gunicorn worker). Connections idle past the limit close; the pool stays usable, bounded."""
+    from contract.connection import IdleClosingPool
+
+    now = [1000.0]
+    pool = IdleClosingPool.from_url(redis_server.url, max_connections=6, timeout=0.5, clock=lambda: now[0])
+    observer = redis.Redis.from_url(redis_server.url)
+    before = len(observer.client_list())
+    burst = [pool.get_connection() for _ in range(5)]  # five round trips at once: five connections
+    for connection in burst:
+        connection.send_command("PING")
+        assert connection.read_response() in (b"PONG", "PONG")
+    assert len(observer.client_list()) == before + 5
+    for index, connection in enumerate(burst):  # back to the pool 0, 10, ..., 40 s from now
+        now[0] = 1000.0 + 10 * index
+        pool.release(connection)
+    now[0] = 1000.0 + 40 + 25  # idle 65, 55, 45, 35 and 25 s
+    assert pool.close_idle(50.0) == 2
+    wait_until(lambda: len(observer.client_list()) == before + 3, 5, what="Redis to see two connections close")
+    assert pool.close_idle(50.0) == 0  # a closed one is not closed again
+    assert redis.Redis(connection_pool=pool).ping()  # the pool still serves
+    held = [pool.get_connection() for _ in range(6)]  # the two closed ones reconnect to make up six
+    with pytest.raises(redis.ConnectionError):  # bounded: a seventh waits, then gives up
+        pool.get_connection()
+    for connection in held:
+        pool.release(connection)
+    pool.disconnect()
+    observer.close()
+
+
 _ARGUMENT = st.one_of(
     st.text(max_size=20),
     st.binary(max_size=20),

@@ -184,6 +184,14 @@ def test_procfile_runs_the_same_roles_without_docker():
     assert "-Q preprocess" in roles["cpu-worker"] and "--port=${FLOWER_PORT:-5555}" in roles["flower"]
 
 
+def test_flower_keeps_a_bounded_number_of_tasks_in_both(compose):
+    """Flower's default keeps 100,000 tasks (~460 MB at the story's 15 jobs/s, growing for two hours): both ways
+    of running it bound the list to the same figure (docs/operations.md)."""
+    procfile = dict(line.split(":", 1) for line in (REPO_ROOT / "Procfile").read_text().splitlines() if line)
+    assert "--max_tasks=${FLOWER_MAX_TASKS:-10000}" in procfile["flower"]
+    assert "--max_tasks=10000" in compose["services"]["flower"]["command"]
+
+
 def copied_paths(stage: str) -> set[str]:
     """What the Dockerfile copies into a stage, its base stages included."""
     stages: dict[str, tuple[str, list[str]]] = {}

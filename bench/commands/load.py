@@ -81,6 +81,7 @@ def add_commands(
     tune_parser.add_argument("--batches", type=parse_list(int), default=[4, 8, 16])
     tune_parser.add_argument("--windows", type=parse_list(float), default=[6.0, 12.0, 24.0])
     tune_parser.add_argument("--write", type=Path, default=Path(".bench") / "tuned.yaml")
+    _add_soak(sub)
     return {
         "run": cmd_run,
         "ab": cmd_ab,
@@ -88,7 +89,67 @@ def add_commands(
         "ceiling": cmd_ceiling,
         "diagnose": cmd_diagnose,
         "tune": cmd_tune,
+        "soak": cmd_soak,
     }
+
+
+def _add_soak(sub: Any) -> None:
+    soak = sub.add_parser(
+        "soak",
+        help="make run's stack under a steady load for long: each role's RSS slope, "
+        "descriptors, threads, Redis against its TTLs, p95 per window",
+    )
+    soak.add_argument("--minutes", type=float, default=30.0, help="the steady load, warm-up included")
+    soak.add_argument("--qps", type=float, default=15.0, help="Poisson arrivals per second (the story's peak: 15)")
+    soak.add_argument("--warmup-minutes", type=float, default=2.0, help="the first minutes: sampled, not fitted")
+    soak.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples of every process")
+    soak.add_argument("--window-s", type=float, default=120.0, help="p95 per window of this many seconds")
+    soak.add_argument(
+        "--burst-qps",
+        type=float,
+        default=0.0,
+        help="after the steady load: --idle-s idle, --burst-s at this rate, --idle-s idle (0: none)",
+    )
+    soak.add_argument("--burst-s", type=float, default=60.0)
+    soak.add_argument("--idle-s", type=float, default=90.0)
+    soak.add_argument(
+        "--max-slope-mb-min",
+        metavar="[ROLE=]MB",
+        help="the RSS slope a process may have, e.g. 0.2 (every role) or gpu-worker=0.05,api=0.2 "
+        "(default: 0.1 for each role; bench/soak.py ROLE_BOUNDS)",
+    )
+    soak.add_argument(
+        "--max-rss-mb",
+        metavar="ROLE=MB",
+        help="a role allowed to grow, then level off under this RSS per process "
+        "(default: flower=160; bench/soak.py ROLE_CEILINGS_MB)",
+    )
+    soak.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="a setting of the stack's (repeatable), e.g. jobs.ttl_s=60 cache.ttl_s=60",
+    )
+    soak.add_argument("--profile", help="the sim device's latency profile (default: the config's, story)")
+    soak.add_argument("--cpu-workers", type=int, default=None, help="default: the Procfile's")
+    soak.add_argument("--corpus", type=Path, help="a folder of images (default: generated 1080p JPEGs)")
+    soak.add_argument("--images", type=int, default=24, help="how many images to generate")
+    soak.add_argument("--seed", type=int, default=0)
+    soak.add_argument("--out", type=Path, default=Path(".bench") / "results")
+    soak.add_argument(
+        "--report",
+        type=Path,
+        metavar="FILE.json",
+        help="start nothing: analyse a soak's saved report again (its samples) and print it",
+    )
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    """make run's stack for long (bench.soak): each role's RSS slope, descriptors, threads, Redis, p95."""
+    from bench.soak import main_soak
+
+    return main_soak(args, [] if args.report else load_corpus(args.corpus, count=args.images))
 
 
 def run_suite(
