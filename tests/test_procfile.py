@@ -264,3 +264,18 @@ def test_before_the_service_is_ready_an_early_death_still_stops_everything(tmp_p
     )
     _, err = supervisor.communicate(timeout=30)
     assert supervisor.returncode == 5 and "short ended (status 5) within 60 s of the start: stopping everything" in err
+
+
+def test_a_burst_of_interrupts_still_stops_everything(tmp_path: Path) -> None:
+    """The handler printed: a Ctrl-C landing while the loop was printing raised "reentrant call" inside stderr's
+    writer, which ended the supervisor and left every process running (make run then stopped Redis under them).
+    Signals are noted by the handler and acted on by the loop; a burst of them stops everything once."""
+    child_pid = tmp_path / "child.pid"
+    supervisor = _start(tmp_path, f"worker: sleep 60 & echo $! > {child_pid}; wait\nother: exec sleep 60\n")
+    child = int(_wait_for(child_pid))
+    for _ in range(50):
+        supervisor.send_signal(signal.SIGINT)
+    _, err = supervisor.communicate(timeout=30)
+    assert supervisor.returncode == 130 and "Traceback" not in err
+    assert err.count("SIGINT received") >= 1 and "sent SIGTERM to worker" in err
+    assert not _alive(child)

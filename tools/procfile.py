@@ -126,6 +126,7 @@ class Supervisor:
         self.ready_url = ready_url
         self.ready_message = ready_message
         self.ready = threading.Event()  # the service answered ready_url once: the start-up window is over
+        self.received: list[int] = []  # signals noted by the handler, acted on by the loop
 
     def say(self, message: str) -> None:
         print(f"procfile: {message}", file=sys.stderr, flush=True)
@@ -136,11 +137,22 @@ class Supervisor:
         and what it needs (Redis) must not be stopped under it."""
         for sig in _SIGNAL_STATUS:
             signal.signal(sig, self._on_signal)
+        try:
+            return self._supervise()
+        except BaseException:
+            # Whatever stopped this loop, its processes live in sessions of their own and would outlive it (and
+            # the Redis `make run` stops after it): they go with it.
+            self._stop_all_now()
+            raise
+
+    def _supervise(self) -> int:
         for name in self.commands:
             self._start(name)
         if self.ready_url:
             threading.Thread(target=self._watch_readiness, name="readiness", daemon=True).start()
         while self.live or (self.restart_at and self.stopping_since is None):
+            if self.received:
+                self._handle_signal(self.received.pop(0))
             now = time.monotonic()
             for name in sorted(self.live):
                 returncode = self.shells[name].poll()
@@ -212,10 +224,24 @@ class Supervisor:
             self._signal_all(signal.SIGTERM)
 
     def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        """Noted only: the loop acts on it within POLL_S. A handler that printed could interrupt a print of the
+        loop's own (Python then raises "reentrant call" inside stderr's writer): that ended this supervisor
+        on a Ctrl-C and left every process running."""
+        self.received.append(signum)
+
+    def _handle_signal(self, signum: int) -> None:
         self.say(f"{signal.Signals(signum).name} received")
         if self.status is None:
             self.status = _SIGNAL_STATUS[signal.Signals(signum)]
         self.stop()
+
+    def _stop_all_now(self) -> None:
+        """SIGTERM to every process group, SIGKILL to what is left after kill_wait_s: the supervisor is ending."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.kill_wait_s
+        while time.monotonic() < deadline and any(_group_alive(self.shells[name].pid) for name in self.live):
+            time.sleep(POLL_S)
+        self._signal_all(signal.SIGKILL)
 
     def _signal_all(self, sig: signal.Signals) -> None:
         for name in sorted(self.live):
