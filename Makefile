@@ -1,4 +1,4 @@
-.PHONY: run test test-fast lint docs bootstrap compose-check compose-test
+.PHONY: run test test-fast test-soak lint docs bootstrap compose-check compose-test
 
 run:          ## install what is needed, then run the whole service locally
 	scripts/run-local
@@ -8,6 +8,9 @@ test:         ## install what the tests need, then run them
 
 test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-worker or gunicorn process
 	scripts/test -m "not integration and not gpu and not slow" -q
+
+test-soak:    ## five minutes of steady load on make run's stack: no process may grow past its bound (tests/test_soak.py)
+	scripts/test -m soak
 
 lint:         ## install what the checks need, then lint and format-check (ruff), type-check (mypy; strict on contract/), build the docs
 	scripts/bootstrap --dev

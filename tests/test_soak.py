@@ -109,6 +109,7 @@ def test_the_phases_are_the_warm_up_the_steady_load_and_a_drained_burst():
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_a_short_soak_of_make_runs_stack_loses_nothing_and_grows_nothing(monkeypatch: pytest.MonkeyPatch):
     # Flower keeps its last 500 tasks here (make run's 10,000 would take this test 14 minutes to fill; Flower reads
