@@ -202,7 +202,7 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
                 job_id,
                 data,
                 settings.jobs.upload_ttl_s,
-                {**fields, SUBMITTED_AT: time.time()},
+                {**fields, SUBMITTED_AT: time.time(), "queue": queue},
                 task=task,
                 reserved=reservation.size,
             )

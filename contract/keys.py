@@ -51,6 +51,16 @@ class Keys:
         return f"{self.namespace}:cpu:{holder}:reaping"
 
     @property
+    def lost_deliveries_lock(self) -> str:
+        """String with a TTL: a worker looking for jobs whose task was lost in delivery (tasks.lost_deliveries)."""
+        return f"{self.namespace}:lost_deliveries:lock"
+
+    @property
+    def lost_deliveries_suspects(self) -> str:
+        """Sorted set: queued jobs whose task the last look found nowhere, scored by when (tasks.lost_deliveries)."""
+        return f"{self.namespace}:lost_deliveries:suspects"
+
+    @property
     def cpu_workers(self) -> str:
         """Sorted set: Celery worker processes (holders) scored by when they last said they live."""
         return f"{self.namespace}:cpu_workers"

@@ -271,12 +271,15 @@ class CeleryWorkerSettings:
     events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.event_batching)
     heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.liveness)
     sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.liveness)
+    # A job still queued this long whose task is in no queue and in no worker's hands, twice in a row, is sent its
+    # task again (tasks.lost_deliveries: a worker killed as it took the message from Redis).
+    lost_delivery_s: float = 5.0
 
     def __post_init__(self) -> None:
-        if self.heartbeat_ttl_s < 3 or self.sweep_s <= 0:
+        if self.heartbeat_ttl_s < 3 or self.sweep_s <= 0 or self.lost_delivery_s <= 0:
             raise SettingsError(
-                "celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it) "
-                "and celery.sweep_s above 0"
+                "celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it), "
+                "celery.sweep_s and celery.lost_delivery_s above 0"
             )
 
 

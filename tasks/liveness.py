@@ -12,6 +12,8 @@ Every CPU and callback worker's main process, on its own event loop:
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
 - every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobEnding.expire_overdue);
+- every `celery.lost_delivery_s`, sends again the tasks that a worker killed as it took them from Redis lost
+  (tasks.lost_deliveries: neither the reaper nor kombu knows of them);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
   the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
@@ -35,6 +37,7 @@ from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
 from tasks.broker import holder_id
+from tasks.lost_deliveries import LostDeliveries
 from tasks.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
@@ -127,6 +130,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
             self.entries: list[Any] = []
             self.client: redis.Redis | None = None
             self.store: JobEnding | None = None
+            self.lost: LostDeliveries | None = None
             self.tenants: list[str] = []  # the API keys whose own queues this worker takes
             self.watching = threading.Event()  # set: the shard watch stops
 
@@ -137,10 +141,15 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 {tenant for queue in consumer.app.amqp.queues.consume_from if (tenant := keys.tenant_of_queue(queue))}
             )
             channel = consumer.task_consumer.channel
+            # Kombu's keys carry its global_keyprefix (as in restore_unheld).
+            self.lost = LostDeliveries(
+                self.client, keys, keys.celery_prefix + channel.unacked_key, settings.celery.lost_delivery_s
+            )
             self.beat(channel)
             self.entries = [
                 consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
                 consumer.timer.call_repeatedly(sweep_s, self.sweep, priority=10),
+                consumer.timer.call_repeatedly(settings.celery.lost_delivery_s, self.find_lost, priority=10),
             ]
             if settings.bulk.redis_urls:
                 self.watching.clear()
@@ -206,5 +215,19 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 return
             if ended:
                 log.info("%d jobs expired at their deadline", ended, extra={"expired": ended})
+
+        def find_lost(self) -> None:
+            assert self.lost is not None
+            try:
+                resent = self.lost.check(time.time())
+            except redis.RedisError as exc:  # Redis away: the consumer says so; look again next time
+                log.debug("lost deliveries: %s", exc)
+                return
+            for job_id in resent:
+                log.warning(
+                    "job %s's task was in no queue and in no worker's hands (a worker died as it took it): sent again",
+                    job_id,
+                    extra={"job_id": job_id},
+                )
 
     return WorkerLiveness

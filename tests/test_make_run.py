@@ -119,6 +119,46 @@ def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_co
     assert submit_and_finish(make_run, seed=2)["status"] == "succeeded"
 
 
+def test_a_cpu_worker_killed_as_it_takes_a_task_from_redis_has_the_task_sent_again(make_run):
+    """Kombu's BRPOP takes a message off its queue before the worker records it as held: a worker killed between
+    the two takes the message with it (the compose kill test met it: a job expired). Here the CPU worker's main
+    process is stopped while its BRPOP waits, so Redis hands the next task to a process that will never read it;
+    then it is killed. tasks.lost_deliveries finds the job's task nowhere and sends it again."""
+    assert make_run.redis is not None
+    client, keys = redis.Redis(port=make_run.redis.port), Keys("imgserve")
+    wait_until(lambda: cpu_worker_ready(make_run), 60, what="the CPU worker to be ready")
+    wait_until(lambda: not client.hlen(keys.celery_prefix + "unacked"), 30, what="the CPU worker to hold nothing")
+    main = pid_of(make_run, "cpu-worker")
+    for attempt in range(3):
+        os.kill(main, signal.SIGSTOP)
+        response = requests.post(
+            f"{make_run.url}/v1/jobs",
+            data=jpeg(160, 120, seed=10 + attempt),
+            headers={"Content-Type": "image/jpeg"},
+            timeout=10,
+        )
+        assert response.status_code == 202, response.text
+        job_id = response.json()["id"]
+        queue = keys.celery_queue(client.hget(keys.job(job_id), "queue").decode())
+        # Handed to the stopped process's BRPOP (its socket holds it), or still on the queue if the stop came
+        # between two BRPOPs: then the worker takes it as usual, and another try.
+        try:
+            wait_until(lambda: client.llen(queue) == 0, 2.0, what="the task handed to the stopped BRPOP")
+            break
+        except AssertionError:
+            pass
+        os.kill(main, signal.SIGCONT)
+        assert wait_for_end(make_run, job_id, 60)["status"] == "succeeded"
+    else:
+        pytest.fail("the stopped worker never had a BRPOP waiting")
+    assert not client.hlen(keys.celery_prefix + "unacked")  # nobody holds it: the reaper cannot give it back
+    os.killpg(os.getpgid(main), signal.SIGKILL)
+    doc = wait_for_end(make_run, job_id, 60)
+    assert doc["status"] == "succeeded", doc
+    assert client.hget(keys.job(job_id), "resent") == b"1"
+    assert f"job {job_id}'s task was in no queue and in no worker's hands" in supervisor_log(make_run)
+
+
 @pytest.mark.parametrize("role", ["gpu-worker", "api", "flower", "callback-worker"])
 def test_every_other_role_killed_comes_back_and_the_service_answers_again(make_run, role):
     before = supervisor_log(make_run).count(f"{role} restarted")

@@ -67,6 +67,8 @@ class JobRecord(TypedDict, total=False):
     callback_url: str
     cpu_started_at: float
     claim: str  # the CPU worker's claim token: only its holder may push the frame
+    queue: str  # the Celery queue its task went to: where a task lost in delivery is sent again
+    resent: str  # how many times its task was sent again (tasks.lost_deliveries)
     decode_ms: float
     resize_ms: float
     backpressure_ms: float

@@ -1,0 +1,112 @@
+"""Jobs whose preprocess task was lost on its way to a worker are sent their task again.
+
+Kombu's Redis transport takes a message off its queue with BRPOP, and records it as unacknowledged (and as this
+worker's: tasks.broker) only once the reply has reached the worker. A worker killed between the two (SIGKILL, OOM,
+a host gone) takes the message with it: Redis popped it, nothing holds it, and kombu's visibility timeout never
+sees it. Its job stays `queued` until its deadline ends it `expired`. That window is a few milliseconds; a CPU
+worker killed under load meets it (the compose stack's kill test did, one job in ~60).
+
+So, every `celery.lost_delivery_s`, one worker (a lock) looks at the live jobs (the deadline index) still
+`queued` after that long: a job whose task is in no queue and in no worker's hands (kombu's unacked hash), seen so
+twice in a row (a message is between the two for milliseconds while it moves), is sent its task again, at the
+front of its queue. A task delivered twice is harmless: the claim lets one attempt push a frame
+(contract.jobs.handoff), and a job past `queued` drops a late task.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import cast
+
+import redis
+
+from contract.jobs.record import QUEUED
+from contract.keys import Keys
+from contract.task_messages import PreprocessMessages
+
+log = logging.getLogger(__name__)
+
+# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON or inside the JSON
+# string that kombu's unacked hash keeps (the body itself is base64).
+_JOB_IN_MESSAGE = re.compile(rb"\['([0-9a-f]{32})'\]")
+
+# KEYS[1] the job hash, KEYS[2] its queue's list; ARGV[1] the message. The message goes to the end BRPOP takes
+# from (the front), only while the job is still queued: 1 sent, 0 not.
+_RESEND = f"""
+if redis.call('HGET', KEYS[1], 'status') ~= '{QUEUED.value}' then return 0 end
+redis.call('RPUSH', KEYS[2], ARGV[1])
+redis.call('HINCRBY', KEYS[1], 'resent', 1)
+return 1
+"""
+
+MAX_JOBS = 5000  # live jobs looked at per round: the deadline index's soonest
+
+
+def jobs_named(messages: Iterable[bytes]) -> set[str]:
+    """The job ids that preprocess messages (raw, or as kombu's unacked hash keeps them) carry."""
+    return {match.decode() for message in messages for match in _JOB_IN_MESSAGE.findall(message)}
+
+
+class LostDeliveries:
+    """One round of the search (`check`), and what it must remember between rounds: the suspects, in Redis (the
+    next round may be another worker's)."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, unacked_key: str, after_s: float) -> None:
+        self.redis = client
+        self.keys = keys
+        self.unacked_key = unacked_key
+        self.after_s = after_s
+        self.messages = PreprocessMessages()
+        self._resend = client.register_script(_RESEND)
+
+    def check(self, now: float) -> list[str]:
+        """One round, if no other worker has one under way: the jobs sent their task again."""
+        # Rounds at least 0.8 of the period apart, whoever runs them (each worker's timer is on its own clock).
+        if not self.redis.set(self.keys.lost_deliveries_lock, "1", nx=True, px=max(1, int(self.after_s * 800))):
+            return []
+        stale = self._stale_queued(now)
+        missing = self._missing(stale)
+        suspects_key = self.keys.lost_deliveries_suspects
+        before = {job_id.decode() for job_id in cast(list[bytes], self.redis.zrange(suspects_key, 0, -1))}
+        pipe = self.redis.pipeline(transaction=True)
+        pipe.delete(suspects_key)
+        if missing:
+            pipe.zadd(suspects_key, {job_id: now for job_id in missing})
+            pipe.expire(suspects_key, max(1, round(self.after_s * 4)))
+        pipe.execute()
+        resent = []
+        for job_id in sorted(missing & before):
+            queue = stale[job_id]
+            message = self.messages.build(job_id, queue)
+            if self._resend(keys=[self.keys.job(job_id), self.keys.celery_queue(queue)], args=[message]):
+                resent.append(job_id)
+        return resent
+
+    def _stale_queued(self, now: float) -> dict[str, str]:
+        """{job id: its queue} of the live jobs still `queued` `after_s` after they were submitted."""
+        live = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, now, "+inf", start=0, num=MAX_JOBS))
+        if not live:
+            return {}
+        pipe = self.redis.pipeline(transaction=False)
+        for job_id in live:
+            pipe.hmget(self.keys.job(job_id.decode()), "status", "submitted_at", "queue")
+        stale = {}
+        for job_id, (status, submitted_at, queue) in zip(live, pipe.execute()):
+            # A job from before the record named its queue has no `queue`: left to its deadline, as before.
+            if status == QUEUED.value.encode() and submitted_at and queue and float(submitted_at) < now - self.after_s:
+                stale[job_id.decode()] = queue.decode()
+        return stale
+
+    def _missing(self, stale: dict[str, str]) -> set[str]:
+        """Those of `stale` whose task is neither on its queue nor held by a worker. Hands first, then queues: a
+        message moves from a queue to hands, so one taken between the two reads is seen in neither only if its
+        move took that long; the second sighting the next round asks for covers it."""
+        if not stale:
+            return set()
+        held = jobs_named(cast(list[bytes], self.redis.hvals(self.unacked_key)))
+        queued: set[str] = set()
+        for queue in set(stale.values()):
+            queued |= jobs_named(cast(list[bytes], self.redis.lrange(self.keys.celery_queue(queue), 0, -1)))
+        return set(stale) - held - queued

@@ -1,0 +1,80 @@
+"""A preprocess task that a worker took from Redis and died with before kombu recorded it (tasks.lost_deliveries):
+found by looking where a message can be, and sent again, once."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import kombu
+import redis
+
+from contract.keys import Keys
+from contract.task_messages import PreprocessMessages
+from tasks.broker import TRANSPORT
+from tasks.lost_deliveries import LostDeliveries, jobs_named
+
+QUEUE = "preprocess:m:1"
+
+
+def queued_job(client: redis.Redis, keys: Keys, job_id: str, submitted_at: float, **fields: str) -> None:
+    client.hset(
+        keys.job(job_id),
+        mapping={"id": job_id, "status": "queued", "submitted_at": repr(submitted_at), "queue": QUEUE, **fields},
+    )
+    client.zadd(keys.deadlines, {job_id: submitted_at + 60})
+
+
+def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redis_server):
+    keys = Keys("lost")
+    client = redis.Redis.from_url(redis_server.url)
+    queue_key = keys.celery_queue(QUEUE)
+    messages = PreprocessMessages()
+    now = time.time()
+    on_queue, in_hand, lost, young, claimed, unnamed = (c * 32 for c in "abcdef")
+    for job_id in (on_queue, in_hand, lost):
+        queued_job(client, keys, job_id, now - 30)
+    queued_job(client, keys, young, now - 1)  # within lost_delivery_s: its message may be on its way
+    queued_job(client, keys, claimed, now - 30, status="preprocessing")  # a worker has it
+    queued_job(client, keys, unnamed, now - 30)
+    client.hdel(keys.job(unnamed), "queue")  # a record from before records named their queue: left alone
+    with kombu.Connection(
+        redis_server.url, transport=TRANSPORT, transport_options={"global_keyprefix": keys.celery_prefix}
+    ) as connection:
+        channel = connection.channel()
+        client.lpush(queue_key, messages.build(in_hand, QUEUE))
+        taken = kombu.Queue(QUEUE, kombu.Exchange(QUEUE, type="direct"), QUEUE)(channel).get(no_ack=False)
+        assert taken is not None and taken.headers["argsrepr"] == repr([in_hand])  # in kombu's unacked hash now
+        client.lpush(queue_key, messages.build(on_queue, QUEUE))
+        lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + channel.unacked_key, after_s=5.0)
+
+        assert lost_deliveries.check(now) == []  # seen nowhere once: a suspect
+        assert [m.decode() for m in client.zrange(keys.lost_deliveries_suspects, 0, -1)] == [lost]
+        assert lost_deliveries.check(now + 1) == []  # another round under way (the lock)
+        client.delete(keys.lost_deliveries_lock)  # the next round
+        assert lost_deliveries.check(now + 5) == [lost]
+        assert client.hget(keys.job(lost), "resent") == b"1"
+        assert jobs_named(client.lrange(queue_key, -1, -1)) == {lost}  # at the front: BRPOP takes it next
+        client.hset(keys.job(young), "status", "preprocessing")  # (taken meanwhile: not this test's)
+        client.delete(keys.lost_deliveries_lock)
+        assert lost_deliveries.check(now + 10) == []  # on its queue now: not sent twice
+
+        again = kombu.Queue(QUEUE, kombu.Exchange(QUEUE, type="direct"), QUEUE)(channel).get(no_ack=False)
+        assert again is not None and json.loads(again.body) == [[lost], {}, again.payload[2]]
+        assert again.headers["task"] == "imgserve.preprocess"
+        for message in (taken, again):
+            message.ack()
+
+
+def test_a_job_that_ends_between_two_looks_is_not_sent_again(redis_server):
+    keys = Keys("lost-ended")
+    client = redis.Redis.from_url(redis_server.url)
+    now = time.time()
+    job_id = "9" * 32
+    queued_job(client, keys, job_id, now - 30)
+    lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
+    assert lost_deliveries.check(now) == []
+    client.hset(keys.job(job_id), "status", "cancelled")
+    client.delete(keys.lost_deliveries_lock)
+    assert lost_deliveries.check(now + 5) == []
+    assert client.llen(keys.celery_queue(QUEUE)) == 0
