@@ -91,6 +91,18 @@ class Channel(kombu_redis.Channel):
             client = self._sync_client = super()._create_client(asynchronous=False)
         return client
 
+    def queue_delete(self, queue: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().queue_delete(queue, *args, **kwargs)
+        except redis.ConnectionError:
+            if not self._closing:
+                raise
+            # Closing after Redis went away: the fanout binding close() tidies (gossip's, the control queue's)
+            # stays, as it did when this raised; the close goes on and lets its pools go. Raised, it reached
+            # Celery's ignore_errors on the connection the consumer had already dropped: an AttributeError
+            # logged as "Error on restarting Gossip" on every Redis restart.
+            return None
+
 
 class Transport(kombu_redis.Transport):
     Channel = Channel

@@ -89,6 +89,25 @@ def test_a_payload_connection_that_meets_a_replica_finds_the_primary_again(tmp_p
         primary.stop()
 
 
+def test_a_channel_with_a_fanout_queue_closes_when_redis_has_gone(tmp_path):
+    """A worker's gossip and control queues are auto-delete fanout queues that the channel's close() unbinds;
+    with Redis gone that raised, and Celery logged an AttributeError ("Error on restarting Gossip") on every
+    Redis restart. The close now ends, its pools let go."""
+    import kombu
+
+    from tasks.broker import TRANSPORT
+
+    server = RedisServer(tmp_path)
+    with kombu.Connection(f"redis://127.0.0.1:{server.port}/0", transport=TRANSPORT) as connection:
+        channel = connection.channel()
+        exchange = kombu.Exchange("gossip-like", type="fanout", auto_delete=True)
+        kombu.Queue("gossip-like.worker", exchange, auto_delete=True)(channel).declare()
+        assert channel.client.smembers("_kombu.binding.gossip-like")  # bound, and its client cached
+        server.stop()
+        channel.close()
+        assert channel.closed
+
+
 def test_bytes_that_could_not_be_given_back_are_given_back_once_redis_answers(tmp_path):
     server = RedisServer(tmp_path, persistent=True)
     keys = Keys("unreleased")
