@@ -32,16 +32,20 @@ log = logging.getLogger(__name__)
 # string that kombu's unacked hash keeps (the body itself is base64).
 _JOB_IN_MESSAGE = re.compile(rb"\['([0-9a-f]{32})'\]")
 
-# KEYS[1] the job hash, KEYS[2] its queue's list; ARGV[1] the message. The message goes to the end BRPOP takes
-# from (the front), only while the job is still queued: 1 sent, 0 not.
+# KEYS[1] the job hash, KEYS[2] its queue's list; ARGV[1] the message, ARGV[2] the most times a job is sent its task
+# again. The message goes to the end BRPOP takes from (the front), only while the job is still queued and has
+# not been sent it that often (a task that vanishes every time is something else: its deadline ends it): 1 sent,
+# 0 not.
 _RESEND = f"""
 if redis.call('HGET', KEYS[1], 'status') ~= '{QUEUED.value}' then return 0 end
+if tonumber(redis.call('HGET', KEYS[1], 'resent') or '0') >= tonumber(ARGV[2]) then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'resent', 1)
 return 1
 """
 
 MAX_JOBS = 5000  # live jobs looked at per round: the deadline index's soonest
+MAX_RESENDS = 3  # per job
 
 
 def jobs_named(messages: Iterable[bytes]) -> set[str]:
@@ -80,7 +84,7 @@ class LostDeliveries:
         for job_id in sorted(missing & before):
             queue = stale[job_id]
             message = self.messages.build(job_id, queue)
-            if self._resend(keys=[self.keys.job(job_id), self.keys.celery_queue(queue)], args=[message]):
+            if self._resend(keys=[self.keys.job(job_id), self.keys.celery_queue(queue)], args=[message, MAX_RESENDS]):
                 resent.append(job_id)
         return resent
 

@@ -12,7 +12,7 @@ import redis
 from contract.keys import Keys
 from contract.task_messages import PreprocessMessages
 from tasks.broker import TRANSPORT
-from tasks.lost_deliveries import LostDeliveries, jobs_named
+from tasks.lost_deliveries import MAX_RESENDS, LostDeliveries, jobs_named
 
 QUEUE = "preprocess:m:1"
 
@@ -78,3 +78,19 @@ def test_a_job_that_ends_between_two_looks_is_not_sent_again(redis_server):
     client.delete(keys.lost_deliveries_lock)
     assert lost_deliveries.check(now + 5) == []
     assert client.llen(keys.celery_queue(QUEUE)) == 0
+
+
+def test_a_task_that_vanishes_every_time_is_sent_again_three_times_then_left_to_its_deadline(redis_server):
+    keys = Keys("lost-again")
+    client = redis.Redis.from_url(redis_server.url)
+    now = time.time()
+    job_id = "8" * 32
+    queued_job(client, keys, job_id, now - 30)
+    lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
+    sent = []
+    for round_ in range(10):
+        client.delete(keys.lost_deliveries_lock)
+        sent += lost_deliveries.check(now + round_)
+        client.delete(keys.celery_queue(QUEUE))  # taken and lost again
+    assert sent == [job_id] * MAX_RESENDS
+    assert client.hget(keys.job(job_id), "resent") == str(MAX_RESENDS).encode()
