@@ -12,8 +12,8 @@ Every CPU and callback worker's main process, on its own event loop:
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
 - every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobEnding.expire_overdue);
-- every `celery.lost_delivery_s`, sends again the tasks that a worker killed as it took them from Redis lost
-  (tasks.lost_deliveries: neither the reaper nor kombu knows of them);
+- every `celery.lost_delivery_s`, on a thread of its own, sends again the tasks that a worker killed as it took
+  them from Redis lost (tasks.lost_deliveries: neither the reaper nor kombu knows of them);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
   the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
@@ -130,9 +130,10 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
             self.entries: list[Any] = []
             self.client: redis.Redis | None = None
             self.store: JobEnding | None = None
-            self.lost: LostDeliveries | None = None
             self.tenants: list[str] = []  # the API keys whose own queues this worker takes
-            self.watching = threading.Event()  # set: the shard watch stops
+            # Set: this start's threads (the shard watch, the lost-delivery search) stop. A new one per start, so
+            # that a thread of the start before, not yet awake, cannot miss it.
+            self.stopping = threading.Event()
 
         def start(self, consumer: Any) -> None:
             self.client = connect(settings, socket_timeout=2.0)
@@ -141,34 +142,58 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 {tenant for queue in consumer.app.amqp.queues.consume_from if (tenant := keys.tenant_of_queue(queue))}
             )
             channel = consumer.task_consumer.channel
-            # Kombu's keys carry its global_keyprefix (as in restore_unheld).
-            self.lost = LostDeliveries(
-                self.client, keys, keys.celery_prefix + channel.unacked_key, settings.celery.lost_delivery_s
-            )
             self.beat(channel)
             self.entries = [
                 consumer.timer.call_repeatedly(ttl_s / 3.0, self.beat, (channel,), priority=10),
                 consumer.timer.call_repeatedly(sweep_s, self.sweep, priority=10),
-                consumer.timer.call_repeatedly(settings.celery.lost_delivery_s, self.find_lost, priority=10),
             ]
+            self.stopping = threading.Event()
+            # Off the event loop (which delivers the tasks): a round reads every live job's status, and queues.
+            # Kombu's keys carry its global_keyprefix (as in restore_unheld).
+            unacked = keys.celery_prefix + channel.unacked_key
+            threading.Thread(
+                target=self.find_lost, args=(unacked, self.stopping), name="lost-deliveries", daemon=True
+            ).start()
             if settings.bulk.redis_urls:
-                self.watching.clear()
-                threading.Thread(target=self.watch_shards, name="shard-watch", daemon=True).start()
+                threading.Thread(
+                    target=self.watch_shards, args=(self.stopping,), name="shard-watch", daemon=True
+                ).start()
 
-        def watch_shards(self) -> None:
+        def watch_shards(self, stopping: threading.Event) -> None:
             client = connect(settings, socket_timeout=2.0)
             bulk = bulk_plane(settings, client)
             watch = ShardWatch(
                 client, bulk, keys, JobEnding(client, keys, settings.jobs.ttl_s, bulk=bulk), settings.bulk.grace_s
             )
-            while not self.watching.wait(sweep_s):
+            while not stopping.wait(sweep_s):
                 try:
                     watch.check()
                 except redis.RedisError as exc:  # the control plane away: the consumer says so; look again later
                     log.debug("shard watch: %s", exc)
 
+        def find_lost(self, unacked_key: str, stopping: threading.Event) -> None:
+            lost = LostDeliveries(
+                connect(settings, socket_timeout=2.0), keys, unacked_key, settings.celery.lost_delivery_s
+            )
+            while not stopping.wait(settings.celery.lost_delivery_s):
+                try:
+                    resent = lost.check(time.time())
+                except redis.RedisError as exc:  # Redis away: the consumer says so; look again next time
+                    log.debug("lost deliveries: %s", exc)
+                    continue
+                except Exception:  # a record it cannot read must not end the search for good
+                    log.exception("lost deliveries: a round failed")
+                    continue
+                for job_id in resent:
+                    log.warning(
+                        "job %s's task was in no queue and in no worker's hands (a worker died as it took it): "
+                        "sent again",
+                        job_id,
+                        extra={"job_id": job_id},
+                    )
+
         def stop(self, consumer: Any) -> None:
-            self.watching.set()
+            self.stopping.set()
             for entry in self.entries:
                 entry.cancel()
             self.entries = []
@@ -215,19 +240,5 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 return
             if ended:
                 log.info("%d jobs expired at their deadline", ended, extra={"expired": ended})
-
-        def find_lost(self) -> None:
-            assert self.lost is not None
-            try:
-                resent = self.lost.check(time.time())
-            except redis.RedisError as exc:  # Redis away: the consumer says so; look again next time
-                log.debug("lost deliveries: %s", exc)
-                return
-            for job_id in resent:
-                log.warning(
-                    "job %s's task was in no queue and in no worker's hands (a worker died as it took it): sent again",
-                    job_id,
-                    extra={"job_id": job_id},
-                )
 
     return WorkerLiveness

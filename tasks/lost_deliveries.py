@@ -28,17 +28,19 @@ from contract.task_messages import PreprocessMessages
 
 log = logging.getLogger(__name__)
 
-# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON or inside the JSON
-# string that kombu's unacked hash keeps (the body itself is base64).
+# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON or as kombu's unacked hash
+# keeps it (the message's JSON inside a JSON list); the body itself is base64.
 _JOB_IN_MESSAGE = re.compile(rb"\['([0-9a-f]{32})'\]")
 
 # KEYS[1] the job hash, KEYS[2] its queue's list; ARGV[1] the message, ARGV[2] the most times a job is sent its task
-# again. The message goes to the end BRPOP takes from (the front), only while the job is still queued and has
-# not been sent it that often (a task that vanishes every time is something else: its deadline ends it): 1 sent,
-# 0 not.
+# again, ARGV[3] its `resent` count as this round read it. The message goes to the end BRPOP takes from (the
+# front), only while the job is still queued, has not been sent it that often (a task that vanishes every time is
+# something else: its deadline ends it), and nobody sent it again since this round looked (a round that outlived
+# its lock, beside the next one, must not send a second copy): 1 sent, 0 not.
 _RESEND = f"""
 if redis.call('HGET', KEYS[1], 'status') ~= '{QUEUED.value}' then return 0 end
-if tonumber(redis.call('HGET', KEYS[1], 'resent') or '0') >= tonumber(ARGV[2]) then return 0 end
+local resent = tonumber(redis.call('HGET', KEYS[1], 'resent') or '0')
+if resent ~= tonumber(ARGV[3]) or resent >= tonumber(ARGV[2]) then return 0 end
 redis.call('RPUSH', KEYS[2], ARGV[1])
 redis.call('HINCRBY', KEYS[1], 'resent', 1)
 return 1
@@ -82,28 +84,30 @@ class LostDeliveries:
         pipe.execute()
         resent = []
         for job_id in sorted(missing & before):
-            queue = stale[job_id]
+            queue, count = stale[job_id]
             message = self.messages.build(job_id, queue)
-            if self._resend(keys=[self.keys.job(job_id), self.keys.celery_queue(queue)], args=[message, MAX_RESENDS]):
+            keys = [self.keys.job(job_id), self.keys.celery_queue(queue)]
+            if self._resend(keys=keys, args=[message, MAX_RESENDS, count]):
                 resent.append(job_id)
         return resent
 
-    def _stale_queued(self, now: float) -> dict[str, str]:
-        """{job id: its queue} of the live jobs still `queued` `after_s` after they were submitted."""
+    def _stale_queued(self, now: float) -> dict[str, tuple[str, int]]:
+        """{job id: (its queue, how many times it was sent its task again)} of the live jobs still `queued`
+        `after_s` after they were submitted."""
         live = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, now, "+inf", start=0, num=MAX_JOBS))
         if not live:
             return {}
         pipe = self.redis.pipeline(transaction=False)
         for job_id in live:
-            pipe.hmget(self.keys.job(job_id.decode()), "status", "submitted_at", "queue")
+            pipe.hmget(self.keys.job(job_id.decode()), "status", "submitted_at", "queue", "resent")
         stale = {}
-        for job_id, (status, submitted_at, queue) in zip(live, pipe.execute()):
+        for job_id, (status, submitted_at, queue, resent) in zip(live, pipe.execute()):
             # A job from before the record named its queue has no `queue`: left to its deadline, as before.
             if status == QUEUED.value.encode() and submitted_at and queue and float(submitted_at) < now - self.after_s:
-                stale[job_id.decode()] = queue.decode()
+                stale[job_id.decode()] = (queue.decode(), int(resent or 0))
         return stale
 
-    def _missing(self, stale: dict[str, str]) -> set[str]:
+    def _missing(self, stale: dict[str, tuple[str, int]]) -> set[str]:
         """Those of `stale` whose task is neither on its queue nor held by a worker. Hands first, then queues: a
         message moves from a queue to hands, so one taken between the two reads is seen in neither only if its
         move took that long; the second sighting the next round asks for covers it."""
@@ -111,6 +115,6 @@ class LostDeliveries:
             return set()
         held = jobs_named(cast(list[bytes], self.redis.hvals(self.unacked_key)))
         queued: set[str] = set()
-        for queue in set(stale.values()):
+        for queue in {queue for queue, _ in stale.values()}:
             queued |= jobs_named(cast(list[bytes], self.redis.lrange(self.keys.celery_queue(queue), 0, -1)))
         return set(stale) - held - queued

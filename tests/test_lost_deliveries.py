@@ -94,3 +94,29 @@ def test_a_task_that_vanishes_every_time_is_sent_again_three_times_then_left_to_
         client.delete(keys.celery_queue(QUEUE))  # taken and lost again
     assert sent == [job_id] * MAX_RESENDS
     assert client.hget(keys.job(job_id), "resent") == str(MAX_RESENDS).encode()
+
+
+def test_a_round_that_outlives_its_lock_does_not_send_a_second_copy_beside_the_next_round(redis_server):
+    """The lock lapses after 0.8 of the period: a round slowed past it (a slow Redis, a busy event loop) runs
+    beside the next one. Both found the job's task nowhere twice; only one sends it again."""
+    keys = Keys("lost-overlap")
+    client = redis.Redis.from_url(redis_server.url)
+    now = time.time()
+    job_id = "7" * 32
+    queued_job(client, keys, job_id, now - 30)
+    slow = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
+    fast = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
+    assert slow.check(now) == []  # a suspect
+    client.delete(keys.lost_deliveries_lock)
+    looked = slow._missing
+
+    def the_next_round_meanwhile(stale):  # the slow round has looked; its lock lapses and the next round runs
+        missing = looked(stale)
+        client.delete(keys.lost_deliveries_lock)
+        assert fast.check(now + 5) == [job_id]
+        return missing
+
+    slow._missing = the_next_round_meanwhile  # type: ignore[method-assign]
+    assert slow.check(now + 5) == []
+    assert client.llen(keys.celery_queue(QUEUE)) == 1
+    assert client.hget(keys.job(job_id), "resent") == b"1"
