@@ -105,3 +105,14 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
     assert set(MAPPING_FIELDS) <= set(PLACEMENT_FIELDS)
     assert tuple(f.name for f in dataclasses.fields(Geometry)) == MAPPING_FIELDS
     assert PARAM_COLUMNS[-len(MAPPING_FIELDS) :] == MAPPING_FIELDS
+
+
+def test_no_module_of_the_processes_or_the_bench_is_over_400_lines():
+    """A module that outgrows this does more than one job (issue 44): split it by concept, as bench.soak was."""
+    long = {
+        str(path.relative_to(REPO_ROOT)): count
+        for folder in ("app", "tasks", "gpu_worker", "contract", "bench")
+        for path in (REPO_ROOT / folder).rglob("*.py")
+        if (count := len(path.read_text().splitlines())) > 400
+    }
+    assert long == {}

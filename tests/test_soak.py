@@ -11,7 +11,8 @@ import json
 import pytest
 
 from bench.corpus import load_corpus
-from bench.soak import (
+from bench.soak import run_soak
+from bench.soak_analysis import (
     PASSING,
     ROLE_BOUNDS,
     ROLE_CEILINGS_MB,
@@ -19,12 +20,10 @@ from bench.soak import (
     Sample,
     SoakOptions,
     analyse,
-    markdown,
-    reanalyse,
-    run_soak,
     slope_per_min,
     verdict,
 )
+from bench.soak_report import markdown, reanalyse
 from bench.stack import StackOptions
 
 # Two minutes' warm-up, then three fitted at 12 jobs/s.

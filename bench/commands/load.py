@@ -116,13 +116,13 @@ def _add_soak(sub: Any) -> None:
         "--max-slope-mb-min",
         metavar="[ROLE=]MB",
         help="the RSS slope a process may have, e.g. 0.2 (every role) or gpu-worker=0.05,api=0.2 "
-        "(default: 0.1 for each role; bench/soak.py ROLE_BOUNDS)",
+        "(default: 0.1 for each role; bench/soak_analysis.py ROLE_BOUNDS)",
     )
     soak.add_argument(
         "--max-rss-mb",
         metavar="ROLE=MB",
         help="a role allowed to grow, then level off under this RSS per process "
-        "(default: flower=160; bench/soak.py ROLE_CEILINGS_MB)",
+        "(default: flower=160; bench/soak_analysis.py ROLE_CEILINGS_MB)",
     )
     soak.add_argument(
         "--set",
