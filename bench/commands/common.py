@@ -14,7 +14,6 @@ import yaml
 from bench import charts, load
 from bench.profiles import parse_profile
 from bench.report import markdown
-from bench.runs import CpuScope, hit_cost, measure
 from bench.stack import StackOptions
 
 
@@ -122,56 +121,6 @@ def write_report(results: list[dict[str, Any]], out: Path, title: str, extra: di
         charts.time_bill_chart(results, out / f"{stamp}-time-bill.png"),
     ]
     return text + "\n\nFiles: " + ", ".join(str(p) for p in [out / f"{stamp}-report.json", *made] if p)
-
-
-def run_suite(
-    name: str,
-    url: str,
-    images: list[bytes],
-    args: argparse.Namespace,
-    open_loop: bool = True,
-    scope: CpuScope | None = CpuScope(),
-) -> list[dict[str, Any]]:
-    model = getattr(args, "model", None)
-    upload = getattr(args, "upload", "raw")
-    shares = getattr(args, "repeat_share", None) or [0.0]
-    calls = getattr(args, "calls", None) or ["two"]
-    results = [
-        measure(
-            name,
-            url,
-            images,
-            "closed",
-            c,
-            args.closed_duration,
-            scope=scope,
-            model=model,
-            upload=upload,
-            repeat_share=share,
-            one_call=call == "one",
-        )
-        for c in args.closed
-        for share in shares
-        for call in calls
-    ]
-    for result in results:  # each share's hit cost, against the same load without repeats
-        plain = next(
-            (
-                r
-                for r in results
-                if r["concurrency"] == result["concurrency"] and not r["repeat_share"] and r["calls"] == result["calls"]
-            ),
-            None,
-        )
-        if result["repeat_share"] and plain is not None:
-            result["cache_hit_cost"] = hit_cost(plain, result)
-            print(f"  repeats {result['repeat_share']:.0%}: {result['cache_hit_cost']}", file=sys.stderr)
-    if open_loop:
-        results += [
-            measure(name, url, images, "open", q, args.open_duration, scope=scope, model=model, upload=upload)
-            for q in args.open_qps
-        ]
-    return results
 
 
 def print_report(outcome: dict[str, Any], out: Path) -> int:
