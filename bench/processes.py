@@ -151,3 +151,20 @@ def python_argv(*args: str) -> list[str]:
 
 def celery_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "tasks.worker", *args]
+
+
+def callback_worker_argv(concurrency: int = 4) -> list[str]:
+    """A callback worker on a thread pool, as the Procfile runs one, without gossip and mingle (a test's or the
+    bench's stack: nothing there needs them)."""
+    return celery_argv(
+        "worker",
+        "-Q",
+        "callbacks",
+        "-P",
+        "threads",
+        f"--concurrency={concurrency}",
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel",
+        "INFO",
+    )

@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 import requests
 import yaml
 
-from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
+from bench.processes import (
+    REPO_ROOT,
+    ManagedProcess,
+    RedisServer,
+    callback_worker_argv,
+    celery_argv,
+    free_port,
+    python_argv,
+    wait_until,
+)
 
 if TYPE_CHECKING:
     from bench.runs import CpuScope
@@ -165,18 +174,7 @@ class LocalStack:
         if self.options.callback_worker:
             self._spawn(
                 "callback-worker",
-                celery_argv(
-                    "worker",
-                    "-Q",
-                    "callbacks",
-                    "-P",
-                    "threads",
-                    "--concurrency=16",
-                    "--without-gossip",
-                    "--without-mingle",
-                    "--loglevel",
-                    "INFO",
-                ),
+                callback_worker_argv(16),
                 env,
             )
         self._spawn(

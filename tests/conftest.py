@@ -26,6 +26,7 @@ from tests.support import (
     ManagedProcess,
     RedisServer,
     build_content_box_model,
+    callback_worker_argv,
     celery_argv,
     free_port,
     python_argv,
@@ -231,19 +232,7 @@ def start_stack(
     )
     stack.callback_worker = ManagedProcess(
         "callback-worker",
-        celery_argv(
-            "worker",
-            "-Q",
-            "callbacks",
-            "-P",
-            "threads",
-            "-c",
-            "4",
-            "--without-gossip",
-            "--without-mingle",
-            "--loglevel",
-            "INFO",
-        ),
+        callback_worker_argv(),
         env,
         workdir,
     )

@@ -17,6 +17,7 @@ from bench.processes import (  # noqa: F401
     REPO_ROOT,
     ManagedProcess,
     RedisServer,
+    callback_worker_argv,
     celery_argv,
     free_port,
     python_argv,

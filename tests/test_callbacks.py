@@ -350,7 +350,7 @@ def test_a_callback_worker_killed_during_a_delivery_has_it_sent_again_and_it_nev
     its heartbeat lapses (tasks.liveness) and a new worker delivers, with the same delivery id."""
     import signal
 
-    from bench.processes import ManagedProcess, celery_argv
+    from bench.processes import ManagedProcess, callback_worker_argv
 
     hold = threading.Event()
     receiver = Receiver()
@@ -375,19 +375,7 @@ def test_a_callback_worker_killed_during_a_delivery_has_it_sent_again_and_it_nev
         hold.set()
         stack.callback_worker = ManagedProcess(
             "callback-worker",
-            celery_argv(
-                "worker",
-                "-Q",
-                "callbacks",
-                "-P",
-                "threads",
-                "-c",
-                "4",
-                "--without-gossip",
-                "--without-mingle",
-                "--loglevel",
-                "INFO",
-            ),
+            callback_worker_argv(),
             stack.env,
             stack.log_dir,
         )

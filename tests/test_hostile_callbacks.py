@@ -14,7 +14,7 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
-from bench.processes import ManagedProcess, celery_argv
+from bench.processes import ManagedProcess, callback_worker_argv
 from bench.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
 from contract.keys import Keys
@@ -104,19 +104,7 @@ def keyed_callbacks(stack, tmp_path_factory):
     stack.callback_worker.stop()
     worker = ManagedProcess(
         "keyed-callback-worker",
-        celery_argv(
-            "worker",
-            "-Q",
-            "callbacks",
-            "-P",
-            "threads",
-            "-c",
-            "4",
-            "--without-gossip",
-            "--without-mingle",
-            "--loglevel",
-            "INFO",
-        ),
+        callback_worker_argv(),
         {**stack.env, "IMGSERVE_CONFIG": str(path)},
         workdir,
     )
@@ -132,19 +120,7 @@ def keyed_callbacks(stack, tmp_path_factory):
         worker.stop()
         stack.callback_worker = ManagedProcess(
             "callback-worker",
-            celery_argv(
-                "worker",
-                "-Q",
-                "callbacks",
-                "-P",
-                "threads",
-                "-c",
-                "4",
-                "--without-gossip",
-                "--without-mingle",
-                "--loglevel",
-                "INFO",
-            ),
+            callback_worker_argv(),
             stack.env,
             stack.log_dir,
         )
