@@ -163,7 +163,8 @@ class PhasedLoad:
 
     def _fire(self, phase: str, index: int) -> None:
         outcome = load.request_once(self.session, self.url, self.stream.next(index))
-        request = Request(phase, outcome.started - self.begin, outcome.latency_s, outcome.status, outcome.reason)
+        bill = outcome.doc.get("timings_ms") if outcome.ok and outcome.doc else None
+        request = Request(phase, outcome.started - self.begin, outcome.latency_s, outcome.status, outcome.reason, bill)
         with self.lock:
             self.requests.append(request)
 
@@ -232,7 +233,7 @@ def run_soak(
     report["stack"] = stack_options.describe()
     report["samples"] = [asdict(s) for s in samples]
     report["requests_log"] = [
-        [r.phase, round(r.started, 3), round(r.seconds, 4), r.status, r.reason] for r in runner.requests
+        [r.phase, round(r.started, 3), round(r.seconds, 4), r.status, r.reason, r.bill] for r in runner.requests
     ]
     return report
 
@@ -251,8 +252,8 @@ def parse_role_values(text: str) -> dict[str, float]:
 
 def main_soak(args: Any, images: list[bytes]) -> int:
     """`python -m bench soak` (its arguments: bench/__main__.py)."""
-    if args.report:
-        report = reanalyse(json.loads(args.report.read_text()))
+    if args.report:  # --window-s given beside it: the p95 windows at that length instead of the run's
+        report = reanalyse(json.loads(args.report.read_text()), window_s=args.window_s)
         print(markdown(report))
         return 0 if report["passed"] else 1
     options = SoakOptions(
@@ -260,7 +261,7 @@ def main_soak(args: Any, images: list[bytes]) -> int:
         qps=args.qps,
         warmup_minutes=args.warmup_minutes,
         sample_s=args.sample_s,
-        window_s=args.window_s,
+        window_s=args.window_s or 120.0,
         burst_qps=args.burst_qps,
         burst_s=args.burst_s,
         idle_s=args.idle_s,

@@ -10,10 +10,12 @@ from typing import Any
 from bench.soak_analysis import PASSING, Request, Sample, SoakOptions, analyse
 
 
-def reanalyse(saved: dict[str, Any]) -> dict[str, Any]:
+def reanalyse(saved: dict[str, Any], window_s: float | None = None) -> dict[str, Any]:
     """A report written by `write`, analysed again from its samples (and its requests, where it kept them): the
-    figures of a run under this checkout's rules."""
+    figures of a run under this checkout's rules (and its p95 per window of `window_s`, where given)."""
     fields = {name: value for name, value in saved["options"].items() if name in SoakOptions.__dataclass_fields__}
+    if window_s:
+        fields["window_s"] = window_s
     options = SoakOptions(**fields)
     samples = [
         Sample(**{**s, "processes": {int(pid): tuple(v) for pid, v in s["processes"].items()}})
@@ -114,14 +116,26 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "## p95 per window (succeeded requests, by when they were sent)",
         "",
-        "| from s | to s | jobs | p50 ms | p95 ms | p95 / first window's | cores: stack, bench, others |",
-        "|---|---|---|---|---|---|---|",
+        "| from s | to s | jobs | p50 ms | p95 ms (its sampling band) | p95 / first window's "
+        "| stage moved most (p95) | cores: stack, bench, others |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for w in report["p95_windows"]:
+        band = w.get("p95_band_ms")
         lines.append(
-            f"| {w['from_s']} | {w['to_s']} | {w['jobs']} | {w['p50_ms']} | {w['p95_ms']} | {w['vs_first']} "
+            f"| {w['from_s']} | {w['to_s']} | {w['jobs']} | {w['p50_ms']} | {w['p95_ms']}"
+            + (f" ({band[0]}-{band[1]})" if band else "")
+            + f" | {w['vs_first']} | {w.get('moved_most') or '-'} "
             f"| {w.get('stack_cores', '-')}, {w.get('bench_cores', '-')}, {w.get('other_cores', '-')} |"
         )
+    if report["p95_windows"]:
+        worst = max(report["p95_windows"], key=lambda w: w["vs_first"] or 0.0)
+        lines += [
+            "",
+            f"p95 within 10% of the first window's in every window: "
+            f"{'yes' if all((w['vs_first'] or 0.0) <= 1.10 for w in report['p95_windows']) else 'no'} "
+            f"(the worst {worst['vs_first']}x, from {worst['from_s']} s).",
+        ]
     requests = report["requests"]
     lines += ["", "## Requests and restarts", ""]
     for phase, tally in requests["by_phase"].items():

@@ -106,6 +106,35 @@ def test_the_phases_are_the_warm_up_the_steady_load_and_a_drained_burst():
     ]
 
 
+def test_each_p95_window_gives_its_sampling_band_and_the_stage_that_moved():
+    # Two 60-s windows of 600 jobs; in the second, queue_cpu's tail grows by 200 ms and nothing else moves.
+    def bill(i: int, late: bool) -> dict[str, float]:
+        queue_cpu = 5.0 + (200.0 if late and i % 10 == 0 else 0.0)
+        return {"receive": 3.0, "queue_cpu": queue_cpu, "decode": 40.0, "infer": 30.0, "total": 78.0 + queue_cpu}
+
+    requests = [
+        Request(
+            "steady",
+            120.0 + w * 60.0 + i * 0.1,
+            (80.0 + i % 100 * 0.2 + bill(i, w == 1)["total"] - 78.0) / 1000,
+            "succeeded",
+            None,
+            bill(i, w == 1),
+        )
+        for w in (0, 1)
+        for i in range(600)
+    ]
+    options = dataclasses.replace(SHORT, minutes=4.0)
+    windows = analyse([], requests, options, {}, None)["p95_windows"]
+    first, second = windows
+    assert first["jobs"] == second["jobs"] == 600
+    assert first["p95_band_ms"][0] <= first["p95_ms"] <= first["p95_band_ms"][1]
+    assert first["stages_p95_ms"]["decode"] == 40.0 and first["stages_p95_ms"]["deliver"] >= 2.0
+    assert second["vs_first"] > 2.0
+    assert second["moved_most"] == "queue_cpu 5 -> 205 ms"
+    assert "the worst" in markdown({**analyse([], requests, options, {}, None), "options": dataclasses.asdict(options)})
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.soak

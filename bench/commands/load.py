@@ -103,7 +103,9 @@ def _add_soak(sub: Any) -> None:
     soak.add_argument("--qps", type=float, default=15.0, help="Poisson arrivals per second (the story's peak: 15)")
     soak.add_argument("--warmup-minutes", type=float, default=2.0, help="the first minutes: sampled, not fitted")
     soak.add_argument("--sample-s", type=float, default=15.0, help="seconds between samples of every process")
-    soak.add_argument("--window-s", type=float, default=120.0, help="p95 per window of this many seconds")
+    soak.add_argument(
+        "--window-s", type=float, default=None, help="p95 per window of this many seconds (120; with --report: again)"
+    )
     soak.add_argument(
         "--burst-qps",
         type=float,
