@@ -40,6 +40,8 @@ FIGURES = (
     ("Redis main thread", lambda r: r.get("cpu_ms_per_image", {}).get("redis-main")),
     ("Redis replicas", lambda r: r.get("cpu_ms_per_image", {}).get("redis-replica")),
     ("Sentinels", lambda r: r.get("cpu_ms_per_image", {}).get("redis-sentinel")),
+    ("Redis commands/image", lambda r: r.get("redis_per_image", {}).get("commands")),
+    ("replication KB/image", lambda r: r.get("redis_per_image", {}).get("repl_kb")),
     ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
     ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")),
 )
@@ -91,7 +93,8 @@ def run_ab(
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
     `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`. `sentinel`: the sides
     whose control plane is a Sentinel set (a primary, two replicas, three Sentinels; every 202 waits for a
-    replica), their replicas' and Sentinels' CPU counted in the stack's. `one_call`: each image in one call
+    replica), their replicas' and Sentinels' CPU counted in the stack's; the other sides' plain Redis then keeps
+    an append-only file as the Sentinel set's nodes do (and make run's and compose's Redis). `one_call`: each image in one call
     (POST ?wait=) instead of a submit and a long-poll."""
     names = list(sides)
     # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
@@ -102,6 +105,7 @@ def run_ab(
             root=path,
             launcher="procfile",
             sentinel=name in sentinel,
+            control_plane_aof=bool(sentinel) and name not in sentinel,
             extra=_laid_over(options.extra, (settings or {}).get(name, {})),
         )
         for name, path in sides.items()
@@ -183,6 +187,12 @@ def markdown(
     ]
     for r in outcome["runs"]:
         lines.append(f"| {r['round']} | {r['name']} | " + " | ".join(_fmt(pick(r)) for _, pick in FIGURES) + " |")
+    lines += ["", "The control plane's most-called commands per image (each side's last run):", ""]
+    for name in names:
+        last = next((r for r in reversed(outcome["runs"]) if r["name"] == name and r.get("redis_per_image")), None)
+        if last:
+            top = last["redis_per_image"]["top"]
+            lines.append(f"- {name}: " + ", ".join(f"{command} {calls:g}" for command, calls in top.items()))
     return "\n".join(lines)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import cpu, load
+from bench.redis_counts import per_image, read_counts
 from bench.floor import against_floor, decode_floor_ms
 from bench.report import summarise
 from contract.timebill import percentile
@@ -63,6 +64,7 @@ def measure(
     with tqdm(desc=label, unit="req", leave=False, disable=not sys.stderr.isatty()) as progress:
         before = load.gpu_counters(url)
         cpu_before = scope.sample() if scope else None
+        redis_before = read_counts(scope.redis_port) if scope else None
         machine_before = cpu.cpu_times()
         if mode == "closed":
             outcomes = load.closed_loop(
@@ -81,6 +83,7 @@ def measure(
                 one_call=one_call,
             )
         cpu_after = scope.sample() if scope else None
+        redis_after = read_counts(scope.redis_port) if scope else None
         machine = cpu.cpu_shares(machine_before, cpu.cpu_times())
         after = load.gpu_counters(url)
     # Offered: what the Poisson draw actually sent (its count varies by a few % around the target).
@@ -91,6 +94,8 @@ def measure(
         result["floor"] = against_floor(
             result["cpu_ms_per_image"], decode_floor_ms(images, load.input_size(url, model))
         )
+    if (counts := per_image(redis_before, redis_after, result["succeeded"])) is not None:
+        result["redis_per_image"] = counts
     result["machine_cpu"] = machine  # busy and stolen shares of this machine's cores over the run
     if mode == "open":
         result["target_qps"] = level

@@ -61,6 +61,10 @@ class StackOptions:
     # ProcfileStack: the control plane behind Sentinel (tools.redis_ha: a primary, two replicas, three Sentinels),
     # as `make run REDIS=sentinel` runs it; every 202 then waits for a replica (settings.redis)
     sentinel: bool = False
+    # A plain control plane with an append-only file fsynced every second, as make run's and compose's Redis (and
+    # tools.redis_ha's nodes) keep one: bench ab sets it on the plain side of a Sentinel pair, so that the pair
+    # differs by the replicas and WAIT alone, not by the file too
+    control_plane_aof: bool = False
     callback_worker: bool = False  # a callback worker too, as the Procfile runs it
     cpu_worker_args: tuple[str, ...] = ()  # more `celery worker` options, e.g. --max-memory-per-child
     extra: dict[str, Any] = field(default_factory=dict)
@@ -317,8 +321,9 @@ class ProcfileStack:
         """A private redis-server, or (options.sentinel) a primary, a replica and three Sentinels: the settings
         that point the stack's processes at it."""
         if not self.options.sentinel:
+            aof = ("--appendonly", "yes", "--appendfsync", "everysec") if self.options.control_plane_aof else ()
             self.redis = RedisServer(
-                self.workdir, persistent=self.options.persistent_redis, extra_args=self.options.redis_args
+                self.workdir, persistent=self.options.persistent_redis, extra_args=(*aof, *self.options.redis_args)
             )
             self.redis_url = self.redis.url
             return {}

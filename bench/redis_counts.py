@@ -1,0 +1,49 @@
+"""What the control plane's Redis did per image over a run: commands (by name) and, where it has replicas, the
+bytes of its replication stream, from INFO before and after (`bench ab` prints them beside the CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+# Commands a run's counts leave out: those that measuring them (INFO) issues.
+_OWN = frozenset({"info"})
+
+
+@dataclass(frozen=True)
+class RedisCounts:
+    commands: dict[str, int] = field(default_factory=dict)  # calls so far, by command
+    repl_offset: int = 0  # master_repl_offset: bytes written to the replication stream so far (0: no replicas)
+
+
+def read_counts(port: int | None) -> RedisCounts | None:
+    """The counts of the Redis on `port` now; None when there is none to ask or it does not answer."""
+    if port is None:
+        return None
+    try:
+        client = redis.Redis(port=port, socket_timeout=2.0)
+        stats: dict[str, Any] = client.info("commandstats")
+        replication: dict[str, Any] = client.info("replication")
+    except redis.RedisError:
+        return None
+    commands = {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+    return RedisCounts(commands, int(replication.get("master_repl_offset", 0)))
+
+
+def per_image(before: RedisCounts | None, after: RedisCounts | None, images: int) -> dict[str, Any] | None:
+    """Commands per image, in all and the most-called ten, and replication bytes per image; None when either
+    reading is missing or a failover moved the primary between them (its counts start again)."""
+    if before is None or after is None or images <= 0 or after.repl_offset < before.repl_offset:
+        return None
+    calls = {
+        name: after.commands.get(name, 0) - before.commands.get(name, 0) for name in after.commands if name not in _OWN
+    }
+    calls = {name: n for name, n in calls.items() if n > 0}
+    top = sorted(calls.items(), key=lambda item: -item[1])[:10]
+    return {
+        "commands": round(sum(calls.values()) / images, 1),
+        "top": {name: round(n / images, 2) for name, n in top},
+        "repl_kb": round((after.repl_offset - before.repl_offset) / images / 1024.0, 2),
+    }

@@ -1,0 +1,36 @@
+"""bench.redis_counts against a real primary and replica: what a run's writes cost the control plane per image."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import redis
+
+from bench.processes import RedisServer, wait_until
+from bench.redis_counts import per_image, read_counts
+
+
+def test_commands_and_replication_bytes_per_image_are_counted_on_a_real_primary(tmp_path: Path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    primary = RedisServer(tmp_path / "a")
+    replica = RedisServer(tmp_path / "b", extra_args=("--replicaof", "127.0.0.1", str(primary.port)))
+    try:
+        client = redis.Redis(port=primary.port)
+        wait_until(lambda: client.info("replication")["connected_slaves"] == 1, 10, what="the replica to link")
+        before = read_counts(primary.port)
+        for i in range(10):  # ten "images": two writes and a read each, 4 KB written per image
+            client.set(f"upload:{i}", b"x" * 4096)
+            client.hset(f"job:{i}", "status", "queued")
+            client.get(f"upload:{i}")
+        after = read_counts(primary.port)
+        counts = per_image(before, after, 10)
+        assert counts is not None
+        assert counts["top"]["set"] == 1 and counts["top"]["hset"] == 1 and counts["top"]["get"] == 1
+        assert "info" not in counts["top"]  # reading the counts is not counted
+        assert 4.0 <= counts["repl_kb"] < 4.5  # the 4 KB value and its command went into the stream once
+        assert per_image(after, before, 10) is None  # a primary whose offset went back: a failover between them
+        assert read_counts(None) is None
+    finally:
+        replica.stop()
+        primary.stop()
