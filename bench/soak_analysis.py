@@ -308,7 +308,8 @@ def _p95_windows(requests: list[Request], options: SoakOptions, samples: list[Sa
         first = windows[0]["p95_ms"]
         for window in windows:
             window["vs_first"] = round(window["p95_ms"] / first, 3) if first else None
-            window["moved_most"] = _moved_most(windows[0]["stages_p95_ms"], window["stages_p95_ms"])
+            if window is not windows[0]:
+                window["moved_most"] = _moved_most(windows[0]["stages_p95_ms"], window["stages_p95_ms"])
     return windows
 
 
