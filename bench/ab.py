@@ -42,6 +42,7 @@ FIGURES = (
     ("Sentinels", lambda r: r.get("cpu_ms_per_image", {}).get("redis-sentinel")),
     ("Redis commands/image", lambda r: r.get("redis_per_image", {}).get("commands")),
     ("replication KB/image", lambda r: r.get("redis_per_image", {}).get("repl_kb")),
+    ("AOF rewrites (primary)", lambda r: r.get("redis_per_image", {}).get("aof_rewrites")),
     ("decode floor ms", lambda r: r.get("floor", {}).get("decode_floor_ms")),
     ("stack / floor", lambda r: r.get("floor", {}).get("stack_over_floor")),
 )
@@ -89,13 +90,16 @@ def run_ab(
     settings: dict[str, dict[str, Any]] | None = None,
     sentinel: frozenset[str] = frozenset(),
     one_call: bool = False,
+    steady_qps: float | None = None,
 ) -> dict[str, Any]:
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
     `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`. `sentinel`: the sides
     whose control plane is a Sentinel set (a primary, two replicas, three Sentinels; every 202 waits for a
     replica), their replicas' and Sentinels' CPU counted in the stack's; the other sides' plain Redis then keeps
     an append-only file as the Sentinel set's nodes do (and make run's and compose's Redis). `one_call`: each image in one call
-    (POST ?wait=) instead of a submit and a long-poll."""
+    (POST ?wait=) instead of a submit and a long-poll. `steady_qps`: Poisson arrivals at that rate (an open loop)
+    instead of `concurrency` clients in a closed loop: both sides then batch alike, where a closed loop's
+    throughput (and so its batches) follows each side's speed."""
     names = list(sides)
     # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
     # be one of the broken ones.
@@ -120,8 +124,8 @@ def run_ab(
                     name,
                     stack.url,
                     images,
-                    "closed",
-                    concurrency,
+                    "open" if steady_qps else "closed",
+                    steady_qps or concurrency,
                     duration_s,
                     scope=stack.cpu_scope(),
                     upload=upload,
@@ -156,12 +160,19 @@ def _median(values: list[Any]) -> float | None:
 
 
 def markdown(
-    outcome: dict[str, Any], sides: dict[str, Path], options: StackOptions, concurrency: int, duration_s: float
+    outcome: dict[str, Any],
+    sides: dict[str, Path],
+    options: StackOptions,
+    concurrency: int,
+    duration_s: float,
+    steady_qps: float | None = None,
 ) -> str:
     names = list(sides)
     upload = outcome["runs"][0].get("upload", "raw") if outcome["runs"] else "raw"
     lines = [
-        f"## bench ab: make run's stack, {concurrency} clients in a closed loop ({upload} uploads), "
+        f"## bench ab: make run's stack, "
+        + (f"Poisson arrivals at {steady_qps:g}/s" if steady_qps else f"{concurrency} clients in a closed loop")
+        + f" ({upload} uploads), "
         f"{duration_s:g} s a run, runs alternating ({options.describe()})",
         "",
     ]

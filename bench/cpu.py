@@ -63,7 +63,12 @@ def _read(pid: int) -> tuple[str, int, float, int] | None:
     except OSError:
         return None
     fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
-    return cmdline, int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK, int(fields[3])
+    ticks = int(fields[11]) + int(fields[12])  # utime + stime
+    if "redis-server" in cmdline:
+        # + cutime + cstime: the children Redis forked and reaped (an append-only file's rewrite, a snapshot),
+        # whose CPU is part of Redis's and shows nowhere else
+        ticks += int(fields[13]) + int(fields[14])
+    return cmdline, int(fields[1]), ticks / _TICK, int(fields[3])
 
 
 def role_of(cmdline: str, redis_port: int | None = None) -> str | None:

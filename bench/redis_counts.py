@@ -16,6 +16,7 @@ _OWN = frozenset({"info"})
 class RedisCounts:
     commands: dict[str, int] = field(default_factory=dict)  # calls so far, by command
     repl_offset: int = 0  # master_repl_offset: bytes written to the replication stream so far (0: no replicas)
+    aof_rewrites: int = 0  # rewrites of the append-only file so far (each a fork writing the whole dataset)
 
 
 def read_counts(port: int | None) -> RedisCounts | None:
@@ -26,14 +27,16 @@ def read_counts(port: int | None) -> RedisCounts | None:
         client = redis.Redis(port=port, socket_timeout=2.0)
         stats: dict[str, Any] = client.info("commandstats")
         replication: dict[str, Any] = client.info("replication")
+        persistence: dict[str, Any] = client.info("persistence")
     except redis.RedisError:
         return None
     commands = {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
-    return RedisCounts(commands, int(replication.get("master_repl_offset", 0)))
+    return RedisCounts(commands, int(replication.get("master_repl_offset", 0)), int(persistence.get("aof_rewrites", 0)))
 
 
 def per_image(before: RedisCounts | None, after: RedisCounts | None, images: int) -> dict[str, Any] | None:
-    """Commands per image, in all and the most-called ten, and replication bytes per image; None when either
+    """Commands per image, in all and the most-called ten, replication bytes per image and the append-only file's
+    rewrites over the run; None when either
     reading is missing or a failover moved the primary between them (its counts start again)."""
     if before is None or after is None or images <= 0 or after.repl_offset < before.repl_offset:
         return None
@@ -46,4 +49,5 @@ def per_image(before: RedisCounts | None, after: RedisCounts | None, images: int
         "commands": round(sum(calls.values()) / images, 1),
         "top": {name: round(n / images, 2) for name, n in top},
         "repl_kb": round((after.repl_offset - before.repl_offset) / images / 1024.0, 2),
+        "aof_rewrites": after.aof_rewrites - before.aof_rewrites,
     }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import redis
@@ -34,3 +35,33 @@ def test_commands_and_replication_bytes_per_image_are_counted_on_a_real_primary(
     finally:
         replica.stop()
         primary.stop()
+
+
+def test_redis_cpu_includes_the_rewrites_it_forked_and_reaped(tmp_path: Path):
+    # An append-only file's rewrite runs in a child Redis forks and reaps: its CPU lands in Redis's cutime and
+    # cstime, which bench.cpu counts for a redis-server (and for nothing else: prefork children are sampled alive).
+    from bench.cpu import _read
+
+    server = RedisServer(tmp_path, extra_args=("--appendonly", "yes", "--appendfsync", "no"))
+    try:
+        client = redis.Redis(port=server.port)
+        for i in range(150):  # 150 MB for the rewrite to write out
+            client.set(f"upload:{i}", bytes(1024 * 1024))
+        client.bgrewriteaof()
+        wait_until(
+            lambda: (
+                client.info("persistence")["aof_rewrite_in_progress"] == 0
+                and client.info("persistence")["aof_rewrites"] >= 1
+            ),
+            30,
+            what="the rewrite to end",
+        )
+        pid = server.process.pid
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        own, children = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+        read = _read(pid)
+        assert read is not None
+        assert children > 0  # the rewrite's CPU, reaped
+        assert read[2] * os.sysconf("SC_CLK_TCK") >= own + children
+    finally:
+        server.stop()

@@ -59,6 +59,13 @@ def add_commands(
     )
     ab.add_argument("--head-sentinel", action="store_true", help="side B behind Sentinel")
     ab.add_argument(
+        "--steady",
+        type=float,
+        metavar="QPS",
+        help="Poisson arrivals at this rate for --closed-duration, instead of the closed loop: both sides batch "
+        "alike (a closed loop's batches follow each side's speed)",
+    )
+    ab.add_argument(
         "--base-set",
         action="append",
         default=[],
@@ -298,8 +305,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
         settings=settings,
         sentinel=frozenset(name for name, on in ((a_name, args.base_sentinel), (b_name, args.head_sentinel)) if on),
         one_call=args.calls == ["one"],
+        steady_qps=args.steady,
     )
-    text = ab_markdown(outcome, sides, options, concurrency, duration)
+    text = ab_markdown(outcome, sides, options, concurrency, duration, args.steady)
     written = write_files(
         args.out, "ab", text, {"sides": {k: str(v) for k, v in sides.items()}, "base": args.base, **outcome}
     )
