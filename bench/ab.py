@@ -95,11 +95,11 @@ def run_ab(
     """`rounds` runs of each side, alternating; {"runs": [...], "summary": {side: {figure: median}}}.
     `settings`: a side's own config overlay (setting_overlay), laid over `options.extra`. `sentinel`: the sides
     whose control plane is a Sentinel set (a primary, two replicas, three Sentinels; every 202 waits for a
-    replica), their replicas' and Sentinels' CPU counted in the stack's; the other sides' plain Redis then keeps
-    an append-only file as the Sentinel set's nodes do (and make run's and compose's Redis). `one_call`: each image in one call
-    (POST ?wait=) instead of a submit and a long-poll. `steady_qps`: Poisson arrivals at that rate (an open loop)
-    instead of `concurrency` clients in a closed loop: both sides then batch alike, where a closed loop's
-    throughput (and so its batches) follows each side's speed."""
+    replica), their replicas' and Sentinels' CPU counted in the stack's; the other sides' plain Redis then
+    keeps an append-only file as the Sentinel set's nodes do (and make run's and compose's Redis).
+    `one_call`: each image in one call (POST ?wait=) instead of a submit and a long-poll. `steady_qps`: Poisson
+    arrivals at that rate (an open loop) instead of `concurrency` clients in a closed loop: both sides then
+    batch alike, where a closed loop's throughput (and so its batches) follows each side's speed."""
     names = list(sides)
     # Both sides' supervisors alone (launcher "procfile"): an older checkout has no .venv, and its run-local may
     # be one of the broken ones.
@@ -170,7 +170,7 @@ def markdown(
     names = list(sides)
     upload = outcome["runs"][0].get("upload", "raw") if outcome["runs"] else "raw"
     lines = [
-        f"## bench ab: make run's stack, "
+        "## bench ab: make run's stack, "
         + (f"Poisson arrivals at {steady_qps:g}/s" if steady_qps else f"{concurrency} clients in a closed loop")
         + f" ({upload} uploads), "
         f"{duration_s:g} s a run, runs alternating ({options.describe()})",

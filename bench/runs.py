@@ -11,8 +11,8 @@ from typing import Any
 from tqdm import tqdm
 
 from bench import cpu, load
-from bench.redis_counts import per_image, read_counts
 from bench.floor import against_floor, decode_floor_ms
+from bench.redis_counts import per_image, read_counts
 from bench.report import summarise
 from contract.timebill import percentile
 
