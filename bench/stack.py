@@ -41,6 +41,10 @@ def legacy_api_env(port: int, workers: int | None = None, threads: int | None = 
     return env
 
 
+# make run's, compose's and tools.redis_ha's append-only file (docs/operations.md: why 512 MB)
+AOF_AS_DEPLOYED = ("--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-min-size", "512mb")
+
+
 @dataclass
 class StackOptions:
     device: str = "sim"
@@ -321,7 +325,7 @@ class ProcfileStack:
         """A private redis-server, or (options.sentinel) a primary, a replica and three Sentinels: the settings
         that point the stack's processes at it."""
         if not self.options.sentinel:
-            aof = ("--appendonly", "yes", "--appendfsync", "everysec") if self.options.control_plane_aof else ()
+            aof = AOF_AS_DEPLOYED if self.options.control_plane_aof else ()
             self.redis = RedisServer(
                 self.workdir, persistent=self.options.persistent_redis, extra_args=(*aof, *self.options.redis_args)
             )

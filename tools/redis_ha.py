@@ -114,6 +114,8 @@ class RedisHA:
             "yes",
             "--appendfsync",
             "everysec",
+            "--auto-aof-rewrite-min-size",  # as make run's and compose's Redis (docs/operations.md)
+            "512mb",
             "--logfile",
             str(home / "redis.log"),
             *auth,
