@@ -4,14 +4,12 @@ as text: bench.soak_report."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
 from bench import cpu
-from contract.timebill import STAGES, percentile
+from bench.soak_records import Request, Sample
+from bench.soak_windows import p95_windows
 
 # MB per minute of RSS a process of each role may gain, by least squares over the fitted part. The GPU worker,
 # the CPU workers and the callback worker keep nothing per job: 0.1 MB/min is ~100 bytes a job at 15/s, below
@@ -66,28 +64,6 @@ class SoakOptions:
                 Phase("after", 0.0, self.idle_s, drained=True),
             ]
         return [phase for phase in phases if phase.seconds > 0]
-
-
-@dataclass
-class Request:
-    phase: str
-    started: float  # seconds since the soak began
-    seconds: float  # submit to its end, as this client saw it
-    status: str  # a job status, or "rejected" / "error"
-    reason: str | None
-    bill: dict[str, float] | None = None  # the job's time bill (timings_ms), where it succeeded
-
-
-@dataclass
-class Sample:
-    t: float  # seconds since the soak began
-    phase: str
-    processes: dict[int, tuple[str, float, int, int]]  # pid -> (role, RSS MB, open descriptors, threads)
-    redis_used_mb: float | None
-    redis_keys: int | None
-    stack_cpu_s: float = 0.0  # CPU seconds so far of the stack's processes, Redis included
-    bench_cpu_s: float = 0.0  # and of this load generator
-    machine: list[int] | None = None  # the machine's CPU jiffies (bench.cpu.cpu_times)
 
 
 def least_squares_slope(points: list[tuple[float, float]]) -> float | None:
@@ -195,7 +171,9 @@ def analyse(
         }
     report["restarts"] = _restarts(samples)
     report["requests"] = _requests(requests)
-    report["p95_windows"] = _p95_windows(requests, options, samples)
+    report["p95_windows"] = p95_windows(
+        requests, samples, min(options.warmup_minutes, options.minutes) * 60.0, options.minutes * 60.0, options.window_s
+    )
     report["redis"] = _redis(samples, options, ttl)
     if report["redis"]:
         report["redis"]["key_bytes"] = key_bytes or {}
@@ -273,92 +251,6 @@ def _requests(requests: list[Request]) -> dict[str, Any]:
     # A submit refused otherwise than by the admission's 429/503 (a 5xx, a refused connection) failed too.
     other_rejects = [r for r in requests if r.status == "rejected" and r.reason not in ("http_429", "http_503")]
     return {"by_phase": by_phase, "lost": len(failed), "lost_reasons": reasons, "failed": len(other_rejects)}
-
-
-def _p95_windows(requests: list[Request], options: SoakOptions, samples: list[Sample]) -> list[dict[str, Any]]:
-    """p95 of the requests that succeeded, per window of the steady load (by when they were sent), with the band
-    its own sampling puts around it (a p95 of ~1,800 requests moves several % by chance alone), each stage's p95
-    from the jobs' time bills (which stage moved, where a window's p95 did), and the cores the stack, this load
-    generator and the machine's other processes used meanwhile (on a shared machine a neighbour's hour shows in
-    the p95: this says when)."""
-    warmup = min(options.warmup_minutes, options.minutes) * 60.0
-    steady = [r for r in requests if r.phase == "steady" and r.status == "succeeded"]
-    windows: list[dict[str, Any]] = []
-    start = warmup
-    end = options.minutes * 60.0
-    while start < end - 1e-9:
-        stop = min(end, start + options.window_s)
-        inside = [r for r in steady if start <= r.started < stop]
-        taken = sorted(r.seconds * 1000.0 for r in inside)
-        if taken:
-            windows.append(
-                {
-                    "from_s": round(start),
-                    "to_s": round(stop),
-                    "jobs": len(taken),
-                    "p50_ms": round(percentile(taken, 50)),
-                    "p95_ms": round(percentile(taken, 95)),
-                    "p95_band_ms": p95_band(taken),
-                    "stages_p95_ms": _stages_p95(inside),
-                    **_cores(samples, start, stop),
-                }
-            )
-        start = stop
-    if windows:
-        first = windows[0]["p95_ms"]
-        for window in windows:
-            window["vs_first"] = round(window["p95_ms"] / first, 3) if first else None
-            if window is not windows[0]:
-                window["moved_most"] = _moved_most(windows[0]["stages_p95_ms"], window["stages_p95_ms"])
-    return windows
-
-
-def p95_band(taken: list[float], resamples: int = 400, seed: int = 0) -> list[int]:
-    """The 5th and 95th percentiles of the p95 over bootstrap resamples of `taken`: where this window's p95
-    would fall by chance alone, had the service not changed at all."""
-    values = np.asarray(taken)
-    draws = np.random.default_rng(seed).choice(values, size=(resamples, len(values)), replace=True)
-    p95s = np.percentile(draws, 95, axis=1)
-    return [round(float(np.percentile(p95s, 5))), round(float(np.percentile(p95s, 95)))]
-
-
-def _stages_p95(requests: list[Request]) -> dict[str, float]:
-    """Each stage's p95 over these requests' time bills, and `deliver`: the client's latency past the bill's
-    total (the long-poll's wake-up and the answer's way back)."""
-    bills = [dict(r.bill, deliver=max(0.0, r.seconds * 1000.0 - r.bill["total"])) for r in requests if r.bill]
-    bills = [b for b in bills if "total" in b]
-    stages = [stage for stage in (*STAGES, "deliver") if any(stage in b for b in bills)]
-    return {stage: round(percentile(sorted(b[stage] for b in bills if stage in b), 95), 1) for stage in stages}
-
-
-def _moved_most(first: dict[str, float], window: dict[str, float]) -> str | None:
-    """The stage (not the total) whose p95 moved most against the first window's, as `stage a -> b ms`."""
-    moves = [(abs(window[s] - first[s]), s) for s in window if s in first and s != "total"]
-    if not moves:
-        return None
-    _, stage = max(moves)
-    return f"{stage} {first[stage]:g} -> {window[stage]:g} ms"
-
-
-def _cores(samples: list[Sample], start: float, stop: float) -> dict[str, float]:
-    """Cores used between the samples nearest `start` and `stop`: by the stack, the bench, everything else."""
-    inside = [s for s in samples if start - 1e-6 <= s.t <= stop + 1e-6]
-    if len(inside) < 2:
-        return {}
-    first, last = inside[0], inside[-1]
-    seconds = last.t - first.t
-    shares = cpu.cpu_shares(first.machine, last.machine)
-    if seconds <= 0 or shares is None:
-        return {}
-    machine = shares["busy"] * (os.cpu_count() or 1)
-    stack = (last.stack_cpu_s - first.stack_cpu_s) / seconds
-    bench = (last.bench_cpu_s - first.bench_cpu_s) / seconds
-    return {
-        "stack_cores": round(stack, 2),
-        "bench_cores": round(bench, 2),
-        "other_cores": round(max(0.0, machine - stack - bench), 2),
-        "steal": shares["steal"],
-    }
 
 
 def _redis(samples: list[Sample], options: SoakOptions, ttl: dict[str, float]) -> dict[str, Any]:
