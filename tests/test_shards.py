@@ -222,6 +222,17 @@ def test_a_dead_workers_frames_go_back_on_every_shard_with_an_attempt_counted(re
     assert requeue_sharded_frames_of(redis_client, plane, keys, "alive", [MODEL], only_if_dead=True) == -1
 
 
+def test_the_loss_of_a_shard_is_dated_at_its_restart_even_just_after_the_watchs_last_look():
+    # Restarted since the last look, or first seen: its restart. Its uptime is whole seconds, so a restart
+    # within a second after the last look dates before it: the look, since the server can only have started
+    # after it; the jobs the API placed on the new server since then are not the lost ones. Emptied while it
+    # ran (no restart: a long uptime): some moment before now.
+    assert ShardWatch.lost_at(None, 90.0, 100.0) == 90.0
+    assert ShardWatch.lost_at(80.0, 90.0, 100.0) == 90.0
+    assert ShardWatch.lost_at(99.5, 98.9, 100.0) == 99.5
+    assert ShardWatch.lost_at(99.5, 50.0, 100.0) == 100.0
+
+
 def test_the_watch_ends_the_jobs_a_restarted_or_unreachable_shard_took_and_no_others(redis_client, plane):
     keys = Keys("watch")
     store = JobIntake(redis_client, keys, 600, bulk=plane)
