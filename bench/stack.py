@@ -24,6 +24,7 @@ from bench.processes import (
     python_argv,
     wait_until,
 )
+from tools.redis_ha import AOF_AS_DEPLOYED
 
 if TYPE_CHECKING:
     from bench.runs import CpuScope
@@ -39,10 +40,6 @@ def legacy_api_env(port: int, workers: int | None = None, threads: int | None = 
     if threads is not None:
         env["IMGSERVE_API_THREADS"] = str(threads)
     return env
-
-
-# make run's, compose's and tools.redis_ha's append-only file (docs/operations.md: why 512 MB)
-AOF_AS_DEPLOYED = ("--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-min-size", "512mb")
 
 
 @dataclass

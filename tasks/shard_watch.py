@@ -89,9 +89,9 @@ class ShardWatch:
         `restarted_at` is a second or two before its server really started (its uptime is whole seconds).
         Restarted since this watch last saw it whole (`seen_at`), or first seen by this watch: at its restart.
         Restarted within a second of that last look (the margin puts `restarted_at` before it): at the look, as
-        the server can only have started after it; placing a job there at `now`, as before, failed jobs the API
-        had put on the new server (`tests/test_shards.py` met it). Not restarted (emptied while it ran): at
-        some moment before now."""
+        the server can only have started after it (dating it `now`, as before, failed the jobs the API had put
+        on the new server since: `tests/test_shards.py` met it). Not restarted (emptied while it ran): at some
+        moment before now."""
         if seen_at is None or restarted_at > seen_at:
             return restarted_at
         if restarted_at > seen_at - 1.0:

@@ -25,6 +25,15 @@ def queued_job(client: redis.Redis, keys: Keys, job_id: str, submitted_at: float
     client.zadd(keys.deadlines, {job_id: submitted_at + 60})
 
 
+def one_stale_job(redis_server, namespace: str, job_id: str) -> tuple[Keys, redis.Redis, float]:
+    """A private namespace with one job `queued` 30 s ago (past lost_delivery_s), its task nowhere yet."""
+    keys = Keys(namespace)
+    client = redis.Redis.from_url(redis_server.url)
+    now = time.time()
+    queued_job(client, keys, job_id, now - 30)
+    return keys, client, now
+
+
 def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redis_server):
     keys = Keys("lost")
     client = redis.Redis.from_url(redis_server.url)
@@ -67,11 +76,8 @@ def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redi
 
 
 def test_a_job_that_ends_between_two_looks_is_not_sent_again(redis_server):
-    keys = Keys("lost-ended")
-    client = redis.Redis.from_url(redis_server.url)
-    now = time.time()
     job_id = "9" * 32
-    queued_job(client, keys, job_id, now - 30)
+    keys, client, now = one_stale_job(redis_server, "lost-ended", job_id)
     lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
     assert lost_deliveries.check(now) == []
     client.hset(keys.job(job_id), "status", "cancelled")
@@ -81,11 +87,8 @@ def test_a_job_that_ends_between_two_looks_is_not_sent_again(redis_server):
 
 
 def test_a_task_that_vanishes_every_time_is_sent_again_three_times_then_left_to_its_deadline(redis_server):
-    keys = Keys("lost-again")
-    client = redis.Redis.from_url(redis_server.url)
-    now = time.time()
     job_id = "8" * 32
-    queued_job(client, keys, job_id, now - 30)
+    keys, client, now = one_stale_job(redis_server, "lost-again", job_id)
     lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
     sent = []
     for round_ in range(10):
@@ -99,11 +102,8 @@ def test_a_task_that_vanishes_every_time_is_sent_again_three_times_then_left_to_
 def test_a_round_that_outlives_its_lock_does_not_send_a_second_copy_beside_the_next_round(redis_server):
     """The lock lapses after 0.8 of the period: a round slowed past it (a slow Redis, a busy event loop) runs
     beside the next one. Both found the job's task nowhere twice; only one sends it again."""
-    keys = Keys("lost-overlap")
-    client = redis.Redis.from_url(redis_server.url)
-    now = time.time()
     job_id = "7" * 32
-    queued_job(client, keys, job_id, now - 30)
+    keys, client, now = one_stale_job(redis_server, "lost-overlap", job_id)
     slow = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
     fast = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
     assert slow.check(now) == []  # a suspect
