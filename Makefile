@@ -1,4 +1,4 @@
-.PHONY: run test test-fast test-soak lint docs bootstrap compose-check compose-test
+.PHONY: run test test-fast test-soak lint docs bootstrap compose-check compose-test peer
 
 run:          ## install what is needed, then run the whole service locally
 	scripts/run-local
@@ -25,6 +25,10 @@ docs:         ## build the docs site into var/site (mkdocs build --strict): open
 
 bootstrap:
 	scripts/bootstrap --dev
+
+peer:         ## install issue 43's peer (LitServe 0.2.19) into .peer/, apart from the service's packages, for `bench peer`
+	scripts/bootstrap --dev
+	.venv/bin/pip install --quiet --target .peer "litserve==0.2.19" "python-multipart"
 
 compose-check:
 	docker-compose config -q

@@ -55,7 +55,16 @@ def thread_seconds(pid: int, tid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _read(pid: int) -> tuple[str, int, float, int] | None:
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (orders processes by age)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
+
+
+def read_process(pid: int) -> tuple[str, int, float, int] | None:
     """(command line, parent pid, CPU seconds, session id) of a live process, or None."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -102,7 +111,7 @@ def sample(
     each (port, role) (a Sentinel set's replicas and Sentinels)."""
     processes = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit() and (read := _read(int(entry))) is not None:
+        if entry.isdigit() and (read := read_process(int(entry))) is not None:
             processes[int(entry)] = read
 
     def lineage(pid: int):

@@ -191,8 +191,10 @@ def closed_loop(
     model: str | None = None,
     upload: str = "raw",
     one_call: bool = False,
+    send: Callable[[requests.Session, str, bytes], Outcome] | None = None,
 ) -> list[Outcome]:
-    """`concurrency` clients back to back for `duration_s`."""
+    """`concurrency` clients back to back for `duration_s`; each request by `send` (session, url, image) when
+    given (another server's API: bench.peer), else as request_once sends it."""
     stream = as_stream(images)
     session = session_for(concurrency)
     outcomes: list[Outcome] = []
@@ -202,7 +204,12 @@ def closed_loop(
     def client(offset: int) -> None:
         i = offset
         while time.monotonic() < stop_at:
-            outcome = request_once(session, url, stream.next(i), model=model, upload=upload, one_call=one_call)
+            image = stream.next(i)
+            outcome = (
+                send(session, url, image)
+                if send is not None
+                else request_once(session, url, image, model=model, upload=upload, one_call=one_call)
+            )
             with lock:
                 outcomes.append(outcome)
             tick()

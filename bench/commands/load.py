@@ -88,6 +88,12 @@ def add_commands(
     tune_parser.add_argument("--batches", type=parse_list(int), default=[4, 8, 16])
     tune_parser.add_argument("--windows", type=parse_list(float), default=[6.0, 12.0, 24.0])
     tune_parser.add_argument("--write", type=Path, default=Path(".bench") / "tuned.yaml")
+    peer = sub.add_parser(
+        "peer",
+        parents=[common, local],
+        help="issue 43's synchronous peer (LitServe, `make peer`) and make run's stack, runs alternating",
+    )
+    peer.add_argument("--rounds", type=int, default=2, help="a peer run, then one of ours per --calls, this often")
     _add_soak(sub)
     return {
         "run": cmd_run,
@@ -97,6 +103,7 @@ def add_commands(
         "diagnose": cmd_diagnose,
         "tune": cmd_tune,
         "soak": cmd_soak,
+        "peer": cmd_peer,
     }
 
 
@@ -313,3 +320,29 @@ def cmd_ab(args: argparse.Namespace) -> int:
     )
     print(text + f"\n\nFiles: {written}")
     return 0
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from bench.peer import run_rounds
+
+    images = load_corpus(args.corpus, count=args.images)
+    options = stack_options(args, cpu_workers=args.cpu_workers)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    stack = ProcfileStack(workdir, options).start()
+    try:
+        outcome = run_rounds(
+            stack,
+            workdir,
+            images,
+            args.closed[0],
+            args.closed_duration,
+            args.rounds,
+            args.calls or ["one"],
+            args.profile or "fast",
+        )
+    finally:
+        stack.stop()
+    return print_report(
+        {**outcome, "title": f"issue 43's peer and make run's stack, alternating ({stack.options.describe()})"},
+        args.out,
+    )
