@@ -35,6 +35,7 @@ def test_each_of_our_runs_is_set_against_the_peer_runs_on_either_side_of_it() ->
     assert rows[0]["ours_over_peer"] == pytest.approx(1.8 / 1.6, abs=1e-3)
     assert rows[2]["peer_over_floor"] == pytest.approx(1.7)  # no peer run after it: the one before alone
     assert rows[2]["ours_over_peer"] == pytest.approx(1.2)
+    assert rows[0]["ours_over_peer_ms"] == pytest.approx(1.0)  # every run here spent 10 ms an image
     text = markdown(results, rows)
     assert "**1.12x**" in text and "**1.20x**" in text
     assert "inference workers 9, api server 2." in text  # a role that spent nothing is left out
