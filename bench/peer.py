@@ -31,19 +31,17 @@ PEER_VERSION = "0.2.19"  # the version issue 43 measured
 
 
 class PeerServer:
-    """The peer, started in its own session (so that every process it spawns is counted as its)."""
+    """A peer started in its own session (so that every process it spawns is counted as its):
+    `python -m <module> PORT <args>`, with `python_path` on its path, answering GET /health and POST /predict."""
 
-    def __init__(self, workdir: Path, profile: str, size: int, peer_path: Path = PEER_PATH) -> None:
-        if not (peer_path / "litserve").is_dir():
-            raise SystemExit(f"LitServe is not installed in {peer_path}: run `make peer` first")
+    def __init__(self, workdir: Path, module: str, args: list[str], python_path: str = str(REPO_ROOT)) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = workdir / "peer.log"
-        env = {**os.environ, "PYTHONPATH": f"{peer_path}{os.pathsep}{REPO_ROOT}"}
         with self.log.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "bench.peer_server", str(self.port), profile, str(size)],
-                env=env,
+                [sys.executable, "-m", module, str(self.port), *args],
+                env={**os.environ, "PYTHONPATH": python_path},
                 cwd=REPO_ROOT,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -95,6 +93,17 @@ class PeerServer:
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
             self.process.wait()
+
+
+def require_litserve(peer_path: Path = PEER_PATH) -> None:
+    if not (peer_path / "litserve").is_dir():
+        raise SystemExit(f"LitServe is not installed in {peer_path}: run `make peer` first")
+
+
+def litserve_peer(workdir: Path, profile: str, size: int, peer_path: Path = PEER_PATH) -> PeerServer:
+    """Issue 43's peer (bench.peer_server), with LitServe from `peer_path` (make peer)."""
+    require_litserve(peer_path)
+    return PeerServer(workdir, "bench.peer_server", [profile, str(size)], f"{peer_path}{os.pathsep}{REPO_ROOT}")
 
 
 def post_once(session: requests.Session, url: str, image: bytes) -> load.Outcome:
@@ -182,7 +191,7 @@ def run_rounds(
     results: list[dict[str, Any]] = []
 
     def peer_run() -> None:
-        peer = PeerServer(workdir, profile, size)
+        peer = litserve_peer(workdir, profile, size)
         try:
             results.append(measure_peer(peer, images, clients, duration_s, size))
         finally:

@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from bench.corpus import load_corpus
-from bench.peer import PEER_PATH, PeerServer, against_peer, markdown, measure_peer, post_once
+from bench.peer import PEER_PATH, PeerServer, against_peer, litserve_peer, markdown, measure_peer, post_once
 
 
 def run(calls: str, ratio: float, stack_ms: float = 10.0, **extra: Any) -> dict[str, Any]:
@@ -47,13 +47,34 @@ def test_without_a_peer_run_there_is_nothing_to_set_ours_against() -> None:
 
 def test_the_peer_is_refused_with_the_command_that_installs_it_when_it_is_missing(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="make peer"):
-        PeerServer(tmp_path, "fast", 320, peer_path=tmp_path / "nothing-here")
+        litserve_peer(tmp_path, "fast", 320, peer_path=tmp_path / "nothing-here")
+
+
+@pytest.mark.integration
+def test_a_peer_in_its_own_session_is_loaded_and_counted_like_ours(tmp_path: Path) -> None:
+    # The stand-in (tests/peer_standin.py) does the floor's work on each multipart POST, in one process.
+    peer = PeerServer(tmp_path, "tests.peer_standin", ["320"])
+    try:
+        images = load_corpus(count=2)
+        with requests.Session() as session:
+            bad = session.post(f"{peer.url}/predict", data=b"not a form")
+            assert post_once(session, f"{peer.url}/nowhere", images[0]).status == "rejected"
+        assert bad.status_code == 400
+        result = measure_peer(peer, images, clients=2, duration_s=1.0, size=320)
+    finally:
+        peer.stop()
+    assert peer.process.poll() is not None  # stopped with its session
+    assert result["succeeded"] > 0 and not result["failures"]
+    assert result["calls"] == "peer"
+    assert result["peer_roles_ms"]["parent"] > 0  # its one process, which decoded every image
+    assert result["cpu_ms_per_image"]["stack"] == pytest.approx(sum(result["peer_roles_ms"].values()), abs=0.05)
+    assert result["floor"]["stack_over_floor"] > 0.5  # each image's decode counted, not just the HTTP
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(not (PEER_PATH / "litserve").is_dir(), reason="LitServe is not installed (make peer)")
 def test_the_peer_answers_one_post_per_image_and_its_cpu_is_counted_by_role(tmp_path: Path) -> None:
-    peer = PeerServer(tmp_path, "fast", 320)
+    peer = litserve_peer(tmp_path, "fast", 320)
     try:
         images = load_corpus(count=2)
         with requests.Session() as session:

@@ -40,7 +40,7 @@ def test_commands_and_replication_bytes_per_image_are_counted_on_a_real_primary(
 def test_redis_cpu_includes_the_rewrites_it_forked_and_reaped(tmp_path: Path):
     # An append-only file's rewrite runs in a child Redis forks and reaps: its CPU lands in Redis's cutime and
     # cstime, which bench.cpu counts for a redis-server (and for nothing else: prefork children are sampled alive).
-    from bench.cpu import _read
+    from bench.cpu import read_process
 
     # No rewrite of its own (150 MB is past the 64 MB that would start one): only the one asked for below.
     server = RedisServer(
@@ -62,7 +62,7 @@ def test_redis_cpu_includes_the_rewrites_it_forked_and_reaped(tmp_path: Path):
         pid = server.process.pid
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         own, children = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
-        read = _read(pid)
+        read = read_process(pid)
         assert read is not None
         assert children > 0  # the rewrite's CPU, reaped
         assert round(read[2] * os.sysconf("SC_CLK_TCK")) >= own + children  # counters only grow

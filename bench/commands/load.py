@@ -323,8 +323,9 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from bench.peer import run_rounds
+    from bench.peer import require_litserve, run_rounds
 
+    require_litserve()  # before make run's stack is started for nothing
     images = load_corpus(args.corpus, count=args.images)
     options = stack_options(args, cpu_workers=args.cpu_workers)
     workdir = Path(tempfile.mkdtemp(prefix="bench-peer-"))
