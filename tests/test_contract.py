@@ -136,6 +136,16 @@ def test_overlay_settings_and_env_redis_url(tmp_path, monkeypatch):
     assert settings.namespace == "other" and settings.redis_url == "redis://example:1/2"
 
 
+def test_a_latency_profile_in_a_file_replaces_the_default_table_whole(tmp_path, monkeypatch):
+    overlay = tmp_path / "fast.yaml"
+    overlay.write_text("gpu_worker: {sim_latency_ms: {1: 2, 8: 6, 16: 10}}\n")
+    settings = load_settings(overlay)
+    assert settings.gpu_worker.sim_latency_ms == {1: 2.0, 8: 6.0, 16: 10.0}  # not the default's 4: 150 kept
+    assert settings.gpu_worker.busy_window_s == 60  # the section's other settings still the defaults
+    monkeypatch.setenv("IMGSERVE_GPU_WORKER__SIM_LATENCY_MS", '{"1": 3, "8": 9}')
+    assert load_settings(overlay).gpu_worker.sim_latency_ms == {1: 3.0, 8: 9.0}
+
+
 @pytest.mark.parametrize(
     "text",
     [

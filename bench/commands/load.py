@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from bench.commands.common import (
 )
 from bench.corpus import load_corpus
 from bench.processes import REPO_ROOT
+from bench.profiles import parse_profile
 from bench.runs import CpuScope, hit_cost, measure, meets_sla
 from bench.stack import BaselineServer, LocalStack, ProcfileStack
 
@@ -91,7 +93,8 @@ def add_commands(
     peer = sub.add_parser(
         "peer",
         parents=[common, local],
-        help="issue 43's synchronous peer (LitServe, `make peer`) and make run's stack, runs alternating",
+        help="issue 43's synchronous peer (LitServe, `make peer`) and make run's stack, runs alternating "
+        "(--profile: both sides', fast unless given; --calls one,two for both of ours)",
     )
     peer.add_argument("--rounds", type=int, default=2, help="a peer run, then one of ours per --calls, this often")
     _add_soak(sub)
@@ -327,7 +330,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     require_litserve()  # before make run's stack is started for nothing
     images = load_corpus(args.corpus, count=args.images)
-    options = stack_options(args, cpu_workers=args.cpu_workers)
+    profile = args.profile or "fast"  # both sides on one device profile: the peer sleeps it too
+    options = stack_options(args, cpu_workers=args.cpu_workers, sim_profile_ms=parse_profile(profile))
     workdir = Path(tempfile.mkdtemp(prefix="bench-peer-"))
     stack = ProcfileStack(workdir, options).start()
     try:
@@ -338,11 +342,13 @@ def cmd_peer(args: argparse.Namespace) -> int:
             args.closed[0],
             args.closed_duration,
             args.rounds,
-            args.calls or ["one"],
-            args.profile or "fast",
+            args.calls,
+            profile,
+            args.upload,
         )
     finally:
         stack.stop()
+    shutil.rmtree(workdir, ignore_errors=True)  # its logs are kept only when a run failed (the exception above)
     return print_report(
         {**outcome, "title": f"issue 43's peer and make run's stack, alternating ({stack.options.describe()})"},
         args.out,
