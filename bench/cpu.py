@@ -45,33 +45,37 @@ ROLE_ORDER = (
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
-def thread_seconds(pid: int, tid: int) -> float | None:
-    """One thread's user + system CPU seconds (Redis's main thread: what one Redis core must carry)."""
+def _stat_fields(path: str) -> list[str] | None:
+    """A /proc stat file's fields after the command name (which may hold spaces), from the state on; None when
+    the process or thread is gone."""
     try:
-        stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+        stat = Path(path).read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def thread_seconds(pid: int, tid: int) -> float | None:
+    """One thread's user + system CPU seconds (Redis's main thread: what one Redis core must carry)."""
+    fields = _stat_fields(f"/proc/{pid}/task/{tid}/stat")
+    return None if fields is None else (int(fields[11]) + int(fields[12])) / _TICK
 
 
 def start_ticks(pid: int) -> int | None:
     """When the process started, in clock ticks since boot (orders processes by age)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    return None if fields is None else int(fields[19])
 
 
 def read_process(pid: int) -> tuple[str, int, float, int] | None:
     """(command line, parent pid, CPU seconds, session id) of a live process, or None."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    fields = stat[stat.rindex(")") + 2 :].split()  # after the command name, which may hold spaces
+    fields = _stat_fields(f"/proc/{pid}/stat")
+    if fields is None:
+        return None
     ticks = int(fields[11]) + int(fields[12])  # utime + stime
     if "redis-server" in cmdline:
         # + cutime + cstime: the children Redis forked and reaped (an append-only file's rewrite, a snapshot),

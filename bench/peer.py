@@ -26,8 +26,7 @@ from bench.processes import REPO_ROOT, free_port, wait_until
 from bench.report import summarise
 from bench.runs import measure
 
-PEER_PATH = REPO_ROOT / ".peer"  # where `make peer` installs LitServe
-PEER_VERSION = "0.2.19"  # the version issue 43 measured
+PEER_PATH = REPO_ROOT / ".peer"  # where `make peer` installs LitServe (the version issue 43 measured, 0.2.19)
 
 
 class PeerServer:
@@ -168,7 +167,7 @@ def against_peer(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 # The same by milliseconds: the floor, measured after each run, moves by up to ~10% between runs
                 # minutes apart; the two sides' CPU per image, minutes apart, by less.
                 "ours_over_peer_ms": round(result["cpu_ms_per_image"]["stack"] / peer_ms, 3),
-                "redis_ms": (result.get("cpu_ms_per_image") or {}).get("redis-main"),
+                "redis_ms": result["cpu_ms_per_image"].get("redis-main"),
             }
         )
     return rows
