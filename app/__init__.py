@@ -21,11 +21,14 @@ from app.services import EXTENSION, Services, services
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
 from contract.cache import ResultCache
+from contract.clock import CLOCK
+from contract.clock import now as service_now
 from contract.config import load_settings
-from contract.connection import NotReplicated, close_idle_connections, connect
+from contract.connection import AnswerNotReplicated, NotReplicated, close_idle_connections, connect, durable_writes
 from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.models import Catalogue
+from contract.replication import Unconfirmed
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
 from contract.task_messages import PreprocessMessages
@@ -61,6 +64,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         socket_timeout=settings.api.redis_timeout_s + 3.0,
         max_connections=max(REDIS_CONNECTIONS, settings.api.threads + 2),
     )  # gthread: one a thread
+    # The process's clock reads the primary's (contract.clock: every moment it writes or judges is the service's);
+    # measured again on the listener's tick.
+    CLOCK.follow(client)
     keys = Keys(settings.namespace)
     # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
     uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
@@ -68,7 +74,11 @@ def create_app(settings: Settings | None = None) -> Flask:
     per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
     bulk = bulk_plane(settings, client, max_connections=per_shard)
     # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
-    replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms)
+    # Behind Sentinel, every replica the Sentinels see up, on the primary their majority names (contract.replication).
+    durable = durable_writes(settings)
+    if durable is not None:
+        durable.start()
+    replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)
     store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
     catalogue, cache = Catalogue(settings), ResultCache(client, keys, settings)
     admission = Admission(settings, client, keys, store, catalogue, cache)
@@ -85,7 +95,9 @@ def create_app(settings: Settings | None = None) -> Flask:
         listener=JobEventListener(
             redis.Redis(connection_pool=client.connection_pool),
             keys.job_events,
-            on_tick=_ticks(_sweeper(store, admission.waiting), _idle_closer([client, uploads, *bulk.clients])),
+            on_tick=_ticks(
+                CLOCK.sync_if_due, _sweeper(store, admission.waiting), _idle_closer([client, uploads, *bulk.clients])
+            ),
         ),
         cache=cache,
     )
@@ -102,7 +114,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     @app.before_request
     def stamp_arrival() -> None:
-        g.received_at = time.time()
+        g.received_at = service_now()
 
     @app.after_request
     def guard_headers(response):
@@ -164,7 +176,7 @@ def _sweeper(store: JobIntake, waiting: WaitingBytes):
     last = [0.0]
 
     def sweep() -> None:
-        now = time.time()
+        now = service_now()
         if now - last[0] < SWEEP_EVERY_S:
             return
         last[0] = now
@@ -194,7 +206,15 @@ def _install_error_handlers(app: Flask) -> None:
     def backend_unavailable(exc: Exception):
         """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
         retry = str(services(app).settings.backpressure.retry_after_s)
-        if isinstance(exc, NotReplicated):  # stored on the primary only: withdrawn; a retry may well succeed
+        if isinstance(exc, AnswerNotReplicated):  # how it ended is not on the replicas yet: ask again
+            problem = Problem(
+                503,
+                "not-replicated",
+                "Service unavailable",
+                "the job ended, but its end is not yet on enough replicas to be shown; read it again",
+                headers={"Retry-After": "1"},
+            )
+        elif isinstance(exc, NotReplicated):  # stored on the primary only: withdrawn; a retry may well succeed
             problem = Problem(
                 503,
                 "not-replicated",
@@ -217,6 +237,14 @@ def _install_error_handlers(app: Flask) -> None:
                 "Service unavailable",
                 "the job store is full; retry later",
                 headers={"Retry-After": str(MAX_RETRY_AFTER_S)},
+            )
+        elif isinstance(exc, Unconfirmed):  # this process cannot tell it writes to the primary that will last
+            problem = Problem(
+                503,
+                "backend-unavailable",
+                "Service unavailable",
+                "the job store's primary is not confirmed by a majority of its Sentinels; retry",
+                headers={"Retry-After": "1"},
             )
         elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
             problem = Problem(

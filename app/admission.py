@@ -33,6 +33,7 @@ from app import metrics
 from app.problems import Problem
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache
+from contract.clock import now as service_now
 from contract.heartbeat import live_heartbeats
 from contract.jobs.backlog import queue_depths
 from contract.jobs.intake import CacheHit, JobIntake
@@ -113,7 +114,7 @@ class ServedTenants:
 
     def _read(self) -> frozenset[str]:
         seen: Any = self.redis.hgetall(self.keys.cpu_tenants)
-        oldest = time.time() - self.ttl_s
+        oldest = service_now() - self.ttl_s
         return frozenset(key.decode() for key, at in seen.items() if float(at) >= oldest)
 
 
@@ -198,7 +199,7 @@ class Admission:
         spec = reservation.spec
         assert spec is not None  # routed by route_body
         digest = self.cache.digest(data, spec, fields["options"], reservation.client_id)
-        now = time.time()
+        now = service_now()
         answered = {**fields, SUBMITTED_AT: now, "cache": HIT}
         timings = compute_time_bill({RECEIVED_AT: fields[RECEIVED_AT], SUBMITTED_AT: now, FINISHED_AT: now})
         request = self._request(reservation, spec, len(data))

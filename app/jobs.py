@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import cast
 
 import redis
@@ -15,7 +14,7 @@ from app.admission import Reservation
 from app.auth import owns
 from app.openapi import image_body
 from app.operations import Reply, operation
-from app.problems import Problem
+from app.problems import Problem, job_lost
 from app.services import Services
 from app.services import services as current_services
 from app.submission import read_submission
@@ -27,7 +26,9 @@ from app.uploads import (
     validate_params,
 )
 from app.waiters import expire_if_late, until_ended
+from contract import deadlines
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
+from contract.clock import now as service_now
 from contract.connection import NotReplicated
 from contract.documents import (
     Document,
@@ -48,6 +49,7 @@ from contract.jobs.record import (
     TERMINAL,
     JobRecord,
     is_job_id,
+    lost_at,
     new_job_id,
     utc_iso,
 )
@@ -170,7 +172,7 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
     fields = {
         "model": spec.key,
         RECEIVED_AT: received_at,
-        "deadline_at": received_at + deadline_ms / 1000.0,
+        "deadline_at": deadlines.deadline_at(received_at, deadline_ms),
         "options": options.for_model(),
         "media_type": media_type,
         "bytes": len(data),
@@ -202,7 +204,7 @@ def _accept(services: Services, reservation: Reservation, wait_s: float) -> tupl
                 job_id,
                 data,
                 settings.jobs.upload_ttl_s,
-                {**fields, SUBMITTED_AT: time.time(), "queue": queue},
+                {**fields, SUBMITTED_AT: service_now(), "queue": queue},
                 task=task,
                 reserved=reservation.size,
             )
@@ -237,6 +239,7 @@ def _finished(
     record = record or services.store.load(job_id)
     if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
         return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
+    services.store.confirm_durable(job_id)  # an end a failover could take back is not shown
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
@@ -264,7 +267,12 @@ def _accepted(
 @operation(
     "Read a job, optionally waiting for it to end",
     tag="jobs",
-    problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
+    problems=(
+        (400, "`wait` is not a number of seconds in range"),
+        404,
+        (410, "Accepted, then lost: submit it again"),
+        503,
+    ),
     query=lambda settings: wait_query_model(settings.api.max_wait_s),
     replies={200: Reply("The job", JobDocument)},
 )
@@ -272,14 +280,18 @@ def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not is_job_id(job_id):
-        return jsonify(job_document(expire_if_late(services.store, _load_owned(services, job_id))))
-    # Listen before the first read: an end announced after it wakes this request.
-    event = services.listener.register(job_id)
-    try:
-        record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
-    finally:
-        services.listener.unregister(job_id, event)
-    return jsonify(job_document(expire_if_late(services.store, record)))
+        record = expire_if_late(services.store, _load_owned(services, job_id))
+    else:
+        # Listen before the first read: an end announced after it wakes this request.
+        event = services.listener.register(job_id)
+        try:
+            record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
+        finally:
+            services.listener.unregister(job_id, event)
+        record = expire_if_late(services.store, record)
+    if record["status"] in TERMINAL:
+        services.store.confirm_durable(job_id)  # an end a failover could take back is not shown
+    return jsonify(job_document(record))
 
 
 @blueprint.delete("/<job_id>")
@@ -306,6 +318,7 @@ def cancel_job(job_id: str) -> Response:
             f"job {job_id!r} ended as {status!r} and cannot be cancelled",
         )
     services.store.drop_upload(job_id)
+    services.store.confirm_durable(job_id)  # a cancellation a failover could take back is not shown either
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(job_document(record))
 
@@ -369,6 +382,8 @@ def _load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
     record = services.store.load(job_id) if is_job_id(job_id) else None
+    if record is None and (issued := lost_at(job_id, services.settings.jobs.ttl_s)) is not None:
+        raise job_lost(job_id, utc_iso(issued))
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record

@@ -36,3 +36,15 @@ def problem_response(problem: Problem) -> Response:
     response.mimetype = PROBLEM_TYPE
     response.headers.update(problem.headers)
     return response
+
+
+def job_lost(job_id: str, issued_at: str) -> Problem:
+    """A read of a job the service accepted and no longer holds (contract.jobs.record.lost_at): not a bare 404,
+    so that its client knows to send it again."""
+    return Problem(
+        410,
+        "job-lost",
+        "Job lost",
+        f"job {job_id!r} was accepted at {issued_at} and its record should still be here, but the job store no "
+        "longer holds it (lost with a Redis server: docs/reliability.md says when); submit the image again",
+    )

@@ -15,6 +15,7 @@ from collections import defaultdict
 
 import redis
 
+from contract.deadlines import is_past, seconds_left
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import TERMINAL, JobRecord
 
@@ -108,7 +109,7 @@ def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float,
     resubscribing wakes every waiter) waits on for the time left."""
     until = time.monotonic() + wait_s
     while record["status"] not in TERMINAL:
-        left = min(until - time.monotonic(), record["deadline_at"] - time.time() + 0.05)
+        left = min(until - time.monotonic(), seconds_left(record["deadline_at"]) + 0.05)
         if left <= 0:
             break
         woken = event.wait(left)
@@ -121,7 +122,7 @@ def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float,
 
 def expire_if_late(store: JobEnding, record: JobRecord) -> JobRecord:
     """A live job past its deadline is over, even when no worker is left to say so."""
-    if record["status"] in TERMINAL or time.time() <= record["deadline_at"]:
+    if record["status"] in TERMINAL or not is_past(record["deadline_at"]):
         return record
     store.expire(record["id"], "before an answer was written")
     return store.load(record["id"]) or record

@@ -173,8 +173,7 @@ def _tally(stack: ProcfileStack, run: FailoverRun) -> dict[str, Any]:
             failed[(job.first_end.get("error") or {}).get("code", "?")] += 1
         if job.first_end["status"] == "expired" and run.killed_at and job.deadline_at <= outage_end + 5:
             expired_in_outage += 1
-        again = session.get(f"{stack.url}/v1/jobs/{job.job_id}", timeout=10)
-        later = again.json() if again.status_code == 200 else None
+        later = _read_again(session, f"{stack.url}/v1/jobs/{job.job_id}")
         if _answer(later) != _answer(job.first_end):
             changed.append(job.job_id)
         elif later and later.get("batch") != job.first_end.get("batch"):
@@ -195,6 +194,17 @@ def _tally(stack: ProcfileStack, run: FailoverRun) -> dict[str, Any]:
         "first_202_after_kill_s": run.first_202_after_kill_s,
         "restarted": supervisor.count(" restarted (pid"),
     }
+
+
+def _read_again(session: requests.Session, url: str, give_up_s: float = 15.0) -> dict[str, Any] | None:
+    """The job as a read answers it now (None: not found). A 503 is no answer: the service refuses to show an end
+    its replicas do not hold yet (a replica resyncing after the failover), so the read is made again."""
+    until = time.monotonic() + give_up_s
+    while True:
+        again = session.get(url, timeout=10)
+        if again.status_code != 503 or time.monotonic() > until:
+            return again.json() if again.status_code == 200 else None
+        time.sleep(0.2)
 
 
 def format_failover(tally: dict[str, Any]) -> str:

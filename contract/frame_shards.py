@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import redis
 
+from contract.clock import now as service_now
 from contract.frames import (
     FRAME_JOB_ID_LUA,
     JOB_OVER,
@@ -101,7 +101,7 @@ class ShardedFramePusher(FramePusher):
             raise ShardUnavailable(index, exc) from exc
         if not kept:
             return LIST_FULL
-        stamps = flatten_fields({"updated_at": time.time(), **fields})
+        stamps = flatten_fields({"updated_at": service_now(), **fields})
         outcome = int(
             self._mark_pushed(
                 keys=[

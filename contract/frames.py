@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import struct
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -32,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 import redis
 
 from contract.budget import ALL, RELEASE_LUA
+from contract.clock import now as service_now
 from contract.jobs.record import PREPROCESSING, QUEUED_GPU, TERMINAL_LUA, flatten_fields
 from contract.keys import Keys
 from contract.replies import PayloadReader
@@ -269,7 +269,7 @@ class FramePusher:
             max_frames,
             claim,
             len(frame),
-            *flatten_fields({"status": QUEUED_GPU, "updated_at": time.time(), **fields}),
+            *flatten_fields({"status": QUEUED_GPU, "updated_at": service_now(), **fields}),
         )
         return int(pipe.execute()[1])
 

@@ -9,12 +9,12 @@ treats it as a previous life's).
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import redis
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from contract.clock import now as service_now
 from contract.keys import Keys
 
 
@@ -69,7 +69,7 @@ class Heartbeat(BaseModel):
 
 def live_heartbeats(client: redis.Redis, keys: Keys, ttl_s: float) -> list[Heartbeat]:
     """Self-descriptions of the GPU workers whose heartbeat has not expired."""
-    worker_ids: Any = client.zrangebyscore(keys.gpu_workers, time.time() - ttl_s, "+inf")
+    worker_ids: Any = client.zrangebyscore(keys.gpu_workers, service_now() - ttl_s, "+inf")
     if not worker_ids:
         return []
     beats: Any = client.mget([keys.heartbeat(w.decode()) for w in worker_ids])

@@ -241,6 +241,12 @@ class Keys:
         return f"{self.namespace}:frames_waiting"
 
     @property
+    def durable_fence(self) -> str:
+        """Pub/sub channel nobody listens on: a PUBLISH to it is a write on the replication stream that WAIT can
+        count, ahead of a read that shows how a job ended (JobIntake.confirm_durable)."""
+        return f"{self.namespace}:durable_fence"
+
+    @property
     def job_events(self) -> str:
         """Pub/sub channel: a job id each time a job reaches a terminal state."""
         return f"{self.namespace}:job_events"

@@ -142,9 +142,16 @@ class RedisSettings:
     sentinel_password: str = ""  # the Sentinels' own (their requirepass): IMGSERVE_REDIS__SENTINEL_PASSWORD
     # A 202 waits (Redis WAIT, on the connection that stored the job) until this many replicas acknowledged
     # the job's record, upload and task, for at most replica_timeout_ms; fewer: the job is withdrawn and the
-    # answer is 503 (retry). -1: 1 with sentinels listed, 0 (no wait) without.
+    # answer is 503 (retry). -1: 1 with sentinels listed, 0 (no wait) without. With Sentinels, every replica
+    # they see up is waited for, never fewer than this (contract.replication), and a read that shows how a job
+    # ended waits the same way.
     min_replicas: int = -1
     replica_timeout_ms: int = 1000
+    # With Sentinels: the API asks every one which server is the primary and which replicas are up this often,
+    # each bounded by sentinel_timeout_ms; with no majority's answer for view_stale_ms nothing is promised (503).
+    view_refresh_ms: int = 500
+    view_stale_ms: int = 2000
+    sentinel_timeout_ms: int = 300
 
     def __post_init__(self) -> None:
         for address in self.sentinels:
@@ -156,6 +163,10 @@ class RedisSettings:
             raise SettingsError("redis.service: the name the Sentinels monitor the primary by")
         if self.min_replicas < -1 or self.replica_timeout_ms < 1:
             raise SettingsError("redis.min_replicas must be >= -1 (-1: the default) and replica_timeout_ms >= 1")
+        if min(self.view_refresh_ms, self.sentinel_timeout_ms) < 1 or self.view_stale_ms <= self.view_refresh_ms:
+            raise SettingsError(
+                "redis.view_refresh_ms and sentinel_timeout_ms must be >= 1, and view_stale_ms above view_refresh_ms"
+            )
 
     @property
     def replicas_per_write(self) -> int:

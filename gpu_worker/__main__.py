@@ -10,6 +10,7 @@ import sys
 import redis
 import torch
 
+from contract.clock import CLOCK
 from contract.config import load_settings
 from contract.connection import connect
 from contract.logs import configure_logging
@@ -71,9 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         settings.gpu_worker.metrics_port if args.metrics_port is None else args.metrics_port,
         args.metrics_host or settings.gpu_worker.metrics_host,
     )
-    worker = GpuWorker(
-        settings, connect(settings, socket_timeout=30.0), devices, args.worker_id or default_worker_id(devices[0])
-    )
+    client = connect(settings, socket_timeout=30.0)
+    CLOCK.follow(client)  # the stamps, deadlines and heartbeat scores it writes: the service's clock
+    worker = GpuWorker(settings, client, devices, args.worker_id or default_worker_id(devices[0]))
     try:
         return worker.run()
     except WorkerIdInUse as exc:

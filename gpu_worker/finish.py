@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from contract.clock import now as service_now
 from contract.frames import Frame, FrameSource
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.jobs.record import FAILED, SUCCEEDED
@@ -173,7 +174,7 @@ class Finisher:
     def _outcomes(
         self, batch: InHand, output: DeviceOutput, documents: list[dict[str, Any]], readback_ms: float
     ) -> list[Outcome]:
-        finished_at = time.time()
+        finished_at = service_now()
         size, batch_id = len(batch.running), f"{self.worker_id}:{batch.seq}"
         durations = {INFER_MS: output.infer_ms, POSTPROCESS_MS: output.postprocess_ms + readback_ms}
         outcomes: list[Outcome] = []
@@ -251,6 +252,6 @@ class Finisher:
             "device_seconds_total": round(self.busy.total_s, 6),
             "batches_total": self.recent.batches_total + 1,
             "frames_total": self.recent.frames_total + taken,
-            "updated_at": time.time(),
+            "updated_at": service_now(),
             **self.host_counters(),
         }

@@ -18,6 +18,8 @@ from typing import Any
 
 import redis
 
+from contract.clock import now as service_now
+from contract.deadlines import is_past
 from contract.frames import Frame, FrameError, FrameSource, read_job_id, unpack_frame
 from contract.jobs.ending import expired_fields
 from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
@@ -101,7 +103,7 @@ class Intake:
     def prepare(self, batch: Batch[memoryview], epoch: str = "") -> InHand:
         """The batch triaged, and its running frames staged."""
         seq = self.next_seq()
-        offset = time.time() - time.monotonic()
+        offset = service_now() - time.monotonic()
         with self.clock("unpack"):
             frames, refused = self._unpack(batch)
         with self.clock("triage"):
@@ -128,8 +130,8 @@ class Intake:
             seq=self.next_seq(),
             taken=len(batch),
             closed_by=batch.closed_by,
-            opened_at=time.time(),
-            closed_at=time.time(),
+            opened_at=service_now(),
+            closed_at=service_now(),
             running=[],
             popped_at=[],
             taken_bytes=sum(len(item) for item in batch.items),
@@ -171,10 +173,10 @@ class Intake:
         """One round trip moves the frames' jobs to running (unless poisoned); the unreadable, the
         late and the poisoned cost one more each, only when there are any. (Not one pipeline: redis-py
         checks a pipeline's scripts with an extra round trip of its own.)"""
-        now = time.time()
+        now = service_now()
         candidates = []
         for frame, popped in frames:
-            if now > frame.header.deadline_at:
+            if is_past(frame.header.deadline_at, now):
                 refused.append((frame.header.job_id, EXPIRED, expired_fields("before inference")))
                 metrics.FRAMES_EXPIRED.labels(*self.model_labels).inc()
             else:
@@ -209,6 +211,6 @@ class Intake:
 def _frame_age(raw: memoryview) -> float:
     """Seconds a frame waited in the list; unreadable frames count as fresh."""
     try:
-        return max(0.0, time.time() - unpack_frame(raw).header.enqueued_at)
+        return max(0.0, service_now() - unpack_frame(raw).header.enqueued_at)
     except FrameError:
         return 0.0

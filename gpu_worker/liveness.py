@@ -29,6 +29,8 @@ from typing import Any
 
 import redis
 
+from contract.clock import CLOCK
+from contract.clock import now as service_now
 from contract.frame_shards import requeue_sharded_frames_of
 from contract.frames import requeue_frames_of
 from contract.heartbeat import Heartbeat
@@ -172,6 +174,7 @@ class Liveness:
         stalled = time.monotonic() - self.last_progress() > stall_limit
         if stalled:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
+        CLOCK.sync_if_due()
         asked_at = time.monotonic()
         alive = self._beat(
             keys=[self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id), self.keys.gpu_workers],
@@ -180,7 +183,7 @@ class Liveness:
                 "" if stalled else self.describe().to_redis(),
                 int(self.ttl_s * 1000),
                 self.worker_id,
-                time.time(),
+                service_now(),
             ],
         )
         if alive:
@@ -239,7 +242,7 @@ class Liveness:
 
     def reap_dead_workers(self) -> int:
         """Requeue the frames of workers whose heartbeat expired (they died holding them)."""
-        stale_before = time.time() - self.ttl_s
+        stale_before = service_now() - self.ttl_s
         moved = 0
         for raw_id in self.redis.zrangebyscore(self.keys.gpu_workers, "-inf", stale_before):
             worker_id = raw_id.decode() if isinstance(raw_id, bytes) else str(raw_id)

@@ -44,6 +44,7 @@ import numpy as np
 import redis
 
 from contract.cache import CacheLimits
+from contract.clock import now as service_now
 from contract.frame_shards import ShardedFrameSource
 from contract.frames import FrameSource, RedisFrameSource
 from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
@@ -128,7 +129,7 @@ class GpuWorker:
             on_presumed_dead=self.stopping.set,
             bulk=self.bulk,
         )
-        self.started_at = time.time()
+        self.started_at = service_now()
         self.last_progress = time.monotonic()
 
     def _lane(self, index: int, device: Device) -> Lane:
@@ -265,7 +266,7 @@ class GpuWorker:
                         lane.device.discard(batch.staged)
                     lane.done()
                     continue
-                batch.started_at = max(batch.closed_at, time.time())
+                batch.started_at = max(batch.closed_at, service_now())
                 if batch.staged is not None and not self._run_on_device(lane, batch):
                     lane.done()
                     continue

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import uuid
 from typing import Any
 
@@ -31,6 +30,7 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from contract.clock import now as service_now
 from contract.keys import CELERY_HELD
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
@@ -56,7 +56,7 @@ class HeldQoS(kombu_redis.QoS):
     def append(self, message: Any, delivery_tag: str) -> None:
         delivery = message.delivery_info
         with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: time.time()}).hset(
+            pipe.zadd(self.unacked_index_key, {delivery_tag: service_now()}).hset(
                 self.unacked_key,
                 delivery_tag,
                 kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]]),

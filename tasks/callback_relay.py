@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 
 import redis
 
+from contract.clock import now as service_now
 from contract.keys import Keys
 from tasks.callback_slots import TenantSlots
 
@@ -45,7 +45,7 @@ def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], l
     take = client.register_script(_TAKE_FROM_OUTBOX)
     sent = 0
     while sent < limit:
-        now = time.time()
+        now = service_now()
         job_id = take(
             keys=[keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
             args=[now, now - RELAY_STALE_AFTER_S],

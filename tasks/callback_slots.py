@@ -12,11 +12,11 @@ than its share, whoever sent the jobs).
 
 from __future__ import annotations
 
-import time
 import uuid
 
 import redis
 
+from contract.clock import now as service_now
 from contract.keys import Keys
 
 # A slot lapses this long after its attempt's deadline: the attempt's own Redis writes come after its POST.
@@ -84,7 +84,7 @@ class TenantSlots:
 
     def take(self, tenant: str, job_id: str) -> str | None:
         """A slot's token, or None: the job id waits in the tenant's held list until a slot is given back."""
-        token, now = uuid.uuid4().hex, time.time()
+        token, now = uuid.uuid4().hex, service_now()
         taken = self._take(
             keys=[self.keys.callback_slots(tenant), self.keys.callback_held(tenant), self.keys.callback_held_tenants],
             args=[now, token, now + self.hold_s + LAPSE_MARGIN_S, self.cap, job_id, tenant],
@@ -108,6 +108,6 @@ class TenantSlots:
         return int(
             self._free_lapsed(
                 keys=[self.keys.callback_held_tenants, self.keys.callback_outbox],
-                args=[self.keys.callback_slots(""), self.keys.callback_held(""), time.time(), self.cap],
+                args=[self.keys.callback_slots(""), self.keys.callback_held(""), service_now(), self.cap],
             )
         )

@@ -36,6 +36,7 @@ from contract.callbacks import (
     parse_callback_url,
     resolve_callback_url,
 )
+from contract.clock import now as service_now
 from contract.documents import job_document
 from contract.jobs.record import JobRecord, JobStore
 from contract.keys import Keys
@@ -283,11 +284,12 @@ class CallbackSender:
 
     def _attempt(self, job_id: str, record: JobRecord, state: dict[str, Any]) -> str:
         attempts = int(state.get("attempts", 0)) + 1
-        first_at = float(state.get("first_at") or time.time())
+        first_at = float(state.get("first_at") or service_now())
         delivery_id = state.get("delivery_id") or f"{job_id}.{record.get('status')}"
         base = {"attempts": attempts, "first_at": first_at, "delivery_id": delivery_id}
         self._record(job_id, {**base, "status": "delivering", "last_error": state.get("last_error")})
         body = json.dumps(job_document(record), separators=(",", ":")).encode()
+        # The receiver checks this against its own clock, not the service's: the host's, NTP's, is the one to show.
         timestamp = str(int(time.time()))
         deadline = Deadline(self.settings.deadline_s, self.settings.timeout_s)
         try:
@@ -308,7 +310,7 @@ class CallbackSender:
         return "delivered"
 
     def _failed(self, job_id: str, base: dict[str, Any], error: str, retry: bool) -> str:
-        now = time.time()
+        now = service_now()
         attempts = int(base["attempts"])
         within = now - float(base["first_at"]) < self.settings.retry_for_s
         if retry and attempts < self.settings.max_attempts and within:

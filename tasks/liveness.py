@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any, cast
 
 import redis
 from celery import bootsteps
 
+from contract.clock import CLOCK
+from contract.clock import now as service_now
 from contract.connection import connect
 from contract.jobs.ending import JobEnding
 from contract.keys import Keys
@@ -137,6 +138,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
 
         def start(self, consumer: Any) -> None:
             self.client = connect(settings, socket_timeout=2.0)
+            CLOCK.follow(self.client, sync=False)  # synced by the first beat, below
             self.store = JobEnding(self.client, keys, settings.jobs.ttl_s)
             self.tenants = sorted(
                 {tenant for queue in consumer.app.amqp.queues.consume_from if (tenant := keys.tenant_of_queue(queue))}
@@ -177,7 +179,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
             )
             while not stopping.wait(settings.celery.lost_delivery_s):
                 try:
-                    resent = lost.check(time.time())
+                    resent = lost.check(service_now())
                 except redis.RedisError as exc:  # Redis away: the consumer says so; look again next time
                     log.debug("lost deliveries: %s", exc)
                     continue
@@ -207,12 +209,13 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
         def beat(self, channel: Any) -> None:
             assert self.client is not None
             me = holder_id()
+            CLOCK.sync_if_due()
             try:
                 pipe = self.client.pipeline(transaction=False)
-                pipe.set(keys.cpu_heartbeat(me), str(time.time()), ex=max(1, round(ttl_s)))
-                pipe.zadd(keys.cpu_workers, {me: time.time()})
+                pipe.set(keys.cpu_heartbeat(me), str(service_now()), ex=max(1, round(ttl_s)))
+                pipe.zadd(keys.cpu_workers, {me: service_now()})
                 if self.tenants:
-                    pipe.hset(keys.cpu_tenants, mapping={tenant: str(time.time()) for tenant in self.tenants})
+                    pipe.hset(keys.cpu_tenants, mapping={tenant: str(service_now()) for tenant in self.tenants})
                 pipe.execute()
                 for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_by_tag).items():
                     log.warning(
@@ -221,7 +224,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                         count,
                         extra={"dead_worker": holder, "tasks": count},
                     )
-                restored = restore_unheld(self.client, keys, me, channel, tags_in_hand(), time.time())
+                restored = restore_unheld(self.client, keys, me, channel, tags_in_hand(), service_now())
                 if restored:
                     log.warning(
                         "%d tasks recorded as this worker's that it does not hold (a lost ack or delivery: "
@@ -235,7 +238,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
         def sweep(self) -> None:
             assert self.store is not None
             try:
-                ended = self.store.expire_overdue(time.time())
+                ended = self.store.expire_overdue(service_now())
             except redis.RedisError:
                 return
             if ended:

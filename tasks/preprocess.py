@@ -14,6 +14,9 @@ import uuid
 import redis
 
 from contract import frames
+from contract.clock import CLOCK
+from contract.clock import now as service_now
+from contract.deadlines import is_past
 from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame
 from contract.jobs.handoff import JobHandOff
@@ -57,7 +60,8 @@ class Preprocessor:
         """Returns what happened, for the task's log line and Flower. The job store away (a failover to another
         primary, a restart) is waited out here, for most of the task's time limit: a task that failed instead
         would be acked and its job left in `preprocessing` until its deadline."""
-        started_at = time.time()
+        CLOCK.sync_if_due()  # a child's copy of its worker's clock: measured again every SYNC_EVERY_S
+        started_at = service_now()
         give_up_at = time.monotonic() + self.settings.celery.task_time_limit_s * STORE_RETRY_SHARE
         backoff = STORE_RETRY_FIRST_S
         while True:
@@ -142,7 +146,7 @@ class Preprocessor:
         limit = self.settings.max_frames(spec)
         ready = time.perf_counter()
         while True:
-            pushed_at = time.time()
+            pushed_at = service_now()
             tried = {**stamps, BACKPRESSURE_MS: (time.perf_counter() - ready) * 1000.0, PUSHED_AT: pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
             try:
@@ -163,7 +167,7 @@ class Preprocessor:
         """Until the model's list has room (True) or the job's deadline passes (it ends expired: False),
         looking at the list's length rather than sending the frame again each time."""
         while True:
-            if time.time() > record["deadline_at"]:
+            if is_past(record["deadline_at"]):
                 self.store.expire(job_id, "waiting for room on the GPU list")
                 return False
             time.sleep(self.settings.backpressure.room_poll_s)
@@ -172,7 +176,7 @@ class Preprocessor:
 
     def _wait_for_memory(self, job_id: str, record: JobRecord) -> bool:
         """A pause before the push is tried again; False (the job ended expired) once its deadline passed."""
-        if time.time() + OOM_RETRY_S > record["deadline_at"]:
+        if is_past(record["deadline_at"] - OOM_RETRY_S):
             try:
                 self.store.expire(job_id, "while the job store was full")
             except redis.RedisError:

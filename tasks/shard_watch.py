@@ -9,12 +9,12 @@ workers may end the same jobs: the first end wins (contract.jobs.ending), the ot
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from typing import Any, cast
 
 import redis
 
+from contract.clock import now as service_now
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU
 from contract.keys import Keys
@@ -43,7 +43,7 @@ class ShardWatch:
         """One look at each shard: {shard: jobs ended} for the shards whose jobs it ended."""
         if not self.bulk.sharded:
             return {}
-        now = time.time() if now is None else now
+        now = service_now() if now is None else now
         ended = {}
         for index, client in enumerate(self.bulk.clients):
             count = self._check_one(index, client, now)

@@ -20,6 +20,7 @@ from celery.signals import (
     worker_shutdown,
 )
 
+from contract.clock import CLOCK
 from contract.config import load_settings
 from contract.connection import connect
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
@@ -51,7 +52,9 @@ class PreprocessTask(Task):
     @property
     def preprocessor(self) -> Preprocessor:
         if self._preprocessor is None:
-            self._preprocessor = Preprocessor(self.settings, connect(self.settings, socket_timeout=10.0))
+            client = connect(self.settings, socket_timeout=10.0)
+            CLOCK.follow(client)  # this child's: the deadlines and stamps it writes are the service's
+            self._preprocessor = Preprocessor(self.settings, client)
         return self._preprocessor
 
 
@@ -64,7 +67,9 @@ class CallbackTask(Task):
     @property
     def sender(self) -> CallbackSender:
         if self._sender is None:
-            self._sender = CallbackSender(self.settings, connect(self.settings, socket_timeout=10.0))
+            client = connect(self.settings, socket_timeout=10.0)
+            CLOCK.follow(client)
+            self._sender = CallbackSender(self.settings, client)
         return self._sender
 
 

@@ -51,12 +51,27 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a node runs: the address the others reach it at (and it binds), its port (0: a free one on this
+    machine), and what its command line is run under (bench.hosts: `ip netns exec <host>`, a moved clock)."""
+
+    address: str = "127.0.0.1"
+    port: int = 0
+    prefix: tuple[str, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+
+
+HERE = Place()
+
+
 @dataclass
 class Node:
     name: str
     port: int
     argv: list[str]
     pid: int = 0
+    host: str = "127.0.0.1"
 
     def alive(self) -> bool:
         if not self.pid:
@@ -78,6 +93,9 @@ class RedisHA:
     password: str = ""  # the servers' requirepass (and the Sentinels' auth-pass); none: ""
     down_after_ms: int = DOWN_AFTER_MS
     nodes: dict[str, Node] = field(default_factory=dict)
+    # Where each node runs (by name: a, b, c, s1-s3); this machine's loopback for any not named. A node placed
+    # elsewhere binds its address with protected mode off (reachable from other hosts without a password).
+    places: dict[str, Place] = field(default_factory=dict)
 
     # --- start and stop -----------------------------------------------------------------------------------
 
@@ -89,26 +107,39 @@ class RedisHA:
                     item.unlink()
             else:
                 old.unlink()
-        primary = free_port()
-        self._server("a", primary, [])
+        primary = self._place("a")
+        self._server("a", [])
         for name in REPLICAS:
-            self._server(name, free_port(), ["--replicaof", "127.0.0.1", str(primary)])
+            self._server(name, ["--replicaof", primary.address, str(self.nodes["a"].port)])
         for name in ("s1", "s2", "s3"):
-            self._sentinel(name, free_port(), primary)
+            self._sentinel(name, primary.address, self.nodes["a"].port)
         self._save()
         self.wait_settled(START_LIMIT_S)
         return self
 
-    def _server(self, name: str, port: int, extra: list[str]) -> None:
+    def _place(self, name: str) -> Place:
+        return self.places.get(name, HERE)
+
+    def _port(self, name: str) -> int:
+        return self._place(name).port or free_port()
+
+    def _exposure(self, name: str) -> list[str]:
+        """How a node placed on another host opens itself to the others (loopback stays protected)."""
+        address = self._place(name).address
+        return [] if address == HERE.address else ["--protected-mode", "no"]
+
+    def _server(self, name: str, extra: list[str]) -> None:
         home = self.folder / name
         home.mkdir(exist_ok=True)
+        port = self._port(name)
         auth = ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
         argv = [
             "redis-server",
             "--port",
             str(port),
             "--bind",
-            "127.0.0.1",
+            self._place(name).address,
+            *self._exposure(name),
             "--dir",
             str(home),
             "--save",
@@ -119,18 +150,20 @@ class RedisHA:
             *auth,
             *extra,
         ]
-        self._spawn(Node(name, port, argv))
+        self._spawn(Node(name, port, argv, host=self._place(name).address))
 
-    def _sentinel(self, name: str, port: int, primary: int) -> None:
+    def _sentinel(self, name: str, primary_host: str, primary_port: int) -> None:
         home = self.folder / name
         home.mkdir(exist_ok=True)
         config = home / "sentinel.conf"  # Sentinel rewrites it with what it learns: its own file
+        port = self._port(name)
         lines = [
             f"port {port}",
-            "bind 127.0.0.1",
+            f"bind {self._place(name).address}",
+            *(["protected-mode no"] if self._exposure(name) else []),
             f"dir {home}",
             f"logfile {home / 'sentinel.log'}",
-            f"sentinel monitor {self.service} 127.0.0.1 {primary} 2",
+            f"sentinel monitor {self.service} {primary_host} {primary_port} 2",
             f"sentinel down-after-milliseconds {self.service} {self.down_after_ms}",
             f"sentinel failover-timeout {self.service} {FAILOVER_TIMEOUT_MS}",
             f"sentinel parallel-syncs {self.service} 1",
@@ -138,28 +171,33 @@ class RedisHA:
         if self.password:
             lines.append(f"sentinel auth-pass {self.service} {self.password}")
         config.write_text("\n".join(lines) + "\n")
-        self._spawn(Node(name, port, ["redis-server", str(config), "--sentinel"]))
+        self._spawn(Node(name, port, ["redis-server", str(config), "--sentinel"], host=self._place(name).address))
 
     def _spawn(self, node: Node) -> None:
+        place = self._place(node.name)
         process = subprocess.Popen(
-            node.argv,
+            [*place.prefix, *node.argv],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, **dict(place.env)} if place.env else None,
         )
         node.pid = process.pid
         self.nodes[node.name] = node
 
     def _save(self) -> None:
-        state = {name: {"port": n.port, "argv": n.argv, "pid": n.pid} for name, n in self.nodes.items()}
+        state = {name: {"port": n.port, "argv": n.argv, "pid": n.pid, "host": n.host} for name, n in self.nodes.items()}
         (self.folder / "nodes.json").write_text(json.dumps({"service": self.service, "nodes": state}, indent=1))
 
     @classmethod
     def load(cls, folder: Path) -> RedisHA:
         saved = json.loads((folder / "nodes.json").read_text())
         ha = cls(folder, service=saved["service"])
-        ha.nodes = {name: Node(name, n["port"], n["argv"], n["pid"]) for name, n in saved["nodes"].items()}
+        ha.nodes = {
+            name: Node(name, n["port"], n["argv"], n["pid"], n.get("host", HERE.address))
+            for name, n in saved["nodes"].items()
+        }
         return ha
 
     def stop(self) -> None:
@@ -179,7 +217,7 @@ class RedisHA:
 
     @property
     def sentinels(self) -> list[str]:
-        return [f"127.0.0.1:{self.nodes[name].port}" for name in ("s1", "s2", "s3")]
+        return [f"{self.nodes[name].host}:{self.nodes[name].port}" for name in ("s1", "s2", "s3")]
 
     def env(self) -> dict[str, str]:
         """The variables that point every process at this set (contract.config's names)."""
@@ -188,30 +226,33 @@ class RedisHA:
             "IMGSERVE_REDIS__SERVICE": self.service,
         }
 
-    def _ask(self, name: str) -> redis.Redis:
-        return redis.Redis(port=self.nodes[name].port, socket_timeout=2, socket_connect_timeout=2)
+    def _ask(self, name: str, password: str = "") -> redis.Redis:
+        node = self.nodes[name]
+        return redis.Redis(
+            host=node.host, port=node.port, password=password or None, socket_timeout=2, socket_connect_timeout=2
+        )
 
     def primary(self) -> str | None:
         """Which server (a, b or c) a majority of the live Sentinels name the primary now."""
-        votes: dict[int, int] = {}
+        votes: dict[tuple[str, int], int] = {}
         for name in ("s1", "s2", "s3"):
             try:
                 address: Any = self._ask(name).sentinel_get_master_addr_by_name(self.service)
             except redis.RedisError:
                 continue
             if address:  # (host, port), or None before it knows
-                votes[int(address[1])] = votes.get(int(address[1]), 0) + 1
+                host = address[0].decode() if isinstance(address[0], bytes) else str(address[0])
+                key = (host, int(address[1]))
+                votes[key] = votes.get(key, 0) + 1
         for node in (self.nodes[name] for name in SERVERS):
-            if votes.get(node.port, 0) >= 2:
+            if votes.get((node.host, node.port), 0) >= 2:
                 return node.name
         return None
 
     def role(self, name: str) -> str | None:
         """What the server itself says it is (master / slave), or None when it does not answer."""
         try:
-            reply = redis.Redis(
-                port=self.nodes[name].port, password=self.password or None, socket_timeout=2, socket_connect_timeout=2
-            ).execute_command("ROLE")
+            reply = self._ask(name, self.password).execute_command("ROLE")
         except redis.RedisError:
             return None
         role = reply[0]
@@ -234,9 +275,7 @@ class RedisHA:
     def _replicas_linked(self, primary: str) -> int:
         """How many replicas the primary streams to (state online)."""
         try:
-            info = redis.Redis(port=self.nodes[primary].port, password=self.password or None, socket_timeout=2).info(
-                "replication"
-            )
+            info = self._ask(primary, self.password).info("replication")
         except redis.RedisError:
             return 0
         return sum(
@@ -262,7 +301,7 @@ class RedisHA:
         node = self.nodes[name]
         if node.alive():
             raise RuntimeError(f"{name} is running")
-        self._spawn(Node(name, node.port, node.argv))
+        self._spawn(Node(name, node.port, node.argv, host=node.host))
         self._save()
 
 

@@ -10,7 +10,6 @@ hit: contract.jobs.intake) start with it; `JobEnding` runs it alone (`finish_man
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -18,6 +17,8 @@ import redis
 
 from contract.budget import RELEASE_LUA
 from contract.cache import REMEMBER_LUA, CacheLimits
+from contract.clock import now as service_now
+from contract.deadlines import DEADLINE_PASSED_LUA
 from contract.jobs.record import EXPIRED, FAILED, TERMINAL, TERMINAL_LUA, JobStatus, JobStore, flatten_fields
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.shards import BulkPlane
@@ -41,6 +42,7 @@ FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: scripts f
 # ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
 FINISH_JOBS_LUA = (
     TERMINAL_LUA
+    + DEADLINE_PASSED_LUA
     + RELEASE_LUA
     + REMEMBER_LUA
     + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
@@ -56,8 +58,8 @@ local function late_as_expired(key, fields)
     elseif fields[i] == 'result' then result = i end
   end
   local deadline = tonumber(redis.call('HGET', key, 'deadline_at'))
-  if not status or fields[status + 1] ~= SUCCEEDED or not deadline or not finished
-      or tonumber(fields[finished + 1]) <= deadline then
+  if not status or fields[status + 1] ~= SUCCEEDED or not finished
+      or not deadline_passed(deadline, fields[finished + 1]) then
     return fields
   end
   local kept = {}
@@ -172,7 +174,7 @@ class JobEnding(JobStore):
 
     def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
         """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""
-        now = time.time()
+        now = service_now()
         keys: list[str] = []
         args: list[Any] = []
         for job_id, status, fields in outcomes:

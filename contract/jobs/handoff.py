@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import redis
 
+from contract.deadlines import DEADLINE_PASSED_LUA
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import PREPROCESSING, QUEUED, JobRecord, decode_record
 from contract.keys import Keys
@@ -23,18 +24,21 @@ from contract.timebill import CPU_STARTED_AT
 # KEYS[1] job hash; ARGV[1] now, ARGV[2] the claim (a token of this attempt, which its push must show).
 # Returns {verdict, record fields...}: 'claimed' (now preprocessing), 'missing', 'over' (past this stage or
 # ended), 'late' (deadline passed, unchanged: the caller ends it).
-_CLAIM = f"""
+_CLAIM = (
+    DEADLINE_PASSED_LUA
+    + f"""
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status then return {{'missing'}} end
 if status ~= '{QUEUED.value}' and status ~= '{PREPROCESSING.value}' then return {{'over', 'status', status}} end
 local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline_at'))
-if deadline and tonumber(ARGV[1]) > deadline then return {{'late'}} end
+if deadline_passed(deadline, ARGV[1]) then return {{'late'}} end
 redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', '{CPU_STARTED_AT}', ARGV[1], 'updated_at', ARGV[1],
            'claim', ARGV[2])
 local reply = redis.call('HGETALL', KEYS[1])
 table.insert(reply, 1, 'claimed')
 return reply
 """
+)
 
 
 class JobHandOff(JobEnding):

@@ -11,18 +11,19 @@ admission (app.admission) decides what to do with either answer.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import redis
 
 from contract import budget
 from contract.cache import CacheLimits
-from contract.connection import NotReplicated, execute_and_wait
+from contract.clock import now as service_now
+from contract.connection import AnswerNotReplicated, NotReplicated, execute_and_wait
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES, JobEnding
 from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
 from contract.keys import Keys
+from contract.replication import DurableWrites, SharedFence
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
 
 log = logging.getLogger(__name__)
@@ -72,10 +73,27 @@ LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger uploa
 
 class Replication(NamedTuple):
     """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
-    (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait."""
+    (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait. Behind Sentinel, `durable` says how
+    many (every replica the Sentinels see up, at least `replicas`) and on which server (contract.replication)."""
 
     replicas: int = 0
     timeout_ms: int = 1000
+    durable: DurableWrites | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.replicas) or self.durable is not None
+
+    def wanted(self) -> int:
+        """Replicas the next promised write waits for (Unconfirmed when the Sentinels cannot say)."""
+        return self.replicas if self.durable is None else self.durable.wanted()
+
+    def wait(self, client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int, int]:
+        """`commands` on the primary, then WAIT for the wanted replicas: (replies, acknowledged, wanted)."""
+        wanted = self.wanted()
+        check = self.durable.check_primary if self.durable is not None else None
+        replies, acknowledged = execute_and_wait(client, commands, wanted, self.timeout_ms, check)
+        return replies, acknowledged, wanted
 
 
 NO_REPLICATION = Replication()
@@ -108,6 +126,8 @@ class JobIntake(JobEnding):
         self.uploads = uploads or client
         self.replication = replication
         self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
+        self._fence = SharedFence(self._fence_round)  # reads that show how a job ended (confirm_durable)
+        self._fenced = (0, 0)  # the last round's (acknowledged, wanted)
 
     def create(
         self,
@@ -146,18 +166,16 @@ class JobIntake(JobEnding):
         if task is not None:
             pipe.lpush(*task)
         try:
-            if self.replication.replicas:
+            if self.replication.enabled:
                 # WAIT after the transaction, on its connection: the upload, written before it, is acknowledged
                 # with it (a replica's offset covers everything the primary wrote before). The transaction also
                 # looks for the upload: written to a primary that a failover replaced since, it is not there.
-                replies, acknowledged = execute_and_wait(
+                replies, acknowledged, wanted = self.replication.wait(
                     self.redis,
                     [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key), ("EXEC",)],
-                    self.replication.replicas,
-                    self.replication.timeout_ms,
                 )
-                if acknowledged < self.replication.replicas or not replies[-1][-1]:
-                    raise NotReplicated(acknowledged if replies[-1][-1] else 0, self.replication.replicas)
+                if acknowledged < wanted or not replies[-1][-1]:
+                    raise NotReplicated(acknowledged if replies[-1][-1] else 0, wanted)
             else:
                 pipe.execute()
         except NotReplicated:
@@ -215,7 +233,7 @@ class JobIntake(JobEnding):
         args = [
             *self.finish_names(),
             digest,
-            repr(time.time()),
+            repr(service_now()),
             cache_ttl_s,
             admission.model_key,
             len(admission_keys),
@@ -224,30 +242,43 @@ class JobIntake(JobEnding):
             *record,
             *job_args,
         ]
-        if self.replication.replicas:  # a hit is a new job, answered: on its replicas before the 202 says so
-            reply, acknowledged = self._script_and_wait(self._answer_or_admit, keys, args)
-            if reply[0] == b"hit" and acknowledged < self.replication.replicas:
-                raise NotReplicated(acknowledged, self.replication.replicas)  # (a miss waits at `create`)
+        if self.replication.enabled:  # a hit is a new job, answered: on its replicas before the 202 says so
+            reply, acknowledged, wanted = self._script_and_wait(self._answer_or_admit, keys, args)
+            if reply[0] == b"hit" and acknowledged < wanted:
+                raise NotReplicated(acknowledged, wanted)  # (a miss waits at `create`)
         else:
             reply = self._answer_or_admit(keys=keys, args=args)
         if reply[0] == b"hit":
             return CacheHit(bytes(reply[1]).decode(), bytes(reply[2]).decode())
         return budget.Admission.of(reply)
 
-    def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int]:
-        """A registered script's EVALSHA, then WAIT on its connection (execute_and_wait): (its reply, replicas
-        that acknowledged). Loaded first when the server does not know it (a new primary, a restart)."""
+    def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int, int]:
+        """A registered script's EVALSHA, then WAIT on its connection (Replication.wait): (its reply, replicas
+        that acknowledged, replicas wanted). Loaded first when the server does not know it (a new primary, a
+        restart)."""
         command = ("EVALSHA", script.sha, len(keys), *keys, *args)
         try:
-            replies, acknowledged = execute_and_wait(
-                self.redis, [command], self.replication.replicas, self.replication.timeout_ms
-            )
+            replies, acknowledged, wanted = self.replication.wait(self.redis, [command])
         except redis.exceptions.NoScriptError:
             self.redis.script_load(script.script)
-            replies, acknowledged = execute_and_wait(
-                self.redis, [command], self.replication.replicas, self.replication.timeout_ms
-            )
-        return replies[0], acknowledged
+            replies, acknowledged, wanted = self.replication.wait(self.redis, [command])
+        return replies[0], acknowledged, wanted
+
+    def confirm_durable(self, job_id: str) -> None:
+        """Before a read shows how a job ended: that end is on the replicas a 202 waits for, so no failover can
+        take it back (AnswerNotReplicated otherwise: the reader asks again). Nothing to do without replicas.
+        A PUBLISH on its own connection, then WAIT: a replica's acknowledged offset covers everything the
+        primary wrote before it, the end included (PUBLISH travels the replication stream and stores nothing)."""
+        if not self.replication.enabled:
+            return
+        if not self._fence.confirm():
+            raise AnswerNotReplicated(*self._fenced)
+
+    def _fence_round(self) -> bool:
+        """One round of the readers' shared fence (contract.replication.SharedFence)."""
+        _, acknowledged, wanted = self.replication.wait(self.redis, [("PUBLISH", self.keys.durable_fence, "")])
+        self._fenced = (acknowledged, wanted)
+        return acknowledged >= wanted
 
     def _write_upload(self, client: redis.Redis, key: str, ttl_s: int, upload: bytes) -> None:
         """The upload alone on the wire and last in its command (SETEX key ttl value): Redis then keeps the

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-import time
-import uuid
+import secrets
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -18,6 +17,7 @@ from typing import Any, TypedDict, cast
 
 import redis
 
+from contract.clock import now as service_now
 from contract.keys import Keys
 from contract.shards import BulkPlane
 from contract.timebill import FINISHED_AT, RECORD_STAMPS
@@ -117,7 +117,29 @@ JOB_ID_PATTERN = r"^[0-9a-f]{32}$"  # what new_job_id() makes; anything else is 
 
 
 def new_job_id() -> str:
-    return uuid.uuid4().hex
+    """32 hex digits: when it was issued (the service clock's milliseconds, 12 digits, as a UUIDv7 begins) and
+    80 random bits. The moment lets a read that finds no record tell a job the service lost (a failover it did
+    not survive, a Redis restarted without its data: `lost_at`) from one it never issued or has forgotten."""
+    return f"{int(service_now() * 1000):012x}{secrets.token_hex(10)}"
+
+
+def issued_at(job_id: str) -> float:
+    """The moment new_job_id() made `job_id` (service clock, epoch seconds)."""
+    return int(job_id[:12], 16) / 1000.0
+
+
+def lost_at(job_id: str, ttl_s: int, now: float | None = None) -> float | None:
+    """When a job whose record is missing was issued, if its record should still be there: a record lives
+    at least `ttl_s` from its creation (its end renews it). None when the id is not ours, is older than that
+    (expired, as records do) or is from the future. A margin of a minute keeps a record on the edge of its TTL
+    out. (An id 12 random hex digits would claim falls in the last hour with odds of about 1 in 10^8.)"""
+    if not is_job_id(job_id):
+        return None
+    issued, now = issued_at(job_id), service_now() if now is None else now
+    return issued if now - (ttl_s - LOST_MARGIN_S) <= issued <= now + LOST_MARGIN_S else None
+
+
+LOST_MARGIN_S = 60
 
 
 def is_job_id(text: str) -> bool:
@@ -169,7 +191,7 @@ class JobStore:
         assert status not in TERMINAL, status
         args: list[Any] = [
             max_attempts,
-            *flatten_fields({"status": status, "updated_at": time.time(), **(fields or {})}),
+            *flatten_fields({"status": status, "updated_at": service_now(), **(fields or {})}),
         ]
         return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args, client=client or self.redis)
 

@@ -1,0 +1,221 @@
+"""What a `202` waits for behind Sentinel: the job on every replica the Sentinels could promote.
+
+Redis replicates asynchronously and Sentinel promotes, among the replicas the majority of Sentinels can reach,
+the one with the most data; it does not look for the replica that holds a given write. `WAIT 1` after a job's
+write (what a 202 waited for until issue 51) says that *some* replica holds it: a replica on the primary's own
+side of a partition, or on its host, acknowledges it, the Sentinels promote one on the other side, and the
+old primary and its replica are turned into replicas of the new one, their writes discarded. Measured before
+this module: 249 of 375 accepted jobs gone after a 20-s partition (Jepsen's analysis of Redis, and Redis's own
+"Sentinel and Redis consistency", explain why).
+
+So a write that a 202 promises waits for **every replica the Sentinels see up** (`DurableWrites.wanted`), never
+fewer than `redis.min_replicas`: whichever they promote then holds it, since a replica they see down cannot be
+promoted (Sentinel skips replicas it flags down or disconnected), and one that comes back resyncs from the
+primary before it acknowledges anything. The count comes from a majority of the configured Sentinels (`SentinelView`,
+refreshed every `redis.view_refresh_ms` on a thread of its own); without a majority's answer for
+`redis.view_stale_ms`, or when the connection about to carry the write is not on the primary the majority names,
+nothing is promised (`Unconfirmed`: 503). Each costs availability, never a promise:
+
+- a replica down is not waited for once the Sentinels flag it (1.5 s, `down-after-milliseconds`);
+- after the primary's host is cut off with a replica on it, the new primary has no replica the Sentinels see
+  up: 503 until the old side rejoins (with `min_replicas` 1, a 202 always means two servers hold the job);
+- the writes of a primary cut off from the majority are never promised, and what it answered to readers is
+  checked the same way before a read shows it (`JobIntake.confirm_durable`, the API's read of an ended job).
+
+What remains is named in docs/reliability.md with the scenario that shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+log = logging.getLogger(__name__)
+
+
+class Unconfirmed(redis.ConnectionError):
+    """A write could not be promised: no majority of Sentinels answered lately, or the connection is not on the
+    primary they name. A ConnectionError: every caller treats it as the store unreachable (503, retry)."""
+
+
+@dataclass(frozen=True)
+class SentinelView:
+    """What a majority of the Sentinels said at `at` (monotonic): the primary, and the replicas any of them sees
+    up (their addresses)."""
+
+    primary: tuple[str, int]
+    replicas_up: frozenset[tuple[str, int]]
+    answered: int
+    at: float
+
+
+def majority_view(
+    answers: Sequence[tuple[tuple[str, int] | None, list[dict[str, Any]]]], configured: int, at: float
+) -> SentinelView | None:
+    """The view of the Sentinels that answered, each as (the primary it names, its replicas' states as
+    SENTINEL REPLICAS gives them), if a majority of the `configured` ones name one primary; None otherwise. A
+    replica counts as up if any Sentinel of that majority sees it up: a count too high costs a wait, one too
+    low a promise."""
+    majority = configured // 2 + 1  # of the Sentinels configured, not of those that answered
+    by_primary: dict[tuple[str, int], list[list[dict[str, Any]]]] = {}
+    for primary, replicas in answers:
+        if primary is not None:
+            by_primary.setdefault(primary, []).append(replicas)
+    for primary, lists in by_primary.items():
+        if len(lists) >= majority:
+            up = {
+                (_text(state["ip"]), int(state["port"]))
+                for replicas in lists
+                for state in replicas
+                if _may_hold(state)
+            }
+            return SentinelView(primary, frozenset(up), len(lists), at)
+    return None
+
+
+class DurableWrites:
+    """How many replicas a promised write waits for, and whether a connection is on the primary to promise it
+    from (see the module's note). `refresh()` asks every Sentinel; `start()` does it on a thread every
+    `refresh_s`."""
+
+    def __init__(
+        self,
+        sentinels: Sequence[redis.Redis],
+        service: str,
+        min_replicas: int,
+        refresh_s: float = 0.5,
+        stale_s: float = 2.0,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.sentinels = list(sentinels)
+        self.service = service
+        self.min_replicas = min_replicas
+        self.refresh_s = refresh_s
+        self.stale_s = stale_s
+        self._monotonic = monotonic
+        self.view: SentinelView | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def refresh(self) -> SentinelView | None:
+        """Ask every Sentinel (in turn; each bounded by its client's timeouts): the new view if a majority named
+        one primary, else None (the last view stands until it is stale)."""
+        answers = []
+        for sentinel in self.sentinels:
+            try:
+                pipe = sentinel.pipeline(transaction=False)
+                pipe.sentinel_get_master_addr_by_name(self.service)
+                pipe.sentinel_slaves(self.service)
+                address, replicas = pipe.execute()
+            except (redis.RedisError, OSError):
+                continue
+            primary = (_text(address[0]), int(address[1])) if address else None
+            answers.append((primary, replicas or []))
+        view = majority_view(answers, len(self.sentinels), self._monotonic())
+        if view is not None:
+            if self.view is not None and view.primary != self.view.primary:
+                log.warning("the Sentinels' majority names a new primary: %s:%d", *view.primary)
+            self.view = view
+        return view
+
+    def current(self) -> SentinelView:
+        """The latest view, if it is fresh; Unconfirmed otherwise (no majority answered for `stale_s`)."""
+        self._ensure_running()
+        view = self.view
+        if view is None or self._monotonic() - view.at > self.stale_s:
+            raise Unconfirmed("no majority of the Sentinels confirmed the primary lately")
+        return view
+
+    def wanted(self) -> int:
+        """Replicas a promised write must reach: every one the Sentinels see up, at least `min_replicas`."""
+        return max(self.min_replicas, len(self.current().replicas_up))
+
+    def check_primary(self, address: tuple[str, int]) -> None:
+        """Unconfirmed unless `address` is the primary the Sentinels' majority names."""
+        primary = self.current().primary
+        if (_text(address[0]), int(address[1])) != primary:
+            raise Unconfirmed(
+                f"{address[0]}:{address[1]} is not the primary the Sentinels name ({primary[0]}:{primary[1]})"
+            )
+
+    def start(self) -> None:
+        """A first view now, then one every `refresh_s` on a daemon thread (started again after a fork)."""
+        self.refresh()
+        self._ensure_running()
+
+    def _ensure_running(self) -> None:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._refresh_forever, name="sentinel-view", daemon=True)
+                self._thread.start()
+
+    def _refresh_forever(self) -> None:
+        while True:
+            started = self._monotonic()
+            try:
+                self.refresh()
+            except Exception:  # a reply it cannot read must not end the view for good
+                log.exception("sentinel view: a refresh failed")
+            time.sleep(max(0.05, self.refresh_s - (self._monotonic() - started)))
+
+
+class SharedFence:
+    """Confirms, for every thread that read something from the primary, that what it read is on the replicas:
+    one confirmation round in flight at a time (`round_trip`: a write on the replication stream, then WAIT;
+    True when enough replicas acknowledged it), shared by every reader that read before the round began. A
+    replica's acknowledged offset covers everything the primary wrote before the round's write, so a reader is
+    covered by the first round that starts after its read. So readers hold no connection while they wait, and
+    a burst of reads costs one round, not one each (one each, while the replicas lagged after a failover, held
+    every connection of the API's pool for a second apiece)."""
+
+    def __init__(self, round_trip: Callable[[], bool]) -> None:
+        self._round_trip = round_trip
+        self._changed = threading.Condition()
+        self._started = 0  # rounds begun
+        self._finished = 0  # rounds over (in order: one at a time)
+        self._outcomes: dict[int, bool] = {}  # the last few rounds' outcomes
+        self._in_flight = False
+
+    def confirm(self) -> bool:
+        """True once a round that began after this call was acknowledged; False when that round was not (the
+        caller says so: the reader asks again). A round that raises passes its error to the threads it covers."""
+        with self._changed:
+            mine = self._started + 1  # the first round to begin from now on covers this read
+            while self._finished < mine:
+                if not self._in_flight:
+                    self._in_flight, self._started = True, self._started + 1
+                    number = self._started
+                    self._changed.release()
+                    try:
+                        outcome: bool | BaseException = self._round_trip()
+                    except BaseException as exc:  # noqa: BLE001 - handed to the waiters below, then raised
+                        outcome = exc
+                    finally:
+                        self._changed.acquire()
+                    self._in_flight, self._finished = False, number
+                    self._outcomes[number] = outcome if isinstance(outcome, bool) else False
+                    self._outcomes.pop(number - 64, None)
+                    self._changed.notify_all()
+                    if number == mine and isinstance(outcome, BaseException):
+                        raise outcome
+                else:
+                    self._changed.wait()
+            return self._outcomes.get(mine, False)
+
+
+def _may_hold(state: dict[str, Any]) -> bool:
+    """A replica to wait for: one a Sentinel sees up and replicating (or syncing: WAIT waits for it to finish).
+    One that reports itself a primary (an old primary back after a failover, for the ~8 s before the Sentinels
+    turn it into a replica) cannot acknowledge anything, so it is not waited for."""
+    down = state.get("is_sdown") or state.get("is_odown") or state.get("is_disconnected")
+    return not down and _text(state.get("role-reported", "slave")) == "slave"
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
