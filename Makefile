@@ -1,4 +1,4 @@
-.PHONY: run test test-fast test-soak lint docs bootstrap compose-check compose-test peer
+.PHONY: run test test-fast test-soak test-chaos lint docs bootstrap compose-check compose-test peer
 
 run:          ## install what is needed, then run the whole service locally
 	scripts/run-local
@@ -11,6 +11,9 @@ test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-wo
 
 test-soak:    ## five minutes of steady load on make run's stack: no process may grow past its bound (tests/test_soak.py)
 	scripts/test -m soak
+
+test-chaos:   ## every partition, dead-host and clock scenario on several hosts (network namespaces; root): ~25 minutes
+	TEST_WORKERS=1 scripts/test -m chaos
 
 lint:         ## install what the checks need, then lint and format-check (ruff), type-check (mypy; strict on contract/), build the docs
 	scripts/bootstrap --dev

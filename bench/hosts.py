@@ -185,10 +185,16 @@ class Network:
             _run("ip", "link", "add", network.bridge, "type", "bridge")
             _run("ip", "addr", "add", f"{network.gateway}/{subnet.prefixlen}", "dev", network.bridge)
             _run("ip", "link", "set", network.bridge, "up")
+            # Where Docker runs, bridged traffic passes this namespace's FORWARD chain (br_netfilter), whose
+            # policy Docker sets to DROP: the hosts would not reach each other.
+            _run("iptables", "-I", "FORWARD", *network._forward_rule())
         except BaseException:
             network.close()
             raise
         return network
+
+    def _forward_rule(self) -> tuple[str, ...]:
+        return ("-i", self.bridge, "-o", self.bridge, "-j", "ACCEPT")
 
     def __enter__(self) -> Network:
         return self
@@ -273,6 +279,7 @@ class Network:
             _run("ip", "netns", "del", host.namespace, check=False)
             _run("ip", "link", "del", host.veth, check=False)
         _run("ip", "link", "del", self.bridge, check=False)
+        _run("iptables", "-D", "FORWARD", *self._forward_rule(), check=False)
         self.hosts.clear()
         (OWNERS / self.tag).unlink(missing_ok=True)
 
@@ -296,6 +303,11 @@ class Network:
             if not _owner_alive(match.group(2)):
                 _run("ip", "link", "del", match.group(1), check=False)
                 (OWNERS / match.group(2)).unlink(missing_ok=True)
+        for rule in re.findall(
+            r"^-A FORWARD (-i (imb[0-9a-f]{4}) .*)$", _run("iptables", "-S", "FORWARD").stdout, re.M
+        ):
+            if not _owner_alive(rule[1][3:]):
+                _run("iptables", "-D", "FORWARD", *rule[0].split(), check=False)
         return removed
 
 

@@ -100,7 +100,7 @@ class ServiceClock:
             self._next_sync_at = self._monotonic() + SYNC_EVERY_S
         if first and abs(self.offset_from_host_s) > 1.0:
             log.warning(
-                "this host's wall clock is %.3f s off the service's (the Redis primary's): the service's is used",
+                "this host's wall clock minus the service's (the Redis primary's) is %+.3f s: the service's is used",
                 -self.offset_from_host_s,
                 extra={"clock_offset_s": round(-self.offset_from_host_s, 3)},
             )

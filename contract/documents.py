@@ -22,7 +22,7 @@ from typing_extensions import TypedDict
 from contract.cache import CacheVerdict
 from contract.jobs.record import STATUSES, utc_iso
 from contract.models import MODEL_NAME_PATTERN
-from contract.timebill import RECEIVED_AT, STAGE_DESCRIPTIONS
+from contract.timebill import FINISHED_AT, RECEIVED_AT, STAGE_DESCRIPTIONS
 
 StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.record.JobStatus, as JSON spells it
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -135,6 +135,14 @@ class JobDocument(Document):
     status: StatusName
     model: ModelRef | None = Field(None, description="the model version the job was routed to")
     created_at: str | None = Field(json_schema_extra={"format": "date-time"})
+    deadline_at: str | None = Field(
+        None,
+        json_schema_extra={"format": "date-time"},
+        description="when it is over if it has not ended (created_at plus its deadline_ms): the service's clock",
+    )
+    finished_at: str | None = Field(
+        None, json_schema_extra={"format": "date-time"}, description="when it ended: the service's clock"
+    )
     options: JobOptions
     result: JobResult | None = Field(description="set once the job succeeded")
     error: JobError | None = Field(description="set once the job failed, expired or was cancelled")
@@ -149,6 +157,9 @@ class JobDocument(Document):
     )
 
 
+_MOMENTS = (("deadline_at", "deadline_at"), ("finished_at", FINISHED_AT))
+
+
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     """The public JSON of a stored job record."""
     created = record.get(RECEIVED_AT)
@@ -157,6 +168,7 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
         "status": record.get("status"),
         **({"model": model_ref(record["model"])} if record.get("model") else {}),
         "created_at": utc_iso(created) if created is not None else None,
+        **{name: utc_iso(record[stamp]) for name, stamp in _MOMENTS if record.get(stamp) is not None},
         "options": record.get("options") or {},
         "result": record.get("result"),
         "error": record.get("error"),

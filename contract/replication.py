@@ -73,7 +73,7 @@ def majority_view(
                 (_text(state["ip"]), int(state["port"]))
                 for replicas in lists
                 for state in replicas
-                if _may_hold(state)
+                if _may_hold(state, primary)
             }
             return SentinelView(primary, frozenset(up), len(lists), at)
     return None
@@ -209,12 +209,16 @@ class SharedFence:
             return self._outcomes.get(mine, False)
 
 
-def _may_hold(state: dict[str, Any]) -> bool:
-    """A replica to wait for: one a Sentinel sees up and replicating (or syncing: WAIT waits for it to finish).
-    One that reports itself a primary (an old primary back after a failover, for the ~8 s before the Sentinels
-    turn it into a replica) cannot acknowledge anything, so it is not waited for."""
+def _may_hold(state: dict[str, Any], primary: tuple[str, int]) -> bool:
+    """A replica to wait for: one a Sentinel sees up and replicating from `primary` (or syncing from it: WAIT
+    waits for it to finish). One that reports itself a primary (an old primary back after a failover, for the
+    ~8 s before the Sentinels turn it into a replica), or still follows the old primary (until they reconfigure
+    it), cannot acknowledge the primary's writes: it is not waited for."""
     down = state.get("is_sdown") or state.get("is_odown") or state.get("is_disconnected")
-    return not down and _text(state.get("role-reported", "slave")) == "slave"
+    if down or _text(state.get("role-reported", "slave")) != "slave":
+        return False
+    host, port = state.get("master-host"), state.get("master-port")
+    return host is None or port is None or (_text(host), int(port)) == primary
 
 
 def _text(value: Any) -> str:

@@ -111,11 +111,31 @@ class RedisHA:
         self._server("a", [])
         for name in REPLICAS:
             self._server(name, ["--replicaof", primary.address, str(self.nodes["a"].port)])
+        # The Sentinels after the replicas are linked: they learn the replicas from the primary's INFO, at once
+        # when they first connect, else only every 10 s, and cannot fail over to a replica they do not know.
+        self._until(lambda: self._replicas_linked("a") >= len(REPLICAS), START_LIMIT_S, "the replicas to link")
         for name in ("s1", "s2", "s3"):
             self._sentinel(name, primary.address, self.nodes["a"].port)
         self._save()
         self.wait_settled(START_LIMIT_S)
+        self._until(self._replicas_known, START_LIMIT_S, "the Sentinels to know both replicas")
         return self
+
+    def _until(self, condition: Any, limit_s: float, what: str) -> None:
+        deadline = time.monotonic() + limit_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Redis set in {self.folder}: waited {limit_s:g} s for {what}")
+            time.sleep(0.05)
+
+    def _replicas_known(self) -> bool:
+        """Every Sentinel lists both replicas (it could fail over to either)."""
+        try:
+            return all(
+                len(self._ask(name).sentinel_slaves(self.service)) >= len(REPLICAS) for name in ("s1", "s2", "s3")
+            )
+        except redis.RedisError:
+            return False
 
     def _place(self, name: str) -> Place:
         return self.places.get(name, HERE)

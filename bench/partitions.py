@@ -1,0 +1,325 @@
+"""`bench chaos --hosts`: the service as several hosts (bench.cluster), a steady load, and a fault: a partition, a
+host killed, a clock moved. Every client operation is recorded and the history checked afterwards
+(bench.history): what a 202 promised, and whether it was kept.
+
+    python -m bench chaos --hosts --scenario primary-cut-api-near --runs 3
+    python -m bench chaos --hosts --scenario all
+
+Each scenario is a layout (which role runs on which host), a fault made at `fault_at_s` and undone after
+`fault_s`, and a clock per host. The load: `qps` uploads a second, every image new, each job long-polled by its
+client until it ends, and read once more after the run. A run passes when the checker finds nothing lost,
+gone back, ended twice, expired early or billed off the clock, and no live worker was taken for dead.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from bench.cluster import HostedStack, Layout
+from bench.history import History, check, kept
+from bench.hosts import Network
+from bench.load import ImageStream, session_for
+from bench.stack import StackOptions
+from contract.jobs.record import TERMINAL
+
+Fault = Callable[[HostedStack], None]
+
+# A replica beside the primary, on its host: the layout that lost 249 of 375 jobs (issue 51).
+WITH_NEAR_REPLICA = Layout(redis=("redis-a", "redis-a", "redis-c"))
+# Log lines that say a live worker was taken for dead (a clock scenario must show none).
+TAKEN_FOR_DEAD = ("was found dead", "presumed dead")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    description: str
+    layout: Layout = field(default_factory=Layout)
+    fault: Fault | None = None
+    heal: Fault | None = None
+    skew: dict[str, float] = field(default_factory=dict)  # host name: seconds
+    # What the run must not show: a worker taken for dead (the clock scenarios: nothing was wrong with them).
+    workers_stay_alive: bool = False
+
+
+def _partition(near: Callable[[HostedStack], list[str]]) -> tuple[Fault, Fault]:
+    """A fault that cuts the hosts `near(stack)` names from every other host (the client reaches both sides)."""
+
+    def cut(stack: HostedStack) -> None:
+        names = near(stack)
+        side = [stack.host(n) for n in names]
+        stack.network.partition(side, [h for n, h in stack.network.hosts.items() if n not in names])
+
+    def heal(stack: HostedStack) -> None:
+        stack.network.heal()
+
+    return cut, heal
+
+
+def _isolate(host_name: str) -> tuple[Fault, Fault]:
+    def cut(stack: HostedStack) -> None:
+        stack.network.isolate(stack.host(host_name))
+
+    def heal(stack: HostedStack) -> None:
+        stack.network.heal()
+
+    return cut, heal
+
+
+def _kill(host_name: str) -> tuple[Fault, Fault]:
+    def kill(stack: HostedStack) -> None:
+        stack.kill_host(host_name)
+
+    def back(stack: HostedStack) -> None:
+        stack.restart_host(host_name)
+
+    return kill, back
+
+
+def _primary_side(with_api: bool) -> Callable[[HostedStack], list[str]]:
+    def near(stack: HostedStack) -> list[str]:
+        primary = stack.primary_host() or stack.layout.redis[0]
+        return [primary, stack.layout.api] if with_api else [primary]
+
+    return near
+
+
+def scenarios() -> dict[str, Scenario]:
+    found = [
+        Scenario(
+            "primary-cut-api-near",
+            "the primary's host and the API's cut off from the rest (the Sentinels' majority, the other replicas, "
+            "the workers); a replica on the primary's host",
+            WITH_NEAR_REPLICA,
+            *_partition(_primary_side(with_api=True)),
+        ),
+        Scenario(
+            "primary-cut-api-far",
+            "the primary's host (with a replica on it) cut off from every other host; the API on the far side",
+            WITH_NEAR_REPLICA,
+            *_partition(_primary_side(with_api=False)),
+        ),
+        Scenario(
+            "primary-alone-cut-api-near",
+            "the primary's host and the API's cut off from the rest; no replica on the primary's side",
+            Layout(),
+            *_partition(_primary_side(with_api=True)),
+        ),
+        Scenario(
+            "primary-alone-cut-api-far",
+            "the primary's host alone cut off from every other host",
+            Layout(),
+            *_partition(_primary_side(with_api=False)),
+        ),
+        Scenario(
+            "primary-host-killed",
+            "the primary's host, with a replica on it, killed whole (every process SIGKILLed at once); its processes "
+            "started again when the fault ends",
+            WITH_NEAR_REPLICA,
+            *_kill("redis-a"),
+        ),
+        Scenario("cpu-host-cut", "one CPU worker's host cut off mid-task", Layout(), *_isolate("cpu-1")),
+        Scenario("gpu-host-cut", "the GPU worker's host cut off mid-batch", Layout(), *_isolate("gpu")),
+    ]
+    clocks = (("api", "the API"), ("cpu-1", "a CPU worker"), ("gpu", "the GPU worker"), ("redis-a", "the primary"))
+    for host, role in clocks:
+        for skew in (10.0, -10.0):
+            found.append(
+                Scenario(
+                    f"clock-{host}{skew:+.0f}s",
+                    f"{role}'s host's clock {skew:+.0f} s against the others",
+                    Layout(),
+                    skew={host: skew},
+                    workers_stay_alive=True,
+                )
+            )
+    return {s.name: s for s in found}
+
+
+@dataclass
+class RunOptions:
+    qps: float = 10.0
+    fault_at_s: float = 6.0
+    fault_s: float = 20.0
+    after_s: float = 10.0  # load after the fault's end
+    deadline_ms: int = 60_000
+    drain_s: float = 90.0  # the longest a job is followed after the load stops
+
+
+def run_scenario(
+    scenario: Scenario, options: StackOptions, images: list[bytes], run: RunOptions, log: Callable[[str], None] = print
+) -> dict[str, Any]:
+    """One run of `scenario` on a fresh network and stack: the checker's verdict, with the bytes per link."""
+    workdir = Path(tempfile.mkdtemp(prefix=f"hosts-{scenario.name}-"))
+    with Network.create() as network:
+        stack = HostedStack(workdir, network, options, scenario.layout, dict(scenario.skew)).start()
+        try:
+            history = History()
+            load = Load(stack.url, images, run, history)
+            started = time.monotonic()
+            load.start()
+            if scenario.fault is not None:
+                _at(started + run.fault_at_s)
+                scenario.fault(stack)
+                fault_began = time.monotonic()
+                log(f"{scenario.name}: fault at {fault_began - started:.1f} s ({scenario.description})")
+                _at(fault_began + run.fault_s)
+                assert scenario.heal is not None
+                scenario.heal(stack)
+                history.fault = (fault_began, time.monotonic())
+                log(f"{scenario.name}: healed at {time.monotonic() - started:.1f} s")
+                _at(history.fault[1] + run.after_s)
+            else:
+                _at(started + run.fault_at_s + run.fault_s + run.after_s)
+            load.stop()
+            log(f"{scenario.name}: load stopped; following {len(history.accepted())} accepted jobs to their end")
+            load.drain(run.drain_s)
+            verdict = check(history, run.deadline_ms)
+            verdict["taken_for_dead"] = _taken_for_dead(stack)
+            verdict["bytes"] = {f"{a}->{b}": n for (a, b), n in sorted(network.bytes_between().items()) if n}
+            verdict["ok"] = kept(verdict) and not (scenario.workers_stay_alive and verdict["taken_for_dead"])
+            verdict["scenario"] = scenario.name
+            verdict["primary_at_end"] = stack.primary_host()
+        finally:
+            stack.stop()
+    return verdict
+
+
+def _at(moment: float) -> None:
+    time.sleep(max(0.0, moment - time.monotonic()))
+
+
+def _taken_for_dead(stack: HostedStack) -> int:
+    return sum(text.count(marker) for _, text in stack.logs() for marker in TAKEN_FOR_DEAD)
+
+
+class Load:
+    """Submissions at a steady rate (each on a thread of a pool: a slow answer does not slow the next), each
+    accepted job long-polled until it ends; `drain` follows what is left, then reads every accepted job once
+    more. Every operation goes into the history."""
+
+    def __init__(self, url: str, images: list[bytes], run: RunOptions, history: History) -> None:
+        self.url, self.run, self.history = url, run, history
+        self.stream = ImageStream(images)  # every image new: computed, not answered from the result cache
+        self.submitters = ThreadPoolExecutor(32)
+        self.followers = ThreadPoolExecutor(96)
+        self.session = session_for(128)
+        self.stopping = threading.Event()
+        self.pacer = threading.Thread(target=self._pace, name="load", daemon=True)
+
+    def start(self) -> None:
+        self.pacer.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.pacer.join()
+        self.submitters.shutdown(wait=True)
+
+    def drain(self, limit_s: float) -> None:
+        self.give_up_at = time.monotonic() + limit_s
+        self.followers.shutdown(wait=True)
+        with ThreadPoolExecutor(16) as final:
+            list(final.map(self._read_final, list(self.history.accepted())))
+
+    def _pace(self) -> None:
+        interval, i, next_at = 1.0 / self.run.qps, 0, time.monotonic()
+        self.give_up_at = float("inf")
+        while not self.stopping.is_set():
+            self.submitters.submit(self._submit, self.stream.next(i))
+            i += 1
+            next_at += interval
+            self.stopping.wait(max(0.0, next_at - time.monotonic()))
+
+    def _submit(self, image: bytes) -> None:
+        started = time.monotonic()
+        try:
+            response = self.session.post(
+                f"{self.url}/v1/jobs",
+                data=image,
+                params={"deadline_ms": self.run.deadline_ms},
+                headers={"Content-Type": "image/jpeg"},
+                timeout=15,
+            )
+        except requests.RequestException as exc:
+            self.history.submit(started, type(exc).__name__)
+            return
+        if response.status_code == 202:
+            job = response.json()["id"]
+            self.history.submit(started, 202, job)
+            self.followers.submit(self._follow, job, started)
+        else:
+            self.history.submit(started, response.status_code, problem=_problem(response))
+
+    def _follow(self, job: str, submitted: float) -> None:
+        until = submitted + self.run.deadline_ms / 1000.0 + 30.0
+        while time.monotonic() < min(until, self.give_up_at):
+            _, doc = self._read(job, wait_s=5)
+            if doc is not None and doc.get("status") in TERMINAL:
+                return
+            if doc is None:
+                time.sleep(0.2)
+
+    def _read_final(self, job: str) -> None:
+        """The read after the run: asked again while the service says 503 (it may not show an end yet)."""
+        until = time.monotonic() + 30.0
+        while time.monotonic() < until:
+            code, _ = self._read(job, wait_s=0)
+            if code in (200, 404, 410):
+                return
+            time.sleep(0.3)
+
+    def _read(self, job: str, wait_s: float) -> tuple[int | str, dict[str, Any] | None]:
+        """One read, recorded: (its HTTP status or exception, the job document when it was 200)."""
+        started = time.monotonic()
+        try:
+            response = self.session.get(
+                f"{self.url}/v1/jobs/{job}", params={"wait": wait_s} if wait_s else None, timeout=wait_s + 15
+            )
+        except requests.RequestException as exc:
+            self.history.read(job, started, type(exc).__name__, None)
+            return type(exc).__name__, None
+        if response.status_code != 200:
+            self.history.read(job, started, response.status_code, None, _problem(response))
+            return response.status_code, None
+        doc = response.json()
+        self.history.read(job, started, 200, doc)
+        return 200, doc
+
+
+def _problem(response: requests.Response) -> str:
+    if not response.headers.get("Content-Type", "").endswith("json"):
+        return ""
+    try:
+        return str(response.json().get("type", "")).rsplit("/", 1)[-1]
+    except ValueError:
+        return ""
+
+
+def format_verdict(verdict: dict[str, Any]) -> str:
+    refused = "; ".join(
+        f"{phase}: " + ", ".join(f"{k} x{v}" for k, v in counts.items()) for phase, counts in verdict["refused"].items()
+    )
+    return (
+        f"{verdict['scenario']}: {'OK' if verdict['ok'] else 'BROKEN'} | accepted {verdict['accepted']} of "
+        f"{verdict['submitted']}, ends {verdict['ends']}, lost {verdict['lost']}, went back {verdict['went_back']}, "
+        f"ended twice {verdict['ended_twice']}, expired early {verdict['expired_early']}, bills off the clock "
+        f"{verdict['bills_off_clock']}, taken for dead {verdict['taken_for_dead']}, live status went back "
+        f"{verdict['live_status_went_back']} | refused: {refused or 'none'} | first 202 after the heal: "
+        f"{verdict['first_202_after_heal_s']} s | primary at the end: {verdict['primary_at_end']}"
+        + (f" | examples {verdict['examples']}" if verdict["examples"] else "")
+    )
+
+
+def hosted_options(options: StackOptions) -> StackOptions:
+    """The stack's options for hosts: one CPU child a host (two hosts), one API worker: this machine's two cores
+    run ten hosts' processes."""
+    return replace(options, cpu_workers=1, api_workers=1)

@@ -1,0 +1,142 @@
+"""What a 202 waits for behind Sentinel (contract.replication): the majority's view of the primary and of the
+replicas that may hold a write, and the fence that readers share. The pure parts here; a real Redis set in
+tests/test_failover.py and the partitions in tests/test_partitions.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from contract.replication import DurableWrites, SharedFence, Unconfirmed, majority_view
+
+A, B, C = ("10.0.0.1", 6379), ("10.0.0.2", 6379), ("10.0.0.3", 6379)
+
+
+def replica(address: tuple[str, int], following: tuple[str, int] = A, **flags: Any) -> dict[str, Any]:
+    return {
+        "ip": address[0],
+        "port": address[1],
+        "role-reported": flags.pop("role", "slave"),
+        "master-host": following[0],
+        "master-port": following[1],
+        **flags,
+    }
+
+
+def test_a_majority_of_the_configured_sentinels_must_name_one_primary():
+    both = [replica(B), replica(C)]
+    assert majority_view([(A, both)], configured=3, at=0.0) is None  # one of three answered
+    assert majority_view([(A, both), (B, both)], configured=3, at=0.0) is None  # two, naming two primaries
+    view = majority_view([(A, both), (A, both), (None, [])], configured=3, at=5.0)
+    assert view is not None and view.primary == A and view.answered == 2 and view.at == 5.0
+    assert view.replicas_up == {B, C}
+
+
+def test_a_replica_any_sentinel_of_the_majority_sees_up_and_following_the_primary_is_waited_for():
+    seen_by_one = [replica(B), replica(C, is_sdown=True)]
+    seen_by_other = [replica(B, is_sdown=True), replica(C)]
+    view = majority_view([(A, seen_by_one), (A, seen_by_other)], configured=3, at=0.0)
+    assert view is not None and view.replicas_up == {B, C}  # a count too high costs a wait, too low a promise
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        replica(B, is_sdown=True),
+        replica(B, is_odown=True),
+        replica(B, is_disconnected=True),
+        replica(B, role="master"),  # an old primary back, before the Sentinels turn it
+        replica(B, following=C),  # still following another primary
+    ],
+)
+def test_a_replica_that_cannot_acknowledge_the_primarys_writes_is_not_waited_for(state):
+    view = majority_view([(A, [state]), (A, [state])], configured=3, at=0.0)
+    assert view is not None and view.replicas_up == frozenset()
+
+
+class FakeSentinel:
+    """A stand-in for a Sentinel's client in a pure test of DurableWrites' arithmetic (its pipeline's two
+    answers); the real Sentinels are in tests/test_failover.py and tests/test_partitions.py."""
+
+    def __init__(self, primary: tuple[str, int] | None, replicas: list[dict[str, Any]]) -> None:
+        self.primary, self.replicas, self.down = primary, replicas, False
+
+    def pipeline(self, transaction: bool = False) -> FakeSentinel:
+        return self
+
+    def sentinel_get_master_addr_by_name(self, service: str) -> None:
+        pass
+
+    def sentinel_slaves(self, service: str) -> None:
+        pass
+
+    def execute(self) -> list[Any]:
+        import redis
+
+        if self.down:
+            raise redis.ConnectionError("cut off")
+        return [self.primary, self.replicas]
+
+
+def test_writes_wait_for_every_replica_up_at_least_min_replicas_and_only_on_the_named_primary():
+    now = [100.0]
+    sentinels = [FakeSentinel(A, [replica(B), replica(C)]) for _ in range(3)]
+    durable = DurableWrites(sentinels, "imgserve", min_replicas=1, stale_s=2.0, monotonic=lambda: now[0])
+    durable._ensure_running = lambda: None  # type: ignore[method-assign]  # refreshed by hand here
+    durable.refresh()
+    assert durable.wanted() == 2
+    durable.check_primary(A)
+    with pytest.raises(Unconfirmed):
+        durable.check_primary(B)
+    for sentinel in sentinels:
+        sentinel.replicas = []  # both replicas gone
+    durable.refresh()
+    assert durable.wanted() == 1  # never fewer than min_replicas
+    for sentinel in sentinels[1:]:
+        sentinel.down = True  # this process is cut off from the majority
+    assert durable.refresh() is None
+    now[0] += 1.0
+    assert durable.wanted() == 1  # the last view holds until it is stale
+    now[0] += 1.5
+    with pytest.raises(Unconfirmed, match="majority"):
+        durable.wanted()
+
+
+def test_readers_share_fence_rounds_and_a_round_covers_only_reads_made_before_it_began():
+    started, release = threading.Event(), threading.Event()
+    rounds: list[int] = []
+
+    def round_trip() -> bool:
+        rounds.append(len(rounds) + 1)
+        if len(rounds) == 1:
+            started.set()
+            release.wait(5)
+        return True
+
+    fence = SharedFence(round_trip)
+    results: list[bool] = []
+    first = threading.Thread(target=lambda: results.append(fence.confirm()))
+    first.start()
+    assert started.wait(5)
+    # Three reads made while round 1 is in flight: round 1 began before them, so one more round covers all three.
+    waiters = [threading.Thread(target=lambda: results.append(fence.confirm())) for _ in range(3)]
+    for thread in waiters:
+        thread.start()
+    deadline = time.monotonic() + 5
+    while fence._changed._waiters.__len__() < 3 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+        time.sleep(0.01)
+    release.set()
+    for thread in [first, *waiters]:
+        thread.join(5)
+    assert results == [True] * 4
+    assert rounds == [1, 2]
+
+
+def test_a_round_that_fails_fails_every_read_it_covers():
+    outcomes = iter([False, True])
+    fence = SharedFence(lambda: next(outcomes))
+    assert fence.confirm() is False
+    assert fence.confirm() is True

@@ -1,0 +1,66 @@
+"""One clock (contract.clock, contract.deadlines): every moment a job carries is the Redis primary's, whatever the
+wall clock of the host that writes or judges it says; job ids tell when they were issued (a lost job answers 410).
+A real redis-server; the host clock moved by the clock's own `wall` argument."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from contract import clock as clock_module
+from contract.clock import ServiceClock
+from contract.deadlines import DEADLINE_PASSED_LUA, deadline_at, is_past, seconds_left
+from contract.jobs.record import JOB_ID_PATTERN, issued_at, lost_at, new_job_id
+
+
+def test_a_clock_bound_to_redis_reads_redis_time_whatever_the_host_clock_says(redis_client: redis.Redis):
+    ahead = ServiceClock(wall=lambda: time.time() + 8.0)  # a host 8 s ahead, as the GPU host of issue 51
+    assert ahead.now() == pytest.approx(time.time() + 8.0, abs=0.05)  # unbound: the host's own
+    assert not ahead.synced
+    ahead.follow(redis_client)
+    assert ahead.synced
+    seconds, micros = redis_client.time()
+    assert ahead.now() == pytest.approx(seconds + micros / 1e6, abs=0.05)
+    assert ahead.offset_from_host_s == pytest.approx(-8.0, abs=0.05)
+    assert ahead.round_trip_s < 0.05
+
+
+def test_a_clock_that_cannot_sync_keeps_its_last_offset_and_tries_again_later(tmp_path):
+    from tests.support import RedisServer
+
+    server = RedisServer(tmp_path)
+    behind = ServiceClock(wall=lambda: time.time() - 10.0)
+    behind.follow(redis.Redis(port=server.port, socket_connect_timeout=0.5))
+    server.stop()
+    assert not behind.sync()  # Redis away
+    assert behind.now() == pytest.approx(time.time(), abs=0.5)  # still the service's clock, not the host's
+    assert behind._next_sync_at > time.monotonic()  # and it does not try on every call
+
+
+def test_a_deadline_is_judged_on_the_service_clock():
+    assert deadline_at(100.0, 6000) == 106.0
+    assert not is_past(106.0, now=106.0) and is_past(106.0, now=106.001)
+    assert seconds_left(106.0, now=100.5) == 5.5
+
+
+def test_the_lua_judgement_is_the_same_as_pythons(redis_client: redis.Redis):
+    script = redis_client.register_script(
+        DEADLINE_PASSED_LUA + "return deadline_passed(tonumber(ARGV[1]), ARGV[2]) and 1 or 0"
+    )
+    for deadline, now in ((106.0, 106.0), (106.0, 106.001), (106.0, 105.0)):
+        assert bool(script(args=[deadline, now])) == is_past(deadline, now)
+    assert script(args=["", 1e12]) == 0  # no deadline: never past
+
+
+def test_a_job_id_tells_when_it_was_issued_and_a_missing_record_within_its_ttl_was_lost():
+    job_id = new_job_id()
+    assert len(job_id) == 32 and __import__("re").fullmatch(JOB_ID_PATTERN, job_id)
+    assert issued_at(job_id) == pytest.approx(clock_module.now(), abs=1.0)
+    assert lost_at(job_id, ttl_s=3600) == pytest.approx(issued_at(job_id))
+    assert lost_at(job_id, ttl_s=3600, now=issued_at(job_id) + 3600) is None  # its record may have expired
+    assert lost_at(job_id, ttl_s=30) is None  # a TTL too short to tell
+    assert lost_at("f" * 32, ttl_s=3600) is None  # from the far future: not one of ours
+    assert lost_at("not-an-id", ttl_s=3600) is None
+    assert new_job_id() != new_job_id()
