@@ -111,7 +111,7 @@ class HostedStack:
             host = self.host(host_name)
             base = SENTINEL_PORT if name.startswith("s") else REDIS_PORT
             port = ports[f"{host_name}:{base}"] = ports.get(f"{host_name}:{base}", base - 1) + 1
-            places[name] = Place(host.address, port, host.prefix, host.faketime_env())
+            places[name] = Place(host.address, port, host.prefix)
         return places
 
     def _argv(self, role: str) -> list[str]:
@@ -137,7 +137,7 @@ class HostedStack:
 
     def _spawn(self, role: str) -> ManagedProcess:
         host, argv = self.spawned[role]
-        return host.spawn(role, argv, self.env, self.workdir)
+        return host.spawn(role, argv, self.env, self.workdir, root=self.options.root)
 
     def _ready(self) -> bool:
         dead = [p for host in self.network.hosts.values() for p in host.processes if not p.alive()]

@@ -16,8 +16,8 @@ iptables DROP in the cut host's own namespace, in a chain of its own (IMGSERVE-C
 flush; bytes per link are counted by rules of another (IMGSERVE-COUNT), one per peer.
 
 A host's clock: `Host.skew_s` moves the wall clock (`time.time`) of the Python processes started on it after
-it is set, through a `sitecustomize` on their path (bench/skew/); a Redis server's or Sentinel's through
-libfaketime when it is installed (`faketime_env`), its monotonic clock left alone.
+it is set, through a `sitecustomize` on their path (bench/skew/). Not a Redis server's: libfaketime, the one
+way to move a C program's wall clock here, crashes redis-server 7.0 at start (a recursive clock_gettime).
 """
 
 from __future__ import annotations
@@ -34,12 +34,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.processes import ManagedProcess
+from bench.processes import REPO_ROOT, ManagedProcess
 
 NAMESPACE_PREFIX = "imgs-"  # every namespace this makes: imgs-<tag>-<host>
 CUT_CHAIN, COUNT_CHAIN = "IMGSERVE-CUT", "IMGSERVE-COUNT"
 SKEW_PATH = Path(__file__).resolve().parent / "skew"
-FAKETIME_LIBRARY = Path("/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1")
 
 
 class HostsUnavailable(RuntimeError):
@@ -89,20 +88,11 @@ class Host:
         path = env.get("PYTHONPATH", "")
         return {**env, "IMGSERVE_SKEW_S": repr(self.skew_s), "PYTHONPATH": f"{SKEW_PATH}{os.pathsep}{path}"}
 
-    def faketime_env(self) -> tuple[tuple[str, str], ...]:
-        """The environment that moves a C program's wall clock (a Redis server's) by skew_s: libfaketime, its
-        monotonic clock left alone; () when there is no skew or no libfaketime."""
-        if not self.skew_s or not FAKETIME_LIBRARY.exists():
-            return ()
-        return (
-            ("LD_PRELOAD", str(FAKETIME_LIBRARY)),
-            ("FAKETIME", f"{self.skew_s:+g}s"),
-            ("FAKETIME_DONT_FAKE_MONOTONIC", "1"),
-            ("FAKETIME_DONT_RESET", "1"),
-        )
-
-    def spawn(self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path) -> ManagedProcess:
-        process = ManagedProcess(name, [*self.prefix, *argv], self.env(env), log_dir)
+    def spawn(
+        self, name: str, argv: Sequence[str], env: dict[str, str], log_dir: Path, root: Path = REPO_ROOT
+    ) -> ManagedProcess:
+        """`argv` started on this host, from the checkout `root` (the bench runs an older one beside this)."""
+        process = ManagedProcess(name, [*self.prefix, *argv], self.env(env), log_dir, root=root)
         self.processes.append(process)
         return process
 

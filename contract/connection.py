@@ -219,13 +219,17 @@ def execute_and_wait(
     redis-py's pipeline hands its connection back before anything can follow it, and a WAIT inside MULTI
     returns at once. A reply that is an error (or holds one: EXEC's) is raised as ResponseError.
     `check_primary(address)`: raises before anything is sent when the connection's server is not the one to
-    write to (contract.replication: a primary the Sentinels' majority no longer names); the connection is dropped,
-    so that the next one asks the Sentinels again."""
+    write to (contract.replication: a primary the Sentinels' majority no longer names); the connection and the
+    pool's idle ones are dropped, so that the next ask the Sentinels again."""
     pool = client.connection_pool
     connection: Any = pool.get_connection()  # redis-py's Connection methods are untyped; connected already
     try:
         if check_primary is not None:
-            check_primary((connection.host, connection.port))
+            try:
+                check_primary((connection.host, connection.port))
+            except redis.ConnectionError:
+                pool.disconnect(inuse_connections=False)  # the idle ones are on the same server: all ask again
+                raise
         connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms)]))
         replies = [connection.read_response() for _ in range(len(commands) + 1)]
     except BaseException:

@@ -54,12 +54,11 @@ def free_port() -> int:
 @dataclass(frozen=True)
 class Place:
     """Where a node runs: the address the others reach it at (and it binds), its port (0: a free one on this
-    machine), and what its command line is run under (bench.hosts: `ip netns exec <host>`, a moved clock)."""
+    machine), and what its command line is run under (bench.hosts: `ip netns exec <host>`)."""
 
     address: str = "127.0.0.1"
     port: int = 0
     prefix: tuple[str, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
 
 
 HERE = Place()
@@ -201,7 +200,6 @@ class RedisHA:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env={**os.environ, **dict(place.env)} if place.env else None,
         )
         node.pid = process.pid
         self.nodes[node.name] = node

@@ -23,11 +23,23 @@ def add_commands(
     chaos.add_argument("--duration", type=float, default=60.0)
     chaos.add_argument(
         "--scenario",
-        choices=("kills", "failover"),
-        default="kills",
-        help="kills: workers and Redis killed and restarted; failover: make run's stack behind "
-        "Sentinel (REDIS=sentinel), the primary SIGKILLed, back later as a replica",
+        default=None,
+        help="kills (the default): workers and Redis killed and restarted; failover: make run's stack behind "
+        "Sentinel (REDIS=sentinel), the primary SIGKILLed, back later as a replica. With --hosts: a partition, "
+        "dead-host or clock scenario by name, or `all` (the list: --hosts --scenario list)",
     )
+    chaos.add_argument(
+        "--hosts",
+        action="store_true",
+        help="the service as several hosts (network namespaces: root, iptables), every client operation recorded "
+        "and checked (bench.partitions)",
+    )
+    chaos.add_argument("--runs", type=int, default=1, help="--hosts: runs of each scenario")
+    chaos.add_argument("--fault-at", type=float, default=6.0, help="--hosts: seconds of load before the fault")
+    chaos.add_argument("--fault-s", type=float, default=20.0, help="--hosts: how long the fault lasts")
+    chaos.add_argument("--after", type=float, default=15.0, help="--hosts: seconds of load after the fault")
+    chaos.add_argument("--deadline-ms", type=int, default=60_000, help="--hosts: every job's deadline_ms")
+    chaos.add_argument("--root", type=Path, help="--hosts: run the service from this checkout (the figures before)")
     chaos.add_argument("--kill-at", type=float, default=10.0, help="failover: seconds into the load")
     chaos.add_argument(
         "--back-after",
@@ -70,6 +82,8 @@ def add_commands(
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    if args.hosts:
+        return chaos_on_hosts(args)
     images = load_corpus(args.corpus, count=args.images)
     if args.scenario == "failover":
         from bench.failover import format_failover, run_failover
@@ -85,11 +99,40 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         )
         print(format_failover(tally))
         return 0 if tally["lost"] == 0 and tally["restarted"] == 0 else 1
+    if args.scenario not in (None, "kills"):
+        raise SystemExit(f"bench chaos: --scenario {args.scenario}: kills or failover (or a --hosts scenario)")
     from bench.chaos import format_tally, run_chaos
 
     tally = run_chaos(stack_options(args), images, args.qps, args.duration, log=log_line)
     print(format_tally(tally))
     return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
+
+
+def chaos_on_hosts(args: argparse.Namespace) -> int:
+    """Each scenario `--runs` times on a fresh network: every verdict, then a table; non-zero if any broke."""
+    from bench.partitions import RunOptions, format_verdict, hosted_options, run_scenario, scenarios, table
+
+    known = scenarios()
+    if args.scenario in (None, "list"):
+        print("\n".join(f"{name}: {s.description}" for name, s in known.items()))
+        return 0
+    names = list(known) if args.scenario == "all" else args.scenario.split(",")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise SystemExit(f"bench chaos --hosts: no scenario {', '.join(unknown)} (--scenario list names them)")
+    images = load_corpus(args.corpus, count=args.images)
+    options = hosted_options(stack_options(args, **({"root": args.root.resolve()} if args.root else {})))
+    run = RunOptions(
+        qps=args.qps, fault_at_s=args.fault_at, fault_s=args.fault_s, after_s=args.after, deadline_ms=args.deadline_ms
+    )
+    verdicts = []
+    for name in names:
+        for _ in range(args.runs):
+            verdicts.append(run_scenario(known[name], options, images, run, log=log_line))
+            print(format_verdict(verdicts[-1]), flush=True)
+    text = table(verdicts)
+    print(text + f"\n\nFiles: {write_files(args.out, 'chaos-hosts', text, verdicts)}")
+    return 0 if all(v["ok"] for v in verdicts) else 1
 
 
 def cmd_hostile(args: argparse.Namespace) -> int:

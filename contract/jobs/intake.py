@@ -174,6 +174,8 @@ class JobIntake(JobEnding):
                     self.redis,
                     [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key), ("EXEC",)],
                 )
+                if not replies[-1][-1]:  # the upload went to a server that is no longer the primary: so do all
+                    self.uploads.connection_pool.disconnect(inuse_connections=False)  # the uploads' idle connections
                 if acknowledged < wanted or not replies[-1][-1]:
                     raise NotReplicated(acknowledged if replies[-1][-1] else 0, wanted)
             else:
