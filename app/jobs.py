@@ -239,7 +239,7 @@ def _finished(
     record = record or services.store.load(job_id)
     if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
         return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
-    services.store.confirm_durable(job_id)  # an end a failover could take back is not shown
+    services.store.confirm_durable()  # an end a failover could take back is not shown
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
@@ -290,7 +290,7 @@ def get_job(job_id: str) -> Response:
             services.listener.unregister(job_id, event)
         record = expire_if_late(services.store, record)
     if record["status"] in TERMINAL:
-        services.store.confirm_durable(job_id)  # an end a failover could take back is not shown
+        services.store.confirm_durable()  # an end a failover could take back is not shown
     return jsonify(job_document(record))
 
 
@@ -318,7 +318,7 @@ def cancel_job(job_id: str) -> Response:
             f"job {job_id!r} ended as {status!r} and cannot be cancelled",
         )
     services.store.drop_upload(job_id)
-    services.store.confirm_durable(job_id)  # a cancellation a failover could take back is not shown either
+    services.store.confirm_durable()  # a cancellation a failover could take back is not shown either
     log.info("job cancelled", extra={"job_id": job_id})
     return jsonify(job_document(record))
 

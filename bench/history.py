@@ -198,7 +198,7 @@ def _refusals(history: History) -> dict[str, Any]:
     for op in history.ops:
         if op.kind != "submit":
             continue
-        phase = _phase(history.fault, op.started)
+        phase = _phase(history.fault, op.ended)  # a refusal answered in the fault is the fault's
         if op.code == 202:
             if phase == "after" and history.fault and (first_after is None or op.ended < first_after):
                 first_after = op.ended

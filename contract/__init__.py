@@ -17,6 +17,9 @@
 - `budget`: the admission step: a model's backlog, and the bytes waiting in Redis against their budgets.
 - `memory`: malloc's thresholds, so that freed image buffers stay in the process.
 - `connection`: how each process opens Redis.
+- `clock`: the service's one clock (the Redis primary's), every moment written or judged is read from it.
+- `deadlines`: what a deadline is and how every stage judges it.
+- `replication`: behind Sentinel, what a 202 waits for (every replica the majority sees up) and the readers' fence.
 - `logs`: one JSON log line format for every process.
 - `heartbeat`: what a GPU worker says about itself, typed for its writer and its readers.
 - `callbacks`: which callback URLs may be called (checked at submit and at delivery), and which secret

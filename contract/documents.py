@@ -157,9 +157,6 @@ class JobDocument(Document):
     )
 
 
-_MOMENTS = (("deadline_at", "deadline_at"), ("finished_at", FINISHED_AT))
-
-
 def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     """The public JSON of a stored job record."""
     created = record.get(RECEIVED_AT)
@@ -168,13 +165,17 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
         "status": record.get("status"),
         **({"model": model_ref(record["model"])} if record.get("model") else {}),
         "created_at": utc_iso(created) if created is not None else None,
-        **{name: utc_iso(record[stamp]) for name, stamp in _MOMENTS if record.get(stamp) is not None},
         "options": record.get("options") or {},
         "result": record.get("result"),
         "error": record.get("error"),
         "timings_ms": record.get("timings") or {},
         "batch": record.get("batch"),
     }
+    deadline, finished = record.get("deadline_at"), record.get(FINISHED_AT)
+    if deadline is not None:
+        fields["deadline_at"] = utc_iso(deadline)
+    if finished is not None:
+        fields["finished_at"] = utc_iso(finished)
     if record.get("callback_url"):
         fields["callback"] = record.get("callback") or {"status": "waiting", "attempts": 0, "last_error": None}
     if record.get("cache"):

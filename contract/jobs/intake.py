@@ -266,7 +266,7 @@ class JobIntake(JobEnding):
             replies, acknowledged, wanted = self.replication.wait(self.redis, [command])
         return replies[0], acknowledged, wanted
 
-    def confirm_durable(self, job_id: str) -> None:
+    def confirm_durable(self) -> None:
         """Before a read shows how a job ended: that end is on the replicas a 202 waits for, so no failover can
         take it back (AnswerNotReplicated otherwise: the reader asks again). Nothing to do without replicas.
         A PUBLISH on its own connection, then WAIT: a replica's acknowledged offset covers everything the
