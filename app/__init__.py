@@ -17,6 +17,7 @@ from app import auth, callbacks, health, jobs, metrics, openapi, stats
 from app.admission import MAX_RETRY_AFTER_S, Admission
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
+from app.queries import refuse_unknown_query
 from app.services import EXTENSION, Services, services
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
@@ -98,6 +99,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(openapi.blueprint)
     metrics.install(app)
     auth.install(app)
+    refuse_unknown_query(app, settings)  # after the key check: a caller without one learns nothing of the routes
     _install_error_handlers(app)
 
     @app.before_request
