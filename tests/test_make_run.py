@@ -214,3 +214,19 @@ def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(m
     dashboard = requests.get(flower + "/dashboard", auth=(user, password), timeout=30)
     assert dashboard.status_code == 200 and dashboard.url.endswith("/workers")
     assert listening_addresses(int(make_run.env["GPU_METRICS_PORT"])) == {"127.0.0.1"}
+
+
+def test_flower_finds_a_job_by_its_id(make_run):
+    """Issue 53: the Celery task id in Flower was a uuid of its own, so a job could not be found there by the id a
+    client holds. The preprocess task's id is the job id; its callback's is the job id and `-callback`."""
+    flower = f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}"
+    user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
+    doc = submit_and_finish(make_run, seed=20)
+    assert doc["status"] == "succeeded"
+
+    def task_info() -> dict | None:
+        response = requests.get(f"{flower}/api/task/info/{doc['id']}", auth=(user, password), timeout=10)
+        return response.json() if response.status_code == 200 else None
+
+    info = wait_until(task_info, 60, what="Flower to know the job's task by the job id")
+    assert info["name"] == "imgserve.preprocess" and info["uuid"] == doc["id"], info
