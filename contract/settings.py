@@ -70,6 +70,7 @@ class ApiSettings:
     connections: int = 2000  # per worker, gevent
     threads: int = 64  # per worker, gthread
     access_log: str = ""  # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
+    flower_url: str = ""  # where Flower answers, for `GET /` to link to (make run and compose set it); "": no link
 
 
 @settings_class
