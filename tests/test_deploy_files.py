@@ -320,3 +320,30 @@ def test_the_ha_file_puts_every_process_behind_the_sentinels_and_keeps_the_passw
         assert env["IMGSERVE_REDIS__SENTINELS"] == "[sentinel-1:26379, sentinel-2:26379, sentinel-3:26379]"
     for name, service in services.items():
         assert SECRETS["REDIS_PASSWORD"] not in " ".join(service.get("command") or []), name
+
+
+@pytest.mark.parametrize(
+    ("credentials", "says"),
+    [
+        (None, "FLOWER_BASIC_AUTH is not set"),
+        ("admin:", "FLOWER_BASIC_AUTH's password for admin is empty"),  # .env.example's, copied as it is
+        ("a-user-name-long-enough:", "FLOWER_BASIC_AUTH's password for a-user-name-long-enough is empty"),
+        ("admin:change-me-to-something", "FLOWER_BASIC_AUTH's password for admin is a placeholder"),
+        ("admin:hunter2", "FLOWER_BASIC_AUTH's password for admin is shorter than 16 characters"),
+    ],
+)
+def test_flower_itself_refuses_to_start_without_a_usable_password(credentials, says):
+    """Issue 53: a copied .env.example (`FLOWER_BASIC_AUTH=admin:`) opened Flower to `admin` with an empty password.
+    Flower's own process refuses it, whoever starts it (make run, compose, by hand)."""
+    env = {k: v for k, v in os.environ.items() if k != "FLOWER_BASIC_AUTH"}
+    if credentials is not None:
+        env["FLOWER_BASIC_AUTH"] = credentials
+    done = subprocess.run(
+        [sys.executable, "-c", "import tasks.flower"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and done.stderr.startswith(f"flower: refusing to start: {says}"), done.stderr
