@@ -111,8 +111,9 @@ def decode_image(
         raise ImageDecodeError("image_too_complex", str(exc)) from exc
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         # Pillow's check on a later frame (a GIF's), at the same limit: said in the service's words.
-        found = re.search(r"\((\d+) pixels\)", str(exc))
-        raise ImageDecodeError("image_too_large", too_many_pixels(found[1] if found else "more", max_pixels)) from exc
+        counted = re.search(r"\((\d+) pixels\)", str(exc))
+        size = counted[1] if counted else "more"
+        raise ImageDecodeError("image_too_large", too_many_pixels(size, max_pixels)) from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
         raise ImageDecodeError("decode_error", f"cannot decode image: {_without_addresses(str(exc))}") from exc
 
