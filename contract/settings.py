@@ -77,6 +77,9 @@ class ApiSettings:
 class LogSettings:
     format: str = "json"  # json: one object per line (contract.logs); text: plain lines
     level: str = "INFO"
+    # false: each process says it is up in a line or two; true: Celery's banners, gunicorn's, Flower's and the
+    # workers' start-up chatter too (make run VERBOSE=1)
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in ("json", "text"):

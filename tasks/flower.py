@@ -10,6 +10,7 @@ queues it lists are the same keys (global_keyprefix is read from the same transp
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -34,7 +35,21 @@ def refuse_weak_credentials(environ: dict[str, str]) -> None:
 
 refuse_weak_credentials(dict(os.environ))
 
-from tasks.worker import app  # noqa: E402 (Flower refuses to start before the workers' app is built)
+from contract.logs import configure_logging  # noqa: E402
+from tasks.worker import app, settings  # noqa: E402 (Flower refuses to start before the workers' app is built)
+
+# Flower's lines as every process's (tornado adds its own handler only where the root logger has none), and of its
+# start-up banner only the address unless logs.verbose.
+configure_logging("flower", settings.logs)
+
+
+class _OnlyTheAddress(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return str(record.msg).startswith("Visit me at")
+
+
+if not settings.logs.verbose:
+    logging.getLogger("flower.command").addFilter(_OnlyTheAddress())
 
 app.conf.broker_transport = None  # the scheme of broker_url (redis://) picks kombu's own transport
 

@@ -3,6 +3,7 @@ dead CPU worker's tasks come back in seconds, not after kombu's visibility timeo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -230,3 +231,36 @@ def test_flower_finds_a_job_by_its_id(make_run):
 
     info = wait_until(task_info, 60, what="Flower to know the job's task by the job id")
     assert info["name"] == "imgserve.preprocess" and info["uuid"] == doc["id"], info
+
+
+def test_the_start_is_quiet_and_every_line_is_the_supervisors_or_json(make_run):
+    """Issue 53: a start printed two Celery banners, two "running as root" SecurityWarnings, two gevent warnings,
+    Flower's banner and four "Inspect method ... failed" lines among the JSON. Now every line a process writes is
+    JSON, a few per process (logs.verbose brings the chatter back), and a failure's line names its error code."""
+    submit_and_finish(make_run, seed=21)
+    failed = requests.post(
+        f"{make_run.url}/v1/jobs?wait=20", data=b"\xff\xd8\xff" + bytes(200), headers={"Content-Type": "image/jpeg"}
+    ).json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "decode_error"
+    lines = supervisor_log(make_run).splitlines()
+
+    def failure_line() -> dict | None:
+        for line in supervisor_log(make_run).splitlines():
+            if line.startswith("{") and failed["id"] in line and "preprocess" in line:
+                return json.loads(line)
+        return None
+
+    line = wait_until(failure_line, 30, what="the failure's log line")
+    assert line["msg"] == "preprocess failed: decode_error" and line["error_code"] == "decode_error", line
+    ours = ("procfile:", "run-local:", "bootstrap:", "make run: ready", "  Flower at", "  GPU worker", "  Ctrl-C")
+    strays = [line for line in lines if line.strip() and not line.startswith(ours) and not _is_json(line)]
+    assert not strays, strays[:20]
+    ready = [json.loads(line)["role"] for line in lines if _is_json(line) and "ready." in line]
+    assert set(ready) == {"callback-worker", "cpu-worker"}
+
+
+def _is_json(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
