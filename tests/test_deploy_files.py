@@ -167,9 +167,22 @@ def test_compose_redis_keeps_an_append_only_file(compose):
     assert "--maxmemory-policy noeviction" in " ".join(compose["services"]["redis"]["command"])  # never evicts jobs
 
 
-def test_compose_gpu_worker_reserves_an_nvidia_device(compose):
-    [device] = compose["services"]["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+def test_the_main_file_runs_anywhere_and_the_gpu_overlay_gives_the_worker_the_gpu(compose):
+    """Issue 53: `docker compose up` stopped at "could not select device driver nvidia" on a machine without the
+    NVIDIA toolkit. The main file reserves no device (its GPU worker: auto, the CPU there); docker-compose.gpu.yml
+    adds the reservation and names cuda, over the main file and over the Sentinel overlay alike."""
+    gpu_worker = compose["services"]["gpu-worker"]
+    assert "deploy" not in gpu_worker and gpu_worker["command"][-2:] == ["--device", "auto"]
+    for files in (["docker-compose.yml", "docker-compose.gpu.yml"], ["docker-compose.yml", "docker-compose.ha.yml"]):
+        files = files if "gpu" in files[-1] else [*files, "docker-compose.gpu.yml"]
+        result = compose_config(SECRETS, *(arg for name in files for arg in ("-f", name)))
+        assert result.returncode == 0, result.stderr
+        merged = yaml.safe_load(result.stdout)["services"]["gpu-worker"]
+        [device] = merged["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], files
+        assert merged["command"][-2:] == ["--device", "cuda"], files
+    assert "docker compose -f docker-compose.yml -f docker-compose.gpu.yml up" in (REPO_ROOT / "README.md").read_text()
+    assert "COMPOSE_FILE=docker-compose.yml:docker-compose.gpu.yml" in (REPO_ROOT / ".env.example").read_text()
 
 
 def test_compose_cpu_workers_scale_freely(compose):
