@@ -394,9 +394,10 @@ def check(workdir: Path, fresh_venv: bool) -> None:
         flower, auth = check_flower(ready_line, flower_port)
         if auth[0] == "admin" or not auth[1]:
             raise CheckFailed(f"the printed credentials are .env's empty ones:\n{ready_line}")
-        mistakes.check_home_and_flower(api, flower, auth, kept_id)
         step = "a 90 MP image with the pixel limit raised"
-        mistakes.check_pixel_limit(api, mistakes.RAISED_PIXELS)
+        big_id = mistakes.check_pixel_limit(api, mistakes.RAISED_PIXELS)
+        step = "Flower and GET /, with .env.example copied to .env"
+        mistakes.check_home_and_flower(api, flower, auth, big_id)
         step = "a job of the first run, read in the second"
         doc = requests.get(f"{api}/v1/jobs/{kept_id}", timeout=10)
         if doc.status_code != 200 or doc.json()["status"] != "succeeded":

@@ -19,6 +19,7 @@ BUSY_PORT_LIMIT_S = 60.0  # make run's own install check, then the settings: no 
 # a few KB, decoded to 11 MB.
 BIG_SIZE = (10000, 9000)
 RAISED_PIXELS = 100_000_000
+FLOWER_LIMIT_S = 30.0
 
 
 class CheckFailed(Exception):
@@ -94,7 +95,7 @@ def check_mistyped_option(api: str, job_id: str) -> None:
     print(f"newcomer check: a mistyped option is a 400: {answer.json()['detail']}")
 
 
-def check_pixel_limit(api: str, limit: int) -> None:
+def check_pixel_limit(api: str, limit: int) -> str:
     """A 90 MP image: refused in the service's words at the default limit (80 M), decoded once the limit is
     raised past Pillow's own (89.5 M), which refused it in Pillow's words before."""
     answer = requests.post(
@@ -105,12 +106,13 @@ def check_pixel_limit(api: str, limit: int) -> None:
         if doc.get("status") != "succeeded":
             raise CheckFailed(f"a 90 MP image under decode.max_image_pixels={limit}: {answer.text[:400]}")
         print(f"newcomer check: a 90 MP image decodes with decode.max_image_pixels raised to {limit}")
-        return
+        return str(doc["id"])
     message = (doc.get("error") or {}).get("message", "")
     expected = f"image of {BIG_SIZE[0]}x{BIG_SIZE[1]} pixels exceeds the limit of {limit} (decode.max_image_pixels)"
     if doc.get("status") != "failed" or message != expected:
         raise CheckFailed(f"a 90 MP image at the default limit: {answer.text[:400]}")
     print(f"newcomer check: a 90 MP image is refused in the service's words: {message}")
+    return str(doc["id"])
 
 
 def check_home_and_flower(api: str, flower: str, auth: tuple[str, str], job_id: str) -> None:
@@ -119,9 +121,14 @@ def check_home_and_flower(api: str, flower: str, auth: tuple[str, str], job_id: 
     home = requests.get(api + "/", timeout=10).json()
     if home["links"].get("docs") != api + "/docs" or home["links"].get("flower") != flower:
         raise CheckFailed(f"GET / does not link the docs and Flower: {home}")
-    info = requests.get(f"{flower}/api/task/info/{job_id}", auth=auth, timeout=20)
-    if info.status_code != 200 or info.json().get("uuid") != job_id:
-        raise CheckFailed(f"Flower does not know job {job_id} by its id: {info.status_code} {info.text[:200]}")
+    deadline = time.monotonic() + FLOWER_LIMIT_S  # Flower learns of a task from the workers' events
+    while True:
+        info = requests.get(f"{flower}/api/task/info/{job_id}", auth=auth, timeout=20)
+        if info.status_code == 200 and info.json().get("uuid") == job_id:
+            break
+        if time.monotonic() > deadline:
+            raise CheckFailed(f"Flower does not know job {job_id} by its id: {info.status_code} {info.text[:200]}")
+        time.sleep(1.0)
     if requests.get(f"{flower}/api/workers", auth=("admin", ""), timeout=20).status_code != 401:
         raise CheckFailed("Flower answered admin with an empty password")
     print("newcomer check: GET / links the docs and Flower; Flower finds a job by its id; admin: is refused")

@@ -24,6 +24,7 @@ class TerminalSession:
         master, slave = pty.openpty()
         self.master = master
         self.log_path = log_path
+        log_path.touch()  # there to read from the start, as the output comes
         self.process = subprocess.Popen(
             argv,
             cwd=cwd,
