@@ -360,3 +360,17 @@ def test_flower_itself_refuses_to_start_without_a_usable_password(credentials, s
         timeout=60,
     )
     assert done.returncode == 1 and done.stderr.startswith(f"flower: refusing to start: {says}"), done.stderr
+
+
+def test_a_copied_env_example_is_refused_by_the_secrets_check_flower_included():
+    """`cp .env.example .env` then `docker compose up`: check-secrets stops the stack, naming Flower's empty
+    password among the rest, before Flower could start with it."""
+    from contract.check_secrets import problems
+    from tools.procfile import parse_env
+
+    copied = parse_env((REPO_ROOT / ".env.example").read_text())
+    found = problems(
+        ["REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD", "IMGSERVE_CALLBACK_SECRET?"], copied
+    )
+    assert "FLOWER_BASIC_AUTH's password for admin is empty" in found
+    assert "REDIS_PASSWORD is not set" in found and "GRAFANA_ADMIN_PASSWORD is not set" in found
