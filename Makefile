@@ -1,7 +1,7 @@
-.PHONY: run test test-fast test-soak test-chaos lint docs bootstrap compose-check compose-test peer
+.PHONY: run test test-fast test-soak test-chaos lint docs docs-serve bootstrap compose-check compose-test peer
 
-run:          ## install what is needed, then run the whole service locally
-	scripts/run-local
+run:          ## install what is needed, then run the whole service locally (VERBOSE=1: the start-up banners too)
+	@scripts/run-local
 
 test:         ## install what the tests need, then run them
 	scripts/test
@@ -22,9 +22,13 @@ lint:         ## install what the checks need, then lint and format-check (ruff)
 	.venv/bin/mypy
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
 
-docs:         ## build the docs site into var/site (mkdocs build --strict): open var/site/index.html, or .venv/bin/mkdocs serve
+docs:         ## build the docs site into var/site (mkdocs build --strict): open var/site/index.html, or make docs-serve
 	scripts/bootstrap --dev
 	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
+docs-serve:   ## the docs site, rebuilt as you edit, at http://127.0.0.1:8001 (mkdocs.yml's dev_addr: not the API's 8000)
+	scripts/bootstrap --dev
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs serve
 
 bootstrap:
 	scripts/bootstrap --dev

@@ -13,10 +13,11 @@ import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
-from app import auth, callbacks, health, jobs, metrics, openapi, stats
+from app import auth, callbacks, health, home, jobs, metrics, openapi, stats
 from app.admission import MAX_RETRY_AFTER_S, Admission
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
+from app.queries import refuse_unknown_query
 from app.services import EXTENSION, Services, services
 from app.waiters import JobEventListener
 from contract.budget import WaitingBytes
@@ -108,8 +109,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(stats.blueprint)
     app.register_blueprint(callbacks.blueprint)
     app.register_blueprint(openapi.blueprint)
+    app.register_blueprint(home.blueprint)
     metrics.install(app)
     auth.install(app)
+    refuse_unknown_query(app, settings)  # after the key check: a caller without one learns nothing of the routes
     _install_error_handlers(app)
 
     @app.before_request
@@ -131,10 +134,11 @@ def create_app(settings: Settings | None = None) -> Flask:
 
 
 SWEEP_EVERY_S = 1.0
-# /docs is one self-contained page: its own styles, no script, no frames, nothing fetched.
+# The HTML pages (/, /docs): their own styles; one script, /docs/try.js from this service (no inline script, none
+# from elsewhere), which may fetch from this origin alone (the docs page's "Try it"); no frames.
 HTML_POLICY = (
-    "default-src 'none'; style-src 'unsafe-inline'; img-src data:; frame-ancestors 'none'; "
-    "base-uri 'none'; form-action 'none'"
+    "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'unsafe-inline'; img-src data:; "
+    "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 )
 UPLOAD_CONNECTIONS = 8  # per API process: uploads written at once (more wait for one, up to the connect timeout)
 # Per API process: Redis round trips in flight at once, the pub/sub listener's connection included (more wait for

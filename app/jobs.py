@@ -22,7 +22,6 @@ from app.uploads import (
     check_image,
     declared_length,
     option_values,
-    refuse_unknown_fields,
     validate_params,
 )
 from app.waiters import expire_if_late, until_ended
@@ -60,11 +59,6 @@ from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
-
-
-# Query parameters POST /v1/jobs takes besides its options (contract.documents' submit_options_model): any other
-# name is refused. `wait` is the submission's long-poll.
-SUBMIT_QUERY_NAMES: frozenset[str] = frozenset({"wait"})
 
 
 def _submit_options(settings: Settings) -> type[SubmitOptionsBase]:
@@ -126,12 +120,7 @@ def _submit_query(settings: Settings) -> type[Document]:
 )
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_services()
-    # A misspelt option (`maxdet=1`) is refused as it is in the form, before the body is read.
-    refuse_unknown_fields(
-        request.args.keys(),
-        known={*_submit_options(services.settings).model_fields, *SUBMIT_QUERY_NAMES},
-        where="query parameter",
-    )
+    # A misspelt query option (`maxdet=1`) was refused before this (app.queries), before the body is read.
     wait_s = _wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     reservation = services.admission.before_body(

@@ -97,7 +97,7 @@ def build_document(app: Flask) -> dict[str, Any]:
             )
     document: dict[str, Any] = {
         "openapi": "3.1.0",
-        "info": {"title": "imgserve", "version": _version(), "description": DESCRIPTION},
+        "info": {"title": "imgserve", "version": service_version(), "description": DESCRIPTION},
         "paths": paths,
         "components": {"schemas": registry.resolve()},
     }
@@ -199,7 +199,7 @@ def _without_null_defaults(value: Any) -> Any:
     return value
 
 
-def _version() -> str:
+def service_version() -> str:
     try:
         return metadata.version("imgserve")
     except metadata.PackageNotFoundError:
@@ -309,10 +309,15 @@ td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-alig
 .op{border:1px solid #ccc;border-radius:6px;padding:.2em 1em;margin:1em 0}
 .m{display:inline-block;min-width:4.5em;font-weight:bold;color:#fff;border-radius:3px;text-align:center}
 .get{background:#2b7bb9}.post{background:#2e8b57}.delete{background:#b22222}
-</style></head><body>
+form.try{background:#fafafa;border-top:1px dashed #ccc;margin:.5em -1em 0;padding:.5em 1em}
+form.try label{margin-right:1em;white-space:nowrap}
+</style><script src="docs/try.js" defer></script></head><body>
 <h1>{{ doc.info.title }} API <small>{{ doc.info.version }}</small></h1>
 {% for para in doc.info.description.split("\n\n") %}<p>{{ code(para) }}</p>{% endfor %}
-<p>Machine-readable: <a href="openapi.json"><code>/openapi.json</code></a> (OpenAPI {{ doc.openapi }}).</p>
+<p>Machine-readable: <a href="openapi.json"><code>/openapi.json</code></a> (OpenAPI {{ doc.openapi }}).
+Each operation's <b>Try it</b> sends its request to this service from the browser.</p>
+{% if doc.components.securitySchemes %}<p><label>API key (sent as <code>Authorization: Bearer</code>)
+<input id="api-key" type="password" autocomplete="off"></label></p>{% endif %}
 {% for path, methods in doc.paths.items() %}{% for method, op in methods.items() %}
 <div class="op" id="{{ op.operationId }}">
 <h3><span class="m {{ method }}">{{ method|upper }}</span> <code>{{ path }}</code> {{ op.summary }}</h3>
@@ -323,6 +328,11 @@ td,th{border-bottom:1px solid #ddd;padding:4px 8px;text-align:left;vertical-alig
 <td>{{ describe(p.schema) }}</td><td>{{ code(p.description) }}</td></tr>{% endfor %}</table>{% endif %}
 {% if op.requestBody %}<p><b>Body</b>: {{ code(op.requestBody.description) }}<br>
 {% for media in op.requestBody.content %}<code>{{ media }}</code> {% endfor %}</p>{% endif %}
+<form class="try" data-method="{{ method|upper }}" data-path="{{ path }}"><b>Try it</b>
+{% for p in op.parameters or [] %}<label><code>{{ p.name }}</code> <input name="{{ p.name }}" data-in="{{ p.in }}"
+{% if p.required %}required {% endif %}placeholder="{{ describe(p.schema) }}"></label> {% endfor %}
+{% if op.requestBody %}<label><code>image</code> <input name="image" type="file" accept="image/*" required></label>
+{% endif %}<button>Send</button><pre class="answer" hidden></pre></form>
 <table><tr><th>Status</th><th>Description</th><th>Body</th></tr>
 {% for status, reply in op.responses.items() %}<tr><td>{{ status }}</td><td>{{ code(reply.description) }}{% for name, link in (reply.links or {}).items() %}<br>next: <a href="#{{ link.operationId }}">{{ name }}</a>{% endfor %}</td><td>
 {% for media, body in (reply.content or {}).items() %}<code>{{ media }}</code>

@@ -11,15 +11,19 @@ answer `keep-alive` and then read the whole refused body to find the next reques
 from __future__ import annotations
 
 import json
+import logging
 import socket
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from gunicorn import util
+from gunicorn import glogging, util
 from gunicorn.http import wsgi
 from gunicorn.workers.ggevent import GeventWorker
 
+from contract.config import load_settings
 from contract.documents import PROBLEM_TYPE
+from contract.logs import QUIET_LOGGERS, JsonFormatter
 
 _REFUSED_UNREAD = ("401", "408", "413")
 
@@ -119,7 +123,12 @@ COALESCE_MAX_BYTES = 64 * 1024
 
 class ProblemGeventWorker(GeventWorker):
     def patch(self) -> None:
-        super().patch()
+        # gevent warns that ssl was imported before its patch ("may lead to errors, including RecursionError on
+        # Python 3.6"): gunicorn's own config module imports it in the master, and nothing made an SSL context
+        # before the fork; the RecursionError was Python 3.6's. Two such warnings began every start.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Monkey-patching ssl after ssl has already been imported")
+            super().patch()
         cheap_readiness_checks()
 
     def init_process(self) -> None:
@@ -130,3 +139,19 @@ class ProblemGeventWorker(GeventWorker):
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self.wsgi = close_after_refusal(self.wsgi)  # type: ignore[has-type]  # gunicorn's untyped attribute
+
+
+class JsonLogger(glogging.Logger):  # type: ignore[misc]  # gunicorn is untyped
+    """gunicorn's own lines ("Booting worker", "Worker exiting", its errors) as the API's JSON lines, and only its
+    warnings and errors unless logs.verbose: it printed five plain-text lines at each start. The access log
+    (api.access_log) keeps gunicorn's format."""
+
+    def setup(self, cfg: Any) -> None:
+        super().setup(cfg)
+        logs = load_settings().logs
+        if logs.format == "json":
+            for handler in self.error_log.handlers:
+                handler.setFormatter(JsonFormatter("api"))
+        if not logs.verbose and self.error_log.level < QUIET_LOGGERS["gunicorn.error"]:
+            self.error_log.setLevel(QUIET_LOGGERS["gunicorn.error"])
+        logging.getLogger("gunicorn.error").propagate = False

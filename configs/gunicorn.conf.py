@@ -34,6 +34,9 @@ limit_request_field_size = 8190
 # One line per request on top of the API's own JSON lines (a job's are "job accepted" and its reads'
 # errors) cost the API and the log relay as much as a fifth of a submission: on when asked for.
 accesslog = _api.access_log or None
+# Its own lines as JSON, and only its warnings and errors unless logs.verbose (app.server.JsonLogger); the API
+# says it is up in one line of its own (when_ready).
+logger_class = "app.server.JsonLogger"
 # No control socket: nothing here uses gunicornc, and its default path (~/.gunicorn/gunicorn.ctl) is one per
 # user, so a second API on the machine (a test stack, a second checkout) removed the first one's.
 control_socket_disable = True
@@ -52,11 +55,18 @@ def on_starting(server):
 
 def when_ready(server):
     """With `api.metrics_port` set, /metrics is served by the master there, and not on `bind`."""
+    import logging
+
+    from contract.logs import configure_logging
+
+    configure_logging("api", _settings.logs)
+    metrics = ""
     if _api.metrics_port:
         from app.metrics import serve_on_metrics_port
 
         serve_on_metrics_port(_settings)
-        server.log.info("metrics on %s:%d", _api.metrics_host, _api.metrics_port)
+        metrics = f"; metrics on {_api.metrics_host}:{_api.metrics_port}"
+    logging.getLogger("api").info("listening at %s, %d worker processes%s", _api.bind, _api.workers, metrics)
 
 
 def post_fork(server, worker):

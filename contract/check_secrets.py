@@ -18,7 +18,9 @@ _PLACEHOLDERS = ("change-me", "changeme", "change_me", "replace-me", "replaceme"
 
 
 def weak_secret_reason(value: str) -> str | None:
-    """Why a secret must not be used (a placeholder, too short), or None."""
+    """Why a secret must not be used (empty, a placeholder, too short), or None."""
+    if not value:
+        return "empty"
     if any(placeholder in value.lower() for placeholder in _PLACEHOLDERS):
         return "a placeholder"
     if len(value) < MIN_SECRET_LENGTH:

@@ -222,7 +222,8 @@ def log_settings_from(environ: Mapping[str, str]) -> LogSettings:
     are read."""
     try:
         section = environment_overrides(with_legacy_names(environ)).get("logs", {})
-        return _build(LogSettings, {key: str(value) for key, value in section.items()})  # type: ignore[no-any-return]
+        values = {key: value if isinstance(value, bool) else str(value) for key, value in section.items()}
+        return _build(LogSettings, values)  # type: ignore[no-any-return]
     except SettingsError:
         return _build(LogSettings, {})  # type: ignore[no-any-return]   # load_settings says what is wrong
 

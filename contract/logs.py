@@ -41,8 +41,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+# Start-up and connection chatter, quiet unless logs.verbose: a start printed about 80 lines before the ready line.
+# What stays: each process's own line that it is up ("cpu@host ready.", the API's "listening", the GPU worker's).
+QUIET_LOGGERS = {
+    "celery.worker.consumer.connection": logging.WARNING,  # "Connected to tasks.broker:Transport://..."
+    "celery.worker.consumer.mingle": logging.WARNING,  # "mingle: searching for neighbors", "all alone"
+    "kombu.mixins": logging.WARNING,  # Flower's "Connected to redis://..."
+    "gunicorn.error": logging.WARNING,  # "Starting gunicorn", "Booting worker", "Worker exiting", ...
+    # Flower asks the workers before they are up ("Inspect method stats failed"), and again later by itself.
+    "flower.inspector": logging.ERROR,
+}
+
+
 def configure_logging(role: str, logs: LogSettings | None = None) -> None:
-    """JSON lines on stderr for this process (`logs.format: text` keeps plain text). Called before the
+    """JSON lines on stderr for this process (`logs.format: text` keeps plain text), the start-up chatter quiet
+    unless `logs.verbose`. Called before the
     settings are read (so that their errors are logged too) the environment's IMGSERVE_LOGS__FORMAT and
     IMGSERVE_LOGS__LEVEL decide; called again with the settings' `logs` once they are."""
     if logs is None:
@@ -55,3 +68,6 @@ def configure_logging(role: str, logs: LogSettings | None = None) -> None:
     root = logging.getLogger()
     root.handlers = [handler]
     root.setLevel(logs.level.upper())
+    logging.captureWarnings(True)  # a library's warnings as log lines too, in this format, not bare stderr
+    for name, level in QUIET_LOGGERS.items():
+        logging.getLogger(name).setLevel(logging.NOTSET if logs.verbose else level)

@@ -70,12 +70,16 @@ class ApiSettings:
     connections: int = 2000  # per worker, gevent
     threads: int = 64  # per worker, gthread
     access_log: str = ""  # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
+    flower_url: str = ""  # where Flower answers, for `GET /` to link to (make run and compose set it); "": no link
 
 
 @settings_class
 class LogSettings:
     format: str = "json"  # json: one object per line (contract.logs); text: plain lines
     level: str = "INFO"
+    # false: each process says it is up in a line or two; true: Celery's banners, gunicorn's, Flower's and the
+    # workers' start-up chatter too (make run VERBOSE=1)
+    verbose: bool = False
 
     def __post_init__(self) -> None:
         if self.format not in ("json", "text"):

@@ -17,6 +17,18 @@ class Health(Document):
     status: Literal["ok"]
 
 
+class Home(Document):
+    """`GET /`: where to go from here."""
+
+    name: Literal["imgserve"]
+    version: str
+    links: dict[str, str] = Field(
+        description="the docs page, the OpenAPI document, submitting, the models, health, readiness, stats, "
+        "and Flower when the deployment says where it is (`api.flower_url`)"
+    )
+    try_it: str = Field(description="a first request, as a shell command")
+
+
 class Readiness(Document):
     ready: bool
     redis: bool = Field(description="the job store answers")

@@ -162,7 +162,7 @@ class Intake:
                     )
             except FrameError as exc:
                 job_id = read_job_id(raw)
-                log.error("bad frame: %s", exc, extra={"job_id": job_id})
+                log.error("bad frame: %s", exc, extra={"job_id": job_id, "error_code": "bad_frame"})
                 if job_id:
                     refused.append((job_id, FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
                 continue
@@ -201,7 +201,7 @@ class Intake:
             log.error(
                 "poison frame: GPU workers died holding it %d times",
                 self.max_attempts,
-                extra={"job_id": frame.header.job_id},
+                extra={"job_id": frame.header.job_id, "error_code": "poison"},
             )
         self.store.finish_many(
             [(frame.header.job_id, FAILED, {"error": {"code": "poison", "message": message}}) for frame in frames]

@@ -293,7 +293,7 @@ class GpuWorker:
             self.stopping.set()
             return False
         except Exception as exc:  # a defect around the model: the batch's jobs fail, the worker serves on
-            log.exception("the device stage failed on batch %d", batch.seq)
+            log.exception("the device stage failed on batch %d", batch.seq, extra={"error_code": "inference_error"})
             batch.output = DeviceOutput(
                 np.empty((0, len(DETECTION_COLUMNS))),
                 0.0,
@@ -313,7 +313,7 @@ class GpuWorker:
             except redis.RedisError:  # only once stopping (its retries gave up, logged): the frames stay in hand
                 pass
             except Exception:  # a defect: the batch's jobs fail rather than stay running, and the order holds
-                log.exception("finishing batch %d failed", batch.seq)
+                log.exception("finishing batch %d failed", batch.seq, extra={"error_code": "internal_error"})
                 lane.finisher.fail_all(batch, "internal_error", "the GPU worker could not write this result")
             lane.done()
 

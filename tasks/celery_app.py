@@ -64,10 +64,21 @@ def send_preprocess(app: Celery, job_id: str, queue: str) -> None:
     """Queue one job for a CPU worker on its model's queue (Keys.preprocess_queue); fails fast when the
     broker is down."""
     app.send_task(
-        PREPROCESS_TASK, args=[job_id], queue=queue, retry=True, retry_policy={"max_retries": 1, "interval_start": 0.1}
+        PREPROCESS_TASK,
+        args=[job_id],
+        queue=queue,
+        task_id=job_id,  # as the API's own messages (contract.task_messages): Flower finds it by the job id
+        retry=True,
+        retry_policy={"max_retries": 1, "interval_start": 0.1},
     )
+
+
+def callback_task_id(job_id: str) -> str:
+    """A callback delivery's Celery task id: the job id, and what it is (the job id alone is its preprocess
+    task's), so Flower's search by the job id finds both."""
+    return f"{job_id}-callback"
 
 
 def send_callback(app: Celery, job_id: str) -> None:
     """Queue one job's callback delivery on its own queue (a slow receiver slows nothing else)."""
-    app.send_task(CALLBACK_TASK, args=[job_id], queue=CALLBACK_QUEUE)
+    app.send_task(CALLBACK_TASK, args=[job_id], queue=CALLBACK_QUEUE, task_id=callback_task_id(job_id))

@@ -10,9 +10,46 @@ queues it lists are the same keys (global_keyprefix is read from the same transp
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
+
 from tornado.web import RedirectHandler
 
-from tasks.worker import app
+from contract.check_secrets import problems
+
+
+def refuse_weak_credentials(environ: dict[str, str]) -> None:
+    """Flower never starts without its basic auth, nor with an empty, placeholder or short password (its task
+    list names every tenant's jobs, and it can apply tasks): a copied .env.example's `admin:` opened it to anyone
+    who typed `admin` and nothing else. Checked here, in Flower's own process, whoever starts it."""
+    if not environ.get("FLOWER_BASIC_AUTH"):
+        found = ["FLOWER_BASIC_AUTH is not set (user:password; make run makes one in var/flower-credentials)"]
+    else:
+        found = problems(["FLOWER_BASIC_AUTH"], environ)
+    for problem in found:
+        print(f"flower: refusing to start: {problem}", file=sys.stderr, flush=True)
+    if found:
+        raise SystemExit(1)
+
+
+refuse_weak_credentials(dict(os.environ))
+
+from contract.logs import configure_logging  # noqa: E402
+from tasks.worker import app, settings  # noqa: E402 (Flower refuses to start before the workers' app is built)
+
+# Flower's lines as every process's (tornado adds its own handler only where the root logger has none), and of its
+# start-up banner only the address unless logs.verbose.
+configure_logging("flower", settings.logs)
+
+
+class _OnlyTheAddress(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return str(record.msg).startswith("Visit me at")
+
+
+if not settings.logs.verbose:
+    logging.getLogger("flower.command").addFilter(_OnlyTheAddress())
 
 app.conf.broker_transport = None  # the scheme of broker_url (redis://) picks kombu's own transport
 

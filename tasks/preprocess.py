@@ -70,8 +70,7 @@ class Preprocessor:
                 return self._run(job_id, started_at, claim)
             except ShardUnavailable as exc:  # its bytes are out of reach: it fails now, the other shards' go on
                 log.warning("%s: %s", exc, exc.cause, extra={"job_id": job_id})
-                self.store.fail(job_id, "shard_unavailable", str(exc))
-                return "failed"
+                return self._failed(job_id, "shard_unavailable", str(exc))
             except (redis.ConnectionError, redis.TimeoutError) as exc:
                 if time.monotonic() + backoff > give_up_at:
                     raise
@@ -92,19 +91,22 @@ class Preprocessor:
             self.store.drop_upload(job_id)
             return "expired"
         if upload is None:
-            self.store.fail(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
-            return "failed"
+            return self._failed(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
         # A job from before models had names in the record is the default model's.
         spec = self.catalogue.get(record["model"]) if "model" in record else self.catalogue.default
         if spec is None:
-            self.store.fail(
+            return self._failed(
                 job_id,
                 "unknown_model",
                 f"model {record.get('model')!r} is not configured on this "
                 "CPU worker (its config differs from the API's)",
             )
-            return "failed"
         return self._push_frame(job_id, record, upload, started_at, spec, claim)
+
+    def _failed(self, job_id: str, code: str, message: str) -> str:
+        """The job ends failed with its code; the outcome names the code too, so the task's log line does."""
+        self.store.fail(job_id, code, message)
+        return f"{FAILED_OUTCOME}: {code}"
 
     def _push_frame(
         self, job_id: str, record: JobRecord, upload: bytes | memoryview, started_at: float, spec: ModelSpec, claim: str
@@ -124,8 +126,7 @@ class Preprocessor:
             t1 = time.perf_counter()
             boxed = letterbox(image, orig_size, spec.input_size)
         except ImageDecodeError as exc:
-            self.store.fail(job_id, exc.code, str(exc))
-            return "failed"
+            return self._failed(job_id, exc.code, str(exc))
         stamps: dict[str, float] = {}
         if RECEIVED_AT in record:
             stamps[RECEIVED_AT] = record[RECEIVED_AT]
@@ -186,6 +187,7 @@ class Preprocessor:
         return True
 
 
+FAILED_OUTCOME = "failed"  # "failed: <error code>"
 OOM_RETRY_S = 0.5  # a CPU worker whose push Redis refused for memory tries again after this
 # The job store unreachable: tried again after 0.1 s, doubling to 2 s, for at most this share of the task's
 # time limit (Sentinel's failover takes a few seconds; a Redis restart as long as it loads).

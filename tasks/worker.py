@@ -9,9 +9,11 @@ Settings come from IMGSERVE_CONFIG and the environment (contract.config).
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 from celery import Celery, Task
+from celery.exceptions import SecurityWarning
 from celery.signals import (
     after_setup_logger,
     celeryd_after_setup,
@@ -90,7 +92,10 @@ def create_worker_app(settings: Settings) -> Celery:
     )
     def preprocess(self: PreprocessTask, job_id: str) -> str:
         outcome = self.preprocessor.run(job_id)
-        log.info("preprocess %s", outcome, extra={"job_id": job_id, "outcome": outcome})
+        # A failure's line carries its error code, as the job's document does ("preprocess failed: decode_error").
+        failed, _, code = outcome.partition(": ")
+        extra = {"job_id": job_id, "outcome": failed, **({"error_code": code} if code else {})}
+        (log.warning if code else log.info)("preprocess %s", outcome, extra=extra)
         return outcome
 
     # acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback
@@ -121,13 +126,22 @@ this_worker = ThisWorker()
 
 
 @celeryd_init.connect
-def _name_the_role(options: dict | None = None, **_: object) -> None:
-    """Log lines say which worker wrote them: the one on the callbacks queue is the callback worker."""
+def _name_the_role(options: dict | None = None, instance: object = None, **_: object) -> None:
+    """Log lines say which worker wrote them: the one on the callbacks queue is the callback worker. From here
+    on they are JSON lines (the first ones, Celery's warnings, came as bare text), and Celery's banner is left out
+    unless logs.verbose: the worker's "ready." line says it is up."""
     queues = (options or {}).get("queues") or []
     if isinstance(queues, str):
         queues = queues.split(",")
     if list(queues) == [CALLBACK_QUEUE]:
         this_worker.role = "callback-worker"
+    configure_logging(this_worker.role, settings.logs)
+    if not settings.logs.verbose:
+        if instance is not None:
+            instance.quiet = True  # type: ignore[attr-defined]  # celery.apps.worker.Worker's: no banner
+        # Celery's "running the worker with superuser privileges" is about unpickling as root: these workers
+        # accept JSON only (contract.task_messages; nothing is pickled across processes). Logged when verbose.
+        warnings.filterwarnings("ignore", category=SecurityWarning)
 
 
 @celeryd_after_setup.connect

@@ -58,3 +58,28 @@ def test_a_large_multipart_part_is_parsed_in_memory_not_spooled_to_disk(monkeypa
     environ = EnvironBuilder(method="POST", data={"image": (io.BytesIO(photo), "a.jpg", "image/jpeg")}).get_environ()
     request = InMemoryFormRequest(environ)
     assert request.files["image"].read() == photo
+
+
+def test_every_route_refuses_a_query_parameter_it_does_not_take(api_without_redis):
+    """Issue 53: `GET /v1/jobs/<id>?wiat=10` answered 200 at once, no long-poll and no word why. Every route
+    now refuses what it does not take, before anything else (here, before Redis is found missing)."""
+    app = api_without_redis.app
+    job_id = "0" * 32
+    routes = [
+        (method, rule.rule.replace("<job_id>", job_id))
+        for rule in app.url_map.iter_rules()
+        if getattr(app.view_functions[rule.endpoint], "openapi", None) is not None
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"})
+    ]
+    assert ("GET", f"/v1/jobs/{job_id}") in routes and ("GET", "/healthz") in routes and len(routes) >= 10
+    for method, path in routes:
+        response = requests.request(method, api_without_redis.url + path, params={"wiat": "10"}, timeout=30)
+        assert response.status_code == 400, (method, path, response.text)
+        assert response.headers["Content-Type"] == "application/problem+json"
+        problem = response.json()
+        assert problem["invalid_params"] == [{"name": "wiat", "reason": "not a query parameter of this operation"}]
+        assert "'wiat'" in problem["detail"], problem
+    wait = requests.get(f"{api_without_redis.url}/v1/jobs/{job_id}", params={"wiat": "10"}, timeout=30).json()
+    assert wait["detail"] == "unknown query parameter(s): 'wiat'; GET /v1/jobs/<job_id> takes wait"
+    fine = requests.get(api_without_redis.url + "/healthz", params={}, timeout=30)
+    assert fine.status_code == 200

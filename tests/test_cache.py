@@ -413,3 +413,26 @@ def test_a_flood_of_unique_images_keeps_the_cache_within_its_budget_and_every_jo
     assert client.zcard(keys.cache_lru) < 40
     assert cache_stack.submit(jpeg(64, 48, seed=1039)).json()["cache"] == "hit"  # the newest stays
     assert cache_stack.submit(jpeg(64, 48, seed=1000)).json()["cache"] == "miss"  # the oldest went
+
+
+def test_the_cli_says_cache_hit_for_an_answer_from_the_cache(cache_stack, tmp_path):
+    """Issue 53: a cache hit showed "(0 ms)" with no word that it was one."""
+    import subprocess
+    import sys
+
+    from tests.support import REPO_ROOT
+
+    photo = tmp_path / "again.jpg"
+    photo.write_bytes(jpeg(200, 150, seed=53))
+    firsts = []
+    for _ in range(2):
+        result = subprocess.run(
+            [sys.executable, "-m", "imgserve_client.cli", "--url", cache_stack.api.url, "submit", str(photo), "--wait"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        firsts.append(result.stdout.splitlines()[0])
+    assert "cache hit" not in firsts[0] and "(cache hit, " in firsts[1], firsts

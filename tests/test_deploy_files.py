@@ -167,9 +167,22 @@ def test_compose_redis_keeps_an_append_only_file(compose):
     assert "--maxmemory-policy noeviction" in " ".join(compose["services"]["redis"]["command"])  # never evicts jobs
 
 
-def test_compose_gpu_worker_reserves_an_nvidia_device(compose):
-    [device] = compose["services"]["gpu-worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+def test_the_main_file_runs_anywhere_and_the_gpu_overlay_gives_the_worker_the_gpu(compose):
+    """Issue 53: `docker compose up` stopped at "could not select device driver nvidia" on a machine without the
+    NVIDIA toolkit. The main file reserves no device (its GPU worker: auto, the CPU there); docker-compose.gpu.yml
+    adds the reservation and names cuda, over the main file and over the Sentinel overlay alike."""
+    gpu_worker = compose["services"]["gpu-worker"]
+    assert "deploy" not in gpu_worker and gpu_worker["command"][-2:] == ["--device", "auto"]
+    for files in (["docker-compose.yml", "docker-compose.gpu.yml"], ["docker-compose.yml", "docker-compose.ha.yml"]):
+        files = files if "gpu" in files[-1] else [*files, "docker-compose.gpu.yml"]
+        result = compose_config(SECRETS, *(arg for name in files for arg in ("-f", name)))
+        assert result.returncode == 0, result.stderr
+        merged = yaml.safe_load(result.stdout)["services"]["gpu-worker"]
+        [device] = merged["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"], files
+        assert merged["command"][-2:] == ["--device", "cuda"], files
+    assert "docker compose -f docker-compose.yml -f docker-compose.gpu.yml up" in (REPO_ROOT / "README.md").read_text()
+    assert "COMPOSE_FILE=docker-compose.yml:docker-compose.gpu.yml" in (REPO_ROOT / ".env.example").read_text()
 
 
 def test_compose_cpu_workers_scale_freely(compose):
@@ -320,3 +333,44 @@ def test_the_ha_file_puts_every_process_behind_the_sentinels_and_keeps_the_passw
         assert env["IMGSERVE_REDIS__SENTINELS"] == "[sentinel-1:26379, sentinel-2:26379, sentinel-3:26379]"
     for name, service in services.items():
         assert SECRETS["REDIS_PASSWORD"] not in " ".join(service.get("command") or []), name
+
+
+@pytest.mark.parametrize(
+    ("credentials", "says"),
+    [
+        (None, "FLOWER_BASIC_AUTH is not set"),
+        ("admin:", "FLOWER_BASIC_AUTH's password for admin is empty"),  # .env.example's, copied as it is
+        ("a-user-name-long-enough:", "FLOWER_BASIC_AUTH's password for a-user-name-long-enough is empty"),
+        ("admin:change-me-to-something", "FLOWER_BASIC_AUTH's password for admin is a placeholder"),
+        ("admin:hunter2", "FLOWER_BASIC_AUTH's password for admin is shorter than 16 characters"),
+    ],
+)
+def test_flower_itself_refuses_to_start_without_a_usable_password(credentials, says):
+    """Issue 53: a copied .env.example (`FLOWER_BASIC_AUTH=admin:`) opened Flower to `admin` with an empty password.
+    Flower's own process refuses it, whoever starts it (make run, compose, by hand)."""
+    env = {k: v for k, v in os.environ.items() if k != "FLOWER_BASIC_AUTH"}
+    if credentials is not None:
+        env["FLOWER_BASIC_AUTH"] = credentials
+    done = subprocess.run(
+        [sys.executable, "-c", "import tasks.flower"],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1 and done.stderr.startswith(f"flower: refusing to start: {says}"), done.stderr
+
+
+def test_a_copied_env_example_is_refused_by_the_secrets_check_flower_included():
+    """`cp .env.example .env` then `docker compose up`: check-secrets stops the stack, naming Flower's empty
+    password among the rest, before Flower could start with it."""
+    from contract.check_secrets import problems
+    from tools.procfile import parse_env
+
+    copied = parse_env((REPO_ROOT / ".env.example").read_text())
+    found = problems(
+        ["REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD", "IMGSERVE_CALLBACK_SECRET?"], copied
+    )
+    assert "FLOWER_BASIC_AUTH's password for admin is empty" in found
+    assert "REDIS_PASSWORD is not set" in found and "GRAFANA_ADMIN_PASSWORD is not set" in found

@@ -145,3 +145,23 @@ def test_the_shipped_shapes_samples_are_what_their_script_makes(tmp_path):
         shipped = json.loads((REPO_ROOT / "samples" / f"shapes-{seed}.truth.json").read_text())
         assert json.loads((tmp_path / f"shapes-{seed}.truth.json").read_text()) == shipped
         assert (REPO_ROOT / "samples" / f"shapes-{seed}.jpg").stat().st_size > 10_000
+
+
+def test_the_docs_server_takes_no_port_of_the_service():
+    """`mkdocs serve` (which the Makefile suggested) took 8000, the API's; make docs-serve uses mkdocs.yml's."""
+    import yaml
+
+    dev_addr = yaml.safe_load((REPO_ROOT / "mkdocs.yml").read_text().replace("!!python/name:", ""))["dev_addr"]
+    service_ports = {8000, 5555, 9100, 9101, 9090, 3000, 6379}  # API, Flower, metrics, Prometheus, Grafana, Redis
+    assert int(dev_addr.rsplit(":", 1)[1]) not in service_ports
+    assert "mkdocs serve" in (REPO_ROOT / "Makefile").read_text().split("docs-serve:", 1)[1].split("\n\n")[0]
+
+
+def test_what_the_examples_write_is_ignored_by_git():
+    import subprocess
+
+    written = ["shapes-36.boxes.png", "boxes/shapes-3.jpg", "client/build/lib/imgserve_client/cli.py"]
+    done = subprocess.run(
+        ["git", "check-ignore", "--no-index", *written], cwd=REPO_ROOT, capture_output=True, text=True
+    )
+    assert done.stdout.split() == written

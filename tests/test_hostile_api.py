@@ -94,7 +94,7 @@ def test_a_misspelt_query_option_is_refused_as_a_misspelt_form_field_is(stack):
         timeout=30,
     )
     assert spelt.status_code == 202, spelt.text
-    # `wait` on a submission is another change's (app.jobs.SUBMIT_QUERY_NAMES): never refused as unknown.
+    # `wait` is one of the submission's query parameters (contract.documents.submit_query_model): never unknown.
     waiting = requests.post(
         stack.url("/v1/jobs"),
         params={"wait": "1"},

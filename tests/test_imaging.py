@@ -109,6 +109,24 @@ def test_declared_dimensions_over_the_limit_are_refused_before_decoding():
     assert caught.value.code == "image_too_large"
 
 
+def test_the_pixel_limit_is_the_services_alone_raised_or_lowered():
+    """Issue 53: with decode.max_image_pixels at 150 M, a 12000x10000 PNG failed with Pillow's own limit
+    (89,478,485) in Pillow's words. One limit now, the setting's, and one message naming it."""
+    buffer = io.BytesIO()
+    Image.new("1", (12000, 10000)).save(buffer, "PNG")  # 120 MP in 14 KB: decodes to 15 MB
+    data = buffer.getvalue()
+    image, size = decode_image(data, 640, max_pixels=150_000_000)
+    assert size == (12000, 10000) and max(image.size) >= 640
+    assert Image.MAX_IMAGE_PIXELS == 150_000_000  # Pillow's later checks (a GIF's frames) follow the setting
+    with pytest.raises(ImageDecodeError) as caught:
+        decode_image(data, 640, max_pixels=80_000_000)
+    assert caught.value.code == "image_too_large"
+    assert str(caught.value) == ("image of 12000x10000 pixels exceeds the limit of 80000000 (decode.max_image_pixels)")
+    with pytest.raises(ImageDecodeError) as caught:  # over twice the limit: Pillow's error, not its warning
+        decode_image(data, 640, max_pixels=1_000_000)
+    assert str(caught.value).startswith("image of 12000x10000 pixels exceeds the limit of 1000000 ")
+
+
 def _decode_peak_mb(path: str) -> str:
     """Decode `path` in a fresh interpreter; its peak memory growth in MB, or the refusal."""
     import subprocess

@@ -3,6 +3,7 @@ dead CPU worker's tasks come back in seconds, not after kombu's visibility timeo
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -214,3 +215,54 @@ def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(m
     dashboard = requests.get(flower + "/dashboard", auth=(user, password), timeout=30)
     assert dashboard.status_code == 200 and dashboard.url.endswith("/workers")
     assert listening_addresses(int(make_run.env["GPU_METRICS_PORT"])) == {"127.0.0.1"}
+
+
+def test_flower_finds_a_job_by_its_id(make_run):
+    """Issue 53: the Celery task id in Flower was a uuid of its own, so a job could not be found there by the id a
+    client holds. The preprocess task's id is the job id; its callback's is the job id and `-callback`."""
+    flower = f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}"
+    user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
+    doc = submit_and_finish(make_run, seed=20)
+    assert doc["status"] == "succeeded"
+
+    def task_info() -> dict | None:
+        response = requests.get(f"{flower}/api/task/info/{doc['id']}", auth=(user, password), timeout=10)
+        return response.json() if response.status_code == 200 else None
+
+    info = wait_until(task_info, 60, what="Flower to know the job's task by the job id")
+    assert info["name"] == "imgserve.preprocess" and info["uuid"] == doc["id"], info
+
+
+def test_the_start_is_quiet_and_every_line_is_the_supervisors_or_json(make_run):
+    """Issue 53: a start printed two Celery banners, two "running as root" SecurityWarnings, two gevent warnings,
+    Flower's banner and four "Inspect method ... failed" lines among the JSON. Now every line a process writes is
+    JSON, a few per process (logs.verbose brings the chatter back), and a failure's line names its error code."""
+    submit_and_finish(make_run, seed=21)
+    failed = requests.post(
+        f"{make_run.url}/v1/jobs?wait=20", data=b"\xff\xd8\xff" + bytes(200), headers={"Content-Type": "image/jpeg"}
+    ).json()
+    assert failed["status"] == "failed" and failed["error"]["code"] == "decode_error"
+    lines = supervisor_log(make_run).splitlines()
+
+    def failure_line() -> dict | None:
+        for line in supervisor_log(make_run).splitlines():
+            if line.startswith("{") and failed["id"] in line and "preprocess" in line:
+                return json.loads(line)
+        return None
+
+    line = wait_until(failure_line, 30, what="the failure's log line")
+    assert line["msg"] == "preprocess failed: decode_error" and line["error_code"] == "decode_error", line
+    ours = ("procfile:", "run-local:", "bootstrap:", "make run: ready", "  Flower at", "  GPU worker", "  Ctrl-C")
+    # The start, up to the ready line (later, the kills of this module's other tests leave sh's "Killed").
+    start = supervisor_log(make_run).split("make run: ready at", 1)[0].splitlines()
+    strays = [line for line in start if line.strip() and not line.startswith(ours) and not _is_json(line)]
+    assert not strays, strays[:20]
+    ready = [json.loads(line)["role"] for line in lines if _is_json(line) and "ready." in line]
+    assert set(ready) == {"callback-worker", "cpu-worker"}
+
+
+def _is_json(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False

@@ -91,12 +91,40 @@ def test_output_is_the_processes_own_and_the_first_to_end_stops_the_rest(tmp_pat
     assert not _alive(int(pids.read_text()))
 
 
-def test_env_file_over_the_environment(tmp_path: Path) -> None:
-    supervisor = _start(
-        tmp_path, 'show: echo "$FROM_DOTENV $HOME_SET"\n', env_file='FROM_DOTENV=dotenv\nHOME_SET="over"\n'
-    )
+def test_env_file_under_the_environment(tmp_path: Path) -> None:
+    """As compose reads .env: a variable the environment sets wins. Over it, a copied .env.example's
+    FLOWER_BASIC_AUTH undid the credentials make run had made and printed (issue 53)."""
+    os.environ["SET_HERE"] = "environment"
+    try:
+        supervisor = _start(
+            tmp_path, 'show: echo "$FROM_DOTENV $SET_HERE"\n', env_file='FROM_DOTENV=dotenv\nSET_HERE="dotenv"\n'
+        )
+    finally:
+        del os.environ["SET_HERE"]
     out, _ = supervisor.communicate(timeout=30)
-    assert out == "dotenv over\n" and supervisor.returncode == 0
+    assert out == "dotenv environment\n" and supervisor.returncode == 0
+
+
+def test_the_ready_message_comes_from_the_environment_and_goes_no_further(tmp_path: Path) -> None:
+    """make run's ready line names Flower's password: it was a command-line argument, in `ps -ef` for anyone."""
+    os.environ["PROCFILE_READY_MESSAGE"] = "ready: secret-in-the-message"
+    try:
+        supervisor = _start(
+            tmp_path,
+            'show: echo "child sees [${PROCFILE_READY_MESSAGE:-nothing}]"; exec sleep 60\n',
+            None,
+            "--ready-url",
+            "http://127.0.0.1:9/never",
+        )
+    finally:
+        del os.environ["PROCFILE_READY_MESSAGE"]
+    try:
+        assert supervisor.stdout is not None
+        assert supervisor.stdout.readline() == "child sees [nothing]\n"
+        assert b"secret-in-the-message" not in Path(f"/proc/{supervisor.pid}/cmdline").read_bytes()
+    finally:
+        supervisor.send_signal(signal.SIGTERM)
+        supervisor.communicate(timeout=30)
 
 
 def test_sigterm_stops_every_process_group_children_included(tmp_path: Path) -> None:
@@ -106,9 +134,24 @@ def test_sigterm_stops_every_process_group_children_included(tmp_path: Path) -> 
     child = int(_wait_for(child_pid))
     supervisor.send_signal(signal.SIGTERM)
     _, err = supervisor.communicate(timeout=30)
-    assert supervisor.returncode == 143
+    assert supervisor.returncode == 0  # a clean stop
     assert "SIGTERM received" in err
     assert not _alive(child)
+
+
+def test_a_stop_that_had_to_kill_is_not_a_clean_one(tmp_path: Path) -> None:
+    ready = tmp_path / "ready"
+    supervisor = _start(
+        tmp_path,
+        f"stubborn: trap '' TERM; echo up > {ready}; while true; do sleep 0.1; done\n",
+        None,
+        "--kill-wait-s",
+        "1",
+    )
+    _wait_for(ready)
+    supervisor.send_signal(signal.SIGINT)
+    _, err = supervisor.communicate(timeout=60)
+    assert supervisor.returncode == 130 and "sent SIGKILL to stubborn" in err
 
 
 def test_a_process_ignoring_sigterm_is_killed(tmp_path: Path) -> None:
@@ -188,7 +231,7 @@ def test_a_process_that_dies_once_the_service_is_up_is_restarted_its_group_stopp
             os.kill(second, signal.SIGKILL)  # again at once: the backoff doubles
             assert "restarting in 2 s" in _wait_for_text(err_path, "restarting in 2 s")
             supervisor.send_signal(signal.SIGTERM)  # Ctrl-C still stops everything
-            assert supervisor.wait(timeout=30) == 143
+            assert supervisor.wait(timeout=30) == 0
         finally:
             if supervisor.poll() is None:
                 os.killpg(supervisor.pid, signal.SIGKILL)
@@ -246,7 +289,7 @@ def test_once_the_ready_url_answers_the_ready_line_is_said_and_an_early_death_is
             assert "stopping everything" not in text and supervisor.poll() is None
             assert text.count("ready at the test's URL") == 1
             supervisor.send_signal(signal.SIGINT)  # Ctrl-C
-            assert supervisor.wait(timeout=30) == 130
+            assert supervisor.wait(timeout=30) == 0
         finally:
             if supervisor.poll() is None:
                 os.killpg(supervisor.pid, signal.SIGKILL)
@@ -276,6 +319,31 @@ def test_a_burst_of_interrupts_still_stops_everything(tmp_path: Path) -> None:
     for _ in range(50):
         supervisor.send_signal(signal.SIGINT)
     _, err = supervisor.communicate(timeout=30)
-    assert supervisor.returncode == 130 and "Traceback" not in err
+    assert supervisor.returncode == 0 and "Traceback" not in err
     assert err.count("SIGINT received") >= 1 and "sent SIGTERM to worker" in err
     assert not _alive(child)
+
+
+def test_ctrl_c_in_a_terminal_ends_make_with_0_after_a_clean_stop(tmp_path: Path) -> None:
+    """Issue 53: every Ctrl-C of `make run` ended with `make: *** [Makefile:4: run] Error 130` (make, signalled
+    too, kills itself once its child ends). With --own-terminal the supervisor alone gets the terminal's SIGINT."""
+    from tools.terminal_session import TerminalSession
+
+    up = tmp_path / "up"
+    (tmp_path / "Procfile").write_text(f"worker: echo up > {up}; exec sleep 60\n")
+    (tmp_path / "Makefile").write_text(
+        f"run:\n\t{sys.executable} -m tools.procfile {tmp_path / 'Procfile'} --own-terminal; echo make-saw $$?\n"
+    )
+    session = TerminalSession(
+        ["make", "-s", "run"], tmp_path, {**os.environ, "PYTHONPATH": str(REPO_ROOT)}, tmp_path / "terminal.log"
+    )
+    try:
+        _wait_for(up)
+        session.type_ctrl_c()
+        status = session.wait(30)
+    finally:
+        session.close()
+    log = (tmp_path / "terminal.log").read_text()
+    assert status == 0, log
+    assert "SIGINT received" in log and "worker stopped" in log and "make-saw 0" in log
+    assert "Error" not in log and "Interrupt" not in log, log

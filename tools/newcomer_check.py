@@ -5,18 +5,26 @@
 In a copy of this checkout (the files git tracks or would track: no var/, no .venv of its own unless
 --fresh-venv), exactly as README.md and docs/quickstart.md say, with no step they do not name:
 
-1. `make run REDIS=private` in the background, in its own process group, on free ports (IMGSERVE_API__BIND,
+0. `make run` with the API's port held by another program: it stops at once, in one line naming the port, who
+   holds it and the variable that moves it, and starts nothing;
+1. `make run REDIS=private` on a terminal of its own (tools.terminal_session), on free ports (IMGSERVE_API__BIND,
    FLOWER_PORT, GPU_METRICS_PORT: the quick start names them), its output in a log;
-2. its "ready at" line, and /readyz answering 200, within READY_LIMIT_S;
+2. its "ready at" line, and /readyz answering 200, within READY_LIMIT_S; before it, only make run's own lines and
+   the processes' JSON lines (no banner, no bare warning);
 3. every ```bash and ```python block of README.md and docs/quickstart.md that is not marked
    `<!-- illustrative -->` on the line before it, as written (localhost:8000 read as the chosen port, and
    IMGSERVE_URL set to it, as the CLI's help says): each exits 0 and prints no problem document;
 4. the first example's answer is the sample's truth (samples/shapes-36.truth.json), so the README shows a
-   real answer;
-5. Flower, with the credentials `make run` printed, lists every Celery worker (the CPU and callback workers);
-6. Ctrl-C (SIGINT to make's process group, as a terminal sends it): make ends within STOP_LIMIT_S, and no
+   real answer; a read with a mistyped option (`?wiat=10`) is a 400 naming it; a 90 MP image is refused in the
+   service's words at the default decode.max_image_pixels;
+5. Flower, with the credentials `make run` printed, lists every Celery worker (the CPU and callback workers) and
+   finds a job by its id; `GET /` links the docs and Flower; the password is on no command line;
+6. Ctrl-C, typed on the terminal: make ends with status 0 (no "Error 130") within STOP_LIMIT_S, and no
    process it started is left (each checked by pid and start time);
-7. a second `make run`: ready again, a job of the first run still readable; Ctrl-C again, nothing left.
+7. a second `make run` after `cp .env.example .env` (the README's Docker step) and with decode.max_image_pixels
+   raised to 100 M: ready again, Flower's printed credentials (not .env's empty password) open it and `admin:`
+   does not, the 90 MP image decodes, a job of the first run is still readable; Ctrl-C again, nothing left;
+8. the CLI with the service stopped: one line and a non-zero status.
 
 A failure says which step and prints make run's last log lines; the exit status is then 1. With --fresh-venv
 the copy installs its own .venv as a newcomer's would (minutes); by default it links this checkout's, so the
@@ -43,6 +51,10 @@ from typing import Any
 
 import requests
 
+from tools import newcomer_mistakes as mistakes
+from tools.newcomer_mistakes import CheckFailed
+from tools.terminal_session import TerminalSession
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 READY_LIMIT_S = 180.0  # the service's start on a busy 2-core machine (8-35 s seen); the install comes first
 STOP_LIMIT_S = 20.0  # Ctrl-C to every process gone
@@ -52,10 +64,6 @@ ILLUSTRATIVE = "<!-- illustrative"  # on the line before a fence: shown, not run
 FIRST_EXAMPLE = "samples/shapes-36.jpg"
 PROBLEM = re.compile(r'"status"\s*:\s*[45]\d\d')  # a problem document's numeric status (a job's is a word)
 _FENCE = re.compile(r"^```(\w+)\s*$")
-
-
-class CheckFailed(Exception):
-    """A step of the newcomer's path did not hold."""
 
 
 @dataclass(frozen=True)
@@ -157,25 +165,17 @@ def wait_for(condition: Callable[[], Any], limit_s: float, what: str, interval_s
 
 
 class MakeRun:
-    """One `make run REDIS=private` in a process group of its own, as a terminal runs it."""
+    """One `make run REDIS=private` on a terminal of its own, as a person runs it."""
 
     def __init__(self, root: Path, env: dict[str, str], log_path: Path) -> None:
         self.root, self.env, self.log_path = root, env, log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self.terminal: TerminalSession | None = None
         self.started_at = 0.0
 
     def start(self) -> MakeRun:
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            ["make", "run", "REDIS=private"],
-            cwd=self.root,
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        log.close()
+        self.terminal = TerminalSession(["make", "run", "REDIS=private"], self.root, self.env, self.log_path)
+        self.process = self.terminal.process
         self.started_at = time.monotonic()
         return self
 
@@ -205,16 +205,20 @@ class MakeRun:
         return str(line)
 
     def interrupt(self) -> float:
-        """Ctrl-C: SIGINT to the whole foreground process group. Every process make started must be gone within
-        STOP_LIMIT_S; returns how long it took."""
-        assert self.process is not None
+        """Ctrl-C, typed on make's terminal. make must end with 0 (a clean stop: no "Error 130") and every process
+        it started must be gone within STOP_LIMIT_S; returns how long it took."""
+        assert self.process is not None and self.terminal is not None
         started = descendants(self.process.pid)
         began = time.monotonic()
-        os.killpg(self.process.pid, signal.SIGINT)
+        self.terminal.type_ctrl_c()
         try:
-            self.process.wait(STOP_LIMIT_S)
+            status = self.terminal.wait(STOP_LIMIT_S)
         except subprocess.TimeoutExpired:
             raise CheckFailed(f"`make run` still running {STOP_LIMIT_S:g} s after Ctrl-C") from None
+        finally:
+            self.terminal.close()
+        if status != 0 or "Error 130" in self.log():
+            raise CheckFailed(f"after Ctrl-C make ended with status {status}:\n{self.tail(8)}")
         left = wait_for_gone(started, max(0.5, STOP_LIMIT_S - (time.monotonic() - began)))
         took = time.monotonic() - began
         if left:
@@ -293,8 +297,9 @@ def _iou(a: list[float], b: list[float]) -> float:
     return inter / union if union > 0 else 0.0
 
 
-def check_flower(ready_line: str, flower_port: int) -> None:
-    """Flower answers with the credentials make run printed, and lists both Celery workers."""
+def check_flower(ready_line: str, flower_port: int) -> tuple[str, tuple[str, str]]:
+    """Flower answers with the credentials make run printed, and lists both Celery workers. Returns its URL and
+    those credentials."""
     match = re.search(r"Flower at (http://\S+) \(user '([^']+)', password (\S+) ", ready_line)
     if not match:
         raise CheckFailed(f"the ready line names no Flower credentials:\n{ready_line}")
@@ -317,6 +322,7 @@ def check_flower(ready_line: str, flower_port: int) -> None:
     if requests.get(url + "/broker", auth=(user, password), timeout=20).status_code != 200:
         raise CheckFailed("Flower's Broker tab does not answer 200")
     print(f"newcomer check: Flower, with the printed credentials, lists {', '.join(names)}")
+    return url, (user, password)
 
 
 def newcomer_env(root: Path, api_port: int, flower_port: int, metrics_port: int) -> dict[str, str]:
@@ -348,6 +354,7 @@ def check(workdir: Path, fresh_venv: bool) -> None:
     api = f"http://127.0.0.1:{api_port}"
     env = newcomer_env(root, api_port, flower_port, metrics_port)
     blocks = [block for block, runs in documented_blocks(root) if runs]
+    mistakes.check_busy_port(root, env, api_port)
     first = MakeRun(root, env, workdir / "make-run-1.log")
     step = "the first `make run`"
     try:
@@ -355,23 +362,42 @@ def check(workdir: Path, fresh_venv: bool) -> None:
         ready_line = first.wait_ready(api)
         if f"ready at {api}" not in ready_line:
             raise CheckFailed(f"the ready line names another address than {api}:\n{ready_line}")
+        step = "a quiet start"
+        mistakes.check_quiet_start(first.log())
         step = "the first example"
         kept_id = check_first_example(root, api)
+        step = "a mistyped option"
+        mistakes.check_mistyped_option(api, kept_id)
+        step = "a 90 MP image at the default pixel limit"
+        mistakes.check_pixel_limit(api, 80_000_000)
         for block in blocks:
             step = f"the block at {block.where()}"
             run_block(block, root, env, api)
         step = "Flower"
-        check_flower(ready_line, flower_port)
+        flower, auth = check_flower(ready_line, flower_port)
+        mistakes.check_home_and_flower(api, flower, auth, kept_id)
+        mistakes.check_no_secret_on_command_lines(auth[1])
         step = "Ctrl-C of the first `make run`"
         first.interrupt()
     except BaseException as exc:
         first.kill()
         raise CheckFailed(_failure(step, exc, first)) from exc
-    second = MakeRun(root, env, workdir / "make-run-2.log")
-    step = "the second `make run`"
+    # The README's Docker step, then make run again: .env's empty Flower password must not be what is in force.
+    shutil.copy(root / ".env.example", root / ".env")
+    raised = {**env, "IMGSERVE_DECODE__MAX_IMAGE_PIXELS": str(mistakes.RAISED_PIXELS)}
+    second = MakeRun(root, raised, workdir / "make-run-2.log")
+    step = "the second `make run`, with .env.example copied to .env"
     try:
         second.start()
-        second.wait_ready(api)
+        ready_line = second.wait_ready(api)
+        step = "Flower, with .env.example copied to .env"
+        flower, auth = check_flower(ready_line, flower_port)
+        if auth[0] == "admin" or not auth[1]:
+            raise CheckFailed(f"the printed credentials are .env's empty ones:\n{ready_line}")
+        step = "a 90 MP image with the pixel limit raised"
+        big_id = mistakes.check_pixel_limit(api, mistakes.RAISED_PIXELS)
+        step = "Flower and GET /, with .env.example copied to .env"
+        mistakes.check_home_and_flower(api, flower, auth, big_id)
         step = "a job of the first run, read in the second"
         doc = requests.get(f"{api}/v1/jobs/{kept_id}", timeout=10)
         if doc.status_code != 200 or doc.json()["status"] != "succeeded":
@@ -382,6 +408,7 @@ def check(workdir: Path, fresh_venv: bool) -> None:
     except BaseException as exc:
         second.kill()
         raise CheckFailed(_failure(step, exc, second)) from exc
+    mistakes.check_cli_with_the_api_down(root, env, api)
 
 
 def _failure(step: str, exc: BaseException, run: MakeRun) -> str:

@@ -1,10 +1,12 @@
 """Run a Procfile's processes together, their output straight to ours: what `make run` runs.
 
     python -m tools.procfile [Procfile] [--kill-wait-s 10] [--startup-s 15] [--no-restart]
-                             [--ready-url URL [--ready-message TEXT]]
+                             [--ready-url URL [--ready-message TEXT]] [--own-terminal]
 
 Each line `name: command` runs under `/bin/sh -c` in its own session, with this
-environment and `.env`'s variables over it. A process that ends once the
+environment and `.env`'s variables under it (a variable set in the environment
+wins, as compose reads `.env`: `FLOWER_PORT=5556 make run` is not undone by a
+copied `.env`). A process that ends once the
 service is up is restarted, as compose's `restart: unless-stopped` does: its
 whole process group is stopped first (gunicorn's or Celery's children would
 still hold a port or a task), then it starts again after a backoff that doubles
@@ -13,10 +15,15 @@ restart is said on stderr. A process that ends in the first `--startup-s`
 seconds stops everything instead (a broken config fails at once, not in a
 loop), unless `--ready-url` answered 200 before: once the service said it is
 ready, a process that dies is restarted whatever its age. The first 200 from
-`--ready-url` also prints `--ready-message` (make run's "ready at" line).
+`--ready-url` also prints `--ready-message`, or the environment's
+PROCFILE_READY_MESSAGE (make run's "ready at" line, which names Flower's
+password: not on a command line, and not passed on to the processes).
 SIGINT/SIGTERM stop every process group with SIGTERM, and SIGKILL after
-`--kill-wait-s`; the exit status is then 130/143, else the first process's to
-end. `--no-restart` keeps honcho's rule: the first process to end stops them all.
+`--kill-wait-s`; the exit status is then 0 when every process ended within it
+(a clean stop), 130/143 when one had to be killed; else the first process's to
+end. `--no-restart` keeps honcho's rule: the first process to end stops them
+all. `--own-terminal` (make run's): Ctrl-C reaches this supervisor alone
+(tools.terminal), so `make` ends with the supervisor's status.
 
 Unlike honcho, nothing relays the output: the processes write to this
 process's stdout and stderr themselves. Honcho read every line through a pipe,
@@ -40,10 +47,13 @@ import urllib.request
 from pathlib import Path
 from types import FrameType
 
+from tools.terminal import Foreground
+
 POLL_S = 0.2
 _PROCESS_LINE = re.compile(r"^([A-Za-z0-9_-]+):\s*(.+)$")
 _ENV_LINE = re.compile(r"^(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _SIGNAL_STATUS = {signal.SIGINT: 130, signal.SIGTERM: 143}
+READY_MESSAGE_ENV = "PROCFILE_READY_MESSAGE"
 
 
 def parse_procfile(text: str) -> dict[str, str]:
@@ -127,6 +137,9 @@ class Supervisor:
         self.ready_message = ready_message
         self.ready = threading.Event()  # the service answered ready_url once: the start-up window is over
         self.received: list[int] = []  # signals noted by the handler, acted on by the loop
+        self.signalled: int | None = None  # the first SIGINT/SIGTERM: a stop asked for
+        self.own_terminal = False
+        self.foreground = Foreground()
 
     def say(self, message: str) -> None:
         print(f"procfile: {message}", file=sys.stderr, flush=True)
@@ -137,6 +150,8 @@ class Supervisor:
         and what it needs (Redis) must not be stopped under it."""
         for sig in _SIGNAL_STATUS:
             signal.signal(sig, self._on_signal)
+        if self.own_terminal and self.foreground.take():
+            signal.signal(signal.SIGTSTP, self._on_signal)  # make, not stopped with it, would wait on it forever
         try:
             return self._supervise()
         except BaseException:
@@ -144,6 +159,8 @@ class Supervisor:
             # the Redis `make run` stops after it): they go with it.
             self._stop_all_now()
             raise
+        finally:
+            self.foreground.give_back()
 
     def _supervise(self) -> int:
         for name in self.commands:
@@ -176,6 +193,8 @@ class Supervisor:
                 self.killed = True
                 self._signal_all(signal.SIGKILL)
             time.sleep(POLL_S)
+        if self.status is None and self.signalled is not None:
+            return _SIGNAL_STATUS[signal.Signals(self.signalled)] if self.killed else 0  # 0: a clean stop
         return self.status or 0
 
     def _start(self, name: str, again: bool = False) -> None:
@@ -230,9 +249,12 @@ class Supervisor:
         self.received.append(signum)
 
     def _handle_signal(self, signum: int) -> None:
+        if signum == signal.SIGTSTP:
+            self.say("Ctrl-Z does not pause make run (the service would go on unseen); Ctrl-C stops it")
+            return
         self.say(f"{signal.Signals(signum).name} received")
-        if self.status is None:
-            self.status = _SIGNAL_STATUS[signal.Signals(signum)]
+        if self.signalled is None:
+            self.signalled = signum
         self.stop()
 
     def _stop_all_now(self) -> None:
@@ -304,22 +326,34 @@ def main(argv: list[str] | None = None) -> int:
         help="the service is up once this answers 200: say so (--ready-message), "
         "and restart a process that dies from then on, whatever its age",
     )
-    parser.add_argument("--ready-message", default="", help="printed once --ready-url first answers 200")
+    parser.add_argument(
+        "--ready-message",
+        default="",
+        help="printed once --ready-url first answers 200 (default: the environment's PROCFILE_READY_MESSAGE)",
+    )
+    parser.add_argument(
+        "--own-terminal",
+        action="store_true",
+        help="take the terminal's foreground while running: Ctrl-C reaches this supervisor alone",
+    )
     args = parser.parse_args(argv)
     procfile: Path = args.procfile
-    env = dict(os.environ)
     dotenv = procfile.parent / ".env"
-    if dotenv.is_file():
-        env.update(parse_env(dotenv.read_text()))  # as honcho did: .env over the environment
-    return Supervisor(
+    # As compose reads .env: under the environment, which wins.
+    env = {**(parse_env(dotenv.read_text()) if dotenv.is_file() else {}), **os.environ}
+    ready_message = args.ready_message or env.pop(READY_MESSAGE_ENV, "")
+    env.pop(READY_MESSAGE_ENV, None)
+    supervisor = Supervisor(
         parse_procfile(procfile.read_text()),
         env,
         args.kill_wait_s,
         args.startup_s,
         restart=not args.no_restart,
         ready_url=args.ready_url,
-        ready_message=args.ready_message,
-    ).run()
+        ready_message=ready_message,
+    )
+    supervisor.own_terminal = args.own_terminal
+    return supervisor.run()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,19 @@
 """What `make run` (scripts/run-local) needs of the settings, as shell assignments: `eval "$(python -m
-tools.run_settings)"` sets `redis_url` and `api_url`. Read by contract.config as every process reads them,
-so a settings file or variable that does not load stops `make run` before anything starts."""
+tools.run_settings)"` sets `redis_url`, `api_url`, `api_bind` and `api_metrics` (host:port, empty when /metrics
+is on the API's port), and exports `.env`'s variables that the environment does not set (compose's rule, as the
+supervisor reads it: tools.procfile), naming them in `dotenv_names`. Read by contract.config as every process
+reads them, `.env` included, so a settings file or variable that does not load stops `make run` before anything
+starts, and the ready line names what the processes will use."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
+from pathlib import Path
 
 from contract.config import load_settings
+from tools.procfile import parse_env
 
 
 def api_url(bind: str) -> str:
@@ -19,10 +25,25 @@ def api_url(bind: str) -> str:
     return f"http://{host}:{port}"
 
 
+def dotenv_additions(dotenv: Path, environ: dict[str, str]) -> dict[str, str]:
+    """`.env`'s variables that the environment does not set."""
+    if not dotenv.is_file():
+        return {}
+    return {name: value for name, value in parse_env(dotenv.read_text()).items() if name not in environ}
+
+
 def main() -> int:
+    added = dotenv_additions(Path(".env"), dict(os.environ))
+    os.environ.update(added)  # the settings as the processes will read them
     settings = load_settings()
+    for name, value in added.items():
+        print(f"export {name}={shlex.quote(value)}")
+    print(f"dotenv_names={shlex.quote(' '.join(added))}")
     print(f"redis_url={shlex.quote(settings.redis_url)}")
     print(f"api_url={shlex.quote(api_url(settings.api.bind))}")
+    print(f"api_bind={shlex.quote(settings.api.bind)}")
+    metrics = f"{settings.api.metrics_host}:{settings.api.metrics_port}" if settings.api.metrics_port else ""
+    print(f"api_metrics={shlex.quote(metrics)}")
     return 0
 
 

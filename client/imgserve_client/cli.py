@@ -7,6 +7,8 @@
     imgserve models
 
 --url (or IMGSERVE_URL) names the API; --api-key (or IMGSERVE_API_KEY) a key.
+Exit status: 0 done; 1 the API answered with an error, or a job did not succeed; 2 a usage error;
+3 the API could not be reached (one line says where it was looked for).
 """
 
 from __future__ import annotations
@@ -17,8 +19,13 @@ import os
 import sys
 from pathlib import Path
 
+import requests
+
 from imgserve_client import ApiError, Client
 from imgserve_client.draw import DrawingUnavailable
+
+UNREACHABLE = 3
+BROKEN_PIPE = 141  # what a tool killed by SIGPIPE ends with: `imgserve models | head` read what it wanted
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
@@ -39,9 +46,11 @@ def detections_table(path: Path, doc: dict) -> list[str]:
         error = doc.get("error") or {}
         return [f"{path}: {doc['status']} {error.get('code', '')} {error.get('message', '')}".rstrip()]
     image = doc["result"]["image"]
+    # A result-cache hit took no decode and no GPU: its "0 ms" says so in words.
+    hit = "cache hit, " if doc.get("cache") == "hit" else ""
     lines = [
         f"{path}: {len(doc['result']['detections'])} detections in {image['width']}x{image['height']} "
-        f"({doc['timings_ms'].get('total', 0):.0f} ms)"
+        f"({hit}{doc['timings_ms'].get('total', 0):.0f} ms)"
     ]
     lines.append(f"  {'label':<12} {'score':>6}  box (x1, y1, x2, y2)")
     for d in doc["result"]["detections"]:
@@ -91,6 +100,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Unreachable(Exception):
+    """The API did not answer at all: said in one line, not as a traceback."""
+
+
+def unreachable(url: str, exc: BaseException) -> Unreachable:
+    text = str(exc)
+    if isinstance(exc, requests.Timeout):
+        why = "no answer in time"
+    elif "Connection refused" in text:
+        why = "connection refused"
+    elif "Name or service not known" in text or "Failed to resolve" in text or "nodename nor servname" in text:
+        why = "unknown host"
+    else:
+        why = type(exc).__name__
+    return Unreachable(
+        f"imgserve: cannot reach the API at {url} ({why}); is it running? "
+        "(`make run` starts it; --url or IMGSERVE_URL names another)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     client = Client(args.url, api_key=args.api_key)
@@ -99,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     except (ApiError, DrawingUnavailable) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except requests.RequestException as exc:
+        print(unreachable(args.url, exc), file=sys.stderr)
+        return UNREACHABLE
+    except Unreachable as exc:
+        print(exc, file=sys.stderr)
+        return UNREACHABLE
+    except BrokenPipeError:
+        # The reader went away (`| head`): nothing more to say, and nothing to say it to. Python would flush
+        # stdout again at exit and print a second traceback for it: stdout goes to /dev/null first.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE
 
 
 def run(args: argparse.Namespace, client: Client) -> int:
@@ -113,6 +153,8 @@ def run(args: argparse.Namespace, client: Client) -> int:
             return 0
         failed = 0
         for path, doc in client.submit_many(files, concurrency=args.concurrency, **options):
+            if doc["status"] == "error" and doc["error"]["code"] in ("ConnectionError", "ConnectTimeout"):
+                raise unreachable(args.url, ConnectionError(doc["error"]["message"]))  # every image would say it
             print("\n".join(detections_table(path, doc)))
             failed += doc["status"] != "succeeded"
             if args.draw is not None and doc["status"] == "succeeded":

@@ -1,11 +1,12 @@
 """The compose deployment, built and run for real (`make compose-test`; issue 29).
 
-The stack is docker-compose.yml as `docker-compose config` resolves it, with generated secrets, and with what a
-host without a GPU cannot give taken out: the GPU worker's device reservation goes and it runs on the CPU
-device (its image holds a CPU build of torch). A callback receiver joins the stack's network, and the callback
-workers may reach it by name. Everything else (images, commands, restart policies, the Redis volume, Flower's
-auth, the secrets check) is the file's own. The tests run in order, on one deployment, and the module tears down
-every container, network and volume it made.
+The stack comes up by the README's own CPU command, `docker compose up`: docker-compose.yml as it is, with
+generated secrets in the environment and its ports moved by the variables it names (API_PORT, FLOWER_PORT,
+PROMETHEUS_PORT), its GPU worker on the CPU (`--device auto`; the image holds a CPU build of torch). One overlay of
+the test's own is laid over it: a callback receiver on the stack's network, which the callback workers may reach
+by name. Everything else (images, commands, restart policies, the Redis volume, Flower's auth, the secrets check)
+is the file's own. The tests run in order, on one deployment, and the module tears down every container, network
+and volume it made.
 
 Only `make compose-test` runs this module (it sets IMGSERVE_COMPOSE_TEST and builds the images first); a machine
 without a Docker engine fails there, loudly."""
@@ -39,6 +40,9 @@ pytestmark = pytest.mark.compose
 
 PROJECT = "imgserve-compose-test"
 RECEIVER = "callback-receiver"
+# The README's command for a machine without a GPU (this one): the main file alone, no overlay.
+README_CPU_COMMAND = "docker compose up"
+README_FILES = ["docker-compose.yml"]
 # Each step's longest wait: a 2-core machine builds, starts and restarts containers slowly.
 START_S = 180.0
 JOB_S = 120.0
@@ -46,7 +50,8 @@ JOB_S = 120.0
 
 @dataclass
 class Deployment:
-    compose_file: Path
+    files: list[Path]  # the README's, then the test's overlay
+    env: dict[str, str]  # what compose interpolates: the secrets and ports, as .env would give them
     secrets: dict[str, str]
     api: str
     flower: str
@@ -56,7 +61,9 @@ class Deployment:
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(
-            ["docker-compose", "-p", PROJECT, "-f", str(self.compose_file), *args],
+            ["docker-compose", "-p", PROJECT, *(arg for file in self.files for arg in ("-f", str(file))), *args],
+            cwd=REPO_ROOT,
+            env=self.env,
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -121,71 +128,70 @@ def _generated_secrets() -> dict[str, str]:
     }
 
 
-def _resolved_stack(env: dict[str, str], ports: dict[str, int], with_prometheus: bool) -> dict[str, Any]:
-    """docker-compose.yml as compose resolves it, made fit for a host without a GPU (see the module's doc)."""
-    args = ["docker-compose", "--profile", "monitoring", "config"] if with_prometheus else ["docker-compose", "config"]
-    done = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    stack = yaml.safe_load(done.stdout)
-    services = stack["services"]
-    gpu = services["gpu-worker"]
-    gpu.pop("deploy")  # the nvidia device reservation: only a GPU host can grant it
-    gpu["command"] = ["cpu" if arg == "cuda" else arg for arg in gpu["command"]]
+def _test_overlay(ports: dict[str, int]) -> dict[str, Any]:
+    """What the test adds to the README's stack: a callback receiver on its network, admitted by the callback
+    workers (and the API, which checks a callback_url when it takes a job)."""
     allowed = json.dumps([f"{RECEIVER}:8080"])
-    for name in ("api", "callback-worker"):
-        services[name]["environment"]["IMGSERVE_CALLBACKS__ALLOW_HOSTS"] = allowed
-    services.pop("grafana", None)  # no Debian package, so no local stand-in (docs/deployment.md)
-    if with_prometheus:
-        services["prometheus"].pop("profiles")  # up starts it without --profile
-        services["prometheus"]["ports"] = [f"127.0.0.1:{ports['prometheus']}:9090"]
-    services[RECEIVER] = {
-        "image": services["api"]["image"],
-        "command": ["python", "/receiver.py"],
-        "volumes": [f"{Path(__file__).with_name('callback_receiver.py')}:/receiver.py:ro"],
-        "ports": [f"127.0.0.1:{ports['receiver']}:8080"],
+    return {
+        "services": {
+            "api": {"environment": {"IMGSERVE_CALLBACKS__ALLOW_HOSTS": allowed}},
+            "callback-worker": {"environment": {"IMGSERVE_CALLBACKS__ALLOW_HOSTS": allowed}},
+            RECEIVER: {
+                "image": "imgserve-app",
+                "command": ["python", "/receiver.py"],
+                "volumes": [f"{Path(__file__).with_name('callback_receiver.py')}:/receiver.py:ro"],
+                "ports": [f"127.0.0.1:{ports['receiver']}:8080"],
+            },
+        }
     }
-    return stack
 
 
 @pytest.fixture(scope="module")
 def deployment(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     if not os.environ.get("IMGSERVE_COMPOSE_TEST"):
         pytest.fail("run by `make compose-test` (it builds the images and starts the engine)")
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert f"`{README_CPU_COMMAND}` on any machine" in readme, "the README's CPU command changed: follow it here"
     generated = _generated_secrets()
     ports = {name: free_port() for name in ("api", "flower", "receiver", "prometheus")}
     with_prometheus = bool(os.environ.get("PROMETHEUS_IMAGE"))
     env = {
-        **{k: v for k, v in os.environ.items() if k not in generated},
+        **{k: v for k, v in os.environ.items() if k not in generated and k != "COMPOSE_FILE"},
         **generated,
         "API_PORT": str(ports["api"]),
         "FLOWER_PORT": str(ports["flower"]),
+        "PROMETHEUS_PORT": str(ports["prometheus"]),
         # Two children per CPU worker: on a 2-core host two workers then run four decodes at once.
         "CPU_WORKER_CONCURRENCY": "2",
         "CPU_WORKER_MEMORY": "1g",
     }
-    compose_file = tmp_path_factory.mktemp("compose") / "docker-compose.yml"
-    compose_file.write_text(yaml.safe_dump(_resolved_stack(env, ports, with_prometheus), sort_keys=False))
+    overlay = tmp_path_factory.mktemp("compose") / "test-overlay.yml"
+    overlay.write_text(yaml.safe_dump(_test_overlay(ports), sort_keys=False))
     stack = Deployment(
-        compose_file,
+        [*(REPO_ROOT / name for name in README_FILES), overlay],
+        env,
         generated,
         api=f"http://127.0.0.1:{ports['api']}",
         flower=f"http://127.0.0.1:{ports['flower']}",
         receiver=f"http://127.0.0.1:{ports['receiver']}",
         prometheus=f"http://127.0.0.1:{ports['prometheus']}" if with_prometheus else None,
     )
-    stack.compose("down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
+    everything = ("--profile", "monitoring")  # down stops the profile's services too
+    stack.compose(*everything, "down", "-v", "--remove-orphans", check=False)  # what an interrupted run left
     failed_before = request.session.testsfailed
     started = False
     try:
         stack.compose("build", timeout=1800)
-        stack.compose("up", "-d", timeout=START_S)
+        stack.compose("up", "-d", timeout=START_S)  # the README's `docker compose up` (detached)
+        if with_prometheus:  # Grafana has no local stand-in: only Prometheus of the monitoring profile
+            stack.compose("--profile", "monitoring", "up", "-d", "--no-deps", "prometheus", timeout=START_S)
         wait_until(lambda: _ready(stack), START_S, interval_s=0.5, what="the API's /readyz")
         started = True
         yield stack
     finally:
         if not started or request.session.testsfailed > failed_before or os.environ.get("IMGSERVE_COMPOSE_LOGS"):
             print(stack.compose("logs", "--no-color", "--tail", "40", check=False).stdout)  # what CI shows
-        down = stack.compose("down", "-v", "--remove-orphans", timeout=300, check=False)
+        down = stack.compose(*everything, "down", "-v", "--remove-orphans", timeout=300, check=False)
         assert down.returncode == 0, down.stderr
         left = subprocess.run(
             ["docker", "ps", "-aq", "--filter", f"label=com.docker.compose.project={PROJECT}"],
