@@ -137,7 +137,7 @@ def test_the_primarys_side_cut_off_with_a_replica_and_the_api_loses_no_accepted_
 def test_a_gpu_host_ten_seconds_ahead_expires_nothing_early_and_bills_no_clock_error():
     """Issue 51's clock, shortened: the GPU worker's host 10 s ahead, jobs with a 6 s deadline. Before: 40 of
     40 expired before inference."""
-    run = RunOptions(qps=6.0, fault_at_s=0.0, fault_s=0.0, after_s=12.0, deadline_ms=6000, drain_s=30.0)
+    run = RunOptions(qps=6.0, fault_at_s=0.0, fault_s=0.0, after_s=12.0, drain_s=30.0)  # its deadline_ms: 6 s
     verdict = run_scenario(scenarios()["clock-gpu+10s"], OPTIONS, IMAGES, run)
     print(format_verdict(verdict))
     assert verdict["ok"], format_verdict(verdict)
