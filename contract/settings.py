@@ -35,7 +35,9 @@ class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
 
     max_image_pixels: int = 80_000_000
-    max_decoded_bytes: int = 256 * 1024 * 1024  # an image's pixels in memory, as Pillow holds them
+    # What a decode holds at its peak, judged by format and mode before decoding (tasks.decode_memory): a WebP's
+    # decoder holds 12 bytes a canvas pixel, a progressive JPEG every coefficient at full size.
+    max_decoded_bytes: int = 256 * 1024 * 1024
     # A progressive JPEG is decoded once per scan: a few KB repeating one scan thousands of times held a CPU
     # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
     max_scans: int = 100
@@ -50,6 +52,8 @@ class DecodeSettings:
     # asked for 342 MB. A JPEG's EXIF segments joined, and the values read, at most this; the entries too.
     max_exif_bytes: int = 256 * 1024
     max_exif_tags: int = 1_000
+    # A BMP's RLE commands, each a Python step of the decoder (tasks.bmp_rle; each pixel it writes costs C only).
+    max_rle_commands: int = 1_000_000
 
 
 @settings_class
