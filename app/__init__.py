@@ -13,7 +13,7 @@ import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
-from app import auth, callbacks, health, jobs, metrics, openapi, stats
+from app import auth, callbacks, health, holds, jobs, metrics, openapi, stats
 from app.admission import MAX_RETRY_AFTER_S, Admission
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
@@ -88,6 +88,7 @@ def create_app(settings: Settings | None = None) -> Flask:
             on_tick=_ticks(_sweeper(store, admission.waiting), _idle_closer([client, uploads, *bulk.clients])),
         ),
         cache=cache,
+        holds=holds.Holds.of(settings.api),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
@@ -98,6 +99,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(openapi.blueprint)
     metrics.install(app)
     auth.install(app)
+    holds.install(app)  # after auth: it counts each key's requests
     _install_error_handlers(app)
 
     @app.before_request

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from contextlib import nullcontext
 from typing import cast
 
 import redis
@@ -13,6 +14,7 @@ from flask import Blueprint, Response, g, jsonify, request, url_for
 from app import metrics
 from app.admission import Reservation
 from app.auth import owns
+from app.holds import BodyHold, body_hold
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
@@ -132,23 +134,30 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     )
     wait_s = _wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
-    reservation = services.admission.before_body(
-        request.args.get("model"),
-        declared,
-        client_id=g.get("client_id") or "",
-        model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
-    )
-    try:
-        return _accept(services, reservation, wait_s)
-    except BaseException:
-        services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
-        raise
+    # A long-poll and a body each hold this process's memory and a connection: counted (app.holds) before
+    # anything is read, and refused at once past the client's or the process's bounds.
+    with services.holds.wait(g.get("client_id") or "") if wait_s > 0 else nullcontext():
+        hold = body_hold(services.holds)
+        hold.take(declared or 0)  # a chunked body's bytes are taken as they come (read_submission)
+        reservation = services.admission.before_body(
+            request.args.get("model"),
+            declared,
+            client_id=g.get("client_id") or "",
+            model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
+        )
+        try:
+            return _accept(services, reservation, wait_s, hold)
+        except BaseException:
+            services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
+            raise
 
 
-def _accept(services: Services, reservation: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
+def _accept(
+    services: Services, reservation: Reservation, wait_s: float, hold: BodyHold
+) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     submit_options = _submit_options(settings)
-    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields)
+    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields, hold=hold)
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
@@ -273,12 +282,13 @@ def get_job(job_id: str) -> Response:
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not is_job_id(job_id):
         return jsonify(job_document(expire_if_late(services.store, _load_owned(services, job_id))))
-    # Listen before the first read: an end announced after it wakes this request.
-    event = services.listener.register(job_id)
-    try:
-        record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
-    finally:
-        services.listener.unregister(job_id, event)
+    with services.holds.wait(g.get("client_id") or ""):  # counted: past a bound, 429 (or 503) at once
+        # Listen before the first read: an end announced after it wakes this request.
+        event = services.listener.register(job_id)
+        try:
+            record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
+        finally:
+            services.listener.unregister(job_id, event)
     return jsonify(job_document(expire_if_late(services.store, record)))
 
 

@@ -74,6 +74,24 @@ class ApiSettings:
     connections: int = 2000  # per worker, gevent
     threads: int = 64  # per worker, gthread
     access_log: str = ""  # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
+    # What one client (API key) may hold in one API process at once (app.holds): past each, 429. Long-polls held
+    # by everyone at most max_waits (0, and at most: half the process's connections or threads), past it 503.
+    max_requests_per_client: int = 256
+    max_waits_per_client: int = 100
+    max_waits: int = 0
+    # Bodies in flight, from their first byte until their request ends (a multipart image's copy too): every
+    # client's in one process (past it 503), one client's (429). Each must hold a multipart upload at the limit.
+    max_body_bytes: int = 128 * 1024 * 1024
+    max_body_bytes_per_client: int = 48 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_body_bytes_per_client) < 2 * self.max_upload_bytes:
+            raise SettingsError(
+                "api.max_body_bytes and max_body_bytes_per_client must each hold a multipart upload at the limit "
+                f"(its body and its image: 2 x api.max_upload_bytes = {2 * self.max_upload_bytes})"
+            )
+        if min(self.max_requests_per_client, self.max_waits_per_client) < 1 or self.max_waits < 0:
+            raise SettingsError("api.max_requests_per_client and max_waits_per_client must be >= 1, max_waits >= 0")
 
 
 @settings_class

@@ -1,0 +1,202 @@
+"""What one client may hold in an API process at once: requests in flight, long-polls, and body bytes.
+
+A long-poll costs a greenlet and a connection for up to `api.max_wait_s`, a body being read its bytes for up
+to `body_timeout_s` plus its size at `body_min_rate` (a 20 MB one: 330 s). Nothing bounded either per client:
+one key holding 4,100 long-polls filled both processes' 2,000 connections, and /healthz waited 32 s in the
+listen backlog; 40 bodies trickling their last 64 bytes held 940 MB of the API. Now, in each API process:
+
+- a client (its API key; without keys there are no tenants, and only the process's own bounds hold) has at
+  most `api.max_requests_per_client` requests in flight and `max_waits_per_client` long-polls held: past
+  either, 429 at once, before the body is read, its connection closed;
+- long-polls held by all clients together are at most `max_waits` (0: half the pool of connections or
+  threads), so that half the pool is always free for everything else (/healthz and /readyz are never behind
+  a wait): past it, 503;
+- bodies count against `max_body_bytes` (every client's) and `max_body_bytes_per_client` from their first
+  byte, their Content-Length reserved before a byte is read (a chunked body's bytes as they come), and held
+  until the request ends: past the client's budget 429, past the process's 503.
+
+Counters in memory (one process: no Redis round trip, nothing to leak when a process dies); under gevent the
+lock is gevent's. Each refusal says `Retry-After` and `Connection: close` (app.server closes it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from flask import Flask, g
+
+from app.problems import Problem
+from contract.settings import ApiSettings
+
+# Retry-After of each refusal: a held request ends within seconds (a long-poll within max_wait_s), a body within
+# its deadline; a client that retries sooner than this only meets the same answer.
+RETRY_AFTER_S = 2
+CLOSE = {"Connection": "close"}  # app.server's worker closes a connection whose answer says so
+
+
+def pool_size(api: ApiSettings) -> int:
+    """Requests one API process serves at once: its gevent connections, or its gthread threads."""
+    return api.threads if api.worker_class == "gthread" else api.connections
+
+
+@dataclass
+class Holds:
+    """One API process's counters (see the module's note)."""
+
+    max_requests_per_client: int
+    max_waits_per_client: int
+    max_waits: int
+    max_body_bytes: int
+    max_body_bytes_per_client: int
+    requests: Counter[str] = field(default_factory=Counter)
+    waits: Counter[str] = field(default_factory=Counter)
+    bodies: Counter[str] = field(default_factory=Counter)  # bytes held, by client ("" for all)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @classmethod
+    def of(cls, api: ApiSettings) -> Holds:
+        half = max(1, pool_size(api) // 2)
+        return cls(
+            max_requests_per_client=min(api.max_requests_per_client, half),
+            max_waits_per_client=min(api.max_waits_per_client, half),
+            max_waits=min(api.max_waits or half, half),
+            max_body_bytes=api.max_body_bytes,
+            max_body_bytes_per_client=api.max_body_bytes_per_client,
+        )
+
+    def enter(self, client: str) -> None:
+        """A request of `client`'s begins (leave() when it ends); 429 past its requests in flight."""
+        with self._lock:
+            if self.requests[client] >= self.max_requests_per_client:
+                raise _too_many(
+                    f"your key has {self.requests[client]} requests in flight in this API process "
+                    f"(api.max_requests_per_client: {self.max_requests_per_client}); retry when one ends"
+                )
+            self.requests[client] += 1
+
+    def leave(self, client: str) -> None:
+        with self._lock:
+            _decrement(self.requests, client, 1)
+
+    @contextmanager
+    def wait(self, client: str) -> Iterator[None]:
+        """A long-poll held for its length: 429 past the client's, 503 past the process's."""
+        with self._lock:
+            held = self.waits[client]
+            if client and held >= self.max_waits_per_client:
+                raise _too_many(
+                    f"your key holds {held} long-polls in this API process (api.max_waits_per_client: "
+                    f"{self.max_waits_per_client}); poll again when one ends, or without wait"
+                )
+            if self.waits[""] >= self.max_waits:
+                raise _unavailable(
+                    f"this API process holds {self.waits['']} long-polls, its most (api.max_waits): "
+                    "retry, or read without wait"
+                )
+            self.waits[""] += 1
+            if client:
+                self.waits[client] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                _decrement(self.waits, "", 1)
+                if client:
+                    _decrement(self.waits, client, 1)
+
+    def take_body(self, client: str, size: int) -> None:
+        """`size` more bytes of a body held (give_back_body when the request ends); a Problem past a budget."""
+        if size <= 0:
+            return
+        with self._lock:
+            if client and self.bodies[client] + size > self.max_body_bytes_per_client:
+                raise _too_many(
+                    f"your key's bodies in flight in this API process would hold {self.bodies[client] + size} "
+                    f"bytes (api.max_body_bytes_per_client: {self.max_body_bytes_per_client}); retry when one ends"
+                )
+            if self.bodies[""] + size > self.max_body_bytes:
+                raise _unavailable(
+                    f"bodies in flight in this API process would hold {self.bodies[''] + size} bytes "
+                    f"(api.max_body_bytes: {self.max_body_bytes}); retry"
+                )
+            self.bodies[""] += size
+            if client:
+                self.bodies[client] += size
+
+    def give_back_body(self, client: str, size: int) -> None:
+        if size <= 0:
+            return
+        with self._lock:
+            _decrement(self.bodies, "", size)
+            if client:
+                _decrement(self.bodies, client, size)
+
+
+def install(app: Flask) -> None:
+    """Count each request of a client's (after app.auth's hook: registered after it), and give back what the
+    request held when it ends, however it ends."""
+    from app.services import services
+
+    holds = services(app).holds
+
+    @app.before_request
+    def hold_request() -> None:
+        client = g.get("client_id")
+        if client:
+            holds.enter(client)
+            g.held_by = client
+
+    @app.teardown_request
+    def release_holds(_exc: BaseException | None) -> None:
+        body = g.pop("body_hold", None)
+        if body is not None:
+            body.release()
+        client = g.pop("held_by", None)
+        if client:
+            holds.leave(client)
+
+
+def body_hold(holds: Holds) -> BodyHold:
+    """This request's share of the body budget, given back when it ends (install's teardown)."""
+    hold = BodyHold(holds, g.get("client_id") or "")
+    g.body_hold = hold
+    return hold
+
+
+class BodyHold:
+    """A request's share of the body budget: what it took, given back whole when the request ends."""
+
+    def __init__(self, holds: Holds, client: str) -> None:
+        self.holds, self.client, self.size = holds, client, 0
+
+    def take(self, size: int) -> None:
+        self.holds.take_body(self.client, size)
+        self.size += max(0, size)
+
+    def release(self) -> None:
+        self.holds.give_back_body(self.client, self.size)
+        self.size = 0
+
+
+def _decrement(counter: Counter[str], key: str, by: int) -> None:
+    left = counter[key] - by
+    if left > 0:
+        counter[key] = left
+    else:
+        del counter[key]  # no entry kept per client that holds nothing
+
+
+def _too_many(detail: str) -> Problem:
+    return Problem(
+        429, "too-many-held", "Too many requests", detail, headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE}
+    )
+
+
+def _unavailable(detail: str) -> Problem:
+    return Problem(
+        503, "server-busy", "Service unavailable", detail, headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE}
+    )
