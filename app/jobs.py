@@ -42,7 +42,7 @@ from contract.documents import (
     submit_query_model,
     wait_query_model,
 )
-from contract.jobs.ending import LATE_ERROR
+from contract.jobs.ending import LATE_ERROR, REDELIVER_QUEUED
 from contract.jobs.record import (
     CANCELLED,
     QUEUED,
@@ -326,22 +326,25 @@ def cancel_job(job_id: str) -> Response:
     tag="jobs",
     problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
     description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
-    "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
-    replies={202: Reply("Queued again", JobDocument)},
+    "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it. One is queued "
+    "at a time: while one is `pending` or `delivering`, a request answers with it and queues nothing.",
+    replies={202: Reply("Queued again, or already queued or under way (`callback.status` says)", JobDocument)},
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
     record = _load_owned(services, job_id)
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
-    if not services.store.redeliver_callback(job_id):
+    outcome = services.store.redeliver_callback(job_id)
+    if not outcome:
         raise Problem(
             409,
             "job-not-finished",
             "Job not finished",
             f"job {job_id!r} has not ended: its callback is sent when it does",
         )
-    log.info("callback queued again", extra={"job_id": job_id})
+    if outcome == REDELIVER_QUEUED:
+        log.info("callback queued again", extra={"job_id": job_id})
     return jsonify(job_document(services.store.load(job_id) or record)), 202
 
 

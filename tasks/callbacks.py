@@ -286,7 +286,9 @@ class CallbackSender:
         first_at = float(state.get("first_at") or time.time())
         delivery_id = state.get("delivery_id") or f"{job_id}.{record.get('status')}"
         base = {"attempts": attempts, "first_at": first_at, "delivery_id": delivery_id}
-        self._record(job_id, {**base, "status": "delivering", "last_error": state.get("last_error")})
+        # attempt_at: a redelivery request during the attempt answers with it (contract.jobs.ending)
+        delivering = {"status": "delivering", "last_error": state.get("last_error"), "attempt_at": time.time()}
+        self._record(job_id, {**base, **delivering})
         body = json.dumps(job_document(record), separators=(",", ":")).encode()
         timestamp = str(int(time.time()))
         deadline = Deadline(self.settings.deadline_s, self.settings.timeout_s)

@@ -194,3 +194,90 @@ def test_one_tenants_tarpits_hold_its_own_slots_and_another_tenants_callback_is_
     [call] = [call for call in receiver.calls if call["headers"]["X-Imgserve-Job-Id"] == victim]
     assert verify("victim-callback-secret-0123456789", call["headers"], call["body"])
     assert json.loads(call["body"])["status"] == "succeeded"
+
+
+# --- issue 52, finding 6: redelivery requests queue one delivery at a time --------------------------------------
+def ended_job_with_callback(client, keys: Keys, job_id: str, callback: dict | None) -> None:
+    fields = {
+        "id": job_id,
+        "status": "succeeded",
+        "callback_url": "http://127.0.0.1:9/hook",
+        "finished_at": time.time(),
+    }
+    if callback is not None:
+        fields["callback"] = json.dumps(callback)
+    client.hset(keys.job(job_id), mapping=fields)
+
+
+def places(client, keys: Keys, job_id: str) -> int:
+    """How many places the job's delivery waits in: entries of the outbox, the scheduled and dead sets."""
+    queued = [entry.decode() for entry in client.lrange(keys.callback_outbox, 0, -1)].count(job_id)
+    return queued + sum(client.zscore(key, job_id) is not None for key in (keys.callback_scheduled, keys.callback_dead))
+
+
+def test_a_redelivery_while_one_is_on_its_way_queues_nothing(redis_client):
+    from contract.jobs.ending import IN_FLIGHT_STALE_S, REDELIVER_IN_FLIGHT, REDELIVER_QUEUED, JobEnding
+
+    keys = Keys("redeliver52")
+    store = JobEnding(redis_client, keys, 3600)
+    job = "a" * 32
+    ended_job_with_callback(redis_client, keys, job, {"status": "delivered", "attempts": 1, "last_error": None})
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED
+    assert [store.redeliver_callback(job) for _ in range(100)] == [REDELIVER_IN_FLIGHT] * 100
+    assert redis_client.llen(keys.callback_outbox) == 1  # 100 requests: still one
+    # Under way (an attempt recorded `delivering`): nothing more either; a dead letter is queued again, once.
+    for state, first in (("delivering", REDELIVER_IN_FLIGHT), ("failed", REDELIVER_QUEUED)):
+        redis_client.delete(keys.callback_outbox)
+        callback = {"status": state, "attempts": 3, "last_error": "x", "attempt_at": time.time()}
+        ended_job_with_callback(redis_client, keys, job, callback)
+        if state == "failed":
+            redis_client.zadd(keys.callback_dead, {job: time.time()})
+        assert store.redeliver_callback(job) == first
+        assert store.redeliver_callback(job) == REDELIVER_IN_FLIGHT
+        assert places(redis_client, keys, job) == (0 if state == "delivering" else 1)
+    # Waiting for its retry: moved to the outbox (still one); once a relay took it from there, on its way.
+    redis_client.delete(keys.callback_outbox)
+    retrying = {"status": "retrying", "attempts": 1, "last_error": "x", "next_attempt_at": time.time() + 60}
+    ended_job_with_callback(redis_client, keys, job, retrying)
+    redis_client.zadd(keys.callback_scheduled, {job: time.time() + 60})
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED and places(redis_client, keys, job) == 1
+    redis_client.delete(keys.callback_outbox)
+    ended_job_with_callback(redis_client, keys, job, {**retrying, "next_attempt_at": time.time() - 1})
+    assert store.redeliver_callback(job) == REDELIVER_IN_FLIGHT and places(redis_client, keys, job) == 0
+    # On its way for longer than IN_FLIGHT_STALE_S: taken for lost (its Celery message gone), queued again.
+    stale = {"status": "pending", "attempts": 0, "last_error": None, "queued_at": time.time() - IN_FLIGHT_STALE_S - 5}
+    ended_job_with_callback(redis_client, keys, job, stale)
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED and places(redis_client, keys, job) == 1
+    # The first delivery, from the job's end: on its way since the job ended.
+    other = "b" * 32
+    ended_job_with_callback(redis_client, keys, other, {"status": "pending", "attempts": 0, "last_error": None})
+    assert store.redeliver_callback(other) == REDELIVER_IN_FLIGHT
+
+
+@pytest.mark.integration
+def test_six_thousand_redelivery_requests_send_the_receiver_one_callback_at_a_time(stack):
+    """6,000 POST /v1/jobs/<id>/callback in 16.5 s sent the same job to its receiver 2,978 times, and another
+    tenant's callbacks waited up to 3.1 s behind them. Against a receiver that takes 1.5 s to answer, 600
+    requests in that time get a 202 naming the delivery on its way, and the receiver sees it once."""
+    receiver = Receiver(delay_s=1.5)
+    try:
+        job_id = stack.submit_ok(jpeg(64, 48), callback_url=receiver.url)
+        wait_until(lambda: job_id in receiver.arrived, 30, what="the first callback")
+        wait_until(lambda: stack.job(job_id)["callback"]["status"] == "delivered", 30, what="it to be recorded")
+        first = len(receiver.calls)
+        session = requests.Session()
+        statuses, seen = [], set()
+        started = time.monotonic()
+        for _ in range(600):
+            answer = session.post(stack.url(f"/v1/jobs/{job_id}/callback"), timeout=10)
+            statuses.append(answer.status_code)
+            seen.add(answer.json()["callback"]["status"])
+            if time.monotonic() - started > 1.2:  # within the first redelivery's attempt
+                break
+        wait_until(lambda: stack.job(job_id)["callback"]["status"] == "delivered", 30, what="the redelivery")
+        assert stack.redis.llen(stack.keys.callback_outbox) == 0
+    finally:
+        receiver.stop()
+    assert set(statuses) == {202} and seen <= {"pending", "delivering"}, (set(statuses), seen)
+    assert len(receiver.calls) - first == 1, len(receiver.calls) - first
+    assert len(statuses) > 20  # the loop ran: many requests, one delivery
