@@ -21,7 +21,11 @@ lock is gevent's. Each refusal says `Retry-After` and `Connection: close` (app.s
 
 from __future__ import annotations
 
+import heapq
+import math
+import random
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,8 +36,8 @@ from flask import Flask, g
 from app.problems import Problem
 from contract.settings import ApiSettings
 
-# Retry-After of each refusal: a held request ends within seconds (a long-poll within max_wait_s), a body within
-# its deadline; a client that retries sooner than this only meets the same answer.
+# Retry-After of a refusal for requests or bodies in flight: they end within seconds (a long-poll's refusal says
+# when the first of the waits in its way ends instead: WaitEnds).
 RETRY_AFTER_S = 2
 CLOSE = {"Connection": "close"}  # app.server's worker closes a connection whose answer says so
 
@@ -41,6 +45,35 @@ CLOSE = {"Connection": "close"}  # app.server's worker closes a connection whose
 def pool_size(api: ApiSettings) -> int:
     """Requests one API process serves at once: its gevent connections, or its gthread threads."""
     return api.threads if api.worker_class == "gthread" else api.connections
+
+
+class WaitEnds:
+    """The long-polls one client (or every client) holds: when each will end at the latest, and the soonest."""
+
+    def __init__(self) -> None:
+        self.ends: dict[int, float] = {}
+        self._heap: list[tuple[float, int]] = []  # (end, token), tokens of ended waits dropped lazily
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def add(self, token: int, end: float) -> None:
+        self.ends[token] = end
+        heapq.heappush(self._heap, (end, token))
+
+    def drop(self, token: int) -> bool:
+        """Forget a wait that ended; True when none is left."""
+        self.ends.pop(token, None)
+        return not self.ends
+
+    def first_end_in(self) -> int:
+        """Whole seconds until the soonest of these waits ends (at least 1), spread over up to as long again:
+        clients refused together (thousands of one key's) come back over a span, not all in the same second."""
+        while self._heap and self._heap[0][1] not in self.ends:
+            heapq.heappop(self._heap)
+        soonest = self._heap[0][0] if self._heap else time.monotonic()
+        seconds = max(1, math.ceil(soonest - time.monotonic()))
+        return seconds + random.randint(0, seconds)
 
 
 @dataclass
@@ -53,9 +86,10 @@ class Holds:
     max_body_bytes: int
     max_body_bytes_per_client: int
     requests: Counter[str] = field(default_factory=Counter)
-    waits: Counter[str] = field(default_factory=Counter)
+    waits: dict[str, WaitEnds] = field(default_factory=dict)  # long-polls held, by client ("" for all)
     bodies: Counter[str] = field(default_factory=Counter)  # bytes held, by client ("" for all)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _tokens: int = 0
 
     @classmethod
     def of(cls, api: ApiSettings) -> Holds:
@@ -83,30 +117,35 @@ class Holds:
             _decrement(self.requests, client, 1)
 
     @contextmanager
-    def wait(self, client: str) -> Iterator[None]:
-        """A long-poll held for its length: 429 past the client's, 503 past the process's."""
+    def wait(self, client: str, seconds: float) -> Iterator[None]:
+        """A long-poll of up to `seconds` held for its length: 429 past the client's bound, 503 past the
+        process's; Retry-After says when the first of the waits in the way ends (an attacker that honours it
+        comes back when there is room, not every second)."""
         with self._lock:
-            held = self.waits[client]
-            if client and held >= self.max_waits_per_client:
+            mine, every = self.waits.get(client) if client else None, self.waits.get("")
+            if mine is not None and len(mine) >= self.max_waits_per_client:
                 raise _too_many(
-                    f"your key holds {held} long-polls in this API process (api.max_waits_per_client: "
-                    f"{self.max_waits_per_client}); poll again when one ends, or without wait"
+                    f"your key holds {len(mine)} long-polls in this API process (api.max_waits_per_client: "
+                    f"{self.max_waits_per_client}); poll again when one ends, or without wait",
+                    mine.first_end_in(),
                 )
-            if self.waits[""] >= self.max_waits:
+            if every is not None and len(every) >= self.max_waits:
                 raise _unavailable(
-                    f"this API process holds {self.waits['']} long-polls, its most (api.max_waits): "
-                    "retry, or read without wait"
+                    f"this API process holds {len(every)} long-polls, its most (api.max_waits): "
+                    "retry, or read without wait",
+                    every.first_end_in(),
                 )
-            self.waits[""] += 1
-            if client:
-                self.waits[client] += 1
+            self._tokens += 1
+            token, end = self._tokens, time.monotonic() + seconds
+            for key in ("", client) if client else ("",):
+                self.waits.setdefault(key, WaitEnds()).add(token, end)
         try:
             yield
         finally:
             with self._lock:
-                _decrement(self.waits, "", 1)
-                if client:
-                    _decrement(self.waits, client, 1)
+                for key in ("", client) if client else ("",):
+                    if self.waits[key].drop(token):
+                        del self.waits[key]  # no entry kept per client that holds nothing
 
     def take_body(self, client: str, size: int) -> None:
         """`size` more bytes of a body held (give_back_body when the request ends); a Problem past a budget."""
@@ -190,13 +229,13 @@ def _decrement(counter: Counter[str], key: str, by: int) -> None:
         del counter[key]  # no entry kept per client that holds nothing
 
 
-def _too_many(detail: str) -> Problem:
+def _too_many(detail: str, retry_after_s: int = RETRY_AFTER_S) -> Problem:
     return Problem(
-        429, "too-many-held", "Too many requests", detail, headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE}
+        429, "too-many-held", "Too many requests", detail, headers={"Retry-After": str(retry_after_s), **CLOSE}
     )
 
 
-def _unavailable(detail: str) -> Problem:
+def _unavailable(detail: str, retry_after_s: int = RETRY_AFTER_S) -> Problem:
     return Problem(
-        503, "server-busy", "Service unavailable", detail, headers={"Retry-After": str(RETRY_AFTER_S), **CLOSE}
+        503, "server-busy", "Service unavailable", detail, headers={"Retry-After": str(retry_after_s), **CLOSE}
     )

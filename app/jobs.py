@@ -136,7 +136,7 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     # A long-poll and a body each hold this process's memory and a connection: counted (app.holds) before
     # anything is read, and refused at once past the client's or the process's bounds.
-    with services.holds.wait(g.get("client_id") or "") if wait_s > 0 else nullcontext():
+    with services.holds.wait(g.get("client_id") or "", wait_s) if wait_s > 0 else nullcontext():
         hold = body_hold(services.holds)
         hold.take(declared or 0)  # a chunked body's bytes are taken as they come (read_submission)
         reservation = services.admission.before_body(
@@ -282,7 +282,7 @@ def get_job(job_id: str) -> Response:
     wait_s = _wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not is_job_id(job_id):
         return jsonify(job_document(expire_if_late(services.store, _load_owned(services, job_id))))
-    with services.holds.wait(g.get("client_id") or ""):  # counted: past a bound, 429 (or 503) at once
+    with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
         # Listen before the first read: an end announced after it wakes this request.
         event = services.listener.register(job_id)
         try:
@@ -327,7 +327,8 @@ def cancel_job(job_id: str) -> Response:
     problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
     description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
     "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it. One is queued "
-    "at a time: while one is `pending` or `delivering`, a request answers with it and queues nothing.",
+    "at a time: while one is `pending` or `delivering`, or in the 10 s after one was `delivered`, a request "
+    "answers with it and queues nothing.",
     replies={202: Reply("Queued again, or already queued or under way (`callback.status` says)", JobDocument)},
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:

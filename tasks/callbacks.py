@@ -306,7 +306,8 @@ class CallbackSender:
             return self._failed(job_id, base, exc.public[:300], retry=False)
         except (DeliveryFailed, SettingsError) as exc:
             return self._failed(job_id, base, str(exc)[:300], retry=isinstance(exc, DeliveryFailed))
-        self._record(job_id, {**base, "status": "delivered", "last_error": None})
+        # delivered_at: a redelivery request moments later answers with this one (contract.jobs.ending)
+        self._record(job_id, {**base, "status": "delivered", "last_error": None, "delivered_at": time.time()})
         return "delivered"
 
     def _failed(self, job_id: str, base: dict[str, Any], error: str, retry: bool) -> str:

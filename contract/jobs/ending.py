@@ -114,8 +114,10 @@ _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {F
 # outbox, a relay's hands, Celery's queue or its tenant's held list), `delivering`, or `retrying` once a relay
 # has taken it from the scheduled set (while it waits there, it moves to the outbox: still one). One that has
 # been on its way for longer than ARGV[2] is taken for lost (its Celery message gone with a killed worker) and
-# queued again. KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the scheduled set, KEYS[4] the dead set; ARGV[1]
-# the job id. Returns REDELIVER_QUEUED, REDELIVER_IN_FLIGHT, or 0 (no such job, not ended, no callback).
+# queued again; one delivered less than ARGV[3] ago answers too (else a prompt receiver's key could have its job
+# posted a hundred times a second, one after another). KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the scheduled
+# set, KEYS[4] the dead set; ARGV[1] the job id. Returns REDELIVER_QUEUED, REDELIVER_IN_FLIGHT (nothing queued:
+# the delivery on its way, or just made, answers), or 0 (no such job, not ended, no callback).
 _REDELIVER_CALLBACK = (
     TERMINAL_LUA
     + """
@@ -133,6 +135,9 @@ elseif state.status == 'retrying' and redis.call('ZREM', KEYS[3], ARGV[1]) == 0 
   since = tonumber(state.next_attempt_at) or now   -- a relay took it when it fell due
 end
 if since and now - since < tonumber(ARGV[2]) then return 2 end
+-- delivered moments ago: that delivery is the answer (a receiver that lost it asks once, not hundreds of times)
+local delivered = state.status == 'delivered' and tonumber(state.delivered_at)
+if delivered and now - delivered < tonumber(ARGV[3]) then return 2 end
 redis.call('HSET', KEYS[1], 'callback', '{"status":"pending","attempts":0,"last_error":null,"queued_at":' .. now .. '}')
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('ZREM', KEYS[4], ARGV[1])
@@ -145,6 +150,8 @@ REDELIVER_QUEUED, REDELIVER_IN_FLIGHT = 1, 2
 # A delivery `pending` or `delivering` this long is taken for lost: one waiting for its tenant's slots behind
 # an hour of slow receivers (4 at once, 10 s each: 1,440 attempts) is the only honest one that old.
 IN_FLIGHT_STALE_S = 3600
+# A delivery made this recently answers a redelivery request for it: its receiver has it, or lost it a moment ago.
+DELIVERED_COOLDOWN_S = 10
 
 
 class JobEnding(JobStore):
@@ -226,8 +233,9 @@ class JobEnding(JobStore):
 
     def redeliver_callback(self, job_id: str) -> int:
         """Queue an ended job's callback again from its first attempt (a dead letter, or a delivery the receiver
-        lost): REDELIVER_QUEUED; REDELIVER_IN_FLIGHT when one is queued or under way already (nothing queued);
-        0 when the job does not exist, has not ended or has no callback."""
+        lost): REDELIVER_QUEUED; REDELIVER_IN_FLIGHT when one is queued or under way already, or was delivered
+        less than DELIVERED_COOLDOWN_S ago (nothing queued); 0 when the job does not exist, has not ended or has
+        no callback."""
         return int(
             self._redeliver(
                 keys=[
@@ -236,7 +244,7 @@ class JobEnding(JobStore):
                     self.keys.callback_scheduled,
                     self.keys.callback_dead,
                 ],
-                args=[job_id, IN_FLIGHT_STALE_S],
+                args=[job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S],
             )
         )
 
