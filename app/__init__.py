@@ -99,7 +99,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.register_blueprint(openapi.blueprint)
     metrics.install(app)
     auth.install(app)
-    holds.install(app)  # after auth: it counts each key's requests
+    holds.install(app, services(app).holds, keyed=bool(settings.auth.api_keys))  # after auth: per key
     _install_error_handlers(app)
 
     @app.before_request

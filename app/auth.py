@@ -80,6 +80,8 @@ def install(app) -> None:
                         headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))},
                     ) from None
             raise
+        if request.path == "/metrics":  # every tenant's job counts: an admin key's (app.metrics serves it)
+            require_admin(settings.api_keys)
         if settings.rate_per_s > 0:
             allowed, retry_ms = take_token(
                 keys=[services.keys.rate_bucket(g.client_id)], args=[settings.rate_per_s, settings.burst]

@@ -175,12 +175,11 @@ class Holds:
                 _decrement(self.bodies, client, size)
 
 
-def install(app: Flask) -> None:
-    """Count each request of a client's (after app.auth's hook: registered after it), and give back what the
-    request held when it ends, however it ends."""
-    from app.services import services
-
-    holds = services(app).holds
+def install(app: Flask, holds: Holds, keyed: bool) -> None:
+    """Count each request of an API key's (after app.auth's hook: registered after it) until it ends, however it
+    ends. Without keys (`keyed` False) there are no clients to count: no hooks, nothing paid per request."""
+    if not keyed:
+        return
 
     @app.before_request
     def hold_request() -> None:
@@ -190,24 +189,14 @@ def install(app: Flask) -> None:
             g.held_by = client
 
     @app.teardown_request
-    def release_holds(_exc: BaseException | None) -> None:
-        body = g.pop("body_hold", None)
-        if body is not None:
-            body.release()
+    def release_request(_exc: BaseException | None) -> None:
         client = g.pop("held_by", None)
         if client:
             holds.leave(client)
 
 
-def body_hold(holds: Holds) -> BodyHold:
-    """This request's share of the body budget, given back when it ends (install's teardown)."""
-    hold = BodyHold(holds, g.get("client_id") or "")
-    g.body_hold = hold
-    return hold
-
-
 class BodyHold:
-    """A request's share of the body budget: what it took, given back whole when the request ends."""
+    """A submission's share of the body budget: what it took, given back whole when it leaves the `with`."""
 
     def __init__(self, holds: Holds, client: str) -> None:
         self.holds, self.client, self.size = holds, client, 0
@@ -216,7 +205,10 @@ class BodyHold:
         self.holds.take_body(self.client, size)
         self.size += max(0, size)
 
-    def release(self) -> None:
+    def __enter__(self) -> BodyHold:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
         self.holds.give_back_body(self.client, self.size)
         self.size = 0
 

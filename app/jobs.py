@@ -14,7 +14,7 @@ from flask import Blueprint, Response, g, jsonify, request, url_for
 from app import metrics
 from app.admission import Reservation
 from app.auth import owns
-from app.holds import BodyHold, body_hold
+from app.holds import BodyHold
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
@@ -136,13 +136,14 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     # A long-poll and a body each hold this process's memory and a connection: counted (app.holds) before
     # anything is read, and refused at once past the client's or the process's bounds.
-    with services.holds.wait(g.get("client_id") or "", wait_s) if wait_s > 0 else nullcontext():
-        hold = body_hold(services.holds)
+    client = g.get("client_id") or ""
+    hold = BodyHold(services.holds, client)
+    with services.holds.wait(client, wait_s) if wait_s > 0 else nullcontext(), hold:
         hold.take(declared or 0)  # a chunked body's bytes are taken as they come (read_submission)
         reservation = services.admission.before_body(
             request.args.get("model"),
             declared,
-            client_id=g.get("client_id") or "",
+            client_id=client,
             model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
         )
         try:
@@ -273,7 +274,7 @@ def _accepted(
 @operation(
     "Read a job, optionally waiting for it to end",
     tag="jobs",
-    problems=((400, "`wait` is not a number of seconds in range"), 404, 503),
+    problems=((400, "`wait` is not a number of seconds in range"), 404, (429, "Long-polls at their bound"), 503),
     query=lambda settings: wait_query_model(settings.api.max_wait_s),
     replies={200: Reply("The job", JobDocument)},
 )

@@ -22,6 +22,7 @@ from gunicorn.workers.ggevent import GeventWorker
 from contract.documents import PROBLEM_TYPE
 
 _REFUSED_UNREAD = ("401", "408", "413")
+_MAY_CLOSE = ("429", "503")  # app.holds' refusals say Connection: close (only these are looked at: cheaper)
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:
@@ -50,8 +51,11 @@ def close_after_refusal(app: Callable[..., Iterable[bytes]]) -> Callable[..., It
 
         def refusing_start_response(status: str, headers: list, exc_info: Any = None) -> Any:
             response = getattr(start_response, "__self__", None)  # gunicorn's Response
-            closing = any(name.lower() == "connection" and value.lower() == "close" for name, value in headers)
-            if response is not None and (closing or (carries_body and status[:3] in _REFUSED_UNREAD)):
+            code = status[:3]
+            closing = code in _MAY_CLOSE and any(
+                name.lower() == "connection" and value.lower() == "close" for name, value in headers
+            )
+            if response is not None and (closing or (carries_body and code in _REFUSED_UNREAD)):
                 response.must_close = True
             return start_response(status, headers, exc_info)
 

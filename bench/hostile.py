@@ -259,25 +259,12 @@ def format_metrics_cardinality(outcome: dict[str, Any]) -> str:
     )
 
 
-# Issue 52's attacks on connections and routes are bench.hostile_holds' and bench.hostile_routes' (ALL_ATTACKS).
+# Issue 52's attacks on connections and routes are bench.hostile_holds' and bench.hostile_routes'.
 ATTACKS: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
     "slow-callbacks": (slow_callbacks, format_slow_callbacks),
     "docs-flood": (docs_flood, format_docs_flood),
     "metrics": (metrics_cardinality, format_metrics_cardinality),
 }
-
-
-def all_attacks() -> dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]]:
-    """ATTACKS and issue 52's (their modules import this one's helpers: imported here when asked for)."""
-    from bench import hostile_holds, hostile_routes
-
-    return {
-        **ATTACKS,
-        "long-polls": (hostile_holds.long_polls, hostile_holds.format_long_polls),
-        "trickle": (hostile_holds.trickle, hostile_holds.format_trickle),
-        "redeliver": (hostile_routes.redeliver, hostile_routes.format_redeliver),
-        "leaks": (hostile_routes.leaks, hostile_routes.format_leaks),
-    }
 
 
 def _api_cpu_ms(stack: LocalStack, session: requests.Session, url: str, calls: int) -> float:

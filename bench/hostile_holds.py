@@ -58,8 +58,17 @@ class Attacker:
     answer's Retry-After); with `trickle_s`, a connection that has sent all but its last `hold_back` bytes sends
     one byte every `trickle_s`."""
 
-    def __init__(self, port: int, count: int, request: Callable[[], bytes], trickle_s: float = 0.0, hold_back: int = 0):
+    def __init__(
+        self,
+        port: int,
+        count: int,
+        request: Callable[[], bytes],
+        trickle_s: float = 0.0,
+        hold_back: int = 0,
+        honour_retry_after: bool = True,
+    ):
         self.port, self.count, self.request = port, count, request
+        self.honour_retry_after = honour_retry_after
         self.trickle_s, self.hold_back = trickle_s, hold_back
         self.statuses: Counter[str] = Counter()
         self.held_samples: list[int] = []
@@ -131,7 +140,7 @@ class Attacker:
         selector.unregister(conn.sock)  # type: ignore[arg-type]
         conn.sock.close()  # type: ignore[union-attr]
         conn.sock, conn.pending = None, memoryview(b"")
-        conn.again_at = time.monotonic() + float(retry.strip() or 0)
+        conn.again_at = time.monotonic() + (float(retry.strip() or 0) if self.honour_retry_after else 0.0)
 
 
 class Probes:
@@ -233,6 +242,7 @@ def long_polls(
     holds: int = 4000,
     duration_s: float = 60.0,
     log: Callable[[str], None] = print,
+    honour_retry_after: bool = True,
     **_ignored: Any,
 ) -> dict[str, Any]:
     """Finding 3: one key's `holds` long-polls against a live job; /healthz and another key's submissions."""
@@ -248,7 +258,7 @@ def long_polls(
         ).encode()
         probes = Probes(stack.url, keys["tenant"], images[0]).start()
         time.sleep(5.0)
-        attacker = Attacker(port, holds, lambda: request)
+        attacker = Attacker(port, holds, lambda: request, honour_retry_after=honour_retry_after)
         attack_started = time.monotonic()
         thread = threading.Thread(target=attacker.run, daemon=True)
         thread.start()
@@ -264,6 +274,7 @@ def long_polls(
     held = sorted(attacker.held_samples[len(attacker.held_samples) // 2 :])  # the attack's second half
     return {
         "holds": holds,
+        "honour_retry_after": honour_retry_after,
         "duration_s": duration_s,
         "answers": dict(attacker.statuses),
         "unanswered_connections_median": _pick([float(h) for h in held], 50),
@@ -274,7 +285,8 @@ def long_polls(
 
 def format_long_polls(outcome: dict[str, Any]) -> str:
     lines = [
-        f"long-polls: one key holding {outcome['holds']} GET ?wait=30 for {outcome['duration_s']:g} s; its answers "
+        f"long-polls: one key holding {outcome['holds']} GET ?wait=30 for {outcome['duration_s']:g} s"
+        f"{'' if outcome.get('honour_retry_after', True) else ', each answered one sent again at once'}; its answers "
         f"{outcome['answers']}; connections awaiting an answer, median of the second half: "
         f"{outcome['unanswered_connections_median']}",
     ]

@@ -61,6 +61,11 @@ def add_commands(
     hostile.add_argument("--holds", type=int, default=4000, help="long-polls: the attacker's long-polls held at once")
     hostile.add_argument("--bodies", type=int, default=40, help="trickle: the attacker's bodies held at once")
     hostile.add_argument(
+        "--ignore-retry-after",
+        action="store_true",
+        help="long-polls: the attacker sends each refused request again at once (a request flood, not a hold)",
+    )
+    hostile.add_argument(
         "--duration",
         type=float,
         default=None,
@@ -113,10 +118,18 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
     if args.attack == "decode":
         return hostile_decode(args)
+    from bench import hostile_holds, hostile_routes
     from bench.ab import worktree
-    from bench.hostile import all_attacks
+    from bench.hostile import ATTACKS
 
-    attack, describe_outcome = all_attacks()[args.attack]
+    attacks = {
+        **ATTACKS,
+        "long-polls": (hostile_holds.long_polls, hostile_holds.format_long_polls),
+        "trickle": (hostile_holds.trickle, hostile_holds.format_trickle),
+        "redeliver": (hostile_routes.redeliver, hostile_routes.format_redeliver),
+        "leaks": (hostile_routes.leaks, hostile_routes.format_leaks),
+    }
+    attack, describe_outcome = attacks[args.attack]
     root = args.root.resolve() if args.root else REPO_ROOT
     sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": root}
     outcomes = {}
@@ -127,6 +140,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
             attackers=args.attackers,
             holds=args.holds,
             bodies=args.bodies,
+            honour_retry_after=not args.ignore_retry_after,
             **({"duration_s": args.duration} if args.duration is not None else {}),
             interval_s=args.interval,
             log=log_line,
