@@ -71,6 +71,8 @@ MoreAttack = Callable[[str, dict[str, str]], list[str]]
 # Decode stdin's bytes as a CPU worker does, in a fresh interpreter of a checkout: outcome, CPU s, peak RSS growth.
 _DECODE = r"""
 import json, sys, time
+from contract.memory import keep_freed_memory
+keep_freed_memory()  # as a CPU worker's malloc is set
 from tasks.imaging import ImageDecodeError, decode_image
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024

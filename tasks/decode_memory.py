@@ -21,7 +21,7 @@ Pure functions of Pillow images; nothing here reads a file's bytes but through P
 
 from __future__ import annotations
 
-from PIL import Image, _webp
+from PIL import Image
 
 from tasks.structure import Structure
 
@@ -64,13 +64,16 @@ def describe(image: Image.Image, fmt: str, found: Structure) -> str:
     return what
 
 
-def load_webp(image: Image.Image, data: bytes) -> Image.Image:
+def load_webp(image: Image.Image) -> Image.Image:
     """The first frame of a WebP opened by Pillow, decoded once: Pillow's own load keeps libwebp's decoder (two
     canvases) while it copies the frame into a new image. Here the frame's bytes become the image's memory
-    (frombuffer) and the decoder goes as soon as they are out."""
-    mode = image.mode
-    decoder = _webp.WebPAnimDecoder(data)
-    size, _loop, _background, _frames, rawmode = decoder.get_info()
+    (frombuffer) and the decoder goes as soon as they are out. The decoder is the one Pillow opened the file
+    with (its `_decoder`, at the first frame): a second one would allocate two more canvases, and under the CPU
+    worker's malloc settings (contract.memory) canvases under 32 MiB come from the heap, zeroed: resident."""
+    mode, size = image.mode, image.size
+    decoder = image._decoder  # type: ignore[attr-defined]  # WebPImageFile's libwebp animation decoder
+    rawmode = image.rawmode  # type: ignore[attr-defined]  # RGBA, or RGBX without alpha
+    image._decoder = None  # type: ignore[attr-defined]
     image.close()
     got = decoder.get_next()
     del decoder

@@ -110,7 +110,7 @@ def decode_image(
                 )
             if fmt == "WEBP":
                 info = image.info
-                image = decode_memory.load_webp(image, raw)
+                image = decode_memory.load_webp(image)
             else:
                 image.seek(0)
                 with _rle_limit(structure.max_rle_commands):

@@ -26,11 +26,13 @@ from tests.support import REPO_ROOT, encode, make_image
 CAP = 256 * 1024 * 1024  # decode.max_decoded_bytes' default
 MARGIN_MB = 40  # a tile of reduce_in_tiles, the letterbox's output, the allocator's slack
 
-# In a fresh interpreter: decode stdin's bytes as a CPU worker does (tasks.imaging.decode_image, target 640),
+# In a fresh interpreter, its malloc set as a CPU worker's: decode stdin's bytes as a CPU worker does (target 640),
 # and print its outcome, its CPU seconds, its peak RSS growth (VmHWM: Pillow's and libwebp's allocations too)
 # and what tasks.decode_memory said the decode would hold.
 _MEASURE = r"""
 import json, sys, time, io
+from contract.memory import keep_freed_memory
+keep_freed_memory()  # as a CPU worker's malloc is set
 from PIL import Image
 from tasks import decode_memory
 from tasks.imaging import ImageDecodeError, decode_image
