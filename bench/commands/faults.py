@@ -122,7 +122,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
     from bench.ab import worktree
     from bench.hostile import ATTACKS
 
-    attacks = {
+    attacks: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
         **ATTACKS,
         "long-polls": (hostile_holds.long_polls, hostile_holds.format_long_polls),
         "trickle": (hostile_holds.trickle, hostile_holds.format_trickle),
