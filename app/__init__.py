@@ -13,8 +13,9 @@ import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
-from app import auth, callbacks, health, home, jobs, metrics, openapi, stats
+from app import auth, callbacks, health, holds, home, jobs, metrics, openapi, stats
 from app.admission import MAX_RETRY_AFTER_S, Admission
+from app.early_refusal import refusing_early
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
 from app.queries import refuse_unknown_query
@@ -101,6 +102,7 @@ def create_app(settings: Settings | None = None) -> Flask:
             ),
         ),
         cache=cache,
+        holds=holds.Holds.of(settings.api),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
@@ -113,6 +115,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     metrics.install(app)
     auth.install(app)
     refuse_unknown_query(app, settings)  # after the key check: a caller without one learns nothing of the routes
+    holds.install(app, services(app).holds, keyed=bool(settings.auth.api_keys))  # after auth: per key
+    if settings.auth.api_keys:  # a key's long-polls past its bound: refused before Flask (half the CPU)
+        app.wsgi_app = refusing_early(app.wsgi_app, services(app).holds, settings.auth.api_keys)  # type: ignore[method-assign]
     _install_error_handlers(app)
 
     @app.before_request

@@ -59,7 +59,8 @@ def install(app) -> None:
     def authenticate() -> None:
         g.client_id = None
         settings = services.settings.auth
-        if not request.path.startswith("/v1/") or not settings.api_keys:
+        # /metrics too, where it is served on this port (api.metrics_port 0): every tenant's job counts.
+        if not (request.path.startswith("/v1/") or request.path == "/metrics") or not settings.api_keys:
             return
         try:
             g.client_id = _client_for(request.headers.get("Authorization", ""), settings.api_keys)
@@ -79,6 +80,8 @@ def install(app) -> None:
                         headers={"Retry-After": str(max(1, math.ceil(retry_ms / 1000)))},
                     ) from None
             raise
+        if request.path == "/metrics":  # every tenant's job counts: an admin key's (app.metrics serves it)
+            require_admin(settings.api_keys)
         if settings.rate_per_s > 0:
             allowed, retry_ms = take_token(
                 keys=[services.keys.rate_bucket(g.client_id)], args=[settings.rate_per_s, settings.burst]
@@ -110,12 +113,18 @@ def _client_for(header: str, api_keys) -> str:
     raise Problem(401, "unauthorized", "Unauthorized", "unknown API key", headers={"WWW-Authenticate": "Bearer"})
 
 
-def require_admin(api_keys) -> None:
-    """With keys, only an `admin: true` key may read figures about every tenant's traffic."""
+def is_admin(api_keys) -> bool:
+    """Whether this request may see figures about every tenant's traffic: without keys anyone, with keys an
+    `admin: true` key."""
     client_id = g.get("client_id")
     if client_id is None:
-        return
-    if not any(str(entry["id"]) == client_id and entry.get("admin") for entry in api_keys):
+        return not api_keys
+    return any(str(entry["id"]) == client_id and entry.get("admin") for entry in api_keys)
+
+
+def require_admin(api_keys) -> None:
+    """With keys, only an `admin: true` key may read figures about every tenant's traffic."""
+    if not is_admin(api_keys):
         raise Problem(403, "forbidden", "Forbidden", "this route shows every tenant's traffic: it needs an admin key")
 
 

@@ -9,6 +9,7 @@ from flask import Blueprint, Response, g, jsonify
 from app.operations import Reply, operation
 from app.services import services as current_services
 from contract.documents import Redelivered
+from contract.jobs.ending import REDELIVER_QUEUED
 
 blueprint = Blueprint("callbacks", __name__)
 
@@ -35,5 +36,5 @@ def redeliver_dead() -> Response:
         for job_id, owner in zip(dead, owners)
         if caller is None or (owner is not None and owner.decode() == caller)
     ]
-    queued = sum(store.redeliver_callback(job_id) for job_id in mine)
+    queued = sum(store.redeliver_callback(job_id) == REDELIVER_QUEUED for job_id in mine)
     return jsonify(Redelivered.model_validate({"redelivered": queued}).to_json())

@@ -7,6 +7,7 @@ from typing import Any
 import redis
 from flask import Blueprint, Response, current_app, jsonify
 
+from app.auth import is_admin
 from app.operations import Reply, operation
 from app.services import services as current_services
 from contract.heartbeat import Heartbeat, live_heartbeats
@@ -51,7 +52,8 @@ def readyz() -> tuple[Response, int]:
 
 @blueprint.get("/v1/models")
 @operation(
-    "The models this deployment serves: each version, its routing, workers, queue and p95",
+    "The models this deployment serves: each version, its routing, workers, queue and p95 (those two, with API "
+    "keys, to an admin key only)",
     tag="models",
     problems=(503,),
     replies={200: Reply("One entry per model version, and per name how `model=name` is split", ModelList)},
@@ -60,6 +62,8 @@ def list_models() -> Response:
     services = current_services()
     catalogue = services.catalogue
     workers = live_gpu_workers()
+    # The queues, the p95 and the jobs answered are every tenant's traffic: an admin key's figures (as /v1/stats).
+    everyones = is_admin(services.settings.auth.api_keys)
     depths = queue_depths(services.redis, services.keys, list(catalogue.specs), services.settings.tenants)
     versions: list[dict[str, Any]] = []
     for spec in catalogue:
@@ -76,9 +80,9 @@ def list_models() -> Response:
                 "share": round(weights.get(spec.version, 0.0) / sum(weights.values()), 4) if weights else 0.0,
                 "workers": [info.worker_id for info, _ in served],
                 "devices": [model.device for _, model in served],
-                "queue": depths[spec.key],
-                "p95_ms": max(p95s) if p95s else None,
-                "recent_jobs": sum(int(model.stats.get("jobs", 0)) for _, model in served),
+                "queue": depths[spec.key] if everyones else None,
+                "p95_ms": max(p95s) if p95s and everyones else None,
+                "recent_jobs": sum(int(model.stats.get("jobs", 0)) for _, model in served) if everyones else None,
             }
         )
         versions.append(entry)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from contextlib import nullcontext
 from typing import cast
 
 import redis
@@ -12,6 +13,7 @@ from flask import Blueprint, Response, g, jsonify, request, url_for
 from app import metrics
 from app.admission import Reservation
 from app.auth import owns
+from app.holds import BodyHold
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem, job_lost
@@ -40,7 +42,7 @@ from contract.documents import (
     submit_query_model,
     wait_query_model,
 )
-from contract.jobs.ending import LATE_ERROR
+from contract.jobs.ending import LATE_ERROR, REDELIVER_QUEUED
 from contract.jobs.record import (
     CANCELLED,
     QUEUED,
@@ -123,23 +125,31 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     # A misspelt query option (`maxdet=1`) was refused before this (app.queries), before the body is read.
     wait_s = _wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
-    reservation = services.admission.before_body(
-        request.args.get("model"),
-        declared,
-        client_id=g.get("client_id") or "",
-        model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
-    )
-    try:
-        return _accept(services, reservation, wait_s)
-    except BaseException:
-        services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
-        raise
+    # A long-poll and a body each hold this process's memory and a connection: counted (app.holds) before
+    # anything is read, and refused at once past the client's or the process's bounds.
+    client = g.get("client_id") or ""
+    hold = BodyHold(services.holds, client)
+    with services.holds.wait(client, wait_s) if wait_s > 0 else nullcontext(), hold:
+        hold.take(declared or 0)  # a chunked body's bytes are taken as they come (read_submission)
+        reservation = services.admission.before_body(
+            request.args.get("model"),
+            declared,
+            client_id=client,
+            model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
+        )
+        try:
+            return _accept(services, reservation, wait_s, hold)
+        except BaseException:
+            services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
+            raise
 
 
-def _accept(services: Services, reservation: Reservation, wait_s: float) -> tuple[Response, int, dict[str, str]]:
+def _accept(
+    services: Services, reservation: Reservation, wait_s: float, hold: BodyHold
+) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     submit_options = _submit_options(settings)
-    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields)
+    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields, hold=hold)
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=submit_options.model_fields)
     options = validate_params(submit_options, values)
@@ -260,6 +270,7 @@ def _accepted(
         (400, "`wait` is not a number of seconds in range"),
         404,
         (410, "Accepted, then lost: submit it again"),
+        (429, "Long-polls at their bound"),
         503,
     ),
     query=lambda settings: wait_query_model(settings.api.max_wait_s),
@@ -271,12 +282,13 @@ def get_job(job_id: str) -> Response:
     if wait_s <= 0 or not is_job_id(job_id):
         record = expire_if_late(services.store, _load_owned(services, job_id))
     else:
-        # Listen before the first read: an end announced after it wakes this request.
-        event = services.listener.register(job_id)
-        try:
-            record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
-        finally:
-            services.listener.unregister(job_id, event)
+        with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
+            # Listen before the first read: an end announced after it wakes this request.
+            event = services.listener.register(job_id)
+            try:
+                record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
+            finally:
+                services.listener.unregister(job_id, event)
         record = expire_if_late(services.store, record)
     if record["status"] in TERMINAL:
         services.store.confirm_durable()  # an end a failover could take back is not shown
@@ -318,22 +330,26 @@ def cancel_job(job_id: str) -> Response:
     tag="jobs",
     problems=(404, (409, "The job has no callback, or has not ended yet (its callback is sent then)"), 503),
     description="For a callback given up (`callback.status` failed: the dead letter) or one the receiver "
-    "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it.",
-    replies={202: Reply("Queued again", JobDocument)},
+    "lost. The delivery keeps its X-Imgserve-Delivery-Id, so a receiver that saw it drops it. One is queued "
+    "at a time: while one is `pending` or `delivering`, or in the 10 s after one was `delivered`, a request "
+    "answers with it and queues nothing.",
+    replies={202: Reply("Queued again, or already queued or under way (`callback.status` says)", JobDocument)},
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
     record = _load_owned(services, job_id)
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
-    if not services.store.redeliver_callback(job_id):
+    outcome = services.store.redeliver_callback(job_id)
+    if not outcome:
         raise Problem(
             409,
             "job-not-finished",
             "Job not finished",
             f"job {job_id!r} has not ended: its callback is sent when it does",
         )
-    log.info("callback queued again", extra={"job_id": job_id})
+    if outcome == REDELIVER_QUEUED:
+        log.info("callback queued again", extra={"job_id": job_id})
     return jsonify(job_document(services.store.load(job_id) or record)), 202
 
 

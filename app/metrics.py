@@ -66,12 +66,13 @@ def install(app: Flask) -> None:
 
 @blueprint.get("/metrics")
 @operation(
-    "Prometheus metrics of the API processes",
+    "Prometheus metrics of the API processes (with API keys, for an admin key; or set api.metrics_port)",
     tag="health",
-    public=True,
+    problems=((403, "API keys are configured and this one is not an admin key"),),
     replies={200: Reply("Prometheus text format", media_type="text/plain", schema={"type": "string"})},
 )
 def expose() -> Response:
+    # Job counts and cache hits of every tenant: with keys, an admin key's (app.auth refuses any other).
     return Response(generate_latest(api_registry()), mimetype=CONTENT_TYPE_LATEST)
 
 

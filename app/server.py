@@ -26,6 +26,7 @@ from contract.documents import PROBLEM_TYPE
 from contract.logs import QUIET_LOGGERS, JsonFormatter
 
 _REFUSED_UNREAD = ("401", "408", "413")
+_MAY_CLOSE = ("429", "503")  # app.holds' refusals say Connection: close (only these are looked at: cheaper)
 
 
 def write_problem(sock: socket.socket, status: int, reason: str, message: str) -> None:
@@ -42,7 +43,9 @@ def write_problem(sock: socket.socket, status: int, reason: str, message: str) -
 
 
 def close_after_refusal(app: Callable[..., Iterable[bytes]]) -> Callable[..., Iterable[bytes]]:
-    """WSGI middleware: a 401 or 413 to a request that carries a body ends the connection."""
+    """WSGI middleware: a 401, 408 or 413 to a request that carries a body ends the connection, and so does any
+    answer whose headers say `Connection: close` (gunicorn drops that header from an app: a hop-by-hop one).
+    app.holds' refusals say so: a client held at its bound keeps no idle connection either."""
 
     def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         carries_body = (
@@ -52,7 +55,11 @@ def close_after_refusal(app: Callable[..., Iterable[bytes]]) -> Callable[..., It
 
         def refusing_start_response(status: str, headers: list, exc_info: Any = None) -> Any:
             response = getattr(start_response, "__self__", None)  # gunicorn's Response
-            if carries_body and status[:3] in _REFUSED_UNREAD and response is not None:
+            code = status[:3]
+            closing = code in _MAY_CLOSE and any(
+                name.lower() == "connection" and value.lower() == "close" for name, value in headers
+            )
+            if response is not None and (closing or (carries_body and code in _REFUSED_UNREAD)):
                 response.must_close = True
             return start_response(status, headers, exc_info)
 

@@ -10,6 +10,7 @@ import redis
 from flask import Flask, current_app
 
 from app.admission import Admission
+from app.holds import Holds
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
 from contract.jobs.intake import JobIntake
@@ -32,6 +33,7 @@ class Services:
     task_messages: PreprocessMessages  # the CPU task of each job, pushed with the job itself
     listener: JobEventListener
     cache: ResultCache  # answers for repeated images (contract.cache)
+    holds: Holds  # what one client may hold in this process at once (app.holds)
 
 
 def services(app: Flask | None = None) -> Services:

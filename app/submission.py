@@ -10,6 +10,7 @@ from flask import Request
 from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import RequestEntityTooLarge
 
+from app.holds import BodyHold
 from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.problems import Problem
 from app.uploads import read_whole_body, refuse_unknown_fields
@@ -17,13 +18,16 @@ from contract.settings import ApiSettings
 
 
 def read_submission(
-    request: Request, api: ApiSettings, fields: Collection[str]
+    request: Request, api: ApiSettings, fields: Collection[str], hold: BodyHold | None = None
 ) -> tuple[bytes, str | None, MultiDict[str, str]]:
     """The upload from a multipart field `image` or from the raw body, and the form's other fields, after
     the whole body was read and checked (read_whole_body): the form is parsed from those bytes, by
     app.multipart where it can (one slice per part), else by Werkzeug. A part named neither `image` nor
-    one of `fields` is a 400: a misspelt option would otherwise be dropped without a word."""
-    body = read_whole_body(request.environ, api.max_upload_bytes, api.body_timeout_s, api.body_min_rate)
+    one of `fields` is a 400: a misspelt option would otherwise be dropped without a word. `hold`: the request's
+    share of the body budget (app.holds), which a chunked body's bytes and a form's copy of its image take too."""
+    chunked = request.environ.get("CONTENT_LENGTH") in (None, "")  # its Content-Length was taken before
+    reserve = hold.take if hold is not None and chunked else None
+    body = read_whole_body(request.environ, api.max_upload_bytes, api.body_timeout_s, api.body_min_rate, reserve)
     request.environ.update({"wsgi.input": io.BytesIO(body), "CONTENT_LENGTH": str(len(body))})
     request.environ.pop("HTTP_TRANSFER_ENCODING", None)
     request.environ["wsgi.input_terminated"] = False
@@ -49,6 +53,8 @@ def read_submission(
     if form is None and not uploads:
         _refuse_unparsable_multipart(request, body)
     refuse_unknown_fields(part_names, known={"image", *fields})
+    if hold is not None and uploads:
+        hold.take(sum(len(data) for data, _ in uploads))  # each part is a copy of its slice of the body
     if not uploads:
         raise Problem(
             400, "missing-image", "Missing image", "multipart/form-data submissions need a file field named 'image'"

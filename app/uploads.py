@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -42,7 +42,13 @@ def declared_length(environ: dict[str, Any], limit: int) -> int | None:
     return expected
 
 
-def read_whole_body(environ: dict[str, Any], limit: int, timeout_s: float = 10.0, min_rate: float = 65536.0) -> bytes:
+def read_whole_body(
+    environ: dict[str, Any],
+    limit: int,
+    timeout_s: float = 10.0,
+    min_rate: float = 65536.0,
+    reserve: Callable[[int], None] | None = None,
+) -> bytes:
     """The request body, all of it or a Problem: never a truncated one, and never a slow one.
 
     Read from the server's own input (so Content-Length and chunked bodies are
@@ -51,7 +57,9 @@ def read_whole_body(environ: dict[str, Any], limit: int, timeout_s: float = 10.0
     away) and broken chunked framing are 400. Under gunicorn, the body must come
     within `timeout_s` plus its size at `min_rate` bytes/s, and no read may wait
     longer than `timeout_s`: else 408 (a client sending 1 byte a second held a
-    worker's greenlet and its connection for as long as it cared to).
+    worker's greenlet and its connection for as long as it cared to). `reserve`,
+    when given, is told of each read's bytes before it is made (a body budget:
+    app.holds); what it raises is the answer.
     """
     expected = declared_length(environ, limit)
     stream = environ["wsgi.input"]
@@ -62,7 +70,9 @@ def read_whole_body(environ: dict[str, Any], limit: int, timeout_s: float = 10.0
     whole = _whole_read_bound(deadline - time.monotonic()) if sock is not None else contextlib.nullcontext()
     try:
         with whole:  # gunicorn's reader loops over recv() until it has what was asked: bound all of it too
-            parts, size = _read_parts(stream, budget, sock, deadline, timeout_s)
+            parts, size = _read_parts(stream, budget, sock, deadline, timeout_s, reserve)
+    except Problem:
+        raise
     except TimeoutError as exc:
         raise Problem(
             408, "request-timeout", "Request Timeout", "the body came too slowly: not all of it in the time allowed"
@@ -104,7 +114,9 @@ def _whole_read_bound(seconds: float) -> Any:
     return Timeout(max(0.001, seconds), TimeoutError("the body's deadline passed"))
 
 
-def _read_parts(stream: Any, budget: int, sock: Any, deadline: float, timeout_s: float) -> tuple[list[bytes], int]:
+def _read_parts(
+    stream: Any, budget: int, sock: Any, deadline: float, timeout_s: float, reserve: Callable[[int], None] | None
+) -> tuple[list[bytes], int]:
     parts: list[bytes] = []
     size = 0
     while size < budget:
@@ -113,7 +125,10 @@ def _read_parts(stream: Any, budget: int, sock: Any, deadline: float, timeout_s:
             if remaining <= 0:
                 raise TimeoutError("the body's deadline passed")
             sock.settimeout(min(remaining, timeout_s))
-        chunk = stream.read(min(_READ_CHUNK, budget - size))
+        want = min(_READ_CHUNK, budget - size)
+        if reserve is not None:
+            reserve(want)
+        chunk = stream.read(want)
         if not chunk:
             break
         parts.append(chunk)

@@ -188,3 +188,86 @@ def jpeg_segments(data: bytes) -> list[tuple[int, bytes]]:
         segments.append((marker, data[pos:end]))
         pos = end
     return segments
+
+
+# --- round five (issue 52): files that pass the header's limits and cost the decoder far more than they say ----
+def webp_lossless_canvas(width: int = 8192, height: int = 8192) -> bytes:
+    """A lossless WebP of one flat colour: 2.6 KB for 8192x8192. Pillow opens every WebP through libwebp's
+    animation decoder, which holds two RGBA canvases, and copies the pixels twice more: 1,028 MB a child."""
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (90, 140, 200)).save(buffer, "WEBP", lossless=True, quality=0, method=0)
+    return buffer.getvalue()
+
+
+def _riff_chunk(kind: bytes, data: bytes) -> bytes:
+    return kind + struct.pack("<L", len(data)) + data + (b"\x00" if len(data) & 1 else b"")
+
+
+def webp_animated_canvas(width: int = 8192, height: int = 8192) -> bytes:
+    """An animated WebP of ~140 bytes: a `width` x `height` canvas (VP8X) and one frame of 1x1 pixel. libwebp's
+    animation decoder allocates its canvases at the canvas's size whatever the frames are: 1,066 MB a child."""
+    frame = io.BytesIO()
+    Image.new("RGBA", (1, 1), (200, 60, 30, 255)).save(frame, "WEBP", lossless=True)
+    bitstream = frame.getvalue()[12:]  # the frame's own VP8L chunk, as it stands in its file
+    vp8x = struct.pack("<B3x", 0x12) + (width - 1).to_bytes(3, "little") + (height - 1).to_bytes(3, "little")
+    anim = struct.pack("<LH", 0, 0)  # background, loop count
+    anmf = bytes(15) + b"\x00" + bitstream  # at 0, 0; 1x1 (width and height less one); no duration; no flags
+    body = b"WEBP" + _riff_chunk(b"VP8X", vp8x) + _riff_chunk(b"ANIM", anim) + _riff_chunk(b"ANMF", anmf)
+    return b"RIFF" + struct.pack("<L", len(body)) + body
+
+
+def bmp_rle(width: int, height: int, commands: bytes, bits: int = 8) -> bytes:
+    """A BMP (BITMAPINFOHEADER) of `width` x `height` whose pixel data is `commands`, RLE8 (bits 8) or RLE4
+    (bits 4) with a grey palette."""
+    colours = 1 << bits
+    palette = b"".join(bytes((i * 255 // (colours - 1),) * 3) + b"\x00" for i in range(colours))
+    offset = 14 + 40 + len(palette)
+    info = struct.pack(
+        "<LllHHLLllLL", 40, width, height, 1, bits, 1 if bits == 8 else 2, len(commands), 2835, 2835, colours, 0
+    )
+    head = b"BM" + struct.pack("<LHHL", offset + len(commands), 0, 0, offset)
+    return head + info + palette + commands
+
+
+def bmp_rle_wide_row(width: int = 80_000_000) -> bytes:
+    """The issue's 1 KB RLE8 BMP of 80,000,000 x 1: one pixel, then end of line (Pillow pads the row one Python
+    step a pixel: 8.7 CPU-s, +382 MB)."""
+    return bmp_rle(width, 1, b"\x01\x07\x00\x00\x00\x01")
+
+
+def bmp_rle4_runs(width: int = 8_000, height: int = 10_000) -> bytes:
+    """An RLE4 BMP whose rows are runs of 255 pixels: Pillow's RLE4 decoder takes a Python step per pixel."""
+    row = b"\xff\x12" * (width // 255) + bytes((width % 255, 0x34)) + b"\x00\x00"
+    return bmp_rle(width, height, row * height + b"\x00\x01", bits=4)
+
+
+def gif_big_screen(width: int = 8944, height: int = 8944) -> bytes:
+    """A 35-byte GIF: an 8944x8944 logical screen and one 1x1 frame. Pillow holds the frame on a screen-sized
+    palette image, and the decode converted it to RGB at full size: +307 MB, 424 MB a child."""
+    screen = b"GIF89a" + struct.pack("<HHBBB", width, height, 0x80, 0, 0) + b"\x00\x00\x00\xff\xff\xff"
+    frame = b"\x2c" + struct.pack("<HHHHB", 0, 0, 1, 1, 0) + b"\x02\x02\x44\x01\x00"
+    return screen + frame + b"\x3b"
+
+
+def png_palette(width: int = 8944, height: int = 8944) -> bytes:
+    """A palette PNG of one colour, ~80 KB for 8944x8944: converted to RGB at full size, +383 MB."""
+    image = Image.new("P", (width, height), 1)
+    image.putpalette([0, 0, 0, 200, 60, 30] + [0] * (3 * 254))
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG", optimize=False, compress_level=9)
+    return buffer.getvalue()
+
+
+def png_rgba(width: int = 8192, height: int = 8192) -> bytes:
+    """An honest RGBA PNG of 8192x8192 (261 KB): within the 256 MiB cap by its pixels, +514 MB to decode."""
+    buffer = io.BytesIO()
+    Image.new("RGBA", (width, height), (30, 90, 160, 128)).save(buffer, "PNG", compress_level=9)
+    return buffer.getvalue()
+
+
+def jpeg_progressive_cmyk(width: int = 8192, height: int = 8192) -> bytes:
+    """A progressive CMYK JPEG of 8192x8192 (~1 MB): libjpeg keeps every coefficient of a progressive image
+    (2 bytes each, 4 components) whatever scale draft mode asks: 581 MB a child."""
+    buffer = io.BytesIO()
+    Image.new("CMYK", (width, height), (10, 80, 160, 20)).save(buffer, "JPEG", progressive=True, quality=50)
+    return buffer.getvalue()

@@ -54,7 +54,68 @@ ATTACKS = (
     FileAttack("PNG, 1.6M empty chunks", hostile_files.png_chunk_flood, "image/png"),
     FileAttack("GIF89a + IM header", hostile_files.gif_im_polyglot, "image/gif"),
 )
+# Issue 52's: files within the header's limits whose decode held 2-4x the byte cap, or cost CPU by their pixels.
+ROUND_FIVE = (
+    FileAttack("WebP lossless 8192x8192, one colour", hostile_files.webp_lossless_canvas, "image/webp"),
+    FileAttack("WebP animated: 8192x8192 canvas, one 1x1 frame", hostile_files.webp_animated_canvas, "image/webp"),
+    FileAttack("BMP RLE8 80,000,000x1: a pixel, end of line", hostile_files.bmp_rle_wide_row, "image/bmp"),
+    FileAttack("BMP RLE4 8000x10000 of 255-pixel runs", hostile_files.bmp_rle4_runs, "image/bmp"),
+    FileAttack("GIF 8944x8944 screen, one 1x1 frame", hostile_files.gif_big_screen, "image/gif"),
+    FileAttack("PNG palette 8944x8944", hostile_files.png_palette, "image/png"),
+    FileAttack("JPEG progressive CMYK 8192x8192", hostile_files.jpeg_progressive_cmyk, "image/jpeg"),
+    FileAttack("PNG RGBA 8192x8192 (an honest one)", hostile_files.png_rgba, "image/png"),
+)
+ROUNDS = {"four": ATTACKS, "five": ROUND_FIVE, "all": ATTACKS + ROUND_FIVE}
 MoreAttack = Callable[[str, dict[str, str]], list[str]]
+
+# Decode stdin's bytes as a CPU worker does, in a fresh interpreter of a checkout: outcome, CPU s, peak RSS growth.
+_DECODE = r"""
+import json, sys, time
+from contract.memory import keep_freed_memory
+keep_freed_memory()  # as a CPU worker's malloc is set
+from tasks.imaging import ImageDecodeError, decode_image
+def hwm():
+    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
+data = sys.stdin.buffer.read()
+base, started = hwm(), time.process_time()
+try:
+    decode_image(data, 640, 80_000_000, 256 * 1024 * 1024)
+    outcome = "decoded"
+except ImageDecodeError as exc:
+    outcome = exc.code
+print(json.dumps({"outcome": outcome, "cpu_s": round(time.process_time() - started, 2), "grew_mb": round(hwm() - base),
+                  "peak_mb": round(hwm())}))
+"""
+
+
+def decode_each(root: Path, attacks: Sequence[FileAttack]) -> list[dict[str, Any]]:
+    """Each file decoded by `root`'s tasks.imaging as a CPU worker does (target 640, the default limits), in a
+    fresh interpreter: how it ended, its CPU seconds and how much the process grew (VmHWM, Pillow's and libwebp's
+    own allocations included)."""
+    import json
+    import os
+    import sys
+
+    rows = []
+    for attack in attacks:
+        data = attack.build()
+        env = {**os.environ, "PYTHONPATH": str(root), "PYTHONDONTWRITEBYTECODE": "1"}
+        done = subprocess.run(
+            [sys.executable, "-c", _DECODE], input=data, cwd=root, env=env, capture_output=True, timeout=600
+        )
+        row = json.loads(done.stdout) if done.returncode == 0 else {"outcome": f"crashed ({done.returncode})"}
+        rows.append({"attack": attack.name, "bytes": len(data), **row})
+    return rows
+
+
+def decode_markdown(title: str, rows: list[dict[str, Any]]) -> str:
+    lines = [f"### {title}", "", "| file | bytes | outcome | CPU s | grew | peak |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        lines.append(
+            f"| {row['attack']} | {row['bytes']:,} | {row['outcome']} | {row.get('cpu_s', '-')} | "
+            f"+{row.get('grew_mb', '-')} MB | {row.get('peak_mb', '-')} MB |"
+        )
+    return "\n".join(lines)
 
 
 @dataclass

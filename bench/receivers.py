@@ -141,9 +141,10 @@ def _hung_up(conn: socket.socket, wait_s: float) -> bool:
 
 
 class Receiver:
-    """A receiver that answers 200 at once and notes when each job's callback arrived (time.time())."""
+    """A receiver that answers 200 (after `delay_s`: a receiver that takes its time) and notes when each job's
+    callback arrived (time.time())."""
 
-    def __init__(self) -> None:
+    def __init__(self, delay_s: float = 0.0) -> None:
         self.arrived: dict[str, float] = {}
         self.calls: list[dict[str, Any]] = []
         receiver = self
@@ -153,6 +154,7 @@ class Receiver:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 receiver.calls.append({"body": body, "headers": dict(self.headers)})
                 receiver.arrived.setdefault(self.headers.get("X-Imgserve-Job-Id", ""), time.time())
+                time.sleep(delay_s)
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
                 self.end_headers()

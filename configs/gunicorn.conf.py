@@ -28,6 +28,10 @@ threads = _api.threads  # per worker, gthread
 timeout = 75  # above the longest long-poll (api.max_wait_s = 30)
 graceful_timeout = 35
 keepalive = 5  # also the bound on reading a request's headers (gevent)
+# The listen queue (the kernel caps it at net.core.somaxconn; gunicorn's default is 2048): 4,000 connections opened
+# at once overflowed 2048, and a connection dropped there (a /healthz probe's too) is retried by its client's
+# kernel 1, 3, 7 s later. Queued, each waits for those ahead of it: ~2,000 a second are refused here.
+backlog = 4096
 limit_request_line = 8190
 limit_request_fields = 60
 limit_request_field_size = 8190

@@ -35,7 +35,9 @@ class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
 
     max_image_pixels: int = 80_000_000
-    max_decoded_bytes: int = 256 * 1024 * 1024  # an image's pixels in memory, as Pillow holds them
+    # What a decode holds at its peak, judged by format and mode before decoding (tasks.decode_memory): a WebP's
+    # decoder holds 12 bytes a canvas pixel, a progressive JPEG every coefficient at full size.
+    max_decoded_bytes: int = 256 * 1024 * 1024
     # A progressive JPEG is decoded once per scan: a few KB repeating one scan thousands of times held a CPU
     # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
     max_scans: int = 100
@@ -50,6 +52,8 @@ class DecodeSettings:
     # asked for 342 MB. A JPEG's EXIF segments joined, and the values read, at most this; the entries too.
     max_exif_bytes: int = 256 * 1024
     max_exif_tags: int = 1_000
+    # A BMP's RLE commands, each a Python step of the decoder (tasks.bmp_rle; each pixel it writes costs C only).
+    max_rle_commands: int = 1_000_000
 
 
 @settings_class
@@ -71,6 +75,24 @@ class ApiSettings:
     threads: int = 64  # per worker, gthread
     access_log: str = ""  # a path, or "-" for stderr; empty: none (the API's own JSON lines say enough)
     flower_url: str = ""  # where Flower answers, for `GET /` to link to (make run and compose set it); "": no link
+    # What one client (API key) may hold in one API process at once (app.holds): past each, 429. Long-polls held
+    # by everyone at most max_waits (0, and at most: half the process's connections or threads), past it 503.
+    max_requests_per_client: int = 256
+    max_waits_per_client: int = 100
+    max_waits: int = 0
+    # Bodies in flight, from their first byte until their request ends (a multipart image's copy too): every
+    # client's in one process (past it 503), one client's (429). Each must hold a multipart upload at the limit.
+    max_body_bytes: int = 128 * 1024 * 1024
+    max_body_bytes_per_client: int = 48 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if min(self.max_body_bytes, self.max_body_bytes_per_client) < 2 * self.max_upload_bytes:
+            raise SettingsError(
+                "api.max_body_bytes and max_body_bytes_per_client must each hold a multipart upload at the limit "
+                f"(its body and its image: 2 x api.max_upload_bytes = {2 * self.max_upload_bytes})"
+            )
+        if min(self.max_requests_per_client, self.max_waits_per_client) < 1 or self.max_waits < 0:
+            raise SettingsError("api.max_requests_per_client and max_waits_per_client must be >= 1, max_waits >= 0")
 
 
 @settings_class

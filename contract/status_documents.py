@@ -69,12 +69,13 @@ class ServedModel(Document):
     share: float = Field(ge=0, le=1, description="its share of `model=<name>` requests (0: reached only pinned)")
     devices: list[str]
     workers: list[str] = Field(description="live GPU workers serving it")
-    queue: QueueDepths
+    # Every tenant's traffic: with API keys, shown to an admin key only (as /v1/stats), null to any other.
+    queue: QueueDepths | None = Field(description="jobs waiting, every tenant's; null but to an admin key")
     p95_ms: float | None = Field(
         description="request start to result, p95 over the serving workers' recent "
-        "window (the slowest worker's); null without recent jobs"
+        "window (the slowest worker's); null without recent jobs, and but to an admin key"
     )
-    recent_jobs: int = Field(ge=0, description="jobs answered in that window")
+    recent_jobs: int | None = Field(ge=0, description="jobs answered in that window; null but to an admin key")
 
 
 class ModelName(Document):

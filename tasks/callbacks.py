@@ -287,7 +287,9 @@ class CallbackSender:
         first_at = float(state.get("first_at") or service_now())
         delivery_id = state.get("delivery_id") or f"{job_id}.{record.get('status')}"
         base = {"attempts": attempts, "first_at": first_at, "delivery_id": delivery_id}
-        self._record(job_id, {**base, "status": "delivering", "last_error": state.get("last_error")})
+        # attempt_at: a redelivery request during the attempt answers with it (contract.jobs.ending)
+        delivering = {"status": "delivering", "last_error": state.get("last_error"), "attempt_at": service_now()}
+        self._record(job_id, {**base, **delivering})
         body = json.dumps(job_document(record), separators=(",", ":")).encode()
         # The receiver checks this against its own clock, not the service's: the host's, NTP's, is the one to show.
         timestamp = str(int(time.time()))
@@ -306,7 +308,8 @@ class CallbackSender:
             return self._failed(job_id, base, exc.public[:300], retry=False)
         except (DeliveryFailed, SettingsError) as exc:
             return self._failed(job_id, base, str(exc)[:300], retry=isinstance(exc, DeliveryFailed))
-        self._record(job_id, {**base, "status": "delivered", "last_error": None})
+        # delivered_at: a redelivery request moments later answers with this one (contract.jobs.ending)
+        self._record(job_id, {**base, "status": "delivered", "last_error": None, "delivered_at": service_now()})
         return "delivered"
 
     def _failed(self, job_id: str, base: dict[str, Any], error: str, retry: bool) -> str:

@@ -64,6 +64,46 @@ def _keep_old_links() -> None:
         urls.handlers.insert(len(urls.handlers) - 1, (r"/dashboard/?", RedirectHandler, {"url": "/workers"}))
 
 
+def _authenticate_every_route() -> None:
+    """Flower serves /metrics (every task's counts by name and worker) and /healthcheck without asking for its
+    credentials: their handlers lack the authentication every other view has. Every route of Flower's own
+    handlers is put behind it here, but the login and logout pages (OAuth's way in) and its static files
+    (Flower's own scripts and styles, the same in every install). An unknown path is a 401 too, not a 404 that
+    tells routes apart."""
+    from flower import urls
+    from flower.views import BaseHandler
+    from flower.views.auth import LoginHandler, LogoutHandler
+
+    for index, route in enumerate(urls.handlers):
+        handler = route[1] if isinstance(route, tuple) else route.handler_class
+        if not issubclass(handler, BaseHandler) or issubclass(handler, (LoginHandler, LogoutHandler)):
+            continue
+        guarded = _guarded(handler)
+        if guarded is handler:
+            continue
+        if isinstance(route, tuple):
+            urls.handlers[index] = (route[0], guarded, *route[2:])
+        else:
+            route.handler_class = guarded
+
+
+def _guarded(handler: type) -> type:
+    """`handler`, or a subclass whose HTTP methods without tornado's `authenticated` have it."""
+    from tornado.web import authenticated
+
+    open_methods = {
+        name: method
+        for name in ("get", "head", "post", "put", "patch", "delete")
+        if (method := getattr(handler, name, None)) is not None
+        and not hasattr(method, "__wrapped__")  # authenticated wraps with functools.wraps
+        and getattr(method, "__qualname__", "").split(".")[0] != "RequestHandler"  # tornado's own 405
+    }
+    if not open_methods:
+        return handler
+    return type(handler.__name__, (handler,), {name: authenticated(method) for name, method in open_methods.items()})
+
+
 _keep_old_links()
+_authenticate_every_route()
 
 __all__ = ["app"]

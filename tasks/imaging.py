@@ -10,12 +10,15 @@ import io
 import math
 import re
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from PIL import Image
 
 from contract import media
 from contract.frames import Placement
+from tasks import bmp_rle, decode_memory
 from tasks.structure import DEFAULT_LIMITS, Structure, StructureLimits, TooComplex, exif_orientation
 from tasks.structure import check as check_structure
 
@@ -32,6 +35,9 @@ _UPRIGHT = {
 }
 # Pillow's getexif() takes the orientation from XMP when the EXIF names none.
 _XMP_ORIENTATION = r'tiff:Orientation(="|>)([0-9])'
+
+
+bmp_rle.install()  # BMP RLE decoded at C speed a pixel (Pillow's own decoder took a Python step for some)
 
 
 class ImageDecodeError(ValueError):
@@ -65,10 +71,12 @@ def decode_image(
     alone, and their structure is walked first (tasks.structure): framing and
     metadata that would cost more than `structure` allows are refused before
     Pillow reads them. Memory stays near one decoded copy: the header's
-    promise is checked against `max_pixels` and `max_decoded_bytes` before
-    anything is decoded, a format without draft mode is reduced by an integer
-    factor right after decoding, and conversions (16-bit, palette, alpha) run
-    on the reduced image.
+    promise is checked against `max_pixels`, and what the decode will hold at
+    its peak (tasks.decode_memory: by format and mode, a WebP's decoder and a
+    progressive JPEG's coefficients counted) against `max_decoded_bytes`, before
+    anything is decoded; a format without draft mode is reduced by an integer
+    factor right after decoding (palette and alpha images a tile at a time),
+    and the other conversions (16-bit) run on the reduced image.
     """
     raw = data if isinstance(data, bytes) else bytes(data)  # the one copy: BytesIO shares a bytes object
     try:
@@ -83,23 +91,30 @@ def decode_image(
             width, height = image.size
             if width * height > max_pixels:
                 raise ImageDecodeError("image_too_large", too_many_pixels(f"{width}x{height}", max_pixels))
-            decoded_bytes = width * height * _bytes_per_pixel(image.mode)
-            if decoded_bytes > max_decoded_bytes:
-                raise ImageDecodeError(
-                    "image_too_large",
-                    f"image of {width}x{height} {image.mode} "
-                    f"decodes to {decoded_bytes} bytes, over the limit of {max_decoded_bytes}",
-                )
             if image.format in ("JPEG", "MPO"):  # an MPO (a JPEG with an MPF index) is a JPEG to libjpeg
                 if image.info.get("progressive"):
                     # Only a progressive JPEG decodes scan after scan: libjpeg refuses a baseline one whose scan
                     # repeats at once ("broken data stream"), so the count (0.7 ms for 0.8 MB) is spared photos.
                     _check_scans(raw, width, height, max_scans, max_pixel_scans)
                 _draft_for(image, target_size)
-            image.seek(0)
-            image.load()
+            # The decode's peak as this format and mode take it (tasks.decode_memory), after a JPEG's draft.
+            peak = decode_memory.peak_bytes(image, fmt, found)
+            if peak > max_decoded_bytes:
+                raise ImageDecodeError(
+                    "image_too_large",
+                    f"image of {width}x{height}: decoding it takes {peak} bytes "
+                    f"({decode_memory.describe(image, fmt, found)}), over the limit of {max_decoded_bytes}",
+                )
+            if fmt == "WEBP":
+                info = image.info
+                image = decode_memory.load_webp(image)
+            else:
+                image.seek(0)
+                with _rle_limit(structure.max_rle_commands):
+                    image.load()
+                info = image.info
             # Only now: a PNG's text chunks may follow its pixels.
-            orientation = _orientation(found, image.info, structure)
+            orientation = _orientation(found, info, structure)
             orig_size = (height, width) if orientation in _TRANSPOSING_ORIENTATIONS else (width, height)
             image = _reduced(image, target_size)
             if orientation in _UPRIGHT:
@@ -134,6 +149,15 @@ def _open(raw: bytes, fmt: str, max_pixels: int) -> Image.Image:
         return Image.open(io.BytesIO(raw), formats=[fmt])
     finally:
         Image.MAX_IMAGE_PIXELS = max_pixels
+
+
+@contextmanager
+def _rle_limit(commands: int) -> Iterator[None]:
+    token = bmp_rle.MAX_COMMANDS.set(commands)
+    try:
+        yield
+    finally:
+        bmp_rle.MAX_COMMANDS.reset(token)
 
 
 def _orientation(found: Structure, info: dict, limits: StructureLimits) -> int | None:
@@ -262,22 +286,14 @@ def letterbox(image: Image.Image, orig_size: tuple[int, int], size: int) -> Lett
     )
 
 
-# Bytes per pixel as Pillow holds an image in memory (3-channel images take 4).
-_STORAGE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2, "LA": 4, "PA": 4}
-
-
-def _bytes_per_pixel(mode: str) -> int:
-    return _STORAGE_BYTES.get(mode, 4)
-
-
 def _reduced(image: Image.Image, target_size: int) -> Image.Image:
     """The image shrunk by the largest integer factor that keeps its long side >= target_size
     (box filter: cheap, and the letterbox's resize does the rest)."""
     factor = max(image.size) // max(1, target_size)
     if factor < 2:
         return image
-    if image.mode == "P":
-        image = image.convert("RGBA" if "transparency" in image.info else "RGB")
+    if image.mode in decode_memory.TILED_MODES:  # converted and reduced a tile at a time: no full-size copy
+        return decode_memory.reduce_in_tiles(image, factor)
     try:
         return image.reduce(factor)
     except (ValueError, NotImplementedError):  # a mode reduce() does not handle (16-bit): a box resize does

@@ -53,7 +53,11 @@ class Preprocessor:
         self.catalogue = Catalogue(settings)
         decode = settings.decode
         self.structure = StructureLimits(
-            decode.max_blocks, decode.max_comment_blocks, decode.max_exif_bytes, decode.max_exif_tags
+            decode.max_blocks,
+            decode.max_comment_blocks,
+            decode.max_exif_bytes,
+            decode.max_exif_tags,
+            decode.max_rle_commands,
         )
 
     def run(self, job_id: str) -> str:

@@ -32,6 +32,7 @@ class StructureLimits:
     max_comment_blocks: int = 1_000
     max_exif_bytes: int = 256 * 1024
     max_exif_tags: int = 1_000
+    max_rle_commands: int = 1_000_000
 
 
 DEFAULT_LIMITS = StructureLimits()
@@ -40,10 +41,13 @@ DEFAULT_LIMITS = StructureLimits()
 @dataclass(frozen=True)
 class Structure:
     """What a walk learnt on the way: whether the image has an EXIF block Pillow will hold in `info["exif"]`,
-    and the orientation its first directory names (None: it names none)."""
+    the orientation its first directory names (None: it names none), and for a JPEG that libjpeg decodes
+    scan by scan (progressive, or a first scan without every component) the bytes of the coefficients it
+    keeps for the whole image meanwhile, at full size whatever scale draft mode asks for (0 for any other)."""
 
     has_exif: bool = False
     orientation: int | None = None
+    coefficient_bytes: int = 0
 
 
 # Fixed rules, beside the settings: no real file comes near them.
@@ -86,6 +90,8 @@ def _jpeg(data: bytes, limits: StructureLimits) -> Structure:  # noqa: C901  # o
     exif: list[tuple[int, int]] = []  # the APP1 EXIF payloads, as Pillow joins them
     exif_bytes = 0
     mpf: tuple[int, int] | None = None
+    frame: tuple[int, bytes] | None = None  # the first SOF: its marker and its payload
+    scan_components = 0
     pos, size = 2, len(data)
     while pos + 1 < size:
         if data[pos] != 0xFF:  # junk: Pillow reads it a byte at a time
@@ -110,11 +116,13 @@ def _jpeg(data: bytes, limits: StructureLimits) -> Structure:  # noqa: C901  # o
             break
         start, end = pos + 4, pos + 2 + max(2, (data[pos + 2] << 8) | data[pos + 3])
         if marker == 0xDA or end > size:  # the first scan, or a segment the file cuts short
+            scan_components = data[start] if marker == 0xDA and start < size else 0
             break
         if marker == 0xDB:  # DQT: a Python loop per 65-byte table
             steps.take((end - start) // 65)
         elif marker in _SOF:  # SOF: a Python step per 3 bytes (a component each)
             steps.take((end - start) // 3)
+            frame = frame or (marker, data[start:end])
         elif marker == 0xED and data.startswith(b"Photoshop 3.0\x00", start, end):
             steps.take(data.count(b"8BIM", start, end))  # a Python step per image resource
         elif marker == 0xE1 and data.startswith(b"Exif\x00\x00", start, end):
@@ -131,10 +139,39 @@ def _jpeg(data: bytes, limits: StructureLimits) -> Structure:  # noqa: C901  # o
         pos = end
     if mpf is not None:  # Pillow reads every value of the MPO index directory
         _directory(data, *mpf, limits, "MPF (MPO index)")
+    coefficients = coefficient_bytes(*frame, scan_components) if frame else 0
     if not exif:
-        return Structure()
+        return Structure(coefficient_bytes=coefficients)
     joined = b"".join(data[start:end] for start, end in exif)
-    return Structure(has_exif=True, orientation=exif_orientation(joined, limits))
+    return Structure(has_exif=True, orientation=exif_orientation(joined, limits), coefficient_bytes=coefficients)
+
+
+_PROGRESSIVE = frozenset([0xC2, 0xC6, 0xCA, 0xCE])
+
+
+def coefficient_bytes(marker: int, frame: bytes, scan_components: int) -> int:
+    """What libjpeg holds for a frame (an SOF's marker and payload) it decodes scan by scan: every DCT coefficient
+    of the image, 2 bytes each, 64 a block, each component's blocks rounded up to whole MCUs (jdcoefct.c's
+    whole-image buffer). A frame whose first scan carries every component, not progressive, is decoded as it
+    streams: 0."""
+    count = frame[5] if len(frame) > 5 else 0
+    if marker not in _PROGRESSIVE and scan_components >= count:
+        return 0
+    height, width = (frame[1] << 8) | frame[2], (frame[3] << 8) | frame[4]
+    factors = [(max(1, frame[7 + 3 * i] >> 4), max(1, frame[7 + 3 * i] & 0x0F)) for i in range((len(frame) - 6) // 3)]
+    if not factors:
+        return 0
+    h_max, v_max = max(h for h, _ in factors), max(v for _, v in factors)
+    total = 0
+    for h, v in factors:
+        across = _ceil(_ceil(width * h, h_max), 8)  # the component's blocks across, and down
+        down = _ceil(_ceil(height * v, v_max), 8)
+        total += _ceil(across, h) * h * _ceil(down, v) * v * 64 * 2
+    return total
+
+
+def _ceil(numerator: int, denominator: int) -> int:
+    return -(-numerator // denominator)
 
 
 # --- PNG: every chunk, each a Python step (reading, CRC, its handler) -----------------------------------

@@ -194,3 +194,77 @@ def test_one_tenants_tarpits_hold_its_own_slots_and_another_tenants_callback_is_
     [call] = [call for call in receiver.calls if call["headers"]["X-Imgserve-Job-Id"] == victim]
     assert verify("victim-callback-secret-0123456789", call["headers"], call["body"])
     assert json.loads(call["body"])["status"] == "succeeded"
+
+
+# --- issue 52, finding 6: redelivery requests queue one delivery at a time --------------------------------------
+def ended_job_with_callback(client, keys: Keys, job_id: str, callback: dict | None) -> None:
+    fields = {
+        "id": job_id,
+        "status": "succeeded",
+        "callback_url": "http://127.0.0.1:9/hook",
+        "finished_at": time.time(),
+    }
+    if callback is not None:
+        fields["callback"] = json.dumps(callback)
+    client.hset(keys.job(job_id), mapping=fields)
+
+
+def places(client, keys: Keys, job_id: str) -> int:
+    """How many places the job's delivery waits in: entries of the outbox, the scheduled and dead sets."""
+    queued = [entry.decode() for entry in client.lrange(keys.callback_outbox, 0, -1)].count(job_id)
+    return queued + sum(client.zscore(key, job_id) is not None for key in (keys.callback_scheduled, keys.callback_dead))
+
+
+def test_a_redelivery_while_one_is_on_its_way_queues_nothing(redis_client):
+    from contract.jobs.ending import (
+        DELIVERED_COOLDOWN_S,
+        IN_FLIGHT_STALE_S,
+        REDELIVER_IN_FLIGHT,
+        REDELIVER_QUEUED,
+        JobEnding,
+    )
+
+    keys = Keys("redeliver52")
+    store = JobEnding(redis_client, keys, 3600)
+    job = "a" * 32
+    ended_job_with_callback(redis_client, keys, job, {"status": "delivered", "attempts": 1, "last_error": None})
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED
+    assert [store.redeliver_callback(job) for _ in range(100)] == [REDELIVER_IN_FLIGHT] * 100
+    assert redis_client.llen(keys.callback_outbox) == 1  # 100 requests: still one
+    # Under way (an attempt recorded `delivering`): nothing more either; a dead letter is queued again, once.
+    for state, first in (("delivering", REDELIVER_IN_FLIGHT), ("failed", REDELIVER_QUEUED)):
+        redis_client.delete(keys.callback_outbox)
+        callback = {"status": state, "attempts": 3, "last_error": "x", "attempt_at": time.time()}
+        ended_job_with_callback(redis_client, keys, job, callback)
+        if state == "failed":
+            redis_client.zadd(keys.callback_dead, {job: time.time()})
+        assert store.redeliver_callback(job) == first
+        assert store.redeliver_callback(job) == REDELIVER_IN_FLIGHT
+        assert places(redis_client, keys, job) == (0 if state == "delivering" else 1)
+    # Waiting for its retry: moved to the outbox (still one); once a relay took it from there, on its way.
+    redis_client.delete(keys.callback_outbox)
+    retrying = {"status": "retrying", "attempts": 1, "last_error": "x", "next_attempt_at": time.time() + 60}
+    ended_job_with_callback(redis_client, keys, job, retrying)
+    redis_client.zadd(keys.callback_scheduled, {job: time.time() + 60})
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED and places(redis_client, keys, job) == 1
+    redis_client.delete(keys.callback_outbox)
+    ended_job_with_callback(redis_client, keys, job, {**retrying, "next_attempt_at": time.time() - 1})
+    assert store.redeliver_callback(job) == REDELIVER_IN_FLIGHT and places(redis_client, keys, job) == 0
+    # On its way for longer than IN_FLIGHT_STALE_S: taken for lost (its Celery message gone), queued again.
+    stale = {"status": "pending", "attempts": 0, "last_error": None, "queued_at": time.time() - IN_FLIGHT_STALE_S - 5}
+    ended_job_with_callback(redis_client, keys, job, stale)
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED and places(redis_client, keys, job) == 1
+    # Delivered a moment ago: that delivery answers (a prompt receiver's key had its job posted 2,033 times in
+    # 16.5 s, one after another); once the cooldown has passed, queued again.
+    delivered = {"status": "delivered", "attempts": 1, "last_error": None, "delivered_at": time.time()}
+    redis_client.delete(keys.callback_outbox)
+    ended_job_with_callback(redis_client, keys, job, delivered)
+    assert store.redeliver_callback(job) == REDELIVER_IN_FLIGHT and places(redis_client, keys, job) == 0
+    ended_job_with_callback(
+        redis_client, keys, job, {**delivered, "delivered_at": time.time() - DELIVERED_COOLDOWN_S - 1}
+    )
+    assert store.redeliver_callback(job) == REDELIVER_QUEUED and places(redis_client, keys, job) == 1
+    # The first delivery, from the job's end: on its way since the job ended.
+    other = "b" * 32
+    ended_job_with_callback(redis_client, keys, other, {"status": "pending", "attempts": 0, "last_error": None})
+    assert store.redeliver_callback(other) == REDELIVER_IN_FLIGHT

@@ -175,7 +175,11 @@ def test_every_other_role_killed_comes_back_and_the_service_answers_again(make_r
         def flower_answers() -> bool:
             try:
                 return (
-                    requests.get(f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}/healthcheck", timeout=5).status_code
+                    requests.get(
+                        f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}/healthcheck",
+                        auth=tuple(make_run.env["FLOWER_BASIC_AUTH"].split(":", 1)),
+                        timeout=5,
+                    ).status_code
                     == 200
                 )
             except requests.RequestException:
@@ -198,7 +202,17 @@ def listening_addresses(port: int) -> set[str]:
 def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(make_run):
     """Flower under make run took task-applies from any page a browser opened, and listed every tenant's jobs."""
     flower = f"http://127.0.0.1:{make_run.env['FLOWER_PORT']}"
-    wait_until(lambda: requests.get(flower + "/healthcheck", timeout=5).status_code == 200, 60, what="Flower to answer")
+    user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
+    wait_until(
+        lambda: requests.get(flower + "/healthcheck", auth=(user, password), timeout=5).status_code == 200,
+        60,
+        what="Flower to answer",
+    )
+    # Issue 52: /metrics (every task's counts) and /healthcheck answered anyone; an unknown path said 404.
+    for path in ("/metrics", "/healthcheck", "/no-such-page"):
+        assert requests.get(flower + path, timeout=10).status_code == 401, path
+        assert requests.get(flower + path, auth=(user, "wrong"), timeout=10).status_code == 401, path
+    assert "flower_events_total" in requests.get(flower + "/metrics", auth=(user, password), timeout=10).text
     anonymous = requests.get(flower + "/api/tasks", timeout=10)
     forged = requests.post(
         flower + "/api/task/async-apply/imgserve.callback",
@@ -207,7 +221,6 @@ def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(m
         timeout=10,
     )
     assert anonymous.status_code == 401 and forged.status_code in (401, 403)
-    user, _, password = make_run.env["FLOWER_BASIC_AUTH"].partition(":")
     assert requests.get(flower + "/api/workers", auth=(user, password), timeout=30).status_code == 200
     # Pages a newcomer's links name: the Broker tab (404 on this project's transport before) and Flower 1's
     # /dashboard (now the workers page).

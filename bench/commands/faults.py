@@ -52,10 +52,30 @@ def add_commands(
     )
     hostile.add_argument(
         "--attack",
-        choices=("images", "slow-callbacks", "docs-flood", "metrics"),
+        choices=(
+            *("images", "decode", "slow-callbacks", "docs-flood", "metrics"),
+            *("long-polls", "trickle", "redeliver", "leaks"),
+        ),
         default="images",
-        help="images: issue 40's hostile image files (the normal tenant's queue_cpu); slow-callbacks: "
-        "one tenant's tarpit receivers (another's callbacks); docs-flood; metrics",
+        help="images: hostile image files through the stack (the normal tenant's queue_cpu, the CPU children's "
+        "memory); decode: each file decoded in a fresh interpreter (CPU s, memory); slow-callbacks: one tenant's "
+        "tarpit receivers (another's callbacks); docs-flood; metrics; long-polls: one key's held long-polls "
+        "(/healthz, another key's submissions); trickle: one key's 20 MiB bodies held unfinished (the API's "
+        "memory); redeliver: one key asking for a callback again and again; leaks: what /metrics, /v1/models and "
+        "Flower tell a caller without the right key",
+    )
+    hostile.add_argument(
+        "--files",
+        choices=("four", "five", "all"),
+        default="all",
+        help="images, decode: issue 40's files (four), issue 52's (five) or both",
+    )
+    hostile.add_argument("--holds", type=int, default=4000, help="long-polls: the attacker's long-polls held at once")
+    hostile.add_argument("--bodies", type=int, default=40, help="trickle: the attacker's bodies held at once")
+    hostile.add_argument(
+        "--ignore-retry-after",
+        action="store_true",
+        help="long-polls: the attacker sends each refused request again at once (a request flood, not a hold)",
     )
     hostile.add_argument(
         "--duration",
@@ -77,7 +97,7 @@ def add_commands(
     hostile.add_argument("--qps", type=float, default=4.0, help="images: the normal tenant's steady rate")
     hostile.add_argument("--quiet", type=float, default=15.0, help="images: seconds of the normal tenant alone first")
     hostile.add_argument("--copies", type=int, default=3, help="images: how many of each hostile file, sent at once")
-    hostile.add_argument("--base", help="images: a git ref attacked first, the same way (checked out under .bench/ab/)")
+    hostile.add_argument("--base", help="a git ref attacked first, the same way (checked out under .bench/ab/)")
     return {"chaos": cmd_chaos, "hostile": cmd_hostile}
 
 
@@ -139,28 +159,58 @@ def cmd_hostile(args: argparse.Namespace) -> int:
     images = load_corpus(args.corpus, count=args.images)
     if args.attack == "images":
         return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
+    if args.attack == "decode":
+        return hostile_decode(args)
+    from bench import hostile_holds, hostile_routes
+    from bench.ab import worktree
     from bench.hostile import ATTACKS
 
-    attack, describe_outcome = ATTACKS[args.attack]
-    options = stack_options(args, **({"root": args.root.resolve()} if args.root else {}))
-    outcome = attack(
-        options,
-        images,
-        attackers=args.attackers,
-        duration_s=args.duration if args.duration is not None else 60.0,
-        interval_s=args.interval,
-        log=log_line,
-    )
-    print(describe_outcome(outcome))
-    print(json.dumps(outcome))
+    attacks: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
+        **ATTACKS,
+        "long-polls": (hostile_holds.long_polls, hostile_holds.format_long_polls),
+        "trickle": (hostile_holds.trickle, hostile_holds.format_trickle),
+        "redeliver": (hostile_routes.redeliver, hostile_routes.format_redeliver),
+        "leaks": (hostile_routes.leaks, hostile_routes.format_leaks),
+    }
+    attack, describe_outcome = attacks[args.attack]
+    root = args.root.resolve() if args.root else REPO_ROOT
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": root}
+    outcomes = {}
+    for side, side_root in sides.items():
+        outcome = attack(
+            replace(stack_options(args), root=side_root),
+            images,
+            attackers=args.attackers,
+            holds=args.holds,
+            bodies=args.bodies,
+            honour_retry_after=not args.ignore_retry_after,
+            **({"duration_s": args.duration} if args.duration is not None else {}),
+            interval_s=args.interval,
+            log=log_line,
+        )
+        outcomes[side] = outcome
+        print(f"## {side}\n{describe_outcome(outcome)}")
+    print(json.dumps(outcomes))
+    return 0
+
+
+def hostile_decode(args: argparse.Namespace) -> int:
+    """Each hostile file decoded by each side's tasks.imaging in a fresh interpreter (no stack)."""
+    from bench.ab import worktree
+    from bench.hostile_images import ROUNDS, decode_each, decode_markdown
+
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    outcomes = {side: decode_each(root, ROUNDS[args.files]) for side, root in sides.items()}
+    text = "\n\n".join(decode_markdown(side, rows) for side, rows in outcomes.items())
+    print(text + f"\n\nFiles: {write_files(args.out, 'hostile-decode', text, outcomes)}")
     return 0
 
 
 def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: float) -> int:
     """Issue 40's hostile image files against each side's stack, and what the normal tenant saw."""
     from bench.ab import worktree
+    from bench.hostile_images import ROUNDS, run_hostile
     from bench.hostile_images import markdown as hostile_markdown
-    from bench.hostile_images import run_hostile
 
     # make run's CPU pool (three children) unless told otherwise: the probe's stack.
     options = stack_options(args, cpu_workers=args.cpu_workers or 3)
@@ -168,7 +218,14 @@ def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: fl
     texts, outcomes = [], {}
     for side, root in sides.items():
         outcomes[side] = run_hostile(
-            replace(options, root=root), images, args.qps, args.quiet, duration_s, args.copies, log=log_line
+            replace(options, root=root),
+            images,
+            args.qps,
+            args.quiet,
+            duration_s,
+            args.copies,
+            attacks=ROUNDS[args.files],
+            log=log_line,
         )
         texts.append(hostile_markdown(side, outcomes[side]))
     text = "\n\n".join(texts)
