@@ -7,6 +7,7 @@
   python -m bench tune --device sim --qps 18 --sla-ms 800
   python -m bench chaos --device sim --qps 8 --duration 60  # kills workers and Redis under load
   python -m bench chaos --scenario failover --qps 20 --duration 40   # the Redis primary SIGKILLed (Sentinel)
+  python -m bench chaos --hosts --scenario all --runs 3   # several hosts: partitions, a dead host, clocks (root)
   python -m bench hostile --attack slow-callbacks --duration 60   # one tenant's tarpit, another's callbacks
   python -m bench bound --qps 18,28                         # the floor the device profile allows
   python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit

@@ -87,6 +87,16 @@ def test_hosts_are_cut_healed_cut_one_way_killed_and_removed(tmp_path):
     assert network.bridge not in subprocess.run(["ip", "link"], capture_output=True, text=True).stdout
 
 
+def test_a_hosts_sending_rate_is_capped_and_uncapped():
+    with Network.create() as network:
+        host = network.add_host("slow")
+        host.cap_rate("8mbit")
+        assert "tbf" in host.run("tc", "qdisc", "show", "dev", "eth0").stdout
+        assert "rate 8Mbit" in host.run("tc", "qdisc", "show", "dev", "eth0").stdout
+        host.uncap()
+        assert "tbf" not in host.run("tc", "qdisc", "show", "dev", "eth0").stdout
+
+
 def test_what_a_dead_run_left_is_swept_and_a_live_runs_hosts_are_not(tmp_path):
     live = Network.create()
     dead = Network.create()
