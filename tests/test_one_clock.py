@@ -45,6 +45,14 @@ def test_a_deadline_is_judged_on_the_service_clock():
     assert seconds_left(106.0, now=100.5) == 5.5
 
 
+def test_a_deadline_past_the_last_iso_date_is_shown_as_that_date_not_a_failed_read():
+    from contract.documents import job_document
+
+    document = job_document({"id": "j" * 32, "status": "running", "received_at": 0.0, "deadline_at": 1e12})
+    assert document["deadline_at"] == "9999-12-31T23:59:59.000Z"
+    assert document["created_at"] == "1970-01-01T00:00:00.000Z"
+
+
 def test_the_lua_judgement_is_the_same_as_pythons(redis_client: redis.Redis):
     script = redis_client.register_script(
         DEADLINE_PASSED_LUA + "return deadline_passed(tonumber(ARGV[1]), ARGV[2]) and 1 or 0"

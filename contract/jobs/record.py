@@ -146,8 +146,17 @@ def is_job_id(text: str) -> bool:
     return re.fullmatch(JOB_ID_PATTERN[1:-1], text) is not None
 
 
+# The last moment an ISO date can name (9999-12-31T23:59:59Z): a stored moment past it (a test's "never", a
+# hand-edited record) is shown as it, not a 500 on the read or a callback that can never be built.
+LAST_ISO_MOMENT = 253402300799.0
+
+
 def utc_iso(epoch: float) -> str:
-    return datetime.fromtimestamp(epoch, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+    return (
+        datetime.fromtimestamp(min(epoch, LAST_ISO_MOMENT), UTC)
+        .isoformat(timespec="milliseconds")
+        .replace("+00:00", "Z")
+    )
 
 
 class JobStore:
