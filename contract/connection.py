@@ -212,9 +212,11 @@ def execute_and_wait(
     replicas: int,
     timeout_ms: int,
     check_primary: Callable[[tuple[str, int]], None] | None = None,
+    then: Sequence[tuple[Any, ...]] = (),
 ) -> tuple[list[Any], int]:
-    """`commands`, then, on the same connection, WAIT for `replicas` replicas, at most `timeout_ms`: (their
-    replies, raw, without response callbacks; how many replicas acknowledged). WAIT counts the replicas that
+    """`commands`, then, on the same connection, WAIT for `replicas` replicas, at most `timeout_ms`, then `then`:
+    (the replies of `commands` and `then`, raw, without response callbacks; how many replicas acknowledged).
+    WAIT counts the replicas that
     acknowledged everything this connection wrote, so it must follow the writes on their own connection:
     redis-py's pipeline hands its connection back before anything can follow it, and a WAIT inside MULTI
     returns at once. A reply that is an error (or holds one: EXEC's) is raised as ResponseError.
@@ -230,8 +232,8 @@ def execute_and_wait(
             except redis.ConnectionError:
                 pool.disconnect(inuse_connections=False)  # the idle ones are on the same server: all ask again
                 raise
-        connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms)]))
-        replies = [connection.read_response() for _ in range(len(commands) + 1)]
+        connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms), *then]))
+        replies = [connection.read_response() for _ in range(len(commands) + 1 + len(then))]
     except BaseException:
         connection.disconnect()  # a reply half read would be the next user's
         raise
@@ -244,4 +246,5 @@ def execute_and_wait(
             for item in reply:  # EXEC's replies, one per queued command
                 if isinstance(item, redis.ResponseError):
                     raise item
-    return replies[:-1], int(replies[-1])
+    waited = len(commands)
+    return replies[:waited] + replies[waited + 1 :], int(replies[waited])

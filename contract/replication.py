@@ -105,7 +105,9 @@ class DurableWrites:
 
     def refresh(self) -> SentinelView | None:
         """Ask every Sentinel (in turn; each bounded by its client's timeouts): the new view if a majority named
-        one primary, else None (the last view stands until it is stale)."""
+        one primary, else None (the last view stands until it is stale). Stamped with the moment the asking
+        began: a slow Sentinel must not make the view look fresher than its first answer."""
+        began = self._monotonic()
         answers = []
         for sentinel in self.sentinels:
             try:
@@ -117,7 +119,7 @@ class DurableWrites:
                 continue
             primary = (_text(address[0]), int(address[1])) if address else None
             answers.append((primary, replicas or []))
-        view = majority_view(answers, len(self.sentinels), self._monotonic())
+        view = majority_view(answers, len(self.sentinels), began)
         if view is not None:
             if self.view is not None and view.primary != self.view.primary:
                 log.warning("the Sentinels' majority names a new primary: %s:%d", *view.primary)
@@ -132,9 +134,10 @@ class DurableWrites:
             raise Unconfirmed("no majority of the Sentinels confirmed the primary lately")
         return view
 
-    def wanted(self) -> int:
-        """Replicas a promised write must reach: every one the Sentinels see up, at least `min_replicas`."""
-        return max(self.min_replicas, len(self.current().replicas_up))
+    def wanted(self, view: SentinelView | None = None) -> int:
+        """Replicas a promised write must reach: every one the Sentinels see up (in `view`, or the current view),
+        at least `min_replicas`."""
+        return max(self.min_replicas, len((view or self.current()).replicas_up))
 
     def check_primary(self, address: tuple[str, int]) -> None:
         """Unconfirmed unless `address` is the primary the Sentinels' majority names."""
@@ -207,6 +210,24 @@ class SharedFence:
                 else:
                     self._changed.wait()
             return self._outcomes.get(mine, False)
+
+
+def missing_from(view: SentinelView, written: Any, acknowledged: Any) -> frozenset[tuple[str, int]]:
+    """The replicas `view` sees up that have not acknowledged a write: `written` is the primary's ROLE read
+    just after the write (its replication offset then), `acknowledged` its ROLE after WAIT (each replica's
+    acknowledged offset). WAIT counts replicas, not which ones: a replica the Sentinels see down (cut off from
+    them, still linked to the primary on its side) fills the count as well as the one they would promote, so
+    the count alone could promise a write the next primary lacks. A reply that is not a primary's counts every
+    replica as missing."""
+    if not _is_primary_role(written) or not _is_primary_role(acknowledged):
+        return view.replicas_up
+    offset = int(written[1])
+    holding = {(_text(ip), int(port)) for ip, port, acked in acknowledged[2] if int(acked) >= offset}
+    return view.replicas_up - holding
+
+
+def _is_primary_role(reply: Any) -> bool:
+    return isinstance(reply, list) and len(reply) >= 3 and _text(reply[0]) == "master"
 
 
 def _may_hold(state: dict[str, Any], primary: tuple[str, int]) -> bool:

@@ -140,3 +140,40 @@ def test_a_round_that_fails_fails_every_read_it_covers():
     fence = SharedFence(lambda: next(outcomes))
     assert fence.confirm() is False
     assert fence.confirm() is True
+
+
+def test_a_write_held_only_by_a_replica_the_sentinels_see_down_is_not_acknowledged(tmp_path):
+    """WAIT counts replicas, not which ones. The primary's host keeps a replica the Sentinels see down (their
+    link to it cut), while the one they see up is cut off from the primary: WAIT 1 is met by the wrong one,
+    and a promotion of the one they see up would lose the job. Real servers: a primary, a linked replica, and a
+    server the fake Sentinels call its other replica, which never links."""
+    import redis
+
+    from contract.jobs.intake import Replication
+    from tests.support import RedisServer, wait_until
+
+    for name in ("primary", "linked", "away"):
+        (tmp_path / name).mkdir()
+    primary, linked, away = (RedisServer(tmp_path / name) for name in ("primary", "linked", "away"))
+    try:
+        redis.Redis(host="127.0.0.1", port=linked.port).replicaof("127.0.0.1", primary.port)
+        client = redis.Redis(host="127.0.0.1", port=primary.port)
+        wait_until(lambda: any(int(port) == linked.port for _, port, _ in client.role()[2]), 10, what="the link")
+        here, linked_at, away_at = (("127.0.0.1", server.port) for server in (primary, linked, away))
+
+        def replication(up: list[tuple[str, int]], down: list[tuple[str, int]]) -> Replication:
+            states = [replica(address, following=here) for address in up]
+            states += [replica(address, following=here, is_sdown=True) for address in down]
+            durable = DurableWrites([FakeSentinel(here, states) for _ in range(3)], "imgserve", min_replicas=1)
+            durable._ensure_running = lambda: None  # type: ignore[method-assign]  # refreshed by hand here
+            durable.refresh()
+            return Replication(replicas=1, timeout_ms=300, durable=durable)
+
+        replies, acknowledged, wanted = replication(up=[away_at], down=[linked_at]).wait(client, [("SET", "k", "1")])
+        assert replies == [b"OK"] and wanted == 1
+        assert acknowledged == 0  # WAIT alone said 1: the linked replica, which the Sentinels would not promote
+        replies, acknowledged, wanted = replication(up=[linked_at], down=[away_at]).wait(client, [("SET", "k", "2")])
+        assert (replies, acknowledged, wanted) == ([b"OK"], 1, 1)  # the replica they would promote holds it
+    finally:
+        for server in (primary, linked, away):
+            server.stop()

@@ -23,7 +23,7 @@ from contract.connection import AnswerNotReplicated, NotReplicated, execute_and_
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES, JobEnding
 from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
 from contract.keys import Keys
-from contract.replication import DurableWrites, SharedFence
+from contract.replication import DurableWrites, SharedFence, missing_from
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
 
 log = logging.getLogger(__name__)
@@ -89,10 +89,21 @@ class Replication(NamedTuple):
         return self.replicas if self.durable is None else self.durable.wanted()
 
     def wait(self, client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int, int]:
-        """`commands` on the primary, then WAIT for the wanted replicas: (replies, acknowledged, wanted)."""
-        wanted = self.wanted()
-        check = self.durable.check_primary if self.durable is not None else None
-        replies, acknowledged = execute_and_wait(client, commands, wanted, self.timeout_ms, check)
+        """`commands` on the primary, then WAIT for the wanted replicas: (replies, acknowledged, wanted). Behind
+        Sentinel, the primary's ROLE just after the write and again after WAIT says *which* replicas hold it:
+        one the Sentinels see up without it counts as not acknowledged, whatever WAIT counted (see
+        replication.missing_from). Both ROLEs travel with the write: no round trip more."""
+        if self.durable is None:
+            replies, acknowledged = execute_and_wait(client, commands, self.replicas, self.timeout_ms)
+            return replies, acknowledged, self.replicas
+        view = self.durable.current()
+        wanted = self.durable.wanted(view)
+        replies, acknowledged = execute_and_wait(
+            client, [*commands, ("ROLE",)], wanted, self.timeout_ms, self.durable.check_primary, then=[("ROLE",)]
+        )
+        *replies, written, after = replies
+        if missing := missing_from(view, written, after):
+            acknowledged = min(acknowledged, len(view.replicas_up - missing))
         return replies, acknowledged, wanted
 
 
