@@ -3,8 +3,8 @@
 It serves one model or several (see lanes.py): each model has its own collect and stage threads and the
 lanes share the device and finish threads. Per model:
 
-    collect thread   batch N+2: pop (8 frames or 12 ms)                              (intake.py)
-    stage thread     batch N+1: unpack -> triage -> stage into a slot               (intake.py)
+    collect thread   batch N+2: pop (8 frames or 12 ms)                              (feeder.py)
+    stage thread     batch N+1: unpack -> triage -> stage into a slot               (feeder.py)
     device thread    batch N: canvas -> forward -> post-processing -> detections back (devices.py)
     finish thread    batch N-1: result documents -> one Redis write with the ack      (finish.py)
 
@@ -54,13 +54,13 @@ from contract.settings import Settings
 from contract.shards import bulk_plane
 from gpu_worker import metrics
 from gpu_worker.devices import DeviceLost, inference_error
+from gpu_worker.feeder import Feeder, InHand
 from gpu_worker.finish import Finisher, result_documents
-from gpu_worker.handoff import Handoff
-from gpu_worker.intake import InHand, Intake
+from gpu_worker.host_time import HostTime, combined_counters
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
-from gpu_worker.stages import StageClock, combined_counters
+from gpu_worker.stage_queue import StageQueue
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
 
@@ -113,11 +113,11 @@ class GpuWorker:
             self._retry_until_redis_answers,
             epoch=lambda: self.liveness.epoch,
             next_seq=lambda: next(seq),
-            host_counters=lambda: combined_counters([lane.clock for lane in self.lanes]),
+            host_counters=lambda: combined_counters([lane.host_time for lane in self.lanes]),
         )
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
-        self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
+        self.to_finish: StageQueue[tuple[Lane, InHand]] = StageQueue(1)
         self.liveness = Liveness(
             settings,
             client,
@@ -133,22 +133,22 @@ class GpuWorker:
         self.last_progress = time.monotonic()
 
     def _lane(self, index: int, device: Device) -> Lane:
-        clock, recent = StageClock(), RecentStats()
+        host_time, recent = HostTime(), RecentStats()
         source: FrameSource[memoryview] = (
             ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
             if self.bulk.sharded
             else RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
         )
-        intake = Intake(
+        feeder = Feeder(
             self.link,
             source,
             device,
-            clock,
+            host_time,
             hold_open=lambda: self._lane_has_work_ahead(index),
             wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s),
         )
-        finisher = Finisher(self.link, device.spec, LaneMeters(clock, recent, self.recent, self.busy), source)
-        return Lane(index=index, device=device, intake=intake, finisher=finisher, clock=clock, recent=recent)
+        finisher = Finisher(self.link, device.spec, LaneMeters(host_time, recent, self.recent, self.busy), source)
+        return Lane(index=index, device=device, feeder=feeder, finisher=finisher, host_time=host_time, recent=recent)
 
     # --- lifecycle -------------------------------------------------------
     def run(self) -> int:
@@ -208,7 +208,7 @@ class GpuWorker:
         otherwise stall the worker for tens of milliseconds now and then."""
         started = time.perf_counter()
         for lane in self.lanes:
-            for frames in lane.device.warm_up(lane.intake.collector.max_size):
+            for frames in lane.device.warm_up(lane.feeder.collector.max_size):
                 result_documents(np.empty((0, len(DETECTION_COLUMNS))), frames, lane.spec)
         gc.collect()
         gc.freeze()
@@ -219,7 +219,7 @@ class GpuWorker:
         try:
             while not self.stopping.is_set():
                 try:
-                    batch = lane.intake.collect()
+                    batch = lane.feeder.collect()
                 except Exception as exc:  # Redis, or anything unforeseen: answer what is in hand, then resync
                     log.warning(
                         "collecting a batch of %s failed (%s); resyncing",
@@ -244,10 +244,10 @@ class GpuWorker:
             for batch, epoch in lane.to_stage:
                 lane.staging = True
                 try:
-                    in_hand = lane.intake.prepare(batch, epoch)
+                    in_hand = lane.feeder.prepare(batch, epoch)
                 except Exception as exc:  # still written in its turn, so the order of the acks holds
                     log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
-                    in_hand = lane.intake.unprepared(batch, exc, epoch)
+                    in_hand = lane.feeder.unprepared(batch, exc, epoch)
                 finally:
                     lane.staging = False
                 self.to_device.put(lane.index, in_hand)
@@ -285,7 +285,7 @@ class GpuWorker:
     def _run_on_device(self, lane: Lane, batch: InHand) -> bool:
         assert batch.staged is not None  # the caller runs only staged batches
         try:
-            with lane.clock("forward"):
+            with lane.host_time("forward"):
                 batch.output = lane.device.run(batch.staged)
         except DeviceLost as exc:
             log.critical("the device is lost (%s); giving the frames in hand back and exiting", exc)
@@ -334,7 +334,7 @@ class GpuWorker:
         self._retry_until_redis_answers(
             lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key])
         )
-        lane.intake.source.forget()
+        lane.feeder.source.forget()
         self.stopping.wait(1.0)
 
     def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:
@@ -373,7 +373,7 @@ class GpuWorker:
         }
 
     def describe(self) -> Heartbeat:
-        collector = self.lanes[0].intake.collector
+        collector = self.lanes[0].feeder.collector
         return Heartbeat(
             worker_id=self.worker_id,
             pid=os.getpid(),
