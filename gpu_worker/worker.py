@@ -161,7 +161,6 @@ class GpuWorker:
         self.warm_up()
         self._retry_until_redis_answers(self.liveness.requeue_own_frames)
         self._retry_until_redis_answers(self.liveness.begin_epoch)
-        self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(self.settings.model.key))
         self._retry_until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
         self.liveness.start(self.stopping)
         threads = [
