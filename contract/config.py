@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from contract import model_files
 from contract.models import ModelSpec, RoutingSettings
+from contract.redis_settings import BulkSettings, RedisSettings
 from contract.sections import SettingsError
 from contract.settings import (
     REPO_ROOT,
@@ -27,14 +28,12 @@ from contract.settings import (
     AuthSettings,
     BackpressureSettings,
     BatchingSettings,
-    BulkSettings,
     CallbackSettings,
     CeleryWorkerSettings,
     DecodeSettings,
     GpuWorkerSettings,
     JobSettings,
     LogSettings,
-    RedisSettings,
     Settings,
     check_secret,
 )
