@@ -37,8 +37,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import redis
@@ -47,12 +46,13 @@ from contract.cache import CacheLimits
 from contract.clock import now as service_now
 from contract.frame_shards import ShardedFrameSource
 from contract.frames import FrameSource, RedisFrameSource
-from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
+from contract.heartbeat import Heartbeat
 from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
 from gpu_worker import metrics
+from gpu_worker.describe import describe_worker
 from gpu_worker.devices import DeviceLost, inference_error
 from gpu_worker.feeder import Feeder, InHand
 from gpu_worker.finish import Finisher, result_documents
@@ -60,6 +60,7 @@ from gpu_worker.host_time import HostTime, combined_counters
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
+from gpu_worker.redis_patience import UntilRedisAnswers
 from gpu_worker.stage_queue import StageQueue
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
@@ -100,9 +101,7 @@ class GpuWorker:
         self.recent = RecentStats()
         self.stopping = threading.Event()
         self.device_lost = False
-        # Gave up on Redis while stopping: no later write may happen (acks go by count, in order), and the
-        # worker does not leave the registry, so its frames are reaped once its heartbeat expires.
-        self.redis_abandoned = False
+        self.until_redis_answers = UntilRedisAnswers(self.stopping)  # gives up only while stopping
         seq = itertools.count(1)
         self.link = WorkerLink(
             settings,
@@ -110,7 +109,7 @@ class GpuWorker:
             self.store,
             self.keys,
             worker_id,
-            self._retry_until_redis_answers,
+            self.until_redis_answers,
             epoch=lambda: self.liveness.epoch,
             next_seq=lambda: next(seq),
             host_counters=lambda: combined_counters([lane.host_time for lane in self.lanes]),
@@ -157,11 +156,11 @@ class GpuWorker:
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self._retry_until_redis_answers(lambda: self.liveness.claim(os.getpid()))
+        self.until_redis_answers(lambda: self.liveness.claim(os.getpid()))
         self.warm_up()
-        self._retry_until_redis_answers(self.liveness.requeue_own_frames)
-        self._retry_until_redis_answers(self.liveness.begin_epoch)
-        self._retry_until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
+        self.until_redis_answers(self.liveness.requeue_own_frames)
+        self.until_redis_answers(self.liveness.begin_epoch)
+        self.until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
         self.liveness.start(self.stopping)
         threads = [
             thread
@@ -188,12 +187,12 @@ class GpuWorker:
             if self.device_lost or self.liveness.presumed_dead:
                 # What it did not answer goes back: counted as a death when the device was lost; a paused worker's
                 # frames taken since it woke up were never anyone else's (the reaper's went back already).
-                self._retry_until_redis_answers(
+                self.until_redis_answers(
                     lambda: self.liveness.requeue_own_frames(
                         died=self.device_lost, model_keys=[lane.spec.key for lane in self.lanes]
                     )
                 )
-            if not self.redis_abandoned:
+            if not self.until_redis_answers.abandoned:
                 self.liveness.leave()
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
         if self.device_lost:
@@ -330,64 +329,10 @@ class GpuWorker:
         """After a failed call the lane's processing list may hold frames this worker does not know it
         took, or no longer means to answer: answer every batch of it in hand, then give back what is left."""
         lane.wait_until_answered()
-        self._retry_until_redis_answers(
-            lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key])
-        )
+        self.until_redis_answers(lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key]))
         lane.feeder.source.forget()
         self.stopping.wait(1.0)
 
-    def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:
-        """Once the worker is stopping it gives up at the next failure (the RedisError propagates, and every
-        later call fails at once): told to stop while Redis is away, it must still stop. What it holds stays
-        in its processing list, given back at its next start or by another worker's reaper."""
-        delay = 0.2
-        while True:
-            if self.redis_abandoned:
-                raise redis.ConnectionError("this worker gave up on Redis while stopping")
-            try:
-                return action()
-            except redis.RedisError as exc:
-                if self.stopping.is_set():
-                    self.redis_abandoned = True
-                    log.error(
-                        "redis unavailable (%s) while stopping: giving up; the frames in hand stay in "
-                        "this worker's processing list",
-                        exc,
-                    )
-                    raise
-                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
-                self.stopping.wait(delay)  # SIGTERM cuts the wait short
-                delay = min(delay * 2, 5.0)
-
     # --- what the heartbeat says -----------------------------------------
-    @staticmethod
-    def _model_stats(lane: Lane) -> dict[str, Any]:
-        """One model's recent window on this worker: jobs, p95, batch sizes, the time bill."""
-        summary = lane.recent.summary()
-        return {
-            **lane.recent.latency(),
-            "batches": summary["batches"],
-            "batch_size_mean": summary["batch_size_mean"],
-            "time_bill_ms": summary["time_bill_ms"],
-        }
-
     def describe(self) -> Heartbeat:
-        collector = self.lanes[0].feeder.collector
-        return Heartbeat(
-            worker_id=self.worker_id,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            started_at=self.started_at,
-            model=HeartbeatModel(**self.device.describe()),
-            models=[HeartbeatModel(**lane.device.describe(), stats=self._model_stats(lane)) for lane in self.lanes],
-            batching=Batching(max_batch_size=collector.max_size, window_ms=collector.window_s * 1000.0),
-            stats={
-                "busy": round(self.busy.fraction(), 4),
-                "busy_window_s": self.busy.window_s,
-                "nvml_utilisation": self.device.utilisation(),
-                "device_seconds_total": round(self.busy.total_s, 4),
-                "batches_total": self.recent.batches_total,
-                "frames_total": self.recent.frames_total,
-                **self.recent.summary(),
-            },
-        )
+        return describe_worker(self.worker_id, self.started_at, self.device, self.lanes, self.busy, self.recent)
