@@ -1,4 +1,4 @@
-// The docs page's "Try it" forms (app/openapi.py renders one under each operation): each sends its request to
+// The docs page's "Try it" forms (one under each operation, app/docs_page.py): each sends its request to
 // this same origin and shows the answer as text. Served from the repository (GET /docs/try.js); the page's
 // policy lets it run and fetch from this origin only. Nothing an answer holds is ever read as HTML.
 "use strict";

@@ -31,14 +31,14 @@ if TYPE_CHECKING:
     from tools.redis_ha import RedisHA
 
 
-def legacy_api_env(port: int, workers: int | None = None, threads: int | None = None) -> dict[str, str]:
-    """The API's address and size under the variables' old names (contract.config.LEGACY_ENV): `bench ab`
-    runs an older checkout beside this one, and both read these until 0.2; their warning is silenced."""
-    env = {"IMGSERVE_API_BIND": f"127.0.0.1:{port}", "PYTHONWARNINGS": "ignore::FutureWarning"}
+def api_env(port: int, workers: int | None = None, threads: int | None = None) -> dict[str, str]:
+    """The API's address and size (IMGSERVE_API__*). `bench ab` runs an older checkout beside this one: one
+    from before these names (0.1.0's IMGSERVE_API_BIND, ...) cannot be compared this way any more."""
+    env = {"IMGSERVE_API__BIND": f"127.0.0.1:{port}"}
     if workers is not None:
-        env["IMGSERVE_API_WORKERS"] = str(workers)
+        env["IMGSERVE_API__WORKERS"] = str(workers)
     if threads is not None:
-        env["IMGSERVE_API_THREADS"] = str(threads)
+        env["IMGSERVE_API__THREADS"] = str(threads)
     return env
 
 
@@ -156,7 +156,7 @@ class LocalStack:
             **os.environ,
             "IMGSERVE_CONFIG": str(config_path),
             "PYTHONUNBUFFERED": "1",
-            **legacy_api_env(port, self.options.api_workers, self.options.api_threads),
+            **api_env(port, self.options.api_workers, self.options.api_threads),
         }
         env.pop("IMGSERVE_REDIS_URL", None)
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
@@ -294,7 +294,7 @@ class ProcfileStack:
         env = {
             **os.environ,
             "IMGSERVE_CONFIG": str(config_path),
-            **legacy_api_env(port),
+            **api_env(port),
             **({"CPU_WORKERS": str(self.options.cpu_workers)} if self.options.cpu_workers else {}),
             "FLOWER_PORT": str(free_port()),
             "FLOWER_BASIC_AUTH": f"flower:{secrets.token_urlsafe(18)}",

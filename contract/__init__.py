@@ -1,6 +1,7 @@
 """The contract the API, the CPU workers and the GPU worker share.
 
 - `settings`: every setting: the sections, their types and defaults, and the checks between them.
+- `redis_settings`: the `redis` and `bulk` sections: how every process reaches Redis, and the bulk shards.
 - `sections`: what a settings section is (a frozen, validated dataclass) and `SettingsError`.
 - `config`: how the settings are read: files, overlays, the one environment rule (`load_settings`).
 - `keys`: every Redis key and channel.

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 
 from contract import model_files
 from contract.models import ModelSpec, RoutingSettings
+from contract.redis_settings import BulkSettings, RedisSettings
 from contract.sections import SettingsError
 from contract.settings import (
     REPO_ROOT,
@@ -27,14 +28,12 @@ from contract.settings import (
     AuthSettings,
     BackpressureSettings,
     BatchingSettings,
-    BulkSettings,
     CallbackSettings,
     CeleryWorkerSettings,
     DecodeSettings,
     GpuWorkerSettings,
     JobSettings,
     LogSettings,
-    RedisSettings,
     Settings,
     check_secret,
 )
@@ -54,8 +53,9 @@ REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
 ENV_PREFIX, ENV_SEPARATOR = "IMGSERVE_", "__"
 
 
-# Variables from before that rule, still read for one release (0.2) with a warning: old name -> new name.
-LEGACY_ENV = {
+# 0.1.0's names for variables that now follow that rule: refused, naming the new one (read as nothing, the API
+# would bind or log otherwise than its operator asked, without a word). CHANGELOG: Upgrading from 0.1.0.
+RENAMED_ENV = {
     "IMGSERVE_API_BIND": "IMGSERVE_API__BIND",
     "IMGSERVE_API_WORKERS": "IMGSERVE_API__WORKERS",
     "IMGSERVE_API_WORKER_CLASS": "IMGSERVE_API__WORKER_CLASS",
@@ -68,15 +68,10 @@ LEGACY_ENV = {
 }
 
 
-# Settings that moved to another section: (old section, key) -> new section. A file or variable that
-# still names the old place is read into the new one, with a warning.
-_MOVED = {("api", "max_image_pixels"): "decode", ("api", "max_decoded_bytes"): "decode"}
-
-
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment: IMGSERVE_REDIS_URL,
-    IMGSERVE_CALLBACK_SECRET, and IMGSERVE_<SECTION>__<KEY> for any other setting (LEGACY_ENV's old names
-    too, with a warning)."""
+    IMGSERVE_CALLBACK_SECRET, and IMGSERVE_<SECTION>__<KEY> for any other setting (RENAMED_ENV's old names
+    refused)."""
     raw = _read_config(DEFAULT_CONFIG)
     overlay_path = path or os.environ.get(CONFIG_ENV)
     if overlay_path:
@@ -90,7 +85,7 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         raw["redis_url"] = os.environ[REDIS_URL_ENV]
     if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
-    raw = _moved_to_their_sections(_merge(raw, environment_overrides(with_legacy_names(os.environ))))
+    raw = _merge(raw, environment_overrides(os.environ))
     entries, single = raw.pop("models", None), raw.pop("model", None)
     raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
     raw["model"] = raw["models"][0]  # replaced by the routed default once routing is read
@@ -181,47 +176,11 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
     return spec
 
 
-def _moved_to_their_sections(raw: dict[str, Any]) -> dict[str, Any]:
-    """Settings named in their old section (a config written before they moved) go to their new one;
-    the new place wins when both are given."""
-    for (old, key), new in _MOVED.items():
-        section = raw.get(old)
-        if isinstance(section, dict) and key in section:
-            value = section.pop(key)
-            target = raw.setdefault(new, {})
-            if key not in target or target[key] == getattr(_section_defaults(new), key):
-                target[key] = value
-            warnings.warn(
-                f"setting {old}.{key} is now {new}.{key}; the old name is read for now",
-                DeprecationWarning,
-                stacklevel=3,
-            )
-    return raw
-
-
-def _section_defaults(name: str) -> Any:
-    section = _nested_type(Settings, name)
-    assert section is not None, name
-    return section()
-
-
-def with_legacy_names(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment with each old variable (LEGACY_ENV) given its new name, warning once per name; the
-    new name wins where both are set."""
-    renamed = dict(environ)
-    for old, new in LEGACY_ENV.items():
-        if old in environ:
-            warnings.warn(f"{old} is deprecated and will be ignored from 0.2; set {new}", FutureWarning, stacklevel=2)
-            renamed.setdefault(new, environ[old])
-            del renamed[old]
-    return renamed
-
-
 def log_settings_from(environ: Mapping[str, str]) -> LogSettings:
     """The `logs` settings from the environment alone: for a process's first lines, before its settings
     are read."""
     try:
-        section = environment_overrides(with_legacy_names(environ)).get("logs", {})
+        section = environment_overrides(environ).get("logs", {})
         values = {key: value if isinstance(value, bool) else str(value) for key, value in section.items()}
         return _build(LogSettings, values)  # type: ignore[no-any-return]
     except SettingsError:
@@ -230,9 +189,11 @@ def log_settings_from(environ: Mapping[str, str]) -> LogSettings:
 
 def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
     """IMGSERVE_<SECTION>__<KEY>=value as {section: {key: value}}; an unknown section or key is refused
-    when the settings are built, like an unknown key in a file."""
+    when the settings are built, like an unknown key in a file, and a variable of RENAMED_ENV at once."""
     overrides: dict[str, Any] = {}
     for name, text in environ.items():
+        if name in RENAMED_ENV:
+            raise SettingsError(f"{name} is 0.1.0's name, no longer read: set {RENAMED_ENV[name]}")
         if not name.startswith(ENV_PREFIX) or ENV_SEPARATOR not in name:
             continue
         section, _, key = name[len(ENV_PREFIX) :].lower().partition(ENV_SEPARATOR)

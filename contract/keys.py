@@ -107,16 +107,6 @@ class Keys:
         pop from the right."""
         return f"{self.namespace}:frames:{model_key}"
 
-    @property
-    def frames_before_models(self) -> str:
-        """List: the one frame list of a deployment from before models had lists of their own. A GPU
-        worker moves what it finds there to the default model's list at start."""
-        return f"{self.namespace}:frames"
-
-    def processing_before_models(self, worker_id: str) -> str:
-        """List: a worker's processing list from before models had lists of their own (moved likewise)."""
-        return f"{self.namespace}:gpu:{worker_id}:processing"
-
     def processing(self, worker_id: str, model_key: str) -> str:
         """List: a model's frames a GPU worker has taken and not yet answered."""
         return f"{self.namespace}:gpu:{worker_id}:processing:{model_key}"

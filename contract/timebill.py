@@ -84,7 +84,7 @@ def compute_time_bill(stamps: Mapping[str, float]) -> dict[str, float]:
 
 
 # The GPU worker's host time per batch, by stage, in the order a batch meets them (the stages
-# themselves are gpu_worker/intake.py, devices.py and finish.py). `forward` is the device's turn,
+# themselves are gpu_worker/feeder.py, devices.py and finish.py). `forward` is the device's turn,
 # its wait included (on `sim`, the simulated latency). The worker keeps running totals in its
 # counters hash as host_wall_s:<stage> and host_cpu_s:<stage> (its stage thread's CPU time).
 HOST_STAGES = ("pop", "unpack", "triage", "stage", "forward", "readback", "documents", "write")

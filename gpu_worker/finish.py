@@ -31,7 +31,7 @@ from contract.timebill import (
     compute_time_bill,
 )
 from gpu_worker import metrics
-from gpu_worker.intake import InHand, Outcome
+from gpu_worker.feeder import InHand, Outcome
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.staging import DeviceOutput
 
@@ -120,7 +120,7 @@ class Finisher:
         self.keys = link.keys
         self.worker_id = link.worker_id
         self.spec = spec
-        self.clock = meters.clock
+        self.host_time = meters.host_time
         self.busy = meters.busy
         self.recent = meters.worker_recent
         self.retry = link.retry
@@ -142,13 +142,13 @@ class Finisher:
         outcomes: list[Outcome] = list(batch.failed)
         if output is not None:
             started = time.perf_counter()
-            with self.clock("readback"):
+            with self.host_time("readback"):
                 per_image = detections_per_image(output.detections, len(batch.running))
             readback_ms = (time.perf_counter() - started) * 1000.0
-            with self.clock("documents"):
+            with self.host_time("documents"):
                 documents = documents_from_rows(per_image, batch.running, self.spec)
                 outcomes = self._outcomes(batch, output, documents, readback_ms)
-        with self.clock("write"):
+        with self.host_time("write"):
             written = self.retry(lambda: self._write(batch, outcomes))
         self.recent.record_batch(batch.taken)
         if self.model_recent is not None:

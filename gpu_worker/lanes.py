@@ -16,10 +16,10 @@ from typing import Generic, TypeVar
 
 from contract.models import ModelSpec
 from gpu_worker.batcher import Batch
+from gpu_worker.feeder import Feeder
 from gpu_worker.finish import Finisher
-from gpu_worker.handoff import Handoff
-from gpu_worker.intake import Intake
-from gpu_worker.stages import StageClock
+from gpu_worker.host_time import HostTime
+from gpu_worker.stage_queue import StageQueue
 from gpu_worker.staging import Device
 from gpu_worker.stats import RecentStats
 
@@ -93,11 +93,11 @@ class Lane:
 
     index: int
     device: Device
-    intake: Intake
+    feeder: Feeder
     finisher: Finisher
-    clock: StageClock
+    host_time: HostTime
     recent: RecentStats
-    to_stage: Handoff[tuple[Batch[memoryview], str]] = field(default_factory=lambda: Handoff(1))  # and its epoch
+    to_stage: StageQueue[tuple[Batch[memoryview], str]] = field(default_factory=lambda: StageQueue(1))  # and its epoch
     staging: bool = False
     unanswered: int = 0
     answered: threading.Condition = field(default_factory=threading.Condition)

@@ -1,4 +1,4 @@
-"""What travels together to a lane's intake and finisher: the worker they belong to, and the meters a
+"""What travels together to a lane's feeder and finisher: the worker they belong to, and the meters a
 lane keeps. The worker (gpu_worker.worker) builds one WorkerLink and one LaneMeters per lane."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import redis
 from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
-from gpu_worker.stages import StageClock
+from gpu_worker.host_time import HostTime
 from gpu_worker.stats import BusyMeter, RecentStats
 
 
@@ -35,7 +35,7 @@ class WorkerLink:
 class LaneMeters:
     """One lane's clocks and windows, beside the worker's that every lane feeds."""
 
-    clock: StageClock  # this lane's host time by stage
+    host_time: HostTime  # this lane's host time by stage
     recent: RecentStats  # this model's recent jobs on this worker
     worker_recent: RecentStats
     busy: BusyMeter  # the device's busy time, the worker's

@@ -210,17 +210,6 @@ class Liveness:
             )
         return moved
 
-    def adopt_frames_from_before_models(self, default_model_key: str) -> int:
-        """Frames an older deployment left on its single list (and in this worker's old processing list)
-        go to the front of the default model's list (the model they were letterboxed for), oldest first."""
-        moved = 0
-        for source in (self.keys.processing_before_models(self.worker_id), self.keys.frames_before_models):
-            while self.redis.lmove(source, self.keys.frames(default_model_key), "LEFT", "RIGHT") is not None:
-                moved += 1
-        if moved:
-            log.warning("moved %d frames from the list of before models to %s's", moved, default_model_key)
-        return moved
-
     def warn_of_lists_nobody_reads(self) -> list[str]:
         """Frame lists of models no longer configured (removed before they drained): their jobs will
         expire. Said at start, so whoever removed the version hears of it."""

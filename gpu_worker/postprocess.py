@@ -187,7 +187,7 @@ def nms_keep(
     start = 0
     while start < k:
         end = min(start + chunk, k)
-        inter, union = _overlap(boxes[:, start:end], boxes[:, start:])
+        inter, union = overlap(boxes[:, start:end], boxes[:, start:])
         # IoU > t  <=>  inter > t * union: no division over the [B, chunk, K] block
         overlaps = (inter > union.mul_(iou[:, None, None])) & (
             classes[:, start:end, None] == classes[:, None, start:]
@@ -250,14 +250,9 @@ class _ChunkSettling:
         return self.kept, settled
 
 
-def iou_between(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
-    """[B, M, 4] x [B, N, 4] -> [B, M, N] IoU."""
-    inter, union = _overlap(first, second)
-    return inter / union.clamp(min=1e-9)
-
-
-def _overlap(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Intersection and union areas, [B, M, N] each, with as few [B, M, N] temporaries as it takes."""
+def overlap(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, M, 4] x [B, N, 4] -> intersection and union areas, [B, M, N] each (IoU > t is inter > t * union),
+    with as few [B, M, N] temporaries as it takes."""
 
     def area(boxes: torch.Tensor) -> torch.Tensor:
         return (boxes[..., 2] - boxes[..., 0]).clamp(min=0) * (boxes[..., 3] - boxes[..., 1]).clamp(min=0)
@@ -271,8 +266,3 @@ def _overlap(first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, t
     inter = span(0, 2).mul_(span(1, 3))
     union = (area(first)[:, :, None] + area(second)[:, None, :]).sub_(inter)
     return inter, union
-
-
-def pairwise_iou(boxes: torch.Tensor) -> torch.Tensor:
-    """[B, K, 4] -> [B, K, K] IoU."""
-    return iou_between(boxes, boxes)

@@ -3,8 +3,8 @@
 It serves one model or several (see lanes.py): each model has its own collect and stage threads and the
 lanes share the device and finish threads. Per model:
 
-    collect thread   batch N+2: pop (8 frames or 12 ms)                              (intake.py)
-    stage thread     batch N+1: unpack -> triage -> stage into a slot               (intake.py)
+    collect thread   batch N+2: pop (8 frames or 12 ms)                              (feeder.py)
+    stage thread     batch N+1: unpack -> triage -> stage into a slot               (feeder.py)
     device thread    batch N: canvas -> forward -> post-processing -> detections back (devices.py)
     finish thread    batch N-1: result documents -> one Redis write with the ack      (finish.py)
 
@@ -37,8 +37,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import redis
@@ -47,20 +46,22 @@ from contract.cache import CacheLimits
 from contract.clock import now as service_now
 from contract.frame_shards import ShardedFrameSource
 from contract.frames import FrameSource, RedisFrameSource
-from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
+from contract.heartbeat import Heartbeat
 from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
 from gpu_worker import metrics
+from gpu_worker.describe import describe_worker
 from gpu_worker.devices import DeviceLost, inference_error
+from gpu_worker.feeder import Feeder, InHand
 from gpu_worker.finish import Finisher, result_documents
-from gpu_worker.handoff import Handoff
-from gpu_worker.intake import InHand, Intake
+from gpu_worker.host_time import HostTime, combined_counters
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
-from gpu_worker.stages import StageClock, combined_counters
+from gpu_worker.redis_patience import UntilRedisAnswers
+from gpu_worker.stage_queue import StageQueue
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
 from gpu_worker.stats import BusyMeter, RecentStats
 
@@ -100,9 +101,7 @@ class GpuWorker:
         self.recent = RecentStats()
         self.stopping = threading.Event()
         self.device_lost = False
-        # Gave up on Redis while stopping: no later write may happen (acks go by count, in order), and the
-        # worker does not leave the registry, so its frames are reaped once its heartbeat expires.
-        self.redis_abandoned = False
+        self.until_redis_answers = UntilRedisAnswers(self.stopping)  # gives up only while stopping
         seq = itertools.count(1)
         self.link = WorkerLink(
             settings,
@@ -110,14 +109,14 @@ class GpuWorker:
             self.store,
             self.keys,
             worker_id,
-            self._retry_until_redis_answers,
+            self.until_redis_answers,
             epoch=lambda: self.liveness.epoch,
             next_seq=lambda: next(seq),
-            host_counters=lambda: combined_counters([lane.clock for lane in self.lanes]),
+            host_counters=lambda: combined_counters([lane.host_time for lane in self.lanes]),
         )
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
-        self.to_finish: Handoff[tuple[Lane, InHand]] = Handoff(1)
+        self.to_finish: StageQueue[tuple[Lane, InHand]] = StageQueue(1)
         self.liveness = Liveness(
             settings,
             client,
@@ -133,22 +132,22 @@ class GpuWorker:
         self.last_progress = time.monotonic()
 
     def _lane(self, index: int, device: Device) -> Lane:
-        clock, recent = StageClock(), RecentStats()
+        host_time, recent = HostTime(), RecentStats()
         source: FrameSource[memoryview] = (
             ShardedFrameSource(self.bulk, self.keys, self.worker_id, device.spec.key)
             if self.bulk.sharded
             else RedisFrameSource(self.redis, self.keys, self.worker_id, device.spec.key)
         )
-        intake = Intake(
+        feeder = Feeder(
             self.link,
             source,
             device,
-            clock,
+            host_time,
             hold_open=lambda: self._lane_has_work_ahead(index),
             wait_held=lambda timeout_s: self.lanes[index].wait_for_ahead(timeout_s),
         )
-        finisher = Finisher(self.link, device.spec, LaneMeters(clock, recent, self.recent, self.busy), source)
-        return Lane(index=index, device=device, intake=intake, finisher=finisher, clock=clock, recent=recent)
+        finisher = Finisher(self.link, device.spec, LaneMeters(host_time, recent, self.recent, self.busy), source)
+        return Lane(index=index, device=device, feeder=feeder, finisher=finisher, host_time=host_time, recent=recent)
 
     # --- lifecycle -------------------------------------------------------
     def run(self) -> int:
@@ -157,12 +156,11 @@ class GpuWorker:
         signal.signal(signal.SIGTERM, lambda *_: self.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: self.stopping.set())
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self._retry_until_redis_answers(lambda: self.liveness.claim(os.getpid()))
+        self.until_redis_answers(lambda: self.liveness.claim(os.getpid()))
         self.warm_up()
-        self._retry_until_redis_answers(self.liveness.requeue_own_frames)
-        self._retry_until_redis_answers(self.liveness.begin_epoch)
-        self._retry_until_redis_answers(lambda: self.liveness.adopt_frames_from_before_models(self.settings.model.key))
-        self._retry_until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
+        self.until_redis_answers(self.liveness.requeue_own_frames)
+        self.until_redis_answers(self.liveness.begin_epoch)
+        self.until_redis_answers(self.liveness.warn_of_lists_nobody_reads)
         self.liveness.start(self.stopping)
         threads = [
             thread
@@ -189,12 +187,12 @@ class GpuWorker:
             if self.device_lost or self.liveness.presumed_dead:
                 # What it did not answer goes back: counted as a death when the device was lost; a paused worker's
                 # frames taken since it woke up were never anyone else's (the reaper's went back already).
-                self._retry_until_redis_answers(
+                self.until_redis_answers(
                     lambda: self.liveness.requeue_own_frames(
                         died=self.device_lost, model_keys=[lane.spec.key for lane in self.lanes]
                     )
                 )
-            if not self.redis_abandoned:
+            if not self.until_redis_answers.abandoned:
                 self.liveness.leave()
             log.info("gpu worker %s stopped after %d batches", self.worker_id, self.recent.batches_total)
         if self.device_lost:
@@ -208,7 +206,7 @@ class GpuWorker:
         otherwise stall the worker for tens of milliseconds now and then."""
         started = time.perf_counter()
         for lane in self.lanes:
-            for frames in lane.device.warm_up(lane.intake.collector.max_size):
+            for frames in lane.device.warm_up(lane.feeder.collector.max_size):
                 result_documents(np.empty((0, len(DETECTION_COLUMNS))), frames, lane.spec)
         gc.collect()
         gc.freeze()
@@ -219,7 +217,7 @@ class GpuWorker:
         try:
             while not self.stopping.is_set():
                 try:
-                    batch = lane.intake.collect()
+                    batch = lane.feeder.collect()
                 except Exception as exc:  # Redis, or anything unforeseen: answer what is in hand, then resync
                     log.warning(
                         "collecting a batch of %s failed (%s); resyncing",
@@ -244,10 +242,10 @@ class GpuWorker:
             for batch, epoch in lane.to_stage:
                 lane.staging = True
                 try:
-                    in_hand = lane.intake.prepare(batch, epoch)
+                    in_hand = lane.feeder.prepare(batch, epoch)
                 except Exception as exc:  # still written in its turn, so the order of the acks holds
                     log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
-                    in_hand = lane.intake.unprepared(batch, exc, epoch)
+                    in_hand = lane.feeder.unprepared(batch, exc, epoch)
                 finally:
                     lane.staging = False
                 self.to_device.put(lane.index, in_hand)
@@ -285,7 +283,7 @@ class GpuWorker:
     def _run_on_device(self, lane: Lane, batch: InHand) -> bool:
         assert batch.staged is not None  # the caller runs only staged batches
         try:
-            with lane.clock("forward"):
+            with lane.host_time("forward"):
                 batch.output = lane.device.run(batch.staged)
         except DeviceLost as exc:
             log.critical("the device is lost (%s); giving the frames in hand back and exiting", exc)
@@ -331,64 +329,10 @@ class GpuWorker:
         """After a failed call the lane's processing list may hold frames this worker does not know it
         took, or no longer means to answer: answer every batch of it in hand, then give back what is left."""
         lane.wait_until_answered()
-        self._retry_until_redis_answers(
-            lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key])
-        )
-        lane.intake.source.forget()
+        self.until_redis_answers(lambda: self.liveness.requeue_own_frames(died=False, model_keys=[lane.spec.key]))
+        lane.feeder.source.forget()
         self.stopping.wait(1.0)
 
-    def _retry_until_redis_answers(self, action: Callable[[], Any]) -> Any:
-        """Once the worker is stopping it gives up at the next failure (the RedisError propagates, and every
-        later call fails at once): told to stop while Redis is away, it must still stop. What it holds stays
-        in its processing list, given back at its next start or by another worker's reaper."""
-        delay = 0.2
-        while True:
-            if self.redis_abandoned:
-                raise redis.ConnectionError("this worker gave up on Redis while stopping")
-            try:
-                return action()
-            except redis.RedisError as exc:
-                if self.stopping.is_set():
-                    self.redis_abandoned = True
-                    log.error(
-                        "redis unavailable (%s) while stopping: giving up; the frames in hand stay in "
-                        "this worker's processing list",
-                        exc,
-                    )
-                    raise
-                log.warning("redis unavailable (%s); retrying in %.1f s", exc, delay)
-                self.stopping.wait(delay)  # SIGTERM cuts the wait short
-                delay = min(delay * 2, 5.0)
-
     # --- what the heartbeat says -----------------------------------------
-    @staticmethod
-    def _model_stats(lane: Lane) -> dict[str, Any]:
-        """One model's recent window on this worker: jobs, p95, batch sizes, the time bill."""
-        summary = lane.recent.summary()
-        return {
-            **lane.recent.latency(),
-            "batches": summary["batches"],
-            "batch_size_mean": summary["batch_size_mean"],
-            "time_bill_ms": summary["time_bill_ms"],
-        }
-
     def describe(self) -> Heartbeat:
-        collector = self.lanes[0].intake.collector
-        return Heartbeat(
-            worker_id=self.worker_id,
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            started_at=self.started_at,
-            model=HeartbeatModel(**self.device.describe()),
-            models=[HeartbeatModel(**lane.device.describe(), stats=self._model_stats(lane)) for lane in self.lanes],
-            batching=Batching(max_batch_size=collector.max_size, window_ms=collector.window_s * 1000.0),
-            stats={
-                "busy": round(self.busy.fraction(), 4),
-                "busy_window_s": self.busy.window_s,
-                "nvml_utilisation": self.device.utilisation(),
-                "device_seconds_total": round(self.busy.total_s, 4),
-                "batches_total": self.recent.batches_total,
-                "frames_total": self.recent.frames_total,
-                **self.recent.summary(),
-            },
-        )
+        return describe_worker(self.worker_id, self.started_at, self.device, self.lanes, self.busy, self.recent)

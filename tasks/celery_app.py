@@ -7,7 +7,7 @@ from celery import Celery
 
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
-from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK, TASK_QUEUES
+from contract.task_messages import CALLBACK_TASK, TASK_QUEUES
 from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT
 
 
@@ -58,19 +58,6 @@ def sentinel_options(settings: Settings) -> dict[str, object]:
     if settings.redis.sentinel_password:
         own["password"] = settings.redis.sentinel_password
     return {"master_name": settings.redis.service, "sentinel_kwargs": own}
-
-
-def send_preprocess(app: Celery, job_id: str, queue: str) -> None:
-    """Queue one job for a CPU worker on its model's queue (Keys.preprocess_queue); fails fast when the
-    broker is down."""
-    app.send_task(
-        PREPROCESS_TASK,
-        args=[job_id],
-        queue=queue,
-        task_id=job_id,  # as the API's own messages (contract.task_messages): Flower finds it by the job id
-        retry=True,
-        retry_policy={"max_retries": 1, "interval_start": 0.1},
-    )
 
 
 def callback_task_id(job_id: str) -> str:

@@ -96,8 +96,7 @@ class Preprocessor:
             return "expired"
         if upload is None:
             return self._failed(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
-        # A job from before models had names in the record is the default model's.
-        spec = self.catalogue.get(record["model"]) if "model" in record else self.catalogue.default
+        spec = self.catalogue.get(record.get("model", ""))
         if spec is None:
             return self._failed(
                 job_id,

@@ -402,22 +402,27 @@ def test_any_setting_comes_from_the_environment_by_one_rule(monkeypatch):
     assert tuple(settings.callbacks.allow_hosts) == ("10.0.0.0/8", "hooks.internal")
 
 
-def test_the_servers_and_logs_settings_follow_the_rule_and_the_old_names_still_work_with_a_warning(monkeypatch):
-    from contract.config import LEGACY_ENV
+def test_the_servers_and_logs_settings_follow_the_rule_and_0_1_0s_names_are_refused_naming_the_new_one(monkeypatch):
+    from contract.config import RENAMED_ENV
     from contract.logs import configure_logging
 
     monkeypatch.setenv("IMGSERVE_API__WORKERS", "5")
-    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")  # both: the new name wins
-    monkeypatch.setenv("IMGSERVE_API_BIND", "127.0.0.1:9")  # the old name alone still works
-    monkeypatch.setenv("IMGSERVE_LOG_LEVEL", "warning")
-    with pytest.warns(FutureWarning, match="IMGSERVE_API_BIND is deprecated.*IMGSERVE_API__BIND"):
-        settings = load_settings()
+    monkeypatch.setenv("IMGSERVE_API__BIND", "127.0.0.1:9")
+    monkeypatch.setenv("IMGSERVE_LOGS__LEVEL", "warning")
+    settings = load_settings()
     assert (settings.api.workers, settings.api.bind, settings.logs.level) == (5, "127.0.0.1:9", "warning")
-    with pytest.warns(FutureWarning, match="IMGSERVE_LOG_LEVEL"):
-        configure_logging("test")  # before any settings: the environment alone
-    assert logging.getLogger().level == logging.WARNING
+    monkeypatch.setenv("IMGSERVE_API_WORKERS", "3")  # 0.1.0's name: no longer read, and said so
+    with pytest.raises(SettingsError, match="IMGSERVE_API_WORKERS is 0.1.0's name.*set IMGSERVE_API__WORKERS"):
+        load_settings()
+    monkeypatch.delenv("IMGSERVE_API_WORKERS")
+    monkeypatch.delenv("IMGSERVE_LOGS__LEVEL")
+    monkeypatch.setenv("IMGSERVE_LOG_LEVEL", "warning")
+    with pytest.raises(SettingsError, match="IMGSERVE_LOG_LEVEL is 0.1.0's name.*set IMGSERVE_LOGS__LEVEL"):
+        load_settings()
+    configure_logging("test")  # before any settings: the environment alone, the old name not read
+    assert logging.getLogger().level == logging.INFO  # the default
     configure_logging("test", settings.logs)
-    assert set(LEGACY_ENV.values()) <= {
+    assert set(RENAMED_ENV.values()) <= {
         f"IMGSERVE_{section.upper()}__{key.upper()}" for section in ("api", "logs") for key in _fields_of(section)
     }
 
@@ -506,10 +511,12 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     assert handoff.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
 
 
-def test_a_config_naming_the_decode_limits_under_api_still_works_with_a_warning(tmp_path):
+def test_a_config_naming_the_decode_limits_under_api_as_0_1_0_did_is_refused(tmp_path):
     (tmp_path / "old.yaml").write_text("api:\n  max_image_pixels: 1000\n  max_upload_bytes: 5000\n")
-    with pytest.warns(DeprecationWarning, match="api.max_image_pixels is now decode.max_image_pixels"):
-        settings = load_settings(tmp_path / "old.yaml")
+    with pytest.raises(SettingsError, match="unknown ApiSettings settings: max_image_pixels"):
+        load_settings(tmp_path / "old.yaml")
+    (tmp_path / "new.yaml").write_text("decode:\n  max_image_pixels: 1000\napi:\n  max_upload_bytes: 5000\n")
+    settings = load_settings(tmp_path / "new.yaml")
     assert settings.decode.max_image_pixels == 1000 and settings.api.max_upload_bytes == 5000
     assert not hasattr(settings.api, "max_image_pixels")
 

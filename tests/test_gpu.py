@@ -22,8 +22,8 @@ from contract.config import load_model_spec
 from contract.frames import Frame, unpack_frame
 from contract.models import ModelSpec
 from gpu_worker.devices import TorchDevice
-from gpu_worker.handoff import Handoff
 from gpu_worker.model import load_model
+from gpu_worker.stage_queue import StageQueue
 from tests.support import REPO_ROOT, HostReads
 
 CUDA = torch.cuda.is_available()
@@ -119,15 +119,15 @@ def test_cuda_and_cpu_give_the_same_detections(device, batch, channel_order):
 def run_overlapped(runner: TorchDevice, batches: list[list[Frame]]) -> list[np.ndarray]:
     """Each batch staged in one thread while the device runs the one before in another, as the worker
     does (three slots in flight): the detections of each."""
-    handoff: Handoff = Handoff(1)
+    queue: StageQueue = StageQueue(1)
 
     def stage_all() -> None:
         for frames in batches:
-            handoff.put(runner.stage(frames))
-        handoff.close()
+            queue.put(runner.stage(frames))
+        queue.close()
 
     threading.Thread(target=stage_all, daemon=True).start()
-    return [runner.run(staged).detections for staged in handoff]
+    return [runner.run(staged).detections for staged in queue]
 
 
 @pytest.mark.parametrize("device", DEVICES)

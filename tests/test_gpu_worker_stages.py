@@ -21,9 +21,9 @@ from contract.frames import unpack_frame
 from contract.keys import Keys
 from contract.models import ModelSpec
 from gpu_worker.devices import DeviceLost, TorchDevice, is_fatal
-from gpu_worker.handoff import Handoff
 from gpu_worker.model import LoadedModel
 from gpu_worker.simulated import SimulatedDevice
+from gpu_worker.stage_queue import StageQueue
 from gpu_worker.worker import EXIT_DEVICE_LOST, GpuWorker
 from tests.support import wait_until
 from tests.test_gpu_worker_parts import make_frame
@@ -45,16 +45,16 @@ CONTENT = (GEOMETRY, bytes(64 * 48 * 3))
 
 # --- hand-offs -------------------------------------------------------------
 def test_a_handoff_holds_one_item_and_its_close_lets_the_consumer_finish_what_waits():
-    handoff: Handoff[int] = Handoff(1)
-    handoff.put(1)
-    assert handoff.waiting()
-    third_put = threading.Thread(target=lambda: (handoff.put(2), handoff.close()))
+    queue: StageQueue[int] = StageQueue(1)
+    queue.put(1)
+    assert queue.waiting()
+    third_put = threading.Thread(target=lambda: (queue.put(2), queue.close()))
     third_put.start()
     third_put.join(0.2)
     assert third_put.is_alive()  # no room: the producer waits, memory stays bounded
-    assert list(handoff) == [1, 2]  # then the consumer drains it and stops at the close
+    assert list(queue) == [1, 2]  # then the consumer drains it and stops at the close
     third_put.join(5)
-    assert not handoff.waiting()
+    assert not queue.waiting()
 
 
 # --- the device --------------------------------------------------------------
@@ -222,7 +222,7 @@ def test_a_damaged_or_oversized_frame_fails_its_own_job_as_bad_frame_and_the_res
     from types import SimpleNamespace
 
     from gpu_worker.batcher import Batch
-    from gpu_worker.intake import Intake
+    from gpu_worker.feeder import Feeder
     from tests.test_gpu_worker_parts import make_frame
 
     good = make_frame("good", 48, 32, 8, 16)
@@ -236,7 +236,7 @@ def test_a_damaged_or_oversized_frame_fails_its_own_job_as_bad_frame_and_the_res
         closed_by="full",
         popped_at=[1.0, 2.0, 3.0, 4.0],
     )
-    frames, refused = Intake._unpack(SimpleNamespace(input_size=64), batch)  # type: ignore[arg-type]
+    frames, refused = Feeder._unpack(SimpleNamespace(input_size=64), batch)  # type: ignore[arg-type]
     assert [frame.header.job_id for frame, _ in frames] == ["good"] and frames[0][1] == 1.0
     assert [(job_id, status, fields["error"]["code"]) for job_id, status, fields in refused] == [
         ("truncated", "failed", "bad_frame"),

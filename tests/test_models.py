@@ -367,19 +367,22 @@ def test_two_gpu_workers_each_serve_their_own_model(multi_stack):
         multi_stack.start_gpu_worker()
 
 
-def test_a_job_queued_before_models_had_queues_is_served_by_the_default_model(multi_stack):
-    """A record without `model`, its task on the plain `preprocess` queue (an API from before this change)."""
+def test_a_job_from_0_1_0_without_a_model_is_failed_not_guessed(multi_stack):
+    """A record without `model`, its task on the plain `preprocess` queue (an API of 0.1.0): no longer taken
+    for the default model's (CHANGELOG: Upgrading from 0.1.0), but failed, naming why."""
     from contract.jobs.record import new_job_id
-    from tasks.celery_app import make_celery, send_preprocess
+    from contract.task_messages import PreprocessMessages
 
     job_id = new_job_id()
     now = time.time()
     api_services(multi_stack.api.app).store.create(
         job_id, jpeg(300, 200), 600, {"received_at": now, "submitted_at": now, "deadline_at": now + 60, "options": {}}
     )
-    send_preprocess(make_celery(multi_stack.settings), job_id, "preprocess")
+    multi_stack.redis.lpush(
+        multi_stack.keys.celery_queue("preprocess"), PreprocessMessages().build(job_id, "preprocess")
+    )
     job = multi_stack.wait_terminal(job_id)
-    assert job["status"] == "succeeded" and job["result"]["model"]["name"] == "small"
+    assert job["status"] == "failed" and job["error"]["code"] == "unknown_model"
 
 
 # --- a flood on one model ----------------------------------------------------------------------------
@@ -475,7 +478,9 @@ def test_bench_load_targets_the_model_it_is_given(multi_stack):
     assert {o.doc["result"]["model"]["name"] for o in outcomes if o.doc} == {"large"}
 
 
-def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_model(multi_stack):
+def test_frames_left_on_0_1_0s_single_list_are_left_alone_and_orphaned_lists_are_named(multi_stack):
+    """0.1.0's one frame list (`<namespace>:frames`) is no longer moved to the default model's at start (the
+    upgrade drains it first: CHANGELOG); a model's list nobody reads is still named in the log."""
     from contract.frames import FrameHeader, pack_frame
     from contract.jobs.record import new_job_id
     from tasks.imaging import decode_image, letterbox
@@ -488,15 +493,18 @@ def test_frames_left_on_the_list_of_before_models_are_served_as_the_default_mode
         mapping={"id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60},
     )
     header = FrameHeader(job_id=job_id, **boxed.placement.fields(), enqueued_at=now, deadline_at=now + 60)
-    multi_stack.redis.lpush(multi_stack.keys.frames_before_models, pack_frame(header, boxed.pixels))
+    single_list = f"{multi_stack.keys.namespace}:frames"
+    multi_stack.redis.lpush(single_list, pack_frame(header, boxed.pixels))
     removed = multi_stack.keys.frames("removed:1")  # a version taken out of the config before it drained
     multi_stack.redis.lpush(removed, b"a frame nobody will read")
     multi_stack.stop_gpu_worker()
-    multi_stack.start_gpu_worker()  # moves it to the default model's list at start
-    job = multi_stack.wait_terminal(job_id)
-    assert job["status"] == "succeeded" and job["result"]["model"]["name"] == "small"
-    assert multi_stack.redis.llen(multi_stack.keys.frames_before_models) == 0
-    assert f"1 frames wait on {removed}" in multi_stack.gpu_worker.log_tail()
+    multi_stack.start_gpu_worker()
+    gpu_worker = multi_stack.gpu_worker
+    assert gpu_worker is not None
+    wait_until(lambda: f"1 frames wait on {removed}" in gpu_worker.log_tail(), 30, what="the orphaned list named")
+    assert multi_stack.redis.llen(single_list) == 1  # its start, past where 0.1.0's list was adopted, left it
+    assert multi_stack.redis.hget(multi_stack.keys.job(job_id), "status") == b"queued_gpu"
+    multi_stack.redis.delete(single_list, multi_stack.keys.job(job_id))
     multi_stack.redis.delete(removed)
 
 

@@ -231,12 +231,13 @@ def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
 
 
 def test_deployments_sharing_a_redis_database_never_take_each_others_tasks(stack):
-    import dataclasses
+    from contract.keys import Keys
+    from contract.task_messages import PreprocessMessages
 
-    from tasks.celery_app import make_celery, send_preprocess
-
-    other = make_celery(dataclasses.replace(stack.settings, namespace="another-deployment"))
-    send_preprocess(other, "0" * 32, "preprocess")
+    # Another deployment's API queues a task as this one's does (contract.task_messages), under its namespace.
+    stack.redis.lpush(
+        Keys("another-deployment").celery_queue("preprocess"), PreprocessMessages().build("0" * 32, "preprocess")
+    )
     other_queue = "another-deployment:celery:preprocess"
     assert stack.redis.llen(other_queue) == 1
     assert stack.wait_terminal(stack.submit_ok(jpeg(64, 64)))["status"] == "succeeded"  # this stack's worker runs

@@ -13,7 +13,7 @@ from gpu_worker.postprocess import (
     Geometry,
     Thresholds,
     nms_keep,
-    pairwise_iou,
+    overlap,
     postprocess,
     postprocess_rows,
 )
@@ -171,9 +171,10 @@ def test_invalid_candidates_neither_survive_nor_suppress():
     assert keep.tolist() == [[False, True]]
 
 
-def test_pairwise_iou():
+def test_the_overlap_nms_judges_by_gives_each_pairs_iou():
     boxes = torch.tensor([[[0, 0, 10, 10], [5, 0, 15, 10], [20, 20, 30, 30]]], dtype=torch.float32)
-    iou = pairwise_iou(boxes)[0]
+    inter, union = overlap(boxes, boxes)
+    iou = (inter / union)[0]
     assert iou[0, 1].item() == pytest.approx(50 / 150)
     assert iou[0, 2].item() == 0 and iou[1, 1].item() == pytest.approx(1.0)
 

@@ -12,7 +12,7 @@ import redis
 from contract.config import load_settings
 from contract.keys import Keys
 from contract.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
-from tasks.celery_app import make_celery, send_preprocess
+from tasks.celery_app import make_celery
 
 VARYING = {
     ("headers", "id"),
@@ -41,7 +41,7 @@ def test_the_message_is_celerys_own_but_for_its_ids(redis_server):
     queue = keys.preprocess_queue(settings.models[0].key)
     client = redis.Redis.from_url(redis_server.url)
     client.delete(keys.celery_queue(queue))
-    send_preprocess(app, "a" * 32, queue)
+    app.send_task(PREPROCESS_TASK, args=["a" * 32], queue=queue, task_id="a" * 32)  # Celery's own message
     celerys = json.loads(client.rpop(keys.celery_queue(queue)))
     ours = json.loads(PreprocessMessages().build("a" * 32, queue))
 

@@ -54,7 +54,7 @@ class JobRecord(TypedDict, total=False):
 
     id: str
     status: str  # a JobStatus value
-    model: str  # name:version the API routed it to (absent on jobs from before models)
+    model: str  # name:version the API routed it to
     received_at: float
     submitted_at: float
     deadline_at: float

@@ -25,9 +25,9 @@ from contract.jobs.ending import expired_fields
 from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
+from gpu_worker.host_time import HostTime
 from gpu_worker.link import WorkerLink
 from gpu_worker.model import fits_input
-from gpu_worker.stages import StageClock
 from gpu_worker.staging import Device, DeviceOutput, Staged
 
 log = logging.getLogger("gpu_worker")
@@ -58,13 +58,13 @@ class InHand:
     epoch: str = ""  # the worker's life it was taken in: written only while that lasts
 
 
-class Intake:
+class Feeder:
     def __init__(
         self,
         link: WorkerLink,
         source: FrameSource[memoryview],
         device: Device,
-        clock: StageClock,
+        host_time: HostTime,
         hold_open: Callable[[], bool],
         wait_held: Callable[[float], None] | None = None,
     ) -> None:
@@ -76,7 +76,7 @@ class Intake:
         self.store = link.store
         self.source = source
         self.device = device
-        self.clock = clock
+        self.host_time = host_time
         self.max_attempts = link.settings.gpu_worker.max_attempts
         self.input_size = device.spec.input_size
         self.collector: BatchCollector[memoryview] = BatchCollector(
@@ -96,7 +96,7 @@ class Intake:
         """The next batch of frames as popped, and the worker's epoch when it began to pop them; None when the
         list stayed empty."""
         epoch = self.epoch()
-        with self.clock("pop"):
+        with self.host_time("pop"):
             batch = self.collector.collect(self.source)
         return (batch, epoch) if batch is not None else None
 
@@ -104,9 +104,9 @@ class Intake:
         """The batch triaged, and its running frames staged."""
         seq = self.next_seq()
         offset = service_now() - time.monotonic()
-        with self.clock("unpack"):
+        with self.host_time("unpack"):
             frames, refused = self._unpack(batch)
-        with self.clock("triage"):
+        with self.host_time("triage"):
             running = self._triage(frames, refused)
         in_hand = InHand(
             seq=seq,
@@ -120,7 +120,7 @@ class Intake:
             epoch=epoch,
         )
         if in_hand.running:
-            with self.clock("stage"):
+            with self.host_time("stage"):
                 in_hand.staged = self.device.stage(in_hand.running)
         return in_hand
 

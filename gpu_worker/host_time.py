@@ -14,7 +14,7 @@ from types import TracebackType
 from contract.timebill import HOST_STAGES, host_counter_fields
 
 
-class StageClock:
+class HostTime:
     """Running totals of wall and thread-CPU seconds per stage."""
 
     def __init__(self) -> None:
@@ -23,7 +23,7 @@ class StageClock:
         self._timers = {stage: _Timer(self, stage) for stage in HOST_STAGES}
 
     def __call__(self, stage: str) -> _Timer:
-        """`with clock("write"): ...` adds the block's times to the stage."""
+        """`with host_time("write"): ...` adds the block's times to the stage."""
         return self._timers[stage]
 
     def add(self, stage: str, wall_s: float, cpu_s: float) -> None:
@@ -40,7 +40,7 @@ class _Timer:
 
     __slots__ = ("clock", "stage", "wall", "cpu")
 
-    def __init__(self, clock: StageClock, stage: str) -> None:
+    def __init__(self, clock: HostTime, stage: str) -> None:
         self.clock, self.stage = clock, stage
         self.wall = self.cpu = 0.0
 
@@ -53,8 +53,8 @@ class _Timer:
         self.clock.add(self.stage, time.perf_counter() - self.wall, time.thread_time() - self.cpu)
 
 
-def combined_counters(clocks: list[StageClock]) -> dict[str, float]:
-    """Several clocks' totals (one per model a worker serves, each timed by its own threads) as one."""
-    wall = {stage: sum(clock.wall_s[stage] for clock in clocks) for stage in HOST_STAGES}
-    cpu = {stage: sum(clock.cpu_s[stage] for clock in clocks) for stage in HOST_STAGES}
+def combined_counters(host_times: list[HostTime]) -> dict[str, float]:
+    """Several lanes' totals (one per model a worker serves, each timed by its own threads) as one."""
+    wall = {stage: sum(clock.wall_s[stage] for clock in host_times) for stage in HOST_STAGES}
+    cpu = {stage: sum(clock.cpu_s[stage] for clock in host_times) for stage in HOST_STAGES}
     return host_counter_fields(wall, cpu)

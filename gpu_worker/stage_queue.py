@@ -1,4 +1,4 @@
-"""A bounded hand-off between two stages of the GPU worker, each in its own thread.
+"""A bounded queue between two stages of the GPU worker, each in its own thread.
 
 At most `capacity` items wait in it, so a fast stage cannot run ahead of a
 slow one and memory stays bounded; the producer blocks in `put` until there
@@ -17,7 +17,7 @@ Item = TypeVar("Item")
 _CLOSED = object()
 
 
-class Handoff(Generic[Item]):
+class StageQueue(Generic[Item]):
     def __init__(self, capacity: int = 1) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
