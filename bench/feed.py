@@ -315,7 +315,7 @@ def redis_drain_rate(
     client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]], options: FeedOptions
 ) -> float:
     """Frames/s of the worker's Redis calls alone (take a batch, ack it): Redis's own ceiling here."""
-    from contract.frames import RedisFrameSource
+    from contract.frame_source import RedisFrameSource
 
     client.delete(keys.frames(model_key))
     push_frames(client, keys, model_key, contents, options.frames)

@@ -7,8 +7,9 @@
 - `keys`: every Redis key and channel.
 - `jobs`: a job's record and its moves, by who makes them (a package: `record`, `ending`, `intake`, `handoff`,
   `backlog`).
-- `frames`: the frame list: the binary frame, its header in Python and in Lua, and the list's moves (push, pop,
-  ack, give back, requeue); `frame_shards`: the same over bulk shards.
+- `frames`: the binary frame, its header in Python and in Lua; `frame_push`: the frame list's way in (the CPU
+  worker's push); `frame_source`: its way out (pop, the one ack, give back, requeue); `frame_shards` and
+  `frame_shard_source`: the same over bulk shards.
 - `timebill`: the stages of a request's life, the stamps that bound them, a bill and the summaries of many.
 - `documents`: the public JSON documents of jobs (job, callback, submit options, problems) as pydantic models;
   `status_documents`: the service's own (health, readiness, models, stats).

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from contract.documents import ClosedBy
-from contract.frames import FrameSource
+from contract.frame_source import FrameSource
 
 Item = TypeVar("Item")
 
@@ -45,7 +45,7 @@ class Batch(Generic[Item]):
 
 
 class BatchCollector(Generic[Item]):
-    """Gathers one batch at a time from a FrameSource (contract.frames): its two pops."""
+    """Gathers one batch at a time from a FrameSource (contract.frame_source): its two pops."""
 
     def __init__(
         self,

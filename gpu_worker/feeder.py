@@ -20,7 +20,8 @@ import redis
 
 from contract.clock import now as service_now
 from contract.deadlines import is_past
-from contract.frames import Frame, FrameError, FrameSource, read_job_id, unpack_frame
+from contract.frame_source import FrameSource
+from contract.frames import Frame, FrameError, read_job_id, unpack_frame
 from contract.jobs.ending import expired_fields
 from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
 from gpu_worker import metrics

@@ -17,7 +17,8 @@ from typing import Any
 import numpy as np
 
 from contract.clock import now as service_now
-from contract.frames import Frame, FrameSource
+from contract.frame_source import ACK_FRAMES_LUA, FrameSource
+from contract.frames import Frame
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.jobs.record import FAILED, SUCCEEDED
 from contract.models import ModelSpec
@@ -45,6 +46,7 @@ log = logging.getLogger("gpu_worker")
 # (nothing written) when the epoch is no longer the worker's.
 _WRITE_BATCH = (
     FINISH_JOBS_LUA
+    + ACK_FRAMES_LUA
     + f"local N = {FINISH_NAMES}\n"
     + """
 if ARGV[N + 5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[N + 5] then
@@ -54,7 +56,7 @@ local names = finish_names(KEYS[1], 1)
 local acked, acked_bytes, model, counters = tonumber(ARGV[N + 1]), ARGV[N + 2], ARGV[N + 3], tonumber(ARGV[N + 4])
 if acked > 0 then
   if KEYS[2] ~= '' then
-    redis.call('LTRIM', KEYS[2], 0, -(acked + 1))
+    ack_frames(KEYS[2], acked)
   elseif redis.call('HINCRBY', KEYS[5], model, -acked) < 0 then   -- on bulk shards: acked after, counted out here
     redis.call('HSET', KEYS[5], model, 0)
   end
@@ -127,7 +129,7 @@ class Finisher:
         self.model_recent = meters.recent
         self.host_counters = link.host_counters  # written with each batch: the worker's, over all its lanes
         self.model_labels = (spec.name, spec.version)
-        # Trimmed by the batch write itself, or (bulk shards) by the source once the write is done.
+        # Acked by the batch write itself, or (bulk shards) by the source once the write is done.
         self.acked_key = link.keys.processing(link.worker_id, spec.key) if source.acked_by_batch_write else ""
         self.ttl_s = link.settings.jobs.ttl_s
         self._write_batch = link.redis.register_script(_WRITE_BATCH)

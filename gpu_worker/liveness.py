@@ -31,8 +31,8 @@ import redis
 
 from contract.clock import CLOCK
 from contract.clock import now as service_now
-from contract.frame_shards import requeue_sharded_frames_of
-from contract.frames import requeue_frames_of
+from contract.frame_shard_source import requeue_sharded_frames_of
+from contract.frame_source import requeue_frames_of
 from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import queue_depths
 from contract.keys import Keys

@@ -44,8 +44,8 @@ import redis
 
 from contract.cache import CacheLimits
 from contract.clock import now as service_now
-from contract.frame_shards import ShardedFrameSource
-from contract.frames import FrameSource, RedisFrameSource
+from contract.frame_shard_source import ShardedFrameSource
+from contract.frame_source import FrameSource, RedisFrameSource
 from contract.heartbeat import Heartbeat
 from contract.jobs.ending import JobEnding
 from contract.keys import Keys

@@ -18,7 +18,7 @@ Every CPU and callback worker's main process, on its own event loop:
   the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
 A worker that was only paused past its heartbeat (SIGSTOP, a stalled host) finds its tasks taken over: a
-child still running one cannot push its frame (the claim it holds was replaced: contract.frames' FramePusher.push).
+child still running one cannot push its frame (the claim it holds was replaced: contract.frame_push's FramePusher.push).
 """
 
 from __future__ import annotations

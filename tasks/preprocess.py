@@ -13,7 +13,7 @@ import uuid
 
 import redis
 
-from contract import frames
+from contract import frame_push
 from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.deadlines import is_past
@@ -160,9 +160,9 @@ class Preprocessor:
                 if not self._wait_for_memory(job_id, record):
                     return "expired"
                 continue
-            if outcome == frames.PUSHED:
+            if outcome == frame_push.PUSHED:
                 return "pushed"
-            if outcome == frames.JOB_OVER:
+            if outcome == frame_push.JOB_OVER:
                 return "skipped (ended or claimed again meanwhile)"
             if not self._wait_for_room(job_id, record, spec.key, limit):
                 return "expired"

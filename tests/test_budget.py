@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import time
 
-from contract import budget, frames
+from contract import budget
+from contract import frame_push as frames
 from contract.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake

@@ -19,7 +19,8 @@ from bench.receivers import Receiver as SlowReceiver
 from contract.callbacks import CallbackRefused, check_callback_url, resolve_callback_url
 from contract.documents import JobDocument
 from contract.keys import Keys
-from tasks.callbacks import post_to, sign
+from tasks.callback_http import Deadline, post_within
+from tasks.callback_signing import sign
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
 
@@ -171,7 +172,7 @@ def test_delivery_connects_to_the_address_it_checked_with_the_urls_host(monkeypa
             resolve=fake_resolver("127.0.0.1", calls=calls),
         )
         monkeypatch.setattr(socket, "getaddrinfo", no_more_lookups)
-        status = post_to(target, b"{}", {"Content-Type": "application/json"}, 5.0, 1024)
+        status = post_within(target, b"{}", {"Content-Type": "application/json"}, Deadline(5.0), 1024)
     finally:
         receiver.stop()
     assert status == 200 and calls == ["receiver.test"]

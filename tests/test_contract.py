@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from contract import frames
+from contract import frame_push as frames
 from contract.config import load_settings
 from contract.documents import job_document
 from contract.frame_shards import frame_pusher

@@ -10,7 +10,8 @@ import pytest
 import redis
 import torch
 
-from contract.frames import FrameHeader, RedisFrameSource, pack_frame, unpack_frame
+from contract.frame_source import RedisFrameSource
+from contract.frames import FrameHeader, pack_frame, unpack_frame
 from contract.keys import Keys
 from contract.models import ModelSpec
 from gpu_worker.model import BatchAssembler, ModelLoadError, load_model
@@ -152,7 +153,7 @@ def test_frames_of_any_size_come_back_whole_and_the_reader_recovers_from_errors(
 
 
 def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redis_client):
-    from contract.frames import requeue_frames_of
+    from contract.frame_source import requeue_frames_of
 
     keys = Keys("t")
     frames = [make_frame(f"job{i}", 2, 2, 0, 0) for i in range(3)]

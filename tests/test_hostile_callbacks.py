@@ -18,8 +18,8 @@ from bench.processes import ManagedProcess, callback_worker_argv
 from bench.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
 from contract.keys import Keys
+from tasks.callback_http import Deadline, DeliveryFailed, post_within
 from tasks.callback_slots import LAPSE_MARGIN_S, TenantSlots
-from tasks.callbacks import DeliveryFailed, post_to
 from tests.support import ApiServer, jpeg, wait_until
 
 DEADLINE_S = 3.0
@@ -38,7 +38,7 @@ def test_an_attempt_ends_at_its_deadline_whatever_the_receiver_does(mode, scheme
     started = time.monotonic()
     try:
         with pytest.raises(DeliveryFailed, match=f"did not answer within {DEADLINE_S:g} s"):
-            post_to(target, b"{}", {"Content-Type": "application/json"}, 10.0, 65536, deadline_s=DEADLINE_S)
+            post_within(target, b"{}", {"Content-Type": "application/json"}, Deadline(DEADLINE_S, 10.0), 65536)
         taken = time.monotonic() - started
         [visit] = wait_until(
             lambda: [v for v in tarpit.visits if v.closed is not None], 10, what="the tarpit to see the attempt hang up"

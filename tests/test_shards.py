@@ -17,8 +17,9 @@ import requests
 
 from app.services import services as api_services
 from bench.processes import RedisServer
-from contract import frames
-from contract.frame_shards import ShardedFrameSource, frame_pusher, requeue_sharded_frames_of
+from contract import frame_push as frames
+from contract.frame_shard_source import ShardedFrameSource, requeue_sharded_frames_of
+from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame, read_job_id
 from contract.jobs.ending import JobEnding
 from contract.jobs.handoff import JobHandOff

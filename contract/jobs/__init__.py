@@ -6,7 +6,7 @@
   fail, expire, the overdue sweep, a callback queued again.
 - `intake`: the API's `JobIntake`: a job stored with its upload and task, withdrawn when too few replicas hold it,
   or answered from the result cache with the admission in the same step.
-- `handoff`: the CPU workers' `JobHandOff`: the claim. (The frame's push is the frame list's: contract.frames.)
+- `handoff`: the CPU workers' `JobHandOff`: the claim. (The frame's push is the frame list's: contract.frame_push.)
 - `backlog`: the jobs and frames waiting per model (`queue_depths`).
 
 Each class registers its own Lua scripts; a process holds the one for its role (a class ends jobs as its base).

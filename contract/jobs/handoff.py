@@ -1,8 +1,8 @@
 """The CPU workers' hand-off: a worker claims a queued job and reads its upload, in one round trip.
 
-The claim carries a token of this attempt that the frame's push must show (contract.frames' FramePusher): a task
+The claim carries a token of this attempt that the frame's push must show (contract.frame_push's FramePusher): a task
 delivered twice is decoded once, and a late attempt (its worker presumed dead, the task claimed again) cannot push.
-What the worker does with the job then: push its frame (contract.frames), or end it (contract.jobs.ending).
+What the worker does with the job then: push its frame (contract.frame_push), or end it (contract.jobs.ending).
 """
 
 from __future__ import annotations
