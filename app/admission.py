@@ -1,13 +1,17 @@
-"""Admission: whether the API takes a new job now, for which model, and on which tenant's queue. The one place.
+"""Admission: whether the API takes a new request or job now, for which model, and on which tenant's queue. The
+one object the API asks is `Admission`; the Lua it runs is contract's (contract.budget's admit,
+contract.jobs.intake's `_ANSWER_OR_ADMIT`, contract.token_bucket).
 
-A submission meets `Admission` twice. Before its body is read (`before_body`): a request whose model and size
-are known (a `model=` query, or a body that is the image) is routed now and its bytes reserved, so an unknown
-model or a full backlog costs no upload. After (`admit`): routed if it was not, then admitted. Where the result
-cache may answer (contract.cache), the admission waits for the body: the lookup and, on a miss, the admission
-are one step in Redis (contract.jobs.intake's `_ANSWER_OR_ADMIT`), and a hit is a job ended already, admitted by
-nothing (it adds nothing to wait). The `Reservation` a submission holds says what was admitted, on which
-tenant's queue its job goes (the API key's own while a CPU worker takes them), and is given back if the job is
-not stored after all.
+A request meets `Admission` first for its rate (`limit_rate`, and `failed_authentication` for an address that
+failed to authenticate): a key over `auth.rate_per_s` is a 429. A submission then meets it twice. Before its body
+is read (`before_body`): a request whose model and size are known (a `model=` query, or a body that is the image)
+is routed now and its bytes reserved, so an unknown model or a full backlog costs no upload. After (`route_body`,
+then `admit`): routed if it was not, then admitted. Where the result cache may answer (contract.cache), the
+admission waits for the body: the lookup and, on a miss, the admission are one step in Redis, and a hit is a job
+ended already, admitted by nothing (it adds nothing to wait). The `Reservation` a submission holds says what was
+admitted, on which tenant's queue its job goes (the API key's own while a CPU worker takes them); `stored` hands
+its bytes to the stored job, `give_back` returns them if the job is not stored after all. Only `Admission`
+changes a reservation, through its methods.
 
 What is checked: one step in Redis (contract.budget's admit) checks a model's backlog (jobs waiting for a CPU or a
 GPU worker) and reserves the upload's bytes against the model's budget and the total. Over the backlog or the
@@ -21,15 +25,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 import redis
 
 from app import metrics
+from app.admission_readings import RedisMemory, ServedTenants
 from app.problems import Problem
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache
@@ -41,81 +43,11 @@ from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec, UnknownModel
 from contract.settings import Settings
 from contract.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_time_bill
+from contract.token_bucket import TokenBuckets
 
 log = logging.getLogger(__name__)
 
 MAX_RETRY_AFTER_S = 60  # also what a model with no GPU worker answering it gets
-LOOK_S = 1.0  # how stale Redis's memory figures and the served API keys may be: one read per process a second
-
-T = TypeVar("T")
-
-
-class ReadAtMostEvery(Generic[T]):
-    """A figure read from Redis at most once per `interval_s` in this process; calls in between, from any
-    thread, get the last reading (the first call reads)."""
-
-    def __init__(self, interval_s: float, read: Callable[[], T], initial: T) -> None:
-        self.interval_s, self.read = interval_s, read
-        self._lock = threading.Lock()
-        self._read_at = -math.inf
-        self._value = initial
-
-    def get(self) -> T:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._read_at < self.interval_s:
-                return self._value
-            self._read_at = now
-        value = self.read()
-        with self._lock:
-            self._value = value
-        return value
-
-
-class RedisMemory:
-    """Redis's used memory against its maxmemory, read at most once a second per process."""
-
-    def __init__(self, client: redis.Redis) -> None:
-        self.redis = client
-        self._share = ReadAtMostEvery(LOOK_S, self._read, 0.0)
-
-    def share(self) -> float:
-        """used_memory / maxmemory (0 when Redis has no maxmemory)."""
-        return self._share.get()
-
-    def _read(self) -> float:
-        info: Any = self.redis.info("memory")
-        limit = int(info.get("maxmemory") or 0)
-        return int(info.get("used_memory") or 0) / limit if limit else 0.0
-
-
-class ServedTenants:
-    """The API keys whose own CPU queues a live CPU worker takes (Keys.cpu_tenants, refreshed by the
-    workers' heartbeats), read at most once a second per process. A key added to the API's config before
-    the workers were restarted with it has no such worker: its jobs go to the shared queues meanwhile,
-    where they are served, rather than to queues nobody takes."""
-
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: float) -> None:
-        self.redis, self.keys, self.ttl_s = client, keys, ttl_s
-        self._served: ReadAtMostEvery[frozenset[str]] = ReadAtMostEvery(LOOK_S, self._read, frozenset())
-        self._warned: set[str] = set()
-
-    def served(self, tenant: str) -> bool:
-        if tenant in self._served.get():
-            return True
-        if tenant not in self._warned:  # a set's add is atomic: at worst two threads both warn once
-            self._warned.add(tenant)
-            log.warning(
-                "no live CPU worker takes API key %s's own queues (is its config older than the "
-                "API's?): its jobs share the common queues meanwhile",
-                tenant,
-            )
-        return False
-
-    def _read(self) -> frozenset[str]:
-        seen: Any = self.redis.hgetall(self.keys.cpu_tenants)
-        oldest = service_now() - self.ttl_s
-        return frozenset(key.decode() for key, at in seen.items() if float(at) >= oldest)
 
 
 @dataclass
@@ -130,13 +62,25 @@ class Reservation:
     cached: bool = False  # the result cache may answer it: admitted with the lookup
     tenant: str = ""  # whose CPU queue: the key's own, or "" (the shared ones)
 
-    def stored(self) -> None:
-        """Its job is stored and holds the bytes now: whatever ends the job gives them back."""
+    # Its state changes only here, each method one event of its life; Admission calls them.
+
+    def route_to(self, spec: ModelSpec, cached: bool = False) -> None:
+        """Routed to `spec`; `cached`: the result cache may answer it (its lookup admits it)."""
+        self.spec, self.cached = spec, cached
+
+    def admit(self, request: budget.AdmissionRequest) -> None:
+        """The budgets took `request`: its bytes are reserved, its job goes on `request.tenant`'s queue."""
+        self.size, self.tenant, self.admitted = request.size, request.tenant, True
+
+    def release(self) -> None:
+        """Its bytes are no longer this reservation's to give back: a stored job holds them, or they were given
+        back."""
         self.size = 0
 
 
 class Admission:
-    """Routing, the reservation, the result cache's lookup, and the verdicts of the budgets, for one API process."""
+    """What the API asks before it takes a request or a job, for one API process: the rate limit, routing, the
+    reservation, the result cache's lookup or the admission, and the budgets' verdict (settled into a problem)."""
 
     def __init__(
         self,
@@ -152,6 +96,39 @@ class Admission:
         self.waiting = budget.WaitingBytes(client, keys)
         self.memory = RedisMemory(client)
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
+        self.buckets = TokenBuckets(client)
+
+    def limit_rate(self, client_id: str) -> None:
+        """A token from the key's bucket (`auth.rate_per_s`, `auth.burst`), or a 429: the key is over its rate."""
+        auth = self.settings.auth
+        if auth.rate_per_s <= 0:
+            return
+        taken = self.buckets.take(self.keys.rate_bucket(client_id), auth.rate_per_s, auth.burst)
+        if not taken.allowed:
+            raise Problem(
+                429,
+                "rate-limited",
+                "Too many requests",
+                f"key {client_id!r} is over {auth.rate_per_s:g} requests/s",
+                headers={"Retry-After": str(max(1, math.ceil(taken.retry_after_ms / 1000)))},
+            )
+
+    def failed_authentication(self, address: str) -> Problem | None:
+        """A failed authentication from `address` counted (`auth.failed_per_s`, `auth.failed_burst`): each address
+        may fail only so often (300 guesses ran at 480/s, all 401). The 429 to answer instead once it is over."""
+        auth = self.settings.auth
+        if auth.failed_per_s <= 0:
+            return None
+        taken = self.buckets.take(self.keys.auth_failures(address), auth.failed_per_s, auth.failed_burst)
+        if taken.allowed:
+            return None
+        return Problem(
+            429,
+            "too-many-failed-authentications",
+            "Too many requests",
+            "this address failed to authenticate too often; retry later",
+            headers={"Retry-After": str(max(1, math.ceil(taken.retry_after_ms / 1000)))},
+        )
 
     def route(self, reference: str | None) -> ModelSpec:
         """The model `model=reference` reaches (None: the default); 404 when none does."""
@@ -172,7 +149,7 @@ class Admission:
         if declared is not None and not model_in_form:
             spec = self.route(reference)
             if self.cache.enabled_for(spec):
-                reservation.spec = spec
+                reservation.route_to(spec)
             else:
                 self._take(reservation, spec, declared)
         return reservation
@@ -180,10 +157,8 @@ class Admission:
     def route_body(self, reservation: Reservation, reference: str | None, size: int, cache: bool | None) -> ModelSpec:
         """After the body: routed now if it was not (a model named in the form, or a body of unknown length), and
         admitted as it is unless the cache may answer it (`cache`: the request's option), whose lookup admits it."""
-        if reservation.spec is None:
-            reservation.spec = self.route(reference)
-        spec = reservation.spec
-        reservation.cached = cache is not False and self.cache.enabled_for(spec)
+        spec = reservation.spec if reservation.spec is not None else self.route(reference)
+        reservation.route_to(spec, cached=cache is not False and self.cache.enabled_for(spec))
         if not reservation.admitted and not reservation.cached:
             self._take(reservation, spec, size)
         return spec
@@ -209,7 +184,7 @@ class Admission:
             return outcome, answered, timings
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
         self._settle(spec, request, outcome)  # refused: the problem says by which limit
-        reservation.size, reservation.admitted = len(data), True
+        reservation.admit(request)
         fields.update(cache=MISS, cache_key=digest)
         return None
 
@@ -223,18 +198,24 @@ class Admission:
         except redis.RedisError:  # Redis away: the answer says so already; given back once it answers again
             log.warning("could not give back %d reserved bytes of model %s yet", size, key)
             self.waiting.release_later(key, size)
-        reservation.size = 0
+        reservation.release()
+
+    def stored(self, reservation: Reservation) -> None:
+        """Its job is stored and holds the bytes now (or its withdrawal gave them back): whatever ends the job
+        gives them back, not this reservation."""
+        reservation.release()
 
     def _take(self, reservation: Reservation, spec: ModelSpec, size: int) -> None:
         """Reserve `size` bytes for a new job of `spec`'s, or refuse with a problem."""
-        reservation.spec = spec
+        reservation.route_to(spec)
         request = self._request(reservation, spec, size)
         self._settle(spec, request, self.waiting.admit(*request))
-        reservation.size, reservation.admitted = size, True
+        reservation.admit(request)
 
     def _request(self, reservation: Reservation, spec: ModelSpec, size: int) -> budget.AdmissionRequest:
-        """What a new job of `spec`'s asks of the budgets, for its API key (whose queue, the reservation's tenant,
-        is decided here); a 503 at once while Redis is past `store_full_ratio` of its memory."""
+        """What a new job of `spec`'s asks of the budgets, for its API key (whose queue, the request's tenant, is
+        decided here and kept by the reservation once admitted); a 503 at once while Redis is past
+        `store_full_ratio` of its memory."""
         pressure = self.settings.backpressure
         if self.memory.share() >= pressure.store_full_ratio:
             raise Problem(
@@ -247,7 +228,6 @@ class Admission:
         tenant = reservation.client_id
         if tenant and not self.tenants.served(tenant):
             tenant = ""
-        reservation.tenant = tenant
         limit = self.settings.max_backlog(spec)
         share = max(1, int(limit * self.settings.auth.max_backlog_share)) if tenant else limit
         return budget.AdmissionRequest(
@@ -261,7 +241,7 @@ class Admission:
             share,
         )
 
-    def _settle(self, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.Admission) -> None:
+    def _settle(self, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.BudgetVerdict) -> None:
         """Nothing when `verdict` admitted the job; else the problem that says which limit refused it."""
         if verdict.verdict == budget.ADMITTED:
             return

@@ -19,7 +19,7 @@ from app.operations import Reply, operation
 from app.problems import Problem, job_lost
 from app.services import Services
 from app.services import services as current_services
-from app.submission import read_submission
+from app.submission import checked_callback_url, read_submission, submit_options, submit_query, wait_seconds
 from app.uploads import (
     check_image,
     declared_length,
@@ -28,18 +28,13 @@ from app.uploads import (
 )
 from app.waiters import expire_if_late, until_ended
 from contract import deadlines
-from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.clock import now as service_now
 from contract.connection import NotReplicated
 from contract.documents import (
-    Document,
     JobAccepted,
     JobDocument,
-    SubmitOptionsBase,
     job_document,
     model_ref,
-    submit_options_model,
-    submit_query_model,
     wait_query_model,
 )
 from contract.jobs.ending import LATE_ERROR, REDELIVER_QUEUED
@@ -54,30 +49,11 @@ from contract.jobs.record import (
     new_job_id,
     utc_iso,
 )
-from contract.models import ModelSpec, model_references
-from contract.sections import SettingsError
-from contract.settings import Settings
+from contract.models import ModelSpec
 from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
-
-
-def _submit_options(settings: Settings) -> type[SubmitOptionsBase]:
-    """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
-    `model` takes the names and name:version a request may reach."""
-    return submit_options_model(
-        max(settings.default_deadline_ms(spec) for spec in settings.models), tuple(model_references(settings))
-    )
-
-
-def _submit_query(settings: Settings) -> type[Document]:
-    """The options, and `wait` (the query only: it is about this request, not the job)."""
-    return submit_query_model(
-        max(settings.default_deadline_ms(spec) for spec in settings.models),
-        tuple(model_references(settings)),
-        settings.api.max_wait_s,
-    )
 
 
 @blueprint.post("")
@@ -100,8 +76,8 @@ def _submit_query(settings: Settings) -> type[Document]:
     description="Options may come as query parameters or, with a multipart body, as form fields. "
     "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "
     "within S seconds, else the 202 comes then.",
-    query=_submit_query,
-    body=lambda settings: image_body(settings, _submit_options(settings)),
+    query=submit_query,
+    body=lambda settings: image_body(settings, submit_options(settings)),
     replies={
         200: Reply(
             "With `wait`: the job ended within it (any end: `succeeded`, `failed`, `expired` "
@@ -123,7 +99,7 @@ def _submit_query(settings: Settings) -> type[Document]:
 def submit_job() -> tuple[Response, int, dict[str, str]]:
     services = current_services()
     # A misspelt query option (`maxdet=1`) was refused before this (app.queries), before the body is read.
-    wait_s = _wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
+    wait_s = wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
     declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
     # A long-poll and a body each hold this process's memory and a connection: counted (app.holds) before
     # anything is read, and refused at once past the client's or the process's bounds.
@@ -148,11 +124,11 @@ def _accept(
     services: Services, reservation: Reservation, wait_s: float, hold: BodyHold
 ) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
-    submit_options = _submit_options(settings)
-    data, declared_type, form = read_submission(request, settings.api, fields=submit_options.model_fields, hold=hold)
+    options_model = submit_options(settings)
+    data, declared_type, form = read_submission(request, settings.api, fields=options_model.model_fields, hold=hold)
     media_type = check_image(data, declared_type)
-    values = option_values(request.args, form, names=submit_options.model_fields)
-    options = validate_params(submit_options, values)
+    values = option_values(request.args, form, names=options_model.model_fields)
+    options = validate_params(options_model, values)
     spec = services.admission.route_body(reservation, options.model, len(data), options.cache)
     model_deadline_ms = settings.default_deadline_ms(spec)
     if options.deadline_ms and options.deadline_ms > model_deadline_ms:
@@ -164,7 +140,7 @@ def _accept(
             f"deadline_ms={options.deadline_ms}: {reason}",
             invalid_params=[{"name": "deadline_ms", "reason": reason}],
         )
-    callback_url = _checked_callback_url(options.callback_url, settings)
+    callback_url = checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
     job_id = services.store.bulk.new_job_id(new_job_id)  # on a shard not found down lately
@@ -208,9 +184,9 @@ def _accept(
                 reserved=reservation.size,
             )
         except NotReplicated:
-            reservation.stored()  # the job held its bytes, and its withdrawal gave them back
+            services.admission.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
             raise
-        reservation.stored()
+        services.admission.stored(reservation)
         log.info(
             "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
         )
@@ -278,7 +254,7 @@ def _accepted(
 )
 def get_job(job_id: str) -> Response:
     services = current_services()
-    wait_s = _wait_seconds(services.settings.api.max_wait_s)
+    wait_s = wait_seconds(services.settings.api.max_wait_s)
     if wait_s <= 0 or not is_job_id(job_id):
         record = expire_if_late(services.store, _load_owned(services, job_id))
     else:
@@ -353,36 +329,6 @@ def redeliver_callback(job_id: str) -> tuple[Response, int]:
     return jsonify(job_document(services.store.load(job_id) or record)), 202
 
 
-def _checked_callback_url(url: str | None, settings: Settings) -> str | None:
-    if not url:
-        return None
-    try:
-        secret = callback_secret(settings, g.get("client_id"))
-    except SettingsError:
-        secret = None
-    if not secret:
-        raise Problem(
-            400,
-            "callbacks-disabled",
-            "Callbacks disabled",
-            "no callback secret is configured for this deployment (callbacks.secret) or, with API "
-            "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)",
-        )
-    try:
-        check_callback_url(url, settings.callbacks.allow_hosts)
-    except CallbackRefused as exc:
-        # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
-        log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
-        raise Problem(
-            400,
-            "invalid-parameter",
-            "Invalid parameter",
-            f"callback_url: {exc.public}",
-            invalid_params=[{"name": "callback_url", "reason": exc.public}],
-        ) from exc
-    return url
-
-
 def _load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
@@ -392,8 +338,3 @@ def _load_owned(services: Services, job_id: str) -> JobRecord:
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record
-
-
-def _wait_seconds(max_wait_s: float) -> float:
-    given = option_values(request.args, names=("wait",))
-    return validate_params(wait_query_model(max_wait_s), given).wait or 0.0

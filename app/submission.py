@@ -1,20 +1,35 @@
-"""A submission's body: read whole within its limits (app.uploads), then the image from the raw body or from the
-form's `image` part, and the form's other fields (app.multipart's parser where it can, else Werkzeug's)."""
+"""A submission's request: its body read whole within its limits (app.uploads), then the image from the raw body or
+from the form's `image` part, and the form's other fields (app.multipart's parser where it can, else Werkzeug's);
+the options a submission may give, its callback_url checked, and the `wait` of a submission or a job read."""
 
 from __future__ import annotations
 
 import io
+import logging
 from collections.abc import Collection
 
-from flask import Request
+from flask import Request, g
+from flask import request as current_request
 from werkzeug.datastructures import MultiDict
 from werkzeug.exceptions import RequestEntityTooLarge
 
 from app.holds import BodyHold
 from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.problems import Problem
-from app.uploads import read_whole_body, refuse_unknown_fields
-from contract.settings import ApiSettings
+from app.uploads import option_values, read_whole_body, refuse_unknown_fields, validate_params
+from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
+from contract.documents import (
+    Document,
+    SubmitOptionsBase,
+    submit_options_model,
+    submit_query_model,
+    wait_query_model,
+)
+from contract.models import model_references
+from contract.sections import SettingsError
+from contract.settings import ApiSettings, Settings
+
+log = logging.getLogger("api")  # app.jobs' logger: a refused callback_url logs as before
 
 
 def read_submission(
@@ -86,3 +101,55 @@ def _refuse_unparsable_multipart(request: Request, body: bytes) -> None:
             f"the multipart body cannot be parsed: {reason}",
             invalid_params=[{"name": "image", "reason": reason}],
         ) from exc
+
+
+def submit_options(settings: Settings) -> type[SubmitOptionsBase]:
+    """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
+    `model` takes the names and name:version a request may reach."""
+    return submit_options_model(
+        max(settings.default_deadline_ms(spec) for spec in settings.models), tuple(model_references(settings))
+    )
+
+
+def submit_query(settings: Settings) -> type[Document]:
+    """The options, and `wait` (the query only: it is about this request, not the job)."""
+    return submit_query_model(
+        max(settings.default_deadline_ms(spec) for spec in settings.models),
+        tuple(model_references(settings)),
+        settings.api.max_wait_s,
+    )
+
+
+def checked_callback_url(url: str | None, settings: Settings) -> str | None:
+    if not url:
+        return None
+    try:
+        secret = callback_secret(settings, g.get("client_id"))
+    except SettingsError:
+        secret = None
+    if not secret:
+        raise Problem(
+            400,
+            "callbacks-disabled",
+            "Callbacks disabled",
+            "no callback secret is configured for this deployment (callbacks.secret) or, with API "
+            "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)",
+        )
+    try:
+        check_callback_url(url, settings.callbacks.allow_hosts)
+    except CallbackRefused as exc:
+        # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
+        log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
+        raise Problem(
+            400,
+            "invalid-parameter",
+            "Invalid parameter",
+            f"callback_url: {exc.public}",
+            invalid_params=[{"name": "callback_url", "reason": exc.public}],
+        ) from exc
+    return url
+
+
+def wait_seconds(max_wait_s: float) -> float:
+    given = option_values(current_request.args, names=("wait",))
+    return validate_params(wait_query_model(max_wait_s), given).wait or 0.0

@@ -71,7 +71,9 @@ ADMITTED, OVER_BACKLOG, OVER_MODEL_BYTES, OVER_ALL_BYTES = "admitted", "backlog"
 OVER_TENANT_BACKLOG = "tenant_backlog"
 
 
-class Admission(NamedTuple):
+class BudgetVerdict(NamedTuple):
+    """ADMIT_LUA's answer: whether the budgets took a new job, and the figures a refusal is explained with."""
+
     verdict: str  # ADMITTED, or which limit refused it
     backlog: int  # the model's jobs waiting (its CPU queues and its frame list); the tenant's own
     # (its CPU queue) when that refused it
@@ -79,7 +81,7 @@ class Admission(NamedTuple):
     all_bytes: int  # bytes every model has waiting
 
     @classmethod
-    def of(cls, reply: Any) -> Admission:
+    def of(cls, reply: Any) -> BudgetVerdict:
         """ADMIT_LUA's reply."""
         return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]))
 
@@ -140,7 +142,7 @@ class WaitingBytes:
         tenant: str = "",
         tenants: Sequence[str] = ("",),
         max_tenant_backlog: int | None = None,
-    ) -> Admission:
+    ) -> BudgetVerdict:
         """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it and
         both budgets allow it, in one step."""
         keys, args = admission_arguments(
@@ -149,7 +151,7 @@ class WaitingBytes:
                 model_key, size, max_backlog, max_model_bytes, max_all_bytes, tenant, tenants, max_tenant_backlog
             ),
         )
-        return Admission.of(self._admit(keys=keys, args=args))
+        return BudgetVerdict.of(self._admit(keys=keys, args=args))
 
     def release(self, model_key: str, size: int, client: Any = None) -> None:
         """Give back bytes reserved for a job that was not stored after all (in a pipeline: with it)."""

@@ -225,7 +225,7 @@ class JobIntake(JobEnding):
         cache_ttl_s: int,
         timings: Mapping[str, float],
         admission: budget.AdmissionRequest,
-    ) -> CacheHit | budget.Admission:
+    ) -> CacheHit | budget.BudgetVerdict:
         """One step for a job the result cache may answer. On a hit for `digest`: the job stored over already,
         with the cached result and `timings`, ended as any job ends (long-polls, callback); (its status, the
         result document as JSON text). The status is `expired`, without the result stored, when the hit came
@@ -263,7 +263,7 @@ class JobIntake(JobEnding):
             reply = self._answer_or_admit(keys=keys, args=args)
         if reply[0] == b"hit":
             return CacheHit(bytes(reply[1]).decode(), bytes(reply[2]).decode())
-        return budget.Admission.of(reply)
+        return budget.BudgetVerdict.of(reply)
 
     def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int, int]:
         """A registered script's EVALSHA, then WAIT on its connection (Replication.wait): (its reply, replicas

@@ -1,0 +1,50 @@
+"""A token bucket per name in Redis: the per-key request rate (`auth.rate_per_s`, `auth.burst`) and the failed
+authentications per address (`auth.failed_per_s`, `auth.failed_burst`). The API's admission (app.admission)
+asks it; an empty bucket is a 429 with Retry-After there."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import redis
+
+# KEYS[1] bucket hash; ARGV rate (tokens/s), burst. Returns {allowed, retry_after_ms}. The time is Redis's own
+# (TIME), and the refill's mark never moves back: with each API process's clock, a request that ran later
+# with an earlier time moved it back, and the same interval refilled twice (75 requests let through
+# against a bound of 50, from 50 connections at once).
+TAKE_TOKEN_LUA = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
+local tokens = tonumber(state[1]) or burst
+local at = tonumber(state[2]) or now
+if now < at then now = at end
+tokens = math.min(burst, tokens + (now - at) * rate)
+local allowed = 0
+if tokens >= 1 then
+  tokens = tokens - 1
+  allowed = 1
+end
+redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
+redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+if allowed == 1 then return {1, 0} end
+return {0, math.ceil((1 - tokens) / rate * 1000)}
+"""
+
+
+class Taken(NamedTuple):
+    allowed: bool
+    retry_after_ms: int  # 0 when allowed
+
+
+class TokenBuckets:
+    """The buckets in one Redis."""
+
+    def __init__(self, client: redis.Redis) -> None:
+        self._take = client.register_script(TAKE_TOKEN_LUA)
+
+    def take(self, bucket: str, rate_per_s: float, burst: float) -> Taken:
+        """One token from `bucket` (refilled at `rate_per_s` up to `burst`), in one step."""
+        reply: Any = self._take(keys=[bucket], args=[rate_per_s, burst])
+        return Taken(bool(reply[0]), int(reply[1]))
