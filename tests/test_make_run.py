@@ -20,17 +20,15 @@ from bench.stack import ProcfileStack, StackOptions
 from contract.keys import Keys
 from tests.support import jpeg
 
-STARTUP_S = 15.0  # tools.procfile's default: a process ending sooner stops everything
-
 
 @pytest.fixture(scope="module")
 def make_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcfileStack]:
-    started = time.monotonic()
     stack = ProcfileStack(
         tmp_path_factory.mktemp("make-run"), StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})
     ).start()
-    # Past the supervisor's start-up window, where a process that ends stops everything instead of restarting.
-    time.sleep(max(0.0, started + STARTUP_S + 1 - time.monotonic()))
+    # Until the service is ready, a process that ends stops everything instead of restarting. The supervisor
+    # (run-local's --ready-url) ends that window when /readyz first answers it, and says so after: the ready line.
+    wait_until(lambda: "make run: ready at " in supervisor_log(stack), 60, what="make run's ready line")
     yield stack
     stack.stop()
 

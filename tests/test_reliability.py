@@ -4,6 +4,7 @@ backpressure and bad input. Real processes, real signals."""
 from __future__ import annotations
 
 import io
+import math
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import yaml
 from PIL import Image
 
 from app.services import services as api_services
-from bench.processes import ManagedProcess, python_argv
+from bench.processes import ManagedProcess, RedisServer, python_argv
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import EXPIRED, PREPROCESSING, QUEUED_GPU, TERMINAL
 from tests.support import encode, jpeg, make_image, wait_until
@@ -106,7 +107,13 @@ def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
             assert [d["status"] for d in docs] == ["succeeded"] * 4, docs
             assert stack.redis.llen(stack.keys.processing("killable-gpu", stack.settings.model.key)) == 0
             first = [d["batch"]["id"] for d in docs]
-            time.sleep(0.5)
+            # A frame taken twice (requeued and left in a list too) would be answered again after these answers:
+            # a job submitted now is answered only after every frame ahead of it, as the list is first in, first
+            # out and its batches are answered in the order they were taken. Once it is, nothing is left to
+            # rewrite one of the four.
+            later = stack.wait_terminal(stack.submit_ok(jpeg(320, 240, seed=attempt * 10 + 9)), timeout_s=90)
+            assert later["status"] == "succeeded" and later["batch"]["seq"] > max(d["batch"]["seq"] for d in docs)
+            assert stack.redis.llen(stack.frames_key) == 0 and stack.redis.llen(held) == 0
             assert [stack.job(j)["batch"]["id"] for j in ids] == first  # one answer each, never rewritten
             restarted.stop()
     finally:
@@ -212,7 +219,7 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     assert stack.submit(jpeg(160, 120)).status_code == 202  # back to normal by itself
 
 
-def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis_server, tmp_path):
+def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(tmp_path, request):
     """A CPU worker holding a frame for a full list waits (the bound holds, the frame is kept), then pushes
     it stamped at that moment: the wait is billed `backpressure`, and the frame does not reach the GPU
     worker looking a window late."""
@@ -222,11 +229,14 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     from contract.keys import Keys
     from tasks.preprocess import Preprocessor
 
+    # A Redis of its own: the test counts the worker's looks at the list in the server's command counts.
+    server = RedisServer(tmp_path)
+    request.addfinalizer(server.stop)
     config = tmp_path / "config.yaml"
     config.write_text(
         yaml.safe_dump(
             {
-                "redis_url": redis_server.url.rsplit("/", 1)[0] + "/4",
+                "redis_url": server.url,
                 "namespace": "waitroom",
                 "backpressure": {"max_frames": 2},
             }
@@ -245,7 +255,16 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(redis
     worker = threading.Thread(target=lambda: outcome.append(Preprocessor(settings, connect(settings)).run("e" * 32)))
     worker.start()
     wait_until(lambda: store.load("e" * 32)["status"] == PREPROCESSING, 30, what="the job to be claimed")
-    time.sleep(0.4)  # the wait under test, not a synchronisation
+
+    def lengths_read() -> int:
+        return int(client.info("commandstats").get("cmdstat_llen", {}).get("calls", 0))
+
+    # The wait under test: refused, the worker reads the list's length every room_poll_s, each read a moment it
+    # could have pushed past the bound or given up. Counted from the claim (the test reads no length until the
+    # assert below), less one the push's own script may make: `looks` reads after its refusal, so at least
+    # `looks` sleeps, 0.4 s, holding its frame.
+    looks, since_claim = math.ceil(0.4 / settings.backpressure.room_poll_s), lengths_read()
+    wait_until(lambda: lengths_read() - since_claim >= 1 + looks, 30, what=f"the worker to look for room {looks} times")
     assert client.llen(frames) == 2 and not outcome  # still holding its frame: the bound holds
     room_made_at = time.time()
     client.rpop(frames)
