@@ -214,7 +214,10 @@ def _finished(
     record = record or services.store.load(job_id)
     if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
         return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
-    services.store.confirm_durable()  # an end a failover could take back is not shown
+    try:
+        services.store.confirm_durable()  # an end a failover could take back is not shown
+    except redis.RedisError:  # AnswerNotReplicated, Unconfirmed: the job itself is stored; a 503 would hide its id
+        return _accepted(job_id, spec, {RECEIVED_AT: record.get(RECEIVED_AT, g.received_at)}, QUEUED)
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
@@ -334,7 +337,11 @@ def _load_owned(services: Services, job_id: str) -> JobRecord:
     that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
     record = services.store.load(job_id) if is_job_id(job_id) else None
     if record is None and (issued := lost_at(job_id, services.settings.jobs.ttl_s)) is not None:
-        raise job_lost(job_id, utc_iso(issued))
+        # Behind Sentinel, "lost" only once a connection the Sentinels' primary answers on still lacks it: an
+        # idle connection left on a replaced primary would say 410 for a job the new one holds (503 then).
+        services.store.confirm_durable()
+        if (record := services.store.load(job_id)) is None:
+            raise job_lost(job_id, utc_iso(issued))
     if record is None or not owns(record):
         raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
     return record

@@ -185,7 +185,7 @@ class CallbackSettings:
     jitter: float = 0.2  # each wait drawn within +-20% of that, so receivers coming back are not stampeded
     timeout_s: float = 5.0  # the longest one wait (connect, a read, a write) of an attempt
     # An attempt whole: the host's lookup, connecting, TLS, sending, the answer's headers and body. A receiver that
-    # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callbacks).
+    # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callback_http).
     deadline_s: float = 10.0
     # Attempts one tenant (its API key; without keys, the receiving host) may have in flight across every callback
     # worker; its others wait in Redis, holding no thread, until one ends. Its slow receivers hold this many of

@@ -51,6 +51,11 @@ def test_a_deadline_past_the_last_iso_date_is_shown_as_that_date_not_a_failed_re
     document = job_document({"id": "j" * 32, "status": "running", "received_at": 0.0, "deadline_at": 1e12})
     assert document["deadline_at"] == "9999-12-31T23:59:59.000Z"
     assert document["created_at"] == "1970-01-01T00:00:00.000Z"
+    for odd in (-1e12, float("nan")):
+        assert (
+            job_document({"id": "j" * 32, "status": "queued", "received_at": odd})["created_at"]
+            == "1970-01-01T00:00:00.000Z"
+        )
 
 
 def test_the_lua_judgement_is_the_same_as_pythons(redis_client: redis.Redis):

@@ -147,16 +147,14 @@ def is_job_id(text: str) -> bool:
 
 
 # The last moment an ISO date can name (9999-12-31T23:59:59Z): a stored moment past it (a test's "never", a
-# hand-edited record) is shown as it, not a 500 on the read or a callback that can never be built.
+# hand-edited record) is shown as it, one before 1970 or not a number as 1970: never a 500 on the read or a
+# callback that can never be built.
 LAST_ISO_MOMENT = 253402300799.0
 
 
 def utc_iso(epoch: float) -> str:
-    return (
-        datetime.fromtimestamp(min(epoch, LAST_ISO_MOMENT), UTC)
-        .isoformat(timespec="milliseconds")
-        .replace("+00:00", "Z")
-    )
+    moment = min(epoch, LAST_ISO_MOMENT) if epoch >= 0 else 0.0  # NaN compares False: 1970
+    return datetime.fromtimestamp(moment, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 class JobStore:
