@@ -126,7 +126,7 @@ def test_a_store_near_its_maxmemory_is_said_to_be_full_with_no_exception_text(fu
                 client.set(f"filler:{i}", filler)
             except redis.exceptions.OutOfMemoryError:
                 break
-        # The API reads Redis's memory at most once a second (app.admission_readings' RedisMemory): until it has seen it.
+        # The API reads Redis's memory at most once a second (app.admission_readings.RedisMemory): until it saw it.
         wait_until(lambda: memory.share() >= full, 10, what="the API to read Redis's memory as full")
         response = requests.post(
             stack.url("/v1/jobs"),
