@@ -158,7 +158,9 @@ def test_a_write_held_only_by_a_replica_the_sentinels_see_down_is_not_acknowledg
     try:
         redis.Redis(host="127.0.0.1", port=linked.port).replicaof("127.0.0.1", primary.port)
         client = redis.Redis(host="127.0.0.1", port=primary.port)
-        wait_until(lambda: any(int(port) == linked.port for _, port, _ in client.role()[2]), 10, what="the link")
+        linked_client = redis.Redis(host="127.0.0.1", port=linked.port)
+        wait_until(lambda: linked_client.info("replication")["master_link_status"] == "up", 10, what="the link")
+        wait_until(lambda: any(int(port) == linked.port for _, port, _ in client.role()[2]), 10, what="the sync")
         here, linked_at, away_at = (("127.0.0.1", server.port) for server in (primary, linked, away))
 
         def replication(up: list[tuple[str, int]], down: list[tuple[str, int]]) -> Replication:
@@ -167,11 +169,12 @@ def test_a_write_held_only_by_a_replica_the_sentinels_see_down_is_not_acknowledg
             durable = DurableWrites([FakeSentinel(here, states) for _ in range(3)], "imgserve", min_replicas=1)
             durable._ensure_running = lambda: None  # type: ignore[method-assign]  # refreshed by hand here
             durable.refresh()
-            return Replication(replicas=1, timeout_ms=300, durable=durable)
+            return Replication(replicas=1, timeout_ms=2000, durable=durable)
 
         replies, acknowledged, wanted = replication(up=[away_at], down=[linked_at]).wait(client, [("SET", "k", "1")])
         assert replies == [b"OK"] and wanted == 1
         assert acknowledged == 0  # WAIT alone said 1: the linked replica, which the Sentinels would not promote
+        assert linked_client.get("k") == b"1" and redis.Redis(host="127.0.0.1", port=away.port).get("k") is None
         replies, acknowledged, wanted = replication(up=[linked_at], down=[away_at]).wait(client, [("SET", "k", "2")])
         assert (replies, acknowledged, wanted) == ([b"OK"], 1, 1)  # the replica they would promote holds it
     finally:

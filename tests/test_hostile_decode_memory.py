@@ -137,7 +137,9 @@ def test_rle_commands_past_the_limit_are_refused_while_decoding():
     with pytest.raises(ImageDecodeError) as caught:
         decode_image(flood, 320, 80_000_000)
     assert caught.value.code == "image_too_complex" and "decode.max_rle_commands" in str(caught.value)
-    assert time.process_time() - started < 2.0
+    # Refused past the limit, not decoded to the end: the limit's commands cost ~0.5 s alone (2.3 s under the
+    # suite's coverage on a busy machine), the whole flood ten times that; a CPU-time bound between the two.
+    assert time.process_time() - started < 6.0
     tight = DEFAULT_LIMITS.__class__(**{**DEFAULT_LIMITS.__dict__, "max_rle_commands": 10})
     honest = hostile.bmp_rle(8, 2, b"\x08\x01\x00\x00\x04\x02\x00\x04abcd\x00\x01")
     assert decode_image(honest, 32, 10**8)[1] == (8, 2)

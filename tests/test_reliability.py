@@ -249,7 +249,8 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(tmp_p
     store = JobIntake(client, keys, ttl_s=60)
     frames = keys.frames(settings.model.key)
     now = time.time()
-    store.create("e" * 32, jpeg(160, 120), 60, {"deadline_at": now + 60, "received_at": now, "submitted_at": now})
+    fields = {"model": settings.model.key, "deadline_at": now + 60, "received_at": now, "submitted_at": now}
+    store.create("e" * 32, jpeg(160, 120), 60, fields)
     client.lpush(frames, b"filler-1", b"filler-2")
     outcome: list[str] = []
     worker = threading.Thread(target=lambda: outcome.append(Preprocessor(settings, connect(settings)).run("e" * 32)))
