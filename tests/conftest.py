@@ -25,6 +25,7 @@ from tests.support import (
     ApiServer,
     ManagedProcess,
     RedisServer,
+    answers_200,
     build_content_box_model,
     callback_worker_argv,
     celery_argv,
@@ -290,17 +291,10 @@ def gunicorn_api(stack: Stack) -> Iterator[GunicornApi]:
         stack.log_dir,
     )
     api = GunicornApi(process, port)
-    wait_until(lambda: _answers(api.url + "/healthz") or not process.alive(), 60, what="gunicorn to answer")
+    wait_until(lambda: answers_200(api.url + "/healthz") or not process.alive(), 60, what="gunicorn to answer")
     assert process.alive(), process.log_tail()
     yield api
     process.stop()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
+import requests
 from PIL import Image, ImageDraw
 
 from bench.hostile_files import jpeg_segments, scan_bomb  # noqa: F401   (the scan bomb's tests use them)
@@ -182,3 +183,12 @@ def run_schemathesis(base_url: str, *extra: str) -> subprocess.CompletedProcess:
         cwd=REPO_ROOT,  # the config's hooks path
         env={**os.environ, "NO_COLOR": "1", "SCHEMATHESIS_HOOKS": ""},
     )
+
+
+def answers_200(url: str) -> bool:
+    """Whether `url` answers 200 now: a poll's predicate while a server starts (anything else, or no answer, is
+    not yet)."""
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False

@@ -24,7 +24,7 @@ from app.problems import Problem
 from bench.processes import ManagedProcess, free_port, python_argv
 from contract.jobs.record import CANCELLED, QUEUED
 from contract.settings import ApiSettings
-from tests.support import jpeg, wait_until
+from tests.support import answers_200, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -112,17 +112,10 @@ def keyed_api(stack, tmp_path_factory) -> Iterator[KeyedApi]:
         workdir,
     )
     api = KeyedApi(f"http://127.0.0.1:{port}", port, process)
-    wait_until(lambda: _answers(api.url + "/healthz") or not process.alive(), 60, what="the keyed gunicorn")
+    wait_until(lambda: answers_200(api.url + "/healthz") or not process.alive(), 60, what="the keyed gunicorn")
     assert process.alive(), process.log_tail()
     yield api
     process.stop()
-
-
-def _answers(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).status_code == 200
-    except requests.RequestException:
-        return False
 
 
 def live_job(stack, owner: str) -> str:

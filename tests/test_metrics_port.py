@@ -8,16 +8,9 @@ import re
 import pytest
 import requests
 
-from tests.support import ManagedProcess, free_port, python_argv, wait_until
+from tests.support import ManagedProcess, answers_200, free_port, python_argv, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-def _answers(url: str) -> bool:
-    try:
-        return requests.get(url, timeout=2).status_code == 200
-    except requests.ConnectionError:
-        return False
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +32,11 @@ def gunicorn_api(stack, tmp_path_factory):
     )
     base = f"http://127.0.0.1:{public}"
     wait_until(
-        lambda: _answers(base + "/healthz") and _answers(f"http://127.0.0.1:{internal}/metrics") or not process.alive(),
+        lambda: (
+            answers_200(base + "/healthz")
+            and answers_200(f"http://127.0.0.1:{internal}/metrics")
+            or not process.alive()
+        ),
         60,
         what="gunicorn with an internal metrics port",
     )

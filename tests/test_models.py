@@ -525,8 +525,7 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
     the config; requests in flight finish on the old ones). Nothing else restarts."""
     import signal
 
-    from tests.conftest import _answers
-    from tests.support import free_port
+    from tests.support import answers_200, free_port
 
     base = content_box_spec(tmp_path, 64)
     config = {
@@ -549,7 +548,7 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: _answers(url + "/healthz") or not api.alive(), 60, what="gunicorn to answer")
+        wait_until(lambda: answers_200(url + "/healthz") or not api.alive(), 60, what="gunicorn to answer")
 
         def routed() -> str:
             return requests.post(
