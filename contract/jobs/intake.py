@@ -84,10 +84,6 @@ class Replication(NamedTuple):
     def enabled(self) -> bool:
         return bool(self.replicas) or self.durable is not None
 
-    def wanted(self) -> int:
-        """Replicas the next promised write waits for (Unconfirmed when the Sentinels cannot say)."""
-        return self.replicas if self.durable is None else self.durable.wanted()
-
     def wait(self, client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int, int]:
         """`commands` on the primary, then WAIT for the wanted replicas: (replies, acknowledged, wanted). Behind
         Sentinel, the primary's ROLE just after the write and again after WAIT says *which* replicas hold it:
