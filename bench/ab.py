@@ -204,6 +204,8 @@ def markdown(
         if last:
             top = last["redis_per_image"]["top"]
             lines.append(f"- {name}: " + ", ".join(f"{command} {calls:g}" for command, calls in top.items()))
+            if usec := last["redis_per_image"].get("usec"):  # absent in a report from before it was read
+                lines.append("  - µs an image: " + ", ".join(f"{command} {us:g}" for command, us in usec.items()))
     return "\n".join(lines)
 
 

@@ -68,7 +68,33 @@ def add_commands(
     feed.add_argument("--no-redis-check", action="store_true", help="skip measuring Redis's own drain rate")
     feed.add_argument("--py-spy", type=Path, help="profile the worker with py-spy into this file (collapsed stacks)")
     feed.add_argument("--out", type=Path, default=Path(".bench") / "results")
-    return {"bound": cmd_bound, "nms": cmd_nms, "instructions": cmd_instructions, "feed": cmd_feed}
+    plane = sub.add_parser(
+        "plane",
+        help="the control plane's Redis per image, step by step (intake, cpu, gpu, read), and its ceiling: "
+        "images/s per control-plane core",
+    )
+    plane.add_argument("--images", type=int, default=1000)
+    plane.add_argument("--shards", type=int, default=1, help="bulk shards (uploads and frames off the control plane)")
+    plane.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients of the intake and read steps")
+    plane.add_argument("--base", help="a git ref run too, before this checkout (a worktree)")
+    plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
+    return {"bound": cmd_bound, "nms": cmd_nms, "instructions": cmd_instructions, "feed": cmd_feed, "plane": cmd_plane}
+
+
+def cmd_plane(args: argparse.Namespace) -> int:
+    from bench.plane import run
+
+    text, sides = run(args.images, args.shards, args.clients, args.base)
+    summary = {
+        name: {
+            "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
+            "total": vars(side["total"]),
+            "ended": side["ended"],
+        }
+        for name, side in sides.items()
+    }
+    print(text + f"\n\nFiles: {write_files(args.out, 'plane', text, {'title': 'bench plane', 'sides': summary})}")
+    return 0
 
 
 def cmd_bound(args: argparse.Namespace) -> int:

@@ -1,0 +1,339 @@
+"""`bench plane`: what the control plane's Redis spends on an image, step by step, and the ceiling that sets.
+
+The product's own processes (the API, a Celery CPU worker with events on, the GPU worker on a simulated device
+with no device time) run against a private Redis, and images too small to cost any decode (640x16 JPEGs: a frame
+of 8 KB) go through them in phases, so that Redis's own counters (`INFO cpu`'s main thread, `INFO commandstats`)
+read before and after each phase say what each step cost:
+
+1. intake: N submissions over HTTP (admission, the result cache's lookup, the upload, the record, the Celery
+   message), with no CPU worker running yet;
+2. cpu: a CPU worker started: Celery's consume, its ack emulation and events, the claim, the frame's push;
+3. gpu: the GPU worker started: its pops, the batches' one write each (the ends, the acks, the PUBLISH that wakes
+   long-polls), in full batches, as at the load the ceiling is about;
+4. read: each job read once, as a long-poll's wake does (one read of the record).
+
+Each phase is run alone, so idle chatter (heartbeats, sweeps, Celery's BRPOP timeouts) is priced into the phase
+it falls in; the report says how much of it there was. HTTP and decode cost the Redis nothing and are left to the
+whole-stack view (`bench run --stack local --shards 1`). `--base REF` runs the same phases on another checkout
+(a git worktree), one after the other, and prints both.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+import requests
+import yaml
+
+from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
+from bench.stack import api_env
+
+PHASES = ("intake", "cpu", "gpu", "read")
+
+
+@dataclass
+class RedisReading:
+    """One Redis's own counters at one moment."""
+
+    cpu_s: float  # its main thread's CPU (user + system), seconds
+    calls: dict[str, int]
+    usec: dict[str, int]
+
+    @classmethod
+    def of(cls, client: redis.Redis) -> RedisReading:
+        cpu: dict[str, Any] = client.info("cpu")
+        stats: dict[str, Any] = client.info("commandstats")
+        main = float(cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])) + float(
+            cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"])
+        )
+        names = {name.removeprefix("cmdstat_"): value for name, value in stats.items()}
+        return cls(
+            main,
+            {name: int(value["calls"]) for name, value in names.items() if name != "info"},
+            {name: int(value["usec"]) for name, value in names.items() if name != "info"},
+        )
+
+
+@dataclass
+class PhaseCost:
+    """What one phase cost one Redis, per image."""
+
+    us: float  # main-thread CPU
+    commands: float
+    by_command: dict[str, tuple[float, float]] = field(default_factory=dict)  # name: (calls, µs in it)
+
+    @classmethod
+    def between(cls, before: RedisReading, after: RedisReading, images: int) -> PhaseCost:
+        calls = {name: after.calls[name] - before.calls.get(name, 0) for name in after.calls}
+        by_command = {
+            name: (n / images, (after.usec[name] - before.usec.get(name, 0)) / images)
+            for name, n in sorted(calls.items(), key=lambda item: -item[1])
+            if n > 0
+        }
+        return cls((after.cpu_s - before.cpu_s) * 1e6 / images, sum(calls.values()) / images, by_command)
+
+
+def tiny_jpegs(count: int, seed: int = 1) -> list[bytes]:
+    """Distinct 640x16 JPEGs (each a different image: the result cache misses every one)."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    images = []
+    for _ in range(count):
+        buffer = io.BytesIO()
+        Image.new("RGB", (640, 16), (rng.randrange(256), rng.randrange(256), rng.randrange(256))).save(
+            buffer, "JPEG", quality=80
+        )
+        images.append(buffer.getvalue())
+    return images
+
+
+def _config(redis_url: str, shard_urls: list[str], images: int) -> dict[str, Any]:
+    room = images + 64
+    config: dict[str, Any] = {
+        "redis_url": redis_url,
+        "gpu_worker": {"device": "sim", "sim_latency_ms": {1: 0.1, 8: 0.1}},
+        # every image of a phase waits at once: budgets wide enough for all of them
+        "backpressure": {"max_frames": room, "max_backlog": room * 2},
+        "auth": {"max_backlog_share": 1.0},
+    }
+    if shard_urls:
+        config["bulk"] = {"redis_urls": shard_urls}
+    return config
+
+
+def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path) -> dict[str, Any]:
+    """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    control = RedisServer(workdir)
+    bulk = []
+    for index in range(shards):
+        folder = workdir / f"shard{index}"
+        folder.mkdir(exist_ok=True)
+        bulk.append(RedisServer(folder))
+    config_path = workdir / "config.yaml"
+    config_path.write_text(yaml.safe_dump(_config(control.url, [s.url for s in bulk], images)))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1", **api_env(port, 1, 64)}
+    for name in ("IMGSERVE_REDIS_URL", "PROMETHEUS_MULTIPROC_DIR"):
+        env.pop(name, None)
+    processes: list[ManagedProcess] = []
+    client = redis.Redis.from_url(control.url)
+    bulk_clients = [redis.Redis.from_url(s.url) for s in bulk]
+    payloads = tiny_jpegs(images)
+    session = requests.Session()
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=clients)
+    session.mount("http://", adapter)
+    costs: dict[str, PhaseCost] = {}
+    shard_costs: dict[str, PhaseCost] = {}
+    seconds: dict[str, float] = {}
+
+    def spawn(name: str, argv: list[str]) -> None:
+        processes.append(ManagedProcess(name, argv, env, workdir, root=root))
+
+    def measured(phase: str, work: Any) -> Any:
+        before = RedisReading.of(client)
+        shards_before = [RedisReading.of(c) for c in bulk_clients]
+        started = time.monotonic()
+        value = work()
+        seconds[phase] = time.monotonic() - started
+        costs[phase] = PhaseCost.between(before, RedisReading.of(client), images)
+        if bulk_clients:
+            after = [RedisReading.of(c) for c in bulk_clients]
+            per_shard = [PhaseCost.between(b, a, images) for b, a in zip(shards_before, after)]
+            shard_costs[phase] = PhaseCost(sum(p.us for p in per_shard), sum(p.commands for p in per_shard))
+        return value
+
+    try:
+        spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"))
+        wait_until(lambda: _answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
+
+        def submit(payload: bytes) -> str:
+            reply = session.post(url + "/v1/jobs", data=payload, headers={"Content-Type": "image/jpeg"}, timeout=30)
+            if reply.status_code != 202:
+                raise RuntimeError(f"submit answered {reply.status_code}: {reply.text[:300]}")
+            return str(reply.json()["id"])
+
+        with ThreadPoolExecutor(clients) as pool:
+            ids = measured("intake", lambda: list(pool.map(submit, payloads)))
+
+            def cpu_phase() -> None:
+                spawn(
+                    "cpu-worker",
+                    celery_argv(
+                        "worker",
+                        "-Q",
+                        "preprocess",
+                        "-c",
+                        "2",
+                        "--without-gossip",
+                        "--without-mingle",
+                        "--loglevel",
+                        "WARNING",
+                    ),
+                )
+                wait_until(
+                    lambda: _frames_waiting(bulk_clients or [client]) >= images,
+                    300,
+                    interval_s=0.2,
+                    what="every frame pushed",
+                )
+
+            measured("cpu", cpu_phase)
+
+            def gpu_phase() -> None:
+                spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", "plane-gpu"))
+                wait_until(lambda: _frames_answered(client) >= images, 300, interval_s=0.2, what="every frame answered")
+
+            measured("gpu", gpu_phase)
+
+            def read(job_id: str) -> str:
+                return str(session.get(f"{url}/v1/jobs/{job_id}", timeout=30).json()["status"])
+
+            statuses = measured("read", lambda: list(pool.map(read, ids)))
+        idle_before = RedisReading.of(client)
+        time.sleep(2.0)
+        idle = PhaseCost.between(idle_before, RedisReading.of(client), 1)
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        control.stop()
+        for shard in bulk:
+            shard.stop()
+    ended = {status: statuses.count(status) for status in set(statuses)}
+    total = _total([costs[phase] for phase in PHASES])
+    return {
+        "images": images,
+        "shards": shards,
+        "ended": ended,
+        "phases": {phase: costs[phase] for phase in PHASES},
+        "shard_phases": shard_costs,
+        "seconds": seconds,
+        "total": total,
+        "idle_per_s": idle,
+    }
+
+
+def _frames_waiting(clients: list[redis.Redis]) -> int:
+    """Frames in the models' lists, on these servers (one look at each a poll: nothing against the phase)."""
+    return sum(int(c.llen(key)) for c in clients for key in c.scan_iter(match="*:frames:*", count=100))
+
+
+def _frames_answered(client: redis.Redis) -> int:
+    """Frames the GPU workers have answered, from their counters."""
+    return sum(int(client.hget(key, "frames_total") or 0) for key in client.scan_iter(match="*:gpu:*:counters"))
+
+
+def _total(costs: list[PhaseCost]) -> PhaseCost:
+    """The phases' costs added up, command by command."""
+    total = PhaseCost(sum(c.us for c in costs), sum(c.commands for c in costs))
+    for cost in costs:
+        for name, (calls, us) in cost.by_command.items():
+            old_calls, old_us = total.by_command.get(name, (0.0, 0.0))
+            total.by_command[name] = (old_calls + calls, old_us + us)
+    return total
+
+
+def _answers(url: str, processes: list[ManagedProcess]) -> bool:
+    for process in processes:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} died:\n{process.log_tail()}")
+    try:
+        return requests.get(url, timeout=2).status_code == 200
+    except requests.RequestException:
+        return False
+
+
+def worktree(ref: str, into: Path) -> Path:
+    """A checkout of `ref` beside this one (git worktree, detached), for --base."""
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(into), ref], cwd=REPO_ROOT, check=True, capture_output=True
+    )
+    return into
+
+
+def report(sides: dict[str, dict[str, Any]]) -> str:
+    names = list(sides)
+    lines = [
+        "## The control plane per image (`bench plane`: Redis's own INFO, phase by phase)",
+        "",
+        f"{next(iter(sides.values()))['images']} images of 640x16 (no decode cost), "
+        f"{next(iter(sides.values()))['shards']} bulk shard(s); µs: the control plane's main-thread CPU.",
+        "",
+        "| step | " + " | ".join(f"{n}: µs | {n}: commands" for n in names) + " |",
+        "|---|" + "---|---|" * len(names),
+    ]
+    for phase in (*PHASES, "total"):
+        cells = []
+        for side in sides.values():
+            cost = side["total"] if phase == "total" else side["phases"][phase]
+            cells += [f"{cost.us:.0f}", f"{cost.commands:.1f}"]
+        lines.append(f"| {'**all**' if phase == 'total' else phase} | " + " | ".join(cells) + " |")
+    lines += ["", "| ceiling | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines.append(
+        "| images/s per control-plane core (100%) | "
+        + " | ".join(f"{1e6 / s['total'].us:,.0f}" for s in sides.values())
+        + " |"
+    )
+    lines.append(
+        "| images/s at 70% of it | " + " | ".join(f"{0.7e6 / s['total'].us:,.0f}" for s in sides.values()) + " |"
+    )
+    lines.append(
+        "| fast GPUs (1,333 images/s) fed at 70% | "
+        + " | ".join(f"{0.7e6 / s['total'].us / 1333:.1f}" for s in sides.values())
+        + " |"
+    )
+    if any(s["shard_phases"] for s in sides.values()):
+        lines.append(
+            "| the shards: µs, commands an image | "
+            + " | ".join(
+                f"{sum(c.us for c in s['shard_phases'].values()):.0f}, "
+                f"{sum(c.commands for c in s['shard_phases'].values()):.1f}"
+                for s in sides.values()
+            )
+            + " |"
+        )
+    lines.append(
+        "| idle: µs, commands a second | "
+        + " | ".join(f"{s['idle_per_s'].us:.0f}, {s['idle_per_s'].commands:.0f}" for s in sides.values())
+        + " |"
+    )
+    lines.append("| jobs ended | " + " | ".join(str(s["ended"]) for s in sides.values()) + " |")
+    for name, side in sides.items():
+        lines += ["", f"**{name}**, per step: command calls (µs in it, a script's including its calls') an image", ""]
+        for phase in PHASES:
+            top = list(side["phases"][phase].by_command.items())[:12]
+            lines.append(
+                f"- {phase} ({side['seconds'][phase]:.1f} s): "
+                + ", ".join(f"{n} {calls:.2f} ({us:.1f})" for n, (calls, us) in top)
+            )
+    return "\n".join(lines)
+
+
+def run(images: int, shards: int, clients: int, base: str | None) -> tuple[str, dict[str, Any]]:
+    scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
+    sides: dict[str, dict[str, Any]] = {}
+    try:
+        if base:
+            root = worktree(base, scratch / "base")
+            sides[f"base {base}"] = run_phases(root, images, shards, clients, scratch / "run-base")
+        sides["this checkout"] = run_phases(REPO_ROOT, images, shards, clients, scratch / "run-head")
+    finally:
+        if base:
+            subprocess.run(
+                ["git", "worktree", "remove", "--force", str(scratch / "base")], cwd=REPO_ROOT, capture_output=True
+            )
+        shutil.rmtree(scratch, ignore_errors=True)
+    return report(sides), sides
