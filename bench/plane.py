@@ -184,8 +184,9 @@ def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path
                         "WARNING",
                     ),
                 )
+                waiting = _Progress(bulk_clients or [client], "*:frames:*")
                 wait_until(
-                    lambda: _frames_waiting(bulk_clients or [client]) >= images,
+                    lambda: waiting.frames_waiting() >= images,
                     300,
                     interval_s=0.2,
                     what="every frame pushed",
@@ -195,7 +196,10 @@ def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path
 
             def gpu_phase() -> None:
                 spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", "plane-gpu"))
-                wait_until(lambda: _frames_answered(client) >= images, 300, interval_s=0.2, what="every frame answered")
+                answered = _Progress([client], "*:gpu:*:counters")
+                wait_until(
+                    lambda: answered.frames_answered() >= images, 300, interval_s=0.2, what="every frame answered"
+                )
 
             measured("gpu", gpu_phase)
 
@@ -226,14 +230,24 @@ def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path
     }
 
 
-def _frames_waiting(clients: list[redis.Redis]) -> int:
-    """Frames in the models' lists, on these servers (one look at each a poll: nothing against the phase)."""
-    return sum(int(c.llen(key)) for c in clients for key in c.scan_iter(match="*:frames:*", count=100))
+class _Progress:
+    """How far a phase is, looked up cheaply: the keys are found by SCAN once (a SCAN over every record at each
+    poll would be priced into the phase), then read by name."""
 
+    def __init__(self, clients: list[redis.Redis], pattern: str) -> None:
+        self.clients, self.pattern = clients, pattern
+        self.keys: list[tuple[redis.Redis, Any]] = []
 
-def _frames_answered(client: redis.Redis) -> int:
-    """Frames the GPU workers have answered, from their counters."""
-    return sum(int(client.hget(key, "frames_total") or 0) for key in client.scan_iter(match="*:gpu:*:counters"))
+    def found(self) -> list[tuple[redis.Redis, Any]]:
+        if not self.keys:
+            self.keys = [(c, key) for c in self.clients for key in c.scan_iter(match=self.pattern, count=1000)]
+        return self.keys
+
+    def frames_waiting(self) -> int:
+        return sum(int(c.llen(key)) for c, key in self.found())
+
+    def frames_answered(self) -> int:
+        return sum(int(c.hget(key, "frames_total") or 0) for c, key in self.found())
 
 
 def _total(costs: list[PhaseCost]) -> PhaseCost:
