@@ -49,8 +49,9 @@ local function admit(k, last, a)
   local sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0'))
   local backlog = redis.call('LLEN', KEYS[k]) + sharded + own
   for i = k + 4, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
-  local model_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 2], ARGV[a]) or '0'))
-  local all_bytes = math.max(0, tonumber(redis.call('HGET', KEYS[k + 2], '{ALL}') or '0'))
+  local waiting = redis.call('HMGET', KEYS[k + 2], ARGV[a], '{ALL}')
+  local model_bytes = math.max(0, tonumber(waiting[1] or '0'))
+  local all_bytes = math.max(0, tonumber(waiting[2] or '0'))
   local size = tonumber(ARGV[a + 1])
   if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes}} end
   if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes}} end

@@ -74,13 +74,10 @@ local function forget_digest(cache, digest)
   if charged > 0 then redis.call('DECRBY', cache.prefix .. 'bytes', charged) end
 end
 
-local function remember(cache, key, succeeded)
-  if cache.max <= 0 then return end
-  local digest = redis.call('HGET', key, 'cache_key')
-  if not digest or redis.call('HGET', key, 'status') ~= succeeded then return end
-  local result = redis.call('HGET', key, 'result')
-  local now = tonumber(redis.call('HGET', key, 'finished_at') or '0')
-  if not result then return end
+-- A job ending `succeeded` now: its `cache_key` (the digest; nil: no entry), the result and the moment written.
+local function remember(cache, digest, result, finished_at)
+  if cache.max <= 0 or not digest or not result then return end
+  local now = tonumber(finished_at) or 0
   local charged = #result + ENTRY_OVERHEAD
   if charged > cache.max then return end
   if not redis.call('SET', cache.prefix .. 'e:' .. digest, result, 'EX', cache.ttl, 'NX') then return end

@@ -20,10 +20,11 @@ from contract.keys import Keys
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 
 # What a push (here, and on a bulk shard: contract.frame_shards) checks and does, in the same commands either way.
-# live_job: the job's status, model and upload's bytes; a job gone or ended loses its upload (its bytes given
-# back) and nil says the frame may not stand. release_upload: the upload goes, its bytes given back (they left
-# with the frame). charge_frame: the frame's bytes wait in Redis now, until the GPU worker's batch write gives
-# them back (contract.budget).
+# live_job: the job's status, model, upload's bytes and claim, in one HMGET; a job gone or ended loses its upload
+# (its bytes given back) and nil says the frame may not stand. release_upload: the upload goes, its bytes given
+# back. trade_upload_for_frame: the upload goes and the frame's bytes wait in Redis instead, until the GPU worker's
+# batch write gives them back (contract.budget): one HINCRBY a counter for the difference, with the result
+# release_upload then a charge would give (the release stops at zero: the count is at least the frame's bytes).
 PUSH_LUA = (
     TERMINAL_LUA
     + RELEASE_LUA
@@ -33,18 +34,22 @@ local function release_upload(upload, waiting, model, upload_bytes)
 end
 
 local function live_job(job, upload, waiting)
-  local status = redis.call('HGET', job, 'status')
-  local model, upload_bytes = redis.call('HGET', job, 'model'), redis.call('HGET', job, 'bytes')
+  local was = redis.call('HMGET', job, 'status', 'model', 'bytes', 'claim')
+  local status, model, upload_bytes = was[1], was[2], was[3]
   if not status or TERMINAL[status] then
     release_upload(upload, waiting, model, upload_bytes)
     return nil
   end
-  return status, model, upload_bytes
+  return status, model, upload_bytes, was[4]
 end
 
-local function charge_frame(waiting, model, frame_bytes)
+local function trade_upload_for_frame(upload, waiting, model, upload_bytes, frame_bytes)
+  local change = frame_bytes
+  if redis.call('DEL', upload) == 1 then change = change - math.max(0, tonumber(upload_bytes) or 0) end
   for _, field in ipairs({{model or '', '{ALL}'}}) do
-    if field ~= '' then redis.call('HINCRBY', waiting, field, frame_bytes) end
+    if field ~= '' and redis.call('HINCRBY', waiting, field, change) < frame_bytes then
+      redis.call('HSET', waiting, field, frame_bytes)
+    end
   end
 end
 """
@@ -65,13 +70,9 @@ end
 _KEEP_PUSHED_FRAME = (
     PUSH_LUA
     + f"""
-local status, model, upload_bytes = live_job(KEYS[1], KEYS[3], KEYS[4])
-if not status then
-  redis.call('LTRIM', KEYS[2], 1, -1)
-  return {JOB_OVER}
-end
-local claim = redis.call('HGET', KEYS[1], 'claim')
-if status ~= '{PREPROCESSING}' or redis.call('EXISTS', KEYS[3]) == 0 or (claim and claim ~= ARGV[2]) then
+local status, model, upload_bytes, claim = live_job(KEYS[1], KEYS[3], KEYS[4])
+if not status or status ~= '{PREPROCESSING}' or (claim and claim ~= ARGV[2])
+    or redis.call('EXISTS', KEYS[3]) == 0 then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return {JOB_OVER}
 end
@@ -80,8 +81,7 @@ if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[1]) then
   return {LIST_FULL}
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-release_upload(KEYS[3], KEYS[4], model, upload_bytes)
-charge_frame(KEYS[4], model, tonumber(ARGV[3]))
+trade_upload_for_frame(KEYS[3], KEYS[4], model, upload_bytes, tonumber(ARGV[3]))
 return {PUSHED}
 """
 )

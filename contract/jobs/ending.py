@@ -51,16 +51,17 @@ local LATE_ERROR = '{LATE_ERROR}'
 local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
 """
     + """
-local function late_as_expired(key, fields)
+-- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
+-- its result. Returns the fields to write and the status and result they end the job with.
+local function late_as_expired(deadline, fields)
   local status, finished, result
   for i = 1, #fields, 2 do
     if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
     elseif fields[i] == 'result' then result = i end
   end
-  local deadline = tonumber(redis.call('HGET', key, 'deadline_at'))
-  if not status or fields[status + 1] ~= SUCCEEDED or not finished
-      or not deadline_passed(deadline, fields[finished + 1]) then
-    return fields
+  local ends_as = status and fields[status + 1]
+  if ends_as ~= SUCCEEDED or not finished or not deadline_passed(deadline, fields[finished + 1]) then
+    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1]
   end
   local kept = {}
   for i = 1, #fields, 2 do
@@ -71,7 +72,7 @@ local function late_as_expired(key, fields)
   end
   kept[#kept + 1] = 'error'
   kept[#kept + 1] = LATE_ERROR
-  return kept
+  return kept, EXPIRED, nil, nil
 end
 
 -- The names finish_jobs needs, from the FINISH_NAMES arguments at ARGV[i..] (JobEnding.finish_names).
@@ -80,20 +81,27 @@ local function finish_names(outbox, i)
           waiting = ARGV[i + 3], cache = cache_names(i + 4)}
 end
 
+-- What of a record ending it reads, in one HMGET (not one read a field: every command inside a script is one
+-- more for Redis's only thread, per job).
+local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
+
 local function finish_jobs(names, first_key, at)
-  local ended = 0
+  local ended, left = 0, {}
   for k = first_key, #KEYS do
     local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
-    local status = redis.call('HGET', key, 'status')
+    local was = redis.call('HMGET', key, unpack(READ_AT_END))
+    local status = was[1]
     if status and not TERMINAL[status] then
-      redis.call('HSET', key, unpack(late_as_expired(key, {unpack(ARGV, at + 2, at + 1 + count)})))
+      local fields, ends_as, result, finished = late_as_expired(tonumber(was[2]),
+                                                                {unpack(ARGV, at + 2, at + 1 + count)})
+      redis.call('HSET', key, unpack(fields))
       redis.call('EXPIRE', key, names.ttl)
-      remember(names.cache, key, SUCCEEDED)
+      if ends_as == SUCCEEDED then remember(names.cache, was[5], result, finished) end
       if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
-        release_waiting(names.waiting, redis.call('HGET', key, 'model'), redis.call('HGET', key, 'bytes'))
+        release_waiting(names.waiting, was[3], was[4])
       end
-      redis.call('ZREM', names.deadlines, job_id)
-      if redis.call('HEXISTS', key, 'callback_url') == 1 then
+      left[#left + 1] = job_id
+      if was[6] then
         redis.call('HSET', key, 'callback', PENDING_CALLBACK)
         redis.call('RPUSH', names.outbox, job_id)
         redis.call('PUBLISH', names.outbox, job_id)   -- wakes the callback relays (a channel of the same name)
@@ -103,6 +111,7 @@ local function finish_jobs(names, first_key, at)
     end
     at = at + 2 + count
   end
+  if #left > 0 then redis.call('ZREM', names.deadlines, unpack(left)) end   -- one call for all of them
   return ended
 end
 """

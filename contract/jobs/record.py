@@ -97,10 +97,11 @@ _ADVANCE = (
 local limit = tonumber(ARGV[1])
 local verdicts = {}
 for i, key in ipairs(KEYS) do
-  local status = redis.call('HGET', key, 'status')
+  local was = redis.call('HMGET', key, 'status', 'attempts')
+  local status = was[1]
   if not status or TERMINAL[status] then
     verdicts[i] = 0
-  elseif limit > 0 and tonumber(redis.call('HGET', key, 'attempts') or '0') >= limit then
+  elseif limit > 0 and tonumber(was[2] or '0') >= limit then
     verdicts[i] = -1
   else
     redis.call('HSET', key, unpack(ARGV, 2))
