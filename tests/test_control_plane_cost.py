@@ -1,0 +1,84 @@
+"""What each step of a job costs the control plane's Redis, counted by Redis itself (issue 58): a guard that a change
+to a step does not quietly add commands to every image. `bench plane` measures the same steps' µs under load."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from contract import frame_push as frames
+from contract.budget import ALL
+from contract.frame_shards import frame_pusher
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import RUNNING, SUCCEEDED
+from contract.keys import Keys
+
+# What a new connection sends before its first command: once a connection, not once an image.
+_CONNECTING = {"cmdstat_hello", "cmdstat_select", "cmdstat_client|setinfo", "cmdstat_client|setname"}
+
+
+def commands_of(client: redis.Redis, step: Callable[[], Any]) -> dict[str, int]:
+    """The commands Redis ran for `step` (a script's own calls counted, as INFO counts them), by name, less what
+    opening a connection sends."""
+    client.config_resetstat()
+    step()
+    stats: dict[str, Any] = client.info("commandstats")
+    return {
+        name.removeprefix("cmdstat_"): int(value["calls"])
+        for name, value in stats.items()
+        if name not in ("cmdstat_config|resetstat", "cmdstat_info", *_CONNECTING)
+    }
+
+
+def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands(redis_client):
+    keys = Keys("cost")
+    intake = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
+    job = "c0" * 16
+    redis_client.hset(keys.waiting_bytes, mapping={"m:1": 6, ALL: 6})  # the upload's bytes, as admission counted
+    for step in (handoff._claim, intake._advance, intake._finish):  # loaded once, as a running worker has them
+        redis_client.script_load(step.script)
+
+    create = commands_of(
+        redis_client,
+        lambda: intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12}, ("q", b"m")),
+    )
+    # the upload, then MULTI HSET EXPIRE ZADD LPUSH EXEC
+    assert sum(create.values()) == 7, create
+
+    claim = commands_of(redis_client, lambda: handoff.claim_for_preprocessing(job, 100.0, "mine"))
+    # GET (the upload), EVALSHA (HMGET, HSET), HGETALL: was GET, EVALSHA (HGET, HGET, HSET, HGETALL)
+    assert sum(claim.values()) == 5 and claim["hmget"] == 1 and "hget" not in claim, claim
+
+    push = commands_of(redis_client, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
+    # MULTI LPUSH EVAL (HMGET EXISTS LLEN HSET DEL HINCRBY x2) EXEC: was 17, a read and a counter move a field
+    assert sum(push.values()) == 11 and push["hincrby"] == 2 and "hget" not in push, push
+
+    running = commands_of(redis_client, lambda: intake.advance_many([job], RUNNING, 3))
+    assert sum(running.values()) == 3, running  # EVALSHA (HMGET, HSET)
+
+    ended = commands_of(redis_client, lambda: intake.finish(job, SUCCEEDED, {"result": {"detections": []}}))
+    # EVALSHA (HMGET, HSET, EXPIRE, DEL, ZREM, PUBLISH): the record read once, no callback, no cache key
+    assert sum(ended.values()) == 7 and ended["hmget"] == 1 and "hget" not in ended, ended
+    assert intake.load(job)["status"] == SUCCEEDED
+
+
+def test_the_push_trades_the_uploads_bytes_for_the_frames_as_a_release_then_a_charge_would(redis_client):
+    """One HINCRBY a counter for the difference, with the result the two steps gave: the release stops at zero (a
+    count that drifted below the upload's bytes), the frame's bytes are charged in full."""
+    keys = Keys("trade")
+    intake = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
+    for job, counted in (("a" * 32, 1000), ("b" * 32, 30)):  # counted: the waiting bytes before the push
+        redis_client.delete(keys.waiting_bytes)
+        redis_client.hset(keys.waiting_bytes, mapping={"m:1": counted, ALL: counted + 5})
+        intake.create(job, b"u" * 100, 60, {"model": "m:1", "bytes": 100, "deadline_at": 1e12})
+        assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
+        assert pusher.push(job, "m:1", b"f" * 40, 10, {}, "c") == frames.PUSHED
+        waiting = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.waiting_bytes).items()}
+        assert waiting == {"m:1": max(0, counted - 100) + 40, ALL: max(0, counted + 5 - 100) + 40}, (job, waiting)
