@@ -11,6 +11,7 @@
   python -m bench hostile --attack slow-callbacks --duration 60   # one tenant's tarpit, another's callbacks
   python -m bench bound --qps 18,28                         # the floor the device profile allows
   python -m bench feed --device sim --profile fast,story    # the GPU worker alone vs the device's limit
+  python -m bench plane --images 1500 --shards 1 --base HEAD~1  # the control plane's Redis per image, per step
   python -m bench run --stack local --profile fast --closed 32 --open-qps ''   # make run's stack vs the decode floor
   python -m bench ab --base HEAD~1 --profile fast --closed 32 --rounds 3     # two builds, runs alternating
   python -m bench instructions --role api,cpu-task --base HEAD~1  # instructions per request / task, two builds
