@@ -26,9 +26,7 @@ import random
 import shutil
 import subprocess
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -36,52 +34,11 @@ import redis
 import requests
 import yaml
 
+from bench.plane_meter import InstructionCounter, PhaseCost, PhaseMeter
 from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
 from bench.stack import api_env
 
 PHASES = ("intake", "cpu", "gpu", "read")
-
-
-@dataclass
-class RedisReading:
-    """One Redis's own counters at one moment."""
-
-    cpu_s: float  # its main thread's CPU (user + system), seconds
-    calls: dict[str, int]
-    usec: dict[str, int]
-
-    @classmethod
-    def of(cls, client: redis.Redis) -> RedisReading:
-        cpu: dict[str, Any] = client.info("cpu")
-        stats: dict[str, Any] = client.info("commandstats")
-        main = float(cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])) + float(
-            cpu.get("used_cpu_sys_main_thread", cpu["used_cpu_sys"])
-        )
-        names = {name.removeprefix("cmdstat_"): value for name, value in stats.items()}
-        return cls(
-            main,
-            {name: int(value["calls"]) for name, value in names.items() if name != "info"},
-            {name: int(value["usec"]) for name, value in names.items() if name != "info"},
-        )
-
-
-@dataclass
-class PhaseCost:
-    """What one phase cost one Redis, per image."""
-
-    us: float  # main-thread CPU
-    commands: float
-    by_command: dict[str, tuple[float, float]] = field(default_factory=dict)  # name: (calls, µs in it)
-
-    @classmethod
-    def between(cls, before: RedisReading, after: RedisReading, images: int) -> PhaseCost:
-        calls = {name: after.calls[name] - before.calls.get(name, 0) for name in after.calls}
-        by_command = {
-            name: (n / images, (after.usec[name] - before.usec.get(name, 0)) / images)
-            for name, n in sorted(calls.items(), key=lambda item: -item[1])
-            if n > 0
-        }
-        return cls((after.cpu_s - before.cpu_s) * 1e6 / images, sum(calls.values()) / images, by_command)
 
 
 def tiny_jpegs(count: int, seed: int = 1) -> list[bytes]:
@@ -113,10 +70,16 @@ def _config(redis_url: str, shard_urls: list[str], images: int) -> dict[str, Any
     return config
 
 
-def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path) -> dict[str, Any]:
-    """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image."""
+def run_phases(
+    root: Path, images: int, shards: int, clients: int, workdir: Path, instructions: bool = False
+) -> dict[str, Any]:
+    """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image
+    (`instructions`: its Redis under callgrind, its instructions counted too)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    control = RedisServer(workdir)
+    counter = InstructionCounter(workdir) if instructions else None
+    control = RedisServer(workdir, wrapper=counter.wrapper() if counter else ())
+    if counter:
+        counter.pid = control.process.pid
     bulk = []
     for index in range(shards):
         folder = workdir / f"shard{index}"
@@ -136,25 +99,11 @@ def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=clients)
     session.mount("http://", adapter)
-    costs: dict[str, PhaseCost] = {}
-    shard_costs: dict[str, PhaseCost] = {}
-    seconds: dict[str, float] = {}
+    meter = PhaseMeter(client, bulk_clients, images, counter)
+    measured = meter.measure
 
     def spawn(name: str, argv: list[str]) -> None:
         processes.append(ManagedProcess(name, argv, env, workdir, root=root))
-
-    def measured(phase: str, work: Any) -> Any:
-        before = RedisReading.of(client)
-        shards_before = [RedisReading.of(c) for c in bulk_clients]
-        started = time.monotonic()
-        value = work()
-        seconds[phase] = time.monotonic() - started
-        costs[phase] = PhaseCost.between(before, RedisReading.of(client), images)
-        if bulk_clients:
-            after = [RedisReading.of(c) for c in bulk_clients]
-            per_shard = [PhaseCost.between(b, a, images) for b, a in zip(shards_before, after)]
-            shard_costs[phase] = PhaseCost(sum(p.us for p in per_shard), sum(p.commands for p in per_shard))
-        return value
 
     try:
         spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"))
@@ -207,9 +156,7 @@ def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path
                 return str(session.get(f"{url}/v1/jobs/{job_id}", timeout=30).json()["status"])
 
             statuses = measured("read", lambda: list(pool.map(read, ids)))
-        idle_before = RedisReading.of(client)
-        time.sleep(2.0)
-        idle = PhaseCost.between(idle_before, RedisReading.of(client), 1)
+        idle = meter.idle(3.0)
     finally:
         for process in reversed(processes):
             process.stop()
@@ -217,6 +164,7 @@ def run_phases(root: Path, images: int, shards: int, clients: int, workdir: Path
         for shard in bulk:
             shard.stop()
     ended = {status: statuses.count(status) for status in set(statuses)}
+    costs, shard_costs, seconds = meter.net(idle), meter.shard_costs, meter.seconds
     total = _total([costs[phase] for phase in PHASES])
     return {
         "images": images,
@@ -252,7 +200,10 @@ class _Progress:
 
 def _total(costs: list[PhaseCost]) -> PhaseCost:
     """The phases' costs added up, command by command."""
-    total = PhaseCost(sum(c.us for c in costs), sum(c.commands for c in costs))
+    counted = [c.instructions for c in costs if c.instructions is not None]
+    total = PhaseCost(
+        sum(c.us for c in costs), sum(c.commands for c in costs), instructions=sum(counted) if counted else None
+    )
     for cost in costs:
         for name, (calls, us) in cost.by_command.items():
             old_calls, old_us = total.by_command.get(name, (0.0, 0.0))
@@ -284,7 +235,8 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
         "## The control plane per image (`bench plane`: Redis's own INFO, phase by phase)",
         "",
         f"{next(iter(sides.values()))['images']} images of 640x16 (no decode cost), "
-        f"{next(iter(sides.values()))['shards']} bulk shard(s); µs: the control plane's main-thread CPU.",
+        f"{next(iter(sides.values()))['shards']} bulk shard(s); µs: the control plane's main-thread CPU; each step "
+        "less what the control plane spends idle for as long as the step lasted (the idle row below).",
         "",
         "| step | " + " | ".join(f"{n}: µs | {n}: commands" for n in names) + " |",
         "|---|" + "---|---|" * len(names),
@@ -295,6 +247,20 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
             cost = side["total"] if phase == "total" else side["phases"][phase]
             cells += [f"{cost.us:.0f}", f"{cost.commands:.1f}"]
         lines.append(f"| {'**all**' if phase == 'total' else phase} | " + " | ".join(cells) + " |")
+    if all(side["total"].instructions is not None for side in sides.values()):
+        lines += [
+            "",
+            "Redis's user-space instructions an image (under callgrind: µs above are valgrind's, not the real ones; "
+            "the kernel's socket work is not counted):",
+            "",
+            "| step | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for phase in (*PHASES, "total"):
+            counts = [
+                (side["total"] if phase == "total" else side["phases"][phase]).instructions for side in sides.values()
+            ]
+            lines.append(f"| {phase} | " + " | ".join(f"{count:,.0f}" for count in counts if count is not None) + " |")
     lines += ["", "| ceiling | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines.append(
         "| images/s per control-plane core (100%) | "
@@ -320,8 +286,11 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
             + " |"
         )
     lines.append(
-        "| idle: µs, commands a second | "
-        + " | ".join(f"{s['idle_per_s'].us:.0f}, {s['idle_per_s'].commands:.0f}" for s in sides.values())
+        "| idle (taken out of each step): µs, commands, instructions a second | "
+        + " | ".join(
+            f"{s['idle_per_s'].us:.0f}, {s['idle_per_s'].commands:.0f}, {s['idle_per_s'].instructions or 0:,.0f}"
+            for s in sides.values()
+        )
         + " |"
     )
     lines.append("| jobs ended | " + " | ".join(str(s["ended"]) for s in sides.values()) + " |")
@@ -336,14 +305,16 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def run(images: int, shards: int, clients: int, base: str | None) -> tuple[str, dict[str, Any]]:
+def run(
+    images: int, shards: int, clients: int, base: str | None, instructions: bool = False
+) -> tuple[str, dict[str, Any]]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
     sides: dict[str, dict[str, Any]] = {}
     try:
         if base:
             root = worktree(base, scratch / "base")
-            sides[f"base {base}"] = run_phases(root, images, shards, clients, scratch / "run-base")
-        sides["this checkout"] = run_phases(REPO_ROOT, images, shards, clients, scratch / "run-head")
+            sides[f"base {base}"] = run_phases(root, images, shards, clients, scratch / "run-base", instructions)
+        sides["this checkout"] = run_phases(REPO_ROOT, images, shards, clients, scratch / "run-head", instructions)
     finally:
         if base:
             subprocess.run(

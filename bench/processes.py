@@ -43,8 +43,12 @@ class RedisServer:
     """A private redis-server on a free port. Persistent: an append-only file
     fsynced on every write, so a stop and a restart lose nothing."""
 
-    def __init__(self, workdir: Path, persistent: bool = False, extra_args: tuple[str, ...] = ()) -> None:
-        """`extra_args`: more of redis-server's options, e.g. ("--io-threads", "2")."""
+    def __init__(
+        self, workdir: Path, persistent: bool = False, extra_args: tuple[str, ...] = (), wrapper: tuple[str, ...] = ()
+    ) -> None:
+        """`extra_args`: more of redis-server's options, e.g. ("--io-threads", "2"). `wrapper`: a command it runs
+        under (bench plane's valgrind, which counts its instructions)."""
+        self.wrapper = list(wrapper)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
@@ -55,6 +59,7 @@ class RedisServer:
     def start(self) -> None:
         self.process = subprocess.Popen(
             [
+                *self.wrapper,
                 "redis-server",
                 "--port",
                 str(self.port),
@@ -71,7 +76,7 @@ class RedisServer:
             stderr=subprocess.STDOUT,
         )
         client = redis.Redis(port=self.port)
-        wait_until(lambda: _pings(client), 10, what="redis-server to answer")
+        wait_until(lambda: _pings(client), 60 if self.wrapper else 10, what="redis-server to answer")
 
     def stop(self) -> None:
         self.process.terminate()

@@ -77,6 +77,12 @@ def add_commands(
     plane.add_argument("--shards", type=int, default=1, help="bulk shards (uploads and frames off the control plane)")
     plane.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients of the intake and read steps")
     plane.add_argument("--base", help="a git ref run too, before this checkout (a worktree)")
+    plane.add_argument(
+        "--instructions",
+        action="store_true",
+        help="run the control plane's Redis under callgrind and count its instructions an image per step: a figure "
+        "the machine's drift does not move (slow: use a few hundred images)",
+    )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
     return {"bound": cmd_bound, "nms": cmd_nms, "instructions": cmd_instructions, "feed": cmd_feed, "plane": cmd_plane}
 
@@ -84,7 +90,7 @@ def add_commands(
 def cmd_plane(args: argparse.Namespace) -> int:
     from bench.plane import run
 
-    text, sides = run(args.images, args.shards, args.clients, args.base)
+    text, sides = run(args.images, args.shards, args.clients, args.base, args.instructions)
     summary = {
         name: {
             "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
