@@ -40,7 +40,7 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     pusher = frame_pusher(redis_client, keys)
     job = "c0" * 16
     redis_client.hset(keys.waiting_bytes, mapping={"m:1": 6, ALL: 6})  # the upload's bytes, as admission counted
-    for step in (handoff._claim, intake._advance, intake._finish):  # loaded once, as a running worker has them
+    for step in (handoff._claim, pusher._keep, intake._advance, intake._finish):  # loaded, as a worker has them
         redis_client.script_load(step.script)
 
     create = commands_of(
@@ -55,7 +55,8 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     assert sum(claim.values()) == 5 and claim["hmget"] == 1 and "hget" not in claim, claim
 
     push = commands_of(redis_client, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
-    # MULTI LPUSH EVAL (HMGET EXISTS LLEN HSET DEL HINCRBY x2) EXEC: was 17, a read and a counter move a field
+    # MULTI LPUSH EVALSHA (HMGET EXISTS LLEN HSET DEL HINCRBY x2) EXEC: was 17 (EVAL, a read and a counter move
+    # a field)
     assert sum(push.values()) == 11 and push["hincrby"] == 2 and "hget" not in push, push
 
     running = commands_of(redis_client, lambda: intake.advance_many([job], RUNNING, 3))
@@ -82,3 +83,21 @@ def test_the_push_trades_the_uploads_bytes_for_the_frames_as_a_release_then_a_ch
         assert pusher.push(job, "m:1", b"f" * 40, 10, {}, "c") == frames.PUSHED
         waiting = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.waiting_bytes).items()}
         assert waiting == {"m:1": max(0, counted - 100) + 40, ALL: max(0, counted + 5 - 100) + 40}, (job, waiting)
+
+
+def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_once(redis_client):
+    """The push sends the step's SHA, not its text: after a restart that flushed the scripts, the transaction's LPUSH
+    lands and its EVALSHA answers NOSCRIPT; the frame must not stay there unkept, and the push must still be made."""
+    keys = Keys("noscript")
+    intake = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    pusher = frame_pusher(redis_client, keys)
+    job = "d1" * 16
+    intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
+    assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
+    redis_client.script_flush()
+    assert pusher.push(job, "m:1", b"the frame", 10, {"pushed_at": 2.0}, "c") == frames.PUSHED
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]  # once, kept
+    assert intake.load(job)["status"] == "queued_gpu"
+    pushed = commands_of(redis_client, lambda: pusher.push(job, "m:1", b"again", 10, {}, "c"))
+    assert "eval" not in pushed and pushed["evalsha"] == 1, pushed  # the step's text is not sent at every push

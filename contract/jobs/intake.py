@@ -29,42 +29,48 @@ from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavai
 log = logging.getLogger(__name__)
 
 # A result-cache lookup (contract.cache) and, on a miss, the job's admission (contract.budget's admit), in one
-# round trip. On a hit: the entry's TTL and last use renewed, the hit counted, the record written with the cached
-# document as its result, then ended `succeeded` as any job is (finish_jobs: long-polls woken, callback queued);
-# no admission (a hit adds nothing to wait). On a miss: the miss counted, then admit(). KEYS[1] callback outbox,
-# KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5..4+M] admit()'s keys, KEYS[5+M] the job
-# hash; ARGV[1..FINISH_NAMES] finish_names(), then the digest, now, the cache TTL, the model, M, admit()'s
-# ADMISSION_ARGS arguments, the count of record field and value arguments, the record's, and the job's end
-# (finish_arguments). Returns {'hit', status, document} on a hit (status `expired` when the hit came after the
-# job's deadline: finish_jobs ends it so, and the result is not stored, as for any late answer), admit()'s
-# verdict on a miss.
-_ANSWER_OR_ADMIT = (
-    FINISH_JOBS_LUA
-    + budget.ADMIT_LUA
-    + f"local N, A = {FINISH_NAMES}, {budget.ADMISSION_ARGS}\n"
+# round trip. On a hit: the cached document, nothing written (the hit's own step, _STORE_HIT, follows). On a miss:
+# the miss counted, then admit(). A miss is nearly every call and a hit's record is not needed for it: a script's
+# arguments cost Redis ~760 instructions each and ~12 a byte (the record and a hit's ending were ~40 of them, ~1 KB,
+# ~50,000 instructions an image, more than the admission's own commands). KEYS[1] the entry, KEYS[2] the stats
+# hash, KEYS[3..] admit()'s keys; ARGV[1] the model, ARGV[2..] admit()'s ADMISSION_ARGS arguments. Returns {'hit',
+# document} or admit()'s verdict.
+_LOOKUP_OR_ADMIT = (
+    budget.ADMIT_LUA
     + """
-local digest, now, ttl, model = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4]
-local admission_keys = tonumber(ARGV[N + 5])
-local job = 5 + admission_keys
-local document = redis.call('GET', KEYS[2])
-if not document then
-  redis.call('HINCRBY', KEYS[4], model .. ':misses', 1)
-  return admit(5, job - 1, N + 6)
-end
+local document = redis.call('GET', KEYS[1])
+if document then return {'hit', document} end
+redis.call('HINCRBY', KEYS[2], ARGV[1] .. ':misses', 1)
+return admit(3, #KEYS, 2)
+"""
+)
+
+# A hit's job, stored and ended in one step: the entry's TTL and last use renewed, the hit counted, the record
+# written, then ended `succeeded` with the document as its result, as any job ends (finish_jobs: long-polls
+# woken, callback queued). KEYS[1] callback outbox, KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats
+# hash, KEYS[5] the job hash; ARGV[1..FINISH_NAMES] finish_names(), then the digest, now, the cache TTL, the model,
+# the document, the count of record field and value arguments, the record's, and the job's end
+# (finish_arguments). Returns the job's status: `expired` when the hit came after the job's deadline (finish_jobs
+# ends it so, and the result is not stored, as for any late answer).
+_STORE_HIT = (
+    FINISH_JOBS_LUA
+    + f"local N = {FINISH_NAMES}\n"
+    + """
+local digest, now, ttl, model, document = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4], ARGV[N + 5]
 redis.call('EXPIRE', KEYS[2], ttl)
 redis.call('ZADD', KEYS[3], 'XX', now, digest)
 redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
 local names = finish_names(KEYS[1], 1)
-local at = N + 6 + A
+local at = N + 6
 local count = tonumber(ARGV[at])
-redis.call('HSET', KEYS[job], unpack(ARGV, at + 1, at + count))
-redis.call('EXPIRE', KEYS[job], names.ttl)
-finish_jobs(names, job, at + 1 + count)
-local status = redis.call('HGET', KEYS[job], 'status')
+redis.call('HSET', KEYS[5], unpack(ARGV, at + 1, at + count))
+redis.call('EXPIRE', KEYS[5], names.ttl)
+finish_jobs(names, 5, at + 1 + count)
+local status = redis.call('HGET', KEYS[5], 'status')
 if status == SUCCEEDED then   -- in time: the cached answer is its result
-  redis.call('HSET', KEYS[job], 'result', document)
+  redis.call('HSET', KEYS[5], 'result', document)
 end                           -- else answered after its deadline: expired as any late answer, without it
-return {'hit', status, document}
+return status
 """
 )
 
@@ -132,7 +138,8 @@ class JobIntake(JobEnding):
         super().__init__(client, keys, ttl_s, bulk, cache)
         self.uploads = uploads or client
         self.replication = replication
-        self._answer_or_admit = client.register_script(_ANSWER_OR_ADMIT)
+        self._lookup_or_admit = client.register_script(_LOOKUP_OR_ADMIT)
+        self._store_hit = client.register_script(_STORE_HIT)
         self._fence = SharedFence(self._fence_round)  # reads that show how a job ended (confirm_durable)
         self._fenced = (0, 0)  # the last round's (acknowledged, wanted)
 
@@ -222,21 +229,27 @@ class JobIntake(JobEnding):
         timings: Mapping[str, float],
         admission: budget.AdmissionRequest,
     ) -> CacheHit | budget.BudgetVerdict:
-        """One step for a job the result cache may answer. On a hit for `digest`: the job stored over already,
-        with the cached result and `timings`, ended as any job ends (long-polls, callback); (its status, the
-        result document as JSON text). The status is `expired`, without the result stored, when the hit came
-        after the job's deadline (deadline_ms shorter than the lookup). On a miss: the budgets' verdict on
-        `admission` (its bytes reserved when admitted), nothing stored. A hit needs no admission: it adds
-        nothing to wait. See _ANSWER_OR_ADMIT."""
+        """A job the result cache may answer. On a hit for `digest`: the job stored over already, with the cached
+        result and `timings`, ended as any job ends (long-polls, callback); (its status, the result document as
+        JSON text). The status is `expired`, without the result stored, when the hit came after the job's deadline
+        (deadline_ms shorter than the lookup). On a miss: the budgets' verdict on `admission` (its bytes reserved
+        when admitted), nothing stored, in one round trip (_LOOKUP_OR_ADMIT); a hit takes a second (_STORE_HIT).
+        A hit needs no admission: it adds nothing to wait."""
+        admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
+        reply = self._lookup_or_admit(
+            keys=[self.keys.cache_entry(digest), self.keys.cache_stats, *admission_keys],
+            args=[admission.model_key, *admission_args],
+        )
+        if reply[0] != b"hit":
+            return budget.BudgetVerdict.of(reply)
+        document = bytes(reply[1]).decode()
         record = flatten_fields({"id": job_id, "status": QUEUED, **fields})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
-        admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
         keys = [
             self.keys.callback_outbox,
             self.keys.cache_entry(digest),
             self.keys.cache_lru,
             self.keys.cache_stats,
-            *admission_keys,
             *job_keys,
         ]
         args = [
@@ -245,21 +258,18 @@ class JobIntake(JobEnding):
             repr(service_now()),
             cache_ttl_s,
             admission.model_key,
-            len(admission_keys),
-            *admission_args,
+            document,
             len(record),
             *record,
             *job_args,
         ]
         if self.replication.enabled:  # a hit is a new job, answered: on its replicas before the 202 says so
-            reply, acknowledged, wanted = self._script_and_wait(self._answer_or_admit, keys, args)
-            if reply[0] == b"hit" and acknowledged < wanted:
+            status, acknowledged, wanted = self._script_and_wait(self._store_hit, keys, args)
+            if acknowledged < wanted:
                 raise NotReplicated(acknowledged, wanted)  # (a miss waits at `create`)
         else:
-            reply = self._answer_or_admit(keys=keys, args=args)
-        if reply[0] == b"hit":
-            return CacheHit(bytes(reply[1]).decode(), bytes(reply[2]).decode())
-        return budget.BudgetVerdict.of(reply)
+            status = self._store_hit(keys=keys, args=args)
+        return CacheHit(bytes(status).decode(), document)
 
     def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int, int]:
         """A registered script's EVALSHA, then WAIT on its connection (Replication.wait): (its reply, replicas
