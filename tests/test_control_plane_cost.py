@@ -15,6 +15,7 @@ from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import RUNNING, SUCCEEDED
 from contract.keys import Keys
+from contract.shards import BulkPlane
 
 # What a new connection sends before its first command: once a connection, not once an image.
 _CONNECTING = {"cmdstat_hello", "cmdstat_select", "cmdstat_client|setinfo", "cmdstat_client|setname"}
@@ -101,3 +102,25 @@ def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_
     assert intake.load(job)["status"] == "queued_gpu"
     pushed = commands_of(redis_client, lambda: pusher.push(job, "m:1", b"again", 10, {}, "c"))
     assert "eval" not in pushed and pushed["evalsha"] == 1, pushed  # the step's text is not sent at every push
+
+
+def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_script_lookup(redis_server):
+    """With shards the claim's step and the record's read go to the control plane as one pipeline: redis-py's Script
+    in a pipeline asks SCRIPT EXISTS before each (a round trip more an image: it did, for a moment)."""
+    control = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/2")
+    shard = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/3")
+    control.flushdb()
+    shard.flushdb()
+    keys = Keys("sharded")
+    bulk = BulkPlane(control, [shard])
+    intake = JobIntake(control, keys, ttl_s=60, bulk=bulk)
+    handoff = JobHandOff(control, keys, ttl_s=60, bulk=bulk)
+    job = "e2" * 16
+    intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
+    control.script_load(handoff._claim.script)
+    claim = commands_of(control, lambda: handoff.claim_for_preprocessing(job, 1.0, "c"))
+    # the control plane: EVALSHA (HMGET, HSET), HGETALL; the upload's GET went to the shard (the same server here)
+    assert "script|exists" not in claim and claim["evalsha"] == 1 and claim["hgetall"] == 1, claim
+    control.script_flush()  # a restarted control plane: the step is loaded again and the claim made
+    verdict, upload, record = handoff.claim_for_preprocessing(job, 2.0, "d")
+    assert (verdict, upload, record["claim"]) == ("claimed", b"upload", "d")

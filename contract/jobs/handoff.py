@@ -92,10 +92,19 @@ class JobHandOff(JobEnding):
     def _claim_from_shard(self, job_id: str, now: float, claim: str) -> tuple[str, memoryview | None, JobRecord]:
         """claim_for_preprocessing with bulk shards: the claim on the control plane, then, if claimed, the
         upload from the job's shard (ShardUnavailable when it does not answer, twice)."""
-        pipe = self.redis.pipeline(transaction=False)
-        self._claim(keys=[self.keys.job(job_id)], args=[repr(now), claim], client=pipe)
-        pipe.hgetall(self.keys.job(job_id))
-        verdict, record = _claimed(*pipe.execute())
+        for attempt in range(2):
+            # EVALSHA by hand: redis-py's Script in a pipeline asks SCRIPT EXISTS first, a round trip more each time
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.evalsha(self._claim.sha, 1, self.keys.job(job_id), repr(now), claim)
+            pipe.hgetall(self.keys.job(job_id))
+            replies = pipe.execute(raise_on_error=False)
+            if not isinstance(replies[0], redis.exceptions.NoScriptError) or attempt:
+                break
+            self.redis.script_load(_CLAIM)  # a restarted Redis forgot it: load it, claim again
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        verdict, record = _claimed(*replies)
         if verdict != "claimed":
             return verdict, None, record
         index = self.bulk.index(job_id)
