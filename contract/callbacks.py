@@ -8,7 +8,8 @@ library that might read it differently from the one that connects: only
 form (dotted decimal, or bracketed IPv6; decimal, octal and hex forms of an
 address are refused). The host is resolved once; every address it resolves to
 must be public (not loopback, private, link-local or cloud metadata, shared,
-multicast, reserved, nor an IPv6 form embedding one of those) unless
+multicast, reserved, in an IANA special-purpose block (contract.special_addresses), nor an IPv6 form
+embedding one of those) unless
 `callbacks.allow_hosts` admits it; then the connection goes to that checked
 address, never to a second lookup (no DNS rebinding), with the URL's host in
 the Host header and, for https, in SNI and the certificate check. Checked at
@@ -28,6 +29,7 @@ from typing import Any
 
 from contract.sections import SettingsError
 from contract.settings import Settings, check_secret
+from contract.special_addresses import denied_block, embedded_ipv4
 
 _URL = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?"
@@ -35,7 +37,6 @@ _URL = re.compile(
 )
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _NUMBER = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 # What a client reads when its URL's host is refused after the lookup, whatever the lookup said: the reason
@@ -122,14 +123,16 @@ def _checked_host(host: str) -> str:
 
 
 def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    """Why a callback must not reach this address, or None if it is a public one. IPv6 forms that
-    carry an IPv4 address (mapped, 6to4, Teredo, NAT64) are judged by that address too."""
-    candidates: list[Any] = [address]
-    if isinstance(address, ipaddress.IPv6Address):
-        candidates += [v4 for v4 in (address.ipv4_mapped, address.sixtofour) if v4 is not None]
-        candidates += list(address.teredo or ())
-        if address in _NAT64:
-            candidates.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    """Why a callback must not reach this address, or None if it is a public one: in an IANA special-purpose
+    block (contract.special_addresses, whatever `is_global` says), or not global, multicast, reserved,
+    unspecified, loopback or link-local by `ipaddress`. IPv6 forms that carry an IPv4 address (mapped, 6to4,
+    Teredo, NAT64) are judged by that address too."""
+    candidates = (address, *embedded_ipv4(address))
+    for candidate in candidates:
+        block = denied_block(candidate)
+        if block is not None:
+            carried = "" if candidate == address else f" (it carries {candidate})"
+            return f"{address}{carried}, an address of the special-purpose block {block}"
     for candidate in candidates:
         if (
             not candidate.is_global
