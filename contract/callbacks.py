@@ -47,6 +47,10 @@ REFUSED_HOST = (
 )
 
 
+# getaddrinfo's signature: (host, port, family=0, type=0, proto=0, flags=0) -> [(family, type, proto, name, address)]
+Resolver = Callable[..., list[Any]]
+
+
 class CallbackRefused(ValueError):
     """A callback URL the service will not call. str() is the whole reason (for the log); `public` is what the
     client may read: the same for what the URL's text alone decides, REFUSED_HOST for what the lookup found."""
@@ -146,20 +150,18 @@ def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
     return None
 
 
-def resolve_callback_url(
-    url: str, allow_hosts: Iterable[str] = (), resolve: Callable[..., list[Any]] = socket.getaddrinfo
-) -> CallbackTarget:
-    """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise)."""
+def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (), resolve: Resolver | None = None) -> CallbackTarget:
+    """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise).
+    `resolve`: getaddrinfo's signature; by default `socket.getaddrinfo` as it is at the call (gevent's once the
+    API's worker patched it), never the one there was when this module was imported (issue 59). The API passes
+    its own (app.callback_lookups: off the event loop, within a deadline); a `resolve` may raise CallbackRefused
+    itself, which is passed on as it is. A literal address is not looked up."""
     parsed = parse_callback_url(url)
     entries = [allow_entry(entry) for entry in allow_hosts]
     at_port = [where for where, port in entries if port is None or port == parsed.port]
     allowed = [where for where in at_port if not _is_network(where)]
     networks = [ipaddress.ip_network(where, strict=False) for where in at_port if _is_network(where)]
-    try:
-        infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    except (OSError, ValueError) as exc:
-        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}", REFUSED_HOST) from exc
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = _literal(parsed.host) or _looked_up(parsed, socket.getaddrinfo if resolve is None else resolve)
     if not addresses:
         raise CallbackRefused(f"callback host {parsed.host!r} resolves to no address", REFUSED_HOST)
     for address in addresses:
@@ -172,6 +174,23 @@ def resolve_callback_url(
                 REFUSED_HOST,
             )
     return CallbackTarget(parsed, str(addresses[0]))
+
+
+def _literal(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        return []
+
+
+def _looked_up(parsed: CallbackUrl, resolve: Resolver) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except CallbackRefused:
+        raise
+    except (OSError, ValueError) as exc:
+        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}", REFUSED_HOST) from exc
+    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
 def allow_entry(entry: str) -> tuple[str, int | None]:
@@ -191,9 +210,7 @@ def allow_entry(entry: str) -> tuple[str, int | None]:
     return text, None
 
 
-def check_callback_url(
-    url: str, allow_hosts: Iterable[str] = (), resolve: Callable[..., list[Any]] = socket.getaddrinfo
-) -> None:
+def check_callback_url(url: str, allow_hosts: Iterable[str] = (), resolve: Resolver | None = None) -> None:
     resolve_callback_url(url, allow_hosts, resolve)
 
 
