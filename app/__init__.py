@@ -15,6 +15,7 @@ from werkzeug.exceptions import HTTPException
 
 from app import auth, callbacks, health, holds, home, jobs, metrics, openapi, stats
 from app.admission import MAX_RETRY_AFTER_S, Admission
+from app.callback_lookups import CallbackLookups
 from app.early_refusal import refusing_early
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
@@ -103,6 +104,11 @@ def create_app(settings: Settings | None = None) -> Flask:
         ),
         cache=cache,
         holds=holds.Holds.of(settings.api),
+        callback_lookups=CallbackLookups(
+            settings.callbacks.lookup_timeout_s,
+            settings.callbacks.max_lookups_per_key,
+            settings.callbacks.lookup_threads,
+        ),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)

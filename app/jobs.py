@@ -65,12 +65,13 @@ log = logging.getLogger("api")
             400,
             "An option is invalid or unknown (named in `invalid_params`), the image is empty, "
             "missing or given twice, the form has more than 64 parts, the body is shorter than its "
-            "Content-Length or its chunked framing is broken, or callbacks are disabled",
+            "Content-Length or its chunked framing is broken, callbacks are disabled, or callback_url's host "
+            "did not resolve within `callbacks.lookup_timeout_s`",
         ),
         (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
         413,
         415,
-        (429, "The requested model's backlog is over its limit"),
+        (429, "The model's backlog is over its limit, or so are your key's unfinished callback_url lookups"),
         503,
     ),
     description="Options may come as query parameters or, with a multipart body, as form fields. "

@@ -10,6 +10,7 @@ import redis
 from flask import Flask, current_app
 
 from app.admission import Admission
+from app.callback_lookups import CallbackLookups
 from app.holds import Holds
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
@@ -34,6 +35,7 @@ class Services:
     listener: JobEventListener
     cache: ResultCache  # answers for repeated images (contract.cache)
     holds: Holds  # what one client may hold in this process at once (app.holds)
+    callback_lookups: CallbackLookups  # callback hosts looked up off the event loop, bounded per key
 
 
 def services(app: Flask | None = None) -> Services:

@@ -16,6 +16,7 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from app.holds import BodyHold
 from app.multipart import MAX_PARTS, TooManyParts, parse_form
 from app.problems import Problem
+from app.services import services as current_services
 from app.uploads import option_values, read_whole_body, refuse_unknown_fields, validate_params
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
 from contract.documents import (
@@ -135,8 +136,11 @@ def checked_callback_url(url: str | None, settings: Settings) -> str | None:
             "no callback secret is configured for this deployment (callbacks.secret) or, with API "
             "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)",
         )
+    # Looked up in a thread of the process's own, within callbacks.lookup_timeout_s, a bounded number per key
+    # (app.callback_lookups): glibc's resolver on the event loop's thread stalled every request (issue 59).
+    key = g.get("client_id") or f"address:{request_address()}"
     try:
-        check_callback_url(url, settings.callbacks.allow_hosts)
+        check_callback_url(url, settings.callbacks.allow_hosts, current_services().callback_lookups.resolver(key))
     except CallbackRefused as exc:
         # What the lookup found stays here: "'vm' resolves to 127.0.0.1" told clients what internal names are.
         log.info("callback_url refused: %s", exc, extra={"client_id": g.get("client_id")})
@@ -148,6 +152,10 @@ def checked_callback_url(url: str | None, settings: Settings) -> str | None:
             invalid_params=[{"name": "callback_url", "reason": exc.public}],
         ) from exc
     return url
+
+
+def request_address() -> str:
+    return current_request.remote_addr or "-"
 
 
 def wait_seconds(max_wait_s: float) -> float:

@@ -8,7 +8,8 @@ library that might read it differently from the one that connects: only
 form (dotted decimal, or bracketed IPv6; decimal, octal and hex forms of an
 address are refused). The host is resolved once; every address it resolves to
 must be public (not loopback, private, link-local or cloud metadata, shared,
-multicast, reserved, nor an IPv6 form embedding one of those) unless
+multicast, reserved, in an IANA special-purpose block (contract.special_addresses), nor an IPv6 form
+embedding one of those) unless
 `callbacks.allow_hosts` admits it; then the connection goes to that checked
 address, never to a second lookup (no DNS rebinding), with the URL's host in
 the Host header and, for https, in SNI and the certificate check. Checked at
@@ -28,6 +29,7 @@ from typing import Any
 
 from contract.sections import SettingsError
 from contract.settings import Settings, check_secret
+from contract.special_addresses import denied_block, embedded_ipv4
 
 _URL = re.compile(
     r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::(?P<port>[0-9]{1,5}))?"
@@ -35,7 +37,6 @@ _URL = re.compile(
 )
 _LABEL = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _NUMBER = re.compile(r"(0[xX][0-9A-Fa-f]*|[0-9]+)")
-_NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 # What a client reads when its URL's host is refused after the lookup, whatever the lookup said: the reason
@@ -44,6 +45,10 @@ REFUSED_HOST = (
     "callback_url's host is not one this service may call: it must resolve, and only to public "
     "addresses, unless the deployment admits it"
 )
+
+
+# getaddrinfo's signature: (host, port, family=0, type=0, proto=0, flags=0) -> [(family, type, proto, name, address)]
+Resolver = Callable[..., list[Any]]
 
 
 class CallbackRefused(ValueError):
@@ -122,14 +127,16 @@ def _checked_host(host: str) -> str:
 
 
 def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
-    """Why a callback must not reach this address, or None if it is a public one. IPv6 forms that
-    carry an IPv4 address (mapped, 6to4, Teredo, NAT64) are judged by that address too."""
-    candidates: list[Any] = [address]
-    if isinstance(address, ipaddress.IPv6Address):
-        candidates += [v4 for v4 in (address.ipv4_mapped, address.sixtofour) if v4 is not None]
-        candidates += list(address.teredo or ())
-        if address in _NAT64:
-            candidates.append(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    """Why a callback must not reach this address, or None if it is a public one: in an IANA special-purpose
+    block (contract.special_addresses, whatever `is_global` says), or not global, multicast, reserved,
+    unspecified, loopback or link-local by `ipaddress`. IPv6 forms that carry an IPv4 address (mapped, 6to4,
+    Teredo, NAT64) are judged by that address too."""
+    candidates = (address, *embedded_ipv4(address))
+    for candidate in candidates:
+        block = denied_block(candidate)
+        if block is not None:
+            carried = "" if candidate == address else f" (it carries {candidate})"
+            return f"{address}{carried}, an address of the special-purpose block {block}"
     for candidate in candidates:
         if (
             not candidate.is_global
@@ -143,20 +150,18 @@ def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
     return None
 
 
-def resolve_callback_url(
-    url: str, allow_hosts: Iterable[str] = (), resolve: Callable[..., list[Any]] = socket.getaddrinfo
-) -> CallbackTarget:
-    """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise)."""
+def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (), resolve: Resolver | None = None) -> CallbackTarget:
+    """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise).
+    `resolve`: getaddrinfo's signature; by default `socket.getaddrinfo` as it is at the call (gevent's once the
+    API's worker patched it), never the one there was when this module was imported (issue 59). The API passes
+    its own (app.callback_lookups: off the event loop, within a deadline); a `resolve` may raise CallbackRefused
+    itself, which is passed on as it is. A literal address is not looked up."""
     parsed = parse_callback_url(url)
     entries = [allow_entry(entry) for entry in allow_hosts]
     at_port = [where for where, port in entries if port is None or port == parsed.port]
     allowed = [where for where in at_port if not _is_network(where)]
     networks = [ipaddress.ip_network(where, strict=False) for where in at_port if _is_network(where)]
-    try:
-        infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    except (OSError, ValueError) as exc:
-        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}", REFUSED_HOST) from exc
-    addresses = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    addresses = _literal(parsed.host) or _looked_up(parsed, socket.getaddrinfo if resolve is None else resolve)
     if not addresses:
         raise CallbackRefused(f"callback host {parsed.host!r} resolves to no address", REFUSED_HOST)
     for address in addresses:
@@ -169,6 +174,23 @@ def resolve_callback_url(
                 REFUSED_HOST,
             )
     return CallbackTarget(parsed, str(addresses[0]))
+
+
+def _literal(host: str) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        return []
+
+
+def _looked_up(parsed: CallbackUrl, resolve: Resolver) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        infos = resolve(parsed.host, parsed.port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
+    except CallbackRefused:
+        raise
+    except (OSError, ValueError) as exc:
+        raise CallbackRefused(f"callback host {parsed.host!r} does not resolve: {exc}", REFUSED_HOST) from exc
+    return [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
 
 
 def allow_entry(entry: str) -> tuple[str, int | None]:
@@ -188,9 +210,7 @@ def allow_entry(entry: str) -> tuple[str, int | None]:
     return text, None
 
 
-def check_callback_url(
-    url: str, allow_hosts: Iterable[str] = (), resolve: Callable[..., list[Any]] = socket.getaddrinfo
-) -> None:
+def check_callback_url(url: str, allow_hosts: Iterable[str] = (), resolve: Resolver | None = None) -> None:
     resolve_callback_url(url, allow_hosts, resolve)
 
 

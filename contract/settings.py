@@ -192,10 +192,21 @@ class CallbackSettings:
     # the threads, never another tenant's.
     max_per_tenant: int = 4
     max_response_bytes: int = 65536
+    # At submit, the callback host's lookup runs in a thread of the API process's own, never on its event loop
+    # (app.callback_lookups): the submission waits for it this long, then is a 400 (did not resolve in time).
+    lookup_timeout_s: float = 2.0
+    # Lookups one key (without keys: one client address) may have unfinished in an API process, a thread held
+    # in a name server that never answers included: past them that key gets a 429, no one else...
+    max_lookups_per_key: int = 4
+    lookup_threads: int = 64  # ...and the process this many in all (a 503 past them)
 
     def __post_init__(self) -> None:
         if self.deadline_s <= 0 or self.timeout_s <= 0 or self.max_per_tenant < 1:
             raise SettingsError("callbacks.deadline_s and timeout_s must be > 0, callbacks.max_per_tenant >= 1")
+        if self.lookup_timeout_s <= 0 or self.max_lookups_per_key < 1 or self.lookup_threads < 1:
+            raise SettingsError(
+                "callbacks.lookup_timeout_s must be > 0, callbacks.max_lookups_per_key and lookup_threads >= 1"
+            )
 
 
 API_KEY_FIELDS = {"id", "sha256", "callback_secret_env", "callback_secret_file", "admin"}
