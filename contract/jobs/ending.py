@@ -86,7 +86,7 @@ end
 local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
 
 local function finish_jobs(names, first_key, at)
-  local ended, left = 0, {}
+  local ended, left, entries = 0, {}, {}
   for k = first_key, #KEYS do
     local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
     local was = redis.call('HMGET', key, unpack(READ_AT_END))
@@ -96,7 +96,7 @@ local function finish_jobs(names, first_key, at)
                                                                 {unpack(ARGV, at + 2, at + 1 + count)})
       redis.call('HSET', key, unpack(fields))
       redis.call('EXPIRE', key, names.ttl)
-      if ends_as == SUCCEEDED then remember(names.cache, was[5], result, finished) end
+      if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
       if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
         release_waiting(names.waiting, was[3], was[4])
       end
@@ -112,6 +112,7 @@ local function finish_jobs(names, first_key, at)
     at = at + 2 + count
   end
   if #left > 0 then redis.call('ZREM', names.deadlines, unpack(left)) end   -- one call for all of them
+  remember_all(names.cache, entries)
   return ended
 end
 """
