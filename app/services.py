@@ -13,6 +13,7 @@ from app.admission import Admission
 from app.holds import Holds
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
+from contract.jobs.ids import JobIds
 from contract.jobs.intake import JobIntake
 from contract.keys import Keys
 from contract.models import Catalogue
@@ -34,6 +35,7 @@ class Services:
     listener: JobEventListener
     cache: ResultCache  # answers for repeated images (contract.cache)
     holds: Holds  # what one client may hold in this process at once (app.holds)
+    job_ids: JobIds  # makes and checks job ids (contract.jobs.ids)
 
 
 def services(app: Flask | None = None) -> Services:

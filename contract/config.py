@@ -133,6 +133,8 @@ def load_model_specs(entries: Any, base_dir: Path) -> tuple[ModelSpec, ...]:
 def _check_secrets(settings: Settings) -> None:
     if settings.callbacks.secret:
         check_secret("the callback secret (callbacks.secret / IMGSERVE_CALLBACK_SECRET)", settings.callbacks.secret)
+    if settings.jobs.id_secret:
+        check_secret("the job id secret (jobs.id_secret / IMGSERVE_JOBS__ID_SECRET)", settings.jobs.id_secret)
     password = urlsplit(settings.redis_url).password
     if password:
         check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))
