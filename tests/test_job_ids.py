@@ -177,3 +177,13 @@ def test_an_id_of_the_old_format_is_found_or_404_never_410(keyed_api):
     assert _answer(_ask(keyed_api, KEY_B, kept), kept) == _answer(_ask(keyed_api, KEY_B, gone), gone)
     missing = _ask(keyed_api, KEY_A, gone)
     assert missing.status_code == 404 and missing.json()["type"] == "/problems/job-not-found"
+
+
+def test_imgserve_job_id_secret_is_taken_as_it_is_and_a_weak_one_refused(monkeypatch):
+    from contract.sections import SettingsError
+
+    monkeypatch.setenv("IMGSERVE_JOB_ID_SECRET", "12345678901234567890")  # digits: YAML would make it a number
+    assert load_settings().jobs.id_secret == "12345678901234567890"
+    monkeypatch.setenv("IMGSERVE_JOB_ID_SECRET", "change-me-please-now")
+    with pytest.raises(SettingsError, match="job id secret"):
+        load_settings()

@@ -14,7 +14,7 @@ Ids made before this format begin with `0` (their first 12 digits were the milli
 the year 2527): UNCHECKED, read as before (found, or 404) but never called lost, since nothing proves that the
 service issued one. `jobs.accept_unchecked_ids: false` answers them 404 unread, once all of them are gone.
 
-The secret: `jobs.id_secret` (IMGSERVE_JOBS__ID_SECRET), the same for every API process of a deployment;
+The secret: `jobs.id_secret` (IMGSERVE_JOB_ID_SECRET), the same for every API process of a deployment;
 unset, one made once in var/job-id-secret (what `make run`'s processes share), else one derived from the
 control Redis's URL and namespace (a container that cannot write var/: its Redis password makes it secret).
 A new secret makes every id issued under the old one 404.
@@ -96,7 +96,7 @@ def id_secret(settings: Settings, secret_file: Path = SECRET_FILE) -> bytes:
     except OSError as exc:
         log.warning(
             "jobs.id_secret is not set and %s cannot be made (%s): job ids are checked with a secret derived from "
-            "redis_url, secret only as far as its password is; set IMGSERVE_JOBS__ID_SECRET",
+            "redis_url, secret only as far as its password is; set IMGSERVE_JOB_ID_SECRET",
             secret_file,
             exc,
         )
