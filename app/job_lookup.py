@@ -27,6 +27,11 @@ def not_found(job_id: str) -> Problem:
     return Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
 
 
+def is_ours_to_ask(services: Services, job_id: str) -> bool:
+    """Whether `job_id` may name a job the caller can see: checked for its key, or of the format before checks."""
+    return services.job_ids.verdict(job_id, asking_owner()) is not IdVerdict.NOT_OURS
+
+
 def load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists), 410 when it was
     the caller's and the store lost it. An id that fails its check is 404 before any Redis call (`<id>:upload`

@@ -13,7 +13,7 @@ from flask import Blueprint, Response, g, jsonify, request, url_for
 from app import metrics
 from app.admission import Reservation
 from app.holds import BodyHold
-from app.job_lookup import load_owned
+from app.job_lookup import is_ours_to_ask, load_owned
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
@@ -44,7 +44,6 @@ from contract.jobs.record import (
     SUCCEEDED,
     TERMINAL,
     JobRecord,
-    is_job_id,
     utc_iso,
 )
 from contract.models import ModelSpec
@@ -247,7 +246,7 @@ def _accepted(
     problems=(
         (400, "`wait` is not a number of seconds in range"),
         404,
-        (410, "Accepted, then lost: submit it again"),
+        (410, "Accepted from this key, then lost: submit it again"),
         (429, "Long-polls at their bound"),
         503,
     ),
@@ -257,7 +256,7 @@ def _accepted(
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
-    if wait_s <= 0 or not is_job_id(job_id):
+    if wait_s <= 0 or not is_ours_to_ask(services, job_id):  # a made-up id's 404 holds no long-poll
         record = expire_if_late(services.store, load_owned(services, job_id))
     else:
         with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once

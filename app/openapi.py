@@ -37,7 +37,7 @@ TAGS = ("jobs", "models", "stats", "health", "meta")  # the order of the docs pa
 PROBLEMS = {
     400: "A parameter is invalid (named in `invalid_params`)",
     401: "No or an unknown API key (only when keys are configured)",
-    404: "No such job, it expired, or it belongs to another key",
+    404: "No such job: unknown, made up or mistyped, expired, or another key's (one answer for all)",
     409: "The job already ended",
     413: "The upload is over `api.max_upload_bytes`",
     415: f"The upload is not {ACCEPTED_TYPES_TEXT}",

@@ -86,9 +86,12 @@ def keyed_api(redis_server) -> Iterator[ApiServer]:
     api.stop()
 
 
-def _ask(api: ApiServer, key: str, job_id: str, method: str = "GET") -> requests.Response:
+def _ask(api: ApiServer, key: str, job_id: str, method: str = "GET", wait: float = 0) -> requests.Response:
     path = f"/v1/jobs/{job_id}/callback" if method == "POST" else f"/v1/jobs/{job_id}"
-    return requests.request(method, api.url + path, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    params = {"wait": str(wait)} if wait else None
+    return requests.request(
+        method, api.url + path, params=params, headers={"Authorization": f"Bearer {key}"}, timeout=10
+    )
 
 
 def _answer(response: requests.Response, job_id: str) -> tuple[int, str, str]:
@@ -126,8 +129,10 @@ def test_a_made_up_or_mistyped_id_is_404_without_a_redis_call(keyed_api, redis_s
     mistyped = [_flip(real, 20), _flip(real, 30)]  # in its random part, in its check
     for job_id in (made_up, *mistyped):
         with _commands_naming(redis_server.url, job_id) as named:
-            response = _ask(keyed_api, KEY_A, job_id)
-        assert response.status_code == 404 and response.json()["type"] == "/problems/job-not-found", job_id
+            answers = [_ask(keyed_api, KEY_A, job_id), _ask(keyed_api, KEY_A, job_id, wait=20)]  # no wait either
+        for response in answers:
+            assert response.status_code == 404 and response.json()["type"] == "/problems/job-not-found", job_id
+            assert response.elapsed.total_seconds() < 5
         assert named == [], named
     assert _ask(keyed_api, KEY_A, real).status_code == 200
 
