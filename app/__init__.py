@@ -28,6 +28,7 @@ from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.config import load_settings
 from contract.connection import AnswerNotReplicated, NotReplicated, close_idle_connections, connect, durable_writes
+from contract.jobs.ids import job_ids
 from contract.jobs.intake import JobIntake, Replication
 from contract.keys import Keys
 from contract.models import Catalogue
@@ -109,6 +110,7 @@ def create_app(settings: Settings | None = None) -> Flask:
             settings.callbacks.max_lookups_per_key,
             settings.callbacks.lookup_threads,
         ),
+        job_ids=job_ids(settings),
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)

@@ -12,11 +12,11 @@ from flask import Blueprint, Response, g, jsonify, request, url_for
 
 from app import metrics
 from app.admission import Reservation
-from app.auth import owns
 from app.holds import BodyHold
+from app.job_lookup import is_ours_to_ask, load_owned
 from app.openapi import image_body
 from app.operations import Reply, operation
-from app.problems import Problem, job_lost
+from app.problems import Problem
 from app.services import Services
 from app.services import services as current_services
 from app.submission import checked_callback_url, read_submission, submit_options, submit_query, wait_seconds
@@ -44,9 +44,6 @@ from contract.jobs.record import (
     SUCCEEDED,
     TERMINAL,
     JobRecord,
-    is_job_id,
-    lost_at,
-    new_job_id,
     utc_iso,
 )
 from contract.models import ModelSpec
@@ -144,7 +141,8 @@ def _accept(
     callback_url = checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
     deadline_ms = options.deadline_ms or model_deadline_ms
-    job_id = services.store.bulk.new_job_id(new_job_id)  # on a shard not found down lately
+    # Checked against the key it is issued to (contract.jobs.ids), on a shard not found down lately.
+    job_id = services.store.bulk.new_job_id(lambda: services.job_ids.new(reservation.client_id))
     fields = {
         "model": spec.key,
         RECEIVED_AT: received_at,
@@ -249,7 +247,7 @@ def _accepted(
     problems=(
         (400, "`wait` is not a number of seconds in range"),
         404,
-        (410, "Accepted, then lost: submit it again"),
+        (410, "Accepted from this key, then lost: submit it again"),
         (429, "Long-polls at their bound"),
         503,
     ),
@@ -259,14 +257,14 @@ def _accepted(
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
-    if wait_s <= 0 or not is_job_id(job_id):
-        record = expire_if_late(services.store, _load_owned(services, job_id))
+    if wait_s <= 0 or not is_ours_to_ask(services, job_id):  # a made-up id's 404 holds no long-poll
+        record = expire_if_late(services.store, load_owned(services, job_id))
     else:
         with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
             # Listen before the first read: an end announced after it wakes this request.
             event = services.listener.register(job_id)
             try:
-                record = until_ended(services.store, job_id, _load_owned(services, job_id), wait_s, event)
+                record = until_ended(services.store, job_id, load_owned(services, job_id), wait_s, event)
             finally:
                 services.listener.unregister(job_id, event)
         record = expire_if_late(services.store, record)
@@ -285,7 +283,7 @@ def get_job(job_id: str) -> Response:
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_services()
-    _load_owned(services, job_id)
+    load_owned(services, job_id)
     cancelled = services.store.finish(
         job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}}
     )
@@ -317,7 +315,7 @@ def cancel_job(job_id: str) -> Response:
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
-    record = _load_owned(services, job_id)
+    record = load_owned(services, job_id)
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
     outcome = services.store.redeliver_callback(job_id)
@@ -331,18 +329,3 @@ def redeliver_callback(job_id: str) -> tuple[Response, int]:
     if outcome == REDELIVER_QUEUED:
         log.info("callback queued again", extra={"job_id": job_id})
     return jsonify(job_document(services.store.load(job_id) or record)), 202
-
-
-def _load_owned(services: Services, job_id: str) -> JobRecord:
-    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists). An id
-    that is not one of ours is 404 before any Redis call (`<id>:upload` would name another key)."""
-    record = services.store.load(job_id) if is_job_id(job_id) else None
-    if record is None and (issued := lost_at(job_id, services.settings.jobs.ttl_s)) is not None:
-        # Behind Sentinel, "lost" only once a connection the Sentinels' primary answers on still lacks it: an
-        # idle connection left on a replaced primary would say 410 for a job the new one holds (503 then).
-        services.store.confirm_durable()
-        if (record := services.store.load(job_id)) is None:
-            raise job_lost(job_id, utc_iso(issued))
-    if record is None or not owns(record):
-        raise Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
-    return record

@@ -25,6 +25,7 @@ from app.operations import Operation, Reply, operation
 from app.problems import PROBLEM_TYPE
 from app.services import services as current_services
 from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
+from contract import callback_signature
 from contract.documents import ProblemDocument
 from contract.jobs.record import JOB_ID_PATTERN
 from contract.settings import Settings
@@ -36,7 +37,7 @@ TAGS = ("jobs", "models", "stats", "health", "meta")  # the order of the docs pa
 PROBLEMS = {
     400: "A parameter is invalid (named in `invalid_params`)",
     401: "No or an unknown API key (only when keys are configured)",
-    404: "No such job, it expired, or it belongs to another key",
+    404: "No such job: unknown, made up or mistyped, expired, or another key's (one answer for all)",
     409: "The job already ended",
     413: "The upload is over `api.max_upload_bytes`",
     415: f"The upload is not {ACCEPTED_TYPES_TEXT}",
@@ -99,6 +100,7 @@ def build_document(app: Flask) -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "imgserve", "version": service_version(), "description": DESCRIPTION},
         "paths": paths,
+        "x-callback-signature": callback_signature.described(),
         "components": {"schemas": registry.resolve()},
     }
     if settings.auth.api_keys:
@@ -206,17 +208,17 @@ def service_version() -> str:
         return "0.0.0"
 
 
-DESCRIPTION = """\
+DESCRIPTION = f"""\
 Object detection as a service that keeps the GPU fed.
 
 Submit an image with `POST /v1/jobs` (the raw body, or a multipart form with an `image` field): the answer is
-`202` with the job's id and a `Location`. Then read `GET /v1/jobs/{job_id}`; add `?wait=20` to long-poll until
+`202` with the job's id and a `Location`. Then read `GET /v1/jobs/{{job_id}}`; add `?wait=20` to long-poll until
 the job ends. Or in one call: `POST /v1/jobs?wait=20` answers `200` with the finished job when it ends within
 those seconds (`202` as above when it has not). A job ends `succeeded` (with `result.detections` in the original image's pixels), `failed`,
 `expired` (past its `deadline_ms`) or `cancelled`. `timings_ms` is the job's time bill: how long each stage took.
 
 With `callback_url`, the job document is also POSTed there once it ends, signed:
-`X-Signature: sha256=<hex HMAC-SHA256 of "<X-Imgserve-Timestamp>.<body>" with the shared secret>`.
+{callback_signature.formula()} (`x-callback-signature` gives it part by part).
 
 Every error is an RFC 9457 problem document (`application/problem+json`). `429` and `503` carry `Retry-After`.
 When API keys are configured, every `/v1` route needs `Authorization: Bearer <key>`.

@@ -14,6 +14,7 @@ from app.callback_lookups import CallbackLookups
 from app.holds import Holds
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
+from contract.jobs.ids import JobIds
 from contract.jobs.intake import JobIntake
 from contract.keys import Keys
 from contract.models import Catalogue
@@ -36,6 +37,7 @@ class Services:
     cache: ResultCache  # answers for repeated images (contract.cache)
     holds: Holds  # what one client may hold in this process at once (app.holds)
     callback_lookups: CallbackLookups  # callback hosts looked up off the event loop, bounded per key
+    job_ids: JobIds  # makes and checks job ids (contract.jobs.ids)
 
 
 def services(app: Flask | None = None) -> Services:

@@ -68,10 +68,13 @@ RENAMED_ENV = {
 }
 
 
+JOB_ID_SECRET_ENV = "IMGSERVE_JOB_ID_SECRET"
+
+
 def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
     """Defaults, then the named (or `IMGSERVE_CONFIG`) file, then the environment: IMGSERVE_REDIS_URL,
-    IMGSERVE_CALLBACK_SECRET, and IMGSERVE_<SECTION>__<KEY> for any other setting (RENAMED_ENV's old names
-    refused)."""
+    IMGSERVE_CALLBACK_SECRET, IMGSERVE_JOB_ID_SECRET, and IMGSERVE_<SECTION>__<KEY> for any other setting
+    (RENAMED_ENV's old names refused)."""
     raw = _read_config(DEFAULT_CONFIG)
     overlay_path = path or os.environ.get(CONFIG_ENV)
     if overlay_path:
@@ -85,6 +88,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         raw["redis_url"] = os.environ[REDIS_URL_ENV]
     if os.environ.get("IMGSERVE_CALLBACK_SECRET"):
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
+    if os.environ.get(JOB_ID_SECRET_ENV):  # as it is: a secret of digits read as YAML would be a number
+        raw["jobs"] = {**raw.get("jobs", {}), "id_secret": os.environ[JOB_ID_SECRET_ENV]}
     raw = _merge(raw, environment_overrides(os.environ))
     entries, single = raw.pop("models", None), raw.pop("model", None)
     raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
@@ -133,6 +138,8 @@ def load_model_specs(entries: Any, base_dir: Path) -> tuple[ModelSpec, ...]:
 def _check_secrets(settings: Settings) -> None:
     if settings.callbacks.secret:
         check_secret("the callback secret (callbacks.secret / IMGSERVE_CALLBACK_SECRET)", settings.callbacks.secret)
+    if settings.jobs.id_secret:
+        check_secret("the job id secret (jobs.id_secret / IMGSERVE_JOB_ID_SECRET)", settings.jobs.id_secret)
     password = urlsplit(settings.redis_url).password
     if password:
         check_secret("the Redis password in redis_url / IMGSERVE_REDIS_URL", unquote(password))

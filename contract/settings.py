@@ -115,6 +115,9 @@ class JobSettings:
     ttl_s: int = 3600
     upload_ttl_s: int = 600
     default_deadline_ms: int = 60_000
+    # Signs every job id (contract.jobs.ids); one value for every API process. Empty: var/job-id-secret, made once.
+    id_secret: str = ""
+    accept_unchecked_ids: bool = True  # ids from before the check (their first digit 0): read, never called lost
 
 
 @settings_class

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from imgserve_client.cli import BROKEN_PIPE, UNREACHABLE, detections_table
+from imgserve_client.cli import BROKEN_PIPE, UNREACHABLE, api_url, detections_table
 from tests.support import REPO_ROOT, free_port
 
 
@@ -39,8 +40,78 @@ def test_the_api_down_is_one_line_and_a_non_zero_status(command):
     assert result.returncode == UNREACHABLE, result
     assert result.stdout == ""
     assert result.stderr.splitlines() == [
-        f"imgserve: cannot reach the API at {url} (connection refused); is it running? "
-        "(`make run` starts it; --url or IMGSERVE_URL names another)"
+        f"imgserve: cannot reach the API at {url} (connection refused), given by --url; is it running? "
+        "(`make run` starts one at http://localhost:8000; --url URL or IMGSERVE_URL=URL names another)"
+    ]
+
+
+def test_the_api_down_names_the_url_from_imgserve_url_and_how_to_change_it():
+    """Issue 60.3: the CLI talked to localhost:8000 without saying so or how to point it elsewhere."""
+    url = f"http://127.0.0.1:{free_port()}"
+    result = imgserve("models", env={**os.environ, "IMGSERVE_URL": url})
+    assert result.returncode == UNREACHABLE, result
+    assert f"cannot reach the API at {url} (connection refused), from IMGSERVE_URL;" in result.stderr
+    assert "--url URL or IMGSERVE_URL=URL names another" in result.stderr
+
+
+def test_without_url_or_imgserve_url_the_default_is_named_as_the_default():
+    """Where the URL came from, worked out without a request (nothing of ours may listen on :8000 here)."""
+    assert api_url(None, {}) == ("http://localhost:8000", "the default (neither --url nor IMGSERVE_URL set)")
+    assert api_url(None, {"IMGSERVE_URL": "http://api:9"}) == ("http://api:9", "from IMGSERVE_URL")
+    assert api_url("http://a:1", {"IMGSERVE_URL": "http://api:9"}) == ("http://a:1", "given by --url")
+
+
+class _Refusing(http.server.BaseHTTPRequestHandler):
+    """An API that answers every request with a 4xx problem: 404 for a job, 401 for the rest."""
+
+    def _problem(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        status, title = (404, "Job not found") if self.path.startswith("/v1/jobs/") else (401, "Unauthorized")
+        body = json.dumps({"type": "about:blank", "title": title, "status": status, "detail": "no"}).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/problem+json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = do_POST = do_DELETE = _problem  # noqa: N815 (http.server's names)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing_api() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Refusing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+@pytest.mark.parametrize(
+    "command,status",
+    [
+        (["status", "0" * 32], "404"),
+        (["cancel", "0" * 32], "404"),
+        (["models"], "401"),
+        (["submit", "samples/shapes-3.jpg"], "401"),
+    ],
+)
+def test_a_4xx_names_the_api_it_came_from_and_how_to_name_another(refusing_api, command, status):
+    """Issue 60.3: a 404 from the wrong service (or the right one) said nothing of which API answered."""
+    result = imgserve(*command, env={**os.environ, "IMGSERVE_URL": refusing_api})
+    assert result.returncode == 1, result
+    first, second = result.stderr.splitlines()
+    assert first.startswith(f"error: {status} ")
+    assert second == f"  (the API at {refusing_api}, from IMGSERVE_URL; --url URL or IMGSERVE_URL=URL names another)"
+
+
+def test_submit_and_wait_refused_says_once_which_api_refused(refusing_api):
+    result = imgserve("--url", refusing_api, "submit", "samples/shapes-3.jpg", "samples/shapes-36.jpg", "--wait")
+    assert result.returncode == 1, result
+    assert result.stdout.count("error ApiError 401") == 2
+    assert result.stderr.splitlines() == [
+        f"imgserve: 2 refused by the API at {refusing_api}, given by --url; --url URL or IMGSERVE_URL=URL names another"
     ]
 
 

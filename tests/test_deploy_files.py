@@ -22,12 +22,32 @@ SECRETS = {
 }
 
 
+# What compose reads besides the files: a reader's own .env (the README's Docker step makes one) and these
+# variables. The tests give compose an env file of their own, empty, and none of these from their environment,
+# so a .env with the reader's secrets or images changes no verdict (issue 60.5).
+COMPOSE_INPUTS = frozenset(
+    {
+        *SECRETS,
+        *re.findall(r"^#? ?([A-Z][A-Z0-9_]+)=", (REPO_ROOT / ".env.example").read_text(), re.M),
+        "COMPOSE_FILE",
+        "COMPOSE_PROFILES",
+        "COMPOSE_PROJECT_NAME",
+    }
+)
+NO_ENV_FILE = REPO_ROOT / "tests" / "compose" / "no-dotenv.env"  # comments only
+
+
 def compose_config(env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """`docker-compose config` with exactly `env` on top of this process's environment, whatever .env says."""
     if shutil.which("docker-compose") is None:
         pytest.skip("docker-compose is not installed (scripts/bootstrap --dev installs it)")
-    clean = {k: v for k, v in os.environ.items() if k not in SECRETS}
+    clean = {k: v for k, v in os.environ.items() if k not in COMPOSE_INPUTS}
     return subprocess.run(
-        ["docker-compose", *args, "config"], cwd=REPO_ROOT, capture_output=True, text=True, env={**clean, **env}
+        ["docker-compose", "--env-file", str(NO_ENV_FILE), *args, "config"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
     )
 
 

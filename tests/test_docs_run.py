@@ -165,3 +165,41 @@ def test_what_the_examples_write_is_ignored_by_git():
         ["git", "check-ignore", "--no-index", *written], cwd=REPO_ROOT, capture_output=True, text=True
     )
     assert done.stdout.split() == written
+
+
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+_SPEC_PATH = re.compile(r"(?<![\w/.-])((?:configs|models)/[\w./-]+\.ya?ml)\b")
+
+
+def _code_blocks() -> list[tuple[Path, str, str]]:
+    return [(page, fence.group(1), fence.group(2)) for page in PAGES for fence in _FENCE.finditer(page.read_text())]
+
+
+def test_every_config_or_spec_file_a_code_block_names_exists_or_is_made_by_the_docs():
+    """Issue 60.4: models.md's example named `models/shapes-yolo.yaml`, a path that exists only beside the
+    default config (configs/), not from the repository or a config of the reader's. A path counts as made by
+    the docs when a block writes it (`> path`) or is it (its first line `# path`)."""
+    blocks = _code_blocks()
+    made = {path for _, _, text in blocks for path in re.findall(r">\s*(\S+\.ya?ml)", text)}
+    made |= {text.splitlines()[0][2:].strip() for _, _, text in blocks if text.startswith("# ")}
+    named = {(page.name, path) for page, _, text in blocks for path in _SPEC_PATH.findall(text)}
+    assert named, "no code block names a config or spec file: the pattern no longer matches the docs"
+    missing = sorted((page, path) for page, path in named if path not in made and not (REPO_ROOT / path).exists())
+    assert not missing, f"code blocks name config or spec files that do not exist: {missing}"
+
+
+def test_the_several_models_example_loads_as_it_is_written(tmp_path):
+    """The models.md example, copied into a config of the reader's (outside the repository), is a deployment."""
+    from contract.config import load_settings
+
+    page = REPO_ROOT / "docs" / "models.md"
+    example = next(text for _, lang, text in _code_blocks() if lang == "yaml" and text.startswith("models:"))
+    assert example in page.read_text()
+    config = tmp_path / "mine.yaml"
+    config.write_text(example)
+    settings = load_settings(config)
+    assert [spec.key for spec in settings.models] == [
+        "shapes-yolo:2.0.0",
+        "shapes-yolo:3.0.0",
+        "tiny-yolo:0.1.0-random",
+    ]

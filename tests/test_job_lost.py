@@ -1,6 +1,6 @@
-"""A job the store lost answers 410 job-lost; an id past its records' TTL, or not shaped as ours, 404. With
-replicas to confirm on and none acknowledging, the API does not call a job lost on what it read (503: ask
-again), since that read may have come from a server that no longer holds the service's data."""
+"""A job the store lost answers 410 job-lost, to its own key only; an id past its records' TTL, or not shaped as
+ours, 404. With replicas to confirm on and none acknowledging, the API does not call a job lost on what it read
+(503: ask again), since that read may have come from a server that no longer holds the service's data."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import dataclasses
 import requests
 
 from app import create_app
+from app.services import services
 from contract.clock import now as service_now
 from contract.config import load_settings
-from contract.jobs.record import new_job_id
 from tests.support import ApiServer
 
 
@@ -29,12 +29,13 @@ def _api(redis_url: str, min_replicas: int) -> ApiServer:
 def test_a_missing_job_within_its_ttl_is_410_and_one_past_it_404(redis_server):
     api = _api(redis_server.url, min_replicas=0)
     try:
-        lost = new_job_id()
+        ids = services(api.app).job_ids
+        lost = ids.new()
         response = requests.get(f"{api.url}/v1/jobs/{lost}", timeout=10)
         assert response.status_code == 410
         assert response.headers["Content-Type"] == "application/problem+json"
         assert response.json()["type"] == "/problems/job-lost"
-        two_days_ago = f"{int((service_now() - 2 * 86400) * 1000):012x}" + lost[12:]
+        two_days_ago = ids.new(at=service_now() - 2 * 86400)
         assert requests.get(f"{api.url}/v1/jobs/{two_days_ago}", timeout=10).status_code == 404
         assert requests.get(f"{api.url}/v1/jobs/not-an-id", timeout=10).status_code == 404
     finally:
@@ -44,7 +45,7 @@ def test_a_missing_job_within_its_ttl_is_410_and_one_past_it_404(redis_server):
 def test_without_the_replicas_to_confirm_on_a_missing_job_is_not_called_lost(redis_server):
     api = _api(redis_server.url, min_replicas=1)  # one replica wanted; this server has none
     try:
-        response = requests.get(f"{api.url}/v1/jobs/{new_job_id()}", timeout=10)
+        response = requests.get(f"{api.url}/v1/jobs/{services(api.app).job_ids.new()}", timeout=10)
         assert response.status_code == 503
         assert response.headers["Retry-After"] == "1"
     finally:

@@ -6,9 +6,9 @@
     imgserve cancel <job-id>
     imgserve models
 
---url (or IMGSERVE_URL) names the API; --api-key (or IMGSERVE_API_KEY) a key.
+--url (or IMGSERVE_URL) names the API (default http://localhost:8000); --api-key (or IMGSERVE_API_KEY) a key.
 Exit status: 0 done; 1 the API answered with an error, or a job did not succeed; 2 a usage error;
-3 the API could not be reached (one line says where it was looked for).
+3 the API could not be reached. Either way the URL it talked to is named, and where that came from.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ from imgserve_client.draw import DrawingUnavailable
 
 UNREACHABLE = 3
 BROKEN_PIPE = 141  # what a tool killed by SIGPIPE ends with: `imgserve models | head` read what it wanted
+
+DEFAULT_URL = "http://localhost:8000"
+URL_ENV = "IMGSERVE_URL"
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp", ".bmp", ".gif")
 
@@ -75,7 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="imgserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--url", default=os.environ.get("IMGSERVE_URL", "http://localhost:8000"))
+    parser.add_argument("--url", help=f"the API (default: IMGSERVE_URL, else {DEFAULT_URL})")
     parser.add_argument("--api-key", default=os.environ.get("IMGSERVE_API_KEY"))
     sub = parser.add_subparsers(dest="command", required=True)
     submit = sub.add_parser("submit", help="submit images (files or folders)")
@@ -104,7 +107,24 @@ class Unreachable(Exception):
     """The API did not answer at all: said in one line, not as a traceback."""
 
 
-def unreachable(url: str, exc: BaseException) -> Unreachable:
+def api_url(flag: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> tuple[str, str]:
+    """The API's URL and where it came from, as the messages say it: --url, IMGSERVE_URL, or the default."""
+    if flag:
+        return flag, "given by --url"
+    if environ.get(URL_ENV):
+        return environ[URL_ENV], f"from {URL_ENV}"
+    return DEFAULT_URL, f"the default (neither --url nor {URL_ENV} set)"
+
+
+ANOTHER = f"--url URL or {URL_ENV}=URL names another"
+
+
+def talked_to(url: str, source: str) -> str:
+    """Issue 60.3: which API a message is about, where its URL came from, and how to name another."""
+    return f"the API at {url}, {source}; {ANOTHER}"
+
+
+def unreachable(url: str, source: str, exc: BaseException) -> Unreachable:
     text = str(exc)
     if isinstance(exc, requests.Timeout):
         why = "no answer in time"
@@ -115,21 +135,25 @@ def unreachable(url: str, exc: BaseException) -> Unreachable:
     else:
         why = type(exc).__name__
     return Unreachable(
-        f"imgserve: cannot reach the API at {url} ({why}); is it running? "
-        "(`make run` starts it; --url or IMGSERVE_URL names another)"
+        f"imgserve: cannot reach the API at {url} ({why}), {source}; is it running? "
+        f"(`make run` starts one at {DEFAULT_URL}; {ANOTHER})"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.url, args.url_source = api_url(args.url)
     client = Client(args.url, api_key=args.api_key)
     try:
         return run(args, client)
-    except (ApiError, DrawingUnavailable) as exc:
+    except ApiError as exc:
+        print(f"error: {exc}\n  ({talked_to(args.url, args.url_source)})", file=sys.stderr)
+        return 1
+    except DrawingUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except requests.RequestException as exc:
-        print(unreachable(args.url, exc), file=sys.stderr)
+        print(unreachable(args.url, args.url_source, exc), file=sys.stderr)
         return UNREACHABLE
     except Unreachable as exc:
         print(exc, file=sys.stderr)
@@ -151,14 +175,18 @@ def run(args: argparse.Namespace, client: Client) -> int:
             for path in files:
                 print(f"{path}\t{client.submit(path, **options)['id']}")
             return 0
-        failed = 0
+        failed = refused = 0
         for path, doc in client.submit_many(files, concurrency=args.concurrency, **options):
             if doc["status"] == "error" and doc["error"]["code"] in ("ConnectionError", "ConnectTimeout"):
-                raise unreachable(args.url, ConnectionError(doc["error"]["message"]))  # every image would say it
+                # every image would say it
+                raise unreachable(args.url, args.url_source, ConnectionError(doc["error"]["message"]))
             print("\n".join(detections_table(path, doc)))
             failed += doc["status"] != "succeeded"
+            refused += doc["status"] == "error" and doc["error"]["code"] == "ApiError"
             if args.draw is not None and doc["status"] == "succeeded":
                 print(f"  drawn: {draw_to(path, doc, args.draw, single=len(files) == 1)}")
+        if refused:
+            print(f"imgserve: {refused} refused by {talked_to(args.url, args.url_source)}", file=sys.stderr)
         return 1 if failed else 0
     if args.command == "status":
         print(json.dumps(client.status(args.job_id, wait_s=args.wait), indent=2))

@@ -114,26 +114,27 @@ return verdicts
 MOVED, GONE, POISON = 1, 0, -1
 
 
-JOB_ID_PATTERN = r"^[0-9a-f]{32}$"  # what new_job_id() makes; anything else is no job of ours
+JOB_ID_PATTERN = r"^[0-9a-f]{32}$"  # every job id's shape (contract.jobs.ids); anything else is no job of ours
 
 
 def new_job_id() -> str:
-    """32 hex digits: when it was issued (the service clock's milliseconds, 12 digits, as a UUIDv7 begins) and
-    80 random bits. The moment lets a read that finds no record tell a job the service lost (a failover it did
-    not survive, a Redis restarted without its data: `lost_at`) from one it never issued or has forgotten."""
+    """An id of the format before checked ids (contract.jobs.ids, what the API issues): 32 hex digits, when it
+    was issued (the service clock's milliseconds, 12 digits, the first 0) and 80 random bits. For records
+    written straight into the store (tools, tests); the API reads such an id but never calls its job lost."""
     return f"{int(service_now() * 1000):012x}{secrets.token_hex(10)}"
 
 
 def issued_at(job_id: str) -> float:
-    """The moment new_job_id() made `job_id` (service clock, epoch seconds)."""
-    return int(job_id[:12], 16) / 1000.0
+    """The moment `job_id` says it was issued (service clock, epoch seconds): digits 2-12 in both formats (the
+    old one's first digit is 0 until the year 2527; a checked one's is its format)."""
+    return int(job_id[1:12], 16) / 1000.0
 
 
 def lost_at(job_id: str, ttl_s: int, now: float | None = None) -> float | None:
     """When a job whose record is missing was issued, if its record should still be there: a record lives
     at least `ttl_s` from its creation (its end renews it). None when the id is not ours, is older than that
     (expired, as records do) or is from the future. A margin of a minute keeps a record on the edge of its TTL
-    out. (An id 12 random hex digits would claim falls in the last hour with odds of about 1 in 10^8.)"""
+    out. Only for an id that passed its check (contract.jobs.ids): the moment alone proves nothing."""
     if not is_job_id(job_id):
         return None
     issued, now = issued_at(job_id), service_now() if now is None else now

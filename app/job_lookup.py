@@ -1,0 +1,55 @@
+"""The job a request's id names, as the key asking may see it; otherwise the one answer an unknown id gets.
+
+An id is checked before any Redis call (contract.jobs.ids): one made up, mistyped, or issued to another key is
+404 job-not-found, the very answer to an id that names nothing, so the status tells no key whether another's id
+exists (issue 59.6). Only an id this deployment issued to the asking key, missing from the store while its
+record should still be there, is 410 job-lost (issue 60.2: a made-up id with a recent moment was a false
+data-loss alarm).
+"""
+
+from __future__ import annotations
+
+from flask import g
+
+from app.auth import owns
+from app.problems import Problem, job_lost
+from app.services import Services
+from contract.jobs.ids import IdVerdict
+from contract.jobs.record import JobRecord, lost_at, utc_iso
+
+
+def asking_owner() -> str:
+    """The key id a job of this request's is issued to and checked against ("" without keys)."""
+    return g.get("client_id") or ""
+
+
+def not_found(job_id: str) -> Problem:
+    return Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
+
+
+def is_ours_to_ask(services: Services, job_id: str) -> bool:
+    """Whether `job_id` may name a job the caller can see: checked for its key, or of the format before checks."""
+    return services.job_ids.verdict(job_id, asking_owner()) is not IdVerdict.NOT_OURS
+
+
+def load_owned(services: Services, job_id: str) -> JobRecord:
+    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists), 410 when it was
+    the caller's and the store lost it. An id that fails its check is 404 before any Redis call (`<id>:upload`
+    would name another key)."""
+    verdict = services.job_ids.verdict(job_id, asking_owner())
+    if verdict is IdVerdict.NOT_OURS:
+        raise not_found(job_id)
+    record = services.store.load(job_id)
+    if (
+        record is None
+        and verdict is IdVerdict.OURS
+        and (issued := lost_at(job_id, services.settings.jobs.ttl_s)) is not None
+    ):
+        # Behind Sentinel, "lost" only once a connection the Sentinels' primary answers on still lacks it: an
+        # idle connection left on a replaced primary would say 410 for a job the new one holds (503 then).
+        services.store.confirm_durable()
+        if (record := services.store.load(job_id)) is None:
+            raise job_lost(job_id, utc_iso(issued))
+    if record is None or not owns(record):  # owns: an unchecked id of another key's is as missing as any
+        raise not_found(job_id)
+    return record
