@@ -34,6 +34,10 @@ blueprint = Blueprint("openapi", __name__)
 
 SCHEMA_REF = "#/components/schemas/{model}"
 TAGS = ("jobs", "models", "stats", "health", "meta")  # the order of the docs page
+# Within a tag, the main flow first: submit, read, cancel, then the rest (in path order). /docs listed
+# `POST /v1/callbacks/redeliver` first, the path that sorts first, to a reader looking for how to submit.
+FLOW = ("/v1/jobs", "/v1/jobs/<job_id>", "/v1/jobs/<job_id>/callback")
+METHODS = ("POST", "GET", "PUT", "PATCH", "DELETE")
 PROBLEMS = {
     400: "A parameter is invalid (named in `invalid_params`)",
     401: "No or an unknown API key (only when keys are configured)",
@@ -89,10 +93,11 @@ def build_document(app: Flask) -> dict[str, Any]:
         (rule, getattr(app.view_functions[rule.endpoint], "openapi", None)) for rule in app.url_map.iter_rules()
     ]
     for rule, declared in sorted(
-        ((r, d) for r, d in declared_rules if d is not None), key=lambda item: (TAGS.index(item[1].tag), item[0].rule)
+        ((r, d) for r, d in declared_rules if d is not None),
+        key=lambda item: (TAGS.index(item[1].tag), _flow_rank(item[0].rule), item[0].rule),
     ):
         path = re.sub(r"<(?:[^:<>]+:)?([^<>]+)>", r"{\1}", rule.rule)
-        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}):
+        for method in sorted((rule.methods or set()) - {"HEAD", "OPTIONS"}, key=_method_rank):
             paths.setdefault(path, {})[method.lower()] = _render(
                 declared, rule.arguments, settings, registry, f"{rule.endpoint}.{method.lower()}"
             )
@@ -106,6 +111,14 @@ def build_document(app: Flask) -> dict[str, Any]:
     if settings.auth.api_keys:
         document["components"]["securitySchemes"] = {"apiKey": {"type": "http", "scheme": "bearer"}}
     return document
+
+
+def _flow_rank(rule: str) -> int:
+    return FLOW.index(rule) if rule in FLOW else len(FLOW)
+
+
+def _method_rank(method: str) -> tuple[int, str]:
+    return (METHODS.index(method) if method in METHODS else len(METHODS), method)
 
 
 def _render(

@@ -9,9 +9,11 @@ Settings come from IMGSERVE_CONFIG and the environment (contract.config).
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from dataclasses import dataclass
 
+import celery.apps.worker as celery_worker_app
 from celery import Celery, Task
 from celery.exceptions import SecurityWarning
 from celery.signals import (
@@ -26,7 +28,7 @@ from contract.clock import CLOCK
 from contract.config import load_settings
 from contract.connection import connect
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
-from contract.logs import configure_logging
+from contract.logs import JsonFormatter, configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
 from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK
@@ -142,6 +144,15 @@ def _name_the_role(options: dict | None = None, instance: object = None, **_: ob
         # Celery's "running the worker with superuser privileges" is about unpickling as root: these workers
         # accept JSON only (contract.task_messages; nothing is pickled across processes). Logged when verbose.
         warnings.filterwarnings("ignore", category=SecurityWarning)
+        # "worker: Warm shutdown (MainProcess)", written raw from Celery's signal handler among the JSON lines.
+        celery_worker_app.safe_say = _say_as_json  # type: ignore[assignment]
+
+
+def _say_as_json(msg: str, f: object = None) -> None:
+    """Celery's own shutdown lines as one JSON line each, like every other line the worker writes. Called from a
+    signal handler: formatted here and written with one os.write, no logging handler's lock taken."""
+    record = logging.LogRecord("celery.worker", logging.INFO, __file__, 0, msg, (), None)
+    os.write(1, (JsonFormatter(this_worker.role).format(record) + "\n").encode())
 
 
 @celeryd_after_setup.connect

@@ -212,6 +212,15 @@ def test_compose_cpu_workers_scale_freely(compose):
     assert "--max-memory-per-child" in " ".join(worker["command"]) and worker["mem_limit"]
 
 
+def test_the_callback_worker_has_a_stable_node_name_and_cpu_workers_unique_ones(compose):
+    """Flower named the callback worker by its container's id (`callbacks@d9b87fd09691`), new at each restart.
+    A scaled service cannot have one hostname: its replicas would share a node name, so the CPU workers keep
+    the container's."""
+    callbacks, cpu = compose["services"]["callback-worker"], compose["services"]["cpu-worker"]
+    assert callbacks["hostname"] == "callback-worker" and "callbacks@%h" in callbacks["command"]
+    assert "hostname" not in cpu and "-n cpu@%h" in " ".join(cpu["command"])
+
+
 def test_procfile_runs_the_same_roles_without_docker():
     roles = dict(line.split(":", 1) for line in (REPO_ROOT / "Procfile").read_text().splitlines() if line)
     assert set(roles) == {"api", "cpu-worker", "callback-worker", "gpu-worker", "flower"}

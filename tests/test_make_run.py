@@ -15,17 +15,31 @@ import pytest
 import redis
 import requests
 
-from bench.processes import wait_until
+from bench.processes import REPO_ROOT, wait_until
 from bench.stack import ProcfileStack, StackOptions
 from contract.keys import Keys
 from tests.support import jpeg
+from tests.test_callbacks import Receiver, verify
 
 
 @pytest.fixture(scope="module")
-def make_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcfileStack]:
-    stack = ProcfileStack(
-        tmp_path_factory.mktemp("make-run"), StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})
-    ).start()
+def receiver() -> Iterator[Receiver]:
+    """A callback receiver on this machine, on the port make run admits (CALLBACK_RECEIVER_PORT)."""
+    receiver = Receiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def make_run(tmp_path_factory: pytest.TempPathFactory, receiver: Receiver) -> Iterator[ProcfileStack]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CALLBACK_RECEIVER_PORT", str(receiver.port))
+        for name in ("IMGSERVE_CALLBACK_SECRET", "IMGSERVE_CALLBACKS__ALLOW_HOSTS"):
+            patch.delenv(name, raising=False)
+        stack = ProcfileStack(
+            tmp_path_factory.mktemp("make-run"),
+            StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0}),
+        ).start()
     # Until the service is ready, a process that ends stops everything instead of restarting. The supervisor
     # (run-local's --ready-url) ends that window when /readyz first answers it, and says so after: the ready line.
     wait_until(lambda: "make run: ready at " in supervisor_log(stack), 60, what="make run's ready line")
@@ -277,3 +291,37 @@ def _is_json(line: str) -> bool:
         return isinstance(json.loads(line), dict)
     except ValueError:
         return False
+
+
+def test_callbacks_work_out_of_the_box_signed_with_a_secret_of_its_own(make_run, receiver):
+    """Issue 60: under make run a callback_url was a 400 until two settings were added. make run makes a secret
+    once (var/callback-secret, mode 600, as Flower's credentials) and admits one port of this machine."""
+    secret_file = REPO_ROOT / "var" / "callback-secret"
+    assert secret_file.stat().st_mode & 0o777 == 0o600
+    secret = secret_file.read_text().strip()
+    assert len(secret) >= 32
+    assert "Callbacks (callback_url=...): signed with the secret in var/callback-secret" in supervisor_log(make_run)
+    response = requests.post(
+        f"{make_run.url}/v1/jobs",
+        params={"callback_url": receiver.url},
+        data=jpeg(160, 120, seed=31),
+        headers={"Content-Type": "image/jpeg"},
+        timeout=10,
+    )
+    assert response.status_code == 202, response.text
+    job_id = response.json()["id"]
+    call = wait_until(
+        lambda: next((c for c in receiver.calls if c["headers"].get("X-Imgserve-Job-Id") == job_id), None),
+        60,
+        what="the job's callback",
+    )
+    assert verify(secret, call["headers"], call["body"], max_age_s=300)
+    # Another port of this machine is not admitted: the receiver's port only, not every local service.
+    other = requests.post(
+        f"{make_run.url}/v1/jobs",
+        params={"callback_url": f"http://127.0.0.1:{receiver.port + 1}/hook"},
+        data=jpeg(160, 120, seed=32),
+        headers={"Content-Type": "image/jpeg"},
+        timeout=10,
+    )
+    assert other.status_code == 400 and "callback_url" in other.text, other.text

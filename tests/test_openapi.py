@@ -88,6 +88,19 @@ def test_the_docs_page_lists_every_operation(stack):
     assert re.findall(r'src="([^"]*)"', page.text) == ["docs/try.js"]
 
 
+def test_the_main_flow_comes_first(stack):
+    """Issue 60: /docs opened on `POST /v1/callbacks/redeliver` (the path that sorts first). Submit, read and
+    cancel come first, in the document and on the page, then the rest."""
+    document = requests.get(stack.url("/openapi.json"), timeout=10).json()
+    operations = [(method, path) for path, methods in document["paths"].items() for method in methods]
+    assert operations[:3] == [("post", "/v1/jobs"), ("get", "/v1/jobs/{job_id}"), ("delete", "/v1/jobs/{job_id}")]
+    assert operations.index(("post", "/v1/callbacks/redeliver")) > 2
+    page = requests.get(stack.url("/docs"), timeout=10).text
+    ids = [document["paths"][path][method]["operationId"] for method, path in operations]
+    positions = [page.index(f'id="{operation_id}"') for operation_id in ids]
+    assert positions == sorted(positions)
+
+
 def test_schemathesis_finds_nothing(stack):
     result = run_schemathesis(stack.api.url)
     assert result.returncode == 0, result.stdout[-12000:] + result.stderr[-3000:]

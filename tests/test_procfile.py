@@ -137,6 +137,9 @@ def test_sigterm_stops_every_process_group_children_included(tmp_path: Path) -> 
     assert supervisor.returncode == 0  # a clean stop
     assert "SIGTERM received" in err
     assert not _alive(child)
+    # Ended by the SIGTERM it was sent: said as the clean stop it is, not as `stopped (status -15)` (issue 60).
+    assert "parent stopped cleanly" in err and "other stopped cleanly" in err, err
+    assert "status -15" not in err, err
 
 
 def test_a_stop_that_had_to_kill_is_not_a_clean_one(tmp_path: Path) -> None:
@@ -152,6 +155,7 @@ def test_a_stop_that_had_to_kill_is_not_a_clean_one(tmp_path: Path) -> None:
     supervisor.send_signal(signal.SIGINT)
     _, err = supervisor.communicate(timeout=60)
     assert supervisor.returncode == 130 and "sent SIGKILL to stubborn" in err
+    assert "stubborn stopped (killed: still running 1 s after SIGTERM)" in err and "cleanly" not in err, err
 
 
 def test_a_process_ignoring_sigterm_is_killed(tmp_path: Path) -> None:

@@ -180,7 +180,7 @@ class Supervisor:
                 if not _group_alive(self.shells[name].pid):
                     self.live.discard(name)
                     if self.stopping_since is not None or not self.restart:
-                        self.say(f"{name} stopped (status {returncode})")
+                        self.say(f"{name} stopped{self._how(name, returncode)}")
                 elif name in self.ending and now - self.ending[name] > self.kill_wait_s:
                     self._signal(name, signal.SIGKILL)
                     self.ending[name] = float("inf")  # once
@@ -204,6 +204,17 @@ class Supervisor:
         self.live.add(name)
         self.started_at[name] = time.monotonic()
         self.say(f"{name} {'restarted' if again else 'started'} (pid {self.shells[name].pid})")
+
+    def _how(self, name: str, returncode: int) -> str:
+        """How a process ended once everything is stopping: ending by the SIGTERM (or SIGINT) this supervisor sent
+        it, or with 0, is a clean stop (make run's Ctrl-C said `stopped (status -15)` of every worker, which read as
+        a failure); anything else keeps its status."""
+        asked = self.signalled is not None or name in self.ending or self.stopping_since is not None
+        if returncode == 0 or (asked and returncode in (-signal.SIGTERM, -signal.SIGINT) and not self.killed):
+            return " cleanly"
+        if returncode == -signal.SIGKILL and (self.killed or self.ending.get(name) == float("inf")):
+            return f" (killed: still running {self.kill_wait_s:g} s after SIGTERM)"
+        return f" (status {returncode})"
 
     def _watch_readiness(self) -> None:
         """Poll ready_url until it answers 200 once (or the supervisor stops): then say so."""

@@ -1,9 +1,10 @@
 """What `make run` (scripts/run-local) needs of the settings, as shell assignments: `eval "$(python -m
-tools.run_settings)"` sets `redis_url`, `api_url`, `api_bind` and `api_metrics` (host:port, empty when /metrics
-is on the API's port), and exports `.env`'s variables that the environment does not set (compose's rule, as the
-supervisor reads it: tools.procfile), naming them in `dotenv_names`. Read by contract.config as every process
-reads them, `.env` included, so a settings file or variable that does not load stops `make run` before anything
-starts, and the ready line names what the processes will use."""
+tools.run_settings)"` sets `redis_url`, `api_url`, `api_bind` and `api_metrics` (host:port, empty when /metrics is
+on the API's port), `callback_secret_set` (1 or 0) and `callback_allow_hosts`, and exports `.env`'s variables that
+the environment does not set (compose's rule, as the supervisor reads it: tools.procfile), naming them in
+`dotenv_names`. Read by contract.config as every process reads them, `.env` included, so a settings file or
+variable that does not load stops `make run` before anything starts, and the ready line names what the processes
+will use."""
 
 from __future__ import annotations
 
@@ -44,6 +45,10 @@ def main() -> int:
     print(f"api_bind={shlex.quote(settings.api.bind)}")
     metrics = f"{settings.api.metrics_host}:{settings.api.metrics_port}" if settings.api.metrics_port else ""
     print(f"api_metrics={shlex.quote(metrics)}")
+    # make run signs callbacks with a secret of its own, and admits a receiver on this machine, unless the
+    # settings name their own (scripts/run-local).
+    print(f"callback_secret_set={1 if settings.callbacks.secret else 0}")
+    print(f"callback_allow_hosts={shlex.quote(' '.join(settings.callbacks.allow_hosts))}")
     return 0
 
 
