@@ -192,7 +192,7 @@ def _png(data: bytes, limits: StructureLimits) -> Structure:
         if kind == b"IEND" or end + 4 > size:
             break
         if kind in png_text.TEXT_KINDS:
-            text += png_text.held_bytes(kind, data[start:end])
+            text += length if length > MAX_PNG_TEXT_BYTES else png_text.held_bytes(kind, data[start:end])  # no copy
             if text > MAX_PNG_TEXT_BYTES:
                 what = f"PNG text chunks holding more than {MAX_PNG_TEXT_BYTES} bytes (only an orientation is read)"
                 raise TooComplex(f"{what}; refused before decoding")

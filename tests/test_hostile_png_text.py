@@ -67,6 +67,15 @@ def test_a_png_whose_text_would_hold_hundreds_of_mb_fails_fast_holding_nothing(b
     assert got["cpu_s"] < 0.5 and got["growth"] < 20 * 2**20, got
 
 
+def test_one_text_chunk_larger_than_the_limit_is_refused_uncopied():
+    """12 MiB of plain tEXt: refused by its length, before the walk copies a byte of it."""
+    head = encode(make_image(64, 48), "PNG")
+    data = head[:33] + hostile.png_chunk(b"tEXt", b"Comment\0" + b"x" * (12 * 2**20)) + head[33:]
+    got = measured(data)
+    assert got["outcome"] == "image_too_complex" and "PNG text chunks" in got["reason"], got
+    assert got["cpu_s"] < 0.5 and got["growth"] < 8 * 2**20, got
+
+
 def test_the_job_of_such_a_png_fails_with_its_reason():
     """The CPU worker's job error: `image_too_complex`, saying which limit, before Pillow reads a chunk."""
     with pytest.raises(ImageDecodeError) as caught:
