@@ -16,7 +16,7 @@ from werkzeug.exceptions import HTTPException
 from app import auth, callbacks, health, holds, home, jobs, metrics, openapi, stats
 from app.admission import MAX_RETRY_AFTER_S, Admission
 from app.callback_lookups import CallbackLookups
-from app.early_refusal import refusing_early
+from app.early_refusal import WaitingQueries, refusing_early
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
 from app.queries import refuse_unknown_query
@@ -125,7 +125,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     refuse_unknown_query(app, settings)  # after the key check: a caller without one learns nothing of the routes
     holds.install(app, services(app).holds, keyed=bool(settings.auth.api_keys))  # after auth: per key
     if settings.auth.api_keys:  # a key's long-polls past its bound: refused before Flask (half the CPU)
-        app.wsgi_app = refusing_early(app.wsgi_app, services(app).holds, settings.auth.api_keys)  # type: ignore[method-assign]
+        app.wsgi_app = refusing_early(  # type: ignore[method-assign]
+            app.wsgi_app, services(app).holds, settings.auth.api_keys, WaitingQueries.of(settings)
+        )
     _install_error_handlers(app)
 
     @app.before_request

@@ -19,6 +19,7 @@ from typing import Any
 
 from gunicorn import glogging, util
 from gunicorn.http import wsgi
+from gunicorn.http.errors import ConfigurationProblem, InvalidHeader
 from gunicorn.workers.ggevent import GeventWorker
 
 from contract.config import load_settings
@@ -95,7 +96,8 @@ class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is unty
     """gunicorn's HTTP/1 response, its head sent in the same write as the body's first bytes. gunicorn writes
     the head, then the body, in two sends: on loopback each send is most of a small answer's cost (py-spy: a
     third of the API worker's CPU in socket sends), and every answer here is a small JSON document. A body
-    over COALESCE_MAX_BYTES, a chunked one, or none at all (HEAD, 204, 304) gets the head on its own, first."""
+    over COALESCE_MAX_BYTES, a chunked one, or none at all (HEAD, OPTIONS, 204, 304) gets the head on its own,
+    first; an answer without body bytes gets it when the response closes."""
 
     _head = b""
 
@@ -116,8 +118,17 @@ class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is unty
         super()._emit_body(data)
 
     def close(self) -> None:
-        self._flush_head()  # a response without body bytes (HEAD, 204, an empty body)
+        # A response that wrote no body bytes (HEAD, OPTIONS, 204, 304, an empty body): the app's iterable was
+        # empty, write() never ran, and the head is decided only here. Flushing before gunicorn's own close built
+        # it sent nothing (issue 59: a keep-alive client waited 5 s, a closing one got an empty connection).
+        self.send_headers()
+        self._flush_head()
         super().close()
+
+    def sendfile(self, respiter: Any) -> bool:
+        """No sendfile: gunicorn's would put the file's bytes on the socket behind a head not yet written. The API
+        serves no files; one would go through write(), in blocks, its head first."""
+        return False
 
     def _flush_head(self) -> None:
         if self._head:
@@ -146,6 +157,14 @@ class ProblemGeventWorker(GeventWorker):
     def load_wsgi(self) -> None:
         super().load_wsgi()
         self.wsgi = close_after_refusal(self.wsgi)  # type: ignore[has-type]  # gunicorn's untyped attribute
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        """A `SCRIPT_NAME` header that the request's path does not start with is the client's error: gunicorn
+        answers it 500 "Bad Request" (a ConfigurationProblem). configs/gunicorn.conf.py trusts no forwarded
+        SCRIPT_NAME at all (the header is dropped); with forwarder_headers set back, this keeps it a 400."""
+        if isinstance(exc, ConfigurationProblem):
+            exc = InvalidHeader("SCRIPT_NAME")
+        super().handle_error(req, client, addr, exc)
 
 
 class JsonLogger(glogging.Logger):  # type: ignore[misc]  # gunicorn is untyped

@@ -271,3 +271,28 @@ def jpeg_progressive_cmyk(width: int = 8192, height: int = 8192) -> bytes:
     buffer = io.BytesIO()
     Image.new("CMYK", (width, height), (10, 80, 160, 20)).save(buffer, "JPEG", progressive=True, quality=50)
     return buffer.getvalue()
+
+
+def png_itxt(key: bytes, text: bytes, compressed: bool = True) -> bytes:
+    """One iTXt chunk: `text` (UTF-8) under `key`, deflated or not."""
+    value = zlib.compress(text, 9) if compressed else text
+    return png_chunk(b"iTXt", key + b"\0" + bytes((1 if compressed else 0, 0)) + b"\0\0" + value)
+
+
+def png_text_bomb(image: bytes | None = None, chunks: int = 64, chars: int = 1024 * 1024) -> bytes:
+    """A PNG (by default 1x1 RGBA; give another as `image`) with `chunks` deflated iTXt chunks before its image
+    data, each `chars` - 3 ASCII characters and one outside the BMP: 1 MiB of UTF-8 that Pillow's caps allow (1 MiB
+    inflated a chunk, 64 Mi characters in all), in ~1 KB. CPython stores such a string at 4 bytes a character:
+    64 of them are +263 MB, read at open, before the decode's memory check (issue 59)."""
+    if image is None:
+        buffer = io.BytesIO()
+        Image.new("RGBA", (1, 1), (30, 90, 160, 128)).save(buffer, "PNG")
+        image = buffer.getvalue()
+    cut = 8 + 8 + 13 + 4  # the signature and IHDR
+    text = b"a" * (chars - 4) + "\U0001f600".encode()
+    return image[:cut] + b"".join(png_itxt(b"k%d" % i, text) for i in range(chunks)) + image[cut:]
+
+
+def png_rgba_text_bomb() -> bytes:
+    """The honest 8192x8192 RGBA PNG (its 256 MiB, the cap) with png_text_bomb's 64 chunks: +535 MB."""
+    return png_text_bomb(png_rgba())

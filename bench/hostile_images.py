@@ -65,7 +65,14 @@ ROUND_FIVE = (
     FileAttack("JPEG progressive CMYK 8192x8192", hostile_files.jpeg_progressive_cmyk, "image/jpeg"),
     FileAttack("PNG RGBA 8192x8192 (an honest one)", hostile_files.png_rgba, "image/png"),
 )
-ROUNDS = {"four": ATTACKS, "five": ROUND_FIVE, "all": ATTACKS + ROUND_FIVE}
+# Issue 59's: PNG text that Pillow held beside the decode's cap (4 bytes a character), read at open.
+ROUND_SIX = (
+    FileAttack(
+        "PNG 1x1, 64 deflated iTXt chunks (1 MiB each, one astral character)", hostile_files.png_text_bomb, "image/png"
+    ),
+    FileAttack("PNG RGBA 8192x8192 with the same text", hostile_files.png_rgba_text_bomb, "image/png"),
+)
+ROUNDS = {"four": ATTACKS, "five": ROUND_FIVE, "six": ROUND_SIX, "all": ATTACKS + ROUND_FIVE + ROUND_SIX}
 MoreAttack = Callable[[str, dict[str, str]], list[str]]
 
 # Decode stdin's bytes as a CPU worker does, in a fresh interpreter of a checkout: outcome, CPU s, peak RSS growth.

@@ -35,6 +35,11 @@ backlog = 4096
 limit_request_line = 8190
 limit_request_fields = 60
 limit_request_field_size = 8190
+# No forwarded SCRIPT_NAME or PATH_INFO: gunicorn takes them from any client on forwarded_allow_ips (127.0.0.1 and ::1
+# by default), and a SCRIPT_NAME the path does not start with was a 500 (issue 59). The API is served at the root,
+# facing clients directly; a header with an underscore is then dropped (header_map "drop"). A proxy's
+# X-Forwarded-Proto is still read from those addresses (secure_scheme_headers).
+forwarder_headers = ""
 # One line per request on top of the API's own JSON lines (a job's are "job accepted" and its reads'
 # errors) cost the API and the log relay as much as a fifth of a submission: on when asked for.
 accesslog = _api.access_log or None

@@ -15,6 +15,7 @@ holding two to four times what the old count (a pixel's storage, 4 bytes at most
   size: a 35-byte GIF of an 8944x8944 screen took 307 MB converted to RGB whole, an RGBA PNG twice its pixels
   (Pillow's reduce premultiplies a copy of the whole image).
 - BMP RLE: the decoder's own buffer (tasks.bmp_rle) beside the image's.
+- PNG text: every text chunk's value, held in `info` from the open on (tasks.png_text), beside the pixels.
 
 Pure functions of Pillow images; nothing here reads a file's bytes but through Pillow and libwebp.
 """
@@ -50,7 +51,7 @@ def peak_bytes(image: Image.Image, fmt: str, found: Structure) -> int:
     tile = getattr(image, "tile", None)  # an ImageFile's, opened and not loaded
     if fmt == "BMP" and tile and tile[0].codec_name == "bmp_rle":
         return pixels + width * height  # tasks.bmp_rle's buffer, a byte a pixel, until the image holds it
-    return pixels
+    return pixels + found.text_bytes  # a PNG's text chunks, held in `info` beside the pixels (tasks.png_text)
 
 
 def describe(image: Image.Image, fmt: str, found: Structure) -> str:
@@ -61,6 +62,8 @@ def describe(image: Image.Image, fmt: str, found: Structure) -> str:
     what = f"{width}x{height} {image.mode}"
     if fmt == "JPEG" and found.coefficient_bytes:
         return f"{what}, and {found.coefficient_bytes} bytes of coefficients: a progressive or multi-scan JPEG"
+    if found.text_bytes:
+        return f"{what}, and {found.text_bytes} bytes of PNG text chunks"
     return what
 
 

@@ -14,12 +14,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from PIL import Image
+from PIL import Image, PngImagePlugin
 
 from contract import media
 from contract.frames import Placement
-from tasks import bmp_rle, decode_memory
-from tasks.structure import DEFAULT_LIMITS, Structure, StructureLimits, TooComplex, exif_orientation
+from tasks import bmp_rle, decode_memory, png_text
+from tasks.structure import DEFAULT_LIMITS, MAX_PNG_TEXT_BYTES, Structure, StructureLimits, TooComplex, exif_orientation
 from tasks.structure import check as check_structure
 
 # EXIF orientations that swap width and height, and what turns each upright (as ImageOps.exif_transpose).
@@ -38,6 +38,10 @@ _XMP_ORIENTATION = r'tiff:Orientation(="|>)([0-9])'
 
 
 bmp_rle.install()  # BMP RLE decoded at C speed a pixel (Pillow's own decoder took a Python step for some)
+# Pillow's caps on PNG text, as the walk counts it (tasks.png_text): its default allowed 64 Mi characters, up to
+# 4 bytes each. The walk refuses first; these hold if it and Pillow ever read a file differently.
+PngImagePlugin.MAX_TEXT_CHUNK = png_text.TEXT_CHUNK_BYTES
+PngImagePlugin.MAX_TEXT_MEMORY = MAX_PNG_TEXT_BYTES
 
 
 class ImageDecodeError(ValueError):

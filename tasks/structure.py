@@ -19,6 +19,8 @@ import re
 import struct
 from dataclasses import dataclass
 
+from tasks import png_text
+
 
 class TooComplex(ValueError):
     """A file whose structure asks for more work or memory than allowed; the message says which limit."""
@@ -43,17 +45,20 @@ class Structure:
     """What a walk learnt on the way: whether the image has an EXIF block Pillow will hold in `info["exif"]`,
     the orientation its first directory names (None: it names none), and for a JPEG that libjpeg decodes
     scan by scan (progressive, or a first scan without every component) the bytes of the coefficients it
-    keeps for the whole image meanwhile, at full size whatever scale draft mode asks for (0 for any other)."""
+    keeps for the whole image meanwhile, at full size whatever scale draft mode asks for (0 for any other); for
+    a PNG, the bytes its text chunks will hold in `info` (tasks.png_text)."""
 
     has_exif: bool = False
     orientation: int | None = None
     coefficient_bytes: int = 0
+    text_bytes: int = 0
 
 
 # Fixed rules, beside the settings: no real file comes near them.
 MAX_EXIF_PREFIXES = 4  # "Exif\0\0" headers Pillow strips one by one, copying the rest each time
 MAX_EXIF_SEGMENTS = 16  # JPEG APP1 EXIF segments Pillow joins one by one (the standard has one)
 MAX_PNG_PROFILES = 4  # iCCP chunks, each inflated up to 1 MB (the PNG standard allows one)
+MAX_PNG_TEXT_BYTES = 8 * 1024 * 1024  # what text chunks hold as Pillow keeps them (tasks.png_text); a photo's: KBs
 
 ORIENTATION_TAG = 0x0112
 
@@ -178,7 +183,7 @@ def _ceil(numerator: int, denominator: int) -> int:
 def _png(data: bytes, limits: StructureLimits) -> Structure:
     steps = _Steps(limits.max_blocks, "PNG chunks (an image has a few, plus one per 8-64 KB of pixel data)")
     exif: tuple[int, int] | None = None
-    profiles = 0
+    profiles = text = 0
     pos, size = 8, len(data)
     while pos + 8 <= size:
         length, kind = struct.unpack_from(">L4s", data, pos)
@@ -186,7 +191,12 @@ def _png(data: bytes, limits: StructureLimits) -> Structure:
         start, end = pos + 8, pos + 8 + length
         if kind == b"IEND" or end + 4 > size:
             break
-        if kind == b"eXIf":
+        if kind in png_text.TEXT_KINDS:
+            text += length if length > MAX_PNG_TEXT_BYTES else png_text.held_bytes(kind, data[start:end])  # no copy
+            if text > MAX_PNG_TEXT_BYTES:
+                what = f"PNG text chunks holding more than {MAX_PNG_TEXT_BYTES} bytes (only an orientation is read)"
+                raise TooComplex(f"{what}; refused before decoding")
+        elif kind == b"eXIf":
             exif = (start, end)  # the last one counts: Pillow keeps it alone
         elif kind == b"iCCP":
             profiles += 1
@@ -197,8 +207,8 @@ def _png(data: bytes, limits: StructureLimits) -> Structure:
                 )
         pos = end + 4
     if exif is None:
-        return Structure()
-    return Structure(has_exif=True, orientation=exif_orientation(data, limits, *exif))
+        return Structure(text_bytes=text)
+    return Structure(has_exif=True, orientation=exif_orientation(data, limits, *exif), text_bytes=text)
 
 
 # --- GIF: Pillow's _seek(0), up to the first frame's image descriptor -----------------------------------

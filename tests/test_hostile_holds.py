@@ -352,16 +352,18 @@ def test_one_keys_requests_in_flight_are_bounded(keyed_api):
 def test_only_a_valid_keys_long_poll_is_judged_before_flask():
     """app.early_refusal answers what app.holds would (a key's long-polls at its bound); anything it is not sure
     of goes to the app: no wait or wait=0, another route or method, a key that is not one, no key."""
-    from app.early_refusal import _waiting_client
+    from app.early_refusal import WaitingQueries, _waiting_client
+    from contract.config import load_settings
 
     keys = {hash_key(KEYS["attacker"]): "attacker"}
+    queries = WaitingQueries.of(load_settings())
     job = "0123456789abcdef" * 2
 
     def client(method: str, path: str, query: str, key: str | None = KEYS["attacker"]) -> str | None:
         environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": query}
         if key is not None:
             environ["HTTP_AUTHORIZATION"] = f"Bearer {key}"
-        return _waiting_client(environ, keys)
+        return _waiting_client(environ, keys, queries)
 
     assert client("GET", f"/v1/jobs/{job}", "wait=30") == "attacker"
     assert client("POST", "/v1/jobs", "conf=0.5&wait=2.5") == "attacker"

@@ -66,9 +66,9 @@ def add_commands(
     )
     hostile.add_argument(
         "--files",
-        choices=("four", "five", "all"),
+        choices=("four", "five", "six", "all"),
         default="all",
-        help="images, decode: issue 40's files (four), issue 52's (five) or both",
+        help="images, decode: issue 40's files (four), issue 52's (five), issue 59's PNG text (six) or all",
     )
     hostile.add_argument("--holds", type=int, default=4000, help="long-polls: the attacker's long-polls held at once")
     hostile.add_argument("--bodies", type=int, default=40, help="trickle: the attacker's bodies held at once")
