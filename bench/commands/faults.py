@@ -217,7 +217,8 @@ def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: fl
 
     # make run's CPU pool (three children) unless told otherwise: the probe's stack.
     options = stack_options(args, cpu_workers=args.cpu_workers or 3)
-    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    this = ("this checkout", REPO_ROOT) if args.root is None else (str(args.root), args.root.resolve())
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), this[0]: this[1]}
     texts, outcomes = [], {}
     expensive = hostile_files.png_rgba16_adam7() if args.attack == "cost" else b""
     for side, root in sides.items():
