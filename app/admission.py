@@ -36,6 +36,7 @@ from app.problems import Problem
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache
 from contract.clock import now as service_now
+from contract.decode_share import DecodeShare
 from contract.heartbeat import live_heartbeats
 from contract.jobs.backlog import queue_depths
 from contract.jobs.intake import CacheHit, JobIntake
@@ -97,6 +98,7 @@ class Admission:
         self.memory = RedisMemory(client)
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
         self.buckets = TokenBuckets(client)
+        self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (app.decode_charges)
 
     def limit_rate(self, client_id: str) -> None:
         """A token from the key's bucket (`auth.rate_per_s`, `auth.burst`), or a 429: the key is over its rate."""

@@ -10,7 +10,7 @@ from typing import cast
 import redis
 from flask import Blueprint, Response, g, jsonify, request, url_for
 
-from app import metrics
+from app import decode_charges, metrics
 from app.admission import Reservation
 from app.holds import BodyHold
 from app.job_lookup import is_ours_to_ask, load_owned
@@ -166,6 +166,11 @@ def _accept(
             else {"error": json.loads(LATE_ERROR)}
         )
         return _accepted(job_id, spec, stored, status, answer)
+    # An expensive decode counts against its key's share in flight (fairness by CPU cost, not by task).
+    share = services.admission.decode_share
+    charged = decode_charges.charge(share, settings, reservation.client_id, job_id, data, fields["deadline_at"])
+    if charged:
+        fields["decode_cost"] = charged
     # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
     # is down is a 503 for both, never half.
     queue = services.keys.preprocess_queue(spec.key, reservation.tenant)
@@ -184,6 +189,10 @@ def _accept(
             )
         except NotReplicated:
             services.admission.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
+            decode_charges.release(share, job_id, charged)
+            raise
+        except BaseException:
+            decode_charges.release(share, job_id, charged)  # not queued: its charge goes with it
             raise
         services.admission.stored(reservation)
         log.info(

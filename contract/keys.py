@@ -71,6 +71,12 @@ class Keys:
         return f"{self.namespace}:waiting_bytes"
 
     @property
+    def decode_share(self) -> str:
+        """Hash: job id -> "key|bytes|lapse": an expensive upload's decode charged to its API key until its CPU
+        stage ends or the charge lapses (contract.decode_share)."""
+        return f"{self.namespace}:decode_share"
+
+    @property
     def deadlines(self) -> str:
         """Sorted set: live jobs scored by their deadline (epoch seconds), for the sweeper that ends them."""
         return f"{self.namespace}:deadlines"

@@ -226,6 +226,9 @@ class AuthSettings:
     # A key's own jobs waiting for a CPU worker may fill at most this share of a model's backlog: past it, 429
     # for that key alone (its flood does not get the others refused). Each key also has its own CPU queue.
     max_backlog_share: float = 0.5
+    # A key's expensive decodes in flight (uploads estimated at 32 MiB of decoding or more, contract.decode_share)
+    # may add up to this many bytes; one more is 429 unless the key has none in flight. 0: off.
+    max_decode_bytes_in_flight: int = 256 * 1024 * 1024
     failed_per_s: float = 1.0  # failed authentications per client address (a 401 each); past them 429; 0: off
     failed_burst: float = 20.0
 

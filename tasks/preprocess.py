@@ -17,6 +17,7 @@ from contract import frame_push
 from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.deadlines import is_past
+from contract.decode_share import DecodeShare
 from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame
 from contract.jobs.handoff import JobHandOff
@@ -51,6 +52,7 @@ class Preprocessor:
         self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk)
         self.frames = frame_pusher(client, self.keys, bulk)
         self.catalogue = Catalogue(settings)
+        self.decode_share = DecodeShare(client, self.keys)
         decode = settings.decode
         self.structure = StructureLimits(
             decode.max_blocks,
@@ -86,6 +88,21 @@ class Preprocessor:
 
     def _run(self, job_id: str, started_at: float, claim: str) -> str:
         verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at, claim)
+        try:
+            return self._claimed(job_id, started_at, claim, verdict, upload, record)
+        finally:
+            if record and record.get("decode_cost"):  # its key's expensive decode is over, however it ended
+                self.decode_share.release(job_id)
+
+    def _claimed(
+        self,
+        job_id: str,
+        started_at: float,
+        claim: str,
+        verdict: str,
+        upload: bytes | memoryview | None,
+        record: JobRecord,
+    ) -> str:
         if verdict == "missing":
             return "missing"
         if verdict == "over":

@@ -53,12 +53,13 @@ def add_commands(
     hostile.add_argument(
         "--attack",
         choices=(
-            *("images", "decode", "slow-callbacks", "docs-flood", "metrics"),
+            *("images", "cost", "decode", "slow-callbacks", "docs-flood", "metrics"),
             *("long-polls", "trickle", "redeliver", "leaks"),
         ),
         default="images",
         help="images: hostile image files through the stack (the normal tenant's queue_cpu, the CPU children's "
-        "memory); decode: each file decoded in a fresh interpreter (CPU s, memory); slow-callbacks: one tenant's "
+        "memory); cost: one key keeps --in-flight 16-bit Adam7 8192x8192 PNGs in flight (the other key's queue_cpu "
+        "and refusals); decode: each file decoded in a fresh interpreter (CPU s, memory); slow-callbacks: one tenant's "
         "tarpit receivers (another's callbacks); docs-flood; metrics; long-polls: one key's held long-polls "
         "(/healthz, another key's submissions); trickle: one key's 20 MiB bodies held unfinished (the API's "
         "memory); redeliver: one key asking for a callback again and again; leaks: what /metrics, /v1/models and "
@@ -97,6 +98,7 @@ def add_commands(
     hostile.add_argument("--qps", type=float, default=4.0, help="images: the normal tenant's steady rate")
     hostile.add_argument("--quiet", type=float, default=15.0, help="images: seconds of the normal tenant alone first")
     hostile.add_argument("--copies", type=int, default=3, help="images: how many of each hostile file, sent at once")
+    hostile.add_argument("--in-flight", type=int, default=3, help="cost: the attacker's expensive PNGs in flight")
     hostile.add_argument("--base", help="a git ref attacked first, the same way (checked out under .bench/ab/)")
     return {"chaos": cmd_chaos, "hostile": cmd_hostile}
 
@@ -157,7 +159,7 @@ def chaos_on_hosts(args: argparse.Namespace) -> int:
 
 def cmd_hostile(args: argparse.Namespace) -> int:
     images = load_corpus(args.corpus, count=args.images)
-    if args.attack == "images":
+    if args.attack in ("images", "cost"):
         return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
     if args.attack == "decode":
         return hostile_decode(args)
@@ -208,15 +210,19 @@ def hostile_decode(args: argparse.Namespace) -> int:
 
 def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: float) -> int:
     """Issue 40's hostile image files against each side's stack, and what the normal tenant saw."""
+    from bench import hostile_cost, hostile_files
     from bench.ab import worktree
     from bench.hostile_images import ROUNDS, run_hostile
     from bench.hostile_images import markdown as hostile_markdown
 
     # make run's CPU pool (three children) unless told otherwise: the probe's stack.
     options = stack_options(args, cpu_workers=args.cpu_workers or 3)
-    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    this = ("this checkout", REPO_ROOT) if args.root is None else (str(args.root), args.root.resolve())
+    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), this[0]: this[1]}
     texts, outcomes = [], {}
+    expensive = hostile_files.png_rgba16_adam7() if args.attack == "cost" else b""
     for side, root in sides.items():
+        keeper = hostile_cost.KeepInFlight(expensive, "image/png", args.in_flight, duration_s)
         outcomes[side] = run_hostile(
             replace(options, root=root),
             images,
@@ -224,10 +230,15 @@ def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: fl
             args.quiet,
             duration_s,
             args.copies,
-            attacks=ROUNDS[args.files],
+            attacks=ROUNDS[args.files] if args.attack == "images" else (),
+            more_attacks=(keeper,) if args.attack == "cost" else (),
             log=log_line,
         )
         texts.append(hostile_markdown(side, outcomes[side]))
+        if args.attack == "cost":
+            keeper.join()
+            outcomes[side]["attacker"] = keeper.tally()
+            texts.append(hostile_cost.markdown(outcomes[side]))
     text = "\n\n".join(texts)
     print(text + f"\n\nFiles: {write_files(args.out, 'hostile', text, outcomes)}")
     return 0

@@ -80,6 +80,7 @@ class JobRecord(TypedDict, total=False):
     callback: dict[str, Any]  # status, attempts, last_error
     cache: str  # contract.cache's HIT or MISS; absent when the cache was off for the job
     cache_key: str  # a miss's digest: its result is cached under it if it succeeds
+    decode_cost: str  # bytes of decoding charged to its key until its CPU stage ends (contract.decode_share)
 
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
