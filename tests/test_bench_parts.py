@@ -360,4 +360,4 @@ def test_bench_hostiles_files_pass_the_default_upload_limit_and_its_report_talli
         },
     )
     assert "| GIF | 10 | 2 | failed image_too_complex x2 | 0.40 s |" in text
-    assert "| quiet | 5 | 5 | 3 ms | 9 ms | 12 ms |" in text and "0 replaced" in text
+    assert "| quiet | 5 | 0 | 5 | 3 ms | 9 ms | 12 ms |" in text and "0 replaced" in text  # jobs, refused, succeeded

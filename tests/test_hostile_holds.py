@@ -10,7 +10,6 @@ import json
 import selectors
 import socket
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ from app.auth import hash_key
 from app.holds import Holds
 from app.problems import Problem
 from bench.processes import ManagedProcess, free_port, python_argv
+from contract.jobs.ids import job_ids
 from contract.jobs.record import CANCELLED, QUEUED
 from contract.settings import ApiSettings
 from tests.support import answers_200, jpeg, wait_until
@@ -119,8 +119,9 @@ def keyed_api(stack, tmp_path_factory) -> Iterator[KeyedApi]:
 
 
 def live_job(stack, owner: str) -> str:
-    """A job of `owner`'s that stays live (queued, an hour to its deadline, in no queue): what a long-poll waits on."""
-    job_id = uuid.uuid4().hex
+    """A job of `owner`'s that stays live (queued, an hour to its deadline, in no queue): what a long-poll waits on.
+    Its id is one the deployment would issue to that key (contract.jobs.ids): any other is a 404 at once."""
+    job_id = job_ids(stack.settings).new(owner)
     fields = {
         "id": job_id,
         "status": QUEUED.value,
