@@ -3,11 +3,13 @@ to a step does not quietly add commands to every image. `bench plane` measures t
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import redis
 
+from bench.processes import RedisServer
 from contract import frame_push as frames
 from contract.budget import ALL
 from contract.frame_shards import frame_pusher
@@ -16,6 +18,18 @@ from contract.jobs.intake import JobIntake
 from contract.jobs.record import RUNNING, SUCCEEDED
 from contract.keys import Keys
 from contract.shards import BulkPlane
+
+
+@pytest.fixture
+def quiet_redis(tmp_path) -> Iterator[redis.Redis]:
+    """A redis-server of this test's alone: INFO's counts are the whole server's, and the suite's shared one may be
+    spoken to by a thread an earlier test in this process left (its counts then read 10 where the step sent 7)."""
+    server = RedisServer(tmp_path)
+    client = redis.Redis(port=server.port)
+    yield client
+    client.close()
+    server.stop()
+
 
 # What a new connection sends before its first command: once a connection, not once an image.
 _CONNECTING = {"cmdstat_hello", "cmdstat_select", "cmdstat_client|setinfo", "cmdstat_client|setname"}
@@ -34,83 +48,81 @@ def commands_of(client: redis.Redis, step: Callable[[], Any]) -> dict[str, int]:
     }
 
 
-def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands(redis_client):
+def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands(quiet_redis):
     keys = Keys("cost")
-    intake = JobIntake(redis_client, keys, ttl_s=60)
-    handoff = JobHandOff(redis_client, keys, ttl_s=60)
-    pusher = frame_pusher(redis_client, keys)
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
+    pusher = frame_pusher(quiet_redis, keys)
     job = "c0" * 16
-    redis_client.hset(keys.waiting_bytes, mapping={"m:1": 6, ALL: 6})  # the upload's bytes, as admission counted
+    quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 6, ALL: 6})  # the upload's bytes, as admission counted
     for step in (handoff._claim, pusher._keep, intake._advance, intake._finish):  # loaded, as a worker has them
-        redis_client.script_load(step.script)
+        quiet_redis.script_load(step.script)
 
     create = commands_of(
-        redis_client,
+        quiet_redis,
         lambda: intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12}, ("q", b"m")),
     )
     # the upload, then MULTI HSET EXPIRE ZADD LPUSH EXEC
     assert sum(create.values()) == 7, create
 
-    claim = commands_of(redis_client, lambda: handoff.claim_for_preprocessing(job, 100.0, "mine"))
+    claim = commands_of(quiet_redis, lambda: handoff.claim_for_preprocessing(job, 100.0, "mine"))
     # GET (the upload), EVALSHA (HMGET, HSET), HGETALL: was GET, EVALSHA (HGET, HGET, HSET, HGETALL)
     assert sum(claim.values()) == 5 and claim["hmget"] == 1 and "hget" not in claim, claim
 
-    push = commands_of(redis_client, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
+    push = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
     # MULTI LPUSH EVALSHA (HMGET EXISTS LLEN HSET DEL HINCRBY x2) EXEC: was 17 (EVAL, a read and a counter move
     # a field)
     assert sum(push.values()) == 11 and push["hincrby"] == 2 and "hget" not in push, push
 
-    running = commands_of(redis_client, lambda: intake.advance_many([job], RUNNING, 3))
+    running = commands_of(quiet_redis, lambda: intake.advance_many([job], RUNNING, 3))
     assert sum(running.values()) == 3, running  # EVALSHA (HMGET, HSET)
 
-    ended = commands_of(redis_client, lambda: intake.finish(job, SUCCEEDED, {"result": {"detections": []}}))
+    ended = commands_of(quiet_redis, lambda: intake.finish(job, SUCCEEDED, {"result": {"detections": []}}))
     # EVALSHA (HMGET, HSET, EXPIRE, DEL, ZREM, PUBLISH): the record read once, no callback, no cache key
     assert sum(ended.values()) == 7 and ended["hmget"] == 1 and "hget" not in ended, ended
     assert intake.load(job)["status"] == SUCCEEDED
 
 
-def test_the_push_trades_the_uploads_bytes_for_the_frames_as_a_release_then_a_charge_would(redis_client):
+def test_the_push_trades_the_uploads_bytes_for_the_frames_as_a_release_then_a_charge_would(quiet_redis):
     """One HINCRBY a counter for the difference, with the result the two steps gave: the release stops at zero (a
     count that drifted below the upload's bytes), the frame's bytes are charged in full."""
     keys = Keys("trade")
-    intake = JobIntake(redis_client, keys, ttl_s=60)
-    handoff = JobHandOff(redis_client, keys, ttl_s=60)
-    pusher = frame_pusher(redis_client, keys)
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
+    pusher = frame_pusher(quiet_redis, keys)
     for job, counted in (("a" * 32, 1000), ("b" * 32, 30)):  # counted: the waiting bytes before the push
-        redis_client.delete(keys.waiting_bytes)
-        redis_client.hset(keys.waiting_bytes, mapping={"m:1": counted, ALL: counted + 5})
+        quiet_redis.delete(keys.waiting_bytes)
+        quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": counted, ALL: counted + 5})
         intake.create(job, b"u" * 100, 60, {"model": "m:1", "bytes": 100, "deadline_at": 1e12})
         assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
         assert pusher.push(job, "m:1", b"f" * 40, 10, {}, "c") == frames.PUSHED
-        waiting = {k.decode(): int(v) for k, v in redis_client.hgetall(keys.waiting_bytes).items()}
+        waiting = {k.decode(): int(v) for k, v in quiet_redis.hgetall(keys.waiting_bytes).items()}
         assert waiting == {"m:1": max(0, counted - 100) + 40, ALL: max(0, counted + 5 - 100) + 40}, (job, waiting)
 
 
-def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_once(redis_client):
+def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_once(quiet_redis):
     """The push sends the step's SHA, not its text: after a restart that flushed the scripts, the transaction's LPUSH
     lands and its EVALSHA answers NOSCRIPT; the frame must not stay there unkept, and the push must still be made."""
     keys = Keys("noscript")
-    intake = JobIntake(redis_client, keys, ttl_s=60)
-    handoff = JobHandOff(redis_client, keys, ttl_s=60)
-    pusher = frame_pusher(redis_client, keys)
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
+    pusher = frame_pusher(quiet_redis, keys)
     job = "d1" * 16
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
     assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
-    redis_client.script_flush()
+    quiet_redis.script_flush()
     assert pusher.push(job, "m:1", b"the frame", 10, {"pushed_at": 2.0}, "c") == frames.PUSHED
-    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]  # once, kept
+    assert quiet_redis.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]  # once, kept
     assert intake.load(job)["status"] == "queued_gpu"
-    pushed = commands_of(redis_client, lambda: pusher.push(job, "m:1", b"again", 10, {}, "c"))
+    pushed = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"again", 10, {}, "c"))
     assert "eval" not in pushed and pushed["evalsha"] == 1, pushed  # the step's text is not sent at every push
 
 
-def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_script_lookup(redis_server):
+def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_script_lookup(quiet_redis):
     """With shards the claim's step and the record's read go to the control plane as one pipeline: redis-py's Script
     in a pipeline asks SCRIPT EXISTS before each (a round trip more an image: it did, for a moment)."""
-    control = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/2")
-    shard = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/3")
-    control.flushdb()
-    shard.flushdb()
+    control = quiet_redis
+    shard = redis.Redis(port=quiet_redis.connection_pool.connection_kwargs["port"], db=3)
     keys = Keys("sharded")
     bulk = BulkPlane(control, [shard])
     intake = JobIntake(control, keys, ttl_s=60, bulk=bulk)
