@@ -23,6 +23,7 @@ lately (their heartbeats), not a constant: a store that stays full says so.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 from dataclasses import dataclass
@@ -116,21 +117,27 @@ class Admission:
             )
 
     def failed_authentication(self, address: str) -> Problem | None:
-        """A failed authentication from `address` counted (`auth.failed_per_s`, `auth.failed_burst`): each address
-        may fail only so often (300 guesses ran at 480/s, all 401). The 429 to answer instead once it is over."""
+        """A failed authentication from `address` counted (`auth.failed_per_s`, `auth.failed_burst`; an IPv6 address
+        as its /64, which one host holds whole), then among every address's (`auth.failed_total_per_s`): each
+        source may fail only so often (300 guesses ran at 480/s, all 401), and so may all of them together (40
+        loopback addresses got 40 buckets). The 429 to answer instead once either is over."""
         auth = self.settings.auth
-        if auth.failed_per_s <= 0:
-            return None
-        taken = self.buckets.take(self.keys.auth_failures(address), auth.failed_per_s, auth.failed_burst)
-        if taken.allowed:
-            return None
-        return Problem(
-            429,
-            "too-many-failed-authentications",
-            "Too many requests",
-            "this address failed to authenticate too often; retry later",
-            headers={"Retry-After": str(max(1, math.ceil(taken.retry_after_ms / 1000)))},
-        )
+        for source, per_s, burst in (
+            (failure_source(address), auth.failed_per_s, auth.failed_burst),
+            (ALL_SOURCES, auth.failed_total_per_s, auth.failed_total_burst),
+        ):
+            if per_s <= 0:
+                continue
+            taken = self.buckets.take(self.keys.auth_failures(source), per_s, burst)
+            if not taken.allowed:
+                return Problem(
+                    429,
+                    "too-many-failed-authentications",
+                    "Too many requests",
+                    "too many failed authentications from this address, or from all of them; retry later",
+                    headers={"Retry-After": str(max(1, math.ceil(taken.retry_after_ms / 1000)))},
+                )
+        return None
 
     def route(self, reference: str | None) -> ModelSpec:
         """The model `model=reference` reaches (None: the default); 404 when none does."""
@@ -312,3 +319,20 @@ class Admission:
                 if model.key == model_key and window > 0:
                     rate += float(model.stats.get("jobs", 0)) / window
         return rate
+
+
+ALL_SOURCES = "*"  # every address's failed authentications together
+
+
+def failure_source(address: str) -> str:
+    """What one client's failed authentications are counted under: its IPv4 address, or its IPv6 address's /64
+    (a host is given a /64 whole); anything else as it is."""
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        return address
+    if isinstance(parsed, ipaddress.IPv6Address):
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.IPv6Network((parsed, 64), strict=False))
+    return str(parsed)

@@ -175,7 +175,8 @@ class Keys:
         return f"{self.namespace}:callbacks:held-tenants"
 
     def auth_failures(self, address: str) -> str:
-        """Hash: a client address's token bucket for failed authentications (a 401 takes one)."""
+        """Hash: a client address's token bucket for failed authentications (a 401 takes one); "*": every
+        address's together."""
         return f"{self.namespace}:auth_failures:{address}"
 
     def rate_bucket(self, client_id: str) -> str:

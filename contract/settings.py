@@ -229,8 +229,10 @@ class AuthSettings:
     # A key's expensive decodes in flight (uploads estimated at 32 MiB of decoding or more, contract.decode_share)
     # may add up to this many bytes; one more is 429 unless the key has none in flight. 0: off.
     max_decode_bytes_in_flight: int = 256 * 1024 * 1024
-    failed_per_s: float = 1.0  # failed authentications per client address (a 401 each); past them 429; 0: off
+    failed_per_s: float = 1.0  # failed authentications per client address (IPv6: per /64); past them 429; 0: off
     failed_burst: float = 20.0
+    failed_total_per_s: float = 20.0  # ...and from every address together (guesses spread over many); 0: off
+    failed_total_burst: float = 200.0
 
     def __post_init__(self) -> None:
         for entry in self.api_keys:

@@ -10,6 +10,7 @@ import requests
 import yaml
 
 from app import create_app
+from app.admission import failure_source
 from app.auth import hash_key
 from app.services import services as api_services
 from bench.processes import ManagedProcess, celery_argv
@@ -257,3 +258,23 @@ def test_a_key_no_cpu_worker_takes_yet_is_served_from_the_shared_queue(stack, ke
         assert not stack.redis.hexists(keys.cpu_tenants, "team-new")
     finally:
         server.stop()
+
+
+def test_failed_authentications_count_per_ipv6_64_and_from_every_address_together(stack):
+    """A host holds a whole IPv6 /64, and guesses spread over many addresses (40 loopback ones got 40 buckets):
+    an address counts as its /64, and every address's failures fill one more bucket together."""
+    auth = dataclasses.replace(
+        stack.settings.auth, failed_per_s=0.01, failed_burst=3.0, failed_total_per_s=0.01, failed_total_burst=20.0
+    )
+    app = create_app(dataclasses.replace(stack.settings, auth=auth))
+    admission = api_services(app).admission
+    for source in ("2001:db8:1:2::/64", "*", *(f"127.0.0.{i}" for i in range(1, 41))):
+        stack.redis.delete(stack.keys.auth_failures(source))
+    same_64 = [admission.failed_authentication(f"2001:db8:1:2::{i:x}") for i in range(1, 6)]
+    assert [p is None for p in same_64] == [True, True, True, False, False]  # one bucket of 3 for the /64
+    assert admission.failed_authentication("2001:db8:1:3::1") is None  # the next /64 is another source
+    spread = [admission.failed_authentication(f"127.0.0.{i}") for i in range(1, 41)]
+    refused = [p for p in spread if p is not None]
+    assert len(refused) == 40 - (20 - 4), len(refused)  # 20 in all together, 4 of them taken above
+    assert refused[0].status == 429 and refused[0].slug == "too-many-failed-authentications"
+    assert failure_source("::ffff:10.1.2.3") == "10.1.2.3" and failure_source("not-an-address") == "not-an-address"
