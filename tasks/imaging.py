@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from PIL import Image, PngImagePlugin
+from PIL import Image, ImageFile, PngImagePlugin
 
 from contract import media
 from contract.frames import Placement
@@ -101,6 +101,10 @@ def decode_image(
                     # repeats at once ("broken data stream"), so the count (0.7 ms for 0.8 MB) is spared photos.
                     _check_scans(raw, width, height, max_scans, max_pixel_scans)
                 _draft_for(image, target_size)
+                if isinstance(image, ImageFile.ImageFile) and arithmetic_coded(raw):
+                    # libjpeg's arithmetic decoder cannot suspend for more data: fed 64 KB at a time (Pillow's
+                    # block), any such JPEG past one block failed "broken data stream". It gets the whole stream.
+                    image.decodermaxblock = max(image.decodermaxblock, len(raw))
             # The decode's peak as this format and mode take it (tasks.decode_memory), after a JPEG's draft.
             peak = decode_memory.peak_bytes(image, fmt, found)
             if peak > max_decoded_bytes:
@@ -135,6 +139,27 @@ def decode_image(
         raise ImageDecodeError("image_too_large", too_many_pixels(size, max_pixels)) from exc
     except Exception as exc:  # Pillow raises many types for corrupt data
         raise ImageDecodeError("decode_error", f"cannot decode image: {_without_addresses(str(exc))}") from exc
+
+
+# The start-of-frame markers of arithmetic coding (SOF9-11, SOF13-15); the others are Huffman's.
+_ARITHMETIC_FRAMES = frozenset({0xC9, 0xCA, 0xCB, 0xCD, 0xCE, 0xCF})
+
+
+def arithmetic_coded(data: bytes) -> bool:
+    """Whether a JPEG's frame is arithmetic-coded: its markers read up to the first scan (a walk the structure
+    check has made already, so the lengths hold)."""
+    at = 2
+    while at + 4 <= len(data) and data[at] == 0xFF:
+        marker = data[at + 1]
+        if marker in _ARITHMETIC_FRAMES:
+            return True
+        if marker == 0xDA:  # the first scan: the frame was not arithmetic
+            return False
+        if marker == 0xFF:  # fill byte
+            at += 1
+            continue
+        at += 2 + int.from_bytes(data[at + 2 : at + 4], "big")
+    return False
 
 
 def too_many_pixels(size: str, max_pixels: int) -> str:

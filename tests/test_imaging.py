@@ -207,3 +207,19 @@ def test_a_baseline_jpeg_whose_scan_repeats_is_refused_by_the_decoder_itself():
     with pytest.raises(ImageDecodeError) as caught:
         decode_image(b"\xff\xd8" + head + scan * 200 + b"\xff\xd9", 320, 10**8)
     assert caught.value.code == "decode_error"
+
+
+def test_an_arithmetic_coded_jpeg_past_one_read_block_decodes_as_its_huffman_twin():
+    """libjpeg's arithmetic decoder cannot suspend for more data, and Pillow fed it 64 KB at a time: such a JPEG of
+    more than one block failed "broken data stream" (issue 59). The two files hold the same coefficients
+    (`jpegtran -arithmetic` of the other, 86 KB): they decode to the same pixels."""
+    from tasks.imaging import arithmetic_coded
+    from tests.support import REPO_ROOT
+
+    arithmetic = (REPO_ROOT / "tests" / "data" / "arithmetic-480x270.jpg").read_bytes()
+    huffman = (REPO_ROOT / "tests" / "data" / "huffman-480x270.jpg").read_bytes()
+    assert len(arithmetic) > 64 * 1024 and arithmetic_coded(arithmetic) and not arithmetic_coded(huffman)
+    image, size = decode_image(arithmetic, 640, 10_000_000)
+    twin, twin_size = decode_image(huffman, 640, 10_000_000)
+    assert size == twin_size == (480, 270)
+    assert np.array_equal(np.asarray(image), np.asarray(twin))
