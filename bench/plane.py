@@ -35,7 +35,7 @@ import requests
 import yaml
 
 from bench.plane_meter import InstructionCounter, PhaseCost, PhaseMeter
-from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, celery_argv, free_port, python_argv, wait_until
+from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, cpu_worker_argv, free_port, python_argv, wait_until
 from bench.stack import api_env
 
 PHASES = ("intake", "cpu", "gpu", "read")
@@ -119,20 +119,7 @@ def run_phases(
             ids = measured("intake", lambda: list(pool.map(submit, payloads)))
 
             def cpu_phase() -> None:
-                spawn(
-                    "cpu-worker",
-                    celery_argv(
-                        "worker",
-                        "-Q",
-                        "preprocess",
-                        "-c",
-                        "2",
-                        "--without-gossip",
-                        "--without-mingle",
-                        "--loglevel",
-                        "WARNING",
-                    ),
-                )
+                spawn("cpu-worker", cpu_worker_argv(2))
                 waiting = _Progress(bulk_clients or [client], "*:frames:*")
                 wait_until(
                     lambda: waiting.frames_waiting() >= images,

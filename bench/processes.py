@@ -158,6 +158,23 @@ def celery_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "tasks.worker", *args]
 
 
+def cpu_worker_argv(concurrency: int, *more: str) -> list[str]:
+    """A CPU worker on the preprocess queues, prefork, without gossip and mingle and quiet (a bench stack's: nothing
+    there needs them); `more`: further `celery worker` options."""
+    return celery_argv(
+        "worker",
+        "-Q",
+        "preprocess",
+        "-c",
+        str(concurrency),
+        "--without-gossip",
+        "--without-mingle",
+        "--loglevel",
+        "WARNING",
+        *more,
+    )
+
+
 def callback_worker_argv(concurrency: int = 4) -> list[str]:
     """A callback worker on a thread pool, as the Procfile runs one, without gossip and mingle (a test's or the
     bench's stack: nothing there needs them)."""

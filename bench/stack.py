@@ -9,7 +9,7 @@ import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import requests
 import yaml
@@ -19,7 +19,7 @@ from bench.processes import (
     ManagedProcess,
     RedisServer,
     callback_worker_argv,
-    celery_argv,
+    cpu_worker_argv,
     free_port,
     python_argv,
     wait_until,
@@ -162,18 +162,7 @@ class LocalStack:
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         self._spawn(
             "cpu-worker",
-            celery_argv(
-                "worker",
-                "-Q",
-                "preprocess",
-                "-c",
-                str(self.options.cpu_workers),
-                "--without-gossip",
-                "--without-mingle",
-                "--loglevel",
-                "WARNING",
-                *self.options.cpu_worker_args,
-            ),
+            cpu_worker_argv(cast(int, self.options.cpu_workers), *self.options.cpu_worker_args),
             env,
         )
         if self.options.callback_worker:
