@@ -1,6 +1,6 @@
 """Every Redis key and channel the service uses, in one place.
 
-Celery's own keys (its queues `preprocess` and `callbacks`, its unacked hash,
+Celery's own keys (its queues `preprocess` and `callbacks`, its workers' holds,
 its bindings) live beside these in the same Redis, under `celery_prefix`, so two
 deployments with different namespaces never share work; past the prefix they
 are Celery's to name.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
 UPLOAD_SUFFIX = ":upload"  # a job's upload is its key plus this (the Lua that ends a job deletes it so)
-CELERY_HELD = "held:"  # + a worker process's id: the messages it holds, under Celery's key prefix
+CELERY_HOLDS = "holds:"  # + a worker process's id: the messages it holds, under Celery's key prefix
 
 
 @dataclass(frozen=True)
@@ -31,10 +31,10 @@ class Keys:
         """List: a Celery queue as it lies in Redis."""
         return self.celery_prefix + queue
 
-    def celery_held(self, holder: str) -> str:
-        """Set: the delivery tags of the Celery messages one worker process holds (tasks.broker), given back
-        to their queues at once when that worker is found dead (tasks.liveness)."""
-        return self.celery_prefix + CELERY_HELD + holder
+    def celery_holds(self, holder: str) -> str:
+        """Hash: delivery tag -> a Celery message one worker process holds and when it was delivered
+        (tasks.broker), given back to its queue at once when that worker is found dead (tasks.liveness)."""
+        return self.celery_prefix + CELERY_HOLDS + holder
 
     def cpu_heartbeat(self, holder: str) -> str:
         """String with a TTL: a Celery worker process (CPU or callback worker) while it lives."""

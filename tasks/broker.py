@@ -9,34 +9,58 @@ borrows one from the channel's pool per command), so one per channel serves
 every operation. The asynchronous client (the consumer's BRPOP, which keeps its
 connection) is left as kombu makes it.
 
-Held messages. Kombu keeps each delivered, unacknowledged message in its
-`unacked` hash until it is acked, and gives it back to its queue only once it
-is `visibility_timeout` old (300 s; it cannot be shorter than the longest task).
-So a worker whose main process died stranded its tasks for minutes. Here the
-same step that records a message as unacked also adds its delivery tag to the
-holding worker's own set (`Keys.celery_held`), and the ack removes it: a
-worker found dead (its heartbeat lapsed, tasks.liveness) has exactly those
-messages given back at once.
+Held messages. Kombu's ack emulation copies each delivered message into its
+`unacked` hash and its time into an index (MULTI ZADD HSET EXEC), removes both
+on the ack (MULTI ZREM HDEL EXEC), and gives a message back only once it is
+`visibility_timeout` old (300 s; it cannot be shorter than the longest task).
+Here a delivered message is written once, into its holding worker's own hash
+(`Keys.celery_holds`: tag -> the message and when it was delivered, one HSET),
+and the ack deletes it (one HDEL): 2 commands a task instead of 8 (issue 58).
+The product's own redelivery does the rest, each case tested:
+- a worker found dead (its heartbeat lapsed) has its hash given back at once
+  (tasks.liveness's reaper);
+- a live worker gives back what its hash holds and none of its tasks does (a
+  failover lost the ack or the delivery: tasks.liveness.restore_unheld);
+- a child killed mid-task: Celery rejects the message, which goes back to the
+  front of its queue; a clean stop gives back what the worker held (kombu's
+  restore at shutdown, through this hash);
+- a worker killed between BRPOP and the HSET: tasks.lost_deliveries sends the
+  job's task again;
+- a message a worker of the release before this one held (in kombu's unacked
+  hash) comes back through kombu's own restore after the visibility timeout.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import uuid
-from typing import Any
+from typing import Any, cast
 
+import kombu.transport as kombu_transport
 import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from contract.clock import now as service_now
-from contract.keys import CELERY_HELD
+from contract.keys import CELERY_HOLDS
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
 TRANSPORT = "tasks.broker:Transport"
 SENTINEL_TRANSPORT = "tasks.broker:SentinelTransport"
+
+
+def own_the_schemes() -> None:
+    """Make kombu resolve redis:// and sentinel:// URLs to this module's transports in this process. Celery's
+    `broker_transport` names the transport of the first connection only: on a failover kombu's Connection.switch
+    takes the next URL's scheme as the transport, and a worker then went on with kombu's own (its held messages
+    unrecorded; since the holds replaced kombu's unacked hash, its liveness failed)."""
+    transports = {"redis": TRANSPORT, "sentinel": SENTINEL_TRANSPORT}
+    kombu_transport.TRANSPORT_ALIASES.update(transports)
+    for scheme in transports:
+        kombu_transport._transport_cache.pop(scheme, None)  # resolved before this: resolved again
 
 
 _holder = {"id": ""}
@@ -51,25 +75,69 @@ def holder_id() -> str:
 
 
 class HeldQoS(kombu_redis.QoS):
-    """Kombu's ack emulation, with the holder's set kept in the same transactions (see the module's note)."""
+    """Kombu's QoS, its ack emulation replaced by the holder's hash (see the module's note)."""
+
+    _legacy_restore = False  # True while kombu's restore_visible gives back what its own unacked hash holds
+
+    @property
+    def holds_key(self) -> str:
+        # Kombu's prefixing client adds its global_keyprefix to the key.
+        return CELERY_HOLDS + holder_id()
 
     def append(self, message: Any, delivery_tag: str) -> None:
         delivery = message.delivery_info
-        with self.pipe_or_acquire() as pipe:
-            pipe.zadd(self.unacked_index_key, {delivery_tag: service_now()}).hset(
-                self.unacked_key,
-                delivery_tag,
-                kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"]]),
-            ).sadd(CELERY_HELD + holder_id(), delivery_tag).execute()
-            virtual.QoS.append(self, message, delivery_tag)
+        held = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"], service_now()])
+        with self.channel.conn_or_acquire() as client:
+            client.hset(self.holds_key, delivery_tag, held)
+        virtual.QoS.append(self, message, delivery_tag)
 
-    def _remove_from_indices(self, delivery_tag: str, pipe: Any = None) -> Any:
-        with self.pipe_or_acquire(pipe) as pipe:
-            return (
-                pipe.zrem(self.unacked_index_key, delivery_tag)
-                .hdel(self.unacked_key, delivery_tag)
-                .srem(CELERY_HELD + holder_id(), delivery_tag)
-            )
+    def ack(self, delivery_tag: str) -> None:
+        with self.channel.conn_or_acquire() as client:
+            client.hdel(self.holds_key, delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def reject(self, delivery_tag: str, requeue: bool = False) -> None:
+        if requeue:
+            self.restore_by_tag(delivery_tag, leftmost=True)
+        else:
+            with self.channel.conn_or_acquire() as client:
+                client.hdel(self.holds_key, delivery_tag)
+        virtual.QoS.ack(self, delivery_tag)
+
+    def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
+        if self._legacy_restore:
+            super().restore_by_tag(tag, client, leftmost)
+        else:
+            self.restore_held(CELERY_HOLDS + holder_id(), tag, client, leftmost)
+
+    def restore_held(self, holds_key: str, tag: str, client: Any = None, leftmost: bool = False) -> None:
+        """Put one message a worker holds (this one, or one found dead) back on its queue, and out of its hash,
+        in one transaction: a message restored twice goes back once."""
+
+        def restore_transaction(pipe: Any) -> None:
+            held = pipe.hget(holds_key, tag)
+            pipe.multi()
+            pipe.hdel(holds_key, tag)
+            if held:
+                message, exchange, routing_key, _ = kombu_redis.loads(kombu_redis.bytes_to_str(held))
+                self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
+
+        with self.channel.conn_or_acquire(client) as client:
+            client.transaction(restore_transaction, holds_key)
+
+    def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
+        # Kombu's unacked hash holds only what a worker of the release before this one held: kombu's own restore.
+        self._legacy_restore = True
+        try:
+            super().restore_visible(start, num, interval)
+        finally:
+            self._legacy_restore = False
+
+
+def held_since(client: redis.Redis, holds_key: str) -> dict[str, float]:
+    """{delivery tag: when it was delivered} of what one worker holds (`holds_key` with Celery's key prefix)."""
+    held = cast(dict[bytes, bytes], client.hgetall(holds_key))
+    return {tag.decode(): float(json.loads(value)[-1]) for tag, value in held.items()}
 
 
 class Channel(kombu_redis.Channel):

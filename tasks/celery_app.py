@@ -8,10 +8,11 @@ from celery import Celery
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
 from contract.task_messages import CALLBACK_TASK, TASK_QUEUES
-from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT
+from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT, own_the_schemes
 
 
 def make_celery(settings: Settings) -> Celery:
+    own_the_schemes()
     app = Celery("imgserve", broker=settings.broker_url, set_as_current=False)
     app.conf.update(
         # Redis, with one client per channel instead of one per operation (see tasks.broker); through the

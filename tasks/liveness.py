@@ -8,7 +8,7 @@ Every CPU and callback worker's main process, on its own event loop:
 - then looks for registered workers whose heartbeat has lapsed: their main process died (SIGKILL, OOM, a
   host gone) with tasks in hand, which kombu would give back only after `visibility_timeout_s` (300 s;
   it cannot be shorter than the longest task). Each message such a worker held (tasks.broker keeps them
-  in its own set) goes back to the front of its queue at once, through kombu's own restore; one worker at
+  in its own hash) goes back to the front of its queue at once; one worker at
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
 - every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobEnding.expire_overdue);
@@ -34,10 +34,10 @@ from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.connection import connect
 from contract.jobs.ending import JobEnding
-from contract.keys import Keys
+from contract.keys import CELERY_HOLDS, Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
-from tasks.broker import holder_id
+from tasks.broker import held_since, holder_id
 from tasks.lost_deliveries import LostDeliveries
 from tasks.shard_watch import ShardWatch
 
@@ -55,7 +55,8 @@ REAP_LOCK_S = 30
 
 def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) -> dict[str, int]:
     """Give back the messages of every registered worker whose heartbeat lapsed: {worker: messages}.
-    `restore(tag)` puts one held message back on its queue (kombu's QoS.restore_by_tag)."""
+    `restore(holds_key, tag)` puts one held message back on its queue (tasks.broker's HeldQoS.restore_held; the
+    key without Celery's prefix, which kombu's client adds)."""
     may_reap = client.register_script(_MAY_REAP)
     reaped: dict[str, int] = {}
     for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
@@ -64,11 +65,11 @@ def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) ->
             keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], args=[me, REAP_LOCK_S]
         ):
             continue
-        tags = [tag.decode() for tag in cast(set[bytes], client.smembers(keys.celery_held(holder)))]
+        tags = [tag.decode() for tag in cast(list[bytes], client.hkeys(keys.celery_holds(holder)))]
         for tag in tags:
-            restore(tag)
+            restore(CELERY_HOLDS + holder, tag)
         pipe = client.pipeline(transaction=True)
-        pipe.delete(keys.celery_held(holder), keys.cpu_reaping(holder))
+        pipe.delete(keys.celery_holds(holder), keys.cpu_reaping(holder))
         pipe.zrem(keys.cpu_workers, holder)
         pipe.execute()
         reaped[holder] = len(tags)
@@ -86,21 +87,13 @@ def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_ha
     missed the delivery's reply (the worker never got it). Kombu would give them back only after
     visibility_timeout (300 s), past any job's deadline; the reaper gives back only dead workers'. Returns how
     many went back to their queues."""
-    held = [tag.decode() for tag in cast(set[bytes], client.smembers(keys.celery_held(me)))]
-    candidates = [tag for tag in held if tag not in in_hand]
-    if not candidates:
-        return 0
-    # Kombu's keys carry its global_keyprefix (its prefixing client leaves ZMSCORE's key as it is).
-    scores = client.zmscore(keys.celery_prefix + channel.unacked_index_key, candidates)
+    held = held_since(client, keys.celery_holds(me))
     restored = 0
-    for tag, delivered_at in zip(candidates, scores):
-        if delivered_at is not None and delivered_at > now - UNHELD_GRACE_S:
-            continue  # delivered a moment ago: its task may not be in hand yet
-        if delivered_at is not None:
-            channel.qos.restore_by_tag(tag)  # back on its queue; its held entry goes with it
-            restored += 1
-        else:
-            client.srem(keys.celery_held(me), tag)  # acked after all: only the record was left
+    for tag, delivered_at in held.items():
+        if tag in in_hand or delivered_at > now - UNHELD_GRACE_S:
+            continue  # in hand, or delivered a moment ago: its task may not be in hand yet
+        channel.qos.restore_held(CELERY_HOLDS + me, tag)  # back on its queue, out of the hash
+        restored += 1
     return restored
 
 
@@ -217,7 +210,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 if self.tenants:
                     pipe.hset(keys.cpu_tenants, mapping={tenant: str(service_now()) for tenant in self.tenants})
                 pipe.execute()
-                for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_by_tag).items():
+                for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_held).items():
                     log.warning(
                         "worker %s was found dead: %d tasks it held are back on their queues",
                         holder,

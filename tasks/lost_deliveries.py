@@ -7,7 +7,8 @@ sees it. Its job stays `queued` until its deadline ends it `expired`. That windo
 worker killed under load meets it (the compose stack's kill test did, one job in ~60).
 
 So, every `celery.lost_delivery_s`, one worker (a lock) looks at the live jobs (the deadline index) still
-`queued` after that long: a job whose task is in no queue and in no worker's hands (kombu's unacked hash), seen so
+`queued` after that long: a job whose task is in no queue and in no worker's hands (a registered worker's holds, or
+kombu's unacked hash where a worker of the release before this one left it), seen so
 twice in a row (a message is between the two for milliseconds while it moves), is sent its task again, at the
 front of its queue. A task delivered twice is harmless: the claim lets one attempt push a frame
 (contract.jobs.handoff), and a job past `queued` drops a late task.
@@ -28,8 +29,8 @@ from contract.task_messages import PreprocessMessages
 
 log = logging.getLogger(__name__)
 
-# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON or as kombu's unacked hash
-# keeps it (the message's JSON inside a JSON list); the body itself is base64.
+# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON or as a worker's holds (or
+# kombu's unacked hash) keep it (the message's JSON inside a JSON list); the body itself is base64.
 _JOB_IN_MESSAGE = re.compile(rb"\['([0-9a-f]{32})'\]")
 
 # KEYS[1] the job hash, KEYS[2] its queue's list; ARGV[1] the message, ARGV[2] the most times a job is sent its task
@@ -51,7 +52,7 @@ MAX_RESENDS = 3  # per job
 
 
 def jobs_named(messages: Iterable[bytes]) -> set[str]:
-    """The job ids that preprocess messages (raw, or as kombu's unacked hash keeps them) carry."""
+    """The job ids that preprocess messages (raw, or as a worker's holds keep them) carry."""
     return {match.decode() for message in messages for match in _JOB_IN_MESSAGE.findall(message)}
 
 
@@ -113,7 +114,11 @@ class LostDeliveries:
         move took that long; the second sighting the next round asks for covers it."""
         if not stale:
             return set()
-        held = jobs_named(cast(list[bytes], self.redis.hvals(self.unacked_key)))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hvals(self.unacked_key)
+        for holder in cast(list[bytes], self.redis.zrange(self.keys.cpu_workers, 0, -1)):
+            pipe.hvals(self.keys.celery_holds(holder.decode()))
+        held = jobs_named(message for messages in pipe.execute() for message in messages)
         queued: set[str] = set()
         for queue in {queue for queue, _ in stale.values()}:
             queued |= jobs_named(cast(list[bytes], self.redis.lrange(self.keys.celery_queue(queue), 0, -1)))

@@ -238,7 +238,7 @@ def _still_queued(stack, job_id: str) -> bool:
         *stack.redis.lrange(stack.keys.callback_outbox, 0, -1),
         *stack.redis.zrange(stack.keys.callback_relaying, 0, -1),
         *stack.redis.lrange(stack.keys.celery_queue(CALLBACK_QUEUE), 0, -1),
-        *stack.redis.hvals(stack.keys.celery_prefix + "unacked"),
+        *(held for key in stack.redis.scan_iter(stack.keys.celery_holds("*")) for held in stack.redis.hvals(key)),
     ]
     return any(job_id.encode() in entry for entry in entries)
 
@@ -255,7 +255,7 @@ def test_a_signed_callback_arrives_once_and_verifies(stack):
             what="the callback to be delivered",
         )
         # A second POST could only come from an entry still queued somewhere: the outbox, the callbacks
-        # queue, or a message Celery holds unacked (a retry waits there). None may name the job.
+        # queue, or a message a worker holds (a retry waits there). None may name the job.
         wait_until(lambda: not _still_queued(stack, job_id), 10, what="no delivery of the job left queued")
     finally:
         receiver.stop()

@@ -136,3 +136,28 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     control.script_flush()  # a restarted control plane: the step is loaded again and the claim made
     verdict, upload, record = handoff.claim_for_preprocessing(job, 2.0, "d")
     assert (verdict, upload, record["claim"]) == ("claimed", b"upload", "d")
+
+
+def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redis):
+    """The product's transport (tasks.broker) writes a delivered message once, to its worker's holds, and the ack
+    deletes it: kombu's ack emulation spent MULTI ZADD HSET EXEC and MULTI ZREM HDEL EXEC (with the worker's own
+    set, 10 commands a task)."""
+    import kombu
+
+    from tasks.broker import TRANSPORT, holder_id
+
+    keys = Keys("celery-cost")
+    port = quiet_redis.connection_pool.connection_kwargs["port"]
+    with kombu.Connection(
+        f"redis://127.0.0.1:{port}/0", transport=TRANSPORT, transport_options={"global_keyprefix": keys.celery_prefix}
+    ) as connection:
+        channel = connection.channel()
+        queue = kombu.Queue("cost-q", kombu.Exchange("cost-q", type="direct"), "cost-q")
+        kombu.Producer(channel).publish("a task", exchange=queue.exchange, routing_key="cost-q", declare=[queue])
+        taken: list[Any] = []
+        held = commands_of(quiet_redis, lambda: taken.append(queue(channel).get(no_ack=False)))
+        assert held == {"rpop": 1, "hset": 1}, held  # a worker's BRPOP, here basic_get's RPOP; then the hold
+        assert quiet_redis.hlen(keys.celery_holds(holder_id())) == 1
+        acked = commands_of(quiet_redis, taken[0].ack)
+        assert acked == {"hdel": 1}, acked
+        assert quiet_redis.hlen(keys.celery_holds(holder_id())) == 0

@@ -146,13 +146,13 @@ def test_a_celery_worker_gives_back_a_message_it_is_recorded_holding_but_does_no
         taken = [queue(channel).get(no_ack=False) for _ in range(2)]
         tags = {message.payload: str(message.delivery_tag) for message in taken}
         assert client.llen(keys.celery_prefix + "unheld-q") == 0
-        assert client.scard(keys.celery_held(holder_id())) == 2
+        assert client.hlen(keys.celery_holds(holder_id())) == 2
         fresh = restore_unheld(client, keys, holder_id(), channel, in_hand=set(), now=time.time())
         assert fresh == 0  # delivered a moment ago: left alone
         later = time.time() + UNHELD_GRACE_S + 1
         assert restore_unheld(client, keys, holder_id(), channel, in_hand={tags["in-hand"]}, now=later) == 1
         assert client.llen(keys.celery_prefix + "unheld-q") == 1  # the one nobody held is back on its queue
-        assert client.smembers(keys.celery_held(holder_id())) == {tags["in-hand"].encode()}
+        assert client.hkeys(keys.celery_holds(holder_id())) == [tags["in-hand"].encode()]
         channel.qos.ack(tags["in-hand"])
 
 

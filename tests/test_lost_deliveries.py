@@ -11,7 +11,7 @@ import redis
 
 from contract.keys import Keys
 from contract.task_messages import PreprocessMessages
-from tasks.broker import TRANSPORT
+from tasks.broker import TRANSPORT, holder_id
 from tasks.lost_deliveries import MAX_RESENDS, LostDeliveries, jobs_named
 
 QUEUE = "preprocess:m:1"
@@ -53,7 +53,8 @@ def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redi
         channel = connection.channel()
         client.lpush(queue_key, messages.build(in_hand, QUEUE))
         taken = kombu.Queue(QUEUE, kombu.Exchange(QUEUE, type="direct"), QUEUE)(channel).get(no_ack=False)
-        assert taken is not None and taken.headers["argsrepr"] == repr([in_hand])  # in kombu's unacked hash now
+        assert taken is not None and taken.headers["argsrepr"] == repr([in_hand])  # in this process's holds now
+        client.zadd(keys.cpu_workers, {holder_id(): now})  # a worker registers before it takes a task
         client.lpush(queue_key, messages.build(on_queue, QUEUE))
         lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + channel.unacked_key, after_s=5.0)
 

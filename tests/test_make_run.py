@@ -101,6 +101,11 @@ def children_of(pid: int) -> list[int]:
     return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
+def held(client: redis.Redis, keys: Keys) -> bool:
+    """Whether any Celery worker holds a message (tasks.broker's holds)."""
+    return any(client.hlen(key) for key in client.scan_iter(keys.celery_holds("*")))
+
+
 def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_comes_back(make_run):
     assert make_run.redis is not None and make_run.supervisor is not None
     client, keys = redis.Redis(port=make_run.redis.port), Keys("imgserve")
@@ -114,10 +119,7 @@ def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_co
     )
     job_id = response.json()["id"]
 
-    def held() -> bool:
-        return any(client.scard(key) for key in client.scan_iter(keys.celery_held("*")))
-
-    wait_until(held, 20, what="the CPU worker to hold the task")
+    wait_until(lambda: held(client, keys), 20, what="the CPU worker to hold the task")
     killed_at = time.monotonic()
     os.killpg(os.getpgid(main), signal.SIGKILL)  # the main process and its children, as an OOM kill or a lost host
     # would
@@ -140,7 +142,7 @@ def test_a_cpu_worker_killed_as_it_takes_a_task_from_redis_has_the_task_sent_aga
     assert make_run.redis is not None
     client, keys = redis.Redis(port=make_run.redis.port), Keys("imgserve")
     wait_until(lambda: cpu_worker_ready(make_run), 60, what="the CPU worker to be ready")
-    wait_until(lambda: not client.hlen(keys.celery_prefix + "unacked"), 30, what="the CPU worker to hold nothing")
+    wait_until(lambda: not held(client, keys), 30, what="the CPU worker to hold nothing")
     main = pid_of(make_run, "cpu-worker")
     for attempt in range(3):
         os.kill(main, signal.SIGSTOP)
@@ -164,7 +166,7 @@ def test_a_cpu_worker_killed_as_it_takes_a_task_from_redis_has_the_task_sent_aga
         assert wait_for_end(make_run, job_id, 60)["status"] == "succeeded"
     else:
         pytest.fail("the stopped worker never had a BRPOP waiting")
-    assert not client.hlen(keys.celery_prefix + "unacked")  # nobody holds it: the reaper cannot give it back
+    assert not held(client, keys)  # nobody holds it: the reaper cannot give it back
     os.killpg(os.getpgid(main), signal.SIGKILL)
     doc = wait_for_end(make_run, job_id, 60)
     assert doc["status"] == "succeeded", doc
