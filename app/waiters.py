@@ -1,9 +1,10 @@
 """Long-poll support: one pub/sub listener per API process wakes every waiter, and the wait for one job's end.
 
 Each process subscribes once to the job-events channel (the GPU and CPU
-workers publish a job id when a job ends) and sets the events of the requests
-waiting on that id. No request polls Redis while it waits, and a thousand
-waiting requests cost one Redis connection, not a thousand.
+workers publish the ids of the jobs a step ended, space-separated: a batch's
+ends are one message) and sets the events of the requests waiting on them. No
+request polls Redis while it waits, and a thousand waiting requests cost one
+Redis connection, not a thousand.
 """
 
 from __future__ import annotations
@@ -86,15 +87,16 @@ class JobEventListener:
             while not self._closed.is_set():
                 message = pubsub.get_message(timeout=1.0)
                 if message and message["type"] == "message":
-                    self._wake(message["data"].decode())
+                    self._wake(message["data"].decode().split())
                 self.on_tick()
         finally:
             pubsub.close()
 
-    def _wake(self, job_id: str) -> None:
+    def _wake(self, job_ids: list[str]) -> None:
         with self._lock:
-            for event in self._waiters.get(job_id, ()):
-                event.set()
+            for job_id in job_ids:
+                for event in self._waiters.get(job_id, ()):
+                    event.set()
 
     def _wake_all(self) -> None:
         with self._lock:

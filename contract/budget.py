@@ -22,16 +22,30 @@ from contract.keys import Keys
 
 ALL = "*"
 
-# A Lua function other scripts call to give bytes back: HINCRBY, never below zero.
+# Lua functions other scripts call to give bytes back: HINCRBY, never below zero. release_waiting gives one model's
+# bytes back; release_each gives back {model: bytes} (a step that ended many jobs): one HINCRBY a model and one for
+# the total, not two a job, with what one release after another would leave (each stops at zero, and a sum of
+# decrements stops there too).
 RELEASE_LUA = f"""
+local function release_field(waiting, field, bytes)
+  if bytes > 0 and field ~= '' and redis.call('HINCRBY', waiting, field, -bytes) < 0 then
+    redis.call('HSET', waiting, field, 0)
+  end
+end
+
 local function release_waiting(waiting, model, bytes)
   bytes = tonumber(bytes) or 0
-  if bytes <= 0 then return end
-  for _, field in ipairs({{model or '', '{ALL}'}}) do
-    if field ~= '' and redis.call('HINCRBY', waiting, field, -bytes) < 0 then
-      redis.call('HSET', waiting, field, 0)
-    end
+  release_field(waiting, model or '', bytes)
+  release_field(waiting, '{ALL}', bytes)
+end
+
+local function release_each(waiting, by_model)
+  local total = 0
+  for model, bytes in pairs(by_model) do
+    release_field(waiting, model, bytes)
+    total = total + bytes
   end
+  release_field(waiting, '{ALL}', total)
 end
 """
 

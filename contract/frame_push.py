@@ -22,9 +22,10 @@ PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 # What a push (here, and on a bulk shard: contract.frame_shards) checks and does, in the same commands either way.
 # live_job: the job's status, model, upload's bytes and claim, in one HMGET; a job gone or ended loses its upload
 # (its bytes given back) and nil says the frame may not stand. release_upload: the upload goes, its bytes given
-# back. trade_upload_for_frame: the upload goes and the frame's bytes wait in Redis instead, until the GPU worker's
-# batch write gives them back (contract.budget): one HINCRBY a counter for the difference, with the result
-# release_upload then a charge would give (the release stops at zero: the count is at least the frame's bytes).
+# back. trade_upload_for_frame, once the step's DEL took the upload (a DEL that finds none says the job is not this
+# attempt's to push: no EXISTS first): the frame's bytes wait in Redis instead of the upload's, until the GPU
+# worker's batch write gives them back (contract.budget): one HINCRBY a counter for the difference, with the result
+# a release then a charge would give (the release stops at zero: the count is at least the frame's bytes).
 PUSH_LUA = (
     TERMINAL_LUA
     + RELEASE_LUA
@@ -43,9 +44,8 @@ local function live_job(job, upload, waiting)
   return status, model, upload_bytes, was[4]
 end
 
-local function trade_upload_for_frame(upload, waiting, model, upload_bytes, frame_bytes)
-  local change = frame_bytes
-  if redis.call('DEL', upload) == 1 then change = change - math.max(0, tonumber(upload_bytes) or 0) end
+local function trade_upload_for_frame(waiting, model, upload_bytes, frame_bytes)
+  local change = frame_bytes - math.max(0, tonumber(upload_bytes) or 0)
   for _, field in ipairs({{model or '', '{ALL}'}}) do
     if field ~= '' and redis.call('HINCRBY', waiting, field, change) < frame_bytes then
       redis.call('HSET', waiting, field, frame_bytes)
@@ -71,8 +71,7 @@ _KEEP_PUSHED_FRAME = (
     PUSH_LUA
     + f"""
 local status, model, upload_bytes, claim = live_job(KEYS[1], KEYS[3], KEYS[4])
-if not status or status ~= '{PREPROCESSING}' or (claim and claim ~= ARGV[2])
-    or redis.call('EXISTS', KEYS[3]) == 0 then
+if not status or status ~= '{PREPROCESSING}' or (claim and claim ~= ARGV[2]) then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return {JOB_OVER}
 end
@@ -80,8 +79,12 @@ if redis.call('LLEN', KEYS[2]) > tonumber(ARGV[1]) then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return {LIST_FULL}
 end
+if redis.call('DEL', KEYS[3]) == 0 then   -- its upload gone: a redelivered task's race, or a lost shard
+  redis.call('LTRIM', KEYS[2], 1, -1)
+  return {JOB_OVER}
+end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-trade_upload_for_frame(KEYS[3], KEYS[4], model, upload_bytes, tonumber(ARGV[3]))
+trade_upload_for_frame(KEYS[4], model, upload_bytes, tonumber(ARGV[3]))
 return {PUSHED}
 """
 )

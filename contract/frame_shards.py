@@ -49,10 +49,10 @@ if status == '{RUNNING}' then   -- its frame is in a batch already: the stamps a
   release_upload(KEYS[2], KEYS[3], model, upload_bytes)
   return {PUSHED}
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then return {JOB_OVER} end
+if redis.call('DEL', KEYS[2]) == 0 then return {JOB_OVER} end
 redis.call('HSET', KEYS[1], 'status', '{QUEUED_GPU}', unpack(ARGV, 3))
 if model then redis.call('HINCRBY', KEYS[4], model, 1) end
-trade_upload_for_frame(KEYS[2], KEYS[3], model, upload_bytes, tonumber(ARGV[2]))
+trade_upload_for_frame(KEYS[3], model, upload_bytes, tonumber(ARGV[2]))
 return {PUSHED}
 """
 )

@@ -245,5 +245,5 @@ class Keys:
 
     @property
     def job_events(self) -> str:
-        """Pub/sub channel: a job id each time a job reaches a terminal state."""
+        """Pub/sub channel: the ids of the jobs one step ended, space-separated (a batch's ends in one message)."""
         return f"{self.namespace}:job_events"

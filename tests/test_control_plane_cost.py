@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from bench.processes import RedisServer
+from bench.processes import RedisServer, wait_until
 from contract import frame_push as frames
 from contract.budget import ALL
 from contract.frame_shards import frame_pusher
@@ -70,9 +70,9 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     assert sum(claim.values()) == 5 and claim["hmget"] == 1 and "hget" not in claim, claim
 
     push = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
-    # MULTI LPUSH EVALSHA (HMGET EXISTS LLEN HSET DEL HINCRBY x2) EXEC: was 17 (EVAL, a read and a counter move
-    # a field)
-    assert sum(push.values()) == 11 and push["hincrby"] == 2 and "hget" not in push, push
+    # MULTI LPUSH EVALSHA (HMGET LLEN DEL HSET HINCRBY x2) EXEC: was 17 (EVAL, a read and a counter move a field),
+    # then 11 (an EXISTS of the upload before its DEL)
+    assert sum(push.values()) == 10 and push["hincrby"] == 2 and "exists" not in push, push
 
     running = commands_of(quiet_redis, lambda: intake.advance_many([job], RUNNING, 3))
     assert sum(running.values()) == 3, running  # EVALSHA (HMGET, HSET)
@@ -161,3 +161,50 @@ def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redi
         acked = commands_of(quiet_redis, taken[0].ack)
         assert acked == {"hdel": 1}, acked
         assert quiet_redis.hlen(keys.celery_holds(holder_id())) == 0
+
+
+def test_a_batch_of_ends_wakes_long_polls_and_callback_relays_with_one_message_each(quiet_redis):
+    """Eight jobs ended in one step: one PUBLISH of their ids on the job-events channel (a long-poll's listener wakes
+    each), one RPUSH of the four with a callback and one PUBLISH on the outbox's channel; the callback's state is
+    written with the end, not by a second HSET; the uploads' bytes are given back with one HINCRBY for the model and
+    one for the total. Was a PUBLISH and two HINCRBY a job, and for a callback an HSET, RPUSH and PUBLISH more."""
+    keys = Keys("batch-end")
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 10, "m:2": 3, ALL: 13})  # as admission counted them
+    jobs = [f"{i:032x}" for i in range(8)]
+    for i, job in enumerate(jobs):
+        extra = {"callback_url": "http://127.0.0.1:9/hook"} if i % 2 else {}
+        model = "m:2" if i == 7 else "m:1"
+        intake.create(job, b"u", 60, {"model": model, "bytes": 1, "deadline_at": 1e12, **extra})
+    quiet_redis.script_load(intake._finish.script)
+    pubsub = quiet_redis.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(keys.job_events, keys.callback_outbox)
+    ended = commands_of(
+        quiet_redis, lambda: intake.finish_many([(job, SUCCEEDED, {"result": {"detections": []}}) for job in jobs])
+    )
+    assert ended["publish"] == 2 and ended["rpush"] == 1 and ended["hset"] == 8, ended
+    assert ended["hmget"] == 8 and ended["zrem"] == 1 and ended["hincrby"] == 3, ended
+    waiting = {k.decode(): int(v) for k, v in quiet_redis.hgetall(keys.waiting_bytes).items()}
+    assert waiting == {"m:1": 3, "m:2": 2, ALL: 5}
+    messages = [wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="a message") for _ in range(2)]
+    by_channel = {m["channel"].decode(): m["data"].decode().split() for m in messages}
+    assert by_channel == {keys.job_events: jobs, keys.callback_outbox: jobs[1::2]}
+    assert [job.decode() for job in quiet_redis.lrange(keys.callback_outbox, 0, -1)] == jobs[1::2]
+    assert all(intake.load(job)["callback"]["status"] == "pending" for job in jobs[1::2])
+    assert all("callback" not in intake.load(job) for job in jobs[::2])
+    pubsub.close()
+
+
+def test_the_api_wakes_every_waiter_a_batchs_one_message_names_and_no_other(quiet_redis):
+    from app.waiters import JobEventListener
+
+    listener = JobEventListener(quiet_redis, "wake-test")
+    waiting = {job: listener.register(job) for job in ("a" * 32, "b" * 32, "c" * 32)}
+    try:
+        assert quiet_redis.publish("wake-test", f"{'a' * 32} {'c' * 32}") == 1
+        assert waiting["a" * 32].wait(5) and waiting["c" * 32].wait(5)
+        assert not waiting["b" * 32].is_set()
+        quiet_redis.publish("wake-test", "b" * 32)  # one id alone, as a single end (or an older worker) says it
+        assert waiting["b" * 32].wait(5)
+    finally:
+        listener.close()

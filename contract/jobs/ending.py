@@ -86,7 +86,7 @@ end
 local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
 
 local function finish_jobs(names, first_key, at)
-  local ended, left, entries = 0, {}, {}
+  local ended, left, entries, called, released = 0, {}, {}, {}, {}
   for k = first_key, #KEYS do
     local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
     local was = redis.call('HMGET', key, unpack(READ_AT_END))
@@ -94,24 +94,32 @@ local function finish_jobs(names, first_key, at)
     if status and not TERMINAL[status] then
       local fields, ends_as, result, finished = late_as_expired(tonumber(was[2]),
                                                                 {unpack(ARGV, at + 2, at + 1 + count)})
+      if was[6] then   -- its callback enters the outbox (below), in the same write
+        fields[#fields + 1] = 'callback'
+        fields[#fields + 1] = PENDING_CALLBACK
+        called[#called + 1] = job_id
+      end
       redis.call('HSET', key, unpack(fields))
       redis.call('EXPIRE', key, names.ttl)
       if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
       if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
-        release_waiting(names.waiting, was[3], was[4])
+        local model, bytes = was[3] or '', tonumber(was[4]) or 0
+        if bytes > 0 then released[model] = (released[model] or 0) + bytes end
       end
       left[#left + 1] = job_id
-      if was[6] then
-        redis.call('HSET', key, 'callback', PENDING_CALLBACK)
-        redis.call('RPUSH', names.outbox, job_id)
-        redis.call('PUBLISH', names.outbox, job_id)   -- wakes the callback relays (a channel of the same name)
-      end
-      redis.call('PUBLISH', names.channel, job_id)
       ended = ended + 1
     end
     at = at + 2 + count
   end
-  if #left > 0 then redis.call('ZREM', names.deadlines, unpack(left)) end   -- one call for all of them
+  if #left > 0 then   -- one call each for all of them: a batch's ends wake long-polls with one message
+    redis.call('ZREM', names.deadlines, unpack(left))
+    redis.call('PUBLISH', names.channel, table.concat(left, ' '))
+  end
+  if #called > 0 then   -- the PUBLISH wakes the callback relays (its channel is named as the outbox; they read
+    redis.call('RPUSH', names.outbox, unpack(called))   -- the outbox, not the message)
+    redis.call('PUBLISH', names.outbox, table.concat(called, ' '))
+  end
+  release_each(names.waiting, released)
   remember_all(names.cache, entries)
   return ended
 end
