@@ -49,6 +49,9 @@ FINISH_JOBS_LUA = (
 local PENDING_CALLBACK = '{PENDING_CALLBACK}'
 local LATE_ERROR = '{LATE_ERROR}'
 local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
+-- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
+-- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
+local PUSHED = {{['{JobStatus.QUEUED_GPU.value}'] = true, ['{JobStatus.RUNNING.value}'] = true}}
 """
     + """
 -- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
@@ -102,7 +105,8 @@ local function finish_jobs(names, first_key, at)
       redis.call('HSET', key, unpack(fields))
       redis.call('EXPIRE', key, names.ttl)
       if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
-      if redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then   -- whatever ended it, its upload goes with it
+      -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
+      if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
         local model, bytes = was[3] or '', tonumber(was[4]) or 0
         if bytes > 0 then released[model] = (released[model] or 0) + bytes end
       end
