@@ -1,33 +1,34 @@
-"""Kombu's Redis transport, with one synchronous Redis client per channel, and every message a worker
-holds recorded under that worker's name.
+"""The CPU hop: how a job's Celery message is taken, held, acknowledged and given back, in one place.
 
-Kombu builds a new redis-py client for every synchronous operation (each
-publish, each ack, each event flush): a client's constructor copies ~170
-response callbacks, about a quarter of a millisecond, several times per task
-in the CPU worker's main process. A client holds no connection of its own (it
-borrows one from the channel's pool per command), so one per channel serves
-every operation. The asynchronous client (the consumer's BRPOP, which keeps its
-connection) is left as kombu makes it.
+What it promises. A message the API queued (contract.task_messages, in the transaction that stores the job) is
+run to its end by some CPU worker, or its job ends by its deadline; a worker that dies, however it dies, has the
+messages it held back on their queues within about a heartbeat (`celery.heartbeat_ttl_s`, 10 s), not kombu's
+`visibility_timeout` (300 s). A message may be delivered twice: the claim lets one attempt push a frame
+(contract.jobs.handoff), and a job past `queued` drops a late task.
 
-Held messages. Kombu's ack emulation copies each delivered message into its
-`unacked` hash and its time into an index (MULTI ZADD HSET EXEC), removes both
-on the ack (MULTI ZREM HDEL EXEC), and gives a message back only once it is
-`visibility_timeout` old (300 s; it cannot be shorter than the longest task).
-Here a delivered message is written once, into its holding worker's own hash
-(`Keys.celery_holds`: tag -> the message and when it was delivered, one HSET),
-and the ack deletes it (one HDEL): 2 commands a task instead of 8 (issue 58).
-The product's own redelivery does the rest, each case tested:
-- a worker found dead (its heartbeat lapsed) has its hash given back at once
-  (tasks.liveness's reaper);
-- a live worker gives back what its hash holds and none of its tasks does (a
-  failover lost the ack or the delivery: tasks.liveness.restore_unheld);
-- a child killed mid-task: Celery rejects the message, which goes back to the
-  front of its queue; a clean stop gives back what the worker held (kombu's
-  restore at shutdown, through this hash);
-- a worker killed between BRPOP and the HSET: tasks.lost_deliveries sends the
-  job's task again;
-- a message a worker of the release before this one held (in kombu's unacked
-  hash) comes back through kombu's own restore after the visibility timeout.
+How, and what each step costs the control plane's Redis (counted by tests/test_control_plane_cost.py):
+
+| step | who | commands |
+|---|---|---|
+| queued | the API, with the job (contract.jobs.intake) | LPUSH, inside the job's MULTI |
+| taken | kombu's consumer | BRPOP |
+| held | HeldQoS.append: the message and when, under the worker's own name (`Keys.celery_holds`) | HSET |
+| acknowledged | HeldQoS.ack, once the task ended (task_acks_late) | HDEL |
+| a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH HGET MULTI HDEL LPUSH EXEC |
+| a clean stop | kombu's restore at shutdown, through the holds | the same with RPUSH, a message |
+| a worker found dead | reap_dead_workers, at every live worker's beat (tasks.liveness) | HKEYS, then as above |
+| a lost ack or delivery (failover) | restore_unheld: held here, in no task's hands for 10 s | the same |
+| lost between BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere, twice | RPUSH, in a script |
+
+Kombu's own ack emulation (its `unacked` hash and index: MULTI ZADD HSET EXEC, then MULTI ZREM HDEL EXEC, and this
+module's set of each worker's tags beside them: 10 commands a task) is gone (issue 58); a message a worker of the
+release before this one held there still comes back through kombu's restore after the visibility timeout.
+
+Kombu builds a new redis-py client for every synchronous operation (each publish, each ack, each event flush): a
+client's constructor copies ~170 response callbacks, about a quarter of a millisecond, several times per task in
+the CPU worker's main process. A client holds no connection of its own (it borrows one from the channel's pool per
+command), so one per channel serves every operation. The asynchronous client (the consumer's BRPOP, which keeps
+its connection) is left as kombu makes it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from contract.clock import now as service_now
-from contract.keys import CELERY_HOLDS
+from contract.keys import CELERY_HOLDS, Keys
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
@@ -183,3 +184,72 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
 
 class SentinelTransport(kombu_redis.SentinelTransport):
     Channel = SentinelChannel
+
+
+# --- given back on a death -----------------------------------------------------------------------------------
+
+# KEYS[1] the worker's heartbeat, KEYS[2] the reaping lock; ARGV[1] the reaper, ARGV[2] the lock's TTL (s).
+# 1: the worker is dead and this reaper may give back its messages; 0: it lives, or another reaper has it.
+_MAY_REAP = """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', tonumber(ARGV[2])) then return 1 end
+return 0
+"""
+REAP_LOCK_S = 30
+
+
+def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) -> dict[str, int]:
+    """Give back the messages of every registered worker whose heartbeat lapsed: {worker: messages}.
+    `restore(holds_key, tag)` puts one held message back on its queue (tasks.broker's HeldQoS.restore_held; the
+    key without Celery's prefix, which kombu's client adds)."""
+    may_reap = client.register_script(_MAY_REAP)
+    reaped: dict[str, int] = {}
+    for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
+        holder = raw.decode()
+        if holder == me or not may_reap(
+            keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], args=[me, REAP_LOCK_S]
+        ):
+            continue
+        tags = [tag.decode() for tag in cast(list[bytes], client.hkeys(keys.celery_holds(holder)))]
+        for tag in tags:
+            restore(CELERY_HOLDS + holder, tag)
+        pipe = client.pipeline(transaction=True)
+        pipe.delete(keys.celery_holds(holder), keys.cpu_reaping(holder))
+        pipe.zrem(keys.cpu_workers, holder)
+        pipe.execute()
+        reaped[holder] = len(tags)
+    return reaped
+
+
+# A message recorded as this worker's for longer than this, that no task of its holds, is given back: recorded
+# after its delivery, it is in hand within milliseconds.
+UNHELD_GRACE_S = 10.0
+
+
+def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_hand: set[str], now: float) -> int:
+    """Give back the messages recorded as held by this live worker that none of its tasks holds: a failover
+    to a replica that missed their ack (the task ended, its message still 'unacked' on the new primary), or
+    missed the delivery's reply (the worker never got it). Kombu would give them back only after
+    visibility_timeout (300 s), past any job's deadline; the reaper gives back only dead workers'. Returns how
+    many went back to their queues."""
+    held = held_since(client, keys.celery_holds(me))
+    restored = 0
+    for tag, delivered_at in held.items():
+        if tag in in_hand or delivered_at > now - UNHELD_GRACE_S:
+            continue  # in hand, or delivered a moment ago: its task may not be in hand yet
+        channel.qos.restore_held(CELERY_HOLDS + me, tag)  # back on its queue, out of the hash
+        restored += 1
+    return restored
+
+
+def tags_in_hand() -> set[str]:
+    """The delivery tags of the tasks this worker process has received and not finished."""
+    from celery.worker import state
+
+    tags = set()
+    for request in list(state.reserved_requests):
+        message = getattr(request, "message", None)
+        tag = getattr(message, "delivery_tag", None)
+        if tag is not None:
+            tags.add(str(tag))
+    return tags

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, cast
+from typing import Any
 
 import redis
 from celery import bootsteps
@@ -34,80 +34,14 @@ from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.connection import connect
 from contract.jobs.ending import JobEnding
-from contract.keys import CELERY_HOLDS, Keys
+from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
-from tasks.broker import held_since, holder_id
+from tasks.broker import holder_id, reap_dead_workers, restore_unheld, tags_in_hand
 from tasks.lost_deliveries import LostDeliveries
 from tasks.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
-
-# KEYS[1] the worker's heartbeat, KEYS[2] the reaping lock; ARGV[1] the reaper, ARGV[2] the lock's TTL (s).
-# 1: the worker is dead and this reaper may give back its messages; 0: it lives, or another reaper has it.
-_MAY_REAP = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', tonumber(ARGV[2])) then return 1 end
-return 0
-"""
-REAP_LOCK_S = 30
-
-
-def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) -> dict[str, int]:
-    """Give back the messages of every registered worker whose heartbeat lapsed: {worker: messages}.
-    `restore(holds_key, tag)` puts one held message back on its queue (tasks.broker's HeldQoS.restore_held; the
-    key without Celery's prefix, which kombu's client adds)."""
-    may_reap = client.register_script(_MAY_REAP)
-    reaped: dict[str, int] = {}
-    for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
-        holder = raw.decode()
-        if holder == me or not may_reap(
-            keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], args=[me, REAP_LOCK_S]
-        ):
-            continue
-        tags = [tag.decode() for tag in cast(list[bytes], client.hkeys(keys.celery_holds(holder)))]
-        for tag in tags:
-            restore(CELERY_HOLDS + holder, tag)
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(keys.celery_holds(holder), keys.cpu_reaping(holder))
-        pipe.zrem(keys.cpu_workers, holder)
-        pipe.execute()
-        reaped[holder] = len(tags)
-    return reaped
-
-
-# A message recorded as this worker's for longer than this, that no task of its holds, is given back: recorded
-# after its delivery, it is in hand within milliseconds.
-UNHELD_GRACE_S = 10.0
-
-
-def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_hand: set[str], now: float) -> int:
-    """Give back the messages recorded as held by this live worker that none of its tasks holds: a failover
-    to a replica that missed their ack (the task ended, its message still 'unacked' on the new primary), or
-    missed the delivery's reply (the worker never got it). Kombu would give them back only after
-    visibility_timeout (300 s), past any job's deadline; the reaper gives back only dead workers'. Returns how
-    many went back to their queues."""
-    held = held_since(client, keys.celery_holds(me))
-    restored = 0
-    for tag, delivered_at in held.items():
-        if tag in in_hand or delivered_at > now - UNHELD_GRACE_S:
-            continue  # in hand, or delivered a moment ago: its task may not be in hand yet
-        channel.qos.restore_held(CELERY_HOLDS + me, tag)  # back on its queue, out of the hash
-        restored += 1
-    return restored
-
-
-def tags_in_hand() -> set[str]:
-    """The delivery tags of the tasks this worker process has received and not finished."""
-    from celery.worker import state
-
-    tags = set()
-    for request in list(state.reserved_requests):
-        message = getattr(request, "message", None)
-        tag = getattr(message, "delivery_tag", None)
-        if tag is not None:
-            tags.add(str(tag))
-    return tags
 
 
 def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C901  # a class's methods, counted as one
