@@ -175,7 +175,23 @@ def test_job_store_first_terminal_state_wins_and_is_published(redis_client):
     assert record["options"] == {"conf": 0.5} and "error" not in record
     message = wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="the job-end message")
     assert message["data"] == b"j"
-    assert 0 < redis_client.ttl(Keys("t").job("j")) <= 60
+    assert redis_client.ttl(Keys("t").job("j")) > 10**11  # until jobs.ttl_s past its (far) deadline
+
+
+def test_a_record_lives_until_its_ttl_past_its_deadline_and_its_end_sets_no_ttl_again(redis_client):
+    """A record stays readable jobs.ttl_s past its deadline, so at least that long after whatever ends it (the
+    sweeper ends it at the deadline at the latest); a record without a deadline gets its TTL at its end."""
+    keys = Keys("record-ttl")
+    store = JobIntake(redis_client, keys, ttl_s=600)
+    now = time.time()
+    store.create("soon", b"u", 60, {"deadline_at": now + 30})
+    store.create("bare", b"u", 60, {})
+    assert 600 + 29 <= redis_client.ttl(keys.job("soon")) <= 600 + 31
+    redis_client.expire(keys.job("bare"), 5)  # as a record of another writer might have it
+    assert store.finish("soon", SUCCEEDED, {"result": {"detections": []}})
+    assert store.finish("bare", SUCCEEDED, {"result": {"detections": []}})
+    assert 600 + 29 <= redis_client.ttl(keys.job("soon")) <= 600 + 31  # the end left it as it was
+    assert 590 <= redis_client.ttl(keys.job("bare")) <= 600
 
 
 def test_an_answer_after_the_deadline_does_not_stand_and_the_sweeper_ends_what_nobody_ended(redis_client):

@@ -103,7 +103,8 @@ local function finish_jobs(names, first_key, at)
         called[#called + 1] = job_id
       end
       redis.call('HSET', key, unpack(fields))
-      redis.call('EXPIRE', key, names.ttl)
+      -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
+      if not was[2] then redis.call('EXPIRE', key, names.ttl) end
       if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
       -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
       if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then

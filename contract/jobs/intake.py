@@ -11,6 +11,7 @@ admission (app.admission) decides what to do with either answer.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -112,6 +113,15 @@ class Replication(NamedTuple):
 NO_REPLICATION = Replication()
 
 
+def record_ttl_s(ttl_s: int, deadline_at: Any) -> int:
+    """A new record's TTL: until `ttl_s` past its deadline, so that it stays at least `ttl_s` after whatever ends
+    it (the sweeper ends it at its deadline at the latest), and its end need not set a TTL again (one EXPIRE an
+    image less: FINISH_JOBS_LUA sets one only on a record without a deadline)."""
+    if deadline_at is None:
+        return ttl_s
+    return ttl_s + max(0, math.ceil(float(deadline_at) - service_now()))
+
+
 class CacheHit(NamedTuple):
     """A submission the result cache answered (JobIntake.answer_or_admit): how its job ended, and the cached
     result document (JSON text), which the job holds only if it ended `succeeded`."""
@@ -174,7 +184,7 @@ class JobIntake(JobEnding):
                 if field:
                     pipe.hincrby(self.keys.waiting_bytes, field, -unused)
         pipe.hset(self.keys.job(job_id), mapping=record)
-        pipe.expire(self.keys.job(job_id), self.ttl_s)
+        pipe.expire(self.keys.job(job_id), record_ttl_s(self.ttl_s, fields.get("deadline_at")))
         if "deadline_at" in fields:  # the sweeper ends it there if nothing else has (expire_overdue)
             pipe.zadd(self.keys.deadlines, {job_id: float(fields["deadline_at"])})
         if task is not None:
