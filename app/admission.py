@@ -248,6 +248,7 @@ class Admission:
             tenant,
             self.settings.tenants,
             share,
+            sharded=bool(self.settings.bulk.redis_urls),
         )
 
     def _settle(self, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.BudgetVerdict) -> None:

@@ -50,8 +50,8 @@ end
 """
 
 # A Lua function: admit(k, last, a). KEYS[k] the model's frame list, KEYS[k + 1] the frames-waiting hash (with
-# bulk shards, the frames on them: contract.shards), KEYS[k + 2] the waiting-bytes hash, KEYS[k + 3] the tenant's
-# own CPU queue, KEYS[k + 4..last] the model's other CPU queues; ARGV[a] the model,
+# bulk shards, the frames on them: contract.shards; '' without), KEYS[k + 2] the waiting-bytes hash, KEYS[k + 3]
+# the tenant's own CPU queue, KEYS[k + 4..last] the model's other CPU queues; ARGV[a] the model,
 # ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
 # ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
 # {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_ARGS is its count
@@ -60,7 +60,8 @@ end
 ADMIT_LUA = f"""
 local function admit(k, last, a)
   local own = redis.call('LLEN', KEYS[k + 3])
-  local sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0'))
+  local sharded = 0   -- without bulk shards the key is '': no frames wait there, no HGET an image to say so
+  if KEYS[k + 1] ~= '' then sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0')) end
   local backlog = redis.call('LLEN', KEYS[k]) + sharded + own
   for i = k + 4, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
   local waiting = redis.call('HMGET', KEYS[k + 2], ARGV[a], '{ALL}')
@@ -112,6 +113,7 @@ class AdmissionRequest(NamedTuple):
     tenant: str = ""
     tenants: Sequence[str] = ("",)
     max_tenant_backlog: int | None = None
+    sharded: bool = True  # frames may wait on bulk shards (their count is read); False: none can
 
 
 def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
@@ -120,7 +122,7 @@ def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str
     others = [keys.celery_queue(queue) for queue in keys.preprocess_queues(request.model_key, request.tenants)]
     names = [
         keys.frames(request.model_key),
-        keys.frames_waiting,
+        keys.frames_waiting if request.sharded else "",
         keys.waiting_bytes,
         own,
         *[queue for queue in others if queue != own],
@@ -157,13 +159,22 @@ class WaitingBytes:
         tenant: str = "",
         tenants: Sequence[str] = ("",),
         max_tenant_backlog: int | None = None,
+        sharded: bool = True,
     ) -> BudgetVerdict:
         """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it and
         both budgets allow it, in one step."""
         keys, args = admission_arguments(
             self.keys,
             AdmissionRequest(
-                model_key, size, max_backlog, max_model_bytes, max_all_bytes, tenant, tenants, max_tenant_backlog
+                model_key,
+                size,
+                max_backlog,
+                max_model_bytes,
+                max_all_bytes,
+                tenant,
+                tenants,
+                max_tenant_backlog,
+                sharded,
             ),
         )
         return BudgetVerdict.of(self._admit(keys=keys, args=args))

@@ -210,3 +210,18 @@ def test_the_api_wakes_every_waiter_a_batchs_one_message_names_and_no_other(quie
         assert waiting["b" * 32].wait(5)
     finally:
         listener.close()
+
+
+def test_admission_without_bulk_shards_reads_no_count_of_frames_on_them(quiet_redis):
+    """The admission adds the frames waiting on bulk shards to a model's backlog: an HGET an image, which a deployment
+    without shards (make run's) skips. With shards the count is read and counted."""
+    from contract.budget import WaitingBytes
+
+    keys = Keys("admit-cost")
+    waiting = WaitingBytes(quiet_redis, keys)
+    quiet_redis.script_load(waiting._admit.script)
+    quiet_redis.hset(keys.frames_waiting, "m:1", 5)  # as a sharded deployment's GPU worker would count them
+    admitted = commands_of(quiet_redis, lambda: waiting.admit("m:1", 10, 5, 100, 100, sharded=False))
+    assert "hget" not in admitted and sum(admitted.values()) == 6, admitted  # EVALSHA LLEN x2 HMGET HINCRBY x2
+    assert waiting.admit("m:1", 10, 5, 100, 100, sharded=True).verdict == "backlog"  # the 5 on shards fill it
+    assert waiting.admit("m:1", 10, 5, 100, 100, sharded=False).verdict == "admitted"
