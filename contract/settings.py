@@ -266,6 +266,21 @@ class CeleryWorkerSettings:
 
 
 @settings_class
+class ScalingSettings:
+    """How many CPU worker processes a model's backlog and rate want (contract.scaling; issue 61)."""
+
+    target_utilisation: float = 0.7  # each process busy this share of the time: room for bursts within the SLA
+    drain_s: float = 2.0  # what waits for a CPU worker is to be decoded within this long
+    default_cpu_ms: float = 25.0  # the CPU stage an image before any job was answered (then the time bill's)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_utilisation <= 1 or self.drain_s <= 0 or self.default_cpu_ms <= 0:
+            raise SettingsError(
+                "scaling.target_utilisation must be in (0, 1], scaling.drain_s and scaling.default_cpu_ms above 0"
+            )
+
+
+@settings_class
 class Settings:
     # The default model (routing.default, or the first listed); `models` holds every model served. A config
     # that names one `model:` (as before) serves that one.
@@ -287,6 +302,7 @@ class Settings:
     callbacks: CallbackSettings = field(default_factory=CallbackSettings)
     cache: CacheSettings = field(default_factory=CacheSettings)
     bulk: BulkSettings = field(default_factory=BulkSettings)
+    scaling: ScalingSettings = field(default_factory=ScalingSettings)
 
     @property
     def broker_url(self) -> str:

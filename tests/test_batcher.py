@@ -95,7 +95,7 @@ def test_pop_times_are_recorded_per_frame():
     source = ScriptedSource(clock, [(100.0, "a"), (100.004, "b")])
     batch = collector(clock).collect(source)
     assert batch.popped_at[0] == 100.0
-    assert 100.004 <= batch.popped_at[1] <= 100.005
+    assert batch.popped_at[1] == pytest.approx(100.007)  # the look that took it: at +1, +3, +7 ms (see below)
 
 
 @pytest.mark.parametrize("kwargs", [{"max_size": 0, "window_s": 0.01}, {"max_size": 8, "window_s": -1}])
@@ -120,7 +120,7 @@ def test_a_held_batch_still_closes_when_full():
     assert len(batch.items) == 8 and batch.closed_by == CLOSED_BY_SIZE
 
 
-def test_a_look_that_found_nothing_asks_for_one_frame_next_and_one_that_found_some_for_all_the_room():
+def test_a_look_that_found_all_it_asked_for_asks_for_all_the_room_next_and_any_other_for_one_frame():
     """Under light load most looks find nothing: each frame asked for is a command for Redis."""
     clock = FakeClock()
     source = ScriptedSource(clock, [(100.001, "a"), (100.0041, "b"), (100.0042, "c"), (100.0081, "d")])
@@ -129,9 +129,44 @@ def test_a_look_that_found_nothing_asks_for_one_frame_next_and_one_that_found_so
     in_window = source.looks[1:]  # the first look, before the blocking pop, asks for a whole batch
     assert source.looks[0] == (8, 0)
     room = 7
-    previous_found = True
+    previous = (1, 1)  # the blocking pop: one asked, one found
     for asked, given in in_window:
-        assert asked == (room if previous_found else 1)
+        assert asked == (room if previous[1] == previous[0] else 1)
         room -= given
-        previous_found = given > 0
+        previous = (asked, given)
     assert sum(asked for asked, _ in in_window) < 3 * len(in_window)
+
+
+def test_looks_that_find_nothing_come_further_apart_and_the_window_still_ends_with_one():
+    """A window in which nothing more comes: looks at +1, +3, +7 ms and at its end (+12), not one every
+    millisecond (each look is an LMOVE for Redis: 13 an image at light load before)."""
+    clock = FakeClock()
+    source = ScriptedSource(clock, [(100.0, "only"), (100.0119, "just-in")])
+    batch = collector(clock).collect(source)
+    assert batch.items == ["only", "just-in"] and batch.closed_by == CLOSED_BY_WINDOW
+    assert batch.closed_at - batch.opened_at == pytest.approx(0.012, abs=1e-9)
+    assert len(source.looks) == 5  # the first (found "only"), then +1, +3, +7, +12
+
+
+def test_a_batch_that_fills_mid_window_closes_within_one_interval_of_filling():
+    clock = FakeClock()
+    source = ScriptedSource(clock, [(100.0, "a"), *[(100.0065, f"f{i}") for i in range(7)]])
+    batch = collector(clock).collect(source)
+    assert len(batch.items) == 8 and batch.closed_by == CLOSED_BY_SIZE
+    assert batch.closed_at == pytest.approx(100.007)  # the look after +3 ms came at +7: within 4 ms of filling
+
+
+def test_the_first_look_asks_for_twice_what_the_last_found_and_a_full_list_is_still_drained_at_once():
+    clock = FakeClock()
+    batches = collector(clock)
+    source = ScriptedSource(clock, [(100.0, "lone")])
+    batches.collect(source)
+    assert source.looks[0] == (8, 1)  # a new worker looks for a whole batch
+    source = ScriptedSource(clock, [(clock.now + 0.5, "after-a-pause")])
+    batches.collect(source)
+    assert source.looks[0] == (2, 0)  # twice the one found last time; nothing there: the blocking pop took it
+    source = ScriptedSource(clock, [(clock.now, f"f{i}") for i in range(20)])
+    batch = batches.collect(source)
+    assert source.looks[0] == (1, 1)  # after a look that found none, one frame
+    assert len(batch.items) == 8 and source.looks[1] == (7, 7)  # then the whole room, in the same batch
+    assert batch.closed_at == batch.opened_at

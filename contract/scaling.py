@@ -1,0 +1,160 @@
+"""The backlog as the product sees it, per model, and how many CPU worker processes it wants (issue 61).
+
+A model's backlog is every job accepted and not yet taken by a GPU worker:
+
+- `queued`: its messages on the model's CPU queues (every tenant's list), which no worker has taken;
+- `held`: its messages a CPU worker holds (tasks.broker's holds: prefetched by the worker's main process, or its
+  task running, the image decoding). A queue's length (what KEDA's Redis list scaler reads) misses these: a
+  saturated pool with every message prefetched reads close to zero;
+- `frames`: its frames waiting for a GPU worker (the frame list, and with bulk shards their lists' count).
+
+`cpu_workers_wanted` is how many CPU worker processes (pool children: each decodes one image at a time) would keep
+up with the model's rate and drain what waits within `scaling.drain_s`, each busy `scaling.target_utilisation` of
+the time, so that `queue_cpu` stays near zero:
+
+    wanted = ceil((rate x cpu_s + waiting_for_cpu x cpu_s / drain_s) / target_utilisation)
+
+`rate` is the jobs a second the GPU workers answered for the model over their recent windows (summed over them),
+`cpu_s` the CPU stage's mean (decode + resize) over those windows, or `scaling.default_cpu_ms` before any job was
+answered, and `waiting_for_cpu` the backlog less its frames (a frame needs no CPU worker any more). An autoscaler
+clamps it to its own minimum and maximum (Celery's: tasks.autoscale; KEDA: the ScaledObject's).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, cast
+
+import redis
+
+from contract.keys import PREPROCESS_QUEUE, Keys
+from contract.settings import ScalingSettings
+
+
+@dataclass(frozen=True)
+class ModelBacklog:
+    queued: int  # on the model's CPU queues
+    held: int  # in CPU workers' hands: prefetched, or decoding
+    frames: int  # waiting for a GPU worker
+
+    @property
+    def total(self) -> int:
+        return self.queued + self.held + self.frames
+
+    @property
+    def waiting_for_cpu(self) -> int:
+        return self.queued + self.held
+
+
+def model_of_queue(queue: str) -> str | None:
+    """The model (name:version) of a CPU queue's name (Keys.preprocess_queue); None for any other queue."""
+    if not queue.startswith(PREPROCESS_QUEUE + ":"):
+        return None
+    return queue.removeprefix(PREPROCESS_QUEUE + ":").partition("@")[0] or None
+
+
+def held_by_model(client: redis.Redis, keys: Keys) -> Counter[str]:
+    """Messages held by the registered CPU workers, per model: one HVALS a worker (their holds are a prefetch's
+    worth each, not a backlog's)."""
+    workers = cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1))
+    pipe = client.pipeline(transaction=False)
+    for worker in workers:
+        pipe.hvals(keys.celery_holds(worker.decode()))
+    held: Counter[str] = Counter()
+    for values in pipe.execute() if workers else []:
+        for value in values:
+            try:
+                routing_key = json.loads(value)[2]
+            except (ValueError, IndexError, TypeError):
+                continue
+            model = model_of_queue(str(routing_key))
+            if model:
+                held[model] += 1
+    return held
+
+
+def backlogs(
+    client: redis.Redis, keys: Keys, model_keys: Sequence[str], tenants: Sequence[str] = ("",)
+) -> dict[str, ModelBacklog]:
+    """Per model (name:version): its jobs queued for a CPU worker, held by one, and its frames waiting."""
+    pipe = client.pipeline(transaction=False)
+    for model_key in model_keys:
+        for queue in keys.preprocess_queues(model_key, tenants):
+            pipe.llen(keys.celery_queue(queue))
+        pipe.llen(keys.frames(model_key))
+        pipe.hget(keys.frames_waiting, model_key)  # with bulk shards: their lists' count (contract.shards)
+    replies = iter(pipe.execute())
+    held = held_by_model(client, keys)
+    found = {}
+    for model_key in model_keys:
+        queued = sum(int(next(replies)) for _ in tenants)
+        frames = int(next(replies)) + max(0, int(next(replies) or 0))
+        found[model_key] = ModelBacklog(queued, held[model_key], frames)
+    return found
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """One model's scaling signal, and what it was computed from."""
+
+    backlog: int
+    queued: int
+    held: int
+    frames: int
+    rate_per_s: float  # jobs answered a second, over the GPU workers' recent windows
+    cpu_ms: float  # the CPU stage's mean an image (decode + resize)
+    cpu_ms_measured: bool  # False: scaling.default_cpu_ms (no job answered in the windows)
+    target_utilisation: float
+    drain_s: float
+    cpu_workers_wanted: int
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def wanted_workers(backlog: ModelBacklog, rate_per_s: float, cpu_ms: float, settings: ScalingSettings) -> int:
+    """CPU worker processes that keep up with `rate_per_s` and drain what waits for a CPU worker within
+    settings.drain_s, each busy target_utilisation of the time (see the module's note)."""
+    cpu_s = max(0.0, cpu_ms) / 1000.0
+    busy = rate_per_s * cpu_s + backlog.waiting_for_cpu * cpu_s / settings.drain_s
+    return math.ceil(round(busy / settings.target_utilisation, 6))
+
+
+def scaling_signal(backlog: ModelBacklog, windows: Sequence[Mapping[str, Any]], settings: ScalingSettings) -> Scaling:
+    """The signal for one model from its backlog and the GPU workers' recent windows for it (each: `jobs`,
+    `window_s` and `time_bill_ms` with `decode` and `resize` means)."""
+    jobs = sum(int(window.get("jobs") or 0) for window in windows)
+    rate = sum((window.get("jobs") or 0) / window["window_s"] for window in windows if window.get("window_s"))
+    weighted = [
+        (int(window.get("jobs") or 0), _cpu_mean(window.get("time_bill_ms") or {}))
+        for window in windows
+        if window.get("jobs")
+    ]
+    measured = [(count, mean) for count, mean in weighted if mean is not None]
+    if jobs and measured:
+        cpu_ms = sum(count * cast(float, mean) for count, mean in measured) / sum(count for count, _ in measured)
+    else:
+        cpu_ms = settings.default_cpu_ms
+    return Scaling(
+        backlog=backlog.total,
+        queued=backlog.queued,
+        held=backlog.held,
+        frames=backlog.frames,
+        rate_per_s=round(rate, 3),
+        cpu_ms=round(cpu_ms, 3),
+        cpu_ms_measured=bool(jobs and measured),
+        target_utilisation=settings.target_utilisation,
+        drain_s=settings.drain_s,
+        cpu_workers_wanted=wanted_workers(backlog, rate, cpu_ms, settings),
+    )
+
+
+def _cpu_mean(time_bill: Mapping[str, Any]) -> float | None:
+    stages = [time_bill.get(stage) for stage in ("decode", "resize")]
+    if not all(isinstance(stage, Mapping) and "mean" in stage for stage in stages):
+        return None
+    return float(sum(cast(Mapping[str, float], stage)["mean"] for stage in stages))
