@@ -17,6 +17,7 @@ batch's host work.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -80,53 +81,75 @@ class BatchCollector(Generic[Item]):
             raise ValueError("held_poll_s must be > 0")
         self.wait_held = wait_held or sleep
         self._first_look = max_size  # frames the first look of the next batch asks for (collect)
+        self._rate = 0.0  # frames a second, as batches have been finding them (_observe)
+        self._last_closed: float | None = None
 
     def collect(self, source: FrameSource[Item]) -> Batch[Item] | None:
         """Take what is there (one round trip when the list is full), else block for a first frame
-        (up to idle_timeout_s); then fill the batch."""
+        (up to idle_timeout_s); then fill the batch.
+
+        Each frame asked of Redis is an LMOVE whether it is there or not, so a look asks for what is likely there:
+        the first look for twice what the last batch's found (a whole batch was eight LMOVEs for one frame at light
+        load); a look that found all it asked for is followed at once by one for twice as many (a full list is
+        drained in a few round trips, with at most one frame's LMOVEs more than it held); one that found less left
+        the list empty, and the next waits. While the
+        batch may still fill before its window ends at the rate frames have been coming, looks come poll_s apart,
+        then further apart while they find nothing (a batch that fills closes at most one interval later);
+        otherwise the batch would close at the window's end whatever a look found before it, so there is one look,
+        at the end, for what that rate brings in a window. 13 LMOVEs an image at light load before."""
         first_look = self._first_look
         items = list(source.pop_available(first_look))
-        # The next batch's first look asks for twice what this one found (at least one, at most a batch): each frame
-        # asked for is an LMOVE, and under light load a look for a whole batch was eight commands for one frame.
         self._first_look = min(self.max_size, max(1, 2 * len(items)))
-        more_waiting = len(items) == first_look  # it found all it asked for: more may be there
+        ask = min(self.max_size - len(items), 2 * first_look) if len(items) == first_look else 0  # 0: wait first
         if not items:
             first = source.pop_blocking(self.idle_timeout_s)
             if first is None:
                 return None
-            items, more_waiting = [first], True
+            items, ask = [first], 1  # more may have come with it: one look, for one, at once
         opened_at = self.clock()
         late = self.age_of(items[0]) >= self.window_s
         deadline = opened_at if late else opened_at + self.window_s
         popped_at = [opened_at] * len(items)
-        # A look that found all it asked for is followed at once by one for all the room (a full list is drained in
-        # a round trip or two). One that found less left the list empty: the next look, for one frame, waits, and
-        # looks that keep finding nothing come further apart (poll_s, twice that, and so on), with one more at the
-        # window's end. A batch that fills mid-window closes at most one interval later; a window in which nothing
-        # comes costs four or five LMOVEs instead of one every poll_s (13 an image at light load before).
         interval = self.poll_s
+        looked_at = opened_at
         while len(items) < self.max_size:
-            if more_waiting:
-                asked = self.max_size - len(items)
-            else:
+            if not ask:
                 now = self.clock()
                 held = self.hold_open()
                 if now >= deadline and not held:
                     break
                 if held:
                     self.wait_held(self.held_poll_s)
-                else:
+                    ask = 1
+                elif self._may_fill(len(items), deadline - now):
                     self.sleep(min(interval, deadline - now))
                     interval *= 2
-                asked = 1
-            more = source.pop_available(asked)
-            now = self.clock()
+                    ask = 1
+                else:  # what that rate brings until the window's end, since the last look
+                    self.sleep(deadline - now)
+                    ask = min(self.max_size - len(items), max(1, math.ceil(self._rate * (deadline - looked_at))))
+            more = source.pop_available(ask)
+            now = looked_at = self.clock()
             items.extend(more)
             popped_at.extend([now] * len(more))
             if more:
                 interval = self.poll_s
-            more_waiting = len(more) == asked
-            if len(items) >= self.max_size or (now >= deadline and not self.hold_open()):
+            found_all = len(more) == ask
+            ask = min(self.max_size - len(items), 2 * ask) if found_all else 0
+            if len(items) >= self.max_size or (now >= deadline and not found_all and not self.hold_open()):
                 break
+        self._observe(len(items), self.clock())
         closed_by = CLOSED_BY_SIZE if len(items) >= self.max_size else (CLOSED_LATE if late else CLOSED_BY_WINDOW)
         return Batch(items=items, opened_at=opened_at, closed_at=self.clock(), closed_by=closed_by, popped_at=popped_at)
+
+    def _may_fill(self, count: int, left_s: float) -> bool:
+        """Whether a batch of `count` may fill within `left_s` at twice the rate frames have been coming."""
+        return count + 2.0 * self._rate * left_s >= self.max_size
+
+    def _observe(self, count: int, closed_at: float) -> None:
+        """The rate frames come at: a moving mean of each batch's frames over the time since the batch before it
+        closed (at least a window)."""
+        if self._last_closed is not None:
+            sample = count / max(closed_at - self._last_closed, self.window_s, 1e-6)
+            self._rate = 0.7 * self._rate + 0.3 * sample
+        self._last_closed = closed_at

@@ -95,7 +95,7 @@ def test_pop_times_are_recorded_per_frame():
     source = ScriptedSource(clock, [(100.0, "a"), (100.004, "b")])
     batch = collector(clock).collect(source)
     assert batch.popped_at[0] == 100.0
-    assert batch.popped_at[1] == pytest.approx(100.007)  # the look that took it: at +1, +3, +7 ms (see below)
+    assert batch.popped_at[1] == pytest.approx(100.012)  # the one look, at the window's end (light load: below)
 
 
 @pytest.mark.parametrize("kwargs", [{"max_size": 0, "window_s": 0.01}, {"max_size": 8, "window_s": -1}])
@@ -120,43 +120,66 @@ def test_a_held_batch_still_closes_when_full():
     assert len(batch.items) == 8 and batch.closed_by == CLOSED_BY_SIZE
 
 
-def test_a_look_that_found_all_it_asked_for_asks_for_all_the_room_next_and_any_other_for_one_frame():
-    """Under light load most looks find nothing: each frame asked for is a command for Redis."""
+def warmed(clock: FakeClock, batches: int = 6) -> BatchCollector:
+    """A collector that has seen frames come fast (full batches back to back): a batch may fill in its window."""
+    busy = collector(clock)
+    for _ in range(batches):
+        busy.collect(ScriptedSource(clock, [(clock.now, f"w{i}") for i in range(8)]))
+    return busy
+
+
+def test_at_light_load_a_window_costs_its_first_look_and_one_at_its_end():
+    """No frames have been coming fast: whatever a look found mid-window, the batch would close at the window's end,
+    so there is one look then (each frame asked of Redis is an LMOVE: 13 an image at light load before)."""
     clock = FakeClock()
     source = ScriptedSource(clock, [(100.001, "a"), (100.0041, "b"), (100.0042, "c"), (100.0081, "d")])
     batch = collector(clock).collect(source)
     assert batch.items == ["a", "b", "c", "d"] and batch.closed_by == CLOSED_BY_WINDOW
-    in_window = source.looks[1:]  # the first look, before the blocking pop, asks for a whole batch
-    assert source.looks[0] == (8, 0)
-    room = 7
-    previous = (1, 1)  # the blocking pop: one asked, one found
-    for asked, given in in_window:
-        assert asked == (room if previous[1] == previous[0] else 1)
-        room -= given
-        previous = (asked, given)
-    assert sum(asked for asked, _ in in_window) < 3 * len(in_window)
+    assert batch.closed_at == pytest.approx(100.013)
+    # the first look (a whole batch, for a new worker), the blocking pop's "a", a look for one more at once, then at
+    # the window's end one (found), two (found), four (none: the list is empty, the batch closes)
+    assert source.looks == [(8, 0), (1, 0), (1, 1), (2, 2), (4, 0)]
+
+
+def test_a_look_that_found_all_it_asked_for_asks_for_twice_as_many_at_once():
+    clock = FakeClock()
+    busy = warmed(clock)
+    source = ScriptedSource(clock, [(clock.now, f"f{i}") for i in range(20)])
+    batch = busy.collect(source)
+    assert len(batch.items) == 8 and batch.closed_at == batch.opened_at
+    assert source.looks == [(8, 8)]  # the last batches found eight: a whole batch
+    thin = collector(clock)
+    thin._first_look = 1
+    source = ScriptedSource(clock, [(clock.now, f"g{i}") for i in range(20)])
+    assert len(thin.collect(source).items) == 8
+    assert source.looks == [(1, 1), (2, 2), (4, 4), (1, 1)]  # 8 LMOVEs for 8 frames, in four round trips
 
 
 def test_looks_that_find_nothing_come_further_apart_and_the_window_still_ends_with_one():
-    """A window in which nothing more comes: looks at +1, +3, +7 ms and at its end (+12), not one every
-    millisecond (each look is an LMOVE for Redis: 13 an image at light load before)."""
+    """Frames have been coming fast enough to fill a batch within a window: looks come poll_s apart, then further
+    apart while they find nothing (+1, +3, +7 ms), and one at the window's end."""
     clock = FakeClock()
-    source = ScriptedSource(clock, [(100.0, "only"), (100.0119, "just-in")])
-    batch = collector(clock).collect(source)
+    busy = warmed(clock)
+    start = clock.now
+    source = ScriptedSource(clock, [(start, "only"), (start + 0.0119, "just-in")])
+    batch = busy.collect(source)
     assert batch.items == ["only", "just-in"] and batch.closed_by == CLOSED_BY_WINDOW
     assert batch.closed_at - batch.opened_at == pytest.approx(0.012, abs=1e-9)
-    assert len(source.looks) == 5  # the first (found "only"), then +1, +3, +7, +12
+    # the first, +1, +3, +7, and at +12 what the rate (~550 a second) brings in the 5 ms since the last look
+    assert [asked for asked, _ in source.looks] == [8, 1, 1, 1, 3]
 
 
 def test_a_batch_that_fills_mid_window_closes_within_one_interval_of_filling():
     clock = FakeClock()
-    source = ScriptedSource(clock, [(100.0, "a"), *[(100.0065, f"f{i}") for i in range(7)]])
-    batch = collector(clock).collect(source)
+    busy = warmed(clock)
+    start = clock.now
+    source = ScriptedSource(clock, [(start, "a"), *[(start + 0.0065, f"f{i}") for i in range(7)]])
+    batch = busy.collect(source)
     assert len(batch.items) == 8 and batch.closed_by == CLOSED_BY_SIZE
-    assert batch.closed_at == pytest.approx(100.007)  # the look after +3 ms came at +7: within 4 ms of filling
+    assert batch.closed_at == pytest.approx(start + 0.007)  # the look after +3 ms came at +7: within 4 ms of filling
 
 
-def test_the_first_look_asks_for_twice_what_the_last_found_and_a_full_list_is_still_drained_at_once():
+def test_the_first_look_asks_for_twice_what_the_last_found():
     clock = FakeClock()
     batches = collector(clock)
     source = ScriptedSource(clock, [(100.0, "lone")])
@@ -168,5 +191,4 @@ def test_the_first_look_asks_for_twice_what_the_last_found_and_a_full_list_is_st
     source = ScriptedSource(clock, [(clock.now, f"f{i}") for i in range(20)])
     batch = batches.collect(source)
     assert source.looks[0] == (1, 1)  # after a look that found none, one frame
-    assert len(batch.items) == 8 and source.looks[1] == (7, 7)  # then the whole room, in the same batch
-    assert batch.closed_at == batch.opened_at
+    assert len(batch.items) == 8 and batch.closed_at == batch.opened_at
