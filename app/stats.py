@@ -10,8 +10,10 @@ from app.auth import require_admin
 from app.health import live_gpu_workers
 from app.operations import Reply, operation
 from app.services import services as current_services
+from contract.clock import now as service_now
 from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import queue_depths, total_depths
+from contract.scaling import backlogs, scaling_signal, windows_of
 from contract.status_documents import Stats
 from contract.timebill import host_ms_per_batch
 
@@ -34,9 +36,16 @@ def stats() -> Response:
         raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
-    depths = queue_depths(client, keys, list(services.catalogue.specs), services.settings.tenants)
+    model_keys = list(services.catalogue.specs)
+    depths = queue_depths(client, keys, model_keys, services.settings.tenants)
+    found = backlogs(client, keys, model_keys, services.settings.tenants)
+    windows = windows_of(workers, service_now())
     summary = Stats.model_validate(
         {
+            "scaling": {
+                key: scaling_signal(found[key], windows.get(key, []), services.settings.scaling).to_json()
+                for key in model_keys
+            },
             "cache": services.cache.stats(list(services.catalogue.specs)),
             "queues": total_depths(depths),
             "queues_by_model": depths,

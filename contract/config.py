@@ -7,7 +7,6 @@ and `IMGSERVE_<SECTION>__<KEY>` for any other setting. What the settings are is 
 
 from __future__ import annotations
 
-import datetime
 import os
 import warnings
 from collections.abc import Mapping
@@ -20,8 +19,9 @@ import yaml
 from pydantic import ValidationError
 
 from contract import model_files
-from contract.models import ModelSpec, RoutingSettings
+from contract.models import ModelSpec, RoutingSettings, version_text
 from contract.redis_settings import BulkSettings, RedisSettings
+from contract.scaling import ScalingSettings
 from contract.sections import SettingsError
 from contract.settings import (
     REPO_ROOT,
@@ -155,19 +155,6 @@ def _check_secrets(settings: Settings) -> None:
             check_secret(f"the Redis password in bulk.redis_urls[{index}]", unquote(password))
 
 
-def _version_text(version: Any) -> Any:
-    """A spec's version as text. YAML reads `version: 2024-05-01` as a date (kept: its text is the same) and
-    `version: 1.10` as the number 1.1 (refused: the text written is gone; quote it)."""
-    if isinstance(version, (datetime.date, datetime.datetime)):
-        return version.isoformat()
-    if isinstance(version, (int, float)) and not isinstance(version, bool):
-        raise SettingsError(
-            f"a model spec's version: YAML read it as the number {version!r}; write it in quotes "
-            f'(version: "{version}" is what YAML kept of it)'
-        )
-    return version
-
-
 def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
     """A model spec inline (a mapping) or in its own YAML file (a path).
 
@@ -189,7 +176,7 @@ def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:
         raise SettingsError("settings need a model: a spec file path or a mapping")
     if raw.get("path"):
         raw["path"] = str(_resolve(raw["path"], base_dir))
-    raw["version"] = _version_text(raw.get("version"))
+    raw["version"] = version_text(raw.get("version"))
     for key in ("mean", "std", "labels"):
         if key in raw:
             raw[key] = tuple(raw[key])
@@ -346,6 +333,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "routing": RoutingSettings,
         "bulk": BulkSettings,
         "redis": RedisSettings,
+        "scaling": ScalingSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None

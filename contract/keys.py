@@ -36,6 +36,12 @@ class Keys:
         (tasks.broker), given back to its queue at once when that worker is found dead (tasks.liveness)."""
         return self.celery_prefix + CELERY_HOLDS + holder
 
+    @property
+    def cpu_autoscalers(self) -> str:
+        """Sorted set: the CPU worker nodes whose pool autoscales on the backlog (tasks.autoscale), scored by their
+        last look: the wanted processes are shared among those that looked recently."""
+        return f"{self.namespace}:cpu_autoscalers"
+
     def cpu_heartbeat(self, holder: str) -> str:
         """String with a TTL: a Celery worker process (CPU or callback worker) while it lives."""
         return f"{self.namespace}:cpu:{holder}:heartbeat"

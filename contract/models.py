@@ -10,6 +10,7 @@ route, the CPU workers to find a job's letterbox, the GPU workers to know what t
 
 from __future__ import annotations
 
+import datetime
 import re
 import threading
 from collections.abc import Iterable, Iterator, Sequence
@@ -136,6 +137,19 @@ class Deployment(Protocol):
 
     @property
     def model(self) -> ModelSpec: ...
+
+
+def version_text(version: Any) -> Any:
+    """A spec's version as text. YAML reads `version: 2024-05-01` as a date (kept: its text is the same) and
+    `version: 1.10` as the number 1.1 (refused: the text written is gone; quote it)."""
+    if isinstance(version, (datetime.date, datetime.datetime)):
+        return version.isoformat()
+    if isinstance(version, (int, float)) and not isinstance(version, bool):
+        raise SettingsError(
+            f"a model spec's version: YAML read it as the number {version!r}; write it in quotes "
+            f'(version: "{version}" is what YAML kept of it)'
+        )
+    return version
 
 
 def default_reference(settings: Deployment) -> str:

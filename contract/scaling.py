@@ -31,8 +31,25 @@ from typing import Any, cast
 
 import redis
 
+from contract.clock import now as service_now
+from contract.heartbeat import Heartbeat, live_heartbeats
 from contract.keys import PREPROCESS_QUEUE, Keys
-from contract.settings import ScalingSettings
+from contract.sections import SettingsError, settings_class
+
+
+@settings_class
+class ScalingSettings:
+    """How many CPU worker processes a model's backlog and rate want (contract.scaling; issue 61)."""
+
+    target_utilisation: float = 0.7  # each process busy this share of the time: room for bursts within the SLA
+    drain_s: float = 1.0  # what waits for a CPU worker is decoded within this long: queue_cpu near 0 at the SLA
+    default_cpu_ms: float = 25.0  # the CPU stage an image before any job was answered (then the time bill's)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.target_utilisation <= 1 or self.drain_s <= 0 or self.default_cpu_ms <= 0:
+            raise SettingsError(
+                "scaling.target_utilisation must be in (0, 1], scaling.drain_s and scaling.default_cpu_ms above 0"
+            )
 
 
 @dataclass(frozen=True)
@@ -158,3 +175,21 @@ def _cpu_mean(time_bill: Mapping[str, Any]) -> float | None:
     if not all(isinstance(stage, Mapping) and "mean" in stage for stage in stages):
         return None
     return float(sum(cast(Mapping[str, float], stage)["mean"] for stage in stages))
+
+
+def gpu_windows(client: redis.Redis, keys: Keys, ttl_s: float) -> dict[str, list[dict[str, Any]]]:
+    """Per model, the live GPU workers' recent windows for it: what scaling_signal reads."""
+    return windows_of(live_heartbeats(client, keys, ttl_s), service_now())
+
+
+def windows_of(beats: Sequence[Heartbeat], now: float) -> dict[str, list[dict[str, Any]]]:
+    """Per model, these heartbeats' recent windows for it: jobs, time_bill_ms, and window_s no longer than the
+    worker has run (a worker up for 10 s counted its jobs over 10 s, not its 60 s window)."""
+    windows: dict[str, list[dict[str, Any]]] = {}
+    for beat in beats:
+        for model in beat.served_models():
+            window = dict(model.stats)
+            span = float(window.get("window_s") or beat.stats.get("window_s") or 0.0)
+            window["window_s"] = max(0.0, min(span, now - beat.started_at))
+            windows.setdefault(model.key, []).append(window)
+    return windows

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 from contract.check_secrets import weak_secret_reason
 from contract.models import ModelSpec, RoutingSettings, default_model
 from contract.redis_settings import BulkSettings, RedisSettings
+from contract.scaling import ScalingSettings
 from contract.sections import SettingsError, settings_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -262,21 +263,6 @@ class CeleryWorkerSettings:
             raise SettingsError(
                 "celery.heartbeat_ttl_s must be at least 3 (a worker beats every third of it), "
                 "celery.sweep_s and celery.lost_delivery_s above 0"
-            )
-
-
-@settings_class
-class ScalingSettings:
-    """How many CPU worker processes a model's backlog and rate want (contract.scaling; issue 61)."""
-
-    target_utilisation: float = 0.7  # each process busy this share of the time: room for bursts within the SLA
-    drain_s: float = 2.0  # what waits for a CPU worker is to be decoded within this long
-    default_cpu_ms: float = 25.0  # the CPU stage an image before any job was answered (then the time bill's)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.target_utilisation <= 1 or self.drain_s <= 0 or self.default_cpu_ms <= 0:
-            raise SettingsError(
-                "scaling.target_utilisation must be in (0, 1], scaling.drain_s and scaling.default_cpu_ms above 0"
             )
 
 

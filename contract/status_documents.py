@@ -166,7 +166,29 @@ class CacheStats(Document):
     models: dict[str, CacheModelStats] = Field(description="per name:version")
 
 
+class ScalingSignal(Document):
+    """One model's backlog as the product sees it, and the CPU worker processes it wants (contract.scaling)."""
+
+    backlog: int = Field(ge=0, description="jobs accepted and not yet taken by a GPU worker: queued + held + frames")
+    queued: int = Field(ge=0, description="on the model's CPU queues, taken by no worker")
+    held: int = Field(ge=0, description="held by a CPU worker: prefetched, or decoding")
+    frames: int = Field(ge=0, description="frames waiting for a GPU worker")
+    rate_per_s: float = Field(ge=0, description="jobs answered a second over the GPU workers' recent windows")
+    cpu_ms: float = Field(ge=0, description="the CPU stage an image (decode + resize, the windows' mean)")
+    cpu_ms_measured: bool = Field(description="false: scaling.default_cpu_ms, no job answered in the windows")
+    target_utilisation: float
+    drain_s: float = Field(description="what waits for a CPU worker is to be decoded within this long")
+    cpu_workers_wanted: int = Field(
+        ge=0,
+        description="ceil((rate_per_s x cpu_ms + (queued + held) x cpu_ms / drain_s) / target_utilisation), "
+        "cpu_ms in seconds: the CPU worker processes (pool children) that keep up",
+    )
+
+
 class Stats(Document):
+    scaling: dict[str, ScalingSignal] = Field(
+        None, description="per name:version: its backlog and the CPU worker processes it wants (an autoscaler's signal)"
+    )
     cache: CacheStats = Field(description="the result cache")
     queues: QueueDepths = Field(description="summed over the models")
     queues_by_model: dict[str, QueueDepths] = Field(description="per name:version")

@@ -21,6 +21,7 @@ def model_stats(lane: Lane) -> dict[str, Any]:
         "batches": summary["batches"],
         "batch_size_mean": summary["batch_size_mean"],
         "time_bill_ms": summary["time_bill_ms"],
+        "window_s": summary["window_s"],  # what `jobs` is counted over (contract.scaling: the rate)
     }
 
 

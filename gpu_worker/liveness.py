@@ -34,8 +34,8 @@ from contract.clock import now as service_now
 from contract.frame_shard_source import requeue_sharded_frames_of
 from contract.frame_source import requeue_frames_of
 from contract.heartbeat import Heartbeat
-from contract.jobs.backlog import queue_depths
 from contract.keys import Keys
+from contract.scaling import backlogs, gpu_windows, scaling_signal
 from contract.settings import Settings
 from contract.shards import BulkPlane
 from gpu_worker import metrics
@@ -79,6 +79,7 @@ class Liveness:
         self.model_keys = [spec.key for spec in settings.models]
         self.tenants = settings.tenants
         self.cache_max_bytes = settings.cache.max_bytes
+        self.scaling = settings.scaling
         self.redis = client
         self.bulk = bulk or BulkPlane(client)
         self.keys = keys
@@ -139,15 +140,26 @@ class Liveness:
                 self.beat()
                 self.reap_dead_workers()
                 self.count_frames_on_shards()
-                for model_key, depths in queue_depths(self.redis, self.keys, self.model_keys, self.tenants).items():
-                    name, _, version = model_key.partition(":")
-                    for queue_name, depth in depths.items():
-                        metrics.QUEUE_DEPTH.labels(queue_name, name, version).set(depth)
+                self.export_backlog()
                 metrics.GPU_BUSY.set(self.busy_fraction())
                 self.export_cache_size()
             except redis.RedisError as exc:
                 log.warning("heartbeat failed: %s", exc)
             stopping.wait(self.ttl_s / 3.0)
+
+    def export_backlog(self) -> None:
+        """Per model, for Prometheus: the queues' depths, the backlog as the product sees it (queued, held by a CPU
+        worker, frames) and the CPU worker processes it wants (contract.scaling): an autoscaler's signal."""
+        found = backlogs(self.redis, self.keys, self.model_keys, self.tenants)
+        windows = gpu_windows(self.redis, self.keys, self.ttl_s)
+        for model_key, backlog in found.items():
+            name, _, version = model_key.partition(":")
+            metrics.QUEUE_DEPTH.labels("preprocess", name, version).set(backlog.queued)
+            metrics.QUEUE_DEPTH.labels("frames", name, version).set(backlog.frames)
+            for where in ("queued", "held", "frames"):
+                metrics.BACKLOG.labels(where, name, version).set(getattr(backlog, where))
+            signal = scaling_signal(backlog, windows.get(model_key, []), self.scaling)
+            metrics.CPU_WORKERS_WANTED.labels(name, version).set(signal.cpu_workers_wanted)
 
     def count_frames_on_shards(self) -> None:
         """With bulk shards: set each model's count of frames on them (Keys.frames_waiting) to what their lists

@@ -32,6 +32,7 @@ from contract.logs import JsonFormatter, configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
 from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK
+from tasks.autoscale import AUTOSCALER, BacklogAutoscaler
 from tasks.callback_relay import OutboxRelay
 from tasks.callback_slots import TenantSlots
 from tasks.callbacks import CallbackSender
@@ -80,6 +81,9 @@ class CallbackTask(Task):
 def create_worker_app(settings: Settings) -> Celery:
     """The Celery app of the CPU and callback workers: its consumer steps and its two tasks."""
     app = make_celery(settings)
+    # `--autoscale=MAX,MIN` (CPU_AUTOSCALE=MIN,MAX): Celery's autoscaler, sized by the product's backlog
+    BacklogAutoscaler.settings = settings
+    app.conf.worker_autoscaler = AUTOSCALER
     app.steps["consumer"].add(pause_while_full(settings))
     app.steps["consumer"].add(batch_task_events(settings))
     app.steps["consumer"].add(keep_alive(settings))

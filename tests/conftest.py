@@ -145,6 +145,13 @@ class Stack:
         )
         assert self.gpu_worker.alive(), self.gpu_worker.log_tail()
 
+    def restart_cpu_worker(self) -> None:
+        """A new CPU worker process after the last one ended (as a supervisor starts one after a death)."""
+        assert not self.cpu_worker.alive()
+        self.cpu_worker = ManagedProcess("cpu-worker", stack_cpu_worker_argv(), self.env, self.log_dir)
+        wait_until(lambda: "ready." in self.cpu_worker.log_tail() or not self.cpu_worker.alive(), 60, what="ready")
+        assert self.cpu_worker.alive(), self.cpu_worker.log_tail()
+
     def stop_gpu_worker(self) -> None:
         if self.gpu_worker is not None:
             self.gpu_worker.stop()
@@ -174,6 +181,14 @@ def content_box_spec(workdir: Path, input_size: int, **extra: Any) -> dict[str, 
     }
 
 
+def stack_cpu_worker_argv(*more: str) -> list[str]:
+    """A test stack's CPU worker: two children (unless `more` says otherwise), without gossip and mingle (no
+    cluster to talk to)."""
+    return celery_argv(
+        "worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO", *more
+    )
+
+
 def start_stack(
     redis_url: str,
     workdir: Path,
@@ -182,6 +197,8 @@ def start_stack(
     extra: dict[str, Any] | None = None,
     gpu_device: str = TEST_DEVICE,
     gpu_models: tuple[str, ...] = (),
+    cpu_worker_args: tuple[str, ...] = (),
+    env_extra: dict[str, str] | None = None,
 ) -> Stack:
     """API + Celery worker + GPU worker for one model (or, with `models` in `extra` and model None, several),
     under their own namespace."""
@@ -204,20 +221,13 @@ def start_stack(
     }
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     env.pop("IMGSERVE_REDIS_URL", None)
     settings = load_settings(config_path)
     from app import create_app
 
     # Each stack's Celery queue lives in its own Redis database, so two stacks never share tasks.
-    cpu_worker = ManagedProcess(
-        "cpu-worker",
-        celery_argv(
-            "worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO"
-        ),
-        env,
-        workdir,
-    )
+    cpu_worker = ManagedProcess("cpu-worker", stack_cpu_worker_argv(*cpu_worker_args), env, workdir)
     stack = Stack(
         config_path=config_path,
         log_dir=workdir,
