@@ -242,6 +242,16 @@ def test_flower_needs_its_credentials_and_the_gpu_metrics_stay_on_this_machine(m
     dashboard = requests.get(flower + "/dashboard", auth=(user, password), timeout=30)
     assert dashboard.status_code == 200 and dashboard.url.endswith("/workers")
     assert listening_addresses(int(make_run.env["GPU_METRICS_PORT"])) == {"127.0.0.1"}
+    # Issue 61: the autoscaler's signal, per model, for Prometheus (and KEDA through it)
+    gpu_metrics = f"http://127.0.0.1:{make_run.env['GPU_METRICS_PORT']}/metrics"
+    page = wait_until(
+        lambda: "imgserve_cpu_workers_wanted{" in (text := requests.get(gpu_metrics, timeout=10).text) and text,
+        30,
+        what="the GPU worker's first backlog export",
+    )
+    for where in ("queued", "held", "frames"):
+        line = f'imgserve_backlog{{model="shapes-yolo",version="2.0.0",where="{where}"}}'  # labels sorted
+        assert line in page, [found for found in page.splitlines() if found.startswith("imgserve_backlog")]
 
 
 def test_flower_finds_a_job_by_its_id(make_run):
