@@ -29,6 +29,7 @@ ARGPARSE_MODULES = {
     "baseline",
     "gpu_worker",
     "tools.redis_ha",
+    "tools.kubernetes",
     "tools.export_pt2",
     "training.train_shapes",
     "training.evaluate_service",
