@@ -68,6 +68,7 @@ class StackOptions:
     control_plane_aof: bool = False
     callback_worker: bool = False  # a callback worker too, as the Procfile runs it
     cpu_worker_args: tuple[str, ...] = ()  # more `celery worker` options, e.g. --max-memory-per-child
+    env: dict[str, str] = field(default_factory=dict)  # ProcfileStack: more environment (CPU_AUTOSCALE, ...)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def describe(self) -> str:
@@ -290,6 +291,7 @@ class ProcfileStack:
             "GPU_METRICS_PORT": str(free_port()),
             "PROMETHEUS_MULTIPROC_DIR": str(metrics_dir),
             "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}",
+            **self.options.env,
         }
         env.pop("IMGSERVE_REDIS_URL", None)
         self.env = env

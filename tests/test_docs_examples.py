@@ -75,6 +75,9 @@ def _commands() -> list[tuple[str, list[str]]]:
                     if "-m" not in words or not any(w.endswith("python") or w.endswith("python3") for w in words):
                         continue
                     argv = words[words.index("-m") + 1 :]
+                    # the shell's: a redirection or a pipe ends the command's own arguments
+                    ends = [i for i, word in enumerate(argv) if word in {"|", ">", ">>", "<", "2>", "&"}]
+                    argv = argv[: ends[0]] if ends else argv
                     # [--flag value]: an optional part, shown in brackets; given here as written inside them
                     argv = [word.strip("[]") for word in argv if not word or word.strip("[]")]
                     found.append((f"{page.relative_to(REPO_ROOT)}:{number}", argv))
@@ -132,6 +135,15 @@ def test_each_yaml_example_of_the_docs_loads(where, text, tmp_path, monkeypatch)
 
     document = yaml.safe_load(text)
     assert isinstance(document, dict) and document, f"{where}: not a mapping"
+    if "apiVersion" in document and "kind" in document:  # a Kubernetes object: as tools.kubernetes renders it
+        from tools.kubernetes import CPU_WANTED_QUERY, render
+
+        [rendered] = [o for o in render("i", "g", "p") if o["kind"] == document["kind"]]
+        assert document["metadata"]["name"] == rendered["metadata"]["name"], where
+        if document["kind"] == "ScaledObject":
+            assert [t["metadata"]["query"] for t in document["spec"]["triggers"]] == [CPU_WANTED_QUERY], where
+            assert set(document["spec"]) <= set(rendered["spec"]), where
+        return
     if "name" in document and "layout" in document:
         from contract.config import load_model_spec
 

@@ -84,7 +84,36 @@ def add_commands(
         "the machine's drift does not move (slow: use a few hundred images)",
     )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
-    return {"bound": cmd_bound, "nms": cmd_nms, "instructions": cmd_instructions, "feed": cmd_feed, "plane": cmd_plane}
+    burst = sub.add_parser(
+        "burst",
+        help="a burst on make run's stack with a fixed pool of 1, a fixed pool at --max and the pool autoscaled "
+        "between them (CPU_AUTOSCALE): p95, images/s, idle memory, how soon it grew and shrank",
+    )
+    burst.add_argument("--burst", type=int, default=120, help="uploads sent at once")
+    burst.add_argument("--max", type=int, default=3, help="the fixed pool's size and the autoscaled pool's maximum")
+    burst.add_argument("--keepalive-s", type=float, default=10.0, help="Celery's shrink delay (AUTOSCALE_KEEPALIVE)")
+    burst.add_argument("--idle-s", type=float, default=60.0, help="the longest wait for the pool to shrink back")
+    burst.add_argument("--out", type=Path, default=Path(".bench") / "results")
+    return {
+        "bound": cmd_bound,
+        "nms": cmd_nms,
+        "instructions": cmd_instructions,
+        "feed": cmd_feed,
+        "plane": cmd_plane,
+        "burst": cmd_burst,
+    }
+
+
+def cmd_burst(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from bench import burst
+
+    with tempfile.TemporaryDirectory(prefix="bench-burst-") as folder:
+        text, runs = burst.run(args.burst, args.max, args.keepalive_s, args.idle_s, Path(folder))
+    payload = {"title": "bench burst", "runs": burst.summary(runs)}
+    print(text + f"\n\nFiles: {write_files(args.out, 'burst', text, payload)}")
+    return 0
 
 
 def cmd_plane(args: argparse.Namespace) -> int:
