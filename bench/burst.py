@@ -153,6 +153,7 @@ def run_variant(
                 break
         stop_sampling.set()
         sampler.join()
+        run.pool.append((time.monotonic() - started, len(cpu_pool(session)[1])))  # as the wait above last saw it
         top = next((t for t, n in run.pool if n >= maximum), None)
         run.grew_to_max_s = top if cpu_workers is None else None
         if cpu_workers is None and run.pool and run.pool[-1][1] <= minimum:
