@@ -8,8 +8,17 @@ whole, a link's rate capped, a host's clock moved.
         net.partition([api], [other])             # both ways; net.heal() undoes every cut
         api.kill()                                # every process in it, SIGKILL, at once
 
-What works here is in shared/notes/several-hosts.md: namespaces, veth, bridges, iptables and `tc tbf` (no
-netem). Needs root and iptables. Every namespace, veth, bridge and rule this makes is removed by `close`
+What works on this kind of machine (root, 2 cores, a kernel without netem), measured: network namespaces, veth
+pairs and bridges (a process runs on a "host" with `ip netns exec NAME cmd`, and inherits the environment);
+iptables DROP rules on one side of a veth (a cut; rules per link give one-way cuts; traffic to an address on a
+cut veth from its own host still passes, through `lo`); `tc qdisc ... tbf` rate caps, but not `netem` ("Specified
+qdisc kind is unknown": no added latency or loss). A redis-server reached through a veth address refuses every
+client in protected mode unless it has a password or `protected-mode no` (replicas and Sentinels on other hosts
+log "Error reply to PING from master"); Sentinels need it too. libfaketime made the GPU worker's timed waits go
+wrong even at a zero offset (hence the sitecustomize clocks below). Celery's "Substantial drift from <node>"
+warning is a quick sign that a cut was real. Needs root and iptables.
+
+Every namespace, veth, bridge and rule this makes is removed by `close`
 (the context manager's exit, also on failure), and `Network.sweep` removes what a run that was killed left.
 The machine's own namespace joins the bridge as `.1`: the client (the bench's load) runs there. A cut is an
 iptables DROP in the cut host's own namespace, in a chain of its own (IMGSERVE-CUT), so that a heal is one
