@@ -29,6 +29,7 @@ from contract.settings import (
     AuthSettings,
     BackpressureSettings,
     BatchingSettings,
+    CacheSettings,
     CallbackSettings,
     CeleryWorkerSettings,
     DecodeSettings,
@@ -334,6 +335,7 @@ def _nested_type(cls: type, name: str) -> type | None:
         "bulk": BulkSettings,
         "redis": RedisSettings,
         "scaling": ScalingSettings,
+        "cache": CacheSettings,
     }
     candidate = nested.get(name) if cls is Settings else None
     return candidate if candidate and is_dataclass(candidate) else None
