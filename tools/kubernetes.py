@@ -31,9 +31,12 @@ from typing import Any
 
 import yaml
 
+from contract.settings import CeleryWorkerSettings
+
 CPU_WANTED_QUERY = "sum(max by (model, version) (imgserve_cpu_workers_wanted))"
 SECRET = "imgserve"
-TASK_TIME_LIMIT_S = 60  # celery.task_time_limit_s's default: a pod's grace period outlasts it
+TASK_TIME_LIMIT_S = CeleryWorkerSettings().task_time_limit_s  # a CPU pod's grace period outlasts the longest task
+API_GRACE_S = 45  # longer than gunicorn's graceful_timeout (35 s, configs/gunicorn.conf.py): long-polls answered
 KUBERNETES_VERSION = "1.30"  # the schemas the test validates against
 
 
@@ -92,8 +95,13 @@ def render(
         "api",
         image,
         ["gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"],
-        env=[{"name": "IMGSERVE_API__BIND", "value": "0.0.0.0:8000"}, {"name": "PYTHONUNBUFFERED", "value": "1"}],
-        ports=[{"containerPort": 8000, "name": "http"}],
+        env=[
+            {"name": "IMGSERVE_API__BIND", "value": "0.0.0.0:8000"},
+            # /metrics off the public port: every tenant's counts, for Prometheus on 9101 only
+            {"name": "IMGSERVE_API__METRICS_PORT", "value": "9101"},
+            {"name": "PYTHONUNBUFFERED", "value": "1"},
+        ],
+        ports=[{"containerPort": 8000, "name": "http"}, {"containerPort": 9101, "name": "metrics"}],
         readinessProbe={"httpGet": {"path": "/readyz", "port": 8000}, "periodSeconds": 5},
         livenessProbe={"httpGet": {"path": "/healthz", "port": 8000}, "periodSeconds": 10},
     )
@@ -120,7 +128,7 @@ def render(
         "flower",
         image,
         # its credentials from FLOWER_BASIC_AUTH in the Secret, as under make run (never on a command line)
-        ["celery", "-A", "tasks.flower", "flower", "--address=0.0.0.0", "--port=5555"],
+        ["celery", "-A", "tasks.flower", "flower", "--address=0.0.0.0", "--port=5555", "--max_tasks=10000"],
         ports=[{"containerPort": 5555, "name": "http"}],
     )
     gpu = _container(
@@ -183,7 +191,7 @@ def render(
     }
     grace = TASK_TIME_LIMIT_S + 30
     return [
-        _deployment("api", api, api_replicas),
+        _deployment("api", api, api_replicas, grace_s=API_GRACE_S),
         _service("api", 8000, "http"),
         _deployment("cpu-worker", cpu, min_cpu_pods, grace_s=grace),
         scaled,
