@@ -286,6 +286,8 @@ def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_sele
         "imgserve_gpu_batch",
         "imgserve_stage_seconds",
         "imgserve_queue_depth",
+        "imgserve_backlog",
+        "imgserve_cpu_workers_wanted",
         "imgserve_gpu_frames",
         "imgserve_api_jobs_submitted",
     )
