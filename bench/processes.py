@@ -190,3 +190,16 @@ def callback_worker_argv(concurrency: int = 4) -> list[str]:
         "--loglevel",
         "INFO",
     )
+
+
+def children_of(pid: int) -> set[int]:
+    """The live child processes of `pid`, zombies left out (from /proc)."""
+    children = set()
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.add(int(status.parent.name))
+    return children

@@ -192,3 +192,8 @@ def answers_200(url: str) -> bool:
         return requests.get(url, timeout=2).status_code == 200
     except requests.RequestException:
         return False
+
+
+def as_key(key: str | None) -> dict[str, str]:
+    """The headers a request makes as the holder of API key `key` (none: no key)."""
+    return {"Authorization": f"Bearer {key}"} if key else {}

@@ -14,7 +14,7 @@ from app.admission import failure_source
 from app.auth import hash_key
 from app.services import services as api_services
 from bench.processes import ManagedProcess, celery_argv
-from tests.support import ApiServer, jpeg, wait_until
+from tests.support import ApiServer, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -55,10 +55,6 @@ def keyed_api(stack, keyed_worker):
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     yield server
     server.stop()
-
-
-def as_key(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def test_without_a_key_v1_is_refused_but_health_stays_open(keyed_api):

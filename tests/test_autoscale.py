@@ -4,14 +4,13 @@ back to 1 without killing or redelivering a task. Celery's shrink delay (AUTOSCA
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.processes import wait_until
+from bench.processes import children_of, wait_until
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import encode, make_image
 
@@ -43,8 +42,7 @@ def heavy(seed: int) -> bytes:
 
 def children(stack: Stack) -> int:
     """The CPU worker's pool processes (the main process's children)."""
-    found = subprocess.run(["pgrep", "-P", str(stack.cpu_worker.process.pid)], capture_output=True, text=True)
-    return len(found.stdout.split())
+    return len(children_of(stack.cpu_worker.process.pid))
 
 
 def test_a_burst_grows_the_pool_to_its_maximum_and_idleness_shrinks_it_back_with_no_task_lost_or_redone(autoscaled):

@@ -14,7 +14,7 @@ import requests
 from app import create_app
 from app.auth import hash_key
 from bench.processes import ManagedProcess, free_port, python_argv
-from tests.support import ApiServer, jpeg, wait_until
+from tests.support import ApiServer, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,10 +30,6 @@ def keyed_api(stack):
     server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     yield server
     server.stop()
-
-
-def as_key(key: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def test_metrics_on_the_api_port_need_an_admin_key(keyed_api):

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ import pytest
 import redis
 import requests
 
-from bench.processes import REPO_ROOT, wait_until
+from bench.processes import REPO_ROOT, children_of, wait_until
 from bench.stack import ProcfileStack, StackOptions
 from contract.keys import Keys
 from tests.support import jpeg
@@ -61,7 +60,7 @@ def pid_of(stack: ProcfileStack, role: str) -> int:
         open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")[0] in (b"/bin/sh", b"env")
         and len(children := children_of(pid)) == 1
     ):
-        pid = children[0]
+        pid = next(iter(children))
     return pid
 
 
@@ -95,10 +94,6 @@ def wait_for_end(stack: ProcfileStack, job_id: str, timeout_s: float) -> dict:
         return doc if doc["status"] in ("succeeded", "failed", "expired", "cancelled") else None
 
     return wait_until(ended, max(1.0, timeout_s), interval_s=0.0, what=f"job {job_id} to end")
-
-
-def children_of(pid: int) -> list[int]:
-    return [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()]
 
 
 def held(client: redis.Redis, keys: Keys) -> bool:

@@ -15,6 +15,7 @@ import requests
 import yaml
 
 from app.services import services as api_services
+from bench.processes import children_of
 from contract.config import load_settings
 from contract.jobs.record import JobStatus
 from contract.keys import Keys
@@ -571,19 +572,6 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
         assert requests.get(url + "/v1/models", timeout=10).json()["names"][0]["routes"] == {"2": 100.0}
     finally:
         api.stop()
-
-
-def children_of(pid: int) -> set[int]:
-    """The live child processes of `pid` (from /proc)."""
-    children = set()
-    for status in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = status.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z":
-            children.add(int(status.parent.name))
-    return children
 
 
 def multi_env(config_path: Path) -> dict[str, str]:
