@@ -10,7 +10,10 @@ a host's wall clock. Who ends a job late, and when:
 - the GPU worker's triage, before a frame takes a slot on the device;
 - the step that writes an answer: one written after the deadline ends the job `expired`
   (`late_as_expired`, contract.jobs.ending);
-- the sweep of the deadline index, every CPU worker's and API process's (`JobEnding.expire_overdue`).
+- the sweep of the deadline index, every CPU worker's and API process's (`JobEnding.expire_overdue`), through
+  `overdue_scores` (and the lost-delivery search reads the live ones through `live_scores`).
+
+One definition of past, everywhere: the service's clock strictly beyond the deadline (`now > deadline`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,18 @@ def deadline_at(received_at: float, deadline_ms: int) -> float:
 def is_past(deadline: float, now: float | None = None) -> bool:
     """True once the service's clock (or `now`, read from it) is beyond `deadline`."""
     return (service_now() if now is None else now) > deadline
+
+
+def overdue_scores(now: float) -> tuple[str, str]:
+    """ZRANGEBYSCORE's bounds, over the deadline index (scores: deadlines), of the jobs past their deadline at
+    `now`: scores strictly below it, as `is_past` and `deadline_passed` judge (a deadline equal to now is not
+    past yet)."""
+    return "-inf", f"({now!r}"
+
+
+def live_scores(now: float) -> tuple[str, str]:
+    """ZRANGEBYSCORE's bounds of the jobs not past their deadline at `now` (overdue_scores' complement)."""
+    return repr(now), "+inf"
 
 
 def seconds_left(deadline: float, now: float | None = None) -> float:

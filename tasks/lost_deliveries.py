@@ -23,6 +23,7 @@ from typing import cast
 
 import redis
 
+from contract.deadlines import live_scores
 from contract.jobs.record import QUEUED
 from contract.keys import Keys
 from contract.task_messages import PreprocessMessages
@@ -95,7 +96,8 @@ class LostDeliveries:
     def _stale_queued(self, now: float) -> dict[str, tuple[str, int]]:
         """{job id: (its queue, how many times it was sent its task again)} of the live jobs still `queued`
         `after_s` after they were submitted."""
-        live = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, now, "+inf", start=0, num=MAX_JOBS))
+        lowest, highest = live_scores(now)
+        live = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, lowest, highest, 0, MAX_JOBS))
         if not live:
             return {}
         pipe = self.redis.pipeline(transaction=False)

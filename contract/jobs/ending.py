@@ -18,7 +18,7 @@ import redis
 from contract.budget import RELEASE_LUA
 from contract.cache import REMEMBER_LUA, CacheLimits
 from contract.clock import now as service_now
-from contract.deadlines import DEADLINE_PASSED_LUA
+from contract.deadlines import DEADLINE_PASSED_LUA, overdue_scores
 from contract.jobs.record import EXPIRED, FAILED, TERMINAL, TERMINAL_LUA, JobStatus, JobStore, flatten_fields
 from contract.keys import UPLOAD_SUFFIX, Keys
 from contract.shards import BulkPlane
@@ -246,7 +246,8 @@ class JobEnding(JobStore):
         """End `expired` the live jobs whose deadline passed (the deadline index says which, oldest first, at
         most `limit` a call); how many it ended. Every CPU worker calls it every `celery.sweep_s`: a job
         ends within about that of its deadline whether anyone reads it or not."""
-        overdue = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, "-inf", now, start=0, num=limit))
+        lowest, highest = overdue_scores(now)
+        overdue = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, lowest, highest, 0, limit))
         if not overdue:
             return 0
         ids = [job_id.decode() for job_id in overdue]
