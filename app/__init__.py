@@ -27,12 +27,12 @@ from contract.cache import ResultCache
 from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.config import load_settings
-from contract.connection import AnswerNotReplicated, NotReplicated, close_idle_connections, connect, durable_writes
+from contract.connection import close_idle_connections, connect
 from contract.jobs.ids import job_ids
-from contract.jobs.intake import JobIntake, Replication
+from contract.jobs.intake import JobIntake
 from contract.keys import Keys
 from contract.models import Catalogue
-from contract.replication import Unconfirmed
+from contract.replication import AnswerNotReplicated, NotReplicated, Replication, Unconfirmed, durable_writes
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
 from contract.task_messages import PreprocessMessages

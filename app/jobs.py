@@ -29,7 +29,6 @@ from app.uploads import (
 from app.waiters import expire_if_late, until_ended
 from contract import deadlines
 from contract.clock import now as service_now
-from contract.connection import NotReplicated
 from contract.documents import (
     JobAccepted,
     JobDocument,
@@ -47,6 +46,7 @@ from contract.jobs.record import (
     utc_iso,
 )
 from contract.models import ModelSpec
+from contract.replication import NotReplicated
 from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")

@@ -1,11 +1,11 @@
 """Opening Redis the same way in every process: the server of `redis_url`, or the primary the Sentinels of
 `redis.sentinels` name (followed through failovers: a connection to a demoted primary, or one that broke,
-asks them again), and the durable write a `202` waits for (`execute_replicated`)."""
+asks them again). What a `202` waits for once the write is made is contract.replication's."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -15,7 +15,6 @@ from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from contract.replication import DurableWrites
 from contract.settings import Settings
 
 # Values over this many bytes go to the socket as chunks of their own, uncopied: hiredis would copy a
@@ -143,31 +142,6 @@ def sentinels_of(settings: Settings) -> Sentinel:
     return Sentinel(settings.redis.sentinel_addresses(), sentinel_kwargs=own)
 
 
-def durable_writes(settings: Settings) -> DurableWrites | None:
-    """Behind Sentinel, what a promised write waits for (contract.replication), asking each Sentinel with a
-    short timeout of its own (a Sentinel cut off must not hold a refresh for long); None without Sentinels."""
-    if not settings.redis.sentinels:
-        return None
-    timeout = settings.redis.sentinel_timeout_ms / 1000.0
-    clients = [
-        redis.Redis(
-            host=host,
-            port=port,
-            password=settings.redis.sentinel_password or None,
-            socket_connect_timeout=timeout,
-            socket_timeout=timeout,
-        )
-        for host, port in settings.redis.sentinel_addresses()
-    ]
-    return DurableWrites(
-        clients,
-        settings.redis.service,
-        settings.redis.replicas_per_write,
-        refresh_s=settings.redis.view_refresh_ms / 1000.0,
-        stale_s=settings.redis.view_stale_ms / 1000.0,
-    )
-
-
 def _primary_of(settings: Settings, options: dict[str, Any], max_connections: int | None) -> redis.Redis:
     """A client of the primary the Sentinels name for `redis.service`: each new connection asks them where it is,
     and a connection that finds a demoted primary (READONLY) breaks, so the next asks again."""
@@ -191,60 +165,3 @@ def _primary_of(settings: Settings, options: dict[str, Any], max_connections: in
             **node,
         )
     return client
-
-
-class NotReplicated(redis.RedisError):
-    """A write that fewer replicas than asked acknowledged in time (WAIT): it may be lost in a failover."""
-
-    def __init__(self, acknowledged: int, wanted: int) -> None:
-        super().__init__(f"{acknowledged} of {wanted} replica(s) acknowledged the write in time")
-        self.acknowledged, self.wanted = acknowledged, wanted
-
-
-class AnswerNotReplicated(NotReplicated):
-    """How a job ended is on fewer replicas than a 202 waits for: a read must not show it yet (a failover now
-    could take it back). The reader asks again."""
-
-
-def execute_and_wait(
-    client: redis.Redis,
-    commands: Sequence[tuple[Any, ...]],
-    replicas: int,
-    timeout_ms: int,
-    check_primary: Callable[[tuple[str, int]], None] | None = None,
-    then: Sequence[tuple[Any, ...]] = (),
-) -> tuple[list[Any], int]:
-    """`commands`, then, on the same connection, WAIT for `replicas` replicas, at most `timeout_ms`, then `then`:
-    (the replies of `commands` and `then`, raw, without response callbacks; how many replicas acknowledged).
-    WAIT counts the replicas that
-    acknowledged everything this connection wrote, so it must follow the writes on their own connection:
-    redis-py's pipeline hands its connection back before anything can follow it, and a WAIT inside MULTI
-    returns at once. A reply that is an error (or holds one: EXEC's) is raised as ResponseError.
-    `check_primary(address)`: raises before anything is sent when the connection's server is not the one to
-    write to (contract.replication: a primary the Sentinels' majority no longer names); the connection and the
-    pool's idle ones are dropped, so that the next ask the Sentinels again."""
-    pool = client.connection_pool
-    connection: Any = pool.get_connection()  # redis-py's Connection methods are untyped; connected already
-    try:
-        if check_primary is not None:
-            try:
-                check_primary((connection.host, connection.port))
-            except redis.ConnectionError:
-                pool.disconnect(inuse_connections=False)  # the idle ones are on the same server: all ask again
-                raise
-        connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms), *then]))
-        replies = [connection.read_response() for _ in range(len(commands) + 1 + len(then))]
-    except BaseException:
-        connection.disconnect()  # a reply half read would be the next user's
-        raise
-    finally:
-        pool.release(connection)
-    for reply in replies:
-        if isinstance(reply, redis.ResponseError):
-            raise reply
-        if isinstance(reply, list):
-            for item in reply:  # EXEC's replies, one per queued command
-                if isinstance(item, redis.ResponseError):
-                    raise item
-    waited = len(commands)
-    return replies[:waited] + replies[waited + 1 :], int(replies[waited])

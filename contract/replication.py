@@ -1,4 +1,6 @@
-"""What a `202` waits for behind Sentinel: the job on every replica the Sentinels could promote.
+"""What a `202` waits for, in one place: the write, then WAIT on its connection (`execute_and_wait`), for
+`redis.replicas_per_write` replicas (`Replication`), or behind Sentinel for the job on every replica the Sentinels
+could promote (`DurableWrites`, made by `durable_writes(settings)`); fewer is `NotReplicated` (a 503).
 
 Redis replicates asynchronously and Sentinel promotes, among the replicas the majority of Sentinels can reach,
 the one with the most data; it does not look for the replica that holds a given write. `WAIT 1` after a job's
@@ -32,9 +34,11 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
+
+from contract.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -244,3 +248,123 @@ def _may_hold(state: dict[str, Any], primary: tuple[str, int]) -> bool:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+# --- the write and its wait: what the API's intake and reads run (contract.jobs.intake) ------------------------
+
+
+class NotReplicated(redis.RedisError):
+    """A write that fewer replicas than asked acknowledged in time (WAIT): it may be lost in a failover."""
+
+    def __init__(self, acknowledged: int, wanted: int) -> None:
+        super().__init__(f"{acknowledged} of {wanted} replica(s) acknowledged the write in time")
+        self.acknowledged, self.wanted = acknowledged, wanted
+
+
+class AnswerNotReplicated(NotReplicated):
+    """How a job ended is on fewer replicas than a 202 waits for: a read must not show it yet (a failover now
+    could take it back). The reader asks again."""
+
+
+def execute_and_wait(
+    client: redis.Redis,
+    commands: Sequence[tuple[Any, ...]],
+    replicas: int,
+    timeout_ms: int,
+    check_primary: Callable[[tuple[str, int]], None] | None = None,
+    then: Sequence[tuple[Any, ...]] = (),
+) -> tuple[list[Any], int]:
+    """`commands`, then, on the same connection, WAIT for `replicas` replicas, at most `timeout_ms`, then `then`:
+    (the replies of `commands` and `then`, raw, without response callbacks; how many replicas acknowledged).
+    WAIT counts the replicas that
+    acknowledged everything this connection wrote, so it must follow the writes on their own connection:
+    redis-py's pipeline hands its connection back before anything can follow it, and a WAIT inside MULTI
+    returns at once. A reply that is an error (or holds one: EXEC's) is raised as ResponseError.
+    `check_primary(address)`: raises before anything is sent when the connection's server is not the one to
+    write to (contract.replication: a primary the Sentinels' majority no longer names); the connection and the
+    pool's idle ones are dropped, so that the next ask the Sentinels again."""
+    pool = client.connection_pool
+    connection: Any = pool.get_connection()  # redis-py's Connection methods are untyped; connected already
+    try:
+        if check_primary is not None:
+            try:
+                check_primary((connection.host, connection.port))
+            except redis.ConnectionError:
+                pool.disconnect(inuse_connections=False)  # the idle ones are on the same server: all ask again
+                raise
+        connection.send_packed_command(connection.pack_commands([*commands, ("WAIT", replicas, timeout_ms), *then]))
+        replies = [connection.read_response() for _ in range(len(commands) + 1 + len(then))]
+    except BaseException:
+        connection.disconnect()  # a reply half read would be the next user's
+        raise
+    finally:
+        pool.release(connection)
+    for reply in replies:
+        if isinstance(reply, redis.ResponseError):
+            raise reply
+        if isinstance(reply, list):
+            for item in reply:  # EXEC's replies, one per queued command
+                if isinstance(item, redis.ResponseError):
+                    raise item
+    waited = len(commands)
+    return replies[:waited] + replies[waited + 1 :], int(replies[waited])
+
+
+class Replication(NamedTuple):
+    """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
+    (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait. Behind Sentinel, `durable` says how
+    many (every replica the Sentinels see up, at least `replicas`) and on which server (contract.replication)."""
+
+    replicas: int = 0
+    timeout_ms: int = 1000
+    durable: DurableWrites | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.replicas) or self.durable is not None
+
+    def wait(self, client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int, int]:
+        """`commands` on the primary, then WAIT for the wanted replicas: (replies, acknowledged, wanted). Behind
+        Sentinel, the primary's ROLE just after the write and again after WAIT says *which* replicas hold it:
+        one the Sentinels see up without it counts as not acknowledged, whatever WAIT counted (see
+        replication.missing_from). Both ROLEs travel with the write: no round trip more."""
+        if self.durable is None:
+            replies, acknowledged = execute_and_wait(client, commands, self.replicas, self.timeout_ms)
+            return replies, acknowledged, self.replicas
+        view = self.durable.current()
+        wanted = self.durable.wanted(view)
+        replies, acknowledged = execute_and_wait(
+            client, [*commands, ("ROLE",)], wanted, self.timeout_ms, self.durable.check_primary, then=[("ROLE",)]
+        )
+        *replies, written, after = replies
+        if missing := missing_from(view, written, after):
+            acknowledged = min(acknowledged, len(view.replicas_up - missing))
+        return replies, acknowledged, wanted
+
+
+NO_REPLICATION = Replication()
+
+
+def durable_writes(settings: Settings) -> DurableWrites | None:
+    """Behind Sentinel, what a promised write waits for (contract.replication), asking each Sentinel with a
+    short timeout of its own (a Sentinel cut off must not hold a refresh for long); None without Sentinels."""
+    if not settings.redis.sentinels:
+        return None
+    timeout = settings.redis.sentinel_timeout_ms / 1000.0
+    clients = [
+        redis.Redis(
+            host=host,
+            port=port,
+            password=settings.redis.sentinel_password or None,
+            socket_connect_timeout=timeout,
+            socket_timeout=timeout,
+        )
+        for host, port in settings.redis.sentinel_addresses()
+    ]
+    return DurableWrites(
+        clients,
+        settings.redis.service,
+        settings.redis.replicas_per_write,
+        refresh_s=settings.redis.view_refresh_ms / 1000.0,
+        stale_s=settings.redis.view_stale_ms / 1000.0,
+    )

@@ -149,7 +149,7 @@ def test_a_write_held_only_by_a_replica_the_sentinels_see_down_is_not_acknowledg
     server the fake Sentinels call its other replica, which never links."""
     import redis
 
-    from contract.jobs.intake import Replication
+    from contract.replication import Replication
     from tests.support import RedisServer, wait_until
 
     for name in ("primary", "linked", "away"):

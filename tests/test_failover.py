@@ -17,9 +17,10 @@ import redis
 from bench.processes import RedisServer, wait_until
 from contract import budget
 from contract.config import load_settings
-from contract.connection import NotReplicated, connect, execute_and_wait
-from contract.jobs.intake import JobIntake, Replication
+from contract.connection import connect
+from contract.jobs.intake import JobIntake
 from contract.keys import Keys
+from contract.replication import NotReplicated, Replication, execute_and_wait
 from contract.replies import PayloadReader
 from tests.support import jpeg
 from tools.redis_ha import RedisHA

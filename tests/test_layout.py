@@ -107,14 +107,28 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
     assert PARAM_COLUMNS[-len(MAPPING_FIELDS) :] == MAPPING_FIELDS
 
 
+# A concept that is one thing past the cap stays in one file, said here with why (issue 63: splits made by length
+# rather than by concept had scattered what a reader looks for in one place), and with a cap of its own.
+ONE_CONCEPT_PAST_THE_CAP = {
+    "contract/replication.py": (
+        400,
+        "what a 202 waits for: the write and its WAIT, the replica count, and behind Sentinel the view of which "
+        "replicas could be promoted; three files before (issue 63, item 1)",
+    ),
+}
+
+
 def test_no_module_of_the_processes_is_over_350_lines_nor_of_the_bench_over_400():
-    """A module that outgrows this does more than one job (issues 44, 54): split it by concept, as bench.soak and
-    contract.frames were. The processes' modules are held closer: a newcomer reads them first."""
+    """A module that outgrows this likely does more than one job (issues 44, 54): split it by concept, as bench.soak
+    and contract.frames were; a concept that is one thing past it is named in ONE_CONCEPT_PAST_THE_CAP with why.
+    The processes' modules are held closer: a newcomer reads them first."""
     limits = {"app": 350, "tasks": 350, "gpu_worker": 350, "contract": 350, "bench": 400}
     long = {
-        str(path.relative_to(REPO_ROOT)): count
+        name: count
         for folder, limit in limits.items()
         for path in (REPO_ROOT / folder).rglob("*.py")
-        if (count := len(path.read_text().splitlines())) > limit
+        if (count := len(path.read_text().splitlines()))
+        > ONE_CONCEPT_PAST_THE_CAP.get(name := str(path.relative_to(REPO_ROOT)), (limit, ""))[0]
     }
     assert long == {}
+    assert all((REPO_ROOT / name).is_file() and reason for name, (_, reason) in ONE_CONCEPT_PAST_THE_CAP.items())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import redis
@@ -20,11 +20,10 @@ import redis
 from contract import budget
 from contract.cache import CacheLimits
 from contract.clock import now as service_now
-from contract.connection import AnswerNotReplicated, NotReplicated, execute_and_wait
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES, JobEnding
 from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
 from contract.keys import Keys
-from contract.replication import DurableWrites, SharedFence, missing_from
+from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
 
 log = logging.getLogger(__name__)
@@ -76,41 +75,6 @@ return status
 )
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
-
-
-class Replication(NamedTuple):
-    """How many replicas a new job must reach (Redis WAIT) before the API says 202, and for how long it waits
-    (settings.redis: replicas_per_write, replica_timeout_ms). 0: no wait. Behind Sentinel, `durable` says how
-    many (every replica the Sentinels see up, at least `replicas`) and on which server (contract.replication)."""
-
-    replicas: int = 0
-    timeout_ms: int = 1000
-    durable: DurableWrites | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.replicas) or self.durable is not None
-
-    def wait(self, client: redis.Redis, commands: Sequence[tuple[Any, ...]]) -> tuple[list[Any], int, int]:
-        """`commands` on the primary, then WAIT for the wanted replicas: (replies, acknowledged, wanted). Behind
-        Sentinel, the primary's ROLE just after the write and again after WAIT says *which* replicas hold it:
-        one the Sentinels see up without it counts as not acknowledged, whatever WAIT counted (see
-        replication.missing_from). Both ROLEs travel with the write: no round trip more."""
-        if self.durable is None:
-            replies, acknowledged = execute_and_wait(client, commands, self.replicas, self.timeout_ms)
-            return replies, acknowledged, self.replicas
-        view = self.durable.current()
-        wanted = self.durable.wanted(view)
-        replies, acknowledged = execute_and_wait(
-            client, [*commands, ("ROLE",)], wanted, self.timeout_ms, self.durable.check_primary, then=[("ROLE",)]
-        )
-        *replies, written, after = replies
-        if missing := missing_from(view, written, after):
-            acknowledged = min(acknowledged, len(view.replicas_up - missing))
-        return replies, acknowledged, wanted
-
-
-NO_REPLICATION = Replication()
 
 
 def record_ttl_s(ttl_s: int, deadline_at: Any) -> int:
