@@ -12,7 +12,7 @@ from app.operations import Reply, operation
 from app.services import services as current_services
 from contract.clock import now as service_now
 from contract.heartbeat import Heartbeat
-from contract.jobs.backlog import queue_depths, total_depths
+from contract.jobs.backlog import total_depths
 from contract.scaling import backlogs, scaling_signal, windows_of
 from contract.status_documents import Stats
 from contract.timebill import host_ms_per_batch
@@ -37,8 +37,8 @@ def stats() -> Response:
         counters = {k.decode(): float(v) for k, v in raw.items()}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     model_keys = list(services.catalogue.specs)
-    depths = queue_depths(client, keys, model_keys, services.settings.tenants)
     found = backlogs(client, keys, model_keys, services.settings.tenants)
+    depths = {key: {"preprocess": backlog.queued, "frames": backlog.frames} for key, backlog in found.items()}
     windows = windows_of(workers, service_now())
     summary = Stats.model_validate(
         {

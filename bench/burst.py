@@ -24,6 +24,7 @@ from typing import Any
 import requests
 
 from bench.corpus import load_corpus
+from bench.cpu import read_process
 from bench.processes import wait_until
 from bench.stack import ProcfileStack, StackOptions
 
@@ -47,17 +48,11 @@ class BurstRun:
 
 
 def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, command line) of every process now."""
+    """pid -> (parent pid, command line) of every process now (bench.cpu's reading of /proc)."""
     found = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            parent = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        found[int(entry)] = (parent, cmdline)
+        if entry.isdigit() and (read := read_process(int(entry))) is not None:
+            found[int(entry)] = (read[1], read[0])
     return found
 
 

@@ -33,6 +33,7 @@ import redis
 
 from contract.clock import now as service_now
 from contract.heartbeat import Heartbeat, live_heartbeats
+from contract.jobs.backlog import queue_depths
 from contract.keys import PREPROCESS_QUEUE, Keys
 from contract.sections import SettingsError, settings_class
 
@@ -97,21 +98,11 @@ def held_by_model(client: redis.Redis, keys: Keys) -> Counter[str]:
 def backlogs(
     client: redis.Redis, keys: Keys, model_keys: Sequence[str], tenants: Sequence[str] = ("",)
 ) -> dict[str, ModelBacklog]:
-    """Per model (name:version): its jobs queued for a CPU worker, held by one, and its frames waiting."""
-    pipe = client.pipeline(transaction=False)
-    for model_key in model_keys:
-        for queue in keys.preprocess_queues(model_key, tenants):
-            pipe.llen(keys.celery_queue(queue))
-        pipe.llen(keys.frames(model_key))
-        pipe.hget(keys.frames_waiting, model_key)  # with bulk shards: their lists' count (contract.shards)
-    replies = iter(pipe.execute())
+    """Per model (name:version): its jobs queued for a CPU worker (contract.jobs.backlog's depths), held by one,
+    and its frames waiting."""
+    depths = queue_depths(client, keys, model_keys, tenants)
     held = held_by_model(client, keys)
-    found = {}
-    for model_key in model_keys:
-        queued = sum(int(next(replies)) for _ in tenants)
-        frames = int(next(replies)) + max(0, int(next(replies) or 0))
-        found[model_key] = ModelBacklog(queued, held[model_key], frames)
-    return found
+    return {key: ModelBacklog(depths[key]["preprocess"], held[key], depths[key]["frames"]) for key in model_keys}
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ Celery's Autoscaler sizes a node's pool from `len(state.reserved_requests)`: onl
 backlog queued behind a full prefetch never grows it, and with several nodes each sees its own share. Here the
 wanted size is contract.scaling's `cpu_workers_wanted`, summed over the models this node takes, divided among the
 CPU worker nodes that autoscale (each says so in `Keys.cpu_autoscalers` at every look), and clamped to MIN..MAX by
-Celery as before. Everything else is Celery's: a look on every task message and every `keepalive` (30 s, Celery's
-AUTOSCALE_KEEPALIVE), no shrink until `keepalive` after the last growth or task, and a shrink that retires only
-idle children (billiard's Pool.shrink refuses busy ones: no task is killed, none redelivered).
+Celery as before. It looks every LOOK_EVERY_S and with task messages (Celery's own timer ran every `keepalive`, 30
+s: a shorter burst went unseen); the rest is Celery's: no shrink until AUTOSCALE_KEEPALIVE (30 s) after the last
+growth or task, and a shrink that retires only idle children (billiard's Pool.shrink refuses busy ones: no task
+is killed, none redelivered).
 """
 
 from __future__ import annotations

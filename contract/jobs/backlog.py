@@ -28,7 +28,7 @@ def queue_depths(
     depths = {}
     for model_key in model_keys:
         preprocess = sum(int(next(replies)) for _ in tenants)
-        frames = int(next(replies)) + int(next(replies) or 0)
+        frames = int(next(replies)) + max(0, int(next(replies) or 0))  # a drifted count is no negative backlog
         depths[model_key] = {"preprocess": preprocess, "frames": frames}
     return depths
 
