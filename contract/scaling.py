@@ -43,7 +43,7 @@ class ScalingSettings:
     """How many CPU worker processes a model's backlog and rate want (contract.scaling; issue 61)."""
 
     target_utilisation: float = 0.7  # each process busy this share of the time: room for bursts within the SLA
-    drain_s: float = 1.0  # what waits for a CPU worker is decoded within this long: queue_cpu near 0 at the SLA
+    drain_s: float = 0.5  # what waits for a CPU worker is decoded within this long: well inside the 800 ms SLA
     default_cpu_ms: float = 25.0  # the CPU stage an image before any job was answered (then the time bill's)
 
     def __post_init__(self) -> None:
