@@ -190,8 +190,8 @@ def _idle_closer(clients: list[redis.Redis]):
 
 
 def _sweeper(store: JobIntake, waiting: WaitingBytes):
-    """The listener's tick: end overdue jobs, and give back the bytes a refused submission could not (Redis
-    was away), at most once a second."""
+    """The listener's tick: end overdue jobs, give back the bytes a refused submission could not (Redis
+    was away) and add this process's cache misses to the shared counters, at most once a second."""
     last = [0.0]
 
     def sweep() -> None:
@@ -202,6 +202,7 @@ def _sweeper(store: JobIntake, waiting: WaitingBytes):
         try:
             store.expire_overdue(now)
             waiting.flush_unreleased()
+            store.flush_counts()
         except redis.RedisError:
             pass  # the listener has lost Redis too, and says so
 

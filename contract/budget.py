@@ -6,8 +6,10 @@ an upload's bytes before it stores it, in the step that checks the budgets (`adm
 cannot all get in under the limit), and every step that drops bytes from Redis gives them back in the same
 atomic step: the CPU worker's push (the upload goes, the frame comes), whatever ends a job (its upload goes)
 and the GPU worker's batch write (its frames go). The counters live in one hash, `Keys.waiting_bytes`:
-a field per model (name:version) and `*` for all. They never go below zero (frames and uploads from a
-version without budgets are given back as if they had been counted).
+a field per model (name:version). The total (`*` where it is reported) is their sum, read where it is checked
+(admission): one counter moved per step, not two (issue 58; a `*` field an earlier version wrote is left out
+of the sum). They never go below zero (frames and uploads from a version without budgets are given back as if
+they had been counted).
 """
 
 from __future__ import annotations
@@ -23,10 +25,9 @@ from contract.keys import Keys
 ALL = "*"
 
 # Lua functions other scripts call to give bytes back: HINCRBY, never below zero. release_waiting gives one model's
-# bytes back; release_each gives back {model: bytes} (a step that ended many jobs): one HINCRBY a model and one for
-# the total, not two a job, with what one release after another would leave (each stops at zero, and a sum of
-# decrements stops there too).
-RELEASE_LUA = f"""
+# bytes back; release_each gives back {model: bytes} (a step that ended many jobs): one HINCRBY a model, not one a
+# job, with what one release after another would leave (each stops at zero, and a sum of decrements stops there too).
+RELEASE_LUA = """
 local function release_field(waiting, field, bytes)
   if bytes > 0 and field ~= '' and redis.call('HINCRBY', waiting, field, -bytes) < 0 then
     redis.call('HSET', waiting, field, 0)
@@ -34,18 +35,11 @@ local function release_field(waiting, field, bytes)
 end
 
 local function release_waiting(waiting, model, bytes)
-  bytes = tonumber(bytes) or 0
-  release_field(waiting, model or '', bytes)
-  release_field(waiting, '{ALL}', bytes)
+  release_field(waiting, model or '', tonumber(bytes) or 0)
 end
 
 local function release_each(waiting, by_model)
-  local total = 0
-  for model, bytes in pairs(by_model) do
-    release_field(waiting, model, bytes)
-    total = total + bytes
-  end
-  release_field(waiting, '{ALL}', total)
+  for model, bytes in pairs(by_model) do release_field(waiting, model, bytes) end
 end
 """
 
@@ -64,18 +58,21 @@ local function admit(k, last, a)
   if KEYS[k + 1] ~= '' then sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0')) end
   local backlog = redis.call('LLEN', KEYS[k]) + sharded + own
   for i = k + 4, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
-  local waiting = redis.call('HMGET', KEYS[k + 2], ARGV[a], '{ALL}')
-  local model_bytes = math.max(0, tonumber(waiting[1] or '0'))
-  local all_bytes = math.max(0, tonumber(waiting[2] or '0'))
+  local waiting = redis.call('HGETALL', KEYS[k + 2])   -- a field a model: the total is their sum
+  local model_bytes, all_bytes = 0, 0
+  for i = 1, #waiting, 2 do
+    if waiting[i] ~= '{ALL}' then
+      local bytes = math.max(0, tonumber(waiting[i + 1]) or 0)
+      all_bytes = all_bytes + bytes
+      if waiting[i] == ARGV[a] then model_bytes = bytes end
+    end
+  end
   local size = tonumber(ARGV[a + 1])
   if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes}} end
   if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes}} end
   if model_bytes + size > tonumber(ARGV[a + 3]) then return {{'model_bytes', backlog, model_bytes, all_bytes}} end
   if all_bytes + size > tonumber(ARGV[a + 4]) then return {{'all_bytes', backlog, model_bytes, all_bytes}} end
-  if size > 0 then
-    redis.call('HINCRBY', KEYS[k + 2], ARGV[a], size)
-    redis.call('HINCRBY', KEYS[k + 2], '{ALL}', size)
-  end
+  if size > 0 then redis.call('HINCRBY', KEYS[k + 2], ARGV[a], size) end
   return {{'admitted', backlog, model_bytes + size, all_bytes + size}}
 end
 """
@@ -208,6 +205,13 @@ class WaitingBytes:
         return done
 
     def waiting(self) -> dict[str, int]:
-        """Bytes waiting, per model and `*` for all."""
+        """Bytes waiting, per model and `*` for all (their sum)."""
         raw: Any = self.redis.hgetall(self.keys.waiting_bytes)
-        return {name.decode(): max(0, int(value)) for name, value in raw.items()}
+        return with_total({name.decode(): int(value) for name, value in raw.items()})
+
+
+def with_total(counters: dict[str, int]) -> dict[str, int]:
+    """The waiting-bytes hash's fields (each at least zero) and `*`, their sum (a stored `*` left out: an earlier
+    release counted the total in a field of its own)."""
+    models = {name: max(0, value) for name, value in counters.items() if name != ALL}
+    return {**models, ALL: sum(models.values())}

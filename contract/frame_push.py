@@ -12,7 +12,7 @@ from typing import Any
 
 import redis
 
-from contract.budget import ALL, RELEASE_LUA
+from contract.budget import RELEASE_LUA
 from contract.clock import now as service_now
 from contract.jobs.record import PREPROCESSING, QUEUED_GPU, TERMINAL_LUA, flatten_fields
 from contract.keys import Keys
@@ -29,7 +29,7 @@ PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 PUSH_LUA = (
     TERMINAL_LUA
     + RELEASE_LUA
-    + f"""
+    + """
 local function release_upload(upload, waiting, model, upload_bytes)
   if redis.call('DEL', upload) == 1 then release_waiting(waiting, model, upload_bytes) end
 end
@@ -46,10 +46,8 @@ end
 
 local function trade_upload_for_frame(waiting, model, upload_bytes, frame_bytes)
   local change = frame_bytes - math.max(0, tonumber(upload_bytes) or 0)
-  for _, field in ipairs({{model or '', '{ALL}'}}) do
-    if field ~= '' and redis.call('HINCRBY', waiting, field, change) < frame_bytes then
-      redis.call('HSET', waiting, field, frame_bytes)
-    end
+  if model and model ~= '' and redis.call('HINCRBY', waiting, model, change) < frame_bytes then
+    redis.call('HSET', waiting, model, frame_bytes)
   end
 end
 """

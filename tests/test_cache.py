@@ -16,8 +16,9 @@ import requests
 
 from app import create_app
 from app.auth import hash_key
+from bench.processes import free_port
 from contract import budget
-from contract.cache import ENTRY_OVERHEAD, CacheLimits, ResultCache, effective_options
+from contract.cache import ENTRY_OVERHEAD, CacheLimits, MissCounts, ResultCache, effective_options
 from contract.jobs.ending import JobEnding
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import CANCELLED, EXPIRED, FAILED, RUNNING, SUCCEEDED, JobStore
@@ -131,10 +132,12 @@ def test_the_lookup_admits_a_miss_in_the_same_step_and_a_hit_needs_no_admission(
     assert store.load("h")["status"] == SUCCEEDED and store.load("h")["result"] == json.loads(document)
     refused = store.answer_or_admit("m", fields, "unknown", 60, timings, full)
     assert refused == (budget.OVER_BACKLOG, 0, 0, 0) and store.load("m") is None
-    assert budget.WaitingBytes(redis_client, keys).waiting() == {}  # nothing reserved either way
+    assert budget.WaitingBytes(redis_client, keys).waiting() == {budget.ALL: 0}  # nothing reserved either way
     admitted = store.answer_or_admit("m", fields, "unknown", 60, timings, full._replace(max_backlog=10))
     assert admitted.verdict == budget.ADMITTED and store.load("m") is None  # the API stores it next
     assert budget.WaitingBytes(redis_client, keys).waiting() == {"box:1": 700, budget.ALL: 700}
+    assert redis_client.hgetall(keys.cache_stats) == {b"box:1:hits": b"1"}  # misses: counted by the API first
+    assert store.flush_counts() == 2 and store.flush_counts() == 0  # then added once, by its sweeper's tick
     counts = redis_client.hgetall(keys.cache_stats)
     assert counts == {b"box:1:hits": b"1", b"box:1:misses": b"2"}
 
@@ -436,3 +439,16 @@ def test_the_cli_says_cache_hit_for_an_answer_from_the_cache(cache_stack, tmp_pa
         assert result.returncode == 0, result.stderr
         firsts.append(result.stdout.splitlines()[0])
     assert "cache hit" not in firsts[0] and "(cache hit, " in firsts[1], firsts
+
+
+def test_misses_counted_while_redis_is_away_are_added_at_the_next_flush(redis_client):
+    """The API counts misses itself and adds them once a second: a flush Redis refuses keeps them for the next."""
+    keys = Keys("cache-misses")
+    counts = MissCounts()
+    for model in ("a:1", "a:1", "b:1"):
+        counts.count(model)
+    away = redis.Redis(port=free_port(), socket_connect_timeout=0.2)
+    with pytest.raises(redis.ConnectionError):
+        counts.flush(away, keys.cache_stats)
+    assert counts.flush(redis_client, keys.cache_stats) == 3 and counts.flush(redis_client, keys.cache_stats) == 0
+    assert redis_client.hgetall(keys.cache_stats) == {b"a:1:misses": b"2", b"b:1:misses": b"1"}

@@ -11,7 +11,6 @@ import redis
 
 from bench.processes import RedisServer, wait_until
 from contract import frame_push as frames
-from contract.budget import ALL
 from contract.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
@@ -54,7 +53,7 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
     pusher = frame_pusher(quiet_redis, keys)
     job = "c0" * 16
-    quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 6, ALL: 6})  # the upload's bytes, as admission counted
+    quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 6})  # the upload's bytes, as admission counted
     for step in (handoff._claim, pusher._keep, intake._advance, intake._finish):  # loaded, as a worker has them
         quiet_redis.script_load(step.script)
 
@@ -70,9 +69,9 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     assert sum(claim.values()) == 5 and claim["hmget"] == 1 and "hget" not in claim, claim
 
     push = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
-    # MULTI LPUSH EVALSHA (HMGET LLEN DEL HSET HINCRBY x2) EXEC: was 17 (EVAL, a read and a counter move a field),
-    # then 11 (an EXISTS of the upload before its DEL)
-    assert sum(push.values()) == 10 and push["hincrby"] == 2 and "exists" not in push, push
+    # MULTI LPUSH EVALSHA (HMGET LLEN DEL HSET HINCRBY) EXEC: was 17 (EVAL, a read and a counter move a field),
+    # then 11 (an EXISTS of the upload before its DEL), then 10 (a HINCRBY for the total beside the model's)
+    assert sum(push.values()) == 9 and push["hincrby"] == 1 and "exists" not in push, push
 
     running = commands_of(quiet_redis, lambda: intake.advance_many([job], RUNNING, 3))
     assert sum(running.values()) == 3, running  # EVALSHA (HMGET, HSET)
@@ -94,12 +93,12 @@ def test_the_push_trades_the_uploads_bytes_for_the_frames_as_a_release_then_a_ch
     pusher = frame_pusher(quiet_redis, keys)
     for job, counted in (("a" * 32, 1000), ("b" * 32, 30)):  # counted: the waiting bytes before the push
         quiet_redis.delete(keys.waiting_bytes)
-        quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": counted, ALL: counted + 5})
+        quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": counted})
         intake.create(job, b"u" * 100, 60, {"model": "m:1", "bytes": 100, "deadline_at": 1e12})
         assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
         assert pusher.push(job, "m:1", b"f" * 40, 10, {}, "c") == frames.PUSHED
         waiting = {k.decode(): int(v) for k, v in quiet_redis.hgetall(keys.waiting_bytes).items()}
-        assert waiting == {"m:1": max(0, counted - 100) + 40, ALL: max(0, counted + 5 - 100) + 40}, (job, waiting)
+        assert waiting == {"m:1": max(0, counted - 100) + 40}, (job, waiting)  # one counter: the total is a sum
 
 
 def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_once(quiet_redis):
@@ -168,11 +167,12 @@ def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redi
 def test_a_batch_of_ends_wakes_long_polls_and_callback_relays_with_one_message_each(quiet_redis):
     """Eight jobs ended in one step: one PUBLISH of their ids on the job-events channel (a long-poll's listener wakes
     each), one RPUSH of the four with a callback and one PUBLISH on the outbox's channel; the callback's state is
-    written with the end, not by a second HSET; the uploads' bytes are given back with one HINCRBY for the model and
-    one for the total. Was a PUBLISH and two HINCRBY a job, and for a callback an HSET, RPUSH and PUBLISH more."""
+    written with the end, not by a second HSET; the uploads' bytes are given back with one HINCRBY a model (the total
+    is their sum, read at admission). Was a PUBLISH and two HINCRBY a job, and for a callback an HSET, RPUSH and
+    PUBLISH more."""
     keys = Keys("batch-end")
     intake = JobIntake(quiet_redis, keys, ttl_s=60)
-    quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 10, "m:2": 3, ALL: 13})  # as admission counted them
+    quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 10, "m:2": 3})  # as admission counted them
     jobs = [f"{i:032x}" for i in range(8)]
     for i, job in enumerate(jobs):
         extra = {"callback_url": "http://127.0.0.1:9/hook"} if i % 2 else {}
@@ -185,9 +185,9 @@ def test_a_batch_of_ends_wakes_long_polls_and_callback_relays_with_one_message_e
         quiet_redis, lambda: intake.finish_many([(job, SUCCEEDED, {"result": {"detections": []}}) for job in jobs])
     )
     assert ended["publish"] == 2 and ended["rpush"] == 1 and ended["hset"] == 8, ended
-    assert ended["hmget"] == 8 and ended["zrem"] == 1 and ended["hincrby"] == 3, ended
+    assert ended["hmget"] == 8 and ended["zrem"] == 1 and ended["hincrby"] == 2, ended
     waiting = {k.decode(): int(v) for k, v in quiet_redis.hgetall(keys.waiting_bytes).items()}
-    assert waiting == {"m:1": 3, "m:2": 2, ALL: 5}
+    assert waiting == {"m:1": 3, "m:2": 2}
     messages = [wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="a message") for _ in range(2)]
     by_channel = {m["channel"].decode(): m["data"].decode().split() for m in messages}
     assert by_channel == {keys.job_events: jobs, keys.callback_outbox: jobs[1::2]}
@@ -222,6 +222,7 @@ def test_admission_without_bulk_shards_reads_no_count_of_frames_on_them(quiet_re
     quiet_redis.script_load(waiting._admit.script)
     quiet_redis.hset(keys.frames_waiting, "m:1", 5)  # as a sharded deployment's GPU worker would count them
     admitted = commands_of(quiet_redis, lambda: waiting.admit("m:1", 10, 5, 100, 100, sharded=False))
-    assert "hget" not in admitted and sum(admitted.values()) == 6, admitted  # EVALSHA LLEN x2 HMGET HINCRBY x2
+    # EVALSHA LLEN x2 HGETALL (the models' counters: the total is their sum) HINCRBY (the model's alone)
+    assert "hget" not in admitted and sum(admitted.values()) == 5, admitted
     assert waiting.admit("m:1", 10, 5, 100, 100, sharded=True).verdict == "backlog"  # the 5 on shards fill it
     assert waiting.admit("m:1", 10, 5, 100, 100, sharded=False).verdict == "admitted"

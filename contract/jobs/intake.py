@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import redis
 
 from contract import budget
-from contract.cache import CacheLimits
+from contract.cache import CacheLimits, MissCounts
 from contract.clock import now as service_now
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES, JobEnding
 from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
@@ -30,18 +30,17 @@ log = logging.getLogger(__name__)
 
 # A result-cache lookup (contract.cache) and, on a miss, the job's admission (contract.budget's admit), in one
 # round trip. On a hit: the cached document, nothing written (the hit's own step, _STORE_HIT, follows). On a miss:
-# the miss counted, then admit(). A miss is nearly every call and a hit's record is not needed for it: a script's
-# arguments cost Redis ~760 instructions each and ~12 a byte (the record and a hit's ending were ~40 of them, ~1 KB,
-# ~50,000 instructions an image, more than the admission's own commands). KEYS[1] the entry, KEYS[2] the stats
-# hash, KEYS[3..] admit()'s keys; ARGV[1] the model, ARGV[2..] admit()'s ADMISSION_ARGS arguments. Returns {'hit',
-# document} or admit()'s verdict.
+# admit(); the API counts the miss itself (contract.cache's MissCounts). A miss is nearly every call and a hit's
+# record is not needed for it: a script's arguments cost Redis ~760 instructions each and ~12 a byte (the record and
+# a hit's ending were ~40 of them, ~1 KB, ~50,000 instructions an image, more than the admission's own commands).
+# KEYS[1] the entry, KEYS[2..] admit()'s keys; ARGV admit()'s ADMISSION_ARGS arguments. Returns {'hit', document}
+# or admit()'s verdict.
 _LOOKUP_OR_ADMIT = (
     budget.ADMIT_LUA
     + """
 local document = redis.call('GET', KEYS[1])
 if document then return {'hit', document} end
-redis.call('HINCRBY', KEYS[2], ARGV[1] .. ':misses', 1)
-return admit(3, #KEYS, 2)
+return admit(2, #KEYS, 1)
 """
 )
 
@@ -114,6 +113,7 @@ class JobIntake(JobEnding):
         self.replication = replication
         self._lookup_or_admit = client.register_script(_LOOKUP_OR_ADMIT)
         self._store_hit = client.register_script(_STORE_HIT)
+        self.misses = MissCounts()  # added to the shared counters by flush_counts
         self._fence = SharedFence(self._fence_round)  # reads that show how a job ended (confirm_durable)
         self._fenced = (0, 0)  # the last round's (acknowledged, wanted)
 
@@ -143,10 +143,8 @@ class JobIntake(JobEnding):
         else:
             self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
         unused = reserved - len(upload)
-        if reserved and unused > 0:  # a multipart body's own bytes around the image
-            for field in (str(fields.get("model", "")), budget.ALL):
-                if field:
-                    pipe.hincrby(self.keys.waiting_bytes, field, -unused)
+        if reserved and unused > 0 and fields.get("model"):  # a multipart body's own bytes around the image
+            pipe.hincrby(self.keys.waiting_bytes, str(fields["model"]), -unused)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), record_ttl_s(self.ttl_s, fields.get("deadline_at")))
         if "deadline_at" in fields:  # the sweeper ends it there if nothing else has (expire_overdue)
@@ -176,6 +174,10 @@ class JobIntake(JobEnding):
             if self.bulk.sharded:
                 self._delete_quietly(upload_key, self.bulk.client_for(job_id))
             raise
+
+    def flush_counts(self) -> int:
+        """The cache misses this process counted, added to the shared counters (the API's sweeper tick)."""
+        return self.misses.flush(self.redis, self.keys.cache_stats)
 
     def withdraw(self, job_id: str) -> None:
         """A job stored on the primary that too few replicas acknowledged: its submitter is told 503 (retry), so
@@ -210,11 +212,9 @@ class JobIntake(JobEnding):
         when admitted), nothing stored, in one round trip (_LOOKUP_OR_ADMIT); a hit takes a second (_STORE_HIT).
         A hit needs no admission: it adds nothing to wait."""
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
-        reply = self._lookup_or_admit(
-            keys=[self.keys.cache_entry(digest), self.keys.cache_stats, *admission_keys],
-            args=[admission.model_key, *admission_args],
-        )
+        reply = self._lookup_or_admit(keys=[self.keys.cache_entry(digest), *admission_keys], args=admission_args)
         if reply[0] != b"hit":
+            self.misses.count(admission.model_key)
             return budget.BudgetVerdict.of(reply)
         document = bytes(reply[1]).decode()
         record = flatten_fields({"id": job_id, "status": QUEUED, **fields})
