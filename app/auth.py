@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from flask import g, request
@@ -59,11 +59,24 @@ def _client_for(header: str, api_keys) -> str:
             "send Authorization: Bearer <api key>",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    digest = hash_key(key.strip())
+    client = key_id(header, api_keys)
+    if client is None:
+        raise Problem(401, "unauthorized", "Unauthorized", "unknown API key", headers={"WWW-Authenticate": "Bearer"})
+    return client
+
+
+def key_id(header: str, api_keys: Iterable[Mapping[str, Any]]) -> str | None:
+    """The id of the API key an Authorization header carries (`Bearer <key>`), or None: the one lookup of a key
+    (this module's, and app.early_refusal's before Flask). Every configured key is compared, in constant time
+    each, and the first that matches is the key's."""
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key:
+        return None
+    digest, found = hash_key(key.strip()), None
     for entry in api_keys:
-        if hmac.compare_digest(digest, str(entry["sha256"])):
-            return str(entry["id"])
-    raise Problem(401, "unauthorized", "Unauthorized", "unknown API key", headers={"WWW-Authenticate": "Bearer"})
+        if hmac.compare_digest(digest, str(entry["sha256"])) and found is None:
+            found = str(entry["id"])
+    return found
 
 
 def is_admin(api_keys) -> bool:

@@ -15,9 +15,6 @@ issue 59). A query the app would refuse (a name the route does not take, `wait` 
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -27,10 +24,12 @@ from urllib.parse import parse_qsl
 import werkzeug.urls  # noqa: F401  # registers the "werkzeug.url_quote" codec error handler the app's parse uses
 from pydantic import ValidationError
 
+from app.auth import key_id
 from app.holds import Holds
-from app.metrics import REJECTS, REQUESTS
+from app.metrics import REQUESTS
+from app.problems import problem_wsgi
 from app.submission import submit_query
-from contract.documents import PROBLEM_TYPE, wait_query_model
+from contract.documents import wait_query_model
 from contract.settings import Settings
 
 # The two routes that hold: a job read and a submission, with `wait=S` in the query.
@@ -59,21 +58,23 @@ class WaitingQueries:
 def refusing_early(
     wsgi_app: Callable[..., Iterable[bytes]], holds: Holds, api_keys: Iterable[Any], queries: WaitingQueries
 ) -> Callable[..., Iterable[bytes]]:
-    """`wsgi_app`, with a key's long-polls past its bound answered 429 before it is called."""
-    keys = {str(entry["sha256"]): str(entry["id"]) for entry in api_keys}
+    """`wsgi_app`, with a key's long-polls past its bound answered 429 before it is called: app.holds' refusal
+    (`waits_refusal`), written as app.problems writes every refusal (`problem_wsgi`)."""
+    keys = tuple(api_keys)
 
     def wrapped(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         client = _waiting_client(environ, keys, queries)
-        if client is not None:
-            mine = holds.waits.get(client)
-            if mine is not None and len(mine) >= holds.max_waits_per_client:
-                return _refuse(environ, start_response, client, len(mine), mine.first_end_in(), holds)
+        refused = holds.waits_refusal(client) if client is not None else None
+        if refused is not None:
+            route = "/v1/jobs/<job_id>" if environ["REQUEST_METHOD"] == "GET" else "/v1/jobs"
+            REQUESTS.labels(environ["REQUEST_METHOD"], route, "429").inc()
+            return problem_wsgi(refused, start_response)
         return wsgi_app(environ, start_response)
 
     return wrapped
 
 
-def _waiting_client(environ: dict[str, Any], keys: dict[str, str], queries: WaitingQueries) -> str | None:
+def _waiting_client(environ: dict[str, Any], keys: tuple[Any, ...], queries: WaitingQueries) -> str | None:
     """The key of a long-poll request (a job read or a submission with wait= above 0), or None."""
     method, query = environ.get("REQUEST_METHOD"), environ.get("QUERY_STRING", "")
     if method not in ("GET", "POST") or ("wait" not in query and "%" not in query):  # no `wait`, encoded or not
@@ -84,15 +85,7 @@ def _waiting_client(environ: dict[str, Any], keys: dict[str, str], queries: Wait
     wait_s = _wait_s(query, queries.read_names if method == "GET" else queries.submit_names, queries.max_wait_s)
     if wait_s is None or wait_s <= 0:
         return None
-    scheme, _, key = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-    if scheme.lower() != "bearer" or not key:
-        return None
-    digest = hashlib.sha256(key.strip().encode()).hexdigest()
-    found = None
-    for known, client in keys.items():  # every key compared, in constant time each (as app.auth)
-        if hmac.compare_digest(digest, known):
-            found = client
-    return found
+    return key_id(environ.get("HTTP_AUTHORIZATION", ""), keys)  # the key app.auth would find
 
 
 def _wait_s(query: str, names: frozenset[str], max_wait_s: float) -> float | None:
@@ -109,29 +102,3 @@ def _wait_s(query: str, names: frozenset[str], max_wait_s: float) -> float | Non
         return wait_query_model(max_wait_s).model_validate({"wait": waits[0]}).wait
     except ValidationError:
         return None
-
-
-def _refuse(
-    environ: dict[str, Any], start_response: Callable[..., Any], client: str, held: int, retry_s: int, holds: Holds
-) -> Iterable[bytes]:
-    detail = (
-        f"your key holds {held} long-polls in this API process (api.max_waits_per_client: "
-        f"{holds.max_waits_per_client}); poll again when one ends, or without wait"
-    )
-    body = json.dumps(
-        {"type": "/problems/too-many-held", "title": "Too many requests", "status": 429, "detail": detail}
-    ).encode()
-    route = "/v1/jobs/<job_id>" if environ["REQUEST_METHOD"] == "GET" else "/v1/jobs"
-    REJECTS.labels("too-many-held").inc()
-    REQUESTS.labels(environ["REQUEST_METHOD"], route, "429").inc()
-    start_response(
-        "429 TOO MANY REQUESTS",
-        [
-            ("Content-Type", PROBLEM_TYPE),
-            ("Content-Length", str(len(body))),
-            ("Retry-After", str(retry_s)),
-            ("Connection", "close"),
-            ("X-Content-Type-Options", "nosniff"),
-        ],
-    )
-    return [body]

@@ -134,13 +134,9 @@ class Holds:
         process's; Retry-After says when the first of the waits in the way ends (an attacker that honours it
         comes back when there is room, not every second)."""
         with self._lock:
-            mine, every = self.waits.get(client) if client else None, self.waits.get("")
-            if mine is not None and len(mine) >= self.max_waits_per_client:
-                raise _too_many(
-                    f"your key holds {len(mine)} long-polls in this API process (api.max_waits_per_client: "
-                    f"{self.max_waits_per_client}); poll again when one ends, or without wait",
-                    mine.first_end_in(),
-                )
+            refused, every = self._waits_refusal(client), self.waits.get("")
+            if refused is not None:
+                raise refused
             if every is not None and len(every) >= self.max_waits:
                 raise _unavailable(
                     f"this API process holds {len(every)} long-polls, its most (api.max_waits): "
@@ -158,6 +154,22 @@ class Holds:
                 for key in ("", client) if client else ("",):
                     if self.waits[key].drop(token):
                         del self.waits[key]  # no entry kept per client that holds nothing
+
+    def waits_refusal(self, client: str) -> Problem | None:
+        """The 429 a long-poll of `client`'s gets while its long-polls are at their bound, or None; read without
+        taking a place (app.early_refusal asks before Flask is called, `wait` when it holds one)."""
+        with self._lock:
+            return self._waits_refusal(client)
+
+    def _waits_refusal(self, client: str) -> Problem | None:
+        mine = self.waits.get(client) if client else None
+        if mine is None or len(mine) < self.max_waits_per_client:
+            return None
+        return _too_many(
+            f"your key holds {len(mine)} long-polls in this API process (api.max_waits_per_client: "
+            f"{self.max_waits_per_client}); poll again when one ends, or without wait",
+            mine.first_end_in(),
+        )
 
     def take_body(self, client: str, size: int) -> None:
         """`size` more bytes of a body held (give_back_body when the request ends); a Problem past a budget."""

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any
 
 from flask import Response, jsonify
@@ -22,20 +25,42 @@ class Problem(Exception):
         self.extra = extra
 
 
-def problem_response(problem: Problem) -> Response:
-    REJECTS.labels(problem.slug).inc()
-    body = ProblemDocument(
+def problem_document(problem: Problem) -> Any:
+    """The answer's body: the RFC 9457 document (contract.documents' ProblemDocument), as JSON-ready values."""
+    return ProblemDocument(
         type=f"/problems/{problem.slug}",
         title=problem.title,
         status=problem.status,
         detail=problem.detail,
         **problem.extra,
-    )
-    response = jsonify(body.to_json())
+    ).to_json()
+
+
+def problem_response(problem: Problem) -> Response:
+    REJECTS.labels(problem.slug).inc()
+    response = jsonify(problem_document(problem))
     response.status_code = problem.status
     response.mimetype = PROBLEM_TYPE
     response.headers.update(problem.headers)
     return response
+
+
+def problem_wsgi(problem: Problem, start_response: Callable[..., Any]) -> list[bytes]:
+    """The same answer given before Flask is called (app.early_refusal): the same document and headers (with
+    the ones the app adds to every answer), the refusal counted the same."""
+    REJECTS.labels(problem.slug).inc()
+    body = json.dumps(problem_document(problem)).encode()
+    reason = HTTPStatus(problem.status).phrase.upper()
+    start_response(
+        f"{problem.status} {reason}",
+        [
+            ("Content-Type", PROBLEM_TYPE),
+            ("Content-Length", str(len(body))),
+            *problem.headers.items(),
+            ("X-Content-Type-Options", "nosniff"),
+        ],
+    )
+    return [body]
 
 
 def job_lost(job_id: str, issued_at: str) -> Problem:

@@ -21,6 +21,7 @@ from typing import Any
 import requests
 
 from bench.load import TERMINAL, ImageStream, session_for
+from bench.processes import children_of
 from bench.stack import LocalStack, StackOptions
 
 
@@ -76,9 +77,7 @@ def _misbehave(stack: LocalStack, duration_s: float, log) -> None:
     at(0.15)
     _kill_and_restart(stack, "gpu-worker", log)
     at(0.35)
-    children = subprocess.run(
-        ["pgrep", "-P", str(stack.process("cpu-worker").process.pid)], capture_output=True, text=True
-    ).stdout.split()
+    children = sorted(children_of(stack.process("cpu-worker").process.pid))
     if children:
         subprocess.run(["kill", "-9", children[0]])
         log(f"SIGKILL celery child {children[0]}")

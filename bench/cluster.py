@@ -20,7 +20,13 @@ import requests
 import yaml
 
 from bench.hosts import Host, Network
-from bench.processes import ManagedProcess, celery_argv, python_argv, wait_until
+from bench.processes import (
+    ManagedProcess,
+    api_argv,
+    cpu_worker_argv,
+    gpu_worker_argv,
+    wait_until,
+)
 from bench.stack import StackOptions
 from tools.redis_ha import SERVERS, Place, RedisHA
 
@@ -116,24 +122,10 @@ class HostedStack:
 
     def _argv(self, role: str) -> list[str]:
         if role == "api":
-            return python_argv(
-                "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
-            )
+            return api_argv(access_log=False)
         if role == "gpu":
-            return python_argv("-m", "gpu_worker", "--device", self.options.device, "--worker-id", "gpu-1")
-        return celery_argv(
-            "worker",
-            "-Q",
-            "preprocess",
-            "-c",
-            str(self.options.cpu_workers or 1),
-            "-n",
-            f"{role}@%h",
-            "--without-gossip",
-            "--without-mingle",
-            "--loglevel",
-            "INFO",
-        )
+            return gpu_worker_argv(self.options.device, "gpu-1")
+        return cpu_worker_argv(self.options.cpu_workers or 1, "-n", f"{role}@%h", loglevel="INFO")
 
     def _spawn(self, role: str) -> ManagedProcess:
         host, argv = self.spawned[role]

@@ -34,7 +34,12 @@ import yaml
 from PIL import Image
 
 from bench.cpu import cpu_shares, cpu_times
-from bench.processes import ManagedProcess, RedisServer, python_argv, wait_until
+from bench.processes import (
+    ManagedProcess,
+    RedisServer,
+    gpu_worker_argv,
+    wait_until,
+)
 from bench.profiles import parse_profile
 from contract.frames import FrameHeader, pack_frame
 from contract.jobs.record import QUEUED_GPU
@@ -245,7 +250,7 @@ def _start_worker(options: FeedOptions, config_path: Path, workdir: Path) -> Man
     env.pop("IMGSERVE_REDIS_URL", None)
     return ManagedProcess(
         "gpu-worker",
-        python_argv("-m", "gpu_worker", "--device", options.device, "--worker-id", WORKER_ID),
+        gpu_worker_argv(options.device, WORKER_ID),
         env,
         workdir,
     )

@@ -36,7 +36,12 @@ import requests
 import yaml
 
 from bench.hosts import Host, Network, check_can_make_hosts
-from bench.processes import REPO_ROOT, ManagedProcess, python_argv, wait_until
+from bench.processes import (
+    REPO_ROOT,
+    ManagedProcess,
+    api_argv,
+    wait_until,
+)
 
 NETNS_ETC = Path("/etc/netns")
 API_PORT = 8080  # inside the namespace: its own port space
@@ -203,8 +208,7 @@ def silent_dns_api(workdir: Path, root: Path = REPO_ROOT, callbacks: dict[str, A
             )
             redis_argv = ["redis-server", "--port", "6379", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
             host.spawn("redis", redis_argv, env, workdir)
-            gunicorn = ("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null")
-            api = host.spawn("gunicorn-api", python_argv(*gunicorn, "app:create_app()"), env, workdir, root=root)
+            api = host.spawn("gunicorn-api", api_argv(access_log=False), env, workdir, root=root)
             rig = DnsRig(host, api, dns, keys)
             wait_until(lambda: _answers(rig) or not api.alive(), 90, 0.2, what="the API in the namespace")
             assert api.alive(), api.log_tail()

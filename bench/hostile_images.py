@@ -32,6 +32,7 @@ import requests
 
 from bench import hostile_files
 from bench.load import TERMINAL, ImageStream, session_for
+from bench.processes import children_of, status_kb
 from bench.stack import LocalStack, StackOptions
 from contract.timebill import percentile
 
@@ -152,14 +153,8 @@ class MemoryWatch:
 
 
 def _children_rss_kb(parent: int) -> dict[int, int]:
-    found = {}
-    for child in subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split():
-        try:
-            status = Path(f"/proc/{child}/status").read_text()
-        except OSError:
-            continue
-        found[int(child)] = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return found
+    found = {child: status_kb(child) for child in children_of(parent)}
+    return {child: rss for child, rss in found.items() if rss is not None}
 
 
 def run_hostile(

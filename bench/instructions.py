@@ -43,7 +43,7 @@ from pathlib import Path
 import redis
 import yaml
 
-from bench.processes import RedisServer, free_port, wait_until
+from bench.processes import RedisServer, api_argv, free_port, wait_until
 from bench.stack import answers_ok
 
 ROLES = ("api", "cpu-task")
@@ -124,16 +124,7 @@ def count_api(root: Path, images: list[bytes], pairs: tuple[int, int] = (20, 100
         env.pop("PROMETHEUS_MULTIPROC_DIR", None)
         try:
             return _counted(
-                [
-                    sys.executable,
-                    "-m",
-                    "gunicorn",
-                    "-c",
-                    "configs/gunicorn.conf.py",
-                    "--timeout",
-                    "900",
-                    "app:create_app()",
-                ],
+                api_argv("--timeout", "900"),
                 root,
                 env,
                 work,

@@ -35,7 +35,16 @@ import requests
 import yaml
 
 from bench.plane_meter import InstructionCounter, PhaseCost, PhaseMeter
-from bench.processes import REPO_ROOT, ManagedProcess, RedisServer, cpu_worker_argv, free_port, python_argv, wait_until
+from bench.processes import (
+    REPO_ROOT,
+    ManagedProcess,
+    RedisServer,
+    api_argv,
+    cpu_worker_argv,
+    free_port,
+    gpu_worker_argv,
+    wait_until,
+)
 from bench.stack import api_env
 
 PHASES = ("intake", "cpu", "gpu", "read")
@@ -106,7 +115,7 @@ def run_phases(
         processes.append(ManagedProcess(name, argv, env, workdir, root=root))
 
     try:
-        spawn("api", python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"))
+        spawn("api", api_argv())
         wait_until(lambda: _answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
 
         def submit(payload: bytes) -> str:
@@ -131,7 +140,7 @@ def run_phases(
             measured("cpu", cpu_phase)
 
             def gpu_phase() -> None:
-                spawn("gpu-worker", python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", "plane-gpu"))
+                spawn("gpu-worker", gpu_worker_argv("sim", "plane-gpu"))
                 answered = _Progress([client], "*:gpu:*:counters")
                 wait_until(
                     lambda: answered.frames_answered() >= images, 300, interval_s=0.2, what="every frame answered"

@@ -158,9 +158,33 @@ def celery_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "celery", "-A", "tasks.worker", *args]
 
 
-def cpu_worker_argv(concurrency: int, *more: str) -> list[str]:
-    """A CPU worker on the preprocess queues, prefork, without gossip and mingle and quiet (a bench stack's: nothing
-    there needs them); `more`: further `celery worker` options."""
+# How each role is started, in one place (the Procfile's lines, less what a bench's or a test's stack does not need):
+# the benches, the tests and the netns harness build their processes' command lines here.
+
+
+def api_argv(*more: str, access_log: bool = True) -> list[str]:
+    """The API as the Procfile runs it: gunicorn with configs/gunicorn.conf.py (its bind and workers from the
+    environment); `access_log` False: none written; `more`: further gunicorn options."""
+    quiet = ("--access-logfile", "/dev/null") if not access_log else ()
+    return python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", *quiet, *more, "app:create_app()")
+
+
+def gpu_worker_argv(device: str, worker_id: str, models: tuple[str, ...] = ()) -> list[str]:
+    """A GPU worker on `device` as `worker_id`, for every configured model or only `models`."""
+    return python_argv(
+        "-m",
+        "gpu_worker",
+        "--device",
+        device,
+        "--worker-id",
+        worker_id,
+        *[arg for m in models for arg in ("--model", m)],
+    )
+
+
+def cpu_worker_argv(concurrency: int, *more: str, loglevel: str = "WARNING") -> list[str]:
+    """A CPU worker on the preprocess queues, prefork, without gossip and mingle (a bench's or a test's stack:
+    nothing there needs them); `more`: further `celery worker` options (a later `-c` wins)."""
     return celery_argv(
         "worker",
         "-Q",
@@ -170,7 +194,7 @@ def cpu_worker_argv(concurrency: int, *more: str) -> list[str]:
         "--without-gossip",
         "--without-mingle",
         "--loglevel",
-        "WARNING",
+        loglevel,
         *more,
     )
 
@@ -190,6 +214,16 @@ def callback_worker_argv(concurrency: int = 4) -> list[str]:
         "--loglevel",
         "INFO",
     )
+
+
+def status_kb(pid: int, field: str = "VmRSS") -> int | None:
+    """A memory figure of a process from /proc/<pid>/status, in kB (VmRSS: resident now; VmHWM: its peak); None
+    when the process is gone."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) for line in status.splitlines() if line.startswith(f"{field}:")), None)
 
 
 def children_of(pid: int) -> set[int]:

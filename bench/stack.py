@@ -18,9 +18,11 @@ from bench.processes import (
     REPO_ROOT,
     ManagedProcess,
     RedisServer,
+    api_argv,
     callback_worker_argv,
     cpu_worker_argv,
     free_port,
+    gpu_worker_argv,
     python_argv,
     wait_until,
 )
@@ -174,14 +176,12 @@ class LocalStack:
             )
         self._spawn(
             "gpu-worker",
-            python_argv("-m", "gpu_worker", "--device", self.options.device, "--worker-id", "bench-gpu"),
+            gpu_worker_argv(self.options.device, "bench-gpu"),
             env,
         )
         self._spawn(
             "api",
-            python_argv(
-                "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
-            ),
+            api_argv(access_log=False),
             env,
         )
         wait_until(self._ready, 120, interval_s=0.2, what=f"the stack at {self.url} to be ready")

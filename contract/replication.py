@@ -188,6 +188,13 @@ class SharedFence:
         self._finished = 0  # rounds over (in order: one at a time)
         self._outcomes: dict[int, bool] = {}  # the last few rounds' outcomes
         self._in_flight = False
+        self._waiting = 0  # readers waiting for a round another reader runs
+
+    @property
+    def waiting(self) -> int:
+        """How many readers wait for a round another reader runs (a test's view of a burst: one round covers it)."""
+        with self._changed:
+            return self._waiting
 
     def confirm(self) -> bool:
         """True once a round that began after this call was acknowledged; False when that round was not (the
@@ -212,7 +219,11 @@ class SharedFence:
                     if number == mine and isinstance(outcome, BaseException):
                         raise outcome
                 else:
-                    self._changed.wait()
+                    self._waiting += 1
+                    try:
+                        self._changed.wait()
+                    finally:
+                        self._waiting -= 1
             return self._outcomes.get(mine, False)
 
 

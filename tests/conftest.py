@@ -17,6 +17,7 @@ import yaml
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
+from bench.processes import api_argv, cpu_worker_argv, gpu_worker_argv
 from contract.config import load_settings
 from contract.jobs.record import TERMINAL
 from contract.keys import Keys
@@ -28,9 +29,7 @@ from tests.support import (
     answers_200,
     build_content_box_model,
     callback_worker_argv,
-    celery_argv,
     free_port,
-    python_argv,
     stop_together,
     wait_until,
 )
@@ -126,15 +125,7 @@ class Stack:
         assert self.gpu_worker is None or not self.gpu_worker.alive()
         self.gpu_worker = ManagedProcess(
             "gpu-worker",
-            python_argv(
-                "-m",
-                "gpu_worker",
-                "--device",
-                self.gpu_device,
-                "--worker-id",
-                self.gpu_worker_id,
-                *[arg for m in self.gpu_models for arg in ("--model", m)],
-            ),
+            gpu_worker_argv(self.gpu_device, self.gpu_worker_id, tuple(self.gpu_models)),
             self.env,
             self.log_dir,
         )
@@ -184,9 +175,7 @@ def content_box_spec(workdir: Path, input_size: int, **extra: Any) -> dict[str, 
 def stack_cpu_worker_argv(*more: str) -> list[str]:
     """A test stack's CPU worker: two children (unless `more` says otherwise), without gossip and mingle (no
     cluster to talk to)."""
-    return celery_argv(
-        "worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO", *more
-    )
+    return cpu_worker_argv(2, *more, loglevel="INFO")
 
 
 def start_stack(
@@ -294,9 +283,7 @@ def gunicorn_api(stack: Stack) -> Iterator[GunicornApi]:
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = ManagedProcess(
         "gunicorn-api",
-        python_argv(
-            "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
-        ),
+        api_argv(access_log=False),
         env,
         stack.log_dir,
     )

@@ -3,12 +3,16 @@ handles on real processes (Redis, Celery worker, GPU worker, API server)."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import requests
 from PIL import Image, ImageDraw
@@ -103,6 +107,20 @@ class ApiServer:
 
         self.server.shutdown()
         services(self.app).listener.close()
+
+
+@contextlib.contextmanager
+def api_with_keys(settings: Any, api_keys: tuple[dict[str, str], ...], **auth: Any) -> Iterator[ApiServer]:
+    """The real app with `settings` but these API keys (and `auth`'s other settings: a rate, a burst) behind an
+    ApiServer, stopped after: the fixture every test of keyed access starts from."""
+    from app import create_app
+
+    changed = dataclasses.replace(settings.auth, api_keys=api_keys, **auth)
+    server = ApiServer(create_app(dataclasses.replace(settings, auth=changed)))
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 # The aten operations that make the host wait for the device on CUDA (sync_debug_mode reports them):

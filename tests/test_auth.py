@@ -13,8 +13,8 @@ from app import create_app
 from app.admission import failure_source
 from app.auth import hash_key
 from app.services import services as api_services
-from bench.processes import ManagedProcess, celery_argv
-from tests.support import ApiServer, as_key, jpeg, wait_until
+from bench.processes import ManagedProcess, cpu_worker_argv
+from tests.support import ApiServer, api_with_keys, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,9 +37,7 @@ def keyed_worker(stack, tmp_path_factory):
     path.write_text(yaml.safe_dump(config))
     worker = ManagedProcess(
         "keyed-cpu-worker",
-        celery_argv(
-            "worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle", "--loglevel", "INFO"
-        ),
+        cpu_worker_argv(2, loglevel="INFO"),
         {**stack.env, "IMGSERVE_CONFIG": str(path)},
         workdir,
     )
@@ -51,10 +49,8 @@ def keyed_worker(stack, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def keyed_api(stack, keyed_worker):
-    auth = dataclasses.replace(stack.settings.auth, rate_per_s=2.0, burst=3.0, api_keys=KEYS)
-    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
-    yield server
-    server.stop()
+    with api_with_keys(stack.settings, KEYS, rate_per_s=2.0, burst=3.0) as server:
+        yield server
 
 
 def test_without_a_key_v1_is_refused_but_health_stays_open(keyed_api):

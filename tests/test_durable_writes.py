@@ -5,11 +5,11 @@ tests/test_failover.py and the partitions in tests/test_partitions.py."""
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
 
+from bench.processes import wait_until
 from contract.replication import DurableWrites, SharedFence, Unconfirmed, majority_view
 
 A, B, C = ("10.0.0.1", 6379), ("10.0.0.2", 6379), ("10.0.0.3", 6379)
@@ -125,9 +125,7 @@ def test_readers_share_fence_rounds_and_a_round_covers_only_reads_made_before_it
     waiters = [threading.Thread(target=lambda: results.append(fence.confirm())) for _ in range(3)]
     for thread in waiters:
         thread.start()
-    deadline = time.monotonic() + 5
-    while fence._changed._waiters.__len__() < 3 and time.monotonic() < deadline:  # type: ignore[attr-defined]
-        time.sleep(0.01)
+    wait_until(lambda: fence.waiting == 3, 5, what="three readers waiting behind round 1")
     release.set()
     for thread in [first, *waiters]:
         thread.join(5)

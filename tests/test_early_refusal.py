@@ -112,3 +112,41 @@ def test_the_issues_values_are_read_as_the_app_reads_them(app, query):
         from app.submission import wait_seconds
 
         assert _wait_s(query, queries.read_names, queries.max_wait_s) == wait_seconds(settings.api.max_wait_s) > 0
+
+
+def test_the_refusal_before_flask_is_the_apps_own_429_and_finds_keys_as_app_auth_does():
+    """One home for the 429 (issue 63, item 4): the document and headers are app.problems' for app.holds' own
+    refusal, and the key is app.auth's lookup: with two entries for one key (a configuration mistake), both
+    pick the first, as app.auth always did."""
+    from app.auth import hash_key, key_id
+    from app.holds import Holds
+    from app.problems import problem_wsgi
+
+    holds = Holds(
+        max_requests_per_client=10,
+        max_waits_per_client=1,
+        max_waits=10,
+        max_body_bytes=1 << 20,
+        max_body_bytes_per_client=1 << 20,
+    )
+    assert holds.waits_refusal("a") is None
+    with holds.wait("a", 30):
+        refused = holds.waits_refusal("a")
+        assert refused is not None and refused.status == 429 and refused.slug == "too-many-held"
+        answered: list = []
+        body = problem_wsgi(refused, lambda status, headers: answered.extend([status, dict(headers)]))
+    status, headers = answered
+    document = json.loads(b"".join(body))
+    assert status == "429 TOO MANY REQUESTS" and headers["Content-Type"] == "application/problem+json"
+    assert (
+        headers["Retry-After"] and headers["Connection"] == "close" and headers["X-Content-Type-Options"] == "nosniff"
+    )
+    assert (
+        document["type"] == "/problems/too-many-held"
+        and document["status"] == 429
+        and "1 long-polls" in document["detail"]
+    )
+    twice = ({"id": "first", "sha256": hash_key("k")}, {"id": "second", "sha256": hash_key("k")})
+    assert (
+        key_id("Bearer k", twice) == "first" and key_id("Basic k", twice) is None and key_id("Bearer x", twice) is None
+    )

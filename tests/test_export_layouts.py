@@ -17,12 +17,13 @@ import pytest
 import torch
 import yaml
 
+from bench.processes import gpu_worker_argv
 from contract.config import load_model_spec
 from contract.model_files import embedded_metadata, identify
 from contract.sections import SettingsError
 from gpu_worker.model import ModelLoadError, load_model
 from tests.conftest import STACK_INPUT_SIZE, TEST_DEVICE, Stack
-from tests.support import ManagedProcess, build_content_box_model, jpeg, python_argv, wait_until
+from tests.support import ManagedProcess, build_content_box_model, jpeg, wait_until
 
 CPU = torch.device("cpu")
 LABELS = ["content", "other"]
@@ -193,7 +194,7 @@ def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
         worker_id = f"{stack.gpu_worker_id}-{kind}"
         process = ManagedProcess(
             f"gpu-worker-{kind}",
-            python_argv("-m", "gpu_worker", "--device", TEST_DEVICE, "--worker-id", worker_id),
+            gpu_worker_argv(TEST_DEVICE, worker_id),
             {**stack.env, "IMGSERVE_CONFIG": str(config_path)},
             tmp_path,
         )

@@ -19,7 +19,7 @@ import yaml
 from app import create_app
 from app.auth import hash_key
 from bench.hostile_files import png_rgba16_adam7
-from bench.processes import ManagedProcess, celery_argv
+from bench.processes import ManagedProcess, cpu_worker_argv
 from contract.decode_share import CHARGED_FROM, MIB, DecodeShare, decode_cost
 from contract.keys import Keys
 from contract.timebill import percentile
@@ -63,7 +63,7 @@ def keyed_worker(stack, tmp_path_factory):
     (workdir / "config.yaml").write_text(yaml.safe_dump(config))
     worker = ManagedProcess(
         "fair-decode-cpu-worker",
-        celery_argv("worker", "-Q", "preprocess", "-c", "2", "--without-gossip", "--without-mingle"),
+        cpu_worker_argv(2, loglevel="INFO"),
         {**stack.env, "IMGSERVE_CONFIG": str(workdir / "config.yaml")},
         workdir,
     )

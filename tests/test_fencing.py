@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.processes import ManagedProcess, python_argv, wait_until
+from bench.processes import ManagedProcess, gpu_worker_argv, wait_until
 from gpu_worker.worker import EXIT_PRESUMED_DEAD
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import jpeg
@@ -50,7 +50,7 @@ def test_a_worker_paused_past_its_heartbeat_writes_nothing_it_held_and_stops(fen
     stack = fencing_stack
     other = ManagedProcess(
         "gpu-worker-2",
-        python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", "fencing-second"),
+        gpu_worker_argv("sim", "fencing-second"),
         stack.env,
         stack.log_dir,
     )

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import json
 import socket
-import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import requests
 
+from bench.processes import children_of, status_kb
 from tests.conftest import STACK_MAX_UPLOAD
 from tests.support import jpeg, wait_until
 
@@ -209,14 +208,8 @@ def test_scan_bombs_fail_fast_and_an_ordinary_image_beside_them_waits_for_none(s
 
 def _children_peak_rss_kb(pid: int) -> dict[int, int]:
     """{child pid: its peak resident set (VmHWM, kB)} of a process's children: a Celery worker's pool."""
-    peaks = {}
-    for child in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split():
-        try:
-            status = Path(f"/proc/{child}/status").read_text()
-        except FileNotFoundError:
-            continue
-        peaks[int(child)] = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
-    return peaks
+    peaks = {child: status_kb(child, "VmHWM") for child in children_of(pid)}
+    return {child: peak for child, peak in peaks.items() if peak is not None}
 
 
 def test_hostile_decoder_files_fail_fast_and_bounded_and_an_ordinary_image_waits_for_none(stack):

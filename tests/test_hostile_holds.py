@@ -20,7 +20,7 @@ import yaml
 from app.auth import hash_key
 from app.holds import Holds
 from app.problems import Problem
-from bench.processes import ManagedProcess, free_port, python_argv
+from bench.processes import ManagedProcess, api_argv, children_of, free_port, status_kb
 from contract.jobs.ids import job_ids
 from contract.jobs.record import CANCELLED, QUEUED
 from contract.settings import ApiSettings
@@ -107,7 +107,7 @@ def keyed_api(stack, tmp_path_factory) -> Iterator[KeyedApi]:
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = ManagedProcess(
         "keyed-gunicorn",
-        python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"),
+        api_argv(),
         env,
         workdir,
     )
@@ -292,11 +292,8 @@ def trickle(length: int, sent: int, key: str) -> bytes:
 
 def api_rss_mb(api: KeyedApi) -> float:
     """The gunicorn worker's resident memory (the master serves nothing)."""
-    import subprocess
-
-    worker = subprocess.run(["pgrep", "-P", str(api.process.process.pid)], capture_output=True, text=True).stdout
-    status = open(f"/proc/{worker.split()[0]}/status").read()
-    return int(next(line for line in status.splitlines() if line.startswith("VmRSS")).split()[1]) / 1024
+    worker = min(children_of(api.process.process.pid))
+    return (status_kb(worker) or 0) / 1024
 
 
 def test_bodies_count_from_their_first_byte_against_the_clients_and_the_processs_budgets(keyed_api):
@@ -356,7 +353,7 @@ def test_only_a_valid_keys_long_poll_is_judged_before_flask():
     from app.early_refusal import WaitingQueries, _waiting_client
     from contract.config import load_settings
 
-    keys = {hash_key(KEYS["attacker"]): "attacker"}
+    keys = ({"id": "attacker", "sha256": hash_key(KEYS["attacker"])},)  # as auth.api_keys holds them
     queries = WaitingQueries.of(load_settings())
     job = "0123456789abcdef" * 2
 

@@ -6,15 +6,13 @@ credentials. Each is now an admin key's (or Flower's credentials'), and says so 
 from __future__ import annotations
 
 import base64
-import dataclasses
 
 import pytest
 import requests
 
-from app import create_app
 from app.auth import hash_key
 from bench.processes import ManagedProcess, free_port, python_argv
-from tests.support import ApiServer, as_key, jpeg, wait_until
+from tests.support import api_with_keys, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -26,10 +24,8 @@ KEYS = (
 
 @pytest.fixture(scope="module")
 def keyed_api(stack):
-    auth = dataclasses.replace(stack.settings.auth, api_keys=KEYS)
-    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
-    yield server
-    server.stop()
+    with api_with_keys(stack.settings, KEYS) as server:
+        yield server
 
 
 def test_metrics_on_the_api_port_need_an_admin_key(keyed_api):

@@ -15,14 +15,13 @@ import pytest
 import redis
 import requests
 
-from app import create_app
 from app.auth import hash_key
 from app.services import services
 from contract.clock import now as service_now
 from contract.config import load_settings
 from contract.jobs.ids import IdVerdict, JobIds, id_secret
 from contract.jobs.record import JOB_ID_PATTERN, issued_at, new_job_id
-from tests.support import ApiServer, jpeg
+from tests.support import ApiServer, api_with_keys, jpeg
 
 KEY_A, KEY_B = "key-of-team-a-" + "a1" * 8, "key-of-team-b-" + "b2" * 8
 SECRET = b"a-job-id-secret-0123456789abcdef"
@@ -76,14 +75,10 @@ def test_the_secret_is_the_setting_else_one_file_made_once_else_derived(tmp_path
 
 @pytest.fixture
 def keyed_api(redis_server) -> Iterator[ApiServer]:
-    settings = load_settings()
-    auth = dataclasses.replace(
-        settings.auth,
-        api_keys=({"id": "team-a", "sha256": hash_key(KEY_A)}, {"id": "team-b", "sha256": hash_key(KEY_B)}),
-    )
-    api = ApiServer(create_app(dataclasses.replace(settings, redis_url=redis_server.url, namespace="ids", auth=auth)))
-    yield api
-    api.stop()
+    settings = dataclasses.replace(load_settings(), redis_url=redis_server.url, namespace="ids")
+    keys = ({"id": "team-a", "sha256": hash_key(KEY_A)}, {"id": "team-b", "sha256": hash_key(KEY_B)})
+    with api_with_keys(settings, keys) as api:
+        yield api
 
 
 def _ask(api: ApiServer, key: str, job_id: str, method: str = "GET", wait: float = 0) -> requests.Response:

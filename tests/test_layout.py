@@ -132,3 +132,22 @@ def test_no_module_of_the_processes_is_over_350_lines_nor_of_the_bench_over_400(
     }
     assert long == {}
     assert all((REPO_ROOT / name).is_file() and reason for name, (_, reason) in ONE_CONCEPT_PAST_THE_CAP.items())
+
+
+# A role's command line, spelled out: `-m gpu_worker --device`, `-m gunicorn -c configs/gunicorn.conf.py`, `celery
+# ... worker -Q preprocess` (issue 63, item 5). bench/processes.py builds them (api_argv, cpu_worker_argv,
+# gpu_worker_argv). (The deployments' own lines: the Procfile, the compose files, tools/kubernetes.py's manifests.)
+_ROLE_COMMAND_LINES = ('"gpu_worker", "--device"', '"gunicorn", "-c"', '"worker", "-Q", "preprocess"')
+_ROLE_COMMAND_LINES_HOME = ("bench/processes.py",)
+
+
+def test_role_command_lines_are_built_in_one_place():
+    spelled = []
+    for folder in ("bench", "tests"):
+        for path in sorted((REPO_ROOT / folder).rglob("*.py")):
+            relative = str(path.relative_to(REPO_ROOT))
+            if relative in _ROLE_COMMAND_LINES_HOME or path.name == "test_layout.py":
+                continue
+            text = " ".join(path.read_text().split())  # a call black spread over lines reads as one
+            spelled += [f"{relative}: {line}" for line in _ROLE_COMMAND_LINES if line in text]
+    assert not spelled, spelled

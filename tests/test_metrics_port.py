@@ -8,7 +8,8 @@ import re
 import pytest
 import requests
 
-from tests.support import ManagedProcess, answers_200, free_port, python_argv, wait_until
+from bench.processes import api_argv
+from tests.support import ManagedProcess, answers_200, free_port, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -26,7 +27,7 @@ def gunicorn_api(stack, tmp_path_factory):
     env.pop("PROMETHEUS_MULTIPROC_DIR", None)
     process = ManagedProcess(
         "api",
-        python_argv("-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"),
+        api_argv(),
         env,
         tmp_path_factory.mktemp("gunicorn"),
     )

@@ -15,7 +15,7 @@ import requests
 import yaml
 
 from app.services import services as api_services
-from bench.processes import children_of
+from bench.processes import api_argv, children_of, gpu_worker_argv
 from contract.config import load_settings
 from contract.jobs.record import JobStatus
 from contract.keys import Keys
@@ -25,7 +25,7 @@ from contract.settings import Settings
 from contract.timebill import percentile
 from gpu_worker.lanes import DeviceQueue
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
-from tests.support import REPO_ROOT, ApiServer, ManagedProcess, jpeg, python_argv, wait_until
+from tests.support import REPO_ROOT, ApiServer, ManagedProcess, jpeg, wait_until
 
 SHAPES = str(REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml")
 
@@ -339,9 +339,7 @@ def test_two_gpu_workers_each_serve_their_own_model(multi_stack):
     workers = [
         ManagedProcess(
             f"gpu-{model}",
-            python_argv(
-                "-m", "gpu_worker", "--device", multi_stack.gpu_device, "--worker-id", f"gpu-{model}", "--model", model
-            ),
+            gpu_worker_argv(multi_stack.gpu_device, f"gpu-{model}", (model,)),
             multi_stack.env,
             multi_stack.log_dir,
         )
@@ -541,9 +539,7 @@ def test_a_new_split_reaches_a_running_gunicorn_api_with_a_graceful_reload(redis
     env = {**multi_env(path), "IMGSERVE_API__BIND": f"127.0.0.1:{port}", "IMGSERVE_API__WORKERS": "1"}
     api = ManagedProcess(
         "gunicorn-reload",
-        python_argv(
-            "-m", "gunicorn", "-c", "configs/gunicorn.conf.py", "--access-logfile", "/dev/null", "app:create_app()"
-        ),
+        api_argv(access_log=False),
         env,
         tmp_path,
     )

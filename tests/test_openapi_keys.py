@@ -3,13 +3,10 @@ the suite's two pytest processes run it beside tests/test_openapi.py's run witho
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from app import create_app
 from app.auth import hash_key
-from tests.support import ApiServer, run_schemathesis
+from tests.support import api_with_keys, run_schemathesis
 
 pytestmark = pytest.mark.integration
 
@@ -18,12 +15,9 @@ FUZZ_KEY = "fuzz-key"
 
 @pytest.fixture(scope="module")
 def keyed_api(stack):
-    auth = dataclasses.replace(
-        stack.settings.auth, rate_per_s=1000.0, burst=1000.0, api_keys=({"id": "fuzz", "sha256": hash_key(FUZZ_KEY)},)
-    )
-    server = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
-    yield server
-    server.stop()
+    keys = ({"id": "fuzz", "sha256": hash_key(FUZZ_KEY)},)
+    with api_with_keys(stack.settings, keys, rate_per_s=1000.0, burst=1000.0) as server:
+        yield server
 
 
 def test_schemathesis_finds_nothing_with_api_keys(keyed_api):

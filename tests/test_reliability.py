@@ -16,7 +16,7 @@ import yaml
 from PIL import Image
 
 from app.services import services as api_services
-from bench.processes import ManagedProcess, RedisServer, python_argv
+from bench.processes import ManagedProcess, RedisServer, children_of, gpu_worker_argv
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import EXPIRED, PREPROCESSING, QUEUED_GPU, TERMINAL
 from tests.support import encode, jpeg, make_image, wait_until
@@ -83,9 +83,7 @@ def slow_sim_worker(stack, name: str, latency_ms: float = 1500, max_batch: int =
     path = stack.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {**stack.env, "IMGSERVE_CONFIG": str(path)}
-    worker = ManagedProcess(
-        name, python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", name), env, stack.log_dir
-    )
+    worker = ManagedProcess(name, gpu_worker_argv("sim", name), env, stack.log_dir)
     wait_until(
         lambda: stack.redis.exists(stack.keys.heartbeat(name)) or not worker.alive(), 60, what=f"{name}'s heartbeat"
     )
@@ -142,7 +140,7 @@ def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
 def test_a_second_worker_with_a_live_workers_id_refuses_to_start(stack):
     """It would requeue the live one's frames at start (duplicate work) and neither could be reaped."""
     result = subprocess.run(
-        python_argv("-m", "gpu_worker", "--device", "sim", "--worker-id", stack.gpu_worker_id),
+        gpu_worker_argv("sim", stack.gpu_worker_id),
         env=stack.env,
         capture_output=True,
         text=True,
@@ -154,8 +152,7 @@ def test_a_second_worker_with_a_live_workers_id_refuses_to_start(stack):
 
 
 def celery_children(parent_pid: int) -> list[int]:
-    out = subprocess.run(["pgrep", "-P", str(parent_pid)], capture_output=True, text=True).stdout
-    return [int(pid) for pid in out.split()]
+    return sorted(children_of(parent_pid))
 
 
 def test_a_celery_child_killed_mid_task_has_its_task_redelivered(stack):
