@@ -9,8 +9,8 @@ that must lose nothing would.
 
 from __future__ import annotations
 
+import os
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -79,7 +79,7 @@ def _misbehave(stack: LocalStack, duration_s: float, log) -> None:
     at(0.35)
     children = sorted(children_of(stack.process("cpu-worker").process.pid))
     if children:
-        subprocess.run(["kill", "-9", children[0]])
+        os.kill(children[0], signal.SIGKILL)
         log(f"SIGKILL celery child {children[0]}")
     at(0.55)
     _kill_and_restart(stack, "gpu-worker", log)
