@@ -8,13 +8,15 @@ from typing import Any, NamedTuple
 
 import redis
 
-# KEYS[1] bucket hash; ARGV rate (tokens/s), burst. Returns {allowed, retry_after_ms}. The time is Redis's own
-# (TIME), and the refill's mark never moves back: with each API process's clock, a request that ran later
-# with an earlier time moved it back, and the same interval refilled twice (75 requests let through
-# against a bound of 50, from 50 connections at once).
+from contract.clock import now as service_now
+
+# KEYS[1] bucket hash; ARGV rate (tokens/s), burst, now (the service's clock, contract.clock: the one every
+# moment is read by). Returns {allowed, retry_after_ms}. The refill's mark never moves back: each API process
+# carries the clock forward on its own, a request that ran later may bring an earlier moment, and moving the mark
+# back refilled the same interval twice (75 requests let through against a bound of 50, from 50 connections at
+# once, when each process read its host's clock).
 TAKE_TOKEN_LUA = """
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+local now = tonumber(ARGV[3])
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
 local tokens = tonumber(state[1]) or burst
@@ -46,5 +48,5 @@ class TokenBuckets:
 
     def take(self, bucket: str, rate_per_s: float, burst: float) -> Taken:
         """One token from `bucket` (refilled at `rate_per_s` up to `burst`), in one step."""
-        reply: Any = self._take(keys=[bucket], args=[rate_per_s, burst])
+        reply: Any = self._take(keys=[bucket], args=[rate_per_s, burst, repr(service_now())])
         return Taken(bool(reply[0]), int(reply[1]))

@@ -46,13 +46,13 @@ class InHand:
     seq: int
     taken: int
     closed_by: str
-    opened_at: float  # wall clock: its first frame was popped
-    closed_at: float  # wall clock: the window closed
+    opened_at: float  # the service's clock (contract.clock): its first frame was popped
+    closed_at: float  # the service's clock: the window closed
     running: list[Frame]  # the frames of jobs still wanted, in batch order
-    popped_at: list[float]  # wall clock, per running frame
+    popped_at: list[float]  # the service's clock, per running frame (the batcher's monotonic moments moved onto it)
     staged: Staged | None = None
     output: DeviceOutput | None = None
-    started_at: float = 0.0  # wall clock: its turn on the device began
+    started_at: float = 0.0  # the service's clock: its turn on the device began
     give_back: Sequence[memoryview] = ()  # triage could not reach Redis: these frames return to the list
     failed: list[Outcome] = field(default_factory=list)  # triage failed otherwise: these jobs fail
     taken_bytes: int = 0

@@ -77,3 +77,44 @@ def test_a_job_id_tells_when_it_was_issued_and_a_missing_record_within_its_ttl_w
     assert lost_at("f" * 32, ttl_s=3600) is None  # from the far future: not one of ours
     assert lost_at("not-an-id", ttl_s=3600) is None
     assert new_job_id() != new_job_id()
+
+
+def test_no_lua_step_reads_redis_time_the_service_clock_is_passed_in(redis_client: redis.Redis, monkeypatch):
+    """A step that compares a moment written from the service's clock with Redis's own TIME mixes two clocks
+    (they differ by the writer's sync error, and after a failover by the new primary's host clock until the next
+    sync): every Lua step takes `now` as an argument instead (issue 63, item 3). Then a redelivery judged at a
+    moment the caller's clock gives, not Redis's."""
+    import ast
+    from pathlib import Path
+
+    reading_time = []
+    root = Path(__file__).resolve().parents[1]
+    for path in sorted(
+        path for package in ("app", "contract", "tasks", "gpu_worker") for path in (root / package).rglob("*.py")
+    ):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and "redis.call('TIME')" in node.value:
+                reading_time.append(str(path))
+    assert not reading_time, reading_time
+
+    from contract.jobs.ending import IN_FLIGHT_STALE_S, REDELIVER_IN_FLIGHT, REDELIVER_QUEUED, JobEnding
+    from contract.keys import Keys
+
+    keys = Keys("one-clock-redelivery")
+    ending = JobEnding(redis_client, keys, ttl_s=60)
+    job = "0" * 32
+    written_at = time.time() + 3 * IN_FLIGHT_STALE_S  # a writer's clock far from Redis's
+    redis_client.hset(
+        keys.job(job),
+        mapping={
+            "status": "succeeded",
+            "callback_url": "http://127.0.0.1:9/",
+            "finished_at": written_at,
+            "callback": '{"status":"pending","attempts":0}',
+        },
+    )
+    # the service's clock as the caller reads it: a second after the write, then past the stale bound
+    monkeypatch.setattr("contract.jobs.ending.service_now", lambda: written_at + 1.0)
+    assert ending.redeliver_callback(job) == REDELIVER_IN_FLIGHT  # pending for a second: on its way
+    monkeypatch.setattr("contract.jobs.ending.service_now", lambda: written_at + IN_FLIGHT_STALE_S + 1.0)
+    assert ending.redeliver_callback(job) == REDELIVER_QUEUED  # pending for longer than it may be: lost

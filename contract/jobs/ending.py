@@ -141,14 +141,15 @@ _FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {F
 # been on its way for longer than ARGV[2] is taken for lost (its Celery message gone with a killed worker) and
 # queued again; one delivered less than ARGV[3] ago answers too (else a prompt receiver's key could have its job
 # posted a hundred times a second, one after another). KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the scheduled
-# set, KEYS[4] the dead set; ARGV[1] the job id. Returns REDELIVER_QUEUED, REDELIVER_IN_FLIGHT (nothing queued:
+# set, KEYS[4] the dead set; ARGV[1] the job id, ARGV[4] now (the service's clock, contract.clock: the moments it
+# is compared with were written from it). Returns REDELIVER_QUEUED, REDELIVER_IN_FLIGHT (nothing queued:
 # the delivery on its way, or just made, answers), or 0 (no such job, not ended, no callback).
 _REDELIVER_CALLBACK = (
     TERMINAL_LUA
     + """
 local status = redis.call('HGET', KEYS[1], 'status')
 if not status or not TERMINAL[status] or redis.call('HEXISTS', KEYS[1], 'callback_url') == 0 then return 0 end
-local now = tonumber(redis.call('TIME')[1])
+local now = tonumber(ARGV[4])
 local ok, state = pcall(cjson.decode, redis.call('HGET', KEYS[1], 'callback') or '')
 if not ok or type(state) ~= 'table' then state = {} end
 local since
@@ -270,7 +271,7 @@ class JobEnding(JobStore):
                     self.keys.callback_scheduled,
                     self.keys.callback_dead,
                 ],
-                args=[job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S],
+                args=[job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S, repr(service_now())],
             )
         )
 
