@@ -128,19 +128,18 @@ def _accept(
     values = option_values(request.args, form, names=options_model.model_fields)
     options = validate_params(options_model, values)
     spec = services.admission.route_body(reservation, options.model, len(data), options.cache)
-    model_deadline_ms = settings.default_deadline_ms(spec)
-    if options.deadline_ms and options.deadline_ms > model_deadline_ms:
-        reason = f"at most {model_deadline_ms} ms for model {spec.key}"
+    try:
+        deadline_ms = deadlines.applied_deadline_ms(options.deadline_ms, settings.default_deadline_ms(spec), spec.key)
+    except deadlines.DeadlineTooLong as exc:
         raise Problem(
             400,
             "invalid-parameter",
             "Invalid parameter",
-            f"deadline_ms={options.deadline_ms}: {reason}",
-            invalid_params=[{"name": "deadline_ms", "reason": reason}],
-        )
+            str(exc),
+            invalid_params=[{"name": "deadline_ms", "reason": exc.reason}],
+        ) from None
     callback_url = checked_callback_url(options.callback_url, settings)
     received_at = g.received_at
-    deadline_ms = options.deadline_ms or model_deadline_ms
     # Checked against the key it is issued to (contract.jobs.ids), on a shard not found down lately.
     job_id = services.store.bulk.new_job_id(lambda: services.job_ids.new(reservation.client_id))
     fields = {

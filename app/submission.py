@@ -19,6 +19,7 @@ from app.problems import Problem
 from app.services import services as current_services
 from app.uploads import option_values, read_whole_body, refuse_unknown_fields, validate_params
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
+from contract.deadlines import longest_deadline_ms
 from contract.documents import (
     Document,
     SubmitOptionsBase,
@@ -105,20 +106,20 @@ def _refuse_unparsable_multipart(request: Request, body: bytes) -> None:
 
 
 def submit_options(settings: Settings) -> type[SubmitOptionsBase]:
-    """deadline_ms is bounded by the longest default deadline of any model (then by its own model's);
-    `model` takes the names and name:version a request may reach."""
-    return submit_options_model(
-        max(settings.default_deadline_ms(spec) for spec in settings.models), tuple(model_references(settings))
-    )
+    """deadline_ms is bounded here by the longest default deadline of any model (app.jobs then applies its own
+    model's: contract.deadlines' policy); `model` takes the names and name:version a request may reach."""
+    return submit_options_model(_longest_deadline_ms(settings), tuple(model_references(settings)))
 
 
 def submit_query(settings: Settings) -> type[Document]:
     """The options, and `wait` (the query only: it is about this request, not the job)."""
     return submit_query_model(
-        max(settings.default_deadline_ms(spec) for spec in settings.models),
-        tuple(model_references(settings)),
-        settings.api.max_wait_s,
+        _longest_deadline_ms(settings), tuple(model_references(settings)), settings.api.max_wait_s
     )
+
+
+def _longest_deadline_ms(settings: Settings) -> int:
+    return longest_deadline_ms(settings.default_deadline_ms(spec) for spec in settings.models)
 
 
 def checked_callback_url(url: str | None, settings: Settings) -> str | None:

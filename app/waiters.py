@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import redis
 
-from contract.deadlines import is_past, seconds_left
+from contract.deadlines import PAST_BY_S, is_past, seconds_left
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import TERMINAL, JobRecord
 
@@ -111,7 +111,7 @@ def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float,
     resubscribing wakes every waiter) waits on for the time left."""
     until = time.monotonic() + wait_s
     while record["status"] not in TERMINAL:
-        left = min(until - time.monotonic(), seconds_left(record["deadline_at"]) + 0.05)
+        left = min(until - time.monotonic(), seconds_left(record["deadline_at"]) + PAST_BY_S)
         if left <= 0:
             break
         woken = event.wait(left)

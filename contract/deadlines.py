@@ -14,11 +14,43 @@ a host's wall clock. Who ends a job late, and when:
   `overdue_scores` (and the lost-delivery search reads the live ones through `live_scores`).
 
 One definition of past, everywhere: the service's clock strictly beyond the deadline (`now > deadline`).
+
+Which deadline a job gets (the policy) is here too: its `deadline_ms` if it asked for one, at most its model's
+default (`models[].default_deadline_ms`, else `jobs.default_deadline_ms`: contract.settings'
+`default_deadline_ms`), else that default (`applied_deadline_ms`); the API's query model bounds `deadline_ms`
+by the longest of them (`longest_deadline_ms`), before the model is known, and app.jobs applies this one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from contract.clock import now as service_now
+
+# A wait that ends at a deadline ends this much after it: the job it reads again is then past (a wait timed to
+# the deadline itself would wake a hair before it, find the job live and go back to sleep for nothing).
+PAST_BY_S = 0.05
+
+
+class DeadlineTooLong(ValueError):
+    """A submission's deadline_ms above its model's: `reason` says what the model allows."""
+
+    def __init__(self, requested_ms: int, reason: str) -> None:
+        super().__init__(f"deadline_ms={requested_ms}: {reason}")
+        self.reason = reason
+
+
+def applied_deadline_ms(requested_ms: int | None, model_default_ms: int, model_key: str) -> int:
+    """The deadline a submission gets: the one it asked for, if any (DeadlineTooLong past its model's default),
+    else its model's default."""
+    if requested_ms and requested_ms > model_default_ms:
+        raise DeadlineTooLong(requested_ms, f"at most {model_default_ms} ms for model {model_key}")
+    return requested_ms or model_default_ms
+
+
+def longest_deadline_ms(model_defaults_ms: Iterable[int]) -> int:
+    """The bound on any submission's deadline_ms before its model is known: the longest model default."""
+    return max(model_defaults_ms)
 
 
 def deadline_at(received_at: float, deadline_ms: int) -> float:
@@ -26,9 +58,10 @@ def deadline_at(received_at: float, deadline_ms: int) -> float:
     return received_at + deadline_ms / 1000.0
 
 
-def is_past(deadline: float, now: float | None = None) -> bool:
-    """True once the service's clock (or `now`, read from it) is beyond `deadline`."""
-    return (service_now() if now is None else now) > deadline
+def is_past(deadline: float, now: float | None = None, margin_s: float = 0.0) -> bool:
+    """True once the service's clock (or `now`, read from it) is beyond `deadline`; with `margin_s`, once it is
+    within that many seconds of it (a step that needs that long could no longer end in time)."""
+    return (service_now() if now is None else now) > deadline - margin_s
 
 
 def overdue_scores(now: float) -> tuple[str, str]:

@@ -197,7 +197,7 @@ class Preprocessor:
 
     def _wait_for_memory(self, job_id: str, record: JobRecord) -> bool:
         """A pause before the push is tried again; False (the job ended expired) once its deadline passed."""
-        if is_past(record["deadline_at"] - OOM_RETRY_S):
+        if is_past(record["deadline_at"], margin_s=OOM_RETRY_S):  # no time left to try again
             try:
                 self.store.expire(job_id, "while the job store was full")
             except redis.RedisError:

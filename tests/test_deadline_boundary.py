@@ -4,6 +4,7 @@ index's sweep (`JobEnding.expire_overdue`, which had counted a deadline equal to
 
 from __future__ import annotations
 
+import pytest
 import redis
 
 from contract.deadlines import DEADLINE_PASSED_LUA, is_past, live_scores, overdue_scores
@@ -26,3 +27,18 @@ def test_each_judge_says_a_deadline_equal_to_now_is_not_past_and_a_moment_later_
     assert intake.expire_overdue(DEADLINE) == 0 and intake.load("b" * 32)["status"] == "queued"
     assert redis_client.zrangebyscore(keys.deadlines, *live_scores(just_after)) == []
     assert intake.expire_overdue(just_after) == 1 and intake.load("b" * 32)["status"] == "expired"
+
+
+def test_the_deadline_policy_lives_with_the_arithmetic():
+    """Which deadline a job gets (issue 63, item 2): its own up to its model's default, else that default; a
+    longer one is refused with what the model allows; the query's bound is the longest default. A margin judges
+    'no time left' with the same comparison as past."""
+    from contract.deadlines import DeadlineTooLong, applied_deadline_ms, is_past, longest_deadline_ms
+
+    assert applied_deadline_ms(None, 5000, "m:1") == 5000 and applied_deadline_ms(5000, 5000, "m:1") == 5000
+    assert applied_deadline_ms(1, 5000, "m:1") == 1
+    with pytest.raises(DeadlineTooLong) as refused:
+        applied_deadline_ms(5001, 5000, "m:1")
+    assert refused.value.reason == "at most 5000 ms for model m:1" and str(refused.value).startswith("deadline_ms=5001")
+    assert longest_deadline_ms([5000, 60000, 200]) == 60000
+    assert not is_past(10.0, now=9.5, margin_s=0.5) and is_past(10.0, now=9.5 + 1e-9, margin_s=0.5)
