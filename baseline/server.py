@@ -65,7 +65,6 @@ def create_baseline_app(settings: Settings, device: Device) -> Flask:
         header = FrameHeader(
             job_id="baseline",
             **boxed.placement.fields(),
-            enqueued_at=0.0,
             deadline_at=0.0,
             options=dict(options.for_model()),
         )

@@ -140,7 +140,7 @@ def push_frames(
                 RESIZE_MS: 0.0,
                 PUSHED_AT: now,
             }
-            header = FrameHeader(job_id=job_id, enqueued_at=now, deadline_at=now + 3600, stamps=stamps, **geometry)
+            header = FrameHeader(job_id=job_id, deadline_at=now + 3600, stamps=stamps, **geometry)
             pipe.hset(
                 keys.job(job_id),
                 mapping={"id": job_id, "status": QUEUED_GPU, "deadline_at": now + 3600, RECEIVED_AT: now},

@@ -130,6 +130,7 @@ class FramePusher:
             raise kept
         return int(kept)
 
-    def has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
-        """A cheap look before sending a frame again to a list that was full."""
+    def has_room(self, job_id: str, model_key: str, max_frames: int) -> bool:
+        """A cheap look before sending `job_id`'s frame again to a list that was full (one list here; over bulk
+        shards, the job's shard's: contract.frame_shards)."""
         return int(self.redis.llen(self.keys.frames(model_key))) < max_frames

@@ -1,8 +1,8 @@
 """The frame lists over bulk shards (contract.shards), out: contract.frame_source's moves, a list per shard.
 
 `ShardedFrameSource` keeps a processing list per shard and acks there after the batch write (with the acked
-frames' uploads, which a shard keeps until then); `requeue_sharded_frames_of` gives a dead worker's frames back
-on every shard that answers.
+frames' uploads, which a shard keeps until then); contract.frame_source's `requeue_frames_of` gives a dead
+worker's frames back on every shard that answers.
 """
 
 from __future__ import annotations
@@ -12,84 +12,12 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 
-import redis
-
-from contract.frame_source import RedisFrameSource
-from contract.frames import FRAME_JOB_ID_LUA, read_job_id
+from contract.frame_source import RedisFrameSource, move_back
+from contract.frames import read_job_id
 from contract.keys import Keys
 from contract.shards import SHARD_ERRORS, BulkPlane
 
 log = logging.getLogger(__name__)
-
-# With bulk shards: a dead worker's frames go back per shard (contract.shards). On each shard this step moves
-# the worker's processing lists back to their frame lists, oldest first in line, and returns the job ids it
-# read from the moved frames' headers (their attempts are counted on the control plane). KEYS per model its
-# processing list and its frame list.
-_REQUEUE_ON_SHARD = (
-    FRAME_JOB_ID_LUA
-    + """
-local moved = {}
-for k = 1, #KEYS, 2 do
-  while true do
-    local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
-    if not frame then break end
-    moved[#moved + 1] = frame_job_id(frame) or ''
-  end
-end
-return moved
-"""
-)
-
-# On the control plane, before: KEYS[1] the worker's heartbeat ('' when it gives back its own), KEYS[2] its
-# epoch. -1 if it lives; else 1, its epoch deleted (a paused worker finds it gone and writes nothing more).
-_FENCE = """
-if KEYS[1] ~= '' then
-  if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
-  redis.call('DEL', KEYS[2])
-end
-return 1
-"""
-
-# ...and after: an attempt more on each job (KEYS) that still exists.
-_COUNT_ATTEMPTS = """
-for _, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'attempts', 1) end
-end
-return #KEYS
-"""
-
-
-def requeue_sharded_frames_of(
-    client: redis.Redis,
-    bulk: BulkPlane,
-    keys: Keys,
-    worker_id: str,
-    model_keys: Sequence[str],
-    only_if_dead: bool,
-    count_attempt: bool = True,
-) -> int:
-    """requeue_frames_of over bulk shards: fenced on the control plane, moved on each shard, attempts counted.
-    A shard that does not answer keeps its part: the worker stays in the registry (when reaping), so the next
-    reaper tries again."""
-    heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
-    if int(client.register_script(_FENCE)(keys=[heartbeat, keys.gpu_epoch(worker_id)])) == -1:
-        return -1
-    lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    moved: list[str] = []
-    complete = True
-    for index, shard in enumerate(bulk.clients):
-        try:
-            moved += [raw.decode() for raw in shard.register_script(_REQUEUE_ON_SHARD)(keys=lists)]
-        except SHARD_ERRORS as exc:
-            bulk.mark_down(index)
-            complete = False
-            log.warning("could not give back %s's frames on bulk shard %d: %s", worker_id, index, exc)
-    counted = [keys.job(job_id) for job_id in moved if job_id]
-    if count_attempt and counted:
-        client.register_script(_COUNT_ATTEMPTS)(keys=counted)
-    if only_if_dead and complete:
-        client.zrem(keys.gpu_workers, worker_id)
-    return len(moved)
 
 
 class ShardedFrameSource:
@@ -189,7 +117,7 @@ class ShardedFrameSource:
                 if any(shard == index for shard, _ in self.in_hand) or self.early[index]:
                     return False
             try:
-                requeue_own_on_shard(self.bulk.clients[index], self.keys, self.worker_id, [self.model_key])
+                move_back(self.bulk.clients[index], self.keys, self.worker_id, [self.model_key])
             except SHARD_ERRORS as exc:
                 self._failed(index, exc)
                 return False
@@ -226,11 +154,8 @@ class ShardedFrameSource:
         for (index, _), frame in zip(self._oldest(len(frames)), frames):
             by_shard.setdefault(index, []).append(frame)
         for index, taken in by_shard.items():
-            pipe = self.bulk.clients[index].pipeline(transaction=True)
-            pipe.rpush(self.shards[index].frames_key, *reversed(taken))
-            pipe.ltrim(self.shards[index].processing_key, 0, -(len(taken) + 1))
             try:
-                pipe.execute()
+                self.shards[index].give_back(taken)
             except SHARD_ERRORS as exc:
                 self._failed(index, exc)
 
@@ -240,9 +165,3 @@ class ShardedFrameSource:
             self.in_hand.clear()
             for early in self.early:
                 early.clear()
-
-
-def requeue_own_on_shard(shard: redis.Redis, keys: Keys, worker_id: str, model_keys: Sequence[str]) -> int:
-    """This worker's processing lists on one shard back to their frame lists (no attempt counted)."""
-    lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    return len(shard.register_script(_REQUEUE_ON_SHARD)(keys=lists))

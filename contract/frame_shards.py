@@ -106,10 +106,8 @@ class ShardedFramePusher(FramePusher):
                 pass  # a GPU worker that takes it finds its job over (or another frame's) and skips it
         return outcome
 
-    def has_room(self, model_key: str, max_frames: int, job_id: str = "") -> bool:
+    def has_room(self, job_id: str, model_key: str, max_frames: int) -> bool:
         """The job's shard's list, against its share of the bound."""
-        if not job_id:
-            return super().has_room(model_key, max_frames)
         return int(self.bulk.client_for(job_id).llen(self.keys.frames(model_key))) < self.bulk.frame_bound(max_frames)
 
 

@@ -9,11 +9,13 @@ by count, without sending them back over the wire. After an error that may have 
 holds (a Redis call that failed half way), it answers what it has in hand, then gives back whatever is left in
 the list (`requeue_frames_of`): the order holds again.
 
-With bulk shards (contract.shards) the same moves are contract.frame_shard_source's: a list per shard.
+With bulk shards (contract.shards) the same moves are contract.frame_shard_source's: a list per shard, each one
+this module's RedisFrameSource; `requeue_frames_of` gives a dead worker's frames back on each.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
@@ -22,6 +24,9 @@ import redis
 from contract.frames import FRAME_JOB_ID_LUA
 from contract.keys import Keys
 from contract.replies import PayloadReader
+from contract.shards import SHARD_ERRORS, BulkPlane
+
+log = logging.getLogger(__name__)
 
 # The frame list's ack, the one place a frame is acked: drop the `count` oldest frames of a processing list (the
 # batch just answered: see the module's note). A Lua function, so that the GPU worker's batch write
@@ -101,47 +106,43 @@ class RedisFrameSource:
         """Nothing to forget: what is in hand is in the processing list alone."""
 
 
-# Give a worker's unanswered frames back to their models' lists, oldest first in line, and (when
-# ARGV[3] is 1: its worker died holding them) count one more attempt on each job. KEYS[1] the worker's
-# heartbeat (if it lives, nothing is touched; '' when the worker gives back its own), KEYS[2] the worker
-# registry, KEYS[3] the worker's epoch (deleted when reaping: a worker that was only paused finds it gone and
-# writes nothing), then per model its processing list and its frame list; ARGV[1] job key prefix, ARGV[2]
-# worker id. Atomic, so two reapers never both requeue.
-_REQUEUE = (
+# Giving a worker's unanswered frames back, on the control plane and wherever its lists lie (the control plane itself,
+# or each bulk shard: contract.shards), in three steps: the fence, the move, the count.
+# The fence, on the control plane: KEYS[1] the worker's heartbeat ('' when it gives back its own), KEYS[2] its
+# epoch. -1 if it lives; else 1, its epoch deleted (a paused worker finds it gone and writes nothing more).
+_FENCE = """
+if KEYS[1] ~= '' then
+  if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
+  redis.call('DEL', KEYS[2])
+end
+return 1
+"""
+
+# The move, where the lists lie: the worker's processing lists back to their frame lists, oldest first in line; the
+# job ids read from the moved frames' headers. KEYS per model its processing list and its frame list. Two reapers
+# cannot both move a frame: the second finds the processing list empty.
+_MOVE_BACK = (
     FRAME_JOB_ID_LUA
     + """
-if KEYS[1] ~= '' and redis.call('EXISTS', KEYS[1]) == 1 then
-  return -1
-end
-if KEYS[1] ~= '' then
-  redis.call('DEL', KEYS[3])
-end
-local function count_attempt(frame)
-  local job_id = frame_job_id(frame)
-  if job_id then
-    local job = ARGV[1] .. job_id
-    if redis.call('EXISTS', job) == 1 then
-      redis.call('HINCRBY', job, 'attempts', 1)
-    end
-  end
-end
-local moved = 0
-for k = 4, #KEYS, 2 do
+local moved = {}
+for k = 1, #KEYS, 2 do
   while true do
     local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
     if not frame then break end
-    moved = moved + 1
-    if ARGV[3] == '1' then
-      count_attempt(frame)
-    end
+    moved[#moved + 1] = frame_job_id(frame) or ''
   end
-end
-if KEYS[1] ~= '' then
-  redis.call('ZREM', KEYS[2], ARGV[2])
 end
 return moved
 """
 )
+
+# The count, on the control plane: an attempt more on each job (KEYS) that still exists (a step towards `poison`).
+_COUNT_ATTEMPTS = """
+for _, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'attempts', 1) end
+end
+return #KEYS
+"""
 
 
 def requeue_frames_of(
@@ -151,15 +152,38 @@ def requeue_frames_of(
     model_keys: Sequence[str],
     only_if_dead: bool,
     count_attempt: bool = True,
+    bulk: BulkPlane | None = None,
 ) -> int:
-    """Move `worker_id`'s processing lists of these models back to the models' frame lists; -1 if it
-    turned out alive. `count_attempt`: the worker died holding them (a step towards `poison`)."""
-    script = client.register_script(_REQUEUE)
+    """Move `worker_id`'s processing lists of these models back to the models' frame lists: fenced on the control
+    plane (`client`), moved on each server the lists lie on (`bulk`'s shards; without, the control plane), one
+    attempt counted on each job when `count_attempt` (the worker died holding them). -1 if it turned out alive.
+    A shard that does not answer keeps its part: the worker stays in the registry (when reaping), so the next
+    reaper tries again."""
+    bulk = bulk or BulkPlane(client)
     heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
+    if int(client.register_script(_FENCE)(keys=[heartbeat, keys.gpu_epoch(worker_id)])) == -1:
+        return -1
+    moved: list[str] = []
+    complete = True
+    for index, server in enumerate(bulk.clients):
+        try:
+            moved += move_back(server, keys, worker_id, model_keys)
+        except SHARD_ERRORS as exc:
+            if not bulk.sharded:
+                raise
+            bulk.mark_down(index)
+            complete = False
+            log.warning("could not give back %s's frames on bulk shard %d: %s", worker_id, index, exc)
+    counted = [keys.job(job_id) for job_id in moved if job_id]
+    if count_attempt and counted:
+        client.register_script(_COUNT_ATTEMPTS)(keys=counted)
+    if only_if_dead and complete:
+        client.zrem(keys.gpu_workers, worker_id)
+    return len(moved)
+
+
+def move_back(server: redis.Redis, keys: Keys, worker_id: str, model_keys: Sequence[str]) -> list[str]:
+    """This worker's processing lists on one server back to their frame lists (no attempt counted): the job ids of
+    the frames moved ('' for a frame without one)."""
     lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    return int(
-        script(
-            keys=[heartbeat, keys.gpu_workers, keys.gpu_epoch(worker_id), *lists],
-            args=[keys.job(""), worker_id, "1" if count_attempt else "0"],
-        )
-    )
+    return [raw.decode() for raw in server.register_script(_MOVE_BACK)(keys=lists)]

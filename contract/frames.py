@@ -17,6 +17,8 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from contract.timebill import PUSHED_AT
+
 # --- the frame -------------------------------------------------------------------------------------------
 MAGIC = b"IMF1"
 _PREFIX = struct.Struct(">4sI")
@@ -64,11 +66,16 @@ class FrameHeader:
     scale_y: float
     orig_width: int
     orig_height: int
-    enqueued_at: float  # epoch seconds, when the frame was pushed
-    deadline_at: float  # epoch seconds; past it nobody waits for the answer
+    deadline_at: float  # the service's clock; past it nobody waits for the answer
     options: dict[str, Any] = field(default_factory=dict)  # conf, iou, max_det
-    stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far
+    stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far, `pushed_at` the last
     dtype: str = "uint8"
+
+    @property
+    def pushed_at(self) -> float:
+        """When the frame was pushed (the service's clock): the time bill's own stamp, which the header's
+        `enqueued_at` repeated (a frame of an earlier version still carries it: read as this stamp)."""
+        return float(self.stamps.get(PUSHED_AT, 0.0))
 
 
 @dataclass(frozen=True)
@@ -135,6 +142,9 @@ def _read_header(data: bytes | memoryview) -> FrameHeader:
     length = _header_length(data)
     try:
         raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + length]))
+        pushed_at = raw.pop("enqueued_at", None)  # a frame an earlier version pushed: the stamp under its old name
+        if pushed_at is not None and isinstance(raw.get("stamps"), dict):
+            raw["stamps"].setdefault(PUSHED_AT, pushed_at)
         header = FrameHeader(**raw)
     except (ValueError, TypeError) as exc:
         raise FrameError(f"bad frame header: {exc}") from exc

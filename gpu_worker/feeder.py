@@ -212,6 +212,6 @@ class Feeder:
 def _frame_age(raw: memoryview) -> float:
     """Seconds a frame waited in the list; unreadable frames count as fresh."""
     try:
-        return max(0.0, service_now() - unpack_frame(raw).header.enqueued_at)
+        return max(0.0, service_now() - unpack_frame(raw).header.pushed_at)
     except FrameError:
         return 0.0

@@ -31,7 +31,6 @@ import redis
 
 from contract.clock import CLOCK
 from contract.clock import now as service_now
-from contract.frame_shard_source import requeue_sharded_frames_of
 from contract.frame_source import requeue_frames_of
 from contract.heartbeat import Heartbeat
 from contract.keys import Keys
@@ -256,11 +255,7 @@ class Liveness:
         return moved
 
     def _requeue(self, worker_id: str, model_keys: list[str], only_if_dead: bool, count_attempt: bool = True) -> int:
-        if self.bulk.sharded:
-            return requeue_sharded_frames_of(
-                self.redis, self.bulk, self.keys, worker_id, model_keys, only_if_dead, count_attempt
-            )
-        return requeue_frames_of(self.redis, self.keys, worker_id, model_keys, only_if_dead, count_attempt)
+        return requeue_frames_of(self.redis, self.keys, worker_id, model_keys, only_if_dead, count_attempt, self.bulk)
 
     def leave(self) -> None:
         try:

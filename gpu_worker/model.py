@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from contract.frames import Frame
+from contract.frames import CHANNELS, Frame
 from contract.model_files import describe_kind, identify
 from contract.models import ModelSpec
 from gpu_worker import tiny_yolo
@@ -161,7 +161,7 @@ class CudaGraphs(torch.nn.Module):
 def _blank(loaded: LoadedModel, batch: int) -> torch.Tensor:
     """A blank canvas as the model is fed: its device, dtype and memory layout."""
     size = loaded.spec.input_size
-    blank = torch.zeros(batch, 3, size, size, device=loaded.device, dtype=loaded.dtype)
+    blank = torch.zeros(batch, CHANNELS, size, size, device=loaded.device, dtype=loaded.dtype)
     return blank.contiguous(memory_format=torch.channels_last) if loaded.spec.channels_last else blank
 
 
@@ -276,7 +276,7 @@ def _shape_of(output: Any) -> str:
 
 
 class BatchAssembler:
-    """Frames' contents, already where the model runs -> one normalised [B, 3, S, S] canvas.
+    """Frames' contents, already where the model runs -> one normalised [B, CHANNELS, S, S] canvas.
 
     Padding, conversion to float, channel order and normalisation run there,
     once, for the whole batch: a channels-first canvas in the pad colour, each
@@ -288,8 +288,8 @@ class BatchAssembler:
         self.spec = spec
         self.device = device
         self.dtype = dtype
-        mean = torch.tensor(spec.mean, device=device).view(1, 3, 1, 1)
-        std = torch.tensor(spec.std, device=device).view(1, 3, 1, 1)
+        mean = torch.tensor(spec.mean, device=device).view(1, CHANNELS, 1, 1)
+        std = torch.tensor(spec.std, device=device).view(1, CHANNELS, 1, 1)
         self.gain = spec.scale / std
         self.bias = -mean / std
         self.bgr = spec.channel_order == "bgr"
@@ -298,11 +298,11 @@ class BatchAssembler:
     def __call__(self, contents: torch.Tensor, frames: Sequence[Frame], sizes: Sequence[int]) -> torch.Tensor:
         """`contents`: the frames' uint8 HxWx3 contents back to back, on the model's device."""
         size = self.spec.input_size
-        batch = torch.full((len(frames), 3, size, size), float(self.spec.pad_value), device=self.device)
+        batch = torch.full((len(frames), CHANNELS, size, size), float(self.spec.pad_value), device=self.device)
         offset = 0
         for i, (frame, length) in enumerate(zip(frames, sizes)):
             h = frame.header
-            content = contents[offset : offset + length].view(h.height, h.width, 3).permute(2, 0, 1)
+            content = contents[offset : offset + length].view(h.height, h.width, CHANNELS).permute(2, 0, 1)
             batch[i, :, h.pad_top : h.pad_top + h.height, h.pad_left : h.pad_left + h.width] = (
                 content.flip(0) if self.bgr else content
             )

@@ -125,7 +125,6 @@ def warm_up_frames(spec: ModelSpec, count: int) -> list[Frame]:
         scale_y=1.0,
         orig_width=size,
         orig_height=height,
-        enqueued_at=0.0,
         deadline_at=0.0,
     )
     pixels = memoryview(

@@ -169,7 +169,7 @@ class Preprocessor:
         while True:
             pushed_at = service_now()
             tried = {**stamps, BACKPRESSURE_MS: (time.perf_counter() - ready) * 1000.0, PUSHED_AT: pushed_at}
-            frame = pack_frame(_header(job_id, record, boxed, tried, pushed_at), boxed.pixels)
+            frame = pack_frame(_header(job_id, record, boxed, tried), boxed.pixels)
             try:
                 outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim)
             except redis.exceptions.OutOfMemoryError:
@@ -192,7 +192,7 @@ class Preprocessor:
                 self.store.expire(job_id, "waiting for room on the GPU list")
                 return False
             time.sleep(self.settings.backpressure.room_poll_s)
-            if self.frames.has_room(model_key, limit, job_id):
+            if self.frames.has_room(job_id, model_key, limit):
                 return True
 
     def _wait_for_memory(self, job_id: str, record: JobRecord) -> bool:
@@ -214,11 +214,10 @@ OOM_RETRY_S = 0.5  # a CPU worker whose push Redis refused for memory tries agai
 STORE_RETRY_FIRST_S, STORE_RETRY_MAX_S, STORE_RETRY_SHARE = 0.1, 2.0, 0.75
 
 
-def _header(job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict, pushed_at: float) -> FrameHeader:
+def _header(job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict) -> FrameHeader:
     return FrameHeader(
         job_id=job_id,
         **boxed.placement.fields(),
-        enqueued_at=pushed_at,
         deadline_at=record["deadline_at"],
         options=record.get("options") or {},
         stamps=stamps,

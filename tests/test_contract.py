@@ -52,10 +52,9 @@ def header(**overrides) -> FrameHeader:
         scale_y=0.5,
         orig_width=8,
         orig_height=4,
-        enqueued_at=1.0,
         deadline_at=2.0,
         options={"conf": 0.3},
-        stamps={"received_at": 0.5},
+        stamps={"received_at": 0.5, "pushed_at": 1.0},
     )
     return FrameHeader(**{**values, **overrides})
 
@@ -65,6 +64,19 @@ def test_frame_round_trip_keeps_header_and_pixels():
     frame = unpack_frame(pack_frame(header(), pixels))
     assert frame.header == header()
     assert bytes(frame.pixels) == pixels
+    assert frame.header.pushed_at == 1.0  # the time bill's stamp: the header has no second copy of it
+
+
+def test_a_frame_an_earlier_version_pushed_is_read_with_its_enqueued_at_as_the_pushed_stamp():
+    """Frames pushed before the header lost `enqueued_at` (issue 63, item 7) still wait in a list after an upgrade:
+    read, with it as `pushed_at` (their stamps, when they carried one already, win)."""
+    import json
+    import struct
+
+    fields = {**vars(header(stamps={"received_at": 0.5})), "enqueued_at": 7.0}
+    encoded = json.dumps(fields).encode()
+    old = struct.pack(">4sI", b"IMF1", len(encoded)) + encoded + bytes(24)
+    assert unpack_frame(old).header.pushed_at == 7.0
 
 
 @pytest.mark.parametrize(
@@ -579,12 +591,12 @@ def test_a_frame_for_a_full_list_leaves_the_list_and_the_job_as_they_were(redis_
     store.create("c" * 32, b"upload", 60, {"deadline_at": 1e12})
     assert advance(store, "c" * 32, PREPROCESSING)
     redis_client.lpush(keys.frames("m:1"), b"older", b"newer")
-    assert not pusher.has_room("m:1", 2)
+    assert not pusher.has_room("c" * 32, "m:1", 2)
     assert pusher.push("c" * 32, "m:1", b"frame", 2, {"pushed_at": 1.0}) == frames.LIST_FULL
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"newer", b"older"]
     assert store.load("c" * 32)["status"] == PREPROCESSING
     assert redis_client.exists(keys.upload("c" * 32))
-    assert pusher.has_room("m:1", 3)
+    assert pusher.has_room("c" * 32, "m:1", 3)
     assert pusher.push("c" * 32, "m:1", b"frame", 3, {"pushed_at": 2.0}) == frames.PUSHED
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame", b"newer", b"older"]
     assert store.load("c" * 32)["status"] == QUEUED_GPU and store.load("c" * 32)["pushed_at"] == 2.0

@@ -58,7 +58,7 @@ def scene_frames(count: int, input_size: int = 320, seed: int = 0) -> list[Frame
             size = int(rng.integers(30, 60))
             draw.ellipse((x, y, x + size, y + size), fill=tuple(int(v) for v in rng.integers(0, 255, 3)))
         boxed = letterbox(image, (width, height), input_size)
-        header = FrameHeader(job_id=f"scene{i}", **boxed.placement.fields(), enqueued_at=0.0, deadline_at=1e12)
+        header = FrameHeader(job_id=f"scene{i}", **boxed.placement.fields(), deadline_at=1e12)
         frames.append(unpack_frame(bytearray(pack_frame(header, boxed.pixels))))
     return frames
 

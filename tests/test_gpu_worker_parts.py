@@ -80,7 +80,6 @@ def make_frame(
         scale_y=1.0,
         orig_width=width,
         orig_height=height,
-        enqueued_at=0.0,
         deadline_at=1e12,
         options=options or {},
     )

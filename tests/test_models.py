@@ -491,7 +491,7 @@ def test_frames_left_on_0_1_0s_single_list_are_left_alone_and_orphaned_lists_are
         multi_stack.keys.job(job_id),
         mapping={"id": job_id, "status": "queued_gpu", "received_at": now, "deadline_at": now + 60},
     )
-    header = FrameHeader(job_id=job_id, **boxed.placement.fields(), enqueued_at=now, deadline_at=now + 60)
+    header = FrameHeader(job_id=job_id, **boxed.placement.fields(), deadline_at=now + 60)
     single_list = f"{multi_stack.keys.namespace}:frames"
     multi_stack.redis.lpush(single_list, pack_frame(header, boxed.pixels))
     removed = multi_stack.keys.frames("removed:1")  # a version taken out of the config before it drained

@@ -18,8 +18,9 @@ import requests
 from app.services import services as api_services
 from bench.processes import RedisServer
 from contract import frame_push as frames
-from contract.frame_shard_source import ShardedFrameSource, requeue_sharded_frames_of
+from contract.frame_shard_source import ShardedFrameSource
 from contract.frame_shards import frame_pusher
+from contract.frame_source import requeue_frames_of
 from contract.frames import FrameHeader, pack_frame, read_job_id
 from contract.jobs.ending import JobEnding
 from contract.jobs.handoff import JobHandOff
@@ -119,7 +120,7 @@ def test_a_shards_share_of_the_bound_holds_and_a_frame_that_may_not_stand_is_tak
     assert pusher.push(first, MODEL, b"1" * 10, 4, {}, "c") == frames.PUSHED
     assert pusher.push(second, MODEL, b"2" * 10, 4, {}, "c") == frames.PUSHED
     assert pusher.push(over, MODEL, b"3" * 10, 4, {}, "c") == frames.LIST_FULL
-    assert not pusher.has_room(MODEL, 4, over)
+    assert not pusher.has_room(over, MODEL, 4)
     plane.clients[0].rpop(keys.frames(MODEL))
     store.fail(over, "test", "ended meanwhile")
     assert pusher.push(over, MODEL, b"3" * 10, 4, {}, "c") == frames.JOB_OVER
@@ -148,7 +149,6 @@ def _push_frame(client: redis.Redis, keys: Keys, job_id: str) -> None:
         scale_y=1.0,
         orig_width=8,
         orig_height=8,
-        enqueued_at=time.time(),
         deadline_at=time.time() + 60,
     )
     client.lpush(keys.frames(MODEL), pack_frame(header, bytes(8 * 8 * 3)))
@@ -214,13 +214,13 @@ def test_a_dead_workers_frames_go_back_on_every_shard_with_an_attempt_counted(re
         _push_frame(shard, keys, job_id)
         shard.lmove(keys.frames(MODEL), keys.processing("dead", MODEL), "RIGHT", "LEFT")
     redis_client.zadd(keys.gpu_workers, {"dead": 1.0})
-    assert requeue_sharded_frames_of(redis_client, plane, keys, "dead", [MODEL], only_if_dead=True) == 3
+    assert requeue_frames_of(redis_client, keys, "dead", [MODEL], only_if_dead=True, bulk=plane) == 3
     for job_id in ids:
         assert plane.client_for(job_id).llen(keys.frames(MODEL)) == 1
         assert redis_client.hget(keys.job(job_id), "attempts") == b"1"
     assert redis_client.zscore(keys.gpu_workers, "dead") is None
     redis_client.set(keys.heartbeat("alive"), "x")
-    assert requeue_sharded_frames_of(redis_client, plane, keys, "alive", [MODEL], only_if_dead=True) == -1
+    assert requeue_frames_of(redis_client, keys, "alive", [MODEL], only_if_dead=True, bulk=plane) == -1
 
 
 def test_the_loss_of_a_shard_is_dated_at_its_restart_even_just_after_the_watchs_last_look():
