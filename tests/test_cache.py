@@ -224,7 +224,12 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert cache_stack.submit(image, model="box:2").json()["cache"] == "miss"  # another version
     opted_out = cache_stack.submit(image, cache="false").json()
     assert opted_out["status"] == "queued" and "cache" not in opted_out
-    stats = cache_stack.session.get(cache_stack.url("/v1/stats"), timeout=10).json()["cache"]
+
+    def cache_stats() -> dict:
+        return cache_stack.session.get(cache_stack.url("/v1/stats"), timeout=10).json()["cache"]
+
+    # the misses reach the shared counters at the API's next sweeper tick (once a second: contract.cache.MissCounts)
+    stats = wait_until(lambda: (found := cache_stats())["models"]["box:1"]["misses"] and found, 10, what="misses")
     assert stats["models"]["box:1"]["hits"] >= 2 and 0 < stats["models"]["box:1"]["hit_rate"] < 1
     assert 0 < stats["bytes"] <= MAX_BYTES and stats["entries"] >= 1
     metrics = cache_stack.session.get(cache_stack.url("/metrics"), timeout=10).text
