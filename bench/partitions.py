@@ -14,22 +14,17 @@ gone back, ended twice, expired early or billed off the clock, and no live worke
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from bench.cluster import HostedStack, Layout
+from bench.harness import Load, RunOptions
 from bench.history import History, check, kept
 from bench.hosts import Network
-from bench.load import ImageStream, session_for
 from bench.stack import StackOptions
-from contract.jobs.record import TERMINAL
 
 Fault = Callable[[HostedStack], None]
 
@@ -153,16 +148,6 @@ def scenarios() -> dict[str, Scenario]:
     return {s.name: s for s in found}
 
 
-@dataclass
-class RunOptions:
-    qps: float = 10.0
-    fault_at_s: float = 6.0
-    fault_s: float = 20.0
-    after_s: float = 10.0  # load after the fault's end
-    deadline_ms: int = 60_000
-    drain_s: float = 90.0  # the longest a job is followed after the load stops
-
-
 def run_scenario(
     scenario: Scenario, options: StackOptions, images: list[bytes], run: RunOptions, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
@@ -210,108 +195,6 @@ def _at(moment: float) -> None:
 
 def _taken_for_dead(stack: HostedStack) -> int:
     return sum(text.count(marker) for _, text in stack.logs() for marker in TAKEN_FOR_DEAD)
-
-
-class Load:
-    """Submissions at a steady rate (each on a thread of a pool: a slow answer does not slow the next), each
-    accepted job long-polled until it ends; `drain` follows what is left, then reads every accepted job once
-    more. Every operation goes into the history."""
-
-    def __init__(self, url: str, images: list[bytes], run: RunOptions, history: History) -> None:
-        self.url, self.run, self.history = url, run, history
-        self.stream = ImageStream(images)  # every image new: computed, not answered from the result cache
-        self.submitters = ThreadPoolExecutor(32)
-        self.followers = ThreadPoolExecutor(96)
-        self.session = session_for(128)
-        self.stopping = threading.Event()
-        self.pacer = threading.Thread(target=self._pace, name="load", daemon=True)
-
-    def start(self) -> None:
-        self.pacer.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.pacer.join()
-        self.submitters.shutdown(wait=True)
-
-    def drain(self, limit_s: float) -> None:
-        self.give_up_at = time.monotonic() + limit_s
-        self.followers.shutdown(wait=True)
-        with ThreadPoolExecutor(16) as final:
-            list(final.map(self._read_final, list(self.history.accepted())))
-
-    def _pace(self) -> None:
-        interval, i, next_at = 1.0 / self.run.qps, 0, time.monotonic()
-        self.give_up_at = float("inf")
-        while not self.stopping.is_set():
-            self.submitters.submit(self._submit, self.stream.next(i))
-            i += 1
-            next_at += interval
-            self.stopping.wait(max(0.0, next_at - time.monotonic()))
-
-    def _submit(self, image: bytes) -> None:
-        started = time.monotonic()
-        try:
-            response = self.session.post(
-                f"{self.url}/v1/jobs",
-                data=image,
-                params={"deadline_ms": self.run.deadline_ms},
-                headers={"Content-Type": "image/jpeg"},
-                timeout=15,
-            )
-        except requests.RequestException as exc:
-            self.history.submit(started, type(exc).__name__)
-            return
-        if response.status_code == 202:
-            job = response.json()["id"]
-            self.history.submit(started, 202, job)
-            self.followers.submit(self._follow, job, started)
-        else:
-            self.history.submit(started, response.status_code, problem=_problem(response))
-
-    def _follow(self, job: str, submitted: float) -> None:
-        until = submitted + self.run.deadline_ms / 1000.0 + 30.0
-        while time.monotonic() < min(until, self.give_up_at):
-            _, doc = self._read(job, wait_s=5)
-            if doc is not None and doc.get("status") in TERMINAL:
-                return
-            if doc is None:
-                time.sleep(0.2)
-
-    def _read_final(self, job: str) -> None:
-        """The read after the run: asked again while the service says 503 (it may not show an end yet)."""
-        until = time.monotonic() + 30.0
-        while time.monotonic() < until:
-            code, _ = self._read(job, wait_s=0)
-            if code in (200, 404, 410):
-                return
-            time.sleep(0.3)
-
-    def _read(self, job: str, wait_s: float) -> tuple[int | str, dict[str, Any] | None]:
-        """One read, recorded: (its HTTP status or exception, the job document when it was 200)."""
-        started = time.monotonic()
-        try:
-            response = self.session.get(
-                f"{self.url}/v1/jobs/{job}", params={"wait": wait_s} if wait_s else None, timeout=wait_s + 15
-            )
-        except requests.RequestException as exc:
-            self.history.read(job, started, type(exc).__name__, None)
-            return type(exc).__name__, None
-        if response.status_code != 200:
-            self.history.read(job, started, response.status_code, None, _problem(response))
-            return response.status_code, None
-        doc = response.json()
-        self.history.read(job, started, 200, doc)
-        return 200, doc
-
-
-def _problem(response: requests.Response) -> str:
-    if not response.headers.get("Content-Type", "").endswith("json"):
-        return ""
-    try:
-        return str(response.json().get("type", "")).rsplit("/", 1)[-1]
-    except ValueError:
-        return ""
 
 
 def format_verdict(verdict: dict[str, Any]) -> str:

@@ -17,6 +17,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
+from contract.release import RELEASE
 from contract.timebill import PUSHED_AT
 
 # --- the frame -------------------------------------------------------------------------------------------
@@ -89,8 +90,11 @@ def pack_frame(header: FrameHeader, pixels: bytes) -> bytes:
     if len(pixels) != expected:
         raise FrameError(f"pixels hold {len(pixels)} bytes, header says {expected}")
     # vars(), not asdict(): the same JSON (fields in order, the two dicts as they are) without asdict's deep
-    # copy, a fifth of a millisecond of a CPU child's plumbing per frame (py-spy).
-    encoded = json.dumps(vars(header), separators=(",", ":")).encode()
+    # copy, a fifth of a millisecond of a CPU child's plumbing per frame (py-spy). `enqueued_at` is still written,
+    # for GPU workers of a release before 0.2.0 (they require it: docs/upgrading.md), and `release` says whose
+    # frame it is (a reader that cannot read it names both releases).
+    fields = {**vars(header), "enqueued_at": header.pushed_at, "release": RELEASE}
+    encoded = json.dumps(fields, separators=(",", ":")).encode()
     return b"".join((_PREFIX.pack(MAGIC, len(encoded)), encoded, pixels))
 
 
@@ -127,6 +131,9 @@ end
 """
 
 
+_HEADER_FIELDS = frozenset(FrameHeader.__dataclass_fields__)
+
+
 def _header_length(data: bytes | memoryview) -> int:
     if len(data) < _PREFIX.size:
         raise FrameError("frame shorter than its prefix")
@@ -142,12 +149,22 @@ def _read_header(data: bytes | memoryview) -> FrameHeader:
     length = _header_length(data)
     try:
         raw = json.loads(bytes(data[_PREFIX.size : _PREFIX.size + length]))
-        pushed_at = raw.pop("enqueued_at", None)  # a frame an earlier version pushed: the stamp under its old name
-        if pushed_at is not None and isinstance(raw.get("stamps"), dict):
-            raw["stamps"].setdefault(PUSHED_AT, pushed_at)
-        header = FrameHeader(**raw)
-    except (ValueError, TypeError) as exc:
+    except ValueError as exc:
         raise FrameError(f"bad frame header: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise FrameError("bad frame header: not an object")
+    writer = raw.pop("release", None)
+    pushed_at = raw.pop("enqueued_at", None)  # a frame of a release before 0.2.0: the stamp under its old name
+    if pushed_at is not None and isinstance(raw.get("stamps"), dict):
+        raw["stamps"].setdefault(PUSHED_AT, pushed_at)
+    try:
+        # a field a later release added is dropped (docs/upgrading.md: a header may grow; readers ignore what they
+        # do not know); one this release needs and the writer left out is an error that names both releases
+        header = FrameHeader(**{name: value for name, value in raw.items() if name in _HEADER_FIELDS})
+    except TypeError as exc:
+        raise FrameError(
+            f"bad frame header (written by {writer or 'an unknown release'}, read by {RELEASE}): {exc}"
+        ) from exc
     _check_header(header)
     return header
 

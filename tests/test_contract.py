@@ -79,6 +79,30 @@ def test_a_frame_an_earlier_version_pushed_is_read_with_its_enqueued_at_as_the_p
     assert unpack_frame(old).header.pushed_at == 7.0
 
 
+def test_a_frame_header_may_grow_and_one_that_lacks_a_field_names_both_releases():
+    """docs/upgrading.md's rule for the frame: a field a later release adds is dropped by this reader; a field
+    this release needs, missing, is an error naming the writer's release and this one's (the job then ends
+    `failed` with it: gpu_worker.feeder)."""
+    import json
+    import struct
+
+    from contract.frames import FrameError
+    from contract.release import RELEASE
+
+    def framed(fields: dict) -> bytes:
+        encoded = json.dumps(fields).encode()
+        return struct.pack(">4sI", b"IMF1", len(encoded)) + encoded + bytes(24)
+
+    packed = pack_frame(header(), bytes(24))
+    written = json.loads(packed[8 : 8 + struct.unpack_from(">4sI", packed)[1]])
+    assert written["release"] == RELEASE and written["enqueued_at"] == 1.0  # for readers of the release before
+    grown = {**vars(header()), "release": "9.9.9", "priority": 3}
+    assert unpack_frame(framed(grown)).header == header()
+    lacking = {name: value for name, value in vars(header()).items() if name != "orig_width"}
+    with pytest.raises(FrameError, match=f"written by 9.9.9, read by {RELEASE}"):
+        unpack_frame(framed({**lacking, "release": "9.9.9"}))
+
+
 @pytest.mark.parametrize(
     "mutate",
     [

@@ -34,12 +34,22 @@ def add_commands(
         help="the service as several hosts (network namespaces: root, iptables), every client operation recorded "
         "and checked (bench.partitions)",
     )
-    chaos.add_argument("--runs", type=int, default=1, help="--hosts: runs of each scenario")
+    chaos.add_argument("--runs", type=int, default=1, help="runs of each scenario (and of each --order)")
     chaos.add_argument("--fault-at", type=float, default=6.0, help="--hosts: seconds of load before the fault")
     chaos.add_argument("--fault-s", type=float, default=20.0, help="--hosts: how long the fault lasts")
     chaos.add_argument("--after", type=float, default=15.0, help="--hosts: seconds of load after the fault")
     chaos.add_argument("--deadline-ms", type=int, default=60_000, help="--hosts: every job's deadline_ms")
     chaos.add_argument("--root", type=Path, help="--hosts: run the service from this checkout (the figures before)")
+    chaos.add_argument(
+        "--from",
+        dest="from_ref",
+        default=None,
+        help="upgrade: the git ref the stack starts at (a worktree under .bench/ab/); each role is then replaced "
+        "by this checkout's (default: the last release, docs/releasing.md)",
+    )
+    chaos.add_argument(
+        "--order", default="api-first", help="upgrade: api-first, workers-first, or both (each --runs times)"
+    )
     chaos.add_argument("--kill-at", type=float, default=10.0, help="failover: seconds into the load")
     chaos.add_argument(
         "--back-after",
@@ -104,35 +114,59 @@ def add_commands(
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
+    """One harness (bench.harness): the scenarios on one machine here, the --hosts ones in chaos_on_hosts."""
+    from bench.harness import RunOptions, format_verdict, run_local
+
+    if args.scenario == "list" and not args.hosts:
+        from bench.partitions import scenarios
+
+        local = {
+            "kills": "make run's stack under load: the GPU worker killed twice, a Celery child once, Redis stopped",
+            "failover": "make run's stack behind Sentinel: the primary SIGKILLed under load, back later as a replica",
+            "upgrade": "a rolling upgrade under load: the stack at --from (default: the last release), each role "
+            "replaced by this checkout's in --order (api-first, workers-first, both)",
+        }
+        listed = {**local, **{f"--hosts {name}": s.description for name, s in scenarios().items()}}
+        print("\n".join(f"{name}: {description}" for name, description in listed.items()))
+        return 0
     if args.hosts:
         return chaos_on_hosts(args)
     images = load_corpus(args.corpus, count=args.images)
-    if args.scenario == "failover":
-        from bench.failover import format_failover, run_failover
+    name = args.scenario or "kills"
+    if name == "kills":
+        from bench.chaos import kills
 
-        tally = run_failover(
-            stack_options(args, cpu_workers=args.cpu_workers),
-            images,
-            args.qps,
-            args.duration,
-            args.kill_at,
-            args.back_after,
-            log=log_line,
-        )
-        print(format_failover(tally))
-        return 0 if tally["lost"] == 0 and tally["restarted"] == 0 else 1
-    if args.scenario not in (None, "kills"):
-        raise SystemExit(f"bench chaos: --scenario {args.scenario}: kills or failover (or a --hosts scenario)")
-    from bench.chaos import format_tally, run_chaos
+        runs = [(kills(stack_options(args), args.duration), RunOptions(args.qps, 3.0, args.duration, 5.0))]
+    elif name == "failover":
+        from bench.failover import failover
 
-    tally = run_chaos(stack_options(args), images, args.qps, args.duration, log=log_line)
-    print(format_tally(tally))
-    return 0 if tally["lost"] == 0 and tally["duplicated"] == 0 else 1
+        after = max(0.0, args.duration - args.kill_at - args.back_after)
+        run = RunOptions(args.qps, args.kill_at, 0.0, after)
+        runs = [(failover(stack_options(args, cpu_workers=args.cpu_workers), args.back_after), run)]
+    elif name == "upgrade":
+        from bench.upgrade import ORDERS, last_release, upgrade
+
+        orders = list(ORDERS) if args.order == "both" else args.order.split(",")
+        if any(order not in ORDERS for order in orders):
+            raise SystemExit(f"bench chaos --scenario upgrade: --order {args.order}: {', '.join(ORDERS)} or both")
+        from_ref = args.from_ref or last_release()
+        run = RunOptions(args.qps, 5.0, 0.0, 5.0)
+        runs = [(upgrade(stack_options(args), from_ref, order), run) for order in orders]
+    else:
+        raise SystemExit(f"bench chaos: --scenario {name}: kills, failover, upgrade (or a --hosts one: list)")
+    verdicts = []
+    for scenario, run in runs:
+        for _ in range(args.runs):
+            verdicts.append(run_local(scenario, images, run, log=log_line))
+            print(format_verdict(verdicts[-1]), flush=True)
+    print(f"Files: {write_files(args.out, f'chaos-{name}', '', verdicts)}")
+    return 0 if all(v["ok"] for v in verdicts) else 1
 
 
 def chaos_on_hosts(args: argparse.Namespace) -> int:
     """Each scenario `--runs` times on a fresh network: every verdict, then a table; non-zero if any broke."""
-    from bench.partitions import RunOptions, format_verdict, hosted_options, run_scenario, scenarios, table
+    from bench.harness import RunOptions
+    from bench.partitions import format_verdict, hosted_options, run_scenario, scenarios, table
 
     known = scenarios()
     if args.scenario in (None, "list"):

@@ -1,0 +1,23 @@
+"""Releases (docs/releasing.md): the version in pyproject.toml is the one the code says (contract.release, written
+into every frame), RELEASES lists each release once, oldest first, ending with it, and CHANGELOG.md has its
+section."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+
+from bench.processes import REPO_ROOT
+from contract.release import RELEASE
+
+
+def test_the_release_is_one_number_in_pyproject_the_code_releases_and_the_changelog():
+    assert tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"] == RELEASE
+    lines = [line.split() for line in (REPO_ROOT / "RELEASES").read_text().splitlines() if line.strip()]
+    releases = [line for line in lines if not line[0].startswith("#")]
+    assert all(len(line) == 3 and re.fullmatch(r"[0-9a-f]{40}", line[2]) for line in releases), releases
+    versions = [tuple(int(part) for part in line[0].split(".")) for line in releases]
+    assert versions == sorted(set(versions)) and releases[-1][0] == RELEASE
+    assert re.search(
+        rf"^## \[{re.escape(RELEASE)}\] - \d{{4}}-\d{{2}}-\d{{2}}$", (REPO_ROOT / "CHANGELOG.md").read_text(), re.M
+    )
