@@ -4,4 +4,4 @@ carries its writer's, so that a reader of another release can say which release 
 
 from __future__ import annotations
 
-RELEASE = "0.1.0"
+RELEASE = "0.2.0"
