@@ -15,15 +15,15 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from bench.harness import LocalScenario, Log
+from bench.harness import FaultScenario, Log
 from bench.processes import children_of
 from bench.stack import LocalStack, StackOptions
 
 
-def kills(options: StackOptions, duration_s: float) -> LocalScenario:
+def kills(options: StackOptions, duration_s: float) -> FaultScenario:
     """The scenario: its faults spread over `duration_s`."""
     options = replace(options, persistent_redis=True)
-    return LocalScenario(
+    return FaultScenario(
         "kills",
         "make run's stack under load: the GPU worker killed twice, a Celery child once, Redis stopped once",
         start=lambda: LocalStack(Path(tempfile.mkdtemp(prefix="chaos-")), options).start(),

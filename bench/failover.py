@@ -15,11 +15,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from bench.harness import LocalScenario, Log
+from bench.harness import FaultScenario, Log
 from bench.stack import ProcfileStack, StackOptions
 
 
-def failover(options: StackOptions, back_after_s: float = 10.0) -> LocalScenario:
+def failover(options: StackOptions, back_after_s: float = 10.0) -> FaultScenario:
     options = replace(options, sentinel=True)
     killed: list[str] = []
 
@@ -45,7 +45,7 @@ def failover(options: StackOptions, back_after_s: float = 10.0) -> LocalScenario
             "reported": ("restarted", "killed_comes_back_as"),
         }
 
-    return LocalScenario(
+    return FaultScenario(
         "failover",
         "make run's stack behind Sentinel: the primary SIGKILLed under load, back later as a replica",
         start=lambda: ProcfileStack(Path(tempfile.mkdtemp(prefix="failover-")), options).start(),

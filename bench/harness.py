@@ -47,38 +47,39 @@ class Served(Protocol):
 
 
 @dataclass(frozen=True)
-class LocalScenario:
-    """A scenario on one machine: `start` makes its stack; `fault` does what goes wrong (the load runs meanwhile)
-    and returns its window (monotonic seconds: refusals are counted before, during and after it); `report` adds
-    what only this scenario can say (how the stack recovered) to the verdict, before the stack stops."""
+class FaultScenario:
+    """A scenario: `start` makes its stack (on one machine, or on several hosts: bench.partitions); `fault` does
+    what goes wrong (the load runs meanwhile) and returns its window (monotonic seconds: refusals are counted
+    before, during and after it); `report` adds what only this scenario can say (how the stack recovered) to the
+    verdict, before the stack stops."""
 
     name: str
     description: str
     start: Callable[[], Served]
-    fault: Callable[[Any, Log], tuple[float, float]]
+    fault: Callable[[Any, Log], tuple[float, float] | None]  # None: no fault (a baseline run)
     report: Callable[[Any], dict[str, Any]] = lambda stack: {}
     ok: Callable[[dict[str, Any]], bool] = lambda verdict: True  # more than the checker's promises
 
 
-def run_local(scenario: LocalScenario, images: list[bytes], run: RunOptions, log: Log = print) -> dict[str, Any]:
+def run_scenario(scenario: FaultScenario, images: list[bytes], options: RunOptions, log: Log = print) -> dict[str, Any]:
     """One run of `scenario`: the checker's verdict, with the scenario's own figures; `ok` when every promise held
     (nothing lost, gone back, ended twice, expired early, billed off the clock) and the scenario's own check."""
     stack = scenario.start()
     try:
         history = History()
-        load = Load(stack.url, images, run, history)
+        load = Load(stack.url, images, options, history)
         started = time.monotonic()
         load.start()
-        time.sleep(run.fault_at_s)
+        time.sleep(options.fault_at_s)
         history.fault = scenario.fault(stack, log)
-        _at(history.fault[1] + run.after_s)
+        _at((history.fault[1] if history.fault else time.monotonic()) + options.after_s)
         load.stop()
         log(
             f"{scenario.name}: load stopped after {time.monotonic() - started:.0f} s; following "
             f"{len(history.accepted())} accepted jobs to their end"
         )
-        load.drain(run.drain_s)
-        verdict = check(history, run.deadline_ms)
+        load.drain(options.drain_s)
+        verdict = check(history, options.deadline_ms)
         verdict.update(scenario.report(stack))
     finally:
         stack.stop()

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import harness
 from bench.cluster import HostedStack, Layout
-from bench.harness import Load, RunOptions
-from bench.history import History, check, kept
+from bench.harness import RunOptions
 from bench.hosts import Network
 from bench.stack import StackOptions
 
@@ -151,65 +151,75 @@ def scenarios() -> dict[str, Scenario]:
 def run_scenario(
     scenario: Scenario, options: StackOptions, images: list[bytes], run: RunOptions, log: Callable[[str], None] = print
 ) -> dict[str, Any]:
-    """One run of `scenario` on a fresh network and stack: the checker's verdict, with the bytes per link."""
-    workdir = Path(tempfile.mkdtemp(prefix=f"hosts-{scenario.name}-"))
-    if scenario.deadline_ms is not None:
-        run = replace(run, deadline_ms=scenario.deadline_ms)
-    with Network.create() as network:
-        stack = HostedStack(workdir, network, options, scenario.layout, dict(scenario.skew)).start()
+    """One run of `scenario` on a fresh network and stack, through the one harness (bench.harness): the checker's
+    verdict, with the bytes per link, the workers taken for dead and where the primary ended."""
+    return harness.run_scenario(hosted(scenario, options, run), images, _with_deadline(scenario, run), log)
+
+
+def hosted(scenario: Scenario, options: StackOptions, run: RunOptions) -> harness.FaultScenario:
+    """`scenario` as the harness runs it: its network and stack started together, its fault made and healed after
+    `run.fault_s`."""
+
+    def start() -> _Hosted:
+        network = Network.create()
+        workdir = Path(tempfile.mkdtemp(prefix=f"hosts-{scenario.name}-"))
         try:
-            history = History()
-            load = Load(stack.url, images, run, history)
-            started = time.monotonic()
-            load.start()
-            if scenario.fault is not None:
-                _at(started + run.fault_at_s)
-                scenario.fault(stack)
-                fault_began = time.monotonic()
-                log(f"{scenario.name}: fault at {fault_began - started:.1f} s ({scenario.description})")
-                _at(fault_began + run.fault_s)
-                assert scenario.heal is not None
-                scenario.heal(stack)
-                history.fault = (fault_began, time.monotonic())
-                log(f"{scenario.name}: healed at {time.monotonic() - started:.1f} s")
-                _at(history.fault[1] + run.after_s)
-            else:
-                _at(started + run.fault_at_s + run.fault_s + run.after_s)
-            load.stop()
-            log(f"{scenario.name}: load stopped; following {len(history.accepted())} accepted jobs to their end")
-            load.drain(run.drain_s)
-            verdict = check(history, run.deadline_ms)
-            verdict["taken_for_dead"] = _taken_for_dead(stack)
-            verdict["bytes"] = {f"{a}->{b}": n for (a, b), n in sorted(network.bytes_between().items()) if n}
-            verdict["ok"] = kept(verdict) and not (scenario.workers_stay_alive and verdict["taken_for_dead"])
-            verdict["scenario"] = scenario.name
-            verdict["primary_at_end"] = stack.primary_host()
+            return _Hosted(HostedStack(workdir, network, options, scenario.layout, dict(scenario.skew)).start())
+        except BaseException:
+            network.close()
+            raise
+
+    def fault(hosts: _Hosted, log: Callable[[str], None]) -> tuple[float, float] | None:
+        if scenario.fault is None:
+            time.sleep(run.fault_s)
+            return None
+        scenario.fault(hosts.stack)
+        began = time.monotonic()
+        log(f"{scenario.name}: fault ({scenario.description})")
+        time.sleep(run.fault_s)
+        assert scenario.heal is not None
+        scenario.heal(hosts.stack)
+        log(f"{scenario.name}: healed after {time.monotonic() - began:.1f} s")
+        return began, time.monotonic()
+
+    def report(hosts: _Hosted) -> dict[str, Any]:
+        links = hosts.stack.network.bytes_between().items()
+        return {
+            "taken_for_dead": _taken_for_dead(hosts.stack),
+            "bytes": {f"{a}->{b}": n for (a, b), n in sorted(links) if n},
+            "primary_at_end": hosts.stack.primary_host(),
+            "reported": ("taken_for_dead", "primary_at_end"),
+        }
+
+    return harness.FaultScenario(
+        scenario.name,
+        scenario.description,
+        start=start,
+        fault=fault,
+        report=report,
+        ok=lambda verdict: not (scenario.workers_stay_alive and verdict["taken_for_dead"]),
+    )
+
+
+def _with_deadline(scenario: Scenario, run: RunOptions) -> RunOptions:
+    return replace(run, deadline_ms=scenario.deadline_ms) if scenario.deadline_ms is not None else run
+
+
+class _Hosted:
+    """A hosted stack and its network, stopped together."""
+
+    def __init__(self, stack: HostedStack) -> None:
+        self.stack, self.url = stack, stack.url
+
+    def stop(self) -> None:
+        try:
+            self.stack.stop()
         finally:
-            stack.stop()
-    return verdict
-
-
-def _at(moment: float) -> None:
-    time.sleep(max(0.0, moment - time.monotonic()))
+            self.stack.network.close()
 
 
 def _taken_for_dead(stack: HostedStack) -> int:
     return sum(text.count(marker) for _, text in stack.logs() for marker in TAKEN_FOR_DEAD)
-
-
-def format_verdict(verdict: dict[str, Any]) -> str:
-    refused = "; ".join(
-        f"{phase}: " + ", ".join(f"{k} x{v}" for k, v in counts.items()) for phase, counts in verdict["refused"].items()
-    )
-    return (
-        f"{verdict['scenario']}: {'OK' if verdict['ok'] else 'BROKEN'} | accepted {verdict['accepted']} of "
-        f"{verdict['submitted']}, ends {verdict['ends']}, lost {verdict['lost']}, went back {verdict['went_back']}, "
-        f"ended twice {verdict['ended_twice']}, expired early {verdict['expired_early']}, bills off the clock "
-        f"{verdict['bills_off_clock']}, taken for dead {verdict['taken_for_dead']}, live status went back "
-        f"{verdict['live_status_went_back']} | refused: {refused or 'none'} | first 202 after the heal: "
-        f"{verdict['first_202_after_heal_s']} s | primary at the end: {verdict['primary_at_end']}"
-        + (f" | examples {verdict['examples']}" if verdict["examples"] else "")
-    )
 
 
 def table(verdicts: list[dict[str, Any]]) -> str:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.ab import worktree
-from bench.harness import LocalScenario, Log
+from bench.harness import FaultScenario, Log
 from bench.processes import REPO_ROOT, ManagedProcess, wait_until
 from bench.stack import LocalStack, StackOptions, answers_ok
 
@@ -36,7 +36,7 @@ ORDERS: dict[str, tuple[str, ...]] = {
 
 def upgrade(
     options: StackOptions, from_ref: str, order: str = "api-first", to_root: Path = REPO_ROOT, between_s: float = 4.0
-) -> LocalScenario:
+) -> FaultScenario:
     """The scenario: the stack at `from_ref`, its roles replaced in `order` by `to_root`'s, `between_s` of load
     after each new process answers."""
     old_root = worktree(from_ref)
@@ -48,6 +48,7 @@ def upgrade(
     options = replace(options, extra={**options.extra, "jobs": jobs})
 
     def fault(stack: LocalStack, log: Log) -> tuple[float, float]:
+        handovers.clear()  # this run's (a scenario runs --runs times)
         began = time.monotonic()
         for role in ORDERS[order]:
             handovers.append(replace_role(stack, role, to_root))
@@ -55,7 +56,7 @@ def upgrade(
             time.sleep(between_s)
         return began, time.monotonic()
 
-    return LocalScenario(
+    return FaultScenario(
         f"upgrade {order} from {from_ref}",
         "a rolling upgrade under load: the stack at --from, each role replaced by this checkout's in --order "
         "(api-first, workers-first)",

@@ -95,6 +95,11 @@ class FramePusher:
         self.redis = client
         self.keys = keys
         self._keep = client.register_script(_KEEP_PUSHED_FRAME)
+        # Loaded before this process's first push, and again after a lost connection (a restarted Redis has
+        # forgotten it): a push that meets NOSCRIPT has already pushed its frame, and a GPU worker may take that
+        # frame before it is taken back, so that the push made again runs the job twice in one batch (seen on a
+        # fresh Redis's first job: a wasted slot, the first answer kept).
+        self._loaded = False
 
     def push(
         self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any], claim: str = ""
@@ -113,6 +118,9 @@ class FramePusher:
             len(frame),
             *flatten_fields({"status": QUEUED_GPU, "updated_at": service_now(), **fields}),
         ]
+        if not self._loaded:
+            self.redis.script_load(_KEEP_PUSHED_FRAME)
+            self._loaded = True
         for attempt in range(2):
             pipe = self.redis.pipeline(transaction=True)
             pipe.lpush(frames, frame)
@@ -121,7 +129,11 @@ class FramePusher:
             # the LPUSH: the frame is taken out again, the step loaded, and the push made once more. (A GPU worker
             # that pops the frame in between answers the job: the second push then finds it over.)
             pipe.evalsha(self._keep.sha, 4, *arguments)
-            kept = pipe.execute(raise_on_error=False)[1]
+            try:
+                kept = pipe.execute(raise_on_error=False)[1]
+            except redis.ConnectionError:
+                self._loaded = False  # the server may have restarted: load the step again before the next push
+                raise
             if not isinstance(kept, redis.exceptions.NoScriptError) or attempt:
                 break
             self.redis.lrem(frames, 1, frame)  # type: ignore[arg-type]  # redis-py's stubs say str; bytes go

@@ -30,8 +30,15 @@ def quiet_redis(tmp_path) -> Iterator[redis.Redis]:
     server.stop()
 
 
-# What a new connection sends before its first command: once a connection, not once an image.
-_CONNECTING = {"cmdstat_hello", "cmdstat_select", "cmdstat_client|setinfo", "cmdstat_client|setname"}
+# What a new connection sends before its first command, and a step loaded before a process's first push: once a
+# connection or a process, not once an image.
+_CONNECTING = {
+    "cmdstat_hello",
+    "cmdstat_select",
+    "cmdstat_client|setinfo",
+    "cmdstat_client|setname",
+    "cmdstat_script|load",
+}
 
 
 def commands_of(client: redis.Redis, step: Callable[[], Any]) -> dict[str, int]:
@@ -111,7 +118,8 @@ def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_
     job = "d1" * 16
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
     assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
-    quiet_redis.script_flush()
+    assert pusher.push("e0" * 16, "m:1", b"another job's", 10, {}, "c") == frames.JOB_OVER  # (loads the step)
+    quiet_redis.script_flush()  # as a SCRIPT FLUSH would, on a connection that stayed up
     assert pusher.push(job, "m:1", b"the frame", 10, {"pushed_at": 2.0}, "c") == frames.PUSHED
     assert quiet_redis.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]  # once, kept
     assert intake.load(job)["status"] == "queued_gpu"
@@ -226,3 +234,19 @@ def test_admission_without_bulk_shards_reads_no_count_of_frames_on_them(quiet_re
     assert "hget" not in admitted and sum(admitted.values()) == 5, admitted
     assert waiting.admit("m:1", 10, 5, 100, 100, sharded=True).verdict == "backlog"  # the 5 on shards fill it
     assert waiting.admit("m:1", 10, 5, 100, 100, sharded=False).verdict == "admitted"
+
+
+def test_a_worker_loads_the_push_step_before_its_first_push_so_no_frame_is_pushed_twice(quiet_redis):
+    """On a fresh Redis the first push met NOSCRIPT after its LPUSH; a GPU worker took that frame before the push
+    took it back, and the push made again put a second frame of the job in the same batch (a newcomer saw
+    `"size": 2` with one job id twice). The step is loaded first: no NOSCRIPT, one frame."""
+    keys = Keys("preload")
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
+    job = "f1" * 16
+    intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
+    assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
+    quiet_redis.config_resetstat()
+    assert frame_pusher(quiet_redis, keys).push(job, "m:1", b"the frame", 10, {}, "c") == frames.PUSHED
+    assert "errorstat_NOSCRIPT" not in quiet_redis.info("errorstats")
+    assert quiet_redis.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]

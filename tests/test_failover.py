@@ -164,13 +164,13 @@ def test_the_primary_killed_under_load_loses_no_accepted_job(tmp_path):
     six seconds later (a replica now). Every client operation recorded, every 202 followed to its end, the history
     checked (bench.harness, bench.history)."""
     from bench.failover import failover
-    from bench.harness import RunOptions, format_verdict, run_local
+    from bench.harness import RunOptions, format_verdict, run_scenario
     from bench.stack import StackOptions
 
     options = StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})
     images = [jpeg(640, 480, seed=i) for i in range(8)]
     run = RunOptions(qps=15.0, fault_at_s=6.0, after_s=12.0, deadline_ms=60_000, drain_s=90.0)
-    verdict = run_local(failover(options, back_after_s=6.0), images, run)
+    verdict = run_scenario(failover(options, back_after_s=6.0), images, run)
     print(format_verdict(verdict))
     assert verdict["accepted"] > 150
     assert verdict["lost"] == 0 and verdict["expired_early"] == 0

@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from bench.harness import RunOptions
+from bench.harness import RunOptions, format_verdict
 from bench.hosts import OWNERS, HostsUnavailable, Network, check_can_make_hosts
-from bench.partitions import format_verdict, hosted_options, run_scenario, scenarios
+from bench.partitions import hosted_options, run_scenario, scenarios
 from bench.stack import StackOptions
 from tests.support import jpeg, wait_until
 

@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from bench.harness import RunOptions, format_verdict, run_local
+from bench.harness import RunOptions, format_verdict, run_scenario
 from bench.processes import REPO_ROOT
 from bench.stack import StackOptions
 from bench.upgrade import last_release, upgrade
@@ -28,7 +28,7 @@ def test_a_rolling_upgrade_from_the_last_release_loses_and_fails_nothing():
     scenario = upgrade(StackOptions(cpu_workers=1, api_workers=1), last_release(), "api-first", between_s=2.0)
     run = RunOptions(qps=5.0, fault_at_s=3.0, after_s=3.0, deadline_ms=60_000, drain_s=60.0)
     images = [jpeg(320 + 16 * i, 240) for i in range(4)]
-    verdict = run_local(scenario, images, run, log=lambda line: None)
+    verdict = run_scenario(scenario, images, run, log=lambda line: None)
     assert verdict["accepted"] >= 50, format_verdict(verdict)
     assert verdict["ok"] and verdict["ends"] == {"succeeded": verdict["accepted"]}, format_verdict(verdict)
     assert [h["role"] for h in verdict["handovers"]] == ["api", "gpu-worker", "cpu-worker"]

@@ -115,7 +115,7 @@ def add_commands(
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     """One harness (bench.harness): the scenarios on one machine here, the --hosts ones in chaos_on_hosts."""
-    from bench.harness import RunOptions, format_verdict, run_local
+    from bench.harness import RunOptions, format_verdict, run_scenario
 
     if args.scenario == "list" and not args.hosts:
         from bench.partitions import scenarios
@@ -157,7 +157,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     verdicts = []
     for scenario, run in runs:
         for _ in range(args.runs):
-            verdicts.append(run_local(scenario, images, run, log=log_line))
+            verdicts.append(run_scenario(scenario, images, run, log=log_line))
             print(format_verdict(verdicts[-1]), flush=True)
     print(f"Files: {write_files(args.out, f'chaos-{name}', '', verdicts)}")
     return 0 if all(v["ok"] for v in verdicts) else 1
@@ -165,8 +165,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 def chaos_on_hosts(args: argparse.Namespace) -> int:
     """Each scenario `--runs` times on a fresh network: every verdict, then a table; non-zero if any broke."""
-    from bench.harness import RunOptions
-    from bench.partitions import format_verdict, hosted_options, run_scenario, scenarios, table
+    from bench.harness import RunOptions, format_verdict
+    from bench.partitions import hosted_options, run_scenario, scenarios, table
 
     known = scenarios()
     if args.scenario in (None, "list"):
