@@ -83,10 +83,15 @@ def replace_role(stack: LocalStack, role: str, root: Path) -> dict[str, Any]:
     return {"role": role, "exit": status, "stop_s": round(stopped_s, 2), "down_s": round(time.monotonic() - began, 2)}
 
 
-def last_release(root: Path = REPO_ROOT) -> str:
-    """The commit of the last release: `RELEASES`' last line (docs/releasing.md)."""
+def releases(root: Path = REPO_ROOT) -> list[tuple[str, str, str]]:
+    """`RELEASES`' lines (docs/releasing.md), oldest first: (version, date, commit)."""
     lines = [line.split() for line in (root / "RELEASES").read_text().splitlines() if line.strip()]
-    lines = [line for line in lines if not line[0].startswith("#")]
-    if not lines:
+    return [(line[0], line[1], line[2]) for line in lines if not line[0].startswith("#")]
+
+
+def last_release(root: Path = REPO_ROOT) -> str:
+    """The commit of the last release."""
+    known = releases(root)
+    if not known:
         raise SystemExit("RELEASES names no release yet: pass --from REF")
-    return lines[-1][2]
+    return known[-1][2]

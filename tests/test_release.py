@@ -8,16 +8,16 @@ import re
 import tomllib
 
 from bench.processes import REPO_ROOT
+from bench.upgrade import releases
 from contract.release import RELEASE
 
 
 def test_the_release_is_one_number_in_pyproject_the_code_releases_and_the_changelog():
     assert tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"] == RELEASE
-    lines = [line.split() for line in (REPO_ROOT / "RELEASES").read_text().splitlines() if line.strip()]
-    releases = [line for line in lines if not line[0].startswith("#")]
-    assert all(len(line) == 3 and re.fullmatch(r"[0-9a-f]{40}", line[2]) for line in releases), releases
-    versions = [tuple(int(part) for part in line[0].split(".")) for line in releases]
-    assert versions == sorted(set(versions)) and releases[-1][0] == RELEASE
+    known = releases()
+    assert all(re.fullmatch(r"[0-9a-f]{40}", commit) for _, _, commit in known), known
+    versions = [tuple(int(part) for part in version.split(".")) for version, _, _ in known]
+    assert versions == sorted(set(versions)) and known[-1][0] == RELEASE
     assert re.search(
         rf"^## \[{re.escape(RELEASE)}\] - \d{{4}}-\d{{2}}-\d{{2}}$", (REPO_ROOT / "CHANGELOG.md").read_text(), re.M
     )
