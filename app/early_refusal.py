@@ -68,7 +68,7 @@ def refusing_early(
         if refused is not None:
             route = "/v1/jobs/<job_id>" if environ["REQUEST_METHOD"] == "GET" else "/v1/jobs"
             REQUESTS.labels(environ["REQUEST_METHOD"], route, "429").inc()
-            return problem_wsgi(refused, start_response)
+            return problem_wsgi(refused, route, start_response)
         return wsgi_app(environ, start_response)
 
     return wrapped

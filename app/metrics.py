@@ -8,7 +8,7 @@ import os
 import time
 from wsgiref.simple_server import WSGIServer
 
-from flask import Blueprint, Flask, Response, g, request
+from flask import Blueprint, Flask, Response, g, has_request_context, request
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     REGISTRY,
@@ -26,7 +26,12 @@ from contract.settings import Settings
 blueprint = Blueprint("metrics", __name__)
 
 REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "route", "status"])
-REJECTS = Counter("imgserve_api_rejects_total", "Requests refused with a problem document", ["reason"])
+# `reason` is the problem's slug, as before; `status` and `route` (the route's rule, as in REQUESTS) tell a refused
+# submission (429/503 on /v1/jobs) from a read of an unknown job (404) or a wrong method (405): the alert on
+# refused work reads only the former.
+REJECTS = Counter(
+    "imgserve_api_rejects_total", "Requests refused with a problem document", ["reason", "status", "route"]
+)
 SUBMITTED = Counter(
     "imgserve_api_jobs_submitted_total", "Jobs accepted, by the model version they were routed to", ["model", "version"]
 )
@@ -47,6 +52,15 @@ def method_label(method: str) -> str:
     return method if method in METHODS else OTHER
 
 
+def request_route() -> str:
+    """The rule of the route this request matched (the label REQUESTS and REJECTS carry), or `other`."""
+    return request.url_rule.rule if has_request_context() and request.url_rule else OTHER
+
+
+def count_reject(reason: str, status: int, route: str) -> None:
+    REJECTS.labels(reason, str(status), route).inc()
+
+
 def install(app: Flask) -> None:
     @app.before_request
     def start_timer() -> None:
@@ -54,7 +68,7 @@ def install(app: Flask) -> None:
 
     @app.after_request
     def record(response: Response) -> Response:
-        route = request.url_rule.rule if request.url_rule else OTHER
+        route = request_route()
         taken_s = time.perf_counter() - g.get("metrics_started", time.perf_counter())
         REQUESTS.labels(method_label(request.method), route, str(response.status_code)).inc()
         LATENCY.labels(route).observe(taken_s)

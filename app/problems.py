@@ -9,7 +9,7 @@ from typing import Any
 
 from flask import Response, jsonify
 
-from app.metrics import REJECTS
+from app.metrics import count_reject, request_route
 from contract.documents import PROBLEM_TYPE, ProblemDocument
 
 
@@ -37,7 +37,7 @@ def problem_document(problem: Problem) -> Any:
 
 
 def problem_response(problem: Problem) -> Response:
-    REJECTS.labels(problem.slug).inc()
+    count_reject(problem.slug, problem.status, request_route())
     response = jsonify(problem_document(problem))
     response.status_code = problem.status
     response.mimetype = PROBLEM_TYPE
@@ -45,10 +45,11 @@ def problem_response(problem: Problem) -> Response:
     return response
 
 
-def problem_wsgi(problem: Problem, start_response: Callable[..., Any]) -> list[bytes]:
-    """The same answer given before Flask is called (app.early_refusal): the same document and headers (with
-    the ones the app adds to every answer), the refusal counted the same."""
-    REJECTS.labels(problem.slug).inc()
+def problem_wsgi(problem: Problem, route: str, start_response: Callable[..., Any]) -> list[bytes]:
+    """The same answer given before Flask is called (app.early_refusal) on `route` (the rule the app would have
+    matched): the same document and headers (with the ones the app adds to every answer), the refusal counted
+    the same."""
+    count_reject(problem.slug, problem.status, route)
     body = json.dumps(problem_document(problem)).encode()
     reason = HTTPStatus(problem.status).phrase.upper()
     start_response(

@@ -5,10 +5,19 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
 
+import pytest
+import requests
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import REPO_ROOT
+from app import create_app
+from contract.config import load_settings
+from tests.support import REPO_ROOT, ApiServer, RedisServer, jpeg
 
 ALERTS = REPO_ROOT / "monitoring" / "alerts"
 RULES, RULE_TESTS = ALERTS / "imgserve.rules.yml", ALERTS / "imgserve.rules.test.yml"
@@ -62,3 +71,120 @@ def _anchors(markdown: str) -> set[str]:
             kept = "".join(ch for ch in title if ch.isalnum() or ch in " -_")
             anchors.add("-".join(kept.split()))
     return anchors
+
+
+# The refusing-work rule against what a live API counts: a real API on a private Redis (no CPU worker, so a small
+# backlog fills), real HTTP, its /metrics scraped before and after. The counters' growth between the two scrapes
+# becomes a minute of promtool's input, repeated for half an hour, and the shipped rule is evaluated on it as it
+# stands (its 5-minute rate and its 10 minutes of `for`).
+LIVE_BACKLOG = 3
+REFUSAL_COUNTERS = ("imgserve_api_requests_total", "imgserve_api_rejects_total")
+
+
+@pytest.fixture(scope="module")
+def refusing_api(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ApiServer]:
+    config = tmp_path_factory.mktemp("alerts") / "config.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "redis_url": redis_server.url.rsplit("/", 1)[0] + "/13",
+                "namespace": "alerts",
+                "cache": {"enabled": False},
+                "backpressure": {"max_backlog": LIVE_BACKLOG},
+            }
+        )
+    )
+    server = ApiServer(create_app(load_settings(config)))
+    yield server
+    server.stop()
+
+
+def test_reads_of_unknown_jobs_and_wrong_methods_beside_accepted_work_do_not_fire_refusing_work_but_refusals_do(
+    refusing_api: ApiServer,
+):
+    session = requests.Session()
+    before = _scrape(refusing_api)
+    malformed = {"files": {"image": ("a.jpg", jpeg(32, 32))}, "data": {"conf": "2"}, "timeout": 30}  # conf in [0, 1]
+    answers = [session.post(refusing_api.url + "/v1/jobs", **malformed) for _ in range(2)]
+    for _ in range(LIVE_BACKLOG):
+        accepted = session.post(refusing_api.url + "/v1/jobs", files={"image": ("a.jpg", jpeg(32, 32))}, timeout=30)
+        assert accepted.status_code == 202, accepted.text
+    answers += [session.get(f"{refusing_api.url}/v1/jobs/{uuid.uuid4().hex}", timeout=30) for _ in range(20)]
+    answers += [session.get(refusing_api.url + "/v1/jobs", timeout=30) for _ in range(5)]
+    answers += [session.put(f"{refusing_api.url}/v1/jobs/{uuid.uuid4().hex}", timeout=30) for _ in range(5)]
+    assert sorted(answer.status_code for answer in answers) == [400] * 2 + [404] * 20 + [405] * 10
+    quiet = _scrape(refusing_api)
+    rejected: dict[str, float] = {}
+    for (name, labels), grown in _growth(before, quiet).items():
+        if name == "imgserve_api_rejects_total":
+            rejected[dict(labels)["status"]] = rejected.get(dict(labels)["status"], 0.0) + grown
+    assert {status: count for status, count in rejected.items() if count} == {"400": 2, "404": 20, "405": 10}
+    _assert_promtool_says(before, quiet, fires=None)
+
+    for _ in range(2):  # the backlog is full: refused work
+        refused = session.post(refusing_api.url + "/v1/jobs", files={"image": ("a.jpg", jpeg(32, 32))}, timeout=30)
+        assert refused.status_code == 429, refused.text
+    # 2 refused of 7 submissions (3 accepted, 2 malformed, 2 refused)
+    _assert_promtool_says(before, _scrape(refusing_api), fires=2 / (LIVE_BACKLOG + 4))
+
+
+Sample = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _scrape(api: ApiServer) -> dict[Sample, float]:
+    """The API's refusal counters as Prometheus reads them from its /metrics."""
+    page = requests.get(api.url + "/metrics", timeout=30)
+    assert page.status_code == 200, page.text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(page.text)
+        for sample in family.samples
+        if sample.name in REFUSAL_COUNTERS
+    }
+
+
+def _growth(before: dict[Sample, float], after: dict[Sample, float]) -> dict[Sample, float]:
+    return {sample: value - before.get(sample, 0.0) for sample, value in after.items()}
+
+
+def _assert_promtool_says(before: dict[Sample, float], after: dict[Sample, float], fires: float | None) -> None:
+    """promtool's verdict on the shipped rule when the traffic between the scrapes `before` and `after` comes every
+    minute: no alert (`fires` None), or one whose summary names the share `fires` of submissions refused."""
+    series = [
+        {"series": _selector(name, labels), "values": f"{before.get((name, labels), 0.0):g}+{grown:g}x30"}
+        for (name, labels), grown in _growth(before, after).items()
+    ]
+    expected = []
+    if fires is not None:
+        expected = [
+            {
+                "exp_labels": {"severity": "page"},
+                "exp_annotations": {
+                    "summary": f"{fires * 100:.4g}% of submissions refused",
+                    "runbook": "docs/operations.md#p95-is-rising-what-to-decide",
+                },
+            }
+        ]
+    cases = {
+        "rule_files": [str(RULES)],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": series,
+                "alert_rule_test": [{"eval_time": "20m", "alertname": "ImgserveRefusingWork", "exp_alerts": expected}],
+            }
+        ],
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "live.test.yml"
+        path.write_text(yaml.safe_dump(cases))
+        done = subprocess.run([promtool(), "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr + yaml.safe_dump(series)
+
+
+def _selector(name: str, labels: tuple[tuple[str, str], ...]) -> str:
+    def quoted(value: str) -> str:
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
+    return name + "{" + ",".join(f"{label}={quoted(value)}" for label, value in labels) + "}"

@@ -134,7 +134,9 @@ def test_the_refusal_before_flask_is_the_apps_own_429_and_finds_keys_as_app_auth
         refused = holds.waits_refusal("a")
         assert refused is not None and refused.status == 429 and refused.slug == "too-many-held"
         answered: list = []
-        body = problem_wsgi(refused, lambda status, headers: answered.extend([status, dict(headers)]))
+        body = problem_wsgi(
+            refused, "/v1/jobs/<job_id>", lambda status, headers: answered.extend([status, dict(headers)])
+        )
     status, headers = answered
     document = json.loads(b"".join(body))
     assert status == "429 TOO MANY REQUESTS" and headers["Content-Type"] == "application/problem+json"
