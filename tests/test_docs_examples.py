@@ -30,6 +30,7 @@ ARGPARSE_MODULES = {
     "gpu_worker",
     "tools.redis_ha",
     "tools.kubernetes",
+    "tools.kubernetes_check",
     "tools.export_pt2",
     "training.train_shapes",
     "training.evaluate_service",

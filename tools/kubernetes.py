@@ -19,18 +19,28 @@ replicas = ceil(that sum / each pod's processes), between --min-cpu-pods and --m
 Celery's warm shutdown (it finishes the tasks it runs, gives back what it holds) within its grace period, which is
 longer than the longest task (`celery.task_time_limit_s`).
 
-Nothing here runs a cluster: tests/test_kubernetes.py validates every object offline against Kubernetes' own
-schemas (kubernetes-validate) and the ScaledObject against the fields KEDA requires.
+The settings (contract.settings, laid over configs/default.yaml) are a ConfigMap, `--settings FILE` (checked here
+as the service reads it), mounted in every pod and named by IMGSERVE_CONFIG; a change rolls the pods (its hash is
+on their template). Secrets stay in the Secret. Every pod that serves metrics has a port named `metrics`, and
+monitoring/kubernetes-scrape.yml scrapes exactly those ports with the job the alert rules select (the pod's
+`app.kubernetes.io/component`: api, gpu-worker). PodDisruptionBudgets let a drain take one API or worker pod at a
+time. Nothing here runs a cluster: `python -m tools.kubernetes_check imgserve.yaml` validates the rendered file
+offline (Kubernetes' own schemas, strict, and KEDA's ScaledObject against the schema shipped in
+tools/kubernetes_schemas/); an object it has no schema for fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
+from pathlib import Path
 from typing import Any
 
 import yaml
 
+from contract.config import load_settings
+from contract.sections import SettingsError
 from contract.settings import CeleryWorkerSettings
 
 CPU_WANTED_QUERY = "sum(max by (model, version) (imgserve_cpu_workers_wanted))"
@@ -38,24 +48,55 @@ SECRET = "imgserve"
 TASK_TIME_LIMIT_S = CeleryWorkerSettings().task_time_limit_s  # a CPU pod's grace period outlasts the longest task
 API_GRACE_S = 45  # longer than gunicorn's graceful_timeout (35 s, configs/gunicorn.conf.py): long-polls answered
 KUBERNETES_VERSION = "1.30"  # the schemas the test validates against
+SETTINGS = "imgserve-settings"  # the ConfigMap
+SETTINGS_DIR, SETTINGS_FILE = "/etc/imgserve", "settings.yaml"
+DEFAULT_SETTINGS = (
+    "# imgserve's settings, laid over configs/default.yaml (docs/configuration.md); no secrets here\n{}\n"
+)
+API_METRICS_PORT, GPU_METRICS_PORT = 9101, 9100
 
 
 def _labels(role: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "imgserve", "app.kubernetes.io/component": role}
 
 
-def _container(name: str, image: str, command: list[str], **more: Any) -> dict[str, Any]:
+def _container(name: str, image: str, command: list[str], resources: dict[str, Any], **more: Any) -> dict[str, Any]:
+    """A container of the service: the Secret's environment, the settings mounted and named by IMGSERVE_CONFIG."""
+    env = [
+        {"name": "PYTHONUNBUFFERED", "value": "1"},
+        {"name": "IMGSERVE_CONFIG", "value": f"{SETTINGS_DIR}/{SETTINGS_FILE}"},
+        *more.pop("env", []),
+    ]
     return {
         "name": name,
         "image": image,
         "command": command,
         "envFrom": [{"secretRef": {"name": SECRET}}],
-        "env": [{"name": "PYTHONUNBUFFERED", "value": "1"}],
+        "env": env,
+        "resources": resources,
+        "volumeMounts": [{"name": "settings", "mountPath": SETTINGS_DIR, "readOnly": True}],
         **more,
     }
 
 
-def _deployment(role: str, container: dict[str, Any], replicas: int, grace_s: int = 30) -> dict[str, Any]:
+def _resources(cpu: str, memory: str, memory_limit: str, **limits: str) -> dict[str, Any]:
+    return {"requests": {"cpu": cpu, "memory": memory}, "limits": {"memory": memory_limit, **limits}}
+
+
+def _pod_template(role: str, spec: dict[str, Any], settings_hash: str, metrics_port: int = 0) -> dict[str, Any]:
+    """The pod template: the settings volume; a hash of the settings, so that a change to them rolls the pods;
+    and, for a pod that serves metrics, the conventional annotations (monitoring/kubernetes-scrape.yml keeps the
+    port named `metrics`)."""
+    annotations = {"imgserve/settings-sha256": settings_hash}
+    if metrics_port:
+        annotations.update({"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port)})
+    volumes = [{"name": "settings", "configMap": {"name": SETTINGS}}]
+    return {"metadata": {"labels": _labels(role), "annotations": annotations}, "spec": {**spec, "volumes": volumes}}
+
+
+def _deployment(
+    role: str, container: dict[str, Any], replicas: int, settings_hash: str, grace_s: int = 30, metrics_port: int = 0
+) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -63,12 +104,41 @@ def _deployment(role: str, container: dict[str, Any], replicas: int, grace_s: in
         "spec": {
             "replicas": replicas,
             "selector": {"matchLabels": _labels(role)},
-            "template": {
-                "metadata": {"labels": _labels(role)},
-                "spec": {"terminationGracePeriodSeconds": grace_s, "containers": [container]},
-            },
+            "template": _pod_template(
+                role, {"terminationGracePeriodSeconds": grace_s, "containers": [container]}, settings_hash, metrics_port
+            ),
         },
     }
+
+
+def _disruption_budget(role: str) -> dict[str, Any]:
+    """At most one of the role's pods evicted at a time (a drain, a node upgrade): never a budget that blocks a
+    drain outright."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {"name": f"imgserve-{role}", "labels": _labels(role)},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _labels(role)}},
+    }
+
+
+def _settings_map(settings_text: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": SETTINGS, "labels": _labels("settings")},
+        "data": {SETTINGS_FILE: settings_text},
+    }
+
+
+def check_settings(settings_text: str) -> None:
+    """Refuse settings the service would refuse at start (an unknown key, a wrong type): SettingsError."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / SETTINGS_FILE
+        path.write_text(settings_text)
+        load_settings(path)
 
 
 def _service(role: str, port: int, name: str) -> dict[str, Any]:
@@ -88,20 +158,23 @@ def render(
     min_cpu_pods: int = 1,
     max_cpu_pods: int = 8,
     api_replicas: int = 2,
+    settings_text: str = DEFAULT_SETTINGS,
 ) -> list[dict[str, Any]]:
-    """Every object of the deployment, in apply order."""
+    """Every object of the deployment, in apply order; `settings_text` is the settings file the pods read."""
+    settings_hash = hashlib.sha256(settings_text.encode()).hexdigest()
     celery = ["celery", "-A", "tasks.worker", "worker", "--loglevel=INFO"]
     api = _container(
         "api",
         image,
         ["gunicorn", "-c", "configs/gunicorn.conf.py", "app:create_app()"],
+        # two gunicorn processes (api.workers) and their long-polls
+        _resources("1", "1Gi", "2Gi"),
         env=[
             {"name": "IMGSERVE_API__BIND", "value": "0.0.0.0:8000"},
             # /metrics off the public port: every tenant's counts, for Prometheus on 9101 only
-            {"name": "IMGSERVE_API__METRICS_PORT", "value": "9101"},
-            {"name": "PYTHONUNBUFFERED", "value": "1"},
+            {"name": "IMGSERVE_API__METRICS_PORT", "value": str(API_METRICS_PORT)},
         ],
-        ports=[{"containerPort": 8000, "name": "http"}, {"containerPort": 9101, "name": "metrics"}],
+        ports=[{"containerPort": 8000, "name": "http"}, {"containerPort": API_METRICS_PORT, "name": "metrics"}],
         readinessProbe={"httpGet": {"path": "/readyz", "port": 8000}, "periodSeconds": 5},
         livenessProbe={"httpGet": {"path": "/healthz", "port": 8000}, "periodSeconds": 10},
     )
@@ -117,46 +190,43 @@ def render(
             f"--concurrency={cpu_processes}",
             "--max-memory-per-child=1048576",
         ],
-        resources={"requests": {"cpu": str(cpu_processes), "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+        _resources(str(cpu_processes), "2Gi", "4Gi"),
     )
     callbacks = _container(
         "callback-worker",
         image,
         [*celery, "-n", "callbacks@%h", "-Q", "callbacks", "-P", "threads", "--concurrency=16"],
+        _resources("250m", "256Mi", "512Mi"),  # threads waiting on receivers' answers
     )
     flower = _container(
         "flower",
         image,
         # its credentials from FLOWER_BASIC_AUTH in the Secret, as under make run (never on a command line)
         ["celery", "-A", "tasks.flower", "flower", "--address=0.0.0.0", "--port=5555", "--max_tasks=10000"],
+        _resources("100m", "256Mi", "512Mi"),  # the last 10,000 tasks in memory
         ports=[{"containerPort": 5555, "name": "http"}],
     )
     gpu = _container(
         "gpu-worker",
         gpu_image,
-        ["python", "-m", "gpu_worker", "--metrics-port", "9100", "--metrics-host", "0.0.0.0"],
-        ports=[{"containerPort": 9100, "name": "metrics"}],
-        resources={"limits": {"nvidia.com/gpu": "1"}},
+        ["python", "-m", "gpu_worker", "--metrics-port", str(GPU_METRICS_PORT), "--metrics-host", "0.0.0.0"],
+        _resources("2", "4Gi", "8Gi", **{"nvidia.com/gpu": "1"}),
+        ports=[{"containerPort": GPU_METRICS_PORT, "name": "metrics"}],
     )
+    gpu_pod = {
+        # one GPU worker per GPU node: the nodes the NVIDIA device plugin labels
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        "terminationGracePeriodSeconds": 30,  # it finishes its batch and gives its frames back
+        "containers": [gpu],
+    }
     gpu_daemons = {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
         "metadata": {"name": "imgserve-gpu-worker", "labels": _labels("gpu-worker")},
         "spec": {
             "selector": {"matchLabels": _labels("gpu-worker")},
-            "template": {
-                "metadata": {
-                    "labels": _labels("gpu-worker"),
-                    "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": "9100"},
-                },
-                "spec": {
-                    # one GPU worker per GPU node: the nodes the NVIDIA device plugin labels
-                    "nodeSelector": {"nvidia.com/gpu.present": "true"},
-                    "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-                    "terminationGracePeriodSeconds": 30,  # it finishes its batch and gives its frames back
-                    "containers": [gpu],
-                },
-            },
+            "template": _pod_template("gpu-worker", gpu_pod, settings_hash, GPU_METRICS_PORT),
         },
     }
     scaled = {
@@ -191,12 +261,16 @@ def render(
     }
     grace = TASK_TIME_LIMIT_S + 30
     return [
-        _deployment("api", api, api_replicas, grace_s=API_GRACE_S),
+        _settings_map(settings_text),
+        _deployment("api", api, api_replicas, settings_hash, grace_s=API_GRACE_S, metrics_port=API_METRICS_PORT),
         _service("api", 8000, "http"),
-        _deployment("cpu-worker", cpu, min_cpu_pods, grace_s=grace),
+        _disruption_budget("api"),
+        _deployment("cpu-worker", cpu, min_cpu_pods, settings_hash, grace_s=grace),
         scaled,
-        _deployment("callback-worker", callbacks, 1, grace_s=grace),
-        _deployment("flower", flower, 1),
+        _disruption_budget("cpu-worker"),
+        _deployment("callback-worker", callbacks, 1, settings_hash, grace_s=grace),
+        _disruption_budget("callback-worker"),
+        _deployment("flower", flower, 1, settings_hash),
         _service("flower", 5555, "http"),
         gpu_daemons,
     ]
@@ -211,7 +285,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-cpu-pods", type=int, default=1)
     parser.add_argument("--max-cpu-pods", type=int, default=8)
     parser.add_argument("--api-replicas", type=int, default=2)
+    parser.add_argument(
+        "--settings", type=Path, help="the settings file the pods read (the ConfigMap); default: the defaults"
+    )
     args = parser.parse_args(argv)
+    settings_text = args.settings.read_text() if args.settings else DEFAULT_SETTINGS
+    try:
+        check_settings(settings_text)
+    except SettingsError as exc:
+        print(f"tools.kubernetes: {args.settings}: {exc}", file=sys.stderr)
+        return 2
     objects = render(
         args.image,
         args.gpu_image,
@@ -220,9 +303,20 @@ def main(argv: list[str] | None = None) -> int:
         args.min_cpu_pods,
         args.max_cpu_pods,
         args.api_replicas,
+        settings_text,
     )
-    yaml.safe_dump_all(objects, sys.stdout, sort_keys=False)
+    yaml.dump_all(objects, sys.stdout, Dumper=_Dumper, sort_keys=False)
     return 0
+
+
+class _Dumper(yaml.SafeDumper):
+    """The settings file as a block of its own lines in the ConfigMap, as it was written."""
+
+
+_Dumper.add_representer(
+    str,
+    lambda dumper, text: dumper.represent_scalar("tag:yaml.org,2002:str", text, style="|" if "\n" in text else None),
+)
 
 
 if __name__ == "__main__":
