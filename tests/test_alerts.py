@@ -1,5 +1,7 @@
 """The alerting rules that ship (monitoring/alerts/): valid for Prometheus, and each one fired once by the condition it
-names (promtool's unit tests, monitoring/alerts/imgserve.rules.test.yml), with a quiet neighbour beside several."""
+names (promtool's unit tests, monitoring/alerts/imgserve.rules.test.yml), with a quiet neighbour beside several: 404s,
+405s and 410s beside accepted work never make refused work (issue 69), nor does one queue exported by several GPU
+workers make a backlog. The refusing-work rule also runs on the counters a live API exported."""
 
 from __future__ import annotations
 
