@@ -9,6 +9,7 @@ import copy
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -280,11 +281,13 @@ def test_every_pod_that_serves_metrics_is_scraped_with_the_job_the_alert_rules_s
             }
         )
     )
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: scripts/bootstrap --dev installs Debian's prometheus package, which has it"
     port = free_port()
     prometheus = ManagedProcess(
         "prometheus",
         [
-            "prometheus",
+            binary,
             f"--config.file={config}",
             f"--storage.tsdb.path={tmp_path / 'data'}",
             f"--web.listen-address=127.0.0.1:{port}",
