@@ -16,7 +16,10 @@ the time, so that `queue_cpu` stays near zero:
 
 `rate` is the jobs a second the GPU workers answered for the model over their recent windows (summed over them),
 `cpu_s` the CPU stage's mean (decode + resize) over those windows, or `scaling.default_cpu_ms` before any job was
-answered, and `waiting_for_cpu` the backlog less its frames (a frame needs no CPU worker any more). An autoscaler
+answered, and `waiting_for_cpu` the backlog less its frames (a frame needs no CPU worker any more). A model with no
+backlog at all wants none: its rate is an average over minutes that decays long after the last job, and would keep
+a process alive for nothing. Several models add up their unrounded wants (`cpu_processes_wanted`) before rounding
+once (`pool_wanted`): two models that each keep a tenth of a process busy want one process, not two. An autoscaler
 clamps it to its own minimum and maximum (Celery's: tasks.autoscale; KEDA: the ScaledObject's).
 """
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, cast
 
@@ -119,17 +122,32 @@ class Scaling:
     target_utilisation: float
     drain_s: float
     cpu_workers_wanted: int
+    cpu_processes_wanted: float = 0.0  # before rounding up: what several models' wants add up as
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def wanted_workers(backlog: ModelBacklog, rate_per_s: float, cpu_ms: float, settings: ScalingSettings) -> int:
-    """CPU worker processes that keep up with `rate_per_s` and drain what waits for a CPU worker within
-    settings.drain_s, each busy target_utilisation of the time (see the module's note)."""
+def wanted_processes(backlog: ModelBacklog, rate_per_s: float, cpu_ms: float, settings: ScalingSettings) -> float:
+    """CPU worker processes, unrounded, that keep up with `rate_per_s` and drain what waits for a CPU worker within
+    settings.drain_s, each busy target_utilisation of the time; none with no backlog (see the module's note)."""
+    if backlog.total == 0:
+        return 0.0
     cpu_s = max(0.0, cpu_ms) / 1000.0
     busy = rate_per_s * cpu_s + backlog.waiting_for_cpu * cpu_s / settings.drain_s
-    return math.ceil(round(busy / settings.target_utilisation, 6))
+    return round(busy / settings.target_utilisation, 6)
+
+
+def wanted_workers(backlog: ModelBacklog, rate_per_s: float, cpu_ms: float, settings: ScalingSettings) -> int:
+    """wanted_processes rounded up: one model's whole processes (its gauge, its share in /v1/stats)."""
+    return math.ceil(wanted_processes(backlog, rate_per_s, cpu_ms, settings))
+
+
+def pool_wanted(signals: Iterable[Scaling], nodes: int, minimum: int, maximum: int) -> int:
+    """One autoscaling node's pool size for the models it takes: their unrounded wants summed, shared among `nodes`,
+    rounded up once, within minimum..maximum (idle models: the minimum)."""
+    total = sum(signal.cpu_processes_wanted for signal in signals)
+    return max(minimum, min(maximum, math.ceil(round(total / max(1, nodes), 6))))
 
 
 def scaling_signal(backlog: ModelBacklog, windows: Sequence[Mapping[str, Any]], settings: ScalingSettings) -> Scaling:
@@ -158,6 +176,7 @@ def scaling_signal(backlog: ModelBacklog, windows: Sequence[Mapping[str, Any]], 
         target_utilisation=settings.target_utilisation,
         drain_s=settings.drain_s,
         cpu_workers_wanted=wanted_workers(backlog, rate, cpu_ms, settings),
+        cpu_processes_wanted=wanted_processes(backlog, rate, cpu_ms, settings),
     )
 
 

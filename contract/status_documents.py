@@ -181,7 +181,10 @@ class ScalingSignal(Document):
     cpu_workers_wanted: int = Field(
         ge=0,
         description="ceil((rate_per_s x cpu_ms + (queued + held) x cpu_ms / drain_s) / target_utilisation), "
-        "cpu_ms in seconds: the CPU worker processes (pool children) that keep up",
+        "cpu_ms in seconds: the CPU worker processes (pool children) that keep up; 0 with no backlog",
+    )
+    cpu_processes_wanted: float | None = Field(
+        None, ge=0, description="the same before rounding up: several models' wants add up as these (an autoscaler's)"
     )
 
 

@@ -4,18 +4,17 @@ Celery app names this class as its `worker_autoscaler`.
 
 Celery's Autoscaler sizes a node's pool from `len(state.reserved_requests)`: only what that node prefetched, so a
 backlog queued behind a full prefetch never grows it, and with several nodes each sees its own share. Here the
-wanted size is contract.scaling's `cpu_workers_wanted`, summed over the models this node takes, divided among the
-CPU worker nodes that autoscale (each says so in `Keys.cpu_autoscalers` at every look), and clamped to MIN..MAX by
-Celery as before. It looks every LOOK_EVERY_S and with task messages (Celery's own timer ran every `keepalive`, 30
-s: a shorter burst went unseen); the rest is Celery's: no shrink until AUTOSCALE_KEEPALIVE (30 s) after the last
-growth or task, and a shrink that retires only idle children (billiard's Pool.shrink refuses busy ones: no task
-is killed, none redelivered).
+wanted size is contract.scaling's `pool_wanted`: the unrounded wants of the models this node takes, summed, divided
+among the CPU worker nodes that autoscale (each says so in `Keys.cpu_autoscalers` at every look), rounded up once and
+clamped to MIN..MAX (idle models want none: the pool goes back to MIN). It looks every LOOK_EVERY_S and with task
+messages (Celery's own timer ran every `keepalive`, 30 s: a shorter burst went unseen); the rest is Celery's: no
+shrink until AUTOSCALE_KEEPALIVE (30 s) after the last growth or task, and a shrink that retires only idle children
+(billiard's Pool.shrink refuses busy ones: no task is killed, none redelivered).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from celery.worker.autoscale import Autoscaler
 from contract.clock import now as service_now
 from contract.connection import connect
 from contract.keys import Keys
-from contract.scaling import backlogs, gpu_windows, scaling_signal
+from contract.scaling import backlogs, gpu_windows, pool_wanted, scaling_signal
 from contract.settings import Settings
 from tasks.broker import holder_id
 
@@ -109,8 +108,5 @@ class BacklogAutoscaler(Autoscaler):
         models = self.models_taken()
         found = backlogs(client, keys, models, self.settings.tenants)
         windows = gpu_windows(client, keys, self.settings.gpu_worker.heartbeat_ttl_s)
-        total = sum(
-            scaling_signal(found[model], windows.get(model, []), self.settings.scaling).cpu_workers_wanted
-            for model in models
-        )
-        return math.ceil(total / nodes)
+        signals = [scaling_signal(found[model], windows.get(model, []), self.settings.scaling) for model in models]
+        return pool_wanted(signals, nodes, self.min_concurrency, self.max_concurrency)

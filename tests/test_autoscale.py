@@ -1,6 +1,7 @@
 """Celery's own autoscaler on the product's backlog (tasks.autoscale, issue 61): a real CPU worker started as
-`CPU_AUTOSCALE=1,3` starts it (`--autoscale=3,1`), a burst grows its pool to 3 children, and once idle it shrinks
-back to 1 without killing or redelivering a task. Celery's shrink delay (AUTOSCALE_KEEPALIVE, 30 s) is 4 s here."""
+`CPU_AUTOSCALE=1,3` starts it (`--autoscale=3,1`), a burst over two models grows its pool to 3 children, and once
+idle it shrinks back to 1 without killing or redelivering a task, while the GPU worker's recent rate still counts
+both models' jobs. Celery's shrink delay (AUTOSCALE_KEEPALIVE, 30 s) is 4 s here."""
 
 from __future__ import annotations
 
@@ -15,19 +16,21 @@ from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import encode, make_image
 
 KEEPALIVE_S = 4
+MODELS = ("content-box", "content-box-b")
 
 
 @pytest.fixture(scope="module")
 def autoscaled(redis_server, tmp_path_factory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("autoscale")
     url = redis_server.url.rsplit("/", 1)[0] + "/12"
+    spec = content_box_spec(workdir, 640)
     stack = start_stack(
         url,
         workdir,
-        content_box_spec(workdir, 640),
+        None,
         "autoscale",
         # 60 jobs at 40 ms each before any is answered, to be drained in 0.5 s: far more than 3 processes
-        {"scaling": {"default_cpu_ms": 40.0, "drain_s": 0.5}},
+        {"models": [spec, {**spec, "name": MODELS[1]}], "scaling": {"default_cpu_ms": 40.0, "drain_s": 0.5}},
         cpu_worker_args=("--autoscale=3,1",),
         env_extra={"AUTOSCALE_KEEPALIVE": str(KEEPALIVE_S)},
     )
@@ -51,13 +54,16 @@ def test_a_burst_grows_the_pool_to_its_maximum_and_idleness_shrinks_it_back_with
     images = [heavy(i) for i in range(60)]
     started = time.monotonic()
     with ThreadPoolExecutor(16) as pool:
-        replies = list(pool.map(lambda image: stack.submit(image, "image/png"), images))
+        replies = list(
+            pool.map(lambda i: stack.submit(images[i], "image/png", model=MODELS[i % 2]), range(len(images)))
+        )
     assert [reply.status_code for reply in replies] == [202] * 60
     ids = [reply.json()["id"] for reply in replies]
     grown_at = wait_until(lambda: children(stack) == 3 and time.monotonic(), 10, what="the pool grown to 3")
     print(f"the pool reached 3 children {grown_at - started:.1f} s after the burst began")
     docs = [stack.wait_terminal(job_id) for job_id in ids]
     assert [doc["status"] for doc in docs] == ["succeeded"] * 60
+    assert {doc["model"]["name"] for doc in docs} == set(MODELS)
     idle_at = time.monotonic()
     wait_until(lambda: children(stack) == 1, KEEPALIVE_S * 2 + 20, what="the pool back at 1")
     print(f"back at 1 child {time.monotonic() - idle_at:.1f} s after the last job ended")

@@ -14,7 +14,15 @@ import pytest
 import redis
 
 from contract.keys import Keys
-from contract.scaling import ModelBacklog, held_by_model, model_of_queue, scaling_signal, wanted_workers, windows_of
+from contract.scaling import (
+    ModelBacklog,
+    held_by_model,
+    model_of_queue,
+    pool_wanted,
+    scaling_signal,
+    wanted_workers,
+    windows_of,
+)
 from contract.settings import ScalingSettings
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import jpeg
@@ -32,6 +40,27 @@ def test_the_wanted_processes_keep_up_with_the_rate_and_drain_what_waits_within_
     steady = ModelBacklog(queued=0, held=2, frames=40)
     assert wanted_workers(steady, 56.0, 25.0, SETTINGS) == 3  # 56 x 0.025 + 2 x 0.025 = 1.45 -> /0.7 = 2.07
     assert wanted_workers(ModelBacklog(0, 0, 40), 56.0, 25.0, SETTINGS) == 2
+
+
+def test_an_idle_model_wants_no_process_while_its_recent_rate_decays():
+    # the burst is over: nothing queued, held or waiting, but the GPU workers' windows still count its jobs
+    idle = ModelBacklog(queued=0, held=0, frames=0)
+    assert wanted_workers(idle, 2.5, 25.0, SETTINGS) == 0
+    assert scaling_signal(idle, [{"jobs": 150, "window_s": 60.0}], SETTINGS).cpu_workers_wanted == 0
+
+
+def test_two_idle_models_want_the_pools_minimum_and_busy_ones_add_up_their_real_work():
+    windows = [{"jobs": 150, "window_s": 300.0, "time_bill_ms": {"decode": {"mean": 20.0}, "resize": {"mean": 1.0}}}]
+    idle = [scaling_signal(ModelBacklog(0, 0, 0), windows, SETTINGS) for _ in range(2)]
+    assert pool_wanted(idle, nodes=1, minimum=1, maximum=3) == 1
+    # each model has one image decoding: 21 ms of 0.5/s + 21 ms within 1 s is 0.04 processes each; one
+    # process carries both (rounding each model up first would ask for two)
+    light = [scaling_signal(ModelBacklog(0, 1, 0), windows, SETTINGS) for _ in range(2)]
+    assert [signal.cpu_workers_wanted for signal in light] == [1, 1]
+    assert pool_wanted(light, nodes=1, minimum=0, maximum=3) == 1
+    burst = [scaling_signal(ModelBacklog(40, 4, 0), windows, SETTINGS) for _ in range(2)]
+    assert pool_wanted(burst, nodes=1, minimum=1, maximum=3) == 3
+    assert pool_wanted(burst, nodes=2, minimum=1, maximum=8) == 2  # (2 x 44 x 21 ms + ...) / 0.7 = 2.7, halved
 
 
 def test_the_signal_weighs_each_gpu_workers_window_by_its_jobs_and_falls_back_before_any():
