@@ -81,8 +81,24 @@ def add_commands(
     ceiling = sub.add_parser("ceiling", parents=[common, local], help="highest rate within the SLA")
     ceiling.add_argument("--qps", type=parse_list(float), default=[24.0, 26.0, 28.0, 30.0])
     ceiling.add_argument("--sla-ms", type=float, default=800.0)
-    diagnose_parser = sub.add_parser("diagnose", parents=[common], help="the story's checklist against a deployment")
+    diagnose_parser = sub.add_parser(
+        "diagnose",
+        parents=[common],
+        help="the story's checklist against a deployment: reads only, unless --load",
+    )
     diagnose_parser.add_argument("--url", default="http://localhost:8000")
+    diagnose_parser.add_argument(
+        "--load",
+        action="store_true",
+        help="after the reads, add the story's sweep (--closed clients, 10 s each, of --corpus): load on the "
+        "deployment, which its /v1/stats then counts as its own",
+    )
+    diagnose_parser.add_argument(
+        "--redis-url",
+        help="the deployment's Redis (redis://[:password@]host:port/db): its own counters (INFO, read-only) give "
+        "what it spends an image; without it that figure is unknown",
+    )
+    diagnose_parser.add_argument("--read-s", type=float, default=5.0, help="seconds of reading the live figures")
     tune_parser = sub.add_parser("tune", parents=[common, local], help="sweep workers x batch x window at a load")
     tune_parser.add_argument("--qps", type=float, default=18.0)
     tune_parser.add_argument("--sla-ms", type=float, default=800.0)
@@ -286,7 +302,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
 def cmd_diagnose(args: argparse.Namespace) -> int:
     from bench.diagnose import diagnose
 
-    print(diagnose(args.url, load_corpus(args.corpus, count=args.images)))
+    print(
+        diagnose(
+            args.url,
+            load_corpus(args.corpus, count=args.images),
+            sweep=tuple(args.closed),
+            load=args.load,
+            redis_url=args.redis_url,
+            read_s=args.read_s,
+        )
+    )
     return 0
 
 
