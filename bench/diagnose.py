@@ -46,11 +46,19 @@ class Reading:
     redis_before: RedisReading | None = None
     redis_after: RedisReading | None = None
     redis_error: str | None = None
+    submitted: float | None = None  # jobs the API accepted over the reading (its /metrics), None: unread
+    unread: tuple[str, ...] = ()  # what did not answer, and why
 
 
-def read(url: str, read_s: float = 5.0, redis_url: str | None = None) -> Reading:
-    """Read the deployment for `read_s` seconds: only GETs and, given `redis_url`, INFO."""
-    first, started = _get(url, "/v1/stats"), time.monotonic()
+def read(url: str, read_s: float = 5.0, redis_url: str | None = None, api_key: str | None = None) -> Reading:
+    """Read the deployment for `read_s` seconds: only GETs (with `api_key`, an admin key's) and, given `redis_url`,
+    INFO."""
+    session = requests.Session()
+    if api_key:
+        session.headers["Authorization"] = f"Bearer {api_key}"
+    unread: list[str] = []
+    first, submitted_first = _get(session, url, "/v1/stats", unread), _submitted(session, url, unread)
+    started = time.monotonic()
     client = redis.Redis.from_url(redis_url, socket_timeout=5.0) if redis_url else None
     redis_before = redis_after = None
     redis_error = None
@@ -60,11 +68,15 @@ def read(url: str, read_s: float = 5.0, redis_url: str | None = None) -> Reading
         redis_after = RedisReading.of(client) if client else None
     except redis.RedisError as exc:
         redis_error = f"{type(exc).__name__}: {exc}"
-    last, seconds = _get(url, "/v1/stats"), time.monotonic() - started
-    models = (_get(url, "/v1/models") or {}).get("models")
+    last, submitted_last = _get(session, url, "/v1/stats", []), _submitted(session, url, [])
+    seconds = time.monotonic() - started
+    models = (_get(session, url, "/v1/models", unread) or {}).get("models")
     before, after = _frames(first), _frames(last)
     frames = after - before if before is not None and after is not None and after >= before else None
-    return Reading(last, models, frames, seconds, redis_before, redis_after, redis_error)
+    submitted = submitted_last - submitted_first if submitted_first is not None and submitted_last is not None else None
+    return Reading(
+        last, models, frames, seconds, redis_before, redis_after, redis_error, submitted, tuple(dict.fromkeys(unread))
+    )
 
 
 def diagnosis(reading: Reading) -> list[str]:
@@ -73,7 +85,8 @@ def diagnosis(reading: Reading) -> list[str]:
     gpu = stats.get("gpu") or {}
     busy = gpu.get("busy")
     bill = gpu.get("time_bill_ms") or {}
-    lines = [f"1. Traffic: {traffic(reading)}", f"2. Model placement: {placement(reading.models)}"]
+    lines = [f"   not read: {'; '.join(reading.unread)}"] if reading.unread else []
+    lines += [f"1. Traffic: {traffic(reading)}", f"2. Model placement: {placement(reading.models)}"]
     infer, total = (bill.get("infer") or {}).get("p50"), (bill.get("total") or {}).get("p50")
     if infer and total:
         outside = " (the bottleneck is outside the GPU)" if infer / total < 0.2 else ""
@@ -102,11 +115,17 @@ def diagnosis(reading: Reading) -> list[str]:
 
 
 def traffic(reading: Reading) -> str:
+    seconds = max(reading.seconds, 1e-9)
+    accepted = (
+        f"{reading.submitted / seconds:.1f} jobs/s accepted (the API's imgserve_api_jobs_submitted_total); "
+        if reading.submitted is not None
+        else ""
+    )
     if reading.frames is None:
-        return "unknown (no GPU counters in /v1/stats)"
-    rate = reading.frames / reading.seconds if reading.seconds > 0 else 0.0
+        return accepted + "frames reaching the GPU unknown (no GPU counters in /v1/stats)"
+    rate = reading.frames / seconds
     text = f"{rate:.1f} frames/s reached the GPU over {reading.seconds:.0f} s ({reading.frames} frames)"
-    return text + ("" if reading.frames else " (idle: a low busy ratio now means nothing)")
+    return accepted + text + ("" if reading.frames else " (idle: a low busy ratio now means nothing)")
 
 
 def redis_cost(reading: Reading) -> str:
@@ -161,10 +180,11 @@ def planned_load(images: list[bytes], sweep: tuple[int, ...], step_s: float, p50
         if p50_ms
         else "as many requests as it answers (no p50 to estimate from)"
     )
+    clients = f"{', '.join(map(str, sweep))} client{'s' if max(sweep, default=1) > 1 else ''}"
     return (
-        f"--load would add a closed loop of 1 client for {step_s / 2:g} s, then {', '.join(map(str, sweep))} "
-        f"clients for {step_s:g} s each ({seconds:g} s in all) of {len(images)} {size} images ({mean_kb:.0f} KB "
-        f"mean): {expected}; /v1/stats's p95 and time bill would then count that load as the deployment's"
+        f"--load would add a closed loop of 1 client for {step_s / 2:g} s, then {clients} for {step_s:g} s each "
+        f"({seconds:g} s in all) of {len(images)} {size} images ({mean_kb:.0f} KB mean): {expected}; /v1/stats's "
+        "p95 and time bill would then count that load as the deployment's"
     )
 
 
@@ -177,9 +197,10 @@ def diagnose(
     load: bool = False,
     redis_url: str | None = None,
     read_s: float = 5.0,
+    api_key: str | None = None,
 ) -> str:
     """The checklist from reads alone; with `load`, the story's concurrency sweep after it."""
-    reading = read(url, read_s, redis_url)
+    reading = read(url, read_s, redis_url, api_key)
     lines = [f"# diagnose {url} (read for {reading.seconds:.0f} s, no load added)", "", *diagnosis(reading)]
     p50 = (((reading.stats or {}).get("gpu") or {}).get("time_bill_ms") or {}).get("total", {}).get("p50")
     plan = planned_load(images, sweep, step_s, p50)
@@ -275,13 +296,36 @@ def pattern(runs: list[dict]) -> str:
     return "throughput and latency both flat: the load may be too light to tell"
 
 
-def _get(url: str, path: str) -> dict[str, Any] | None:
+def _get(session: requests.Session, url: str, path: str, unread: list[str]) -> dict[str, Any] | None:
     try:
-        answer = requests.get(f"{url}{path}", timeout=5)
+        answer = session.get(f"{url}{path}", timeout=5)
         document = answer.json() if answer.ok else None
-    except (requests.RequestException, ValueError):
+    except (requests.RequestException, ValueError) as exc:
+        unread.append(f"{path}: {type(exc).__name__}")
         return None
+    if answer.status_code in (401, 403):
+        unread.append(f"{path}: {answer.status_code}, it needs an admin key (--api-key or IMGSERVE_API_KEY)")
+    elif not answer.ok:
+        unread.append(f"{path}: {answer.status_code}")
     return document if isinstance(document, dict) else None
+
+
+def _submitted(session: requests.Session, url: str, unread: list[str]) -> float | None:
+    """The jobs the API has accepted so far, by its /metrics (None where it is served elsewhere: api.metrics_port)."""
+    try:
+        answer = session.get(f"{url}/metrics", timeout=5)
+    except requests.RequestException as exc:
+        unread.append(f"/metrics: {type(exc).__name__}")
+        return None
+    if not answer.ok:
+        unread.append(f"/metrics: {answer.status_code} (with api.metrics_port it is served on that port only)")
+        return None
+    values = [
+        float(line.rsplit(" ", 1)[1])
+        for line in answer.text.splitlines()
+        if line.startswith("imgserve_api_jobs_submitted_total{")
+    ]
+    return sum(values)
 
 
 def _frames(stats: dict[str, Any] | None) -> int | None:

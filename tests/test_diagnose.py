@@ -13,7 +13,7 @@ import pytest
 
 from bench.diagnose import diagnose
 from tests.conftest import Stack
-from tests.support import jpeg
+from tests.support import api_with_keys, jpeg
 
 OPERATIONS = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 
@@ -29,7 +29,9 @@ def test_diagnose_reads_a_live_deployment_without_adding_a_request_unless_told(s
     before = accepted_jobs(stack)
     report = diagnose(stack.url(""), images, sweep=(1,), step_s=1.0, scope=None, read_s=0.5)
     assert accepted_jobs(stack) == before, report
+    print(report)
     assert "no load added" in report and "--load would add" in report
+    assert "0.0 jobs/s accepted (the API's imgserve_api_jobs_submitted_total)" in report
     assert re.search(r"about [\d,]+ requests|as many requests", report), report
     loaded = diagnose(stack.url(""), images, sweep=(1,), step_s=1.0, scope=None, read_s=0.5, load=True)
     assert accepted_jobs(stack) > before, loaded
@@ -47,6 +49,7 @@ def test_the_redis_figure_comes_from_redis_counters_over_the_images_answered(sta
     assert all(stack.wait_terminal(job_id)["status"] == "succeeded" for job_id in ids)
     after = RedisReading.of(stack.redis)
     line = cost_between(before, after, len(ids), "over the test's jobs")
+    print(line)
     us = (after.cpu_s - before.cpu_s) * 1e6 / len(ids)
     assert f"{us:,.0f} µs of its main thread an image (INFO cpu, 30 images" in line, line
     assert f"about {1e6 / us:,.0f} images/s at 100%" in line
@@ -137,3 +140,14 @@ def test_no_step_for_a_wait_outside_the_device_suggests_a_bigger_batch(stage):
 
     text = step_for(stage, 0.1).decide
     assert "max_batch_size" not in text and ("bigger batch" not in text or "never a bigger batch" in text)
+
+
+def test_with_api_keys_diagnose_says_it_needs_an_admin_key_and_reads_with_one(stack):
+    from app.auth import hash_key
+
+    keys = ({"id": "team", "sha256": hash_key("key-team")}, {"id": "ops", "sha256": hash_key("key-ops"), "admin": True})
+    with api_with_keys(stack.settings, keys) as server:
+        refused = diagnose(server.url, [], scope=None, read_s=0.1, api_key="key-team")
+        assert "not read: /v1/stats: 403, it needs an admin key (--api-key or IMGSERVE_API_KEY)" in refused
+        read = diagnose(server.url, [], scope=None, read_s=0.1, api_key="key-ops")
+        assert "not read" not in read and "frames/s reached the GPU" in read, read

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -99,6 +100,12 @@ def add_commands(
         "what it spends an image; without it that figure is unknown",
     )
     diagnose_parser.add_argument("--read-s", type=float, default=5.0, help="seconds of reading the live figures")
+    diagnose_parser.add_argument(
+        "--api-key",
+        default=os.environ.get("IMGSERVE_API_KEY"),
+        help="an admin key, where the deployment has API keys (/v1/stats and /metrics need one); "
+        "default: IMGSERVE_API_KEY",
+    )
     tune_parser = sub.add_parser("tune", parents=[common, local], help="sweep workers x batch x window at a load")
     tune_parser.add_argument("--qps", type=float, default=18.0)
     tune_parser.add_argument("--sla-ms", type=float, default=800.0)
@@ -310,6 +317,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
             load=args.load,
             redis_url=args.redis_url,
             read_s=args.read_s,
+            api_key=args.api_key,
         )
     )
     return 0
