@@ -201,7 +201,7 @@ def diagnose(
 ) -> str:
     """The checklist from reads alone; with `load`, the story's concurrency sweep after it."""
     reading = read(url, read_s, redis_url, api_key)
-    lines = [f"# diagnose {url} (read for {reading.seconds:.0f} s, no load added)", "", *diagnosis(reading)]
+    lines = [f"# diagnose {url}: what it says over {reading.seconds:.0f} s of reading", "", *diagnosis(reading)]
     p50 = (((reading.stats or {}).get("gpu") or {}).get("time_bill_ms") or {}).get("total", {}).get("p50")
     plan = planned_load(images, sweep, step_s, p50)
     if not load:
@@ -256,8 +256,9 @@ def sweep_lines(
         lines.append("L4. Redis: unknown (give --redis-url to read Redis's own counters)")
     # this machine's processes by /proc; Redis's share is left to its own counters above (a Redis found here by
     # its port may not be the deployment's)
-    roles = {k: v for k, v in cpu_table.items() if not k.startswith("redis")}
-    if roles.get("stack"):
+    roles = {k: v for k, v in cpu_table.items() if not k.startswith("redis") and k not in ("stack", "stack/bench")}
+    roles["stack"] = round(sum(v for k, v in roles.items() if k != "bench"), 2)
+    if roles["stack"]:
         floor = against_floor(roles, decode_floor_ms(images, loader.input_size(url)))
         named = ", ".join(f"{role} {ms:.1f}" for role, ms in roles.items() if role not in ("stack", "bench"))
         lines.append(f"L5. CPU ms an image of this machine's processes at c={last['concurrency']}: {named}")
