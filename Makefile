@@ -20,7 +20,8 @@ lint:         ## install what the checks need, then lint and format-check (ruff)
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
-	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --quiet
+# not --quiet: it hides mkdocs' warnings from its own strict count, and the build passed on them
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
 
 docs:         ## build the docs site into var/site (mkdocs build --strict): open var/site/index.html, or make docs-serve
 	scripts/bootstrap --dev
