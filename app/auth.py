@@ -10,9 +10,9 @@ token bucket in Redis, `auth.rate_per_s`, `auth.burst`); an empty bucket answers
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import hmac
-import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -100,5 +100,15 @@ def owns(record: Mapping[str, Any]) -> bool:
     return client_id is None or record.get("owner") == client_id
 
 
+def main(argv: list[str] | None = None) -> None:
+    """`python -m app.auth KEY`: the sha256 to configure for an API key."""
+    parser = argparse.ArgumentParser(
+        prog="python -m app.auth",
+        description="Print the sha256 of an API key, for auth.api_keys' `sha256` (the key itself is never stored).",
+    )
+    parser.add_argument("key", help="the API key its clients will send as `Authorization: Bearer <key>`")
+    print(hash_key(parser.parse_args(argv).key))
+
+
 if __name__ == "__main__":
-    print(hash_key(sys.argv[1]))
+    main()
