@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 
 import redis
+from kombu.exceptions import OperationalError
 
 from contract.clock import now as service_now
 from contract.keys import Keys
@@ -36,6 +37,8 @@ end
 return job_id
 """
 RELAY_STALE_AFTER_S = 60.0
+# Redis (the job store, or the broker behind Celery) away: known, said once when it goes and once when it is back.
+CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OperationalError)
 
 
 def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], limit: int = 100) -> int:
@@ -71,10 +74,17 @@ class OutboxRelay:
     several may run at once."""
 
     def __init__(
-        self, client: redis.Redis, keys: Keys, send: Callable[[str], None], slots: TenantSlots | None = None
+        self,
+        client: redis.Redis,
+        keys: Keys,
+        send: Callable[[str], None],
+        slots: TenantSlots | None = None,
+        retry_s: float = 1.0,
     ) -> None:
-        """`slots`: the tenants' callback slots, whose held callbacks it moves on once a slot has lapsed."""
+        """`slots`: the tenants' callback slots, whose held callbacks it moves on once a slot has lapsed.
+        `retry_s`: how long it waits before trying again when Redis is away."""
         self.client, self.keys, self.send, self.slots = client, keys, send, slots
+        self.retry_s = retry_s
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outbox-relay", daemon=True)
 
@@ -86,6 +96,7 @@ class OutboxRelay:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        away = False
         while not self._stopping.is_set():
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
@@ -95,8 +106,18 @@ class OutboxRelay:
                     if self.slots is not None:
                         self.slots.free_lapsed()
                     relay_outbox(self.client, self.keys, self.send)
-            except Exception:  # Redis or the broker away: try again in a second, nothing was lost
+                    if away:
+                        log.info("callback relay: Redis is back, relaying again")
+                        away = False
+            except CONNECTION_ERRORS as error:  # nothing was lost: the outbox is relayed once Redis answers
+                if not away:
+                    log.warning("callback relay: Redis unreachable (%s); trying again every %g s", error, self.retry_s)
+                else:
+                    log.debug("callback relay: Redis still unreachable (%s)", error)
+                away = True
+                self._stopping.wait(self.retry_s)
+            except Exception:  # not a known connection error: its traceback says what it was
                 log.warning("callback relay interrupted", exc_info=True)
-                self._stopping.wait(1.0)
+                self._stopping.wait(self.retry_s)
             finally:
                 pubsub.close()
