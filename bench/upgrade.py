@@ -27,6 +27,7 @@ from bench.ab import worktree
 from bench.harness import FaultScenario, Log
 from bench.processes import REPO_ROOT, ManagedProcess, wait_until
 from bench.stack import LocalStack, StackOptions, answers_ok
+from tools.releases import releases
 
 ORDERS: dict[str, tuple[str, ...]] = {
     "api-first": ("api", "gpu-worker", "cpu-worker"),
@@ -81,12 +82,6 @@ def replace_role(stack: LocalStack, role: str, root: Path) -> dict[str, Any]:
     # /readyz with every process alive (a new process that dies at start is an error, with its log)
     wait_until(lambda: answers_ok(stack.url + "/readyz", stack.processes), 120, 0.1, what=f"{role} upgraded")
     return {"role": role, "exit": status, "stop_s": round(stopped_s, 2), "down_s": round(time.monotonic() - began, 2)}
-
-
-def releases(root: Path = REPO_ROOT) -> list[tuple[str, str, str]]:
-    """`RELEASES`' lines (docs/releasing.md), oldest first: (version, date, commit)."""
-    lines = [line.split() for line in (root / "RELEASES").read_text().splitlines() if line.strip()]
-    return [(line[0], line[1], line[2]) for line in lines if not line[0].startswith("#")]
 
 
 def last_release(root: Path = REPO_ROOT) -> str:

@@ -30,6 +30,7 @@ ARGPARSE_MODULES = {
     "baseline",
     "gpu_worker",
     "tools.redis_ha",
+    "tools.releases",
     "tools.kubernetes",
     "tools.kubernetes_check",
     "tools.export_pt2",

@@ -8,8 +8,8 @@ import re
 import tomllib
 
 from bench.processes import REPO_ROOT
-from bench.upgrade import releases
 from contract.release import RELEASE
+from tools.releases import releases
 
 
 def test_the_release_is_one_number_in_pyproject_the_code_releases_and_the_changelog():
