@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from contract.jobs.record import utc_iso
 from contract.sections import SettingsError
 from contract.settings import Settings, check_secret
 from contract.special_addresses import denied_block, embedded_ipv4
@@ -247,3 +248,15 @@ def key_callback_secret(entry: Mapping[str, Any]) -> str | None:
         return None
     check_secret(f"API key {entry['id']!r}'s callback secret", secret)
     return secret
+
+
+def callback_document(state: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A job's stored callback state as its document shows it: its moment as ISO 8601, as the job's others (the
+    stored state keeps unix seconds: the redelivery step compares them with the clock)."""
+    if not state:
+        return {"status": "waiting", "attempts": 0, "last_error": None}
+    shown = dict(state)
+    due = shown.get("next_attempt_at")
+    if isinstance(due, int | float):
+        shown["next_attempt_at"] = utc_iso(due)
+    return shown

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model
 from typing_extensions import TypedDict
 
 from contract.cache import CacheVerdict
+from contract.callbacks import callback_document
 from contract.jobs.record import STATUSES, utc_iso
 from contract.models import MODEL_NAME_PATTERN
 from contract.timebill import FINISHED_AT, RECEIVED_AT, STAGE_DESCRIPTIONS
@@ -116,7 +117,7 @@ class CallbackState(Document):
     )
     attempts: int = Field(ge=0)
     last_error: str | None
-    next_attempt_at: float | None = Field(None, description="epoch seconds, while retrying")
+    next_attempt_at: str | None = Field(None, json_schema_extra={"format": "date-time"}, description="while retrying")
     delivery_id: str | None = Field(
         None,
         description="what X-Imgserve-Delivery-Id carries: the same for every "
@@ -177,7 +178,7 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
     if finished is not None:
         fields["finished_at"] = utc_iso(finished)
     if record.get("callback_url"):
-        fields["callback"] = record.get("callback") or {"status": "waiting", "attempts": 0, "last_error": None}
+        fields["callback"] = callback_document(record.get("callback"))
     if record.get("cache"):
         fields["cache"] = record["cache"]
     return JobDocument(**fields).to_json()
