@@ -23,7 +23,7 @@ from contract.cache import CacheVerdict
 from contract.callbacks import callback_document
 from contract.jobs.record import STATUSES, utc_iso
 from contract.models import MODEL_NAME_PATTERN
-from contract.timebill import FINISHED_AT, RECEIVED_AT, STAGE_DESCRIPTIONS
+from contract.timebill import FINISHED_AT, RECEIVED_AT, STAGE_DESCRIPTIONS, compute_time_bill
 
 StatusName = Literal[STATUSES]  # type: ignore[valid-type]  # a contract.jobs.record.JobStatus, as JSON spells it
 Probability = Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)]
@@ -169,7 +169,8 @@ def job_document(record: Mapping[str, Any]) -> dict[str, Any]:
         "options": record.get("options") or {},
         "result": record.get("result"),
         "error": record.get("error"),
-        "timings_ms": record.get("timings") or {},
+        # ended without the GPU worker's bill (failed, cancelled, expired): the stages its record's stamps span
+        "timings_ms": record.get("timings") or (compute_time_bill(record) if record.get(FINISHED_AT) else {}),
         "batch": record.get("batch"),
     }
     deadline, finished = record.get("deadline_at"), record.get(FINISHED_AT)

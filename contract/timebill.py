@@ -24,7 +24,7 @@ STAGE_DESCRIPTIONS = {
     "device_queue": "batch closed -> its turn on the device (waiting for the batches ahead of it)",
     "infer": "batch assembly on the device and the forward pass",
     "postprocess": "decode, NMS, letterbox inversion",
-    "total": "request start -> result written",
+    "total": "request start -> result written (or the job's end: failed, expired, cancelled)",
 }
 STAGES = tuple(STAGE_DESCRIPTIONS)
 
