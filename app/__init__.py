@@ -14,8 +14,9 @@ from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
 from app import auth, callbacks, health, holds, home, jobs, metrics, openapi, stats
-from app.admission import MAX_RETRY_AFTER_S, Admission
+from app.admission import Admission
 from app.callback_lookups import CallbackLookups
+from app.drain import MAX_RETRY_AFTER_S
 from app.early_refusal import WaitingQueries, refusing_early
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response

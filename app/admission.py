@@ -17,8 +17,9 @@ What is checked: one step in Redis (contract.budget's admit) checks a model's ba
 GPU worker) and reserves the upload's bytes against the model's budget and the total. Over the backlog or the
 model's budget: 429, that model is overloaded (others are served). Over the total, or Redis past
 `store_full_ratio` of its `maxmemory`: 503, the store is full for everyone. Either way `Retry-After` says how
-long the waiting work takes to drain by enough, at the rate the GPU workers have answered this model's jobs
-lately (their heartbeats), not a constant: a store that stays full says so.
+long the waiting work takes to drain by enough, at the rate the GPU workers answer this model's jobs now
+(app.drain: measured while refusals come, not averaged over an idle past), not a constant: a store that
+stays full says so.
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ import redis
 
 from app import metrics
 from app.admission_readings import RedisMemory, ServedTenants
+from app.drain import DrainMeter, retry_after_s
 from app.problems import Problem
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache
 from contract.clock import now as service_now
 from contract.decode_share import DecodeShare
-from contract.heartbeat import live_heartbeats
 from contract.jobs.backlog import queue_depths
 from contract.jobs.intake import CacheHit, JobIntake
 from contract.keys import Keys
@@ -48,8 +49,6 @@ from contract.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_ti
 from contract.token_bucket import TokenBuckets
 
 log = logging.getLogger(__name__)
-
-MAX_RETRY_AFTER_S = 60  # also what a model with no GPU worker answering it gets
 
 
 @dataclass
@@ -98,6 +97,7 @@ class Admission:
         self.waiting = budget.WaitingBytes(client, keys)
         self.memory = RedisMemory(client)
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
+        self.drains = DrainMeter(client, keys, settings.gpu_worker.heartbeat_ttl_s)  # read on refusals only
         self.buckets = TokenBuckets(client)
         self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (app.decode_charges)
 
@@ -298,28 +298,15 @@ class Admission:
         )
 
     def _retry_after(self, spec: ModelSpec, share: float) -> int:
-        """Seconds until `share` of the model's waiting work has drained at its recent rate, within
-        [backpressure.retry_after_s, MAX_RETRY_AFTER_S]; the most when no GPU worker answers it."""
+        """Seconds until `share` of the model's waiting work has drained at the rate its GPU workers answer it now
+        (app.drain), within [backpressure.retry_after_s, MAX_RETRY_AFTER_S]; the most when none serves it."""
         least = self.settings.backpressure.retry_after_s
         try:
             depths = queue_depths(self.redis, self.keys, [spec.key], self.settings.tenants)
-            backlog = sum(depths[spec.key].values())
-            rate = self.drain_rate(spec.key)
+            drain = self.drains.drain(spec.key)
         except redis.RedisError:
             return least
-        if rate <= 0:
-            return MAX_RETRY_AFTER_S
-        return int(min(MAX_RETRY_AFTER_S, max(least, math.ceil(max(share, 0.0) * backlog / rate))))
-
-    def drain_rate(self, model_key: str) -> float:
-        """Jobs a second the live GPU workers answered for this model over their recent window."""
-        rate = 0.0
-        for beat in live_heartbeats(self.redis, self.keys, self.settings.gpu_worker.heartbeat_ttl_s):
-            window = float(beat.stats.get("window_s") or 0.0)
-            for model in beat.served_models():
-                if model.key == model_key and window > 0:
-                    rate += float(model.stats.get("jobs", 0)) / window
-        return rate
+        return retry_after_s(max(share, 0.0) * sum(depths[spec.key].values()), drain, least)
 
 
 ALL_SOURCES = "*"  # every address's failed authentications together

@@ -13,6 +13,7 @@ from app.services import services as current_services
 from contract.clock import now as service_now
 from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import total_depths
+from contract.keys import model_frames_total
 from contract.scaling import backlogs, scaling_signal, windows_of
 from contract.status_documents import Stats
 from contract.timebill import host_ms_per_batch
@@ -34,7 +35,8 @@ def stats() -> Response:
     workers = live_gpu_workers()
     for worker in workers:  # live totals, fresher than the heartbeat's
         raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
-        counters = {k.decode(): float(v) for k, v in raw.items()}
+        # The worker's totals; its per-model frames (contract.keys.model_frames_total) are for admission's drain rate.
+        counters = {k.decode(): float(v) for k, v in raw.items() if not k.decode().startswith(model_frames_total(""))}
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     model_keys = list(services.catalogue.specs)
     found = backlogs(client, keys, model_keys, services.settings.tenants)

@@ -133,7 +133,8 @@ class Keys:
         return f"{self.namespace}:gpu:{worker_id}:epoch"
 
     def gpu_counters(self, worker_id: str) -> str:
-        """Hash: a GPU worker's running totals (device seconds, frames, batches), updated every batch."""
+        """Hash: a GPU worker's running totals (device seconds, frames, batches, and each model's frames under
+        contract.keys.model_frames_total), updated every batch."""
         return f"{self.namespace}:gpu:{worker_id}:counters"
 
     @property
@@ -253,3 +254,9 @@ class Keys:
     def job_events(self) -> str:
         """Pub/sub channel: the ids of the jobs one step ended, space-separated (a batch's ends in one message)."""
         return f"{self.namespace}:job_events"
+
+
+def model_frames_total(model_key: str) -> str:
+    """The field of a GPU worker's counters (Keys.gpu_counters) counting one model's frames it answered: what the
+    API's drain rate reads (app.drain)."""
+    return f"frames_total:{model_key}"

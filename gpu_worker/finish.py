@@ -21,6 +21,7 @@ from contract.frame_source import ACK_FRAMES_LUA, FrameSource
 from contract.frames import Frame
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.jobs.record import FAILED, SUCCEEDED
+from contract.keys import model_frames_total
 from contract.models import ModelSpec
 from contract.timebill import (
     BATCH_CLOSED_AT,
@@ -254,6 +255,7 @@ class Finisher:
             "device_seconds_total": round(self.busy.total_s, 6),
             "batches_total": self.recent.batches_total + 1,
             "frames_total": self.recent.frames_total + taken,
+            model_frames_total(self.spec.key): self.model_recent.frames_total + taken,
             "updated_at": service_now(),
             **self.host_counters(),
         }

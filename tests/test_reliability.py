@@ -199,7 +199,7 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
         stack.start_gpu_worker()
     assert refused and all(r.status_code == 429 for r in refused)
     # Retry-After says how long the backlog takes to drain: with no GPU worker answering, the longest.
-    from app.admission import MAX_RETRY_AFTER_S
+    from app.drain import MAX_RETRY_AFTER_S
 
     assert all(limits.retry_after_s <= int(r.headers["Retry-After"]) <= MAX_RETRY_AFTER_S for r in refused)
     assert int(refused[-1].headers["Retry-After"]) == MAX_RETRY_AFTER_S
