@@ -4,6 +4,8 @@ The rate must be the workers' now, not one averaged over the quiet minutes befor
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +20,7 @@ from contract.heartbeat import Heartbeat, HeartbeatModel
 from contract.jobs.backlog import queue_depths
 from contract.keys import Keys, model_frames_total
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
-from tests.support import jpeg, wait_until
+from tests.support import REPO_ROOT, jpeg, wait_until
 
 CLIENTS = 16
 JOBS_EACH = 4  # each client submits until this many of its jobs are taken, obeying each Retry-After
@@ -96,6 +98,53 @@ def test_a_burst_after_idle_is_told_to_come_back_within_twice_the_measured_drain
     assert all(retry_after >= least for _, retry_after in refusals)
     docs = [stack.wait_terminal(job_id) for job_id in accepted]
     assert {doc["status"] for doc in docs} == {"succeeded"}
+
+
+FOLDER_FILES = 36
+
+
+def test_the_cli_submits_a_whole_folder_beside_a_burst(burst_stack, tmp_path):
+    """Issue 69: `imgserve submit DIR` beside a burst sent 17 of 240 files, printed the 429 and stopped."""
+    stack = burst_stack
+    for n in range(FOLDER_FILES):
+        (tmp_path / f"photo{n:02}.jpg").write_bytes(jpeg(80, 60, seed=5000 + n))
+    stop = threading.Event()
+    burst_refused: list[int] = []
+
+    def burst_client(index: int) -> None:
+        """Submits until the test ends, obeying each refusal's Retry-After as the CLI does."""
+        session, seed = requests.Session(), 9000 + index * 1000
+        while not stop.is_set():
+            seed += 1
+            response = session.post(
+                stack.url("/v1/jobs"), data=jpeg(80, 60, seed=seed), timeout=30, headers={"Content-Type": "image/jpeg"}
+            )
+            if response.status_code == 429:
+                burst_refused.append(1)
+                stop.wait(int(response.headers["Retry-After"]))
+
+    burst = [threading.Thread(target=burst_client, args=(i,)) for i in range(CLIENTS)]
+    for thread in burst:
+        thread.start()
+    try:
+        wait_until(lambda: burst_refused, 30, what="the burst to fill the backlog")
+        result = subprocess.run(
+            [sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit", str(tmp_path)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
+    finally:
+        stop.set()
+        for thread in burst:
+            thread.join(30)
+    assert result.returncode == 0, result.stderr
+    lines = [line.split("\t") for line in result.stdout.splitlines()]
+    assert [path for path, _ in lines] == [str(path) for path in sorted(tmp_path.glob("*.jpg"))]
+    assert "sent again after their Retry-After" in result.stderr  # it was refused, and went on
+    for _, job_id in lines:
+        assert stack.session.get(stack.url(f"/v1/jobs/{job_id}"), timeout=10).status_code == 200
 
 
 # --- the drain meter, on a private Redis with a clock the test moves -------------------------------------------

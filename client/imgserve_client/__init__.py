@@ -9,19 +9,31 @@ for path, doc in c.submit_many(Path("photos").glob("*.jpg"), concurrency=8):
 
 from __future__ import annotations
 
+import random
+import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
 import requests
+from requests.structures import CaseInsensitiveDict
 
+GMT = timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11's; the client runs on 3.10)
 # The job states that end a job (contract.jobs.TERMINAL; the client imports nothing from the service,
 # and a test keeps the two equal).
 TERMINAL = ("succeeded", "failed", "expired", "cancelled")
 # How long a submission with wait=True holds its one call (the API's default api.max_wait_s is 30).
 ONE_CALL_WAIT_S = 20.0
+# A refusal that means "not now" (too much waiting, the store full, the server busy): nothing was taken, so the
+# same request is sent again after its Retry-After.
+RETRIED_STATUSES = (429, 503)
+RETRIES = 8  # a request refused this many times more is given up (Client(retries=0): never retried)
+RETRY_WAIT_S = 120.0  # nor retried once its waits would pass this in all
+NO_RETRY_AFTER_S = 1.0  # the wait when a refusal says no Retry-After (doubled at each refusal after)
 _TYPES = {
     ".jpg": "image/jpeg",
     ".jpeg": "image/jpeg",
@@ -32,13 +44,33 @@ _TYPES = {
 }
 
 
-class ApiError(Exception):
-    """The API answered with a problem document (or not at all)."""
+def parse_retry_after(value: str | None, now: datetime | None = None) -> float | None:
+    """Seconds a Retry-After header asks to wait (RFC 9110: delta-seconds, or an HTTP-date, from `now`); None
+    when absent or unreadable. A date already past is 0."""
+    if value is None:
+        return None
+    text = value.strip()
+    if text.isdigit():
+        return float(text)
+    try:
+        when = parsedate_to_datetime(text)
+    except (TypeError, ValueError, IndexError):
+        return None
+    if when.tzinfo is None:  # an HTTP-date is GMT; a date without a zone is read as that
+        when = when.replace(tzinfo=GMT)
+    return max(0.0, (when - (now or datetime.now(GMT))).total_seconds())
 
-    def __init__(self, status: int, problem: dict[str, Any]) -> None:
+
+class ApiError(Exception):
+    """The API answered with a problem document (or not at all): its `status`, the `problem` document, the
+    response's `headers`, and `retry_after` (seconds, from Retry-After; None without one)."""
+
+    def __init__(self, status: int, problem: dict[str, Any], headers: Mapping[str, str] | None = None) -> None:
         super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
         self.status = status
         self.problem = problem
+        self.headers: CaseInsensitiveDict[str] = CaseInsensitiveDict(headers or {})
+        self.retry_after = parse_retry_after(self.headers.get("Retry-After"))
 
 
 class Client:
@@ -48,9 +80,17 @@ class Client:
         api_key: str | None = None,
         timeout_s: float = 30.0,
         pool_size: int = 16,
+        retries: int = RETRIES,
+        retry_wait_s: float = RETRY_WAIT_S,
     ) -> None:
+        """`retries`: how often a request refused with 429 or 503 is sent again, each after its Retry-After, as
+        long as the waits stay within `retry_wait_s` in all (0: a refusal is raised at once)."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.retries, self.retry_wait_s = max(0, retries), max(0.0, retry_wait_s)
+        self.retried = 0  # refusals retried by this client so far, every request together
+        self._retried_lock = threading.Lock()
+        self._sleep: Callable[[float], None] = time.sleep
         self.session = requests.Session()
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=pool_size))
         self.session.mount("https://", requests.adapters.HTTPAdapter(pool_maxsize=pool_size))
@@ -75,8 +115,9 @@ class Client:
         return self.wait(job["id"], max(0.0, wait_timeout_s - (time.monotonic() - started)))
 
     def _post_job(self, data: bytes, content_type: str, params: dict[str, str], wait_s: float) -> dict[str, Any]:
-        response = self.session.post(
-            f"{self.base_url}/v1/jobs",
+        response = self._request(
+            "POST",
+            "/v1/jobs",
             data=data,
             params={**params, "wait": f"{wait_s:g}"} if wait_s else params,
             headers={"Content-Type": content_type},
@@ -86,8 +127,9 @@ class Client:
 
     def status(self, job_id: str, wait_s: float = 0.0) -> dict[str, Any]:
         def read(wait: float) -> dict[str, Any]:
-            response = self.session.get(
-                f"{self.base_url}/v1/jobs/{job_id}",
+            response = self._request(
+                "GET",
+                f"/v1/jobs/{job_id}",
                 params={"wait": f"{wait:g}"} if wait else None,
                 timeout=self.timeout_s + wait,
             )
@@ -117,10 +159,31 @@ class Client:
                 return doc
 
     def cancel(self, job_id: str) -> dict[str, Any]:
-        return _json_or_raise(self.session.delete(f"{self.base_url}/v1/jobs/{job_id}", timeout=self.timeout_s))
+        return _json_or_raise(self._request("DELETE", f"/v1/jobs/{job_id}", timeout=self.timeout_s))
 
     def models(self) -> list[dict[str, Any]]:
-        return _json_or_raise(self.session.get(f"{self.base_url}/v1/models", timeout=self.timeout_s))["models"]
+        return _json_or_raise(self._request("GET", "/v1/models", timeout=self.timeout_s))["models"]
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
+        """One request, sent again while it is refused with 429 or 503 (it was not taken: a submission too is
+        safe to send again), each time after the wait its Retry-After asks, within this client's bounds; the
+        last answer otherwise. A request that got no answer (a timeout) is never sent again here: a submission
+        may have been taken."""
+        waited, attempt = 0.0, 0
+        while True:
+            response = self.session.request(method, f"{self.base_url}{path}", **kwargs)
+            if response.status_code not in RETRIED_STATUSES or attempt >= self.retries:
+                return response
+            asked = parse_retry_after(response.headers.get("Retry-After"))
+            wait = NO_RETRY_AFTER_S * 2**attempt if asked is None else asked
+            wait += random.uniform(0.0, min(1.0, wait / 10))  # refused together, not all back in the same instant
+            if waited + wait > self.retry_wait_s:
+                return response
+            response.close()
+            with self._retried_lock:
+                self.retried += 1
+            self._sleep(wait)
+            waited, attempt = waited + wait, attempt + 1
 
     def submit_many(
         self, images: Iterable[str | Path | bytes], concurrency: int = 8, **options: Any
@@ -156,5 +219,5 @@ def _json_or_raise(response: requests.Response) -> dict[str, Any]:
     except ValueError:
         body = {"title": response.reason, "detail": response.text[:200]}
     if response.status_code >= 400:
-        raise ApiError(response.status_code, body)
+        raise ApiError(response.status_code, body, response.headers)
     return body

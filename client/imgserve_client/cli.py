@@ -7,6 +7,9 @@
     imgserve models
 
 --url (or IMGSERVE_URL) names the API (default http://localhost:8000); --api-key (or IMGSERVE_API_KEY) a key.
+A request refused as busy (429, 503) is sent again after its Retry-After: --retries times at most, its waits
+--retry-wait seconds in all at most (--retries 0: never). `submit` goes on past a file that is still refused
+then, and says at the end which were not submitted.
 Exit status: 0 done; 1 the API answered with an error, or a job did not succeed; 2 a usage error;
 3 the API could not be reached. Either way the URL it talked to is named, and where that came from.
 """
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from imgserve_client import ApiError, Client
+from imgserve_client import RETRIES, RETRY_WAIT_S, ApiError, Client
 from imgserve_client.draw import DrawingUnavailable
 
 UNREACHABLE = 3
@@ -80,6 +83,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--url", help=f"the API (default: IMGSERVE_URL, else {DEFAULT_URL})")
     parser.add_argument("--api-key", default=os.environ.get("IMGSERVE_API_KEY"))
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=RETRIES,
+        help=f"send a request refused as busy (429, 503) again this often at most, after its Retry-After "
+        f"(default {RETRIES}; 0: never)",
+    )
+    parser.add_argument(
+        "--retry-wait",
+        type=float,
+        default=RETRY_WAIT_S,
+        metavar="SECONDS",
+        help=f"wait at most this long in all for one request's retries (default {RETRY_WAIT_S:g})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     submit = sub.add_parser("submit", help="submit images (files or folders)")
     submit.add_argument("paths", nargs="+")
@@ -143,7 +160,7 @@ def unreachable(url: str, source: str, exc: BaseException) -> Unreachable:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.url, args.url_source = api_url(args.url)
-    client = Client(args.url, api_key=args.api_key)
+    client = Client(args.url, api_key=args.api_key, retries=args.retries, retry_wait_s=args.retry_wait)
     try:
         return run(args, client)
     except ApiError as exc:
@@ -172,9 +189,7 @@ def run(args: argparse.Namespace, client: Client) -> int:
         if args.draw is not None and not args.wait:
             args.wait = True  # drawing needs the answer
         if not args.wait:
-            for path in files:
-                print(f"{path}\t{client.submit(path, **options)['id']}")
-            return 0
+            return submit_each(args, client, files, options)
         failed = refused = 0
         for path, doc in client.submit_many(files, concurrency=args.concurrency, **options):
             if doc["status"] == "error" and doc["error"]["code"] in ("ConnectionError", "ConnectTimeout"):
@@ -185,6 +200,7 @@ def run(args: argparse.Namespace, client: Client) -> int:
             refused += doc["status"] == "error" and doc["error"]["code"] == "ApiError"
             if args.draw is not None and doc["status"] == "succeeded":
                 print(f"  drawn: {draw_to(path, doc, args.draw, single=len(files) == 1)}")
+        say_retried(client)
         if refused:
             print(f"imgserve: {refused} refused by {talked_to(args.url, args.url_source)}", file=sys.stderr)
         return 1 if failed else 0
@@ -195,6 +211,32 @@ def run(args: argparse.Namespace, client: Client) -> int:
     elif args.command == "models":
         print(json.dumps(client.models(), indent=2))
     return 0
+
+
+def submit_each(args: argparse.Namespace, client: Client, files: list[Path], options: dict) -> int:
+    """Submit every file, one after another, printing each one's job id: a file the API still refuses after its
+    retries is said at once and the rest go on; exit 1 at the end if any was not submitted."""
+    refused: list[Path] = []
+    for path in files:
+        try:
+            job_id = client.submit(path, **options)["id"]
+        except ApiError as exc:
+            print(f"error: {exc} [{path}]", file=sys.stderr)
+            refused.append(path)
+            continue
+        print(f"{path}\t{job_id}", flush=True)
+    say_retried(client)
+    if not refused:
+        return 0
+    if len(files) > 1:
+        print(f"imgserve: {len(refused)} of {len(files)} files not submitted", file=sys.stderr)
+    print(f"  ({talked_to(args.url, args.url_source)})", file=sys.stderr)
+    return 1
+
+
+def say_retried(client: Client) -> None:
+    if client.retried:
+        print(f"imgserve: {client.retried} refusals (busy) sent again after their Retry-After", file=sys.stderr)
 
 
 if __name__ == "__main__":
