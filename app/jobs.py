@@ -68,8 +68,18 @@ log = logging.getLogger("api")
         (404, "`model` names no model this deployment takes jobs for (`models` lists them)"),
         413,
         415,
-        (429, "The model's backlog is over its limit, or so are your key's unfinished callback_url lookups"),
-        503,
+        (
+            429,
+            "The model's backlog (jobs waiting) or its bytes of images waiting are over their limits "
+            "(`backpressure.max_backlog`, `backpressure.max_waiting_bytes`), or so is your key's share of the backlog "
+            "or its unfinished callback_url lookups; nothing was taken: retry after `Retry-After` seconds",
+        ),
+        (
+            503,
+            "The job store is full (every model's bytes waiting over `backpressure.max_total_waiting_bytes`, or "
+            "Redis near its maxmemory), unreachable or refusing, or this process is busy; nothing was taken: "
+            "retry after `Retry-After` seconds",
+        ),
     ),
     description="Options may come as query parameters or, with a multipart body, as form fields. "
     "`wait=S` (query only) makes it one call: the finished job comes back (200) if it ends "

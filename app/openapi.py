@@ -45,8 +45,9 @@ PROBLEMS = {
     409: "The job already ended",
     413: "The upload is over `api.max_upload_bytes`",
     415: f"The upload is not {ACCEPTED_TYPES_TEXT}",
-    429: "Too many jobs waiting, or this key is over its rate; retry after `Retry-After` seconds",
-    503: "Redis or the broker is unreachable; retry shortly",
+    429: "Too many jobs, or too many bytes of images, waiting for the model, or this key is over its rate; retry "
+    "after `Retry-After` seconds",
+    503: "The job store is full, unreachable or refusing, or this process is busy; retry after `Retry-After` seconds",
 }
 HEADERS = {
     "Location": {"description": "the job's URL", "schema": {"type": "string"}},
@@ -54,7 +55,11 @@ HEADERS = {
         "description": "the job's URL: the body is the job as a read of it answers",
         "schema": {"type": "string"},
     },
-    "Retry-After": {"description": "seconds to wait before retrying", "schema": {"type": "integer"}},
+    "Retry-After": {
+        "description": "whole seconds to wait before retrying: for a model's backlog or budget, how long its waiting "
+        "work takes to drain by enough at the rate its GPU workers answer it now",
+        "schema": {"type": "integer"},
+    },
 }
 PATH_PARAMETERS = {
     "job_id": {
@@ -62,8 +67,8 @@ PATH_PARAMETERS = {
         "schema": {"type": "string", "pattern": JOB_ID_PATTERN},
     },
 }
-# Statuses whose problem documents always carry these headers.
-PROBLEM_HEADERS = {429: ("Retry-After",)}
+# Statuses whose problem documents always carry these headers: a 429 or 503 is "not now", and says when.
+PROBLEM_HEADERS = {429: ("Retry-After",), 503: ("Retry-After",)}
 
 
 def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:

@@ -128,3 +128,21 @@ def test_the_fuzz_hook_drops_only_a_violation_that_never_reached_the_wire():
     assert keeps(conf_array, "application/json", {"conf": []})
     assert keeps(accepted("no property named"), form, {"conf": []})
     assert keeps(ServerError(operation="POST /v1/jobs", status_code=500), form, {"conf": []})
+
+
+def test_every_429_and_503_documents_its_retry_after_and_the_submit_s_say_which_limits(stack):
+    """Issue 69: the 503s documented no Retry-After, and the submission's 429 left out the bytes budget."""
+    document = requests.get(stack.url("/openapi.json"), timeout=10).json()
+    busy = [
+        (f"{method} {path}", status, reply)
+        for path, methods in document["paths"].items()
+        for method, op in methods.items()
+        for status, reply in op["responses"].items()
+        if status in ("429", "503") and reply.get("content", {}).get("application/problem+json")
+    ]
+    assert {status for _, status, _ in busy} == {"429", "503"}
+    undocumented = [(where, status) for where, status, reply in busy if "Retry-After" not in reply.get("headers", {})]
+    assert not undocumented
+    submit = document["paths"]["/v1/jobs"]["post"]["responses"]
+    assert "bytes" in submit["429"]["description"] and "backlog" in submit["429"]["description"]
+    assert "full" in submit["503"]["description"]
