@@ -11,6 +11,7 @@ from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
 
 import pytest
+import requests
 
 from imgserve_client import ApiError, Client, parse_retry_after
 
@@ -130,3 +131,40 @@ def test_other_errors_are_not_sent_again(scripted):
     with pytest.raises(ApiError) as caught:
         client.submit(b"image")
     assert caught.value.status == 400 and scripted.seen == 1 and waits == []
+
+
+def test_a_refused_connection_after_an_answer_is_a_restart_sent_again_once_it_is_back(scripted):
+    """docs/upgrading.md: a client that retries loses nothing while the only API process restarts."""
+    scripted.script = [(202, {})]
+    client, waits = client_of(scripted)
+    client.submit(b"image")
+    host, port = scripted.server_address[:2]
+    scripted.shutdown()
+    scripted.server_close()  # down: the next connection is refused
+    restarted: list[http.server.ThreadingHTTPServer] = []
+
+    def restart_while_waiting(seconds: float) -> None:
+        waits.append(seconds)
+        if not restarted:
+            server = http.server.ThreadingHTTPServer((host, port), Scripted)
+            server.lock, server.seen, server.script = threading.Lock(), 0, [(202, {})]  # type: ignore[attr-defined]
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+            restarted.append(server)
+
+    client._sleep = restart_while_waiting
+    try:
+        assert client.submit(b"image")["id"] == "a" * 32
+    finally:
+        for server in restarted:
+            server.shutdown()
+    assert len(waits) == 1 and restarted[0].seen == 1  # type: ignore[attr-defined]
+
+
+def test_a_first_refused_connection_is_said_at_once(scripted):
+    """A wrong URL or an API not running: no answer yet, so nothing to wait for."""
+    client, waits = client_of(scripted)
+    scripted.shutdown()
+    scripted.server_close()
+    with pytest.raises(requests.ConnectionError):
+        client.submit(b"image")
+    assert waits == []

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import requests
+import urllib3
 from requests.structures import CaseInsensitiveDict
 
 GMT = timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11's; the client runs on 3.10)
@@ -91,6 +92,7 @@ class Client:
         self.retried = 0  # refusals retried by this client so far, every request together
         self._retried_lock = threading.Lock()
         self._sleep: Callable[[float], None] = time.sleep
+        self._answered = False  # the API has answered this client once: a refused connection then is a restart
         self.session = requests.Session()
         self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=pool_size))
         self.session.mount("https://", requests.adapters.HTTPAdapter(pool_maxsize=pool_size))
@@ -167,23 +169,41 @@ class Client:
     def _request(self, method: str, path: str, **kwargs: Any) -> requests.Response:
         """One request, sent again while it is refused with 429 or 503 (it was not taken: a submission too is
         safe to send again), each time after the wait its Retry-After asks, within this client's bounds; the
-        last answer otherwise. A request that got no answer (a timeout) is never sent again here: a submission
-        may have been taken."""
+        last answer otherwise. Sent again too when its connection was refused once this client has had an answer
+        from the API (it is restarting: nothing was sent); a first refused connection is a wrong URL or an API
+        not running, said at once. A request that may have reached the API (a timeout, a connection lost) is
+        never sent again here: a submission may have been taken."""
         waited, attempt = 0.0, 0
         while True:
-            response = self.session.request(method, f"{self.base_url}{path}", **kwargs)
-            if response.status_code not in RETRIED_STATUSES or attempt >= self.retries:
-                return response
-            asked = parse_retry_after(response.headers.get("Retry-After"))
-            wait = NO_RETRY_AFTER_S * 2**attempt if asked is None else asked
-            wait += random.uniform(0.0, min(1.0, wait / 10))  # refused together, not all back in the same instant
-            if waited + wait > self.retry_wait_s:
-                return response
-            response.close()
+            try:
+                response = self.session.request(method, f"{self.base_url}{path}", **kwargs)
+            except requests.ConnectionError as exc:
+                if not (self._answered and _never_sent(exc)):
+                    raise
+                wait = self._retry_wait(attempt, None, waited)
+                if wait is None:
+                    raise
+            else:
+                self._answered = True
+                if response.status_code not in RETRIED_STATUSES:
+                    return response
+                wait = self._retry_wait(attempt, parse_retry_after(response.headers.get("Retry-After")), waited)
+                if wait is None:
+                    return response
+                response.close()
             with self._retried_lock:
                 self.retried += 1
             self._sleep(wait)
             waited, attempt = waited + wait, attempt + 1
+
+    def _retry_wait(self, attempt: int, asked: float | None, waited: float) -> float | None:
+        """How long to wait before sending a refused request again (`asked`: its Retry-After; without one, a wait
+        doubling from NO_RETRY_AFTER_S), or None when the retries' count or total wait would be past its bound."""
+        if attempt >= self.retries:
+            return None
+        wait = NO_RETRY_AFTER_S * 2**attempt if asked is None else asked
+        wait += random.uniform(0.0, min(1.0, wait / 10))  # refused together, not all back in the same instant
+        return None if waited + wait > self.retry_wait_s else wait
 
     def submit_many(
         self, images: Iterable[str | Path | bytes], concurrency: int = 8, **options: Any
@@ -206,6 +226,12 @@ def _read(image: str | Path | bytes) -> tuple[bytes, str]:
         return bytes(image), "application/octet-stream"
     path = Path(image)
     return path.read_bytes(), _TYPES.get(path.suffix.lower(), "application/octet-stream")
+
+
+def _never_sent(error: requests.ConnectionError) -> bool:
+    """The connection was never made (refused, no route): the request reached nothing."""
+    reason = getattr(error.args[0], "reason", None) if error.args else None
+    return isinstance(reason, urllib3.exceptions.NewConnectionError)
 
 
 def _names_param(error: ApiError, name: str) -> bool:
