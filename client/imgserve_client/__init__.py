@@ -5,6 +5,9 @@ c = Client("http://localhost:8000")
 doc = c.submit("samples/shapes-36.jpg", wait=True)   # the finished job document (one call)
 for path, doc in c.submit_many(Path("photos").glob("*.jpg"), concurrency=8):
     ...
+
+A request refused as busy (429, 503) is sent again after its Retry-After, within Client(retries=,
+retry_wait_s=); what is still refused raises ApiError (status, problem, headers, retry_after).
 """
 
 from __future__ import annotations
