@@ -35,7 +35,7 @@ ONE_CALL_WAIT_S = 20.0
 # A refusal that means "not now" (too much waiting, the store full, the server busy): nothing was taken, so the
 # same request is sent again after its Retry-After.
 RETRIED_STATUSES = (429, 503)
-RETRIES = 8  # a request refused this many times more is given up (Client(retries=0): never retried)
+RETRIES = 20  # a request refused this many times more is given up (Client(retries=0): never retried)
 RETRY_WAIT_S = 120.0  # nor retried once its waits would pass this in all
 NO_RETRY_AFTER_S = 1.0  # the wait when a refusal says no Retry-After (doubled at each refusal after)
 _TYPES = {
