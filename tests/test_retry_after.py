@@ -110,7 +110,11 @@ def test_a_burst_after_idle_is_told_to_come_back_within_twice_the_measured_drain
         for at, retry_after in refusals
         if retry_after > max(least, math.ceil(2 * (drained_at - at)))
     ]
-    print(f"{len(burst.accepted)} accepted, {len(refusals)} refused, Retry-After {sorted({r for _, r in refusals})}")
+    drains = [drained_at - at for at, _ in refusals]
+    print(
+        f"{len(burst.accepted)} accepted, {len(refusals)} refused, Retry-After {sorted({r for _, r in refusals})}, "
+        f"the backlog drained {min(drains):.2f}-{max(drains):.2f} s after them"
+    )
     assert not too_long, f"(drained after s, Retry-After) past twice the drain: {too_long}"
     assert all(retry_after >= least for _, retry_after in refusals)
     docs = [stack.wait_terminal(job_id) for job_id in burst.accepted]
