@@ -1,11 +1,12 @@
 """How fast a model's backlog drains now, for a refusal's Retry-After (app.admission asks).
 
 Measured, not averaged over the past: each GPU worker counts the frames it answered per model in its counters
-hash (contract.keys.model_frames_total, written with each batch's own write), and a refusal reads those totals, at most
-once a second per model and API process. The rate is the totals' growth between readings of the last
+hash (contract.keys.model_frames_total, written with each batch's own write), and a refusal reads those totals,
+at most once a second per model and API process. The rate is the totals' growth between readings of the last
 WINDOW_S seconds, all taken while refusals came (so while work waited); readings further apart than IDLE_GAP_S
-start a new measurement, since the quiet stretch between them says nothing of the rate while busy. A workers'
-window of minutes did: after an idle spell it answered 0.36 jobs/s for a stack that drained 16 a second.
+start a new measurement, since the quiet stretch between them says nothing of the rate while busy. A rate over
+the workers' window of minutes counted that quiet too, and told a burst after an idle spell to wait many times
+longer than its backlog took to drain.
 """
 
 from __future__ import annotations
