@@ -8,6 +8,8 @@ for path, doc in c.submit_many(Path("photos").glob("*.jpg"), concurrency=8):
 
 A request refused as busy (429, 503) is sent again after its Retry-After, within Client(retries=,
 retry_wait_s=); what is still refused raises ApiError (status, problem, headers, retry_after).
+The server is not trusted: an answer longer than Client(max_answer_bytes=) raises AnswerTooLarge, and one that has
+not arrived whole within the call's time (timeout_s, plus its wait) raises AnswerTooSlow, however it trickles.
 """
 
 from __future__ import annotations
@@ -25,6 +27,10 @@ from typing import Any
 import requests
 import urllib3
 from requests.structures import CaseInsensitiveDict
+
+from imgserve_client.answers import MAX_ANSWER_BYTES, AnswerTooLarge, AnswerTooSlow, WatchedAdapter, bounded, printable
+
+__all__ = ["AnswerTooLarge", "AnswerTooSlow", "ApiError", "Client", "parse_retry_after", "printable"]
 
 GMT = timezone.utc  # noqa: UP017 (datetime.UTC is Python 3.11's; the client runs on 3.10)
 # The job states that end a job (contract.jobs.TERMINAL; the client imports nothing from the service,
@@ -70,7 +76,9 @@ class ApiError(Exception):
     response's `headers`, and `retry_after` (seconds, from Retry-After; None without one)."""
 
     def __init__(self, status: int, problem: dict[str, Any], headers: Mapping[str, str] | None = None) -> None:
-        super().__init__(f"{status} {problem.get('title', '')}: {problem.get('detail', '')}".strip())
+        # The message is printed (the CLI): what the server wrote in it is escaped; `problem` keeps it as sent.
+        title, detail = printable(problem.get("title", "")), printable(problem.get("detail", ""))
+        super().__init__(f"{status} {title}: {detail}".strip())
         self.status = status
         self.problem = problem
         self.headers: CaseInsensitiveDict[str] = CaseInsensitiveDict(headers or {})
@@ -86,19 +94,23 @@ class Client:
         pool_size: int = 16,
         retries: int = RETRIES,
         retry_wait_s: float = RETRY_WAIT_S,
+        max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         """`retries`: how often a request refused with 429 or 503 is sent again, each after its Retry-After, as
-        long as the waits stay within `retry_wait_s` in all (0: a refusal is raised at once)."""
+        long as the waits stay within `retry_wait_s` in all (0: a refusal is raised at once). `timeout_s`: the
+        longest one request may take, all of it (a long-poll adds its wait); `max_answer_bytes`: the longest
+        answer read."""
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.max_answer_bytes = max_answer_bytes
         self.retries, self.retry_wait_s = max(0, retries), max(0.0, retry_wait_s)
         self.retried = 0  # refusals retried by this client so far, every request together
         self._retried_lock = threading.Lock()
         self._sleep: Callable[[float], None] = time.sleep
         self._answered = False  # the API has answered this client once: a refused connection then is a restart
         self.session = requests.Session()
-        self.session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=pool_size))
-        self.session.mount("https://", requests.adapters.HTTPAdapter(pool_maxsize=pool_size))
+        self.session.mount("http://", WatchedAdapter(pool_maxsize=pool_size))
+        self.session.mount("https://", WatchedAdapter(pool_maxsize=pool_size))
         if api_key:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
         self._longest_wait_s = 25.0  # lowered when the deployment's api.max_wait_s is shorter (_waiting)
@@ -179,7 +191,9 @@ class Client:
         waited, attempt = 0.0, 0
         while True:
             try:
-                response = self.session.request(method, f"{self.base_url}{path}", **kwargs)
+                response = bounded(
+                    self.session, method, f"{self.base_url}{path}", kwargs["timeout"], self.max_answer_bytes, **kwargs
+                )
             except requests.ConnectionError as exc:
                 if not (self._answered and _never_sent(exc)):
                     raise

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import requests
 
-from imgserve_client import RETRIES, RETRY_WAIT_S, ApiError, Client
+from imgserve_client import RETRIES, RETRY_WAIT_S, AnswerTooLarge, AnswerTooSlow, ApiError, Client, printable
 from imgserve_client.draw import DrawingUnavailable
 
 UNREACHABLE = 3
@@ -50,7 +50,8 @@ def expand(paths: list[str]) -> list[Path]:
 def detections_table(path: Path, doc: dict) -> list[str]:
     if doc["status"] != "succeeded":
         error = doc.get("error") or {}
-        return [f"{path}: {doc['status']} {error.get('code', '')} {error.get('message', '')}".rstrip()]
+        said = f"{doc['status']} {error.get('code', '')} {error.get('message', '')}"
+        return [f"{path}: {printable(said)}".rstrip()]
     image = doc["result"]["image"]
     # A result-cache hit took no decode and no GPU: its "0 ms" says so in words.
     hit = "cache hit, " if doc.get("cache") == "hit" else ""
@@ -61,7 +62,7 @@ def detections_table(path: Path, doc: dict) -> list[str]:
     lines.append(f"  {'label':<12} {'score':>6}  box (x1, y1, x2, y2)")
     for d in doc["result"]["detections"]:
         box = ", ".join(f"{v:.0f}" for v in d["box"])
-        lines.append(f"  {d['label']:<12} {d['score']:>6.3f}  {box}")
+        lines.append(f"  {printable(d['label']):<12} {d['score']:>6.3f}  {box}")
     return lines
 
 
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     except DrawingUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    except (AnswerTooLarge, AnswerTooSlow) as exc:  # it answered, but not as an API does
+        print(f"error: {printable(exc)}\n  ({talked_to(args.url, args.url_source)})", file=sys.stderr)
+        return 1
     except requests.RequestException as exc:
         print(unreachable(args.url, args.url_source, exc), file=sys.stderr)
         return UNREACHABLE
@@ -224,7 +228,7 @@ def submit_each(args: argparse.Namespace, client: Client, files: list[Path], opt
             print(f"error: {exc} [{path}]", file=sys.stderr)
             refused.append(path)
             continue
-        print(f"{path}\t{job_id}", flush=True)
+        print(f"{path}\t{printable(job_id)}", flush=True)
     say_retried(client)
     if not refused:
         return 0
