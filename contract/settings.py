@@ -68,8 +68,9 @@ class ApiSettings:
     # metrics_host), so an internal network can scrape what the public port does not show.
     metrics_port: int = 0
     metrics_host: str = "0.0.0.0"
-    # The HTTP server (configs/gunicorn.conf.py reads these).
-    bind: str = "0.0.0.0:8000"
+    # The HTTP server (configs/gunicorn.conf.py reads these). This machine only unless told: auth is off by
+    # default, and a laptop's make run must not serve its network; the containers bind 0.0.0.0 on theirs.
+    bind: str = "127.0.0.1:8000"
     workers: int = 2
     worker_class: str = "app.server.ProblemGeventWorker"  # gevent; "gthread" for threads
     connections: int = 2000  # per worker, gevent
