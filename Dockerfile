@@ -30,6 +30,9 @@ COPY app ./app
 COPY tasks ./tasks
 COPY configs ./configs
 USER nobody
+# A container is reached through its network: the API binds every address here (the settings' default is
+# 127.0.0.1, make run's on a laptop).
+ENV IMGSERVE_API__BIND=0.0.0.0:8000
 EXPOSE 8000 5555
 
 FROM ${GPU_BASE_IMAGE:-${BASE_IMAGE}} AS gpu-worker

@@ -42,6 +42,8 @@ def test_make_run_binds_loopback_unless_told_otherwise(tmp_path):
 
 
 def test_the_containers_still_listen_on_their_network():
+    app_stage = (REPO_ROOT / "Dockerfile").read_text().split("AS app", 1)[1].split("AS gpu-worker", 1)[0]
+    assert "ENV IMGSERVE_API__BIND=0.0.0.0:8000" in app_stage  # `docker run -p 8000:8000` without compose too
     compose = yaml.safe_load((REPO_ROOT / "docker-compose.yml").read_text())
     assert compose["services"]["api"]["environment"]["IMGSERVE_API__BIND"] == "0.0.0.0:8000"
     from tools.kubernetes import render
