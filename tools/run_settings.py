@@ -1,6 +1,7 @@
 """What `make run` (scripts/run-local) needs of the settings, as shell assignments: `eval "$(python -m
 tools.run_settings)"` sets `redis_url`, `api_url`, `api_bind` and `api_metrics` (host:port, empty when /metrics is
-on the API's port), `callback_secret_set` (1 or 0) and `callback_allow_hosts`, and exports `.env`'s variables that
+on the API's port), `callback_secret_set` (1 or 0), `callback_key_secrets`
+(each API key's, when keys are set) and `callback_allow_hosts`, and exports `.env`'s variables that
 the environment does not set (compose's rule, as the supervisor reads it: tools.procfile), naming them in
 `dotenv_names`. Read by contract.config as every process reads them, `.env` included, so a settings file or
 variable that does not load stops `make run` before anything starts, and the ready line names what the processes
@@ -12,6 +13,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import Any
 
 from contract.config import load_settings
 from tools.procfile import parse_env
@@ -24,6 +26,21 @@ def api_url(bind: str) -> str:
     host, _, port = bind.rpartition(":")
     host = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "[::]": "[::1]", "::": "[::1]"}.get(host, host)
     return f"http://{host}:{port}"
+
+
+def key_callback_secrets(api_keys: tuple[Any, ...]) -> str:
+    """Where each API key's callback secret comes from, for make run's ready line: with keys set, a job's callbacks
+    are signed with its key's own secret and the deployment's (var/callback-secret) signs nothing. '' without keys."""
+    parts = []
+    for entry in api_keys:
+        if entry.get("callback_secret_env"):
+            source = f"${entry['callback_secret_env']}"
+        elif entry.get("callback_secret_file"):
+            source = str(entry["callback_secret_file"])
+        else:
+            source = "none, so its callback_url is refused"
+        parts.append(f"{entry['id']}: {source}")
+    return "; ".join(parts)
 
 
 def dotenv_additions(dotenv: Path, environ: dict[str, str]) -> dict[str, str]:
@@ -48,6 +65,7 @@ def main() -> int:
     # make run signs callbacks with a secret of its own, and admits a receiver on this machine, unless the
     # settings name their own (scripts/run-local).
     print(f"callback_secret_set={1 if settings.callbacks.secret else 0}")
+    print(f"callback_key_secrets={shlex.quote(key_callback_secrets(settings.auth.api_keys))}")
     print(f"callback_allow_hosts={shlex.quote(' '.join(settings.callbacks.allow_hosts))}")
     return 0
 
