@@ -352,3 +352,40 @@ def test_ctrl_c_in_a_terminal_ends_make_with_0_after_a_clean_stop(tmp_path: Path
     assert status == 0, log
     assert "SIGINT received" in log and "worker stopped" in log and "make-saw 0" in log
     assert "Error" not in log and "Interrupt" not in log, log
+
+
+def test_a_child_that_left_its_process_group_is_stopped_too(tmp_path: Path) -> None:
+    """A process of a role's session that made a group of its own (job control, a helper of a daemon) was out of
+    the reach of the group's signal: the stop ended with it still running."""
+    escaped = tmp_path / "escaped.pid"
+    script = (
+        f"import os, time; os.setpgid(0, 0); open({str(escaped)!r}, 'w').write(f'{{os.getpid()}}\\n'); time.sleep(60)"
+    )
+    supervisor = _start(tmp_path, f'worker: {sys.executable} -c "{script}" & wait\n', None, "--kill-wait-s", "2")
+    pid = int(_wait_for(escaped))
+    assert os.getpgid(pid) == pid  # a group of its own, in the worker's session
+    supervisor.send_signal(signal.SIGTERM)
+    _, err = supervisor.communicate(timeout=30)
+    assert not _alive(pid), err
+    assert supervisor.returncode == 0 and "worker stopped cleanly" in err, err
+
+
+def test_a_stop_names_what_needed_sigkill_and_ends_even_when_sigkill_does_not_end_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A process stuck in the kernel outlives SIGKILL: the stop names it and ends instead of waiting forever (here
+    the kernel's answer is stood in for: every process is reported alive)."""
+    from tools import procfile
+
+    supervisor = procfile.Supervisor({"stuck": "exec sleep 60"}, dict(os.environ), kill_wait_s=0.5)
+    monkeypatch.setattr(procfile, "_session_members", lambda sid: {sid})
+    supervisor.received.append(signal.SIGTERM)  # handled as the loop's first act, once the process has started
+    started = time.monotonic()
+    status = supervisor._supervise()
+    pid = supervisor.shells["stuck"].pid
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert "still running 0.5 s after SIGTERM: stuck; sending SIGKILL" in err, err
+    assert f"still running 0.5 s after SIGKILL (stuck in the kernel?), left as they are: stuck (pids {pid})" in err
+    assert status == 143 and supervisor.killed  # a stop that had to kill is not a clean one
+    assert supervisor.shells["stuck"].wait(5) is not None  # the real one did end

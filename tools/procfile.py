@@ -18,8 +18,11 @@ ready, a process that dies is restarted whatever its age. The first 200 from
 `--ready-url` also prints `--ready-message`, or the environment's
 PROCFILE_READY_MESSAGE (make run's "ready at" line, which names Flower's
 password: not on a command line, and not passed on to the processes).
-SIGINT/SIGTERM stop every process group with SIGTERM, and SIGKILL after
-`--kill-wait-s`; the exit status is then 0 when every process ended within it
+SIGINT/SIGTERM stop every process with SIGTERM (each process's whole session: a
+child that moved to a process group of its own goes too), and SIGKILL after
+`--kill-wait-s`, naming what was still running; whatever a SIGKILL has not ended
+`--kill-wait-s` later (a process stuck in the kernel) is named and left, so a
+stop always ends. The exit status is then 0 when every process ended within it
 (a clean stop), 130/143 when one had to be killed; else the first process's to
 end. `--no-restart` keeps honcho's rule: the first process to end stops them
 all. `--own-terminal` (make run's): Ctrl-C reaches this supervisor alone
@@ -133,6 +136,7 @@ class Supervisor:
         self.began = time.monotonic()
         self.stopping_since: float | None = None
         self.killed = False
+        self.killed_at = 0.0
         self.ready_url = ready_url
         self.ready_message = ready_message
         self.ready = threading.Event()  # the service answered ready_url once: the start-up window is over
@@ -177,7 +181,7 @@ class Supervisor:
                     continue
                 if self.stopping_since is None and name not in self.ending:
                     self._ended(name, returncode, now)
-                if not _group_alive(self.shells[name].pid):
+                if not _session_alive(self.shells[name].pid):
                     self.live.discard(name)
                     if self.stopping_since is not None or not self.restart:
                         self.say(f"{name} stopped{self._how(name, returncode)}")
@@ -189,13 +193,30 @@ class Supervisor:
                     del self.restart_at[name]
                     self.ending.pop(name, None)
                     self._start(name, again=True)
-            if self.stopping_since is not None and not self.killed and now - self.stopping_since > self.kill_wait_s:
-                self.killed = True
-                self._signal_all(signal.SIGKILL)
+            if self.stopping_since is not None and not self._escalate(now):
+                break
             time.sleep(POLL_S)
         if self.status is None and self.signalled is not None:
             return _SIGNAL_STATUS[signal.Signals(self.signalled)] if self.killed else 0  # 0: a clean stop
         return self.status or 0
+
+    def _escalate(self, now: float) -> bool:
+        """SIGKILL to what still runs kill_wait_s after the stop's SIGTERM, saying what; False once even that has
+        not ended it kill_wait_s later (a process stuck in the kernel): named, and left, so a stop always ends."""
+        assert self.stopping_since is not None
+        if not self.killed and now - self.stopping_since > self.kill_wait_s:
+            self.killed, self.killed_at = True, now
+            still = ", ".join(sorted(self.live))
+            self.say(f"still running {self.kill_wait_s:g} s after SIGTERM: {still}; sending SIGKILL")
+            self._signal_all(signal.SIGKILL)
+        if self.killed and self.live and now - self.killed_at > self.kill_wait_s:
+            left = {name: sorted(_session_members(self.shells[name].pid)) for name in sorted(self.live)}
+            self.say(
+                f"still running {self.kill_wait_s:g} s after SIGKILL (stuck in the kernel?), left as they are: "
+                + "; ".join(f"{name} (pids {', '.join(map(str, pids))})" for name, pids in left.items())
+            )
+            return False
+        return True
 
     def _start(self, name: str, again: bool = False) -> None:
         self.shells[name] = subprocess.Popen(
@@ -272,7 +293,7 @@ class Supervisor:
         """SIGTERM to every process group, SIGKILL to what is left after kill_wait_s: the supervisor is ending."""
         self._signal_all(signal.SIGTERM)
         deadline = time.monotonic() + self.kill_wait_s
-        while time.monotonic() < deadline and any(_group_alive(self.shells[name].pid) for name in self.live):
+        while time.monotonic() < deadline and any(_session_alive(self.shells[name].pid) for name in self.live):
             time.sleep(POLL_S)
         self._signal_all(signal.SIGKILL)
 
@@ -282,36 +303,53 @@ class Supervisor:
 
     def _signal(self, name: str, sig: signal.Signals) -> None:
         pid = self.shells[name].pid
+        sent = False
         try:
             os.killpg(pid, sig)  # the whole group: gunicorn's and Celery's own children too
+            sent = True
         except ProcessLookupError:
             pass
-        else:
+        # A process of its session that made a group of its own (a shell's job control, a daemon's helper) is out
+        # of reach of killpg, and would outlive the stop.
+        for member in _session_members(pid):
+            try:
+                os.kill(member, sig)
+                sent = True
+            except ProcessLookupError:
+                pass
+        if sent:
             self.say(f"sent {sig.name} to {name} (pid {pid})")
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of this group lives (a zombie does not count: it has ended, only its parent
-    has not read its status yet)."""
+def _session_members(sid: int) -> set[int]:
+    """The live processes of this session (a zombie does not count: it has ended, only its parent has not read its
+    status yet). The supervisor starts each process as the leader of a session of its own, so these are that
+    process and everything it started that did not leave the session."""
+    members = set()
     try:
         entries = os.listdir("/proc")
-    except OSError:  # no /proc: ask the kernel, zombies included
+    except OSError:  # no /proc: the group is what can be found
         try:
-            os.killpg(pgid, 0)
+            os.killpg(sid, 0)
         except ProcessLookupError:
-            return False
-        return True
+            return set()
+        return {sid}
     for entry in entries:
         if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as stat:
-                state, _parent, group = stat.read().rsplit(")", 1)[1].split()[:3]
+                state, _parent, _group, session = stat.read().rsplit(")", 1)[1].split()[:4]
         except (OSError, ValueError):
             continue
-        if int(group) == pgid and state != "Z":
-            return True
-    return False
+        if int(session) == sid and state != "Z":
+            members.add(int(entry))
+    return members
+
+
+def _session_alive(sid: int) -> bool:
+    """Whether any process of this session lives."""
+    return bool(_session_members(sid))
 
 
 def main(argv: list[str] | None = None) -> int:
