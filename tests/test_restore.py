@@ -4,6 +4,7 @@ loaded by a Redis started as make run starts it (append-only), and read through 
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -21,9 +22,11 @@ from tools.redis_ha import AOF_AS_DEPLOYED
 
 
 def run_restore(backup: Path, folder: Path, namespace: str) -> subprocess.CompletedProcess:
+    """As the docs run it: from the folder above the data folder, which is named relative to it (var/redis)."""
     return subprocess.run(
-        [sys.executable, "-m", "tools.restore", str(backup), "--dir", str(folder), "--namespace", namespace],
-        cwd=REPO_ROOT,
+        [sys.executable, "-m", "tools.restore", str(backup), "--dir", folder.name, "--namespace", namespace],
+        cwd=folder.parent,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         capture_output=True,
         text=True,
         timeout=120,

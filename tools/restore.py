@@ -209,6 +209,8 @@ def _keys_in_aof(staging: Path) -> set[bytes]:
 def restore(backup: Path, folder: Path, namespace: str = "imgserve", say: Callable[[str], None] = print) -> Restored:
     """Restore `backup` into `folder` (see the module's docstring); what a Redis started there as make run starts
     it holds."""
+    # Absolute: redis-server resolves its --logfile and the loaded files after moving into its --dir.
+    backup, folder = backup.resolve(), folder.resolve()
     kind = backup_kind(backup)
     live = redis_running_in(folder) if folder.exists() else []
     if live:
