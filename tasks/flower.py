@@ -13,6 +13,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
+from types import FrameType
 
 from tornado.web import RedirectHandler
 
@@ -103,7 +105,35 @@ def _guarded(handler: type) -> type:
     return type(handler.__name__, (handler,), {name: authenticated(method) for name, method in open_methods.items()})
 
 
+STOP_WITHIN_S = 3.0
+
+
+def _bound_the_stop() -> None:
+    """Flower's SIGTERM handler ends the interpreter, which first waits for its thread pool: a job publishing to a
+    broker that does not answer (Redis stopped or failing over) retries forever inside kombu, so the stop needed
+    SIGKILL. Flower keeps nothing to save here (no --persistent): past STOP_WITHIN_S it ends anyway, with 0,
+    saying why. Flower's command looks its handler up when it installs it, after this module is loaded."""
+    from flower import command
+
+    flowers_own = command.sigterm_handler
+
+    def stop_within_bound(signum: int, frame: FrameType | None) -> None:
+        def end_now() -> None:
+            logging.getLogger("flower").warning(
+                "still stopping %g s after SIGTERM (a thread waits on the broker): ending now", STOP_WITHIN_S
+            )
+            os._exit(0)
+
+        timer = threading.Timer(STOP_WITHIN_S, end_now)
+        timer.daemon = True
+        timer.start()
+        flowers_own(signum, frame)
+
+    command.sigterm_handler = stop_within_bound
+
+
 _keep_old_links()
 _authenticate_every_route()
+_bound_the_stop()
 
 __all__ = ["app"]
