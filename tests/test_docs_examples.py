@@ -31,6 +31,7 @@ ARGPARSE_MODULES = {
     "gpu_worker",
     "tools.redis_ha",
     "tools.releases",
+    "tools.restore",
     "tools.kubernetes",
     "tools.kubernetes_check",
     "tools.export_pt2",
@@ -73,8 +74,7 @@ def _commands() -> list[tuple[str, list[str]]]:
                 else:
                     joined.append((start + offset + 1, line))
             for number, line in joined:
-                for part in line.split("&&"):
-                    words = shlex.split(part, comments=True)
+                for words in _and_lists(shlex.split(line, comments=True)):
                     if "-m" not in words or not any(w.endswith("python") or w.endswith("python3") for w in words):
                         continue
                     argv = words[words.index("-m") + 1 :]
@@ -85,6 +85,17 @@ def _commands() -> list[tuple[str, list[str]]]:
                     argv = [word.strip("[]") for word in argv if not word or word.strip("[]")]
                     found.append((f"{page.relative_to(REPO_ROOT)}:{number}", argv))
     return found
+
+
+def _and_lists(words: list[str]) -> list[list[str]]:
+    """A line's commands joined by `&&` (split after quoting: an `&&` inside a quoted `sh -c` stays)."""
+    parts: list[list[str]] = [[]]
+    for word in words:
+        if word == "&&":
+            parts.append([])
+        else:
+            parts[-1].append(word)
+    return parts
 
 
 COMMANDS = _commands()
@@ -196,7 +207,7 @@ def test_each_docker_compose_command_of_the_docs_names_files_services_and_profil
     ]
     assert len(lines) >= 5
     for where, line in lines:
-        words = shlex.split(line, comments=True)
+        words = shlex.split(line.removesuffix("\\"), comments=True)  # a line continued: its own words
         files = [words[i + 1] for i, word in enumerate(words) if word == "-f"] or ["docker-compose.yml"]
         services: dict[str, Any] = {}
         for name in files:
