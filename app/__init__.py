@@ -29,6 +29,7 @@ from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.config import load_settings
 from contract.connection import close_idle_connections, connect
+from contract.jobs.hits import HitLimits
 from contract.jobs.ids import job_ids
 from contract.jobs.intake import JobIntake
 from contract.keys import Keys
@@ -84,7 +85,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     if durable is not None:
         durable.start()
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)
-    store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication)
+    hits = HitLimits.of(settings)  # each key's cache hits, charged (contract.jobs.hits)
+    store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication, hits=hits)
     catalogue, cache = Catalogue(settings), ResultCache(client, keys, settings)
     admission = Admission(settings, client, keys, store, catalogue, cache)
     app.extensions[EXTENSION] = Services(

@@ -41,6 +41,7 @@ from contract.cache import HIT, MISS, ResultCache
 from contract.clock import now as service_now
 from contract.decode_share import DecodeShare
 from contract.jobs.backlog import queue_depths
+from contract.jobs.hits import HitLimited
 from contract.jobs.intake import CacheHit, JobIntake
 from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec, UnknownModel
@@ -187,10 +188,16 @@ class Admission:
         answered = {**fields, SUBMITTED_AT: now, "cache": HIT}
         timings = compute_time_bill({RECEIVED_AT: fields[RECEIVED_AT], SUBMITTED_AT: now, FINISHED_AT: now})
         request = self._request(reservation, spec, len(data))
-        outcome = self.store.answer_or_admit(job_id, answered, digest, self.settings.cache.ttl_s, timings, request)
+        outcome = self.store.answer_or_admit(
+            job_id, answered, digest, self.settings.cache.ttl_s, timings, request, reservation.client_id
+        )
         if isinstance(outcome, CacheHit):
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
             return outcome, answered, timings
+        if isinstance(outcome, HitLimited):  # every accepted request is charged: a hit to its key's bucket
+            retry = str(max(1, math.ceil(outcome.retry_after_ms / 1000)))
+            detail = f"key {reservation.client_id!r}'s cache hits stored their cache.hit_bytes_per_key; retry later"
+            raise Problem(429, "rate-limited", "Too many requests", detail, headers={"Retry-After": retry})
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
         self._settle(spec, request, outcome)  # refused: the problem says by which limit
         reservation.admit(request)

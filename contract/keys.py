@@ -186,6 +186,15 @@ class Keys:
         address's together."""
         return f"{self.namespace}:auth_failures:{address}"
 
+    def hit_bucket(self, client_id: str) -> str:
+        """String: the bytes an API key's cache hits may still store and when it was refilled (contract.jobs.hits)."""
+        return f"{self.namespace}:hit_bytes:{client_id}"
+
+    def hit_result(self, digest: str) -> str:
+        """String with a TTL: a cached answer that cache hits' job records refer to, copied from its entry at the
+        first hit and kept as long as the longest-lived of them may live (contract.jobs.hits)."""
+        return f"{self.namespace}:hit_result:{digest}"
+
     def rate_bucket(self, client_id: str) -> str:
         """Hash: an API key's token bucket (tokens, last refill)."""
         return f"{self.namespace}:rate:{client_id}"

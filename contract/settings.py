@@ -115,6 +115,7 @@ class LogSettings:
 @settings_class
 class JobSettings:
     ttl_s: int = 3600
+    max_ttl_s: int = 14400  # the longest a record lives from its submission: callback retries stop at it
     upload_ttl_s: int = 600
     default_deadline_ms: int = 60_000
     # Signs every job id (contract.jobs.ids); one value for every API process. Empty: var/job-id-secret, made once.
@@ -133,10 +134,11 @@ class CacheSettings:
     # false: an entry serves only the API key that made it. true: every key of the deployment; a hit then
     # tells one tenant that another sent the same image (docs/operations.md).
     shared: bool = False
+    hit_bytes_per_key: int = 64 * 1024 * 1024  # a key's hits' records, a bucket refilled per jobs.ttl_s; 0: off
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 0 or self.ttl_s < 1:
-            raise SettingsError("cache.max_bytes must be >= 0 and cache.ttl_s >= 1")
+        if self.max_bytes < 0 or self.ttl_s < 1 or self.hit_bytes_per_key < 0:
+            raise SettingsError("cache.max_bytes and hit_bytes_per_key must be >= 0, cache.ttl_s >= 1")
 
 
 @settings_class

@@ -44,8 +44,9 @@ def backoff_s(attempts: int, base_s: float, max_s: float, jitter: float, draw: f
 
 # KEYS[1] job hash, KEYS[2] the scheduled set, KEYS[3] the dead set; ARGV[1] the job id, ARGV[2] the callback
 # state (JSON), ARGV[3] 'scheduled' | 'dead' | '' (where the job id waits next), ARGV[4] its score, ARGV[5] the
-# least TTL the record must keep (a callback retried for hours needs its job). A job hash that expired meanwhile
-# is not recreated by a late write. Returns 1 written, 0 gone.
+# least TTL the record must keep (a callback retried for hours needs its job; never past jobs.max_ttl_s from its
+# submission: CallbackSender._lapses_at). A job hash that expired meanwhile is not recreated by a late write.
+# Returns 1 written, 0 gone.
 _RECORD_STATE = """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'callback', ARGV[2])
@@ -80,6 +81,7 @@ class CallbackSender:
         self.service_settings = settings
         self.settings = settings.callbacks
         self.ttl_s = settings.jobs.ttl_s
+        self.max_ttl_s = settings.jobs.max_ttl_s
         self.redis = client
         self.keys = Keys(settings.namespace)
         self.store = JobStore(client, self.keys, settings.jobs.ttl_s)
@@ -127,36 +129,39 @@ class CallbackSender:
         except CallbackRefused as exc:
             # The job's owner reads last_error: what the lookup found goes to this log only (as at submit).
             log.warning("callback refused: %s", exc, extra={"job_id": job_id})
-            return self._failed(job_id, base, exc.public[:300], retry=False)
+            return self._failed(job_id, base, exc.public[:300], self._lapses_at(record), retry=False)
         except (DeliveryFailed, SettingsError) as exc:
-            return self._failed(job_id, base, str(exc)[:300], retry=isinstance(exc, DeliveryFailed))
+            retry = isinstance(exc, DeliveryFailed)
+            return self._failed(job_id, base, str(exc)[:300], self._lapses_at(record), retry=retry)
         # delivered_at: a redelivery request moments later answers with this one (contract.jobs.ending)
         self._record(job_id, {**base, "status": "delivered", "last_error": None, "delivered_at": service_now()})
         return "delivered"
 
-    def _failed(self, job_id: str, base: dict[str, Any], error: str, retry: bool) -> str:
+    def _lapses_at(self, record: JobRecord) -> float:
+        """The last moment the job's record may live, whatever its callback: `jobs.max_ttl_s` from its
+        submission. Retries stop there; the dead letter is the record, kept until then at most."""
+        return float(record.get("received_at") or record.get("finished_at") or service_now()) + self.max_ttl_s
+
+    def _failed(self, job_id: str, base: dict[str, Any], error: str, lapses_at: float, retry: bool) -> str:
         now = service_now()
         attempts = int(base["attempts"])
         within = now - float(base["first_at"]) < self.settings.retry_for_s
-        if retry and attempts < self.settings.max_attempts and within:
-            wait = backoff_s(
-                attempts,
-                self.settings.backoff_base_s,
-                self.settings.backoff_max_s,
-                self.settings.jitter,
-                random.random(),
-            )
+        wait = backoff_s(
+            attempts, self.settings.backoff_base_s, self.settings.backoff_max_s, self.settings.jitter, random.random()
+        )
+        if retry and attempts < self.settings.max_attempts and within and now + wait < lapses_at:
             self._record(
                 job_id,
                 {**base, "status": "retrying", "last_error": error, "next_attempt_at": now + wait},
                 place="scheduled",
                 score=now + wait,
-                keep_s=int(wait) + self.ttl_s,
+                keep_s=min(int(wait) + self.ttl_s, int(lapses_at - now)),
             )
             return "retrying"
-        self._record(
-            job_id, {**base, "status": "failed", "last_error": error}, place="dead", score=now, keep_s=self.ttl_s
-        )
+        if retry and attempts < self.settings.max_attempts and within:  # the next attempt would find no record
+            error = f"{error} (not retried: the job's record lapses first, jobs.max_ttl_s)"[:300]
+        keep_s = min(self.ttl_s, int(lapses_at - now))
+        self._record(job_id, {**base, "status": "failed", "last_error": error}, place="dead", score=now, keep_s=keep_s)
         return "failed"
 
     def _post(

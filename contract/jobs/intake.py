@@ -20,7 +20,8 @@ import redis
 from contract import budget
 from contract.cache import CacheLimits, MissCounts
 from contract.clock import now as service_now
-from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES, JobEnding
+from contract.jobs.ending import JobEnding
+from contract.jobs.hits import RESULT_REF, STORE_HIT_LUA, HitLimited, HitLimits
 from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
 from contract.keys import Keys
 from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
@@ -29,10 +30,11 @@ from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavai
 log = logging.getLogger(__name__)
 
 # A result-cache lookup (contract.cache) and, on a miss, the job's admission (contract.budget's admit), in one
-# round trip. On a hit: the cached document, nothing written (the hit's own step, _STORE_HIT, follows). On a miss:
-# admit(); the API counts the miss itself (contract.cache's MissCounts). A miss is nearly every call and a hit's
-# record is not needed for it: a script's arguments cost Redis ~760 instructions each and ~12 a byte (the record and
-# a hit's ending were ~40 of them, ~1 KB, ~50,000 instructions an image, more than the admission's own commands).
+# round trip. On a hit: the cached document, nothing written (the hit's own step, contract.jobs.hits, follows).
+# On a miss: admit(); the API counts the miss itself (contract.cache's MissCounts). A miss is nearly every call
+# and a hit's record is not needed for it: a script's arguments cost Redis ~760 instructions each and ~12 a byte
+# (the record and a hit's ending were ~40 of them, ~1 KB, ~50,000 instructions an image, more than the
+# admission's own commands).
 # KEYS[1] the entry, KEYS[2..] admit()'s keys; ARGV admit()'s ADMISSION_ARGS arguments. Returns {'hit', document}
 # or admit()'s verdict.
 _LOOKUP_OR_ADMIT = (
@@ -41,35 +43,6 @@ _LOOKUP_OR_ADMIT = (
 local document = redis.call('GET', KEYS[1])
 if document then return {'hit', document} end
 return admit(2, #KEYS, 1)
-"""
-)
-
-# A hit's job, stored and ended in one step: the entry's TTL and last use renewed, the hit counted, the record
-# written, then ended `succeeded` with the document as its result, as any job ends (finish_jobs: long-polls
-# woken, callback queued). KEYS[1] callback outbox, KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats
-# hash, KEYS[5] the job hash; ARGV[1..FINISH_NAMES] finish_names(), then the digest, now, the cache TTL, the model,
-# the document, the count of record field and value arguments, the record's, and the job's end
-# (finish_arguments). Returns the job's status: `expired` when the hit came after the job's deadline (finish_jobs
-# ends it so, and the result is not stored, as for any late answer).
-_STORE_HIT = (
-    FINISH_JOBS_LUA
-    + f"local N = {FINISH_NAMES}\n"
-    + """
-local digest, now, ttl, model, document = ARGV[N + 1], ARGV[N + 2], ARGV[N + 3], ARGV[N + 4], ARGV[N + 5]
-redis.call('EXPIRE', KEYS[2], ttl)
-redis.call('ZADD', KEYS[3], 'XX', now, digest)
-redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
-local names = finish_names(KEYS[1], 1)
-local at = N + 6
-local count = tonumber(ARGV[at])
-redis.call('HSET', KEYS[5], unpack(ARGV, at + 1, at + count))
-redis.call('EXPIRE', KEYS[5], names.ttl)
-finish_jobs(names, 5, at + 1 + count)
-local status = redis.call('HGET', KEYS[5], 'status')
-if status == SUCCEEDED then   -- in time: the cached answer is its result
-  redis.call('HSET', KEYS[5], 'result', document)
-end                           -- else answered after its deadline: expired as any late answer, without it
-return status
 """
 )
 
@@ -105,14 +78,17 @@ class JobIntake(JobEnding):
         bulk: BulkPlane | None = None,
         cache: CacheLimits | None = None,
         replication: Replication = NO_REPLICATION,
+        hits: HitLimits | None = None,
     ) -> None:
         """`uploads`: the client uploads are written with (a few connections, see `_write_upload`).
-        `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns."""
+        `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns.
+        `hits`: what bounds each key's cache hits (contract.jobs.hits); None: nothing but the records' TTL."""
         super().__init__(client, keys, ttl_s, bulk, cache)
         self.uploads = uploads or client
         self.replication = replication
+        self.hits = hits or HitLimits(0, ttl_s, ttl_s)
         self._lookup_or_admit = client.register_script(_LOOKUP_OR_ADMIT)
-        self._store_hit = client.register_script(_STORE_HIT)
+        self._store_hit = client.register_script(STORE_HIT_LUA)
         self.misses = MissCounts()  # added to the shared counters by flush_counts
         self._fence = SharedFence(self._fence_round)  # reads that show how a job ended (confirm_durable)
         self._fenced = (0, 0)  # the last round's (acknowledged, wanted)
@@ -204,46 +180,73 @@ class JobIntake(JobEnding):
         cache_ttl_s: int,
         timings: Mapping[str, float],
         admission: budget.AdmissionRequest,
-    ) -> CacheHit | budget.BudgetVerdict:
-        """A job the result cache may answer. On a hit for `digest`: the job stored over already, with the cached
-        result and `timings`, ended as any job ends (long-polls, callback); (its status, the result document as
-        JSON text). The status is `expired`, without the result stored, when the hit came after the job's deadline
-        (deadline_ms shorter than the lookup). On a miss: the budgets' verdict on `admission` (its bytes reserved
-        when admitted), nothing stored, in one round trip (_LOOKUP_OR_ADMIT); a hit takes a second (_STORE_HIT).
-        A hit needs no admission: it adds nothing to wait."""
+        client_id: str = "",
+    ) -> CacheHit | HitLimited | budget.BudgetVerdict:
+        """A job the result cache may answer. On a hit for `digest`: the job stored over already, referring to the
+        cached answer (contract.jobs.hits) with `timings`, ended as any job ends (long-polls, callback), its bytes
+        taken from `client_id`'s hit bucket; (its status, the result document as JSON text). The status is
+        `expired`, without the answer, when the hit came after the job's deadline (deadline_ms shorter than the
+        lookup). HitLimited, nothing stored, when the key's hits have used their bytes. On a miss: the budgets'
+        verdict on `admission` (its bytes reserved when admitted), nothing stored, in one round trip
+        (_LOOKUP_OR_ADMIT); a hit takes a second. A hit needs no admission: it adds nothing to wait."""
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
-        reply = self._lookup_or_admit(keys=[self.keys.cache_entry(digest), *admission_keys], args=admission_args)
-        if reply[0] != b"hit":
-            self.misses.count(admission.model_key)
-            return budget.BudgetVerdict.of(reply)
-        document = bytes(reply[1]).decode()
-        record = flatten_fields({"id": job_id, "status": QUEUED, **fields})
+        for _ in range(3):  # an entry that goes between the lookup and the hit's step: looked up again
+            reply = self._lookup_or_admit(keys=[self.keys.cache_entry(digest), *admission_keys], args=admission_args)
+            if reply[0] != b"hit":
+                self.misses.count(admission.model_key)
+                return budget.BudgetVerdict.of(reply)
+            document = bytes(reply[1]).decode()
+            stored = self._store_hit_job(job_id, fields, digest, cache_ttl_s, timings, admission.model_key, client_id)
+            if stored[0] == b"ended":
+                return CacheHit(bytes(stored[1]).decode(), document)
+            if stored[0] == b"limited":
+                return HitLimited(int(stored[1]))
+        raise redis.RedisError(f"the cache entry {digest} went at each of three lookups")
+
+    def _store_hit_job(
+        self,
+        job_id: str,
+        fields: Mapping[str, Any],
+        digest: str,
+        cache_ttl_s: int,
+        timings: Mapping[str, float],
+        model_key: str,
+        client_id: str,
+    ) -> Any:
+        """STORE_HIT_LUA for one hit: its reply."""
+        record = flatten_fields({"id": job_id, "status": QUEUED, **fields, RESULT_REF: digest})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
         keys = [
             self.keys.callback_outbox,
             self.keys.cache_entry(digest),
             self.keys.cache_lru,
             self.keys.cache_stats,
+            self.keys.hit_result(digest),
+            self.keys.hit_bucket(client_id),
             *job_keys,
         ]
+        charge = self.hits.charge(sum(map(len, record)) + sum(map(len, job_args[2:])), "callback_url" in fields)
         args = [
             *self.finish_names(),
             digest,
             repr(service_now()),
             cache_ttl_s,
-            admission.model_key,
-            document,
+            model_key,
+            self.hits.answer_ttl_s,
+            self.hits.bucket_bytes,
+            repr(self.hits.refill_per_s),
+            charge,
             len(record),
             *record,
             *job_args,
         ]
-        if self.replication.enabled:  # a hit is a new job, answered: on its replicas before the 202 says so
-            status, acknowledged, wanted = self._script_and_wait(self._store_hit, keys, args)
-            if acknowledged < wanted:
-                raise NotReplicated(acknowledged, wanted)  # (a miss waits at `create`)
-        else:
-            status = self._store_hit(keys=keys, args=args)
-        return CacheHit(bytes(status).decode(), document)
+        if not self.replication.enabled:
+            return self._store_hit(keys=keys, args=args)
+        # a hit is a new job, answered: on its replicas before the 202 says so (a miss waits at `create`)
+        reply, acknowledged, wanted = self._script_and_wait(self._store_hit, keys, args)
+        if reply[0] == b"ended" and acknowledged < wanted:
+            raise NotReplicated(acknowledged, wanted)
+        return reply
 
     def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int, int]:
         """A registered script's EVALSHA, then WAIT on its connection (Replication.wait): (its reply, replicas

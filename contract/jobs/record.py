@@ -80,6 +80,7 @@ class JobRecord(TypedDict, total=False):
     callback: dict[str, Any]  # status, attempts, last_error
     cache: str  # contract.cache's HIT or MISS; absent when the cache was off for the job
     cache_key: str  # a miss's digest: its result is cached under it if it succeeds
+    result_ref: str  # a hit's digest: its result is the shared answer (Keys.hit_result), not a copy
     decode_cost: str  # bytes of decoding charged to its key until its CPU stage ends (contract.decode_share)
 
 
@@ -173,8 +174,17 @@ class JobStore:
         self._advance = client.register_script(_ADVANCE)
 
     def load(self, job_id: str) -> JobRecord | None:
-        raw = self.redis.hgetall(self.keys.job(job_id))
-        return decode_record(raw) if raw else None
+        """A job's record; a cache hit's that succeeded with its result read from the answer it refers to (one
+        GET more: contract.jobs.hits). That answer outlives every record that refers to it."""
+        raw: dict[bytes, bytes] = self.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
+        if not raw:
+            return None
+        digest = raw.get(b"result_ref")
+        if digest is not None and b"result" not in raw and raw.get(b"status") == SUCCEEDED.encode():
+            answer = self.redis.get(self.keys.hit_result(digest.decode()))
+            if answer is not None:
+                raw[b"result"] = answer  # type: ignore[assignment]
+        return decode_record(raw)
 
     def delete(self, job_id: str) -> None:
         self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))

@@ -1,0 +1,118 @@
+"""A result-cache hit's job: stored ended at once, charged to its API key, holding a reference to its answer.
+
+Every accepted request is charged somewhere. A miss passes the budgets (contract.budget) and waits its turn; a
+hit adds nothing to wait, but its job record stays readable for `jobs.ttl_s` (longer while its callback is
+retried, up to `jobs.max_ttl_s` from its submission). So:
+
+- A hit's record holds no copy of the answer: `result_ref` names the digest, and a read resolves the answer
+  from `Keys.hit_result(digest)` (JobStore.load). That shared answer is copied from the cache entry at the
+  digest's first hit, one copy however many hits, and every hit pushes its lifetime out to `jobs.max_ttl_s`
+  (the longest any record may live): no hit's record can outlive it, so a 202'd hit stays readable whatever
+  the cache evicts meanwhile. It is charged to the hit that makes it.
+- Each API key's hits take their bytes (the record's fields, HIT_RECORD_OVERHEAD, and the shared answer when
+  the hit makes it) from a token bucket of `cache.hit_bytes_per_key` bytes, refilled at that many bytes per
+  `jobs.ttl_s`; a record whose callback may keep it alive longer is charged for as many `jobs.ttl_s` as it may
+  live. A record lives at least `jobs.ttl_s`, so a key's hits hold at most about twice the bucket in the store
+  at any moment: an empty bucket is a 429 with the time until it holds the hit's bytes again.
+- The lookup that found the entry and this step are two round trips (contract.jobs.intake): an entry evicted
+  or expired in between answers HIT_GONE, and the API looks up again (a miss then: admitted as any).
+
+The bucket runs on the service's clock, passed in (contract.clock), as every Lua step of the service does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
+from contract.settings import Settings
+
+# What a hit's record costs beyond its fields' bytes: its key, the hash's own bytes, the TTL (Redis's own).
+HIT_RECORD_OVERHEAD = 200
+RESULT_REF = "result_ref"  # the record's field naming the digest of its shared answer (Keys.hit_result)
+HIT_GONE = "gone"  # the entry went between the lookup and the hit's step: look up again
+
+# KEYS[1] callback outbox, KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the shared
+# answer (Keys.hit_result), KEYS[6] the key's hit bucket, KEYS[7] the job hash; ARGV[1..FINISH_NAMES]
+# finish_names(), then the digest, now, the cache TTL, the model, the shared answer's TTL, the bucket's bytes
+# (0: no bound), its refill a second, this hit's charge, the count of record field and value arguments, the
+# record's, and the job's end (finish_arguments). Returns {'ended', status} (`expired` when the hit came after
+# the job's deadline: finish_jobs ends it so, and its answer is not referred to), {'limited', ms until the
+# bucket holds the charge} with nothing written, or {HIT_GONE}.
+STORE_HIT_LUA = (
+    FINISH_JOBS_LUA
+    + f"local N, GONE = {FINISH_NAMES}, '{HIT_GONE}'\n"
+    + """
+local digest, now, cache_ttl, model = ARGV[N + 1], tonumber(ARGV[N + 2]), ARGV[N + 3], ARGV[N + 4]
+local answer_ttl, capacity = tonumber(ARGV[N + 5]), tonumber(ARGV[N + 6])
+local refill, charge = tonumber(ARGV[N + 7]), tonumber(ARGV[N + 8])
+if redis.call('EXPIRE', KEYS[2], cache_ttl) == 0 then return {GONE} end
+local fresh = redis.call('EXISTS', KEYS[5]) == 0
+if fresh then charge = charge + redis.call('STRLEN', KEYS[2]) end
+if capacity > 0 then   -- the key's bucket, refilled since its last hit; a charge over the whole waits for it full
+  local held, at = string.match(redis.call('GET', KEYS[6]) or '', '^(%S+) (%S+)$')
+  local tokens = tonumber(held) or capacity
+  tokens = math.min(capacity, tokens + math.max(0, now - (tonumber(at) or now)) * refill)
+  charge = math.min(charge, capacity)
+  if tokens < charge then return {'limited', math.ceil((charge - tokens) / refill * 1000)} end
+  -- '<tokens> <moment>', living until it would be full again: one string, two commands
+  redis.call('SET', KEYS[6], string.format('%.17g %s', tokens - charge, ARGV[N + 2]), 'EX',
+             math.ceil(capacity / refill) + 1)
+end
+redis.call('ZADD', KEYS[3], 'XX', ARGV[N + 2], digest)
+redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
+local names = finish_names(KEYS[1], 1)
+local at = N + 9
+local count = tonumber(ARGV[at])
+redis.call('HSET', KEYS[7], unpack(ARGV, at + 1, at + count))
+redis.call('EXPIRE', KEYS[7], names.ttl)
+finish_jobs(names, 7, at + 1 + count)
+local status = redis.call('HGET', KEYS[7], 'status')
+if status == SUCCEEDED then   -- in time: its answer is the shared one, kept as long as this record may live
+  if fresh then
+    redis.call('COPY', KEYS[2], KEYS[5])
+    redis.call('EXPIRE', KEYS[5], answer_ttl)
+  else
+    redis.call('EXPIRE', KEYS[5], answer_ttl, 'GT')
+  end
+end                           -- else answered after its deadline: expired as any late answer, without it
+return {'ended', status}
+"""
+)
+
+
+class HitLimited(NamedTuple):
+    """A hit refused: its key's hits used their bytes; the bucket holds this hit's again in `retry_after_ms`."""
+
+    retry_after_ms: int
+
+
+@dataclass(frozen=True)
+class HitLimits:
+    """What bounds one key's hits, from the settings: the bucket's bytes (0: no bound) and its refill, and how
+    long a record may live (the shared answers' TTL) against how long it lives without a callback."""
+
+    bucket_bytes: int = 0
+    ttl_s: int = 3600
+    max_ttl_s: int = 3600
+
+    @classmethod
+    def of(cls, settings: Settings) -> HitLimits:
+        return cls(settings.cache.hit_bytes_per_key, settings.jobs.ttl_s, settings.jobs.max_ttl_s)
+
+    @property
+    def refill_per_s(self) -> float:
+        return self.bucket_bytes / max(1, self.ttl_s)
+
+    @property
+    def answer_ttl_s(self) -> int:
+        """The shared answer's lifetime from a hit: past any record's that refers to it."""
+        return max(self.ttl_s, self.max_ttl_s)
+
+    def charge(self, record_bytes: int, has_callback: bool) -> int:
+        """A hit's bytes for its record: a record a callback may keep past `ttl_s` pays for each `ttl_s` it may
+        live."""
+        lifetimes = math.ceil(self.answer_ttl_s / max(1, self.ttl_s)) if has_callback else 1
+        return (record_bytes + HIT_RECORD_OVERHEAD) * lifetimes
