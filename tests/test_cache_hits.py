@@ -181,7 +181,7 @@ def test_a_dead_lettered_hit_keeps_a_reference_and_is_delivered_again_whole(redi
 
 def test_a_hit_with_a_callback_pays_for_each_ttl_its_record_may_live():
     limits = HitLimits(bucket_bytes=1000, ttl_s=3600, max_ttl_s=14400)
-    assert limits.charge(300, has_callback=False) == 500 and limits.charge(300, has_callback=True) == 2000
+    assert limits.charge(300, has_callback=False) == 700 and limits.charge(300, has_callback=True) == 2800
     assert limits.answer_ttl_s == 14400 and limits.refill_per_s == pytest.approx(1000 / 3600)
     assert dataclasses.replace(limits, max_ttl_s=60).answer_ttl_s == 3600  # never shorter than a record's TTL
     assert ApiServer  # the module's HTTP tests run the real server

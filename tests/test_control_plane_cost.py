@@ -250,3 +250,30 @@ def test_a_worker_loads_the_push_step_before_its_first_push_so_no_frame_is_pushe
     assert frame_pusher(quiet_redis, keys).push(job, "m:1", b"the frame", 10, {}, "c") == frames.PUSHED
     assert "errorstat_NOSCRIPT" not in quiet_redis.info("errorstats")
     assert quiet_redis.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]
+
+
+def test_a_cache_hit_costs_two_round_trips_and_stores_no_copy_of_its_answer(quiet_redis):
+    """A hit is the lookup's round trip, then its own step (contract.jobs.hits). Its record refers to the shared
+    answer instead of holding a copy (an HSET of the whole answer a hit, and the answer sent as an argument), for
+    the bucket that charges its key (GET, SET), the look for the shared answer (EXISTS) and its lifetime
+    (EXPIRE), and no DEL of an upload a hit never had: 15 commands a hit before, 17 now; the first hit of an answer
+    copies it (STRLEN, COPY)."""
+    from contract import budget
+    from contract.jobs.hits import HitLimits
+
+    keys = Keys("hit-cost")
+    intake = JobIntake(quiet_redis, keys, ttl_s=60, hits=HitLimits(10**6, 60, 600))
+    for step in (intake._lookup_or_admit, intake._store_hit):
+        quiet_redis.script_load(step.script)
+    quiet_redis.set(keys.cache_entry("d"), '{"detections":[]}', ex=60)
+    request = budget.AdmissionRequest("m:1", 6, max_backlog=10, max_model_bytes=100, max_all_bytes=100)
+    fields = {"model": "m:1", "received_at": 1.0, "deadline_at": 1e12, "bytes": 6}
+
+    def hit(job: str) -> None:
+        assert intake.answer_or_admit(job, fields, "d", 60, {"total": 1.0}, request, "team-a").status == SUCCEEDED
+
+    first = commands_of(quiet_redis, lambda: hit("a1" * 16))
+    again = commands_of(quiet_redis, lambda: hit("a2" * 16))
+    assert again["evalsha"] == 2 and "copy" not in again and "del" not in again, again
+    assert sum(again.values()) == 17, again
+    assert first["copy"] == 1 and first["strlen"] == 1 and sum(first.values()) == 19, first

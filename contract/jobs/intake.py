@@ -22,7 +22,7 @@ from contract.cache import CacheLimits, MissCounts
 from contract.clock import now as service_now
 from contract.jobs.ending import JobEnding
 from contract.jobs.hits import RESULT_REF, STORE_HIT_LUA, HitLimited, HitLimits
-from contract.jobs.record import FAILED, QUEUED, SUCCEEDED, encode_fields, flatten_fields
+from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU, SUCCEEDED, encode_fields, flatten_fields
 from contract.keys import Keys
 from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
@@ -214,7 +214,8 @@ class JobIntake(JobEnding):
         client_id: str,
     ) -> Any:
         """STORE_HIT_LUA for one hit: its reply."""
-        record = flatten_fields({"id": job_id, "status": QUEUED, **fields, RESULT_REF: digest})
+        # stored as past its push, for the moment the step takes: it has no upload for finish_jobs to delete
+        record = flatten_fields({"id": job_id, "status": QUEUED_GPU, **fields, RESULT_REF: digest})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
         keys = [
             self.keys.callback_outbox,
