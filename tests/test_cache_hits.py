@@ -62,7 +62,7 @@ def test_a_hits_record_refers_to_one_shared_answer_not_a_copy_and_reads_it_back(
         assert store.answer_or_admit(f"{i:032x}", hit_fields(), "busy", 60, {"total": 1.0}, ADMISSION)
     grown_per_hit = (redis_client.info("memory")["used_memory"] - before) / 20
     assert grown_per_hit < 2_000, grown_per_hit  # was ~100 KB: the answer again
-    assert redis_client.memory_usage(keys.job(f"{20:032x}")) < 1_000
+    assert redis_client.memory_usage(keys.job(f"{20:032x}"), samples=0) < 1_000
     assert not redis_client.hexists(keys.job(f"{20:032x}"), "result")
     assert 600 - 2 <= redis_client.ttl(keys.hit_result("busy")) <= 600  # as long as any record may live
     redis_client.delete(keys.cache_entry("busy"))  # evicted from the cache: the jobs still read their answer
@@ -137,26 +137,36 @@ def test_one_keys_flood_of_hits_is_refused_429_and_cannot_make_another_keys_subm
 def test_callback_retries_never_keep_a_record_past_max_ttl_and_the_last_one_is_the_dead_letter(redis_client):
     """A receiver answering 500 pushed the record's lifetime out at each failed attempt (the wait plus
     jobs.ttl_s: 3,844 s left 300 s after the job, against 3,360): ~13 h by the defaults, then an hour more as a
-    dead letter. Now never past jobs.max_ttl_s from its submission; a retry that would come later is not made."""
+    dead letter. Now never past jobs.max_ttl_s from its submission; a retry that would come later is not made.
+    Each attempt a real POST to a receiver answering 500 (the callback worker's own `deliver`)."""
+    from tests.conftest import CALLBACK_SECRET
+    from tests.test_callbacks import Receiver
+
     settings = Settings(
         model=SPEC,
         models=(SPEC,),
         namespace="hits-cb",
         jobs=JobSettings(ttl_s=60, max_ttl_s=100),
-        callbacks=CallbackSettings(backoff_base_s=20.0, backoff_max_s=3600.0, jitter=0.0, max_attempts=24),
+        callbacks=CallbackSettings(
+            secret=CALLBACK_SECRET, allow_hosts=("127.0.0.1",), backoff_base_s=20.0, jitter=0.0, max_attempts=24
+        ),
     )
     keys = Keys("hits-cb")
     sender = CallbackSender(settings, redis_client)
+    receiver = Receiver(failures=10**6)
     job_id = "c" * 32
-    received = time.time()
-    redis_client.hset(keys.job(job_id), mapping={"id": job_id, "status": SUCCEEDED, "received_at": received})
+    record = {"id": job_id, "status": SUCCEEDED, "received_at": time.time(), "callback_url": receiver.url}
+    redis_client.hset(keys.job(job_id), mapping={**record, "result": json.dumps(json.loads(busy_answer(1)))})
     redis_client.expire(keys.job(job_id), 60)
-    base = {"attempts": 0, "first_at": received, "delivery_id": "d"}
-    outcomes = []
-    for attempts in range(1, 6):  # waits of 20, 40, 80, 160, 320 s
-        outcomes.append(sender._failed(job_id, {**base, "attempts": attempts}, "500", received + 100, retry=True))
-        assert redis_client.ttl(keys.job(job_id)) <= 100, attempts  # was 20 + 60, 40 + 60, 80 + 60, ...
-    assert outcomes == ["retrying"] * 3 + ["failed"] * 2  # the 4th's wait would end past the record's bound
+    outcomes, left = [], []
+    try:
+        for _ in range(4):  # waits of 20, 40, 80, 160 s after the attempts: the 4th's would end past the bound
+            outcomes.append(sender.deliver(job_id))
+            left.append(redis_client.ttl(keys.job(job_id)))
+    finally:
+        receiver.stop()
+    assert len(receiver.calls) == 4 and outcomes == ["retrying"] * 3 + ["failed"], outcomes
+    assert max(left) <= 100, left  # was 20 + 60, 40 + 60, 80 + 60, then 60 more as the dead letter
     assert redis_client.zscore(keys.callback_dead, job_id) is not None
     assert "lapses first" in json.loads(redis_client.hget(keys.job(job_id), "callback"))["last_error"]
 
@@ -174,7 +184,8 @@ def test_a_dead_lettered_hit_keeps_a_reference_and_is_delivered_again_whole(redi
     settings = Settings(model=SPEC, models=(SPEC,), namespace="hits-dead", jobs=JobSettings(ttl_s=60, max_ttl_s=100))
     sender = CallbackSender(settings, redis_client)
     assert sender._failed(job_id, {"attempts": 24, "first_at": time.time()}, "500", time.time() + 100, True) == "failed"
-    assert redis_client.memory_usage(keys.job(job_id)) < 1_500 and not redis_client.hexists(keys.job(job_id), "result")
+    assert redis_client.memory_usage(keys.job(job_id), samples=0) < 1_500  # was 83 KB: the answer's copy
+    assert not redis_client.hexists(keys.job(job_id), "result")
     assert store.redeliver_callback(job_id) == 1
     assert store.load(job_id)["result"] == json.loads(answer)  # what the callback worker posts: job_document(load)
 
