@@ -71,8 +71,9 @@ log = logging.getLogger("api")
         (
             429,
             "The model's backlog (jobs waiting) or its bytes of images waiting are over their limits "
-            "(`backpressure.max_backlog`, `backpressure.max_waiting_bytes`), or so is your key's share of the backlog "
-            "or its unfinished callback_url lookups; nothing was taken: retry after `Retry-After` seconds",
+            "(`backpressure.max_backlog`, `backpressure.max_waiting_bytes`), or so is your key's share of the backlog, "
+            "its unfinished callback_url lookups or (a cache hit) the bytes its hits stored "
+            "(`cache.hit_bytes_per_key`); nothing was taken: retry after `Retry-After` seconds",
         ),
         (
             503,
