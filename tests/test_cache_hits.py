@@ -78,6 +78,21 @@ def test_an_entry_gone_between_the_lookup_and_the_hit_is_looked_up_again_as_a_mi
     assert verdict.verdict == budget.ADMITTED and store.load("1" * 32) is None  # admitted: the API stores it next
 
 
+def test_a_hit_that_must_reach_a_replica_is_stored_charged_and_refused_when_none_holds_it(redis_client):
+    """Behind replication a hit's step runs through WAIT (JobIntake._script_and_wait): its reply read the same,
+    and a bucket that is empty refuses it before any write, replicas or not."""
+    from contract.replication import NotReplicated, Replication
+
+    keys = Keys("hits-wait")
+    store = JobIntake(redis_client, keys, ttl_s=60, replication=Replication(1, 50), hits=HitLimits(1_200, 60, 60))
+    redis_client.set(keys.cache_entry("small"), busy_answer(1))
+    with pytest.raises(NotReplicated):  # no replica here: stored on the primary, not promised
+        store.answer_or_admit("e" * 32, hit_fields(), "small", 60, {"total": 1.0}, ADMISSION, "a")
+    assert store.load("e" * 32)["result"] == json.loads(busy_answer(1))
+    limited = store.answer_or_admit("f" * 32, hit_fields(), "small", 60, {"total": 1.0}, ADMISSION, "a")
+    assert limited.retry_after_ms > 0 and store.load("f" * 32) is None  # the first took the bucket's bytes
+
+
 @pytest.fixture
 def small_store(tmp_path) -> Iterator[tuple[RedisServer, redis.Redis]]:
     """A Redis of 24 MB, noeviction, as `make run` sets a 1 GB one: the fill within a few hundred hits."""
