@@ -9,11 +9,11 @@ retried, up to `jobs.max_ttl_s` from its submission). So:
   digest's first hit, one copy however many hits, and every hit pushes its lifetime out to `jobs.max_ttl_s`
   (the longest any record may live): no hit's record can outlive it, so a 202'd hit stays readable whatever
   the cache evicts meanwhile. It is charged to the hit that makes it.
-- Each API key's hits take their bytes (the record's fields, HIT_RECORD_OVERHEAD, and the shared answer when
-  the hit makes it) from a token bucket of `cache.hit_bytes_per_key` bytes, refilled at that many bytes per
-  `jobs.ttl_s`; a record whose callback may keep it alive longer is charged for as many `jobs.ttl_s` as it may
-  live. A record lives at least `jobs.ttl_s`, so a key's hits hold at most about twice the bucket in the store
-  at any moment: an empty bucket is a 429 with the time until it holds the hit's bytes again.
+- Each API key's hits take their bytes (the record's fields and HIT_RECORD_OVERHEAD; the shared answer's, by
+  the hit that makes it) from a token bucket of `cache.hit_bytes_per_key` bytes, refilled at that many bytes
+  per `jobs.ttl_s`. What may live longer than `jobs.ttl_s` (the shared answer, a record whose callback may keep
+  it) is charged for each `jobs.ttl_s` it may live. So a key's hits hold at most about twice the bucket in the
+  store at any moment: an empty bucket is a 429 with the time until it holds the hit's bytes again.
 - The lookup that found the entry and this step are two round trips (contract.jobs.intake): an entry evicted
   or expired in between answers HIT_GONE, and the API looks up again (a miss then: admitted as any).
 
@@ -38,8 +38,9 @@ HIT_GONE = "gone"  # the entry went between the lookup and the hit's step: look 
 # KEYS[1] callback outbox, KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the shared
 # answer (Keys.hit_result), KEYS[6] the key's hit bucket, KEYS[7] the job hash; ARGV[1..FINISH_NAMES]
 # finish_names(), then the digest, now, the cache TTL, the model, the shared answer's TTL, the bucket's bytes
-# (0: no bound), its refill a second, this hit's charge, the count of record field and value arguments, the
-# record's, and the job's end (finish_arguments). Returns {'ended', status} (`expired` when the hit came after
+# (0: no bound), its refill a second, this hit's charge, how many `jobs.ttl_s` the shared answer may live (what
+# its copy is charged for), the count of record field and value arguments, the record's, and the job's end
+# (finish_arguments). Returns {'ended', status} (`expired` when the hit came after
 # the job's deadline: finish_jobs ends it so, and its answer is not referred to), {'limited', ms until the
 # bucket holds the charge} with nothing written, or {HIT_GONE}.
 STORE_HIT_LUA = (
@@ -48,10 +49,10 @@ STORE_HIT_LUA = (
     + """
 local digest, now, cache_ttl, model = ARGV[N + 1], tonumber(ARGV[N + 2]), ARGV[N + 3], ARGV[N + 4]
 local answer_ttl, capacity = tonumber(ARGV[N + 5]), tonumber(ARGV[N + 6])
-local refill, charge = tonumber(ARGV[N + 7]), tonumber(ARGV[N + 8])
+local refill, charge, lifetimes = tonumber(ARGV[N + 7]), tonumber(ARGV[N + 8]), tonumber(ARGV[N + 9])
 if redis.call('EXPIRE', KEYS[2], cache_ttl) == 0 then return {GONE} end
 local fresh = redis.call('EXISTS', KEYS[5]) == 0
-if fresh then charge = charge + redis.call('STRLEN', KEYS[2]) end
+if fresh then charge = charge + redis.call('STRLEN', KEYS[2]) * lifetimes end
 if capacity > 0 then   -- the key's bucket, refilled since its last hit; a charge over the whole waits for it full
   local held, at = string.match(redis.call('GET', KEYS[6]) or '', '^(%S+) (%S+)$')
   local tokens = tonumber(held) or capacity
@@ -65,7 +66,7 @@ end
 redis.call('ZADD', KEYS[3], 'XX', ARGV[N + 2], digest)
 redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
 local names = finish_names(KEYS[1], 1)
-local at = N + 9
+local at = N + 10
 local count = tonumber(ARGV[at])
 redis.call('HSET', KEYS[7], unpack(ARGV, at + 1, at + count))
 redis.call('EXPIRE', KEYS[7], names.ttl)
@@ -112,8 +113,12 @@ class HitLimits:
         """The shared answer's lifetime from a hit: past any record's that refers to it."""
         return max(self.ttl_s, self.max_ttl_s)
 
+    @property
+    def answer_lifetimes(self) -> int:
+        """How many `ttl_s` a shared answer (or a record a callback keeps) may live: what it is charged for."""
+        return math.ceil(self.answer_ttl_s / max(1, self.ttl_s))
+
     def charge(self, record_bytes: int, has_callback: bool) -> int:
         """A hit's bytes for its record: a record a callback may keep past `ttl_s` pays for each `ttl_s` it may
         live."""
-        lifetimes = math.ceil(self.answer_ttl_s / max(1, self.ttl_s)) if has_callback else 1
-        return (record_bytes + HIT_RECORD_OVERHEAD) * lifetimes
+        return (record_bytes + HIT_RECORD_OVERHEAD) * (self.answer_lifetimes if has_callback else 1)

@@ -237,6 +237,7 @@ class JobIntake(JobEnding):
             self.hits.bucket_bytes,
             repr(self.hits.refill_per_s),
             charge,
+            self.hits.answer_lifetimes,
             len(record),
             *record,
             *job_args,
