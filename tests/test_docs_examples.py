@@ -27,6 +27,7 @@ ARGPARSE_MODULES = {
     "app.auth",
     "bench",
     "bench.hostile_dns",
+    "bench.hostile_hits",
     "baseline",
     "gpu_worker",
     "tools.redis_ha",
