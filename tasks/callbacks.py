@@ -46,8 +46,14 @@ def backoff_s(attempts: int, base_s: float, max_s: float, jitter: float, draw: f
 # state (JSON), ARGV[3] 'scheduled' | 'dead' | '' (where the job id waits next), ARGV[4] its score, ARGV[5] the
 # least TTL the record must keep (a callback retried for hours needs its job; never past jobs.max_ttl_s from its
 # submission: CallbackSender._lapses_at). A job hash that expired meanwhile is not recreated by a late write.
-# Returns 1 written, 0 gone.
-_RECORD_STATE = """
+# Returns 1 written, 0 gone. The dead letter keeps what a read and a redelivery need (the job's document, its owner
+# and callback), not the stages' own bookkeeping (DEAD_LETTER_DROPS).
+DEAD_LETTER_DROPS = (
+    *("claim", "queue", "resent", "cache_key", "decode_cost", "media_type", "bytes", "submitted_at"),
+    *("cpu_started_at", "decode_ms", "resize_ms", "backpressure_ms", "pushed_at"),  # the time bill is made
+)
+_RECORD_STATE = (
+    """
 if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
 redis.call('HSET', KEYS[1], 'callback', ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[1])
@@ -56,11 +62,15 @@ if ARGV[3] == 'scheduled' then
   redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[1])
 elseif ARGV[3] == 'dead' then
   redis.call('ZADD', KEYS[3], tonumber(ARGV[4]), ARGV[1])
+  redis.call('HDEL', KEYS[1], """
+    + ", ".join(f"'{name}'" for name in DEAD_LETTER_DROPS)
+    + """)
 end
 local keep = tonumber(ARGV[5])
 if keep > 0 and redis.call('TTL', KEYS[1]) < keep then redis.call('EXPIRE', KEYS[1], keep) end
 return 1
 """
+)
 
 
 class CallbackSender:

@@ -205,6 +205,45 @@ def test_a_dead_lettered_hit_keeps_a_reference_and_is_delivered_again_whole(redi
     assert store.load(job_id)["result"] == json.loads(answer)  # what the callback worker posts: job_document(load)
 
 
+def test_a_dead_letter_keeps_what_a_read_and_a_redelivery_need_not_the_stages_bookkeeping(redis_client):
+    """A computed job's record given up on: its document (what a read shows, what a redelivery posts) is the same
+    after, its owner and callback too; the claim, the queue, the stamps its time bill was made of go."""
+    from contract.documents import job_document
+    from tasks.callbacks import DEAD_LETTER_DROPS
+
+    keys = Keys("hits-drops")
+    settings = Settings(model=SPEC, models=(SPEC,), namespace="hits-drops", jobs=JobSettings(ttl_s=60, max_ttl_s=100))
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    job_id, now = "b" * 32, time.time()
+    stamps = {"submitted_at": now, "cpu_started_at": now, "decode_ms": 3.0, "resize_ms": 1.0, "pushed_at": now}
+    bookkeeping = {"claim": "t", "queue": "preprocess:box:1@a", "cache_key": "k", "media_type": "image/jpeg"}
+    redis_client.hset(
+        keys.job(job_id),
+        mapping={
+            **{name: str(value) for name, value in {**stamps, **bookkeeping}.items()},
+            "id": job_id,
+            "status": SUCCEEDED,
+            "received_at": now,
+            "finished_at": now,
+            "owner": "a",
+            "callback_url": "http://127.0.0.1:9/hook",
+            "result": busy_answer(3),
+            "timings": json.dumps({"receive": 1.0, "total": 9.0}),
+            "bytes": 700,
+        },
+    )
+
+    def shown() -> dict:  # the document, but for the callback's state (the attempt changes it)
+        return {name: value for name, value in job_document(store.load(job_id)).items() if name != "callback"}
+
+    before = shown()
+    sender = CallbackSender(settings, redis_client)
+    assert sender._failed(job_id, {"attempts": 1, "first_at": now}, "refused", now + 100, False) == "failed"
+    left = {name.decode() for name in redis_client.hkeys(keys.job(job_id))}
+    assert not left & set(DEAD_LETTER_DROPS) and {"owner", "callback_url", "result", "callback"} <= left
+    assert shown() == before
+
+
 def test_a_hit_with_a_callback_pays_for_each_ttl_its_record_may_live():
     limits = HitLimits(bucket_bytes=1000, ttl_s=3600, max_ttl_s=14400)
     assert limits.charge(300, has_callback=False) == 700 and limits.charge(300, has_callback=True) == 2800
