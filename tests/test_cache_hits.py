@@ -116,7 +116,7 @@ def test_one_keys_flood_of_hits_is_refused_429_and_cannot_make_another_keys_subm
         models=(SPEC,),
         redis_url=server.url,
         namespace="flood",
-        cache=CacheSettings(hit_bytes_per_key=256 * 1024),
+        cache=CacheSettings(hit_bytes_per_key=128 * 1024),
         jobs=JobSettings(ttl_s=3600, max_ttl_s=3600),
     )
     image = jpeg(64, 64, seed=7)
@@ -132,7 +132,7 @@ def test_one_keys_flood_of_hits_is_refused_429_and_cannot_make_another_keys_subm
         with ThreadPoolExecutor(4) as pool:
             answers = list(pool.map(lambda _: submit("key-a"), range(400)))
         codes = [answer.status_code for answer in answers]
-        assert set(codes) <= {202, 429} and codes.count(202) >= 100, sorted(set(codes))
+        assert set(codes) <= {202, 429} and codes.count(202) >= 30, sorted(set(codes))
         refused = next(answer for answer in answers if answer.status_code == 429)
         assert refused.headers["Content-Type"] == "application/problem+json"
         assert refused.json()["type"] == "/problems/rate-limited" and int(refused.headers["Retry-After"]) >= 1
