@@ -86,7 +86,17 @@ def create_app(settings: Settings | None = None) -> Flask:
         durable.start()
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)
     hits = HitLimits.of(settings)  # each key's cache hits, charged (contract.jobs.hits)
-    store = JobIntake(client, keys, settings.jobs.ttl_s, uploads=uploads, bulk=bulk, replication=replication, hits=hits)
+    # Results as stored: a read serves them unparsed (app.job_bodies).
+    store = JobIntake(
+        client,
+        keys,
+        settings.jobs.ttl_s,
+        uploads=uploads,
+        bulk=bulk,
+        replication=replication,
+        hits=hits,
+        results_as_text=True,
+    )
     catalogue, cache = Catalogue(settings), ResultCache(client, keys, settings)
     admission = Admission(settings, client, keys, store, catalogue, cache)
     app.extensions[EXTENSION] = Services(

@@ -8,11 +8,12 @@ from contextlib import nullcontext
 from typing import cast
 
 import redis
-from flask import Blueprint, Response, g, jsonify, request, url_for
+from flask import Blueprint, Response, g, request, url_for
 
 from app import decode_charges, metrics
 from app.admission import Reservation
 from app.holds import BodyHold
+from app.job_bodies import document_response, job_response
 from app.job_lookup import is_ours_to_ask, load_owned
 from app.openapi import image_body
 from app.operations import Reply, operation
@@ -32,7 +33,6 @@ from contract.clock import now as service_now
 from contract.documents import (
     JobAccepted,
     JobDocument,
-    job_document,
     model_ref,
     wait_query_model,
 )
@@ -43,6 +43,7 @@ from contract.jobs.record import (
     SUCCEEDED,
     TERMINAL,
     JobRecord,
+    StoredJSON,
     utc_iso,
 )
 from contract.models import ModelSpec
@@ -171,7 +172,7 @@ def _accept(
             return _finished(services, job_id, spec)
         # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
         answer = (
-            {"result": json.loads(document), "timings_ms": timings}
+            {"result": StoredJSON(document), "timings_ms": timings}
             if status == SUCCEEDED
             else {"error": json.loads(LATE_ERROR)}
         )
@@ -237,7 +238,7 @@ def _finished(
     except redis.RedisError:  # AnswerNotReplicated, Unconfirmed: the job itself is stored; a 503 would hide its id
         return _accepted(job_id, spec, {RECEIVED_AT: record.get(RECEIVED_AT, g.received_at)}, QUEUED)
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
-    return jsonify(job_document(record)), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
+    return job_response(record), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
 
 def _accepted(
@@ -245,6 +246,8 @@ def _accepted(
 ) -> tuple[Response, int, dict[str, str]]:
     metrics.SUBMITTED.labels(spec.name, spec.version).inc()
     location = url_for("jobs.get_job", job_id=job_id)
+    # A cached result is spliced in as stored, as a read serves it (app.job_bodies).
+    stored = {name: value for name, value in (answer or {}).items() if isinstance(value, StoredJSON)}
     body = JobAccepted.model_validate(
         {
             "id": job_id,
@@ -254,9 +257,10 @@ def _accepted(
             **({"cache": fields["cache"]} if "cache" in fields else {}),
             "created_at": utc_iso(fields[RECEIVED_AT]),
             **(answer or {}),
+            **dict.fromkeys(stored),
         }
     )
-    return jsonify(body.to_json()), 202, {"Location": location}
+    return document_response(body.to_json(), stored), 202, {"Location": location}
 
 
 @blueprint.get("/<job_id>")
@@ -289,7 +293,7 @@ def get_job(job_id: str) -> Response:
         record = expire_if_late(services.store, record)
     if record["status"] in TERMINAL:
         services.store.confirm_durable()  # an end a failover could take back is not shown
-    return jsonify(job_document(record))
+    return job_response(record)
 
 
 @blueprint.delete("/<job_id>")
@@ -318,7 +322,7 @@ def cancel_job(job_id: str) -> Response:
     services.store.drop_upload(job_id)
     services.store.confirm_durable()  # a cancellation a failover could take back is not shown either
     log.info("job cancelled", extra={"job_id": job_id})
-    return jsonify(job_document(record))
+    return job_response(record)
 
 
 @blueprint.post("/<job_id>/callback")
@@ -347,4 +351,4 @@ def redeliver_callback(job_id: str) -> tuple[Response, int]:
         )
     if outcome == REDELIVER_QUEUED:
         log.info("callback queued again", extra={"job_id": job_id})
-    return jsonify(job_document(services.store.load(job_id) or record)), 202
+    return job_response(services.store.load(job_id) or record), 202

@@ -25,6 +25,10 @@ def add_commands(
     nms.add_argument("--batch", type=int, default=8)
     nms.add_argument("--max-candidates", type=int, default=1000)
     nms.add_argument("--max-det", type=parse_list(int), default=[100, 1000])
+    reads = sub.add_parser(
+        "reads", help="the API's CPU per read of a job: a 1,000-detection answer against a small one"
+    )
+    reads.add_argument("--reads", type=int, default=300, help="reads of each job")
     instructions = sub.add_parser(
         "instructions",
         help="instructions per API request pair or CPU task (valgrind): "
@@ -97,6 +101,7 @@ def add_commands(
     return {
         "bound": cmd_bound,
         "nms": cmd_nms,
+        "reads": cmd_reads,
         "instructions": cmd_instructions,
         "feed": cmd_feed,
         "plane": cmd_plane,
@@ -144,6 +149,13 @@ def cmd_nms(args: argparse.Namespace) -> int:
     from bench.nms import describe as describe_nms
 
     print("\n\n".join(describe_nms(args.batch, args.max_candidates, max_det) for max_det in args.max_det))
+    return 0
+
+
+def cmd_reads(args: argparse.Namespace) -> int:
+    from bench.reads import describe as describe_reads
+
+    print(describe_reads(args.reads))
     return 0
 
 

@@ -190,9 +190,11 @@ class JobEnding(JobStore):
         ttl_s: int,
         bulk: BulkPlane | None = None,
         cache: CacheLimits | None = None,
+        results_as_text: bool = False,
     ) -> None:
-        """`cache`: where jobs this ends `succeeded` leave their results (the GPU worker's); None: nowhere."""
-        super().__init__(client, keys, ttl_s, bulk)
+        """`cache`: where jobs this ends `succeeded` leave their results (the GPU worker's); None: nowhere.
+        `results_as_text`: as JobStore's."""
+        super().__init__(client, keys, ttl_s, bulk, results_as_text)
         self.cache = cache or CacheLimits(keys.cache_prefix)
         self._finish = client.register_script(_FINISH)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)

@@ -79,11 +79,13 @@ class JobIntake(JobEnding):
         cache: CacheLimits | None = None,
         replication: Replication = NO_REPLICATION,
         hits: HitLimits | None = None,
+        results_as_text: bool = False,
     ) -> None:
         """`uploads`: the client uploads are written with (a few connections, see `_write_upload`).
         `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns.
-        `hits`: what bounds each key's cache hits (contract.jobs.hits); None: nothing but the records' TTL."""
-        super().__init__(client, keys, ttl_s, bulk, cache)
+        `hits`: what bounds each key's cache hits (contract.jobs.hits); None: nothing but the records' TTL.
+        `results_as_text`: as JobStore's (the API's: it serves results as stored)."""
+        super().__init__(client, keys, ttl_s, bulk, cache, results_as_text)
         self.uploads = uploads or client
         self.replication = replication
         self.hits = hits or HitLimits(0, ttl_s, ttl_s)

@@ -11,6 +11,7 @@ import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, TypedDict, cast
@@ -73,7 +74,7 @@ class JobRecord(TypedDict, total=False):
     resize_ms: float
     backpressure_ms: float
     pushed_at: float
-    result: dict[str, Any]
+    result: dict[str, Any] | StoredJSON  # StoredJSON from a store made with results_as_text
     timings: dict[str, float]
     batch: dict[str, Any]
     error: dict[str, str]  # code, message
@@ -85,6 +86,19 @@ class JobRecord(TypedDict, total=False):
 
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
+
+
+@dataclass(frozen=True)
+class StoredJSON:
+    """A JSON field kept as the text the hash holds: a reader that serves it as is never parses it, so a read
+    costs the same whatever its size (a result is up to max_det's cap of detections)."""
+
+    text: str
+
+    def value(self) -> Any:
+        return json.loads(self.text)
+
+
 STAMP_FIELDS = RECORD_STAMPS
 
 # The terminal states as a Lua set, rendered from TERMINAL so the scripts cannot drift from it.
@@ -164,10 +178,14 @@ def utc_iso(epoch: float) -> str:
 class JobStore:
     """The job records in one Redis, under one namespace (with bulk shards, their uploads on the shards)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None, results_as_text: bool = False
+    ) -> None:
         """`ttl_s`: how long a record stays once ended. `bulk`: where uploads and frames lie (contract.shards);
-        None: in `client`'s Redis."""
+        None: in `client`'s Redis. `results_as_text`: `load` leaves a result as its StoredJSON (the API serves it
+        as stored)."""
         self.redis = client
+        self.as_text = ("result",) if results_as_text else ()
         self.bulk = bulk or BulkPlane(client)
         self.keys = keys
         self.ttl_s = ttl_s
@@ -184,7 +202,7 @@ class JobStore:
             answer = self.redis.get(self.keys.hit_result(digest.decode()))
             if answer is not None:
                 raw[b"result"] = answer  # type: ignore[assignment]
-        return decode_record(raw)
+        return decode_record(raw, self.as_text)
 
     def delete(self, job_id: str) -> None:
         self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))
@@ -244,12 +262,15 @@ def flatten_fields(fields: Mapping[str, Any]) -> list[str]:
     return flat
 
 
-def decode_record(raw: Mapping[Any, Any]) -> JobRecord:
-    """A job hash as redis-py returns it (bytes names and values) -> its record."""
+def decode_record(raw: Mapping[Any, Any], as_text: Sequence[str] = ()) -> JobRecord:
+    """A job hash as redis-py returns it (bytes names and values) -> its record; the JSON fields named in
+    `as_text` as their StoredJSON, unparsed."""
     record: dict[str, Any] = {}
     for name_b, value_b in raw.items():
         name, value = name_b.decode(), value_b.decode()
-        if name in JSON_FIELDS:
+        if name in as_text:
+            record[name] = StoredJSON(value)
+        elif name in JSON_FIELDS:
             record[name] = json.loads(value)
         elif name in STAMP_FIELDS or name in ("deadline_at", "updated_at", FINISHED_AT):
             record[name] = float(value)
