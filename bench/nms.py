@@ -12,7 +12,8 @@ import time
 
 import torch
 
-from gpu_worker.postprocess import Geometry, Thresholds, postprocess
+from bench.processes import REPO_ROOT
+from gpu_worker.postprocess import Geometry, Thresholds, postprocess, postprocess_rows
 
 ANCHORS = 8400  # a 640 YOLOv8 head
 
@@ -77,3 +78,76 @@ def describe(batch: int, max_candidates: int, max_det: int) -> str:
             f"{row['kept_per_image']:.0f} |"
         )
     return "\n".join(lines)
+
+
+# --- one frame's options in a batch of others ----------------------------------------------------------------
+
+EXPENSIVE = (0.0, 1.0, 1000)  # conf, iou, max_det: every candidate, none suppressed, as many as may be asked
+
+
+def shapes_outputs(batch: int) -> tuple[torch.Tensor, Geometry, tuple[float, float, int]]:
+    """The default model's (shapes-yolo) head output for `batch` letterboxed frames of the samples, on the CPU,
+    their geometry, and the model's default options."""
+    from PIL import Image
+
+    from contract.config import load_settings
+    from contract.models import default_model
+    from gpu_worker.model import load_model
+    from tasks.imaging import letterbox
+
+    spec = default_model(load_settings())
+    model = load_model(spec, torch.device("cpu"), max_batch=batch)
+    samples = sorted((REPO_ROOT / "samples").glob("*.jpg"))
+    size, canvases, places = spec.input_size, [], []
+    for i in range(batch):
+        image = Image.open(samples[i % len(samples)]).convert("RGB")
+        boxed = letterbox(image, image.size, size)
+        at = boxed.placement
+        content = torch.frombuffer(bytearray(boxed.pixels), dtype=torch.uint8).reshape(at.height, at.width, 3)
+        canvas = torch.full((3, size, size), spec.pad_value, dtype=torch.uint8)
+        canvas[:, at.pad_top : at.pad_top + at.height, at.pad_left : at.pad_left + at.width] = content.permute(2, 0, 1)
+        canvases.append(canvas)
+        places.append([at.pad_left, at.pad_top, at.scale_x, at.scale_y, at.orig_width, at.orig_height])
+    with torch.no_grad():
+        output = model.module(torch.stack(canvases).float() * spec.scale)
+    geometry = Geometry(*torch.tensor(places, dtype=torch.float64).T)
+    return output, geometry, (spec.conf, spec.iou, spec.max_det)
+
+
+def thresholds_for(options: list[tuple[float, float, int]]) -> Thresholds:
+    conf, iou, max_det = zip(*options)
+    return Thresholds(torch.tensor(conf), torch.tensor(iou), torch.tensor(max_det))
+
+
+def measure_neighbours(batch: int = 8, repeats: int = 21) -> dict[str, float]:
+    """Median CPU ms of the batch's post-processing (postprocess_rows, as the GPU worker runs it), on one thread
+    (a figure other processes on the machine move less): every frame with the model's defaults, and the same
+    batch with its last frame at EXPENSIVE."""
+    torch.set_num_threads(1)
+    output, geometry, normal = shapes_outputs(batch)
+    cases = {"normal": [normal] * batch, "one_expensive": [normal] * (batch - 1) + [EXPENSIVE]}
+    medians = {}
+    for name, options in cases.items():
+        limits = thresholds_for(options)
+        postprocess_rows(output, "yolov8", limits, geometry)  # warm
+        times = []
+        for _ in range(repeats):
+            started = time.process_time()
+            postprocess_rows(output, "yolov8", limits, geometry)
+            times.append((time.process_time() - started) * 1000.0)
+        medians[name] = sorted(times)[len(times) // 2]
+    return medians
+
+
+def describe_neighbours(batch: int) -> str:
+    medians = measure_neighbours(batch)
+    return "\n".join(
+        [
+            f"post-processing of a batch of {batch} shapes-yolo frames (the samples), median CPU ms on one thread",
+            "",
+            "| batch | ms |",
+            "|---|---|",
+            f"| {batch} frames at the model's defaults | {medians['normal']:.2f} |",
+            f"| {batch - 1} at the defaults + 1 at conf=0, iou=1, max_det=1000 | {medians['one_expensive']:.2f} |",
+        ]
+    )

@@ -7,10 +7,12 @@ keeps its own options inside one batch.
 
 Host reads are few because each one is a sync on CUDA (the host waits for
 everything queued before it): a batch reads how many candidates its fullest
-image has (the size of the NMS), one flag per NMS chunk settled (converged, may
-the scan stop), and its answer, once (`postprocess_rows`). A typical batch - its
-candidates in one chunk - costs three. `tests.support.HostReads` counts them on
-any machine.
+image has (the size of the NMS) and its emptiest, one flag per NMS chunk settled
+(converged, may the scan stop), and its answer, once (`postprocess_rows`). A
+typical batch - its candidates in one chunk - costs three. One frame whose
+options give it many times its neighbours' candidates is settled in an NMS of
+its own (`nms_groups`): a read of every image's count more, and one flag per
+chunk of each group. `tests.support.HostReads` counts them on any machine.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import torch
 # How many candidates (in score order) are settled together: each chunk is resolved exactly, then
 # suppresses every later candidate in one matrix op. Memory is O(B * NMS_CHUNK * K), not O(B * K^2).
 NMS_CHUNK = 64
+# nms_groups settles together images whose candidates fill up to this many chunks, whatever their counts.
+NARROWEST_GROUP = 2
 # Rounds of a chunk's fixed point run between two looks at whether it has converged: the suppression
 # chains of real detections are short (one or two links), so one look usually settles a chunk.
 ROUNDS_PER_LOOK = 4
@@ -77,43 +81,105 @@ def cxcywh_to_xyxy(boxes: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Candidates:
-    """Each image's best candidates, [B, k, ...] in score order, and which of them NMS keeps."""
+    """Some images' best candidates, [b, k, ...] in score order, and which of them NMS keeps."""
 
-    boxes: torch.Tensor  # [B, k, 4] x1, y1, x2, y2 in input pixels
-    scores: torch.Tensor  # [B, k]
-    class_ids: torch.Tensor  # [B, k] long
-    keep: torch.Tensor  # [B, k] bool
+    images: torch.Tensor | None  # [b] their places in the batch; None: the whole batch, in order
+    boxes: torch.Tensor  # [b, k, 4] x1, y1, x2, y2 in input pixels
+    scores: torch.Tensor  # [b, k]
+    class_ids: torch.Tensor  # [b, k] long
+    keep: torch.Tensor  # [b, k] bool
+
+    def image_index(self) -> torch.Tensor:
+        """[b] the batch place of each of these images."""
+        if self.images is not None:
+            return self.images
+        return torch.arange(self.keep.shape[0], device=self.keep.device)
 
 
-def select(output: torch.Tensor, layout: str, thresholds: Thresholds, max_candidates: int = 1000) -> Candidates:
-    """Confidence filter, top candidates per image, class-aware NMS, max_det: all on the output's device."""
+def nms_groups(counts: list[int]) -> list[tuple[list[int], int]]:
+    """The batch's images grouped for NMS: (the images in batch order, the group's width: its widest image's
+    count), narrowest group first. No image is in a group more than twice as wide as itself in chunks
+    (or than NARROWEST_GROUP's twice).
+
+    An NMS costs its images times its width squared, so one image with a thousand candidates in a batch of
+    eight made the seven others' NMS a thousand wide too. Grouped, an image's share is at most four times its
+    cost alone, whatever another frame's options; images of like widths (any normal batch) stay one NMS."""
+    groups: list[list[int]] = []
+    for image in sorted(range(len(counts)), key=counts.__getitem__):
+        if groups and _chunks(counts[image]) <= 2 * _chunks(counts[groups[-1][0]]):
+            groups[-1].append(image)
+        else:
+            groups.append([image])
+    return [(sorted(images), max(counts[i] for i in images)) for images in groups]
+
+
+def _chunks(count: int) -> int:
+    """How wide an image's candidates make an NMS, in chunks, as nms_groups judges it: any count of up to
+    NARROWEST_GROUP chunks is as narrow as that, so a normal batch (a frame with no object beside one of a
+    hundred candidates) stays one NMS, with no read more."""
+    return max(NARROWEST_GROUP, -(-count // NMS_CHUNK))
+
+
+def select(output: torch.Tensor, layout: str, thresholds: Thresholds, max_candidates: int = 1000) -> list[Candidates]:
+    """Confidence filter, top candidates per image, class-aware NMS, max_det: all on the output's device. One
+    Candidates for the batch, or one per group of nms_groups when its images' widths are far apart."""
     cxcywh, class_scores = split_layout(output.float(), layout)
     scores, class_ids = class_scores.max(dim=-1)  # [B, N]
     below = scores < thresholds.conf[:, None]
     scores = scores.masked_fill(below, -1.0)
-    # NMS costs k^2: take no more candidates than the fullest image has above its threshold (a host read).
-    k = min(max_candidates, int((~below).sum(dim=1).max()) if len(scores) else 0)
+    # NMS costs k^2: take no more candidates than the fullest image has above its threshold. One host read
+    # says the fullest's count and the emptiest's; only when they are far apart are the others' read too.
+    counts = (~below).sum(dim=1).clamp_(max=max_candidates)
+    span = max_candidates + 1
+    k, fewest = divmod(int(counts.max() * span + counts.min()), span) if len(scores) else (0, 0)
+    if _chunks(k) <= 2 * _chunks(fewest):
+        return [_select_top(cxcywh, scores, class_ids, thresholds, k, None)]
+    found = []
+    for images, width in nms_groups(counts.tolist()):
+        index = torch.tensor(images, device=scores.device)  # the reads above left nothing queued to wait for
+        limits = Thresholds(thresholds.conf[index], thresholds.iou[index], thresholds.max_det[index])
+        found.append(_select_top(cxcywh[index], scores[index], class_ids[index], limits, width, index))
+    return found
+
+
+def _select_top(
+    cxcywh: torch.Tensor,
+    scores: torch.Tensor,
+    class_ids: torch.Tensor,
+    thresholds: Thresholds,
+    k: int,
+    images: torch.Tensor | None,
+) -> Candidates:
     top_scores, top_index = scores.topk(k, dim=1)  # sorted, best first
     valid = top_scores >= 0
     boxes = cxcywh_to_xyxy(torch.gather(cxcywh, 1, top_index[..., None].expand(-1, -1, 4)))
     classes = torch.gather(class_ids, 1, top_index)
     keep = nms_keep(boxes, classes, valid, thresholds.iou, thresholds.max_det)
     keep &= keep.cumsum(dim=1) <= thresholds.max_det[:, None]
-    return Candidates(boxes, top_scores, classes, keep)
+    return Candidates(images, boxes, top_scores, classes, keep)
 
 
 def postprocess(
     output: torch.Tensor, layout: str, thresholds: Thresholds, geometry: Geometry, max_candidates: int = 1000
 ) -> Detections:
     """The kept detections as tensors on the output's device."""
-    found = select(output, layout, thresholds, max_candidates)
-    image_index, slot = found.keep.nonzero(as_tuple=True)
-    return Detections(
-        image_index=image_index,
-        boxes=unletterbox(found.boxes[image_index, slot], geometry, image_index),
-        scores=found.scores[image_index, slot],
-        class_ids=found.class_ids[image_index, slot],
-    )
+    parts = []
+    for found in select(output, layout, thresholds, max_candidates):
+        row, slot = found.keep.nonzero(as_tuple=True)
+        image_index = found.image_index()[row]
+        parts.append(
+            (
+                image_index,
+                unletterbox(found.boxes[row, slot], geometry, image_index),
+                found.scores[row, slot],
+                found.class_ids[row, slot],
+            )
+        )
+    image_index, boxes, scores, class_ids = (torch.cat(column) for column in zip(*parts))
+    if len(parts) > 1:  # grouped: back in batch order, each image's rows as NMS kept them
+        order = torch.sort(image_index, stable=True).indices
+        image_index, boxes, scores, class_ids = image_index[order], boxes[order], scores[order], class_ids[order]
+    return Detections(image_index=image_index, boxes=boxes, scores=scores, class_ids=class_ids)
 
 
 # Per detection, one row of what `postprocess_rows` returns.
@@ -125,25 +191,21 @@ def postprocess_rows(
 ) -> np.ndarray:
     """The kept detections on the host, as rows of ROW_COLUMNS (float64) grouped by image in batch order.
 
-    Every candidate slot is mapped back to original pixels on the device and the whole [B, k] block comes
-    to the host in one copy, with its keep flag; the host drops what NMS did not keep. That is one host
-    read where picking the kept rows on the device would take two (their count, then the rows)."""
-    found = select(output, layout, thresholds, max_candidates)
-    batch, k = found.keep.shape
-    image_index = torch.arange(batch, device=output.device)[:, None].expand(batch, k).reshape(-1)
-    boxes = unletterbox(found.boxes.reshape(-1, 4), geometry, image_index)
-    block = torch.cat(
-        [
-            image_index[:, None].double(),
-            boxes.double(),
-            found.scores.reshape(-1, 1).double(),
-            found.class_ids.reshape(-1, 1).double(),
-            found.keep.reshape(-1, 1).double(),
-        ],
-        dim=1,
-    )
-    on_host = block.cpu().numpy()
-    return on_host[on_host[:, -1] > 0, :-1]
+    Every candidate slot is mapped back to original pixels on the device and the whole [B, k] block (each
+    NMS group's) comes to the host in one copy, with its keep flag; the host drops what NMS did not keep. That
+    is one host read where picking the kept rows on the device would take two (their count, then the rows)."""
+    blocks = []
+    for found in select(output, layout, thresholds, max_candidates):
+        images, k = found.keep.shape
+        image_index = found.image_index()[:, None].expand(images, k).reshape(-1)
+        boxes = unletterbox(found.boxes.reshape(-1, 4), geometry, image_index)
+        columns = (image_index[:, None], boxes, found.scores.reshape(-1, 1), found.class_ids.reshape(-1, 1))
+        blocks.append(torch.cat([*(column.double() for column in columns), found.keep.reshape(-1, 1).double()], dim=1))
+    on_host = (torch.cat(blocks) if len(blocks) > 1 else blocks[0]).cpu().numpy()
+    kept = on_host[on_host[:, -1] > 0, :-1]
+    if len(blocks) > 1:  # grouped: back in batch order, each image's rows as NMS kept them
+        kept = kept[np.argsort(kept[:, 0], kind="stable")]
+    return kept
 
 
 def unletterbox(boxes: torch.Tensor, geometry: Geometry, image_index: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,11 @@ def add_commands(
     nms.add_argument("--batch", type=int, default=8)
     nms.add_argument("--max-candidates", type=int, default=1000)
     nms.add_argument("--max-det", type=parse_list(int), default=[100, 1000])
+    nms.add_argument(
+        "--neighbours",
+        action="store_true",
+        help="instead: a batch of shapes-yolo frames at their defaults, then with one at conf=0, iou=1, max_det=1000",
+    )
     reads = sub.add_parser(
         "reads", help="the API's CPU per read of a job: a 1,000-detection answer against a small one"
     )
@@ -147,7 +152,11 @@ def cmd_bound(args: argparse.Namespace) -> int:
 
 def cmd_nms(args: argparse.Namespace) -> int:
     from bench.nms import describe as describe_nms
+    from bench.nms import describe_neighbours
 
+    if args.neighbours:
+        print(describe_neighbours(args.batch))
+        return 0
     print("\n\n".join(describe_nms(args.batch, args.max_candidates, max_det) for max_det in args.max_det))
     return 0
 
