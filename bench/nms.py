@@ -85,8 +85,8 @@ def describe(batch: int, max_candidates: int, max_det: int) -> str:
 EXPENSIVE = (0.0, 1.0, 1000)  # conf, iou, max_det: every candidate, none suppressed, as many as may be asked
 
 
-def shapes_outputs(batch: int) -> tuple[torch.Tensor, Geometry, tuple[float, float, int]]:
-    """The default model's (shapes-yolo) head output for `batch` letterboxed frames of the samples, on the CPU,
+def shapes_outputs(batch: int, device: str = "cpu") -> tuple[torch.Tensor, Geometry, tuple[float, float, int]]:
+    """The default model's (shapes-yolo) head output for `batch` letterboxed frames of the samples, on `device`,
     their geometry, and the model's default options."""
     from PIL import Image
 
@@ -96,7 +96,7 @@ def shapes_outputs(batch: int) -> tuple[torch.Tensor, Geometry, tuple[float, flo
     from tasks.imaging import letterbox
 
     spec = default_model(load_settings())
-    model = load_model(spec, torch.device("cpu"), max_batch=batch)
+    model = load_model(spec, torch.device(device), max_batch=batch)
     samples = sorted((REPO_ROOT / "samples").glob("*.jpg"))
     size, canvases, places = spec.input_size, [], []
     for i in range(batch):
@@ -109,41 +109,48 @@ def shapes_outputs(batch: int) -> tuple[torch.Tensor, Geometry, tuple[float, flo
         canvases.append(canvas)
         places.append([at.pad_left, at.pad_top, at.scale_x, at.scale_y, at.orig_width, at.orig_height])
     with torch.no_grad():
-        output = model.module(torch.stack(canvases).float() * spec.scale)
-    geometry = Geometry(*torch.tensor(places, dtype=torch.float64).T)
+        output = model.module(torch.stack(canvases).to(device, model.dtype) * spec.scale)
+    geometry = Geometry(*torch.tensor(places, dtype=torch.float64, device=device).T)
     return output, geometry, (spec.conf, spec.iou, spec.max_det)
 
 
-def thresholds_for(options: list[tuple[float, float, int]]) -> Thresholds:
+def thresholds_for(options: list[tuple[float, float, int]], device: str | torch.device = "cpu") -> Thresholds:
     conf, iou, max_det = zip(*options)
-    return Thresholds(torch.tensor(conf), torch.tensor(iou), torch.tensor(max_det))
+    return Thresholds(
+        torch.tensor(conf, device=device), torch.tensor(iou, device=device), torch.tensor(max_det, device=device)
+    )
 
 
-def measure_neighbours(batch: int = 8, repeats: int = 21) -> dict[str, float]:
-    """Median CPU ms of the batch's post-processing (postprocess_rows, as the GPU worker runs it), on one thread
-    (a figure other processes on the machine move less): every frame with the model's defaults, and the same
-    batch with its last frame at EXPENSIVE."""
-    torch.set_num_threads(1)
-    output, geometry, normal = shapes_outputs(batch)
+def measure_neighbours(batch: int = 8, repeats: int = 21, device: str = "cpu") -> dict[str, float]:
+    """Median ms of the batch's post-processing (postprocess_rows, as the GPU worker runs it: its answer on the
+    host, so the device's work is in it): every frame with the model's defaults, and the same batch with its last
+    frame at EXPENSIVE. On the CPU, CPU time on one thread (a figure other processes on the machine move less);
+    on CUDA, wall time."""
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu:
+        torch.set_num_threads(1)
+    clock = time.process_time if on_cpu else time.perf_counter
+    output, geometry, normal = shapes_outputs(batch, device)
     cases = {"normal": [normal] * batch, "one_expensive": [normal] * (batch - 1) + [EXPENSIVE]}
     medians = {}
     for name, options in cases.items():
-        limits = thresholds_for(options)
+        limits = thresholds_for(options, output.device)
         postprocess_rows(output, "yolov8", limits, geometry)  # warm
         times = []
         for _ in range(repeats):
-            started = time.process_time()
+            started = clock()
             postprocess_rows(output, "yolov8", limits, geometry)
-            times.append((time.process_time() - started) * 1000.0)
+            times.append((clock() - started) * 1000.0)
         medians[name] = sorted(times)[len(times) // 2]
     return medians
 
 
-def describe_neighbours(batch: int) -> str:
-    medians = measure_neighbours(batch)
+def describe_neighbours(batch: int, device: str = "cpu") -> str:
+    medians = measure_neighbours(batch, device=device)
+    what = "CPU ms on one thread" if torch.device(device).type == "cpu" else f"wall ms on {device}"
     return "\n".join(
         [
-            f"post-processing of a batch of {batch} shapes-yolo frames (the samples), median CPU ms on one thread",
+            f"post-processing of a batch of {batch} shapes-yolo frames (the samples), median {what}",
             "",
             "| batch | ms |",
             "|---|---|",

@@ -2,9 +2,9 @@
 
 In this process: the real app (`create_app`) on a private redis-server, through Flask's test client, a finished
 job written as the GPU worker writes one, with a result of `detections` detections. `time.process_time` around
-N reads of it: the API's own CPU (the Redis server's is another process's). Each size is read twice: with the
-result served as stored (what the API does) and parsed and validated as before (the same app, its store told to
-parse results), so the two figures come from one run on one machine.
+N reads of it (the least of REPEATS runs): the API's own CPU (the Redis server's is another process's). Each
+size is read twice: with the result served as stored (what the API does) and parsed and validated as before
+(the same app, its store told to parse results), so the two figures come from one run on one machine.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 from bench.processes import RedisServer
 
 SIZES = (3, 1000)  # a normal answer, and max_det's cap
+REPEATS = 5
 
 
 def result_document(detections: int, seed: int = 0) -> dict[str, Any]:
@@ -84,10 +85,13 @@ def measure(redis_url: str, reads: int, workdir: Path) -> list[dict[str, Any]]:
             for name, as_text in (("parsed_ms", ()), ("as_stored_ms", ("result",))):
                 store.as_text = as_text
                 bodies = {client.get(f"/v1/jobs/{job_id}").data for _ in range(3)}  # warm, and one answer
-                started = time.process_time()
-                for _ in range(reads):
-                    assert client.get(f"/v1/jobs/{job_id}").status_code == 200
-                row[name] = (time.process_time() - started) * 1000.0 / reads
+                runs = []
+                for _ in range(REPEATS):  # the least of several: other processes on the machine only add
+                    started = time.process_time()
+                    for _ in range(reads):
+                        assert client.get(f"/v1/jobs/{job_id}").status_code == 200
+                    runs.append((time.process_time() - started) * 1000.0 / reads)
+                row[name] = min(runs)
                 row[name.replace("_ms", "_body")] = bodies
             row["same_body"] = row.pop("parsed_body") == row.pop("as_stored_body")
             rows.append(row)
@@ -105,7 +109,7 @@ def describe(reads: int) -> str:
             server.stop()
     lines = [
         f"API CPU per GET /v1/jobs/<id> of a succeeded job, in-process (Flask test client, time.process_time, "
-        f"{reads} reads each)",
+        f"the least of {REPEATS} x {reads} reads)",
         "",
         "| detections | result bytes | parsed and validated (before) ms | served as stored ms | same body |",
         "|---|---|---|---|---|",

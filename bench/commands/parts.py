@@ -30,6 +30,7 @@ def add_commands(
         action="store_true",
         help="instead: a batch of shapes-yolo frames at their defaults, then with one at conf=0, iou=1, max_det=1000",
     )
+    nms.add_argument("--device", default="cpu", help="with --neighbours: cpu, cuda or cuda:N")
     reads = sub.add_parser(
         "reads", help="the API's CPU per read of a job: a 1,000-detection answer against a small one"
     )
@@ -155,7 +156,7 @@ def cmd_nms(args: argparse.Namespace) -> int:
     from bench.nms import describe_neighbours
 
     if args.neighbours:
-        print(describe_neighbours(args.batch))
+        print(describe_neighbours(args.batch, args.device))
         return 0
     print("\n\n".join(describe_nms(args.batch, args.max_candidates, max_det) for max_det in args.max_det))
     return 0
