@@ -35,6 +35,11 @@ def add_commands(
         "reads", help="the API's CPU per read of a job: a 1,000-detection answer against a small one"
     )
     reads.add_argument("--reads", type=int, default=300, help="reads of each job")
+    reads.add_argument("--flood", action="store_true", help="instead: the probe's flood of rereads on a local stack")
+    reads.add_argument("--connections", type=int, default=8, help="--flood: clients re-reading the job")
+    reads.add_argument("--seconds", type=float, default=30.0, help="--flood: how long the flood lasts")
+    reads.add_argument("--base", help="--flood: a git ref flooded first, the same way (checked out under .bench/ab/)")
+    reads.add_argument("--detections", type=int, default=1000, help="--flood: the job's detections")
     instructions = sub.add_parser(
         "instructions",
         help="instructions per API request pair or CPU task (valgrind): "
@@ -165,6 +170,11 @@ def cmd_nms(args: argparse.Namespace) -> int:
 def cmd_reads(args: argparse.Namespace) -> int:
     from bench.reads import describe as describe_reads
 
+    if args.flood:
+        from bench.reads_flood import describe_flood
+
+        print(describe_flood(args.connections, args.seconds, args.base, args.detections))
+        return 0
     print(describe_reads(args.reads))
     return 0
 
