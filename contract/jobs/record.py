@@ -95,9 +95,6 @@ class StoredJSON:
 
     text: str
 
-    def value(self) -> Any:
-        return json.loads(self.text)
-
 
 STAMP_FIELDS = RECORD_STAMPS
 
