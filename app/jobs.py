@@ -30,12 +30,7 @@ from app.uploads import (
 from app.waiters import expire_if_late, until_ended
 from contract import deadlines
 from contract.clock import now as service_now
-from contract.documents import (
-    JobAccepted,
-    JobDocument,
-    model_ref,
-    wait_query_model,
-)
+from contract.documents import JobAccepted, JobDocument, model_ref, wait_query_model
 from contract.jobs.ending import LATE_ERROR, REDELIVER_QUEUED
 from contract.jobs.record import (
     CANCELLED,
