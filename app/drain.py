@@ -28,6 +28,7 @@ READ_EVERY_S = 1.0  # one reading per model and API process a second, whatever t
 WINDOW_S = 10.0  # the rate is over this much of the latest readings: the workers' pace now
 IDLE_GAP_S = 3.0  # readings further apart had a stretch without refusals between them: measured afresh
 MAX_RETRY_AFTER_S = 60  # also what a model with no GPU worker serving it gets
+TRUSTED_BEYOND = 2.0  # a rate measured over less than WINDOW_S answers at most this many times its span
 
 
 @dataclass(frozen=True)
@@ -68,12 +69,18 @@ def measure(readings: deque[Reading]) -> float | None:
 def retry_after_s(jobs: float, drain: Drain, least: int, most: int = MAX_RETRY_AFTER_S) -> int:
     """Whole seconds until `jobs` have drained, within [least, most]: `most` when no GPU worker serves the model,
     `least` while no rate is measured yet (the next refusal will know one), and while nothing drained over a
-    measured span, that span (the longer the stall, the longer the answer)."""
+    measured span, that span (the longer the stall, the longer the answer); at most TRUSTED_BEYOND times the span
+    while that is shorter than WINDOW_S."""
     if drain.unserved:
         return most
     if drain.rate is None:
         return least
     wait = drain.span_s if drain.rate <= 0 else max(0.0, jobs) / drain.rate
+    if drain.span_s < WINDOW_S:
+        # A rate watched for a second or two has seen a batch or none: a worker that answers a batch every second
+        # or two reads as far slower than it is at a burst's start. Promise no more than twice what was watched;
+        # a client back sooner than needed is refused again, with a rate measured over longer.
+        wait = min(wait, TRUSTED_BEYOND * drain.span_s)
     return int(min(most, max(least, math.ceil(round(wait, 6)))))
 
 

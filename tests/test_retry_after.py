@@ -222,7 +222,11 @@ def test_no_gpu_worker_serving_the_model_is_the_longest_answer(redis_client):
         (40, Drain(rate=20.0, span_s=3.0), 2),  # 2 s to drain 40 at 20/s
         (41, Drain(rate=20.0, span_s=3.0), 3),  # whole seconds, rounded up
         (1, Drain(rate=20.0, span_s=3.0), 1),  # never under the least
-        (10_000, Drain(rate=1.0, span_s=3.0), MAX_RETRY_AFTER_S),  # never over the most
+        (10_000, Drain(rate=1.0, span_s=10.0), MAX_RETRY_AFTER_S),  # never over the most
+        # A burst's first seconds, on a CPU device answering a batch every 1.5-2 s: a rate read over a span that
+        # saw one small batch told 11 waiting jobs 16 s (seen: 10-34 s; they drained in 2-5). At most twice the span.
+        (11, Drain(rate=0.7, span_s=1.5), 3),
+        (11, Drain(rate=0.5, span_s=4.0), 8),
         (10, Drain(rate=None), 1),  # no rate measured yet: short, the next refusal knows more
         (10, Drain(rate=0.0, span_s=4.2), 5),  # nothing answered for 4.2 s of refusals: at least that long
     ],
