@@ -5,6 +5,7 @@ its number, which the redelivery step compares with its clock."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from datetime import UTC, datetime
 
 from contract.config import load_settings
@@ -33,7 +34,8 @@ def test_a_retrying_callbacks_next_attempt_is_iso_8601_like_the_jobs_other_momen
     receiver = Receiver(failures=10**6)
     redis_client.hset(
         keys.job(JOB_ID),
-        mapping={"id": JOB_ID, "status": "running", "callback_url": receiver.url, "received_at": 1.0},
+        # submitted now: a record lives jobs.max_ttl_s from its submission, and its callback retries within that
+        mapping={"id": JOB_ID, "status": "running", "callback_url": receiver.url, "received_at": time.time()},
     )
     store.finish(
         JOB_ID,

@@ -37,7 +37,7 @@ def burst_stack(redis_server, tmp_path_factory: pytest.TempPathFactory) -> Itera
         workdir,
         content_box_spec(workdir, 64),
         "burst",
-        {"backpressure": {"max_backlog": 16}, "gpu_worker": {"sim_latency_ms": {1: 200, 8: 800}}},
+        {"backpressure": {"max_backlog": 8}, "gpu_worker": {"sim_latency_ms": {1: 200, 8: 800}}},
         gpu_device="sim",
     )
     yield stack
