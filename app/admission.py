@@ -35,6 +35,7 @@ import redis
 from app import metrics
 from app.admission_readings import RedisMemory, ServedTenants
 from app.drain import DrainMeter, retry_after_s
+from app.byte_shares import key_byte_shares, key_share_refusal
 from app.problems import Problem
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache
@@ -208,12 +209,12 @@ class Admission:
         """The bytes of a submission refused after its reservation (a bad option, not an image, Redis away)."""
         if reservation.spec is None or not reservation.size:
             return
-        key, size = reservation.spec.key, reservation.size
+        key, size, owner = reservation.spec.key, reservation.size, reservation.client_id
         try:
-            self.waiting.release(key, size)
+            self.waiting.release(key, size, owner=owner)
         except redis.RedisError:  # Redis away: the answer says so already; given back once it answers again
             log.warning("could not give back %d reserved bytes of model %s yet", size, key)
-            self.waiting.release_later(key, size)
+            self.waiting.release_later(key, size, owner)
         reservation.release()
 
     def stored(self, reservation: Reservation) -> None:
@@ -246,6 +247,7 @@ class Admission:
             tenant = ""
         limit = self.settings.max_backlog(spec)
         share = max(1, int(limit * self.settings.auth.max_backlog_share)) if tenant else limit
+        model_share, all_share = key_byte_shares(self.settings, spec)
         return budget.AdmissionRequest(
             spec.key,
             size,
@@ -256,6 +258,9 @@ class Admission:
             self.settings.tenants,
             share,
             sharded=bool(self.settings.bulk.redis_urls),
+            owner=reservation.client_id,
+            max_owner_model_bytes=model_share,
+            max_owner_all_bytes=all_share,
         )
 
     def _settle(self, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.BudgetVerdict) -> None:
@@ -274,6 +279,9 @@ class Admission:
                 f"backlog is {share}); retry later",
                 headers={"Retry-After": str(retry)},
             )
+        refusal = key_share_refusal(spec, request, verdict, self._retry_after)
+        if refusal is not None:
+            raise refusal
         if verdict.verdict == budget.OVER_BACKLOG:
             limit = self.settings.max_backlog(spec)
             retry = self._retry_after(spec, (verdict.backlog - limit + 1) / max(1, verdict.backlog))

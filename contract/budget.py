@@ -10,6 +10,15 @@ a field per model (name:version). The total (`*` where it is reported) is their 
 (admission): one counter moved per step, not two (issue 58; a `*` field an earlier version wrote is left out
 of the sum). They never go below zero (frames and uploads from a version without budgets are given back as if
 they had been counted).
+
+With API keys, a key's uploads are counted again under the key (`Keys.key_waiting_bytes`: a hash a key, a field per
+model), and one key may hold at most `auth.max_waiting_bytes_share` of a model's budget and of the total: past it
+that key alone is refused, so one key's padded uploads cannot fill the budget every key shares (issue 70). As the
+job-count share counts a key's own CPU queue and not the frame list, a key's bytes are its uploads waiting for a CPU
+worker: the steps that move an upload's bytes move the key's in the same atomic step (the reservation, the push
+that trades the upload for a frame, whatever ends the job, a refused submission's give-back); a frame's bytes are
+the model's alone (the frame list's bound caps them). A key with nothing waiting is always admitted by its share,
+so an upload larger than the share still gets in, one at a time.
 """
 
 from __future__ import annotations
@@ -20,36 +29,49 @@ from typing import Any, NamedTuple
 
 import redis
 
-from contract.keys import Keys
+from contract.keys import KEY_WAITING_SEPARATOR, Keys
 
 ALL = "*"
 
 # Lua functions other scripts call to give bytes back: HINCRBY, never below zero. release_waiting gives one model's
-# bytes back; release_each gives back {model: bytes} (a step that ended many jobs): one HINCRBY a model, not one a
-# job, with what one release after another would leave (each stops at zero, and a sum of decrements stops there too).
-RELEASE_LUA = """
+# bytes back, and the key's (`owner`: the job's API key; nil or '' for a frame or a job without one); release_each
+# gives back {model: bytes} (a step that ended many jobs) and release_owners {owner: {model: bytes}}: one HINCRBY
+# a model (and key), not one a job, with what one release after another would leave (each stops at zero, and a sum
+# of decrements stops there too). key_waiting names a key's hash as Keys.key_waiting_bytes does.
+RELEASE_LUA = f"""
+local function key_waiting(waiting, owner) return waiting .. '{KEY_WAITING_SEPARATOR}' .. owner end
+"""
+RELEASE_LUA += """
 local function release_field(waiting, field, bytes)
   if bytes > 0 and field ~= '' and redis.call('HINCRBY', waiting, field, -bytes) < 0 then
     redis.call('HSET', waiting, field, 0)
   end
 end
 
-local function release_waiting(waiting, model, bytes)
-  release_field(waiting, model or '', tonumber(bytes) or 0)
+local function release_waiting(waiting, model, bytes, owner)
+  bytes = tonumber(bytes) or 0
+  release_field(waiting, model or '', bytes)
+  if owner and owner ~= '' then release_field(key_waiting(waiting, owner), model or '', bytes) end
 end
 
 local function release_each(waiting, by_model)
   for model, bytes in pairs(by_model) do release_field(waiting, model, bytes) end
 end
+
+local function release_owners(waiting, by_owner)
+  for owner, by_model in pairs(by_owner) do release_each(key_waiting(waiting, owner), by_model) end
+end
 """
 
 # A Lua function: admit(k, last, a). KEYS[k] the model's frame list, KEYS[k + 1] the frames-waiting hash (with
 # bulk shards, the frames on them: contract.shards; '' without), KEYS[k + 2] the waiting-bytes hash, KEYS[k + 3]
-# the tenant's own CPU queue, KEYS[k + 4..last] the model's other CPU queues; ARGV[a] the model,
-# ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit (jobs), ARGV[a + 3] its byte budget,
-# ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have waiting in its own queue. Returns
-# {verdict, backlog, model bytes, all bytes} (after the reservation when admitted). ADMISSION_ARGS is its count
-# of arguments: another script (the result cache's lookup, contract.jobs.intake) calls it on its own offsets, with
+# the tenant's own CPU queue, KEYS[k + 4] the API key's waiting-bytes hash ('' without a key), KEYS[k + 5..last]
+# the model's other CPU queues; ARGV[a] the model, ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit
+# (jobs), ARGV[a + 3] its byte budget, ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have
+# waiting in its own queue, ARGV[a + 6] and ARGV[a + 7] the key's share of the model's budget and of the total.
+# Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
+# key's: of the model, or of all models when that share refused it). ADMISSION_ARGS is its count of arguments:
+# another script (the result cache's lookup, contract.jobs.intake) calls it on its own offsets, with
 # admission_arguments()'s keys and arguments.
 ADMIT_LUA = f"""
 local function admit(k, last, a)
@@ -57,7 +79,7 @@ local function admit(k, last, a)
   local sharded = 0   -- without bulk shards the key is '': no frames wait there, no HGET an image to say so
   if KEYS[k + 1] ~= '' then sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0')) end
   local backlog = redis.call('LLEN', KEYS[k]) + sharded + own
-  for i = k + 4, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
+  for i = k + 5, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
   local waiting = redis.call('HGETALL', KEYS[k + 2])   -- a field a model: the total is their sum
   local model_bytes, all_bytes = 0, 0
   for i = 1, #waiting, 2 do
@@ -67,21 +89,44 @@ local function admit(k, last, a)
       if waiting[i] == ARGV[a] then model_bytes = bytes end
     end
   end
+  local key_model, key_all = 0, 0   -- the key's, the same way (no key: no read)
+  if KEYS[k + 4] ~= '' then
+    local mine = redis.call('HGETALL', KEYS[k + 4])
+    for i = 1, #mine, 2 do
+      local bytes = math.max(0, tonumber(mine[i + 1]) or 0)
+      key_all = key_all + bytes
+      if mine[i] == ARGV[a] then key_model = bytes end
+    end
+  end
   local size = tonumber(ARGV[a + 1])
-  if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes}} end
-  if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes}} end
-  if model_bytes + size > tonumber(ARGV[a + 3]) then return {{'model_bytes', backlog, model_bytes, all_bytes}} end
-  if all_bytes + size > tonumber(ARGV[a + 4]) then return {{'all_bytes', backlog, model_bytes, all_bytes}} end
+  if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes, key_model}} end
+  -- a key with nothing waiting is admitted by its share whatever the size (the budgets still apply)
+  if key_model > 0 and key_model + size > tonumber(ARGV[a + 6]) then
+    return {{'key_model_bytes', backlog, model_bytes, all_bytes, key_model}}
+  end
+  if key_all > 0 and key_all + size > tonumber(ARGV[a + 7]) then
+    return {{'key_all_bytes', backlog, model_bytes, all_bytes, key_all}}
+  end
+  if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes, key_model}} end
+  if model_bytes + size > tonumber(ARGV[a + 3]) then
+    return {{'model_bytes', backlog, model_bytes, all_bytes, key_model}}
+  end
+  if all_bytes + size > tonumber(ARGV[a + 4]) then
+    return {{'all_bytes', backlog, model_bytes, all_bytes, key_model}}
+  end
   if size > 0 then redis.call('HINCRBY', KEYS[k + 2], ARGV[a], size) end
-  return {{'admitted', backlog, model_bytes + size, all_bytes + size}}
+  if KEYS[k + 4] == '' then return {{'admitted', backlog, model_bytes + size, all_bytes + size, 0}} end
+  if size > 0 then redis.call('HINCRBY', KEYS[k + 4], ARGV[a], size) end
+  return {{'admitted', backlog, model_bytes + size, all_bytes + size, key_model + size}}
 end
 """
-ADMISSION_ARGS = 6
+ADMISSION_ARGS = 8
 _ADMIT = ADMIT_LUA + "return admit(1, #KEYS, 1)\n"
-_RELEASE = RELEASE_LUA + "release_waiting(KEYS[1], ARGV[1], ARGV[2])\n"
+_RELEASE = RELEASE_LUA + "release_waiting(KEYS[1], ARGV[1], ARGV[2], ARGV[3])\n"
 
 ADMITTED, OVER_BACKLOG, OVER_MODEL_BYTES, OVER_ALL_BYTES = "admitted", "backlog", "model_bytes", "all_bytes"
 OVER_TENANT_BACKLOG = "tenant_backlog"
+OVER_KEY_MODEL_BYTES, OVER_KEY_ALL_BYTES = "key_model_bytes", "key_all_bytes"  # the key's share of either budget
 
 
 class BudgetVerdict(NamedTuple):
@@ -92,15 +137,17 @@ class BudgetVerdict(NamedTuple):
     # (its CPU queue) when that refused it
     model_bytes: int  # bytes the model has waiting in Redis
     all_bytes: int  # bytes every model has waiting
+    key_bytes: int = 0  # the API key's uploads waiting for the model; for all models when that share refused it
 
     @classmethod
     def of(cls, reply: Any) -> BudgetVerdict:
         """ADMIT_LUA's reply."""
-        return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]))
+        return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
 
 
 class AdmissionRequest(NamedTuple):
-    """What a new job asks of the budgets: a model's `size` bytes for `tenant` within these limits."""
+    """What a new job asks of the budgets: a model's `size` bytes for `tenant` within these limits, and within
+    `owner`'s (its API key's; "" for none) share of each byte budget."""
 
     model_key: str
     size: int
@@ -111,10 +158,13 @@ class AdmissionRequest(NamedTuple):
     tenants: Sequence[str] = ("",)
     max_tenant_backlog: int | None = None
     sharded: bool = True  # frames may wait on bulk shards (their count is read); False: none can
+    owner: str = ""
+    max_owner_model_bytes: int = 0
+    max_owner_all_bytes: int = 0
 
 
 def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
-    """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: five or more)."""
+    """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: six or more)."""
     own = keys.celery_queue(keys.preprocess_queue(request.model_key, request.tenant))
     others = [keys.celery_queue(queue) for queue in keys.preprocess_queues(request.model_key, request.tenants)]
     names = [
@@ -122,6 +172,7 @@ def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str
         keys.frames_waiting if request.sharded else "",
         keys.waiting_bytes,
         own,
+        keys.key_waiting_bytes(request.owner) if request.owner else "",
         *[queue for queue in others if queue != own],
     ]
     tenant_backlog = request.max_backlog if request.max_tenant_backlog is None else request.max_tenant_backlog
@@ -132,6 +183,8 @@ def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str
         request.max_model_bytes,
         request.max_all_bytes,
         tenant_backlog,
+        request.max_owner_model_bytes,
+        request.max_owner_all_bytes,
     ]
 
 
@@ -143,7 +196,7 @@ class WaitingBytes:
         self.keys = keys
         self._admit = client.register_script(_ADMIT)
         self._release = client.register_script(_RELEASE)
-        self._unreleased: list[tuple[str, int]] = []  # given back while Redis was away: again at each flush
+        self._unreleased: list[tuple[str, int, str]] = []  # given back while Redis was away: again at each flush
         self._lock = threading.Lock()
 
     def admit(
@@ -157,9 +210,12 @@ class WaitingBytes:
         tenants: Sequence[str] = ("",),
         max_tenant_backlog: int | None = None,
         sharded: bool = True,
+        owner: str = "",
+        max_owner_model_bytes: int = 0,
+        max_owner_all_bytes: int = 0,
     ) -> BudgetVerdict:
-        """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it and
-        both budgets allow it, in one step."""
+        """Reserve `size` bytes for a model's new job of `tenant`'s if its backlog, the tenant's share of it, both
+        budgets and `owner`'s share of each allow it, in one step."""
         keys, args = admission_arguments(
             self.keys,
             AdmissionRequest(
@@ -172,21 +228,25 @@ class WaitingBytes:
                 tenants,
                 max_tenant_backlog,
                 sharded,
+                owner,
+                max_owner_model_bytes,
+                max_owner_all_bytes,
             ),
         )
         return BudgetVerdict.of(self._admit(keys=keys, args=args))
 
-    def release(self, model_key: str, size: int, client: Any = None) -> None:
-        """Give back bytes reserved for a job that was not stored after all (in a pipeline: with it)."""
+    def release(self, model_key: str, size: int, client: Any = None, owner: str = "") -> None:
+        """Give back bytes reserved for a job that was not stored after all, and `owner`'s (the API key they
+        were reserved for; in a pipeline: with it)."""
         if size > 0:
-            self._release(keys=[self.keys.waiting_bytes], args=[model_key, size], client=client or self.redis)
+            self._release(keys=[self.keys.waiting_bytes], args=[model_key, size, owner], client=client or self.redis)
 
-    def release_later(self, model_key: str, size: int) -> None:
+    def release_later(self, model_key: str, size: int, owner: str = "") -> None:
         """Bytes that could not be given back (Redis away: a restart, a failover): kept here and given back at
         the next `flush_unreleased`. Dropped, they would stay counted as waiting for good."""
         if size > 0:
             with self._lock:
-                self._unreleased.append((model_key, size))
+                self._unreleased.append((model_key, size, owner))
 
     def flush_unreleased(self) -> int:
         """Give back what `release_later` kept; what Redis still refuses stays for the next flush. How many
@@ -194,9 +254,9 @@ class WaitingBytes:
         with self._lock:
             pending, self._unreleased = self._unreleased, []
         done = 0
-        for index, (model_key, size) in enumerate(pending):
+        for index, (model_key, size, owner) in enumerate(pending):
             try:
-                self.release(model_key, size)
+                self.release(model_key, size, owner=owner)
             except redis.RedisError:
                 with self._lock:
                     self._unreleased[:0] = pending[index:]
@@ -204,9 +264,9 @@ class WaitingBytes:
             done += 1
         return done
 
-    def waiting(self) -> dict[str, int]:
-        """Bytes waiting, per model and `*` for all (their sum)."""
-        raw: Any = self.redis.hgetall(self.keys.waiting_bytes)
+    def waiting(self, owner: str = "") -> dict[str, int]:
+        """Bytes waiting, per model and `*` for all (their sum); `owner`'s alone when given (an API key's)."""
+        raw: Any = self.redis.hgetall(self.keys.key_waiting_bytes(owner) if owner else self.keys.waiting_bytes)
         return with_total({name.decode(): int(value) for name, value in raw.items()})
 
 

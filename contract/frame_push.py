@@ -20,34 +20,38 @@ from contract.keys import Keys
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 
 # What a push (here, and on a bulk shard: contract.frame_shards) checks and does, in the same commands either way.
-# live_job: the job's status, model, upload's bytes and claim, in one HMGET; a job gone or ended loses its upload
-# (its bytes given back) and nil says the frame may not stand. release_upload: the upload goes, its bytes given
-# back. trade_upload_for_frame, once the step's DEL took the upload (a DEL that finds none says the job is not this
-# attempt's to push: no EXISTS first): the frame's bytes wait in Redis instead of the upload's, until the GPU
-# worker's batch write gives them back (contract.budget): one HINCRBY a counter for the difference, with the result
-# a release then a charge would give (the release stops at zero: the count is at least the frame's bytes).
+# live_job: the job's status, model, upload's bytes, claim and API key (its owner), in one HMGET; a job gone or
+# ended loses its upload (its bytes given back) and nil says the frame may not stand. release_upload: the upload
+# goes, its bytes given back (the model's and its key's). trade_upload_for_frame, once the step's DEL took the upload
+# (a DEL that finds none says the job is not this attempt's to push: no EXISTS first): the frame's bytes wait in
+# Redis instead of the upload's, until the GPU worker's batch write gives them back (contract.budget): one HINCRBY a
+# counter for the difference, with the result a release then a charge would give (the release stops at zero: the
+# count is at least the frame's bytes). A key's bytes are its uploads alone: its upload's leave its count here.
 PUSH_LUA = (
     TERMINAL_LUA
     + RELEASE_LUA
     + """
-local function release_upload(upload, waiting, model, upload_bytes)
-  if redis.call('DEL', upload) == 1 then release_waiting(waiting, model, upload_bytes) end
+local function release_upload(upload, waiting, model, upload_bytes, owner)
+  if redis.call('DEL', upload) == 1 then release_waiting(waiting, model, upload_bytes, owner) end
 end
 
 local function live_job(job, upload, waiting)
-  local was = redis.call('HMGET', job, 'status', 'model', 'bytes', 'claim')
-  local status, model, upload_bytes = was[1], was[2], was[3]
+  local was = redis.call('HMGET', job, 'status', 'model', 'bytes', 'claim', 'owner')
+  local status, model, upload_bytes, owner = was[1], was[2], was[3], was[5]
   if not status or TERMINAL[status] then
-    release_upload(upload, waiting, model, upload_bytes)
+    release_upload(upload, waiting, model, upload_bytes, owner)
     return nil
   end
-  return status, model, upload_bytes, was[4]
+  return status, model, upload_bytes, was[4], owner
 end
 
-local function trade_upload_for_frame(waiting, model, upload_bytes, frame_bytes)
+local function trade_upload_for_frame(waiting, model, upload_bytes, frame_bytes, owner)
   local change = frame_bytes - math.max(0, tonumber(upload_bytes) or 0)
   if model and model ~= '' and redis.call('HINCRBY', waiting, model, change) < frame_bytes then
     redis.call('HSET', waiting, model, frame_bytes)
+  end
+  if model and owner and owner ~= '' then
+    release_field(key_waiting(waiting, owner), model, math.max(0, tonumber(upload_bytes) or 0))
   end
 end
 """
@@ -68,7 +72,7 @@ end
 _KEEP_PUSHED_FRAME = (
     PUSH_LUA
     + f"""
-local status, model, upload_bytes, claim = live_job(KEYS[1], KEYS[3], KEYS[4])
+local status, model, upload_bytes, claim, owner = live_job(KEYS[1], KEYS[3], KEYS[4])
 if not status or status ~= '{PREPROCESSING}' or (claim and claim ~= ARGV[2]) then
   redis.call('LTRIM', KEYS[2], 1, -1)
   return {JOB_OVER}
@@ -82,7 +86,7 @@ if redis.call('DEL', KEYS[3]) == 0 then   -- its upload gone: a redelivered task
   return {JOB_OVER}
 end
 redis.call('HSET', KEYS[1], unpack(ARGV, 4))
-trade_upload_for_frame(KEYS[4], model, upload_bytes, tonumber(ARGV[3]))
+trade_upload_for_frame(KEYS[4], model, upload_bytes, tonumber(ARGV[3]), owner)
 return {PUSHED}
 """
 )

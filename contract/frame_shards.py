@@ -41,18 +41,18 @@ return 1
 _MARK_PUSHED = (
     PUSH_LUA
     + f"""
-local status, model, upload_bytes, claim = live_job(KEYS[1], KEYS[2], KEYS[3])
+local status, model, upload_bytes, claim, owner = live_job(KEYS[1], KEYS[2], KEYS[3])
 if not status then return {JOB_OVER} end
 if (claim and claim ~= ARGV[1]) or (status ~= '{PREPROCESSING}' and status ~= '{RUNNING}') then return {JOB_OVER} end
 if status == '{RUNNING}' then   -- its frame is in a batch already: the stamps alone
   redis.call('HSET', KEYS[1], unpack(ARGV, 3))
-  release_upload(KEYS[2], KEYS[3], model, upload_bytes)
+  release_upload(KEYS[2], KEYS[3], model, upload_bytes, owner)
   return {PUSHED}
 end
 if redis.call('DEL', KEYS[2]) == 0 then return {JOB_OVER} end
 redis.call('HSET', KEYS[1], 'status', '{QUEUED_GPU}', unpack(ARGV, 3))
 if model then redis.call('HINCRBY', KEYS[4], model, 1) end
-trade_upload_for_frame(KEYS[3], model, upload_bytes, tonumber(ARGV[2]))
+trade_upload_for_frame(KEYS[3], model, upload_bytes, tonumber(ARGV[2]), owner)
 return {PUSHED}
 """
 )

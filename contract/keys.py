@@ -16,6 +16,7 @@ PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
 UPLOAD_SUFFIX = ":upload"  # a job's upload is its key plus this (the Lua that ends a job deletes it so)
 CELERY_HOLDS = "holds:"  # + a worker process's id: the messages it holds, under Celery's key prefix
+KEY_WAITING_SEPARATOR = ":"  # an API key's waiting bytes: waiting_bytes, this, its id (the Lua that ends jobs too)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,11 @@ class Keys:
     def waiting_bytes(self) -> str:
         """Hash: bytes of uploads and frames waiting in Redis, a field per model and `*` for all (contract.budget)."""
         return f"{self.namespace}:waiting_bytes"
+
+    def key_waiting_bytes(self, owner: str) -> str:
+        """Hash: bytes of API key `owner`'s uploads waiting in Redis, a field per model (contract.budget; its Lua
+        names it the same way, from waiting_bytes)."""
+        return f"{self.waiting_bytes}{KEY_WAITING_SEPARATOR}{owner}"
 
     @property
     def decode_share(self) -> str:

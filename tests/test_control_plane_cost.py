@@ -277,3 +277,33 @@ def test_a_cache_hit_costs_two_round_trips_and_stores_no_copy_of_its_answer(quie
     assert again["evalsha"] == 2 and "copy" not in again and "del" not in again, again
     assert sum(again.values()) == 17, again
     assert first["copy"] == 1 and first["strlen"] == 1 and sum(first.values()) == 19, first
+
+
+def test_an_api_keys_share_of_the_byte_budgets_costs_a_keyed_image_three_commands_and_no_round_trip(quiet_redis):
+    """A key's uploads are counted under the key in the steps that count the model's (contract.budget): the
+    admission reads the key's counters and moves one, the push moves one; no step sends anything more, and an
+    image without a key pays nothing for it."""
+    from contract.budget import WaitingBytes
+
+    keys = Keys("key-share-cost")
+    waiting = WaitingBytes(quiet_redis, keys)
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
+    pusher = frame_pusher(quiet_redis, keys)
+    for step in (waiting._admit, handoff._claim, pusher._keep):
+        quiet_redis.script_load(step.script)
+    shares = {"max_owner_model_bytes": 100, "max_owner_all_bytes": 100}
+    plain = commands_of(quiet_redis, lambda: waiting.admit("m:1", 6, 5, 100, 100, sharded=False, **shares))
+    keyed = commands_of(quiet_redis, lambda: waiting.admit("m:1", 6, 5, 100, 100, sharded=False, owner="a", **shares))
+    # EVALSHA LLEN x2 HGETALL HINCRBY; with a key, its HGETALL and HINCRBY too
+    assert sum(plain.values()) == 5 and sum(keyed.values()) == 7, (plain, keyed)
+    assert keyed["hgetall"] == 2 and keyed["hincrby"] == 2, keyed
+    for job, owner in (("e1" * 16, ""), ("e2" * 16, "a")):
+        record = {"model": "m:1", "bytes": 6, "deadline_at": 1e12, **({"owner": owner} if owner else {})}
+        intake.create(job, b"upload", 60, record)
+        assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
+    plain_push = commands_of(quiet_redis, lambda: pusher.push("e1" * 16, "m:1", b"frame", 10, {}, "c"))
+    keyed_push = commands_of(quiet_redis, lambda: pusher.push("e2" * 16, "m:1", b"frame", 10, {}, "c"))
+    assert sum(plain_push.values()) == 9 and sum(keyed_push.values()) == 10, (plain_push, keyed_push)
+    assert keyed_push["hincrby"] == 2 and keyed_push["evalsha"] == 1, keyed_push
+    assert waiting.waiting("a") == {"m:1": 0, "*": 0}

@@ -1,8 +1,8 @@
 """How jobs end, whoever ends them: the GPU worker's answer, a failure, a cancellation, an expiry.
 
 One Lua function, FINISH_JOBS_LUA's `finish_jobs`, ends jobs in every process: the first terminal state wins; the
-upload and the deadline entry go, the bytes are released (contract.budget), a callback enters the outbox,
-`job_events` is published, and a job that succeeded in time with a `cache_key` leaves its result in the result
+upload and the deadline entry go, the bytes are released (contract.budget; its API key's too), a callback enters the
+outbox, `job_events` is published, and a job that succeeded in time with a `cache_key` leaves its result in the result
 cache (contract.cache). Scripts that end jobs among other work (the GPU worker's batch write, the API's cache
 hit: contract.jobs.intake) start with it; `JobEnding` runs it alone (`finish_many`), ends the overdue ones
 (`expire_overdue`, the sweeper of every CPU worker and API process) and queues an ended job's callback again.
@@ -86,10 +86,10 @@ end
 
 -- What of a record ending it reads, in one HMGET (not one read a field: every command inside a script is one
 -- more for Redis's only thread, per job).
-local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
+local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url', 'owner'}
 
 local function finish_jobs(names, first_key, at)
-  local ended, left, entries, called, released = 0, {}, {}, {}, {}
+  local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
   for k = first_key, #KEYS do
     local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
     local was = redis.call('HMGET', key, unpack(READ_AT_END))
@@ -110,6 +110,11 @@ local function finish_jobs(names, first_key, at)
       if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
         local model, bytes = was[3] or '', tonumber(was[4]) or 0
         if bytes > 0 then released[model] = (released[model] or 0) + bytes end
+        local owner = was[7]   -- its API key's share of the budgets (contract.budget)
+        if bytes > 0 and owner and owner ~= '' then
+          local mine = by_owner[owner] or {}
+          by_owner[owner], mine[model] = mine, (mine[model] or 0) + bytes
+        end
       end
       left[#left + 1] = job_id
       ended = ended + 1
@@ -125,6 +130,7 @@ local function finish_jobs(names, first_key, at)
     redis.call('PUBLISH', names.outbox, table.concat(called, ' '))
   end
   release_each(names.waiting, released)
+  release_owners(names.waiting, by_owner)
   remember_all(names.cache, entries)
   return ended
 end

@@ -123,6 +123,8 @@ class JobIntake(JobEnding):
         unused = reserved - len(upload)
         if reserved and unused > 0 and fields.get("model"):  # a multipart body's own bytes around the image
             pipe.hincrby(self.keys.waiting_bytes, str(fields["model"]), -unused)
+            if fields.get("owner"):  # reserved for its API key too (contract.budget)
+                pipe.hincrby(self.keys.key_waiting_bytes(str(fields["owner"])), str(fields["model"]), -unused)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), record_ttl_s(self.ttl_s, fields.get("deadline_at")))
         if "deadline_at" in fields:  # the sweeper ends it there if nothing else has (expire_overdue)
