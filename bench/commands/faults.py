@@ -64,7 +64,7 @@ def add_commands(
         "--attack",
         choices=(
             *("images", "cost", "decode", "slow-callbacks", "docs-flood", "metrics"),
-            *("long-polls", "trickle", "redeliver", "leaks"),
+            *("long-polls", "trickle", "redeliver", "leaks", "padding"),
         ),
         default="images",
         help="images: hostile image files through the stack (the normal tenant's queue_cpu, the CPU children's "
@@ -73,7 +73,8 @@ def add_commands(
         "tarpit receivers (another's callbacks); docs-flood; metrics; long-polls: one key's held long-polls "
         "(/healthz, another key's submissions); trickle: one key's 20 MiB bodies held unfinished (the API's "
         "memory); redeliver: one key asking for a callback again and again; leaks: what /metrics, /v1/models and "
-        "Flower tell a caller without the right key",
+        "Flower tell a caller without the right key; padding: one key's JPEGs padded with 0-4 MiB of zeros from "
+        "--attackers threads (another key's submissions, alone and beside them)",
     )
     hostile.add_argument(
         "--files",
@@ -96,7 +97,9 @@ def add_commands(
         "for images, 60 otherwise; docs-flood: half "
         "alone, half with the flood",
     )
-    hostile.add_argument("--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs")
+    hostile.add_argument(
+        "--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs; padding: its threads"
+    )
     hostile.add_argument(
         "--interval", type=float, default=2.0, help="slow-callbacks: the tarpit's seconds between two bytes"
     )
@@ -197,7 +200,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
     if args.attack == "decode":
         return hostile_decode(args)
-    from bench import hostile_holds, hostile_routes
+    from bench import hostile_holds, hostile_padding, hostile_routes
     from bench.ab import worktree
     from bench.hostile import ATTACKS
 
@@ -207,6 +210,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         "trickle": (hostile_holds.trickle, hostile_holds.format_trickle),
         "redeliver": (hostile_routes.redeliver, hostile_routes.format_redeliver),
         "leaks": (hostile_routes.leaks, hostile_routes.format_leaks),
+        "padding": (hostile_padding.padding, hostile_padding.format_padding),
     }
     attack, describe_outcome = attacks[args.attack]
     root = args.root.resolve() if args.root else REPO_ROOT
