@@ -20,6 +20,7 @@ whole-stack view (`bench run --stack local --shards 1`). `--base REF` runs the s
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import random
@@ -65,7 +66,10 @@ def tiny_jpegs(count: int, seed: int = 1) -> list[bytes]:
     return images
 
 
-def _config(redis_url: str, shard_urls: list[str], images: int) -> dict[str, Any]:
+PLANE_KEY = "plane-key"  # --keyed: the one API key every submission carries
+
+
+def _config(redis_url: str, shard_urls: list[str], images: int, keyed: bool = False) -> dict[str, Any]:
     room = images + 64
     config: dict[str, Any] = {
         "redis_url": redis_url,
@@ -76,14 +80,18 @@ def _config(redis_url: str, shard_urls: list[str], images: int) -> dict[str, Any
     }
     if shard_urls:
         config["bulk"] = {"redis_urls": shard_urls}
+    if keyed:  # as a keyed deployment: the key's own queue and its share of the budgets counted
+        digest = hashlib.sha256(PLANE_KEY.encode()).hexdigest()
+        config["auth"] = {**config["auth"], "api_keys": [{"id": "plane", "sha256": digest}]}
     return config
 
 
 def run_phases(
-    root: Path, images: int, shards: int, clients: int, workdir: Path, instructions: bool = False
+    root: Path, images: int, shards: int, clients: int, workdir: Path, instructions: bool = False, keyed: bool = False
 ) -> dict[str, Any]:
     """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image
-    (`instructions`: its Redis under callgrind, its instructions counted too)."""
+    (`instructions`: its Redis under callgrind, its instructions counted too; `keyed`: every submission with an
+    API key)."""
     workdir.mkdir(parents=True, exist_ok=True)
     counter = InstructionCounter(workdir) if instructions else None
     control = RedisServer(workdir, wrapper=counter.wrapper() if counter else ())
@@ -95,7 +103,7 @@ def run_phases(
         folder.mkdir(exist_ok=True)
         bulk.append(RedisServer(folder))
     config_path = workdir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config(control.url, [s.url for s in bulk], images)))
+    config_path.write_text(yaml.safe_dump(_config(control.url, [s.url for s in bulk], images, keyed)))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1", **api_env(port, 1, 64)}
@@ -119,7 +127,8 @@ def run_phases(
         wait_until(lambda: _answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
 
         def submit(payload: bytes) -> str:
-            reply = session.post(url + "/v1/jobs", data=payload, headers={"Content-Type": "image/jpeg"}, timeout=30)
+            headers = {"Content-Type": "image/jpeg", **({"Authorization": f"Bearer {PLANE_KEY}"} if keyed else {})}
+            reply = session.post(url + "/v1/jobs", data=payload, headers=headers, timeout=30)
             if reply.status_code != 202:
                 raise RuntimeError(f"submit answered {reply.status_code}: {reply.text[:300]}")
             return str(reply.json()["id"])
@@ -149,7 +158,8 @@ def run_phases(
             measured("gpu", gpu_phase)
 
             def read(job_id: str) -> str:
-                return str(session.get(f"{url}/v1/jobs/{job_id}", timeout=30).json()["status"])
+                headers = {"Authorization": f"Bearer {PLANE_KEY}"} if keyed else {}
+                return str(session.get(f"{url}/v1/jobs/{job_id}", headers=headers, timeout=30).json()["status"])
 
             statuses = measured("read", lambda: list(pool.map(read, ids)))
         idle = meter.idle(3.0)
@@ -302,15 +312,18 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
 
 
 def run(
-    images: int, shards: int, clients: int, base: str | None, instructions: bool = False
+    images: int, shards: int, clients: int, base: str | None, instructions: bool = False, keyed: bool = False
 ) -> tuple[str, dict[str, Any]]:
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
     sides: dict[str, dict[str, Any]] = {}
     try:
         if base:
             root = worktree(base, scratch / "base")
-            sides[f"base {base}"] = run_phases(root, images, shards, clients, scratch / "run-base", instructions)
-        sides["this checkout"] = run_phases(REPO_ROOT, images, shards, clients, scratch / "run-head", instructions)
+            base_run = scratch / "run-base"
+            sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
+        sides["this checkout"] = run_phases(
+            REPO_ROOT, images, shards, clients, scratch / "run-head", instructions, keyed
+        )
     finally:
         if base:
             subprocess.run(

@@ -98,6 +98,9 @@ def add_commands(
         help="run the control plane's Redis under callgrind and count its instructions an image per step: a figure "
         "the machine's drift does not move (slow: use a few hundred images)",
     )
+    plane.add_argument(
+        "--keyed", action="store_true", help="every submission with an API key (its queue and its byte shares counted)"
+    )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
     burst = sub.add_parser(
         "burst",
@@ -135,7 +138,7 @@ def cmd_burst(args: argparse.Namespace) -> int:
 def cmd_plane(args: argparse.Namespace) -> int:
     from bench.plane import run
 
-    text, sides = run(args.images, args.shards, args.clients, args.base, args.instructions)
+    text, sides = run(args.images, args.shards, args.clients, args.base, args.instructions, args.keyed)
     summary = {
         name: {
             "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
