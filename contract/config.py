@@ -106,7 +106,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
 def key_share_problems(settings: Settings) -> list[str]:
     """Models whose backlog one API key can fill alone: its share (auth.max_backlog_share of max_backlog, in its
     own CPU queue) and the frame list it can fill behind it (max_frames) reach max_backlog, so another key's
-    jobs are refused while it floods, which the share is there to prevent. Only with API keys configured."""
+    jobs are refused while it floods, which the share is there to prevent; the same for its share of the byte
+    budget (its uploads) and the frame list's bytes. Only with API keys configured."""
     if not settings.auth.api_keys:
         return []
     problems = []
@@ -118,6 +119,13 @@ def key_share_problems(settings: Settings) -> list[str]:
                 f"model {spec.key}: one API key's share of the backlog ({share}) and the frame list "
                 f"({settings.max_frames(spec)}) reach max_backlog ({limit}): a key's flood can refuse "
                 "every other key's jobs; raise max_backlog or lower auth.max_backlog_share or max_frames"
+            )
+        budget, frames = settings.max_waiting_bytes(spec), settings.max_frames(spec) * spec.input_size**2 * 3
+        if int(budget * settings.auth.max_waiting_bytes_share) + frames >= budget:  # the same for bytes
+            problems.append(
+                f"model {spec.key}: one API key's share of the byte budget and the frame list's largest frames "
+                f"({frames} bytes) reach max_waiting_bytes ({budget}): a key's uploads can refuse every other key's "
+                "jobs; raise max_waiting_bytes or lower auth.max_waiting_bytes_share or max_frames"
             )
     return problems
 

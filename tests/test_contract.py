@@ -652,3 +652,21 @@ def test_a_key_share_that_with_the_frame_list_fills_a_models_backlog_is_warned_o
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_settings(config)
+
+
+def test_a_key_byte_share_that_with_the_frame_list_fills_a_models_byte_budget_is_warned_of(tmp_path):
+    """A key's byte share counts its uploads; the frame list behind them holds up to max_frames frames of the
+    model's input size: the two together must stay under the budget, or one key's uploads can refuse the others."""
+    config = tmp_path / "keys.yaml"
+    config.write_text(
+        "auth:\n  api_keys:\n    - {id: team-a, sha256: " + "0" * 64 + "}\n"
+        "api: {max_upload_bytes: 1048576}\n"
+        "backpressure: {max_waiting_bytes: 30000000, max_total_waiting_bytes: 90000000}\n"
+    )
+    # the default model's 320x320 frames: 64 of them are 19,660,800 bytes; with a share of 15,000,000, past 30 MB
+    with pytest.warns(UserWarning, match=r"the frame list's largest frames \(19660800 bytes\) reach max_waiting"):
+        load_settings(config)
+    config.write_text(config.read_text().replace("max_waiting_bytes: 30000000", "max_waiting_bytes: 80000000"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_settings(config)
