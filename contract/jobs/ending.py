@@ -86,7 +86,7 @@ end
 
 -- What of a record ending it reads, in one HMGET (not one read a field: every command inside a script is one
 -- more for Redis's only thread, per job).
-local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url', 'owner'}
+local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
 
 local function finish_jobs(names, first_key, at)
   local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
@@ -110,8 +110,10 @@ local function finish_jobs(names, first_key, at)
       if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
         local model, bytes = was[3] or '', tonumber(was[4]) or 0
         if bytes > 0 then released[model] = (released[model] or 0) + bytes end
-        local owner = was[7]   -- its API key's share of the budgets (contract.budget)
-        if bytes > 0 and owner and owner ~= '' then
+        -- its API key's share of the budgets (contract.budget), read only here: a job whose frame was pushed (a
+        -- batch's) has no upload left, and its end reads no more than before
+        local owner = bytes > 0 and redis.call('HGET', key, 'owner')
+        if owner and owner ~= '' then
           local mine = by_owner[owner] or {}
           by_owner[owner], mine[model] = mine, (mine[model] or 0) + bytes
         end
