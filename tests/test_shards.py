@@ -25,7 +25,7 @@ from contract.frames import FrameHeader, pack_frame, read_job_id
 from contract.jobs.ending import JobEnding
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
-from contract.jobs.record import QUEUED, QUEUED_GPU, new_job_id
+from contract.jobs.record import QUEUED, QUEUED_GPU, RUNNING, new_job_id
 from contract.keys import Keys
 from contract.shards import SHARDED_UPLOAD, BulkPlane, ShardUnavailable, shard_of
 from tasks.shard_watch import ShardWatch
@@ -353,3 +353,26 @@ def test_the_stack_spreads_jobs_over_the_shards_and_loses_none_when_one_dies(sha
         back.append(stack.submit_ok(image))
         assert len(back) < 40, "no new job was placed on the shard that came back"
     assert all(stack.wait_terminal(job_id)["status"] == "succeeded" for job_id in back)
+
+
+def test_over_bulk_shards_a_keys_upload_bytes_leave_its_count_at_the_push_too(redis_client, plane):
+    """The control plane's verdict on a sharded push moves the key's count as the model's (contract.budget): its
+    upload's bytes leave it, whether the frame stands queued or was in a batch already."""
+    from contract.budget import WaitingBytes
+
+    keys = Keys("sharded-keys")
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
+    handoff = JobHandOff(redis_client, keys, 600, bulk=plane)
+    pusher = frame_pusher(redis_client, keys, plane)
+    counters = WaitingBytes(redis_client, keys)
+    for index, running in ((1, False), (2, True)):
+        verdict = counters.admit(MODEL, 1000, 10, 10**6, 10**6, owner="a", max_owner_model_bytes=10**5)
+        assert verdict.verdict == "admitted" and counters.waiting("a")[MODEL] == 1000
+        job_id = _job_on(plane, index)
+        fields = {"model": MODEL, "bytes": 1000, "deadline_at": time.time() + 60, "owner": "a"}
+        store.create(job_id, b"u" * 1000, 600, fields, reserved=1000)
+        assert handoff.claim_for_preprocessing(job_id, time.time(), "c1")[0] == "claimed"
+        if running:  # a GPU worker took its frame before the verdict ran
+            redis_client.hset(keys.job(job_id), "status", RUNNING)
+        assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
+        assert counters.waiting("a")[MODEL] == 0, running
