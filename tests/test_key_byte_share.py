@@ -107,3 +107,21 @@ def test_a_keys_share_is_given_back_when_its_jobs_expire(stack, unserved_api):
     wait_until(lambda: key_bytes(stack, keys, "team-a") == 0, 10, what="team-a's share to be given back")
     model = stack.settings.model.key
     assert int(stack.redis.hget(keys.waiting_bytes, model) or 0) == 0
+
+
+def test_a_refusal_by_the_total_share_names_the_keys_share_of_every_models_budget():
+    """The key's share of the total (max_total_waiting_bytes) refuses it as its own too: 429, naming that share."""
+    from app.byte_shares import key_share_refusal
+    from contract import budget
+    from contract.models import ModelSpec
+
+    spec = ModelSpec(name="m", version="1", labels=["thing"])
+    request = budget.AdmissionRequest(
+        "m:1", 300, 10, 1000, 1500, owner="a", max_owner_model_bytes=500, max_owner_all_bytes=700
+    )
+    over_all = budget.BudgetVerdict(budget.OVER_KEY_ALL_BYTES, 0, 100, 900, 650)
+    problem = key_share_refusal(spec, request, over_all, lambda _spec, share: 7)
+    assert problem is not None and problem.status == 429 and problem.headers["Retry-After"] == "7"
+    assert "650 bytes of images waiting for all models" in problem.detail and "is 700" in problem.detail
+    admitted = budget.BudgetVerdict(budget.ADMITTED, 0, 100, 900, 650)
+    assert key_share_refusal(spec, request, admitted, lambda _spec, share: 7) is None
