@@ -34,8 +34,8 @@ import redis
 
 from app import metrics
 from app.admission_readings import RedisMemory, ServedTenants
-from app.drain import DrainMeter, retry_after_s
 from app.byte_shares import key_byte_shares, key_share_refusal
+from app.drain import DrainMeter, retry_after_s
 from app.problems import Problem
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache

@@ -230,9 +230,7 @@ class AuthSettings:
     # A key's own jobs waiting for a CPU worker may fill at most this share of a model's backlog: past it, 429
     # for that key alone (its flood does not get the others refused). Each key also has its own CPU queue.
     max_backlog_share: float = 0.5
-    # ...and a key's uploads waiting in Redis at most this share of a model's byte budget and of the total
-    # (backpressure.max_waiting_bytes, max_total_waiting_bytes): past it, 429 for that key alone (contract.budget).
-    max_waiting_bytes_share: float = 0.5
+    max_waiting_bytes_share: float = 0.5  # ...and its uploads' bytes of each byte budget (contract.budget)
     # A key's expensive decodes in flight (uploads estimated at 32 MiB of decoding or more, contract.decode_share)
     # may add up to this many bytes; one more is 429 unless the key has none in flight. 0: off.
     max_decode_bytes_in_flight: int = 256 * 1024 * 1024
