@@ -53,6 +53,11 @@ from contract.token_bucket import TokenBuckets
 log = logging.getLogger(__name__)
 
 
+def retry_after_header(retry_after_ms: int) -> dict[str, str]:
+    """A bucket's wait (ms) as a refusal's Retry-After: whole seconds, at least one."""
+    return {"Retry-After": str(max(1, math.ceil(retry_after_ms / 1000)))}
+
+
 @dataclass
 class Reservation:
     """One submission's admission: the model it was routed to, the bytes reserved for it until its job is stored
@@ -115,7 +120,7 @@ class Admission:
                 "rate-limited",
                 "Too many requests",
                 f"key {client_id!r} is over {auth.rate_per_s:g} requests/s",
-                headers={"Retry-After": str(max(1, math.ceil(taken.retry_after_ms / 1000)))},
+                headers=retry_after_header(taken.retry_after_ms),
             )
 
     def failed_authentication(self, address: str) -> Problem | None:
@@ -137,7 +142,7 @@ class Admission:
                     "too-many-failed-authentications",
                     "Too many requests",
                     "too many failed authentications from this address, or from all of them; retry later",
-                    headers={"Retry-After": str(max(1, math.ceil(taken.retry_after_ms / 1000)))},
+                    headers=retry_after_header(taken.retry_after_ms),
                 )
         return None
 
@@ -196,9 +201,8 @@ class Admission:
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
             return outcome, answered, timings
         if isinstance(outcome, HitLimited):  # every accepted request is charged: a hit to its key's bucket
-            retry = str(max(1, math.ceil(outcome.retry_after_ms / 1000)))
             detail = f"key {reservation.client_id!r}'s cache hits stored their cache.hit_bytes_per_key; retry later"
-            raise Problem(429, "rate-limited", "Too many requests", detail, headers={"Retry-After": retry})
+            raise Problem(429, "rate-limited", "Too many requests", detail, retry_after_header(outcome.retry_after_ms))
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
         self._settle(spec, request, outcome)  # refused: the problem says by which limit
         reservation.admit(request)
