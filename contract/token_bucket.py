@@ -15,14 +15,21 @@ from contract.clock import now as service_now
 # carries the clock forward on its own, a request that ran later may bring an earlier moment, and moving the mark
 # back refilled the same interval twice (75 requests let through against a bound of 50, from 50 connections at
 # once, when each process read its host's clock).
-TAKE_TOKEN_LUA = """
-local now = tonumber(ARGV[3])
+# refilled(tokens, at, now, rate, burst): a bucket's tokens at `now` and its new mark, from what it held at its mark
+# `at` (nil: a new bucket, full); every bucket of the service refills by it (the cache hits': contract.jobs.hits).
+REFILL_LUA = """
+local function refilled(tokens, at, now, rate, burst)
+  at = tonumber(at) or now
+  if now < at then now = at end
+  return math.min(burst, (tonumber(tokens) or burst) + (now - at) * rate), now
+end
+"""
+TAKE_TOKEN_LUA = (
+    REFILL_LUA
+    + """
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local state = redis.call('HMGET', KEYS[1], 'tokens', 'at')
-local tokens = tonumber(state[1]) or burst
-local at = tonumber(state[2]) or now
-if now < at then now = at end
-tokens = math.min(burst, tokens + (now - at) * rate)
+local tokens, now = refilled(state[1], state[2], tonumber(ARGV[3]), rate, burst)
 local allowed = 0
 if tokens >= 1 then
   tokens = tokens - 1
@@ -33,6 +40,7 @@ redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
 if allowed == 1 then return {1, 0} end
 return {0, math.ceil((1 - tokens) / rate * 1000)}
 """
+)
 
 
 class Taken(NamedTuple):

@@ -17,7 +17,8 @@ retried, up to `jobs.max_ttl_s` from its submission). So:
 - The lookup that found the entry and this step are two round trips (contract.jobs.intake): an entry evicted
   or expired in between answers HIT_GONE, and the API looks up again (a miss then: admitted as any).
 
-The bucket runs on the service's clock, passed in (contract.clock), as every Lua step of the service does.
+The bucket runs on the service's clock, passed in (contract.clock), as every Lua step of the service does, and
+refills as the service's other buckets do (contract.token_bucket's `refilled`: its mark never moves back).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import NamedTuple
 
 from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.settings import Settings
+from contract.token_bucket import REFILL_LUA
 
 # What a hit's record costs Redis beyond its fields' bytes (its key, the hash's and the TTL's own, the allocator's
 # rounding): a record of ~420 bytes of fields grew used_memory by ~770-850 bytes a hit.
@@ -45,6 +47,7 @@ HIT_GONE = "gone"  # the entry went between the lookup and the hit's step: look 
 # bucket holds the charge} with nothing written, or {HIT_GONE}.
 STORE_HIT_LUA = (
     FINISH_JOBS_LUA
+    + REFILL_LUA
     + f"local N, GONE = {FINISH_NAMES}, '{HIT_GONE}'\n"
     + """
 local digest, now, cache_ttl, model = ARGV[N + 1], tonumber(ARGV[N + 2]), ARGV[N + 3], ARGV[N + 4]
@@ -55,12 +58,11 @@ local fresh = redis.call('EXISTS', KEYS[5]) == 0
 if fresh then charge = charge + redis.call('STRLEN', KEYS[2]) * lifetimes end
 if capacity > 0 then   -- the key's bucket, refilled since its last hit; a charge over the whole waits for it full
   local held, at = string.match(redis.call('GET', KEYS[6]) or '', '^(%S+) (%S+)$')
-  local tokens = tonumber(held) or capacity
-  tokens = math.min(capacity, tokens + math.max(0, now - (tonumber(at) or now)) * refill)
+  local tokens, mark = refilled(held, at, now, refill, capacity)
   charge = math.min(charge, capacity)
   if tokens < charge then return {'limited', math.ceil((charge - tokens) / refill * 1000)} end
-  -- '<tokens> <moment>', living until it would be full again: one string, two commands
-  redis.call('SET', KEYS[6], string.format('%.17g %s', tokens - charge, ARGV[N + 2]), 'EX',
+  -- '<tokens> <mark>', living until it would be full again: one string, two commands
+  redis.call('SET', KEYS[6], string.format('%.17g %.17g', tokens - charge, mark), 'EX',
              math.ceil(capacity / refill) + 1)
 end
 redis.call('ZADD', KEYS[3], 'XX', ARGV[N + 2], digest)
