@@ -159,7 +159,8 @@ class CallbackSender:
         wait = backoff_s(
             attempts, self.settings.backoff_base_s, self.settings.backoff_max_s, self.settings.jitter, random.random()
         )
-        if retry and attempts < self.settings.max_attempts and within and now + wait < lapses_at:
+        retriable = retry and attempts < self.settings.max_attempts and within
+        if retriable and now + wait < lapses_at:
             self._record(
                 job_id,
                 {**base, "status": "retrying", "last_error": error, "next_attempt_at": now + wait},
@@ -168,7 +169,7 @@ class CallbackSender:
                 keep_s=min(int(wait) + self.ttl_s, int(lapses_at - now)),
             )
             return "retrying"
-        if retry and attempts < self.settings.max_attempts and within:  # the next attempt would find no record
+        if retriable:  # the next attempt would find no record
             error = f"{error} (not retried: the job's record lapses first, jobs.max_ttl_s)"[:300]
         keep_s = min(self.ttl_s, int(lapses_at - now))
         self._record(job_id, {**base, "status": "failed", "last_error": error}, place="dead", score=now, keep_s=keep_s)
