@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,7 @@ import requests
 
 from tools import newcomer_mistakes as mistakes
 from tools.newcomer_mistakes import CheckFailed
+from tools.ports import free_port
 from tools.terminal_session import TerminalSession
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -91,12 +91,6 @@ def documented_blocks(root: Path, documents: tuple[str, ...] = DOCUMENTS) -> Ite
                 yield Block(document, i + 1, language, "\n".join(lines[i + 1 : end]) + "\n"), not marked
                 i = end
             i += 1
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def copy_checkout(source: Path, target: Path, fresh_venv: bool) -> None:

@@ -80,6 +80,13 @@ def holder(port: int) -> str | None:
     return None
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, as the system gives one."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def free_port_near(host: str, port: int, taken: set[int]) -> int | None:
     for candidate in range(port + 1, min(port + 100, 65536)):
         if candidate not in taken and bind_error(host, candidate) is None:

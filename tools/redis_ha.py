@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -35,6 +34,8 @@ from typing import Any
 
 import redis
 
+from tools.ports import free_port
+
 SERVICE = "imgserve"
 SERVERS, REPLICAS = ("a", "b", "c"), ("b", "c")
 DOWN_AFTER_MS = 1500
@@ -43,12 +44,6 @@ START_LIMIT_S = 30.0
 # The append-only file as make run's and compose's Redis keep it: fsynced every second, rewritten at 512 MB, not
 # Redis's 64 (every upload passes through it: docs/reliability.md)
 AOF_AS_DEPLOYED = ("--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-min-size", "512mb")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @dataclass(frozen=True)

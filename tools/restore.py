@@ -31,6 +31,7 @@ from pathlib import Path
 import redis
 
 from contract.keys import Keys
+from tools.ports import free_port
 
 AOF_FOLDER = "appendonlydir"
 RDB_MAGIC = b"REDIS"
@@ -81,20 +82,12 @@ def redis_running_in(folder: Path) -> list[int]:
     return pids
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 class _Server:
     """A redis-server of this command's own on a loopback port: stopped without writing a snapshot."""
 
     def __init__(self, folder: Path, *options: str) -> None:
         self.folder = folder
-        self.port = _free_port()
+        self.port = free_port()
         self.log = folder / "restore-redis.log"
         self.process = subprocess.Popen(
             ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--dir", str(folder)]
