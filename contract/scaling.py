@@ -165,6 +165,7 @@ def scaling_signal(backlog: ModelBacklog, windows: Sequence[Mapping[str, Any]], 
         cpu_ms = sum(count * cast(float, mean) for count, mean in measured) / sum(count for count, _ in measured)
     else:
         cpu_ms = settings.default_cpu_ms
+    processes = wanted_processes(backlog, rate, cpu_ms, settings)
     return Scaling(
         backlog=backlog.total,
         queued=backlog.queued,
@@ -175,8 +176,8 @@ def scaling_signal(backlog: ModelBacklog, windows: Sequence[Mapping[str, Any]], 
         cpu_ms_measured=bool(jobs and measured),
         target_utilisation=settings.target_utilisation,
         drain_s=settings.drain_s,
-        cpu_workers_wanted=wanted_workers(backlog, rate, cpu_ms, settings),
-        cpu_processes_wanted=wanted_processes(backlog, rate, cpu_ms, settings),
+        cpu_workers_wanted=math.ceil(processes),  # wanted_workers
+        cpu_processes_wanted=processes,
     )
 
 
