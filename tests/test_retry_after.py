@@ -24,6 +24,7 @@ from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import REPO_ROOT, jpeg, wait_until
 
 CLIENTS = 16
+BURST_DEADLINE_S = 30  # a burst that was never refused by then fails the test that needs a refusal
 PATIENCE_S = 10  # a client told to wait longer gives up (the test fails on it; main answered 60)
 
 
@@ -51,8 +52,9 @@ def backlog(stack: Stack) -> int:
 
 @dataclass
 class Burst:
-    """CLIENTS clients at once, each submitting until `jobs_each` of its jobs are taken, obeying each refusal's
-    Retry-After (up to PATIENCE_S: longer, it gives up)."""
+    """CLIENTS clients at once, each submitting until `jobs_each` of its jobs are taken and the burst has been
+    refused at least once (within BURST_DEADLINE_S: on a slow machine the first jobs may all fit), obeying each
+    refusal's Retry-After (up to PATIENCE_S: longer, it gives up)."""
 
     stack: Stack
     jobs_each: int
@@ -68,8 +70,9 @@ class Burst:
         return threads
 
     def client(self, index: int) -> None:
-        session, taken, seed = requests.Session(), 0, self.seed + index * 100
-        while taken < self.jobs_each:
+        session, taken, seed = requests.Session(), 0, self.seed + index * 1000
+        deadline = time.monotonic() + BURST_DEADLINE_S
+        while taken < self.jobs_each or (not self.refusals and time.monotonic() < deadline):
             seed += 1
             response = session.post(
                 self.stack.url("/v1/jobs"),
