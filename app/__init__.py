@@ -1,5 +1,5 @@
-"""The REST API: `create_app(settings)` builds one Flask app with its own
-Redis client, task messages (contract.task_messages) and long-poll listener: no module globals.
+"""The REST API: `create_app(settings)` builds one Flask app with its own Redis clients, task messages
+(contract.task_messages) and long-poll listeners, per cell (app.cells): no module globals.
 
     gunicorn -c configs/gunicorn.conf.py 'app:create_app()'
 """
@@ -7,36 +7,27 @@ Redis client, task messages (contract.task_messages) and long-poll listener: no 
 from __future__ import annotations
 
 import io
-import time
 
 import redis
 from flask import Flask, Request, g
 from werkzeug.exceptions import HTTPException
 
 from app import auth, callbacks, health, holds, home, jobs, metrics, openapi, stats
-from app.admission import Admission
 from app.callback_lookups import CallbackLookups
+from app.cells import build_cells
 from app.drain import MAX_RETRY_AFTER_S
 from app.early_refusal import WaitingQueries, refusing_early
 from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response
 from app.queries import refuse_unknown_query
 from app.services import EXTENSION, Services, services
-from app.waiters import JobEventListener
-from contract.budget import WaitingBytes
-from contract.cache import ResultCache
-from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.config import load_settings
-from contract.connection import close_idle_connections, connect
-from contract.jobs.hits import HitLimits
 from contract.jobs.ids import job_ids
-from contract.jobs.intake import JobIntake
-from contract.keys import Keys
 from contract.models import Catalogue
-from contract.replication import AnswerNotReplicated, NotReplicated, Replication, Unconfirmed, durable_writes
+from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
 from contract.settings import Settings
-from contract.shards import ShardUnavailable, bulk_plane
+from contract.shards import ShardUnavailable
 from contract.task_messages import PreprocessMessages
 
 
@@ -64,66 +55,29 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.config["MAX_FORM_MEMORY_SIZE"] = settings.api.max_upload_bytes
     app.config["MAX_FORM_PARTS"] = MAX_PARTS  # as app.multipart's own parser: past it, 400 (app.jobs)
     app.json.sort_keys = False  # type: ignore[attr-defined]  # Flask's DefaultJSONProvider has it
-    # Bounded, and what a burst opened is closed again once idle (contract.connection.IdleClosingPool).
-    client = connect(
-        settings,
-        socket_timeout=settings.api.redis_timeout_s + 3.0,
-        max_connections=max(REDIS_CONNECTIONS, settings.api.threads + 2),
-    )  # gthread: one a thread
-    # The process's clock reads the primary's (contract.clock: every moment it writes or judges is the service's);
-    # measured again on the listener's tick.
-    CLOCK.follow(client)
-    keys = Keys(settings.namespace)
-    # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
-    uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
-    # With bulk shards (contract.shards) uploads go to them instead, over as few connections in all.
-    per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
-    bulk = bulk_plane(settings, client, max_connections=per_shard)
-    # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
-    # Behind Sentinel, every replica the Sentinels see up, on the primary their majority names (contract.replication).
-    durable = durable_writes(settings)
-    if durable is not None:
-        durable.start()
-    replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)
-    hits = HitLimits.of(settings)  # each key's cache hits, charged (contract.jobs.hits)
-    # Results as stored: a read serves them unparsed (app.job_bodies).
-    store = JobIntake(
-        client,
-        keys,
-        settings.jobs.ttl_s,
-        uploads=uploads,
-        bulk=bulk,
-        replication=replication,
-        hits=hits,
-        results_as_text=True,
-    )
-    catalogue, cache = Catalogue(settings), ResultCache(client, keys, settings)
-    admission = Admission(settings, client, keys, store, catalogue, cache)
+    catalogue = Catalogue(settings)
+    ids = job_ids(settings)
+    cells, tier = build_cells(settings, catalogue, ids)
+    first = cells.first
     app.extensions[EXTENSION] = Services(
         settings=settings,
-        redis=client,
-        keys=keys,
-        store=store,
+        redis=first.redis,
+        keys=first.keys,
+        store=first.store,
         catalogue=catalogue,
-        admission=admission,
+        admission=first.admission,
         task_messages=PreprocessMessages(),
-        # One pub/sub listener per process wakes long-polls (the callback worker relays callbacks); each
-        # second it also ends the jobs whose deadline passed (the CPU workers do too, more often).
-        listener=JobEventListener(
-            redis.Redis(connection_pool=client.connection_pool),
-            keys.job_events,
-            on_tick=_ticks(
-                CLOCK.sync_if_due, _sweeper(store, admission.waiting), _idle_closer([client, uploads, *bulk.clients])
-            ),
-        ),
-        cache=cache,
+        listener=first.listener,
+        cache=first.cache,
         holds=holds.Holds.of(settings.api),
         callback_lookups=CallbackLookups(
             settings.callbacks.lookup_timeout_s,
             settings.callbacks.max_lookups_per_key,
             settings.callbacks.lookup_threads,
         ),
-        job_ids=job_ids(settings),
+        job_ids=ids,
+        cells=cells,
+        tier=tier,
     )
     app.register_blueprint(jobs.blueprint)
     app.register_blueprint(health.blueprint)
@@ -157,69 +111,17 @@ def create_app(settings: Settings | None = None) -> Flask:
             response.headers["Referrer-Policy"] = "no-referrer"
         return response
 
-    services(app).listener.start()
+    for cell in cells:
+        cell.listener.start()
     return app
 
 
-SWEEP_EVERY_S = 1.0
 # The HTML pages (/, /docs): their own styles; one script, /docs/try.js from this service (no inline script, none
 # from elsewhere), which may fetch from this origin alone (the docs page's "Try it"); no frames.
 HTML_POLICY = (
     "default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'unsafe-inline'; img-src data:; "
     "frame-ancestors 'none'; base-uri 'none'; form-action 'none'"
 )
-UPLOAD_CONNECTIONS = 8  # per API process: uploads written at once (more wait for one, up to the connect timeout)
-# Per API process: Redis round trips in flight at once, the pub/sub listener's connection included (more wait for
-# one, up to the connect timeout). Issue 41's burst (40 QPS on 2 cores) left 7 more than its steady load used; 64
-# at ~1 ms a round trip is ~60,000 a second, far more than one process's core asks for.
-REDIS_CONNECTIONS = 64
-# A connection left unused in its pool this long is closed (it reopens when needed): what a burst opened goes.
-REDIS_IDLE_S = 60.0
-IDLE_CHECK_EVERY_S = 10.0
-
-
-def _ticks(*ticks):
-    def tick() -> None:
-        for each in ticks:
-            each()
-
-    return tick
-
-
-def _idle_closer(clients: list[redis.Redis]):
-    """The listener's tick: close the connections idle past REDIS_IDLE_S, looked for every IDLE_CHECK_EVERY_S."""
-    last = [time.monotonic()]
-    distinct = list({id(client.connection_pool): client for client in clients}.values())  # bulk may be the control
-
-    def close_idle() -> None:
-        now = time.monotonic()
-        if now - last[0] < IDLE_CHECK_EVERY_S:
-            return
-        last[0] = now
-        for client in distinct:
-            close_idle_connections(client, REDIS_IDLE_S)
-
-    return close_idle
-
-
-def _sweeper(store: JobIntake, waiting: WaitingBytes):
-    """The listener's tick: end overdue jobs, give back the bytes a refused submission could not (Redis
-    was away) and add this process's cache misses to the shared counters, at most once a second."""
-    last = [0.0]
-
-    def sweep() -> None:
-        now = service_now()
-        if now - last[0] < SWEEP_EVERY_S:
-            return
-        last[0] = now
-        try:
-            store.expire_overdue(now)
-            waiting.flush_unreleased()
-            store.flush_counts()
-        except redis.RedisError:
-            pass  # the listener has lost Redis too, and says so
-
-    return sweep
 
 
 def _install_error_handlers(app: Flask) -> None:

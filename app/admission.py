@@ -37,6 +37,7 @@ from app.admission_readings import RedisMemory, ServedTenants
 from app.byte_shares import key_byte_shares, key_share_refusal
 from app.drain import DrainMeter, retry_after_s
 from app.problems import Problem
+from app.tier_buckets import TierBuckets
 from contract import budget
 from contract.cache import HIT, MISS, ResultCache
 from contract.clock import now as service_now
@@ -98,6 +99,7 @@ class Admission:
         store: JobIntake,
         catalogue: Catalogue,
         cache: ResultCache,
+        buckets: TokenBuckets | TierBuckets | None = None,
     ) -> None:
         self.settings, self.redis, self.keys = settings, client, keys
         self.store, self.catalogue, self.cache = store, catalogue, cache
@@ -105,7 +107,7 @@ class Admission:
         self.memory = RedisMemory(client)
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
         self.drains = DrainMeter(client, keys, settings.gpu_worker.heartbeat_ttl_s)  # read on refusals only
-        self.buckets = TokenBuckets(client)
+        self.buckets = buckets or TokenBuckets(client)  # with cells, the API tier's (app.tier_buckets)
         self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (app.decode_charges)
 
     def limit_rate(self, client_id: str) -> None:

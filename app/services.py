@@ -8,9 +8,11 @@ from typing import cast
 
 import redis
 from flask import Flask, current_app
+from redis import Redis
 
 from app.admission import Admission
 from app.callback_lookups import CallbackLookups
+from app.cells import Cells
 from app.holds import Holds
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
@@ -38,6 +40,9 @@ class Services:
     holds: Holds  # what one client may hold in this process at once (app.holds)
     callback_lookups: CallbackLookups  # callback hosts looked up off the event loop, bounded per key
     job_ids: JobIds  # makes and checks job ids (contract.jobs.ids)
+    # Every cell (app.cells); redis, keys, store, admission, listener and cache above are the first cell's.
+    cells: Cells
+    tier: Redis  # the API tier's own Redis: the first cell's without `cells`
 
 
 def services(app: Flask | None = None) -> Services:

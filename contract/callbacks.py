@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from contract.check_secrets import check_secret
 from contract.jobs.record import utc_iso
 from contract.sections import SettingsError
-from contract.settings import Settings, check_secret
+from contract.settings import Settings
 from contract.special_addresses import denied_block, embedded_ipv4
 
 _URL = re.compile(

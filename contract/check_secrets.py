@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
-# The rules a secret must pass, here and wherever the settings hold one (contract.settings.check_secret).
+from contract.sections import SettingsError
+
+# The rules a secret must pass, here and wherever the settings hold one (check_secret).
 MIN_SECRET_LENGTH = 16
 _PLACEHOLDERS = ("change-me", "changeme", "change_me", "replace-me", "replaceme", "placeholder", "your-secret")
 
@@ -28,6 +30,15 @@ def weak_secret_reason(value: str) -> str | None:
     if len(set(value)) < 6:
         return "too repetitive"
     return None
+
+
+def check_secret(name: str, value: str) -> None:
+    """Refuse a placeholder or short secret: a process that would run with one does not start."""
+    reason = weak_secret_reason(value)
+    if reason:
+        raise SettingsError(
+            f"{name} is {reason}; generate one with python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+        )
 
 
 def problems(names: list[str], environ: dict[str, str]) -> list[str]:

@@ -19,6 +19,8 @@ import yaml
 from pydantic import ValidationError
 
 from contract import model_files
+from contract.cells import CELLS_ENV, cell_passwords, cells_from_env
+from contract.check_secrets import check_secret
 from contract.models import ModelSpec, RoutingSettings, version_text
 from contract.redis_settings import BulkSettings, RedisSettings
 from contract.scaling import ScalingSettings
@@ -37,23 +39,16 @@ from contract.settings import (
     JobSettings,
     LogSettings,
     Settings,
-    check_secret,
 )
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
-
-
 CONFIG_ENV = "IMGSERVE_CONFIG"
-
-
 REDIS_URL_ENV = "IMGSERVE_REDIS_URL"
-
 
 # Any setting from the environment: IMGSERVE_<SECTION>__<KEY>=value (the double underscore separates the
 # section from the key; the value is read as YAML: 20, 0.5, true, [a, b]), e.g. IMGSERVE_GPU_WORKER__DEVICE=sim,
 # IMGSERVE_BATCHING__WINDOW_MS=8. Top-level keys keep their own variables (IMGSERVE_REDIS_URL).
 ENV_PREFIX, ENV_SEPARATOR = "IMGSERVE_", "__"
-
 
 # 0.1.0's names for variables that now follow that rule: refused, naming the new one (read as nothing, the API
 # would bind or log otherwise than its operator asked, without a word). CHANGELOG: Upgrading from 0.1.0.
@@ -68,7 +63,6 @@ RENAMED_ENV = {
     "IMGSERVE_LOG_FORMAT": "IMGSERVE_LOGS__FORMAT",
     "IMGSERVE_LOG_LEVEL": "IMGSERVE_LOGS__LEVEL",
 }
-
 
 JOB_ID_SECRET_ENV = "IMGSERVE_JOB_ID_SECRET"
 
@@ -92,6 +86,8 @@ def load_settings(path: str | os.PathLike[str] | None = None) -> Settings:
         raw["callbacks"] = {**raw.get("callbacks", {}), "secret": os.environ["IMGSERVE_CALLBACK_SECRET"]}
     if os.environ.get(JOB_ID_SECRET_ENV):  # as it is: a secret of digits read as YAML would be a number
         raw["jobs"] = {**raw.get("jobs", {}), "id_secret": os.environ[JOB_ID_SECRET_ENV]}
+    if os.environ.get(CELLS_ENV, "").strip():
+        raw["cells"] = cells_from_env(os.environ[CELLS_ENV])
     raw = _merge(raw, environment_overrides(os.environ))
     entries, single = raw.pop("models", None), raw.pop("model", None)
     raw["models"] = load_model_specs(entries, REPO_ROOT) if entries else (load_model_spec(single, REPO_ROOT),)
@@ -162,6 +158,8 @@ def _check_secrets(settings: Settings) -> None:
         password = urlsplit(url).password
         if password:
             check_secret(f"the Redis password in bulk.redis_urls[{index}]", unquote(password))
+    for where, password in cell_passwords(settings.cells):
+        check_secret(f"the Redis password in {where}", password)
 
 
 def load_model_spec(value: Any, base_dir: Path) -> ModelSpec:

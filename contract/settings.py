@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from contract.check_secrets import weak_secret_reason
+from contract.cells import CellSettings, check_cells
 from contract.models import ModelSpec, RoutingSettings, default_model
 from contract.redis_settings import BulkSettings, RedisSettings
 from contract.scaling import ScalingSettings
@@ -20,15 +20,6 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # The story's batch-size table (ms per batch on its GPU): the `sim` device's default profile.
 STORY_PROFILE_MS = {1: 72.0, 4: 150.0, 8: 260.0, 16: 430.0}
-
-
-def check_secret(name: str, value: str) -> None:
-    """Refuse a placeholder or short secret: a process that would run with one does not start."""
-    reason = weak_secret_reason(value)
-    if reason:
-        raise SettingsError(
-            f"{name} is {reason}; generate one with python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-        )
 
 
 @settings_class
@@ -295,6 +286,7 @@ class Settings:
     cache: CacheSettings = field(default_factory=CacheSettings)
     bulk: BulkSettings = field(default_factory=BulkSettings)
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
+    cells: tuple[CellSettings, ...] = ()  # the API tier's control planes (contract.cells); none: redis_url's alone
 
     @property
     def broker_url(self) -> str:
@@ -318,6 +310,7 @@ class Settings:
         if not self.models:  # built in code with one model (tests, tools)
             object.__setattr__(self, "models", (self.model,))
         object.__setattr__(self, "model", default_model(self, self.gpu_worker.models))
+        check_cells(self.cells)
         largest = self.api.max_upload_bytes
         for spec in self.models:
             if min(self.max_waiting_bytes(spec), self.backpressure.max_total_waiting_bytes) < largest:

@@ -106,7 +106,7 @@ class ApiServer:
         from app.services import services
 
         self.server.shutdown()
-        services(self.app).listener.close()
+        services(self.app).cells.close()
 
 
 @contextlib.contextmanager

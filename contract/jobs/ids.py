@@ -10,6 +10,11 @@ over all that and the submitting API key's id (`owner`; "" without keys). So:
 - an id that passes it was issued by this deployment to this key: only then may a record the store no longer
   holds be called lost (`410 job-lost`, contract.jobs.record.lost_at).
 
+With cells (contract.cells), an id names the cell its job lives in, inside what the check covers: format `2`, the
+moment, one hex digit for the cell's place in `cells`, then 44 random bits. A read goes to that cell with no
+lookup; an id whose cell digit was changed fails its check like any forged one. A deployment of one cell keeps
+issuing `1` (an API from before cells reads those), and ids of format `1` and `0` live in the first cell.
+
 Ids made before this format begin with `0` (their first 12 digits were the milliseconds, below 2^44 until
 the year 2527): UNCHECKED, read as before (found, or 404) but never called lost, since nothing proves that the
 service issued one. `jobs.accept_unchecked_ids: false` answers them 404 unread, once all of them are gone.
@@ -35,7 +40,9 @@ from contract.jobs.record import is_job_id
 from contract.settings import REPO_ROOT, Settings
 
 CHECKED_FORMAT = "1"  # the first digit of a checked id
+CELL_FORMAT = "2"  # ...of a checked id that names its cell
 UNCHECKED_FORMAT = "0"  # ...and of one made before them
+CELL_DIGIT = 12  # where a cell id's cell is: after the format and the moment
 HEAD_DIGITS = 24  # the format, the moment, the random bits: what the check covers, with the owner
 CHECK_DIGITS = 8
 SECRET_FILE = REPO_ROOT / "var" / "job-id-secret"
@@ -54,16 +61,25 @@ class IdVerdict(StrEnum):
 class JobIds:
     """Makes a deployment's job ids and checks them."""
 
-    def __init__(self, secret: bytes, accept_unchecked: bool = True) -> None:
+    def __init__(self, secret: bytes, accept_unchecked: bool = True, cells: int = 1) -> None:
         if len(secret) < 16:
             raise ValueError("a job id secret of at least 16 bytes")
+        if not 1 <= cells <= 16:
+            raise ValueError("1 to 16 cells: an id names its cell in one hex digit")
         self._secret = secret
         self.accept_unchecked = accept_unchecked
+        self.cells = cells  # more than one: ids name their cell (format 2)
 
-    def new(self, owner: str = "", at: float | None = None) -> str:
-        """A new id for a job the key `owner` submits ("" without keys), issued now (or `at`)."""
+    def new(self, owner: str = "", at: float | None = None, cell: int = 0) -> str:
+        """A new id for a job the key `owner` submits ("" without keys), issued now (or `at`), living in the cell
+        at `cell` (its place in `cells`)."""
         issued = service_now() if at is None else at
-        head = f"{CHECKED_FORMAT}{int(issued * 1000):011x}{secrets.token_hex(6)}"
+        if self.cells > 1:
+            if not 0 <= cell < self.cells:
+                raise ValueError(f"no cell {cell} of {self.cells}")
+            head = f"{CELL_FORMAT}{int(issued * 1000):011x}{cell:x}{secrets.token_hex(6)[1:]}"
+        else:
+            head = f"{CHECKED_FORMAT}{int(issued * 1000):011x}{secrets.token_hex(6)}"
         return head + self._check(head, owner)
 
     def verdict(self, job_id: str, owner: str = "") -> IdVerdict:
@@ -72,11 +88,17 @@ class JobIds:
             return IdVerdict.NOT_OURS
         if job_id[0] == UNCHECKED_FORMAT:
             return IdVerdict.UNCHECKED if self.accept_unchecked else IdVerdict.NOT_OURS
-        if job_id[0] == CHECKED_FORMAT and hmac.compare_digest(
+        if job_id[0] in (CHECKED_FORMAT, CELL_FORMAT) and hmac.compare_digest(
             job_id[HEAD_DIGITS:], self._check(job_id[:HEAD_DIGITS], owner)
         ):
             return IdVerdict.OURS
         return IdVerdict.NOT_OURS
+
+    @staticmethod
+    def cell_of(job_id: str) -> int:
+        """The place in `cells` of the cell `job_id` lives in: its cell digit in format 2, else the first cell (0).
+        Trusted only of an id whose verdict is OURS: the check covers the digit."""
+        return int(job_id[CELL_DIGIT], 16) if job_id[:1] == CELL_FORMAT else 0
 
     def _check(self, head: str, owner: str) -> str:
         message = f"{head}\n{owner}".encode()
@@ -85,7 +107,7 @@ class JobIds:
 
 def job_ids(settings: Settings, secret_file: Path = SECRET_FILE) -> JobIds:
     """The deployment's JobIds, its secret found as the module says."""
-    return JobIds(id_secret(settings, secret_file), settings.jobs.accept_unchecked_ids)
+    return JobIds(id_secret(settings, secret_file), settings.jobs.accept_unchecked_ids, max(1, len(settings.cells)))
 
 
 def id_secret(settings: Settings, secret_file: Path = SECRET_FILE) -> bytes:
