@@ -30,7 +30,7 @@ from contract.jobs.hits import HitLimits
 from contract.jobs.ids import JobIds
 from contract.jobs.intake import JobIntake
 from contract.keys import Keys
-from contract.models import Catalogue
+from contract.models import Catalogue, UnknownModel
 from contract.replication import Replication, durable_writes
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
@@ -73,7 +73,7 @@ class CellServices:
     cache: ResultCache
     listener: JobEventListener
     address: str  # its Redis, without a password
-    loads: CellLoads | None = None  # read for the choice only when there are several cells
+    loads: CellLoads  # its load per model: the choice's (several cells) and /v1/stats' rate
     down_until: float = field(default=0.0)
 
 
@@ -115,24 +115,39 @@ class Cells:
             log.warning("cell %s did not answer: no new jobs to it for %.1f s", cell.name, self.retry_s)
             cell.down_until = self.clock() + self.retry_s
 
-    def choose(self, model_key: str, besides: CellServices | None = None) -> CellServices | None:
-        """The cell for a new job of `model_key`: of two cells that are up drawn by capacity, the less loaded
-        (app.cell_choice). None when no cell but `besides` is up (a retry has nowhere else to go)."""
+    def choose(self, reference: str | None) -> CellServices:
+        """The cell for a new job of the model `reference` names (app.admission routes it; None: the default):
+        of two cells that are up drawn by capacity, the less loaded (app.cell_choice)."""
         if len(self.cells) == 1:
-            return None if besides is self.first else self.first
+            return self.first
+        chosen = self._choose(self._model_key(reference), besides=None)
+        return chosen if chosen is not None else random.choice(self.cells)  # none up: any, it may be back
+
+    def instead_of(self, cell: CellServices, exc: BaseException, reference: str | None) -> CellServices | None:
+        """Where a submission goes when `cell` failed it with `exc`: None unless `exc` says the cell did not answer
+        (it is then marked down) and another cell is up."""
+        if len(self.cells) == 1 or not cell_unreachable(exc):
+            return None
+        self.mark_down(cell)
+        return self._choose(self._model_key(reference), besides=cell)
+
+    def _choose(self, model_key: str, besides: CellServices | None) -> CellServices | None:
         up = [cell for cell in self.cells if cell is not besides and self.is_up(cell)]
-        if not up:
-            return None if besides is not None else self.cells[random.randrange(len(self.cells))]
-        if len(up) == 1:
-            return up[0]
+        if len(up) <= 1:
+            return up[0] if up else None
         first, second = (up[place] for place in two_drawn([cell.gpu_capacity for cell in up]))
-        loads = [self._load(first, model_key), self._load(second, model_key)]
-        if loads[0] is None or loads[1] is None:  # one did not answer: marked down, the other takes it
-            return second if loads[0] is None else first
-        return first if less_loaded((loads[0], first.gpu_capacity), (loads[1], second.gpu_capacity)) else second
+        load_a, load_b = self._load(first, model_key), self._load(second, model_key)
+        if load_a is None or load_b is None:  # one did not answer: marked down, the other takes it
+            return second if load_a is None else first
+        return first if less_loaded((load_a, first.gpu_capacity), (load_b, second.gpu_capacity)) else second
+
+    def _model_key(self, reference: str | None) -> str:
+        try:
+            return self.catalogue.resolve(reference).key
+        except UnknownModel:  # admission says so; any cell may
+            return self.catalogue.default.key
 
     def _load(self, cell: CellServices, model_key: str) -> Load | None:
-        assert cell.loads is not None  # built with several cells
         try:
             return cell.loads.load(model_key)
         except redis.RedisError as exc:
@@ -221,5 +236,5 @@ def _build_cell(
         cache=cache,
         listener=listener,
         address=redis_address(settings.redis_url),
-        loads=CellLoads(client, keys, settings.tenants, settings.gpu_worker.heartbeat_ttl_s) if several else None,
+        loads=CellLoads(client, keys, settings.tenants, settings.gpu_worker.heartbeat_ttl_s),  # no read until asked
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from flask import g
 
 from app.auth import owns
+from app.cells import CellServices
 from app.problems import Problem, job_lost
 from app.services import Services
 from contract.jobs.ids import IdVerdict
@@ -32,6 +33,15 @@ def is_ours_to_ask(services: Services, job_id: str) -> bool:
     return services.job_ids.verdict(job_id, asking_owner()) is not IdVerdict.NOT_OURS
 
 
+def job_cell(services: Services, job_id: str) -> CellServices:
+    """The cell `job_id` names (app.cells; the first for ids made before cells), read with no lookup; 404 for a
+    cell this process does not have (an id of a cell since removed)."""
+    cell = services.cells.of(job_id)
+    if cell is None:
+        raise not_found(job_id)
+    return cell
+
+
 def load_owned(services: Services, job_id: str) -> JobRecord:
     """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists), 410 when it was
     the caller's and the store lost it. An id that fails its check is 404 before any Redis call (`<id>:upload`
@@ -39,7 +49,8 @@ def load_owned(services: Services, job_id: str) -> JobRecord:
     verdict = services.job_ids.verdict(job_id, asking_owner())
     if verdict is IdVerdict.NOT_OURS:
         raise not_found(job_id)
-    record = services.store.load(job_id)
+    store = job_cell(services, job_id).store
+    record = store.load(job_id)
     if (
         record is None
         and verdict is IdVerdict.OURS
@@ -47,8 +58,8 @@ def load_owned(services: Services, job_id: str) -> JobRecord:
     ):
         # Behind Sentinel, "lost" only once a connection the Sentinels' primary answers on still lacks it: an
         # idle connection left on a replaced primary would say 410 for a job the new one holds (503 then).
-        services.store.confirm_durable()
-        if (record := services.store.load(job_id)) is None:
+        store.confirm_durable()
+        if (record := store.load(job_id)) is None:
             raise job_lost(job_id, utc_iso(issued))
     if record is None or not owns(record):  # owns: an unchecked id of another key's is as missing as any
         raise not_found(job_id)

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import nullcontext
-from typing import cast
 
-import redis
-from flask import Blueprint, Response, g, request, url_for
+from flask import Blueprint, Response, g, request
 
-from app import decode_charges, metrics
-from app.admission import Reservation
+from app import placing
 from app.holds import BodyHold
-from app.job_bodies import document_response, job_response
-from app.job_lookup import is_ours_to_ask, load_owned
+from app.job_bodies import job_response
+from app.job_lookup import is_ours_to_ask, job_cell, load_owned
 from app.openapi import image_body
 from app.operations import Reply, operation
 from app.problems import Problem
@@ -29,21 +25,12 @@ from app.uploads import (
 )
 from app.waiters import expire_if_late, until_ended
 from contract import deadlines
-from contract.clock import now as service_now
-from contract.documents import JobAccepted, JobDocument, model_ref, wait_query_model
-from contract.jobs.ending import LATE_ERROR, REDELIVER_QUEUED
+from contract.documents import JobAccepted, JobDocument, wait_query_model
+from contract.jobs.ending import REDELIVER_QUEUED
 from contract.jobs.record import (
     CANCELLED,
-    QUEUED,
-    SUCCEEDED,
     TERMINAL,
-    JobRecord,
-    StoredJSON,
-    utc_iso,
 )
-from contract.models import ModelSpec
-from contract.replication import NotReplicated
-from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -112,21 +99,26 @@ def submit_job() -> tuple[Response, int, dict[str, str]]:
     hold = BodyHold(services.holds, client)
     with services.holds.wait(client, wait_s) if wait_s > 0 else nullcontext(), hold:
         hold.take(declared or 0)  # a chunked body's bytes are taken as they come (read_submission)
-        reservation = services.admission.before_body(
-            request.args.get("model"),
-            declared,
-            client_id=client,
-            model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
+        reference = request.args.get("model")
+        placement = placing.before_body(
+            services,
+            reference,
+            lambda cell: cell.admission.before_body(
+                reference,
+                declared,
+                client_id=client,
+                model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
+            ),
         )
         try:
-            return _accept(services, reservation, wait_s, hold)
+            return _accept(services, placement, wait_s, hold)
         except BaseException:
-            services.admission.give_back(reservation)  # refused after the reservation: a bad option, Redis away
+            placement.give_back()  # refused after the reservation: a bad option, Redis away
             raise
 
 
 def _accept(
-    services: Services, reservation: Reservation, wait_s: float, hold: BodyHold
+    services: Services, placement: placing.Placement, wait_s: float, hold: BodyHold
 ) -> tuple[Response, int, dict[str, str]]:
     settings = services.settings
     options_model = submit_options(settings)
@@ -134,7 +126,7 @@ def _accept(
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=options_model.model_fields)
     options = validate_params(options_model, values)
-    spec = services.admission.route_body(reservation, options.model, len(data), options.cache)
+    spec = placement.route_body(services, options.model, len(data), options.cache)
     try:
         deadline_ms = deadlines.applied_deadline_ms(options.deadline_ms, settings.default_deadline_ms(spec), spec.key)
     except deadlines.DeadlineTooLong as exc:
@@ -146,116 +138,8 @@ def _accept(
             invalid_params=[{"name": "deadline_ms", "reason": exc.reason}],
         ) from None
     callback_url = checked_callback_url(options.callback_url, settings)
-    received_at = g.received_at
-    # Checked against the key it is issued to (contract.jobs.ids), on a shard not found down lately.
-    job_id = services.store.bulk.new_job_id(lambda: services.job_ids.new(reservation.client_id))
-    fields = {
-        "model": spec.key,
-        RECEIVED_AT: received_at,
-        "deadline_at": deadlines.deadline_at(received_at, deadline_ms),
-        "options": options.for_model(),
-        "media_type": media_type,
-        "bytes": len(data),
-        **({"owner": reservation.client_id} if reservation.client_id else {}),
-        **({"callback_url": callback_url} if callback_url else {}),
-    }
-    answered = services.admission.admit(reservation, job_id, data, fields)
-    if answered is not None:  # the cache's: the job is over already, stored as the 202 says
-        (status, document), stored, timings = answered
-        log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
-        if wait_s > 0:
-            return _finished(services, job_id, spec)
-        # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
-        answer = (
-            {"result": StoredJSON(document), "timings_ms": timings}
-            if status == SUCCEEDED
-            else {"error": json.loads(LATE_ERROR)}
-        )
-        return _accepted(job_id, spec, stored, status, answer)
-    # An expensive decode counts against its key's share in flight (fairness by CPU cost, not by task).
-    share = services.admission.decode_share
-    charged = decode_charges.charge(share, settings, reservation.client_id, job_id, data, fields["deadline_at"])
-    if charged:
-        fields["decode_cost"] = charged
-    # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
-    # is down is a 503 for both, never half.
-    queue = services.keys.preprocess_queue(spec.key, reservation.tenant)
-    task = (services.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
-    # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
-    event = services.listener.register(job_id) if wait_s > 0 else None
-    try:
-        try:
-            services.store.create(
-                job_id,
-                data,
-                settings.jobs.upload_ttl_s,
-                {**fields, SUBMITTED_AT: service_now(), "queue": queue},
-                task=task,
-                reserved=reservation.size,
-            )
-        except NotReplicated:
-            services.admission.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
-            decode_charges.release(share, job_id, charged)
-            raise
-        except BaseException:
-            decode_charges.release(share, job_id, charged)  # not queued: its charge goes with it
-            raise
-        services.admission.stored(reservation)
-        log.info(
-            "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
-        )
-        if event is None:
-            return _accepted(job_id, spec, fields, QUEUED)
-        try:
-            waiting = cast(JobRecord, {"id": job_id, "status": QUEUED, **fields})
-            record = until_ended(services.store, job_id, waiting, wait_s, event)
-            record = expire_if_late(services.store, record)  # a wait ended by the deadline: over, one way or another
-        except redis.RedisError:  # the job is stored: its 202 says where, whatever the wait met
-            log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
-            return _accepted(job_id, spec, fields, QUEUED)
-    finally:
-        if event is not None:
-            services.listener.unregister(job_id, event)
-    if record["status"] in TERMINAL:
-        return _finished(services, job_id, spec, record)
-    return _accepted(job_id, spec, fields, record["status"])
-
-
-def _finished(
-    services: Services, job_id: str, spec: ModelSpec, record: JobRecord | None = None
-) -> tuple[Response, int, dict[str, str]]:
-    """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
-    record = record or services.store.load(job_id)
-    if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
-        return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
-    try:
-        services.store.confirm_durable()  # an end a failover could take back is not shown
-    except redis.RedisError:  # AnswerNotReplicated, Unconfirmed: the job itself is stored; a 503 would hide its id
-        return _accepted(job_id, spec, {RECEIVED_AT: record.get(RECEIVED_AT, g.received_at)}, QUEUED)
-    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
-    return job_response(record), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
-
-
-def _accepted(
-    job_id: str, spec: ModelSpec, fields: dict, status: str, answer: dict | None = None
-) -> tuple[Response, int, dict[str, str]]:
-    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
-    location = url_for("jobs.get_job", job_id=job_id)
-    # A cached result is spliced in as stored, as a read serves it (app.job_bodies).
-    stored = {name: value for name, value in (answer or {}).items() if isinstance(value, StoredJSON)}
-    body = JobAccepted.model_validate(
-        {
-            "id": job_id,
-            "status": status,
-            "model": model_ref(spec.key),
-            "links": {"self": location},
-            **({"cache": fields["cache"]} if "cache" in fields else {}),
-            "created_at": utc_iso(fields[RECEIVED_AT]),
-            **(answer or {}),
-            **dict.fromkeys(stored),
-        }
-    )
-    return document_response(body.to_json(), stored), 202, {"Location": location}
+    submission = placing.Submission(spec, data, media_type, options, deadline_ms, callback_url, g.received_at, wait_s)
+    return placement.place(services, submission)
 
 
 @blueprint.get("/<job_id>")
@@ -275,19 +159,20 @@ def _accepted(
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
+    cell = job_cell(services, job_id)  # the cell its id names: no lookup
     if wait_s <= 0 or not is_ours_to_ask(services, job_id):  # a made-up id's 404 holds no long-poll
-        record = expire_if_late(services.store, load_owned(services, job_id))
+        record = expire_if_late(cell.store, load_owned(services, job_id))
     else:
         with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
             # Listen before the first read: an end announced after it wakes this request.
-            event = services.listener.register(job_id)
+            event = cell.listener.register(job_id)
             try:
-                record = until_ended(services.store, job_id, load_owned(services, job_id), wait_s, event)
+                record = until_ended(cell.store, job_id, load_owned(services, job_id), wait_s, event)
             finally:
-                services.listener.unregister(job_id, event)
-        record = expire_if_late(services.store, record)
+                cell.listener.unregister(job_id, event)
+        record = expire_if_late(cell.store, record)
     if record["status"] in TERMINAL:
-        services.store.confirm_durable()  # an end a failover could take back is not shown
+        cell.store.confirm_durable()  # an end a failover could take back is not shown
     return job_response(record)
 
 
@@ -302,10 +187,9 @@ def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_services()
     load_owned(services, job_id)
-    cancelled = services.store.finish(
-        job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}}
-    )
-    record = services.store.load(job_id)
+    store = job_cell(services, job_id).store
+    cancelled = store.finish(job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}})
+    record = store.load(job_id)
     if not cancelled or record is None:
         status = record["status"] if record else "gone"
         raise Problem(
@@ -314,8 +198,8 @@ def cancel_job(job_id: str) -> Response:
             "Job already finished",
             f"job {job_id!r} ended as {status!r} and cannot be cancelled",
         )
-    services.store.drop_upload(job_id)
-    services.store.confirm_durable()  # a cancellation a failover could take back is not shown either
+    store.drop_upload(job_id)
+    store.confirm_durable()  # a cancellation a failover could take back is not shown either
     log.info("job cancelled", extra={"job_id": job_id})
     return job_response(record)
 
@@ -334,9 +218,10 @@ def cancel_job(job_id: str) -> Response:
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
     record = load_owned(services, job_id)
+    store = job_cell(services, job_id).store
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
-    outcome = services.store.redeliver_callback(job_id)
+    outcome = store.redeliver_callback(job_id)
     if not outcome:
         raise Problem(
             409,
@@ -346,4 +231,4 @@ def redeliver_callback(job_id: str) -> tuple[Response, int]:
         )
     if outcome == REDELIVER_QUEUED:
         log.info("callback queued again", extra={"job_id": job_id})
-    return job_response(services.store.load(job_id) or record), 202
+    return job_response(store.load(job_id) or record), 202

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-from typing import cast
-
 from flask import Blueprint, Response, jsonify
 
 from app.auth import require_admin
-from app.health import live_gpu_workers
+from app.cell_stats import cells_document, merged_backlogs, read_cell
 from app.operations import Reply, operation
 from app.services import services as current_services
 from contract.clock import now as service_now
 from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import total_depths
-from contract.keys import model_frames_total
-from contract.scaling import backlogs, scaling_signal, windows_of
+from contract.scaling import scaling_signal, windows_of
 from contract.status_documents import Stats
-from contract.timebill import host_ms_per_batch
 
 blueprint = Blueprint("stats", __name__)
 
@@ -31,24 +27,21 @@ blueprint = Blueprint("stats", __name__)
 def stats() -> Response:
     services = current_services()
     require_admin(services.settings.auth.api_keys)
-    client, keys = services.redis, services.keys
-    workers = live_gpu_workers()
-    for worker in workers:  # live totals, fresher than the heartbeat's
-        raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
-        # The worker's totals; its per-model frames (contract.keys.model_frames_total) are for admission's drain rate.
-        counters = {k.decode(): float(v) for k, v in raw.items() if not k.decode().startswith(model_frames_total(""))}
-        worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     model_keys = list(services.catalogue.specs)
-    found = backlogs(client, keys, model_keys, services.settings.tenants)
+    # Each cell read on its own (app.cell_stats): with several, one that does not answer is `unavailable`.
+    readings = [read_cell(cell, model_keys, several=len(services.cells) > 1) for cell in services.cells]
+    workers = [worker for reading in readings for worker in reading.workers]
+    found = merged_backlogs(readings, model_keys)
     depths = {key: {"preprocess": backlog.queued, "frames": backlog.frames} for key, backlog in found.items()}
     windows = windows_of(workers, service_now())
+    answering = next((reading.cell for reading in readings if reading.up), services.cells.first)
     summary = Stats.model_validate(
         {
             "scaling": {
                 key: scaling_signal(found[key], windows.get(key, []), services.settings.scaling).to_json()
                 for key in model_keys
             },
-            "cache": services.cache.stats(list(services.catalogue.specs)),
+            "cache": answering.cache.stats(model_keys),  # each cell keeps its own: the first that answers
             "queues": total_depths(depths),
             "queues_by_model": depths,
             "gpu_workers": [
@@ -57,6 +50,7 @@ def stats() -> Response:
             ],
             "gpu": _combined(workers),
             "models": _per_model(workers),
+            "cells": cells_document(readings),
         }
     )
     return jsonify(summary.to_json())

@@ -188,6 +188,28 @@ class ScalingSignal(Document):
     )
 
 
+class CellStats(Document):
+    name: str
+    redis: str = Field(description="its control plane's Redis, without a password")
+    status: Literal["up", "unavailable"] = Field(description="unavailable: its Redis did not answer this read")
+    backlog: int | None = Field(description="jobs waiting for a CPU or GPU worker, every model")
+    rate: float | None = Field(description="jobs a second its GPU workers answered lately (null until measured)")
+    jobs: dict[str, int] | None = Field(description="live jobs: queued (CPU), queued_gpu, and every live one")
+
+
+class CellTotals(Document):
+    cells: int
+    up: int
+    backlog: int
+    rate: float | None
+    jobs: dict[str, int]
+
+
+class CellsStats(Document):
+    cells: list[CellStats] = Field(description="each cell (docs/cells.md); one without `cells` configured")
+    totals: CellTotals = Field(description="over the cells that answered")
+
+
 class Stats(Document):
     scaling: dict[str, ScalingSignal] = Field(
         None, description="per name:version: its backlog and the CPU worker processes it wants (an autoscaler's signal)"
@@ -198,3 +220,4 @@ class Stats(Document):
     gpu_workers: list[GpuWorkerStats]
     gpu: GpuSummary
     models: dict[str, ModelStats] = Field(description="per name:version: its recent jobs, p95, batches and time bill")
+    cells: CellsStats | None = Field(None, description="each cell's Redis, state, backlog, rate and live jobs")

@@ -1,0 +1,225 @@
+"""A submission placed on a cell (docs/cells.md): the cell chosen for it (app.cells), its reservation there, and
+its job made there, with one retry on another cell when the chosen one's Redis does not answer.
+
+The first cell that does not answer costs that submission nothing: it is marked down (no new jobs from this process
+for `bulk.retry_s`) and the submission goes to another cell, its reservation given back (later, when the cell
+answers again) and taken anew there. A cell that fails after the job may have been written (a timeout on the
+store) can leave a job nobody reads in it: it runs, and ends, unread. With one cell there is nowhere else to go:
+the error is answered as it always was (a 503).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, cast
+
+import redis
+from flask import Response, g, url_for
+
+from app import decode_charges, metrics
+from app.admission import Reservation
+from app.cells import CellServices
+from app.job_bodies import document_response, job_response
+from app.services import Services
+from app.waiters import expire_if_late, until_ended
+from contract import deadlines
+from contract.clock import now as service_now
+from contract.documents import JobAccepted, model_ref
+from contract.jobs.ending import LATE_ERROR
+from contract.jobs.record import QUEUED, SUCCEEDED, TERMINAL, JobRecord, StoredJSON, utc_iso
+from contract.models import ModelSpec
+from contract.replication import NotReplicated
+from contract.timebill import RECEIVED_AT, SUBMITTED_AT
+
+log = logging.getLogger("api")
+
+
+@dataclass(frozen=True)
+class Submission:
+    """A submission read and checked, before any cell holds it."""
+
+    spec: ModelSpec
+    data: bytes
+    media_type: str
+    options: Any  # the submit options' model (app.submission.submit_options)
+    deadline_ms: int
+    callback_url: str | None
+    received_at: float
+    wait_s: float
+
+
+class Placement:
+    """Where a submission is placed: the cell and the reservation it holds there. It moves at most once."""
+
+    def __init__(self, cell: CellServices, reservation: Reservation) -> None:
+        self.cell, self.reservation = cell, reservation
+        self.moved = False
+
+    def give_back(self) -> None:
+        self.cell.admission.give_back(self.reservation)
+
+    def route_body(self, services: Services, reference: str | None, size: int, cache: bool | None) -> ModelSpec:
+        """Admission's route_body in the submission's cell (app.admission), in another if that one does not answer."""
+        try:
+            return self.cell.admission.route_body(self.reservation, reference, size, cache)
+        except redis.RedisError as exc:
+            spec = self.reservation.spec
+            self._move(services, exc, spec.key if spec else None)
+            return self.cell.admission.route_body(self.reservation, reference, size, cache)
+
+    def place(self, services: Services, submission: Submission) -> tuple[Response, int, dict[str, str]]:
+        """The submission's job made in its cell, or in another if that one does not answer."""
+        try:
+            return _store(services, self.cell, self.reservation, submission)
+        except redis.RedisError as exc:
+            self._move(services, exc, submission.spec.key)
+            self.cell.admission.route_body(self.reservation, None, len(submission.data), submission.options.cache)
+            return _store(services, self.cell, self.reservation, submission)
+
+    def _move(self, services: Services, exc: redis.RedisError, model_key: str | None) -> None:
+        """To another cell that is up, its reservation here given back; `exc` again when there is none."""
+        other = None if self.moved else services.cells.instead_of(self.cell, exc, model_key)
+        if other is None:
+            raise exc
+        log.warning("cell %s did not answer; the submission goes to cell %s", self.cell.name, other.name)
+        self.give_back()
+        moved = Reservation(client_id=self.reservation.client_id, spec=self.reservation.spec)  # routed as it was
+        self.cell, self.reservation, self.moved = other, moved, True
+
+
+def before_body(services: Services, reference: str | None, reserve: Callable[[CellServices], Reservation]) -> Placement:
+    """The cell a new submission goes to, and `reserve`'s reservation there (app.admission's before_body); another
+    cell's when the chosen one does not answer."""
+    cell = services.cells.choose(reference)
+    try:
+        return Placement(cell, reserve(cell))
+    except redis.RedisError as exc:
+        other = services.cells.instead_of(cell, exc, reference)
+        if other is None:
+            raise
+        log.warning("cell %s did not answer; the submission goes to cell %s", cell.name, other.name)
+        placement = Placement(other, reserve(other))
+        placement.moved = True
+        return placement
+
+
+def _store(
+    services: Services, cell: CellServices, reservation: Reservation, submission: Submission
+) -> tuple[Response, int, dict[str, str]]:
+    """The submission's job made in `cell`: its id there, the cache's answer or its admission, the job and its task
+    stored, and with `wait` the wait for its end."""
+    settings, spec, data, received_at = services.settings, submission.spec, submission.data, submission.received_at
+    options, media_type, callback_url = submission.options, submission.media_type, submission.callback_url
+    deadline_ms = submission.deadline_ms
+    # Checked against the key it is issued to (contract.jobs.ids), on a shard not found down lately.
+    job_id = cell.store.bulk.new_job_id(lambda: services.job_ids.new(reservation.client_id, cell=cell.index))
+    fields = {
+        "model": spec.key,
+        RECEIVED_AT: received_at,
+        "deadline_at": deadlines.deadline_at(received_at, deadline_ms),
+        "options": options.for_model(),
+        "media_type": media_type,
+        "bytes": len(data),
+        **({"owner": reservation.client_id} if reservation.client_id else {}),
+        **({"callback_url": callback_url} if callback_url else {}),
+    }
+    answered = cell.admission.admit(reservation, job_id, data, fields)
+    if answered is not None:  # the cache's: the job is over already, stored as the 202 says
+        (status, document), stored, timings = answered
+        log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
+        if submission.wait_s > 0:
+            return _finished(cell, job_id, spec)
+        # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
+        answer = (
+            {"result": StoredJSON(document), "timings_ms": timings}
+            if status == SUCCEEDED
+            else {"error": json.loads(LATE_ERROR)}
+        )
+        return _accepted(job_id, spec, stored, status, answer)
+    # An expensive decode counts against its key's share in flight (fairness by CPU cost, not by task).
+    share = cell.admission.decode_share
+    charged = decode_charges.charge(share, settings, reservation.client_id, job_id, data, fields["deadline_at"])
+    if charged:
+        fields["decode_cost"] = charged
+    # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
+    # is down is a 503 for both, never half.
+    queue = cell.keys.preprocess_queue(spec.key, reservation.tenant)
+    task = (cell.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
+    # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
+    event = cell.listener.register(job_id) if submission.wait_s > 0 else None
+    try:
+        try:
+            cell.store.create(
+                job_id,
+                data,
+                settings.jobs.upload_ttl_s,
+                {**fields, SUBMITTED_AT: service_now(), "queue": queue},
+                task=task,
+                reserved=reservation.size,
+            )
+        except NotReplicated:
+            cell.admission.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
+            decode_charges.release(share, job_id, charged)
+            raise
+        except BaseException:
+            decode_charges.release(share, job_id, charged)  # not queued: its charge goes with it
+            raise
+        cell.admission.stored(reservation)
+        log.info(
+            "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
+        )
+        if event is None:
+            return _accepted(job_id, spec, fields, QUEUED)
+        try:
+            waiting = cast(JobRecord, {"id": job_id, "status": QUEUED, **fields})
+            record = until_ended(cell.store, job_id, waiting, submission.wait_s, event)
+            record = expire_if_late(cell.store, record)  # a wait ended by the deadline: over, one way or another
+        except redis.RedisError:  # the job is stored: its 202 says where, whatever the wait met
+            log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
+            return _accepted(job_id, spec, fields, QUEUED)
+    finally:
+        if event is not None:
+            cell.listener.unregister(job_id, event)
+    if record["status"] in TERMINAL:
+        return _finished(cell, job_id, spec, record)
+    return _accepted(job_id, spec, fields, record["status"])
+
+
+def _finished(
+    cell: CellServices, job_id: str, spec: ModelSpec, record: JobRecord | None = None
+) -> tuple[Response, int, dict[str, str]]:
+    """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
+    record = record or cell.store.load(job_id)
+    if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
+        return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
+    try:
+        cell.store.confirm_durable()  # an end a failover could take back is not shown
+    except redis.RedisError:  # AnswerNotReplicated, Unconfirmed: the job itself is stored; a 503 would hide its id
+        return _accepted(job_id, spec, {RECEIVED_AT: record.get(RECEIVED_AT, g.received_at)}, QUEUED)
+    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
+    return job_response(record), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
+
+
+def _accepted(
+    job_id: str, spec: ModelSpec, fields: dict, status: str, answer: dict | None = None
+) -> tuple[Response, int, dict[str, str]]:
+    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
+    location = url_for("jobs.get_job", job_id=job_id)
+    # A cached result is spliced in as stored, as a read serves it (app.job_bodies).
+    stored = {name: value for name, value in (answer or {}).items() if isinstance(value, StoredJSON)}
+    body = JobAccepted.model_validate(
+        {
+            "id": job_id,
+            "status": status,
+            "model": model_ref(spec.key),
+            "links": {"self": location},
+            **({"cache": fields["cache"]} if "cache" in fields else {}),
+            "created_at": utc_iso(fields[RECEIVED_AT]),
+            **(answer or {}),
+            **dict.fromkeys(stored),
+        }
+    )
+    return document_response(body.to_json(), stored), 202, {"Location": location}
