@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+import redis
 from flask import Blueprint, Response, g, jsonify
 
+from app.cells import CellServices, cell_unreachable
 from app.operations import Reply, operation
 from app.services import services as current_services
 from contract.documents import Redelivered
@@ -22,9 +24,21 @@ blueprint = Blueprint("callbacks", __name__)
     replies={200: Reply("How many were queued again", Redelivered)},
 )
 def redeliver_dead() -> Response:
-    """With API keys, only the caller's own jobs' callbacks; without, every one."""
+    """With API keys, only the caller's own jobs' callbacks; without, every one. In every cell (docs/cells.md):
+    with several, a cell that does not answer is left for a later request."""
     services = current_services()
-    client, keys, store = services.redis, services.keys, services.store
+    queued = 0
+    for cell in services.cells:
+        try:
+            queued += _redeliver_in(cell)
+        except redis.RedisError as exc:
+            if len(services.cells) == 1 or not cell_unreachable(exc):
+                raise
+    return jsonify(Redelivered.model_validate({"redelivered": queued}).to_json())
+
+
+def _redeliver_in(cell: CellServices) -> int:
+    client, keys, store = cell.redis, cell.keys, cell.store
     caller = g.get("client_id")
     dead = [job_id.decode() for job_id in cast(list[bytes], client.zrange(keys.callback_dead, 0, -1))]
     pipe = client.pipeline(transaction=False)
@@ -36,5 +50,4 @@ def redeliver_dead() -> Response:
         for job_id, owner in zip(dead, owners)
         if caller is None or (owner is not None and owner.decode() == caller)
     ]
-    queued = sum(store.redeliver_callback(job_id) == REDELIVER_QUEUED for job_id in mine)
-    return jsonify(Redelivered.model_validate({"redelivered": queued}).to_json())
+    return sum(store.redeliver_callback(job_id) == REDELIVER_QUEUED for job_id in mine)

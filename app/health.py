@@ -64,7 +64,7 @@ def list_models() -> Response:
     workers = live_gpu_workers()
     # The queues, the p95 and the jobs answered are every tenant's traffic: an admin key's figures (as /v1/stats).
     everyones = is_admin(services.settings.auth.api_keys)
-    depths = queue_depths(services.redis, services.keys, list(catalogue.specs), services.settings.tenants)
+    depths = _depths(list(catalogue.specs))
     versions: list[dict[str, Any]] = []
     for spec in catalogue:
         served = [(info, model) for info in workers for model in info.served_models() if model.key == spec.key]
@@ -97,7 +97,39 @@ def list_models() -> Response:
     return jsonify(ModelList.model_validate({"models": versions, "names": list(names.values())}).to_json())
 
 
-def live_gpu_workers() -> list[Heartbeat]:
-    """Self-descriptions of GPU workers whose heartbeat has not expired."""
+def _depths(model_keys: list[str]) -> dict[str, dict[str, int]]:
+    """Per model, its queues over every cell (with several, those that answer; an error when none does)."""
     services = current_services()
-    return live_heartbeats(services.redis, services.keys, services.settings.gpu_worker.heartbeat_ttl_s)
+    tenants = services.settings.tenants
+    if len(services.cells) == 1:
+        return queue_depths(services.redis, services.keys, model_keys, tenants)
+    found, failures = [], []
+    for cell in services.cells:
+        try:
+            found.append(queue_depths(cell.redis, cell.keys, model_keys, tenants))
+        except redis.RedisError as exc:
+            failures.append(exc)
+    if not found:
+        raise failures[0]
+    return {
+        key: {part: sum(depths[key][part] for depths in found) for part in ("preprocess", "frames")}
+        for key in model_keys
+    }
+
+
+def live_gpu_workers() -> list[Heartbeat]:
+    """Self-descriptions of GPU workers whose heartbeat has not expired, in every cell (docs/cells.md): with
+    several, the cells that answer (an error only when none does)."""
+    services = current_services()
+    ttl_s = services.settings.gpu_worker.heartbeat_ttl_s
+    if len(services.cells) == 1:
+        return live_heartbeats(services.redis, services.keys, ttl_s)
+    workers, failures = [], []
+    for cell in services.cells:
+        try:
+            workers += live_heartbeats(cell.redis, cell.keys, ttl_s)
+        except redis.RedisError as exc:
+            failures.append(exc)
+    if failures and len(failures) == len(services.cells):
+        raise failures[0]
+    return workers

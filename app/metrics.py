@@ -40,6 +40,12 @@ CACHE_LOOKUPS = Counter(
     "Result-cache lookups by model version and result (hit, miss); the hit rate is hits over both",
     ["model", "version", "result"],
 )
+# Per cell (docs/cells.md; a deployment without cells has one, `default`): where accepted jobs went, and the
+# submissions a cell's Redis did not answer (each then tried on another cell, or refused with none left).
+CELL_SUBMITTED = Counter("imgserve_api_cell_jobs_submitted_total", "Jobs accepted, by the cell they went to", ["cell"])
+CELL_UNANSWERED = Counter(
+    "imgserve_api_cell_unanswered_total", "Submissions whose cell's Redis did not answer, by that cell", ["cell"]
+)
 LATENCY = Histogram("imgserve_api_request_seconds", "API request latency (long-polls included)", ["route"])
 
 # Labels come from a closed set: each new value is a new series in every scrape (and in the multiprocess mmap

@@ -21,7 +21,7 @@ from flask import Response, g, url_for
 
 from app import decode_charges, metrics
 from app.admission import Reservation
-from app.cells import CellServices
+from app.cells import CellServices, cell_unreachable
 from app.job_bodies import document_response, job_response
 from app.services import Services
 from app.waiters import expire_if_late, until_ended
@@ -73,15 +73,19 @@ class Placement:
     def place(self, services: Services, submission: Submission) -> tuple[Response, int, dict[str, str]]:
         """The submission's job made in its cell, or in another if that one does not answer."""
         try:
-            return _store(services, self.cell, self.reservation, submission)
+            answer = _store(services, self.cell, self.reservation, submission)
         except redis.RedisError as exc:
             self._move(services, exc, submission.spec.key)
             self.cell.admission.route_body(self.reservation, None, len(submission.data), submission.options.cache)
-            return _store(services, self.cell, self.reservation, submission)
+            answer = _store(services, self.cell, self.reservation, submission)
+        metrics.CELL_SUBMITTED.labels(self.cell.name).inc()
+        return answer
 
     def _move(self, services: Services, exc: redis.RedisError, model_key: str | None) -> None:
         """To another cell that is up, its reservation here given back; `exc` again when there is none."""
         other = None if self.moved else services.cells.instead_of(self.cell, exc, model_key)
+        if cell_unreachable(exc):
+            metrics.CELL_UNANSWERED.labels(self.cell.name).inc()
         if other is None:
             raise exc
         log.warning("cell %s did not answer; the submission goes to cell %s", self.cell.name, other.name)
@@ -98,6 +102,8 @@ def before_body(services: Services, reference: str | None, reserve: Callable[[Ce
         return Placement(cell, reserve(cell))
     except redis.RedisError as exc:
         other = services.cells.instead_of(cell, exc, reference)
+        if cell_unreachable(exc):
+            metrics.CELL_UNANSWERED.labels(cell.name).inc()
         if other is None:
             raise
         log.warning("cell %s did not answer; the submission goes to cell %s", cell.name, other.name)
