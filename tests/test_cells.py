@@ -1,0 +1,253 @@
+"""Cells, the API tier's side (docs/cells.md): the `cells` settings, ids that name their cell, the choice of a
+cell, the tier's buckets when its Redis is away, and one API over two real redis-servers: jobs placed in both,
+read from the one their id names, a cell's Redis killed (SIGKILL) and the submissions going to the other."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+import requests
+import yaml
+
+from app import create_app
+from app.cell_choice import Load, less_loaded, two_drawn
+from app.cells import redis_address
+from app.services import services
+from app.tier_buckets import LocalBuckets, TierBuckets
+from contract.cells import cells_of
+from contract.config import load_settings
+from contract.jobs.ids import CELL_DIGIT, IdVerdict, JobIds
+from contract.jobs.record import new_job_id
+from contract.keys import Keys
+from contract.sections import SettingsError
+from tests.support import ApiServer, RedisServer, free_port, jpeg, wait_until
+
+SECRET = b"a-job-id-secret-0123456789abcdef"
+
+
+def _settings(tmp_path: Path, config: dict, environ: dict[str, str] | None = None, monkeypatch=None):
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for name, value in (environ or {}).items():
+        monkeypatch.setenv(name, value)
+    return load_settings(path)
+
+
+def test_without_cells_the_one_cell_is_the_top_level_settings_themselves(tmp_path: Path):
+    settings = _settings(tmp_path, {"redis_url": "redis://127.0.0.1:6390/0"})
+    (only,) = cells_of(settings)
+    assert only.index == 0 and only.settings is settings  # nothing rebuilt: every setting keeps its meaning
+    assert JobIds(SECRET, cells=1).new("k")[0] == "1"  # and ids keep the format an older API reads
+
+
+def test_cells_from_a_file_and_from_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    config = {
+        "bulk": {"retry_s": 2.0},
+        "cells": [
+            {"name": "a", "redis_url": "redis://127.0.0.1:6390/0", "gpu_capacity": 2},
+            {
+                "name": "b",
+                "redis_url": "redis://127.0.0.1:6391/0",
+                "bulk": {"redis_urls": ["redis://127.0.0.1:6392/0"]},
+            },
+        ],
+    }
+    cells = cells_of(_settings(tmp_path, config))
+    assert [(c.name, c.settings.redis_url, c.gpu_capacity) for c in cells] == [
+        ("a", "redis://127.0.0.1:6390/0", 2.0),
+        ("b", "redis://127.0.0.1:6391/0", 1.0),
+    ]
+    assert cells[0].settings.bulk.retry_s == 2.0 and cells[0].settings.bulk.redis_urls == ()  # the top level's
+    assert cells[1].settings.bulk.redis_urls == ("redis://127.0.0.1:6392/0",)  # its own
+    assert cells[1].settings.cells == ()  # a cell's settings are one cell's, as its workers run them
+    env = '[{name: x, redis_url: "redis://127.0.0.1:6393/0"}, {name: y, redis_url: "redis://127.0.0.1:6394/0"}]'
+    from_env = _settings(tmp_path, config, {"IMGSERVE_CELLS": env}, monkeypatch)
+    assert [cell.name for cell in from_env.cells] == ["x", "y"]
+
+
+@pytest.mark.parametrize(
+    "cells, says",
+    [
+        ([{"name": "A", "redis_url": "redis://h:1/0"}], "must be 1-16"),
+        ([{"name": "a", "redis_url": "redis://h:1/0"}, {"name": "a", "redis_url": "redis://h:2/0"}], "listed twice"),
+        ([{"name": "a", "redis_url": "redis://h:1/0"}, {"name": "b", "redis_url": "redis://h:1/0"}], "share"),
+        ([{"name": "a", "redis_url": "redis://h:1/0", "gpu_capacity": 0}], "gpu_capacity"),
+        ([{"name": "a", "redis_url": "http://h:1/0"}], "redis:// URL"),
+        ([{"name": "a", "redis_url": "redis://h:1/0", "shards": []}], "shards"),
+        ([{"name": f"c{i}", "redis_url": f"redis://h:{i}/0"} for i in range(17)], "at most 16"),
+        ([{"name": "a", "redis_url": "redis://:short@h:1/0"}], "password in cell a's redis_url"),
+    ],
+)
+def test_cells_that_cannot_be_used_are_refused(tmp_path: Path, cells: list, says: str):
+    with pytest.raises(SettingsError, match=says):
+        _settings(tmp_path, {"cells": cells})
+
+
+def test_an_id_names_its_cell_inside_what_the_secret_signs():
+    ids = JobIds(SECRET, cells=3)
+    for cell in range(3):
+        job_id = ids.new("team-a", cell=cell)
+        assert job_id[0] == "2" and JobIds.cell_of(job_id) == cell
+        assert ids.verdict(job_id, "team-a") is IdVerdict.OURS
+        for other in {0, 1, 2, 15} - {cell}:  # the same id made to name another cell: forged
+            forged = job_id[:CELL_DIGIT] + f"{other:x}" + job_id[CELL_DIGIT + 1 :]
+            assert ids.verdict(forged, "team-a") is IdVerdict.NOT_OURS
+    with pytest.raises(ValueError):
+        ids.new("team-a", cell=3)
+    # Ids made before cells live in the first cell: format 1 (checked) and 0 (unchecked).
+    assert JobIds.cell_of(JobIds(SECRET).new("team-a")) == 0 and JobIds.cell_of(new_job_id()) == 0
+    assert ids.verdict(JobIds(SECRET).new("team-a"), "team-a") is IdVerdict.OURS
+
+
+def test_the_less_loaded_cell_by_drain_time_else_by_backlog_per_capacity():
+    busy, idle = Load(backlog=40, rate=20.0), Load(backlog=0, rate=0.0)
+    assert less_loaded((idle, 1.0), (busy, 1.0)) and not less_loaded((busy, 1.0), (idle, 1.0))
+    assert less_loaded((Load(40, 40.0), 1.0), (Load(30, 10.0), 1.0))  # 1 s of work against 3 s
+    dead = Load(backlog=5, unserved=True)  # no live GPU worker serves it: never drains
+    assert dead.wait_s() == math.inf and not less_loaded((dead, 4.0), (Load(80, None), 1.0))
+    stalled = Load(backlog=5, rate=0.0)  # work waits, nothing drains
+    assert not less_loaded((stalled, 1.0), (busy, 1.0))
+    unmeasured = Load(backlog=10, rate=None)  # a rate not measured yet: backlog per unit of capacity
+    assert less_loaded((unmeasured, 4.0), (Load(5, None), 1.0)) and not less_loaded((Load(50, None), 1.0), (busy, 1.0))
+
+
+def test_two_cells_are_drawn_in_proportion_to_their_capacity():
+    import random
+
+    rng = random.Random(7)
+    counts = [0, 0, 0]
+    for _ in range(6000):
+        first, second = two_drawn([1.0, 1.0, 4.0], rng.random)
+        assert first != second
+        counts[first] += 1
+    assert 0.6 < counts[2] / 6000 < 0.73 and abs(counts[0] - counts[1]) < 300  # 4/6 of first draws
+
+
+def test_the_tiers_buckets_hold_the_rate_in_this_process_while_its_redis_is_away():
+    now = [100.0]
+    dead = redis.Redis(port=free_port(), socket_connect_timeout=0.5)
+    buckets = TierBuckets(dead, retry_s=1.0, clock=lambda: now[0])
+    taken = [buckets.take("rate:k", 1.0, 2.0).allowed for _ in range(3)]
+    assert taken == [True, True, False] and not buckets.up  # the same rate and burst, kept here
+    now[0] += 1.5
+    assert buckets.up and buckets.take("rate:k", 1.0, 2.0).allowed  # asked again after retry_s; refilled here
+    local = LocalBuckets(lambda: now[0])
+    assert local.take("x", 2.0, 1.0).allowed and local.take("x", 2.0, 1.0).retry_after_ms == 500
+
+
+def test_a_redis_address_is_shown_without_its_password():
+    assert redis_address("redis://:s3cret-pass@10.0.0.5:6390/2") == "redis://10.0.0.5:6390/2"
+    assert redis_address("redis://user:pw@cell-b/0") == "redis://cell-b/0"
+
+
+@pytest.fixture
+def two_cells(tmp_path: Path) -> Iterator[tuple[ApiServer, RedisServer, RedisServer]]:
+    """One API (the real app, real HTTP) over two cells, each a private redis-server; no workers."""
+    a, b = (RedisServer(_folder(tmp_path / name)) for name in "ab")
+    settings = load_settings()
+    settings = dataclasses.replace(
+        settings,
+        redis_url=a.url,  # the tier's Redis is the first cell's, as make run CELLS=N runs it
+        namespace="cells",
+        cache=dataclasses.replace(settings.cache, enabled=False),
+        bulk=dataclasses.replace(settings.bulk, retry_s=1.0),
+        jobs=dataclasses.replace(settings.jobs, id_secret="cells-test-secret-0123456789abcdef"),
+        cells=(),
+    )
+    from contract.cells import CellSettings
+
+    settings = dataclasses.replace(
+        settings, cells=(CellSettings(name="a", redis_url=a.url), CellSettings(name="b", redis_url=b.url))
+    )
+    server = ApiServer(create_app(settings))
+    yield server, a, b
+    server.stop()
+    for each in (a, b):
+        if each.process.poll() is None:
+            each.stop()
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path
+
+
+def _submit(url: str) -> requests.Response:
+    return requests.post(url + "/v1/jobs", data=jpeg(64, 48), headers={"Content-Type": "image/jpeg"}, timeout=30)
+
+
+def test_one_api_places_jobs_in_both_cells_and_reads_each_where_its_id_says(two_cells):
+    server, a, b = two_cells
+    keys = Keys("cells")
+    clients = [redis.Redis.from_url(a.url), redis.Redis.from_url(b.url)]
+    ids = []
+    for _ in range(24):
+        answer = _submit(server.url)
+        assert answer.status_code == 202, answer.text
+        ids.append(answer.json()["id"])
+    cells = [JobIds.cell_of(job_id) for job_id in ids]
+    assert all(job_id[0] == "2" for job_id in ids) and set(cells) == {0, 1}
+    for job_id, cell in zip(ids, cells):  # stored in its cell's Redis, and only there
+        assert clients[cell].exists(keys.job(job_id)) and not clients[1 - cell].exists(keys.job(job_id))
+        read = requests.get(f"{server.url}/v1/jobs/{job_id}", timeout=10)
+        assert read.status_code == 200 and read.json()["id"] == job_id
+    forged = ids[0][:CELL_DIGIT] + f"{1 - cells[0]:x}" + ids[0][CELL_DIGIT + 1 :]
+    assert requests.get(f"{server.url}/v1/jobs/{forged}", timeout=10).status_code == 404
+    stats = requests.get(server.url + "/v1/stats", timeout=10).json()["cells"]
+    assert [(c["name"], c["status"], c["redis"]) for c in stats["cells"]] == [
+        ("a", "up", redis_address(a.url)),
+        ("b", "up", redis_address(b.url)),
+    ]
+    assert stats["totals"]["jobs"]["live"] == 24 and stats["totals"]["backlog"] == 24
+    assert sum(c["jobs"]["queued"] for c in stats["cells"]) == 24
+
+
+def test_a_killed_cell_costs_no_new_submission_a_5xx_and_its_jobs_answer_503(two_cells):
+    server, a, b = two_cells
+    placed: dict[int, list[str]] = {0: [], 1: []}
+    while not (placed[0] and placed[1]):
+        job_id = _submit(server.url).json()["id"]
+        placed[JobIds.cell_of(job_id)].append(job_id)
+    b.process.send_signal(signal.SIGKILL)
+    b.process.wait(10)
+    after = [_submit(server.url) for _ in range(20)]  # the first finds b dead (if drawn): retried on a
+    assert [answer.status_code for answer in after] == [202] * 20, [answer.text for answer in after]
+    assert {JobIds.cell_of(answer.json()["id"]) for answer in after} == {0}
+    lost_cell = requests.get(f"{server.url}/v1/jobs/{placed[1][0]}", timeout=10)
+    assert lost_cell.status_code == 503 and lost_cell.json()["type"].endswith("backend-unavailable")
+    assert requests.get(f"{server.url}/v1/jobs/{placed[0][0]}", timeout=10).status_code == 200
+    stats = requests.get(server.url + "/v1/stats", timeout=10)
+    assert stats.status_code == 200
+    by_name = {cell["name"]: cell for cell in stats.json()["cells"]["cells"]}
+    assert by_name["b"]["status"] == "unavailable" and by_name["b"]["backlog"] is None
+    assert by_name["a"]["status"] == "up" and stats.json()["cells"]["totals"]["up"] == 1
+    # b comes back empty (no persistence): its jobs are lost (410), and it takes new jobs again.
+    b.start()
+    wait_until(
+        lambda: requests.get(f"{server.url}/v1/jobs/{placed[1][0]}", timeout=10).status_code == 410,
+        10,
+        what="the emptied cell's job to read as lost",
+    )
+    wait_until(
+        lambda: JobIds.cell_of(_submit(server.url).json()["id"]) == 1, 20, what="a new job in the cell come back"
+    )
+
+
+def test_one_cell_reads_no_load_to_choose(tmp_path: Path):
+    server = RedisServer(_folder(tmp_path / "one"))
+    settings = dataclasses.replace(load_settings(), redis_url=server.url, namespace="onecell")
+    api = ApiServer(create_app(settings))
+    try:
+        assert _submit(api.url).status_code == 202
+        (cell,) = services(api.app).cells
+        assert cell.loads._loads == {}  # the choice read nothing
+        assert services(api.app).tier is cell.redis and services(api.app).store is cell.store
+    finally:
+        api.stop()
+        server.stop()
