@@ -23,7 +23,7 @@ from app.listener_ticks import idle_closer, sweeper, ticks
 from app.tier_buckets import TierBuckets
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
-from contract.cells import Cell, cells_of
+from contract.cell_layout import Cell, cells_of
 from contract.clock import CLOCK
 from contract.connection import connect
 from contract.jobs.hits import HitLimits

@@ -2,6 +2,8 @@
 
 - `settings`: every setting: the sections, their types and defaults, and the checks between them.
 - `redis_settings`: the `redis` and `bulk` sections: how every process reaches Redis, and the bulk shards.
+- `cells`: the `cells` setting, several control planes behind one API tier; `cell_layout`: each cell with the
+  settings its processes run with.
 - `sections`: what a settings section is (a frozen, validated dataclass) and `SettingsError`.
 - `config`: how the settings are read: files, overlays, the one environment rule (`load_settings`).
 - `keys`: every Redis key and channel.

@@ -12,19 +12,15 @@ limits' and failed authentications' buckets), and the first cell is where ids ma
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import yaml
 
 from contract.redis_settings import BulkSettings, RedisSettings
 from contract.sections import SettingsError, settings_class
-
-if TYPE_CHECKING:
-    from contract.settings import Settings
 
 # The cells from the environment, as YAML flow style: '[{name: a, redis_url: "redis://h:6390/0"}, ...]'.
 CELLS_ENV = "IMGSERVE_CELLS"
@@ -61,42 +57,6 @@ def check_cells(cells: tuple[CellSettings, ...]) -> None:
     urls = [cell.redis_url for cell in cells]
     if len(set(urls)) != len(urls):
         raise SettingsError("cells: two cells share a redis_url (each cell is a control plane of its own)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Cell:
-    """One cell: its place in the list (the digit its job ids carry), its name, its weight, and the settings its
-    own processes would run with (the top-level ones with its Redis, Sentinels and shards)."""
-
-    index: int
-    name: str
-    gpu_capacity: float
-    settings: Settings
-
-
-DEFAULT_CELL_NAME = "default"  # the one cell of a deployment without `cells`
-
-
-def cells_of(settings: Settings) -> list[Cell]:
-    """The deployment's cells, first to last; without `cells`, the one made of the top-level sections (the very
-    settings given, so a one-cell deployment runs as it always has)."""
-    if not settings.cells:
-        return [Cell(0, DEFAULT_CELL_NAME, 1.0, settings)]
-    return [
-        Cell(
-            index,
-            cell.name,
-            cell.gpu_capacity,
-            dataclasses.replace(  # type: ignore[type-var]  # a pydantic dataclass
-                settings,
-                redis_url=cell.redis_url,
-                redis=cell.redis or settings.redis,
-                bulk=cell.bulk or settings.bulk,
-                cells=(),
-            ),
-        )
-        for index, cell in enumerate(settings.cells)
-    ]
 
 
 def cells_from_env(text: str) -> list[Any]:

@@ -20,7 +20,7 @@ from app.cell_choice import Load, less_loaded, two_drawn
 from app.cells import redis_address
 from app.services import services
 from app.tier_buckets import LocalBuckets, TierBuckets
-from contract.cells import cells_of
+from contract.cell_layout import cells_of
 from contract.config import load_settings
 from contract.jobs.ids import CELL_DIGIT, IdVerdict, JobIds
 from contract.jobs.record import new_job_id

@@ -547,8 +547,9 @@ def test_the_default_file_names_every_setting_the_code_has_with_the_same_default
             continue
         assert top.name in written, f"configs/default.yaml lacks {top.name}"
         cls = types[top.name]
-        if not dataclasses.is_dataclass(cls):  # a plain setting (redis_url, namespace)
-            assert written[top.name] == top.default, top.name
+        if not dataclasses.is_dataclass(cls):  # a plain setting (redis_url, namespace), or a list of them (cells)
+            value = written[top.name]
+            assert (tuple(value) if isinstance(value, list) else value) == top.default, top.name
             continue
         sections += 1
         missing = {f.name for f in dataclasses.fields(cls)} - set(written[top.name] or {})

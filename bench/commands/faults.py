@@ -126,6 +126,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         local = {
             "kills": "make run's stack under load: the GPU worker killed twice, a Celery child once, Redis stopped",
             "failover": "make run's stack behind Sentinel: the primary SIGKILLed under load, back later as a replica",
+            "cell-kill": "two cells behind one API: one cell's Redis SIGKILLed under load, back (its AOF) later",
             "upgrade": "a rolling upgrade under load: the stack at --from (default: the last release), each role "
             "replaced by this checkout's in --order (api-first, workers-first, both)",
         }
@@ -146,6 +147,11 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         after = max(0.0, args.duration - args.kill_at - args.back_after)
         run = RunOptions(args.qps, args.kill_at, 0.0, after)
         runs = [(failover(stack_options(args, cpu_workers=args.cpu_workers), args.back_after), run)]
+    elif name == "cell-kill":
+        from bench.cell_kill import cell_kill
+
+        after = max(0.0, args.duration - 5.0 - args.back_after)
+        runs = [(cell_kill(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after))]
     elif name == "upgrade":
         from bench.upgrade import ORDERS, last_release, upgrade
 
@@ -156,7 +162,9 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         run = RunOptions(args.qps, 5.0, 0.0, 5.0)
         runs = [(upgrade(stack_options(args), from_ref, order), run) for order in orders]
     else:
-        raise SystemExit(f"bench chaos: --scenario {name}: kills, failover, upgrade (or a --hosts one: list)")
+        raise SystemExit(
+            f"bench chaos: --scenario {name}: kills, failover, cell-kill, upgrade (or a --hosts one: list)"
+        )
     verdicts = []
     for scenario, run in runs:
         for _ in range(args.runs):
