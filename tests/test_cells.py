@@ -251,3 +251,34 @@ def test_one_cell_reads_no_load_to_choose(tmp_path: Path):
     finally:
         api.stop()
         server.stop()
+
+
+def test_the_api_answers_and_limits_rates_while_the_tiers_redis_is_down(tmp_path: Path):
+    from app.auth import hash_key
+    from contract.cells import CellSettings
+    from tests.support import api_with_keys
+
+    cell = RedisServer(_folder(tmp_path / "cell"))
+    base = load_settings()
+    settings = dataclasses.replace(
+        base,
+        redis_url=f"redis://127.0.0.1:{free_port()}/0",  # the tier's Redis: nothing listens there
+        namespace="tierdown",
+        cells=(CellSettings(name="a", redis_url=cell.url),),
+        jobs=dataclasses.replace(base.jobs, id_secret="cells-test-secret-0123456789abcdef"),
+    )
+    key = "a-key-for-the-tier-test-0123456789"
+    try:
+        with api_with_keys(settings, ({"id": "k", "sha256": hash_key(key)},), rate_per_s=0.5, burst=2.0) as api:
+            codes = [
+                requests.post(
+                    api.url + "/v1/jobs",
+                    data=jpeg(64, 48),
+                    headers={"Content-Type": "image/jpeg", "Authorization": f"Bearer {key}"},
+                    timeout=30,
+                ).status_code
+                for _ in range(3)
+            ]
+            assert codes == [202, 202, 429]  # the key's burst, then its rate: kept in the process meanwhile
+    finally:
+        cell.stop()
