@@ -9,10 +9,11 @@ data-loss alarm).
 
 from __future__ import annotations
 
+import redis
 from flask import g
 
 from app.auth import owns
-from app.cells import CellServices
+from app.cells import CellServices, cell_unreachable
 from app.problems import Problem, job_lost
 from app.services import Services
 from contract.jobs.ids import IdVerdict
@@ -49,8 +50,14 @@ def load_owned(services: Services, job_id: str) -> JobRecord:
     verdict = services.job_ids.verdict(job_id, asking_owner())
     if verdict is IdVerdict.NOT_OURS:
         raise not_found(job_id)
-    store = job_cell(services, job_id).store
-    record = store.load(job_id)
+    cell = job_cell(services, job_id)
+    store = cell.store
+    try:
+        record = store.load(job_id)
+    except redis.RedisError as exc:  # with several cells, this one is then skipped for new jobs too
+        if cell_unreachable(exc):
+            services.cells.mark_down(cell)
+        raise
     if (
         record is None
         and verdict is IdVerdict.OURS

@@ -160,7 +160,8 @@ def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
     cell = job_cell(services, job_id)  # the cell its id names: no lookup
-    if wait_s <= 0 or not is_ours_to_ask(services, job_id):  # a made-up id's 404 holds no long-poll
+    # A made-up id's 404 holds no long-poll, nor does a cell found down lately (its 503 at once).
+    if wait_s <= 0 or not is_ours_to_ask(services, job_id) or not services.cells.is_up(cell):
         record = expire_if_late(cell.store, load_owned(services, job_id))
     else:
         with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once

@@ -221,6 +221,8 @@ def test_a_killed_cell_costs_no_new_submission_a_5xx_and_its_jobs_answer_503(two
     assert {JobIds.cell_of(answer.json()["id"]) for answer in after} == {0}
     lost_cell = requests.get(f"{server.url}/v1/jobs/{placed[1][0]}", timeout=10)
     assert lost_cell.status_code == 503 and lost_cell.json()["type"].endswith("backend-unavailable")
+    long_poll = requests.get(f"{server.url}/v1/jobs/{placed[1][0]}?wait=5", timeout=10)
+    assert long_poll.status_code == 503  # a long-poll of a dead cell's job is its 503 too, not a wait
     assert requests.get(f"{server.url}/v1/jobs/{placed[0][0]}", timeout=10).status_code == 200
     stats = requests.get(server.url + "/v1/stats", timeout=10)
     assert stats.status_code == 200
