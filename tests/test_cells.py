@@ -284,3 +284,48 @@ def test_the_api_answers_and_limits_rates_while_the_tiers_redis_is_down(tmp_path
             assert codes == [202, 202, 429]  # the key's burst, then its rate: kept in the process meanwhile
     finally:
         cell.stop()
+
+
+class _Loads:
+    """A cell's loads as the choice reads them, set by the test (or a Redis that does not answer)."""
+
+    def __init__(self, load: Load | None) -> None:
+        self.value, self.reads = load, 0
+
+    def load(self, model_key: str) -> Load:
+        self.reads += 1
+        if self.value is None:
+            raise redis.ConnectionError("refused")
+        return self.value
+
+
+def _cells(*loads: tuple[Load | None, float]):
+    from types import SimpleNamespace
+
+    from app.cells import Cells
+    from contract.models import Catalogue
+
+    members = [
+        SimpleNamespace(name=f"c{i}", gpu_capacity=capacity, loads=_Loads(load), down_until=0.0)
+        for i, (load, capacity) in enumerate(loads)
+    ]
+    now = [0.0]
+    cells = Cells(members, JobIds(SECRET, cells=len(members)), Catalogue(load_settings()), 1.0, lambda: now[0])
+    return cells, members, now
+
+
+def test_the_choice_skips_a_cell_that_does_not_drain_or_does_not_answer_and_tries_it_again_later():
+    cells, members, now = _cells((Load(3, 30.0), 1.0), (Load(0, unserved=True), 1.0))
+    assert {cells.choose(None).name for _ in range(50)} == {"c0"}  # c1's GPU workers are gone
+    members[1].loads.value = Load(0, 0.0)  # they are back, and idle
+    now[0] += 1.0  # the next reading
+    assert cells.choose(None).name == "c1"
+    members[1].loads.value = None  # its Redis stops answering: marked down, no new jobs...
+    assert cells.choose(None).name == "c0" and not cells.is_up(members[1])
+    reads = members[1].loads.reads
+    assert {cells.choose(None).name for _ in range(20)} == {"c0"} and members[1].loads.reads == reads
+    now[0] += 1.5  # ...until bulk.retry_s has passed: tried again
+    members[1].loads.value = Load(0, 0.0)
+    assert cells.choose(None).name == "c1"
+    assert cells.instead_of(members[1], redis.ConnectionError("x"), None).name == "c0"  # the retry's cell
+    assert cells.instead_of(members[0], redis.ResponseError("x"), None) is None  # not a cell that is away
