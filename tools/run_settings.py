@@ -1,8 +1,8 @@
 """What `make run` (scripts/run-local) needs of the settings, as shell assignments: `eval "$(python -m
 tools.run_settings)"` sets `redis_url`, `api_url`, `api_bind` and `api_metrics` (host:port, empty when /metrics is
-on the API's port), `callback_secret_set` (1 or 0), `callback_key_secrets`
-(each API key's, when keys are set) and `callback_allow_hosts`, and exports `.env`'s variables that
-the environment does not set (compose's rule, as the supervisor reads it: tools.procfile), naming them in
+on the API's port), `callback_secret_set` (1 or 0), `callback_key_secrets` (each API key's, when keys are set),
+`callback_allow_hosts`, `redis_sentinels` and `bulk_shards` (space-separated; empty: none), and exports `.env`'s
+variables that the environment does not set (compose's rule, as the supervisor reads it: tools.procfile), naming them in
 `dotenv_names`. Read by contract.config as every process reads them, `.env` included, so a settings file or
 variable that does not load stops `make run` before anything starts, and the ready line names what the processes
 will use."""
@@ -67,6 +67,10 @@ def main() -> int:
     print(f"callback_secret_set={1 if settings.callbacks.secret else 0}")
     print(f"callback_key_secrets={shlex.quote(key_callback_secrets(settings.auth.api_keys))}")
     print(f"callback_allow_hosts={shlex.quote(' '.join(settings.callbacks.allow_hosts))}")
+    # make run CELLS=N gives each cell a private Redis of its own: settings that name Sentinels or bulk shards
+    # would point every cell's workers at the same ones, so it refuses them (scripts/run-local).
+    print(f"redis_sentinels={shlex.quote(' '.join(settings.redis.sentinels))}")
+    print(f"bulk_shards={shlex.quote(' '.join(settings.bulk.redis_urls))}")
     return 0
 
 

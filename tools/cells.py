@@ -1,0 +1,125 @@
+"""The cells `make run CELLS=N` runs on this machine: their names, ports and the Procfile that runs them.
+
+    python -m tools.cells names N
+    python -m tools.cells procfile Procfile --cell NAME=REDIS_URL=FLOWER_PORT=GPU_METRICS_PORT ... [--cells-env]
+
+A cell is one control-plane Redis with the CPU, callback and GPU workers and the Flower that serve it; the API
+tier (one API) knows every cell through IMGSERVE_CELLS (docs/running-cells.md). `procfile` writes the Procfile
+tools.procfile runs: each worker line once per cell, named `<role>-<cell>`, with IMGSERVE_REDIS_URL,
+FLOWER_PORT and GPU_METRICS_PORT set to its cell's and IMGSERVE_CELLS unset (a cell's workers know nothing of the
+others), and the API once, with IMGSERVE_CELLS naming every cell and the first cell's Redis as the tier's own.
+`names` prints the first N cell names (a, b, c ...), one a line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import string
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from tools.procfile import parse_procfile
+
+CELLS_ENV = "IMGSERVE_CELLS"
+MAX_LOCAL_CELLS = 8  # one machine: past this, each cell's workers only fight for its cores
+API_ROLE = "api"
+CELL_NAME = re.compile(r"^[a-z0-9-]{1,16}$")
+
+
+@dataclass(frozen=True)
+class LocalCell:
+    """One cell as make run runs it: its name, its Redis and the ports its Flower and GPU worker bind."""
+
+    name: str
+    redis_url: str
+    flower_port: int
+    gpu_metrics_port: int
+
+    @classmethod
+    def parse(cls, argument: str) -> LocalCell:
+        """NAME=REDIS_URL=FLOWER_PORT=GPU_METRICS_PORT (a Redis URL holds no `=`)."""
+        name, redis_url, flower_port, metrics_port = argument.split("=")
+        if not CELL_NAME.match(name):
+            raise ValueError(f"cell name {name!r}: expected 1-16 of a-z, 0-9 and -")
+        return cls(name, redis_url, int(flower_port), int(metrics_port))
+
+
+def cell_names(count: int) -> list[str]:
+    """The first `count` cells' names: a, b, c ..."""
+    if not 1 <= count <= MAX_LOCAL_CELLS:
+        raise ValueError(f"CELLS={count}: make run runs 1 to {MAX_LOCAL_CELLS} cells on one machine")
+    return list(string.ascii_lowercase[:count])
+
+
+def cells_setting(cells: list[LocalCell]) -> str:
+    """IMGSERVE_CELLS's value: the cells as the settings' `cells` list, in YAML flow style."""
+    entries = [{"name": cell.name, "redis_url": cell.redis_url} for cell in cells]
+    return yaml.safe_dump(entries, default_flow_style=True, width=10_000).strip()
+
+
+def read_cells_setting(text: str) -> list[dict[str, object]]:
+    """IMGSERVE_CELLS read back as the API tier reads it (YAML flow style): a list of {name, redis_url, ...}."""
+    value = yaml.safe_load(text)
+    if not isinstance(value, list) or not all(isinstance(entry, dict) and "name" in entry for entry in value):
+        raise ValueError(f"{CELLS_ENV}: expected a list of {{name: ..., redis_url: ...}}, got {text!r}")
+    return value
+
+
+def _exports(variables: dict[str, str]) -> str:
+    return "export " + " ".join(f"{name}={shlex.quote(value)}" for name, value in variables.items()) + "; "
+
+
+def cells_procfile(processes: dict[str, str], cells: list[LocalCell]) -> dict[str, str]:
+    """The Procfile's processes for these cells: the API once, knowing every cell (the first's Redis is the API
+    tier's own: keys, rate limits); every other process once per cell, pointed at its cell's Redis alone. The
+    variables are exported before the command, not prefixed to it: the commands read them (${FLOWER_PORT})."""
+    if not cells:
+        raise ValueError("no cells")
+    rendered: dict[str, str] = {}
+    for role, command in processes.items():
+        if role == API_ROLE:
+            api_env = {"IMGSERVE_REDIS_URL": cells[0].redis_url, CELLS_ENV: cells_setting(cells)}
+            rendered[role] = _exports(api_env) + command
+            continue
+        for cell in cells:
+            cell_env = {
+                "IMGSERVE_REDIS_URL": cell.redis_url,
+                "FLOWER_PORT": str(cell.flower_port),
+                "GPU_METRICS_PORT": str(cell.gpu_metrics_port),
+            }
+            rendered[f"{role}-{cell.name}"] = f"unset {CELLS_ENV}; " + _exports(cell_env) + command
+    return rendered
+
+
+def render(processes: dict[str, str]) -> str:
+    return "".join(f"{name}: {command}\n" for name, command in processes.items())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tools.cells", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    names = commands.add_parser("names", help="the first N cells' names, one a line")
+    names.add_argument("count", type=int)
+    procfile = commands.add_parser("procfile", help="the Procfile that runs these cells")
+    procfile.add_argument("procfile", type=Path)
+    procfile.add_argument("--cell", action="append", required=True, metavar="NAME=REDIS_URL=FLOWER=METRICS")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "names":
+            print("\n".join(cell_names(args.count)))
+        else:
+            cells = [LocalCell.parse(argument) for argument in args.cell]
+            print(render(cells_procfile(parse_procfile(args.procfile.read_text()), cells)), end="")
+    except ValueError as exc:
+        print(f"tools.cells: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
