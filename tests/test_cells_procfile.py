@@ -61,7 +61,9 @@ def test_the_repository_procfile_renders_and_parses_back(tmp_path, capsys):
 def test_cell_names_and_their_limits():
     assert cell_names(3) == ["a", "b", "c"]
     for count in (0, 9):
-        with pytest.raises(ValueError, match="1 to 8 cells"):
+        with pytest.raises(ValueError, match="from 1 to 8"):
             cell_names(count)
+    assert cell_names(26, most=26)[-1] == "z"
+    assert main(["names", "9"]) == 2
     with pytest.raises(ValueError, match="cell name"):
         LocalCell.parse("Big=redis://127.0.0.1:1/0=1=2")

@@ -97,9 +97,9 @@ def test_one_command_renders_them():
     assert [o["kind"] for o in yaml.safe_load_all(done.stdout)] == [o["kind"] for o in OBJECTS]
 
 
-def _pods() -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    """(workload, its pod template) of every Deployment and DaemonSet."""
-    return [(o, o["spec"]["template"]) for o in OBJECTS if o["kind"] in ("Deployment", "DaemonSet")]
+def _pods(objects: list[dict[str, Any]] = OBJECTS) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """(workload, its pod template) of every Deployment, DaemonSet and StatefulSet."""
+    return [(o, o["spec"]["template"]) for o in objects if o["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
 
 
 def test_validation_cannot_pass_a_scaled_object_unchecked():
@@ -242,15 +242,15 @@ def _render(*more: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_every_pod_that_serves_metrics_is_scraped_with_the_job_the_alert_rules_select(tmp_path):
+def relabelled_targets(objects: list[dict[str, Any]], tmp_path: Path) -> list[dict[str, Any]]:
     """A real Prometheus applies the shipped scrape job's relabelling (monitoring/kubernetes-scrape.yml) to the
     targets Kubernetes' pod discovery would give for the rendered pods (one per container port, with the pod's
     labels and annotations as __meta_kubernetes_* labels; Debian's Prometheus is built without Kubernetes
-    discovery, so they come as static targets). Every metrics port is kept, under the job the rules select."""
+    discovery, so they come as static targets): its active targets."""
     shipped = yaml.safe_load((REPO_ROOT / "monitoring" / "kubernetes-scrape.yml").read_text())
     [job] = shipped["scrape_configs"]
     targets = []
-    for workload, pod in _pods():
+    for workload, pod in _pods(objects):
         meta = {
             "__meta_kubernetes_namespace": "imgserve",
             "__meta_kubernetes_pod_name": f"{workload['metadata']['name']}-0",
@@ -309,12 +309,18 @@ def test_every_pod_that_serves_metrics_is_scraped_with_the_job_the_alert_rules_s
         wait_until(all_targets_seen, 60, what="Prometheus to apply the scrape job to every target")
     finally:
         prometheus.stop()
+    return list(answer["activeTargets"])
+
+
+def test_every_pod_that_serves_metrics_is_scraped_with_the_job_the_alert_rules_select(tmp_path):
+    """Every metrics port is kept, under the job the rules select."""
+    active = relabelled_targets(OBJECTS, tmp_path)
     scraped = {
-        (t["labels"]["job"], t["discoveredLabels"]["__meta_kubernetes_pod_container_port_number"])
-        for t in answer["activeTargets"]
+        (t["labels"]["job"], t["discoveredLabels"]["__meta_kubernetes_pod_container_port_number"]) for t in active
     }
     assert scraped == {("api", "9101"), ("gpu-worker", "9100")}
-    assert all(t["labels"]["instance"].startswith("imgserve/imgserve-") for t in answer["activeTargets"])
+    assert all(t["labels"]["instance"].startswith("imgserve/imgserve-") for t in active)
+    assert not any("cell" in t["labels"] for t in active)  # one cell's deployment: no cell label
     rules = (REPO_ROOT / "monitoring" / "alerts" / "imgserve.rules.yml").read_text()
     [selected] = re.findall(r'job=~"([^"]+)"', rules)
     compose_jobs = {

@@ -49,10 +49,10 @@ class LocalCell:
         return cls(name, redis_url, int(flower_port), int(metrics_port))
 
 
-def cell_names(count: int) -> list[str]:
-    """The first `count` cells' names: a, b, c ..."""
-    if not 1 <= count <= MAX_LOCAL_CELLS:
-        raise ValueError(f"CELLS={count}: make run runs 1 to {MAX_LOCAL_CELLS} cells on one machine")
+def cell_names(count: int, most: int = MAX_LOCAL_CELLS) -> list[str]:
+    """The first `count` cells' names: a, b, c ... (at most `most`, 26 at the most: make run's limit by default)."""
+    if not 1 <= count <= min(most, len(string.ascii_lowercase)):
+        raise ValueError(f"{count} cells: from 1 to {most}")
     return list(string.ascii_lowercase[:count])
 
 
@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "names":
+            if not 1 <= args.count <= MAX_LOCAL_CELLS:
+                raise ValueError(f"CELLS={args.count}: make run runs 1 to {MAX_LOCAL_CELLS} cells on one machine")
             print("\n".join(cell_names(args.count)))
         else:
             cells = [LocalCell.parse(argument) for argument in args.cell]

@@ -27,6 +27,9 @@ monitoring/kubernetes-scrape.yml scrapes exactly those ports with the job the al
 time. Nothing here runs a cluster: `python -m tools.kubernetes_check imgserve.yaml` validates the rendered file
 offline (Kubernetes' own schemas, strict, and KEDA's ScaledObject against the schema shipped in
 tools/kubernetes_schemas/); an object it has no schema for fails.
+
+`--cells N` (N > 1) renders N cells (tools/kubernetes_cells.py, docs/running-cells.md): one API tier knowing every
+cell, and per cell its Redis, its workers and its KEDA ScaledObject; the Secret then needs REDIS_PASSWORD.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import yaml
 from contract.config import load_settings
 from contract.sections import SettingsError
 from contract.settings import CeleryWorkerSettings
+from tools.kubernetes_cells import MAX_CELLS, render_cells
 
 CPU_WANTED_QUERY = "sum(max by (model, version) (imgserve_cpu_workers_wanted))"
 SECRET = "imgserve"
@@ -288,7 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--settings", type=Path, help="the settings file the pods read (the ConfigMap); default: the defaults"
     )
+    parser.add_argument(
+        "--cells", type=int, default=1, help="cells: per cell a Redis, its workers and a ScaledObject (default 1)"
+    )
+    parser.add_argument("--redis-image", default="redis:7", help="each cell's Redis (with --cells)")
+    parser.add_argument("--redis-storage", default="10Gi", help="each cell's Redis volume (with --cells)")
     args = parser.parse_args(argv)
+    if not 1 <= args.cells <= MAX_CELLS:
+        print(f"tools.kubernetes: --cells {args.cells}: from 1 to {MAX_CELLS}", file=sys.stderr)
+        return 2
     settings_text = args.settings.read_text() if args.settings else DEFAULT_SETTINGS
     try:
         check_settings(settings_text)
@@ -305,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
         args.api_replicas,
         settings_text,
     )
+    if args.cells > 1:
+        objects = render_cells(objects, args.cells, args.redis_image, args.redis_storage)
     yaml.dump_all(objects, sys.stdout, Dumper=_Dumper, sort_keys=False)
     return 0
 
