@@ -280,8 +280,8 @@ def test_the_gpu_worker_runs_without_pillow_which_its_image_does_not_install():
 
 def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_selector():
     dashboard = json.loads((REPO_ROOT / "monitoring" / "grafana" / "dashboards" / "imgserve.json").read_text())
-    [selector] = dashboard["templating"]["list"]
-    assert selector["name"] == "model" and selector["includeAll"] and selector["multi"]
+    [selector] = [variable for variable in dashboard["templating"]["list"] if variable["name"] == "model"]
+    assert selector["includeAll"] and selector["multi"]
     per_model = (
         "imgserve_gpu_batch",
         "imgserve_stage_seconds",
@@ -294,6 +294,26 @@ def test_the_dashboard_selects_models_and_every_per_model_panel_follows_the_sele
     expressions = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     model_expressions = [expr for expr in expressions if any(name in expr for name in per_model)]
     assert model_expressions and all('model=~"$model"' in expr for expr in model_expressions)
+
+
+def test_the_dashboard_selects_cells_and_each_gpu_workers_panel_follows_and_splits_by_cell():
+    """Cells (docs/running-cells.md): each cell's GPU workers are scraped with a `cell` label. Every series a GPU
+    worker exports is filtered by the cell selector (all cells by default; with one cell, the label is absent and
+    `.*` still matches), and the per-cell panels draw one line a cell."""
+    dashboard = json.loads((REPO_ROOT / "monitoring" / "grafana" / "dashboards" / "imgserve.json").read_text())
+    [selector] = [variable for variable in dashboard["templating"]["list"] if variable["name"] == "cell"]
+    assert selector["includeAll"] and selector["multi"] and selector["allValue"] == ".*"
+    assert "cell)" in selector["definition"] and "imgserve_gpu_busy_ratio" in selector["definition"]
+    exported_by_gpu_workers = ("imgserve_gpu_", "imgserve_queue_depth", "imgserve_backlog", "imgserve_cpu_workers")
+    per_cell = {"GPU busy %", "Batch size", "Queue depths", "Backlog and the CPU worker processes it wants"}
+    assert per_cell <= {panel["title"] for panel in dashboard["panels"]}
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            if any(name in target["expr"] for name in exported_by_gpu_workers):
+                assert 'cell=~"$cell"' in target["expr"], target["expr"]
+            if panel["title"] in per_cell:
+                assert "by (" not in target["expr"] or re.search(r"by \((le, )?cell,", target["expr"]), target["expr"]
+                assert "{{cell}}" in target["legendFormat"]
 
 
 def test_every_image_can_be_swapped_for_a_local_stand_in():
