@@ -19,11 +19,13 @@ import requests
 
 from bench.processes import REPO_ROOT, ManagedProcess, children_of, free_port, wait_until
 from contract.keys import Keys
+from tests.support import jpeg
 from tests.test_make_run import listening_addresses
 from tools.newcomer_check import copy_checkout, newcomer_env
 
 pytestmark = pytest.mark.integration
 FLOWER_PASSWORD = "cells-test-0123456789abcdef"
+JPEG = {"Content-Type": "image/jpeg"}
 
 CELL_LINE = re.compile(
     r"^  cell ([a-z]): Redis redis://127\.0\.0\.1:(\d+)/0 \(data in var/redis-cell-\1\), "
@@ -144,6 +146,32 @@ def test_a_jpeg_goes_through_the_api_to_succeeded(cells_run):
     assert response.status_code == 200, response.text
     assert response.json()["status"] == "succeeded"
     assert isinstance(response.json()["result"]["detections"], list)  # the sim device's: boxes, not the truth
+
+
+def test_the_api_reports_both_cells_and_sends_jobs_to_each(cells_run):
+    """With the API tier's side of cells (the `cells` setting read from IMGSERVE_CELLS): /v1/stats names each cell
+    at the Redis make run printed, and new jobs go to both (the less loaded of two: twelve jobs never all to one)."""
+    stats = requests.get(f"{cells_run.api_url}/v1/stats", timeout=10).json()
+    if "cells" not in stats:
+        pytest.skip("this API does not read IMGSERVE_CELLS yet (the API tier's side of cells is another branch)")
+    printed = cells_run.cells()
+    reported = {cell["name"]: cell for cell in stats["cells"]["cells"]}
+    assert sorted(reported) == ["a", "b"]
+    for name, (redis_port, _flower, _metrics) in printed.items():
+        assert reported[name]["redis"] == f"redis://127.0.0.1:{redis_port}/0" and reported[name]["status"] == "up"
+    ids = []
+    for seed in range(12):
+        response = requests.post(
+            f"{cells_run.api_url}/v1/jobs?wait=30", data=jpeg(64, 48, seed=seed), headers=JPEG, timeout=40
+        )
+        assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
+        ids.append(response.json()["id"])
+    keys = Keys("imgserve")
+    held = {
+        name: sum(redis.Redis(port=redis_port).exists(keys.job(job_id)) for job_id in ids)
+        for name, (redis_port, _flower, _metrics) in printed.items()
+    }
+    assert sum(held.values()) == len(ids) and min(held.values()) >= 1, held
 
 
 def _descendants(pid: int) -> set[int]:
