@@ -1,11 +1,11 @@
 """What `make run` (scripts/run-local) needs of the settings, as shell assignments: `eval "$(python -m
 tools.run_settings)"` sets `redis_url`, `api_url`, `api_bind` and `api_metrics` (host:port, empty when /metrics is
 on the API's port), `callback_secret_set` (1 or 0), `callback_key_secrets` (each API key's, when keys are set),
-`callback_allow_hosts`, `redis_sentinels` and `bulk_shards` (space-separated; empty: none), and exports `.env`'s
-variables that the environment does not set (compose's rule, as the supervisor reads it: tools.procfile), naming them in
-`dotenv_names`. Read by contract.config as every process reads them, `.env` included, so a settings file or
-variable that does not load stops `make run` before anything starts, and the ready line names what the processes
-will use."""
+`callback_allow_hosts`, `redis_sentinels` and `bulk_shards` (space-separated; empty: none) and `configured_cells`
+(how many cells the settings name; 0: none), and exports `.env`'s variables that the environment does not set
+(compose's rule, as the supervisor reads it: tools.procfile), naming them in `dotenv_names`. Read by
+contract.config as every process reads them, `.env` included, so a settings file or variable that does not load
+stops `make run` before anything starts, and the ready line names what the processes will use."""
 
 from __future__ import annotations
 
@@ -71,6 +71,9 @@ def main() -> int:
     # would point every cell's workers at the same ones, so it refuses them (scripts/run-local).
     print(f"redis_sentinels={shlex.quote(' '.join(settings.redis.sentinels))}")
     print(f"bulk_shards={shlex.quote(' '.join(settings.bulk.redis_urls))}")
+    # Cells configured in the settings (a file's `cells:`; IMGSERVE_CELLS): make run CELLS=N makes its own.
+    configured_cells = getattr(settings, "cells", ()) or ()
+    print(f"configured_cells={len(configured_cells)}")
     return 0
 
 
