@@ -119,4 +119,4 @@ def test_the_command_renders_cells_that_the_offline_check_passes(tmp_path):
         text=True,
         timeout=60,
     )
-    assert refused.returncode == 2 and "--cells 0: from 1 to 26" in refused.stderr
+    assert refused.returncode == 2 and "--cells 0: from 1 to 16" in refused.stderr

@@ -21,7 +21,7 @@ from typing import Any
 
 from tools.cells import cell_names
 
-MAX_CELLS = 26  # a to z
+MAX_CELLS = 16  # the API tier's limit: a job id names its cell in one hex digit
 CELL_LABEL = "imgserve/cell"
 REDIS_PORT = 6379
 SHARED_ROLES = ("settings", "api")  # the API tier's: one for every cell
