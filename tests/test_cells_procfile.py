@@ -49,6 +49,20 @@ def test_the_api_knows_every_cell_and_uses_the_first_cells_redis_as_its_own():
     ]
 
 
+def test_a_cell_behind_sentinels_has_its_processes_and_the_api_follow_them():
+    cells = [LocalCell.parse("a=redis://127.0.0.1:6390/0=5555=9100=127.0.0.1:26379,127.0.0.1:26380"), CELLS[1]]
+    probes = {"api": 'echo "$IMGSERVE_REDIS__SENTINELS|$IMGSERVE_CELLS"', "gpu-worker": PROBES["gpu-worker"]}
+    probes["gpu-worker"] += ' "${IMGSERVE_REDIS__SENTINELS:-none}" "${IMGSERVE_REDIS__SERVICE:-none}"'
+    rendered = cells_procfile(probes, cells)
+    assert run_line(rendered["gpu-worker-a"]).split()[-3:] == ["[127.0.0.1:26379,", "127.0.0.1:26380]", "imgserve"]
+    assert run_line(rendered["gpu-worker-b"]).split()[-2:] == ["none", "none"]  # cell b: its Redis as it is
+    sentinels, cells_text = run_line(rendered["api"]).strip().split("|")
+    assert sentinels == "[127.0.0.1:26379, 127.0.0.1:26380]"  # the tier's own Redis: the first cell's
+    entries = read_cells_setting(cells_text)
+    assert entries[0]["redis"] == {"sentinels": ["127.0.0.1:26379", "127.0.0.1:26380"], "service": "imgserve"}
+    assert "redis" not in entries[1]
+
+
 def test_the_repository_procfile_renders_and_parses_back(tmp_path, capsys):
     procfile = tmp_path / "Procfile"
     procfile.write_text((REPO_ROOT / "Procfile").read_text())

@@ -209,7 +209,8 @@ def test_sigint_stops_every_process_of_every_cell(cells_run):
 @pytest.mark.parametrize(
     ("extra", "said"),
     [
-        ({"REDIS": "sentinel"}, "REDIS=sentinel runs one Sentinel set, and each cell needs its own"),
+        ({"REDIS": "sentinel", "REDIS_PORT": "6390"}, "REDIS_PORT with REDIS=sentinel"),
+        ({"REDIS": "shared"}, "REDIS=shared: not a choice"),
         ({"IMGSERVE_BULK__REDIS_URLS": "[redis://127.0.0.1:1/0]"}, "the settings name bulk shards"),
         ({"IMGSERVE_CELLS": "[{name: a, redis_url: 'redis://127.0.0.1:1/0'}]"}, "IMGSERVE_CELLS is set"),
         ({"CELLS": "9"}, "make run runs 1 to 8 cells on one machine"),
