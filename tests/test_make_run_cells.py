@@ -174,6 +174,29 @@ def test_the_api_reports_both_cells_and_sends_jobs_to_each(cells_run):
     assert sum(held.values()) == len(ids) and min(held.values()) >= 1, held
 
 
+def test_a_killed_cells_redis_is_started_again_while_the_other_cell_serves(cells_run):
+    """Cell b's Redis SIGKILLed: make run starts it again on its port and data, its workers find it again, and
+    meanwhile a new submission is served (by cell a: the API tier marks a cell that does not answer down)."""
+    port = cells_run.cells()["b"][0]
+    client = redis.Redis(port=port)
+    client.set("make-run-cells:marker", "kept")
+    client.execute_command("BGREWRITEAOF")  # the marker in the append-only file, whatever its fsync's timing
+    wait_until(lambda: client.info("persistence")["aof_rewrite_in_progress"] == 0, 30, what="the rewrite")
+    killed = int(client.info("server")["process_id"])
+    os.kill(killed, signal.SIGKILL)
+    response = requests.post(
+        f"{cells_run.api_url}/v1/jobs?wait=30", data=jpeg(64, 48, seed=99), headers=JPEG, timeout=40
+    )
+    assert response.status_code == 200 and response.json()["status"] == "succeeded", response.text
+    wait_until(lambda: "redis-server started again" in cells_run.log(), 60, what="make run to start cell b's Redis")
+    assert f"the redis-server it started (pid {killed}) ended (status 137)" in cells_run.log()
+    assert "var/redis-cell-b" in cells_run.log().split(f"(pid {killed}) ended")[1].splitlines()[0]
+    assert client.get("make-run-cells:marker") == b"kept" and int(client.info("server")["process_id"]) != killed
+    keys = Keys("imgserve")
+    client.delete(keys.gpu_workers)  # written again only by a GPU worker that found its Redis again
+    assert wait_until(lambda: client.zrange(keys.gpu_workers, 0, -1), 60, what="cell b's GPU worker back")
+
+
 def _descendants(pid: int) -> set[int]:
     found, frontier = set(), {pid}
     while frontier:
