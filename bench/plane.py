@@ -12,6 +12,14 @@ read before and after each phase say what each step cost:
    long-polls), in full batches, as at the load the ceiling is about;
 4. read: each job read once, as a long-poll's wake does (one read of the record).
 
+Two costs are measured apart and left out of an image's figures: the first submissions, while the deadline index
+is still a listpack (a phased run holds every job at once and pays each insert's walk of it once); and the GPU
+worker's start (its SCAN of the keyspace for frame lists nobody reads, its requeue and epoch), with the frames
+parked aside meanwhile.
+
+Round trips are counted at the product's own connections (bench/round_trips/sitecustomize.py: each process counts
+its own, a pipeline or MULTI block as one), by process and by Redis server; Redis's own counters cannot say them.
+
 Each phase is run alone, so idle chatter (heartbeats, sweeps, Celery's BRPOP timeouts) is priced into the phase
 it falls in; the report says how much of it there was. HTTP and decode cost the Redis nothing and are left to the
 whole-stack view (`bench run --stack local --shards 1`). `--base REF` runs the same phases on another checkout
@@ -35,7 +43,8 @@ import redis
 import requests
 import yaml
 
-from bench.plane_meter import InstructionCounter, PhaseCost, PhaseMeter
+from bench.plane_meter import InstructionCounter, PhaseCost, PhaseMeter, RoundTripCounter, added_round_trips
+from bench.plane_report import APART, PHASES, report
 from bench.processes import (
     REPO_ROOT,
     ManagedProcess,
@@ -47,8 +56,10 @@ from bench.processes import (
     wait_until,
 )
 from bench.stack import api_env
+from contract.config import load_settings
+from contract.keys import Keys
 
-PHASES = ("intake", "cpu", "gpu", "read")
+GPU_WORKER_ID = "plane-gpu"
 
 
 def tiny_jpegs(count: int, seed: int = 1) -> list[bytes]:
@@ -87,12 +98,21 @@ def _config(redis_url: str, shard_urls: list[str], images: int, keyed: bool = Fa
 
 
 def run_phases(
-    root: Path, images: int, shards: int, clients: int, workdir: Path, instructions: bool = False, keyed: bool = False
+    root: Path,
+    images: int,
+    shards: int,
+    clients: int,
+    workdir: Path,
+    instructions: bool = False,
+    keyed: bool = False,
+    set_apart: int | None = None,
 ) -> dict[str, Any]:
     """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image
     (`instructions`: its Redis under callgrind, its instructions counted too; `keyed`: every submission with an
-    API key)."""
+    API key), and the two reported apart (APART). `set_apart`: how many first submissions are measured apart (by
+    default the deadline index's listpack size, when there are over twice as many images)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    trips = RoundTripCounter(workdir / "round-trips")
     counter = InstructionCounter(workdir) if instructions else None
     control = RedisServer(workdir, wrapper=counter.wrapper() if counter else ())
     if counter:
@@ -116,11 +136,15 @@ def run_phases(
     session = requests.Session()
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=clients)
     session.mount("http://", adapter)
-    meter = PhaseMeter(client, bulk_clients, images, counter)
+    meter = PhaseMeter(client, bulk_clients, images, counter, trips)
     measured = meter.measure
+    set_apart = _listpack_apart(client, images) if set_apart is None else set_apart
+    settings = load_settings(config_path)
+    keys = Keys(settings.namespace)
+    frame_lists = _Progress(bulk_clients or [client], [keys.frames(model.key) for model in settings.models])
 
     def spawn(name: str, argv: list[str]) -> None:
-        processes.append(ManagedProcess(name, argv, env, workdir, root=root))
+        processes.append(ManagedProcess(name, argv, trips.env(env, name), workdir, root=root))
 
     try:
         spawn("api", api_argv())
@@ -134,23 +158,34 @@ def run_phases(
             return str(reply.json()["id"])
 
         with ThreadPoolExecutor(clients) as pool:
-            ids = measured("intake", lambda: list(pool.map(submit, payloads)))
+            first, rest = payloads[:set_apart], payloads[set_apart:]
+            ids = measured("intake-listpack", lambda: list(pool.map(submit, first)), images=len(first) or 1)
+            ids += measured("intake", lambda: list(pool.map(submit, rest)), images=len(rest))
 
             def cpu_phase() -> None:
                 spawn("cpu-worker", cpu_worker_argv(2))
-                waiting = _Progress(bulk_clients or [client], "*:frames:*")
                 wait_until(
-                    lambda: waiting.frames_waiting() >= images,
+                    lambda: frame_lists.frames_waiting() >= images,
                     300,
                     interval_s=0.2,
                     what="every frame pushed",
                 )
 
             measured("cpu", cpu_phase)
+            # The frames parked while the GPU worker starts, so that its start is measured alone; given back at
+            # once after (a RENAME wakes its blocked pop).
+            frame_lists.park()
+
+            def gpu_start() -> None:
+                spawn("gpu-worker", gpu_worker_argv("sim", GPU_WORKER_ID))
+                heartbeat = keys.heartbeat(GPU_WORKER_ID)
+                wait_until(lambda: _lives(client, heartbeat, processes), 300, interval_s=0.2, what="the GPU worker")
+
+            measured("gpu-start", gpu_start, images=1)
 
             def gpu_phase() -> None:
-                spawn("gpu-worker", gpu_worker_argv("sim", "plane-gpu"))
-                answered = _Progress([client], "*:gpu:*:counters")
+                frame_lists.park(back=True)
+                answered = _Progress([client], [keys.gpu_counters(GPU_WORKER_ID)])
                 wait_until(
                     lambda: answered.frames_answered() >= images, 300, interval_s=0.2, what="every frame answered"
                 )
@@ -175,8 +210,10 @@ def run_phases(
     return {
         "images": images,
         "shards": shards,
+        "set_apart": set_apart,
         "ended": ended,
         "phases": {phase: costs[phase] for phase in PHASES},
+        "apart": {phase: costs[phase] for phase in APART},
         "shard_phases": shard_costs,
         "seconds": seconds,
         "total": total,
@@ -185,30 +222,47 @@ def run_phases(
 
 
 class _Progress:
-    """How far a phase is, looked up cheaply: the keys are found by SCAN once (a SCAN over every record at each
-    poll would be priced into the phase), then read by name."""
+    """How far a phase is, read from keys named in advance (a SCAN for them, over every record, would be priced
+    into the phase)."""
 
-    def __init__(self, clients: list[redis.Redis], pattern: str) -> None:
-        self.clients, self.pattern = clients, pattern
-        self.keys: list[tuple[redis.Redis, Any]] = []
-
-    def found(self) -> list[tuple[redis.Redis, Any]]:
-        if not self.keys:
-            self.keys = [(c, key) for c in self.clients for key in c.scan_iter(match=self.pattern, count=1000)]
-        return self.keys
+    def __init__(self, clients: list[redis.Redis], keys: list[str]) -> None:
+        self.keys = [(client, key) for client in clients for key in keys]
 
     def frames_waiting(self) -> int:
-        return sum(int(c.llen(key)) for c, key in self.found())
+        return sum(int(c.llen(key)) for c, key in self.keys)
+
+    def park(self, back: bool = False) -> None:
+        """Each list there renamed aside (`back`: to its name again)."""
+        for client, key in self.keys:
+            parked = key + ":parked-by-bench-plane"
+            if client.exists(parked if back else key):
+                client.rename(*((parked, key) if back else (key, parked)))
 
     def frames_answered(self) -> int:
-        return sum(int(c.hget(key, "frames_total") or 0) for c, key in self.found())
+        return sum(int(c.hget(key, "frames_total") or 0) for c, key in self.keys)
+
+
+def _listpack_apart(client: redis.Redis, images: int) -> int:
+    """The submissions measured apart: as many as the deadline index holds as a listpack, given images enough."""
+    listpack = int(str(client.config_get("zset-max-listpack-entries")["zset-max-listpack-entries"]))
+    return listpack if images > 2 * listpack else 0
+
+
+def _lives(client: redis.Redis, heartbeat: str, processes: list[ManagedProcess]) -> bool:
+    for process in processes:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} died:\n{process.log_tail()}")
+    return bool(client.exists(heartbeat))
 
 
 def _total(costs: list[PhaseCost]) -> PhaseCost:
     """The phases' costs added up, command by command."""
     counted = [c.instructions for c in costs if c.instructions is not None]
     total = PhaseCost(
-        sum(c.us for c in costs), sum(c.commands for c in costs), instructions=sum(counted) if counted else None
+        sum(c.us for c in costs),
+        sum(c.commands for c in costs),
+        instructions=sum(counted) if counted else None,
+        round_trips=added_round_trips([c.round_trips for c in costs]),
     )
     for cost in costs:
         for name, (calls, us) in cost.by_command.items():
@@ -233,82 +287,6 @@ def worktree(ref: str, into: Path) -> Path:
         ["git", "worktree", "add", "--detach", str(into), ref], cwd=REPO_ROOT, check=True, capture_output=True
     )
     return into
-
-
-def report(sides: dict[str, dict[str, Any]]) -> str:
-    names = list(sides)
-    lines = [
-        "## The control plane per image (`bench plane`: Redis's own INFO, phase by phase)",
-        "",
-        f"{next(iter(sides.values()))['images']} images of 640x16 (no decode cost), "
-        f"{next(iter(sides.values()))['shards']} bulk shard(s); µs: the control plane's main-thread CPU; each step "
-        "less what the control plane spends idle for as long as the step lasted (the idle row below).",
-        "",
-        "| step | " + " | ".join(f"{n}: µs | {n}: commands" for n in names) + " |",
-        "|---|" + "---|---|" * len(names),
-    ]
-    for phase in (*PHASES, "total"):
-        cells = []
-        for side in sides.values():
-            cost = side["total"] if phase == "total" else side["phases"][phase]
-            cells += [f"{cost.us:.0f}", f"{cost.commands:.1f}"]
-        lines.append(f"| {'**all**' if phase == 'total' else phase} | " + " | ".join(cells) + " |")
-    if all(side["total"].instructions is not None for side in sides.values()):
-        lines += [
-            "",
-            "Redis's user-space instructions an image (under callgrind: µs above are valgrind's, not the real ones; "
-            "the kernel's socket work is not counted):",
-            "",
-            "| step | " + " | ".join(names) + " |",
-            "|---|" + "---|" * len(names),
-        ]
-        for phase in (*PHASES, "total"):
-            counts = [
-                (side["total"] if phase == "total" else side["phases"][phase]).instructions for side in sides.values()
-            ]
-            lines.append(f"| {phase} | " + " | ".join(f"{count:,.0f}" for count in counts if count is not None) + " |")
-    lines += ["", "| ceiling | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
-    lines.append(
-        "| images/s per control-plane core (100%) | "
-        + " | ".join(f"{1e6 / s['total'].us:,.0f}" for s in sides.values())
-        + " |"
-    )
-    lines.append(
-        "| images/s at 70% of it | " + " | ".join(f"{0.7e6 / s['total'].us:,.0f}" for s in sides.values()) + " |"
-    )
-    lines.append(
-        "| fast GPUs (1,333 images/s) fed at 70% | "
-        + " | ".join(f"{0.7e6 / s['total'].us / 1333:.1f}" for s in sides.values())
-        + " |"
-    )
-    if any(s["shard_phases"] for s in sides.values()):
-        lines.append(
-            "| the shards: µs, commands an image | "
-            + " | ".join(
-                f"{sum(c.us for c in s['shard_phases'].values()):.0f}, "
-                f"{sum(c.commands for c in s['shard_phases'].values()):.1f}"
-                for s in sides.values()
-            )
-            + " |"
-        )
-    lines.append(
-        "| idle (taken out of each step): µs, commands, instructions a second | "
-        + " | ".join(
-            f"{s['idle_per_s'].us:.0f}, {s['idle_per_s'].commands:.0f}, {s['idle_per_s'].instructions or 0:,.0f}"
-            for s in sides.values()
-        )
-        + " |"
-    )
-    lines.append("| jobs ended | " + " | ".join(str(s["ended"]) for s in sides.values()) + " |")
-    for name, side in sides.items():
-        lines += ["", f"**{name}**, per step: command calls (µs in it, a script's including its calls') an image", ""]
-        for phase in PHASES:
-            top = list(side["phases"][phase].by_command.items())[:12]
-            lines.append(
-                f"- {phase} ({side['seconds'][phase]:.1f} s): "
-                + ", ".join(f"{n} {calls:.2f} ({us:.1f})" for n, (calls, us) in top)
-            )
-    return "\n".join(lines)
 
 
 def run(

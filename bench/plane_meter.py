@@ -1,8 +1,10 @@
 """How `bench plane` reads what a phase cost: each Redis server's own counters (`INFO cpu`'s main thread,
-`INFO commandstats`) around it, and, when asked, the control plane's instructions counted under callgrind."""
+`INFO commandstats`) around it, the product's processes' round trips to it (counted at their connections:
+bench/round_trips/sitecustomize.py), and, when asked, the control plane's instructions counted under callgrind."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -21,9 +23,10 @@ class RedisReading:
     cpu_s: float  # its main thread's CPU (user + system), seconds
     calls: dict[str, int]
     usec: dict[str, int]
+    round_trips: dict[str, int] = field(default_factory=dict)  # by process role, counted at the clients
 
     @classmethod
-    def of(cls, client: redis.Redis) -> RedisReading:
+    def of(cls, client: redis.Redis, trips: RoundTripCounter | None = None) -> RedisReading:
         cpu: dict[str, Any] = client.info("cpu")
         stats: dict[str, Any] = client.info("commandstats")
         main = float(cpu.get("used_cpu_user_main_thread", cpu["used_cpu_user"])) + float(
@@ -34,6 +37,7 @@ class RedisReading:
             main,
             {name: int(value["calls"]) for name, value in names.items() if name != "info"},
             {name: int(value["usec"]) for name, value in names.items() if name != "info"},
+            trips.read(client.connection_pool.connection_kwargs["port"]) if trips else {},
         )
 
 
@@ -45,6 +49,11 @@ class PhaseCost:
     commands: float
     by_command: dict[str, tuple[float, float]] = field(default_factory=dict)  # name: (calls, µs in it)
     instructions: float | None = None  # user-space instructions of the Redis (--instructions: under callgrind)
+    round_trips: dict[str, float] = field(default_factory=dict)  # by process role (api, cpu-worker, gpu-worker)
+
+    @property
+    def trips(self) -> float:
+        return sum(self.round_trips.values())
 
     @classmethod
     def between(cls, before: RedisReading, after: RedisReading, images: int) -> PhaseCost:
@@ -54,35 +63,54 @@ class PhaseCost:
             for name, n in sorted(calls.items(), key=lambda item: -item[1])
             if n > 0
         }
-        return cls((after.cpu_s - before.cpu_s) * 1e6 / images, sum(calls.values()) / images, by_command)
+        trips = {role: (n - before.round_trips.get(role, 0)) / images for role, n in after.round_trips.items()}
+        return cls(
+            (after.cpu_s - before.cpu_s) * 1e6 / images,
+            sum(calls.values()) / images,
+            by_command,
+            round_trips={role: n for role, n in sorted(trips.items()) if n},
+        )
 
 
 class PhaseMeter:
-    """Each phase's cost, read from the Redis servers' own counters around it."""
+    """Each phase's cost, read from the Redis servers' own counters (and the clients' round trips) around it."""
 
     def __init__(
-        self, client: redis.Redis, shards: list[redis.Redis], images: int, counter: InstructionCounter | None
+        self,
+        client: redis.Redis,
+        shards: list[redis.Redis],
+        images: int,
+        counter: InstructionCounter | None,
+        trips: RoundTripCounter | None = None,
     ) -> None:
-        self.client, self.shards, self.images, self.counter = client, shards, images, counter
+        self.client, self.shards, self.images, self.counter, self.trips = client, shards, images, counter, trips
         self.costs: dict[str, PhaseCost] = {}
         self.shard_costs: dict[str, PhaseCost] = {}
         self.seconds: dict[str, float] = {}
+        self.phase_images: dict[str, int] = {}
 
-    def measure(self, phase: str, work: Any) -> Any:
+    def measure(self, phase: str, work: Any, images: int | None = None) -> Any:
+        """`work`'s cost per image; `images`: how many it carried, when not all of them (1: its cost in all)."""
+        images = self.images if images is None else images
+        self.phase_images[phase] = images
         if self.counter:
             self.counter.mark()
-        before = RedisReading.of(self.client)
-        shards_before = [RedisReading.of(c) for c in self.shards]
+        before = RedisReading.of(self.client, self.trips)
+        shards_before = [RedisReading.of(c, self.trips) for c in self.shards]
         started = time.monotonic()
         value = work()
         self.seconds[phase] = time.monotonic() - started
-        self.costs[phase] = PhaseCost.between(before, RedisReading.of(self.client), self.images)
+        self.costs[phase] = PhaseCost.between(before, RedisReading.of(self.client, self.trips), images)
         if self.counter:
-            self.costs[phase].instructions = self.counter.mark() / self.images
+            self.costs[phase].instructions = self.counter.mark() / images
         if self.shards:
-            after = [RedisReading.of(c) for c in self.shards]
-            per_shard = [PhaseCost.between(b, a, self.images) for b, a in zip(shards_before, after)]
-            self.shard_costs[phase] = PhaseCost(sum(p.us for p in per_shard), sum(p.commands for p in per_shard))
+            after = [RedisReading.of(c, self.trips) for c in self.shards]
+            per_shard = [PhaseCost.between(b, a, images) for b, a in zip(shards_before, after)]
+            self.shard_costs[phase] = PhaseCost(
+                sum(p.us for p in per_shard),
+                sum(p.commands for p in per_shard),
+                round_trips=added_round_trips([p.round_trips for p in per_shard]),
+            )
         return value
 
     def idle(self, seconds: float) -> PhaseCost:
@@ -90,10 +118,11 @@ class PhaseMeter:
         Redis's own cron): priced into every phase for as long as it lasts, and taken out again by `net`."""
         if self.counter:
             self.counter.mark()
-        before = RedisReading.of(self.client)
+        before = RedisReading.of(self.client, self.trips)
         time.sleep(seconds)
-        idle = PhaseCost.between(before, RedisReading.of(self.client), 1)
+        idle = PhaseCost.between(before, RedisReading.of(self.client, self.trips), 1)
         idle.us, idle.commands = idle.us / seconds, idle.commands / seconds
+        idle.round_trips = {role: n / seconds for role, n in idle.round_trips.items()}
         if self.counter:
             idle.instructions = self.counter.mark() / seconds
         return idle
@@ -102,14 +131,52 @@ class PhaseMeter:
         """Each phase's cost less the idle rate over its duration: what the images themselves cost."""
         net = {}
         for phase, cost in self.costs.items():
-            share = self.seconds[phase] / self.images
+            share = self.seconds[phase] / self.phase_images.get(phase, self.images)
             instructions = None
             if cost.instructions is not None and idle.instructions is not None:
                 instructions = cost.instructions - idle.instructions * share
+            trips = {role: n - idle.round_trips.get(role, 0.0) * share for role, n in cost.round_trips.items()}
             net[phase] = PhaseCost(
-                cost.us - idle.us * share, cost.commands - idle.commands * share, cost.by_command, instructions
+                cost.us - idle.us * share, cost.commands - idle.commands * share, cost.by_command, instructions, trips
             )
         return net
+
+
+def added_round_trips(counts: list[dict[str, float]]) -> dict[str, float]:
+    total: dict[str, float] = {}
+    for count in counts:
+        for role, n in count.items():
+            total[role] = total.get(role, 0.0) + n
+    return total
+
+
+class RoundTripCounter:
+    """The product's processes' round trips to each Redis, counted at their connections: each process started with
+    `env` counts its own in a file a port (bench/round_trips/sitecustomize.py); `read` adds them up by role. Exact,
+    where Redis's own counters are not (a read event may hold a pipelined block, or half a large one)."""
+
+    HOOK = Path(__file__).resolve().parent / "round_trips"
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+
+    def env(self, env: dict[str, str], role: str) -> dict[str, str]:
+        path = env.get("PYTHONPATH", "")
+        return {
+            **env,
+            "IMGSERVE_ROUND_TRIPS_DIR": str(self.folder),
+            "IMGSERVE_ROUND_TRIPS_ROLE": role,
+            "PYTHONPATH": os.pathsep.join(p for p in (str(self.HOOK), path) if p),
+        }
+
+    def read(self, port: int) -> dict[str, int]:
+        """Round trips to the Redis on `port` so far, by role (every process of a role, its forked children too)."""
+        totals: dict[str, int] = {}
+        for path in self.folder.glob(f"*.{port}.*"):
+            role = path.name.split(".")[0]
+            totals[role] = totals.get(role, 0) + int.from_bytes(path.read_bytes()[:8] or b"\0", "little")
+        return totals
 
 
 class InstructionCounter:

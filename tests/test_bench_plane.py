@@ -3,11 +3,33 @@ product's processes through it, which must end every job and price each step in 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from bench.plane import PHASES, report, run_phases
-from bench.plane_meter import PhaseCost, PhaseMeter, RedisReading
-from bench.processes import REPO_ROOT
+from bench.plane import APART, PHASES, report, run_phases
+from bench.plane_meter import PhaseCost, PhaseMeter, RedisReading, RoundTripCounter
+from bench.processes import REPO_ROOT, RedisServer
+
+# A process's Redis traffic, step by step when the test says so on stdin: a connection opened (its set-up and a
+# PING); a command, a pipeline of three, a MULTI block of two; then a forked child's own connection and command.
+_TRAFFIC = """
+import os, sys, redis
+client = redis.Redis(port=int(sys.argv[1]))
+client.ping()
+print("connected", flush=True); sys.stdin.readline()
+client.get("marker")
+client.pipeline(transaction=False).set("a", 1).get("a").incr("n").execute()
+client.pipeline(transaction=True).set("b", 1).get("b").execute()
+print("sent", flush=True); sys.stdin.readline()
+pid = os.fork()
+if pid == 0:
+    redis.Redis(port=int(sys.argv[1])).get("a")
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
 
 
 def test_a_phase_costs_what_redis_counted_between_two_readings_less_the_idle_rate():
@@ -26,11 +48,50 @@ def test_a_phase_costs_what_redis_counted_between_two_readings_less_the_idle_rat
 
 
 @pytest.mark.integration
+def test_round_trips_are_counted_at_each_connection_a_pipeline_or_block_as_one(tmp_path):
+    server = RedisServer(tmp_path)
+    try:
+        counter = RoundTripCounter(tmp_path / "trips")
+        env = counter.env({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, "probe")
+        probe = subprocess.Popen(
+            [sys.executable, "-c", _TRAFFIC, str(server.port)],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert probe.stdin and probe.stdout and probe.stdout.readline() == "connected\n"
+        connected = counter.read(server.port)["probe"]
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        assert probe.stdout.readline() == "sent\n"
+        sent = counter.read(server.port)["probe"]
+        probe.stdin.write("go\n")
+        probe.stdin.flush()
+        assert probe.wait(60) == 0
+        with_child = counter.read(server.port)["probe"]
+        files = list((tmp_path / "trips").iterdir())
+    finally:
+        server.stop()
+    # the GET, the pipeline, the block: one each; the child counts its connection's set-up and GET in a file of its own
+    assert connected >= 2 and sent - connected == 3, (connected, sent)
+    assert with_child - sent >= 2 and len(files) == 2
+
+
+@pytest.mark.integration
 def test_a_short_run_ends_every_job_and_prices_each_step(tmp_path):
-    side = run_phases(REPO_ROOT, images=24, shards=1, clients=4, workdir=tmp_path)
+    side = run_phases(REPO_ROOT, images=24, shards=1, clients=4, workdir=tmp_path, set_apart=8)
     assert side["ended"] == {"succeeded": 24}
     for phase in PHASES:
         assert side["phases"][phase].commands > 0, phase
+        assert side["phases"][phase].trips > 0, phase
     assert side["phases"]["cpu"].by_command.get("evalsha", (0, 0))[0] >= 1  # the claim and the push, an image each
+    # the admission and the job's MULTI (its upload on the shard): two round trips, and a reader's one
+    assert 1.9 <= side["phases"]["intake"].round_trips["api"] < 3.0, side["phases"]["intake"]
+    assert 0.9 <= side["phases"]["read"].round_trips["api"] < 2.0, side["phases"]["read"]
+    # the GPU worker's start-up SCAN is reported apart, not in the gpu step an image pays
+    assert "scan" in side["apart"]["gpu-start"].by_command and "scan" not in side["phases"]["gpu"].by_command
+    assert side["apart"]["gpu-start"].round_trips["gpu-worker"] >= 3
+    assert set(side["apart"]) == set(APART) and side["apart"]["intake-listpack"].commands > 0
     text = report({"this checkout": side})
-    assert "images/s per control-plane core" in text and "| intake |" in text
+    assert "images/s per control-plane core" in text and "| intake |" in text and "Round trips an image" in text

@@ -142,6 +142,7 @@ def cmd_plane(args: argparse.Namespace) -> int:
     summary = {
         name: {
             "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
+            "apart": {phase: vars(cost) for phase, cost in side["apart"].items()},
             "total": vars(side["total"]),
             "ended": side["ended"],
         }

@@ -1,0 +1,146 @@
+"""What `bench plane` prints: each step's cost an image on the control plane (µs, commands, round trips,
+instructions), side by side, the ceiling that sets, and what is reported apart from an image's figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+PHASES = ("intake", "cpu", "gpu", "read")
+# Reported apart, not in an image's figures: the first submissions, while the deadline index is still a listpack
+# (each insert walks it: the phased bench holds every job at once, so it pays this once, up to the listpack's
+# size); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a start).
+APART = ("intake-listpack", "gpu-start")
+
+
+def report(sides: dict[str, dict[str, Any]]) -> str:
+    names = list(sides)
+    lines = [
+        "## The control plane per image (`bench plane`: Redis's own INFO, phase by phase)",
+        "",
+        f"{next(iter(sides.values()))['images']} images of 640x16 (no decode cost), "
+        f"{next(iter(sides.values()))['shards']} bulk shard(s); µs: the control plane's main-thread CPU; each step "
+        "less what the control plane spends idle for as long as the step lasted (the idle row below).",
+        "",
+        "| step | " + " | ".join(f"{n}: µs | {n}: commands" for n in names) + " |",
+        "|---|" + "---|---|" * len(names),
+    ]
+    for phase in (*PHASES, "total"):
+        cells = []
+        for side in sides.values():
+            cost = side["total"] if phase == "total" else side["phases"][phase]
+            cells += [f"{cost.us:.0f}", f"{cost.commands:.1f}"]
+        lines.append(f"| {'**all**' if phase == 'total' else phase} | " + " | ".join(cells) + " |")
+    if all(side["total"].instructions is not None for side in sides.values()):
+        lines += [
+            "",
+            "Redis's user-space instructions an image (under callgrind: µs above are valgrind's, not the real ones; "
+            "the kernel's socket work is not counted):",
+            "",
+            "| step | " + " | ".join(names) + " |",
+            "|---|" + "---|" * len(names),
+        ]
+        for phase in (*PHASES, "total"):
+            counts = [
+                (side["total"] if phase == "total" else side["phases"][phase]).instructions for side in sides.values()
+            ]
+            lines.append(f"| {phase} | " + " | ".join(f"{count:,.0f}" for count in counts if count is not None) + " |")
+    lines += _round_trips(sides) + _apart(sides)
+    lines += ["", "| ceiling | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    lines.append(
+        "| images/s per control-plane core (100%) | "
+        + " | ".join(f"{1e6 / s['total'].us:,.0f}" for s in sides.values())
+        + " |"
+    )
+    lines.append(
+        "| images/s at 70% of it | " + " | ".join(f"{0.7e6 / s['total'].us:,.0f}" for s in sides.values()) + " |"
+    )
+    lines.append(
+        "| fast GPUs (1,333 images/s) fed at 70% | "
+        + " | ".join(f"{0.7e6 / s['total'].us / 1333:.1f}" for s in sides.values())
+        + " |"
+    )
+    if any(s["shard_phases"] for s in sides.values()):
+        lines.append(
+            "| the shards: µs, commands an image | "
+            + " | ".join(
+                f"{sum(c.us for c in s['shard_phases'].values()):.0f}, "
+                f"{sum(c.commands for c in s['shard_phases'].values()):.1f}"
+                for s in sides.values()
+            )
+            + " |"
+        )
+    lines.append(
+        "| idle (taken out of each step): µs, commands, instructions a second | "
+        + " | ".join(
+            f"{s['idle_per_s'].us:.0f}, {s['idle_per_s'].commands:.0f}, {s['idle_per_s'].instructions or 0:,.0f}"
+            for s in sides.values()
+        )
+        + " |"
+    )
+    lines.append("| jobs ended | " + " | ".join(str(s["ended"]) for s in sides.values()) + " |")
+    for name, side in sides.items():
+        lines += ["", f"**{name}**, per step: command calls (µs in it, a script's including its calls') an image", ""]
+        for phase in (*PHASES, *APART):
+            top = list({**side["phases"], **side["apart"]}[phase].by_command.items())[:12]
+            lines.append(
+                f"- {phase} ({side['seconds'][phase]:.1f} s): "
+                + ", ".join(f"{n} {calls:.2f} ({us:.1f})" for n, (calls, us) in top)
+            )
+    return "\n".join(lines)
+
+
+def _round_trips(sides: dict[str, dict[str, Any]]) -> list[str]:
+    """Round trips an image, step by step: to the control plane (in all, and by process) and to the shards,
+    counted at the processes' connections (a pipeline or MULTI block one; less the idle rate, as above)."""
+    names = list(sides)
+    lines = [
+        "",
+        "Round trips an image (counted at each process's Redis connections: a command, or a pipeline or MULTI block "
+        "sent whole, is one):",
+        "",
+        "| step | " + " | ".join(f"{n}: control plane | {n}: by process | {n}: shards" for n in names) + " |",
+        "|---|" + "---|---|---|" * len(names),
+    ]
+    for phase in (*PHASES, "total"):
+        cells = []
+        for side in sides.values():
+            cost = side["total"] if phase == "total" else side["phases"][phase]
+            shard = _shard_trips(side, phase)
+            by_role = ", ".join(f"{role} {n:.2f}" for role, n in cost.round_trips.items() if abs(n) >= 0.005)
+            cells += [f"{cost.trips:.2f}", by_role or "-", f"{shard:.2f}" if side["shard_phases"] else "-"]
+        lines.append(f"| {'**all**' if phase == 'total' else phase} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _shard_trips(side: dict[str, Any], phase: str) -> float:
+    if phase == "total":
+        return sum(_shard_trips(side, p) for p in PHASES)
+    cost = side["shard_phases"].get(phase)
+    return cost.trips if cost else 0.0
+
+
+def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
+    """The two costs left out of an image's figures, each on its own row."""
+    names = list(sides)
+    lines = [
+        "",
+        "Reported apart (not in the figures above): the first submissions, while the deadline index is a listpack, "
+        "an image; the GPU worker's start (its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
+        "its frames parked meanwhile:",
+        "",
+        "| apart | " + " | ".join(f"{n}: µs, commands, round trips, instructions" for n in names) + " |",
+        "|---|" + "---|" * len(names),
+    ]
+    for phase in APART:
+        cells = []
+        for side in sides.values():
+            cost = side["apart"][phase]
+            instructions = f"{cost.instructions:,.0f}" if cost.instructions is not None else "-"
+            cells.append(f"{cost.us:,.0f}, {cost.commands:,.1f}, {cost.trips:,.2f}, {instructions}")
+        label = (
+            f"intake, the first {next(iter(sides.values()))['set_apart']} submissions (an image)"
+            if phase == "intake-listpack"
+            else "the GPU worker's start (in all, once)"
+        )
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return lines
