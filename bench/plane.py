@@ -114,14 +114,14 @@ def run_phases(
     workdir.mkdir(parents=True, exist_ok=True)
     trips = RoundTripCounter(workdir / "round-trips")
     counter = InstructionCounter(workdir) if instructions else None
-    control = RedisServer(workdir, wrapper=counter.wrapper() if counter else ())
+    control = RedisServer(workdir, wrapper=counter.wrapper() if counter else (), root=root)
     if counter:
         counter.pid = control.process.pid
     bulk = []
     for index in range(shards):
         folder = workdir / f"shard{index}"
         folder.mkdir(exist_ok=True)
-        bulk.append(RedisServer(folder))
+        bulk.append(RedisServer(folder, root=root))
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(_config(control.url, [s.url for s in bulk], images, keyed)))
     port = free_port()
@@ -198,6 +198,7 @@ def run_phases(
 
             statuses = measured("read", lambda: list(pool.map(read, ids)))
         idle = meter.idle(3.0)
+        record = _ended_record(client, [keys.job(job_id) for job_id in ids[:50]])
     finally:
         for process in reversed(processes):
             process.stop()
@@ -211,6 +212,7 @@ def run_phases(
         "images": images,
         "shards": shards,
         "set_apart": set_apart,
+        "record": record,
         "ended": ended,
         "phases": {phase: costs[phase] for phase in PHASES},
         "apart": {phase: costs[phase] for phase in APART},
@@ -240,6 +242,14 @@ class _Progress:
 
     def frames_answered(self) -> int:
         return sum(int(c.hget(key, "frames_total") or 0) for c, key in self.keys)
+
+
+def _ended_record(client: redis.Redis, keys: list[str]) -> dict[str, Any]:
+    """What an ended job's record takes in Redis (MEMORY USAGE, the mean of `keys`) and how it is encoded."""
+    sizes = [int(client.memory_usage(key) or 0) for key in keys]
+    raw = [client.object("encoding", key) for key in keys]
+    encodings = {value.decode() if isinstance(value, bytes) else str(value) for value in raw}
+    return {"bytes": sum(sizes) / max(1, len(sizes)), "encodings": sorted(encodings)}
 
 
 def _listpack_apart(client: redis.Redis, images: int) -> int:

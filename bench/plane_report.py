@@ -78,6 +78,11 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
         + " |"
     )
     lines.append("| jobs ended | " + " | ".join(str(s["ended"]) for s in sides.values()) + " |")
+    lines.append(
+        "| an ended record: bytes (MEMORY USAGE), encoding | "
+        + " | ".join(f"{s['record']['bytes']:,.0f}, {'/'.join(s['record']['encodings'])}" for s in sides.values())
+        + " |"
+    )
     for name, side in sides.items():
         lines += ["", f"**{name}**, per step: command calls (µs in it, a script's including its calls') an image", ""]
         for phase in (*PHASES, *APART):

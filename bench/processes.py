@@ -16,6 +16,7 @@ from typing import TypeVar
 import redis
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+REDIS_CONFIG = "configs/redis.conf"  # the control plane's settings beyond Redis's defaults, every deployment's
 T = TypeVar("T")
 
 
@@ -44,11 +45,19 @@ class RedisServer:
     fsynced on every write, so a stop and a restart lose nothing."""
 
     def __init__(
-        self, workdir: Path, persistent: bool = False, extra_args: tuple[str, ...] = (), wrapper: tuple[str, ...] = ()
+        self,
+        workdir: Path,
+        persistent: bool = False,
+        extra_args: tuple[str, ...] = (),
+        wrapper: tuple[str, ...] = (),
+        root: Path = REPO_ROOT,
     ) -> None:
         """`extra_args`: more of redis-server's options, e.g. ("--io-threads", "2"). `wrapper`: a command it runs
-        under (bench plane's valgrind, which counts its instructions)."""
+        under (bench plane's valgrind, which counts its instructions). `root`: the checkout whose
+        configs/redis.conf it runs with, as deployed (an older checkout's, which may have none, for an A/B run)."""
         self.wrapper = list(wrapper)
+        config = root / REDIS_CONFIG
+        self.config = [str(config)] if config.exists() else []
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir
@@ -61,6 +70,7 @@ class RedisServer:
             [
                 *self.wrapper,
                 "redis-server",
+                *self.config,
                 "--port",
                 str(self.port),
                 "--bind",

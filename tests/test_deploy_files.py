@@ -425,3 +425,33 @@ def test_a_copied_env_example_is_refused_by_the_secrets_check_flower_included():
     )
     assert "FLOWER_BASIC_AUTH's password for admin is empty" in found
     assert "REDIS_PASSWORD is not set" in found and "GRAFANA_ADMIN_PASSWORD is not set" in found
+
+
+def _redis_settings() -> list[tuple[str, str]]:
+    """configs/redis.conf's settings, as (name, value)."""
+    lines = (REPO_ROOT / "configs" / "redis.conf").read_text().splitlines()
+    return [tuple(line.split(None, 1)) for line in lines if line.strip() and not line.startswith("#")]  # type: ignore[misc]
+
+
+def test_every_control_plane_redis_runs_with_configs_redis_conf(redis_client):
+    """configs/redis.conf is the one list of the control plane's settings beyond Redis's defaults: make run and
+    tools/redis_ha.py start redis-server with the file, the tests' servers too (this test's answers with them), and
+    compose's Redis commands and several-hosts.md's command line carry each setting."""
+    settings = _redis_settings()
+    assert ("hash-max-listpack-value", "4096") in settings
+    for name, value in settings:
+        assert redis_client.config_get(name) == {name: value}
+    assert '"$PWD/configs/redis.conf"' in (REPO_ROOT / "scripts" / "run-local").read_text()
+    assert 'str(REDIS_CONFIG),\n            "--port"' in (REPO_ROOT / "tools" / "redis_ha.py").read_text()
+    commands = [
+        line
+        for name in ("docker-compose.yml", "docker-compose.ha.yml")
+        for line in (REPO_ROOT / name).read_text().splitlines()
+        if "exec redis-server -" in line
+    ]
+    several_hosts = (REPO_ROOT / "docs" / "several-hosts.md").read_text()
+    documented = several_hosts[several_hosts.index("runuser -u redis -- redis-server") :].split("\n```", 1)[0]
+    assert len(commands) == 4  # the main file's Redis; the HA file's primary and two replicas
+    for command in (*commands, documented):
+        for name, value in settings:
+            assert f"--{name} {value}" in command, (name, command)

@@ -10,7 +10,7 @@ One role a workload, as compose runs them: the API (a Deployment and its Service
 scaled by a KEDA ScaledObject on the product's own signal), the callback workers, Flower, and one GPU worker per
 GPU node (a DaemonSet on the nodes that offer `nvidia.com/gpu`). Redis is outside: `IMGSERVE_REDIS_URL` (or
 Sentinels, `IMGSERVE_REDIS__SENTINELS`) in the Secret, with `IMGSERVE_CALLBACK_SECRET`, `IMGSERVE_JOB_ID_SECRET`
-and `FLOWER_BASIC_AUTH`.
+and `FLOWER_BASIC_AUTH`; it should run with configs/redis.conf's settings, as every deployment here does.
 
 The CPU workers follow `imgserve_cpu_workers_wanted` (contract/scaling.py: the processes a model's backlog and rate
 want, every GPU worker exporting the same figure), summed over the models, through KEDA's Prometheus scaler:

@@ -44,6 +44,8 @@ START_LIMIT_S = 30.0
 # The append-only file as make run's and compose's Redis keep it: fsynced every second, rewritten at 512 MB, not
 # Redis's 64 (every upload passes through it: docs/reliability.md)
 AOF_AS_DEPLOYED = ("--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-min-size", "512mb")
+# The control plane's settings beyond Redis's defaults, every deployment's (make run starts its Redis with them too)
+REDIS_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "redis.conf"
 
 
 @dataclass(frozen=True)
@@ -149,6 +151,7 @@ class RedisHA:
         auth = ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
         argv = [
             "redis-server",
+            str(REDIS_CONFIG),
             "--port",
             str(port),
             "--bind",

@@ -145,6 +145,7 @@ def cmd_plane(args: argparse.Namespace) -> int:
             "apart": {phase: vars(cost) for phase, cost in side["apart"].items()},
             "total": vars(side["total"]),
             "ended": side["ended"],
+            "record": side["record"],
         }
         for name, side in sides.items()
     }
