@@ -21,7 +21,7 @@ from contract.documents import job_document
 from contract.frame_shards import frame_pusher
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
 from contract.jobs.ending import JobEnding
-from contract.jobs.handoff import JobHandOff
+from contract.jobs.handoff import CLAIM_FIELDS, JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import (
     CANCELLED,
@@ -567,13 +567,25 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     store = JobIntake(redis_client, keys, ttl_s=60)
     handoff = JobHandOff(redis_client, keys, ttl_s=60)
     assert handoff.claim_for_preprocessing("c" * 32, 100.0)[0] == "missing"
-    store.create("c" * 32, b"the upload", 60, {"deadline_at": 200.0, "received_at": 99.0})
+    store.create(
+        "c" * 32,
+        b"the upload",
+        60,
+        {"deadline_at": 200.0, "received_at": 99.0, "model": "m:1", "options": {"conf": 0.5}, "owner": "k"},
+    )
     assert handoff.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
     assert store.load("c" * 32)["status"] == QUEUED  # the caller ends it
     verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 150.0)
     assert (verdict, upload) == ("claimed", b"the upload")
-    assert record["status"] == PREPROCESSING and record["cpu_started_at"] == 150.0
-    assert record["received_at"] == 99.0
+    # the fields the worker reads, and only those the record has (no decode_cost, no submitted_at here)
+    assert record == {
+        "status": PREPROCESSING,
+        "model": "m:1",
+        "deadline_at": 200.0,
+        "options": {"conf": 0.5},
+        "received_at": 99.0,
+    }
+    assert store.load("c" * 32)["cpu_started_at"] == 150.0
     assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"  # a redelivery may claim again
     store.finish("c" * 32, CANCELLED)
     verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 152.0)
@@ -586,6 +598,22 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     redis_client.script_flush()
     redis_client.client_kill_filter(_type="normal", skipme=True)  # and dropped the claim's connection (a restart)
     assert handoff.claim_for_preprocessing("d" * 32, 152.0)[0] == "claimed"
+
+
+def test_the_claim_reads_what_the_worker_uses_of_a_record_however_the_job_stands(redis_client):
+    """The claim reads CLAIM_FIELDS, not the whole record: a key's decode share (given back whatever the verdict),
+    the submission's stamps, and how a job ended when a late redelivery finds it over."""
+    keys = Keys("claim-fields")
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    fields = {"deadline_at": 1e12, "received_at": 1.0, "submitted_at": 2.0, "model": "m:1", "decode_cost": "4096"}
+    store.create("f" * 32, b"upload", 60, {**fields, "callback_url": "http://127.0.0.1:5000/", "media_type": "x"})
+    verdict, _, record = handoff.claim_for_preprocessing("f" * 32, 3.0, "first")
+    assert verdict == "claimed" and set(record) == {"status", *fields} <= set(CLAIM_FIELDS)
+    assert record["decode_cost"] == "4096" and record["submitted_at"] == 2.0
+    assert handoff.expire("f" * 32, "a sweep, while the first attempt decoded")  # the job ends under the worker
+    verdict, upload, record = handoff.claim_for_preprocessing("f" * 32, 4.0, "second")  # a redelivered task
+    assert (verdict, upload, record["status"], record["decode_cost"]) == ("over", None, EXPIRED, "4096")
 
 
 def test_a_config_naming_the_decode_limits_under_api_as_0_1_0_did_is_refused(tmp_path):

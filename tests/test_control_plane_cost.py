@@ -14,7 +14,7 @@ from contract import frame_push as frames
 from contract.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
-from contract.jobs.record import RUNNING, SUCCEEDED
+from contract.jobs.record import PREPROCESSING, RUNNING, SUCCEEDED
 from contract.keys import Keys
 from contract.shards import BulkPlane
 
@@ -72,8 +72,9 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     assert sum(create.values()) == 7, create
 
     claim = commands_of(quiet_redis, lambda: handoff.claim_for_preprocessing(job, 100.0, "mine"))
-    # GET (the upload), EVALSHA (HMGET, HSET), HGETALL: was GET, EVALSHA (HGET, HGET, HSET, HGETALL)
-    assert sum(claim.values()) == 5 and claim["hmget"] == 1 and "hget" not in claim, claim
+    # GET (the upload), EVALSHA (HMGET, HSET), HMGET of the fields the worker reads: was GET, EVALSHA (HGET, HGET,
+    # HSET, HGETALL), then GET, EVALSHA (HMGET, HSET), HGETALL of the whole record
+    assert sum(claim.values()) == 5 and claim["hmget"] == 2 and "hgetall" not in claim and "hget" not in claim, claim
 
     push = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
     # MULTI LPUSH EVALSHA (HMGET LLEN DEL HSET HINCRBY) EXEC: was 17 (EVAL, a read and a counter move a field),
@@ -140,11 +141,13 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
     control.script_load(handoff._claim.script)
     claim = commands_of(control, lambda: handoff.claim_for_preprocessing(job, 1.0, "c"))
-    # the control plane: EVALSHA (HMGET, HSET), HGETALL; the upload's GET went to the shard (the same server here)
-    assert "script|exists" not in claim and claim["evalsha"] == 1 and claim["hgetall"] == 1, claim
+    # the control plane: EVALSHA (HMGET, HSET), HMGET; the upload's GET went to the shard (the same server here)
+    assert "script|exists" not in claim and claim["evalsha"] == 1 and claim["hmget"] == 2, claim
+    assert "hgetall" not in claim, claim
     control.script_flush()  # a restarted control plane: the step is loaded again and the claim made
     verdict, upload, record = handoff.claim_for_preprocessing(job, 2.0, "d")
-    assert (verdict, upload, record["claim"]) == ("claimed", b"upload", "d")
+    assert (verdict, upload, record["status"], record["model"]) == ("claimed", b"upload", PREPROCESSING, "m:1")
+    assert intake.load(job)["claim"] == "d"
 
 
 def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redis):

@@ -17,13 +17,13 @@ from contract.jobs.record import PREPROCESSING, QUEUED, JobRecord, decode_record
 from contract.keys import Keys
 from contract.replies import PayloadReader
 from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
-from contract.timebill import CPU_STARTED_AT
+from contract.timebill import CPU_STARTED_AT, RECEIVED_AT, SUBMITTED_AT
 
 # A CPU worker's claim, in one round trip instead of three (read, move, fetch the upload): a plain GET of the
-# upload, whose reply is read straight into one buffer (contract.replies), this step, and a plain HGETALL of the
-# record as the claim left it. (The upload stays out of the script: Lua would copy 0.8 MB in and out of its own
-# memory, which cost Redis 1.5 ms of CPU per image; so does the record: turned into a Lua table and back into a
-# reply, its 26 strings cost the script 13 of its 21 µs, where HGETALL reads it in 2-3.)
+# upload, whose reply is read straight into one buffer (contract.replies), this step, and a plain HMGET of the
+# record's CLAIM_FIELDS as the claim left them. (The upload stays out of the script: Lua would copy 0.8 MB in and
+# out of its own memory, which cost Redis 1.5 ms of CPU per image; so do the fields: turned into a Lua table and
+# back into a reply, strings cost the script far more than a plain read of them.)
 # KEYS[1] job hash; ARGV[1] now, ARGV[2] the claim (a token of this attempt, which its push must show).
 # Returns 'claimed' (now preprocessing), 'missing', 'over' (past this stage or ended), 'late' (deadline passed,
 # unchanged: the caller ends it).
@@ -40,6 +40,12 @@ redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', '{CPU_STARTED_AT}
 return 'claimed'
 """
 )
+
+
+# What the CPU worker reads of a record at its claim (tasks/preprocess.py), and nothing more of its ~23 fields: how it
+# ended when it is over, its model, its deadline and options (the frame's header), the stamps its bill goes on
+# from, and whether its key's decode share is to be given back. A field the record lacks is absent from the reply.
+CLAIM_FIELDS = ("status", "model", "deadline_at", "options", RECEIVED_AT, SUBMITTED_AT, "decode_cost")
 
 
 class JobHandOff(JobEnding):
@@ -65,7 +71,7 @@ class JobHandOff(JobEnding):
         commands = (
             ("GET", self.keys.upload(job_id)),
             ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim),
-            ("HGETALL", self.keys.job(job_id)),
+            ("HMGET", self.keys.job(job_id), *CLAIM_FIELDS),
         )
         reconnected = reloaded = False
         while True:
@@ -96,7 +102,7 @@ class JobHandOff(JobEnding):
             # EVALSHA by hand: redis-py's Script in a pipeline asks SCRIPT EXISTS first, a round trip more each time
             pipe = self.redis.pipeline(transaction=False)
             pipe.evalsha(self._claim.sha, 1, self.keys.job(job_id), repr(now), claim)
-            pipe.hgetall(self.keys.job(job_id))
+            pipe.hmget(self.keys.job(job_id), CLAIM_FIELDS)
             replies = pipe.execute(raise_on_error=False)
             if not isinstance(replies[0], redis.exceptions.NoScriptError) or attempt:
                 break
@@ -119,9 +125,8 @@ class JobHandOff(JobEnding):
         raise AssertionError("unreachable")
 
 
-def _claimed(verdict: Any, fields: Any) -> tuple[str, JobRecord]:
-    """The claim's verdict and the record read after it (a flat list of names and values, or redis-py's dict)."""
-    if isinstance(fields, list):
-        fields = dict(zip(fields[::2], fields[1::2]))
+def _claimed(verdict: Any, values: Any) -> tuple[str, JobRecord]:
+    """The claim's verdict and the record's CLAIM_FIELDS read after it (their values in order, None where absent)."""
+    fields = {name.encode(): bytes(value) for name, value in zip(CLAIM_FIELDS, values) if value is not None}
     text = bytes(verdict).decode() if isinstance(verdict, (bytes, memoryview)) else str(verdict)
     return text, decode_record(fields) if fields else cast(JobRecord, {})
