@@ -245,8 +245,8 @@ class _Progress:
 
 
 def _ended_record(client: redis.Redis, keys: list[str]) -> dict[str, Any]:
-    """What an ended job's record takes in Redis (MEMORY USAGE, the mean of `keys`) and how it is encoded."""
-    sizes = [int(client.memory_usage(key) or 0) for key in keys]
+    """What an ended job's record takes in Redis (MEMORY USAGE of every field, the mean of `keys`), and its encoding."""
+    sizes = [int(client.memory_usage(key, samples=0) or 0) for key in keys]  # every field, not 5 sampled
     raw = [client.object("encoding", key) for key in keys]
     encodings = {value.decode() if isinstance(value, bytes) else str(value) for value in raw}
     return {"bytes": sum(sizes) / max(1, len(sizes)), "encodings": sorted(encodings)}
