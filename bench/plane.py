@@ -88,6 +88,9 @@ def _config(redis_url: str, shard_urls: list[str], images: int, keyed: bool = Fa
         # every image of a phase waits at once: budgets wide enough for all of them
         "backpressure": {"max_frames": room, "max_backlog": room * 2},
         "auth": {"max_backlog_share": 1.0},
+        # The lost-delivery check reads every live job each round (every 5 s): in service the jobs in flight, here
+        # every image at once, so a round priced one HMGET an image into whichever step it fell in. Left out.
+        "celery": {"lost_delivery_s": 3600.0},
     }
     if shard_urls:
         config["bulk"] = {"redis_urls": shard_urls}
