@@ -15,8 +15,9 @@ from typing import TypeVar
 
 import redis
 
+from tools.redis_config import redis_config_args
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
-REDIS_CONFIG = "configs/redis.conf"  # the control plane's settings beyond Redis's defaults, every deployment's
 T = TypeVar("T")
 
 
@@ -56,8 +57,7 @@ class RedisServer:
         under (bench plane's valgrind, which counts its instructions). `root`: the checkout whose
         configs/redis.conf it runs with, as deployed (an older checkout's, which may have none, for an A/B run)."""
         self.wrapper = list(wrapper)
-        config = root / REDIS_CONFIG
-        self.config = [str(config)] if config.exists() else []
+        self.config = redis_config_args(root)
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self.workdir = workdir

@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.support import REPO_ROOT
+from tools.redis_config import redis_config_args
 
 SECRETS = {
     "REDIS_PASSWORD": "test-redis-secret-8f2Kq",
@@ -434,15 +435,18 @@ def _redis_settings() -> list[tuple[str, str]]:
 
 
 def test_every_control_plane_redis_runs_with_configs_redis_conf(redis_client):
-    """configs/redis.conf is the one list of the control plane's settings beyond Redis's defaults: make run and
-    tools/redis_ha.py start redis-server with the file, the tests' servers too (this test's answers with them), and
-    compose's Redis commands and several-hosts.md's command line carry each setting."""
+    """configs/redis.conf is the one list of the control plane's settings beyond Redis's defaults: make run,
+    tools/redis_ha.py and the tests' servers (this test's answers with them) start redis-server with its settings,
+    and compose's Redis commands and several-hosts.md's command line carry each of them."""
     settings = _redis_settings()
     assert ("hash-max-listpack-value", "4096") in settings
     for name, value in settings:
         assert redis_client.config_get(name) == {name: value}
-    assert '"$PWD/configs/redis.conf"' in (REPO_ROOT / "scripts" / "run-local").read_text()
-    assert 'str(REDIS_CONFIG),\n            "--port"' in (REPO_ROOT / "tools" / "redis_ha.py").read_text()
+    assert redis_config_args(REPO_ROOT) == [arg for name, value in settings for arg in (f"--{name}", value)]
+    # make run and redis_ha pass the file's settings as options (test_make_run_private and test_failover read them
+    # back from their servers), never the file itself: CONFIG REWRITE would rewrite it
+    assert "configs/redis.conf" in (REPO_ROOT / "scripts" / "run-local").read_text()
+    assert "*AS_CONFIGURED," in (REPO_ROOT / "tools" / "redis_ha.py").read_text()
     commands = [
         line
         for name in ("docker-compose.yml", "docker-compose.ha.yml")

@@ -22,8 +22,8 @@ from contract.jobs.intake import JobIntake
 from contract.keys import Keys
 from contract.replication import NotReplicated, Replication, execute_and_wait
 from contract.replies import PayloadReader
-from tests.support import jpeg
-from tools.redis_ha import RedisHA
+from tests.support import REPO_ROOT, jpeg
+from tools.redis_ha import SERVERS, RedisHA
 
 pytestmark = pytest.mark.integration
 
@@ -202,7 +202,10 @@ def test_a_write_to_the_demoted_primary_is_refused_not_lost(ha, sentinel_setting
 
 
 def test_make_run_redis_sentinel_starts_and_stops_the_set(tmp_path):
-    """`python -m tools.redis_ha` as run-local uses it: start prints the settings' variables, stop ends all."""
+    """`python -m tools.redis_ha` as run-local uses it: start prints the settings' variables, stop ends all. Each
+    server runs with configs/redis.conf's settings, given as options: the file itself, given as a server's config
+    file, was rewritten by Sentinel's CONFIG REWRITE with that server's whole state (its port, its replicaof)."""
+    conf = (REPO_ROOT / "configs" / "redis.conf").read_bytes()
     folder = tmp_path / "set"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     started = subprocess.run(
@@ -216,7 +219,12 @@ def test_make_run_redis_sentinel_starts_and_stops_the_set(tmp_path):
     assert "export IMGSERVE_REDIS__SENTINELS='[127.0.0.1:" in started.stdout
     ha = RedisHA.load(folder)
     assert all(node.alive() for node in ha.nodes.values()) and ha.primary() == "a"
+    for name in SERVERS:
+        server = redis.Redis(port=ha.nodes[name].port, password=ha.password or None, decode_responses=True)
+        assert server.config_get("hash-max-listpack-value") == {"hash-max-listpack-value": "4096"}, name
+        assert server.info("server")["config_file"] == "", name  # nothing of the checkout's for CONFIG REWRITE
     subprocess.run(
         [sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)], env=env, timeout=60, check=True
     )
     assert not any(node.alive() for node in ha.nodes.values())
+    assert (REPO_ROOT / "configs" / "redis.conf").read_bytes() == conf

@@ -82,6 +82,7 @@ def test_redis_private_listens_on_the_port_chosen(private_run):
     # with configs/redis.conf, as every deployment's control plane
     limit = redis.Redis(port=private_run.redis_port, decode_responses=True).config_get("hash-max-listpack-value")
     assert limit == {"hash-max-listpack-value": "4096"}
+    assert redis.Redis(port=private_run.redis_port).info("server")["config_file"] == ""  # options, not the file
 
 
 def test_a_killed_redis_is_started_again_on_its_port_and_data(private_run):

@@ -35,6 +35,7 @@ from typing import Any
 import redis
 
 from tools.ports import free_port
+from tools.redis_config import redis_config_args
 
 SERVICE = "imgserve"
 SERVERS, REPLICAS = ("a", "b", "c"), ("b", "c")
@@ -45,7 +46,7 @@ START_LIMIT_S = 30.0
 # Redis's 64 (every upload passes through it: docs/reliability.md)
 AOF_AS_DEPLOYED = ("--appendonly", "yes", "--appendfsync", "everysec", "--auto-aof-rewrite-min-size", "512mb")
 # The control plane's settings beyond Redis's defaults, every deployment's (make run starts its Redis with them too)
-REDIS_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "redis.conf"
+AS_CONFIGURED = tuple(redis_config_args(Path(__file__).resolve().parent.parent))
 
 
 @dataclass(frozen=True)
@@ -151,7 +152,6 @@ class RedisHA:
         auth = ["--requirepass", self.password, "--masterauth", self.password] if self.password else []
         argv = [
             "redis-server",
-            str(REDIS_CONFIG),
             "--port",
             str(port),
             "--bind",
@@ -162,6 +162,7 @@ class RedisHA:
             "--save",
             "",
             *AOF_AS_DEPLOYED,
+            *AS_CONFIGURED,
             "--logfile",
             str(home / "redis.log"),
             *auth,
