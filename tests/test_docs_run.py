@@ -96,7 +96,7 @@ def test_every_make_target_the_docs_name_exists():
     assert named <= targets, f"documented but not in the Makefile: {sorted(named - targets)}"
     run_local = (REPO_ROOT / "scripts" / "run-local").read_text()
     for choice in set(re.findall(r"make run REDIS=(\w+)", _text())):
-        assert f"\n  {choice})" in run_local, f"make run REDIS={choice}: run-local has no such choice"
+        assert re.search(rf"\n *{choice}\)\n", run_local), f"make run REDIS={choice}: run-local has no such choice"
 
 
 def test_every_runnable_block_is_python_or_shell_that_parses():
