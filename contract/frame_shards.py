@@ -20,10 +20,11 @@ from contract.keys import Keys
 from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 
 # The frame goes to the job's shard first, kept only within the shard's bound: the push and this step in one
-# MULTI, on the shard. KEYS[1] the frame list; ARGV[1] its bound. Returns 1 kept, 0 dropped again (the list was
-# full).
+# MULTI, on the shard. A frame pushed to the head (its key's frames are few: contract.frame_push) passes the bound.
+# KEYS[1] the frame list; ARGV[1] its bound, ARGV[2] '1' for a head frame. Returns 1 kept, 0 dropped again (the
+# list was full).
 _KEEP_WITHIN_BOUND = """
-if redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) then
+if ARGV[2] ~= '1' and redis.call('LLEN', KEYS[1]) > tonumber(ARGV[1]) then
   redis.call('LTRIM', KEYS[1], 1, -1)
   return 0
 end
@@ -35,9 +36,10 @@ return 1
 # it before this step ran: the stamps are written, the status and the frame's bytes are left alone, its batch
 # write gives them back). The frame is counted among its model's frames on the shards (Keys.frames_waiting; the
 # batch write that acknowledges it counts it out, and each GPU worker's heartbeat sets the count to what the
-# lists hold). KEYS[1] job hash, KEYS[2] the upload's marker, KEYS[3] waiting bytes, KEYS[4] frames waiting;
-# ARGV[1] the claim, ARGV[2] the frame's length, ARGV[3..] field, value, ... Returns PUSHED or JOB_OVER (the
-# caller takes the frame back).
+# lists hold), and among its key's (Keys.key_frames), which the same batch write counts out. KEYS[1] job hash,
+# KEYS[2] the upload's marker, KEYS[3] waiting bytes, KEYS[4] frames waiting, KEYS[5] the key's frames ('' : not
+# counted); ARGV[1] the claim, ARGV[2] the frame's length, ARGV[3..] field, value, ... Returns PUSHED or JOB_OVER
+# (the caller takes the frame back).
 _MARK_PUSHED = (
     PUSH_LUA
     + f"""
@@ -47,12 +49,14 @@ if (claim and claim ~= ARGV[1]) or (status ~= '{PREPROCESSING}' and status ~= '{
 if status == '{RUNNING}' then   -- its frame is in a batch already: the stamps alone
   redis.call('HSET', KEYS[1], unpack(ARGV, 3))
   release_upload(KEYS[2], KEYS[3], model, upload_bytes, owner)
+  count_key_frame(KEYS[5], owner)
   return {PUSHED}
 end
 if redis.call('DEL', KEYS[2]) == 0 then return {JOB_OVER} end
 redis.call('HSET', KEYS[1], 'status', '{QUEUED_GPU}', unpack(ARGV, 3))
 if model then redis.call('HINCRBY', KEYS[4], model, 1) end
 trade_upload_for_frame(KEYS[3], model, upload_bytes, tonumber(ARGV[2]), owner)
+count_key_frame(KEYS[5], owner)
 return {PUSHED}
 """
 )
@@ -61,13 +65,20 @@ return {PUSHED}
 class ShardedFramePusher(FramePusher):
     """The CPU workers' end of the frame lists over bulk shards."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, bulk: BulkPlane) -> None:
-        super().__init__(client, keys)
+    def __init__(self, client: redis.Redis, keys: Keys, bulk: BulkPlane, count_key_frames: bool = False) -> None:
+        super().__init__(client, keys, count_key_frames)
         self.bulk = bulk
         self._mark_pushed = client.register_script(_MARK_PUSHED)
 
     def push(
-        self, job_id: str, model_key: str, frame: bytes, max_frames: int, fields: Mapping[str, Any], claim: str = ""
+        self,
+        job_id: str,
+        model_key: str,
+        frame: bytes,
+        max_frames: int,
+        fields: Mapping[str, Any],
+        claim: str = "",
+        head: bool = False,
     ) -> int:
         """FramePusher.push with bulk shards: the frame onto the job's shard within the shard's bound, then the
         control plane's verdict (_MARK_PUSHED); a frame that may not stand is taken back. A worker that dies
@@ -78,9 +89,12 @@ class ShardedFramePusher(FramePusher):
         shard, frames = self.bulk.clients[index], self.keys.frames(model_key)
         try:
             pipe = shard.pipeline(transaction=True)
-            pipe.lpush(frames, frame)
+            if head:
+                pipe.rpush(frames, frame)
+            else:
+                pipe.lpush(frames, frame)
             # EVAL, not EVALSHA: a script the shard has forgotten would fail inside the transaction after the push.
-            pipe.eval(_KEEP_WITHIN_BOUND, 1, frames, self.bulk.frame_bound(max_frames))
+            pipe.eval(_KEEP_WITHIN_BOUND, 1, frames, self.bulk.frame_bound(max_frames), "1" if head else "")
             kept = int(pipe.execute()[1])
         except SHARD_ERRORS as exc:
             self.bulk.mark_down(index)
@@ -95,6 +109,7 @@ class ShardedFramePusher(FramePusher):
                     self.keys.upload(job_id),
                     self.keys.waiting_bytes,
                     self.keys.frames_waiting,
+                    self.keys.key_frames(model_key) if self.count_key_frames else "",
                 ],
                 args=[claim, len(frame), *stamps],
             )
@@ -111,6 +126,11 @@ class ShardedFramePusher(FramePusher):
         return int(self.bulk.client_for(job_id).llen(self.keys.frames(model_key))) < self.bulk.frame_bound(max_frames)
 
 
-def frame_pusher(client: redis.Redis, keys: Keys, bulk: BulkPlane | None = None) -> FramePusher:
-    """The CPU workers' end of the frame lists: over `bulk`'s shards when it has any, else in `client`'s Redis."""
-    return ShardedFramePusher(client, keys, bulk) if bulk is not None and bulk.sharded else FramePusher(client, keys)
+def frame_pusher(
+    client: redis.Redis, keys: Keys, bulk: BulkPlane | None = None, count_key_frames: bool = False
+) -> FramePusher:
+    """The CPU workers' end of the frame lists: over `bulk`'s shards when it has any, else in `client`'s Redis;
+    `count_key_frames`: each frame counted among its key's (Keys.key_frames)."""
+    if bulk is not None and bulk.sharded:
+        return ShardedFramePusher(client, keys, bulk, count_key_frames)
+    return FramePusher(client, keys, count_key_frames)

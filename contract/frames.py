@@ -71,6 +71,8 @@ class FrameHeader:
     options: dict[str, Any] = field(default_factory=dict)  # conf, iou, max_det
     stamps: dict[str, float] = field(default_factory=dict)  # time-bill stamps so far, `pushed_at` the last
     dtype: str = "uint8"
+    # the job's API key id ("" without keys): the batch write counts its frame out of the key's (Keys.key_frames)
+    owner: str = ""
 
     @property
     def pushed_at(self) -> float:

@@ -125,6 +125,18 @@ class Keys:
         pop from the right."""
         return f"{self.namespace}:frames:{model_key}"
 
+    def key_frames(self, model_key: str) -> str:
+        """Hash: API key id -> that key's frames of this model pushed and not yet ended by a GPU worker's batch
+        write (waiting in the list or in a worker's hands): +1 by the push, -1 by the batch write, a field at 0
+        deleted, the hash's TTL renewed by each push (contract.frame_push). A key below
+        `backpressure.head_frames_per_key` has its frame pushed to the head of the list."""
+        return f"{self.key_frames_prefix}{model_key}"
+
+    @property
+    def key_frames_prefix(self) -> str:
+        """key_frames without its model: the claim's Lua names the hash from it and the record's model."""
+        return f"{self.namespace}:key_frames:"
+
     def processing(self, worker_id: str, model_key: str) -> str:
         """List: a model's frames a GPU worker has taken and not yet answered."""
         return f"{self.namespace}:gpu:{worker_id}:processing:{model_key}"

@@ -92,9 +92,7 @@ class ApiSettings:
 class LogSettings:
     format: str = "json"  # json: one object per line (contract.logs); text: plain lines
     level: str = "INFO"
-    # false: each process says it is up in a line or two; true: Celery's banners, gunicorn's, Flower's and the
-    # workers' start-up chatter too (make run VERBOSE=1)
-    verbose: bool = False
+    verbose: bool = False  # true: Celery's, gunicorn's and Flower's start-up chatter too (make run VERBOSE=1)
 
     def __post_init__(self) -> None:
         if self.format not in ("json", "text"):
@@ -164,6 +162,7 @@ class BackpressureSettings:
     max_backlog: int = 256  # preprocess queue + frame list above this: the API answers 429
     retry_after_s: int = 1  # the least Retry-After a refusal gives (it is computed from the drain rate)
     room_poll_s: float = 0.005
+    head_frames_per_key: int = 1  # a key with fewer frames waiting or in flight goes to the list's head; 0: off
     # Bytes of uploads and frames waiting in Redis (contract.budget): a model's (a spec may set its own), and
     # every model's together. Over a model's: 429; over the total, or Redis past store_full_ratio of its
     # maxmemory: 503. Size Redis's maxmemory above the total plus the job records (see the docs).

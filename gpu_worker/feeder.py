@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,8 @@ class InHand:
     failed: list[Outcome] = field(default_factory=list)  # triage failed otherwise: these jobs fail
     taken_bytes: int = 0
     epoch: str = ""  # the worker's life it was taken in: written only while that lasts
+    # API key id -> its frames among those taken (readable ones): the write counts them out of Keys.key_frames
+    owners: dict[str, int] = field(default_factory=dict)
 
 
 class Feeder:
@@ -106,7 +109,7 @@ class Feeder:
         seq = self.next_seq()
         offset = service_now() - time.monotonic()
         with self.host_time("unpack"):
-            frames, refused = self._unpack(batch)
+            frames, refused, owners = self._unpack(batch)
         with self.host_time("triage"):
             running = self._triage(frames, refused)
         in_hand = InHand(
@@ -119,6 +122,7 @@ class Feeder:
             popped_at=[popped + offset for _, popped in running],
             taken_bytes=sum(len(item) for item in batch.items),
             epoch=epoch,
+            owners=owners,
         )
         if in_hand.running:
             with self.host_time("stage"):
@@ -137,6 +141,7 @@ class Feeder:
             popped_at=[],
             taken_bytes=sum(len(item) for item in batch.items),
             epoch=epoch,
+            owners=_owners_of(batch.items),
         )
         if isinstance(exc, redis.RedisError):
             in_hand.give_back = batch.items
@@ -149,12 +154,15 @@ class Feeder:
             ]
         return in_hand
 
-    def _unpack(self, batch: Batch[memoryview]) -> tuple[list[tuple[Frame, float]], list[Outcome]]:
-        """Readable frames that fit the model's input, with their pop times; the rest fail."""
-        frames, refused = [], []
+    def _unpack(self, batch: Batch[memoryview]) -> tuple[list[tuple[Frame, float]], list[Outcome], dict[str, int]]:
+        """Readable frames that fit the model's input, with their pop times; the rest fail. And the API keys of the
+        readable ones, counted."""
+        frames, refused, owners = [], [], Counter[str]()
         for raw, popped in zip(batch.items, batch.popped_at):
             try:
                 frame = unpack_frame(raw)
+                if frame.header.owner:
+                    owners[frame.header.owner] += 1
                 if not fits_input(frame, self.input_size):
                     raise FrameError(
                         f"content {frame.header.width}x{frame.header.height} at "
@@ -168,7 +176,7 @@ class Feeder:
                     refused.append((job_id, FAILED, {"error": {"code": "bad_frame", "message": str(exc)}}))
                 continue
             frames.append((frame, popped))
-        return frames, refused
+        return frames, refused, dict(owners)
 
     def _triage(self, frames: list[tuple[Frame, float]], refused: list[Outcome]) -> list[tuple[Frame, float]]:
         """One round trip moves the frames' jobs to running (unless poisoned); the unreadable, the
@@ -207,6 +215,19 @@ class Feeder:
         self.store.finish_many(
             [(frame.header.job_id, FAILED, {"error": {"code": "poison", "message": message}}) for frame in frames]
         )
+
+
+def _owners_of(items: Sequence[memoryview]) -> dict[str, int]:
+    """The API keys of the readable frames among `items`, counted."""
+    owners = Counter[str]()
+    for raw in items:
+        try:
+            owner = unpack_frame(raw).header.owner
+        except FrameError:
+            continue
+        if owner:
+            owners[owner] += 1
+    return dict(owners)
 
 
 def _frame_age(raw: memoryview) -> float:

@@ -40,11 +40,13 @@ from gpu_worker.staging import DeviceOutput
 log = logging.getLogger("gpu_worker")
 
 # KEYS[1] callback outbox, KEYS[2] processing list ('' with bulk shards: the source acks there after this),
-# KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5] the frames-waiting hash (bulk shards), KEYS[6..]
-# job hashes; ARGV[1..N] JobEnding.finish_names() (N = FINISH_NAMES), then: frames to acknowledge (the
-# oldest in hand), their bytes, their model, the count of counter field and value arguments, the epoch the batch
-# was taken in ('' : unfenced), the counters, and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1
-# (nothing written) when the epoch is no longer the worker's.
+# KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5] the frames-waiting hash (bulk shards), KEYS[6] the
+# model's frames by API key (Keys.key_frames; '' : not counted), KEYS[7..] job hashes; ARGV[1..N]
+# JobEnding.finish_names() (N = FINISH_NAMES), then: frames to acknowledge (the oldest in hand), their bytes, their
+# model, the count of counter field and value arguments, the epoch the batch was taken in ('' : unfenced), the count
+# of key and frames arguments, the counters, the keys' (an API key id, its frames among those acknowledged: counted
+# out, a count at 0 or below deleted), and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1 (nothing
+# written) when the epoch is no longer the worker's.
 _WRITE_BATCH = (
     FINISH_JOBS_LUA
     + ACK_FRAMES_LUA
@@ -64,9 +66,17 @@ if acked > 0 then
   release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
 end
 if counters > 0 then
-  redis.call('HSET', KEYS[3], unpack(ARGV, N + 6, N + 5 + counters))
+  redis.call('HSET', KEYS[3], unpack(ARGV, N + 7, N + 6 + counters))
 end
-return finish_jobs(names, 6, N + 6 + counters)
+local owned, at = tonumber(ARGV[N + 6]), N + 7 + counters
+if KEYS[6] ~= '' then
+  for i = at, at + owned - 1, 2 do
+    if redis.call('HINCRBY', KEYS[6], ARGV[i], -tonumber(ARGV[i + 1])) <= 0 then
+      redis.call('HDEL', KEYS[6], ARGV[i])
+    end
+  end
+end
+return finish_jobs(names, 7, at + owned)
 """
 )
 
@@ -133,6 +143,8 @@ class Finisher:
         # Acked by the batch write itself, or (bulk shards) by the source once the write is done.
         self.acked_key = link.keys.processing(link.worker_id, spec.key) if source.acked_by_batch_write else ""
         self.ttl_s = link.settings.jobs.ttl_s
+        # each acknowledged frame counted out of its API key's (the CPU workers count them in: contract.frame_push)
+        self.key_frames = link.keys.key_frames(spec.key) if link.settings.backpressure.head_frames_per_key > 0 else ""
         self._write_batch = link.redis.register_script(_WRITE_BATCH)
 
     def finish(self, batch: InHand) -> None:
@@ -217,6 +229,7 @@ class Finisher:
     def _write(self, batch: InHand, outcomes: list[Outcome]) -> bool:
         """The batch's one write; False when the worker's epoch was gone (nothing written)."""
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
+        owners = [value for pair in batch.owners.items() for value in pair] if self.key_frames else []
         job_keys, job_args = self.store.finish_arguments(outcomes)
         written = self._write_batch(
             keys=[
@@ -225,6 +238,7 @@ class Finisher:
                 self.keys.gpu_counters(self.worker_id),
                 self.keys.gpu_epoch(self.worker_id),
                 self.keys.frames_waiting,
+                self.key_frames,
                 *job_keys,
             ],
             args=[
@@ -234,7 +248,9 @@ class Finisher:
                 self.spec.key,
                 len(counters),
                 batch.epoch,
+                len(owners),
                 *counters,
+                *owners,
                 *job_args,
             ],
         )

@@ -49,8 +49,11 @@ class Preprocessor:
         self.redis = client
         self.keys = Keys(settings.namespace)
         bulk = bulk_plane(settings, client)
-        self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk)
-        self.frames = frame_pusher(client, self.keys, bulk)
+        # a light key's frames go to the head of the list (contract.frame_push): each frame counted by key
+        self.head_frames = settings.backpressure.head_frames_per_key
+        counted = self.head_frames > 0
+        self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk, count_key_frames=counted)
+        self.frames = frame_pusher(client, self.keys, bulk, count_key_frames=counted)
         self.catalogue = Catalogue(settings)
         self.decode_share = DecodeShare(client, self.keys)
         decode = settings.decode
@@ -87,9 +90,10 @@ class Preprocessor:
                 backoff = min(backoff * 2, STORE_RETRY_MAX_S)
 
     def _run(self, job_id: str, started_at: float, claim: str) -> str:
-        verdict, upload, record = self.store.claim_for_preprocessing(job_id, started_at, claim)
+        verdict, upload, record, key_frames = self.store.claim_for_preprocessing(job_id, started_at, claim)
+        head = 0 <= key_frames < self.head_frames  # its key has few frames waiting or in flight: taken next
         try:
-            return self._claimed(job_id, started_at, claim, verdict, upload, record)
+            return self._claimed(job_id, started_at, claim, verdict, upload, record, head)
         finally:
             if record and record.get("decode_cost"):  # its key's expensive decode is over, however it ended
                 self.decode_share.release(job_id)
@@ -102,6 +106,7 @@ class Preprocessor:
         verdict: str,
         upload: bytes | memoryview | None,
         record: JobRecord,
+        head: bool = False,
     ) -> str:
         if verdict == "missing":
             return "missing"
@@ -121,7 +126,7 @@ class Preprocessor:
                 f"model {record.get('model')!r} is not configured on this "
                 "CPU worker (its config differs from the API's)",
             )
-        return self._push_frame(job_id, record, upload, started_at, spec, claim)
+        return self._push_frame(job_id, record, upload, started_at, spec, claim, head)
 
     def _failed(self, job_id: str, code: str, message: str) -> str:
         """The job ends failed with its code; the outcome names the code too, so the task's log line does."""
@@ -129,7 +134,14 @@ class Preprocessor:
         return f"{FAILED_OUTCOME}: {code}"
 
     def _push_frame(
-        self, job_id: str, record: JobRecord, upload: bytes | memoryview, started_at: float, spec: ModelSpec, claim: str
+        self,
+        job_id: str,
+        record: JobRecord,
+        upload: bytes | memoryview,
+        started_at: float,
+        spec: ModelSpec,
+        claim: str,
+        head: bool = False,
     ) -> str:
         try:
             t0 = time.perf_counter()
@@ -155,10 +167,17 @@ class Preprocessor:
         stamps[CPU_STARTED_AT] = started_at
         stamps[DECODE_MS] = (t1 - t0) * 1000.0
         stamps[RESIZE_MS] = (time.perf_counter() - t1) * 1000.0
-        return self._commit(job_id, record, boxed, stamps, spec, claim)
+        return self._commit(job_id, record, boxed, stamps, spec, claim, head)
 
     def _commit(
-        self, job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict, spec: ModelSpec, claim: str
+        self,
+        job_id: str,
+        record: JobRecord,
+        boxed: Letterboxed,
+        stamps: dict,
+        spec: ModelSpec,
+        claim: str,
+        head: bool = False,
     ) -> str:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
         wait for room (never drop, never grow the model's list past its bound). Each try packs the frame afresh,
@@ -171,7 +190,7 @@ class Preprocessor:
             tried = {**stamps, BACKPRESSURE_MS: (time.perf_counter() - ready) * 1000.0, PUSHED_AT: pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried), boxed.pixels)
             try:
-                outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim)
+                outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim, head)
             except redis.exceptions.OutOfMemoryError:
                 # Redis at its maxmemory refuses the push: the frame waits here, as for room on a full list.
                 if not self._wait_for_memory(job_id, record):
@@ -219,6 +238,7 @@ def _header(job_id: str, record: JobRecord, boxed: Letterboxed, stamps: dict) ->
         job_id=job_id,
         **boxed.placement.fields(),
         deadline_at=record["deadline_at"],
+        owner=record.get("owner", ""),
         options=record.get("options") or {},
         stamps=stamps,
     )

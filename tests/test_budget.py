@@ -65,9 +65,10 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
                 keys.gpu_counters("w"),
                 keys.gpu_epoch("w"),
                 keys.frames_waiting,
+                "",
                 *job_keys,
             ],
-            args=[*store.finish_names(), 1, 300, MODEL, 0, "", *job_args],
+            args=[*store.finish_names(), 1, 300, MODEL, 0, "", 0, *job_args],
         )
         == 1
     )

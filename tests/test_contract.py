@@ -575,7 +575,7 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     )
     assert handoff.claim_for_preprocessing("c" * 32, 201.0)[:2] == ("late", None)
     assert store.load("c" * 32)["status"] == QUEUED  # the caller ends it
-    verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 150.0)
+    verdict, upload, record, _ = handoff.claim_for_preprocessing("c" * 32, 150.0)
     assert (verdict, upload) == ("claimed", b"the upload")
     # the fields the worker reads, and only those the record has (no decode_cost, no submitted_at here)
     assert record == {
@@ -588,7 +588,7 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
     assert store.load("c" * 32)["cpu_started_at"] == 150.0
     assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"  # a redelivery may claim again
     store.finish("c" * 32, CANCELLED)
-    verdict, upload, record = handoff.claim_for_preprocessing("c" * 32, 152.0)
+    verdict, upload, record, _ = handoff.claim_for_preprocessing("c" * 32, 152.0)
     assert (verdict, upload, record["status"]) == ("over", None, CANCELLED)
     store.create("d" * 32, b"x", 60, {"deadline_at": 200.0})
     redis_client.delete(keys.upload("d" * 32))

@@ -145,7 +145,7 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     assert "script|exists" not in claim and claim["evalsha"] == 1 and claim["hmget"] == 2, claim
     assert "hgetall" not in claim, claim
     control.script_flush()  # a restarted control plane: the step is loaded again and the claim made
-    verdict, upload, record = handoff.claim_for_preprocessing(job, 2.0, "d")
+    verdict, upload, record, _ = handoff.claim_for_preprocessing(job, 2.0, "d")
     assert (verdict, upload, record["status"], record["model"]) == ("claimed", b"upload", PREPROCESSING, "m:1")
     assert intake.load(job)["claim"] == "d"
 

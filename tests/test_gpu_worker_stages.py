@@ -236,7 +236,7 @@ def test_a_damaged_or_oversized_frame_fails_its_own_job_as_bad_frame_and_the_res
         closed_by="full",
         popped_at=[1.0, 2.0, 3.0, 4.0],
     )
-    frames, refused = Feeder._unpack(SimpleNamespace(input_size=64), batch)  # type: ignore[arg-type]
+    frames, refused, _ = Feeder._unpack(SimpleNamespace(input_size=64), batch)  # type: ignore[arg-type]
     assert [frame.header.job_id for frame, _ in frames] == ["good"] and frames[0][1] == 1.0
     assert [(job_id, status, fields["error"]["code"]) for job_id, status, fields in refused] == [
         ("truncated", "failed", "bad_frame"),

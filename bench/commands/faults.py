@@ -64,7 +64,7 @@ def add_commands(
         "--attack",
         choices=(
             *("images", "cost", "decode", "slow-callbacks", "docs-flood", "metrics"),
-            *("long-polls", "trickle", "redeliver", "leaks", "padding"),
+            *("long-polls", "trickle", "redeliver", "leaks", "padding", "gpu-flood"),
         ),
         default="images",
         help="images: hostile image files through the stack (the normal tenant's queue_cpu, the CPU children's "
@@ -74,7 +74,9 @@ def add_commands(
         "(/healthz, another key's submissions); trickle: one key's 20 MiB bodies held unfinished (the API's "
         "memory); redeliver: one key asking for a callback again and again; leaks: what /metrics, /v1/models and "
         "Flower tell a caller without the right key; padding: one key's JPEGs padded with 0-4 MiB of zeros from "
-        "--attackers threads (another key's submissions, alone and beside them)",
+        "--attackers threads (another key's submissions, alone and beside them); gpu-flood: one key's 1x1 PNGs from "
+        "--attackers threads (6) against another key's photo every 0.5 s (its latency, the flood's rate alone and "
+        "beside it)",
     )
     hostile.add_argument(
         "--files",
@@ -98,7 +100,10 @@ def add_commands(
         "alone, half with the flood",
     )
     hostile.add_argument(
-        "--attackers", type=int, default=16, help="slow-callbacks: the attacker's jobs; padding: its threads"
+        "--attackers",
+        type=int,
+        default=None,
+        help="slow-callbacks: the attacker's jobs (16); padding, gpu-flood: its threads (16, 6)",
     )
     hostile.add_argument(
         "--interval", type=float, default=2.0, help="slow-callbacks: the tarpit's seconds between two bytes"
@@ -208,7 +213,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
     if args.attack == "decode":
         return hostile_decode(args)
-    from bench import hostile_holds, hostile_padding, hostile_routes
+    from bench import hostile_gpu, hostile_holds, hostile_padding, hostile_routes
     from bench.ab import worktree
     from bench.hostile import ATTACKS
 
@@ -219,7 +224,9 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         "redeliver": (hostile_routes.redeliver, hostile_routes.format_redeliver),
         "leaks": (hostile_routes.leaks, hostile_routes.format_leaks),
         "padding": (hostile_padding.padding, hostile_padding.format_padding),
+        "gpu-flood": (hostile_gpu.gpu_flood, hostile_gpu.format_gpu_flood),
     }
+    attackers = args.attackers if args.attackers is not None else (6 if args.attack == "gpu-flood" else 16)
     attack, describe_outcome = attacks[args.attack]
     root = args.root.resolve() if args.root else REPO_ROOT
     sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": root}
@@ -228,7 +235,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         outcome = attack(
             replace(stack_options(args), root=side_root),
             images,
-            attackers=args.attackers,
+            attackers=attackers,
             holds=args.holds,
             bodies=args.bodies,
             honour_retry_after=not args.ignore_retry_after,

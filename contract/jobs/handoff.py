@@ -7,7 +7,7 @@ What the worker does with the job then: push its frame (contract.frame_push), or
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import redis
 
@@ -24,44 +24,62 @@ from contract.timebill import CPU_STARTED_AT, RECEIVED_AT, SUBMITTED_AT
 # record's CLAIM_FIELDS as the claim left them. (The upload stays out of the script: Lua would copy 0.8 MB in and
 # out of its own memory, which cost Redis 1.5 ms of CPU per image; so do the fields: turned into a Lua table and
 # back into a reply, strings cost the script far more than a plain read of them.)
-# KEYS[1] job hash; ARGV[1] now, ARGV[2] the claim (a token of this attempt, which its push must show).
-# Returns 'claimed' (now preprocessing), 'missing', 'over' (past this stage or ended), 'late' (deadline passed,
+# A claimed job's API key comes back with its frames of the model waiting or in flight (Keys.key_frames): the push
+# chooses the end of the list from it (contract.frame_push), with no round trip more.
+# KEYS[1] job hash; ARGV[1] now, ARGV[2] the claim (a token of this attempt, which its push must show), ARGV[3]
+# Keys.key_frames_prefix ('' : not counted). Returns {'claimed', frames} (now preprocessing; frames -1 for a job
+# without a key, or not counted), 'missing', 'over' (past this stage or ended), 'late' (deadline passed,
 # unchanged: the caller ends it).
 _CLAIM = (
     DEADLINE_PASSED_LUA
     + f"""
-local was = redis.call('HMGET', KEYS[1], 'status', 'deadline_at')
-local status = was[1]
+local was = redis.call('HMGET', KEYS[1], 'status', 'deadline_at', 'owner', 'model')
+local status, owner = was[1], was[3]
 if not status then return 'missing' end
 if status ~= '{QUEUED.value}' and status ~= '{PREPROCESSING.value}' then return 'over' end
 if deadline_passed(tonumber(was[2]), ARGV[1]) then return 'late' end
 redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', '{CPU_STARTED_AT}', ARGV[1], 'updated_at', ARGV[1],
            'claim', ARGV[2])
-return 'claimed'
+if ARGV[3] == '' or not owner or owner == '' then return {{'claimed', -1}} end
+return {{'claimed', tonumber(redis.call('HGET', ARGV[3] .. (was[4] or ''), owner)) or 0}}
 """
 )
 
 
 # What the CPU worker reads of a record at its claim (tasks/preprocess.py), and nothing more of its ~23 fields: how it
 # ended when it is over, its model, its deadline and options (the frame's header), the stamps its bill goes on
-# from, and whether its key's decode share is to be given back. A field the record lacks is absent from the reply.
-CLAIM_FIELDS = ("status", "model", "deadline_at", "options", RECEIVED_AT, SUBMITTED_AT, "decode_cost")
+# from, whether its key's decode share is to be given back, and its key (the frame's header: the GPU worker counts
+# the key's frames out by it). A field the record lacks is absent from the reply.
+CLAIM_FIELDS = ("status", "model", "deadline_at", "options", RECEIVED_AT, SUBMITTED_AT, "decode_cost", "owner")
+
+
+class Claimed(NamedTuple):
+    """What a claim found: its verdict, the upload (claimed only), the record's CLAIM_FIELDS as the claim left them,
+    and the job's API key's frames of its model waiting or in flight (Keys.key_frames; -1: without a key, or not
+    counted)."""
+
+    verdict: str
+    upload: memoryview | None
+    record: JobRecord
+    key_frames: int = -1
 
 
 class JobHandOff(JobEnding):
     """A CPU worker's side of the job records: claims, and the ends it gives a job (expired, failed)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None) -> None:
+    def __init__(
+        self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None, count_key_frames: bool = False
+    ) -> None:
+        """`count_key_frames`: a claim reads its key's frames (backpressure.head_frames_per_key above 0)."""
         super().__init__(client, keys, ttl_s, bulk)
         self._claim = client.register_script(_CLAIM)
+        self._key_frames_prefix = keys.key_frames_prefix if count_key_frames else ""
         self._payloads: PayloadReader | None = None  # uploads read in one copy
         self._shard_payloads: dict[int, PayloadReader] = {}
 
-    def claim_for_preprocessing(
-        self, job_id: str, now: float, claim: str = ""
-    ) -> tuple[str, memoryview | None, JobRecord]:
-        """A CPU worker takes a queued job as `claim` (its push must show it): (verdict, upload, record) in one
-        round trip; see _CLAIM.
+    def claim_for_preprocessing(self, job_id: str, now: float, claim: str = "") -> Claimed:
+        """A CPU worker takes a queued job as `claim` (its push must show it): verdict, upload, record and its key's
+        frames in one round trip; see _CLAIM.
         A claimed job whose upload expired comes back with `upload` None. (The upload is read before
         the claim, in the same round trip: a job past this stage has no upload left to read.)"""
         if self.bulk.sharded:
@@ -70,7 +88,7 @@ class JobHandOff(JobEnding):
             self._payloads = PayloadReader(self.redis)
         commands = (
             ("GET", self.keys.upload(job_id)),
-            ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim),
+            ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim, self._key_frames_prefix),
             ("HMGET", self.keys.job(job_id), *CLAIM_FIELDS),
         )
         reconnected = reloaded = False
@@ -92,16 +110,16 @@ class JobHandOff(JobEnding):
                 if isinstance(answer, redis.ResponseError):
                     raise answer
             break
-        verdict, record = _claimed(reply, fields)
-        return verdict, (upload if verdict == "claimed" else None), record
+        verdict, record, key_frames = _claimed(reply, fields)
+        return Claimed(verdict, upload if verdict == "claimed" else None, record, key_frames)
 
-    def _claim_from_shard(self, job_id: str, now: float, claim: str) -> tuple[str, memoryview | None, JobRecord]:
+    def _claim_from_shard(self, job_id: str, now: float, claim: str) -> Claimed:
         """claim_for_preprocessing with bulk shards: the claim on the control plane, then, if claimed, the
         upload from the job's shard (ShardUnavailable when it does not answer, twice)."""
         for attempt in range(2):
             # EVALSHA by hand: redis-py's Script in a pipeline asks SCRIPT EXISTS first, a round trip more each time
             pipe = self.redis.pipeline(transaction=False)
-            pipe.evalsha(self._claim.sha, 1, self.keys.job(job_id), repr(now), claim)
+            pipe.evalsha(self._claim.sha, 1, self.keys.job(job_id), repr(now), claim, self._key_frames_prefix)
             pipe.hmget(self.keys.job(job_id), CLAIM_FIELDS)
             replies = pipe.execute(raise_on_error=False)
             if not isinstance(replies[0], redis.exceptions.NoScriptError) or attempt:
@@ -110,14 +128,14 @@ class JobHandOff(JobEnding):
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
-        verdict, record = _claimed(*replies)
+        verdict, record, key_frames = _claimed(*replies)
         if verdict != "claimed":
-            return verdict, None, record
+            return Claimed(verdict, None, record)
         index = self.bulk.index(job_id)
         reader = self._shard_payloads.setdefault(index, PayloadReader(self.bulk.clients[index]))
         for attempt in range(2):
             try:
-                return verdict, reader.bulks(("GET", self.keys.upload(job_id)))[0], record
+                return Claimed(verdict, reader.bulks(("GET", self.keys.upload(job_id)))[0], record, key_frames)
             except SHARD_ERRORS as exc:
                 if attempt:
                     self.bulk.mark_down(index)
@@ -125,8 +143,12 @@ class JobHandOff(JobEnding):
         raise AssertionError("unreachable")
 
 
-def _claimed(verdict: Any, values: Any) -> tuple[str, JobRecord]:
-    """The claim's verdict and the record's CLAIM_FIELDS read after it (their values in order, None where absent)."""
+def _claimed(verdict: Any, values: Any) -> tuple[str, JobRecord, int]:
+    """The claim's verdict, the record's CLAIM_FIELDS read after it (their values in order, None where absent) and
+    the key's frames ({'claimed', frames} for a claim, else a verdict alone)."""
     fields = {name.encode(): bytes(value) for name, value in zip(CLAIM_FIELDS, values) if value is not None}
+    key_frames = -1
+    if isinstance(verdict, list):
+        verdict, key_frames = verdict[0], int(verdict[1])
     text = bytes(verdict).decode() if isinstance(verdict, (bytes, memoryview)) else str(verdict)
-    return text, decode_record(fields) if fields else cast(JobRecord, {})
+    return text, decode_record(fields) if fields else cast(JobRecord, {}), key_frames

@@ -1,0 +1,228 @@
+"""Issue 70.2: fairness between API keys stopped at the CPU stage. One key's flood of tiny images filled a model's
+frame list, and another key's photo waited behind all of it (p95 3.4 s, most of it `queue_gpu`). Now each key's
+frames waiting or in flight are counted (Keys.key_frames, in by the push, out by the batch write), and a frame whose
+key has fewer than `backpressure.head_frames_per_key` goes to the head of the list: taken next. Nothing is refused
+for it: a key alone still fills the list and every batch."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+import requests
+import yaml
+
+from app.auth import hash_key
+from bench.processes import ManagedProcess, RedisServer, gpu_worker_argv
+from contract import frame_push
+from contract.frame_shards import frame_pusher
+from contract.frames import read_job_id
+from contract.jobs.handoff import JobHandOff
+from contract.jobs.intake import JobIntake
+from contract.keys import Keys
+from contract.shards import BulkPlane
+from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
+from tests.support import jpeg, wait_until
+
+KEYS = ({"id": "flood", "sha256": hash_key("key-flood")}, {"id": "light", "sha256": hash_key("key-light")})
+TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
+
+
+# --- the count, step by step (one Redis, and over a bulk shard) ------------------------------------------------
+def _queued(intake: JobIntake, job: str, owner: str) -> None:
+    intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12, "owner": owner})
+
+
+def test_the_claim_reads_its_keys_frames_and_a_push_counts_the_frame_in_at_the_end_it_chose(redis_client):
+    keys = Keys("fair-steps")
+    intake = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60, count_key_frames=True)
+    pusher = frame_pusher(redis_client, keys, count_key_frames=True)
+    for job, owner in (("a1" * 16, "flood"), ("a2" * 16, "flood"), ("b1" * 16, "light"), ("c1" * 16, "")):
+        _queued(intake, job, owner)
+    first = handoff.claim_for_preprocessing("a1" * 16, 1.0, "c")
+    assert (first.verdict, first.key_frames) == ("claimed", 0)
+    assert pusher.push("a1" * 16, "m:1", b"a1", 10, {}, "c", head=True) == frame_push.PUSHED
+    assert handoff.claim_for_preprocessing("a2" * 16, 1.0, "c").key_frames == 1
+    assert pusher.push("a2" * 16, "m:1", b"a2", 10, {}, "c") == frame_push.PUSHED
+    assert handoff.claim_for_preprocessing("b1" * 16, 1.0, "c").key_frames == 0
+    assert pusher.push("b1" * 16, "m:1", b"b1", 10, {}, "c", head=True) == frame_push.PUSHED
+    assert handoff.claim_for_preprocessing("c1" * 16, 1.0, "c").key_frames == -1  # no key: never counted
+    assert pusher.push("c1" * 16, "m:1", b"c1", 10, {}, "c") == frame_push.PUSHED
+    # taken from the right: the light key's frame first, then the flood's in the order they came
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"c1", b"a2", b"a1", b"b1"]
+    assert redis_client.hgetall(keys.key_frames("m:1")) == {b"flood": b"2", b"light": b"1"}
+    assert 0 < redis_client.ttl(keys.key_frames("m:1")) <= frame_push.KEY_FRAMES_TTL_S  # drift heals once idle
+
+
+def test_a_head_frame_passes_the_bound_and_one_that_may_not_stand_is_taken_back_from_its_end(redis_client):
+    keys = Keys("fair-bound")
+    intake = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60, count_key_frames=True)
+    pusher = frame_pusher(redis_client, keys, count_key_frames=True)
+    redis_client.rpush(keys.frames("m:1"), b"x1", b"x2")  # the list at its bound of 2
+    for job, owner in (("d1" * 16, "flood"), ("e1" * 16, "light")):
+        _queued(intake, job, owner)
+        handoff.claim_for_preprocessing(job, 1.0, "c")
+    assert pusher.push("d1" * 16, "m:1", b"d1", 2, {}, "c") == frame_push.LIST_FULL  # a tail frame waits for room
+    assert pusher.push("e1" * 16, "m:1", b"e1", 2, {}, "other claim", head=True) == frame_push.JOB_OVER
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"x1", b"x2"]  # each taken back, from its own end
+    assert pusher.push("e1" * 16, "m:1", b"e1", 2, {}, "c", head=True) == frame_push.PUSHED  # past the bound
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"x1", b"x2", b"e1"]
+    assert redis_client.hgetall(keys.key_frames("m:1")) == {b"light": b"1"}  # only a frame that stands counts
+
+
+def test_over_a_bulk_shard_the_head_is_the_shards_and_the_count_the_control_planes(redis_client, redis_server):
+    control = redis_client
+    shard = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/15")
+    shard.flushdb()
+    keys = Keys("fair-shard")
+    bulk = BulkPlane(control, [shard])
+    intake = JobIntake(control, keys, ttl_s=60, bulk=bulk)
+    handoff = JobHandOff(control, keys, ttl_s=60, bulk=bulk, count_key_frames=True)
+    pusher = frame_pusher(control, keys, bulk, count_key_frames=True)
+    for job, owner in (("f1" * 16, "flood"), ("g1" * 16, "light")):
+        intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12, "owner": owner})
+    shard.rpush(keys.frames("m:1"), b"x1")  # the shard's list at its bound of 1
+    assert handoff.claim_for_preprocessing("f1" * 16, 1.0, "c").key_frames == 0
+    assert pusher.push("f1" * 16, "m:1", b"f1", 1, {}, "c") == frame_push.LIST_FULL
+    assert handoff.claim_for_preprocessing("g1" * 16, 1.0, "c").key_frames == 0
+    assert pusher.push("g1" * 16, "m:1", b"g1", 1, {}, "c", head=True) == frame_push.PUSHED
+    assert shard.lrange(keys.frames("m:1"), 0, -1) == [b"x1", b"g1"]
+    assert control.hgetall(keys.key_frames("m:1")) == {b"light": b"1"}
+    shard.close()
+
+
+# --- through the stack -----------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def fair_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The content-box pipeline with two API keys, a frame list of 8 and batches of 8."""
+    workdir = tmp_path_factory.mktemp("fair-gpu")
+    url = redis_server.url.rsplit("/", 1)[0] + "/14"
+    redis.Redis.from_url(url).flushdb()
+    extra = {"auth": {"api_keys": [dict(entry) for entry in KEYS], "rate_per_s": 0}, "backpressure": {"max_frames": 8}}
+    stack = start_stack(url, workdir, content_box_spec(workdir, 64), "fairgpu", extra)
+    yield stack
+    stop_stack(stack)
+
+
+def _submit(stack: Stack, key: str, seed: int) -> str:
+    response = requests.post(
+        stack.url("/v1/jobs"),
+        data=jpeg(96, 64, seed=seed),
+        headers={"Authorization": f"Bearer key-{key}", "Content-Type": "image/jpeg"},
+        timeout=30,
+    )
+    assert response.status_code == 202, response.text  # nothing is refused for the count
+    return str(response.json()["id"])
+
+
+def _ended(stack: Stack, key: str, job_id: str, within_s: float = 90.0) -> dict[str, Any]:
+    docs: list[dict[str, Any]] = []
+
+    def ended() -> bool:
+        response = requests.get(
+            stack.url(f"/v1/jobs/{job_id}"),
+            params={"wait": 5},
+            headers={"Authorization": f"Bearer key-{key}"},
+            timeout=30,
+        )
+        docs.append(response.json())
+        return docs[-1]["status"] in TERMINAL
+
+    wait_until(ended, within_s, what=f"job {job_id} to end")
+    return docs[-1]
+
+
+def _counted(stack: Stack) -> dict[str, int]:
+    held = stack.redis.hgetall(stack.keys.key_frames(stack.settings.model.key))
+    return {name.decode(): int(count) for name, count in held.items()}
+
+
+def _queued_gpu(stack: Stack, count: int) -> None:
+    wait_until(lambda: stack.redis.llen(stack.frames_key) >= count, 60, what=f"{count} frames in the list")
+
+
+def test_a_light_keys_frame_is_taken_before_a_flooding_keys_waiting_frames(fair_stack):
+    stack = fair_stack
+    stack.stop_gpu_worker()
+    try:
+        flood = [_submit(stack, "flood", seed) for seed in range(8)]
+        _queued_gpu(stack, 8)  # the list full of the flood's frames
+        light = _submit(stack, "light", 100)
+        _queued_gpu(stack, 9)  # past the bound: a frame at the head does not wait for room
+        assert _counted(stack) == {"flood": 8, "light": 1}
+        assert read_job_id(stack.redis.lindex(stack.frames_key, -1)) == light  # the head: taken next
+    finally:
+        stack.start_gpu_worker()
+    light_doc = _ended(stack, "light", light)
+    flood_docs = [_ended(stack, "flood", job_id) for job_id in flood]
+    assert [doc["status"] for doc in [light_doc, *flood_docs]] == ["succeeded"] * 9
+    # the light key's frame was in the first batch taken, first in it; the flood's last frames in a later one
+    assert light_doc["batch"]["index"] == 0
+    assert light_doc["batch"]["seq"] <= min(doc["batch"]["seq"] for doc in flood_docs)
+    assert light_doc["batch"]["seq"] < max(doc["batch"]["seq"] for doc in flood_docs)
+    assert _counted(stack) == {}  # every frame counted out with its batch: no drift
+
+
+def test_a_lone_key_fills_the_list_and_every_batch(fair_stack):
+    """The count throttles nobody: one key alone has the whole list (the earlier cap on a key's share held it to a
+    part of the list, and the GPU to a part of its batch) and its frames run in full batches, none refused."""
+    stack = fair_stack
+    stack.stop_gpu_worker()
+    try:
+        jobs = [_submit(stack, "flood", 200 + seed) for seed in range(16)]
+        _queued_gpu(stack, 8)
+        assert stack.redis.llen(stack.frames_key) <= 8 + 2  # the bound, and the head frames of two CPU children
+        assert _counted(stack)["flood"] == stack.redis.llen(stack.frames_key)
+    finally:
+        stack.start_gpu_worker()
+    docs = [_ended(stack, "flood", job_id) for job_id in jobs]
+    assert [doc["status"] for doc in docs] == ["succeeded"] * 16
+    first_batch = min(doc["batch"]["seq"] for doc in docs)
+    assert [doc["batch"]["size"] for doc in docs if doc["batch"]["seq"] == first_batch][0] == 8
+    assert _counted(stack) == {}
+
+
+def _slow_gpu_worker(stack: Stack, name: str) -> ManagedProcess:
+    """A GPU worker on the stack's list, simulated, 1.5 s a batch: easy to kill with a batch in hand."""
+    config = yaml.safe_load(stack.config_path.read_text())
+    config["gpu_worker"] = {**config.get("gpu_worker", {}), "sim_latency_ms": {1: 1500, 8: 1500}}
+    path = stack.log_dir / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    worker = ManagedProcess(
+        name, gpu_worker_argv("sim", name), {**stack.env, "IMGSERVE_CONFIG": str(path)}, stack.log_dir
+    )
+    wait_until(
+        lambda: stack.redis.exists(stack.keys.heartbeat(name)) or not worker.alive(), 60, what=f"{name}'s heartbeat"
+    )
+    assert worker.alive(), worker.log_tail()
+    return worker
+
+
+def test_a_gpu_worker_killed_mid_batch_leaves_its_frames_counted_until_they_are_answered(fair_stack):
+    """Frames in a dead worker's hands are still waiting: counted while they lie in its processing list and after
+    they are moved back, counted out once by the batch that answers them."""
+    stack = fair_stack
+    stack.stop_gpu_worker()
+    held = stack.keys.processing("fair-killable", stack.settings.model.key)
+    restarted = None
+    try:
+        worker = _slow_gpu_worker(stack, "fair-killable")
+        jobs = [("flood", _submit(stack, "flood", 300 + seed)) for seed in range(6)]
+        jobs += [("light", _submit(stack, "light", 400 + seed)) for seed in range(2)]
+        wait_until(lambda: stack.redis.llen(held) > 0, 60, what="a batch in hand")
+        worker.stop(signal.SIGKILL)
+        wait_until(lambda: sum(_counted(stack).values()) == 8, 60, what="every frame pushed")
+        assert stack.redis.llen(held) + stack.redis.llen(stack.frames_key) == 8  # in its hands, or waiting
+        restarted = _slow_gpu_worker(stack, "fair-killable")  # moves its own frames back first
+        docs = [_ended(stack, key, job_id) for key, job_id in jobs]
+        assert [doc["status"] for doc in docs] == ["succeeded"] * 8
+        assert _counted(stack) == {} and stack.redis.llen(held) == 0
+    finally:
+        if restarted is not None:
+            restarted.stop()
+        stack.start_gpu_worker()
