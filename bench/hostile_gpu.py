@@ -13,7 +13,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import redis
 import requests
@@ -23,6 +23,7 @@ from bench.stack import LocalStack, StackOptions
 from contract.keys import Keys
 
 EVERY_S = 0.5  # the photo key's pace
+STAGES = ("queue_cpu", "decode", "backpressure", "queue_gpu", "batch_wait", "device_queue", "infer")
 
 
 def tiny_png(number: int) -> bytes:
@@ -82,17 +83,19 @@ class Flood:
 
 def answered(client: redis.Redis, keys: Keys) -> int:
     """Frames every GPU worker answered so far (their counters)."""
-    workers = [raw.decode() for raw in client.zrange(keys.gpu_workers, 0, -1)]
+    workers = [bytes(raw).decode() for raw in cast(list[bytes], client.zrange(keys.gpu_workers, 0, -1))]
     return sum(int(float(client.hget(keys.gpu_counters(worker), "frames_total") or 0)) for worker in workers)
 
 
 def photos(url: str, key: str, images: list[bytes], seconds: float) -> list[str]:
-    """One photo every EVERY_S for `seconds`: the accepted jobs' ids."""
+    """One photo every EVERY_S for `seconds` (`cache=false`: the corpus repeats): the accepted jobs' ids."""
     session = requests.Session()
     headers = {"Authorization": f"Bearer {key}", "Content-Type": "image/jpeg"}
     accepted, started, index = [], time.monotonic(), 0
     while time.monotonic() - started < seconds:
-        response = session.post(f"{url}/v1/jobs", data=images[index % len(images)], headers=headers, timeout=60)
+        response = session.post(
+            f"{url}/v1/jobs", params={"cache": "false"}, data=images[index % len(images)], headers=headers, timeout=60
+        )
         if response.status_code == 202:
             accepted.append(str(response.json()["id"]))
         index += 1
@@ -119,6 +122,7 @@ def bills(url: str, key: str, job_ids: list[str]) -> dict[str, Any]:
         "total_ms": {"p50": pick("total", 50), "p95": pick("total", 95)},
         "queue_gpu_p50_ms": pick("queue_gpu", 50),
         "device_queue_p50_ms": pick("device_queue", 50),
+        "p50_ms_by_stage": {stage: pick(stage, 50) for stage in STAGES},
     }
 
 
@@ -186,7 +190,7 @@ def format_gpu_flood(outcome: dict[str, Any]) -> str:
             f"({alone['statuses']})",
             f"  photos beside the flood: p50 {beside['total_ms']['p50']} ms, p95 {beside['total_ms']['p95']} ms; "
             f"queue_gpu p50 {beside['queue_gpu_p50_ms']} ms, device_queue p50 {beside['device_queue_p50_ms']} ms "
-            f"({beside['statuses']})",
+            f"({beside['statuses']}); p50 by stage {beside['p50_ms_by_stage']}",
             f"  the flood alone: {lone['accepted_per_s']} accepted/s, {lone['answered_per_s']} answered/s "
             f"({lone['refused_per_s']} refused/s)",
             f"  the flood beside the photos: {shared['accepted_per_s']} accepted/s, {shared['answered_per_s']} "

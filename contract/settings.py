@@ -162,7 +162,7 @@ class BackpressureSettings:
     max_backlog: int = 256  # preprocess queue + frame list above this: the API answers 429
     retry_after_s: int = 1  # the least Retry-After a refusal gives (it is computed from the drain rate)
     room_poll_s: float = 0.005
-    head_frames_per_key: int = 1  # a key with fewer frames waiting or in flight goes to the list's head; 0: off
+    head_frames_per_key: int = 8  # a key with fewer frames waiting or in flight goes to the list's head; 0: off
     # Bytes of uploads and frames waiting in Redis (contract.budget): a model's (a spec may set its own), and
     # every model's together. Over a model's: 429; over the total, or Redis past store_full_ratio of its
     # maxmemory: 503. Size Redis's maxmemory above the total plus the job records (see the docs).
