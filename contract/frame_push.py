@@ -18,9 +18,11 @@ from contract.jobs.record import PREPROCESSING, QUEUED_GPU, TERMINAL_LUA, flatte
 from contract.keys import Keys
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
-# A model's count of each key's frames (Keys.key_frames) lives this long after its last push: drift that a lost
-# frame leaves (a bulk shard that lost its data, a GPU worker of a release that does not count frames out) is gone
-# once the model has been idle this long. Longer than a frame waits (its deadline: 60 s by default).
+# A model's count of each key's frames (Keys.key_frames) lives this long after a key's first frame in it was last
+# pushed: drift that a lost frame leaves (a bulk shard that lost its data, a GPU worker of a release that does not
+# count frames out) is gone once the model has been idle this long. Longer than a frame waits (its deadline: 60 s
+# by default). Should it lapse under a steady flood, the flood's counts start again from its next frames: a few
+# of them go to the head until the frames counted before are answered (a count at 0 or below is deleted).
 KEY_FRAMES_TTL_S = 300
 
 # What a push (here, and on a bulk shard: contract.frame_shards) checks and does, in the same commands either way.
@@ -32,14 +34,14 @@ KEY_FRAMES_TTL_S = 300
 # counter for the difference, with the result a release then a charge would give (the release stops at zero: the
 # count is at least the frame's bytes). A key's bytes are its uploads alone: its upload's leave its count here.
 # count_key_frame: the frame counted among its key's (Keys.key_frames: '' when not counted), until the batch write
-# that ends it counts it out (gpu_worker.finish); the count's TTL renewed.
+# that ends it counts it out (gpu_worker.finish); the count's TTL renewed when a key's first frame comes (not at
+# every push: a flood's pushes would pay an EXPIRE each).
 PUSH_LUA = (
     TERMINAL_LUA
     + RELEASE_LUA
     + f"""
 local function count_key_frame(counts, owner)
-  if counts ~= '' and owner and owner ~= '' then
-    redis.call('HINCRBY', counts, owner, 1)
+  if counts ~= '' and owner and owner ~= '' and redis.call('HINCRBY', counts, owner, 1) == 1 then
     redis.call('EXPIRE', counts, {KEY_FRAMES_TTL_S})
   end
 end

@@ -128,7 +128,7 @@ class Keys:
     def key_frames(self, model_key: str) -> str:
         """Hash: API key id -> that key's frames of this model pushed and not yet ended by a GPU worker's batch
         write (waiting in the list or in a worker's hands): +1 by the push, -1 by the batch write, a field at 0
-        deleted, the hash's TTL renewed by each push (contract.frame_push). A key below
+        deleted, the hash's TTL renewed by a key's first frame (contract.frame_push). A key below
         `backpressure.head_frames_per_key` has its frame pushed to the head of the list."""
         return f"{self.key_frames_prefix}{model_key}"
 
