@@ -6,6 +6,7 @@ for it: a key alone still fills the list and every batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -15,6 +16,7 @@ import redis
 import requests
 import yaml
 
+from app import create_app
 from app.auth import hash_key
 from bench.processes import ManagedProcess, RedisServer, gpu_worker_argv
 from contract import frame_push
@@ -25,7 +27,7 @@ from contract.jobs.intake import JobIntake
 from contract.keys import Keys
 from contract.shards import BulkPlane
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
-from tests.support import jpeg, wait_until
+from tests.support import ApiServer, jpeg, wait_until
 
 KEYS = ({"id": "flood", "sha256": hash_key("key-flood")}, {"id": "light", "sha256": hash_key("key-light")})
 TERMINAL = {"succeeded", "failed", "expired", "cancelled"}
@@ -99,16 +101,17 @@ def test_over_a_bulk_shard_the_head_is_the_shards_and_the_count_the_control_plan
 # --- through the stack -----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def fair_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The content-box pipeline with two API keys, a frame list of 8, batches of 8, and a key's first 2 frames
-    waiting or in flight pushed to the head."""
+    """The content-box pipeline with a frame list of 12, batches of 8, and a key's first 2 frames waiting or in flight
+    pushed to the head; its API (in this process) knows two API keys. The CPU worker's config names none, so it
+    takes every key's jobs from the shared queue: these tests are about the GPU stage, not a key's own queue."""
     workdir = tmp_path_factory.mktemp("fair-gpu")
     url = redis_server.url.rsplit("/", 1)[0] + "/14"
     redis.Redis.from_url(url).flushdb()
-    extra = {
-        "auth": {"api_keys": [dict(entry) for entry in KEYS], "rate_per_s": 0},
-        "backpressure": {"max_frames": 8, "head_frames_per_key": 2},
-    }
+    extra = {"backpressure": {"max_frames": 12, "head_frames_per_key": 2}}
     stack = start_stack(url, workdir, content_box_spec(workdir, 64), "fairgpu", extra)
+    auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=KEYS)
+    stack.api.stop()
+    stack.api = ApiServer(create_app(dataclasses.replace(stack.settings, auth=auth)))
     yield stack
     stop_stack(stack)
 
@@ -155,9 +158,9 @@ def test_a_light_keys_frame_is_taken_before_a_flooding_keys_waiting_frames(fair_
     stack.stop_gpu_worker()
     try:
         flood = [_submit(stack, "flood", seed) for seed in range(8)]
-        _queued_gpu(stack, 8)  # the list full of the flood's frames
+        _queued_gpu(stack, 8)  # the flood's frames waiting
         light = _submit(stack, "light", 100)
-        _queued_gpu(stack, 9)  # past the bound: a frame at the head does not wait for room
+        _queued_gpu(stack, 9)
         assert _counted(stack) == {"flood": 8, "light": 1}
         assert read_job_id(stack.redis.lindex(stack.frames_key, -1)) == light  # the head: taken next
     finally:
@@ -173,15 +176,17 @@ def test_a_light_keys_frame_is_taken_before_a_flooding_keys_waiting_frames(fair_
 
 
 def test_a_lone_key_fills_the_list_and_every_batch(fair_stack):
-    """The count throttles nobody: one key alone has the whole list (the earlier cap on a key's share held it to a
-    part of the list, and the GPU to a part of its batch) and its frames run in full batches, none refused."""
+    """The count throttles nobody: one key alone fills the list (the earlier cap on a key's share held it to a part
+    of the list, and the GPU to a part of its batch) and its frames run in full batches, none refused."""
     stack = fair_stack
     stack.stop_gpu_worker()
     try:
         jobs = [_submit(stack, "flood", 200 + seed) for seed in range(16)]
-        _queued_gpu(stack, 8)
+        # as full as the CPU worker fills it: it stops taking the model's jobs once the list lacks room for the two
+        # its children may hold (tasks.full_lists)
+        _queued_gpu(stack, 12 - 2)
         # the bound; the key's first frames went to the head (2, and one more when both CPU children claimed at once)
-        assert stack.redis.llen(stack.frames_key) <= 8 + 3
+        assert stack.redis.llen(stack.frames_key) <= 12 + 3
         assert _counted(stack)["flood"] == stack.redis.llen(stack.frames_key)
     finally:
         stack.start_gpu_worker()

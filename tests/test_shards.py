@@ -96,7 +96,7 @@ def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control
     assert shard.get(keys.upload(job_id)) == b"u" * 1000
     assert redis_client.get(keys.upload(job_id)) == SHARDED_UPLOAD  # the marker the job steps read
     assert not plane.clients[0].exists(keys.upload(job_id)) and not redis_client.exists(keys.frames(MODEL))
-    verdict, upload, _ = handoff.claim_for_preprocessing(job_id, time.time(), "c1")
+    verdict, upload, _, _ = handoff.claim_for_preprocessing(job_id, time.time(), "c1")
     assert verdict == "claimed" and bytes(upload) == b"u" * 1000
     redis_client.hset(keys.waiting_bytes, mapping={MODEL: 1000, "*": 1000})
     assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
