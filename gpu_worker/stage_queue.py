@@ -30,6 +30,11 @@ class StageQueue(Generic[Item]):
         """No more items; waits for room like `put`, so it never overtakes one."""
         self._queue.put(_CLOSED)
 
+    def wait_for_room(self, timeout_s: float) -> bool:
+        """Until an item could be put without waiting (True), or `timeout_s` passed (False)."""
+        with self._queue.not_full:
+            return self._queue.not_full.wait_for(lambda: len(self._queue.queue) < self._queue.maxsize, timeout_s)
+
     def waiting(self) -> bool:
         """Something is waiting for the consumer (the close marker does not count)."""
         with self._queue.mutex:

@@ -73,6 +73,7 @@ EXIT_PRESUMED_DEAD = 4  # paused past its heartbeat, its frames given to others:
 # then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
 # bounds that wait at a small cost in switches.
 GIL_SWITCH_INTERVAL_S = 0.0005
+ROOM_POLL_S = 0.05  # how long the collect thread waits for the stage queue before looking at `stopping` again
 
 
 def default_worker_id(device: Device) -> str:
@@ -216,6 +217,11 @@ class GpuWorker:
     def _collect_loop(self, lane: Lane) -> None:
         try:
             while not self.stopping.is_set():
+                # A batch is popped once the one before it was handed on, not before: a batch closed and held
+                # here only waits longer for the device, and its frames, left in the list meanwhile, keep their
+                # place behind a light key's (contract.frame_push).
+                if not lane.to_stage.wait_for_room(ROOM_POLL_S):
+                    continue
                 try:
                     batch = lane.feeder.collect()
                 except Exception as exc:  # Redis, or anything unforeseen: answer what is in hand, then resync
