@@ -11,10 +11,11 @@ lanes share the device and finish threads. Per model:
 Collecting and staging are one stage of the design split over two threads:
 popping is mostly waiting on Redis and the network, and on its own thread that
 wait overlaps the triage and staging of the batch before. Each hand-off holds
-at most one batch, so memory stays bounded and a batch keeps gathering (up to
-its size) while the device is busy. The device thread never touches Redis or
-JSON. Batches are written in the order they were taken, which is what lets a
-write acknowledge its frames by count.
+at most one batch (the collect thread pops once it has handed the last one on),
+so memory stays bounded and a batch keeps gathering (up to its size) while the
+device is busy. The device thread never touches Redis or JSON. Batches are
+written in the order they were taken, which is what lets a write acknowledge
+its frames by count.
 
 On SIGTERM the collect thread stops taking frames and every batch already
 taken runs to its write. A Redis error while collecting is followed by a
