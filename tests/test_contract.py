@@ -584,6 +584,7 @@ def test_a_cpu_worker_claims_a_job_in_one_step(redis_client):
         "deadline_at": 200.0,
         "options": {"conf": 0.5},
         "received_at": 99.0,
+        "owner": "k",
     }
     assert store.load("c" * 32)["cpu_started_at"] == 150.0
     assert handoff.claim_for_preprocessing("c" * 32, 151.0)[0] == "claimed"  # a redelivery may claim again
@@ -608,11 +609,11 @@ def test_the_claim_reads_what_the_worker_uses_of_a_record_however_the_job_stands
     handoff = JobHandOff(redis_client, keys, ttl_s=60)
     fields = {"deadline_at": 1e12, "received_at": 1.0, "submitted_at": 2.0, "model": "m:1", "decode_cost": "4096"}
     store.create("f" * 32, b"upload", 60, {**fields, "callback_url": "http://127.0.0.1:5000/", "media_type": "x"})
-    verdict, _, record = handoff.claim_for_preprocessing("f" * 32, 3.0, "first")
+    verdict, _, record, _ = handoff.claim_for_preprocessing("f" * 32, 3.0, "first")
     assert verdict == "claimed" and set(record) == {"status", *fields} <= set(CLAIM_FIELDS)
     assert record["decode_cost"] == "4096" and record["submitted_at"] == 2.0
     assert handoff.expire("f" * 32, "a sweep, while the first attempt decoded")  # the job ends under the worker
-    verdict, upload, record = handoff.claim_for_preprocessing("f" * 32, 4.0, "second")  # a redelivered task
+    verdict, upload, record, _ = handoff.claim_for_preprocessing("f" * 32, 4.0, "second")  # a redelivered task
     assert (verdict, upload, record["status"], record["decode_cost"]) == ("over", None, EXPIRED, "4096")
 
 
