@@ -101,6 +101,12 @@ def add_commands(
     plane.add_argument(
         "--keyed", action="store_true", help="every submission with an API key (its queue and its byte shares counted)"
     )
+    plane.add_argument(
+        "--cells",
+        type=int,
+        help="N cells behind one API against one cell, in one run (bench/plane_cells.py): each cell's cost an "
+        "image, the split, the deployment's ceiling; --images is then a cell's",
+    )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
     burst = sub.add_parser(
         "burst",
@@ -123,6 +129,29 @@ def add_commands(
     }
 
 
+def _plane_cells(args: argparse.Namespace) -> int:
+    from bench import plane_cells
+
+    text, sides = plane_cells.run(args.cells, args.images, args.shards, args.clients, args.instructions)
+    summary = {
+        name: {
+            "per_cell": [
+                {
+                    "images": c["images"],
+                    "total": vars(c["total"]),
+                    "phases": {p: vars(v) for p, v in c["phases"].items()},
+                }
+                for c in side["per_cell"]
+            ]
+        }
+        for name, side in sides.items()
+        if name != "verdict"
+    }
+    payload = {"title": "bench plane --cells", "sides": summary, "verdict": sides["verdict"]}
+    print(text + f"\n\nFiles: {write_files(args.out, 'plane-cells', text, payload)}")
+    return 0 if sides["verdict"]["met"] else 1
+
+
 def cmd_burst(args: argparse.Namespace) -> int:
     import tempfile
 
@@ -138,6 +167,8 @@ def cmd_burst(args: argparse.Namespace) -> int:
 def cmd_plane(args: argparse.Namespace) -> int:
     from bench.plane import run
 
+    if args.cells:
+        return _plane_cells(args)
     text, sides = run(args.images, args.shards, args.clients, args.base, args.instructions, args.keyed)
     summary = {
         name: {
