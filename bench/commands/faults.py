@@ -132,6 +132,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             "kills": "make run's stack under load: the GPU worker killed twice, a Celery child once, Redis stopped",
             "failover": "make run's stack behind Sentinel: the primary SIGKILLed under load, back later as a replica",
             "cell-kill": "two cells behind one API: one cell's Redis SIGKILLed under load, back (its AOF) later",
+            "cell-gpu-kill": "two cells behind one API: one cell's GPU worker SIGKILLed under load, back later",
+            "cell-failover": "two cells each behind Sentinel, one API: one cell's primary SIGKILLed under load",
             "upgrade": "a rolling upgrade under load: the stack at --from (default: the last release), each role "
             "replaced by this checkout's in --order (api-first, workers-first, both)",
         }
@@ -157,6 +159,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
         after = max(0.0, args.duration - 5.0 - args.back_after)
         runs = [(cell_kill(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after))]
+    elif name in ("cell-gpu-kill", "cell-failover"):
+        runs = [_cell_fault(name, args)]
     elif name == "upgrade":
         from bench.upgrade import ORDERS, last_release, upgrade
 
@@ -168,7 +172,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         runs = [(upgrade(stack_options(args), from_ref, order), run) for order in orders]
     else:
         raise SystemExit(
-            f"bench chaos: --scenario {name}: kills, failover, cell-kill, upgrade (or a --hosts one: list)"
+            f"bench chaos: --scenario {name}: kills, failover, cell-kill, cell-gpu-kill, cell-failover, upgrade "
+            "(or a --hosts one: list)"
         )
     verdicts = []
     for scenario, run in runs:
@@ -177,6 +182,19 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             print(format_verdict(verdicts[-1]), flush=True)
     print(f"Files: {write_files(args.out, f'chaos-{name}', '', verdicts)}")
     return 0 if all(v["ok"] for v in verdicts) else 1
+
+
+def _cell_fault(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
+    """cell-gpu-kill or cell-failover (bench.cell_faults): the fault 5 s into the load, the load on to --duration."""
+    from bench.cell_faults import cell_failover, cell_gpu_kill, gpu_kill_options
+    from bench.harness import RunOptions
+
+    after = max(0.0, args.duration - 5.0 - args.back_after)
+    if name == "cell-gpu-kill":
+        return cell_gpu_kill(gpu_kill_options(stack_options(args)), args.back_after), RunOptions(
+            args.qps, 5.0, 0.0, after
+        )
+    return cell_failover(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after)
 
 
 def chaos_on_hosts(args: argparse.Namespace) -> int:
