@@ -31,7 +31,7 @@ from contract.jobs.ids import JobIds
 from contract.jobs.intake import JobIntake
 from contract.keys import Keys
 from contract.models import Catalogue, UnknownModel
-from contract.replication import Replication, durable_writes
+from contract.replication import AnswerNotReplicated, NotReplicated, Replication, durable_writes
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
 from contract.token_bucket import TokenBuckets
@@ -124,11 +124,15 @@ class Cells:
         return chosen if chosen is not None else random.choice(self.cells)  # none up: any, it may be back
 
     def instead_of(self, cell: CellServices, exc: BaseException, reference: str | None) -> CellServices | None:
-        """Where a submission goes when `cell` failed it with `exc`: None unless `exc` says the cell did not answer
-        (it is then marked down) and another cell is up."""
-        if len(self.cells) == 1 or not cell_unreachable(exc):
+        """Where a submission goes when `cell` failed it with `exc`: None unless another cell is up and `exc` says
+        the cell did not answer (it is then marked down) or withdrew the job because its replicas did not take it
+        in time (a failover in that cell: the job is not there, so it is made once, elsewhere; the cell answers,
+        so it stays up)."""
+        withdrawn = isinstance(exc, NotReplicated) and not isinstance(exc, AnswerNotReplicated)
+        if len(self.cells) == 1 or not (cell_unreachable(exc) or withdrawn):
             return None
-        self.mark_down(cell)
+        if cell_unreachable(exc):
+            self.mark_down(cell)
         return self._choose(self._model_key(reference), besides=cell)
 
     def _choose(self, model_key: str, besides: CellServices | None) -> CellServices | None:

@@ -88,7 +88,9 @@ class Placement:
             metrics.CELL_UNANSWERED.labels(self.cell.name).inc()
         if other is None:
             raise exc
-        log.warning("cell %s did not answer; the submission goes to cell %s", self.cell.name, other.name)
+        log.warning(
+            "cell %s failed a submission (%s); it goes to cell %s", self.cell.name, type(exc).__name__, other.name
+        )
         self.give_back()
         moved = Reservation(client_id=self.reservation.client_id, spec=self.reservation.spec)  # routed as it was
         self.cell, self.reservation, self.moved = other, moved, True

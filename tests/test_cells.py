@@ -329,3 +329,14 @@ def test_the_choice_skips_a_cell_that_does_not_drain_or_does_not_answer_and_trie
     assert cells.choose(None).name == "c1"
     assert cells.instead_of(members[1], redis.ConnectionError("x"), None).name == "c0"  # the retry's cell
     assert cells.instead_of(members[0], redis.ResponseError("x"), None) is None  # not a cell that is away
+
+
+def test_a_job_a_cell_withdrew_for_want_of_replicas_is_made_in_another_cell_and_the_cell_stays_up():
+    from contract.replication import AnswerNotReplicated, NotReplicated
+
+    cells, members, _ = _cells((Load(0, 0.0), 1.0), (Load(0, 0.0), 1.0))
+    assert cells.instead_of(members[1], NotReplicated(0, 1), None).name == "c0"
+    assert cells.is_up(members[1])  # it answered: a failover there, not a cell away
+    assert cells.instead_of(members[1], AnswerNotReplicated(0, 1), None) is None  # a job there, ended: kept there
+    lone, alone, _ = _cells((Load(0, 0.0), 1.0))
+    assert lone.instead_of(alone[0], NotReplicated(0, 1), None) is None  # one cell: the 503 as ever
