@@ -134,6 +134,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
             "cell-kill": "two cells behind one API: one cell's Redis SIGKILLed under load, back (its AOF) later",
             "cell-gpu-kill": "two cells behind one API: one cell's GPU worker SIGKILLed under load, back later",
             "cell-failover": "two cells each behind Sentinel, one API: one cell's primary SIGKILLed under load",
+            "cell-cut": "two cells and the API on three hosts (root): one cell's host cut off from the API's, healed",
             "upgrade": "a rolling upgrade under load: the stack at --from (default: the last release), each role "
             "replaced by this checkout's in --order (api-first, workers-first, both)",
         }
@@ -159,7 +160,7 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
         after = max(0.0, args.duration - 5.0 - args.back_after)
         runs = [(cell_kill(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after))]
-    elif name in ("cell-gpu-kill", "cell-failover"):
+    elif name in ("cell-gpu-kill", "cell-failover", "cell-cut"):
         runs = [_cell_fault(name, args)]
     elif name == "upgrade":
         from bench.upgrade import ORDERS, last_release, upgrade
@@ -172,8 +173,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
         runs = [(upgrade(stack_options(args), from_ref, order), run) for order in orders]
     else:
         raise SystemExit(
-            f"bench chaos: --scenario {name}: kills, failover, cell-kill, cell-gpu-kill, cell-failover, upgrade "
-            "(or a --hosts one: list)"
+            f"bench chaos: --scenario {name}: kills, failover, cell-kill, cell-gpu-kill, cell-failover, cell-cut, "
+            "upgrade (or a --hosts one: list)"
         )
     verdicts = []
     for scenario, run in runs:
@@ -185,11 +186,16 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def _cell_fault(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    """cell-gpu-kill or cell-failover (bench.cell_faults): the fault 5 s into the load, the load on to --duration."""
+    """cell-gpu-kill, cell-failover (bench.cell_faults) or cell-cut (bench.cell_cut): the fault 5 s into the load,
+    the load on to --duration."""
     from bench.cell_faults import cell_failover, cell_gpu_kill, gpu_kill_options
     from bench.harness import RunOptions
 
     after = max(0.0, args.duration - 5.0 - args.back_after)
+    if name == "cell-cut":
+        from bench.cell_cut import cell_cut
+
+        return cell_cut(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after)
     if name == "cell-gpu-kill":
         return cell_gpu_kill(gpu_kill_options(stack_options(args)), args.back_after), RunOptions(
             args.qps, 5.0, 0.0, after
