@@ -319,6 +319,8 @@ def report(one: dict[str, Any], many: dict[str, Any]) -> str:
         f"- the split: the farthest cell {found['split_off_even']:.1%} off an even share (target within 10%)",
         f"- targets {'met' if found['met'] else 'NOT met'}",
     ]
+    if found["cost"] == "instructions":
+        lines.append("- (under callgrind the µs and images/s above are valgrind's: the ratios are the instructions')")
     return "\n".join(lines)
 
 
