@@ -20,6 +20,7 @@ import redis
 from app.admission import Admission
 from app.cell_choice import CellLoads, Load, less_loaded, two_drawn
 from app.listener_ticks import idle_closer, sweeper, ticks
+from app.problems import Problem
 from app.tier_buckets import TierBuckets
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
@@ -49,6 +50,12 @@ def cell_unreachable(exc: BaseException) -> bool:
     """Whether `exc` says a cell's control plane did not answer (a new job then goes to another cell); a bulk
     shard that did not answer is that shard's own failure (contract.shards), answered as it always was."""
     return isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and not isinstance(exc, ShardUnavailable)
+
+
+def cell_budget_refusal(exc: BaseException) -> bool:
+    """Whether `exc` is a 429 of one cell's own budgets (a model's backlog or bytes, a key's shares there): another
+    cell's budgets may well have room. A key's rate (`rate-limited`) is the tier's, the same everywhere."""
+    return isinstance(exc, Problem) and exc.status == 429 and exc.slug == "overloaded"
 
 
 def redis_address(url: str) -> str:
@@ -125,11 +132,11 @@ class Cells:
 
     def instead_of(self, cell: CellServices, exc: BaseException, reference: str | None) -> CellServices | None:
         """Where a submission goes when `cell` failed it with `exc`: None unless another cell is up and `exc` says
-        the cell did not answer (it is then marked down) or withdrew the job because its replicas did not take it
-        in time (a failover in that cell: the job is not there, so it is made once, elsewhere; the cell answers,
-        so it stays up)."""
+        the cell did not answer (it is then marked down), withdrew the job because its replicas did not take it
+        in time (a failover in that cell: the job is not there, so it is made once, elsewhere), or refused it by
+        its own budgets (cell_budget_refusal); a cell that answered stays up."""
         withdrawn = isinstance(exc, NotReplicated) and not isinstance(exc, AnswerNotReplicated)
-        if len(self.cells) == 1 or not (cell_unreachable(exc) or withdrawn):
+        if len(self.cells) == 1 or not (cell_unreachable(exc) or withdrawn or cell_budget_refusal(exc)):
             return None
         if cell_unreachable(exc):
             self.mark_down(cell)

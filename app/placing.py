@@ -23,6 +23,7 @@ from app import decode_charges, metrics
 from app.admission import Reservation
 from app.cells import CellServices, cell_unreachable
 from app.job_bodies import document_response, job_response
+from app.problems import Problem
 from app.services import Services
 from app.waiters import expire_if_late, until_ended
 from contract import deadlines
@@ -65,23 +66,23 @@ class Placement:
         """Admission's route_body in the submission's cell (app.admission), in another if that one does not answer."""
         try:
             return self.cell.admission.route_body(self.reservation, reference, size, cache)
-        except redis.RedisError as exc:
+        except (redis.RedisError, Problem) as exc:
             spec = self.reservation.spec
             self._move(services, exc, spec.key if spec else None)
             return self.cell.admission.route_body(self.reservation, reference, size, cache)
 
     def place(self, services: Services, submission: Submission) -> tuple[Response, int, dict[str, str]]:
-        """The submission's job made in its cell, or in another if that one does not answer."""
+        """The submission's job made in its cell, or in another if that one does not answer or has no room."""
         try:
             answer = _store(services, self.cell, self.reservation, submission)
-        except redis.RedisError as exc:
+        except (redis.RedisError, Problem) as exc:
             self._move(services, exc, submission.spec.key)
             self.cell.admission.route_body(self.reservation, None, len(submission.data), submission.options.cache)
             answer = _store(services, self.cell, self.reservation, submission)
         metrics.CELL_SUBMITTED.labels(self.cell.name).inc()
         return answer
 
-    def _move(self, services: Services, exc: redis.RedisError, model_key: str | None) -> None:
+    def _move(self, services: Services, exc: Exception, model_key: str | None) -> None:
         """To another cell that is up, its reservation here given back; `exc` again when there is none."""
         other = None if self.moved else services.cells.instead_of(self.cell, exc, model_key)
         if cell_unreachable(exc):
@@ -102,13 +103,13 @@ def before_body(services: Services, reference: str | None, reserve: Callable[[Ce
     cell = services.cells.choose(reference)
     try:
         return Placement(cell, reserve(cell))
-    except redis.RedisError as exc:
+    except (redis.RedisError, Problem) as exc:
         other = services.cells.instead_of(cell, exc, reference)
         if cell_unreachable(exc):
             metrics.CELL_UNANSWERED.labels(cell.name).inc()
         if other is None:
             raise
-        log.warning("cell %s did not answer; the submission goes to cell %s", cell.name, other.name)
+        log.warning("cell %s failed a submission (%s); it goes to cell %s", cell.name, type(exc).__name__, other.name)
         placement = Placement(other, reserve(other))
         placement.moved = True
         return placement

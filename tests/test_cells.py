@@ -149,8 +149,26 @@ def test_a_redis_address_is_shown_without_its_password():
 @pytest.fixture
 def two_cells(tmp_path: Path) -> Iterator[tuple[ApiServer, RedisServer, RedisServer]]:
     """One API (the real app, real HTTP) over two cells, each a private redis-server; no workers."""
+    yield from _two_cell_api(tmp_path)
+
+
+@pytest.fixture
+def two_small_cells(tmp_path: Path) -> Iterator[tuple[ApiServer, RedisServer, RedisServer]]:
+    """The same, each cell's backlog a model at most 3 jobs, and the first cell drawn first (almost) always: its
+    `gpu_capacity` 1000 to the second's 1, so while the loads read are the same (they are read once a second) it
+    is the one chosen."""
+    yield from _two_cell_api(tmp_path, max_backlog=3, capacities=(1000.0, 1.0))
+
+
+def _two_cell_api(
+    tmp_path: Path, max_backlog: int = 0, capacities: tuple[float, float] = (1.0, 1.0)
+) -> Iterator[tuple[ApiServer, RedisServer, RedisServer]]:
     a, b = (RedisServer(_folder(tmp_path / name)) for name in "ab")
     settings = load_settings()
+    if max_backlog:
+        settings = dataclasses.replace(
+            settings, backpressure=dataclasses.replace(settings.backpressure, max_backlog=max_backlog)
+        )
     settings = dataclasses.replace(
         settings,
         redis_url=a.url,  # the tier's Redis is the first cell's, as make run CELLS=N runs it
@@ -163,7 +181,11 @@ def two_cells(tmp_path: Path) -> Iterator[tuple[ApiServer, RedisServer, RedisSer
     from contract.cells import CellSettings
 
     settings = dataclasses.replace(
-        settings, cells=(CellSettings(name="a", redis_url=a.url), CellSettings(name="b", redis_url=b.url))
+        settings,
+        cells=(
+            CellSettings(name="a", redis_url=a.url, gpu_capacity=capacities[0]),
+            CellSettings(name="b", redis_url=b.url, gpu_capacity=capacities[1]),
+        ),
     )
     server = ApiServer(create_app(settings))
     yield server, a, b
@@ -206,6 +228,23 @@ def test_one_api_places_jobs_in_both_cells_and_reads_each_where_its_id_says(two_
     ]
     assert stats["totals"]["jobs"]["live"] == 24 and stats["totals"]["backlog"] == 24
     assert sum(c["jobs"]["queued"] for c in stats["cells"]) == 24
+
+
+def test_a_cell_whose_budget_is_full_hands_the_submission_to_the_other_once(two_small_cells):
+    server, a, b = two_small_cells
+    # No workers: every job waits. The chooser picks the first cell until its reading of the loads is a second old;
+    # full after 3, it hands the 4th over.
+    placed = []
+    for _ in range(6):
+        answer = _submit(server.url)
+        assert answer.status_code == 202, answer.text  # a 429 from one cell's backlog is retried on the other
+        placed.append(JobIds.cell_of(answer.json()["id"]))
+    assert sorted(placed) == [0, 0, 0, 1, 1, 1]
+    refused = _submit(server.url)  # both full: the 429 a one-cell deployment gives, with its Retry-After
+    assert refused.status_code == 429 and refused.json()["type"].endswith("overloaded")
+    assert int(refused.headers["Retry-After"]) >= 1
+    stats = requests.get(server.url + "/v1/stats", timeout=10).json()["cells"]
+    assert [c["backlog"] for c in stats["cells"]] == [3, 3]  # nothing reserved twice, nothing left behind
 
 
 def test_a_killed_cell_costs_no_new_submission_a_5xx_and_its_jobs_answer_503(two_cells):
