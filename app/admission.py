@@ -100,8 +100,9 @@ class Admission:
         catalogue: Catalogue,
         cache: ResultCache,
         buckets: TokenBuckets | TierBuckets | None = None,
+        cell: str = "default",  # its cell's name: the `cell` label of what it counts
     ) -> None:
-        self.settings, self.redis, self.keys = settings, client, keys
+        self.settings, self.redis, self.keys, self.cell = settings, client, keys, cell
         self.store, self.catalogue, self.cache = store, catalogue, cache
         self.waiting = budget.WaitingBytes(client, keys)
         self.memory = RedisMemory(client)
@@ -200,12 +201,12 @@ class Admission:
             job_id, answered, digest, self.settings.cache.ttl_s, timings, request, reservation.client_id
         )
         if isinstance(outcome, CacheHit):
-            metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT).inc()
+            metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT, self.cell).inc()
             return outcome, answered, timings
         if isinstance(outcome, HitLimited):  # every accepted request is charged: a hit to its key's bucket
             detail = f"key {reservation.client_id!r}'s cache hits stored their cache.hit_bytes_per_key; retry later"
             raise Problem(429, "rate-limited", "Too many requests", detail, retry_after_header(outcome.retry_after_ms))
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS).inc()
+        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS, self.cell).inc()
         self._settle(spec, request, outcome)  # refused: the problem says by which limit
         reservation.admit(request)
         fields.update(cache=MISS, cache_key=digest)

@@ -226,7 +226,7 @@ def _build_cell(
         results_as_text=True,
     )
     cache = ResultCache(client, keys, settings)
-    admission = Admission(settings, client, keys, store, catalogue, cache, buckets=buckets)
+    admission = Admission(settings, client, keys, store, catalogue, cache, buckets=buckets, cell=cell.name)
     clock_tick = [CLOCK.sync_if_due] if cell.index == 0 else []
     # One pub/sub listener per cell and process wakes long-polls (the callback worker relays callbacks); each
     # second it also ends the cell's jobs whose deadline passed (the CPU workers do too, more often).

@@ -32,13 +32,16 @@ REQUESTS = Counter("imgserve_api_requests_total", "API requests", ["method", "ro
 REJECTS = Counter(
     "imgserve_api_rejects_total", "Requests refused with a problem document", ["reason", "status", "route"]
 )
+# `cell`: the cell the job or lookup was in (docs/cells.md; `default` without cells)
 SUBMITTED = Counter(
-    "imgserve_api_jobs_submitted_total", "Jobs accepted, by the model version they were routed to", ["model", "version"]
+    "imgserve_api_jobs_submitted_total",
+    "Jobs accepted, by the model version they were routed to and their cell",
+    ["model", "version", "cell"],
 )
 CACHE_LOOKUPS = Counter(
     "imgserve_api_cache_lookups_total",
-    "Result-cache lookups by model version and result (hit, miss); the hit rate is hits over both",
-    ["model", "version", "result"],
+    "Result-cache lookups by model version, result (hit, miss) and cell; the hit rate is hits over both",
+    ["model", "version", "result", "cell"],
 )
 # Per cell (docs/cells.md; a deployment without cells has one, `default`): where accepted jobs went, and the
 # submissions a cell's Redis did not answer (each then tried on another cell, or refused with none left).

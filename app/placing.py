@@ -147,7 +147,7 @@ def _store(
             if status == SUCCEEDED
             else {"error": json.loads(LATE_ERROR)}
         )
-        return _accepted(job_id, spec, stored, status, answer)
+        return _accepted(cell, job_id, spec, stored, status, answer)
     # An expensive decode counts against its key's share in flight (fairness by CPU cost, not by task).
     share = cell.admission.decode_share
     charged = decode_charges.charge(share, settings, reservation.client_id, job_id, data, fields["deadline_at"])
@@ -181,20 +181,20 @@ def _store(
             "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
         )
         if event is None:
-            return _accepted(job_id, spec, fields, QUEUED)
+            return _accepted(cell, job_id, spec, fields, QUEUED)
         try:
             waiting = cast(JobRecord, {"id": job_id, "status": QUEUED, **fields})
             record = until_ended(cell.store, job_id, waiting, submission.wait_s, event)
             record = expire_if_late(cell.store, record)  # a wait ended by the deadline: over, one way or another
         except redis.RedisError:  # the job is stored: its 202 says where, whatever the wait met
             log.warning("a submission's wait lost Redis; answering 202", extra={"job_id": job_id})
-            return _accepted(job_id, spec, fields, QUEUED)
+            return _accepted(cell, job_id, spec, fields, QUEUED)
     finally:
         if event is not None:
             cell.listener.unregister(job_id, event)
     if record["status"] in TERMINAL:
         return _finished(cell, job_id, spec, record)
-    return _accepted(job_id, spec, fields, record["status"])
+    return _accepted(cell, job_id, spec, fields, record["status"])
 
 
 def _finished(
@@ -203,19 +203,19 @@ def _finished(
     """The 200 of a submission that waited and saw its job end: the job as a read answers it."""
     record = record or cell.store.load(job_id)
     if record is None:  # gone already (a TTL of seconds): the 202 still tells where it was
-        return _accepted(job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
+        return _accepted(cell, job_id, spec, {RECEIVED_AT: g.received_at}, QUEUED)
     try:
         cell.store.confirm_durable()  # an end a failover could take back is not shown
     except redis.RedisError:  # AnswerNotReplicated, Unconfirmed: the job itself is stored; a 503 would hide its id
-        return _accepted(job_id, spec, {RECEIVED_AT: record.get(RECEIVED_AT, g.received_at)}, QUEUED)
-    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
+        return _accepted(cell, job_id, spec, {RECEIVED_AT: record.get(RECEIVED_AT, g.received_at)}, QUEUED)
+    metrics.SUBMITTED.labels(spec.name, spec.version, cell.name).inc()
     return job_response(record), 200, {"Content-Location": url_for("jobs.get_job", job_id=job_id)}
 
 
 def _accepted(
-    job_id: str, spec: ModelSpec, fields: dict, status: str, answer: dict | None = None
+    cell: CellServices, job_id: str, spec: ModelSpec, fields: dict, status: str, answer: dict | None = None
 ) -> tuple[Response, int, dict[str, str]]:
-    metrics.SUBMITTED.labels(spec.name, spec.version).inc()
+    metrics.SUBMITTED.labels(spec.name, spec.version, cell.name).inc()
     location = url_for("jobs.get_job", job_id=job_id)
     # A cached result is spliced in as stored, as a read serves it (app.job_bodies).
     stored = {name: value for name, value in (answer or {}).items() if isinstance(value, StoredJSON)}

@@ -233,7 +233,8 @@ def test_a_repeated_image_is_answered_at_once_from_the_first_ones_result(cache_s
     assert stats["models"]["box:1"]["hits"] >= 2 and 0 < stats["models"]["box:1"]["hit_rate"] < 1
     assert 0 < stats["bytes"] <= MAX_BYTES and stats["entries"] >= 1
     metrics = cache_stack.session.get(cache_stack.url("/metrics"), timeout=10).text
-    assert 'imgserve_api_cache_lookups_total{model="box",result="hit",version="1"}' in metrics
+    # the cell the lookup was in: `default`, the one cell of a deployment without cells (docs/cells.md)
+    assert 'imgserve_api_cache_lookups_total{cell="default",model="box",result="hit",version="1"}' in metrics
 
 
 def test_a_hit_past_a_tiny_deadline_says_expired_at_once_and_on_every_read(cache_stack):
