@@ -4,7 +4,8 @@ starts and what goes wrong; the load, the following and the verdict are this mod
 
 - on one machine (`LOCAL_SCENARIOS` here): `kills` (the GPU worker, a Celery child and Redis killed and brought
   back), `failover` (the Sentinel-managed primary SIGKILLed, back later as a replica), `upgrade` (each role
-  replaced by this checkout's: bench.upgrade);
+  replaced by this checkout's: bench.upgrade); and two cells behind one API: `cell-kill` (bench.cell_kill),
+  `cell-failover` and `cell-gpu-kill` (bench.cell_faults), `cell-cut` (bench.cell_cut: three hosts);
 - on several hosts (network namespaces: bench.partitions' scenarios): partitions, dead hosts, skewed clocks.
 
 `python -m bench chaos --scenario list` names them all.
