@@ -45,7 +45,9 @@ from bench.processes import (
     wait_until,
 )
 from bench.stack import api_env
+from contract.config import load_settings
 from contract.jobs.ids import JobIds
+from contract.keys import Keys
 
 CELL_NAMES = "abcdefghijklmnop"
 CORE_SHARE = 0.7  # each cell's Redis core kept at 70% at the ceiling, as bench plane's
@@ -100,13 +102,14 @@ class CellsMeter:
         return net
 
 
-class _EveryStore(_Progress):
-    """bench plane's progress, its keys looked up by SCAN again until every store (every cell's) has some."""
+def _none_left(client: redis.Redis, deadlines: str) -> Callable[[], bool]:
+    return lambda: client.zcard(deadlines) == 0
 
-    def found(self) -> list[tuple[redis.Redis, Any]]:
-        if {id(c) for c, _ in self.keys} != {id(c) for c in self.clients}:
-            self.keys = []
-        return super().found()
+
+def _keys_and_models(config: Path) -> tuple[Keys, list[str]]:
+    """A cell's key templates and the models its workers serve, from the configuration they read."""
+    settings = load_settings(config)
+    return Keys(settings.namespace), [model.key for model in settings.models]
 
 
 @dataclass
@@ -204,7 +207,8 @@ def run_cells(
             def cpu_phase() -> None:  # cell by cell: see the module's docstring
                 for index, config in enumerate(configs):
                     spawn(f"cpu-worker-{CELL_NAMES[index]}", cpu_worker_argv(2), config)
-                    waiting = _EveryStore(bulk_clients[index] or [redis_clients[index]], "*:frames:*")
+                    keys, models = _keys_and_models(config)
+                    waiting = _Progress(bulk_clients[index] or [redis_clients[index]], [keys.frames(m) for m in models])
                     wait_until(_at_least(waiting.frames_waiting, taken[index]), 300, interval_s=0.2, what="frames")
 
             meter.measure("cpu", cpu_phase)
@@ -212,8 +216,9 @@ def run_cells(
             def gpu_phase() -> None:
                 for index, config in enumerate(configs):
                     spawn(f"gpu-worker-{CELL_NAMES[index]}", gpu_worker_argv("sim", f"plane-gpu-{index}"), config)
-                    answered = _EveryStore([redis_clients[index]], "*:gpu:*:counters")
-                    wait_until(_at_least(answered.frames_answered, taken[index]), 300, interval_s=0.2, what="answers")
+                    # every job of the cell ended: out of its deadline index (as bench plane's gpu step)
+                    deadlines, cell_redis = _keys_and_models(config)[0].deadlines, redis_clients[index]
+                    wait_until(_none_left(cell_redis, deadlines), 300, interval_s=0.2, what="every job ended")
 
             meter.measure("gpu", gpu_phase)
 
