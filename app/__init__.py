@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import io
+import logging
 
 import redis
 from flask import Flask, Request, g
@@ -24,6 +25,7 @@ from app.services import EXTENSION, Services, services
 from contract.clock import now as service_now
 from contract.config import load_settings
 from contract.jobs.ids import job_ids
+from contract.library import check_library_at_start
 from contract.models import Catalogue
 from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
 from contract.settings import Settings
@@ -46,6 +48,9 @@ class InMemoryFormRequest(Request):
         return io.BytesIO()
 
 
+log = logging.getLogger("app")
+
+
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or load_settings()
     app = Flask(__name__)
@@ -59,6 +64,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     ids = job_ids(settings)
     cells, tier = build_cells(settings, catalogue, ids)
     first = cells.first
+    for cell in cells:
+        check_library_at_start(cell.redis, log)
     app.extensions[EXTENSION] = Services(
         settings=settings,
         redis=first.redis,

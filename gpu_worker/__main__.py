@@ -13,6 +13,7 @@ import torch
 from contract.clock import CLOCK
 from contract.config import load_settings
 from contract.connection import connect
+from contract.library import check_library_at_start
 from contract.logs import configure_logging
 from contract.memory import keep_freed_memory
 from contract.models import Catalogue
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         args.metrics_host or settings.gpu_worker.metrics_host,
     )
     client = connect(settings, socket_timeout=30.0)
+    check_library_at_start(client, logging.getLogger("gpu_worker"))
     CLOCK.follow(client)  # the stamps, deadlines and heartbeat scores it writes: the service's clock
     worker = GpuWorker(settings, client, devices, args.worker_id or default_worker_id(devices[0]))
     try:

@@ -28,6 +28,7 @@ from contract.clock import CLOCK
 from contract.config import load_settings
 from contract.connection import connect
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
+from contract.library import check_library_at_start
 from contract.logs import JsonFormatter, configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
@@ -170,6 +171,12 @@ def _consume_every_model_queue(sender: str, instance: object, **_: object) -> No
         for spec in settings.models:
             for queue in keys.preprocess_queues(spec.key, settings.tenants):
                 queues.select_add(queue)
+
+
+@worker_ready.connect
+def _check_the_library(**_: object) -> None:
+    """Every worker checks the Redis function library at start (contract.library)."""
+    check_library_at_start(connect(settings, socket_timeout=10.0), log)
 
 
 @worker_ready.connect

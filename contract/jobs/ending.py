@@ -21,6 +21,7 @@ from contract.clock import now as service_now
 from contract.deadlines import DEADLINE_PASSED_LUA, overdue_scores
 from contract.jobs.record import EXPIRED, FAILED, TERMINAL, TERMINAL_LUA, JobStatus, JobStore, flatten_fields
 from contract.keys import UPLOAD_SUFFIX, Keys
+from contract.library import Step
 from contract.shards import BulkPlane
 from contract.timebill import FINISHED_AT
 
@@ -139,8 +140,8 @@ end
 """
 )
 
-# KEYS[1] callback outbox, KEYS[2..] job hashes; ARGV[1..FINISH_NAMES] JobEnding.finish_names(), then the jobs'.
-_FINISH = FINISH_JOBS_LUA + f"return finish_jobs(finish_names(KEYS[1], 1), 2, {FINISH_NAMES + 1})\n"
+# The library's `finish_jobs` (contract/library/ending.lua, where its keys and arguments are named).
+_FINISH_JOBS = Step("finish_jobs")
 
 # A job's callback queued again from its first attempt, unless one is on its way already: a second request
 # answers with that one (6,000 requests had queued the same job 2,978 times). On its way: `pending` (in the
@@ -204,7 +205,6 @@ class JobEnding(JobStore):
         `results_as_text`: as JobStore's."""
         super().__init__(client, keys, ttl_s, bulk, results_as_text)
         self.cache = cache or CacheLimits(keys.cache_prefix)
-        self._finish = client.register_script(_FINISH)
         self._redeliver = client.register_script(_REDELIVER_CALLBACK)
 
     def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None, client: Any = None) -> bool:
@@ -215,11 +215,12 @@ class JobEnding(JobStore):
         """End each (job id, terminal status, fields) that is still live, in one step: how many it
         ended (in a pipeline, with the pipeline's replies)."""
         job_keys, job_args = self.finish_arguments(outcomes)
-        return self._finish(
-            keys=[self.keys.callback_outbox, *job_keys],
-            args=[*self.finish_names(), *job_args],
-            client=client or self.redis,
-        )
+        keys, args = [self.keys.callback_outbox, *job_keys], [*self.finish_names(), *job_args]
+        target = client or self.redis
+        if isinstance(target, redis.client.Pipeline):
+            _FINISH_JOBS.queue(target, keys, args)
+            return target
+        return _FINISH_JOBS(target, keys, args)
 
     def finish_names(self) -> list[Any]:
         """What FINISH_JOBS_LUA's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events

@@ -1,0 +1,108 @@
+
+-- How jobs end, whoever ends them (contract.jobs.ending): the first terminal state wins; the upload and the deadline
+-- entry go, the bytes are released (its API key's too), a callback enters the outbox, `job_events` is published,
+-- and a job that succeeded in time with a `cache_key` leaves its result in the result cache. The literals below are
+-- contract's (keys.UPLOAD_SUFFIX, jobs.ending's PENDING_CALLBACK and LATE_ERROR, jobs.record's statuses: a test
+-- holds them together).
+local UPLOAD_SUFFIX = ':upload'
+local PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
+local LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
+local SUCCEEDED, EXPIRED = 'succeeded', 'expired'
+-- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
+-- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
+local PUSHED = {queued_gpu = true, running = true}
+
+-- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
+-- its result. Returns the fields to write and the status and result they end the job with.
+local function late_as_expired(deadline, fields)
+  local status, finished, result
+  for i = 1, #fields, 2 do
+    if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
+    elseif fields[i] == 'result' then result = i end
+  end
+  local ends_as = status and fields[status + 1]
+  if ends_as ~= SUCCEEDED or not finished or not deadline_passed(deadline, fields[finished + 1]) then
+    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1]
+  end
+  local kept = {}
+  for i = 1, #fields, 2 do
+    if i ~= result then
+      kept[#kept + 1] = fields[i]
+      kept[#kept + 1] = (i == status) and EXPIRED or fields[i + 1]
+    end
+  end
+  kept[#kept + 1] = 'error'
+  kept[#kept + 1] = LATE_ERROR
+  return kept, EXPIRED, nil, nil
+end
+
+-- The names finish_jobs needs, from the FINISH_NAMES arguments at args[i..i + 6] (JobEnding.finish_names): the
+-- record TTL, the job-events channel, the deadline index, the waiting-bytes hash, then the cache's three.
+local FINISH_NAMES = 7
+local function finish_names(outbox, args, i)
+  return {outbox = outbox, ttl = tonumber(args[i]), channel = args[i + 1], deadlines = args[i + 2],
+          waiting = args[i + 3], cache = cache_names(args, i + 4)}
+end
+
+-- What of a record ending it reads, in one HMGET (not one read a field: every command inside a step is one more
+-- for Redis's only thread, per job).
+local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
+
+-- Ends each live job whose hash is in keys[first_key..], with its arguments from args[at..]: per job its id, the
+-- count of field and value arguments, the fields and values (JobEnding.finish_arguments). A job with a
+-- callback_url enters the outbox in the same atomic step that ends it; an answer written after the job's deadline
+-- ends it `expired` instead. Returns how many jobs it ended.
+local function finish_jobs(keys, args, names, first_key, at)
+  local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
+  for k = first_key, #keys do
+    local key, job_id, count = keys[k], args[at], tonumber(args[at + 1])
+    local was = redis.call('HMGET', key, unpack(READ_AT_END))
+    local status = was[1]
+    if status and not TERMINAL[status] then
+      local fields, ends_as, result, finished = late_as_expired(tonumber(was[2]),
+                                                                {unpack(args, at + 2, at + 1 + count)})
+      if was[6] then   -- its callback enters the outbox (below), in the same write
+        fields[#fields + 1] = 'callback'
+        fields[#fields + 1] = PENDING_CALLBACK
+        called[#called + 1] = job_id
+      end
+      redis.call('HSET', key, unpack(fields))
+      -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
+      if not was[2] then redis.call('EXPIRE', key, names.ttl) end
+      if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
+      -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
+      if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
+        local model, bytes = was[3] or '', tonumber(was[4]) or 0
+        if bytes > 0 then released[model] = (released[model] or 0) + bytes end
+        -- its API key's share of the budgets (contract.budget), read only here: a job whose frame was pushed (a
+        -- batch's) has no upload left, and its end reads no more than before
+        local owner = bytes > 0 and redis.call('HGET', key, 'owner')
+        if owner and owner ~= '' then
+          local mine = by_owner[owner] or {}
+          by_owner[owner], mine[model] = mine, (mine[model] or 0) + bytes
+        end
+      end
+      left[#left + 1] = job_id
+      ended = ended + 1
+    end
+    at = at + 2 + count
+  end
+  if #left > 0 then   -- one call each for all of them: a batch's ends wake long-polls with one message
+    redis.call('ZREM', names.deadlines, unpack(left))
+    redis.call('PUBLISH', names.channel, table.concat(left, ' '))
+  end
+  if #called > 0 then   -- the PUBLISH wakes the callback relays (its channel is named as the outbox; they read
+    redis.call('RPUSH', names.outbox, unpack(called))   -- the outbox, not the message)
+    redis.call('PUBLISH', names.outbox, table.concat(called, ' '))
+  end
+  release_each(names.waiting, released)
+  release_owners(names.waiting, by_owner)
+  remember_all(names.cache, entries)
+  return ended
+end
+
+-- The step `finish_jobs` (JobEnding.finish_many): keys[1] the callback outbox, keys[2..] job hashes;
+-- args[1..FINISH_NAMES] JobEnding.finish_names(), then the jobs' (JobEnding.finish_arguments).
+redis.register_function('finish_jobs', function(keys, args)
+  return finish_jobs(keys, args, finish_names(keys[1], args, 1), 2, FINISH_NAMES + 1)
+end)

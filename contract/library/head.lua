@@ -1,0 +1,14 @@
+#!lua name=imgserve
+-- The job's life in one Redis function library (contract.library loads it: the files in its FILES order, as one
+-- source). Every step is a function registered below its local helpers; a helper reads its keys and arguments
+-- from the `keys` and `args` it is given, at the positions its step's comment names.
+
+-- The library's version: a process loads this library over a loaded one only when its own is newer
+-- (contract.library.ensure_library). Raise it with any change to a file of the library.
+local VERSION = 1
+
+-- A job's terminal states (contract.jobs.record.TERMINAL; a test holds the two together).
+local TERMINAL = {cancelled = true, expired = true, failed = true, succeeded = true}
+
+redis.register_function{function_name = 'imgserve_version', callback = function() return VERSION end,
+                        flags = {'no-writes'}}

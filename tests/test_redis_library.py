@@ -1,0 +1,104 @@
+"""The job's life in one Redis function library (contract.library): loaded once, checked by every process, kept
+by Redis across a restart, loaded again by the one recovery where a Redis comes back empty."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import redis
+
+from contract.cache import ENTRY_OVERHEAD, STALE_PER_ENTRY
+from contract.jobs.ending import FINISH_NAMES, LATE_ERROR, PENDING_CALLBACK, JobEnding
+from contract.jobs.record import TERMINAL, JobStatus
+from contract.keys import KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
+from contract.library import (
+    FILES,
+    HERE,
+    ensure_library,
+    library_source,
+    library_version,
+    loaded_version,
+)
+from tests.support import RedisServer
+
+LIBRARY = HERE
+
+
+def _lua(name: str) -> str:
+    return (LIBRARY / name).read_text()
+
+
+def _job(client: redis.Redis, keys: Keys, job_id: str) -> None:
+    client.hset(keys.job(job_id), mapping={"status": JobStatus.RUNNING.value, "model": "m:1"})
+
+
+def test_every_lua_file_of_the_home_is_in_the_library_and_it_opens_with_its_name():
+    assert sorted(path.name for path in LIBRARY.glob("*.lua")) == sorted(FILES)
+    assert library_source().startswith("#!lua name=imgserve\n")
+
+
+def test_the_librarys_literals_are_the_contracts():
+    terminal = re.search(r"^local TERMINAL = \{(.*)\}$", _lua("head.lua"), re.MULTILINE)
+    assert terminal and set(re.findall(r"(\w+) = true", terminal.group(1))) == {str(s) for s in TERMINAL}
+    ending = _lua("ending.lua")
+    assert f"local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'" in ending
+    assert f"local PENDING_CALLBACK = '{PENDING_CALLBACK}'" in ending
+    assert f"local LATE_ERROR = '{LATE_ERROR}'" in ending
+    assert f"local FINISH_NAMES = {FINISH_NAMES}" in ending
+    assert f"local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'" in ending
+    pushed = f"local PUSHED = {{{JobStatus.QUEUED_GPU.value} = true, {JobStatus.RUNNING.value} = true}}"
+    assert pushed in ending
+    assert f"local ENTRY_OVERHEAD, STALE_PER_ENTRY = {ENTRY_OVERHEAD}, {STALE_PER_ENTRY}" in _lua("cache.lua")
+    assert f"local KEY_WAITING_SEPARATOR = '{KEY_WAITING_SEPARATOR}'" in _lua("budget.lua")
+
+
+def test_a_redis_without_the_library_gets_it_and_an_older_one_is_replaced(redis_client: redis.Redis):
+    redis_client.function_flush()
+    assert loaded_version(redis_client) is None
+    assert ensure_library(redis_client) == library_version() == loaded_version(redis_client)
+    older = library_source().replace(f"local VERSION = {library_version()}", "local VERSION = 0", 1)
+    redis_client.function_load(older, replace=True)
+    assert loaded_version(redis_client) == 0
+    assert ensure_library(redis_client) == library_version() == loaded_version(redis_client)
+
+
+def test_a_newer_library_stays_loaded(redis_client: redis.Redis):
+    newer_version = library_version() + 1
+    newer = library_source().replace(f"local VERSION = {library_version()}", f"local VERSION = {newer_version}", 1)
+    try:
+        redis_client.function_load(newer, replace=True)
+        assert ensure_library(redis_client) == newer_version == loaded_version(redis_client)
+    finally:
+        redis_client.function_load(library_source(), replace=True)
+
+
+def test_a_step_on_a_redis_that_came_back_empty_loads_the_library_and_runs_once(redis_client: redis.Redis):
+    keys = Keys()
+    ending = JobEnding(redis_client, keys, ttl_s=60)
+    _job(redis_client, keys, "j1")
+    redis_client.function_flush()  # a Redis restarted without its data, or a replica that never had the library
+    assert ending.finish("j1", JobStatus.FAILED.value, {"error": {"code": "x", "message": "y"}})
+    assert loaded_version(redis_client) == library_version()
+    assert redis_client.hget(keys.job("j1"), "status") == JobStatus.FAILED.value.encode()
+    assert not ending.finish("j1", JobStatus.SUCCEEDED.value)  # the first end won, once
+
+
+def test_a_redis_restarted_from_its_append_only_file_keeps_the_library(tmp_path: Path):
+    server = RedisServer(tmp_path, persistent=True)
+    try:
+        client = redis.Redis(port=server.port)
+        ensure_library(client)
+        keys = Keys()
+        _job(client, keys, "j1")
+        server.stop()
+        server.start()
+        client = redis.Redis(port=server.port)
+        # FCALL itself, not the facade: nothing may load the library again for this to answer
+        names = JobEnding(client, keys, ttl_s=60).finish_names()
+        job_arguments = ("j1", 2, "status", "failed")
+        ended = client.fcall("finish_jobs", 2, keys.callback_outbox, keys.job("j1"), *names, *job_arguments)  # type: ignore[no-untyped-call]
+        assert ended == 1
+        assert client.hget(keys.job("j1"), "status") == b"failed"
+    finally:
+        server.stop()
