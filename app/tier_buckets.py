@@ -25,7 +25,8 @@ TIER_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 
 
 class LocalBuckets:
-    """Token buckets in this process: what the tier's Redis does in TAKE_TOKEN_LUA, kept in a dict."""
+    """Token buckets in this process: what the tier's Redis does in take_token (contract/library/token_bucket.lua),
+    kept in a dict."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic, max_buckets: int = 100_000) -> None:
         self.clock, self.max_buckets = clock, max_buckets

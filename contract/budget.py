@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 import redis
 
 from contract.keys import KEY_WAITING_SEPARATOR, Keys
+from contract.library import Step
 
 ALL = "*"
 
@@ -63,66 +64,11 @@ local function release_owners(waiting, by_owner)
 end
 """
 
-# A Lua function: admit(k, last, a). KEYS[k] the model's frame list, KEYS[k + 1] the frames-waiting hash (with
-# bulk shards, the frames on them: contract.shards; '' without), KEYS[k + 2] the waiting-bytes hash, KEYS[k + 3]
-# the tenant's own CPU queue, KEYS[k + 4] the API key's waiting-bytes hash ('' without a key), KEYS[k + 5..last]
-# the model's other CPU queues; ARGV[a] the model, ARGV[a + 1] the bytes to reserve, ARGV[a + 2] its backlog limit
-# (jobs), ARGV[a + 3] its byte budget, ARGV[a + 4] the total's, ARGV[a + 5] how many jobs the tenant may have
-# waiting in its own queue, ARGV[a + 6] and ARGV[a + 7] the key's share of the model's budget and of the total.
-# Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
-# key's: of the model, or of all models when that share refused it). ADMISSION_ARGS is its count of arguments:
-# another script (the result cache's lookup, contract.jobs.intake) calls it on its own offsets, with
-# admission_arguments()'s keys and arguments.
-ADMIT_LUA = f"""
-local function admit(k, last, a)
-  local own = redis.call('LLEN', KEYS[k + 3])
-  local sharded = 0   -- without bulk shards the key is '': no frames wait there, no HGET an image to say so
-  if KEYS[k + 1] ~= '' then sharded = math.max(0, tonumber(redis.call('HGET', KEYS[k + 1], ARGV[a]) or '0')) end
-  local backlog = redis.call('LLEN', KEYS[k]) + sharded + own
-  for i = k + 5, last do backlog = backlog + redis.call('LLEN', KEYS[i]) end
-  local waiting = redis.call('HGETALL', KEYS[k + 2])   -- a field a model: the total is their sum
-  local model_bytes, all_bytes = 0, 0
-  for i = 1, #waiting, 2 do
-    if waiting[i] ~= '{ALL}' then
-      local bytes = math.max(0, tonumber(waiting[i + 1]) or 0)
-      all_bytes = all_bytes + bytes
-      if waiting[i] == ARGV[a] then model_bytes = bytes end
-    end
-  end
-  local key_model, key_all = 0, 0   -- the key's, the same way (no key: no read)
-  if KEYS[k + 4] ~= '' then
-    local mine = redis.call('HGETALL', KEYS[k + 4])
-    for i = 1, #mine, 2 do
-      local bytes = math.max(0, tonumber(mine[i + 1]) or 0)
-      key_all = key_all + bytes
-      if mine[i] == ARGV[a] then key_model = bytes end
-    end
-  end
-  local size = tonumber(ARGV[a + 1])
-  if own >= tonumber(ARGV[a + 5]) then return {{'tenant_backlog', own, model_bytes, all_bytes, key_model}} end
-  -- a key with nothing waiting is admitted by its share whatever the size (the budgets still apply)
-  if key_model > 0 and key_model + size > tonumber(ARGV[a + 6]) then
-    return {{'key_model_bytes', backlog, model_bytes, all_bytes, key_model}}
-  end
-  if key_all > 0 and key_all + size > tonumber(ARGV[a + 7]) then
-    return {{'key_all_bytes', backlog, model_bytes, all_bytes, key_all}}
-  end
-  if backlog >= tonumber(ARGV[a + 2]) then return {{'backlog', backlog, model_bytes, all_bytes, key_model}} end
-  if model_bytes + size > tonumber(ARGV[a + 3]) then
-    return {{'model_bytes', backlog, model_bytes, all_bytes, key_model}}
-  end
-  if all_bytes + size > tonumber(ARGV[a + 4]) then
-    return {{'all_bytes', backlog, model_bytes, all_bytes, key_model}}
-  end
-  if size > 0 then redis.call('HINCRBY', KEYS[k + 2], ARGV[a], size) end
-  if KEYS[k + 4] == '' then return {{'admitted', backlog, model_bytes + size, all_bytes + size, 0}} end
-  if size > 0 then redis.call('HINCRBY', KEYS[k + 4], ARGV[a], size) end
-  return {{'admitted', backlog, model_bytes + size, all_bytes + size, key_model + size}}
-end
-"""
+# The steps `admit` and `release_bytes` (contract/library/admission.lua, where their keys and arguments are
+# named; admission_arguments builds them). ADMISSION_ARGS is admit()'s count of arguments: the result cache's
+# lookup (contract.jobs.intake) calls it too, on its own offsets.
+_ADMIT, _RELEASE = Step("admit"), Step("release_bytes")
 ADMISSION_ARGS = 8
-_ADMIT = ADMIT_LUA + "return admit(1, #KEYS, 1)\n"
-_RELEASE = RELEASE_LUA + "release_waiting(KEYS[1], ARGV[1], ARGV[2], ARGV[3])\n"
 
 ADMITTED, OVER_BACKLOG, OVER_MODEL_BYTES, OVER_ALL_BYTES = "admitted", "backlog", "model_bytes", "all_bytes"
 OVER_TENANT_BACKLOG = "tenant_backlog"
@@ -194,8 +140,6 @@ class WaitingBytes:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.redis = client
         self.keys = keys
-        self._admit = client.register_script(_ADMIT)
-        self._release = client.register_script(_RELEASE)
         self._unreleased: list[tuple[str, int, str]] = []  # given back while Redis was away: again at each flush
         self._lock = threading.Lock()
 
@@ -233,13 +177,17 @@ class WaitingBytes:
                 max_owner_all_bytes,
             ),
         )
-        return BudgetVerdict.of(self._admit(keys=keys, args=args))
+        return BudgetVerdict.of(_ADMIT(self.redis, keys, args))
 
     def release(self, model_key: str, size: int, client: Any = None, owner: str = "") -> None:
         """Give back bytes reserved for a job that was not stored after all, and `owner`'s (the API key they
         were reserved for; in a pipeline: with it)."""
         if size > 0:
-            self._release(keys=[self.keys.waiting_bytes], args=[model_key, size, owner], client=client or self.redis)
+            keys, args = [self.keys.waiting_bytes], [model_key, size, owner]
+            if isinstance(client, redis.client.Pipeline):
+                _RELEASE.queue(client, keys, args)
+            else:
+                _RELEASE(client or self.redis, keys, args)
 
     def release_later(self, model_key: str, size: int, owner: str = "") -> None:
         """Bytes that could not be given back (Redis away: a restart, a failover): kept here and given back at

@@ -8,8 +8,10 @@ from pathlib import Path
 
 import redis
 
+from contract.budget import ALL
 from contract.cache import ENTRY_OVERHEAD, STALE_PER_ENTRY
 from contract.jobs.ending import FINISH_NAMES, LATE_ERROR, PENDING_CALLBACK, JobEnding
+from contract.jobs.hits import HIT_GONE
 from contract.jobs.record import TERMINAL, JobStatus
 from contract.keys import KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
 from contract.library import (
@@ -50,6 +52,8 @@ def test_the_librarys_literals_are_the_contracts():
     pushed = f"local PUSHED = {{{JobStatus.QUEUED_GPU.value} = true, {JobStatus.RUNNING.value} = true}}"
     assert pushed in ending
     assert f"local ENTRY_OVERHEAD, STALE_PER_ENTRY = {ENTRY_OVERHEAD}, {STALE_PER_ENTRY}" in _lua("cache.lua")
+    assert f"local ALL = '{ALL}'" in _lua("admission.lua")
+    assert f"local HIT_GONE = '{HIT_GONE}'" in _lua("hits.lua")
     assert f"local KEY_WAITING_SEPARATOR = '{KEY_WAITING_SEPARATOR}'" in _lua("budget.lua")
 
 

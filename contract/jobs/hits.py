@@ -27,9 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.settings import Settings
-from contract.token_bucket import REFILL_LUA
 
 # What a hit's record costs Redis beyond its fields' bytes (its key, the hash's and the TTL's own, the allocator's
 # rounding): a record of ~420 bytes of fields grew used_memory by ~770-850 bytes a hit.
@@ -37,54 +35,8 @@ HIT_RECORD_OVERHEAD = 400
 RESULT_REF = "result_ref"  # the record's field naming the digest of its shared answer (Keys.hit_result)
 HIT_GONE = "gone"  # the entry went between the lookup and the hit's step: look up again
 
-# KEYS[1] callback outbox, KEYS[2] the entry, KEYS[3] the LRU set, KEYS[4] the stats hash, KEYS[5] the shared
-# answer (Keys.hit_result), KEYS[6] the key's hit bucket, KEYS[7] the job hash; ARGV[1..FINISH_NAMES]
-# finish_names(), then the digest, now, the cache TTL, the model, the shared answer's TTL, the bucket's bytes
-# (0: no bound), its refill a second, this hit's charge, how many `jobs.ttl_s` the shared answer may live (what
-# its copy is charged for), the count of record field and value arguments, the record's, and the job's end
-# (finish_arguments). Returns {'ended', status} (`expired` when the hit came after
-# the job's deadline: finish_jobs ends it so, and its answer is not referred to), {'limited', ms until the
-# bucket holds the charge} with nothing written, or {HIT_GONE}.
-STORE_HIT_LUA = (
-    FINISH_JOBS_LUA
-    + REFILL_LUA
-    + f"local N, GONE = {FINISH_NAMES}, '{HIT_GONE}'\n"
-    + """
-local digest, now, cache_ttl, model = ARGV[N + 1], tonumber(ARGV[N + 2]), ARGV[N + 3], ARGV[N + 4]
-local answer_ttl, capacity = tonumber(ARGV[N + 5]), tonumber(ARGV[N + 6])
-local refill, charge, lifetimes = tonumber(ARGV[N + 7]), tonumber(ARGV[N + 8]), tonumber(ARGV[N + 9])
-if redis.call('EXPIRE', KEYS[2], cache_ttl) == 0 then return {GONE} end
-local fresh = redis.call('EXISTS', KEYS[5]) == 0
-if fresh then charge = charge + redis.call('STRLEN', KEYS[2]) * lifetimes end
-if capacity > 0 then   -- the key's bucket, refilled since its last hit; a charge over the whole waits for it full
-  local held, at = string.match(redis.call('GET', KEYS[6]) or '', '^(%S+) (%S+)$')
-  local tokens, mark = refilled(held, at, now, refill, capacity)
-  charge = math.min(charge, capacity)
-  if tokens < charge then return {'limited', math.ceil((charge - tokens) / refill * 1000)} end
-  -- '<tokens> <mark>', living until it would be full again: one string, two commands
-  redis.call('SET', KEYS[6], string.format('%.17g %.17g', tokens - charge, mark), 'EX',
-             math.ceil(capacity / refill) + 1)
-end
-redis.call('ZADD', KEYS[3], 'XX', ARGV[N + 2], digest)
-redis.call('HINCRBY', KEYS[4], model .. ':hits', 1)
-local names = finish_names(KEYS[1], 1)
-local at = N + 10
-local count = tonumber(ARGV[at])
-redis.call('HSET', KEYS[7], unpack(ARGV, at + 1, at + count))
-redis.call('EXPIRE', KEYS[7], names.ttl)
-finish_jobs(names, 7, at + 1 + count)
-local status = redis.call('HGET', KEYS[7], 'status')
-if status == SUCCEEDED then   -- in time: its answer is the shared one, kept as long as this record may live
-  if fresh then
-    redis.call('COPY', KEYS[2], KEYS[5])
-    redis.call('EXPIRE', KEYS[5], answer_ttl)
-  else
-    redis.call('EXPIRE', KEYS[5], answer_ttl, 'GT')
-  end
-end                           -- else answered after its deadline: expired as any late answer, without it
-return {'ended', status}
-"""
-)
+# The hit's job is the library's `store_hit` (contract/library/hits.lua, where its keys and arguments are named;
+# JobIntake builds them).
 
 
 class HitLimited(NamedTuple):

@@ -21,30 +21,20 @@ from contract import budget
 from contract.cache import CacheLimits, MissCounts
 from contract.clock import now as service_now
 from contract.jobs.ending import JobEnding
-from contract.jobs.hits import RESULT_REF, STORE_HIT_LUA, HitLimited, HitLimits
+from contract.jobs.hits import RESULT_REF, HitLimited, HitLimits
 from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU, SUCCEEDED, encode_fields, flatten_fields
 from contract.keys import Keys
+from contract.library import Step, is_missing
 from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
 
 log = logging.getLogger(__name__)
 
-# A result-cache lookup (contract.cache) and, on a miss, the job's admission (contract.budget's admit), in one
-# round trip. On a hit: the cached document, nothing written (the hit's own step, contract.jobs.hits, follows).
-# On a miss: admit(); the API counts the miss itself (contract.cache's MissCounts). A miss is nearly every call
-# and a hit's record is not needed for it: a script's arguments cost Redis ~760 instructions each and ~12 a byte
-# (the record and a hit's ending were ~40 of them, ~1 KB, ~50,000 instructions an image, more than the
-# admission's own commands).
-# KEYS[1] the entry, KEYS[2..] admit()'s keys; ARGV admit()'s ADMISSION_ARGS arguments. Returns {'hit', document}
-# or admit()'s verdict.
-_LOOKUP_OR_ADMIT = (
-    budget.ADMIT_LUA
-    + """
-local document = redis.call('GET', KEYS[1])
-if document then return {'hit', document} end
-return admit(2, #KEYS, 1)
-"""
-)
+# The step `lookup_or_admit` (contract/library/intake.lua): the result cache's lookup and, on a miss, the job's
+# admission, in one round trip. A miss is nearly every call and a hit's record is not needed for it: a step's
+# arguments cost Redis ~760 instructions each and ~12 a byte (the record and a hit's ending were ~40 of them).
+_LOOKUP_OR_ADMIT = Step("lookup_or_admit")
+_STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
 
@@ -89,8 +79,6 @@ class JobIntake(JobEnding):
         self.uploads = uploads or client
         self.replication = replication
         self.hits = hits or HitLimits(0, ttl_s, ttl_s)
-        self._lookup_or_admit = client.register_script(_LOOKUP_OR_ADMIT)
-        self._store_hit = client.register_script(STORE_HIT_LUA)
         self.misses = MissCounts()  # added to the shared counters by flush_counts
         self._fence = SharedFence(self._fence_round)  # reads that show how a job ended (confirm_durable)
         self._fenced = (0, 0)  # the last round's (acknowledged, wanted)
@@ -195,7 +183,7 @@ class JobIntake(JobEnding):
         (_LOOKUP_OR_ADMIT); a hit takes a second. A hit needs no admission: it adds nothing to wait."""
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
         for _ in range(3):  # an entry that goes between the lookup and the hit's step: looked up again
-            reply = self._lookup_or_admit(keys=[self.keys.cache_entry(digest), *admission_keys], args=admission_args)
+            reply = _LOOKUP_OR_ADMIT(self.redis, [self.keys.cache_entry(digest), *admission_keys], admission_args)
             if reply[0] != b"hit":
                 self.misses.count(admission.model_key)
                 return budget.BudgetVerdict.of(reply)
@@ -217,7 +205,7 @@ class JobIntake(JobEnding):
         model_key: str,
         client_id: str,
     ) -> Any:
-        """STORE_HIT_LUA for one hit: its reply."""
+        """The step `store_hit` for one hit: its reply."""
         # stored as past its push, for the moment the step takes: it has no upload for finish_jobs to delete
         record = flatten_fields({"id": job_id, "status": QUEUED_GPU, **fields, RESULT_REF: digest})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
@@ -247,22 +235,23 @@ class JobIntake(JobEnding):
             *job_args,
         ]
         if not self.replication.enabled:
-            return self._store_hit(keys=keys, args=args)
+            return _STORE_HIT(self.redis, keys, args)
         # a hit is a new job, answered: on its replicas before the 202 says so (a miss waits at `create`)
-        reply, acknowledged, wanted = self._script_and_wait(self._store_hit, keys, args)
+        reply, acknowledged, wanted = self._step_and_wait(_STORE_HIT, keys, args)
         if reply[0] == b"ended" and acknowledged < wanted:
             raise NotReplicated(acknowledged, wanted)
         return reply
 
-    def _script_and_wait(self, script: Any, keys: list[Any], args: list[Any]) -> tuple[Any, int, int]:
-        """A registered script's EVALSHA, then WAIT on its connection (Replication.wait): (its reply, replicas
-        that acknowledged, replicas wanted). Loaded first when the server does not know it (a new primary, a
-        restart)."""
-        command = ("EVALSHA", script.sha, len(keys), *keys, *args)
+    def _step_and_wait(self, step: Step, keys: list[Any], args: list[Any]) -> tuple[Any, int, int]:
+        """A library step's FCALL, then WAIT on its connection (Replication.wait): (its reply, replicas that
+        acknowledged, replicas wanted). A Redis without the library (a new primary that lost it) gets it first."""
+        command = ("FCALL", step.name, len(keys), *keys, *args)
         try:
             replies, acknowledged, wanted = self.replication.wait(self.redis, [command])
-        except redis.exceptions.NoScriptError:
-            self.redis.script_load(script.script)
+        except redis.ResponseError as error:
+            if not is_missing(error):
+                raise
+            step.recover(self.redis)
             replies, acknowledged, wanted = self.replication.wait(self.redis, [command])
         return replies[0], acknowledged, wanted
 

@@ -28,6 +28,10 @@ FILES = (
     "ending.lua",
     "frames.lua",
     "write_batch.lua",
+    "admission.lua",
+    "intake.lua",
+    "token_bucket.lua",
+    "hits.lua",
 )
 HERE = Path(__file__).parent
 _VERSION = re.compile(r"^local VERSION = (\d+)$", re.MULTILINE)

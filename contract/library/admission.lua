@@ -1,0 +1,67 @@
+
+-- A job's admission (contract.budget): its model's backlog, the tenant's share of it, both byte budgets and the API
+-- key's share of each, judged and the bytes reserved in one step. admit(keys, args, k, last, a): keys[k] the
+-- model's frame list, keys[k + 1] the frames-waiting hash (with bulk shards, the frames on them: contract.shards;
+-- '' without), keys[k + 2] the waiting-bytes hash, keys[k + 3] the tenant's own CPU queue, keys[k + 4] the API
+-- key's waiting-bytes hash ('' without a key), keys[k + 5..last] the model's other CPU queues; args[a] the model,
+-- args[a + 1] the bytes to reserve, args[a + 2] its backlog limit (jobs), args[a + 3] its byte budget, args[a + 4]
+-- the total's, args[a + 5] how many jobs the tenant may have waiting in its own queue, args[a + 6] and args[a + 7]
+-- the key's share of the model's budget and of the total (ADMISSION_ARGS: 8, budget.admission_arguments).
+-- Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
+-- key's: of the model, or of all models when that share refused it). ALL is contract.budget's.
+local ALL = '*'
+
+local function admit(keys, args, k, last, a)
+  local own = redis.call('LLEN', keys[k + 3])
+  local sharded = 0   -- without bulk shards the key is '': no frames wait there, no HGET an image to say so
+  if keys[k + 1] ~= '' then sharded = math.max(0, tonumber(redis.call('HGET', keys[k + 1], args[a]) or '0')) end
+  local backlog = redis.call('LLEN', keys[k]) + sharded + own
+  for i = k + 5, last do backlog = backlog + redis.call('LLEN', keys[i]) end
+  local waiting = redis.call('HGETALL', keys[k + 2])   -- a field a model: the total is their sum
+  local model_bytes, all_bytes = 0, 0
+  for i = 1, #waiting, 2 do
+    if waiting[i] ~= ALL then
+      local bytes = math.max(0, tonumber(waiting[i + 1]) or 0)
+      all_bytes = all_bytes + bytes
+      if waiting[i] == args[a] then model_bytes = bytes end
+    end
+  end
+  local key_model, key_all = 0, 0   -- the key's, the same way (no key: no read)
+  if keys[k + 4] ~= '' then
+    local mine = redis.call('HGETALL', keys[k + 4])
+    for i = 1, #mine, 2 do
+      local bytes = math.max(0, tonumber(mine[i + 1]) or 0)
+      key_all = key_all + bytes
+      if mine[i] == args[a] then key_model = bytes end
+    end
+  end
+  local size = tonumber(args[a + 1])
+  if own >= tonumber(args[a + 5]) then return {'tenant_backlog', own, model_bytes, all_bytes, key_model} end
+  -- a key with nothing waiting is admitted by its share whatever the size (the budgets still apply)
+  if key_model > 0 and key_model + size > tonumber(args[a + 6]) then
+    return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model}
+  end
+  if key_all > 0 and key_all + size > tonumber(args[a + 7]) then
+    return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all}
+  end
+  if backlog >= tonumber(args[a + 2]) then return {'backlog', backlog, model_bytes, all_bytes, key_model} end
+  if model_bytes + size > tonumber(args[a + 3]) then
+    return {'model_bytes', backlog, model_bytes, all_bytes, key_model}
+  end
+  if all_bytes + size > tonumber(args[a + 4]) then
+    return {'all_bytes', backlog, model_bytes, all_bytes, key_model}
+  end
+  if size > 0 then redis.call('HINCRBY', keys[k + 2], args[a], size) end
+  if keys[k + 4] == '' then return {'admitted', backlog, model_bytes + size, all_bytes + size, 0} end
+  if size > 0 then redis.call('HINCRBY', keys[k + 4], args[a], size) end
+  return {'admitted', backlog, model_bytes + size, all_bytes + size, key_model + size}
+end
+
+-- The step `admit` (WaitingBytes.admit): admit()'s keys and arguments, from keys[1] and args[1].
+redis.register_function('admit', function(keys, args) return admit(keys, args, 1, #keys, 1) end)
+
+-- The step `release_bytes` (WaitingBytes.release): keys[1] the waiting-bytes hash; args[1] the model, args[2] the
+-- bytes, args[3] the API key they were reserved for ('' without).
+redis.register_function('release_bytes', function(keys, args)
+  release_waiting(keys[1], args[1], args[2], args[3])
+end)
