@@ -183,11 +183,7 @@ class WaitingBytes:
         """Give back bytes reserved for a job that was not stored after all, and `owner`'s (the API key they
         were reserved for; in a pipeline: with it)."""
         if size > 0:
-            keys, args = [self.keys.waiting_bytes], [model_key, size, owner]
-            if isinstance(client, redis.client.Pipeline):
-                _RELEASE.queue(client, keys, args)
-            else:
-                _RELEASE(client or self.redis, keys, args)
+            _RELEASE(client or self.redis, [self.keys.waiting_bytes], [model_key, size, owner])
 
     def release_later(self, model_key: str, size: int, owner: str = "") -> None:
         """Bytes that could not be given back (Redis away: a restart, a failover): kept here and given back at

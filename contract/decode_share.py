@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import redis
 
 from contract.keys import Keys
+from contract.library import Step
 
 MIB = 1024 * 1024
 CHARGED_FROM = 32 * MIB  # estimated decode bytes from which an upload is charged to its key
@@ -49,25 +50,8 @@ def decode_cost(data: bytes | bytearray | memoryview) -> int:
     return int(cost * INTERLACE_FACTOR) if interlace else cost
 
 
-# KEYS[1] the charges; ARGV[1] the key, ARGV[2] the job id, ARGV[3] its cost, ARGV[4] the key's share, ARGV[5]
-# now, ARGV[6] when this charge lapses. Lapsed charges are dropped on the way. {1, held with it} when charged,
-# {0, held} when refused.
-_TAKE = """
-local held, now = 0, tonumber(ARGV[5])
-local entries = redis.call('HGETALL', KEYS[1])
-for i = 1, #entries, 2 do
-  local key, cost, lapse = string.match(entries[i + 1], '^(.*)|(%d+)|([%d.]+)$')
-  if lapse == nil or tonumber(lapse) < now then
-    redis.call('HDEL', KEYS[1], entries[i])
-  elseif key == ARGV[1] then
-    held = held + tonumber(cost)
-  end
-end
-local cost = tonumber(ARGV[3])
-if held > 0 and held + cost > tonumber(ARGV[4]) then return {0, held} end
-redis.call('HSET', KEYS[1], ARGV[2], ARGV[1] .. '|' .. ARGV[3] .. '|' .. ARGV[6])
-return {1, held + cost}
-"""
+# The library's `take_decode_share` (contract/library/decode_share.lua, where its keys and arguments are named).
+_TAKE = Step("take_decode_share")
 
 
 class Charge(NamedTuple):
@@ -82,13 +66,10 @@ class DecodeShare:
 
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.redis, self.keys = client, keys
-        self._take = client.register_script(_TAKE)
 
     def take(self, key: str, job_id: str, cost: int, share: int, now: float, lapse_at: float) -> Charge:
         """Charge `cost` to `key` for `job_id` unless what the key holds already would pass `share` with it."""
-        reply: Any = self._take(
-            keys=[self.keys.decode_share], args=[key, job_id, cost, share, repr(now), repr(lapse_at)]
-        )
+        reply: Any = _TAKE(self.redis, [self.keys.decode_share], [key, job_id, cost, share, repr(now), repr(lapse_at)])
         return Charge(bool(int(reply[0])), int(reply[1]))
 
     def release(self, job_id: str) -> None:

@@ -21,8 +21,8 @@ from typing import Protocol, TypeVar
 
 import redis
 
-from contract.frames import FRAME_JOB_ID_LUA
 from contract.keys import Keys
+from contract.library import Step
 from contract.replies import PayloadReader
 from contract.shards import SHARD_ERRORS, BulkPlane
 
@@ -37,16 +37,8 @@ local function ack_frames(processing, count)
 end
 """
 
-# The ack alone: KEYS[1] the processing list, KEYS[2..] uploads that waited for these frames (bulk shards keep a
-# job's bytes until its frame is acked: contract.frame_shard_source); ARGV[1] the count.
-_ACK_FRAMES = (
-    ACK_FRAMES_LUA
-    + """
-ack_frames(KEYS[1], tonumber(ARGV[1]))
-for i = 2, #KEYS do redis.call('DEL', KEYS[i]) end
-return 1
-"""
-)
+# The ack alone: the library's `ack_frames` (contract/library/frames.lua).
+_ACK_FRAMES = Step("ack_frames")
 
 Popped = TypeVar("Popped")
 
@@ -75,7 +67,6 @@ class RedisFrameSource:
         self.frames_key = keys.frames(model_key)
         self.processing_key = keys.processing(worker_id, model_key)
         self.reader = PayloadReader(client)  # frames are read straight into one buffer each
-        self._ack = client.register_script(_ACK_FRAMES)
 
     def pop_blocking(self, timeout_s: float) -> memoryview | None:
         # Oldest frame is at the right (producers LPUSH): FIFO.
@@ -93,7 +84,7 @@ class RedisFrameSource:
     def ack(self, count: int, uploads: Sequence[str] = ()) -> None:
         """Drop the `count` oldest frames in hand, the batch just answered, and `uploads` (ACK_FRAMES_LUA)."""
         if count > 0:
-            self._ack(keys=[self.processing_key, *uploads], args=[count])
+            _ACK_FRAMES(self.redis, [self.processing_key, *uploads], [count])
 
     def give_back(self, frames: Sequence[memoryview]) -> None:
         """The oldest frames in hand (these, in order) back to the front of the list, in one step."""
@@ -108,41 +99,8 @@ class RedisFrameSource:
 
 # Giving a worker's unanswered frames back, on the control plane and wherever its lists lie (the control plane itself,
 # or each bulk shard: contract.shards), in three steps: the fence, the move, the count.
-# The fence, on the control plane: KEYS[1] the worker's heartbeat ('' when it gives back its own), KEYS[2] its
-# epoch. -1 if it lives; else 1, its epoch deleted (a paused worker finds it gone and writes nothing more).
-_FENCE = """
-if KEYS[1] ~= '' then
-  if redis.call('EXISTS', KEYS[1]) == 1 then return -1 end
-  redis.call('DEL', KEYS[2])
-end
-return 1
-"""
-
-# The move, where the lists lie: the worker's processing lists back to their frame lists, oldest first in line; the
-# job ids read from the moved frames' headers. KEYS per model its processing list and its frame list. Two reapers
-# cannot both move a frame: the second finds the processing list empty.
-_MOVE_BACK = (
-    FRAME_JOB_ID_LUA
-    + """
-local moved = {}
-for k = 1, #KEYS, 2 do
-  while true do
-    local frame = redis.call('LMOVE', KEYS[k], KEYS[k + 1], 'LEFT', 'RIGHT')
-    if not frame then break end
-    moved[#moved + 1] = frame_job_id(frame) or ''
-  end
-end
-return moved
-"""
-)
-
-# The count, on the control plane: an attempt more on each job (KEYS) that still exists (a step towards `poison`).
-_COUNT_ATTEMPTS = """
-for _, key in ipairs(KEYS) do
-  if redis.call('EXISTS', key) == 1 then redis.call('HINCRBY', key, 'attempts', 1) end
-end
-return #KEYS
-"""
+# The library's `fence_worker`, `move_frames_back` and `count_attempts` (contract/library/frames.lua).
+_FENCE, _MOVE_BACK, _COUNT_ATTEMPTS = Step("fence_worker"), Step("move_frames_back"), Step("count_attempts")
 
 
 def requeue_frames_of(
@@ -161,7 +119,7 @@ def requeue_frames_of(
     reaper tries again."""
     bulk = bulk or BulkPlane(client)
     heartbeat = keys.heartbeat(worker_id) if only_if_dead else ""
-    if int(client.register_script(_FENCE)(keys=[heartbeat, keys.gpu_epoch(worker_id)])) == -1:
+    if int(_FENCE(client, [heartbeat, keys.gpu_epoch(worker_id)], [])) == -1:
         return -1
     moved: list[str] = []
     complete = True
@@ -176,7 +134,7 @@ def requeue_frames_of(
             log.warning("could not give back %s's frames on bulk shard %d: %s", worker_id, index, exc)
     counted = [keys.job(job_id) for job_id in moved if job_id]
     if count_attempt and counted:
-        client.register_script(_COUNT_ATTEMPTS)(keys=counted)
+        _COUNT_ATTEMPTS(client, counted, [])
     if only_if_dead and complete:
         client.zrem(keys.gpu_workers, worker_id)
     return len(moved)
@@ -186,4 +144,4 @@ def move_back(server: redis.Redis, keys: Keys, worker_id: str, model_keys: Seque
     """This worker's processing lists on one server back to their frame lists (no attempt counted): the job ids of
     the frames moved ('' for a frame without one)."""
     lists = [key for model_key in model_keys for key in (keys.processing(worker_id, model_key), keys.frames(model_key))]
-    return [raw.decode() for raw in server.register_script(_MOVE_BACK)(keys=lists)]
+    return [raw.decode() for raw in _MOVE_BACK(server, lists, [])]

@@ -119,20 +119,6 @@ def read_job_id(data: bytes | memoryview) -> str | None:
         return None
 
 
-# The same read in Lua, for the scripts that move frames without Python (a dead worker's requeue): a frame's job id,
-# or nil when its header is unreadable. `struct` and `cjson` are Redis's own Lua libraries.
-FRAME_JOB_ID_LUA = f"""
-local function frame_job_id(frame)
-  local ok, header = pcall(function()
-    local length = struct.unpack('>I4', string.sub(frame, {len(MAGIC) + 1}, {_PREFIX.size}))
-    return cjson.decode(string.sub(frame, {_PREFIX.size + 1}, {_PREFIX.size} + length))
-  end)
-  if ok and type(header) == 'table' and type(header.job_id) == 'string' then return header.job_id end
-  return nil
-end
-"""
-
-
 _HEADER_FIELDS = frozenset(FrameHeader.__dataclass_fields__)
 
 

@@ -34,6 +34,7 @@ from contract.clock import now as service_now
 from contract.frame_source import requeue_frames_of
 from contract.heartbeat import Heartbeat
 from contract.keys import Keys
+from contract.library import Step
 from contract.scaling import backlogs, gpu_windows, scaling_signal
 from contract.settings import Settings
 from contract.shards import BulkPlane
@@ -42,17 +43,8 @@ from gpu_worker import metrics
 log = logging.getLogger("gpu_worker")
 
 
-# KEYS[1] the worker's epoch, KEYS[2] its heartbeat, KEYS[3] the registry; ARGV[1] its epoch, ARGV[2] the
-# heartbeat's text ('' withholds it: the loop stalled), ARGV[3] its TTL (ms), ARGV[4] the worker id, ARGV[5] now.
-# 0 when the epoch is not this life's any more (a reaper took its frames), else 1.
-_BEAT = """
-if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
-if ARGV[2] ~= '' then
-  redis.call('SET', KEYS[2], ARGV[2], 'PX', tonumber(ARGV[3]))
-  redis.call('ZADD', KEYS[3], tonumber(ARGV[5]), ARGV[4])
-end
-return 1
-"""
+# The library's `gpu_beat` (contract/library/liveness.lua, where its keys and arguments are named).
+_BEAT = Step("gpu_beat")
 
 
 class WorkerIdInUse(RuntimeError):
@@ -90,7 +82,6 @@ class Liveness:
         self.epoch = ""
         self.presumed_dead = False
         self.confirmed_at = time.monotonic()  # the last time a beat found this life's epoch in Redis
-        self._beat = client.register_script(_BEAT)
 
     def begin_epoch(self) -> None:
         """A new life: its epoch, after the frames a previous one left were given back."""
@@ -187,9 +178,10 @@ class Liveness:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
         CLOCK.sync_if_due()
         asked_at = time.monotonic()
-        alive = self._beat(
-            keys=[self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id), self.keys.gpu_workers],
-            args=[
+        alive = _BEAT(
+            self.redis,
+            [self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id), self.keys.gpu_workers],
+            [
                 self.epoch,
                 "" if stalled else self.describe().to_redis(),
                 int(self.ttl_s * 1000),

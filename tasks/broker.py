@@ -46,6 +46,7 @@ from kombu.transport import virtual
 
 from contract.clock import now as service_now
 from contract.keys import CELERY_HOLDS, Keys
+from contract.library import Step
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
@@ -188,13 +189,8 @@ class SentinelTransport(kombu_redis.SentinelTransport):
 
 # --- given back on a death -----------------------------------------------------------------------------------
 
-# KEYS[1] the worker's heartbeat, KEYS[2] the reaping lock; ARGV[1] the reaper, ARGV[2] the lock's TTL (s).
-# 1: the worker is dead and this reaper may give back its messages; 0: it lives, or another reaper has it.
-_MAY_REAP = """
-if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
-if redis.call('SET', KEYS[2], ARGV[1], 'NX', 'EX', tonumber(ARGV[2])) then return 1 end
-return 0
-"""
+# The library's `may_reap_cpu_worker` (contract/library/cpu_hop.lua, where its keys and arguments are named).
+_MAY_REAP = Step("may_reap_cpu_worker")
 REAP_LOCK_S = 30
 
 
@@ -202,12 +198,11 @@ def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) ->
     """Give back the messages of every registered worker whose heartbeat lapsed: {worker: messages}.
     `restore(holds_key, tag)` puts one held message back on its queue (tasks.broker's HeldQoS.restore_held; the
     key without Celery's prefix, which kombu's client adds)."""
-    may_reap = client.register_script(_MAY_REAP)
     reaped: dict[str, int] = {}
     for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
         holder = raw.decode()
-        if holder == me or not may_reap(
-            keys=[keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], args=[me, REAP_LOCK_S]
+        if holder == me or not _MAY_REAP(
+            client, [keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], [me, REAP_LOCK_S]
         ):
             continue
         tags = [tag.decode() for tag in cast(list[bytes], client.hkeys(keys.celery_holds(holder)))]

@@ -11,31 +11,14 @@ from kombu.exceptions import OperationalError
 
 from contract.clock import now as service_now
 from contract.keys import Keys
+from contract.library import Step
 from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)
 
 
-# KEYS[1] outbox, KEYS[2] relaying (zset), KEYS[3] scheduled (zset); ARGV[1] now, ARGV[2] taken before this
-# is stale. Retries that are due and entries a dead relay held go to the outbox first; then one entry moves
-# from the outbox to `relaying`.
-_TAKE_FROM_OUTBOX = """
-local due = redis.call('ZRANGEBYSCORE', KEYS[3], '-inf', ARGV[1], 'LIMIT', 0, 100)
-for _, job_id in ipairs(due) do
-  redis.call('ZREM', KEYS[3], job_id)
-  redis.call('RPUSH', KEYS[1], job_id)
-end
-local stale = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[2])
-for _, job_id in ipairs(stale) do
-  redis.call('ZREM', KEYS[2], job_id)
-  redis.call('RPUSH', KEYS[1], job_id)
-end
-local job_id = redis.call('LPOP', KEYS[1])
-if job_id then
-  redis.call('ZADD', KEYS[2], ARGV[1], job_id)
-end
-return job_id
-"""
+# The library's `take_from_outbox` (contract/library/callbacks.lua, where its keys and arguments are named).
+_TAKE_FROM_OUTBOX = Step("take_from_outbox")
 RELAY_STALE_AFTER_S = 60.0
 # Redis (the job store, or the broker behind Celery) away: known, said once when it goes and once when it is back.
 CONNECTION_ERRORS = (redis.ConnectionError, redis.TimeoutError, OperationalError)
@@ -45,13 +28,13 @@ def relay_outbox(client: redis.Redis, keys: Keys, send: Callable[[str], None], l
     """Hand ended jobs' callbacks, and retries that are due, to Celery. Each entry moves to `relaying` in the
     step that takes it and leaves it only once Celery has the task: a failed send puts it back at the outbox's
     head, and one whose relay died is taken again after RELAY_STALE_AFTER_S. Nothing is lost."""
-    take = client.register_script(_TAKE_FROM_OUTBOX)
     sent = 0
     while sent < limit:
         now = service_now()
-        job_id = take(
-            keys=[keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
-            args=[now, now - RELAY_STALE_AFTER_S],
+        job_id = _TAKE_FROM_OUTBOX(
+            client,
+            [keys.callback_outbox, keys.callback_relaying, keys.callback_scheduled],
+            [now, now - RELAY_STALE_AFTER_S],
         )
         if job_id is None:
             break

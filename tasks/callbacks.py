@@ -26,6 +26,7 @@ from contract.clock import now as service_now
 from contract.documents import job_document
 from contract.jobs.record import JobRecord, JobStore
 from contract.keys import Keys
+from contract.library import Step
 from contract.sections import SettingsError
 from contract.settings import Settings
 from tasks.callback_http import Deadline, DeliveryFailed, bounded_resolver, post_within
@@ -42,35 +43,15 @@ def backoff_s(attempts: int, base_s: float, max_s: float, jitter: float, draw: f
     return plain * (1.0 - jitter + 2.0 * jitter * draw)
 
 
-# KEYS[1] job hash, KEYS[2] the scheduled set, KEYS[3] the dead set; ARGV[1] the job id, ARGV[2] the callback
-# state (JSON), ARGV[3] 'scheduled' | 'dead' | '' (where the job id waits next), ARGV[4] its score, ARGV[5] the
-# least TTL the record must keep (a callback retried for hours needs its job; never past jobs.max_ttl_s from its
-# submission: CallbackSender._lapses_at). A job hash that expired meanwhile is not recreated by a late write.
-# Returns 1 written, 0 gone. The dead letter keeps what a read and a redelivery need (the job's document, its owner
-# and callback), not the stages' own bookkeeping (DEAD_LETTER_DROPS).
+# What a job's callback state is, and where it waits next: the library's `record_callback_state`
+# (contract/library/callbacks.lua, where its keys and arguments are named). The dead letter keeps what a read and a
+# redelivery need (the job's document, its owner and callback), not the stages' own bookkeeping (DEAD_LETTER_DROPS:
+# the library's list, which a test holds to this one).
 DEAD_LETTER_DROPS = (
     *("claim", "queue", "resent", "cache_key", "decode_cost", "media_type", "bytes", "submitted_at"),
     *("cpu_started_at", "decode_ms", "resize_ms", "backpressure_ms", "pushed_at"),  # the time bill is made
 )
-_RECORD_STATE = (
-    """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'callback', ARGV[2])
-redis.call('ZREM', KEYS[2], ARGV[1])
-redis.call('ZREM', KEYS[3], ARGV[1])
-if ARGV[3] == 'scheduled' then
-  redis.call('ZADD', KEYS[2], tonumber(ARGV[4]), ARGV[1])
-elseif ARGV[3] == 'dead' then
-  redis.call('ZADD', KEYS[3], tonumber(ARGV[4]), ARGV[1])
-  redis.call('HDEL', KEYS[1], """
-    + ", ".join(f"'{name}'" for name in DEAD_LETTER_DROPS)
-    + """)
-end
-local keep = tonumber(ARGV[5])
-if keep > 0 and redis.call('TTL', KEYS[1]) < keep then redis.call('EXPIRE', KEYS[1], keep) end
-return 1
-"""
-)
+_RECORD_STATE = Step("record_callback_state")
 
 
 class CallbackSender:
@@ -96,7 +77,6 @@ class CallbackSender:
         self.keys = Keys(settings.namespace)
         self.store = JobStore(client, self.keys, settings.jobs.ttl_s)
         self.slots = TenantSlots(client, self.keys, settings.callbacks.max_per_tenant, settings.callbacks.deadline_s)
-        self._record_state = client.register_script(_RECORD_STATE)
 
     def deliver(self, job_id: str) -> str:
         """One attempt: 'delivered', 'retrying', 'failed' (given up), 'held' (its tenant has every slot in use: it
@@ -192,9 +172,10 @@ class CallbackSender:
 
     def _record(self, job_id: str, state: dict[str, Any], place: str = "", score: float = 0.0, keep_s: int = 0) -> None:
         """The delivery's state on the job and where the job id waits next, in one step."""
-        self._record_state(
-            keys=[self.keys.job(job_id), self.keys.callback_scheduled, self.keys.callback_dead],
-            args=[job_id, json.dumps(state), place, score, keep_s],
+        _RECORD_STATE(
+            self.redis,
+            [self.keys.job(job_id), self.keys.callback_scheduled, self.keys.callback_dead],
+            [job_id, json.dumps(state), place, score, keep_s],
         )
 
 

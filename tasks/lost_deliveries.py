@@ -26,6 +26,7 @@ import redis
 from contract.deadlines import live_scores
 from contract.jobs.record import QUEUED
 from contract.keys import Keys
+from contract.library import Step
 from contract.task_messages import PreprocessMessages
 
 log = logging.getLogger(__name__)
@@ -34,19 +35,8 @@ log = logging.getLogger(__name__)
 # kombu's unacked hash) keep it (the message's JSON inside a JSON list); the body itself is base64.
 _JOB_IN_MESSAGE = re.compile(rb"\['([0-9a-f]{32})'\]")
 
-# KEYS[1] the job hash, KEYS[2] its queue's list; ARGV[1] the message, ARGV[2] the most times a job is sent its task
-# again, ARGV[3] its `resent` count as this round read it. The message goes to the end BRPOP takes from (the
-# front), only while the job is still queued, has not been sent it that often (a task that vanishes every time is
-# something else: its deadline ends it), and nobody sent it again since this round looked (a round that outlived
-# its lock, beside the next one, must not send a second copy): 1 sent, 0 not.
-_RESEND = f"""
-if redis.call('HGET', KEYS[1], 'status') ~= '{QUEUED.value}' then return 0 end
-local resent = tonumber(redis.call('HGET', KEYS[1], 'resent') or '0')
-if resent ~= tonumber(ARGV[3]) or resent >= tonumber(ARGV[2]) then return 0 end
-redis.call('RPUSH', KEYS[2], ARGV[1])
-redis.call('HINCRBY', KEYS[1], 'resent', 1)
-return 1
-"""
+# A job sent its task again, once per round at most: the library's `resend_task` (contract/library/cpu_hop.lua).
+_RESEND = Step("resend_task")
 
 MAX_JOBS = 5000  # live jobs looked at per round: the deadline index's soonest
 MAX_RESENDS = 3  # per job
@@ -67,7 +57,6 @@ class LostDeliveries:
         self.unacked_key = unacked_key
         self.after_s = after_s
         self.messages = PreprocessMessages()
-        self._resend = client.register_script(_RESEND)
 
     def check(self, now: float) -> list[str]:
         """One round, if no other worker has one under way: the jobs sent their task again."""
@@ -89,7 +78,7 @@ class LostDeliveries:
             queue, count = stale[job_id]
             message = self.messages.build(job_id, queue)
             keys = [self.keys.job(job_id), self.keys.celery_queue(queue)]
-            if self._resend(keys=keys, args=[message, MAX_RESENDS, count]):
+            if _RESEND(self.redis, keys, [message, MAX_RESENDS, count]):
                 resent.append(job_id)
         return resent
 

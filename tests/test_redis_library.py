@@ -10,6 +10,7 @@ import redis
 
 from contract.budget import ALL
 from contract.cache import ENTRY_OVERHEAD, STALE_PER_ENTRY
+from contract.frames import _PREFIX, MAGIC
 from contract.jobs.ending import FINISH_NAMES, LATE_ERROR, PENDING_CALLBACK, JobEnding
 from contract.jobs.hits import HIT_GONE
 from contract.jobs.record import TERMINAL, JobStatus
@@ -20,8 +21,11 @@ from contract.library import (
     ensure_library,
     library_source,
     library_version,
+    loaded_code,
     loaded_version,
 )
+from contract.token_bucket import TokenBuckets
+from tasks.callbacks import DEAD_LETTER_DROPS
 from tests.support import RedisServer
 
 LIBRARY = HERE
@@ -52,6 +56,11 @@ def test_the_librarys_literals_are_the_contracts():
     pushed = f"local PUSHED = {{{JobStatus.QUEUED_GPU.value} = true, {JobStatus.RUNNING.value} = true}}"
     assert pushed in ending
     assert f"local ENTRY_OVERHEAD, STALE_PER_ENTRY = {ENTRY_OVERHEAD}, {STALE_PER_ENTRY}" in _lua("cache.lua")
+    assert f"local FRAME_PREFIX_BYTES = {_PREFIX.size}" in _lua("frames.lua") and len(MAGIC) == 4
+    assert "struct.unpack('>I4', string.sub(frame, 5, FRAME_PREFIX_BYTES))" in _lua("frames.lua")
+    drops = re.search(r"^local DEAD_LETTER_DROPS = \{(.*?)\}$", _lua("callbacks.lua"), re.MULTILINE | re.DOTALL)
+    assert drops and re.findall(r"'(\w+)'", drops.group(1)) == list(DEAD_LETTER_DROPS)
+    assert f"local QUEUED = '{JobStatus.QUEUED.value}'" in _lua("cpu_hop.lua")
     assert f"local ALL = '{ALL}'" in _lua("admission.lua")
     assert f"local HIT_GONE = '{HIT_GONE}'" in _lua("hits.lua")
     assert f"local KEY_WAITING_SEPARATOR = '{KEY_WAITING_SEPARATOR}'" in _lua("budget.lua")
@@ -106,3 +115,12 @@ def test_a_redis_restarted_from_its_append_only_file_keeps_the_library(tmp_path:
         assert client.hget(keys.job("j1"), "status") == b"failed"
     finally:
         server.stop()
+
+
+def test_the_same_version_with_other_code_is_replaced_by_the_step_that_misses_a_function(redis_client: redis.Redis):
+    """A checkout between two versions: its library's code is another, its version the same."""
+    other = library_source().split("\nredis.register_function('take_token'", 1)[0]  # the steps after it missing
+    redis_client.function_load(other, replace=True)
+    buckets = TokenBuckets(redis_client)
+    assert buckets.take("bucket:library-test", rate_per_s=1.0, burst=2.0).allowed
+    assert loaded_code(redis_client) == library_source()

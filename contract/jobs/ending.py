@@ -143,44 +143,8 @@ end
 # The library's `finish_jobs` (contract/library/ending.lua, where its keys and arguments are named).
 _FINISH_JOBS = Step("finish_jobs")
 
-# A job's callback queued again from its first attempt, unless one is on its way already: a second request
-# answers with that one (6,000 requests had queued the same job 2,978 times). On its way: `pending` (in the
-# outbox, a relay's hands, Celery's queue or its tenant's held list), `delivering`, or `retrying` once a relay
-# has taken it from the scheduled set (while it waits there, it moves to the outbox: still one). One that has
-# been on its way for longer than ARGV[2] is taken for lost (its Celery message gone with a killed worker) and
-# queued again; one delivered less than ARGV[3] ago answers too (else a prompt receiver's key could have its job
-# posted a hundred times a second, one after another). KEYS[1] job hash, KEYS[2] the outbox, KEYS[3] the scheduled
-# set, KEYS[4] the dead set; ARGV[1] the job id, ARGV[4] now (the service's clock, contract.clock: the moments it
-# is compared with were written from it). Returns REDELIVER_QUEUED, REDELIVER_IN_FLIGHT (nothing queued:
-# the delivery on its way, or just made, answers), or 0 (no such job, not ended, no callback).
-_REDELIVER_CALLBACK = (
-    TERMINAL_LUA
-    + """
-local status = redis.call('HGET', KEYS[1], 'status')
-if not status or not TERMINAL[status] or redis.call('HEXISTS', KEYS[1], 'callback_url') == 0 then return 0 end
-local now = tonumber(ARGV[4])
-local ok, state = pcall(cjson.decode, redis.call('HGET', KEYS[1], 'callback') or '')
-if not ok or type(state) ~= 'table' then state = {} end
-local since
-if state.status == 'pending' or state.status == 'delivering' then
-  -- a redelivery's queued_at, an attempt's attempt_at, or the job's end (its first delivery)
-  since = tonumber(state.queued_at) or tonumber(state.attempt_at)
-    or tonumber(redis.call('HGET', KEYS[1], 'finished_at')) or now
-elseif state.status == 'retrying' and redis.call('ZREM', KEYS[3], ARGV[1]) == 0 then
-  since = tonumber(state.next_attempt_at) or now   -- a relay took it when it fell due
-end
-if since and now - since < tonumber(ARGV[2]) then return 2 end
--- delivered moments ago: that delivery is the answer (a receiver that lost it asks once, not hundreds of times)
-local delivered = state.status == 'delivered' and tonumber(state.delivered_at)
-if delivered and now - delivered < tonumber(ARGV[3]) then return 2 end
-redis.call('HSET', KEYS[1], 'callback', '{"status":"pending","attempts":0,"last_error":null,"queued_at":' .. now .. '}')
-redis.call('ZREM', KEYS[3], ARGV[1])
-redis.call('ZREM', KEYS[4], ARGV[1])
-redis.call('RPUSH', KEYS[2], ARGV[1])
-redis.call('PUBLISH', KEYS[2], ARGV[1])
-return 1
-"""
-)
+# The library's `redeliver_callback` (contract/library/ending.lua): a callback queued again, once.
+_REDELIVER_CALLBACK = Step("redeliver_callback")
 REDELIVER_QUEUED, REDELIVER_IN_FLIGHT = 1, 2
 # A delivery `pending` or `delivering` this long is taken for lost: one waiting for its tenant's slots behind
 # an hour of slow receivers (4 at once, 10 s each: 1,440 attempts) is the only honest one that old.
@@ -205,7 +169,6 @@ class JobEnding(JobStore):
         `results_as_text`: as JobStore's."""
         super().__init__(client, keys, ttl_s, bulk, results_as_text)
         self.cache = cache or CacheLimits(keys.cache_prefix)
-        self._redeliver = client.register_script(_REDELIVER_CALLBACK)
 
     def finish(self, job_id: str, status: str, fields: Mapping[str, Any] | None = None, client: Any = None) -> bool:
         """End a job once; the first terminal state wins and wakes its long-polls."""
@@ -216,11 +179,7 @@ class JobEnding(JobStore):
         ended (in a pipeline, with the pipeline's replies)."""
         job_keys, job_args = self.finish_arguments(outcomes)
         keys, args = [self.keys.callback_outbox, *job_keys], [*self.finish_names(), *job_args]
-        target = client or self.redis
-        if isinstance(target, redis.client.Pipeline):
-            _FINISH_JOBS.queue(target, keys, args)
-            return target
-        return _FINISH_JOBS(target, keys, args)
+        return _FINISH_JOBS(client or self.redis, keys, args)
 
     def finish_names(self) -> list[Any]:
         """What FINISH_JOBS_LUA's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
@@ -275,14 +234,15 @@ class JobEnding(JobStore):
         less than DELIVERED_COOLDOWN_S ago (nothing queued); 0 when the job does not exist, has not ended or has
         no callback."""
         return int(
-            self._redeliver(
-                keys=[
+            _REDELIVER_CALLBACK(
+                self.redis,
+                [
                     self.keys.job(job_id),
                     self.keys.callback_outbox,
                     self.keys.callback_scheduled,
                     self.keys.callback_dead,
                 ],
-                args=[job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S, repr(service_now())],
+                [job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S, repr(service_now())],
             )
         )
 

@@ -20,6 +20,7 @@ import redis
 
 from contract.clock import now as service_now
 from contract.keys import Keys
+from contract.library import Step
 from contract.shards import BulkPlane
 from contract.timebill import FINISHED_AT, RECORD_STAMPS
 
@@ -102,28 +103,8 @@ STAMP_FIELDS = RECORD_STAMPS
 TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status.value} = true" for status in sorted(TERMINAL)) + "}\n"
 
 
-# KEYS job hashes; ARGV[1] max attempts (0: no limit), ARGV[2..] field, value, ... (the same for each job).
-# Per job: 1 if moved, 0 if absent or terminal, -1 (unchanged) if requeued max attempts times.
-_ADVANCE = (
-    TERMINAL_LUA
-    + """
-local limit = tonumber(ARGV[1])
-local verdicts = {}
-for i, key in ipairs(KEYS) do
-  local was = redis.call('HMGET', key, 'status', 'attempts')
-  local status = was[1]
-  if not status or TERMINAL[status] then
-    verdicts[i] = 0
-  elseif limit > 0 and tonumber(was[2] or '0') >= limit then
-    verdicts[i] = -1
-  else
-    redis.call('HSET', key, unpack(ARGV, 2))
-    verdicts[i] = 1
-  end
-end
-return verdicts
-"""
-)
+# The library's `advance_jobs` (contract/library/record.lua).
+_ADVANCE = Step("advance_jobs")
 MOVED, GONE, POISON = 1, 0, -1
 
 
@@ -186,7 +167,6 @@ class JobStore:
         self.bulk = bulk or BulkPlane(client)
         self.keys = keys
         self.ttl_s = ttl_s
-        self._advance = client.register_script(_ADVANCE)
 
     def load(self, job_id: str) -> JobRecord | None:
         """A job's record; a cache hit's that succeeded with its result read from the answer it refers to (one
@@ -228,7 +208,7 @@ class JobStore:
             max_attempts,
             *flatten_fields({"status": status, "updated_at": service_now(), **(fields or {})}),
         ]
-        return self._advance(keys=[self.keys.job(job_id) for job_id in job_ids], args=args, client=client or self.redis)
+        return _ADVANCE(client or self.redis, [self.keys.job(job_id) for job_id in job_ids], args)
 
     def _delete_quietly(self, key: str, client: redis.Redis | None = None) -> None:
         try:

@@ -32,6 +32,12 @@ FILES = (
     "intake.lua",
     "token_bucket.lua",
     "hits.lua",
+    "record.lua",
+    "decode_share.lua",
+    "liveness.lua",
+    "callback_slots.lua",
+    "callbacks.lua",
+    "cpu_hop.lua",
 )
 HERE = Path(__file__).parent
 _VERSION = re.compile(r"^local VERSION = (\d+)$", re.MULTILINE)
@@ -63,13 +69,24 @@ def loaded_version(client: redis.Redis) -> int | None:
 
 
 def ensure_library(client: redis.Redis) -> int:
-    """Load this checkout's library unless the Redis has it, or a newer one, loaded already: the version it has
-    now. Every process calls it at start (and `Step` when a function is missing)."""
+    """Load this checkout's library unless the Redis has a newer one, or this very one, loaded already: the
+    version it has now. Every process calls it at start (and `Step` when a function is missing). The same version
+    with other code (a checkout between two versions) is replaced: the last process to start wins."""
     mine, loaded = library_version(), loaded_version(client)
-    if loaded is not None and loaded >= mine:
+    if loaded is not None and (loaded > mine or (loaded == mine and loaded_code(client) == library_source())):
         return loaded
     client.function_load(library_source(), replace=True)  # type: ignore[no-untyped-call]
     return mine
+
+
+def loaded_code(client: redis.Redis) -> str | None:
+    """The code of the library `client`'s Redis has loaded (FUNCTION LIST WITHCODE); None when it has none."""
+    listed: Any = client.function_list(library=LIBRARY_NAME, withcode=True)  # type: ignore[no-untyped-call]
+    for library in listed:
+        fields = dict(zip(library[::2], library[1::2]))
+        if fields.get(b"library_name") == LIBRARY_NAME.encode():
+            return bytes(fields[b"library_code"]).decode()
+    return None
 
 
 def is_missing(reply: object) -> bool:
@@ -85,8 +102,10 @@ class Step:
         self.name = name
 
     def __call__(self, client: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
-        """FCALL on `client` (a Redis, or a pipeline: there the caller checks `is_missing` on the reply and calls
-        `recover`). A Redis that answers "Function not found" gets the library and the call once more."""
+        """FCALL on `client`. A Redis that answers "Function not found" gets the library and the call once more.
+        In a pipeline or MULTI the call is queued (its reply comes with the pipeline's: see `is_missing`)."""
+        if isinstance(client, redis.client.Pipeline):
+            return client.fcall(self.name, len(keys), *keys, *args)
         try:
             return client.fcall(self.name, len(keys), *keys, *args)
         except redis.ResponseError as error:
@@ -94,10 +113,6 @@ class Step:
                 raise
             self.recover(client)
             return client.fcall(self.name, len(keys), *keys, *args)
-
-    def queue(self, pipe: Any, keys: Sequence[Any], args: Sequence[Any]) -> None:
-        """Queue the call in a pipeline or MULTI (its reply: check it with `is_missing`)."""
-        pipe.fcall(self.name, len(keys), *keys, *args)
 
     def recover(self, client: Any) -> None:
         """Load the library where this step was not found; a newer library without this step is an error."""

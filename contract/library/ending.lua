@@ -106,3 +106,38 @@ end
 redis.register_function('finish_jobs', function(keys, args)
   return finish_jobs(keys, args, finish_names(keys[1], args, 1), 2, FINISH_NAMES + 1)
 end)
+
+-- The step `redeliver_callback` (JobEnding.redeliver_callback): an ended job's callback queued again from its first
+-- attempt, unless one is on its way already: a second request answers with that one (6,000 requests had queued the
+-- same job 2,978 times). On its way: `pending` (in the outbox, a relay's hands, Celery's queue or its tenant's held
+-- list), `delivering`, or `retrying` once a relay has taken it from the scheduled set (while it waits there, it
+-- moves to the outbox: still one). One on its way for longer than args[2] is taken for lost and queued again; one
+-- delivered less than args[3] ago answers too. keys[1] the job hash, keys[2] the outbox, keys[3] the scheduled set,
+-- keys[4] the dead set; args[1] the job id, args[4] now (the service's clock). Returns REDELIVER_QUEUED (1),
+-- REDELIVER_IN_FLIGHT (2: nothing queued) or 0 (no such job, not ended, no callback).
+redis.register_function('redeliver_callback', function(keys, args)
+  local status = redis.call('HGET', keys[1], 'status')
+  if not status or not TERMINAL[status] or redis.call('HEXISTS', keys[1], 'callback_url') == 0 then return 0 end
+  local now = tonumber(args[4])
+  local ok, state = pcall(cjson.decode, redis.call('HGET', keys[1], 'callback') or '')
+  if not ok or type(state) ~= 'table' then state = {} end
+  local since
+  if state.status == 'pending' or state.status == 'delivering' then
+    -- a redelivery's queued_at, an attempt's attempt_at, or the job's end (its first delivery)
+    since = tonumber(state.queued_at) or tonumber(state.attempt_at)
+      or tonumber(redis.call('HGET', keys[1], 'finished_at')) or now
+  elseif state.status == 'retrying' and redis.call('ZREM', keys[3], args[1]) == 0 then
+    since = tonumber(state.next_attempt_at) or now   -- a relay took it when it fell due
+  end
+  if since and now - since < tonumber(args[2]) then return 2 end
+  -- delivered moments ago: that delivery is the answer (a receiver that lost it asks once, not hundreds of times)
+  local delivered = state.status == 'delivered' and tonumber(state.delivered_at)
+  if delivered and now - delivered < tonumber(args[3]) then return 2 end
+  redis.call('HSET', keys[1], 'callback',
+             '{"status":"pending","attempts":0,"last_error":null,"queued_at":' .. now .. '}')
+  redis.call('ZREM', keys[3], args[1])
+  redis.call('ZREM', keys[4], args[1])
+  redis.call('RPUSH', keys[2], args[1])
+  redis.call('PUBLISH', keys[2], args[1])
+  return 1
+end)
