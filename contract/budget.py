@@ -29,41 +29,12 @@ from typing import Any, NamedTuple
 
 import redis
 
-from contract.keys import KEY_WAITING_SEPARATOR, Keys
+from contract.keys import Keys
 from contract.library import Step
 
 ALL = "*"
 
-# Lua functions other scripts call to give bytes back: HINCRBY, never below zero. release_waiting gives one model's
-# bytes back, and the key's (`owner`: the job's API key; nil or '' for a frame or a job without one); release_each
-# gives back {model: bytes} (a step that ended many jobs) and release_owners {owner: {model: bytes}}: one HINCRBY
-# a model (and key), not one a job, with what one release after another would leave (each stops at zero, and a sum
-# of decrements stops there too). key_waiting names a key's hash as Keys.key_waiting_bytes does.
-RELEASE_LUA = f"""
-local function key_waiting(waiting, owner) return waiting .. '{KEY_WAITING_SEPARATOR}' .. owner end
-"""
-RELEASE_LUA += """
-local function release_field(waiting, field, bytes)
-  if bytes > 0 and field ~= '' and redis.call('HINCRBY', waiting, field, -bytes) < 0 then
-    redis.call('HSET', waiting, field, 0)
-  end
-end
-
-local function release_waiting(waiting, model, bytes, owner)
-  bytes = tonumber(bytes) or 0
-  release_field(waiting, model or '', bytes)
-  if owner and owner ~= '' then release_field(key_waiting(waiting, owner), model or '', bytes) end
-end
-
-local function release_each(waiting, by_model)
-  for model, bytes in pairs(by_model) do release_field(waiting, model, bytes) end
-end
-
-local function release_owners(waiting, by_owner)
-  for owner, by_model in pairs(by_owner) do release_each(key_waiting(waiting, owner), by_model) end
-end
-"""
-
+# Bytes are given back by the library (contract/library/budget.lua: HINCRBY, never below zero).
 # The steps `admit` and `release_bytes` (contract/library/admission.lua, where their keys and arguments are
 # named; admission_arguments builds them). ADMISSION_ARGS is admit()'s count of arguments: the result cache's
 # lookup (contract.jobs.intake) calls it too, on its own offsets.
@@ -76,7 +47,7 @@ OVER_KEY_MODEL_BYTES, OVER_KEY_ALL_BYTES = "key_model_bytes", "key_all_bytes"  #
 
 
 class BudgetVerdict(NamedTuple):
-    """ADMIT_LUA's answer: whether the budgets took a new job, and the figures a refusal is explained with."""
+    """the library's admit answer: whether the budgets took a new job, and the figures a refusal is explained with."""
 
     verdict: str  # ADMITTED, or which limit refused it
     backlog: int  # the model's jobs waiting (its CPU queues and its frame list); the tenant's own
@@ -87,7 +58,7 @@ class BudgetVerdict(NamedTuple):
 
     @classmethod
     def of(cls, reply: Any) -> BudgetVerdict:
-        """ADMIT_LUA's reply."""
+        """the library's admit reply."""
         return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
 
 
@@ -110,7 +81,7 @@ class AdmissionRequest(NamedTuple):
 
 
 def admission_arguments(keys: Keys, request: AdmissionRequest) -> tuple[list[str], list[Any]]:
-    """The keys and arguments ADMIT_LUA's admit() reads for `request` (its keys: six or more)."""
+    """The keys and arguments the library's admit admit() reads for `request` (its keys: six or more)."""
     own = keys.celery_queue(keys.preprocess_queue(request.model_key, request.tenant))
     others = [keys.celery_queue(queue) for queue in keys.preprocess_queues(request.model_key, request.tenants)]
     names = [

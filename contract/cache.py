@@ -4,8 +4,8 @@ An entry is a succeeded job's result document, keyed by a digest of the image's 
 spec (its file, size, layout, labels and default thresholds), the options that change the answer (conf, iou,
 max_det, as applied) and the scope (the API key, unless cache.shared). The API looks up before queuing, in
 one step that on a hit stores the job over already and on a miss admits it (contract.jobs.intake's
-JobIntake.answer_or_admit). The step that ends a job `succeeded` stores its entry (REMEMBER_LUA, inside
-FINISH_JOBS_LUA), so only answers that stood are cached: never a failure, an expiry, a cancellation or a
+JobIntake.answer_or_admit). The step that ends a job `succeeded` stores its entry (the library's remember_all,
+inside finish_jobs), so only answers that stood are cached: never a failure, an expiry, a cancellation or a
 late answer. Entries are charged their document's bytes plus ENTRY_OVERHEAD against cache.max_bytes; past
 it the least recently used go, in the same step, so the total never exceeds it and nothing but cache entries
 is ever evicted. docs/operations.md has the why.
@@ -47,80 +47,14 @@ class CacheLimits:
         return cls(keys.cache_prefix, settings.cache.max_bytes, settings.cache.ttl_s)
 
     def finish_names(self) -> list[Any]:
-        """The arguments REMEMBER_LUA's cache names read (after contract.jobs.ending's own)."""
+        """The arguments the library's cache_names reads (after contract.jobs.ending's own)."""
         return [self.prefix, self.max_bytes, self.ttl_s]
 
 
-# Lua, called by finish_jobs with the jobs it ended: store each one's result if it ended `succeeded` and carries a
-# `cache_key` (the API set it: the cache was on for it and it was a miss). SET NX: the first answer of an image
-# stays (identical requests computed at once give the same answer). A digest whose entry expired but whose
-# charge remains is charged again only once. Then the entries unused past their TTL (gone already) lose their LRU
-# member, size field and charge: STALE_PER_ENTRY of them with every entry stored, so the two bookkeeping keys
-# hold no more than the TTL's worth (before, they stayed until the budget filled: at 15 jobs/s, ~100,000 members
-# over two hours); all of them, 64 a step, while over budget. Then, while still over it, the least recently used.
+# The library's remember_all (contract/library/cache.lua), called by finish_jobs with the jobs it ended, stores each
+# one's result if it ended `succeeded` and carries a `cache_key`; then STALE_PER_ENTRY entries unused past their TTL
+# lose their books with every entry stored, so the two bookkeeping keys hold no more than the TTL's worth.
 STALE_PER_ENTRY = 2  # more than the one a stored entry may later leave: the stale ones never pile up
-REMEMBER_LUA = (
-    f"""
-local ENTRY_OVERHEAD, STALE_PER_ENTRY = {ENTRY_OVERHEAD}, {STALE_PER_ENTRY}
-"""
-    + """
-local function cache_names(i)
-  return {prefix = ARGV[i], max = tonumber(ARGV[i + 1]), ttl = tonumber(ARGV[i + 2])}
-end
-
-local function forget_digest(cache, digest)
-  local charged = tonumber(redis.call('HGET', cache.prefix .. 'sizes', digest) or '0')
-  redis.call('DEL', cache.prefix .. 'e:' .. digest)
-  redis.call('HDEL', cache.prefix .. 'sizes', digest)
-  redis.call('ZREM', cache.prefix .. 'lru', digest)
-  if charged > 0 then redis.call('DECRBY', cache.prefix .. 'bytes', charged) end
-end
-
--- The entries a step's jobs leave (each that ended `succeeded` now with a `cache_key`): {digest, result, moment}.
--- Stored one SET NX each; their bookkeeping (the stale charges read, the sizes, the LRU members, the total, the
--- sweep of stale entries) in one call each for all of them: each call inside a script costs Redis ~3,000
--- instructions, and a batch's eight entries made ~35 of them.
-local function remember_all(cache, entries)
-  if cache.max <= 0 or #entries == 0 then return end
-  local digests, sizes, members, newest = {}, {}, {}, 0
-  for _, entry in ipairs(entries) do
-    local digest, result, now = entry[1], entry[2], tonumber(entry[3]) or 0
-    local charged = #result + ENTRY_OVERHEAD
-    if charged <= cache.max and redis.call('SET', cache.prefix .. 'e:' .. digest, result, 'EX', cache.ttl, 'NX') then
-      digests[#digests + 1] = digest
-      sizes[#sizes + 1] = digest
-      sizes[#sizes + 1] = charged
-      members[#members + 1] = now
-      members[#members + 1] = digest
-      if now > newest then newest = now end
-    end
-  end
-  if #digests == 0 then return end
-  local stale = redis.call('HMGET', cache.prefix .. 'sizes', unpack(digests))
-  local added = 0
-  for i = 1, #digests do added = added + sizes[2 * i] - (tonumber(stale[i]) or 0) end
-  redis.call('HSET', cache.prefix .. 'sizes', unpack(sizes))
-  redis.call('ZADD', cache.prefix .. 'lru', unpack(members))
-  local total = redis.call('INCRBY', cache.prefix .. 'bytes', added)
-  local expired = redis.call('ZRANGEBYSCORE', cache.prefix .. 'lru', '-inf', newest - cache.ttl, 'LIMIT', 0,
-                             total > cache.max and 64 or STALE_PER_ENTRY * #digests)
-  for _, old in ipairs(expired) do
-    forget_digest(cache, old)
-  end
-  if #expired > 0 then total = tonumber(redis.call('GET', cache.prefix .. 'bytes') or '0') end
-  if total <= cache.max then return end
-  while total > cache.max do
-    local oldest = redis.call('ZRANGE', cache.prefix .. 'lru', 0, 0)[1]
-    if not oldest then
-      redis.call('SET', cache.prefix .. 'bytes', 0)   -- nothing left to charge: the count had drifted
-      return
-    end
-    forget_digest(cache, oldest)
-    total = tonumber(redis.call('GET', cache.prefix .. 'bytes') or '0')
-  end
-end
-"""
-)
 
 
 def spec_fingerprint(spec: ModelSpec) -> bytes:

@@ -6,7 +6,7 @@ alike whatever its own wall clock says. It is past once the service's clock is b
 a host's wall clock. Who ends a job late, and when:
 
 - the API, when a read or a wait finds it live past its deadline (`is_past`, app.waiters);
-- the CPU worker's claim (`DEADLINE_PASSED_LUA` in contract.jobs.handoff) and its waits for room or memory;
+- the CPU worker's claim (the library's `deadline_passed` in its `claim`) and its waits for room or memory;
 - the GPU worker's triage, before a frame takes a slot on the device;
 - the step that writes an answer: one written after the deadline ends the job `expired`
   (`late_as_expired`, contract.jobs.ending);
@@ -81,9 +81,5 @@ def seconds_left(deadline: float, now: float | None = None) -> float:
     return deadline - (service_now() if now is None else now)
 
 
-# The same judgement inside a Lua step: `now` is an ARGV the caller read from the service's clock.
-DEADLINE_PASSED_LUA = """
-local function deadline_passed(deadline, now)
-  return deadline ~= nil and tonumber(now) > deadline
-end
-"""
+# The same judgement inside a library step: deadline_passed in contract/library/deadlines.lua (`now` an argument
+# the caller read from the service's clock).

@@ -1,9 +1,9 @@
 """The frame list, out: a GPU worker's pops, its ack, give back and requeue (contract.frames is the frame itself).
 
 Frames move, never vanish: BLMOVE/LMOVE carry each frame from the model's list into the worker's processing list,
-and only its ack (`ACK_FRAMES_LUA`, the one place a frame is acked) removes them once their results are written; a
-worker that dies leaves its frames there, and `requeue_frames_of` gives them back. The processing list is in the
-order the frames were taken: the newest at the left, the oldest at the right. The worker answers its batches in
+and only its ack (the library's `ack_frames`, the one place a frame is acked) removes them once their results are
+written; a worker that dies leaves its frames there, and `requeue_frames_of` gives them back. The processing list is
+in the order the frames were taken: the newest at the left, the oldest at the right. The worker answers its batches in
 the order it took them, so a batch's frames are always the rightmost ones when it is acked, and the ack drops them
 by count, without sending them back over the wire. After an error that may have left the worker unsure what it
 holds (a Redis call that failed half way), it answers what it has in hand, then gives back whatever is left in
@@ -28,16 +28,10 @@ from contract.shards import SHARD_ERRORS, BulkPlane
 
 log = logging.getLogger(__name__)
 
-# The frame list's ack, the one place a frame is acked: drop the `count` oldest frames of a processing list (the
-# batch just answered: see the module's note). A Lua function, so that the GPU worker's batch write
-# (gpu_worker.finish) acks in the same atomic step as the results it writes; a source's `ack` runs it alone.
-ACK_FRAMES_LUA = """
-local function ack_frames(processing, count)
-  if count > 0 then redis.call('LTRIM', processing, 0, -(count + 1)) end
-end
-"""
-
-# The ack alone: the library's `ack_frames` (contract/library/frames.lua).
+# The frame list's ack, the one place a frame is acked: the library's ack_frames (contract/library/frames.lua) drops
+# the `count` oldest frames of a processing list (the batch just answered: see the module's note). The GPU worker's
+# batch write (gpu_worker.finish) acks in the same atomic step as the results it writes; a source's `ack` runs the
+# step `ack_frames` alone.
 _ACK_FRAMES = Step("ack_frames")
 
 Popped = TypeVar("Popped")
@@ -48,7 +42,7 @@ class FrameSource(Protocol[Popped]):
     (contract.frame_shard_source); the batcher (gpu_worker.batcher) uses the two pops. A frame is a memoryview there;
     generic so that the batcher's tests can pop anything."""
 
-    acked_by_batch_write: bool  # the batch write acks (ACK_FRAMES_LUA) itself, else `ack` does, after it
+    acked_by_batch_write: bool  # the batch write acks (the library's ack_frames) itself, else `ack` does, after it
 
     def pop_blocking(self, timeout_s: float) -> Popped | None: ...
     def pop_available(self, limit: int) -> Sequence[Popped]: ...
@@ -60,7 +54,9 @@ class FrameSource(Protocol[Popped]):
 class RedisFrameSource:
     """One model's frame list, and this worker's processing list for it."""
 
-    acked_by_batch_write = True  # the Finisher's one write acks (ACK_FRAMES_LUA); alone (a tool, a shard): `ack`
+    acked_by_batch_write = (
+        True  # the Finisher's one write acks (the library's ack_frames); alone (a tool, a shard): `ack`
+    )
 
     def __init__(self, client: redis.Redis, keys: Keys, worker_id: str, model_key: str) -> None:
         self.redis = client
@@ -82,7 +78,7 @@ class RedisFrameSource:
         return [frame for frame in self.reader.bulks(*[move] * limit) if frame is not None]
 
     def ack(self, count: int, uploads: Sequence[str] = ()) -> None:
-        """Drop the `count` oldest frames in hand, the batch just answered, and `uploads` (ACK_FRAMES_LUA)."""
+        """Drop the `count` oldest frames in hand, the batch just answered, and `uploads` (the library's ack_frames)."""
         if count > 0:
             _ACK_FRAMES(self.redis, [self.processing_key, *uploads], [count])
 

@@ -2,7 +2,7 @@
 
 In the worker's finish thread, while the device runs the next batch: the
 detections come back as Python values, each job gets its result (or the error
-its frame failed with alone), its time bill and its batch, and one Lua script
+its frame failed with alone), its time bill and its batch, and one Redis function (`write_batch`)
 ends every job, acknowledges every frame the batch took and updates the
 worker's counters, atomically. Results wait in memory until Redis takes them.
 """
@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from contract.clock import now as service_now
-from contract.frame_source import ACK_FRAMES_LUA, FrameSource
+from contract.frame_source import FrameSource
 from contract.frames import Frame
-from contract.jobs.ending import FINISH_JOBS_LUA, FINISH_NAMES
 from contract.jobs.record import FAILED, SUCCEEDED
 from contract.keys import model_frames_total
+from contract.library import Step
 from contract.models import ModelSpec
 from contract.timebill import (
     BATCH_CLOSED_AT,
@@ -39,46 +39,9 @@ from gpu_worker.staging import DeviceOutput
 
 log = logging.getLogger("gpu_worker")
 
-# KEYS[1] callback outbox, KEYS[2] processing list ('' with bulk shards: the source acks there after this),
-# KEYS[3] counters hash, KEYS[4] the worker's epoch, KEYS[5] the frames-waiting hash (bulk shards), KEYS[6] the
-# model's frames by API key (Keys.key_frames; '' : not counted), KEYS[7..] job hashes; ARGV[1..N]
-# JobEnding.finish_names() (N = FINISH_NAMES), then: frames to acknowledge (the oldest in hand), their bytes, their
-# model, the count of counter field and value arguments, the epoch the batch was taken in ('' : unfenced), the count
-# of key and frames arguments, the counters, the keys' (an API key id, its frames among those acknowledged: counted
-# out, a count at 0 or below deleted), and the jobs' (see FINISH_JOBS_LUA). Returns the jobs ended, or -1 (nothing
-# written) when the epoch is no longer the worker's.
-_WRITE_BATCH = (
-    FINISH_JOBS_LUA
-    + ACK_FRAMES_LUA
-    + f"local N = {FINISH_NAMES}\n"
-    + """
-if ARGV[N + 5] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[N + 5] then
-  return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.liveness)
-end
-local names = finish_names(KEYS[1], 1)
-local acked, acked_bytes, model, counters = tonumber(ARGV[N + 1]), ARGV[N + 2], ARGV[N + 3], tonumber(ARGV[N + 4])
-if acked > 0 then
-  if KEYS[2] ~= '' then
-    ack_frames(KEYS[2], acked)
-  elseif redis.call('HINCRBY', KEYS[5], model, -acked) < 0 then   -- on bulk shards: acked after, counted out here
-    redis.call('HSET', KEYS[5], model, 0)
-  end
-  release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
-end
-if counters > 0 then
-  redis.call('HSET', KEYS[3], unpack(ARGV, N + 7, N + 6 + counters))
-end
-local owned, at = tonumber(ARGV[N + 6]), N + 7 + counters
-if KEYS[6] ~= '' then
-  for i = at, at + owned - 1, 2 do
-    if redis.call('HINCRBY', KEYS[6], ARGV[i], -tonumber(ARGV[i + 1])) <= 0 then
-      redis.call('HDEL', KEYS[6], ARGV[i])
-    end
-  end
-end
-return finish_jobs(names, 7, at + owned)
-"""
-)
+# The batch's one write: the library's `write_batch` (contract/library/write_batch.lua, where its keys and
+# arguments are named; `Finisher._write` builds them).
+_WRITE_BATCH = Step("write_batch")
 
 
 def detections_per_image(detections: np.ndarray, count: int) -> list[list[list[float]]]:
@@ -145,7 +108,6 @@ class Finisher:
         self.ttl_s = link.settings.jobs.ttl_s
         # each acknowledged frame counted out of its API key's (the CPU workers count them in: contract.frame_push)
         self.key_frames = link.keys.key_frames(spec.key) if link.settings.backpressure.head_frames_per_key > 0 else ""
-        self._write_batch = link.redis.register_script(_WRITE_BATCH)
 
     def finish(self, batch: InHand) -> None:
         """Documents for every running job of the batch, then the one write (retried until Redis answers)."""
@@ -231,8 +193,9 @@ class Finisher:
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         owners = [value for pair in batch.owners.items() for value in pair] if self.key_frames else []
         job_keys, job_args = self.store.finish_arguments(outcomes)
-        written = self._write_batch(
-            keys=[
+        written = _WRITE_BATCH(
+            self.redis,
+            [
                 self.keys.callback_outbox,
                 self.acked_key,
                 self.keys.gpu_counters(self.worker_id),
@@ -241,7 +204,7 @@ class Finisher:
                 self.key_frames,
                 *job_keys,
             ],
-            args=[
+            [
                 *self.store.finish_names(),
                 batch.taken,
                 batch.taken_bytes,

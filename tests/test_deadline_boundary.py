@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import redis
 
-from contract.deadlines import DEADLINE_PASSED_LUA, is_past, live_scores, overdue_scores
+from contract.deadlines import is_past, live_scores, overdue_scores
 from contract.jobs.intake import JobIntake
 from contract.keys import Keys
+from contract.library import HERE as LIBRARY
 
 DEADLINE = 1_800_000_000.25  # exact in binary: equal means equal in Python, Lua and Redis's scores
+
+# The library's own judgement (contract/library/deadlines.lua), run alone as a script.
+DEADLINE_PASSED_LUA = (LIBRARY / "deadlines.lua").read_text()
 
 
 def test_each_judge_says_a_deadline_equal_to_now_is_not_past_and_a_moment_later_is(redis_client: redis.Redis):

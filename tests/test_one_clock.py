@@ -11,8 +11,12 @@ import redis
 
 from contract import clock as clock_module
 from contract.clock import ServiceClock
-from contract.deadlines import DEADLINE_PASSED_LUA, deadline_at, is_past, seconds_left
+from contract.deadlines import deadline_at, is_past, seconds_left
 from contract.jobs.record import JOB_ID_PATTERN, issued_at, lost_at, new_job_id
+from contract.library import HERE as LIBRARY
+
+# The library's own judgement (contract/library/deadlines.lua), run alone as a script.
+DEADLINE_PASSED_LUA = (LIBRARY / "deadlines.lua").read_text()
 
 
 def test_a_clock_bound_to_redis_reads_redis_time_whatever_the_host_clock_says(redis_client: redis.Redis):

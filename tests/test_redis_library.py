@@ -10,6 +10,7 @@ import redis
 
 from contract.budget import ALL
 from contract.cache import ENTRY_OVERHEAD, STALE_PER_ENTRY
+from contract.frame_push import JOB_OVER, KEY_FRAMES_TTL_S, LIST_FULL, PUSHED, FramePusher
 from contract.frames import _PREFIX, MAGIC
 from contract.jobs.ending import FINISH_NAMES, LATE_ERROR, PENDING_CALLBACK, JobEnding
 from contract.jobs.hits import HIT_GONE
@@ -24,6 +25,7 @@ from contract.library import (
     loaded_code,
     loaded_version,
 )
+from contract.timebill import CPU_STARTED_AT
 from contract.token_bucket import TokenBuckets
 from tasks.callbacks import DEAD_LETTER_DROPS
 from tests.support import RedisServer
@@ -53,14 +55,19 @@ def test_the_librarys_literals_are_the_contracts():
     assert f"local LATE_ERROR = '{LATE_ERROR}'" in ending
     assert f"local FINISH_NAMES = {FINISH_NAMES}" in ending
     assert f"local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'" in ending
-    pushed = f"local PUSHED = {{{JobStatus.QUEUED_GPU.value} = true, {JobStatus.RUNNING.value} = true}}"
-    assert pushed in ending
+    assert "local PUSHED = {[QUEUED_GPU] = true, [RUNNING] = true}" in ending
     assert f"local ENTRY_OVERHEAD, STALE_PER_ENTRY = {ENTRY_OVERHEAD}, {STALE_PER_ENTRY}" in _lua("cache.lua")
     assert f"local FRAME_PREFIX_BYTES = {_PREFIX.size}" in _lua("frames.lua") and len(MAGIC) == 4
     assert "struct.unpack('>I4', string.sub(frame, 5, FRAME_PREFIX_BYTES))" in _lua("frames.lua")
     drops = re.search(r"^local DEAD_LETTER_DROPS = \{(.*?)\}$", _lua("callbacks.lua"), re.MULTILINE | re.DOTALL)
     assert drops and re.findall(r"'(\w+)'", drops.group(1)) == list(DEAD_LETTER_DROPS)
-    assert f"local QUEUED = '{JobStatus.QUEUED.value}'" in _lua("cpu_hop.lua")
+    head = _lua("head.lua")
+    for status in ("QUEUED", "PREPROCESSING", "QUEUED_GPU", "RUNNING"):
+        assert re.search(rf"\b{status}\b.* = .*'{JobStatus[status].value}'", head), status
+    push = _lua("push.lua")
+    assert f"local KEY_FRAMES_TTL_S = {KEY_FRAMES_TTL_S}" in push
+    assert f"local PUSHED, LIST_FULL, JOB_OVER = {PUSHED}, {LIST_FULL}, {JOB_OVER}" in push
+    assert f"local CPU_STARTED_AT = '{CPU_STARTED_AT}'" in _lua("handoff.lua")
     assert f"local ALL = '{ALL}'" in _lua("admission.lua")
     assert f"local HIT_GONE = '{HIT_GONE}'" in _lua("hits.lua")
     assert f"local KEY_WAITING_SEPARATOR = '{KEY_WAITING_SEPARATOR}'" in _lua("budget.lua")
@@ -124,3 +131,41 @@ def test_the_same_version_with_other_code_is_replaced_by_the_step_that_misses_a_
     buckets = TokenBuckets(redis_client)
     assert buckets.take("bucket:library-test", rate_per_s=1.0, burst=2.0).allowed
     assert loaded_code(redis_client) == library_source()
+
+
+def test_no_script_or_script_loading_path_is_left_in_the_product():
+    """Every step of a job's life is a library function: no script registered, sent by SHA, or loaded again."""
+    root = Path(__file__).resolve().parents[1]
+    words = (
+        "register_script",
+        "EVALSHA",
+        "evalsha",
+        "NoScriptError",
+        "NOSCRIPT",
+        "script_load",
+        "pipe.eval(",
+        '"EVAL"',
+    )
+    found = [
+        f"{path.relative_to(root)}: {word}"
+        for package in ("app", "tasks", "gpu_worker", "contract")
+        for path in sorted((root / package).rglob("*.py"))
+        for word in words
+        if word in path.read_text()
+    ]
+    assert not found, found
+
+
+def test_a_push_into_a_redis_that_came_back_empty_stands_once(redis_client: redis.Redis):
+    """The push's step runs inside a MULTI, after the frame's LPUSH: a Redis without the library answers there,
+    and the frame is taken back before the push is made again (one frame, not two)."""
+    keys = Keys("library-push")
+    job = keys.job("p" * 32)
+    redis_client.hset(job, mapping={"status": JobStatus.PREPROCESSING.value, "model": "m:1", "bytes": 10})
+    redis_client.set(keys.upload("p" * 32), b"u" * 10)
+    redis_client.function_flush()
+    pushed = FramePusher(redis_client, keys).push("p" * 32, "m:1", b"frame", 8, {"pushed_at": 1.0})
+    assert pushed == PUSHED
+    assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
+    assert redis_client.hget(job, "status") == JobStatus.QUEUED_GPU.value.encode()
+    assert loaded_version(redis_client) == library_version()

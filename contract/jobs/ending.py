@@ -1,10 +1,10 @@
 """How jobs end, whoever ends them: the GPU worker's answer, a failure, a cancellation, an expiry.
 
-One Lua function, FINISH_JOBS_LUA's `finish_jobs`, ends jobs in every process: the first terminal state wins; the
-upload and the deadline entry go, the bytes are released (contract.budget; its API key's too), a callback enters the
-outbox, `job_events` is published, and a job that succeeded in time with a `cache_key` leaves its result in the result
-cache (contract.cache). Scripts that end jobs among other work (the GPU worker's batch write, the API's cache
-hit: contract.jobs.intake) start with it; `JobEnding` runs it alone (`finish_many`), ends the overdue ones
+One Lua function, the library's `finish_jobs` (contract/library/ending.lua), ends jobs in every process: the first
+terminal state wins; the upload and the deadline entry go, the bytes are released (contract.budget; its API key's
+too), a callback enters the outbox, `job_events` is published, and a job that succeeded in time with a `cache_key`
+leaves its result in the result cache (contract.cache). The steps that end jobs among other work (the GPU worker's
+batch write, the API's cache hit) call it; `JobEnding` runs it alone (`finish_many`), ends the overdue ones
 (`expire_overdue`, the sweeper of every CPU worker and API process) and queues an ended job's callback again.
 """
 
@@ -15,12 +15,11 @@ from typing import Any, cast
 
 import redis
 
-from contract.budget import RELEASE_LUA
-from contract.cache import REMEMBER_LUA, CacheLimits
+from contract.cache import CacheLimits
 from contract.clock import now as service_now
-from contract.deadlines import DEADLINE_PASSED_LUA, overdue_scores
-from contract.jobs.record import EXPIRED, FAILED, TERMINAL, TERMINAL_LUA, JobStatus, JobStore, flatten_fields
-from contract.keys import UPLOAD_SUFFIX, Keys
+from contract.deadlines import overdue_scores
+from contract.jobs.record import EXPIRED, FAILED, TERMINAL, JobStore, flatten_fields
+from contract.keys import Keys
 from contract.library import Step
 from contract.shards import BulkPlane
 from contract.timebill import FINISHED_AT
@@ -32,113 +31,6 @@ PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
 LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 
 FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: scripts find theirs after them
-
-# A Lua function that ends each live job whose hash is in KEYS[first_key..], with its arguments from
-# ARGV[at..]: per job its id, the count of field and value arguments, the fields and values (the
-# first terminal state wins). A job with a callback_url enters the outbox in the same atomic step
-# that ends it: once per terminal state, whoever ends it. An answer written after the job's deadline
-# does not stand: the job ends `expired` instead (its result is dropped; a long-poll was told at the
-# deadline). The job leaves the deadline index (`deadlines`, a sorted set) in the same step, and a job that
-# succeeded with a `cache_key` leaves its result in the result cache (contract.cache). Returns how many jobs it
-# ended. Scripts that end jobs among other work (the GPU worker's batch write) start with it.
-FINISH_JOBS_LUA = (
-    TERMINAL_LUA
-    + DEADLINE_PASSED_LUA
-    + RELEASE_LUA
-    + REMEMBER_LUA
-    + f"""local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'
-local PENDING_CALLBACK = '{PENDING_CALLBACK}'
-local LATE_ERROR = '{LATE_ERROR}'
-local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'
--- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
--- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
-local PUSHED = {{['{JobStatus.QUEUED_GPU.value}'] = true, ['{JobStatus.RUNNING.value}'] = true}}
-"""
-    + """
--- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
--- its result. Returns the fields to write and the status and result they end the job with.
-local function late_as_expired(deadline, fields)
-  local status, finished, result
-  for i = 1, #fields, 2 do
-    if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
-    elseif fields[i] == 'result' then result = i end
-  end
-  local ends_as = status and fields[status + 1]
-  if ends_as ~= SUCCEEDED or not finished or not deadline_passed(deadline, fields[finished + 1]) then
-    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1]
-  end
-  local kept = {}
-  for i = 1, #fields, 2 do
-    if i ~= result then
-      kept[#kept + 1] = fields[i]
-      kept[#kept + 1] = (i == status) and EXPIRED or fields[i + 1]
-    end
-  end
-  kept[#kept + 1] = 'error'
-  kept[#kept + 1] = LATE_ERROR
-  return kept, EXPIRED, nil, nil
-end
-
--- The names finish_jobs needs, from the FINISH_NAMES arguments at ARGV[i..] (JobEnding.finish_names).
-local function finish_names(outbox, i)
-  return {outbox = outbox, ttl = tonumber(ARGV[i]), channel = ARGV[i + 1], deadlines = ARGV[i + 2],
-          waiting = ARGV[i + 3], cache = cache_names(i + 4)}
-end
-
--- What of a record ending it reads, in one HMGET (not one read a field: every command inside a script is one
--- more for Redis's only thread, per job).
-local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
-
-local function finish_jobs(names, first_key, at)
-  local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
-  for k = first_key, #KEYS do
-    local key, job_id, count = KEYS[k], ARGV[at], tonumber(ARGV[at + 1])
-    local was = redis.call('HMGET', key, unpack(READ_AT_END))
-    local status = was[1]
-    if status and not TERMINAL[status] then
-      local fields, ends_as, result, finished = late_as_expired(tonumber(was[2]),
-                                                                {unpack(ARGV, at + 2, at + 1 + count)})
-      if was[6] then   -- its callback enters the outbox (below), in the same write
-        fields[#fields + 1] = 'callback'
-        fields[#fields + 1] = PENDING_CALLBACK
-        called[#called + 1] = job_id
-      end
-      redis.call('HSET', key, unpack(fields))
-      -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
-      if not was[2] then redis.call('EXPIRE', key, names.ttl) end
-      if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
-      -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
-      if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
-        local model, bytes = was[3] or '', tonumber(was[4]) or 0
-        if bytes > 0 then released[model] = (released[model] or 0) + bytes end
-        -- its API key's share of the budgets (contract.budget), read only here: a job whose frame was pushed (a
-        -- batch's) has no upload left, and its end reads no more than before
-        local owner = bytes > 0 and redis.call('HGET', key, 'owner')
-        if owner and owner ~= '' then
-          local mine = by_owner[owner] or {}
-          by_owner[owner], mine[model] = mine, (mine[model] or 0) + bytes
-        end
-      end
-      left[#left + 1] = job_id
-      ended = ended + 1
-    end
-    at = at + 2 + count
-  end
-  if #left > 0 then   -- one call each for all of them: a batch's ends wake long-polls with one message
-    redis.call('ZREM', names.deadlines, unpack(left))
-    redis.call('PUBLISH', names.channel, table.concat(left, ' '))
-  end
-  if #called > 0 then   -- the PUBLISH wakes the callback relays (its channel is named as the outbox; they read
-    redis.call('RPUSH', names.outbox, unpack(called))   -- the outbox, not the message)
-    redis.call('PUBLISH', names.outbox, table.concat(called, ' '))
-  end
-  release_each(names.waiting, released)
-  release_owners(names.waiting, by_owner)
-  remember_all(names.cache, entries)
-  return ended
-end
-"""
-)
 
 # The library's `finish_jobs` (contract/library/ending.lua, where its keys and arguments are named).
 _FINISH_JOBS = Step("finish_jobs")
@@ -182,7 +74,7 @@ class JobEnding(JobStore):
         return _FINISH_JOBS(client or self.redis, keys, args)
 
     def finish_names(self) -> list[Any]:
-        """What FINISH_JOBS_LUA's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
+        """What the library's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
         channel, the deadline index, the waiting-bytes hash and the result cache's names."""
         names = [
             self.ttl_s,
@@ -195,7 +87,7 @@ class JobEnding(JobStore):
         return names
 
     def finish_arguments(self, outcomes: Sequence[tuple[str, str, Mapping[str, Any]]]) -> tuple[list[str], list[Any]]:
-        """The job keys and the arguments FINISH_JOBS_LUA's finish_jobs() reads, for these outcomes."""
+        """The job keys and the arguments the library's finish_jobs() reads, for these outcomes."""
         now = service_now()
         keys: list[str] = []
         args: list[Any] = []

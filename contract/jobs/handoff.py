@@ -11,13 +11,13 @@ from typing import Any, NamedTuple, cast
 
 import redis
 
-from contract.deadlines import DEADLINE_PASSED_LUA
 from contract.jobs.ending import JobEnding
-from contract.jobs.record import PREPROCESSING, QUEUED, JobRecord, decode_record
+from contract.jobs.record import JobRecord, decode_record
 from contract.keys import Keys
+from contract.library import Step, is_missing
 from contract.replies import PayloadReader
 from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
-from contract.timebill import CPU_STARTED_AT, RECEIVED_AT, SUBMITTED_AT
+from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 # A CPU worker's claim, in one round trip instead of three (read, move, fetch the upload): a plain GET of the
 # upload, whose reply is read straight into one buffer (contract.replies), this step, and a plain HMGET of the
@@ -26,24 +26,8 @@ from contract.timebill import CPU_STARTED_AT, RECEIVED_AT, SUBMITTED_AT
 # back into a reply, strings cost the script far more than a plain read of them.)
 # A claimed job's API key comes back with its frames of the model waiting or in flight (Keys.key_frames): the push
 # chooses the end of the list from it (contract.frame_push), with no round trip more.
-# KEYS[1] job hash; ARGV[1] now, ARGV[2] the claim (a token of this attempt, which its push must show), ARGV[3]
-# Keys.key_frames_prefix ('' : not counted). Returns {'claimed', frames} (now preprocessing; frames -1 for a job
-# without a key, or not counted), 'missing', 'over' (past this stage or ended), 'late' (deadline passed,
-# unchanged: the caller ends it).
-_CLAIM = (
-    DEADLINE_PASSED_LUA
-    + f"""
-local was = redis.call('HMGET', KEYS[1], 'status', 'deadline_at', 'owner', 'model')
-local status, owner = was[1], was[3]
-if not status then return 'missing' end
-if status ~= '{QUEUED.value}' and status ~= '{PREPROCESSING.value}' then return 'over' end
-if deadline_passed(tonumber(was[2]), ARGV[1]) then return 'late' end
-redis.call('HSET', KEYS[1], 'status', '{PREPROCESSING.value}', '{CPU_STARTED_AT}', ARGV[1], 'updated_at', ARGV[1],
-           'claim', ARGV[2])
-if ARGV[3] == '' or not owner or owner == '' then return {{'claimed', -1}} end
-return {{'claimed', tonumber(redis.call('HGET', ARGV[3] .. (was[4] or ''), owner)) or 0}}
-"""
-)
+# The library's `claim` (contract/library/handoff.lua, where its keys and arguments are named).
+_CLAIM = Step("claim")
 
 
 # What the CPU worker reads of a record at its claim (tasks/preprocess.py), and nothing more of its ~23 fields: how it
@@ -72,7 +56,6 @@ class JobHandOff(JobEnding):
     ) -> None:
         """`count_key_frames`: a claim reads its key's frames (backpressure.head_frames_per_key above 0)."""
         super().__init__(client, keys, ttl_s, bulk)
-        self._claim = client.register_script(_CLAIM)
         self._key_frames_prefix = keys.key_frames_prefix if count_key_frames else ""
         self._payloads: PayloadReader | None = None  # uploads read in one copy
         self._shard_payloads: dict[int, PayloadReader] = {}
@@ -88,7 +71,7 @@ class JobHandOff(JobEnding):
             self._payloads = PayloadReader(self.redis)
         commands = (
             ("GET", self.keys.upload(job_id)),
-            ("EVALSHA", self._claim.sha, 1, self.keys.job(job_id), repr(now), claim, self._key_frames_prefix),
+            ("FCALL", _CLAIM.name, 1, self.keys.job(job_id), repr(now), claim, self._key_frames_prefix),
             ("HMGET", self.keys.job(job_id), *CLAIM_FIELDS),
         )
         reconnected = reloaded = False
@@ -102,8 +85,8 @@ class JobHandOff(JobEnding):
                     raise
                 reconnected = True
                 continue
-            if isinstance(reply, redis.ResponseError) and str(reply).startswith("NOSCRIPT") and not reloaded:
-                self.redis.script_load(_CLAIM)  # a restarted Redis forgot it: load it, try again
+            if is_missing(reply) and not reloaded:
+                _CLAIM.recover(self.redis)  # a Redis that came back empty: the library loaded, the claim again
                 reloaded = True
                 continue
             for answer in (upload, reply, fields):
@@ -117,14 +100,13 @@ class JobHandOff(JobEnding):
         """claim_for_preprocessing with bulk shards: the claim on the control plane, then, if claimed, the
         upload from the job's shard (ShardUnavailable when it does not answer, twice)."""
         for attempt in range(2):
-            # EVALSHA by hand: redis-py's Script in a pipeline asks SCRIPT EXISTS first, a round trip more each time
             pipe = self.redis.pipeline(transaction=False)
-            pipe.evalsha(self._claim.sha, 1, self.keys.job(job_id), repr(now), claim, self._key_frames_prefix)
+            _CLAIM(pipe, [self.keys.job(job_id)], [repr(now), claim, self._key_frames_prefix])
             pipe.hmget(self.keys.job(job_id), CLAIM_FIELDS)
             replies = pipe.execute(raise_on_error=False)
-            if not isinstance(replies[0], redis.exceptions.NoScriptError) or attempt:
+            if not is_missing(replies[0]) or attempt:
                 break
-            self.redis.script_load(_CLAIM)  # a restarted Redis forgot it: load it, claim again
+            _CLAIM.recover(self.redis)  # a Redis that came back empty: the library loaded, the claim again
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply

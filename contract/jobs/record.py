@@ -99,10 +99,6 @@ class StoredJSON:
 
 STAMP_FIELDS = RECORD_STAMPS
 
-# The terminal states as a Lua set, rendered from TERMINAL so the scripts cannot drift from it.
-TERMINAL_LUA = "local TERMINAL = {" + ", ".join(f"{status.value} = true" for status in sorted(TERMINAL)) + "}\n"
-
-
 # The library's `advance_jobs` (contract/library/record.lua).
 _ADVANCE = Step("advance_jobs")
 MOVED, GONE, POISON = 1, 0, -1

@@ -28,6 +28,8 @@ FILES = (
     "ending.lua",
     "frames.lua",
     "write_batch.lua",
+    "push.lua",
+    "handoff.lua",
     "admission.lua",
     "intake.lua",
     "token_bucket.lua",

@@ -10,8 +10,6 @@ redis.register_function('may_reap_cpu_worker', function(keys, args)
   return 0
 end)
 
-local QUEUED = 'queued'   -- contract.jobs.record's
-
 -- The step `resend_task` (tasks.lost_deliveries): keys[1] the job hash, keys[2] its queue's list; args[1] the
 -- message, args[2] the most times a job is sent its task again, args[3] its `resent` count as this round read it.
 -- The message goes to the end BRPOP takes from (the front), only while the job is still queued, has not been sent it

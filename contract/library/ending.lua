@@ -10,7 +10,7 @@ local LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after
 local SUCCEEDED, EXPIRED = 'succeeded', 'expired'
 -- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
 -- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
-local PUSHED = {queued_gpu = true, running = true}
+local PUSHED = {[QUEUED_GPU] = true, [RUNNING] = true}
 
 -- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
 -- its result. Returns the fields to write and the status and result they end the job with.

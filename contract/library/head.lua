@@ -9,6 +9,8 @@ local VERSION = 1
 
 -- A job's terminal states (contract.jobs.record.TERMINAL; a test holds the two together).
 local TERMINAL = {cancelled = true, expired = true, failed = true, succeeded = true}
+-- The live ones (contract.jobs.record.JobStatus), as the steps name them.
+local QUEUED, PREPROCESSING, QUEUED_GPU, RUNNING = 'queued', 'preprocessing', 'queued_gpu', 'running'
 
 redis.register_function{function_name = 'imgserve_version', callback = function() return VERSION end,
                         flags = {'no-writes'}}

@@ -1,13 +1,15 @@
 
 -- The step `write_batch`, the GPU worker's batch write (gpu_worker.finish.Finisher): ends every job of the batch,
--- acknowledges every frame it took and updates the worker's counters, atomically.
--- keys[1] the callback outbox, keys[2] the processing list ('' with bulk shards: the source acks there after this),
--- keys[3] the counters hash, keys[4] the worker's epoch, keys[5] the frames-waiting hash (bulk shards), keys[6..]
--- job hashes; args[1..FINISH_NAMES] JobEnding.finish_names(), then, at N = FINISH_NAMES: args[N + 1] frames to
--- acknowledge (the oldest in hand), args[N + 2] their bytes, args[N + 3] their model, args[N + 4] the count of
--- counter field and value arguments, args[N + 5] the epoch the batch was taken in ('': unfenced), then the
--- counters, then the jobs' (JobEnding.finish_arguments). Returns the jobs ended, or -1 (nothing written) when the
--- epoch is no longer the worker's.
+-- acknowledges every frame it took, counts them out of their API keys' and updates the worker's counters,
+-- atomically. keys[1] the callback outbox, keys[2] the processing list ('' with bulk shards: the source acks there
+-- after this), keys[3] the counters hash, keys[4] the worker's epoch, keys[5] the frames-waiting hash (bulk
+-- shards), keys[6] the model's frames by API key (Keys.key_frames; '': not counted), keys[7..] job hashes;
+-- args[1..FINISH_NAMES] JobEnding.finish_names(), then, at N = FINISH_NAMES: args[N + 1] frames to acknowledge (the
+-- oldest in hand), args[N + 2] their bytes, args[N + 3] their model, args[N + 4] the count of counter field and
+-- value arguments, args[N + 5] the epoch the batch was taken in ('': unfenced), args[N + 6] the count of key and
+-- frames arguments, then the counters, then the keys' (an API key id, its frames among those acknowledged: counted
+-- out, a count at 0 or below deleted), then the jobs' (JobEnding.finish_arguments). Returns the jobs ended, or -1
+-- (nothing written) when the epoch is no longer the worker's.
 redis.register_function('write_batch', function(keys, args)
   local N = FINISH_NAMES
   if args[N + 5] ~= '' and redis.call('GET', keys[4]) ~= args[N + 5] then
@@ -24,7 +26,15 @@ redis.register_function('write_batch', function(keys, args)
     release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
   end
   if counters > 0 then
-    redis.call('HSET', keys[3], unpack(args, N + 6, N + 5 + counters))
+    redis.call('HSET', keys[3], unpack(args, N + 7, N + 6 + counters))
   end
-  return finish_jobs(keys, args, names, 6, N + 6 + counters)
+  local owned, at = tonumber(args[N + 6]), N + 7 + counters
+  if keys[6] ~= '' then
+    for i = at, at + owned - 1, 2 do
+      if redis.call('HINCRBY', keys[6], args[i], -tonumber(args[i + 1])) <= 0 then
+        redis.call('HDEL', keys[6], args[i])
+      end
+    end
+  end
+  return finish_jobs(keys, args, names, 7, at + owned)
 end)
