@@ -16,6 +16,7 @@ from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import PREPROCESSING, RUNNING, SUCCEEDED
 from contract.keys import Keys
+from contract.library import ensure_library
 from contract.shards import BulkPlane
 
 
@@ -30,14 +31,16 @@ def quiet_redis(tmp_path) -> Iterator[redis.Redis]:
     server.stop()
 
 
-# What a new connection sends before its first command, and a step loaded before a process's first push: once a
+# What a new connection sends before its first command, and the library's check (contract.library): once a
 # connection or a process, not once an image.
 _CONNECTING = {
     "cmdstat_hello",
     "cmdstat_select",
     "cmdstat_client|setinfo",
     "cmdstat_client|setname",
-    "cmdstat_script|load",
+    "cmdstat_fcall_ro",
+    "cmdstat_function|list",
+    "cmdstat_function|load",
 }
 
 
@@ -61,8 +64,7 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     pusher = frame_pusher(quiet_redis, keys)
     job = "c0" * 16
     quiet_redis.hset(keys.waiting_bytes, mapping={"m:1": 6})  # the upload's bytes, as admission counted
-    for step in (handoff._claim, pusher._keep, intake._advance, intake._finish):  # loaded, as a worker has them
-        quiet_redis.script_load(step.script)
+    ensure_library(quiet_redis)  # loaded, as a worker has it
 
     create = commands_of(
         quiet_redis,
@@ -72,20 +74,20 @@ def test_each_step_of_a_job_costs_the_control_plane_a_bounded_number_of_commands
     assert sum(create.values()) == 7, create
 
     claim = commands_of(quiet_redis, lambda: handoff.claim_for_preprocessing(job, 100.0, "mine"))
-    # GET (the upload), EVALSHA (HMGET, HSET), HMGET of the fields the worker reads: was GET, EVALSHA (HGET, HGET,
-    # HSET, HGETALL), then GET, EVALSHA (HMGET, HSET), HGETALL of the whole record
+    # GET (the upload), FCALL (HMGET, HSET), HMGET of the fields the worker reads: was GET, FCALL (HGET, HGET,
+    # HSET, HGETALL), then GET, FCALL (HMGET, HSET), HGETALL of the whole record
     assert sum(claim.values()) == 5 and claim["hmget"] == 2 and "hgetall" not in claim and "hget" not in claim, claim
 
     push = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"frame!!!", 10, {"pushed_at": 1.0}, "mine"))
-    # MULTI LPUSH EVALSHA (HMGET LLEN DEL HSET HINCRBY) EXEC: was 17 (EVAL, a read and a counter move a field),
+    # MULTI LPUSH FCALL (HMGET LLEN DEL HSET HINCRBY) EXEC: was 17 (EVAL, a read and a counter move a field),
     # then 11 (an EXISTS of the upload before its DEL), then 10 (a HINCRBY for the total beside the model's)
     assert sum(push.values()) == 9 and push["hincrby"] == 1 and "exists" not in push, push
 
     running = commands_of(quiet_redis, lambda: intake.advance_many([job], RUNNING, 3))
-    assert sum(running.values()) == 3, running  # EVALSHA (HMGET, HSET)
+    assert sum(running.values()) == 3, running  # FCALL (HMGET, HSET)
 
     ended = commands_of(quiet_redis, lambda: intake.finish(job, SUCCEEDED, {"result": {"detections": []}}))
-    # EVALSHA (HMGET, HSET, ZREM, PUBLISH): the record read once, no callback, no cache key, no DEL of an upload the
+    # FCALL (HMGET, HSET, ZREM, PUBLISH): the record read once, no callback, no cache key, no DEL of an upload the
     # push took, and no EXPIRE (the record made with a deadline lives until jobs.ttl_s past it)
     assert sum(ended.values()) == 5 and ended["hmget"] == 1 and "hget" not in ended, ended
     assert "del" not in ended and "expire" not in ended, ended
@@ -110,8 +112,9 @@ def test_the_push_trades_the_uploads_bytes_for_the_frames_as_a_release_then_a_ch
 
 
 def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_once(quiet_redis):
-    """The push sends the step's SHA, not its text: after a restart that flushed the scripts, the transaction's LPUSH
-    lands and its EVALSHA answers NOSCRIPT; the frame must not stay there unkept, and the push must still be made."""
+    """The push calls the library's function by name: on a Redis that came back without the library, the
+    transaction's LPUSH lands and its FCALL answers "Function not found"; the frame must not stay there unkept, and
+    the push must still be made."""
     keys = Keys("noscript")
     intake = JobIntake(quiet_redis, keys, ttl_s=60)
     handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
@@ -120,17 +123,17 @@ def test_a_push_to_a_redis_that_forgot_its_step_takes_its_frame_back_and_pushes_
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
     assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
     assert pusher.push("e0" * 16, "m:1", b"another job's", 10, {}, "c") == frames.JOB_OVER  # (loads the step)
-    quiet_redis.script_flush()  # as a SCRIPT FLUSH would, on a connection that stayed up
+    quiet_redis.function_flush()  # as a Redis that came back empty, on a connection that stayed up
     assert pusher.push(job, "m:1", b"the frame", 10, {"pushed_at": 2.0}, "c") == frames.PUSHED
     assert quiet_redis.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]  # once, kept
     assert intake.load(job)["status"] == "queued_gpu"
     pushed = commands_of(quiet_redis, lambda: pusher.push(job, "m:1", b"again", 10, {}, "c"))
-    assert "eval" not in pushed and pushed["evalsha"] == 1, pushed  # the step's text is not sent at every push
+    assert "eval" not in pushed and pushed["fcall"] == 1, pushed  # the step's text is not sent at every push
 
 
 def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_script_lookup(quiet_redis):
     """With shards the claim's step and the record's read go to the control plane as one pipeline: redis-py's Script
-    in a pipeline asks SCRIPT EXISTS before each (a round trip more an image: it did, for a moment)."""
+    in a pipeline asked SCRIPT EXISTS before each (a round trip more an image: it did, for a moment)."""
     control = quiet_redis
     shard = redis.Redis(port=quiet_redis.connection_pool.connection_kwargs["port"], db=3)
     keys = Keys("sharded")
@@ -139,12 +142,12 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     handoff = JobHandOff(control, keys, ttl_s=60, bulk=bulk)
     job = "e2" * 16
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
-    control.script_load(handoff._claim.script)
+    ensure_library(control)
     claim = commands_of(control, lambda: handoff.claim_for_preprocessing(job, 1.0, "c"))
-    # the control plane: EVALSHA (HMGET, HSET), HMGET; the upload's GET went to the shard (the same server here)
-    assert "script|exists" not in claim and claim["evalsha"] == 1 and claim["hmget"] == 2, claim
+    # the control plane: FCALL (HMGET, HSET), HMGET; the upload's GET went to the shard (the same server here)
+    assert "script|exists" not in claim and claim["fcall"] == 1 and claim["hmget"] == 2, claim
     assert "hgetall" not in claim, claim
-    control.script_flush()  # a restarted control plane: the step is loaded again and the claim made
+    control.function_flush()  # a control plane that came back empty: the library loaded again, the claim made
     verdict, upload, record, _ = handoff.claim_for_preprocessing(job, 2.0, "d")
     assert (verdict, upload, record["status"], record["model"]) == ("claimed", b"upload", PREPROCESSING, "m:1")
     assert intake.load(job)["claim"] == "d"
@@ -189,7 +192,7 @@ def test_a_batch_of_ends_wakes_long_polls_and_callback_relays_with_one_message_e
         extra = {"callback_url": "http://127.0.0.1:9/hook"} if i % 2 else {}
         model = "m:2" if i == 7 else "m:1"
         intake.create(job, b"u", 60, {"model": model, "bytes": 1, "deadline_at": 1e12, **extra})
-    quiet_redis.script_load(intake._finish.script)
+    ensure_library(quiet_redis)
     pubsub = quiet_redis.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(keys.job_events, keys.callback_outbox)
     ended = commands_of(
@@ -230,10 +233,10 @@ def test_admission_without_bulk_shards_reads_no_count_of_frames_on_them(quiet_re
 
     keys = Keys("admit-cost")
     waiting = WaitingBytes(quiet_redis, keys)
-    quiet_redis.script_load(waiting._admit.script)
+    ensure_library(quiet_redis)
     quiet_redis.hset(keys.frames_waiting, "m:1", 5)  # as a sharded deployment's GPU worker would count them
     admitted = commands_of(quiet_redis, lambda: waiting.admit("m:1", 10, 5, 100, 100, sharded=False))
-    # EVALSHA LLEN x2 HGETALL (the models' counters: the total is their sum) HINCRBY (the model's alone)
+    # FCALL LLEN x2 HGETALL (the models' counters: the total is their sum) HINCRBY (the model's alone)
     assert "hget" not in admitted and sum(admitted.values()) == 5, admitted
     assert waiting.admit("m:1", 10, 5, 100, 100, sharded=True).verdict == "backlog"  # the 5 on shards fill it
     assert waiting.admit("m:1", 10, 5, 100, 100, sharded=False).verdict == "admitted"
@@ -242,16 +245,17 @@ def test_admission_without_bulk_shards_reads_no_count_of_frames_on_them(quiet_re
 def test_a_worker_loads_the_push_step_before_its_first_push_so_no_frame_is_pushed_twice(quiet_redis):
     """On a fresh Redis the first push met NOSCRIPT after its LPUSH; a GPU worker took that frame before the push
     took it back, and the push made again put a second frame of the job in the same batch (a newcomer saw
-    `"size": 2` with one job id twice). The step is loaded first: no NOSCRIPT, one frame."""
+    `"size": 2` with one job id twice). The library is loaded at every process's start: no error, one frame."""
     keys = Keys("preload")
     intake = JobIntake(quiet_redis, keys, ttl_s=60)
     handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
     job = "f1" * 16
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12})
     assert handoff.claim_for_preprocessing(job, 1.0, "c")[0] == "claimed"
+    ensure_library(quiet_redis)  # every process's check at its start
     quiet_redis.config_resetstat()
     assert frame_pusher(quiet_redis, keys).push(job, "m:1", b"the frame", 10, {}, "c") == frames.PUSHED
-    assert "errorstat_NOSCRIPT" not in quiet_redis.info("errorstats")
+    assert not quiet_redis.info("errorstats")
     assert quiet_redis.lrange(keys.frames("m:1"), 0, -1) == [b"the frame"]
 
 
@@ -266,8 +270,7 @@ def test_a_cache_hit_costs_two_round_trips_and_stores_no_copy_of_its_answer(quie
 
     keys = Keys("hit-cost")
     intake = JobIntake(quiet_redis, keys, ttl_s=60, hits=HitLimits(10**6, 60, 600))
-    for step in (intake._lookup_or_admit, intake._store_hit):
-        quiet_redis.script_load(step.script)
+    ensure_library(quiet_redis)
     quiet_redis.set(keys.cache_entry("d"), '{"detections":[]}', ex=60)
     request = budget.AdmissionRequest("m:1", 6, max_backlog=10, max_model_bytes=100, max_all_bytes=100)
     fields = {"model": "m:1", "received_at": 1.0, "deadline_at": 1e12, "bytes": 6}
@@ -277,7 +280,7 @@ def test_a_cache_hit_costs_two_round_trips_and_stores_no_copy_of_its_answer(quie
 
     first = commands_of(quiet_redis, lambda: hit("a1" * 16))
     again = commands_of(quiet_redis, lambda: hit("a2" * 16))
-    assert again["evalsha"] == 2 and "copy" not in again and "del" not in again, again
+    assert again["fcall"] == 2 and "copy" not in again and "del" not in again, again
     assert sum(again.values()) == 17, again
     assert first["copy"] == 1 and first["strlen"] == 1 and sum(first.values()) == 19, first
 
@@ -293,12 +296,11 @@ def test_an_api_keys_share_of_the_byte_budgets_costs_a_keyed_image_three_command
     intake = JobIntake(quiet_redis, keys, ttl_s=60)
     handoff = JobHandOff(quiet_redis, keys, ttl_s=60)
     pusher = frame_pusher(quiet_redis, keys)
-    for step in (waiting._admit, handoff._claim, pusher._keep):
-        quiet_redis.script_load(step.script)
+    ensure_library(quiet_redis)
     shares = {"max_owner_model_bytes": 100, "max_owner_all_bytes": 100}
     plain = commands_of(quiet_redis, lambda: waiting.admit("m:1", 6, 5, 100, 100, sharded=False, **shares))
     keyed = commands_of(quiet_redis, lambda: waiting.admit("m:1", 6, 5, 100, 100, sharded=False, owner="a", **shares))
-    # EVALSHA LLEN x2 HGETALL HINCRBY; with a key, its HGETALL and HINCRBY too
+    # FCALL LLEN x2 HGETALL HINCRBY; with a key, its HGETALL and HINCRBY too
     assert sum(plain.values()) == 5 and sum(keyed.values()) == 7, (plain, keyed)
     assert keyed["hgetall"] == 2 and keyed["hincrby"] == 2, keyed
     for job, owner in (("e1" * 16, ""), ("e2" * 16, "a")):
@@ -308,5 +310,5 @@ def test_an_api_keys_share_of_the_byte_budgets_costs_a_keyed_image_three_command
     plain_push = commands_of(quiet_redis, lambda: pusher.push("e1" * 16, "m:1", b"frame", 10, {}, "c"))
     keyed_push = commands_of(quiet_redis, lambda: pusher.push("e2" * 16, "m:1", b"frame", 10, {}, "c"))
     assert sum(plain_push.values()) == 9 and sum(keyed_push.values()) == 10, (plain_push, keyed_push)
-    assert keyed_push["hincrby"] == 2 and keyed_push["evalsha"] == 1, keyed_push
+    assert keyed_push["hincrby"] == 2 and keyed_push["fcall"] == 1, keyed_push
     assert waiting.waiting("a") == {"m:1": 0, "*": 0}
