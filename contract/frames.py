@@ -4,7 +4,7 @@
 HxWx3 pixels, contiguous. Only the resized content travels; padding and normalisation happen on the device, so a
 640 frame is at most 1.2 MB of uint8 instead of 4.9 MB of float32. JSON, not pickle: a frame comes from another
 process and must never run code. The header is read here in Python (`unpack_frame`, `read_job_id`) and in Lua
-(`FRAME_JOB_ID_LUA`, for the scripts that move frames).
+(contract/library/frames.lua's `frame_job_id`, for the steps that move frames).
 
 The frame list's moves: in, contract.frame_push (a CPU worker's push); out, contract.frame_source (a GPU worker's
 pops, its ack, give back and requeue); with bulk shards, contract.frame_shards and contract.frame_shard_source.

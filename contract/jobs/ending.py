@@ -30,7 +30,7 @@ PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
 # What a job answered after its deadline carries instead of its result (the answer came too late to stand).
 LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 
-FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: scripts find theirs after them
+FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: steps find theirs after them (ending.lua's too)
 
 # The library's `finish_jobs` (contract/library/ending.lua, where its keys and arguments are named).
 _FINISH_JOBS = Step("finish_jobs")

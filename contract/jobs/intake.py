@@ -42,7 +42,7 @@ LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger uploa
 def record_ttl_s(ttl_s: int, deadline_at: Any) -> int:
     """A new record's TTL: until `ttl_s` past its deadline, so that it stays at least `ttl_s` after whatever ends
     it (the sweeper ends it at its deadline at the latest), and its end need not set a TTL again (one EXPIRE an
-    image less: FINISH_JOBS_LUA sets one only on a record without a deadline)."""
+    image less: finish_jobs sets one only on a record without a deadline)."""
     if deadline_at is None:
         return ttl_s
     return ttl_s + max(0, math.ceil(float(deadline_at) - service_now()))
