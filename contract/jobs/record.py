@@ -2,7 +2,8 @@
 
 A job is a Redis hash under `Keys.job(id)`. Its moves are Redis functions (contract.library) so that a terminal
 state is final: whatever reaches a job first (its result, a cancellation, an expiry) wins, and later writers change
-nothing. How jobs end is contract.jobs.ending; `JobStore` here reads a record, deletes it, and moves live jobs along (`advance_many`).
+nothing. How jobs end is contract.jobs.ending; `JobStore` here reads a record, deletes it, and moves live jobs
+along (`advance_many`).
 """
 
 from __future__ import annotations
