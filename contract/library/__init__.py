@@ -2,7 +2,8 @@
 
 The library is one source: FILES, in order (a file's local functions serve the files after it; head.lua opens
 it with the library's name and its version). Every process checks it at start (`ensure_library`): a Redis without
-it, or with an older version, gets this one by `FUNCTION LOAD REPLACE`; a newer one stays (a rolling upgrade's new
+it, with an older version, or with this version's number but other code (a checkout between two versions: the
+last process to start wins), gets this one by `FUNCTION LOAD REPLACE`; a newer one stays (a rolling upgrade's new
 processes are the newer: docs/upgrading.md). Functions persist in Redis's RDB and AOF and replicate, so a restart
 keeps them; a Redis that comes back empty (restarted without its data, a replica that never had them) answers
 "Function not found", and `Step` loads the library there and calls once more: the only recovery, in one place.
