@@ -55,11 +55,11 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
     assert pusher.push("a" * 32, MODEL, b"f" * 300, 10, {}, "c") == frames.PUSHED
     assert waiting(redis_client, keys) == {MODEL: 300, budget.ALL: 300}  # upload out, frame in
     redis_client.lmove(keys.frames(MODEL), keys.processing("w", MODEL), "RIGHT", "LEFT")
-    write = redis_client.register_script(_WRITE_BATCH)
     job_keys, job_args = store.finish_arguments([("a" * 32, SUCCEEDED, {"result": {"detections": []}})])
     assert (
-        write(
-            keys=[
+        _WRITE_BATCH(
+            redis_client,
+            [
                 keys.callback_outbox,
                 keys.processing("w", MODEL),
                 keys.gpu_counters("w"),
@@ -68,7 +68,7 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
                 "",
                 *job_keys,
             ],
-            args=[*store.finish_names(), 1, 300, MODEL, 0, "", 0, *job_args],
+            [*store.finish_names(), 1, 300, MODEL, 0, "", 0, *job_args],
         )
         == 1
     )
