@@ -25,6 +25,10 @@ from gpu_worker.stats import RecentStats
 
 Item = TypeVar("Item")
 
+# Batches of a lane taken and not yet on the device. One staged while one runs keeps the device busy; more
+# only wait longer for it, holding frames that, left in the list, a light key's would go ahead of.
+BATCHES_AHEAD_OF_DEVICE = 1
+
 
 class DeviceQueue(Generic[Item]):
     """One slot per lane; `take` returns the item that was put first (ties: the lower lane)."""
@@ -101,6 +105,8 @@ class Lane:
     staging: bool = False
     unanswered: int = 0
     answered: threading.Condition = field(default_factory=threading.Condition)
+    ahead: int = 0  # batches taken, not yet taken by the device thread
+    moved: threading.Condition = field(default_factory=threading.Condition)
     # Set when this model's batch ahead of the gathering one leaves the device queue or the device.
     ahead_changed: threading.Event = field(default_factory=threading.Event)
 
@@ -116,6 +122,19 @@ class Lane:
     def taken(self) -> None:
         with self.answered:
             self.unanswered += 1
+        with self.moved:
+            self.ahead += 1
+
+    def on_device(self) -> None:
+        """The device thread took one of its batches (to run, or to drop)."""
+        with self.moved:
+            self.ahead -= 1
+            self.moved.notify_all()
+
+    def wait_for_room_ahead(self, timeout_s: float) -> bool:
+        """Until fewer than BATCHES_AHEAD_OF_DEVICE batches wait for the device (True), or the timeout (False)."""
+        with self.moved:
+            return self.moved.wait_for(lambda: self.ahead < BATCHES_AHEAD_OF_DEVICE, timeout_s)
 
     def done(self) -> None:
         with self.answered:

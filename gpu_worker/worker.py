@@ -3,16 +3,18 @@
 It serves one model or several (see lanes.py): each model has its own collect and stage threads and the
 lanes share the device and finish threads. Per model:
 
-    collect thread   batch N+2: pop (8 frames or 12 ms)                              (feeder.py)
+    collect thread   batch N+1: pop (8 frames or 12 ms)                              (feeder.py)
     stage thread     batch N+1: unpack -> triage -> stage into a slot               (feeder.py)
     device thread    batch N: canvas -> forward -> post-processing -> detections back (devices.py)
     finish thread    batch N-1: result documents -> one Redis write with the ack      (finish.py)
 
 Collecting and staging are one stage of the design split over two threads:
 popping is mostly waiting on Redis and the network, and on its own thread that
-wait overlaps the triage and staging of the batch before. Each hand-off holds
-at most one batch (the collect thread pops once it has handed the last one on),
-so memory stays bounded and a batch keeps gathering (up to its size) while the
+wait overlaps the finish of the batch before. A lane holds at most one batch
+ahead of the one on the device (the collect thread pops once the last one it
+took reached the device): it is staged and ready when the device is free, and
+the frames after it wait in the list, where a light key's go ahead of them
+(lanes.BATCHES_AHEAD_OF_DEVICE). A batch keeps gathering (up to its size) while the
 device is busy. The device thread never touches Redis or JSON. Batches are
 written in the order they were taken, which is what lets a write acknowledge
 its frames by count.
@@ -74,7 +76,7 @@ EXIT_PRESUMED_DEAD = 4  # paused past its heartbeat, its frames given to others:
 # then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
 # bounds that wait at a small cost in switches.
 GIL_SWITCH_INTERVAL_S = 0.0005
-ROOM_POLL_S = 0.05  # how long the collect thread waits for the stage queue before looking at `stopping` again
+ROOM_POLL_S = 0.05  # how long the collect thread waits for room ahead of the device before looking at `stopping` again
 
 
 def default_worker_id(device: Device) -> str:
@@ -218,10 +220,9 @@ class GpuWorker:
     def _collect_loop(self, lane: Lane) -> None:
         try:
             while not self.stopping.is_set():
-                # A batch is popped once the one before it was handed on, not before: a batch closed and held
-                # here only waits longer for the device, and its frames, left in the list meanwhile, keep their
-                # place behind a light key's (contract.frame_push).
-                if not lane.to_stage.wait_for_room(ROOM_POLL_S):
+                # A batch is popped once the one before it reached the device, not before: a batch held ahead
+                # only waits longer, and its frames, left in the list, keep their place behind a light key's.
+                if not lane.wait_for_room_ahead(ROOM_POLL_S):
                     continue
                 try:
                     batch = lane.feeder.collect()
@@ -262,6 +263,7 @@ class GpuWorker:
     def _device_loop(self) -> None:
         while (taken := self.to_device.take()) is not None:
             lane, batch = self.lanes[taken[0]], taken[1]
+            lane.on_device()
             try:
                 if batch.staged is not None and not self.device_lost:
                     self._wait_until_current()

@@ -197,10 +197,10 @@ def test_a_lone_key_fills_the_list_and_every_batch(fair_stack):
     assert _counted(stack) == {}
 
 
-def _slow_gpu_worker(stack: Stack, name: str) -> ManagedProcess:
+def _slow_gpu_worker(stack: Stack, name: str, batch_ms: int = 1500) -> ManagedProcess:
     """A GPU worker on the stack's list, simulated, 1.5 s a batch: easy to kill with a batch in hand."""
     config = yaml.safe_load(stack.config_path.read_text())
-    config["gpu_worker"] = {**config.get("gpu_worker", {}), "sim_latency_ms": {1: 1500, 8: 1500}}
+    config["gpu_worker"] = {**config.get("gpu_worker", {}), "sim_latency_ms": {1: batch_ms, 8: batch_ms}}
     path = stack.log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     worker = ManagedProcess(
@@ -235,4 +235,39 @@ def test_a_gpu_worker_killed_mid_batch_leaves_its_frames_counted_until_they_are_
     finally:
         if restarted is not None:
             restarted.stop()
+        stack.start_gpu_worker()
+
+
+def test_under_a_flood_the_gpu_worker_holds_one_batch_ahead_of_the_one_on_the_device(fair_stack):
+    """Saturated, the worker holds the batch on the device and one staged behind it (2 x 8 frames), enough to keep the
+    device busy; it held up to four closed batches before, each only waiting longer for the device, with frames that,
+    left in the list, a light key's would go ahead of."""
+    stack = fair_stack
+    stack.stop_gpu_worker()
+    held = stack.keys.processing("fair-bounded", stack.settings.model.key)
+    worker = None
+    samples: list[int] = []
+    try:
+        jobs = [_submit(stack, "flood", 500 + seed) for seed in range(40)]
+        _queued_gpu(stack, 10)  # the list full: the CPU worker refills it as fast as the GPU worker takes
+        worker = _slow_gpu_worker(stack, "fair-bounded", batch_ms=300)
+
+        def sample() -> int:
+            samples.append(int(stack.redis.llen(held)))
+            return samples[-1]
+
+        def ended() -> bool:
+            sample()
+            pipe = stack.redis.pipeline(transaction=False)
+            for job_id in jobs:
+                pipe.hget(stack.keys.job(job_id), "status")
+            return all(status is not None and status.decode() in TERMINAL for status in pipe.execute())
+
+        wait_until(lambda: sample() >= 16, 60, interval_s=0.005, what="a batch staged while one runs")
+        wait_until(ended, 90, interval_s=0.005, what="the flood answered")
+        assert max(samples) == 16, sorted(set(samples))
+        assert _counted(stack) == {}
+    finally:
+        if worker is not None:
+            worker.stop()
         stack.start_gpu_worker()
