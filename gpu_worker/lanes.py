@@ -25,9 +25,12 @@ from gpu_worker.stats import RecentStats
 
 Item = TypeVar("Item")
 
-# Batches of a lane taken and not yet on the device. One staged while one runs keeps the device busy; more
-# only wait longer for it, holding frames that, left in the list, a light key's would go ahead of.
-BATCHES_AHEAD_OF_DEVICE = 1
+# Batches of a lane taken and not yet on the device. One staged while one runs keeps the device busy when the host
+# takes and stages a batch faster than the device runs one; more only wait longer for it, holding frames that, left
+# in the list, a light key's would go ahead of. A host slower than its device needs its collect and stage threads
+# overlapped, a batch more each, up to the pipeline's depth (the stage queue, the stage thread, the device's slot).
+MOST_BATCHES_AHEAD = 3
+MEAN_WEIGHT = 0.2  # of a batch's timing in the lane's moving means
 
 
 class DeviceQueue(Generic[Item]):
@@ -107,6 +110,8 @@ class Lane:
     answered: threading.Condition = field(default_factory=threading.Condition)
     ahead: int = 0  # batches taken, not yet taken by the device thread
     moved: threading.Condition = field(default_factory=threading.Condition)
+    prepare_s: float = 0.0  # a batch's wall time from its first pop to staged, a moving mean
+    device_s: float = 0.0  # a batch's time on the device, a moving mean
     # Set when this model's batch ahead of the gathering one leaves the device queue or the device.
     ahead_changed: threading.Event = field(default_factory=threading.Event)
 
@@ -131,10 +136,27 @@ class Lane:
             self.ahead -= 1
             self.moved.notify_all()
 
-    def wait_for_room_ahead(self, timeout_s: float) -> bool:
-        """Until fewer than BATCHES_AHEAD_OF_DEVICE batches wait for the device (True), or the timeout (False)."""
+    def prepared(self, seconds: float) -> None:
+        """A batch was staged `seconds` after its first frame was popped."""
         with self.moved:
-            return self.moved.wait_for(lambda: self.ahead < BATCHES_AHEAD_OF_DEVICE, timeout_s)
+            self.prepare_s += MEAN_WEIGHT * (seconds - self.prepare_s)
+
+    def ran(self, seconds: float) -> None:
+        with self.moved:
+            self.device_s += MEAN_WEIGHT * (seconds - self.device_s)
+            self.moved.notify_all()
+
+    def room_ahead(self) -> int:
+        """How many batches may wait for the device: enough that the next is staged by the time the device is free."""
+        with self.moved:
+            if self.prepare_s <= self.device_s:
+                return 1
+            return min(MOST_BATCHES_AHEAD, 1 + int(self.prepare_s / max(self.device_s, 1e-6)))
+
+    def wait_for_room_ahead(self, timeout_s: float) -> bool:
+        """Until fewer than room_ahead() batches wait for the device (True), or the timeout (False)."""
+        with self.moved:  # an RLock: room_ahead takes it again
+            return self.moved.wait_for(lambda: self.ahead < self.room_ahead(), timeout_s)
 
     def done(self) -> None:
         with self.answered:

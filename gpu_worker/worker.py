@@ -14,7 +14,8 @@ wait overlaps the finish of the batch before. A lane holds at most one batch
 ahead of the one on the device (the collect thread pops once the last one it
 took reached the device): it is staged and ready when the device is free, and
 the frames after it wait in the list, where a light key's go ahead of them
-(lanes.BATCHES_AHEAD_OF_DEVICE). A batch keeps gathering (up to its size) while the
+(lanes.py: more when the host takes longer to stage a batch than the device to run
+it). A batch keeps gathering (up to its size) while the
 device is busy. The device thread never touches Redis or JSON. Batches are
 written in the order they were taken, which is what lets a write acknowledge
 its frames by count.
@@ -256,6 +257,7 @@ class GpuWorker:
                     in_hand = lane.feeder.unprepared(batch, exc, epoch)
                 finally:
                     lane.staging = False
+                lane.prepared(time.monotonic() - batch.opened_at)
                 self.to_device.put(lane.index, in_hand)
         finally:
             self.to_device.close(lane.index)
@@ -310,6 +312,7 @@ class GpuWorker:
             )
         ended = time.monotonic()
         self.busy.record(ended - batch.output.device_s, ended)
+        lane.ran(batch.output.device_s)
         metrics.DEVICE_SECONDS.labels(lane.spec.name, lane.spec.version).inc(batch.output.device_s)
         return True
 
