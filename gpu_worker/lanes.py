@@ -28,8 +28,9 @@ Item = TypeVar("Item")
 # Batches of a lane taken and not yet on the device. One staged while one runs keeps the device busy when the host
 # takes and stages a batch faster than the device runs one; more only wait longer for it, holding frames that, left
 # in the list, a light key's would go ahead of. A host slower than its device needs its collect and stage threads
-# overlapped, a batch more each, up to the pipeline's depth (the stage queue, the stage thread, the device's slot).
+# overlapped, as deep as the pipeline goes (the stage queue, the stage thread, the device's slot).
 MOST_BATCHES_AHEAD = 3
+HOST_MARGIN = 2.0  # one batch ahead only while the host stages one in half the device's time: room for its hiccups
 MEAN_WEIGHT = 0.2  # of a batch's timing in the lane's moving means
 
 
@@ -149,9 +150,7 @@ class Lane:
     def room_ahead(self) -> int:
         """How many batches may wait for the device: enough that the next is staged by the time the device is free."""
         with self.moved:
-            if self.prepare_s <= self.device_s:
-                return 1
-            return min(MOST_BATCHES_AHEAD, 1 + int(self.prepare_s / max(self.device_s, 1e-6)))
+            return 1 if HOST_MARGIN * self.prepare_s <= self.device_s else MOST_BATCHES_AHEAD
 
     def wait_for_room_ahead(self, timeout_s: float) -> bool:
         """Until fewer than room_ahead() batches wait for the device (True), or the timeout (False)."""
