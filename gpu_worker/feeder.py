@@ -95,13 +95,17 @@ class Feeder:
         )
         self.epoch = link.epoch  # the worker's life now (gpu_worker.liveness): a batch is written only in its own
         self.next_seq = link.next_seq  # a batch id is worker:seq
+        self.pop_s = 0.0  # the last collect's host time (see collect)
 
     def collect(self) -> tuple[Batch[memoryview], str] | None:
         """The next batch of frames as popped, and the worker's epoch when it began to pop them; None when the
         list stayed empty."""
         epoch = self.epoch()
+        started = time.monotonic()
         with self.host_time("pop"):
             batch = self.collector.collect(self.source)
+        # the host's time to take a batch, when it took one whole: a batch gathering waits for frames, not the host
+        self.pop_s = time.monotonic() - started if batch is not None and len(batch) >= self.collector.max_size else 0.0
         return (batch, epoch) if batch is not None else None
 
     def prepare(self, batch: Batch[memoryview], epoch: str = "") -> InHand:

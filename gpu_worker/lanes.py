@@ -111,7 +111,9 @@ class Lane:
     answered: threading.Condition = field(default_factory=threading.Condition)
     ahead: int = 0  # batches taken, not yet taken by the device thread
     moved: threading.Condition = field(default_factory=threading.Condition)
-    prepare_s: float = 0.0  # a batch's wall time from its first pop to staged, a moving mean
+    pop_s: float = 0.0  # the host's time to pop a whole batch, a moving mean
+    stage_s: float = 0.0  # the stage thread's time on a batch (unpack, triage, stage), a moving mean
+    staging_since: float = 0.0
     device_s: float = 0.0  # a batch's time on the device, a moving mean
     # Set when this model's batch ahead of the gathering one leaves the device queue or the device.
     ahead_changed: threading.Event = field(default_factory=threading.Event)
@@ -125,11 +127,14 @@ class Lane:
     def spec(self) -> ModelSpec:
         return self.device.spec
 
-    def taken(self) -> None:
+    def taken(self, pop_s: float = 0.0) -> None:
+        """A batch was popped, in `pop_s` of the host's time (0: not measured)."""
         with self.answered:
             self.unanswered += 1
         with self.moved:
             self.ahead += 1
+            if pop_s:
+                self.pop_s += MEAN_WEIGHT * (pop_s - self.pop_s)
 
     def on_device(self) -> None:
         """The device thread took one of its batches (to run, or to drop)."""
@@ -137,10 +142,13 @@ class Lane:
             self.ahead -= 1
             self.moved.notify_all()
 
-    def prepared(self, seconds: float) -> None:
-        """A batch was staged `seconds` after its first frame was popped."""
+    def begin_staging(self) -> None:
+        self.staging, self.staging_since = True, time.monotonic()
+
+    def end_staging(self) -> None:
+        self.staging = False
         with self.moved:
-            self.prepare_s += MEAN_WEIGHT * (seconds - self.prepare_s)
+            self.stage_s += MEAN_WEIGHT * (time.monotonic() - self.staging_since - self.stage_s)
 
     def ran(self, seconds: float) -> None:
         with self.moved:
@@ -150,7 +158,7 @@ class Lane:
     def room_ahead(self) -> int:
         """How many batches may wait for the device: enough that the next is staged by the time the device is free."""
         with self.moved:
-            return 1 if HOST_MARGIN * self.prepare_s <= self.device_s else MOST_BATCHES_AHEAD
+            return 1 if HOST_MARGIN * (self.pop_s + self.stage_s) <= self.device_s else MOST_BATCHES_AHEAD
 
     def wait_for_room_ahead(self, timeout_s: float) -> bool:
         """Until fewer than room_ahead() batches wait for the device (True), or the timeout (False)."""

@@ -241,7 +241,7 @@ class GpuWorker:
                     continue
                 self.last_progress = time.monotonic()
                 if batch is not None:
-                    lane.taken()
+                    lane.taken(lane.feeder.pop_s)
                     lane.to_stage.put(batch)  # (batch, the epoch it was taken in)
         finally:
             lane.to_stage.close()
@@ -249,15 +249,14 @@ class GpuWorker:
     def _stage_loop(self, lane: Lane) -> None:
         try:
             for batch, epoch in lane.to_stage:
-                lane.staging = True
+                lane.begin_staging()
                 try:
                     in_hand = lane.feeder.prepare(batch, epoch)
                 except Exception as exc:  # still written in its turn, so the order of the acks holds
                     log.warning("staging a batch failed (%s)", exc, exc_info=not isinstance(exc, redis.RedisError))
                     in_hand = lane.feeder.unprepared(batch, exc, epoch)
                 finally:
-                    lane.staging = False
-                lane.prepared(time.monotonic() - batch.opened_at)
+                    lane.end_staging()
                 self.to_device.put(lane.index, in_hand)
         finally:
             self.to_device.close(lane.index)

@@ -1,4 +1,4 @@
-"""A CPU worker stops taking a model's jobs while that model's frame list is full.
+"""A CPU worker stops taking a model's jobs while that model's frame list is full, but a light API key's.
 
 Else every child would end up waiting for room on a saturated model while other models' jobs queue
 behind it. The main process checks each model's list on its own event loop, pauses that model's queues
@@ -35,6 +35,19 @@ def full_models(depths: list[int], limits: list[int], held: int, paused: set[int
     return full - paused, paused - full
 
 
+def queues_to_hold(full: set[int], queues: list[list[str]], counts: list[dict[str, int]], head: int) -> set[str]:
+    """The CPU queues to pause: every queue of a full model but a light key's. A key with fewer than `head` frames
+    of the model waiting or in flight (`counts`, Keys.key_frames) has its frame pushed to the list's head past the
+    bound (contract.frame_push): its job need not wait for room, and waits behind a flood's if held."""
+    held = set()
+    for index in full:
+        for queue in queues[index]:
+            tenant = Keys.tenant_of_queue(queue)
+            if not tenant or head <= 0 or counts[index].get(tenant, 0) >= head:
+                held.add(queue)
+    return held
+
+
 def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C901  # a class's methods, counted as one
     """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of
     ours)."""
@@ -48,7 +61,9 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:  # no
             self.frames = [keys.frames(spec.key) for spec in settings.models]
             self.queues = [keys.preprocess_queues(spec.key, settings.tenants) for spec in settings.models]
             self.limits = [settings.max_frames(spec) for spec in settings.models]
-            self.paused: set[int] = set()
+            self.paused: set[str] = set()  # queues
+            self.head = settings.backpressure.head_frames_per_key
+            self.key_frames = [keys.key_frames(spec.key) for spec in settings.models]
             self.held = 1
             self.busy_until = 0.0
             self.timer_entry: Any = None
@@ -92,19 +107,31 @@ def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:  # no
                 pipe.llen(key)
             return [int(depth) for depth in pipe.execute()]
 
+        def _counts(self, full: set[int]) -> list[dict[str, int]]:
+            """Each full model's keys' frames waiting or in flight (read only while a list is full)."""
+            counts: list[dict[str, int]] = [{} for _ in self.queues]
+            if not full or self.head <= 0:
+                return counts
+            assert self.client is not None
+            pipe = self.client.pipeline(transaction=False)
+            for index in sorted(full):
+                pipe.hgetall(self.key_frames[index])
+            for index, held in zip(sorted(full), pipe.execute()):
+                counts[index] = {name.decode(): int(count) for name, count in held.items()}
+            return counts
+
         def _apply(self, consumer: Any, depths: list[int]) -> None:
-            pause, resume = full_models(depths, self.limits, self.held, self.paused)
+            full, _ = full_models(depths, self.limits, self.held, set())
+            hold = queues_to_hold(full, self.queues, self._counts(full), self.head)
             tasks = consumer.task_consumer
-            for index in pause:
-                for queue in self.queues[index]:
-                    tasks.cancel_by_queue(queue)
-                self.paused.add(index)
-                log.debug("paused %s: its frame list is full", self.queues[index][0])
-            for index in resume:
-                for queue in self.queues[index]:
-                    tasks.add_queue(consumer.app.amqp.queues[queue])
-                self.paused.discard(index)
-                log.debug("resumed %s", self.queues[index][0])
+            for queue in hold - self.paused:
+                tasks.cancel_by_queue(queue)
+                log.debug("paused %s: its frame list is full", queue)
+            resume = self.paused - hold
+            for queue in resume:
+                tasks.add_queue(consumer.app.amqp.queues[queue])
+                log.debug("resumed %s", queue)
+            self.paused = hold
             if resume:
                 tasks.consume()
 

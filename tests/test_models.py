@@ -589,6 +589,23 @@ def test_a_cpu_worker_stops_taking_a_models_jobs_while_its_list_has_no_room_for_
     assert full_models([1], [1], held=4, paused=set()) == ({0}, set())  # a list of one: full at one
 
 
+def test_a_full_lists_pause_holds_every_queue_of_the_model_but_a_light_keys():
+    """A light key's frame goes to the list's head past its bound (contract.frame_push), so its job need not wait for
+    room: held, it waited behind the flood's (queue_cpu). The flooding key's, the keyless queue and every queue of a
+    model whose list has room are as before."""
+    from contract.keys import Keys
+    from tasks.full_lists import queues_to_hold
+
+    keys = Keys("t")
+    queues = [keys.preprocess_queues("a:1", ("", "flood", "light")), keys.preprocess_queues("b:1", ("", "light"))]
+    counts = [{"flood": 40, "light": 7}, {}]
+    assert queues_to_hold({0}, queues, counts, head=8) == {queues[0][0], queues[0][1]}  # light (7 < 8) passes
+    assert queues_to_hold({0}, queues, [{"flood": 40, "light": 8}, {}], head=8) == set(queues[0])  # at 8: heavy
+    assert queues_to_hold({0, 1}, queues, counts, head=8) == {queues[0][0], queues[0][1], queues[1][0]}
+    assert queues_to_hold({0}, queues, counts, head=0) == set(queues[0])  # head frames off: the whole model waits
+    assert queues_to_hold(set(), queues, counts, head=8) == set()
+
+
 @pytest.mark.parametrize(
     "extra",
     [
