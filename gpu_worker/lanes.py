@@ -134,7 +134,7 @@ class Lane:
         with self.moved:
             self.ahead += 1
             if pop_s:
-                self.pop_s += MEAN_WEIGHT * (pop_s - self.pop_s)
+                self.pop_s = _moved(self.pop_s, pop_s)
 
     def on_device(self) -> None:
         """The device thread took one of its batches (to run, or to drop)."""
@@ -148,11 +148,11 @@ class Lane:
     def end_staging(self) -> None:
         self.staging = False
         with self.moved:
-            self.stage_s += MEAN_WEIGHT * (time.monotonic() - self.staging_since - self.stage_s)
+            self.stage_s = _moved(self.stage_s, time.monotonic() - self.staging_since)
 
     def ran(self, seconds: float) -> None:
         with self.moved:
-            self.device_s += MEAN_WEIGHT * (seconds - self.device_s)
+            self.device_s = _moved(self.device_s, seconds)
             self.moved.notify_all()
 
     def room_ahead(self) -> int:
@@ -173,3 +173,9 @@ class Lane:
     def wait_until_answered(self) -> None:
         with self.answered:
             self.answered.wait_for(lambda: self.unanswered == 0)
+
+
+def _moved(mean: float, sample: float) -> float:
+    """A moving mean with `sample` in; the first sample is the mean (from 0 the device's would look short for a
+    while, and the lane hold three batches ahead)."""
+    return sample if mean == 0.0 else mean + MEAN_WEIGHT * (sample - mean)

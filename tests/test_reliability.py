@@ -119,18 +119,19 @@ def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
 
 
 def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
-    """Collecting, staging, on the device, waiting for each: SIGTERM stops the taking, not the answering."""
+    """On the device, staged ahead of it, waiting for the write: SIGTERM stops the taking, not the answering."""
     stack.stop_gpu_worker()
     try:
         worker = slow_sim_worker(stack, "draining-gpu", latency_ms=700, max_batch=2)
         ids = [stack.submit_ok(jpeg(320, 240, seed=40 + i)) for i in range(12)]
         processing = stack.keys.processing("draining-gpu", stack.settings.model.key)
-        wait_until(lambda: stack.redis.llen(processing) >= 8, 60, what="batches in every stage")
+        # a batch on the device and one staged ahead (gpu_worker.lanes: no more under a slow device)
+        wait_until(lambda: stack.redis.llen(processing) >= 4, 60, what="batches in every stage")
         worker.stop(signal.SIGTERM, timeout_s=60)
         assert worker.process.returncode == 0, worker.log_tail()
         assert stack.redis.llen(processing) == 0
         statuses = [stack.job(j)["status"] for j in ids]
-        assert statuses.count("succeeded") >= 8 and set(statuses) <= {"succeeded", "queued_gpu"}, statuses
+        assert statuses.count("succeeded") >= 4 and set(statuses) <= {"succeeded", "queued_gpu"}, statuses
         assert stack.redis.llen(stack.frames_key) == statuses.count("queued_gpu")  # the rest wait in line
     finally:
         stack.start_gpu_worker()
