@@ -216,15 +216,16 @@ def test_make_run_redis_sentinel_starts_and_stops_the_set(tmp_path):
         timeout=60,
         check=True,
     )
-    assert "export IMGSERVE_REDIS__SENTINELS='[127.0.0.1:" in started.stdout
-    ha = RedisHA.load(folder)
-    assert all(node.alive() for node in ha.nodes.values()) and ha.primary() == "a"
-    for name in SERVERS:
-        server = redis.Redis(port=ha.nodes[name].port, password=ha.password or None, decode_responses=True)
-        assert server.config_get("hash-max-listpack-value") == {"hash-max-listpack-value": "4096"}, name
-        assert server.info("server")["config_file"] == "", name  # nothing of the checkout's for CONFIG REWRITE
-    subprocess.run(
-        [sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)], env=env, timeout=60, check=True
-    )
+    stop = [sys.executable, "-m", "tools.redis_ha", "stop", "--dir", str(folder)]
+    try:
+        assert "export IMGSERVE_REDIS__SENTINELS='[127.0.0.1:" in started.stdout
+        ha = RedisHA.load(folder)
+        assert all(node.alive() for node in ha.nodes.values()) and ha.primary() == "a"
+        for name in SERVERS:
+            server = redis.Redis(port=ha.nodes[name].port, password=ha.password or None, decode_responses=True)
+            assert server.config_get("hash-max-listpack-value") == {"hash-max-listpack-value": "4096"}, name
+            assert server.info("server")["config_file"] == "", name  # nothing of the checkout's for CONFIG REWRITE
+    finally:  # a failed assertion must not leave six servers running after the test
+        subprocess.run(stop, env=env, timeout=60, check=True)
     assert not any(node.alive() for node in ha.nodes.values())
     assert (REPO_ROOT / "configs" / "redis.conf").read_bytes() == conf
