@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 from tests.support import REPO_ROOT
+from tools import kubernetes_cells
 from tools.redis_config import redis_config_args
 
 SECRETS = {
@@ -449,13 +450,14 @@ def test_every_control_plane_redis_runs_with_configs_redis_conf(redis_client):
     assert "*AS_CONFIGURED," in (REPO_ROOT / "tools" / "redis_ha.py").read_text()
     commands = [
         line
-        for name in ("docker-compose.yml", "docker-compose.ha.yml")
+        for name in ("docker-compose.yml", "docker-compose.ha.yml", "docker-compose.cells.yml")
         for line in (REPO_ROOT / name).read_text().splitlines()
         if "exec redis-server -" in line
     ]
+    commands.append(kubernetes_cells.REDIS_COMMAND)
     several_hosts = (REPO_ROOT / "docs" / "several-hosts.md").read_text()
     documented = several_hosts[several_hosts.index("runuser -u redis -- redis-server") :].split("\n```", 1)[0]
-    assert len(commands) == 4  # the main file's Redis; the HA file's primary and two replicas
+    assert len(commands) == 6  # the main file's Redis; the HA file's primary and two replicas; each cell's b; k8s's
     for command in (*commands, documented):
         for name, value in settings:
             assert f"--{name} {value}" in command, (name, command)

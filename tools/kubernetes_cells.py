@@ -25,10 +25,11 @@ MAX_CELLS = 16  # the API tier's limit: a job id names its cell in one hex digit
 CELL_LABEL = "imgserve/cell"
 REDIS_PORT = 6379
 SHARED_ROLES = ("settings", "api")  # the API tier's: one for every cell
-# As compose's redis: append-only, fsync every second, noeviction under a memory bound, the password on stdin.
+# As compose's redis: append-only, fsync every second, noeviction under a memory bound, configs/redis.conf's
+# settings, the password on stdin.
 REDIS_COMMAND = (
     "exec redis-server - --appendonly yes --appendfsync everysec --auto-aof-rewrite-min-size 512mb "
-    '--maxmemory "$REDIS_MAXMEMORY" --maxmemory-policy noeviction --dir /data <<EOF\n'
+    '--maxmemory "$REDIS_MAXMEMORY" --maxmemory-policy noeviction --hash-max-listpack-value 4096 --dir /data <<EOF\n'
     "requirepass $REDIS_PASSWORD\nEOF\n"
 )
 
