@@ -58,10 +58,11 @@ class Deployment:
     receiver: str
     prometheus: str | None
     session: requests.Session = field(default_factory=requests.Session)
+    project: str = PROJECT
 
     def compose(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
         done = subprocess.run(
-            ["docker-compose", "-p", PROJECT, *(arg for file in self.files for arg in ("-f", str(file))), *args],
+            ["docker-compose", "-p", self.project, *(arg for file in self.files for arg in ("-f", str(file))), *args],
             cwd=REPO_ROOT,
             env=self.env,
             capture_output=True,
