@@ -85,7 +85,7 @@ def test_a_short_run_ends_every_job_and_prices_each_step(tmp_path):
     for phase in PHASES:
         assert side["phases"][phase].commands > 0, phase
         assert side["phases"][phase].trips > 0, phase
-    assert side["phases"]["cpu"].by_command.get("evalsha", (0, 0))[0] >= 1  # the claim and the push, an image each
+    assert side["phases"]["cpu"].by_command.get("fcall", (0, 0))[0] >= 1  # the claim and the push, an image each
     # the admission and the job's MULTI (its upload on the shard): two round trips, and a reader's one
     assert 1.9 <= side["phases"]["intake"].round_trips["api"] < 3.0, side["phases"]["intake"]
     assert 0.9 <= side["phases"]["read"].round_trips["api"] < 2.0, side["phases"]["read"]
