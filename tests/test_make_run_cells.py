@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,19 +83,23 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def cells_run(checkout: Path) -> Iterator[CellsRun]:
-    env = cells_env(checkout)
-    process = ManagedProcess(
-        "make-run-cells", [str(checkout / "scripts" / "run-local")], env, checkout.parent, root=checkout
-    )
-    run = CellsRun(checkout, process, f"http://{env['IMGSERVE_API__BIND']}", env, ("flower", FLOWER_PASSWORD))
+@contextmanager
+def running_cells(name: str, root: Path, env: dict[str, str]) -> Iterator[CellsRun]:
+    """make run (scripts/run-local) of the checkout at `root` with `env`, from its ready line until the block ends."""
+    process = ManagedProcess(name, [str(root / "scripts" / "run-local")], env, root.parent, root=root)
+    run = CellsRun(root, process, f"http://{env['IMGSERVE_API__BIND']}", env, ("flower", FLOWER_PASSWORD))
     try:
         wait_until(lambda: "make run: ready at" in run.log() or not process.alive(), 240, what="make run's ready line")
         assert process.alive(), run.log()[-5000:]
         yield run
     finally:
         process.stop(timeout_s=60)
+
+
+@pytest.fixture(scope="module")
+def cells_run(checkout: Path) -> Iterator[CellsRun]:
+    with running_cells("make-run-cells", checkout, cells_env(checkout)) as run:
+        yield run
 
 
 def test_the_ready_line_names_each_cells_redis_and_flower(cells_run):

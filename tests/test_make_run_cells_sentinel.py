@@ -13,9 +13,9 @@ import pytest
 import redis
 import requests
 
-from bench.processes import REPO_ROOT, ManagedProcess, wait_until
+from bench.processes import REPO_ROOT, wait_until
 from contract.keys import Keys
-from tests.test_make_run_cells import FLOWER_PASSWORD, CellsRun, _descendants, _live, cells_env
+from tests.test_make_run_cells import CellsRun, _descendants, _live, cells_env, running_cells
 from tools.newcomer_check import copy_checkout
 from tools.redis_ha import RedisHA
 
@@ -32,16 +32,10 @@ def sentinel_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CellsRun]
     root.mkdir()
     copy_checkout(REPO_ROOT, root, fresh_venv=False)
     env = {**cells_env(root), "REDIS": "sentinel"}
-    process = ManagedProcess(
-        "make-run-cells-sentinel", [str(root / "scripts" / "run-local")], env, root.parent, root=root
-    )
-    run = CellsRun(root, process, f"http://{env['IMGSERVE_API__BIND']}", env, ("flower", FLOWER_PASSWORD))
     try:
-        wait_until(lambda: "make run: ready at" in run.log() or not process.alive(), 240, what="make run's ready line")
-        assert process.alive(), run.log()[-5000:]
-        yield run
+        with running_cells("make-run-cells-sentinel", root, env) as run:
+            yield run
     finally:
-        process.stop(timeout_s=60)
         for name in ("a", "b"):  # whatever the test left (a failure before the stop): the sets are its own
             if (root / f"var/redis-ha-cell-{name}/nodes.json").exists():
                 RedisHA.load(root / f"var/redis-ha-cell-{name}").stop()
