@@ -4,6 +4,7 @@ output goes to log files. Used by the bench's local stacks and by the tests."""
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,10 +36,25 @@ def wait_until(
         time.sleep(interval_s)
 
 
+# Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) is also what it hands the
+# next outgoing connection, which may take it before our server binds it ("address in use", seen as a flake).
+# Each xdist worker draws from a band of its own, so two workers never race for one port.
+PORT_BAND = 1500
+PORT_FLOOR = 20000
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    band = PORT_FLOOR + (int(worker) if worker.isdigit() else 0) % 8 * PORT_BAND
+    for _ in range(200):
+        port = band + secrets.randbelow(PORT_BAND)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {band}-{band + PORT_BAND}")
 
 
 class RedisServer:
