@@ -1,6 +1,6 @@
 .PHONY: run test test-fast test-soak test-chaos lint docs docs-serve bootstrap compose-check compose-test peer
 
-run:          ## install what is needed, then run the whole service locally (VERBOSE=1: the start-up banners too; CELLS=2: two cells behind one API)
+run:          ## install what is needed, then run the whole service locally (VERBOSE=1: the start-up banners too; CELLS=2: two cells behind one API; CACHE_REDIS=1: the result cache on a Redis of its own)
 	@scripts/run-local
 
 test:         ## install what the tests need, then run them

@@ -13,7 +13,6 @@ import random
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import redis
 
@@ -24,6 +23,7 @@ from app.problems import Problem
 from app.tier_buckets import TierBuckets
 from app.waiters import JobEventListener
 from contract.cache import ResultCache
+from contract.cache_plane import cache_plane, redis_address
 from contract.cell_layout import Cell, cells_of
 from contract.clock import CLOCK
 from contract.connection import connect
@@ -56,13 +56,6 @@ def cell_budget_refusal(exc: BaseException) -> bool:
     """Whether `exc` is a 429 of one cell's own budgets (a model's backlog or bytes, a key's shares there): another
     cell's budgets may well have room. A key's rate (`rate-limited`) is the tier's, the same everywhere."""
     return isinstance(exc, Problem) and exc.status == 429 and exc.slug == "overloaded"
-
-
-def redis_address(url: str) -> str:
-    """A Redis URL without its password or user: what /v1/stats may show."""
-    parts = urlsplit(url)
-    host = parts.hostname or parts.path or "?"
-    return f"{parts.scheme}://{host}{f':{parts.port}' if parts.port else ''}{parts.path if parts.hostname else ''}"
 
 
 @dataclass
@@ -215,6 +208,8 @@ def _build_cell(
         durable.start()
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)
     # Results as stored: a read serves them unparsed (app.job_bodies); each key's cache hits charged (HitLimits).
+    # The cache on its own Redis when configured: one for every cell (contract.cache_plane), else this cell's.
+    plane = cache_plane(settings)
     store = JobIntake(
         client,
         keys,
@@ -224,8 +219,9 @@ def _build_cell(
         replication=replication,
         hits=HitLimits.of(settings),
         results_as_text=True,
+        cache_plane=plane,
     )
-    cache = ResultCache(client, keys, settings)
+    cache = ResultCache(client, keys, settings, plane)
     admission = Admission(settings, client, keys, store, catalogue, cache, buckets=buckets, cell=cell.name)
     clock_tick = [CLOCK.sync_if_due] if cell.index == 0 else []
     # One pub/sub listener per cell and process wakes long-polls (the callback worker relays callbacks); each

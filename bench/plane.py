@@ -44,7 +44,14 @@ import redis
 import requests
 import yaml
 
-from bench.plane_meter import InstructionCounter, PhaseCost, PhaseMeter, RoundTripCounter, added_round_trips
+from bench.plane_meter import (
+    ApartCache,
+    InstructionCounter,
+    PhaseCost,
+    PhaseMeter,
+    RoundTripCounter,
+    added_round_trips,
+)
 from bench.plane_report import APART, PHASES, report
 from bench.processes import (
     REPO_ROOT,
@@ -110,11 +117,13 @@ def run_phases(
     instructions: bool = False,
     keyed: bool = False,
     set_apart: int | None = None,
+    cache_redis: bool = False,
 ) -> dict[str, Any]:
     """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image
     (`instructions`: its Redis under callgrind, its instructions counted too; `keyed`: every submission with an
     API key), and the two reported apart (APART). `set_apart`: how many first submissions are measured apart (by
-    default the deadline index's listpack size, when there are over twice as many images)."""
+    default the deadline index's listpack size, when there are over twice as many images). `cache_redis`: the
+    result cache on a Redis of its own, its cost reported apart (ApartCache)."""
     workdir.mkdir(parents=True, exist_ok=True)
     trips = RoundTripCounter(workdir / "round-trips")
     counter = InstructionCounter(workdir) if instructions else None
@@ -126,8 +135,12 @@ def run_phases(
         folder = workdir / f"shard{index}"
         folder.mkdir(exist_ok=True)
         bulk.append(RedisServer(folder, root=root))
+    cache = ApartCache(workdir, root, instructions) if cache_redis else None
+    config = _config(control.url, [s.url for s in bulk], images, keyed)
+    if cache:
+        config["cache"] = {"redis_url": cache.server.url}
     config_path = workdir / "config.yaml"
-    config_path.write_text(yaml.safe_dump(_config(control.url, [s.url for s in bulk], images, keyed)))
+    config_path.write_text(yaml.safe_dump(config))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "IMGSERVE_CONFIG": str(config_path), "PYTHONUNBUFFERED": "1", **api_env(port, 1, 64)}
@@ -141,6 +154,7 @@ def run_phases(
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=clients)
     session.mount("http://", adapter)
     meter = PhaseMeter(client, bulk_clients, images, counter, trips)
+    meter.cache = cache
     measured = meter.measure
     set_apart = _listpack_apart(client, images) if set_apart is None else set_apart
     settings = load_settings(config_path)
@@ -205,7 +219,7 @@ def run_phases(
         for process in reversed(processes):
             process.stop()
         control.stop()
-        for shard in bulk:
+        for shard in [*bulk, *([cache.server] if cache else [])]:
             shard.stop()
     ended = {status: statuses.count(status) for status in set(statuses)}
     costs, shard_costs, seconds = meter.net(idle), meter.shard_costs, meter.seconds
@@ -222,6 +236,7 @@ def run_phases(
         "seconds": seconds,
         "total": total,
         "idle_per_s": idle,
+        "cache_phases": {phase: meter.cache_costs[phase] for phase in PHASES if phase in meter.cache_costs},
     }
 
 
@@ -299,8 +314,15 @@ def worktree(ref: str, into: Path) -> Path:
 
 
 def run(
-    images: int, shards: int, clients: int, base: str | None, instructions: bool = False, keyed: bool = False
+    images: int,
+    shards: int,
+    clients: int,
+    base: str | None,
+    instructions: bool = False,
+    keyed: bool = False,
+    cache_redis: bool = False,
 ) -> tuple[str, dict[str, Any]]:
+    """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is)."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
     sides: dict[str, dict[str, Any]] = {}
     try:
@@ -308,8 +330,9 @@ def run(
             root = worktree(base, scratch / "base")
             base_run = scratch / "run-base"
             sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
-        sides["this checkout"] = run_phases(
-            REPO_ROOT, images, shards, clients, scratch / "run-head", instructions, keyed
+        head = "this checkout" + (", cache Redis" if cache_redis else "")
+        sides[head] = run_phases(
+            REPO_ROOT, images, shards, clients, scratch / "run-head", instructions, keyed, cache_redis=cache_redis
         )
     finally:
         if base:

@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from bench.processes import wait_until
+from bench.processes import RedisServer, wait_until
 
 
 @dataclass
@@ -84,6 +84,8 @@ class PhaseMeter:
         trips: RoundTripCounter | None = None,
     ) -> None:
         self.client, self.shards, self.images, self.counter, self.trips = client, shards, images, counter, trips
+        self.cache: ApartCache | None = None  # --cache-redis: the cache's own Redis, measured phase by phase too
+        self.cache_costs: dict[str, PhaseCost] = {}
         self.costs: dict[str, PhaseCost] = {}
         self.shard_costs: dict[str, PhaseCost] = {}
         self.seconds: dict[str, float] = {}
@@ -97,9 +99,12 @@ class PhaseMeter:
             self.counter.mark()
         before = RedisReading.of(self.client, self.trips)
         shards_before = [RedisReading.of(c, self.trips) for c in self.shards]
+        cache_before = self.cache.reading(self.trips) if self.cache else None
         started = time.monotonic()
         value = work()
         self.seconds[phase] = time.monotonic() - started
+        if self.cache and cache_before:
+            self.cache_costs[phase] = self.cache.cost(cache_before, self.trips, images)
         self.costs[phase] = PhaseCost.between(before, RedisReading.of(self.client, self.trips), images)
         if self.counter:
             self.costs[phase].instructions = self.counter.mark() / images
@@ -140,6 +145,34 @@ class PhaseMeter:
                 cost.us - idle.us * share, cost.commands - idle.commands * share, cost.by_command, instructions, trips
             )
         return net
+
+
+class ApartCache:
+    """`bench plane --cache-redis`: the result cache on a Redis of its own (cache.redis_url, allkeys-lru), its own
+    counters and (with --instructions) its own callgrind, read around each phase as the control plane's are; its
+    idle (the GPU worker's size export a beat, the API's miss flush a second) is not taken out."""
+
+    def __init__(self, workdir: Path, root: Path, instructions: bool) -> None:
+        folder = workdir / "cache-redis"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.counter = InstructionCounter(folder) if instructions else None
+        policy = ("--maxmemory", "256mb", "--maxmemory-policy", "allkeys-lru")
+        wrapper = self.counter.wrapper() if self.counter else ()
+        self.server = RedisServer(folder, extra_args=policy, wrapper=wrapper, root=root)
+        if self.counter:
+            self.counter.pid = self.server.process.pid
+        self.client = redis.Redis.from_url(self.server.url)
+
+    def reading(self, trips: RoundTripCounter | None) -> RedisReading:
+        if self.counter:
+            self.counter.mark()
+        return RedisReading.of(self.client, trips)
+
+    def cost(self, before: RedisReading, trips: RoundTripCounter | None, images: int) -> PhaseCost:
+        cost = PhaseCost.between(before, RedisReading.of(self.client, trips), images)
+        if self.counter:
+            cost.instructions = self.counter.mark() / images
+        return cost
 
 
 def added_round_trips(counts: list[dict[str, float]]) -> dict[str, float]:

@@ -44,7 +44,7 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
                 (side["total"] if phase == "total" else side["phases"][phase]).instructions for side in sides.values()
             ]
             lines.append(f"| {phase} | " + " | ".join(f"{count:,.0f}" for count in counts if count is not None) + " |")
-    lines += _round_trips(sides) + _apart(sides)
+    lines += _round_trips(sides) + _cache_apart(sides) + _apart(sides)
     lines += ["", "| ceiling | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
     lines.append(
         "| images/s per control-plane core (100%) | "
@@ -114,6 +114,41 @@ def _round_trips(sides: dict[str, dict[str, Any]]) -> list[str]:
             by_role = ", ".join(f"{role} {n:.2f}" for role, n in cost.round_trips.items() if abs(n) >= 0.005)
             cells += [f"{cost.trips:.2f}", by_role or "-", f"{shard:.2f}" if side["shard_phases"] else "-"]
         lines.append(f"| {'**all**' if phase == 'total' else phase} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _cache_apart(sides: dict[str, dict[str, Any]]) -> list[str]:
+    """--cache-redis: the cache's own Redis an image, step by step, beside the control plane's (and the ratio of the
+    control plane's instructions to the first side's)."""
+    if not any(side.get("cache_phases") for side in sides.values()):
+        return []
+    first = next(iter(sides.values()))["total"].instructions
+    lines = [
+        "",
+        "The result cache's own Redis an image (--cache-redis; its idle not taken out), beside the control plane's:",
+        "",
+        "| side | step | cache Redis: µs, commands, round trips, instructions | control plane: instructions (x first side) |",
+        "|---|---|---|---|",
+    ]
+    for name, side in sides.items():
+        for phase in (*PHASES, "total"):
+            costs = side.get("cache_phases") or {}
+            if phase == "total":
+                cache = [costs[p] for p in PHASES if p in costs]
+                us, commands = sum(c.us for c in cache), sum(c.commands for c in cache)
+                trips = sum(c.trips for c in cache)
+                counted = [c.instructions for c in cache if c.instructions is not None]
+                instructions = sum(counted) if counted else None
+            elif phase in costs:
+                c = costs[phase]
+                us, commands, trips, instructions = c.us, c.commands, c.trips, c.instructions
+            else:
+                us = commands = trips = 0.0
+                instructions = None
+            plane = (side["total"] if phase == "total" else side["phases"][phase]).instructions
+            ratio = f" ({plane / first:.2f}x)" if phase == "total" and plane and first else ""
+            cells = f"{us:.0f}, {commands:.2f}, {trips:.2f}, " + (f"{instructions:,.0f}" if instructions else "-")
+            lines.append(f"| {name} | {phase} | {cells} | " + (f"{plane:,.0f}{ratio}" if plane else "-") + " |")
     return lines
 
 

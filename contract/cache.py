@@ -18,12 +18,15 @@ import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import redis
 from blake3 import blake3
 
 from contract.keys import Keys
+
+if TYPE_CHECKING:
+    from contract.cache_plane import CachePlane
 from contract.models import ModelSpec
 from contract.settings import Settings
 
@@ -41,13 +44,19 @@ class CacheLimits:
     prefix: str
     max_bytes: int = 0  # 0: store nothing
     ttl_s: int = 3600
+    apart: bool = False  # on a cache Redis of its own (contract.cache_plane): the batch write returns the entries
 
     @classmethod
     def of(cls, settings: Settings, keys: Keys) -> CacheLimits:
-        return cls(keys.cache_prefix, settings.cache.max_bytes, settings.cache.ttl_s)
+        return cls(keys.cache_prefix, settings.cache.max_bytes, settings.cache.ttl_s, bool(settings.cache.redis_url))
 
     def finish_names(self) -> list[Any]:
-        """The arguments the library's cache_names reads (after contract.jobs.ending's own)."""
+        """The arguments the library's cache_names reads (after contract.jobs.ending's own). Apart (and storing):
+        max_bytes -1, so the control plane stores nothing and write_batch returns what to store elsewhere."""
+        return [self.prefix, -1 if self.apart and self.max_bytes > 0 else self.max_bytes, self.ttl_s]
+
+    def remember_names(self) -> list[Any]:
+        """cache_names' arguments on the cache Redis itself (its `remember_entries`)."""
         return [self.prefix, self.max_bytes, self.ttl_s]
 
 
@@ -112,8 +121,9 @@ class ResultCache:
     admission are one step (contract.jobs.intake's JobIntake.answer_or_admit); the GPU worker's batch write stores the
     entries."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, settings: Settings) -> None:
-        self.redis, self.keys, self.settings = client, keys, settings
+    def __init__(self, client: redis.Redis, keys: Keys, settings: Settings, plane: CachePlane | None = None) -> None:
+        """`plane`: the cache's own Redis (contract.cache_plane); None: the cache on `client`'s control plane."""
+        self.redis, self.keys, self.settings, self.plane = client, keys, settings, plane
         self._fingerprints = {spec.key: spec_fingerprint(spec) for spec in settings.models}
 
     def enabled_for(self, spec: ModelSpec) -> bool:
@@ -132,12 +142,18 @@ class ResultCache:
         return outer.hexdigest()
 
     def stats(self, model_keys: Sequence[str]) -> dict[str, Any]:
-        """Hits, misses and the hit rate per model; entries and bytes charged in all, against the budget."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.keys.cache_stats)
-        pipe.zcard(self.keys.cache_lru)
-        pipe.get(self.keys.cache_bytes)
-        counts, entries, charged = pipe.execute()
+        """Hits, misses and the hit rate per model; entries and bytes charged in all, against the budget. On a cache
+        Redis of its own that is away: zeros, and `available` false."""
+
+        def read(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            pipe.hgetall(self.keys.cache_stats)
+            pipe.zcard(self.keys.cache_lru)
+            pipe.get(self.keys.cache_bytes)
+            return pipe.execute()
+
+        read_there = read(self.redis) if self.plane is None else self.plane.call(read)
+        counts, entries, charged = read_there or ({}, 0, 0)
         per_model = {}
         for key in model_keys:
             hits, misses = int(counts.get(f"{key}:hits".encode(), 0)), int(counts.get(f"{key}:misses".encode(), 0))
@@ -154,4 +170,6 @@ class ResultCache:
             "max_bytes": self.settings.cache.max_bytes,
             "ttl_s": self.settings.cache.ttl_s,
             "models": per_model,
+            "redis": self.plane.address if self.plane else None,
+            "available": read_there is not None,
         }

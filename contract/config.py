@@ -158,6 +158,9 @@ def _check_secrets(settings: Settings) -> None:
         password = urlsplit(url).password
         if password:
             check_secret(f"the Redis password in bulk.redis_urls[{index}]", unquote(password))
+    password = urlsplit(settings.cache.redis_url).password
+    if password:
+        check_secret("the Redis password in cache.redis_url / IMGSERVE_CACHE__REDIS_URL", unquote(password))
     for where, password in cell_passwords(settings.cells):
         check_secret(f"the Redis password in {where}", password)
 

@@ -124,10 +124,17 @@ class CacheSettings:
     # tells one tenant that another sent the same image (docs/operations.md).
     shared: bool = False
     hit_bytes_per_key: int = 64 * 1024 * 1024  # a key's hits' records, a bucket refilled per jobs.ttl_s; 0: off
+    # "": the entries on the control plane (each cell's). Set: on that Redis, one for the API tier; slower than
+    # timeout_ms or down, a miss and a dropped write, not tried for retry_s (contract.cache_plane)
+    redis_url: str = ""
+    timeout_ms: int = 100
+    retry_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.ttl_s < 1 or self.hit_bytes_per_key < 0:
             raise SettingsError("cache.max_bytes and hit_bytes_per_key must be >= 0, cache.ttl_s >= 1")
+        if (self.redis_url and not self.redis_url.startswith(("redis", "unix://"))) or min(self.timeout_ms, self.retry_s) <= 0:
+            raise SettingsError("cache.redis_url must be a redis:// URL or empty, timeout_ms >= 1, retry_s > 0")
 
 
 @settings_class

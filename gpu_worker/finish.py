@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from contract.cache_plane import cache_plane
 from contract.clock import now as service_now
 from contract.frame_source import FrameSource
 from contract.frames import Frame
@@ -108,6 +109,7 @@ class Finisher:
         self.ttl_s = link.settings.jobs.ttl_s
         # each acknowledged frame counted out of its API key's (the CPU workers count them in: contract.frame_push)
         self.key_frames = link.keys.key_frames(spec.key) if link.settings.backpressure.head_frames_per_key > 0 else ""
+        self.cache_plane = cache_plane(link.settings)  # the cache's own Redis, if it has one: entries written after
 
     def finish(self, batch: InHand) -> None:
         """Documents for every running job of the batch, then the one write (retried until Redis answers)."""
@@ -217,6 +219,9 @@ class Finisher:
                 *job_args,
             ],
         )
+        if isinstance(written, list):  # the cache on its own Redis: the entries to store there, after this step
+            self._remember(written[1:], job_args)
+            written = int(written[0])
         if written == -1:
             log.warning(
                 "batch %d not written: this worker was presumed dead and its frames given to others",
@@ -227,6 +232,31 @@ class Finisher:
         if not self.source.acked_by_batch_write:
             self.source.ack(batch.taken)
         return True
+
+    def _remember(self, pairs: list[Any], job_args: list[Any]) -> None:
+        """The entries of the jobs write_batch ended `succeeded` in time ((job id, digest) pairs), stored on the cache
+        Redis: a second write, outside the control plane's step. Dropped when that Redis is away or slow (the plane
+        marks it down), and never written when this worker dies first: either way a later request for the image
+        misses and is computed again, and no entry ever holds an answer whose end did not stand."""
+        if self.cache_plane is None or not pairs:
+            return
+        results: dict[str, str] = {}
+        at = 0
+        while at < len(job_args):  # per job: its id, its count of field and value arguments, those (finish_arguments)
+            job_id, count = job_args[at], int(job_args[at + 1])
+            flat = job_args[at + 2 : at + 2 + count]
+            fields = dict(zip(flat[::2], flat[1::2]))
+            if "result" in fields:
+                results[job_id] = fields["result"]
+            at += 2 + count
+        now = service_now()
+        entries = [
+            (bytes(digest).decode(), results[bytes(job_id).decode()], now)
+            for job_id, digest in zip(pairs[::2], pairs[1::2])
+            if bytes(job_id).decode() in results
+        ]
+        if not self.cache_plane.remember(self.store.cache.remember_names(), entries):
+            log.info("%d result-cache entries dropped: the cache Redis is away", len(entries))
 
     def _counters(self, taken: int) -> dict[str, float]:
         """Running totals including the batch being written, and the host time by stage."""

@@ -29,6 +29,7 @@ from typing import Any
 
 import redis
 
+from contract.cache_plane import cache_plane
 from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.frame_source import requeue_frames_of
@@ -70,6 +71,7 @@ class Liveness:
         self.model_keys = [spec.key for spec in settings.models]
         self.tenants = settings.tenants
         self.cache_max_bytes = settings.cache.max_bytes
+        self.cache_plane = cache_plane(settings)  # the cache's own Redis, if it has one (its size read there)
         self.scaling = settings.scaling
         self.redis = client
         self.bulk = bulk or BulkPlane(client)
@@ -161,11 +163,19 @@ class Liveness:
             self.redis.hset(self.keys.frames_waiting, mapping=counts)
 
     def export_cache_size(self) -> None:
-        """The result cache's entries and charged bytes, for Prometheus (one round trip)."""
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.zcard(self.keys.cache_lru)
-        pipe.get(self.keys.cache_bytes)
-        entries, charged = pipe.execute()
+        """The result cache's entries and charged bytes, for Prometheus (one round trip; on a cache Redis of its own
+        that is away, none: the gauges keep their last values)."""
+
+        def read(client: redis.Redis) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            pipe.zcard(self.keys.cache_lru)
+            pipe.get(self.keys.cache_bytes)
+            return pipe.execute()
+
+        sizes = read(self.redis) if self.cache_plane is None else self.cache_plane.call(read)
+        if sizes is None:
+            return
+        entries, charged = sizes
         metrics.CACHE_ENTRIES.set(int(entries))
         metrics.CACHE_BYTES.set(int(charged or 0))
         metrics.CACHE_MAX_BYTES.set(self.cache_max_bytes)

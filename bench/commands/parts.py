@@ -102,6 +102,12 @@ def add_commands(
         "--keyed", action="store_true", help="every submission with an API key (its queue and its byte shares counted)"
     )
     plane.add_argument(
+        "--cache-redis",
+        action="store_true",
+        help="this checkout with the result cache on a Redis of its own (cache.redis_url, allkeys-lru): its cost "
+        "reported apart from the control plane's (--base runs as it is)",
+    )
+    plane.add_argument(
         "--cells",
         type=int,
         help="N cells behind one API against one cell, in one run (bench/plane_cells.py): each cell's cost an "
@@ -169,7 +175,9 @@ def cmd_plane(args: argparse.Namespace) -> int:
 
     if args.cells:
         return _plane_cells(args)
-    text, sides = run(args.images, args.shards, args.clients, args.base, args.instructions, args.keyed)
+    text, sides = run(
+        args.images, args.shards, args.clients, args.base, args.instructions, args.keyed, args.cache_redis
+    )
     summary = {
         name: {
             "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},

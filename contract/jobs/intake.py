@@ -19,6 +19,7 @@ import redis
 
 from contract import budget
 from contract.cache import CacheLimits, MissCounts
+from contract.cache_plane import CachePlane
 from contract.clock import now as service_now
 from contract.jobs.ending import JobEnding
 from contract.jobs.hits import RESULT_REF, HitLimited, HitLimits
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 # arguments cost Redis ~760 instructions each and ~12 a byte (the record and a hit's ending were ~40 of them).
 _LOOKUP_OR_ADMIT = Step("lookup_or_admit")
 _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
+# With the cache on a Redis of its own (contract.cache_plane): the lookup there, the admission alone here on a miss,
+# and on a hit the hit's job stored here from the answer read there.
+_ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
 
@@ -70,16 +74,19 @@ class JobIntake(JobEnding):
         replication: Replication = NO_REPLICATION,
         hits: HitLimits | None = None,
         results_as_text: bool = False,
+        cache_plane: CachePlane | None = None,
     ) -> None:
         """`uploads`: the client uploads are written with (a few connections, see `_write_upload`).
         `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns.
         `hits`: what bounds each key's cache hits (contract.jobs.hits); None: nothing but the records' TTL.
-        `results_as_text`: as JobStore's (the API's: it serves results as stored)."""
+        `results_as_text`: as JobStore's (the API's: it serves results as stored).
+        `cache_plane`: the cache's own Redis (contract.cache_plane); None: the cache on this control plane."""
         super().__init__(client, keys, ttl_s, bulk, cache, results_as_text)
         self.uploads = uploads or client
         self.replication = replication
         self.hits = hits or HitLimits(0, ttl_s, ttl_s)
         self.misses = MissCounts()  # added to the shared counters by flush_counts
+        self.cache_plane = cache_plane
         self._fence = SharedFence(self._fence_round)  # reads that show how a job ended (confirm_durable)
         self._fenced = (0, 0)  # the last round's (acknowledged, wanted)
 
@@ -144,8 +151,11 @@ class JobIntake(JobEnding):
             raise
 
     def flush_counts(self) -> int:
-        """The cache misses this process counted, added to the shared counters (the API's sweeper tick)."""
-        return self.misses.flush(self.redis, self.keys.cache_stats)
+        """The cache misses this process counted, added to the shared counters (the API's sweeper tick); on a cache
+        Redis of its own that is away, kept for a later tick."""
+        if self.cache_plane is None:
+            return self.misses.flush(self.redis, self.keys.cache_stats)
+        return self.cache_plane.call(lambda client: self.misses.flush(client, self.keys.cache_stats)) or 0
 
     def withdraw(self, job_id: str) -> None:
         """A job stored on the primary that too few replicas acknowledged: its submitter is told 503 (retry), so
@@ -181,6 +191,10 @@ class JobIntake(JobEnding):
         lookup). HitLimited, nothing stored, when the key's hits have used their bytes. On a miss: the budgets'
         verdict on `admission` (its bytes reserved when admitted), nothing stored, in one round trip
         (_LOOKUP_OR_ADMIT); a hit takes a second. A hit needs no admission: it adds nothing to wait."""
+        if self.cache_plane is not None:
+            return self._answer_or_admit_apart(
+                self.cache_plane, job_id, fields, digest, cache_ttl_s, timings, admission, client_id
+            )
         admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
         for _ in range(3):  # an entry that goes between the lookup and the hit's step: looked up again
             reply = _LOOKUP_OR_ADMIT(self.redis, [self.keys.cache_entry(digest), *admission_keys], admission_args)
@@ -195,6 +209,40 @@ class JobIntake(JobEnding):
                 return HitLimited(int(stored[1]))
         raise redis.RedisError(f"the cache entry {digest} went at each of three lookups")
 
+    def _answer_or_admit_apart(
+        self,
+        plane: CachePlane,
+        job_id: str,
+        fields: Mapping[str, Any],
+        digest: str,
+        cache_ttl_s: int,
+        timings: Mapping[str, float],
+        admission: budget.AdmissionRequest,
+        client_id: str,
+    ) -> CacheHit | HitLimited | budget.BudgetVerdict:
+        """answer_or_admit with the cache on its own Redis: looked up there (away or slow: a miss), then the hit's
+        job stored here from the answer read, or the miss admitted here; a hit's books written there after."""
+        found = plane.lookup(self.keys.cache_entry(digest))
+        if found is None:
+            self.misses.count(admission.model_key)
+            admission_keys, admission_args = budget.admission_arguments(self.keys, admission)
+            return budget.BudgetVerdict.of(_ADMIT(self.redis, admission_keys, admission_args))
+        stored = self._store_hit_job(
+            job_id, fields, digest, cache_ttl_s, timings, admission.model_key, client_id, answer=found
+        )
+        if stored[0] == b"limited":
+            return HitLimited(int(stored[1]))
+        plane.touch(
+            self.keys.cache_entry(digest),
+            self.keys.cache_lru,
+            self.keys.cache_stats,
+            digest,
+            service_now(),
+            admission.model_key,
+            cache_ttl_s,
+        )
+        return CacheHit(bytes(stored[1]).decode(), found.decode())
+
     def _store_hit_job(
         self,
         job_id: str,
@@ -204,8 +252,9 @@ class JobIntake(JobEnding):
         timings: Mapping[str, float],
         model_key: str,
         client_id: str,
+        answer: bytes | None = None,
     ) -> Any:
-        """The step `store_hit` for one hit: its reply."""
+        """The step `store_hit` for one hit (`answer`: store_hit_answer's, with the answer read): its reply."""
         # stored as past its push, for the moment the step takes: it has no upload for finish_jobs to delete
         record = flatten_fields({"id": job_id, "status": QUEUED_GPU, **fields, RESULT_REF: digest})
         job_keys, job_args = self.finish_arguments([(job_id, SUCCEEDED, {"timings": timings})])
@@ -233,11 +282,13 @@ class JobIntake(JobEnding):
             len(record),
             *record,
             *job_args,
+            *([answer] if answer is not None else []),
         ]
+        step = _STORE_HIT if answer is None else _STORE_HIT_ANSWER
         if not self.replication.enabled:
-            return _STORE_HIT(self.redis, keys, args)
+            return step(self.redis, keys, args)
         # a hit is a new job, answered: on its replicas before the 202 says so (a miss waits at `create`)
-        reply, acknowledged, wanted = self._step_and_wait(_STORE_HIT, keys, args)
+        reply, acknowledged, wanted = self._step_and_wait(step, keys, args)
         if reply[0] == b"ended" and acknowledged < wanted:
             raise NotReplicated(acknowledged, wanted)
         return reply

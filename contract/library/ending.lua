@@ -51,7 +51,8 @@ local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'ca
 -- Ends each live job whose hash is in keys[first_key..], with its arguments from args[at..]: per job its id, the
 -- count of field and value arguments, the fields and values (JobEnding.finish_arguments). A job with a
 -- callback_url enters the outbox in the same atomic step that ends it; an answer written after the job's deadline
--- ends it `expired` instead. Returns how many jobs it ended.
+-- ends it `expired` instead. Returns how many jobs it ended, and the entries it left for the cache ({digest, result,
+-- moment, job id} each: stored by remember_all here, or, with the cache on a Redis of its own, by the caller there).
 local function finish_jobs(keys, args, names, first_key, at)
   local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
   for k = first_key, #keys do
@@ -69,7 +70,7 @@ local function finish_jobs(keys, args, names, first_key, at)
       redis.call('HSET', key, unpack(fields))
       -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
       if not was[2] then redis.call('EXPIRE', key, names.ttl) end
-      if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished} end
+      if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished, job_id} end
       -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
       if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
         local model, bytes = was[3] or '', tonumber(was[4]) or 0
@@ -98,13 +99,14 @@ local function finish_jobs(keys, args, names, first_key, at)
   release_each(names.waiting, released)
   release_owners(names.waiting, by_owner)
   remember_all(names.cache, entries)
-  return ended
+  return ended, entries
 end
 
 -- The step `finish_jobs` (JobEnding.finish_many): keys[1] the callback outbox, keys[2..] job hashes;
 -- args[1..FINISH_NAMES] JobEnding.finish_names(), then the jobs' (JobEnding.finish_arguments).
 redis.register_function('finish_jobs', function(keys, args)
-  return finish_jobs(keys, args, finish_names(keys[1], args, 1), 2, FINISH_NAMES + 1)
+  local ended = finish_jobs(keys, args, finish_names(keys[1], args, 1), 2, FINISH_NAMES + 1)
+  return ended
 end)
 
 -- The step `redeliver_callback` (JobEnding.redeliver_callback): an ended job's callback queued again from its first

@@ -9,16 +9,19 @@
 -- count of record field and value arguments, the record's, and the job's end (finish_arguments). Returns
 -- {'ended', status} (`expired` when the hit came after the job's deadline: finish_jobs ends it so, and its answer
 -- is not referred to), {'limited', ms until the bucket holds the charge} with nothing written, or {HIT_GONE}.
+-- `store_hit_answer`, the same with the cache on a Redis of its own (contract.cache_plane): the answer is the last
+-- argument (the lookup read it there), keys[2..4] are not touched (the hit's books are written there after), and
+-- the shared answer is SET from it.
 local HIT_GONE = 'gone'
 
-redis.register_function('store_hit', function(keys, args)
+local function store_hit(keys, args, document)
   local N = FINISH_NAMES
   local digest, now, cache_ttl, model = args[N + 1], tonumber(args[N + 2]), args[N + 3], args[N + 4]
   local answer_ttl, capacity = tonumber(args[N + 5]), tonumber(args[N + 6])
   local refill, charge, lifetimes = tonumber(args[N + 7]), tonumber(args[N + 8]), tonumber(args[N + 9])
-  if redis.call('EXPIRE', keys[2], cache_ttl) == 0 then return {HIT_GONE} end
+  if not document and redis.call('EXPIRE', keys[2], cache_ttl) == 0 then return {HIT_GONE} end
   local fresh = redis.call('EXISTS', keys[5]) == 0
-  if fresh then charge = charge + redis.call('STRLEN', keys[2]) * lifetimes end
+  if fresh then charge = charge + (document and #document or redis.call('STRLEN', keys[2])) * lifetimes end
   if capacity > 0 then   -- the key's bucket, refilled since its last hit; a charge over the whole waits for it full
     local held, at = string.match(redis.call('GET', keys[6]) or '', '^(%S+) (%S+)$')
     local tokens, mark = refilled(held, at, now, refill, capacity)
@@ -28,8 +31,10 @@ redis.register_function('store_hit', function(keys, args)
     redis.call('SET', keys[6], string.format('%.17g %.17g', tokens - charge, mark), 'EX',
                math.ceil(capacity / refill) + 1)
   end
-  redis.call('ZADD', keys[3], 'XX', args[N + 2], digest)
-  redis.call('HINCRBY', keys[4], model .. ':hits', 1)
+  if not document then
+    redis.call('ZADD', keys[3], 'XX', args[N + 2], digest)
+    redis.call('HINCRBY', keys[4], model .. ':hits', 1)
+  end
   local names = finish_names(keys[1], args, 1)
   local at = N + 10
   local count = tonumber(args[at])
@@ -38,7 +43,9 @@ redis.register_function('store_hit', function(keys, args)
   finish_jobs(keys, args, names, 7, at + 1 + count)
   local status = redis.call('HGET', keys[7], 'status')
   if status == SUCCEEDED then   -- in time: its answer is the shared one, kept as long as this record may live
-    if fresh then
+    if fresh and document then
+      redis.call('SET', keys[5], document, 'EX', answer_ttl)
+    elseif fresh then
       redis.call('COPY', keys[2], keys[5])
       redis.call('EXPIRE', keys[5], answer_ttl)
     else
@@ -46,4 +53,7 @@ redis.register_function('store_hit', function(keys, args)
     end
   end                           -- else answered after its deadline: expired as any late answer, without it
   return {'ended', status}
-end)
+end
+
+redis.register_function('store_hit', function(keys, args) return store_hit(keys, args, nil) end)
+redis.register_function('store_hit_answer', function(keys, args) return store_hit(keys, args, args[#args]) end)

@@ -9,7 +9,9 @@
 -- value arguments, args[N + 5] the epoch the batch was taken in ('': unfenced), args[N + 6] the count of key and
 -- frames arguments, then the counters, then the keys' (an API key id, its frames among those acknowledged: counted
 -- out, a count at 0 or below deleted), then the jobs' (JobEnding.finish_arguments). Returns the jobs ended, or -1
--- (nothing written) when the epoch is no longer the worker's.
+-- (nothing written) when the epoch is no longer the worker's. With the cache on a Redis of its own (its max_bytes
+-- passed as -1: CacheLimits.finish_names), {ended, job id, digest, ...} of the jobs whose entries the worker then
+-- stores there (contract.cache_plane): a write after this step's, which may only ever be lost.
 redis.register_function('write_batch', function(keys, args)
   local N = FINISH_NAMES
   if args[N + 5] ~= '' and redis.call('GET', keys[4]) ~= args[N + 5] then
@@ -36,5 +38,12 @@ redis.register_function('write_batch', function(keys, args)
       end
     end
   end
-  return finish_jobs(keys, args, names, 7, at + owned)
+  local ended, entries = finish_jobs(keys, args, names, 7, at + owned)
+  if names.cache.max >= 0 then return ended end
+  local reply = {ended}
+  for _, entry in ipairs(entries) do
+    reply[#reply + 1] = entry[4]
+    reply[#reply + 1] = entry[1]
+  end
+  return reply
 end)

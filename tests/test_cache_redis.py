@@ -1,0 +1,171 @@
+"""The result cache on a Redis of its own (`cache.redis_url`, contract.cache_plane): its entries and books there, a
+hit's job on the control plane, one cache for every cell, and a dead cache Redis a miss, never an error or a stall.
+Against real Redis servers (a cache Redis killed with SIGKILL and started again), and a real stack over HTTP."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+
+from bench.processes import RedisServer
+from contract import budget
+from contract.cache import CacheLimits
+from contract.cache_plane import CachePlane, cache_plane, redis_address
+from contract.jobs.intake import JobIntake
+from contract.jobs.record import SUCCEEDED
+from contract.keys import Keys
+from contract.settings import CacheSettings, Settings
+from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
+from tests.support import jpeg, wait_until
+
+DOCUMENT = '{"detections":[],"image":{"width":8,"height":8}}'
+REQUEST = budget.AdmissionRequest(
+    "box:1", 700, max_backlog=10, max_model_bytes=10**6, max_all_bytes=10**6, max_tenant_backlog=10
+)
+
+
+def _fields() -> dict:
+    return {"model": "box:1", "received_at": time.time(), "deadline_at": time.time() + 30, "bytes": 700}
+
+
+@pytest.fixture()
+def cache_server(tmp_path) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path, extra_args=("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"))
+    yield server
+    if server.process.poll() is None:
+        server.stop()
+
+
+def _plane(server: RedisServer, retry_s: float = 0.3) -> CachePlane:
+    client = redis.Redis.from_url(server.url, socket_timeout=0.1, socket_connect_timeout=0.1)
+    return CachePlane(client, redis_address(server.url), retry_s)
+
+
+def test_an_entry_stored_by_one_cell_is_a_hit_in_another_whose_record_and_answer_stay_there(
+    redis_server, cache_server
+):
+    """Two cells (two control planes: two databases here) and one cache Redis: the entry a GPU worker of cell a
+    stored there answers cell b's lookup, and b's hit job, its shared answer and its books in b."""
+    cell_a = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/11")
+    cell_b = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/12")
+    for client in (cell_a, cell_b):
+        client.flushdb()
+    keys, plane = Keys("cache-apart"), _plane(cache_server)
+    limits = CacheLimits(keys.cache_prefix, 10**6, 60, apart=True)
+    assert limits.finish_names()[1] == -1  # the control plane's step stores nothing, returns what to store
+    assert plane.remember(limits.remember_names(), [("known", DOCUMENT, time.time())])  # as cell a's worker does
+    there = redis.Redis.from_url(cache_server.url)
+    assert there.get(keys.cache_entry("known")) == DOCUMENT.encode() and there.zscore(keys.cache_lru, "known")
+    b = JobIntake(cell_b, keys, ttl_s=60, cache_plane=plane)
+    hit = b.answer_or_admit("h", _fields(), "known", 60, {"total": 0.2}, REQUEST)
+    assert hit == (SUCCEEDED, DOCUMENT)
+    assert b.load("h")["status"] == SUCCEEDED and b.load("h")["result"] == json.loads(DOCUMENT)
+    assert cell_b.get(keys.hit_result("known")) == DOCUMENT.encode()  # the answer the record refers to, in b
+    assert not cell_b.exists(keys.cache_entry("known")) and not cell_a.keys("*")  # no entry on a control plane
+    assert there.hgetall(keys.cache_stats) == {b"box:1:hits": b"1"}  # the hit's books where the entry is
+    missed = b.answer_or_admit("m", _fields(), "unknown", 60, {"total": 0.2}, REQUEST)
+    assert missed.verdict == budget.ADMITTED and b.flush_counts() == 1
+    assert there.hget(keys.cache_stats, "box:1:misses") == b"1"
+
+
+def test_a_dead_cache_redis_is_a_miss_at_once_and_is_tried_again_after_retry_s(redis_server, cache_server):
+    keys, plane = Keys("cache-dead"), _plane(cache_server, retry_s=0.5)
+    control = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13")
+    control.flushdb()
+    store = JobIntake(control, keys, ttl_s=60, cache_plane=plane)
+    limits = CacheLimits(keys.cache_prefix, 10**6, 60, apart=True)
+    assert plane.remember(limits.remember_names(), [("known", DOCUMENT, time.time())])
+    assert store.answer_or_admit("h1", _fields(), "known", 60, {}, REQUEST).status == SUCCEEDED
+    cache_server.process.kill()  # SIGKILL: no goodbye on its connections
+    cache_server.process.wait(10)
+    started = time.monotonic()
+    verdict = store.answer_or_admit("m1", _fields(), "known", 60, {}, REQUEST)
+    assert verdict.verdict == budget.ADMITTED and not plane.up  # a miss, admitted here; the plane marked down
+    again = time.monotonic()
+    assert store.answer_or_admit("m2", _fields(), "known", 60, {}, REQUEST).verdict == budget.ADMITTED
+    assert time.monotonic() - again < 0.05 <= 0.5  # marked down: not even tried
+    assert again - started < 1.0  # bounded by cache.timeout_ms, not by Redis's own patience
+    assert not plane.remember(limits.remember_names(), [("other", DOCUMENT, time.time())])  # the write dropped
+    assert store.flush_counts() == 0 and store.misses._counts["box:1"] == 2  # kept for a later tick
+    cache_server.start()  # back, empty (no persistence): the library is loaded again at the first write
+    wait_until(lambda: plane.up, 5, what="the retry period to pass")
+    assert plane.remember(limits.remember_names(), [("known", DOCUMENT, time.time())])
+    assert store.answer_or_admit("h2", _fields(), "known", 60, {}, REQUEST).status == SUCCEEDED
+
+
+def test_without_a_cache_redis_url_there_is_no_cache_plane():
+    assert cache_plane(Settings()) is None
+    assert CacheLimits.of(Settings(), Keys("x")).finish_names()[1] == Settings().cache.max_bytes
+    hidden = dataclasses.replace(Settings(), cache=CacheSettings(redis_url="redis://:a-long-secret@cache-host:6379/0"))
+    assert redis_address(hidden.cache.redis_url) == "redis://cache-host:6379/0"
+
+
+# --- a stack whose cache is on its own Redis -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def apart_stack(redis_server, tmp_path_factory) -> Iterator[tuple[Stack, RedisServer]]:
+    workdir = tmp_path_factory.mktemp("cache-apart")
+    cache = RedisServer(workdir, extra_args=("--maxmemory", "64mb", "--maxmemory-policy", "allkeys-lru"))
+    url = redis_server.url.rsplit("/", 1)[0] + "/14"
+    redis.Redis.from_url(url).flushdb()
+    model = content_box_spec(workdir, 64)
+    settings = {"enabled": True, "redis_url": cache.url, "timeout_ms": 100, "retry_s": 0.5}
+    stack = start_stack(url, workdir, {**model, "name": "box", "version": "1"}, "apart", {"cache": settings})
+    yield stack, cache
+    stop_stack(stack)
+    if cache.process.poll() is None:
+        cache.stop()
+
+
+def test_a_repeat_hits_with_the_entry_on_the_cache_redis_and_none_on_the_control_plane(apart_stack):
+    stack, cache = apart_stack
+    image = jpeg(96, 80, seed=201)
+    first = stack.wait_terminal(stack.submit_ok(image))
+    assert first["status"] == "succeeded" and first["cache"] == "miss"
+    digest = stack.redis.hget(stack.keys.job(first["id"]), "cache_key").decode()
+    there = redis.Redis.from_url(cache.url)
+    wait_until(lambda: there.exists(stack.keys.cache_entry(digest)), 10, what="the entry on the cache Redis")
+    assert not stack.redis.exists(stack.keys.cache_entry(digest), stack.keys.cache_lru, stack.keys.cache_bytes)
+    hit = stack.submit(image).json()
+    assert hit["cache"] == "hit" and hit["status"] == "succeeded" and hit["result"] == first["result"]
+    stats = stack.session.get(stack.url("/v1/stats"), timeout=10).json()["cache"]
+    assert stats["redis"] == redis_address(cache.url) and stats["available"] and stats["entries"] >= 1
+
+
+def test_the_cache_redis_killed_under_load_costs_misses_only_and_hits_come_back(apart_stack):
+    """SIGKILL of the cache Redis while jobs arrive: every job still succeeds (its lookup a miss, its entry's
+    write dropped); once it is back (empty), a repeated image is a hit again."""
+    stack, cache = apart_stack
+    images = [jpeg(64, 48, seed=300 + i) for i in range(24)]
+
+    def one(image: bytes) -> dict:
+        return stack.wait_terminal(stack.submit_ok(image), timeout_s=120)
+
+    with ThreadPoolExecutor(4) as pool:
+        running = [pool.submit(one, image) for image in images]
+        wait_until(lambda: sum(f.done() for f in running) >= 4, 120, what="the first jobs done")
+        cache.process.kill()
+        cache.process.wait(10)
+        killed_at = time.monotonic()
+        ended = [f.result() for f in running]
+    assert [job["status"] for job in ended] == ["succeeded"] * len(images)
+    during = stack.wait_terminal(stack.submit_ok(images[0]))  # computed before, its entry unreachable now
+    assert during["status"] == "succeeded" and during["cache"] == "miss"
+    assert stack.session.get(stack.url("/v1/stats"), timeout=10).json()["cache"]["available"] is False
+    assert time.monotonic() - killed_at < 60
+    cache.start()
+    again = jpeg(64, 48, seed=399)
+
+    def hits_again() -> bool:
+        done = stack.wait_terminal(stack.submit_ok(again))
+        assert done["status"] == "succeeded"
+        return stack.submit(again).json().get("cache") == "hit"
+
+    wait_until(hits_again, 30, interval_s=0.5, what="a hit after the cache Redis came back")
