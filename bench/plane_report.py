@@ -127,7 +127,8 @@ def _cache_apart(sides: dict[str, dict[str, Any]]) -> list[str]:
         "",
         "The result cache's own Redis an image (--cache-redis; its idle not taken out), beside the control plane's:",
         "",
-        "| side | step | cache Redis: µs, commands, round trips, instructions | control plane: instructions (x first side) |",
+        "| side | step | cache Redis: µs, commands, round trips, instructions "
+        "| control plane: instructions (x first side) |",
         "|---|---|---|---|",
     ]
     for name, side in sides.items():

@@ -154,6 +154,7 @@ class ResultCache:
 
         read_there = read(self.redis) if self.plane is None else self.plane.call(read)
         counts, entries, charged = read_there or ({}, 0, 0)
+        counts = dict(counts)
         per_model = {}
         for key in model_keys:
             hits, misses = int(counts.get(f"{key}:hits".encode(), 0)), int(counts.get(f"{key}:misses".encode(), 0))

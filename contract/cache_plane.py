@@ -76,10 +76,12 @@ class CachePlane:
 
     def lookup(self, entry_key: str) -> bytes | None:
         """The entry's document, or None: absent, or the cache Redis away (a miss either way)."""
-        found = self.call(lambda client: client.get(entry_key))
+        found: Any = self.call(lambda client: client.get(entry_key))
         return bytes(found) if found is not None else None
 
-    def touch(self, entry_key: str, lru_key: str, stats_key: str, digest: str, now: float, model: str, ttl_s: int) -> None:
+    def touch(
+        self, entry_key: str, lru_key: str, stats_key: str, digest: str, now: float, model: str, ttl_s: int
+    ) -> None:
         """A hit's books: its entry's TTL renewed, its LRU score moved up, the hit counted (one round trip)."""
 
         def books(client: redis.Redis) -> None:

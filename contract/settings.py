@@ -133,7 +133,8 @@ class CacheSettings:
     def __post_init__(self) -> None:
         if self.max_bytes < 0 or self.ttl_s < 1 or self.hit_bytes_per_key < 0:
             raise SettingsError("cache.max_bytes and hit_bytes_per_key must be >= 0, cache.ttl_s >= 1")
-        if (self.redis_url and not self.redis_url.startswith(("redis", "unix://"))) or min(self.timeout_ms, self.retry_s) <= 0:
+        bad_url = self.redis_url and not self.redis_url.startswith(("redis", "unix://"))
+        if bad_url or min(self.timeout_ms, self.retry_s) <= 0:
             raise SettingsError("cache.redis_url must be a redis:// URL or empty, timeout_ms >= 1, retry_s > 0")
 
 

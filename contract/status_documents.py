@@ -164,8 +164,12 @@ class CacheStats(Document):
     max_bytes: int = Field(ge=0)
     ttl_s: int = Field(ge=1)
     models: dict[str, CacheModelStats] = Field(description="per name:version")
-    redis: str | None = Field(None, description="the cache's own Redis (cache.redis_url) without a password; null: the control plane's")
-    available: bool = Field(True, description="false: the cache's own Redis did not answer (counts read as 0; lookups miss)")
+    redis: str | None = Field(
+        None, description="the cache's own Redis (cache.redis_url) without a password; null: the control plane's"
+    )
+    available: bool = Field(
+        True, description="false: the cache's own Redis did not answer (counts read as 0; lookups miss)"
+    )
 
 
 class ScalingSignal(Document):

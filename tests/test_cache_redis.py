@@ -20,10 +20,12 @@ from contract.cache_plane import CachePlane, cache_plane, redis_address
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
 from contract.keys import Keys
+from contract.models import ModelSpec
 from contract.settings import CacheSettings, Settings
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import jpeg, wait_until
 
+SPEC = ModelSpec(name="box", version="1", labels=("content",))
 DOCUMENT = '{"detections":[],"image":{"width":8,"height":8}}'
 REQUEST = budget.AdmissionRequest(
     "box:1", 700, max_backlog=10, max_model_bytes=10**6, max_all_bytes=10**6, max_tenant_backlog=10
@@ -47,9 +49,7 @@ def _plane(server: RedisServer, retry_s: float = 0.3) -> CachePlane:
     return CachePlane(client, redis_address(server.url), retry_s)
 
 
-def test_an_entry_stored_by_one_cell_is_a_hit_in_another_whose_record_and_answer_stay_there(
-    redis_server, cache_server
-):
+def test_an_entry_stored_by_one_cell_is_a_hit_in_another_whose_record_and_answer_stay_there(redis_server, cache_server):
     """Two cells (two control planes: two databases here) and one cache Redis: the entry a GPU worker of cell a
     stored there answers cell b's lookup, and b's hit job, its shared answer and its books in b."""
     cell_a = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/11")
@@ -100,10 +100,14 @@ def test_a_dead_cache_redis_is_a_miss_at_once_and_is_tried_again_after_retry_s(r
 
 
 def test_without_a_cache_redis_url_there_is_no_cache_plane():
-    assert cache_plane(Settings()) is None
-    assert CacheLimits.of(Settings(), Keys("x")).finish_names()[1] == Settings().cache.max_bytes
-    hidden = dataclasses.replace(Settings(), cache=CacheSettings(redis_url="redis://:a-long-secret@cache-host:6379/0"))
+    settings = Settings(model=SPEC, models=(SPEC,))
+    assert cache_plane(settings) is None
+    assert CacheLimits.of(settings, Keys("x")).finish_names()[1] == settings.cache.max_bytes  # stored in the step
+    hidden = dataclasses.replace(settings, cache=CacheSettings(redis_url="redis://:a-long-secret@cache-host:6379/0"))
     assert redis_address(hidden.cache.redis_url) == "redis://cache-host:6379/0"
+    assert CacheLimits.of(hidden, Keys("x")).finish_names()[1] == -1  # the step returns them instead
+    with pytest.raises(ValueError, match="cache.redis_url"):
+        CacheSettings(redis_url="cache-host:6379")
 
 
 # --- a stack whose cache is on its own Redis -------------------------------------------------------------------
@@ -149,12 +153,15 @@ def test_the_cache_redis_killed_under_load_costs_misses_only_and_hits_come_back(
         return stack.wait_terminal(stack.submit_ok(image), timeout_s=120)
 
     with ThreadPoolExecutor(4) as pool:
-        running = [pool.submit(one, image) for image in images]
+        running = [pool.submit(one, image) for image in images[:16]]
         wait_until(lambda: sum(f.done() for f in running) >= 4, 120, what="the first jobs done")
         cache.process.kill()
         cache.process.wait(10)
         killed_at = time.monotonic()
+        in_flight = sum(not f.done() for f in running)
+        running += [pool.submit(one, image) for image in images[16:]]  # submitted with the cache Redis dead
         ended = [f.result() for f in running]
+    assert in_flight > 0  # the kill came under load: jobs were in flight
     assert [job["status"] for job in ended] == ["succeeded"] * len(images)
     during = stack.wait_terminal(stack.submit_ok(images[0]))  # computed before, its entry unreachable now
     assert during["status"] == "succeeded" and during["cache"] == "miss"
