@@ -236,7 +236,7 @@ def run_phases(
         "seconds": seconds,
         "total": total,
         "idle_per_s": idle,
-        "cache_phases": {phase: meter.cache_costs[phase] for phase in PHASES if phase in meter.cache_costs},
+        "cache_phases": meter.net(meter.cache_idle, meter.cache_costs) if meter.cache_idle else {},
     }
 
 

@@ -55,6 +55,12 @@ class PhaseCost:
     def trips(self) -> float:
         return sum(self.round_trips.values())
 
+    def per_second(self, seconds: float) -> PhaseCost:
+        """This cost, measured over `seconds` of idle, as a rate."""
+        instructions = self.instructions / seconds if self.instructions is not None else None
+        trips = {role: n / seconds for role, n in self.round_trips.items()}
+        return PhaseCost(self.us / seconds, self.commands / seconds, self.by_command, instructions, trips)
+
     @classmethod
     def between(cls, before: RedisReading, after: RedisReading, images: int) -> PhaseCost:
         calls = {name: after.calls[name] - before.calls.get(name, 0) for name in after.calls}
@@ -86,6 +92,7 @@ class PhaseMeter:
         self.client, self.shards, self.images, self.counter, self.trips = client, shards, images, counter, trips
         self.cache: ApartCache | None = None  # --cache-redis: the cache's own Redis, measured phase by phase too
         self.cache_costs: dict[str, PhaseCost] = {}
+        self.cache_idle: PhaseCost | None = None  # what the cache Redis spends a second with nothing to do
         self.costs: dict[str, PhaseCost] = {}
         self.shard_costs: dict[str, PhaseCost] = {}
         self.seconds: dict[str, float] = {}
@@ -124,7 +131,10 @@ class PhaseMeter:
         if self.counter:
             self.counter.mark()
         before = RedisReading.of(self.client, self.trips)
+        cache_before = self.cache.reading(self.trips) if self.cache else None
         time.sleep(seconds)
+        if self.cache and cache_before:
+            self.cache_idle = self.cache.cost(cache_before, self.trips, 1).per_second(seconds)
         idle = PhaseCost.between(before, RedisReading.of(self.client, self.trips), 1)
         idle.us, idle.commands = idle.us / seconds, idle.commands / seconds
         idle.round_trips = {role: n / seconds for role, n in idle.round_trips.items()}
@@ -132,10 +142,11 @@ class PhaseMeter:
             idle.instructions = self.counter.mark() / seconds
         return idle
 
-    def net(self, idle: PhaseCost) -> dict[str, PhaseCost]:
-        """Each phase's cost less the idle rate over its duration: what the images themselves cost."""
+    def net(self, idle: PhaseCost, costs: dict[str, PhaseCost] | None = None) -> dict[str, PhaseCost]:
+        """Each phase's cost less the idle rate over its duration: what the images themselves cost (`costs`:
+        another Redis's, the cache's, less its own idle)."""
         net = {}
-        for phase, cost in self.costs.items():
+        for phase, cost in (self.costs if costs is None else costs).items():
             share = self.seconds[phase] / self.phase_images.get(phase, self.images)
             instructions = None
             if cost.instructions is not None and idle.instructions is not None:

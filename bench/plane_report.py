@@ -125,7 +125,8 @@ def _cache_apart(sides: dict[str, dict[str, Any]]) -> list[str]:
     first = next(iter(sides.values()))["total"].instructions
     lines = [
         "",
-        "The result cache's own Redis an image (--cache-redis; its idle not taken out), beside the control plane's:",
+        "The result cache's own Redis an image (--cache-redis; less its own idle, as the control plane's), beside "
+        "the control plane's:",
         "",
         "| side | step | cache Redis: µs, commands, round trips, instructions "
         "| control plane: instructions (x first side) |",

@@ -183,6 +183,7 @@ def cmd_plane(args: argparse.Namespace) -> int:
             "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
             "apart": {phase: vars(cost) for phase, cost in side["apart"].items()},
             "total": vars(side["total"]),
+            "cache_phases": {phase: vars(cost) for phase, cost in side.get("cache_phases", {}).items()},
             "ended": side["ended"],
             "record": side["record"],
         }
