@@ -17,6 +17,7 @@ from bench.processes import RedisServer
 from contract import budget
 from contract.cache import CacheLimits
 from contract.cache_plane import CachePlane, cache_plane, redis_address
+from contract.jobs.hits import RESULT_REF, HitLimited, HitLimits
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
 from contract.keys import Keys
@@ -72,6 +73,24 @@ def test_an_entry_stored_by_one_cell_is_a_hit_in_another_whose_record_and_answer
     missed = b.answer_or_admit("m", _fields(), "unknown", 60, {"total": 0.2}, REQUEST)
     assert missed.verdict == budget.ADMITTED and b.flush_counts() == 1
     assert there.hget(keys.cache_stats, "box:1:misses") == b"1"
+
+
+def test_hits_from_the_cache_redis_are_still_bounded_per_key_and_share_one_answer(redis_server, cache_server):
+    """Issue 70 finding 1 with the cache apart: each hit's record refers to the one shared answer in its cell, and
+    the key's hits take their bytes from its bucket there: past it, HitLimited and nothing stored."""
+    keys, plane = Keys("cache-bucket"), _plane(cache_server)
+    control = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/15")
+    control.flushdb()
+    store = JobIntake(control, keys, ttl_s=60, cache_plane=plane, hits=HitLimits(1500, 60, 60))
+    limits = CacheLimits(keys.cache_prefix, 10**6, 60, apart=True)
+    assert plane.remember(limits.remember_names(), [("known", DOCUMENT, time.time())])
+    answers = [store.answer_or_admit(f"h{i}", _fields(), "known", 60, {}, REQUEST, "key-a") for i in range(6)]
+    assert answers[0] == (SUCCEEDED, DOCUMENT)
+    limited = [i for i, answer in enumerate(answers) if isinstance(answer, HitLimited)]
+    assert limited and all(store.load(f"h{i}") is None for i in limited)  # refused: nothing stored
+    assert store.load("h0")[RESULT_REF] == "known" and control.get(keys.hit_result("known")) == DOCUMENT.encode()
+    other = store.answer_or_admit("b0", _fields(), "known", 60, {}, REQUEST, "key-b")
+    assert other == (SUCCEEDED, DOCUMENT)  # another key's bucket is its own
 
 
 def test_a_dead_cache_redis_is_a_miss_at_once_and_is_tried_again_after_retry_s(redis_server, cache_server):
