@@ -137,8 +137,8 @@ def run_phases(
         bulk.append(RedisServer(folder, root=root))
     cache = ApartCache(workdir, root, instructions) if cache_redis else None
     config = _config(control.url, [s.url for s in bulk], images, keyed)
-    if cache:
-        config["cache"] = {"redis_url": cache.server.url}
+    if cache:  # patient: under callgrind the cache Redis answers past the default timeout, and writes were dropped
+        config["cache"] = {"redis_url": cache.server.url, "timeout_ms": 30_000}
     config_path = workdir / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     port = free_port()
@@ -215,6 +215,7 @@ def run_phases(
             statuses = measured("read", lambda: list(pool.map(read, ids)))
         idle = meter.idle(3.0)
         record = _ended_record(client, [keys.job(job_id) for job_id in ids[:50]])
+        cached = int(cache.client.zcard(keys.cache_lru)) if cache else None  # every image's entry, if none dropped
     finally:
         for process in reversed(processes):
             process.stop()
@@ -236,6 +237,7 @@ def run_phases(
         "seconds": seconds,
         "total": total,
         "idle_per_s": idle,
+        "cache_entries": cached,
         "cache_phases": meter.net(meter.cache_idle, meter.cache_costs) if meter.cache_idle else {},
     }
 

@@ -78,6 +78,10 @@ def report(sides: dict[str, dict[str, Any]]) -> str:
         + " |"
     )
     lines.append("| jobs ended | " + " | ".join(str(s["ended"]) for s in sides.values()) + " |")
+    if any(s.get("cache_entries") is not None for s in sides.values()):
+        lines.append(
+            "| entries on the cache Redis | " + " | ".join(str(s.get("cache_entries")) for s in sides.values()) + " |"
+        )
     lines.append(
         "| an ended record: bytes (MEMORY USAGE), encoding | "
         + " | ".join(f"{s['record']['bytes']:,.0f}, {'/'.join(s['record']['encodings'])}" for s in sides.values())
