@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -116,6 +117,25 @@ def test_a_dead_cache_redis_is_a_miss_at_once_and_is_tried_again_after_retry_s(r
     wait_until(lambda: plane.up, 5, what="the retry period to pass")
     assert plane.remember(limits.remember_names(), [("known", DOCUMENT, time.time())])
     assert store.answer_or_admit("h2", _fields(), "known", 60, {}, REQUEST).status == SUCCEEDED
+
+
+def test_a_stalled_cache_redis_is_a_miss_within_the_timeout_not_a_stall(redis_server, cache_server):
+    """SIGSTOP: the cache Redis accepts connections but never answers (a stalled or swapping server)."""
+    keys, plane = Keys("cache-stalled"), _plane(cache_server)
+    control = redis.Redis.from_url(redis_server.url.rsplit("/", 1)[0] + "/13")
+    store = JobIntake(control, keys, ttl_s=60, cache_plane=plane)
+    limits = CacheLimits(keys.cache_prefix, 10**6, 60, apart=True)
+    assert plane.remember(limits.remember_names(), [("known", DOCUMENT, time.time())])
+    cache_server.process.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        assert store.answer_or_admit("s1", _fields(), "known", 60, {}, REQUEST).verdict == budget.ADMITTED
+        assert not plane.remember(limits.remember_names(), [("other", DOCUMENT, time.time())])
+        assert time.monotonic() - started < 1.0  # the 100 ms timeout once, then the circuit: no stall
+    finally:
+        cache_server.process.send_signal(signal.SIGCONT)
+    wait_until(lambda: plane.up, 5, what="the retry period to pass")
+    assert store.answer_or_admit("s2", _fields(), "known", 60, {}, REQUEST).status == SUCCEEDED
 
 
 def test_without_a_cache_redis_url_there_is_no_cache_plane():
