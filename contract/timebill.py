@@ -45,6 +45,13 @@ INFER_MS: Final = "infer_ms"  # GPU worker
 POSTPROCESS_MS: Final = "postprocess_ms"  # GPU worker
 FINISHED_AT: Final = "finished_at"  # whoever ends the job
 RECORD_STAMPS = (RECEIVED_AT, SUBMITTED_AT, CPU_STARTED_AT, DECODE_MS, RESIZE_MS, BACKPRESSURE_MS, PUSHED_AT)
+# What the push writes of them to the record: the ones it is first to know. The API's two are the record's from its
+# intake and the claim wrote `cpu_started_at` (the same moment), so sending them again changed nothing. The three
+# durations stay: a job that ends after its push without the GPU worker's bill (the sweep's expiry while it waits
+# in `queued_gpu`, a frame that fails) shows decode, resize and backpressure in its time bill, computed from the
+# record (contract.documents). `pushed_at` bills no stage from the record (its end, `popped_at`, is never there)
+# and is kept as the moment the frame went in.
+PUSH_STAMPS = (DECODE_MS, RESIZE_MS, BACKPRESSURE_MS, PUSHED_AT)
 
 _SPANS = {
     "receive": (RECEIVED_AT, SUBMITTED_AT),

@@ -30,6 +30,7 @@ from contract.timebill import (
     BACKPRESSURE_MS,
     CPU_STARTED_AT,
     DECODE_MS,
+    PUSH_STAMPS,
     PUSHED_AT,
     RECEIVED_AT,
     RESIZE_MS,
@@ -190,7 +191,8 @@ class Preprocessor:
             tried = {**stamps, BACKPRESSURE_MS: (time.perf_counter() - ready) * 1000.0, PUSHED_AT: pushed_at}
             frame = pack_frame(_header(job_id, record, boxed, tried), boxed.pixels)
             try:
-                outcome = self.frames.push(job_id, spec.key, frame, limit, tried, claim, head)
+                pushed = {name: tried[name] for name in PUSH_STAMPS}  # the header carries them all
+                outcome = self.frames.push(job_id, spec.key, frame, limit, pushed, claim, head)
             except redis.exceptions.OutOfMemoryError:
                 # Redis at its maxmemory refuses the push: the frame waits here, as for room on a full list.
                 if not self._wait_for_memory(job_id, record):

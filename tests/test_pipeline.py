@@ -219,6 +219,12 @@ def test_a_job_nobody_answers_expires_at_its_deadline(stack):
         stack.start_gpu_worker()
     assert doc["status"] == "expired"
     assert doc["error"]["code"] == "deadline"
+    # Its time bill comes from the record: the intake's and the claim's stamps, and the three durations the push
+    # writes (contract.timebill.PUSH_STAMPS) though it no longer sends the stamps the record holds already.
+    record = stack.redis.hgetall(stack.keys.job(job_id))
+    assert record[b"received_at"] and record[b"submitted_at"], record
+    if b"pushed_at" in record:  # pushed before its deadline (on a loaded machine it may expire at its claim)
+        assert {"receive", "queue_cpu", "decode", "resize", "backpressure", "total"} <= set(doc["timings_ms"]), doc
 
 
 def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
