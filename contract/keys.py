@@ -99,8 +99,9 @@ class Keys:
 
     def upload(self, job_id: str) -> str:
         """String: the raw upload (claim check), deleted once its frame is pushed or the job ends. With bulk
-        shards, the bytes lie under this name on the job's shard, and here lies a marker (SHARDED_UPLOAD) that
-        every step on job records treats as the upload (contract.shards)."""
+        shards, the bytes lie under this name on the job's shard, and the record carries a marker (SHARDED_UPLOAD
+        in its UPLOAD_FIELD) that every step on job records treats as the upload (contract.shards); a record an
+        older API stored has the marker under this name here."""
         return self.job(job_id) + UPLOAD_SUFFIX
 
     def preprocess_queue(self, model_key: str, tenant: str = "") -> str:

@@ -4,8 +4,8 @@ With no `bulk.redis_urls`, uploads and frames lie in the Redis of `redis_url` be
 every step is as it always was (one Redis, one transaction per move). With shards listed, a job's upload and
 frame lie on one shard, `shard_of(job id)`: every process computes it the same way from the id alone, so
 nothing has to be looked up, and the API picks ids whose shard is up (`BulkPlane.new_job_id`). The job
-record, Celery, the budgets and everything else stay on the control plane; the control plane keeps a marker
-where the upload was (`SHARDED_UPLOAD`), so every step on job records reads it as before.
+record, Celery, the budgets and everything else stay on the control plane; the job record carries a marker
+where the upload was (`SHARDED_UPLOAD` in its `UPLOAD_FIELD`), which the steps on job records read.
 
 What a shard's failure does (docs/reliability.md, "A bulk shard dies"): the processes skip a shard they
 found down for `bulk.retry_s`; `tasks.shard_watch` (every CPU worker's sweep) ends `failed` the live jobs that were
@@ -27,6 +27,10 @@ from contract.keys import Keys
 from contract.settings import Settings
 
 SHARDED_UPLOAD = b"@shard"  # the control plane's stand-in for an upload that lies on the job's shard
+# Where the stand-in lies: a field of the job record (the intake's HSET writes it, the push's HSET clears it to '',
+# an end clears it), not a key of its own: the marker's SET and the push's DEL were two commands an image more.
+# The steps still read a marker key (Keys.upload) for a record without the field, one an older API stored.
+UPLOAD_FIELD = "upload"
 SHARD_ERRORS = (redis.ConnectionError, redis.TimeoutError)
 SHARD_SOCKET_TIMEOUT_S = 2.0  # a shard that does not answer in this is treated as down
 

@@ -25,6 +25,7 @@ from contract.library import (
     loaded_code,
     loaded_version,
 )
+from contract.shards import SHARDED_UPLOAD, UPLOAD_FIELD
 from contract.timebill import CPU_STARTED_AT
 from contract.token_bucket import TokenBuckets
 from tasks.callbacks import DEAD_LETTER_DROPS
@@ -51,6 +52,7 @@ def test_the_librarys_literals_are_the_contracts():
     assert terminal and set(re.findall(r"(\w+) = true", terminal.group(1))) == {str(s) for s in TERMINAL}
     ending = _lua("ending.lua")
     assert f"local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'" in ending
+    assert f"local SHARDED_UPLOAD, UPLOAD_FIELD = '{SHARDED_UPLOAD.decode()}', '{UPLOAD_FIELD}'" in ending
     assert f"local PENDING_CALLBACK = '{PENDING_CALLBACK}'" in ending
     assert f"local LATE_ERROR = '{LATE_ERROR}'" in ending
     assert f"local FINISH_NAMES = {FINISH_NAMES}" in ending

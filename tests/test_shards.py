@@ -27,7 +27,7 @@ from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import QUEUED, QUEUED_GPU, RUNNING, new_job_id
 from contract.keys import Keys
-from contract.shards import SHARDED_UPLOAD, BulkPlane, ShardUnavailable, shard_of
+from contract.shards import SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable, shard_of
 from tasks.shard_watch import ShardWatch
 from tests.conftest import STACK_INPUT_SIZE, content_box_spec, start_stack, stop_stack
 from tests.support import free_port, jpeg, wait_until
@@ -94,7 +94,9 @@ def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control
     job_id = _stored_job(store, plane, 2)
     shard = plane.clients[2]
     assert shard.get(keys.upload(job_id)) == b"u" * 1000
-    assert redis_client.get(keys.upload(job_id)) == SHARDED_UPLOAD  # the marker the job steps read
+    # the marker the job steps read: a field of the record, no key of its own
+    assert redis_client.hget(keys.job(job_id), UPLOAD_FIELD) == SHARDED_UPLOAD
+    assert not redis_client.exists(keys.upload(job_id))
     assert not plane.clients[0].exists(keys.upload(job_id)) and not redis_client.exists(keys.frames(MODEL))
     verdict, upload, _, _ = handoff.claim_for_preprocessing(job_id, time.time(), "c1")
     assert verdict == "claimed" and bytes(upload) == b"u" * 1000
@@ -103,6 +105,7 @@ def test_a_jobs_upload_and_frame_live_on_its_shard_and_its_record_on_the_control
     assert shard.lrange(keys.frames(MODEL), 0, -1) == [b"F" * 300]
     record = store.load(job_id)
     assert record["status"] == QUEUED_GPU and record["pushed_at"] == 1.0
+    assert redis_client.hget(keys.job(job_id), UPLOAD_FIELD) == b""  # taken by the push's own HSET
     assert not redis_client.exists(keys.upload(job_id))  # the marker went: the upload's bytes wait no more
     assert redis_client.hget(keys.waiting_bytes, MODEL) == b"300"  # the frame's bytes wait instead
     assert redis_client.hget(keys.frames_waiting, MODEL) == b"1"  # counted where the backlog reads it
@@ -376,3 +379,47 @@ def test_over_bulk_shards_a_keys_upload_bytes_leave_its_count_at_the_push_too(re
             redis_client.hset(keys.job(job_id), "status", RUNNING)
         assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
         assert counters.waiting("a")[MODEL] == 0, running
+
+
+def test_the_upload_marker_a_record_field_gives_its_bytes_back_once_however_the_job_goes(redis_client, plane):
+    """The control plane's marker of a sharded upload is a field of the record (contract.shards.UPLOAD_FIELD): the
+    first step to take it gives the upload's bytes back, and no later one does: a job ended before its push (its
+    late push finds it over), a push made again by a redelivered task, a worker's end of a job already pushed, and a
+    record an older API stored with a marker key instead."""
+    keys = Keys("sharded-marker")
+    store = JobIntake(redis_client, keys, 600, bulk=plane)
+    handoff = JobHandOff(redis_client, keys, 600, bulk=plane)
+    pusher = frame_pusher(redis_client, keys, plane)
+
+    def waiting() -> int:
+        return int(redis_client.hget(keys.waiting_bytes, MODEL) or 0)
+
+    # ended before its push (a sweep, a cancellation): the end gives the bytes back; the late push stands not
+    redis_client.hset(keys.waiting_bytes, MODEL, 1000)
+    job_id = _stored_job(store, plane, 1)
+    assert handoff.claim_for_preprocessing(job_id, time.time(), "c1")[0] == "claimed"
+    assert store.expire(job_id, "in a test") and waiting() == 0
+    assert redis_client.hget(keys.job(job_id), UPLOAD_FIELD) == b""
+    assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.JOB_OVER
+    assert waiting() == 0 and not plane.clients[1].llen(keys.frames(MODEL))
+
+    # pushed, then a redelivered task's push (its claim the latest) and the job's end: the bytes traded once
+    redis_client.hset(keys.waiting_bytes, MODEL, 1000)
+    job_id = _stored_job(store, plane, 2)
+    assert handoff.claim_for_preprocessing(job_id, time.time(), "c1")[0] == "claimed"
+    assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
+    assert waiting() == 300  # the upload's 1000 traded for the frame's 300
+    redis_client.hset(keys.job(job_id), "status", "preprocessing")  # as a redelivery's claim would leave it
+    assert pusher.push(job_id, MODEL, b"G" * 300, 64, {"pushed_at": 2.0}, "c1") == frames.JOB_OVER  # marker taken
+    assert waiting() == 300
+    redis_client.hset(keys.job(job_id), "status", QUEUED_GPU)
+    assert store.expire(job_id, "in a test") and waiting() == 300  # the frame's bytes are the batch write's
+
+    # a record an older API stored: its marker a key of its own, which the push still takes
+    redis_client.hset(keys.waiting_bytes, MODEL, 1000)
+    job_id = _stored_job(store, plane, 0)
+    redis_client.hdel(keys.job(job_id), UPLOAD_FIELD)
+    redis_client.set(keys.upload(job_id), SHARDED_UPLOAD, ex=600)
+    assert handoff.claim_for_preprocessing(job_id, time.time(), "c1")[0] == "claimed"
+    assert pusher.push(job_id, MODEL, b"F" * 300, 64, {"pushed_at": 1.0}, "c1") == frames.PUSHED
+    assert waiting() == 300 and not redis_client.exists(keys.upload(job_id))

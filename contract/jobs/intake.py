@@ -1,8 +1,8 @@
 """The API's intake: a new job stored with its upload and its Celery task, or answered from the result cache.
 
-`create` writes the upload first (a claim check; on a bulk shard when there are shards), then the record, the
-deadline entry and the task in one transaction: no job without its task or task without its job. With replicas
-to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.connection); too few in
+`create` writes the upload (a claim check: on a bulk shard when there are shards, the record marking it), the
+record, the deadline entry and the task in one transaction: no job without its task or task without its job. With
+replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.connection); too few in
 time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result cache's lookup and, on a miss,
 the admission (contract.budget's admit), in one round trip; on a hit the job is stored ended already. The API's
 admission (app.admission) decides what to do with either answer.
@@ -27,7 +27,7 @@ from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU, SUCCEEDED, encode_f
 from contract.keys import Keys
 from contract.library import Step, is_missing
 from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
-from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, BulkPlane, ShardUnavailable
+from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,8 @@ class JobIntake(JobEnding):
         reserved: int = 0,
     ) -> None:
         """Store the upload (claim check), then the record and `task` (a queue's list key, the message for it)
-        in one transaction: no job without its task or task without its job.
+        in one transaction: no job without its task or task without its job. Without bulk shards or replicas,
+        an upload up to LARGE_UPLOAD_BYTES is written in that transaction (one round trip in all).
         `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
         record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **encode_fields(fields)}
         upload_key = self.keys.upload(job_id)
@@ -112,9 +113,16 @@ class JobIntake(JobEnding):
             except SHARD_ERRORS as exc:
                 self.bulk.mark_down(shard)
                 raise ShardUnavailable(shard, exc) from exc
-            pipe.set(upload_key, SHARDED_UPLOAD, ex=upload_ttl_s)
-        else:
+            record[UPLOAD_FIELD] = SHARDED_UPLOAD  # the marker, a field of the record (contract.shards)
+        elif self.replication.enabled or len(upload) > LARGE_UPLOAD_BYTES:
             self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
+        else:
+            # The upload first in the job's own transaction, over the uploads' few connections: one round trip
+            # where the upload's SETEX was one of its own, and no job without its upload. The value is still
+            # last in its command, and Redis reads a large value to its end and no further (what follows comes
+            # in the next read), so it keeps the buffer as the value here too (see _write_upload).
+            pipe = self.uploads.pipeline(transaction=True)
+            pipe.execute_command("SETEX", upload_key, upload_ttl_s, upload)
         unused = reserved - len(upload)
         if reserved and unused > 0 and fields.get("model"):  # a multipart body's own bytes around the image
             pipe.hincrby(self.keys.waiting_bytes, str(fields["model"]), -unused)
@@ -128,12 +136,13 @@ class JobIntake(JobEnding):
             pipe.lpush(*task)
         try:
             if self.replication.enabled:
+                written = self.keys.job(job_id) if self.bulk.sharded else upload_key  # the upload, where it is
                 # WAIT after the transaction, on its connection: the upload, written before it, is acknowledged
                 # with it (a replica's offset covers everything the primary wrote before). The transaction also
                 # looks for the upload: written to a primary that a failover replaced since, it is not there.
                 replies, acknowledged, wanted = self.replication.wait(
                     self.redis,
-                    [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", upload_key), ("EXEC",)],
+                    [("MULTI",), *(args for args, _ in pipe.command_stack), ("EXISTS", written), ("EXEC",)],
                 )
                 if not replies[-1][-1]:  # the upload went to a server that is no longer the primary: so do all
                     self.uploads.connection_pool.disconnect(inuse_connections=False)  # the uploads' idle connections

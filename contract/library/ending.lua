@@ -11,6 +11,17 @@ local SUCCEEDED, EXPIRED = 'succeeded', 'expired'
 -- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
 -- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
 local PUSHED = {[QUEUED_GPU] = true, [RUNNING] = true}
+-- Over bulk shards the upload lies on a shard and its marker is a field of the record (contract.shards'
+-- SHARDED_UPLOAD in UPLOAD_FIELD), cleared to '' by the HSET of the step that takes it; a record an older API
+-- stored has a marker key instead (Keys.upload), as a record without shards has its upload there. take_upload: 1
+-- when this step takes the upload (its bytes to give back), 0 when it was taken before or is gone; `marker` is
+-- the field's value as the step read it.
+local SHARDED_UPLOAD, UPLOAD_FIELD = '@shard', 'upload'
+local function take_upload(marker, upload)
+  if marker == SHARDED_UPLOAD then return 1 end
+  if marker == '' then return 0 end
+  return redis.call('DEL', upload)
+end
 
 -- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
 -- its result. Returns the fields to write and the status and result they end the job with.
@@ -46,7 +57,7 @@ end
 
 -- What of a record ending it reads, in one HMGET (not one read a field: every command inside a step is one more
 -- for Redis's only thread, per job).
-local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url'}
+local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url', UPLOAD_FIELD}
 
 -- Ends each live job whose hash is in keys[first_key..], with its arguments from args[at..]: per job its id, the
 -- count of field and value arguments, the fields and values (JobEnding.finish_arguments). A job with a
@@ -67,12 +78,16 @@ local function finish_jobs(keys, args, names, first_key, at)
         fields[#fields + 1] = PENDING_CALLBACK
         called[#called + 1] = job_id
       end
+      if was[7] == SHARDED_UPLOAD and not PUSHED[status] then   -- its marker goes in the same HSET
+        fields[#fields + 1] = UPLOAD_FIELD
+        fields[#fields + 1] = ''
+      end
       redis.call('HSET', key, unpack(fields))
       -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
       if not was[2] then redis.call('EXPIRE', key, names.ttl) end
       if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished, job_id} end
       -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
-      if not PUSHED[status] and redis.call('DEL', key .. UPLOAD_SUFFIX) == 1 then
+      if not PUSHED[status] and take_upload(was[7], key .. UPLOAD_SUFFIX) == 1 then
         local model, bytes = was[3] or '', tonumber(was[4]) or 0
         if bytes > 0 then released[model] = (released[model] or 0) + bytes end
         -- its API key's share of the budgets (contract.budget), read only here: a job whose frame was pushed (a

@@ -1,7 +1,7 @@
 
 -- The push (contract.frame_push; over bulk shards, contract.frame_shards): what it checks and does, in the same
--- commands either way. live_job: the job's status, model, upload's bytes, claim and API key (its owner), in one
--- HMGET; a job gone or ended loses its upload (its bytes given back) and nil says the frame may not stand.
+-- commands either way. live_job: the job's status, model, upload's bytes, claim, API key (its owner) and upload
+-- marker, in one HMGET; a job gone or ended loses its upload (its bytes given back) and nil says the frame may not stand.
 -- release_upload: the upload goes, its bytes given back (the model's and its key's). trade_upload_for_frame, once
 -- the step's DEL took the upload (a DEL that finds none says the job is not this attempt's to push: no EXISTS
 -- first): the frame's bytes wait in Redis instead of the upload's, until the GPU worker's batch write gives them
@@ -18,18 +18,20 @@ local function count_key_frame(counts, owner)
   end
 end
 
-local function release_upload(upload, waiting, model, upload_bytes, owner)
-  if redis.call('DEL', upload) == 1 then release_waiting(waiting, model, upload_bytes, owner) end
+local function release_upload(marker, upload, waiting, model, upload_bytes, owner)
+  if take_upload(marker, upload) == 1 then release_waiting(waiting, model, upload_bytes, owner) end
 end
 
+-- ... and the upload's marker (ending.lua's take_upload), the last value returned.
 local function live_job(job, upload, waiting)
-  local was = redis.call('HMGET', job, 'status', 'model', 'bytes', 'claim', 'owner')
-  local status, model, upload_bytes, owner = was[1], was[2], was[3], was[5]
+  local was = redis.call('HMGET', job, 'status', 'model', 'bytes', 'claim', 'owner', UPLOAD_FIELD)
+  local status, model, upload_bytes, owner, marker = was[1], was[2], was[3], was[5], was[6]
   if not status or TERMINAL[status] then
-    release_upload(upload, waiting, model, upload_bytes, owner)
+    release_upload(marker, upload, waiting, model, upload_bytes, owner)
+    if status and marker == SHARDED_UPLOAD then redis.call('HSET', job, UPLOAD_FIELD, '') end
     return nil
   end
-  return status, model, upload_bytes, was[4], owner
+  return status, model, upload_bytes, was[4], owner, marker
 end
 
 local function trade_upload_for_frame(waiting, model, upload_bytes, frame_bytes, owner)
@@ -77,21 +79,22 @@ end)
 -- may stand, as keep_pushed_frame's checks, and a job already `running` with this claim is the frame's own (a GPU
 -- worker took it before this step ran: the stamps are written, the status and the frame's bytes are left alone).
 -- The frame is counted among its model's frames on the shards (Keys.frames_waiting) and among its key's. keys[1]
--- the job hash, keys[2] the upload's marker, keys[3] the waiting bytes, keys[4] the frames waiting, keys[5] the
--- key's frames ('': not counted); args[1] the claim, args[2] the frame's length, args[3..] field, value, ...
+-- the job hash, keys[2] the upload's marker key (read only for a record an older API stored without the marker
+-- field), keys[3] the waiting bytes, keys[4] the frames waiting, keys[5] the key's frames ('': not counted);
+-- args[1] the claim, args[2] the frame's length, args[3..] field, value, ...
 -- Returns PUSHED or JOB_OVER (the caller takes the frame back).
 redis.register_function('mark_pushed', function(keys, args)
-  local status, model, upload_bytes, claim, owner = live_job(keys[1], keys[2], keys[3])
+  local status, model, upload_bytes, claim, owner, marker = live_job(keys[1], keys[2], keys[3])
   if not status then return JOB_OVER end
   if (claim and claim ~= args[1]) or (status ~= PREPROCESSING and status ~= RUNNING) then return JOB_OVER end
   if status == RUNNING then   -- its frame is in a batch already: the stamps alone
-    redis.call('HSET', keys[1], unpack(args, 3))
-    release_upload(keys[2], keys[3], model, upload_bytes, owner)
+    redis.call('HSET', keys[1], UPLOAD_FIELD, '', unpack(args, 3))
+    release_upload(marker, keys[2], keys[3], model, upload_bytes, owner)
     count_key_frame(keys[5], owner)
     return PUSHED
   end
-  if redis.call('DEL', keys[2]) == 0 then return JOB_OVER end
-  redis.call('HSET', keys[1], 'status', QUEUED_GPU, unpack(args, 3))
+  if take_upload(marker, keys[2]) == 0 then return JOB_OVER end
+  redis.call('HSET', keys[1], 'status', QUEUED_GPU, UPLOAD_FIELD, '', unpack(args, 3))
   if model then redis.call('HINCRBY', keys[4], model, 1) end
   trade_upload_for_frame(keys[3], model, upload_bytes, tonumber(args[2]), owner)
   count_key_frame(keys[5], owner)
