@@ -122,7 +122,7 @@ class JobIntake(JobEnding):
             # last in its command, and Redis reads a large value to its end and no further (what follows comes
             # in the next read), so it keeps the buffer as the value here too (see _write_upload).
             pipe = self.uploads.pipeline(transaction=True)
-            pipe.execute_command("SETEX", upload_key, upload_ttl_s, upload)
+            pipe.execute_command("SETEX", upload_key, upload_ttl_s, upload)  # type: ignore[no-untyped-call]
         unused = reserved - len(upload)
         if reserved and unused > 0 and fields.get("model"):  # a multipart body's own bytes around the image
             pipe.hincrby(self.keys.waiting_bytes, str(fields["model"]), -unused)
