@@ -102,7 +102,6 @@ class Finisher:
         self.recent = meters.worker_recent
         self.retry = link.retry
         self.model_recent = meters.recent
-        self.host_counters = link.host_counters  # written with each batch: the worker's, over all its lanes
         self.model_labels = (spec.name, spec.version)
         # Acked by the batch write itself, or (bulk shards) by the source once the write is done.
         self.acked_key = link.keys.processing(link.worker_id, spec.key) if source.acked_by_batch_write else ""
@@ -259,12 +258,8 @@ class Finisher:
             log.info("%d result-cache entries dropped: the cache Redis is away", len(entries))
 
     def _counters(self, taken: int) -> dict[str, float]:
-        """Running totals including the batch being written, and the host time by stage."""
-        return {
-            "device_seconds_total": round(self.busy.total_s, 6),
-            "batches_total": self.recent.batches_total + 1,
-            "frames_total": self.recent.frames_total + taken,
-            model_frames_total(self.spec.key): self.model_recent.frames_total + taken,
-            "updated_at": service_now(),
-            **self.host_counters(),
-        }
+        """The model's frames answered, including the batch being written: admission's drain rate reads it
+        (app.drain) at up to a reading a second, which a total a heartbeat old (every third of its TTL) would
+        show as steps. The worker's other counters are its heartbeat's (gpu_worker.liveness: worker_counters),
+        not arguments of every batch write."""
+        return {model_frames_total(self.spec.key): self.model_recent.frames_total + taken}

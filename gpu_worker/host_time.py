@@ -11,7 +11,9 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
+from contract.clock import now as service_now
 from contract.timebill import HOST_STAGES, host_counter_fields
+from gpu_worker.stats import BusyMeter, RecentStats
 
 
 class HostTime:
@@ -51,6 +53,19 @@ class _Timer:
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
         self.clock.add(self.stage, time.perf_counter() - self.wall, time.thread_time() - self.cpu)
+
+
+def worker_counters(busy: BusyMeter, recent: RecentStats, host_times: list[HostTime]) -> dict[str, float]:
+    """The worker's counters hash (Keys.gpu_counters) as its heartbeat writes it, in the step that finds its epoch
+    still its own (a fenced worker writes none): running totals and the host time by stage. (Each model's frames
+    answered are the batch write's: gpu_worker.finish.)"""
+    return {
+        "device_seconds_total": round(busy.total_s, 6),
+        "batches_total": recent.batches_total,
+        "frames_total": recent.frames_total,
+        "updated_at": service_now(),
+        **combined_counters(host_times),
+    }
 
 
 def combined_counters(host_times: list[HostTime]) -> dict[str, float]:

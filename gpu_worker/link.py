@@ -28,7 +28,6 @@ class WorkerLink:
     retry: Callable[[Callable[[], Any]], Any]  # run an action until Redis answers (or the worker stops)
     epoch: Callable[[], str]  # the worker's life now: a batch is written only in its own
     next_seq: Callable[[], int]  # batch numbers, shared by every model it serves
-    host_counters: Callable[[], dict[str, float]]  # host time by stage over all its lanes
 
 
 @dataclass(frozen=True)

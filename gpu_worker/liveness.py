@@ -64,7 +64,9 @@ class Liveness:
         busy_fraction: Callable[[], float],
         on_presumed_dead: Callable[[], None] = lambda: None,
         bulk: BulkPlane | None = None,
+        counters: Callable[[], dict[str, float]] = dict,
     ) -> None:
+        """`counters`: the worker's counters hash as each beat writes it (gpu_worker.host_time.worker_counters)."""
         self.ttl_s = settings.gpu_worker.heartbeat_ttl_s
         # Every model configured, not only those this worker serves: a dead worker (or this one's previous
         # life) may have served others.
@@ -81,6 +83,7 @@ class Liveness:
         self.last_progress = last_progress
         self.busy_fraction = busy_fraction  # the GPU busy gauge is set here, off the batches' path
         self.on_presumed_dead = on_presumed_dead
+        self.counters = counters
         self.epoch = ""
         self.presumed_dead = False
         self.confirmed_at = time.monotonic()  # the last time a beat found this life's epoch in Redis
@@ -188,15 +191,22 @@ class Liveness:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
         CLOCK.sync_if_due()
         asked_at = time.monotonic()
+        counters = [value for pair in self.counters().items() for value in pair]
         alive = _BEAT(
             self.redis,
-            [self.keys.gpu_epoch(self.worker_id), self.keys.heartbeat(self.worker_id), self.keys.gpu_workers],
+            [
+                self.keys.gpu_epoch(self.worker_id),
+                self.keys.heartbeat(self.worker_id),
+                self.keys.gpu_workers,
+                self.keys.gpu_counters(self.worker_id),
+            ],
             [
                 self.epoch,
                 "" if stalled else self.describe().to_redis(),
                 int(self.ttl_s * 1000),
                 self.worker_id,
                 service_now(),
+                *counters,
             ],
         )
         if alive:
@@ -260,7 +270,11 @@ class Liveness:
         return requeue_frames_of(self.redis, self.keys, worker_id, model_keys, only_if_dead, count_attempt, self.bulk)
 
     def leave(self) -> None:
+        """A worker that stops: its last counters (a beat's, so none from a fenced worker), then its heartbeat and
+        epoch go."""
         try:
+            if not self.presumed_dead:
+                self.beat()
             self.redis.delete(self.keys.heartbeat(self.worker_id), self.keys.gpu_epoch(self.worker_id))
             self.redis.zrem(self.keys.gpu_workers, self.worker_id)
         except redis.RedisError:

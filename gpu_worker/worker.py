@@ -60,7 +60,7 @@ from gpu_worker.describe import describe_worker
 from gpu_worker.devices import DeviceLost, inference_error
 from gpu_worker.feeder import Feeder, InHand
 from gpu_worker.finish import Finisher, result_documents
-from gpu_worker.host_time import HostTime, combined_counters
+from gpu_worker.host_time import HostTime, worker_counters
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
 from gpu_worker.liveness import Liveness
@@ -117,7 +117,6 @@ class GpuWorker:
             self.until_redis_answers,
             epoch=lambda: self.liveness.epoch,
             next_seq=lambda: next(seq),
-            host_counters=lambda: combined_counters([lane.host_time for lane in self.lanes]),
         )
         self.lanes = [self._lane(index, device) for index, device in enumerate(devices)]
         self.to_device: DeviceQueue[InHand] = DeviceQueue(len(self.lanes))
@@ -132,6 +131,7 @@ class GpuWorker:
             self.busy.fraction,
             on_presumed_dead=self.stopping.set,
             bulk=self.bulk,
+            counters=lambda: worker_counters(self.busy, self.recent, [lane.host_time for lane in self.lanes]),
         )
         self.started_at = service_now()
         self.last_progress = time.monotonic()

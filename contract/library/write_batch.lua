@@ -1,17 +1,18 @@
 
 -- The step `write_batch`, the GPU worker's batch write (gpu_worker.finish.Finisher): ends every job of the batch,
--- acknowledges every frame it took, counts them out of their API keys' and updates the worker's counters,
--- atomically. keys[1] the callback outbox, keys[2] the processing list ('' with bulk shards: the source acks there
--- after this), keys[3] the counters hash, keys[4] the worker's epoch, keys[5] the frames-waiting hash (bulk
--- shards), keys[6] the model's frames by API key (Keys.key_frames; '': not counted), keys[7..] job hashes;
--- args[1..FINISH_NAMES] JobEnding.finish_names(), then, at N = FINISH_NAMES: args[N + 1] frames to acknowledge (the
--- oldest in hand), args[N + 2] their bytes, args[N + 3] their model, args[N + 4] the count of counter field and
--- value arguments, args[N + 5] the epoch the batch was taken in ('': unfenced), args[N + 6] the count of key and
--- frames arguments, then the counters, then the keys' (an API key id, its frames among those acknowledged: counted
--- out, a count at 0 or below deleted), then the jobs' (JobEnding.finish_arguments). Returns the jobs ended, or -1
--- (nothing written) when the epoch is no longer the worker's. With the cache on a Redis of its own (its max_bytes
--- passed as -1: CacheLimits.finish_names), {ended, job id, digest, ...} of the jobs whose entries the worker then
--- stores there (contract.cache_plane): a write after this step's, which may only ever be lost.
+-- acknowledges every frame it took, counts them out of their API keys' and counts the model's frames answered (the
+-- drain rate's: app.drain; the worker's other counters are its heartbeat's, gpu_beat), atomically. keys[1] the callback
+-- outbox, keys[2] the processing list ('' with bulk shards: the source acks there after this), keys[3] the counters
+-- hash, keys[4] the worker's epoch, keys[5] the frames-waiting hash (bulk shards), keys[6] the model's frames by API
+-- key (Keys.key_frames; '': not counted), keys[7..] job hashes; args[1..FINISH_NAMES] JobEnding.finish_names(), then,
+-- at N = FINISH_NAMES: args[N + 1] frames to acknowledge (the oldest in hand), args[N + 2] their bytes, args[N + 3]
+-- their model, args[N + 4] the count of counter field and value arguments, args[N + 5] the epoch the batch was taken in
+-- ('': unfenced), args[N + 6] the count of key and frames arguments, then the counters, then the keys' (an API key id,
+-- its frames among those acknowledged: counted out, a count at 0 or below deleted), then the jobs'
+-- (JobEnding.finish_arguments). Returns the jobs ended, or -1 (nothing written) when the epoch is no longer the
+-- worker's. With the cache on a Redis of its own (its max_bytes passed as -1: CacheLimits.finish_names), {ended, job
+-- id, digest, ...} of the jobs whose entries the worker then stores there (contract.cache_plane): a write after this
+-- step's, which may only ever be lost.
 redis.register_function('write_batch', function(keys, args)
   local N = FINISH_NAMES
   if args[N + 5] ~= '' and redis.call('GET', keys[4]) ~= args[N + 5] then
