@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import redis
 
+from contract import expiry
 from contract.budget import WaitingBytes
 from contract.clock import now as service_now
 from contract.connection import close_idle_connections
@@ -54,7 +55,7 @@ def sweeper(store: JobIntake, waiting: WaitingBytes) -> Callable[[], None]:
             return
         last[0] = now
         try:
-            store.expire_overdue(now)
+            expiry.sweep(store, now)
             waiting.flush_unreleased()
             store.flush_counts()
         except redis.RedisError:

@@ -16,7 +16,8 @@ from collections import defaultdict
 
 import redis
 
-from contract.deadlines import PAST_BY_S, is_past, seconds_left
+from contract import expiry
+from contract.deadlines import PAST_BY_S, seconds_left
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import TERMINAL, JobRecord
 
@@ -123,8 +124,9 @@ def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float,
 
 
 def expire_if_late(store: JobEnding, record: JobRecord) -> JobRecord:
-    """A live job past its deadline is over, even when no worker is left to say so."""
-    if record["status"] in TERMINAL or not is_past(record["deadline_at"]):
+    """A live job past its deadline is over, even when no worker is left to say so (contract.expiry)."""
+    if record["status"] in TERMINAL or not expiry.expire_if_late(
+        store, record["id"], record["deadline_at"], expiry.BEFORE_AN_ANSWER
+    ):
         return record
-    store.expire(record["id"], "before an answer was written")
     return store.load(record["id"]) or record

@@ -1,17 +1,11 @@
-"""What a job's deadline is and how it is judged: one place for every stage that ends a job late.
+"""What a job's deadline is and how it is judged (who may end a job late, and when: contract.expiry).
 
 A deadline is a moment on the service's clock (contract.clock): the API sets `deadline_at` to the request's
 arrival plus its `deadline_ms` (or its model's default), both read on that clock, so every host judges it
 alike whatever its own wall clock says. It is past once the service's clock is beyond it; nothing is judged by
-a host's wall clock. Who ends a job late, and when:
-
-- the API, when a read or a wait finds it live past its deadline (`is_past`, app.waiters);
-- the CPU worker's claim (the library's `deadline_passed` in its `claim`) and its waits for room or memory;
-- the GPU worker's triage, before a frame takes a slot on the device;
-- the step that writes an answer: one written after the deadline ends the job `expired`
-  (`late_as_expired`, contract.jobs.ending);
-- the sweep of the deadline index, every CPU worker's and API process's (`JobEnding.expire_overdue`), through
-  `overdue_scores` (and the lost-delivery search reads the live ones through `live_scores`).
+a host's wall clock. Who ends a job late, and when, is contract.expiry's, which every such place calls (the
+sweep of the deadline index reads the overdue through `overdue_scores`, the lost-delivery search the live ones
+through `live_scores`).
 
 One definition of past, everywhere: the service's clock strictly beyond the deadline (`now > deadline`).
 

@@ -19,11 +19,10 @@ from typing import Any
 
 import redis
 
+from contract import expiry
 from contract.clock import now as service_now
-from contract.deadlines import is_past
 from contract.frame_source import FrameSource
 from contract.frames import Frame, FrameError, read_job_id, unpack_frame
-from contract.jobs.ending import expired_fields
 from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
@@ -189,8 +188,8 @@ class Feeder:
         now = service_now()
         candidates = []
         for frame, popped in frames:
-            if is_past(frame.header.deadline_at, now):
-                refused.append((frame.header.job_id, EXPIRED, expired_fields("before inference")))
+            if expiry.is_late(frame.header.deadline_at, now):
+                refused.append((frame.header.job_id, EXPIRED, expiry.expired_fields(expiry.BEFORE_INFERENCE)))
                 metrics.FRAMES_EXPIRED.labels(*self.model_labels).inc()
             else:
                 candidates.append((frame, popped))

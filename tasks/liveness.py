@@ -11,7 +11,7 @@ Every CPU and callback worker's main process, on its own event loop:
   in its own hash) goes back to the front of its queue at once; one worker at
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
-- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (JobEnding.expire_overdue);
+- every `celery.sweep_s`, ends `expired` the jobs whose deadline has passed (contract.expiry.sweep);
 - every `celery.lost_delivery_s`, on a thread of its own, sends again the tasks that a worker killed as it took
   them from Redis lost (tasks.lost_deliveries: neither the reaper nor kombu knows of them);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
@@ -30,6 +30,7 @@ from typing import Any
 import redis
 from celery import bootsteps
 
+from contract import expiry
 from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.connection import connect
@@ -165,7 +166,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
         def sweep(self) -> None:
             assert self.store is not None
             try:
-                ended = self.store.expire_overdue(service_now())
+                ended = expiry.sweep(self.store, service_now())
             except redis.RedisError:
                 return
             if ended:

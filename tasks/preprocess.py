@@ -13,10 +13,9 @@ import uuid
 
 import redis
 
-from contract import frame_push
+from contract import expiry, frame_push
 from contract.clock import CLOCK
 from contract.clock import now as service_now
-from contract.deadlines import is_past
 from contract.decode_share import DecodeShare
 from contract.frame_shards import frame_pusher
 from contract.frames import FrameHeader, pack_frame
@@ -114,7 +113,7 @@ class Preprocessor:
         if verdict == "over":
             return f"skipped ({record.get('status')})"
         if verdict == "late":
-            self.store.expire(job_id, "before preprocessing")
+            expiry.expire(self.store, job_id, expiry.BEFORE_PREPROCESSING)
             self.store.drop_upload(job_id)
             return "expired"
         if upload is None:
@@ -209,8 +208,7 @@ class Preprocessor:
         """Until the model's list has room (True) or the job's deadline passes (it ends expired: False),
         looking at the list's length rather than sending the frame again each time."""
         while True:
-            if is_past(record["deadline_at"]):
-                self.store.expire(job_id, "waiting for room on the GPU list")
+            if expiry.expire_if_late(self.store, job_id, record["deadline_at"], expiry.WAITING_FOR_ROOM):
                 return False
             time.sleep(self.settings.backpressure.room_poll_s)
             if self.frames.has_room(job_id, model_key, limit):
@@ -218,9 +216,9 @@ class Preprocessor:
 
     def _wait_for_memory(self, job_id: str, record: JobRecord) -> bool:
         """A pause before the push is tried again; False (the job ended expired) once its deadline passed."""
-        if is_past(record["deadline_at"], margin_s=OOM_RETRY_S):  # no time left to try again
+        if expiry.is_late(record["deadline_at"], margin_s=OOM_RETRY_S):  # no time left to try again
             try:
-                self.store.expire(job_id, "while the job store was full")
+                expiry.expire(self.store, job_id, expiry.WHILE_STORE_FULL)
             except redis.RedisError:
                 pass  # the sweeper ends it at its deadline
             return False

@@ -46,3 +46,27 @@ def test_the_deadline_policy_lives_with_the_arithmetic():
     assert refused.value.reason == "at most 5000 ms for model m:1" and str(refused.value).startswith("deadline_ms=5001")
     assert longest_deadline_ms([5000, 60000, 200]) == 60000
     assert not is_past(10.0, now=9.5, margin_s=0.5) and is_past(10.0, now=9.5 + 1e-9, margin_s=0.5)
+
+
+def test_every_place_that_expires_a_job_goes_through_contract_expiry():
+    """Expiry in one home (issue 72, item 5): outside contract.expiry (and the store's own mechanics in
+    contract.jobs.ending) no process judges a deadline, ends a job `expired` or sweeps the deadline index itself:
+    each calls contract.expiry, which says who may, and when."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    direct = re.compile(
+        r"\bstore\.expire\(|(?<!expiry\.)\bexpire_overdue\(|\bis_past\(|(?<!expiry\.)\bexpired_fields\("
+    )
+    found = [
+        f"{path.relative_to(root)}:{number}"
+        for folder in ("app", "tasks", "gpu_worker", "contract")
+        for path in sorted((root / folder).rglob("*.py"))
+        if path.name not in ("expiry.py", "ending.py", "deadlines.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if direct.search(line)
+    ]
+    assert found == [], found
+    assert "local function late_as_expired" not in (LIBRARY / "ending.lua").read_text()
+    assert "local function late_as_expired" in DEADLINE_PASSED_LUA  # the library's side of the rule, in one file

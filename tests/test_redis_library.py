@@ -54,9 +54,10 @@ def test_the_librarys_literals_are_the_contracts():
     assert f"local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'" in ending
     assert f"local SHARDED_UPLOAD, UPLOAD_FIELD = '{SHARDED_UPLOAD.decode()}', '{UPLOAD_FIELD}'" in ending
     assert f"local PENDING_CALLBACK = '{PENDING_CALLBACK}'" in ending
-    assert f"local LATE_ERROR = '{LATE_ERROR}'" in ending
+    deadlines = _lua("deadlines.lua")  # expiry's library side (contract.expiry)
+    assert f"local LATE_ERROR = '{LATE_ERROR}'" in deadlines
     assert f"local FINISH_NAMES = {FINISH_NAMES}" in ending
-    assert f"local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'" in ending
+    assert f"local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'" in deadlines
     assert "local PUSHED = {[QUEUED_GPU] = true, [RUNNING] = true}" in ending
     assert f"local ENTRY_OVERHEAD, STALE_PER_ENTRY = {ENTRY_OVERHEAD}, {STALE_PER_ENTRY}" in _lua("cache.lua")
     assert f"local FRAME_PREFIX_BYTES = {_PREFIX.size}" in _lua("frames.lua") and len(MAGIC) == 4

@@ -18,6 +18,8 @@ import redis
 from contract.cache import CacheLimits
 from contract.clock import now as service_now
 from contract.deadlines import overdue_scores
+from contract.expiry import BEFORE_AN_ANSWER, expired_fields
+from contract.expiry import LATE_ERROR as LATE_ERROR  # re-exported: where the steps' callers have read it
 from contract.jobs.record import EXPIRED, FAILED, TERMINAL, JobStore, flatten_fields
 from contract.keys import Keys
 from contract.library import Step
@@ -26,9 +28,6 @@ from contract.timebill import FINISHED_AT
 
 # A callback queued: what the step that ends a job (or a redelivery) writes as its state.
 PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
-
-# What a job answered after its deadline carries instead of its result (the answer came too late to stand).
-LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 
 FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: steps find theirs after them (ending.lua's too)
 
@@ -102,21 +101,21 @@ class JobEnding(JobStore):
         return self.finish(job_id, FAILED, {"error": {"code": code, "message": message}}, client=client)
 
     def expire(self, job_id: str, where: str) -> bool:
-        """The job's deadline passed `where` (e.g. "before preprocessing"): it ends `expired`."""
+        """The job's deadline passed `where` (e.g. "before preprocessing"): it ends `expired`. Who may call it,
+        and when: contract.expiry, which every caller goes through."""
         return self.finish(job_id, EXPIRED, expired_fields(where))
 
     def expire_overdue(self, now: float, limit: int = 500) -> int:
         """End `expired` the live jobs whose deadline passed (the deadline index says which, oldest first, at
-        most `limit` a call); how many it ended. Every CPU worker calls it every `celery.sweep_s`: a job
-        ends within about that of its deadline whether anyone reads it or not."""
+        most `limit` a call); how many it ended. Every CPU worker calls it every `celery.sweep_s`, every API
+        process on its listener's tick (both through contract.expiry.sweep): a job ends within about that of its
+        deadline whether anyone reads it or not."""
         lowest, highest = overdue_scores(now)
         overdue = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, lowest, highest, 0, limit))
         if not overdue:
             return 0
         ids = [job_id.decode() for job_id in overdue]
-        ended = int(
-            self.finish_many([(job_id, EXPIRED, expired_fields("before an answer was written")) for job_id in ids])
-        )
+        ended = int(self.finish_many([(job_id, EXPIRED, expired_fields(BEFORE_AN_ANSWER)) for job_id in ids]))
         self.redis.zrem(self.keys.deadlines, *ids)  # those that had ended otherwise, or whose record expired
         return ended
 
@@ -137,8 +136,3 @@ class JobEnding(JobStore):
                 [job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S, repr(service_now())],
             )
         )
-
-
-def expired_fields(where: str) -> dict[str, Any]:
-    """What an expired job carries: one error code, `deadline`, and where the deadline passed."""
-    return {"error": {"code": "deadline", "message": f"expired {where}"}}

@@ -1,5 +1,33 @@
+-- Expiry's rule inside a step (contract.expiry says who may expire a job, and when; this is its library side).
+-- The literals are contract's (contract.expiry's LATE_ERROR, jobs.record's statuses: a test holds them together).
+local LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
+local SUCCEEDED, EXPIRED = 'succeeded', 'expired'
 
--- contract.deadlines' judgement inside a step: `now` is an argument the caller read from the service's clock.
+-- contract.expiry's `is_late` inside a step: `now` is an argument the caller read from the service's clock.
 local function deadline_passed(deadline, now)
   return deadline ~= nil and tonumber(now) > deadline
+end
+
+-- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
+-- its result. Returns the fields to write and the status and result they end the job with.
+local function late_as_expired(deadline, fields)
+  local status, finished, result
+  for i = 1, #fields, 2 do
+    if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
+    elseif fields[i] == 'result' then result = i end
+  end
+  local ends_as = status and fields[status + 1]
+  if ends_as ~= SUCCEEDED or not finished or not deadline_passed(deadline, fields[finished + 1]) then
+    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1]
+  end
+  local kept = {}
+  for i = 1, #fields, 2 do
+    if i ~= result then
+      kept[#kept + 1] = fields[i]
+      kept[#kept + 1] = (i == status) and EXPIRED or fields[i + 1]
+    end
+  end
+  kept[#kept + 1] = 'error'
+  kept[#kept + 1] = LATE_ERROR
+  return kept, EXPIRED, nil, nil
 end

@@ -1,13 +1,11 @@
 
 -- How jobs end, whoever ends them (contract.jobs.ending): the first terminal state wins; the upload and the deadline
 -- entry go, the bytes are released (its API key's too), a callback enters the outbox, `job_events` is published,
--- and a job that succeeded in time with a `cache_key` leaves its result in the result cache. The literals below are
--- contract's (keys.UPLOAD_SUFFIX, jobs.ending's PENDING_CALLBACK and LATE_ERROR, jobs.record's statuses: a test
--- holds them together).
+-- and a job that succeeded in time with a `cache_key` leaves its result in the result cache; an answer after the
+-- deadline ends it `expired` (deadlines.lua's late_as_expired). The literals below are contract's
+-- (keys.UPLOAD_SUFFIX, jobs.ending's PENDING_CALLBACK: a test holds them together).
 local UPLOAD_SUFFIX = ':upload'
 local PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
-local LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
-local SUCCEEDED, EXPIRED = 'succeeded', 'expired'
 -- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
 -- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
 local PUSHED = {[QUEUED_GPU] = true, [RUNNING] = true}
@@ -21,30 +19,6 @@ local function take_upload(marker, upload)
   if marker == SHARDED_UPLOAD then return 1 end
   if marker == '' then return 0 end
   return redis.call('DEL', upload)
-end
-
--- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
--- its result. Returns the fields to write and the status and result they end the job with.
-local function late_as_expired(deadline, fields)
-  local status, finished, result
-  for i = 1, #fields, 2 do
-    if fields[i] == 'status' then status = i elseif fields[i] == 'finished_at' then finished = i
-    elseif fields[i] == 'result' then result = i end
-  end
-  local ends_as = status and fields[status + 1]
-  if ends_as ~= SUCCEEDED or not finished or not deadline_passed(deadline, fields[finished + 1]) then
-    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1]
-  end
-  local kept = {}
-  for i = 1, #fields, 2 do
-    if i ~= result then
-      kept[#kept + 1] = fields[i]
-      kept[#kept + 1] = (i == status) and EXPIRED or fields[i + 1]
-    end
-  end
-  kept[#kept + 1] = 'error'
-  kept[#kept + 1] = LATE_ERROR
-  return kept, EXPIRED, nil, nil
 end
 
 -- The names finish_jobs needs, from the FINISH_NAMES arguments at args[i..i + 6] (JobEnding.finish_names): the
