@@ -22,13 +22,19 @@ the first end wins), so an expiry never replaces another end and an end after it
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from contract.deadlines import is_past
 from contract.jobs.record import EXPIRED
 
-if TYPE_CHECKING:
-    from contract.jobs.ending import JobEnding
+
+class EndsJobs(Protocol):
+    """What expiry needs of contract.jobs.ending's JobEnding (which reads this module's literals: no import back)."""
+
+    def finish(self, job_id: str, status: str, fields: dict[str, Any]) -> bool: ...
+
+    def expire_overdue(self, now: float, limit: int = 500) -> int: ...
+
 
 # What a job answered after its deadline carries instead of its result (the answer came too late to stand): the
 # library's `late_as_expired` writes it (contract/library/deadlines.lua holds the same text; a test holds them
@@ -54,13 +60,13 @@ def expired_fields(where: str) -> dict[str, Any]:
     return {"error": {"code": "deadline", "message": f"expired {where}"}}
 
 
-def expire(store: JobEnding, job_id: str, where: str) -> bool:
+def expire(store: EndsJobs, job_id: str, where: str) -> bool:
     """End the job `expired` (its deadline passed `where`) unless something ended it first: whether this did."""
     return store.finish(job_id, EXPIRED, expired_fields(where))
 
 
 def expire_if_late(
-    store: JobEnding, job_id: str, deadline: float, where: str, margin_s: float = 0.0, now: float | None = None
+    store: EndsJobs, job_id: str, deadline: float, where: str, margin_s: float = 0.0, now: float | None = None
 ) -> bool:
     """End the job `expired` if it is late (`is_late`): whether it was late (it is over then, however it ended)."""
     if not is_late(deadline, now, margin_s):
@@ -69,7 +75,7 @@ def expire_if_late(
     return True
 
 
-def sweep(store: JobEnding, now: float, limit: int = 500) -> int:
+def sweep(store: EndsJobs, now: float, limit: int = 500) -> int:
     """End `expired` the live jobs the deadline index holds past their deadline at `now` (oldest first, at most
     `limit`): how many this ended (JobEnding.expire_overdue: one step for them all)."""
     return store.expire_overdue(now, limit)
