@@ -191,24 +191,7 @@ class Liveness:
             log.error("main loop stalled for over %.0f s; withholding heartbeat", stall_limit)
         CLOCK.sync_if_due()
         asked_at = time.monotonic()
-        counters = [value for pair in self.counters().items() for value in pair]
-        alive = _BEAT(
-            self.redis,
-            [
-                self.keys.gpu_epoch(self.worker_id),
-                self.keys.heartbeat(self.worker_id),
-                self.keys.gpu_workers,
-                self.keys.gpu_counters(self.worker_id),
-            ],
-            [
-                self.epoch,
-                "" if stalled else self.describe().to_redis(),
-                int(self.ttl_s * 1000),
-                self.worker_id,
-                service_now(),
-                *counters,
-            ],
-        )
+        alive = self._beat_step("" if stalled else self.describe().to_redis())
         if alive:
             self.confirmed_at = asked_at
         elif not self.presumed_dead:
@@ -219,6 +202,30 @@ class Liveness:
                 self.ttl_s,
             )
             self.on_presumed_dead()
+
+    def _beat_step(self, heartbeat: str) -> bool:
+        """The step `gpu_beat`: the heartbeat's text ('' withholds it) and the counters, if the epoch is still this
+        life's (whether it was)."""
+        counters = [value for pair in self.counters().items() for value in pair]
+        return bool(
+            _BEAT(
+                self.redis,
+                [
+                    self.keys.gpu_epoch(self.worker_id),
+                    self.keys.heartbeat(self.worker_id),
+                    self.keys.gpu_workers,
+                    self.keys.gpu_counters(self.worker_id),
+                ],
+                [
+                    self.epoch,
+                    heartbeat,
+                    int(self.ttl_s * 1000),
+                    self.worker_id,
+                    service_now(),
+                    *counters,
+                ],
+            )
+        )
 
     def requeue_own_frames(self, died: bool = True, model_keys: list[str] | None = None) -> int:
         """Frames this worker took but never answered go back first in line (of every model, or of
@@ -270,11 +277,11 @@ class Liveness:
         return requeue_frames_of(self.redis, self.keys, worker_id, model_keys, only_if_dead, count_attempt, self.bulk)
 
     def leave(self) -> None:
-        """A worker that stops: its last counters (a beat's, so none from a fenced worker), then its heartbeat and
-        epoch go."""
+        """A worker that stops: its last counters (by the beat's step, so none from a fenced worker), then its
+        heartbeat and epoch go."""
         try:
             if not self.presumed_dead:
-                self.beat()
+                self._beat_step("")
             self.redis.delete(self.keys.heartbeat(self.worker_id), self.keys.gpu_epoch(self.worker_id))
             self.redis.zrem(self.keys.gpu_workers, self.worker_id)
         except redis.RedisError:

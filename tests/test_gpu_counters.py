@@ -45,6 +45,14 @@ def test_a_beat_writes_the_workers_counters_and_a_fenced_worker_writes_none(redi
     assert not liveness.presumed_dead
     written = redis_client.hgetall(keys.gpu_counters("w"))
     assert float(written[b"frames_total"]) == 4 and float(written[b"batches_total"]) == 1, written
+    counters["frames_total"] = 6  # a worker that stops writes its last counters as it leaves
+    liveness.leave()
+    assert float(redis_client.hget(keys.gpu_counters("w"), "frames_total")) == 6
+    assert not redis_client.exists(keys.gpu_epoch("w"))
+    liveness.begin_epoch()  # its next life
+    counters["frames_total"] = 4
+    liveness.beat()
+    assert float(redis_client.hget(keys.gpu_counters("w"), "frames_total")) == 4
 
     # A reaper took its frames (a new epoch: gpu_worker.liveness): the next beat, and its leaving, write nothing.
     redis_client.set(keys.gpu_epoch("w"), "another life")
