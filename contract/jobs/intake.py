@@ -117,10 +117,8 @@ class JobIntake(JobEnding):
         elif self.replication.enabled or len(upload) > LARGE_UPLOAD_BYTES:
             self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
         else:
-            # The upload first in the job's own transaction, over the uploads' few connections: one round trip
-            # where the upload's SETEX was one of its own, and no job without its upload. The value is still
-            # last in its command, and Redis reads a large value to its end and no further (what follows comes
-            # in the next read), so it keeps the buffer as the value here too (see _write_upload).
+            # The upload in the job's own transaction, on the uploads' connections: one round trip, not two. Its
+            # value is still last in its command, so Redis keeps the read buffer as the value (_write_upload).
             pipe = self.uploads.pipeline(transaction=True)
             pipe.execute_command("SETEX", upload_key, upload_ttl_s, upload)  # type: ignore[no-untyped-call]
         unused = reserved - len(upload)
