@@ -80,6 +80,9 @@ class BatchCollector(Generic[Item]):
         if self.held_poll_s <= 0:
             raise ValueError("held_poll_s must be > 0")
         self.wait_held = wait_held or sleep
+        # The last batch's host time in its looks (non-blocking pops): what the host spends to take a batch, without
+        # its waits for frames (a first frame, the window, a batch held open behind the device)
+        self.busy_s = 0.0
         self._first_look = max_size  # frames the first look of the next batch asks for (collect)
         self._rate = 0.0  # frames a second, as batches have been finding them (_observe)
         self._last_closed: float | None = None
@@ -98,7 +101,9 @@ class BatchCollector(Generic[Item]):
         otherwise the batch would close at the window's end whatever a look found before it, so there is one look,
         at the end, for what that rate brings in a window. 13 LMOVEs an image at light load before."""
         first_look = self._first_look
+        looked = self.clock()
         items = list(source.pop_available(first_look))
+        self.busy_s = self.clock() - looked
         self._first_look = min(self.max_size, max(1, 2 * len(items)))
         ask = min(self.max_size - len(items), 2 * first_look) if len(items) == first_look else 0  # 0: wait first
         if not items:
@@ -128,8 +133,10 @@ class BatchCollector(Generic[Item]):
                 else:  # what that rate brings until the window's end, since the last look
                     self.sleep(deadline - now)
                     ask = min(self.max_size - len(items), max(1, math.ceil(self._rate * (deadline - looked_at))))
+            looked = self.clock()
             more = source.pop_available(ask)
             now = looked_at = self.clock()
+            self.busy_s += now - looked
             items.extend(more)
             popped_at.extend([now] * len(more))
             if more:

@@ -100,11 +100,12 @@ class Feeder:
         """The next batch of frames as popped, and the worker's epoch when it began to pop them; None when the
         list stayed empty."""
         epoch = self.epoch()
-        started = time.monotonic()
         with self.host_time("pop"):
             batch = self.collector.collect(self.source)
-        # the host's time to take a batch, when it took one whole: a batch gathering waits for frames, not the host
-        self.pop_s = time.monotonic() - started if batch is not None and len(batch) >= self.collector.max_size else 0.0
+        # The host's time to take a batch, when it took one whole: its looks only. Its waits for frames (a batch held
+        # open behind the device fills as the CPU stage pushes) counted too once, and made a slow device's lane look
+        # host-bound: three batches ahead, not one (tests/test_gpu_fairness.py's one-batch-ahead test).
+        self.pop_s = self.collector.busy_s if batch is not None and len(batch) >= self.collector.max_size else 0.0
         return (batch, epoch) if batch is not None else None
 
     def prepare(self, batch: Batch[memoryview], epoch: str = "") -> InHand:

@@ -8,6 +8,7 @@ docs/architecture.md ("Lanes").
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -115,6 +116,7 @@ class Lane:
     stage_s: float = 0.0  # the stage thread's time on a batch (unpack, triage, stage), a moving mean
     staging_since: float = 0.0
     device_s: float = 0.0  # a batch's time on the device, a moving mean
+    on_device_since: float | None = None  # monotonic: when the device took this lane's batch it holds (None: none)
     # Set when this model's batch ahead of the gathering one leaves the device queue or the device.
     ahead_changed: threading.Event = field(default_factory=threading.Event)
 
@@ -140,7 +142,15 @@ class Lane:
         """The device thread took one of its batches (to run, or to drop)."""
         with self.moved:
             self.ahead -= 1
+            self.on_device_since = time.monotonic()
             self.moved.notify_all()
+
+    def off_device(self) -> None:
+        """The device is through with this lane's batch: the next may be popped, and the gathering one close."""
+        with self.moved:
+            self.on_device_since = None
+            self.moved.notify_all()
+        self.ahead_changed.set()
 
     def begin_staging(self) -> None:
         self.staging, self.staging_since = True, time.monotonic()
@@ -158,12 +168,35 @@ class Lane:
     def room_ahead(self) -> int:
         """How many batches may wait for the device: enough that the next is staged by the time the device is free."""
         with self.moved:
+            if not self.device_s:  # not measured yet: one, as a device at least as slow as its host needs
+                return 1
             return 1 if HOST_MARGIN * (self.pop_s + self.stage_s) <= self.device_s else MOST_BATCHES_AHEAD
 
+    def pop_in_s(self, now: float) -> float:
+        """Seconds until the next batch may be popped: inf while room_ahead() batches wait for the device.
+
+        One ahead, it is popped just in time: as late as the host can still take and stage it (and its window close)
+        before the device is through with the batch it holds. A batch popped as soon as its predecessor reached the
+        device sat staged for the whole of that batch, its frames taken before any a light key pushed meanwhile to
+        the head of the list: that key's frame waited for the batch on the device, the staged one, then its own."""
+        with self.moved:
+            room = self.room_ahead()
+            if self.ahead >= room:
+                return math.inf
+            if room > 1 or self.ahead or self.on_device_since is None:
+                return 0.0
+            lead = self.feeder.collector.window_s + HOST_MARGIN * (self.pop_s + self.stage_s)
+            return self.on_device_since + self.device_s - lead - now
+
     def wait_for_room_ahead(self, timeout_s: float) -> bool:
-        """Until fewer than room_ahead() batches wait for the device (True), or the timeout (False)."""
-        with self.moved:  # an RLock: room_ahead takes it again
-            return self.moved.wait_for(lambda: self.ahead < self.room_ahead(), timeout_s)
+        """Until the next batch may be popped (True: see pop_in_s), or the timeout (False)."""
+        deadline = time.monotonic() + timeout_s
+        with self.moved:  # an RLock: pop_in_s takes it again
+            while (wait_s := self.pop_in_s(now := time.monotonic())) > 0:
+                if now >= deadline:
+                    return False
+                self.moved.wait(min(wait_s, deadline - now))
+            return True
 
     def done(self) -> None:
         with self.answered:

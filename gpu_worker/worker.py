@@ -280,7 +280,7 @@ class GpuWorker:
                     continue
             finally:
                 self.to_device.done()
-                lane.ahead_changed.set()  # the lane's gathering batch may close now
+                lane.off_device()  # the lane's next batch may be popped, its gathering one close
             self.to_finish.put((lane, batch))
         self.to_finish.close()
 

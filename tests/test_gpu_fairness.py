@@ -238,10 +238,6 @@ def test_a_gpu_worker_killed_mid_batch_leaves_its_frames_counted_until_they_are_
         stack.start_gpu_worker()
 
 
-@pytest.mark.skip(
-    reason="order-dependent: passes alone, holds four batches when run after this module's other tests (a fresh-"
-    "clone CI, 2026-12-07); open under issue 70 until the lane's host-time measure is understood"
-)
 def test_under_a_flood_the_gpu_worker_holds_one_batch_ahead_of_the_one_on_the_device(fair_stack):
     """Saturated, the worker holds the batch on the device and one staged behind it (2 x 8 frames), enough to keep the
     device busy; it held up to four closed batches before, each only waiting longer for the device, with frames that,
