@@ -274,3 +274,38 @@ def test_under_a_flood_the_gpu_worker_holds_one_batch_ahead_of_the_one_on_the_de
         if worker is not None:
             worker.stop()
         stack.start_gpu_worker()
+
+
+def test_a_light_keys_frame_pushed_while_a_batch_runs_waits_for_that_batch_only(fair_stack):
+    """Saturated, the next batch is popped just before the device is free, not as soon as the one before it reached
+    the device: a light key's frame pushed to the head while a batch runs goes into the next batch, not the one after
+    it (before, the next was already popped and staged, and the light frame waited a whole batch more in its own)."""
+    stack = fair_stack
+    stack.stop_gpu_worker()
+    worker = None
+    try:
+        # In Celery's order (one shared queue): each light job is decoded while the flood keeps the list full
+        flood: list[str] = []
+        light: list[str] = []
+        for part in range(3):
+            flood += [_submit(stack, "flood", 600 + 100 * part + seed) for seed in range(24 if part == 0 else 16)]
+            light.append(_submit(stack, "light", 900 + part))
+        flood += [_submit(stack, "flood", 950 + seed) for seed in range(16)]
+        _queued_gpu(stack, 10)
+        worker = _slow_gpu_worker(stack, "fair-in-time", batch_ms=1000)
+        light_docs = [_ended(stack, "light", job_id) for job_id in light]
+        flood_docs = [_ended(stack, "flood", job_id, within_s=120) for job_id in flood]
+    finally:
+        if worker is not None:
+            worker.stop()
+        stack.start_gpu_worker()
+    assert [doc["status"] for doc in light_docs + flood_docs] == ["succeeded"] * len(light + flood)
+    # A full batch waits for the device a moment (the host's lead), not the whole of the batch ahead (1 s)
+    waits = sorted(doc["timings_ms"]["device_queue"] for doc in flood_docs)
+    assert waits[len(waits) // 2] < 250, waits
+    # Each light frame ran in the batch after the one it was pushed behind: no whole batch in between on the device.
+    # (One may be pushed in the moment its next batch was being popped: it then waits one more.)
+    light_waits = [doc["timings_ms"]["device_queue"] for doc in light_docs]
+    assert sum(wait < 500 for wait in light_waits) >= 2, light_waits
+    assert all(doc["batch"]["size"] == 8 for doc in light_docs)  # the flood was still on when each came
+    assert _counted(stack) == {}
