@@ -192,3 +192,23 @@ def test_the_first_look_asks_for_twice_what_the_last_found():
     batch = batches.collect(source)
     assert source.looks[0] == (1, 1)  # after a look that found none, one frame
     assert len(batch.items) == 8 and batch.closed_at == batch.opened_at
+
+
+class CostlySource(ScriptedSource):
+    """Each look costs the host 2 ms."""
+
+    def pop_available(self, limit: int):
+        self.clock.now += 0.002
+        return super().pop_available(limit)
+
+
+def test_the_host_time_of_a_batch_is_its_looks_not_its_waits_for_frames():
+    """A batch held open behind the device fills as frames come (300 ms here): that wait is not the host's time. Counted
+    as host time it made a slow device's lane look host-bound, and hold three batches ahead (gpu_worker.lanes)."""
+    clock = FakeClock()
+    source = CostlySource(clock, [(100.0 + i * 0.040, f"f{i}") for i in range(8)])
+    held = collector(clock, hold_open=lambda: True, wait_held=clock.sleep, held_poll_s=0.005)
+    batch = held.collect(source)
+    assert len(batch.items) == 8 and batch.closed_at - batch.opened_at > 0.25
+    assert held.busy_s == pytest.approx(0.002 * len(source.looks))
+    assert held.busy_s < 0.5 * (batch.closed_at - batch.opened_at)  # what the whole collect call took, counted before
