@@ -117,6 +117,7 @@ class Lane:
     staging_since: float = 0.0
     device_s: float = 0.0  # a batch's time on the device, a moving mean
     on_device_since: float | None = None  # monotonic: when the device took this lane's batch it holds (None: none)
+    last_full: bool = False  # the last batch popped closed at its size: the list had a batch waiting
     # Set when this model's batch ahead of the gathering one leaves the device queue or the device.
     ahead_changed: threading.Event = field(default_factory=threading.Event)
 
@@ -129,12 +130,13 @@ class Lane:
     def spec(self) -> ModelSpec:
         return self.device.spec
 
-    def taken(self, pop_s: float = 0.0) -> None:
-        """A batch was popped, in `pop_s` of the host's time (0: not measured)."""
+    def taken(self, pop_s: float = 0.0, full: bool = False) -> None:
+        """A batch was popped, in `pop_s` of the host's time (0: not measured); `full`: it closed at its size."""
         with self.answered:
             self.unanswered += 1
         with self.moved:
             self.ahead += 1
+            self.last_full = full
             if pop_s:
                 self.pop_s = _moved(self.pop_s, pop_s)
 
@@ -185,7 +187,11 @@ class Lane:
                 return math.inf
             if room > 1 or self.ahead or self.on_device_since is None:
                 return 0.0
-            lead = self.feeder.collector.window_s + HOST_MARGIN * (self.pop_s + self.stage_s)
+            # A batch that may not fill at once also needs its window to end before the device is free (held open
+            # until then, it would keep gathering for what is left of its window); a saturated list fills it at once,
+            # and each millisecond of lead is a light key's frame that comes too late for the next batch.
+            window_s = 0.0 if self.last_full else self.feeder.collector.window_s
+            lead = window_s + HOST_MARGIN * (self.pop_s + self.stage_s)
             return self.on_device_since + self.device_s - lead - now
 
     def wait_for_room_ahead(self, timeout_s: float) -> bool:

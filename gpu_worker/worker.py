@@ -241,7 +241,7 @@ class GpuWorker:
                     continue
                 self.last_progress = time.monotonic()
                 if batch is not None:
-                    lane.taken(lane.feeder.pop_s)
+                    lane.taken(lane.feeder.pop_s, full=len(batch[0]) >= lane.feeder.collector.max_size)
                     lane.to_stage.put(batch)  # (batch, the epoch it was taken in)
         finally:
             lane.to_stage.close()

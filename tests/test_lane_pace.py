@@ -39,6 +39,9 @@ def test_one_ahead_the_next_batch_is_popped_just_before_the_device_is_free():
     lead = WINDOW_S + 2 * (0.002 + 0.003)
     assert slow.pop_in_s(started) == pytest.approx(1.0 - lead)
     assert slow.pop_in_s(started + 1.0 - lead) == pytest.approx(0.0)
+    slow.taken(pop_s=0.002, full=True)  # the list had a whole batch waiting: saturated, no window to wait out
+    slow.on_device()
+    assert slow.pop_in_s(started) == pytest.approx(1.0 - 2 * (0.002 + 0.003), abs=0.01)
     slow.off_device()  # done early: at once
     assert slow.pop_in_s(started + 0.1) == 0.0
     assert slow.wait_for_room_ahead(0.0)
