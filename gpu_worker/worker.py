@@ -11,10 +11,10 @@ lanes share the device and finish threads. Per model:
 Collecting and staging are one stage of the design split over two threads:
 popping is mostly waiting on Redis and the network, and on its own thread that
 wait overlaps the finish of the batch before. A lane holds at most one batch
-ahead of the one on the device (the collect thread pops once the last one it
-took reached the device): it is staged and ready when the device is free, and
-the frames after it wait in the list, where a light key's go ahead of them
-(lanes.py: more when the host takes longer to stage a batch than the device to run
+ahead of the one on the device, popped just in time (as late as the host can
+still take and stage it before the device is free): the frames after it wait in
+the list, where a light key's go ahead of them (lanes.py: three ahead, at once,
+when the host takes longer to stage a batch than half the device's time to run
 it). A batch keeps gathering (up to its size) while the
 device is busy. The device thread never touches Redis or JSON. Batches are
 written in the order they were taken, which is what lets a write acknowledge
@@ -221,8 +221,8 @@ class GpuWorker:
     def _collect_loop(self, lane: Lane) -> None:
         try:
             while not self.stopping.is_set():
-                # A batch is popped once the one before it reached the device, not before: a batch held ahead
-                # only waits longer, and its frames, left in the list, keep their place behind a light key's.
+                # A batch is popped just before the device is free, not before: a batch held ahead only waits
+                # longer, and its frames, left in the list, keep their place behind a light key's (Lane.pop_in_s).
                 if not lane.wait_for_room_ahead(ROOM_POLL_S):
                     continue
                 try:
