@@ -59,6 +59,7 @@ class Burst:
     stack: Stack
     jobs_each: int
     seed: int
+    until: threading.Event | None = None  # set: the clients go on submitting until it is set
     refusals: list[tuple[float, int]] = field(default_factory=list)  # (when, Retry-After)
     accepted: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -72,7 +73,11 @@ class Burst:
     def client(self, index: int) -> None:
         session, taken, seed = requests.Session(), 0, self.seed + index * 1000
         deadline = time.monotonic() + BURST_DEADLINE_S
-        while taken < self.jobs_each or (not self.refusals and time.monotonic() < deadline):
+        while (
+            taken < self.jobs_each
+            or (not self.refusals and time.monotonic() < deadline)
+            or (self.until is not None and not self.until.is_set())
+        ):
             seed += 1
             response = session.post(
                 self.stack.url("/v1/jobs"),
@@ -132,11 +137,12 @@ def test_the_cli_submits_a_whole_folder_beside_a_burst(burst_stack, tmp_path):
     stack = burst_stack
     for n in range(FOLDER_FILES):
         (tmp_path / f"photo{n:02}.jpg").write_bytes(jpeg(80, 60, seed=5000 + n))
-    burst = Burst(stack, jobs_each=2, seed=9000)
+    cli_done = threading.Event()
+    burst = Burst(stack, jobs_each=2, seed=9000, until=cli_done)
     threads = burst.start()
     try:
-        # The burst fills the backlog as the CLI starts, and the folder alone is more than the backlog takes and
-        # drains while it is sent: its files are refused for certain (the assert on its stderr checks it).
+        # The burst keeps the backlog full until the CLI is done: its files are refused whatever the machine's
+        # speed (a CI machine's slow CLI once found the backlog drained after a short burst had ended).
         result = subprocess.run(
             [sys.executable, "-m", "imgserve_client.cli", "--url", stack.api.url, "submit", str(tmp_path)],
             cwd=REPO_ROOT,
@@ -145,6 +151,7 @@ def test_the_cli_submits_a_whole_folder_beside_a_burst(burst_stack, tmp_path):
             timeout=180,
         )
     finally:
+        cli_done.set()
         for thread in threads:
             thread.join(60)
     assert result.returncode == 0, result.stderr
