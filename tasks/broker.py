@@ -46,7 +46,7 @@ from kombu.transport import virtual
 
 from contract.clock import now as service_now
 from contract.keys import CELERY_HOLDS, Keys
-from contract.library import Step
+from contract.library import Step, is_missing
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
@@ -81,12 +81,21 @@ class HeldQoS(kombu_redis.QoS):
 
     _legacy_restore = False  # True while kombu's restore_visible gives back what its own unacked hash holds
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.taken_held: set[str] = set()  # tags a take recorded as held already: their append writes nothing
+        self.acks: list[str] = []  # acknowledged, their holds still to delete: on the next take, or flush_acks
+
     @property
     def holds_key(self) -> str:
         # Kombu's prefixing client adds its global_keyprefix to the key.
         return CELERY_HOLDS + holder_id()
 
     def append(self, message: Any, delivery_tag: str) -> None:
+        if delivery_tag in self.taken_held:
+            self.taken_held.discard(delivery_tag)
+            virtual.QoS.append(self, message, delivery_tag)
+            return
         delivery = message.delivery_info
         held = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"], service_now()])
         with self.channel.conn_or_acquire() as client:
@@ -94,9 +103,23 @@ class HeldQoS(kombu_redis.QoS):
         virtual.QoS.append(self, message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
-        with self.channel.conn_or_acquire() as client:
-            client.hdel(self.holds_key, delivery_tag)
+        self.acks.append(delivery_tag)
+        if not self.channel.takes_next():  # idle: no take is coming soon to carry it
+            self.flush_acks()
         virtual.QoS.ack(self, delivery_tag)
+
+    def flush_acks(self) -> None:
+        """Delete the holds of what was acknowledged and no take has carried yet. Not known to be deleted (Redis
+        away), they stay to be deleted next time: an HDEL twice is once."""
+        tags, self.acks = self.acks, []
+        if not tags:
+            return
+        try:
+            with self.channel.conn_or_acquire() as client:
+                client.hdel(self.holds_key, *tags)
+        except BaseException:
+            self.acks[:0] = tags
+            raise
 
     def reject(self, delivery_tag: str, requeue: bool = False) -> None:
         if requeue:
@@ -142,9 +165,118 @@ def held_since(client: redis.Redis, holds_key: str) -> dict[str, float]:
     return {tag.decode(): float(json.loads(value)[-1]) for tag, value in held.items()}
 
 
+# The library's `take_and_hold` (contract/library/cpu_hop.lua, where its keys and arguments are named).
+_TAKE = Step("take_and_hold")
+TAKE_AT_MOST = 8  # messages one take may bring, within the consumer's prefetch credit
+
+
 class Channel(kombu_redis.Channel):
     QoS = HeldQoS
     _sync_client: Any = None
+    # Under load the consumer's next poll is a take (one FCALL: pop, hold, and the acks since the last take); a take
+    # that finds every queue empty turns it to kombu's BRPOP until a message comes.
+    _taking = True
+    _sent = ""  # what the poll in flight is: "take" or "BRPOP"
+    _take_acks: list[str] = []  # the acks the take in flight carries
+
+    def takes_next(self) -> bool:
+        """Whether a take is coming soon that will carry an ack: this channel consumes, under load."""
+        return self._taking and bool(self.active_queues) and not self._closing
+
+    def _take_call(self, queues: list[str], most: int) -> tuple[list[str], list[Any]]:
+        prefix = self.global_keyprefix or ""
+        keys = [prefix + self.qos.holds_key]
+        keys += [prefix + self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
+        self._take_acks, self.qos.acks = self.qos.acks, []
+        return keys, [repr(service_now()), most, *self._take_acks]
+
+    def _taken(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+        """(queue, message) of what a take brought; those it held are marked so that their append writes nothing."""
+        prefix, taken = self.global_keyprefix or "", []
+        for position in range(0, len(reply), 3):
+            key, item, held = reply[position : position + 3]
+            message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
+            if held:
+                self.qos.taken_held.add(message["properties"]["delivery_tag"])
+            taken.append((kombu_redis.bytes_to_str(key)[len(prefix) :].rsplit(self.sep, 1)[0], message))
+        return taken
+
+    def _give_back_acks(self) -> None:
+        # A take that failed: its acks are not known to have reached Redis; the next take or flush carries them.
+        self.qos.acks[:0] = self._take_acks
+        self._take_acks = []
+
+    def _brpop_start(self, timeout: Any = None) -> None:
+        if not self._taking:
+            try:
+                self.qos.flush_acks()  # idle: acks do not wait for a take
+            except redis.RedisError:
+                pass  # kept; the BRPOP below meets the same trouble and the consumer reconnects
+            self._sent = "BRPOP"
+            return super()._brpop_start(timeout)
+        queues = self._queue_cycle.consume(len(self.active_queues))
+        if not queues:
+            return None
+        most = min(TAKE_AT_MOST, max(1, self.qos.can_consume_max_estimate() or 1))
+        keys, args = self._take_call(queues, most)
+        self._in_poll = self.client.connection
+        self._brpop_sent_at = kombu_redis.monotonic()
+        self._sent = "take"
+        self.client.connection.send_command("FCALL", _TAKE.name, len(keys), *keys, *args)
+        return None
+
+    def _brpop_read(self, **options: Any) -> bool:
+        if self._sent != "take":
+            delivered = super()._brpop_read(**options)  # raises Empty when BRPOP timed out
+            self._taking = True  # a message came: the next poll takes
+            return bool(delivered)
+        try:
+            try:
+                reply = self.client.parse_response(self.client.connection, "FCALL", **options)
+            except self.connection_errors:
+                self.client.connection.disconnect()  # as kombu's BRPOP: the next poll reconnects
+                self._give_back_acks()
+                raise
+            except redis.ResponseError as error:
+                self._give_back_acks()
+                if not is_missing(error):
+                    raise
+                with self.conn_or_acquire() as client:  # a Redis that came back empty: the library, then again
+                    _TAKE.recover(client)
+                raise kombu_redis.Empty() from None
+        finally:
+            self._in_poll = None
+            self._flush_brpop_reauth()
+        self._take_acks = []
+        if not reply:
+            self._taking = False
+            raise kombu_redis.Empty()
+        for queue, message in self._taken(reply):
+            self._queue_cycle.rotate(queue)
+            self.connection._deliver(message, queue)
+        return True
+
+    def _get(self, queue: str) -> Any:
+        # basic_get: one message, by the same step.
+        with self.conn_or_acquire() as client:
+            keys, args = self._take_call([queue], 1)
+            try:
+                reply = _TAKE(client, keys, args)
+            except redis.RedisError:
+                self._give_back_acks()
+                raise
+        self._take_acks = []
+        if not reply:
+            raise kombu_redis.Empty()
+        return self._taken(reply)[0][1]
+
+    def close(self) -> None:
+        if self._qos is not None and not self._closing:
+            try:
+                self.qos.flush_acks()
+            except redis.RedisError:
+                pass  # the holds stay: given back, and dropped as late tasks, when this worker is found gone
+        super().close()
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if asynchronous:
@@ -227,10 +359,11 @@ def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_ha
     missed the delivery's reply (the worker never got it). Kombu would give them back only after
     visibility_timeout (300 s), past any job's deadline; the reaper gives back only dead workers'. Returns how
     many went back to their queues."""
+    channel.qos.flush_acks()  # what ended here: out of the holds, not taken for lost
     held = held_since(client, keys.celery_holds(me))
     restored = 0
     for tag, delivered_at in held.items():
-        if tag in in_hand or delivered_at > now - UNHELD_GRACE_S:
+        if tag in in_hand or tag in channel.qos.acks or delivered_at > now - UNHELD_GRACE_S:
             continue  # in hand, or delivered a moment ago: its task may not be in hand yet
         channel.qos.restore_held(CELERY_HOLDS + me, tag)  # back on its queue, out of the hash
         restored += 1

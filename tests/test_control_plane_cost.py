@@ -153,15 +153,17 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     assert intake.load(job)["claim"] == "d"
 
 
-def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redis):
-    """The product's transport (tasks.broker) writes a delivered message once, to its worker's holds, and the ack
-    deletes it: kombu's ack emulation spent MULTI ZADD HSET EXEC and MULTI ZREM HDEL EXEC (with the worker's own
-    set, 10 commands a task)."""
+def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet_redis):
+    """The product's transport (tasks.broker) takes a message and records it in its worker's holds in one step (the
+    library's take_and_hold: was RPOP or BRPOP, then HSET), and the ack deletes it: kombu's ack emulation spent MULTI
+    ZADD HSET EXEC and MULTI ZREM HDEL EXEC (with the worker's own set, 10 commands a task). A channel that is not
+    consuming (here) deletes at once; a consuming one lets the next take carry it (tests/test_cpu_hop_take.py)."""
     import kombu
 
     from tasks.broker import TRANSPORT, holder_id
 
     keys = Keys("celery-cost")
+    ensure_library(quiet_redis)
     port = quiet_redis.connection_pool.connection_kwargs["port"]
     with kombu.Connection(
         f"redis://127.0.0.1:{port}/0", transport=TRANSPORT, transport_options={"global_keyprefix": keys.celery_prefix}
@@ -171,7 +173,8 @@ def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redi
         kombu.Producer(channel).publish("a task", exchange=queue.exchange, routing_key="cost-q", declare=[queue])
         taken: list[Any] = []
         held = commands_of(quiet_redis, lambda: taken.append(queue(channel).get(no_ack=False)))
-        assert held == {"rpop": 1, "hset": 1}, held  # a worker's BRPOP, here basic_get's RPOP; then the hold
+        assert held == {"fcall": 1, "rpop": 1, "hset": 1}, held  # one round trip; the pop and hold inside it
+        assert taken[0].payload == "a task"
         assert quiet_redis.hlen(keys.celery_holds(holder_id())) == 1
         acked = commands_of(quiet_redis, taken[0].ack)
         assert acked == {"hdel": 1}, acked

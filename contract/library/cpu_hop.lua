@@ -23,3 +23,38 @@ redis.register_function('resend_task', function(keys, args)
   redis.call('HINCRBY', keys[1], 'resent', 1)
   return 1
 end)
+
+-- What `take_and_hold` records for a message it takes: the message as it lay on its queue, its exchange, its
+-- routing key and when (tasks.broker's held format, the one HeldQoS.restore_held reads back). 0: not a message
+-- kombu can read (no tag): left unheld, for the worker's own append (which cannot read it either) to refuse.
+local function hold_taken(holds, item, now)
+  local ok, message = pcall(cjson.decode, item)
+  if not ok or type(message) ~= 'table' or type(message['properties']) ~= 'table' then return 0 end
+  local tag, delivery = message['properties']['delivery_tag'], message['properties']['delivery_info']
+  if type(tag) ~= 'string' or type(delivery) ~= 'table' then return 0 end
+  local exchange, routing_key = delivery['exchange'] or '', delivery['routing_key'] or ''
+  redis.call('HSET', holds, tag,
+             '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ',' .. now .. ']')
+  return 1
+end
+
+-- The step `take_and_hold` (tasks.broker's Channel, the CPU hop under load): keys[1] the worker's holds, keys[2..]
+-- its queues in the order it takes from them; args[1] now, args[2] the most messages to take, args[3..] the delivery
+-- tags this worker acknowledged since its last take (their holds go: the acks ride on the take). Each message is
+-- taken from the end BRPOP takes from and recorded as held in the same step, so no window lies between the pop and
+-- the hold. Returns {queue key, message, 1 held | 0 not, ...}; empty: every queue was empty (the worker goes back
+-- to BRPOP).
+redis.register_function('take_and_hold', function(keys, args)
+  if #args > 2 then redis.call('HDEL', keys[1], unpack(args, 3)) end
+  local now, most, taken = tostring(tonumber(args[1])), tonumber(args[2]), {}
+  for position = 2, #keys do
+    while #taken < most * 3 do
+      local item = redis.call('RPOP', keys[position])
+      if not item then break end
+      taken[#taken + 1] = keys[position]
+      taken[#taken + 1] = item
+      taken[#taken + 1] = hold_taken(keys[1], item, now)
+    end
+  end
+  return taken
+end)
