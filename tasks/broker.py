@@ -6,19 +6,29 @@ messages it held back on their queues within about a heartbeat (`celery.heartbea
 `visibility_timeout` (300 s). A message may be delivered twice: the claim lets one attempt push a frame
 (contract.jobs.handoff), and a job past `queued` drops a late task.
 
-How, and what each step costs the control plane's Redis (counted by tests/test_control_plane_cost.py):
+How, and what each step costs the control plane's Redis (counted by tests/test_control_plane_cost.py and
+tests/test_cpu_hop_take.py). This table is the one list of every way a message comes back:
 
 | step | who | commands |
 |---|---|---|
 | queued | the API, with the job (contract.jobs.intake) | LPUSH, inside the job's MULTI |
-| taken | kombu's consumer | BRPOP |
-| held | HeldQoS.append: the message and when, under the worker's own name (`Keys.celery_holds`) | HSET |
-| acknowledged | HeldQoS.ack, once the task ended (task_acks_late) | HDEL |
+| taken and held, under load | Channel's take (the library's `take_and_hold`), each poll | FCALL: RPOP, HSET |
+| acked, under load | HeldQoS.ack, the task ended (task_acks_late): on the next take | HDEL, in that FCALL |
+| taken, idle (a take found every queue empty) | kombu's consumer, until a message comes | BRPOP |
+| held, idle | HeldQoS.append: the message and when, under the worker's own name (`Keys.celery_holds`) | HSET |
+| acked, idle; or at a beat or a close | HeldQoS.flush_acks | HDEL |
 | a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH HGET MULTI HDEL LPUSH EXEC |
 | a clean stop | kombu's restore at shutdown, through the holds | the same with RPUSH, a message |
-| a worker found dead | reap_dead_workers, at every live worker's beat (tasks.liveness) | HKEYS, then as above |
-| a lost ack or delivery (failover) | restore_unheld: held here, in no task's hands for 10 s | the same |
-| lost between BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere, twice | RPUSH, in a script |
+| a worker found dead | given_back.reap_dead_workers, each live worker's beat (tasks.liveness) | HKEYS, as above |
+| a lost ack or delivery (failover) | given_back.restore_unheld: held here, in no task's hands 10 s | the same |
+| lost between an idle BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere twice | RPUSH |
+
+Under load an image costs the hop one round trip (the take, carrying the ack of the task before it) where BRPOP,
+HSET and HDEL were three; a take brings up to the consumer's prefetch credit (TAKE_AT_MOST). An ack waits for the
+next take only while one is coming: an idle worker deletes at once, and the beat and a close flush what waits (a
+worker killed with an ack waiting has that message sent again by the reaper: the claim drops it as a late task).
+A take pops and holds in one step, so no message is in a worker's hands unrecorded; only an idle worker's BRPOP
+still has that window. Every take names one list a queue (`priority_steps: [0]`: no task is sent a priority).
 
 Kombu's own ack emulation (its `unacked` hash and index: MULTI ZADD HSET EXEC, then MULTI ZREM HDEL EXEC, and this
 module's set of each worker's tags beside them: 10 commands a task) is gone (issue 58); a message a worker of the
@@ -33,11 +43,10 @@ its connection) is left as kombu makes it.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import uuid
-from typing import Any, cast
+from typing import Any
 
 import kombu.transport as kombu_transport
 import redis
@@ -45,7 +54,7 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from contract.clock import now as service_now
-from contract.keys import CELERY_HOLDS, Keys
+from contract.keys import CELERY_HOLDS
 from contract.library import Step, is_missing
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
@@ -159,12 +168,6 @@ class HeldQoS(kombu_redis.QoS):
             self._legacy_restore = False
 
 
-def held_since(client: redis.Redis, holds_key: str) -> dict[str, float]:
-    """{delivery tag: when it was delivered} of what one worker holds (`holds_key` with Celery's key prefix)."""
-    held = cast(dict[bytes, bytes], client.hgetall(holds_key))
-    return {tag.decode(): float(json.loads(value)[-1]) for tag, value in held.items()}
-
-
 # The library's `take_and_hold` (contract/library/cpu_hop.lua, where its keys and arguments are named).
 _TAKE = Step("take_and_hold")
 TAKE_AT_MOST = 8  # messages one take may bring, within the consumer's prefetch credit
@@ -220,7 +223,7 @@ class Channel(kombu_redis.Channel):
         most = min(TAKE_AT_MOST, max(1, self.qos.can_consume_max_estimate() or 1))
         keys, args = self._take_call(queues, most)
         self._in_poll = self.client.connection
-        self._brpop_sent_at = kombu_redis.monotonic()
+        self._brpop_sent_at = kombu_redis.monotonic()  # type: ignore[assignment]  # kombu's own, typed None
         self._sent = "take"
         self.client.connection.send_command("FCALL", _TAKE.name, len(keys), *keys, *args)
         return None
@@ -245,7 +248,7 @@ class Channel(kombu_redis.Channel):
                     _TAKE.recover(client)
                 raise kombu_redis.Empty() from None
         finally:
-            self._in_poll = None
+            self._in_poll = None  # type: ignore[assignment]  # kombu's own, typed bool
             self._flush_brpop_reauth()
         self._take_acks = []
         if not reply:
@@ -256,7 +259,7 @@ class Channel(kombu_redis.Channel):
             self.connection._deliver(message, queue)
         return True
 
-    def _get(self, queue: str) -> Any:
+    def _get(self, queue: str, timeout: Any = None) -> Any:
         # basic_get: one message, by the same step.
         with self.conn_or_acquire() as client:
             keys, args = self._take_call([queue], 1)
@@ -319,55 +322,9 @@ class SentinelTransport(kombu_redis.SentinelTransport):
     Channel = SentinelChannel
 
 
-# --- given back on a death -----------------------------------------------------------------------------------
-
-# The library's `may_reap_cpu_worker` (contract/library/cpu_hop.lua, where its keys and arguments are named).
-_MAY_REAP = Step("may_reap_cpu_worker")
-REAP_LOCK_S = 30
-
-
-def reap_dead_workers(client: redis.Redis, keys: Keys, me: str, restore: Any) -> dict[str, int]:
-    """Give back the messages of every registered worker whose heartbeat lapsed: {worker: messages}.
-    `restore(holds_key, tag)` puts one held message back on its queue (tasks.broker's HeldQoS.restore_held; the
-    key without Celery's prefix, which kombu's client adds)."""
-    reaped: dict[str, int] = {}
-    for raw in cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1)):
-        holder = raw.decode()
-        if holder == me or not _MAY_REAP(
-            client, [keys.cpu_heartbeat(holder), keys.cpu_reaping(holder)], [me, REAP_LOCK_S]
-        ):
-            continue
-        tags = [tag.decode() for tag in cast(list[bytes], client.hkeys(keys.celery_holds(holder)))]
-        for tag in tags:
-            restore(CELERY_HOLDS + holder, tag)
-        pipe = client.pipeline(transaction=True)
-        pipe.delete(keys.celery_holds(holder), keys.cpu_reaping(holder))
-        pipe.zrem(keys.cpu_workers, holder)
-        pipe.execute()
-        reaped[holder] = len(tags)
-    return reaped
-
-
-# A message recorded as this worker's for longer than this, that no task of its holds, is given back: recorded
-# after its delivery, it is in hand within milliseconds.
-UNHELD_GRACE_S = 10.0
-
-
-def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_hand: set[str], now: float) -> int:
-    """Give back the messages recorded as held by this live worker that none of its tasks holds: a failover
-    to a replica that missed their ack (the task ended, its message still 'unacked' on the new primary), or
-    missed the delivery's reply (the worker never got it). Kombu would give them back only after
-    visibility_timeout (300 s), past any job's deadline; the reaper gives back only dead workers'. Returns how
-    many went back to their queues."""
-    channel.qos.flush_acks()  # what ended here: out of the holds, not taken for lost
-    held = held_since(client, keys.celery_holds(me))
-    restored = 0
-    for tag, delivered_at in held.items():
-        if tag in in_hand or tag in channel.qos.acks or delivered_at > now - UNHELD_GRACE_S:
-            continue  # in hand, or delivered a moment ago: its task may not be in hand yet
-        channel.qos.restore_held(CELERY_HOLDS + me, tag)  # back on its queue, out of the hash
-        restored += 1
-    return restored
+def legacy_unacked_key(channel: Any) -> str:
+    """Kombu's unacked hash, where a worker of the release before issue 58 left what it held, with its key prefix."""
+    return str(channel.global_keyprefix or "") + str(channel.unacked_key)
 
 
 def tags_in_hand() -> set[str]:

@@ -37,7 +37,8 @@ from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
-from tasks.broker import holder_id, reap_dead_workers, restore_unheld, tags_in_hand
+from tasks.broker import holder_id, legacy_unacked_key, tags_in_hand
+from tasks.given_back import reap_dead_workers, restore_unheld
 from tasks.lost_deliveries import LostDeliveries
 from tasks.shard_watch import ShardWatch
 
@@ -78,8 +79,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
             ]
             self.stopping = threading.Event()
             # Off the event loop (which delivers the tasks): a round reads every live job's status, and queues.
-            # Kombu's keys carry its global_keyprefix (as in restore_unheld).
-            unacked = keys.celery_prefix + channel.unacked_key
+            unacked = legacy_unacked_key(channel)
             threading.Thread(
                 target=self.find_lost, args=(unacked, self.stopping), name="lost-deliveries", daemon=True
             ).start()

@@ -17,7 +17,8 @@ import redis
 from bench.processes import RedisServer
 from contract.keys import Keys
 from contract.library import ensure_library
-from tasks.broker import TRANSPORT, holder_id, restore_unheld
+from tasks.broker import TRANSPORT, holder_id
+from tasks.given_back import restore_unheld
 
 QUEUE = "take-q"
 

@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from contract.keys import CELERY_HOLDS, Keys
-from tasks.broker import TRANSPORT, holder_id, reap_dead_workers
+from tasks.broker import TRANSPORT, holder_id
+from tasks.given_back import reap_dead_workers
 
 QUEUE = "held-q"
 
