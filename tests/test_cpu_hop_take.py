@@ -138,3 +138,26 @@ def test_a_closing_channel_deletes_the_holds_of_acks_no_take_carried(worker):
     messages[0].channel.close()
     assert client.hlen(keys.celery_holds(holder_id())) == 0
     assert client.llen(keys.celery_queue(QUEUE)) == 0  # acknowledged: not given back as unacked
+
+
+@pytest.mark.parametrize("separators", [(", ", ": "), (",", ":")], ids=["as-kombu-writes", "compact"])
+def test_the_take_records_the_tag_exchange_and_routing_key_however_the_json_is_spaced(worker, separators):
+    """The take reads a message's delivery fields as text (kombu's spacing) and decodes one written otherwise: either
+    way its hold is what restore_held reads back, and the message goes back to its own queue."""
+    connection, client, keys, queue = worker
+    channel = connection.channel()
+    queue(channel).declare()
+    message = {
+        "body": "IltdIg==",
+        "content-type": "application/json",
+        "headers": {"note": 'a "delivery_tag": "not-this" in a header'},
+        "properties": {"delivery_info": {"exchange": QUEUE, "routing_key": QUEUE}, "delivery_tag": "the-tag"},
+    }
+    client.lpush(keys.celery_queue(QUEUE), json.dumps(message, separators=separators))
+    taken = queue(channel).get(no_ack=False)
+    assert taken.delivery_tag == "the-tag"
+    held = json.loads(client.hget(keys.celery_holds(holder_id()), "the-tag"))
+    assert held[:3] == [message, QUEUE, QUEUE]
+    taken.reject(requeue=True)
+    assert client.hlen(keys.celery_holds(holder_id())) == 0
+    assert json.loads(client.lindex(keys.celery_queue(QUEUE), 0))["properties"]["delivery_tag"] == "the-tag"

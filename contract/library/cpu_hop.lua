@@ -24,17 +24,47 @@ redis.register_function('resend_task', function(keys, args)
   return 1
 end)
 
+-- The JSON string that follows the key `name` in a message from `from` on, its quotes included, and where it ends;
+-- nil when it is not there as `"name": "..."` with no escape inside. Read as text, not decoded: decoding a whole
+-- message (cjson) cost the take more than the round trips it saves (docs/benchmarks/2026-12-07-cpu-hop.md).
+local function json_string_after(item, name, from)
+  local _, last = string.find(item, '"' .. name .. '": "', from, true)
+  if not last then return nil end
+  local close = string.find(item, '"', last + 1, true)
+  if not close then return nil end
+  local value = string.sub(item, last, close)
+  if string.find(value, '\\', 1, true) then return nil end
+  return value, close
+end
+
+-- A message's delivery tag, exchange and routing key (the last two as JSON strings), by their keys' text (kombu's and
+-- contract.task_messages' JSON: `"key": "value"`), else by decoding it; nil when it has none.
+local function delivery_of(item)
+  local tag = json_string_after(item, 'delivery_tag', 1)
+  local _, info = string.find(item, '"delivery_info": {', 1, true)
+  if tag and info then
+    local info_end = string.find(item, '}', info, true)
+    local exchange, exchange_end = json_string_after(item, 'exchange', info)
+    local routing_key, routing_end = json_string_after(item, 'routing_key', info)
+    if exchange and routing_key and exchange_end < info_end and routing_end < info_end then
+      return string.sub(tag, 2, -2), exchange, routing_key
+    end
+  end
+  local ok, message = pcall(cjson.decode, item)
+  if not ok or type(message) ~= 'table' or type(message['properties']) ~= 'table' then return nil end
+  local delivery = message['properties']['delivery_info']
+  if type(message['properties']['delivery_tag']) ~= 'string' or type(delivery) ~= 'table' then return nil end
+  return message['properties']['delivery_tag'], cjson.encode(delivery['exchange'] or ''),
+         cjson.encode(delivery['routing_key'] or '')
+end
+
 -- What `take_and_hold` records for a message it takes: the message as it lay on its queue, its exchange, its
 -- routing key and when (tasks.broker's held format, the one HeldQoS.restore_held reads back). 0: not a message
 -- kombu can read (no tag): left unheld, for the worker's own append (which cannot read it either) to refuse.
 local function hold_taken(holds, item, now)
-  local ok, message = pcall(cjson.decode, item)
-  if not ok or type(message) ~= 'table' or type(message['properties']) ~= 'table' then return 0 end
-  local tag, delivery = message['properties']['delivery_tag'], message['properties']['delivery_info']
-  if type(tag) ~= 'string' or type(delivery) ~= 'table' then return 0 end
-  local exchange, routing_key = delivery['exchange'] or '', delivery['routing_key'] or ''
-  redis.call('HSET', holds, tag,
-             '[' .. item .. ',' .. cjson.encode(exchange) .. ',' .. cjson.encode(routing_key) .. ',' .. now .. ']')
+  local tag, exchange, routing_key = delivery_of(item)
+  if not tag then return 0 end
+  redis.call('HSET', holds, tag, '[' .. item .. ',' .. exchange .. ',' .. routing_key .. ',' .. now .. ']')
   return 1
 end
 
