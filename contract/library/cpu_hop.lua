@@ -40,8 +40,11 @@ end
 -- A message's delivery tag, exchange and routing key (the last two as JSON strings), by their keys' text (kombu's and
 -- contract.task_messages' JSON: `"key": "value"`), else by decoding it; nil when it has none.
 local function delivery_of(item)
-  local tag = json_string_after(item, 'delivery_tag', 1)
-  local _, info = string.find(item, '"delivery_info": {', 1, true)
+  -- A message's properties come last (kombu's and the API's): looked for in its tail first, then in the whole.
+  local from = #item > 640 and #item - 512 or 1
+  local tag = json_string_after(item, 'delivery_tag', from) or json_string_after(item, 'delivery_tag', 1)
+  local _, info = string.find(item, '"delivery_info": {', from, true)
+  if not info and from > 1 then _, info = string.find(item, '"delivery_info": {', 1, true) end
   if tag and info then
     local info_end = string.find(item, '}', info, true)
     local exchange, exchange_end = json_string_after(item, 'exchange', info)
