@@ -12,33 +12,31 @@ tests/test_cpu_hop_take.py). This table is the one list of every way a message c
 | step | who | commands |
 |---|---|---|
 | queued | the API, with the job (contract.jobs.intake) | LPUSH, inside the job's MULTI |
-| taken and held, under load | Channel's take (the library's `take_and_hold`), each poll | FCALL: RPOP, HSET |
-| acked, under load | HeldQoS.ack, the task ended (task_acks_late): on the next take | HDEL, in that FCALL |
+| taken and held, under load | Channel's take, each poll: into the worker's list (`Keys.celery_held`) | LMOVE |
+| acked, under load | HeldQoS.ack, the task ended (task_acks_late): in the next take's pipeline | LREM |
 | taken, idle (a take found every queue empty) | kombu's consumer, until a message comes | BRPOP |
-| held, idle | HeldQoS.append: the message and when, under the worker's own name (`Keys.celery_holds`) | HSET |
-| acked, idle; or at a beat or a close | HeldQoS.flush_acks | HDEL |
-| a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH HGET MULTI HDEL LPUSH EXEC |
-| a clean stop | kombu's restore at shutdown, through the holds | the same with RPUSH, a message |
-| a worker found dead | given_back.reap_dead_workers, each live worker's beat (tasks.liveness) | HKEYS, as above |
-| a lost ack or delivery (failover) | given_back.restore_unheld: held here, in no task's hands 10 s | the same |
+| held, idle | HeldQoS.append: the message and when, in the worker's hash (`Keys.celery_holds`) | HSET |
+| acked, idle; or at a beat or a close | HeldQoS.flush_acks | LREM or HDEL |
+| a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH LPOS MULTI LREM LPUSH EXEC |
+| a clean stop | kombu's restore at shutdown; a take's spare (beyond the credit) at close | the same, RPUSH |
+| a worker found dead | given_back.reap_dead_workers, each live worker's beat (tasks.liveness) | LRANGE HKEYS, above |
+| a lost ack or delivery (failover) | given_back.restore_unheld: held here, seen in no task's hands 10 s | the same |
 | lost between an idle BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere twice | RPUSH |
 
-Under load an image costs the hop one round trip (the take, carrying the ack of the task before it) where BRPOP,
-HSET and HDEL were three; a take brings up to the consumer's prefetch credit (TAKE_AT_MOST). An ack waits for the
-next take only while one is coming: an idle worker deletes at once, and the beat and a close flush what waits (a
-worker killed with an ack waiting has that message sent again by the reaper: the claim drops it as a late task).
-A take pops and holds in one step, so no message is in a worker's hands unrecorded; only an idle worker's BRPOP
-still has that window. Every take names one list a queue (`priority_steps: [0]`: no task is sent a priority).
+Under load an image costs the hop one round trip (the take: LREMs of the acks since the last take, then an LMOVE a
+queue, one pipeline) where BRPOP, HSET and HDEL were three. LMOVE takes and holds in one atomic step: no message is
+in a worker's hands unrecorded (only an idle worker's BRPOP still has that window, tasks.lost_deliveries' case). A
+take moves up to the consumer's prefetch credit (TAKE_AT_MOST), and one from each queue at least; what it brings
+beyond the credit is held already and waits for the next poll. A held list keeps no delivery time: a dead worker is
+known by its heartbeat, not by its messages' age, and restore_unheld times what it finds by its own first sighting.
+An ack waits for the next take only while one is coming: an idle worker deletes at once, and the beat and a close
+flush what waits (a worker killed with an ack waiting has that message sent again: the claim drops it as a late
+task). Every take names one list a queue (`priority_steps: [0]`: no task is sent a priority). A message a worker
+of the release before issue 58 held in kombu's `unacked` hash comes back through kombu's restore.
 
-Kombu's own ack emulation (its `unacked` hash and index: MULTI ZADD HSET EXEC, then MULTI ZREM HDEL EXEC, and this
-module's set of each worker's tags beside them: 10 commands a task) is gone (issue 58); a message a worker of the
-release before this one held there still comes back through kombu's restore after the visibility timeout.
-
-Kombu builds a new redis-py client for every synchronous operation (each publish, each ack, each event flush): a
-client's constructor copies ~170 response callbacks, about a quarter of a millisecond, several times per task in
-the CPU worker's main process. A client holds no connection of its own (it borrows one from the channel's pool per
-command), so one per channel serves every operation. The asynchronous client (the consumer's BRPOP, which keeps
-its connection) is left as kombu makes it.
+Kombu builds a new redis-py client (~170 response callbacks copied, ~0.25 ms) for every synchronous operation; a
+client borrows a connection from the channel's pool per command, so one per channel serves them all. The
+asynchronous client (the consumer's poll, which keeps its connection) is left as kombu makes it.
 """
 
 from __future__ import annotations
@@ -54,8 +52,8 @@ from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
 from contract.clock import now as service_now
-from contract.keys import CELERY_HOLDS
-from contract.library import Step, is_missing
+from contract.keys import CELERY_HELD, CELERY_HOLDS
+from tasks.given_back import restore_from_hash, restore_from_list
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
@@ -86,30 +84,48 @@ def holder_id() -> str:
 
 
 class HeldQoS(kombu_redis.QoS):
-    """Kombu's QoS, its ack emulation replaced by the holder's hash (see the module's note)."""
+    """Kombu's QoS, its ack emulation replaced by the holder's held list and hash (see the module's note)."""
 
     _legacy_restore = False  # True while kombu's restore_visible gives back what its own unacked hash holds
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.taken_held: set[str] = set()  # tags a take recorded as held already: their append writes nothing
+        self.listed: dict[str, bytes] = {}  # tag -> the message as a take moved it into the held list
         self.acks: list[str] = []  # acknowledged, their holds still to delete: on the next take, or flush_acks
+        self.unheld_since: dict[str, float] = {}  # tag -> when restore_unheld first saw it held and not in hand
 
     @property
     def holds_key(self) -> str:
         # Kombu's prefixing client adds its global_keyprefix to the key.
         return CELERY_HOLDS + holder_id()
 
+    @property
+    def held_key(self) -> str:
+        """This worker's held list, with Celery's key prefix (LMOVE, LREM and LPOS are not among kombu's prefixed)."""
+        return str(self.channel.global_keyprefix or "") + CELERY_HELD + holder_id()
+
     def append(self, message: Any, delivery_tag: str) -> None:
-        if delivery_tag in self.taken_held:
-            self.taken_held.discard(delivery_tag)
-            virtual.QoS.append(self, message, delivery_tag)
-            return
-        delivery = message.delivery_info
-        held = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"], service_now()])
-        with self.channel.conn_or_acquire() as client:
-            client.hset(self.holds_key, delivery_tag, held)
+        if delivery_tag not in self.listed:  # a take held it already; an idle BRPOP's message is held here
+            delivery = message.delivery_info
+            held = kombu_redis.dumps([message._raw, delivery["exchange"], delivery["routing_key"], service_now()])
+            with self.channel.conn_or_acquire() as client:
+                client.hset(self.holds_key, delivery_tag, held)
         virtual.QoS.append(self, message, delivery_tag)
+
+    def ack_commands(self, tags: list[str]) -> list[tuple[Any, ...]]:
+        """The commands that delete these tags' holds (an LREM each from the held list, one HDEL for the rest), with
+        their keys unprefixed where kombu's client prefixes them (HDEL)."""
+        commands: list[tuple[Any, ...]] = []
+        hashed = []
+        for tag in tags:
+            raw = self.listed.pop(tag, None)
+            if raw is None:
+                hashed.append(tag)
+            else:
+                commands.append(("LREM", self.held_key, 1, raw))
+        if hashed:
+            commands.append(("HDEL", self.holds_key, *hashed))
+        return commands
 
     def ack(self, delivery_tag: str) -> None:
         self.acks.append(delivery_tag)
@@ -119,14 +135,21 @@ class HeldQoS(kombu_redis.QoS):
 
     def flush_acks(self) -> None:
         """Delete the holds of what was acknowledged and no take has carried yet. Not known to be deleted (Redis
-        away), they stay to be deleted next time: an HDEL twice is once."""
+        away), they stay to be deleted next time: an HDEL or LREM twice is once."""
         tags, self.acks = self.acks, []
-        if not tags:
-            return
+        if tags:
+            self._delete_holds(tags)
+
+    def _delete_holds(self, tags: list[str]) -> None:
+        listed = {tag: self.listed[tag] for tag in tags if tag in self.listed}
         try:
             with self.channel.conn_or_acquire() as client:
-                client.hdel(self.holds_key, *tags)
+                pipe = client.pipeline(transaction=False)
+                for command in self.ack_commands(tags):
+                    pipe.execute_command(*command)
+                pipe.execute()
         except BaseException:
+            self.listed.update(listed)
             self.acks[:0] = tags
             raise
 
@@ -134,30 +157,24 @@ class HeldQoS(kombu_redis.QoS):
         if requeue:
             self.restore_by_tag(delivery_tag, leftmost=True)
         else:
-            with self.channel.conn_or_acquire() as client:
-                client.hdel(self.holds_key, delivery_tag)
+            self._delete_holds([delivery_tag])
         virtual.QoS.ack(self, delivery_tag)
 
     def restore_by_tag(self, tag: str, client: Any = None, leftmost: bool = False) -> None:
         if self._legacy_restore:
             super().restore_by_tag(tag, client, leftmost)
+        elif tag in self.listed:
+            self.restore_listed(self.held_key, self.listed.pop(tag), client, leftmost)
         else:
             self.restore_held(CELERY_HOLDS + holder_id(), tag, client, leftmost)
 
     def restore_held(self, holds_key: str, tag: str, client: Any = None, leftmost: bool = False) -> None:
-        """Put one message a worker holds (this one, or one found dead) back on its queue, and out of its hash,
-        in one transaction: a message restored twice goes back once."""
+        """One message of a worker's hash (this one's, or one found dead) back on its queue: given_back's."""
+        restore_from_hash(self.channel, holds_key, tag, client, leftmost)
 
-        def restore_transaction(pipe: Any) -> None:
-            held = pipe.hget(holds_key, tag)
-            pipe.multi()
-            pipe.hdel(holds_key, tag)
-            if held:
-                message, exchange, routing_key, _ = kombu_redis.loads(kombu_redis.bytes_to_str(held))
-                self.channel._do_restore_message(message, exchange, routing_key, pipe, leftmost)
-
-        with self.channel.conn_or_acquire(client) as client:
-            client.transaction(restore_transaction, holds_key)
+    def restore_listed(self, held_key: str, raw: bytes, client: Any = None, leftmost: bool = False) -> None:
+        """One message of a worker's held list (with Celery's prefix) back on its queue: given_back's."""
+        restore_from_list(self.channel, held_key, raw, client, leftmost)
 
     def restore_visible(self, start: int = 0, num: int = 10, interval: int = 10) -> None:
         # Kombu's unacked hash holds only what a worker of the release before this one held: kombu's own restore.
@@ -168,46 +185,35 @@ class HeldQoS(kombu_redis.QoS):
             self._legacy_restore = False
 
 
-# The library's `take_and_hold` (contract/library/cpu_hop.lua, where its keys and arguments are named).
-_TAKE = Step("take_and_hold")
 TAKE_AT_MOST = 8  # messages one take may bring, within the consumer's prefetch credit
 
 
 class Channel(kombu_redis.Channel):
     QoS = HeldQoS
     _sync_client: Any = None
-    # Under load the consumer's next poll is a take (one FCALL: pop, hold, and the acks since the last take); a take
-    # that finds every queue empty turns it to kombu's BRPOP until a message comes.
+    # Under load the consumer's next poll is a take (one pipeline: LREM the acks since the last take, LMOVE from each
+    # queue into the held list); a take that finds every queue empty turns it to kombu's BRPOP until a message comes.
     _taking = True
     _sent = ""  # what the poll in flight is: "take" or "BRPOP"
     _take_acks: list[str] = []  # the acks the take in flight carries
+    _take_replies = 0  # replies the take in flight has to read: its acks' commands, then its moves
+    _moves: list[str] = []  # the queue of each of the take's LMOVEs, in order
+    # Messages a take brought beyond the consumer's credit (it moves from each of its queues: a take over two with
+    # credit for one may bring two). Held in the list already; delivered by the next poll, given back at a close.
+    _spare: list[tuple[str, dict[str, Any]]] = []
 
     def takes_next(self) -> bool:
         """Whether a take is coming soon that will carry an ack: this channel consumes, under load."""
         return self._taking and bool(self.active_queues) and not self._closing
 
-    def _take_call(self, queues: list[str], most: int) -> tuple[list[str], list[Any]]:
-        prefix = self.global_keyprefix or ""
-        keys = [prefix + self.qos.holds_key]
-        keys += [prefix + self._q_for_pri(queue, pri) for pri in self.priority_steps for queue in queues]
-        self._take_acks, self.qos.acks = self.qos.acks, []
-        return keys, [repr(service_now()), most, *self._take_acks]
-
-    def _taken(self, reply: list[Any]) -> list[tuple[str, dict[str, Any]]]:
-        """(queue, message) of what a take brought; those it held are marked so that their append writes nothing."""
-        prefix, taken = self.global_keyprefix or "", []
-        for position in range(0, len(reply), 3):
-            key, item, held = reply[position : position + 3]
-            message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
-            if held:
-                self.qos.taken_held.add(message["properties"]["delivery_tag"])
-            taken.append((kombu_redis.bytes_to_str(key)[len(prefix) :].rsplit(self.sep, 1)[0], message))
-        return taken
-
     def _give_back_acks(self) -> None:
         # A take that failed: its acks are not known to have reached Redis; the next take or flush carries them.
         self.qos.acks[:0] = self._take_acks
         self._take_acks = []
+
+    def spare_tags(self) -> set[str]:
+        """The delivery tags of what this channel took and has not delivered yet (held, not in any task's hands)."""
+        return {message["properties"]["delivery_tag"] for _, message in self._spare}
 
     def _brpop_start(self, timeout: Any = None) -> None:
         if not self._taking:
@@ -220,12 +226,22 @@ class Channel(kombu_redis.Channel):
         queues = self._queue_cycle.consume(len(self.active_queues))
         if not queues:
             return None
-        most = min(TAKE_AT_MOST, max(1, self.qos.can_consume_max_estimate() or 1))
-        keys, args = self._take_call(queues, most)
-        self._in_poll = self.client.connection
+        most = min(TAKE_AT_MOST, max(1, self.qos.can_consume_max_estimate() or 1)) - len(self._spare)
+        prefix = self.global_keyprefix or ""
+        self._take_acks, self.qos.acks = self.qos.acks, []
+        acks = self.qos.ack_commands(self._take_acks)
+        commands = [(command, prefix + key if command == "HDEL" else key, *rest) for command, key, *rest in acks]
+        # One move a queue at least (a queue left out would wait for an empty take and a BRPOP), the rest of the
+        # credit from the first; none while what a take brought beyond the credit is still to be delivered.
+        self._moves = [] if most <= 0 else [queues[0]] * max(1, most - len(queues) + 1) + queues[1:]
+        for queue in self._moves:
+            commands.append(("LMOVE", prefix + self._q_for_pri(queue, 0), self.qos.held_key, "RIGHT", "LEFT"))
+        self._take_replies = len(commands) + (0 if commands else 1)
+        connection = self.client.connection
+        self._in_poll = connection
         self._brpop_sent_at = kombu_redis.monotonic()  # type: ignore[assignment]  # kombu's own, typed None
         self._sent = "take"
-        self.client.connection.send_command("FCALL", _TAKE.name, len(keys), *keys, *args)
+        connection.send_packed_command(connection.pack_commands(commands or [("PING",)]))
         return None
 
     def _brpop_read(self, **options: Any) -> bool:
@@ -233,50 +249,52 @@ class Channel(kombu_redis.Channel):
             delivered = super()._brpop_read(**options)  # raises Empty when BRPOP timed out
             self._taking = True  # a message came: the next poll takes
             return bool(delivered)
+        replies: list[Any] = []
         try:
             try:
-                reply = self.client.parse_response(self.client.connection, "FCALL", **options)
+                for _ in range(self._take_replies):  # every reply read, an error's too, before one is raised
+                    try:
+                        replies.append(self.client.parse_response(self.client.connection, "LMOVE", **options))
+                    except redis.ResponseError as error:
+                        replies.append(error)
             except self.connection_errors:
                 self.client.connection.disconnect()  # as kombu's BRPOP: the next poll reconnects
                 self._give_back_acks()
                 raise
-            except redis.ResponseError as error:
-                self._give_back_acks()
-                if not is_missing(error):
-                    raise
-                with self.conn_or_acquire() as client:  # a Redis that came back empty: the library, then again
-                    _TAKE.recover(client)
-                raise kombu_redis.Empty() from None
         finally:
             self._in_poll = None  # type: ignore[assignment]  # kombu's own, typed bool
             self._flush_brpop_reauth()
+        spare = list(self._spare)
+        for queue, item in zip(self._moves, replies[len(replies) - len(self._moves) :]):
+            if isinstance(item, bytes):
+                message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
+                self.qos.listed[message["properties"]["delivery_tag"]] = item
+                spare.append((queue, message))
+        self._spare = spare
+        errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
+        if errors:  # what moved is held and kept; the acks are not known to be done: carried again
+            self._give_back_acks()
+            raise errors[0]
         self._take_acks = []
-        if not reply:
+        most = max(1, min(TAKE_AT_MOST, self.qos.can_consume_max_estimate() or 1))
+        taken, self._spare = self._spare[:most], self._spare[most:]
+        if not taken:
             self._taking = False
             raise kombu_redis.Empty()
-        for queue, message in self._taken(reply):
+        for queue, message in taken:
             self._queue_cycle.rotate(queue)
             self.connection._deliver(message, queue)
         return True
-
-    def _get(self, queue: str, timeout: Any = None) -> Any:
-        # basic_get: one message, by the same step.
-        with self.conn_or_acquire() as client:
-            keys, args = self._take_call([queue], 1)
-            try:
-                reply = _TAKE(client, keys, args)
-            except redis.RedisError:
-                self._give_back_acks()
-                raise
-        self._take_acks = []
-        if not reply:
-            raise kombu_redis.Empty()
-        return self._taken(reply)[0][1]
 
     def close(self) -> None:
         if self._qos is not None and not self._closing:
             try:
                 self.qos.flush_acks()
+                while self._spare:  # taken, never delivered: back on their queues now, not when found dead
+                    _, message = self._spare[0]
+                    tag = message["properties"]["delivery_tag"]
+                    self.qos.restore_listed(self.qos.held_key, self.qos.listed.pop(tag, b""))
+                    self._spare.pop(0)
             except redis.RedisError:
                 pass  # the holds stay: given back, and dropped as late tasks, when this worker is found gone
         super().close()
@@ -320,21 +338,3 @@ class SentinelChannel(Channel, kombu_redis.SentinelChannel):
 
 class SentinelTransport(kombu_redis.SentinelTransport):
     Channel = SentinelChannel
-
-
-def legacy_unacked_key(channel: Any) -> str:
-    """Kombu's unacked hash, where a worker of the release before issue 58 left what it held, with its key prefix."""
-    return str(channel.global_keyprefix or "") + str(channel.unacked_key)
-
-
-def tags_in_hand() -> set[str]:
-    """The delivery tags of the tasks this worker process has received and not finished."""
-    from celery.worker import state
-
-    tags = set()
-    for request in list(state.reserved_requests):
-        message = getattr(request, "message", None)
-        tag = getattr(message, "delivery_tag", None)
-        if tag is not None:
-            tags.add(str(tag))
-    return tags

@@ -37,8 +37,8 @@ from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
-from tasks.broker import holder_id, legacy_unacked_key, tags_in_hand
-from tasks.given_back import reap_dead_workers, restore_unheld
+from tasks.broker import holder_id
+from tasks.given_back import legacy_unacked_key, reap_dead_workers, restore_unheld, tags_in_hand
 from tasks.lost_deliveries import LostDeliveries
 from tasks.shard_watch import ShardWatch
 
@@ -144,7 +144,9 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 if self.tenants:
                     pipe.hset(keys.cpu_tenants, mapping={tenant: str(service_now()) for tenant in self.tenants})
                 pipe.execute()
-                for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_held).items():
+                for holder, count in reap_dead_workers(
+                    self.client, keys, me, channel.qos.restore_held, channel.qos.restore_listed
+                ).items():
                     log.warning(
                         "worker %s was found dead: %d tasks it held are back on their queues",
                         holder,
