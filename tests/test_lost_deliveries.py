@@ -40,8 +40,8 @@ def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redi
     queue_key = keys.celery_queue(QUEUE)
     messages = PreprocessMessages()
     now = time.time()
-    on_queue, in_hand, lost, young, claimed, unnamed = (c * 32 for c in "abcdef")
-    for job_id in (on_queue, in_hand, lost):
+    on_queue, in_hand, lost, young, claimed, unnamed, listed = (c * 32 for c in "abcdef0")
+    for job_id in (on_queue, in_hand, lost, listed):
         queued_job(client, keys, job_id, now - 30)
     queued_job(client, keys, young, now - 1)  # within lost_delivery_s: its message may be on its way
     queued_job(client, keys, claimed, now - 30, status="preprocessing")  # a worker has it
@@ -56,6 +56,8 @@ def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redi
         assert taken is not None and taken.headers["argsrepr"] == repr([in_hand])  # in this process's holds now
         client.zadd(keys.cpu_workers, {holder_id(): now})  # a worker registers before it takes a task
         client.lpush(queue_key, messages.build(on_queue, QUEUE))
+        # Moved by a take into the worker's held list (LMOVE: the message as it lay on its queue): in hand too.
+        client.lpush(keys.celery_held(holder_id()), messages.build(listed, QUEUE))
         lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + channel.unacked_key, after_s=5.0)
 
         assert lost_deliveries.check(now) == []  # seen nowhere once: a suspect
