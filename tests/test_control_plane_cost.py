@@ -158,6 +158,9 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     assert intake.load(job)["claim"] == "d"
 
 
+HOP_COMMANDS = {"lmove", "lrem", "rpop", "brpop", "hset", "hdel", "fcall", "zadd"}  # the take, hold and ack
+
+
 def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet_redis):
     """The product's transport (tasks.broker) takes a message and holds it in one step (a consuming worker's take:
     LMOVE into its held list), and the ack deletes it (LREM, riding on the next take's pipeline): kombu's ack
@@ -193,7 +196,7 @@ def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet
             while not consumed:
                 assert time.monotonic() < deadline
                 connection.drain_events(timeout=1)
-            took = counted(quiet_redis)
+            took = {name: n for name, n in counted(quiet_redis).items() if name in HOP_COMMANDS}  # not the set-up's
             assert took == {"lmove": 1}, took  # one command: the pop and the hold are the same step
             assert quiet_redis.llen(keys.celery_held(holder_id())) == 1
             consumed[0].ack()  # a take is coming: the ack waits for it
@@ -203,7 +206,7 @@ def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet
                     connection.drain_events(timeout=0.2)
                 except TimeoutError:
                     pass
-            after = counted(quiet_redis)
+            after = {name: n for name, n in counted(quiet_redis).items() if name in HOP_COMMANDS}
             assert after["lrem"] == 1 and after["lmove"] == 2, after  # the ack rode on the take that found none
             assert not {"hset", "hdel", "fcall"} & set(after), after
 
