@@ -196,6 +196,7 @@ class Channel(kombu_redis.Channel):
     _taking = True
     _sent = ""  # what the poll in flight is: "take" or "BRPOP"
     _take_acks: list[str] = []  # the acks the take in flight carries
+    _take_listed: dict[str, bytes] = {}  # their held list entries, kept in case the take fails
     _take_replies = 0  # replies the take in flight has to read: its acks' commands, then its moves
     _moves: list[str] = []  # the queue of each of the take's LMOVEs, in order
     # Messages a take brought beyond the consumer's credit (it moves from each of its queues: a take over two with
@@ -209,7 +210,8 @@ class Channel(kombu_redis.Channel):
     def _give_back_acks(self) -> None:
         # A take that failed: its acks are not known to have reached Redis; the next take or flush carries them.
         self.qos.acks[:0] = self._take_acks
-        self._take_acks = []
+        self.qos.listed.update(self._take_listed)
+        self._take_acks, self._take_listed = [], {}
 
     def spare_tags(self) -> set[str]:
         """The delivery tags of what this channel took and has not delivered yet (held, not in any task's hands)."""
@@ -229,6 +231,7 @@ class Channel(kombu_redis.Channel):
         most = min(TAKE_AT_MOST, max(1, self.qos.can_consume_max_estimate() or 1)) - len(self._spare)
         prefix = self.global_keyprefix or ""
         self._take_acks, self.qos.acks = self.qos.acks, []
+        self._take_listed = {tag: self.qos.listed[tag] for tag in self._take_acks if tag in self.qos.listed}
         acks = self.qos.ack_commands(self._take_acks)
         commands = [(command, prefix + key if command == "HDEL" else key, *rest) for command, key, *rest in acks]
         # One move a queue at least (a queue left out would wait for an empty take and a BRPOP), the rest of the
@@ -275,7 +278,7 @@ class Channel(kombu_redis.Channel):
         if errors:  # what moved is held and kept; the acks are not known to be done: carried again
             self._give_back_acks()
             raise errors[0]
-        self._take_acks = []
+        self._take_acks, self._take_listed = [], {}
         most = max(1, min(TAKE_AT_MOST, self.qos.can_consume_max_estimate() or 1))
         taken, self._spare = self._spare[:most], self._spare[most:]
         if not taken:
