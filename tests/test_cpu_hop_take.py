@@ -204,3 +204,23 @@ def test_a_closing_channel_deletes_the_holds_of_acks_no_take_carried_and_a_rejec
     messages[0].channel.close()
     assert held(client, keys) == set()
     assert bodies_on(client, keys, QUEUE) == [messages[1].delivery_tag]  # acknowledged: not given back
+
+
+def test_a_take_that_fails_keeps_its_acks_for_the_next_one(worker):
+    """A take whose reply is an error (here its queue's key made another type): its acks are not known to be done,
+    so they, and their held list entries, wait for the next take or flush, which deletes them from the list."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, "done", "next")
+    messages: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: messages.append(message)], prefetch_count=1):
+        drain_until(connection, lambda: len(messages) == 1)
+        channel = messages[0].channel
+        messages[0].ack()  # waits for the next take
+        client.rename(keys.celery_queue(QUEUE), "saved")
+        client.set(keys.celery_queue(QUEUE), "not a list")
+        with pytest.raises(redis.ResponseError):
+            drain_until(connection, lambda: False, within_s=5)
+        assert channel.qos.acks == [messages[0].delivery_tag] and messages[0].delivery_tag in channel.qos.listed
+        client.rename("saved", keys.celery_queue(QUEUE))
+        drain_until(connection, lambda: len(messages) == 2)
+        assert held(client, keys) == {messages[1].delivery_tag}  # the ack rode on the take that brought it
