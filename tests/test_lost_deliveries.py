@@ -123,3 +123,21 @@ def test_a_round_that_outlives_its_lock_does_not_send_a_second_copy_beside_the_n
     assert slow.check(now + 5) == []
     assert client.llen(keys.celery_queue(QUEUE)) == 1
     assert client.hget(keys.job(job_id), "resent") == b"1"
+
+
+def test_a_held_list_an_older_reaper_left_behind_has_its_jobs_sent_again(redis_server):
+    """A rolling upgrade: a newer worker found dead by an older one's reaper, which gives back its hash, deletes it
+    from the registry and leaves its held list (docs/upgrading.md). A held list of no registered worker is no
+    worker's hands: its job, still `queued`, is sent its task again after two rounds. A registered worker's is not."""
+    job_id, kept = "6" * 32, "5" * 32
+    keys, client, now = one_stale_job(redis_server, "lost-left", job_id)
+    queued_job(client, keys, kept, now - 30)
+    messages = PreprocessMessages()
+    client.lpush(keys.celery_held("newer-worker-found-dead"), messages.build(job_id, QUEUE))
+    client.zadd(keys.cpu_workers, {"a-live-worker": now})
+    client.lpush(keys.celery_held("a-live-worker"), messages.build(kept, QUEUE))
+    lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
+    assert lost_deliveries.check(now) == []
+    client.delete(keys.lost_deliveries_lock)
+    assert lost_deliveries.check(now + 5) == [job_id]
+    assert jobs_named(client.lrange(keys.celery_queue(QUEUE), 0, -1)) == {job_id}
