@@ -16,6 +16,7 @@ PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
 UPLOAD_SUFFIX = ":upload"  # a job's upload is its key plus this (the Lua that ends a job deletes it so)
 CELERY_HOLDS = "holds:"  # + a worker process's id: the messages it holds, under Celery's key prefix
+CELERY_HELD = "held:"  # + a worker process's id: the messages its takes moved into its held list (tasks.broker)
 KEY_WAITING_SEPARATOR = ":"  # an API key's waiting bytes: waiting_bytes, this, its id (the Lua that ends jobs too)
 
 
@@ -36,6 +37,11 @@ class Keys:
         """Hash: delivery tag -> a Celery message one worker process holds and when it was delivered
         (tasks.broker), given back to its queue at once when that worker is found dead (tasks.liveness)."""
         return self.celery_prefix + CELERY_HOLDS + holder
+
+    def celery_held(self, holder: str) -> str:
+        """List: the Celery messages one worker process's takes moved off their queues (LMOVE, tasks.broker), as
+        they lay there; each goes at its ack (LREM), or back to its queue when that worker is found dead."""
+        return self.celery_prefix + CELERY_HELD + holder
 
     @property
     def cpu_autoscalers(self) -> str:

@@ -79,18 +79,22 @@ def model_of_queue(queue: str) -> str | None:
 
 
 def held_by_model(client: redis.Redis, keys: Keys) -> Counter[str]:
-    """Messages held by the registered CPU workers, per model: one HVALS a worker (their holds are a prefetch's
-    worth each, not a backlog's)."""
+    """Messages held by the registered CPU workers, per model: one HVALS and one LRANGE a worker (their hash and
+    held list, a prefetch's worth each, not a backlog's)."""
     workers = cast(list[bytes], client.zrange(keys.cpu_workers, 0, -1))
     pipe = client.pipeline(transaction=False)
     for worker in workers:
         pipe.hvals(keys.celery_holds(worker.decode()))
+        pipe.lrange(keys.celery_held(worker.decode()), 0, -1)
     held: Counter[str] = Counter()
     for values in pipe.execute() if workers else []:
         for value in values:
             try:
-                routing_key = json.loads(value)[2]
-            except (ValueError, IndexError, TypeError):
+                entry = json.loads(value)  # the hash's [message, exchange, routing key, when]; the list's message
+                routing_key = (
+                    entry[2] if isinstance(entry, list) else entry["properties"]["delivery_info"]["routing_key"]
+                )
+            except (ValueError, IndexError, KeyError, TypeError):
                 continue
             model = model_of_queue(str(routing_key))
             if model:

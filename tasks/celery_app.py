@@ -35,6 +35,9 @@ def make_celery(settings: Settings) -> Celery:
         broker_transport_options={
             "visibility_timeout": settings.celery.visibility_timeout_s,
             "global_keyprefix": Keys(settings.namespace).celery_prefix,
+            # One list a queue: no task is sent a priority, and each further step was a key more in every take
+            # and BRPOP (tasks.broker).
+            "priority_steps": [0],
             **sentinel_options(settings),
         },
         broker_connection_retry_on_startup=True,

@@ -38,7 +38,8 @@ from contract.jobs.ending import JobEnding
 from contract.keys import Keys
 from contract.settings import Settings
 from contract.shards import bulk_plane
-from tasks.broker import holder_id, reap_dead_workers, restore_unheld, tags_in_hand
+from tasks.broker import holder_id
+from tasks.given_back import legacy_unacked_key, reap_dead_workers, restore_unheld, tags_in_hand
 from tasks.lost_deliveries import LostDeliveries
 from tasks.shard_watch import ShardWatch
 
@@ -79,8 +80,7 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
             ]
             self.stopping = threading.Event()
             # Off the event loop (which delivers the tasks): a round reads every live job's status, and queues.
-            # Kombu's keys carry its global_keyprefix (as in restore_unheld).
-            unacked = keys.celery_prefix + channel.unacked_key
+            unacked = legacy_unacked_key(channel)
             threading.Thread(
                 target=self.find_lost, args=(unacked, self.stopping), name="lost-deliveries", daemon=True
             ).start()
@@ -145,7 +145,9 @@ def keep_alive(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C9
                 if self.tenants:
                     pipe.hset(keys.cpu_tenants, mapping={tenant: str(service_now()) for tenant in self.tenants})
                 pipe.execute()
-                for holder, count in reap_dead_workers(self.client, keys, me, channel.qos.restore_held).items():
+                for holder, count in reap_dead_workers(
+                    self.client, keys, me, channel.qos.restore_held, channel.qos.restore_listed
+                ).items():
                     log.warning(
                         "worker %s was found dead: %d tasks it held are back on their queues",
                         holder,

@@ -7,8 +7,8 @@ sees it. Its job stays `queued` until its deadline ends it `expired`. That windo
 worker killed under load meets it (the compose stack's kill test did, one job in ~60).
 
 So, every `celery.lost_delivery_s`, one worker (a lock) looks at the live jobs (the deadline index) still
-`queued` after that long: a job whose task is in no queue and in no worker's hands (a registered worker's holds, or
-kombu's unacked hash where a worker of the release before this one left it), seen so
+`queued` after that long: a job whose task is in no queue and in no worker's hands (a registered worker's held list
+or hash, or kombu's unacked hash where a worker of the release before issue 58 left it), seen so
 twice in a row (a message is between the two for milliseconds while it moves), is sent its task again, at the
 front of its queue. A task delivered twice is harmless: the claim lets one attempt push a frame
 (contract.jobs.handoff), and a job past `queued` drops a late task.
@@ -31,8 +31,8 @@ from contract.task_messages import PreprocessMessages
 
 log = logging.getLogger(__name__)
 
-# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON or as a worker's holds (or
-# kombu's unacked hash) keep it (the message's JSON inside a JSON list); the body itself is base64.
+# A preprocess message names its job in its `argsrepr` header (['<id>']), in plain JSON (a queue, a held list) or as
+# a worker's hash (or kombu's unacked hash) keeps it (the message's JSON inside a JSON list); the body itself is base64.
 _JOB_IN_MESSAGE = re.compile(rb"\['([0-9a-f]{32})'\]")
 
 # A job sent its task again, once per round at most: the library's `resend_task` (contract/library/cpu_hop.lua).
@@ -109,6 +109,7 @@ class LostDeliveries:
         pipe.hvals(self.unacked_key)
         for holder in cast(list[bytes], self.redis.zrange(self.keys.cpu_workers, 0, -1)):
             pipe.hvals(self.keys.celery_holds(holder.decode()))
+            pipe.lrange(self.keys.celery_held(holder.decode()), 0, -1)  # what its takes moved (tasks.broker)
         held = jobs_named(message for messages in pipe.execute() for message in messages)
         queued: set[str] = set()
         for queue in {queue for queue, _ in stale.values()}:

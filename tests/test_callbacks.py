@@ -239,6 +239,11 @@ def _still_queued(stack, job_id: str) -> bool:
         *stack.redis.zrange(stack.keys.callback_relaying, 0, -1),
         *stack.redis.lrange(stack.keys.celery_queue(CALLBACK_QUEUE), 0, -1),
         *(held for key in stack.redis.scan_iter(stack.keys.celery_holds("*")) for held in stack.redis.hvals(key)),
+        *(
+            held
+            for key in stack.redis.scan_iter(stack.keys.celery_held("*"))
+            for held in stack.redis.lrange(key, 0, -1)
+        ),
     ]
     return any(job_id.encode() in entry for entry in entries)
 

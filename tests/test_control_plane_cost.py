@@ -49,6 +49,11 @@ def commands_of(client: redis.Redis, step: Callable[[], Any]) -> dict[str, int]:
     opening a connection sends."""
     client.config_resetstat()
     step()
+    return counted(client)
+
+
+def counted(client: redis.Redis) -> dict[str, int]:
+    """The commands Redis ran since its stats were reset, as commands_of counts them."""
     stats: dict[str, Any] = client.info("commandstats")
     return {
         name.removeprefix("cmdstat_"): int(value["calls"])
@@ -153,10 +158,16 @@ def test_a_claim_over_bulk_shards_costs_the_control_plane_one_round_trip_and_no_
     assert intake.load(job)["claim"] == "d"
 
 
-def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redis):
-    """The product's transport (tasks.broker) writes a delivered message once, to its worker's holds, and the ack
-    deletes it: kombu's ack emulation spent MULTI ZADD HSET EXEC and MULTI ZREM HDEL EXEC (with the worker's own
-    set, 10 commands a task)."""
+HOP_COMMANDS = {"lmove", "lrem", "rpop", "brpop", "hset", "hdel", "fcall", "zadd"}  # the take, hold and ack
+
+
+def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet_redis):
+    """The product's transport (tasks.broker) takes a message and holds it in one step (a consuming worker's take:
+    LMOVE into its held list), and the ack deletes it (LREM, riding on the next take's pipeline): kombu's ack
+    emulation spent MULTI ZADD HSET EXEC and MULTI ZREM HDEL EXEC (with the worker's own set, 10 commands a task).
+    basic_get (no consumer) is kombu's RPOP, then the hash's HSET, and its ack an HDEL at once."""
+    import time
+
     import kombu
 
     from tasks.broker import TRANSPORT, holder_id
@@ -171,11 +182,33 @@ def test_celery_holds_a_task_with_one_command_and_lets_it_go_with_one(quiet_redi
         kombu.Producer(channel).publish("a task", exchange=queue.exchange, routing_key="cost-q", declare=[queue])
         taken: list[Any] = []
         held = commands_of(quiet_redis, lambda: taken.append(queue(channel).get(no_ack=False)))
-        assert held == {"rpop": 1, "hset": 1}, held  # a worker's BRPOP, here basic_get's RPOP; then the hold
-        assert quiet_redis.hlen(keys.celery_holds(holder_id())) == 1
+        assert held == {"rpop": 1, "hset": 1}, held
+        assert taken[0].payload == "a task"
         acked = commands_of(quiet_redis, taken[0].ack)
         assert acked == {"hdel": 1}, acked
         assert quiet_redis.hlen(keys.celery_holds(holder_id())) == 0
+
+        kombu.Producer(channel).publish("a task", exchange=queue.exchange, routing_key="cost-q")
+        consumed: list[Any] = []
+        quiet_redis.config_resetstat()
+        with connection.Consumer(queue, callbacks=[lambda body, message: consumed.append(message)], prefetch_count=1):
+            deadline = time.monotonic() + 10
+            while not consumed:
+                assert time.monotonic() < deadline
+                connection.drain_events(timeout=1)
+            took = {name: n for name, n in counted(quiet_redis).items() if name in HOP_COMMANDS}  # not the set-up's
+            assert took == {"lmove": 1}, took  # one command: the pop and the hold are the same step
+            assert quiet_redis.llen(keys.celery_held(holder_id())) == 1
+            consumed[0].ack()  # a take is coming: the ack waits for it
+            while quiet_redis.llen(keys.celery_held(holder_id())):
+                assert time.monotonic() < deadline
+                try:
+                    connection.drain_events(timeout=0.2)
+                except TimeoutError:
+                    pass
+            after = {name: n for name, n in counted(quiet_redis).items() if name in HOP_COMMANDS}
+            assert after["lrem"] == 1 and after["lmove"] == 2, after  # the ack rode on the take that found none
+            assert not {"hset", "hdel", "fcall"} & set(after), after
 
 
 def test_a_batch_of_ends_wakes_long_polls_and_callback_relays_with_one_message_each(quiet_redis):

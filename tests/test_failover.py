@@ -131,7 +131,8 @@ def test_a_celery_worker_gives_back_a_message_it_is_recorded_holding_but_does_no
     (this project's transport) on a real Redis takes two messages; one is in hand, the other not."""
     import kombu
 
-    from tasks.broker import TRANSPORT, UNHELD_GRACE_S, holder_id, restore_unheld
+    from tasks.broker import TRANSPORT, holder_id
+    from tasks.given_back import UNHELD_GRACE_S, restore_unheld
 
     keys = Keys("unheld")
     client = redis.Redis.from_url(redis_server.url)

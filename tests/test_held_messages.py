@@ -16,7 +16,8 @@ import pytest
 import redis
 
 from contract.keys import CELERY_HOLDS, Keys
-from tasks.broker import TRANSPORT, holder_id, reap_dead_workers
+from tasks.broker import TRANSPORT, holder_id
+from tasks.given_back import reap_dead_workers
 
 QUEUE = "held-q"
 
@@ -81,7 +82,7 @@ def test_a_dead_workers_messages_go_back_at_once_and_twice_restored_are_back_onc
         channel.qos.restore_held(holds_key, tag)
         channel.qos.restore_held(holds_key, tag)  # a reaper cut short and run again
 
-    assert reap_dead_workers(client, keys, "the reaper", restore) == {dead: 2}
+    assert reap_dead_workers(client, keys, "the reaper", restore, channel.qos.restore_listed) == {dead: 2}
     assert {holds_key for holds_key, _ in restored} == {CELERY_HOLDS + dead}
     assert sorted(on_queue(client, keys)) == ["dead's first", "dead's second"]
     assert not client.exists(keys.celery_holds(dead)) and not client.zscore(keys.cpu_workers, dead)

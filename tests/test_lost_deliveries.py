@@ -40,8 +40,8 @@ def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redi
     queue_key = keys.celery_queue(QUEUE)
     messages = PreprocessMessages()
     now = time.time()
-    on_queue, in_hand, lost, young, claimed, unnamed = (c * 32 for c in "abcdef")
-    for job_id in (on_queue, in_hand, lost):
+    on_queue, in_hand, lost, young, claimed, unnamed, listed = (c * 32 for c in "abcdef0")
+    for job_id in (on_queue, in_hand, lost, listed):
         queued_job(client, keys, job_id, now - 30)
     queued_job(client, keys, young, now - 1)  # within lost_delivery_s: its message may be on its way
     queued_job(client, keys, claimed, now - 30, status="preprocessing")  # a worker has it
@@ -56,6 +56,8 @@ def test_a_job_whose_task_is_nowhere_twice_is_sent_it_again_and_no_other_is(redi
         assert taken is not None and taken.headers["argsrepr"] == repr([in_hand])  # in this process's holds now
         client.zadd(keys.cpu_workers, {holder_id(): now})  # a worker registers before it takes a task
         client.lpush(queue_key, messages.build(on_queue, QUEUE))
+        # Moved by a take into the worker's held list (LMOVE: the message as it lay on its queue): in hand too.
+        client.lpush(keys.celery_held(holder_id()), messages.build(listed, QUEUE))
         lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + channel.unacked_key, after_s=5.0)
 
         assert lost_deliveries.check(now) == []  # seen nowhere once: a suspect
@@ -121,3 +123,21 @@ def test_a_round_that_outlives_its_lock_does_not_send_a_second_copy_beside_the_n
     assert slow.check(now + 5) == []
     assert client.llen(keys.celery_queue(QUEUE)) == 1
     assert client.hget(keys.job(job_id), "resent") == b"1"
+
+
+def test_a_held_list_an_older_reaper_left_behind_has_its_jobs_sent_again(redis_server):
+    """A rolling upgrade: a newer worker found dead by an older one's reaper, which gives back its hash, deletes it
+    from the registry and leaves its held list (docs/upgrading.md). A held list of no registered worker is no
+    worker's hands: its job, still `queued`, is sent its task again after two rounds. A registered worker's is not."""
+    job_id, kept = "6" * 32, "5" * 32
+    keys, client, now = one_stale_job(redis_server, "lost-left", job_id)
+    queued_job(client, keys, kept, now - 30)
+    messages = PreprocessMessages()
+    client.lpush(keys.celery_held("newer-worker-found-dead"), messages.build(job_id, QUEUE))
+    client.zadd(keys.cpu_workers, {"a-live-worker": now})
+    client.lpush(keys.celery_held("a-live-worker"), messages.build(kept, QUEUE))
+    lost_deliveries = LostDeliveries(client, keys, keys.celery_prefix + "unacked", after_s=5.0)
+    assert lost_deliveries.check(now) == []
+    client.delete(keys.lost_deliveries_lock)
+    assert lost_deliveries.check(now + 5) == [job_id]
+    assert jobs_named(client.lrange(keys.celery_queue(QUEUE), 0, -1)) == {job_id}

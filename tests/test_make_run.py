@@ -97,8 +97,10 @@ def wait_for_end(stack: ProcfileStack, job_id: str, timeout_s: float) -> dict:
 
 
 def held(client: redis.Redis, keys: Keys) -> bool:
-    """Whether any Celery worker holds a message (tasks.broker's holds)."""
-    return any(client.hlen(key) for key in client.scan_iter(keys.celery_holds("*")))
+    """Whether any Celery worker holds a message (tasks.broker's holds: a worker's hash or its held list)."""
+    return any(client.hlen(key) for key in client.scan_iter(keys.celery_holds("*"))) or any(
+        client.llen(key) for key in client.scan_iter(keys.celery_held("*"))
+    )
 
 
 def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_comes_back(make_run):

@@ -1,0 +1,226 @@
+"""The CPU hop's take (tasks.broker's Channel: one pipeline of LREM for the acks since the last take and LMOVE of
+each queue into the worker's held list) as a consuming worker meets it, on a real Redis with the product's transport
+and kombu's own poller (the loop a Celery worker's consumer runs): under load each poll is one round trip that
+takes, holds and carries the acks; a take that finds nothing turns the worker to BRPOP, and what BRPOP brings turns
+it back. Every reader of the holds (the reaper, restore_unheld, a reject, a close) reads the held list."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import kombu
+import pytest
+import redis
+
+from bench.processes import RedisServer
+from contract.keys import Keys
+from tasks.broker import TRANSPORT, holder_id
+from tasks.given_back import listed_tags, reap_dead_workers, restore_unheld
+
+QUEUE = "take-q"
+OTHER = "take-other"
+
+
+@pytest.fixture
+def worker(tmp_path) -> Iterator[tuple[Any, redis.Redis, Keys, kombu.Queue]]:
+    """A kombu connection on a redis-server of this test's alone (INFO's counts are the whole server's)."""
+    server = RedisServer(tmp_path)
+    client = redis.Redis(port=server.port)
+    keys = Keys("take")
+    with kombu.Connection(
+        f"redis://127.0.0.1:{server.port}/0",
+        transport=TRANSPORT,
+        transport_options={"global_keyprefix": keys.celery_prefix, "priority_steps": [0]},
+    ) as connection:
+        queue = kombu.Queue(QUEUE, kombu.Exchange(QUEUE, type="direct"), QUEUE)
+        yield connection, client, keys, queue
+    client.close()
+    server.stop()
+
+
+def publish(connection: Any, queue: kombu.Queue, *bodies: str) -> None:
+    with connection.Producer() as producer:
+        for body in bodies:
+            producer.publish(body, exchange=queue.exchange, routing_key=QUEUE, declare=[queue])
+
+
+def calls(client: redis.Redis) -> dict[str, int]:
+    stats: dict[str, Any] = client.info("commandstats")
+    return {name.removeprefix("cmdstat_"): int(value["calls"]) for name, value in stats.items()}
+
+
+def drain_until(connection: Any, done: Any, within_s: float = 10.0) -> None:
+    deadline = time.monotonic() + within_s
+    while not done():
+        assert time.monotonic() < deadline, "not done in time"
+        try:
+            connection.drain_events(timeout=0.2)
+        except TimeoutError:
+            pass
+
+
+def held(client: redis.Redis, keys: Keys) -> set[str]:
+    """The delivery tags in this worker's held list."""
+    return set(listed_tags(client, keys.celery_held(holder_id())))
+
+
+def bodies_on(client: redis.Redis, keys: Keys, queue: str) -> list[str]:
+    return [json.loads(raw)["properties"]["delivery_tag"] for raw in client.lrange(keys.celery_queue(queue), 0, -1)]
+
+
+def test_under_load_each_take_holds_what_it_brings_and_carries_the_acks_since_the_last(worker):
+    connection, client, keys, queue = worker
+    publish(connection, queue, *[f"task {n}" for n in range(6)])
+    holds = keys.celery_holds(holder_id())
+    seen: list[str] = []
+    held_when_seen: list[bool] = []
+
+    def on_message(body: str, message: Any) -> None:
+        seen.append(body)
+        held_when_seen.append(message.delivery_tag in held(client, keys))
+        message.ack()  # a task that ended: its hold goes with the next take, not with a command of its own
+
+    client.config_resetstat()
+    with connection.Consumer(queue, callbacks=[on_message], prefetch_count=2):
+        drain_until(connection, lambda: len(seen) == 6)
+        assert seen == [f"task {n}" for n in range(6)]
+        assert all(held_when_seen)  # held before its task began: no window between the pop and the hold
+        counted = calls(client)
+        # Six messages in takes of up to two (the prefetch credit), each a pipeline of LREMs (the acks since the
+        # last take) and LMOVEs: no BRPOP while messages were queued, nothing in the hash, no script.
+        assert counted.get("brpop", 0) == 0, counted
+        assert counted["lmove"] >= 6 and counted["lmove"] <= 8 and "hset" not in counted, counted
+        assert "fcall" not in counted and "hdel" not in counted, counted
+        # The queue found empty: the take that found it so carried the last acks, and the worker waits in BRPOP.
+        drain_until(connection, lambda: calls(client).get("brpop", 0) >= 1)
+        assert calls(client)["lrem"] == 6 and held(client, keys) == set()
+        publish(connection, queue, "after the lull")
+        drain_until(connection, lambda: len(seen) == 7)
+        drain_until(connection, lambda: client.hlen(holds) == 0)  # idle: held in the hash, the ack deleted at once
+        assert calls(client)["hset"] == 1
+
+
+def test_a_take_over_two_queues_stays_within_the_credit_and_a_close_gives_back_its_spare(worker):
+    """Credit for one, a message on each of two queues: the take moves one from each (a queue left out would wait
+    for an empty take and a BRPOP), delivers one, and keeps the other held for the next poll; a close puts what was
+    never delivered back at the front of its queue, and kombu's restore what was."""
+    connection, client, keys, queue = worker
+    other = kombu.Queue(OTHER, kombu.Exchange(OTHER, type="direct"), OTHER)
+    publish(connection, queue, "first")
+    with connection.Producer() as producer:
+        producer.publish("second", exchange=other.exchange, routing_key=OTHER, declare=[other])
+    messages: list[Any] = []
+    consumer = connection.Consumer([queue, other], callbacks=[lambda body, message: messages.append(message)])
+    consumer.qos(prefetch_count=1)
+    with consumer:
+        drain_until(connection, lambda: len(held(client, keys)) == 2)
+        for _ in range(3):  # polls with no credit left: nothing more delivered
+            try:
+                connection.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+        assert len(messages) == 1
+        messages[0].ack()
+        drain_until(connection, lambda: len(messages) == 2)  # the spare, on the poll after the ack
+        assert held(client, keys) == {messages[1].delivery_tag}  # the ack rode on that poll
+        assert client.llen(keys.celery_queue(QUEUE)) == client.llen(keys.celery_queue(OTHER)) == 0
+        publish(connection, queue, "third")
+        with connection.Producer() as producer:
+            producer.publish("fourth", exchange=other.exchange, routing_key=OTHER, declare=[other])
+        messages[1].ack()
+        drain_until(connection, lambda: len(messages) == 3)
+        channel = messages[0].channel
+        assert len(channel.spare_tags()) == 1
+        spare = next(iter(channel.spare_tags()))
+        channel.qos.restore_unacked_once()  # a clean stop: kombu's restore, what was delivered
+        channel.close()  # and the close, the spare
+    assert held(client, keys) == set()
+    back = bodies_on(client, keys, QUEUE) + bodies_on(client, keys, OTHER)
+    assert sorted(back) == sorted([spare, messages[2].delivery_tag])
+
+
+def test_a_held_message_that_no_task_holds_goes_back_after_its_grace_and_an_acknowledged_one_does_not(worker):
+    """restore_unheld (a failover lost an ack or a delivery) reads the held list, which keeps no delivery time: a
+    message is timed from the beat that first saw it out of any task's hands, so one just taken (not in hand yet)
+    is not given back; an ack not yet carried by a take is flushed first, so its message is not taken for lost."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, "done", "lost", "in hand")
+    messages: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: messages.append(message)], prefetch_count=3):
+        drain_until(connection, lambda: len(messages) == 3)
+        channel = messages[0].channel
+        messages[0].ack()
+        assert held(client, keys) == {message.delivery_tag for message in messages}  # the ack not yet carried
+        in_hand = {messages[2].delivery_tag}
+        assert restore_unheld(client, keys, holder_id(), channel, in_hand, 1000.0) == 0  # first seen: timed now
+        assert held(client, keys) == {messages[1].delivery_tag, messages[2].delivery_tag}  # the ack, flushed
+        assert restore_unheld(client, keys, holder_id(), channel, in_hand, 1009.0) == 0  # within the grace
+        assert restore_unheld(client, keys, holder_id(), channel, set(), 1010.5) == 1  # the lost one only
+        assert held(client, keys) == {messages[2].delivery_tag}  # out of hand from 1010.5 on: timed from there
+        assert bodies_on(client, keys, QUEUE) == [messages[1].delivery_tag]
+        assert restore_unheld(client, keys, holder_id(), channel, set(), 1019.0) == 0
+
+
+def test_a_dead_workers_held_list_and_hash_go_back_once(worker):
+    """The reaper gives back both forms of a dead worker's holds: its held list (this release's take) and its hash
+    (an idle BRPOP's hold, and all a worker of the release before held: a rolling upgrade loses neither); a reaper
+    cut short and run again gives nothing back twice."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, "taken under load", "taken idle")
+    messages: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: messages.append(message)], prefetch_count=1):
+        drain_until(connection, lambda: len(messages) == 1)
+        channel = messages[0].channel
+        idle = queue(channel).get(no_ack=False)  # basic_get: kombu's RPOP, held in the hash
+        assert idle is not None and client.hexists(keys.celery_holds(holder_id()), idle.delivery_tag)
+        dead = holder_id()
+        client.zadd(keys.cpu_workers, {dead: time.time() - 60})  # registered, its heartbeat lapsed (never set)
+
+        def twice(restore: Any) -> Any:
+            return lambda key, entry: (restore(key, entry), restore(key, entry))
+
+        reaped = reap_dead_workers(
+            client, keys, "the reaper", twice(channel.qos.restore_held), twice(channel.qos.restore_listed)
+        )
+        assert reaped == {dead: 2}
+        assert sorted(bodies_on(client, keys, QUEUE)) == sorted([messages[0].delivery_tag, idle.delivery_tag])
+        assert not client.exists(keys.celery_held(dead), keys.celery_holds(dead))
+        assert client.zscore(keys.cpu_workers, dead) is None
+
+
+def test_a_closing_channel_deletes_the_holds_of_acks_no_take_carried_and_a_reject_goes_back(worker):
+    connection, client, keys, queue = worker
+    publish(connection, queue, "the last one", "rejected")
+    messages: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: messages.append(message)], prefetch_count=2):
+        drain_until(connection, lambda: len(messages) == 2)
+        messages[0].ack()
+        messages[1].reject(requeue=True)  # a child killed mid-task: back behind what is queued
+        assert bodies_on(client, keys, QUEUE) == [messages[1].delivery_tag]
+        assert held(client, keys) == {messages[0].delivery_tag}  # waiting for a take that will not come now
+    messages[0].channel.close()
+    assert held(client, keys) == set()
+    assert bodies_on(client, keys, QUEUE) == [messages[1].delivery_tag]  # acknowledged: not given back
+
+
+def test_a_take_that_fails_keeps_its_acks_for_the_next_one(worker):
+    """A take whose reply is an error (here its queue's key made another type): its acks are not known to be done,
+    so they, and their held list entries, wait for the next take or flush, which deletes them from the list."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, "done", "next")
+    messages: list[Any] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: messages.append(message)], prefetch_count=1):
+        drain_until(connection, lambda: len(messages) == 1)
+        channel = messages[0].channel
+        messages[0].ack()  # waits for the next take
+        client.rename(keys.celery_queue(QUEUE), "saved")
+        client.set(keys.celery_queue(QUEUE), "not a list")
+        with pytest.raises(redis.ResponseError):
+            drain_until(connection, lambda: False, within_s=5)
+        assert channel.qos.acks == [messages[0].delivery_tag] and messages[0].delivery_tag in channel.qos.listed
+        client.rename("saved", keys.celery_queue(QUEUE))
+        drain_until(connection, lambda: len(messages) == 2)
+        assert held(client, keys) == {messages[1].delivery_tag}  # the ack rode on the take that brought it
