@@ -3,6 +3,7 @@ figure run after run whatever else this shared machine does.
 
     python -m bench instructions --role api,cpu-task
     python -m bench instructions --role api --base HEAD~1      # two builds, side by side
+    python -m bench instructions --role api --cells 2          # the API in front of one cell, then two
 
 CPU seconds per image move by a third from one minute to the next here, more than most single changes to the
 stack's overhead; an instruction count does not move. It counts user-space instructions only: not the kernel's
@@ -15,6 +16,8 @@ code; `bench ab` remains the figure users see.
   on timing, and the count would move with it; a wait adds a registration, a wake-up and a second read of
   the job, which this figure leaves out. Counted: gunicorn, gevent, Flask, the app, redis-py, in that worker
   (its pub/sub listener hears every job's end either way).
+  With `--cells N` the same API worker counted twice in one run, in front of one cell and then of N cells
+  (docs/cells.md: the chooser places every job, each cell its own Redis), so the API tier's cost of cells shows.
 - cpu-task: one CPU worker child's task (Preprocessor.run: claim, read the upload, decode, letterbox, pack,
   push), and decode + letterbox alone on the same images: the difference is the task's plumbing. Celery's
   own work per task (its main process's receive, hand-off and ack) is not in it.
@@ -47,6 +50,7 @@ from bench.processes import RedisServer, api_argv, free_port, wait_until
 from bench.stack import answers_ok
 
 ROLES = ("api", "cpu-task")
+CELL_NAMES = "abcdefghijklmnop"  # as contract.cells allows: one hex digit of a job id
 PACKAGES = ("app", "contract", "tasks", "gpu_worker")  # the measured checkout's code
 CHILD = Path(__file__).with_name("instructions_child.py")  # run by path: it imports the measured checkout's code
 _RESULT = {
@@ -113,30 +117,43 @@ def _counted(
     return max(counts)
 
 
-def count_api(root: Path, images: list[bytes], pairs: tuple[int, int] = (20, 100)) -> Counted:
+def count_api(root: Path, images: list[bytes], pairs: tuple[int, int] = (20, 100), cells: int = 1) -> Counted:
+    """The API worker's instructions a submit and its poll. `cells` over 1: the same API in front of that many
+    cells (docs/cells.md: each its own redis-server, the first also the tier's, as `make run CELLS=N` runs them),
+    every submission placed by the chooser."""
+
     def run(count: int) -> int:
         work = Path(tempfile.mkdtemp(prefix="instructions-api-"))
-        server = RedisServer(work)
+        servers = []
+        for index in range(cells):
+            (work / f"cell-{index}").mkdir()
+            servers.append(RedisServer(work / f"cell-{index}"))
         config = work / "config.yaml"
-        config.write_text(yaml.safe_dump({"redis_url": server.url, "api": {"workers": 1}}))
+        settings: dict = {"redis_url": servers[0].url, "api": {"workers": 1}}
+        if cells > 1:
+            settings["cells"] = [{"name": CELL_NAMES[i], "redis_url": s.url} for i, s in enumerate(servers)]
+        config.write_text(yaml.safe_dump(settings))
         port = free_port()
         env = {**os.environ, "IMGSERVE_CONFIG": str(config), "IMGSERVE_API__BIND": f"127.0.0.1:{port}"}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
+        for name in ("PROMETHEUS_MULTIPROC_DIR", "IMGSERVE_CELLS", "IMGSERVE_REDIS_URL"):
+            env.pop(name, None)
         try:
             return _counted(
                 api_argv("--timeout", "900"),
                 root,
                 env,
                 work,
-                lambda process: _drive_api(process, port, server.url, images, count),
+                lambda process: _drive_api(process, port, [s.url for s in servers], images, count),
             )
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
 
-    return Counted("api", "submit + poll", per_unit(run(pairs[0]), run(pairs[1]), *pairs))
+    unit = "submit + poll" if cells == 1 else f"submit + poll, {cells} cells"
+    return Counted("api", unit, per_unit(run(pairs[0]), run(pairs[1]), *pairs))
 
 
-def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: list[bytes], count: int) -> None:
+def _drive_api(process: subprocess.Popen, port: int, redis_urls: list[str], images: list[bytes], count: int) -> None:
     import http.client
 
     from contract.jobs.ending import JobEnding
@@ -149,11 +166,12 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
         return answers_ok(f"http://127.0.0.1:{port}/healthz", [])
 
     wait_until(up, 900, interval_s=1.0, what="the API under valgrind")
-    client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=False)
+    clients: list[redis.Redis] = [redis.Redis.from_url(url, decode_responses=False) for url in redis_urls]
     keys = Keys("imgserve")
-    store, stop = JobEnding(client, keys, 3600), threading.Event()
+    stop = threading.Event()
 
-    def finisher() -> None:  # each job ended as the GPU worker's batch write ends it
+    def finisher(client: redis.Redis) -> None:  # each job ended as the GPU worker's batch write ends it
+        store = JobEnding(client, keys, 3600)
         while not stop.is_set():
             queues = [
                 key.decode() if isinstance(key, bytes) else key
@@ -167,6 +185,13 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
                 job_id = json.loads(base64.b64decode(json.loads(taken[1])["body"]))[0][0]
                 store.finish(job_id, SUCCEEDED, {"result": _RESULT, "timings": {}, "batched_at": time.time()})
 
+    def cell_of(job_id: str) -> redis.Redis:
+        if len(clients) == 1:  # the measured checkout may predate cells (--base)
+            return clients[0]
+        from contract.jobs.ids import JobIds
+
+        return clients[JobIds.cell_of(job_id)]
+
     def client_loop(turns: int, offset: int) -> None:
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
         for turn in range(turns):
@@ -176,13 +201,15 @@ def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: lis
             accepted = json.loads(reply.read())
             if reply.status != 202:
                 raise RuntimeError(f"submit answered {reply.status}: {accepted}")
-            wait_until(functools.partial(_ended, client, keys.job(accepted["id"])), 60, what="the bench to end the job")
+            job = accepted["id"]
+            wait_until(functools.partial(_ended, cell_of(job), keys.job(job)), 60, what="the bench to end the job")
             connection.request("GET", accepted["links"]["self"] + "?wait=30")
             document = json.loads(connection.getresponse().read())
             if document.get("status") != SUCCEEDED:
                 raise RuntimeError(f"a job did not succeed: {document}")
 
-    threading.Thread(target=finisher, daemon=True).start()
+    for client in clients:
+        threading.Thread(target=finisher, args=(client,), daemon=True).start()
     try:
         with ThreadPoolExecutor(4) as pool:  # a client's failure is raised here: no count of a broken run
             for done in [pool.submit(client_loop, count // 4, i) for i in range(4)]:
@@ -223,7 +250,8 @@ def _store_jobs(root: Path, redis_url: str, work: Path, count: int) -> None:
     )
 
 
-def count(role: str, root: Path, images: list[bytes]) -> Counted:
+def count(role: str, root: Path, images: list[bytes], cells: int = 1, pairs: tuple[int, int] = (20, 100)) -> Counted:
+    """`role`'s instructions a unit on the checkout at `root` (`cells`, `pairs`: the api role's, count_api's)."""
     # Bytecode compiled first, outside the count: a module changed since its last import would be compiled in the
     # first, shorter run only, and the difference between the runs would come out short by that much.
     subprocess.run(
@@ -232,7 +260,7 @@ def count(role: str, root: Path, images: list[bytes]) -> Counted:
         stdout=subprocess.DEVNULL,
     )
     if role == "api":
-        return count_api(root, images)
+        return count_api(root, images, pairs, cells)
     if role == "cpu-task":
         return count_cpu_task(root, images)
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")

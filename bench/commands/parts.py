@@ -52,6 +52,14 @@ def add_commands(
         help="api (a submit and its long-poll), cpu-task (one preprocess task)",
     )
     instructions.add_argument("--base", help="a git ref counted too, beside this checkout")
+    instructions.add_argument(
+        "--cells",
+        type=int,
+        help="api: this checkout's API in front of one cell, then of N cells (docs/cells.md), in one run",
+    )
+    instructions.add_argument(
+        "--pairs", type=parse_list(int), default=[20, 100], help="api: the two runs' submits (their difference counts)"
+    )
     feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
     feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
     feed.add_argument(
@@ -107,6 +115,11 @@ def add_commands(
         help="N cells behind one API against one cell, in one run (bench/plane_cells.py): each cell's cost an "
         "image, the split, the deployment's ceiling; --images is then a cell's",
     )
+    plane.add_argument(
+        "--pin",
+        action="store_true",
+        help="--cells: each cell's Redis main thread held to a core of its own (as far as there are cores)",
+    )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
     burst = sub.add_parser(
         "burst",
@@ -132,7 +145,7 @@ def add_commands(
 def _plane_cells(args: argparse.Namespace) -> int:
     from bench import plane_cells
 
-    text, sides = plane_cells.run(args.cells, args.images, args.shards, args.clients, args.instructions)
+    text, sides = plane_cells.run(args.cells, args.images, args.shards, args.clients, args.instructions, args.pin)
     summary = {
         name: {
             "per_cell": [
@@ -140,6 +153,7 @@ def _plane_cells(args: argparse.Namespace) -> int:
                     "images": c["images"],
                     "total": vars(c["total"]),
                     "phases": {p: vars(v) for p, v in c["phases"].items()},
+                    "main_thread": c["main_thread"],
                 }
                 for c in side["per_cell"]
             ]
@@ -255,12 +269,22 @@ def cmd_instructions(args: argparse.Namespace) -> int:
     unknown = [role for role in args.role if role not in instructions.ROLES]
     if unknown:
         raise SystemExit(f"--role {','.join(unknown)}: expected some of {', '.join(instructions.ROLES)}")
-    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    if args.cells is not None and (args.base or args.role != ["api"] or not 2 <= args.cells <= 16):
+        raise SystemExit("--cells N (2 to 16) counts --role api on this checkout only, one cell against N")
+    sides: dict[str, tuple[Path, int]] = {
+        **({f"A {args.base}": (worktree(args.base), 1)} if args.base else {}),
+        **({"one cell": (REPO_ROOT, 1)} if args.cells else {}),
+        (f"{args.cells} cells" if args.cells else "this checkout"): (REPO_ROOT, args.cells or 1),
+    }
     images = load_corpus(None, count=4)
+    pairs = (args.pairs[0], args.pairs[1])
     counted: dict[str, list] = {}
     for role in args.role:
-        for side, root in sides.items():
-            counted.setdefault(side, []).append(instructions.count(role, root, images))
+        for side, (root, cells) in sides.items():
+            counted.setdefault(side, []).append(instructions.count(role, root, images, cells, pairs))
             print(f"  {side} {role}: {counted[side][-1].per_unit / 1e6:.2f} M instructions", file=sys.stderr)
     print(instructions.markdown(counted))
+    if args.cells:
+        ratio = counted[f"{args.cells} cells"][0].per_unit / counted["one cell"][0].per_unit
+        print(f"\n{args.cells} cells / one cell: {ratio:.3f}x (target <= 1.05x)")
     return 0
