@@ -119,6 +119,18 @@ def _keys_and_models(config: Path) -> tuple[Keys, list[str]]:
     return Keys(settings.namespace), [model.key for model in settings.models]
 
 
+# Every job's deadline past the run: the cells' steps run one cell after the other, and on a loaded 2-core machine
+# the last cell's jobs waited past the default 60 s (152 of 1,000 ended `expired`, priced as no GPU step did).
+DEADLINE_MS = 480_000  # within jobs.upload_ttl_s (600 s) less the 60 s the settings keep
+
+
+def cell_config(redis_url: str, shard_urls: list[str], room: int) -> dict[str, Any]:
+    """bench plane's settings, every job's deadline past the run."""
+    config = plane_config(redis_url, shard_urls, room)
+    config["jobs"] = {"default_deadline_ms": DEADLINE_MS}
+    return config
+
+
 @dataclass
 class PlaneCell:
     """One cell of the run: its Redis, its bulk shards, the configuration its workers read."""
@@ -145,7 +157,7 @@ class PlaneCell:
             (folder / f"shard{shard}").mkdir(exist_ok=True)
             own.append(RedisServer(folder / f"shard{shard}"))
         config = folder / "config.yaml"
-        config.write_text(yaml.safe_dump(plane_config(server.url, [s.url for s in own], room)))
+        config.write_text(yaml.safe_dump(cell_config(server.url, [s.url for s in own], room)))
         return cls(server, own, config, counter)
 
     def stop(self) -> None:
@@ -155,7 +167,7 @@ class PlaneCell:
 
 def _api_config(cells: list[PlaneCell], room: int, workdir: Path) -> Path:
     """The API's settings: the first cell's as the top level (the tier's Redis), and `cells` with two or more."""
-    config = plane_config(cells[0].server.url, [s.url for s in cells[0].shards], room)
+    config = cell_config(cells[0].server.url, [s.url for s in cells[0].shards], room)
     if len(cells) > 1:
         config["cells"] = [
             {
