@@ -322,7 +322,7 @@ def test_instruction_counts_are_read_from_callgrind_and_differenced_per_unit():
     assert task.over_reference == pytest.approx(3.5e6)
     assert Counted("api", "submit + long-poll", 9.6e6).over_reference is None
     table = markdown({"this checkout": [task]})
-    assert "| this checkout | cpu-task | task | 102.50 M | 99.00 M | 3.50 M |" in table
+    assert "| this checkout | cpu-task | task | 102.50 M | 99.00 M | 3.50 M | - |" in table
 
 
 def test_bench_hostiles_files_pass_the_default_upload_limit_and_its_report_tallies_each_attack():

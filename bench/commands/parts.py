@@ -58,7 +58,16 @@ def add_commands(
         help="api: this checkout's API in front of one cell, then of N cells (docs/cells.md), in one run",
     )
     instructions.add_argument(
-        "--pairs", type=parse_list(int), default=[20, 100], help="api: the two runs' submits (their difference counts)"
+        "--pairs",
+        type=parse_list(int),
+        default=[20, 100],
+        help="api: the two runs' submits (their difference counts); marked: the second, counted in one run",
+    )
+    instructions.add_argument(
+        "--marked",
+        action="store_true",
+        help="api: one run counted between marks, its idle rate taken out (always so with --cells): "
+        "bench/instructions_api.py",
     )
     feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
     feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
@@ -281,8 +290,10 @@ def cmd_instructions(args: argparse.Namespace) -> int:
     counted: dict[str, list] = {}
     for role in args.role:
         for side, (root, cells) in sides.items():
-            counted.setdefault(side, []).append(instructions.count(role, root, images, cells, pairs))
-            print(f"  {side} {role}: {counted[side][-1].per_unit / 1e6:.2f} M instructions", file=sys.stderr)
+            found = instructions.count(role, root, images, cells, pairs, args.marked or bool(args.cells))
+            counted.setdefault(side, []).append(found)
+            idle = f", {found.idle_per_s / 1e6:.2f} M a second idle" if found.idle_per_s is not None else ""
+            print(f"  {side} {role}: {found.per_unit / 1e6:.2f} M instructions{idle}", file=sys.stderr)
     print(instructions.markdown(counted))
     if args.cells:
         ratio = counted[f"{args.cells} cells"][0].per_unit / counted["one cell"][0].per_unit
