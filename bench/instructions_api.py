@@ -206,6 +206,13 @@ def _worker(master: int) -> int:
     return int(children[0]) if children else 0
 
 
+def busy_less_idle(busy: int, busy_s: float, idle_per_s: float, units: int) -> float:
+    """Instructions a unit: those counted over `units` less what the worker does a second idle, over their time."""
+    if units <= 0:
+        raise ValueError("no units counted")
+    return (busy - idle_per_s * busy_s) / units
+
+
 def count_api_marked(
     root: Path, images: list[bytes], pairs: int = 100, cells: int = 1, idle_s: float = 20.0, warm: int = 8
 ) -> Counted:
@@ -213,6 +220,6 @@ def count_api_marked(
     marked = _Marked(images, pairs, idle_s, warm)
     _api_run(root, cells, marked)
     idle_per_s = marked.idle / idle_s
-    per_pair = (marked.busy - idle_per_s * marked.busy_s) / pairs
+    per_pair = busy_less_idle(marked.busy, marked.busy_s, idle_per_s, pairs)
     unit = "submit + poll" + (f", {cells} cells" if cells > 1 else "") + " (marked)"
     return Counted("api", unit, per_pair, idle_per_s=idle_per_s)
