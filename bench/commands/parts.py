@@ -278,13 +278,16 @@ def cmd_instructions(args: argparse.Namespace) -> int:
     unknown = [role for role in args.role if role not in instructions.ROLES]
     if unknown:
         raise SystemExit(f"--role {','.join(unknown)}: expected some of {', '.join(instructions.ROLES)}")
-    if args.cells is not None and (args.base or args.role != ["api"] or not 2 <= args.cells <= 16):
-        raise SystemExit("--cells N (2 to 16) counts --role api on this checkout only, one cell against N")
-    sides: dict[str, tuple[Path, int]] = {
-        **({f"A {args.base}": (worktree(args.base), 1)} if args.base else {}),
-        **({"one cell": (REPO_ROOT, 1)} if args.cells else {}),
-        (f"{args.cells} cells" if args.cells else "this checkout"): (REPO_ROOT, args.cells or 1),
-    }
+    if args.cells is not None and (args.role != ["api"] or not 2 <= args.cells <= 16):
+        raise SystemExit("--cells N (2 to 16) counts --role api, one cell against N")
+    roots = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    sides: dict[str, tuple[Path, int]] = {}
+    for name, root in roots.items():
+        if args.cells:  # each build in front of one cell, then N
+            sides[f"{name}: one cell"] = (root, 1)
+            sides[f"{name}: {args.cells} cells"] = (root, args.cells)
+        else:
+            sides[name] = (root, 1)
     images = load_corpus(None, count=4)
     pairs = (args.pairs[0], args.pairs[1])
     counted: dict[str, list] = {}
@@ -296,6 +299,7 @@ def cmd_instructions(args: argparse.Namespace) -> int:
             print(f"  {side} {role}: {found.per_unit / 1e6:.2f} M instructions{idle}", file=sys.stderr)
     print(instructions.markdown(counted))
     if args.cells:
-        ratio = counted[f"{args.cells} cells"][0].per_unit / counted["one cell"][0].per_unit
-        print(f"\n{args.cells} cells / one cell: {ratio:.3f}x (target <= 1.05x)")
+        for name in roots:
+            ratio = counted[f"{name}: {args.cells} cells"][0].per_unit / counted[f"{name}: one cell"][0].per_unit
+            print(f"\n{name}: {args.cells} cells / one cell: {ratio:.3f}x (target <= 1.05x)")
     return 0
