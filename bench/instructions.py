@@ -73,7 +73,7 @@ def per_unit(first: int, second: int, first_units: int, second_units: int) -> fl
     return (second - first) / (second_units - first_units)
 
 
-def _counted(
+def run_counted(
     argv: list[str],
     cwd: Path,
     env: dict[str, str],
@@ -115,7 +115,7 @@ def count_cpu_task(root: Path, images: list[bytes], tasks: tuple[int, int] = (10
             if mode == "task":
                 _store_jobs(root, server.url, work, count)
             argv = [sys.executable, str(CHILD), str(root), server.url, str(work), mode, str(count)]
-            return _counted(argv, root, dict(os.environ), work)
+            return run_counted(argv, root, dict(os.environ), work)
         finally:
             server.stop()
 
@@ -129,34 +129,6 @@ def _store_jobs(root: Path, redis_url: str, work: Path, count: int) -> None:
     subprocess.run(
         [sys.executable, str(CHILD), str(root), redis_url, str(work), "store", str(count)], cwd=root, check=True
     )
-
-
-def count(
-    role: str,
-    root: Path,
-    images: list[bytes],
-    cells: int = 1,
-    pairs: tuple[int, int] = (20, 100),
-    marked: bool = False,
-) -> Counted:
-    """`role`'s instructions a unit on the checkout at `root` (`cells`, `pairs`, `marked`: the api role's,
-    bench.instructions_api: with cells, or `marked`, counted between marks in one run, its idle rate taken out)."""
-    # Bytecode compiled first, outside the count: a module changed since its last import would be compiled in the
-    # first, shorter run only, and the difference between the runs would come out short by that much.
-    subprocess.run(
-        [sys.executable, "-m", "compileall", "-q", *(str(root / name) for name in PACKAGES)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    if role == "api":
-        from bench.instructions_api import count_api, count_api_marked
-
-        if cells > 1 or marked:
-            return count_api_marked(root, images, pairs[1], cells)
-        return count_api(root, images, pairs)
-    if role == "cpu-task":
-        return count_cpu_task(root, images)
-    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
 
 
 def markdown(counted: dict[str, list[Counted]]) -> str:

@@ -30,7 +30,7 @@ from typing import Any
 import redis
 import yaml
 
-from bench.instructions import Counted, _counted, per_unit
+from bench.instructions import PACKAGES, Counted, count_cpu_task, per_unit, run_counted
 from bench.plane_meter import InstructionCounter
 from bench.processes import RedisServer, api_argv, free_port, wait_until
 from bench.stack import answers_ok
@@ -157,7 +157,7 @@ def _api_run(root: Path, cells: int, drive: Any) -> int:
             os.killpg(process.pid, signal.SIGTERM)
 
     try:
-        return _counted(api_argv("--timeout", "900"), root, env, work, driving)
+        return run_counted(api_argv("--timeout", "900"), root, env, work, driving)
     finally:
         for server in servers:
             server.stop()
@@ -227,3 +227,29 @@ def count_api_marked(
     per_pair = busy_less_idle(marked.busy, marked.busy_s, idle_per_s, pairs)
     unit = "submit + poll" + (f", {cells} cells" if cells > 1 else "") + " (marked)"
     return Counted("api", unit, per_pair, idle_per_s=idle_per_s)
+
+
+def count(
+    role: str,
+    root: Path,
+    images: list[bytes],
+    cells: int = 1,
+    pairs: tuple[int, int] = (20, 100),
+    marked: bool = False,
+) -> Counted:
+    """`role`'s instructions a unit on the checkout at `root` (`cells`, `pairs`, `marked`: the api role's,
+    bench.instructions_api: with cells, or `marked`, counted between marks in one run, its idle rate taken out)."""
+    # Bytecode compiled first, outside the count: a module changed since its last import would be compiled in the
+    # first, shorter run only, and the difference between the runs would come out short by that much.
+    subprocess.run(
+        [sys.executable, "-m", "compileall", "-q", *(str(root / name) for name in PACKAGES)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
+    if role == "api":
+        if cells > 1 or marked:
+            return count_api_marked(root, images, pairs[1], cells)
+        return count_api(root, images, pairs)
+    if role == "cpu-task":
+        return count_cpu_task(root, images)
+    raise ValueError(f"unknown role {role!r}: one of api, cpu-task")

@@ -272,7 +272,7 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_instructions(args: argparse.Namespace) -> int:
-    from bench import instructions
+    from bench import instructions, instructions_api
     from bench.ab import worktree
 
     unknown = [role for role in args.role if role not in instructions.ROLES]
@@ -293,7 +293,7 @@ def cmd_instructions(args: argparse.Namespace) -> int:
     counted: dict[str, list] = {}
     for role in args.role:
         for side, (root, cells) in sides.items():
-            found = instructions.count(role, root, images, cells, pairs, args.marked or bool(args.cells))
+            found = instructions_api.count(role, root, images, cells, pairs, args.marked or bool(args.cells))
             counted.setdefault(side, []).append(found)
             idle = f", {found.idle_per_s / 1e6:.2f} M a second idle" if found.idle_per_s is not None else ""
             print(f"  {side} {role}: {found.per_unit / 1e6:.2f} M instructions{idle}", file=sys.stderr)
