@@ -55,7 +55,7 @@ def add_commands(
     instructions.add_argument(
         "--cells",
         type=int,
-        help="api: this checkout's API in front of one cell, then of N cells (docs/cells.md), in one run",
+        help="api: the API (this checkout's, and --base's) in front of one cell, then of N cells (docs/cells.md)",
     )
     instructions.add_argument(
         "--pairs",
