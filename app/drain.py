@@ -99,13 +99,21 @@ class DrainMeter:
         """The model's drain now: a fresh reading when the last is a second old, else the last answer."""
         now = self.clock()
         with self._lock:
-            readings = self._readings.setdefault(model_key, deque())
             read_at, last = self._last.get(model_key, (-math.inf, Drain()))
             if now - read_at < READ_EVERY_S:
                 return last
             self._last[model_key] = (now, last)  # the other callers of this second take the last answer meanwhile
         totals = self.read_totals(model_key)  # outside the lock: a Redis round trip
+        return self._record(model_key, now, totals)
+
+    def record(self, model_key: str, totals: dict[str, float] | None) -> Drain:
+        """A reading taken by the caller (read_totals' figures, None: no live GPU worker serves the model), added
+        as drain's own are: app.cell_choice reads them with its other figures, in one round trip."""
+        return self._record(model_key, self.clock(), totals)
+
+    def _record(self, model_key: str, now: float, totals: dict[str, float] | None) -> Drain:
         with self._lock:
+            readings = self._readings.setdefault(model_key, deque())
             if totals is None:
                 readings.clear()
                 drain = Drain(unserved=True)

@@ -3,6 +3,7 @@ figure run after run whatever else this shared machine does.
 
     python -m bench instructions --role api,cpu-task
     python -m bench instructions --role api --base HEAD~1      # two builds, side by side
+    python -m bench instructions --role api --cells 2          # the API in front of one cell, then two
 
 CPU seconds per image move by a third from one minute to the next here, more than most single changes to the
 stack's overhead; an instruction count does not move. It counts user-space instructions only: not the kernel's
@@ -15,6 +16,8 @@ code; `bench ab` remains the figure users see.
   on timing, and the count would move with it; a wait adds a registration, a wake-up and a second read of
   the job, which this figure leaves out. Counted: gunicorn, gevent, Flask, the app, redis-py, in that worker
   (its pub/sub listener hears every job's end either way).
+  With `--cells N` the same API worker counted twice in one run, in front of one cell and then of N cells
+  (docs/cells.md: the chooser places every job, each cell its own Redis), so the API tier's cost of cells shows.
 - cpu-task: one CPU worker child's task (Preprocessor.run: claim, read the upload, decode, letterbox, pack,
   push), and decode + letterbox alone on the same images: the difference is the task's plumbing. Celery's
   own work per task (its main process's receive, hand-off and ack) is not in it.
@@ -25,35 +28,21 @@ cancel out. A run of the API takes minutes (valgrind runs Python some 50 times s
 
 from __future__ import annotations
 
-import base64
-import functools
-import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import redis
-import yaml
-
-from bench.processes import RedisServer, api_argv, free_port, wait_until
-from bench.stack import answers_ok
+from bench.processes import RedisServer
 
 ROLES = ("api", "cpu-task")
+CELL_NAMES = "abcdefghijklmnop"  # as contract.cells allows: one hex digit of a job id
 PACKAGES = ("app", "contract", "tasks", "gpu_worker")  # the measured checkout's code
 CHILD = Path(__file__).with_name("instructions_child.py")  # run by path: it imports the measured checkout's code
-_RESULT = {
-    "detections": [{"box": [10.0, 20.0, 30.0, 40.0], "score": 0.9, "class_id": 0, "label": "circle"}] * 3,
-    "image": {"width": 1920, "height": 1080},
-    "model": {"name": "shapes-yolo", "version": "2.0.0"},
-}
 
 
 @dataclass(frozen=True)
@@ -62,6 +51,7 @@ class Counted:
     unit: str
     per_unit: float  # instructions
     reference: float | None = None  # cpu-task: decode + letterbox alone, per image
+    idle_per_s: float | None = None  # api, marked: the worker's instructions a second with nothing to do
 
     @property
     def over_reference(self) -> float | None:
@@ -83,15 +73,16 @@ def per_unit(first: int, second: int, first_units: int, second_units: int) -> fl
     return (second - first) / (second_units - first_units)
 
 
-def _counted(
+def run_counted(
     argv: list[str],
     cwd: Path,
     env: dict[str, str],
     work: Path,
-    drive: Callable[[subprocess.Popen], None] = lambda process: None,
+    drive: Callable[[subprocess.Popen, Path], None] = lambda process, out: None,
 ) -> int:
-    """Run `argv` (and its children) under callgrind; `drive` does the work meanwhile and stops it. The largest
-    count of its processes: the one that did the work (a gunicorn worker, not its master)."""
+    """Run `argv` (and its children) under callgrind; `drive` does the work meanwhile and stops it (given the
+    folder of callgrind's files, `cg.PID`). The largest count of its processes: the one that did the work (a
+    gunicorn worker, not its master)."""
     out = Path(tempfile.mkdtemp(prefix="callgrind-", dir=work))
     process = subprocess.Popen(
         ["valgrind", "--tool=callgrind", "--trace-children=yes", f"--callgrind-out-file={out}/cg.%p", *argv],
@@ -102,7 +93,7 @@ def _counted(
         start_new_session=True,
     )
     try:
-        drive(process)
+        drive(process, out)
         process.wait(timeout=1800)
     finally:
         if process.poll() is None:
@@ -111,89 +102,6 @@ def _counted(
     if process.returncode or not counts:
         raise RuntimeError(f"{argv[0]} under valgrind failed: {(out / 'stderr').read_text()[-2000:]}")
     return max(counts)
-
-
-def count_api(root: Path, images: list[bytes], pairs: tuple[int, int] = (20, 100)) -> Counted:
-    def run(count: int) -> int:
-        work = Path(tempfile.mkdtemp(prefix="instructions-api-"))
-        server = RedisServer(work)
-        config = work / "config.yaml"
-        config.write_text(yaml.safe_dump({"redis_url": server.url, "api": {"workers": 1}}))
-        port = free_port()
-        env = {**os.environ, "IMGSERVE_CONFIG": str(config), "IMGSERVE_API__BIND": f"127.0.0.1:{port}"}
-        env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-        try:
-            return _counted(
-                api_argv("--timeout", "900"),
-                root,
-                env,
-                work,
-                lambda process: _drive_api(process, port, server.url, images, count),
-            )
-        finally:
-            server.stop()
-
-    return Counted("api", "submit + poll", per_unit(run(pairs[0]), run(pairs[1]), *pairs))
-
-
-def _drive_api(process: subprocess.Popen, port: int, redis_url: str, images: list[bytes], count: int) -> None:
-    import http.client
-
-    from contract.jobs.ending import JobEnding
-    from contract.jobs.record import SUCCEEDED
-    from contract.keys import Keys
-
-    def up() -> bool:
-        if process.poll() is not None:  # gunicorn under valgrind gave up (a settings error, a failed import)
-            raise RuntimeError(f"the API under valgrind exited with {process.returncode} before answering")
-        return answers_ok(f"http://127.0.0.1:{port}/healthz", [])
-
-    wait_until(up, 900, interval_s=1.0, what="the API under valgrind")
-    client: redis.Redis = redis.Redis.from_url(redis_url, decode_responses=False)
-    keys = Keys("imgserve")
-    store, stop = JobEnding(client, keys, 3600), threading.Event()
-
-    def finisher() -> None:  # each job ended as the GPU worker's batch write ends it
-        while not stop.is_set():
-            queues = [
-                key.decode() if isinstance(key, bytes) else key
-                for key in client.keys(keys.celery_prefix + "preprocess*")
-            ]
-            if not queues:  # the first submit makes its model's queue
-                time.sleep(0.05)
-                continue
-            taken = client.brpop(queues, timeout=0.2)
-            if taken:
-                job_id = json.loads(base64.b64decode(json.loads(taken[1])["body"]))[0][0]
-                store.finish(job_id, SUCCEEDED, {"result": _RESULT, "timings": {}, "batched_at": time.time()})
-
-    def client_loop(turns: int, offset: int) -> None:
-        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
-        for turn in range(turns):
-            body = images[(offset + turn) % len(images)] + os.urandom(16)  # every image new to the cache
-            connection.request("POST", "/v1/jobs", body=body, headers={"Content-Type": "image/jpeg"})
-            reply = connection.getresponse()
-            accepted = json.loads(reply.read())
-            if reply.status != 202:
-                raise RuntimeError(f"submit answered {reply.status}: {accepted}")
-            wait_until(functools.partial(_ended, client, keys.job(accepted["id"])), 60, what="the bench to end the job")
-            connection.request("GET", accepted["links"]["self"] + "?wait=30")
-            document = json.loads(connection.getresponse().read())
-            if document.get("status") != SUCCEEDED:
-                raise RuntimeError(f"a job did not succeed: {document}")
-
-    threading.Thread(target=finisher, daemon=True).start()
-    try:
-        with ThreadPoolExecutor(4) as pool:  # a client's failure is raised here: no count of a broken run
-            for done in [pool.submit(client_loop, count // 4, i) for i in range(4)]:
-                done.result()
-    finally:
-        stop.set()
-        os.killpg(process.pid, signal.SIGTERM)
-
-
-def _ended(client: redis.Redis, job_key: str) -> bool:
-    return bool(client.hget(job_key, "status") == b"succeeded")
 
 
 def count_cpu_task(root: Path, images: list[bytes], tasks: tuple[int, int] = (10, 60)) -> Counted:
@@ -207,7 +115,7 @@ def count_cpu_task(root: Path, images: list[bytes], tasks: tuple[int, int] = (10
             if mode == "task":
                 _store_jobs(root, server.url, work, count)
             argv = [sys.executable, str(CHILD), str(root), server.url, str(work), mode, str(count)]
-            return _counted(argv, root, dict(os.environ), work)
+            return run_counted(argv, root, dict(os.environ), work)
         finally:
             server.stop()
 
@@ -223,32 +131,20 @@ def _store_jobs(root: Path, redis_url: str, work: Path, count: int) -> None:
     )
 
 
-def count(role: str, root: Path, images: list[bytes]) -> Counted:
-    # Bytecode compiled first, outside the count: a module changed since its last import would be compiled in the
-    # first, shorter run only, and the difference between the runs would come out short by that much.
-    subprocess.run(
-        [sys.executable, "-m", "compileall", "-q", *(str(root / name) for name in PACKAGES)],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
-    if role == "api":
-        return count_api(root, images)
-    if role == "cpu-task":
-        return count_cpu_task(root, images)
-    raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
-
-
 def markdown(counted: dict[str, list[Counted]]) -> str:
     """One table: a row per role and side."""
     lines = [
         "## bench instructions: user-space instructions per unit (valgrind callgrind)",
         "",
-        "| side | role | unit | instructions | decode + letterbox alone | over it |",
-        "|---|---|---|---|---|---|",
+        "| side | role | unit | instructions | decode + letterbox alone | over it | idle, a second |",
+        "|---|---|---|---|---|---|---|",
     ]
     for side, rows in counted.items():
         for row in rows:
             reference = f"{row.reference / 1e6:.2f} M" if row.reference is not None else "-"
             over = f"{row.over_reference / 1e6:.2f} M" if row.over_reference is not None else "-"
-            lines.append(f"| {side} | {row.role} | {row.unit} | {row.per_unit / 1e6:.2f} M | {reference} | {over} |")
+            idle = f"{row.idle_per_s / 1e6:.2f} M" if row.idle_per_s is not None else "-"
+            lines.append(
+                f"| {side} | {row.role} | {row.unit} | {row.per_unit / 1e6:.2f} M | {reference} | {over} | {idle} |"
+            )
     return "\n".join(lines)

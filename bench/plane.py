@@ -88,7 +88,7 @@ def tiny_jpegs(count: int, seed: int = 1) -> list[bytes]:
 PLANE_KEY = "plane-key"  # --keyed: the one API key every submission carries
 
 
-def _config(redis_url: str, shard_urls: list[str], images: int, keyed: bool = False) -> dict[str, Any]:
+def plane_config(redis_url: str, shard_urls: list[str], images: int, keyed: bool = False) -> dict[str, Any]:
     room = images + 64
     config: dict[str, Any] = {
         "redis_url": redis_url,
@@ -136,7 +136,7 @@ def run_phases(
         folder.mkdir(exist_ok=True)
         bulk.append(RedisServer(folder, root=root))
     cache = ApartCache(workdir, root, instructions) if cache_redis else None
-    config = _config(control.url, [s.url for s in bulk], images, keyed)
+    config = plane_config(control.url, [s.url for s in bulk], images, keyed)
     if cache:  # patient: under callgrind the cache Redis answers past the default timeout, and writes were dropped
         config["cache"] = {"redis_url": cache.server.url, "timeout_ms": 30_000}
     config_path = workdir / "config.yaml"
@@ -159,14 +159,14 @@ def run_phases(
     set_apart = _listpack_apart(client, images) if set_apart is None else set_apart
     settings = load_settings(config_path)
     keys = Keys(settings.namespace)
-    frame_lists = _Progress(bulk_clients or [client], [keys.frames(model.key) for model in settings.models])
+    frame_lists = Progress(bulk_clients or [client], [keys.frames(model.key) for model in settings.models])
 
     def spawn(name: str, argv: list[str]) -> None:
         processes.append(ManagedProcess(name, argv, trips.env(env, name), workdir, root=root))
 
     try:
         spawn("api", api_argv())
-        wait_until(lambda: _answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
+        wait_until(lambda: api_answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
 
         def submit(payload: bytes) -> str:
             headers = {"Content-Type": "image/jpeg", **({"Authorization": f"Bearer {PLANE_KEY}"} if keyed else {})}
@@ -224,7 +224,7 @@ def run_phases(
             shard.stop()
     ended = {status: statuses.count(status) for status in set(statuses)}
     costs, shard_costs, seconds = meter.net(idle), meter.shard_costs, meter.seconds
-    total = _total([costs[phase] for phase in PHASES])
+    total = total_cost([costs[phase] for phase in PHASES])
     return {
         "images": images,
         "shards": shards,
@@ -242,9 +242,9 @@ def run_phases(
     }
 
 
-class _Progress:
-    """How far a phase is, read from keys named in advance (a SCAN for them, over every record, would be priced
-    into the phase)."""
+class Progress:
+    """How far a phase is (bench plane's and bench plane --cells'), read from keys named in advance (a SCAN for
+    them, over every record, would be priced into the phase)."""
 
     def __init__(self, clients: list[redis.Redis], keys: list[str]) -> None:
         self.keys = [(client, key) for client in clients for key in keys]
@@ -281,7 +281,7 @@ def _lives(client: redis.Redis, heartbeat: str, processes: list[ManagedProcess])
     return bool(client.exists(heartbeat))
 
 
-def _total(costs: list[PhaseCost]) -> PhaseCost:
+def total_cost(costs: list[PhaseCost]) -> PhaseCost:
     """The phases' costs added up, command by command."""
     counted = [c.instructions for c in costs if c.instructions is not None]
     total = PhaseCost(
@@ -297,7 +297,7 @@ def _total(costs: list[PhaseCost]) -> PhaseCost:
     return total
 
 
-def _answers(url: str, processes: list[ManagedProcess]) -> bool:
+def api_answers(url: str, processes: list[ManagedProcess]) -> bool:
     for process in processes:
         if not process.alive():
             raise RuntimeError(f"{process.name} died:\n{process.log_tail()}")

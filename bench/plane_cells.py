@@ -33,7 +33,8 @@ import redis
 import requests
 import yaml
 
-from bench.plane import PHASES, _answers, _config, _Progress, _total, tiny_jpegs
+from bench.plane import PHASES, Progress, api_answers, plane_config, tiny_jpegs, total_cost
+from bench.plane_cells_report import CELL_NAMES, MainThread, per_image, report, verdict
 from bench.plane_meter import InstructionCounter, PhaseCost, RedisReading
 from bench.processes import (
     ManagedProcess,
@@ -49,37 +50,43 @@ from contract.config import load_settings
 from contract.jobs.ids import JobIds
 from contract.keys import Keys
 
-CELL_NAMES = "abcdefghijklmnop"
-CORE_SHARE = 0.7  # each cell's Redis core kept at 70% at the ceiling, as bench plane's
-
 
 class CellsMeter:
     """Every cell's Redis read around each phase; costs per image worked out once each cell's images are known.
     With counters (callgrind), each cell's instructions too."""
 
-    def __init__(self, clients: list[redis.Redis], counters: list[InstructionCounter] | None = None) -> None:
-        self.clients, self.counters = clients, counters or []
+    def __init__(
+        self, clients: list[redis.Redis], pids: list[int], counters: list[InstructionCounter] | None = None
+    ) -> None:
+        self.clients, self.pids, self.counters = clients, pids, counters or []
         self.readings: dict[str, list[tuple[RedisReading, RedisReading]]] = {}
+        self.threads: dict[str, list[tuple[MainThread, MainThread]]] = {}  # each cell's main thread around a phase
         self.instructions: dict[str, list[int]] = {}
         self.seconds: dict[str, float] = {}
 
     def _read(self) -> list[RedisReading]:
         return [RedisReading.of(c) for c in self.clients]
 
+    def _threads(self) -> list[MainThread]:
+        return [MainThread.of(c, pid) for c, pid in zip(self.clients, self.pids)]
+
     def measure(self, phase: str, work: Any) -> Any:
         for counter in self.counters:
             counter.mark()
+        threads = self._threads()
         before = self._read()
         started = time.monotonic()
         value = work()
         self.seconds[phase] = time.monotonic() - started
         self.readings[phase] = list(zip(before, self._read()))
+        self.threads[phase] = list(zip(threads, self._threads()))
         self.instructions[phase] = [counter.mark() for counter in self.counters]
         return value
 
     def idle(self, seconds: float) -> list[PhaseCost]:
         """Each cell's Redis with nothing to do, a second's worth (taken out of each phase, as bench plane does)."""
         self.measure("idle", lambda: time.sleep(seconds))
+        self.threads.pop("idle")
         costs = [PhaseCost.between(b, a, 1) for b, a in self.readings.pop("idle")]
         counted = self.instructions.pop("idle")
         for index, cost in enumerate(costs):
@@ -112,6 +119,18 @@ def _keys_and_models(config: Path) -> tuple[Keys, list[str]]:
     return Keys(settings.namespace), [model.key for model in settings.models]
 
 
+# Every job's deadline past the run: the cells' steps run one cell after the other, and on a loaded 2-core machine
+# the last cell's jobs waited past the default 60 s (152 of 1,000 ended `expired`, priced as no GPU step did).
+DEADLINE_MS = 480_000  # within jobs.upload_ttl_s (600 s) less the 60 s the settings keep
+
+
+def cell_config(redis_url: str, shard_urls: list[str], room: int) -> dict[str, Any]:
+    """bench plane's settings, every job's deadline past the run."""
+    config = plane_config(redis_url, shard_urls, room)
+    config["jobs"] = {"default_deadline_ms": DEADLINE_MS}
+    return config
+
+
 @dataclass
 class PlaneCell:
     """One cell of the run: its Redis, its bulk shards, the configuration its workers read."""
@@ -122,18 +141,23 @@ class PlaneCell:
     counter: InstructionCounter | None
 
     @classmethod
-    def start(cls, folder: Path, shards: int, room: int, instructions: bool = False) -> PlaneCell:
+    def start(
+        cls, folder: Path, shards: int, room: int, instructions: bool = False, core: int | None = None
+    ) -> PlaneCell:
+        """`core`: the Redis's main thread held to that CPU (its other threads, started already, are not)."""
         folder.mkdir(parents=True, exist_ok=True)
         counter = InstructionCounter(folder) if instructions else None
         server = RedisServer(folder, wrapper=counter.wrapper() if counter else ())
         if counter:
             counter.pid = server.process.pid
+        if core is not None:
+            os.sched_setaffinity(server.process.pid, {core})
         own = []
         for shard in range(shards):
             (folder / f"shard{shard}").mkdir(exist_ok=True)
             own.append(RedisServer(folder / f"shard{shard}"))
         config = folder / "config.yaml"
-        config.write_text(yaml.safe_dump(_config(server.url, [s.url for s in own], room)))
+        config.write_text(yaml.safe_dump(cell_config(server.url, [s.url for s in own], room)))
         return cls(server, own, config, counter)
 
     def stop(self) -> None:
@@ -143,7 +167,7 @@ class PlaneCell:
 
 def _api_config(cells: list[PlaneCell], room: int, workdir: Path) -> Path:
     """The API's settings: the first cell's as the top level (the tier's Redis), and `cells` with two or more."""
-    config = _config(cells[0].server.url, [s.url for s in cells[0].shards], room)
+    config = cell_config(cells[0].server.url, [s.url for s in cells[0].shards], room)
     if len(cells) > 1:
         config["cells"] = [
             {
@@ -159,14 +183,22 @@ def _api_config(cells: list[PlaneCell], room: int, workdir: Path) -> Path:
 
 
 def run_cells(
-    cells: int, images: int, shards: int, clients: int, workdir: Path, instructions: bool = False
+    cells: int, images: int, shards: int, clients: int, workdir: Path, instructions: bool = False, pin: bool = False
 ) -> dict[str, Any]:
     """The four phases over `cells` cells (one: today's deployment, no `cells` setting), `images` a cell
-    (`instructions`: each cell's Redis under callgrind, its instructions counted too)."""
+    (`instructions`: each cell's Redis under callgrind, its instructions counted too; `pin`: each cell's Redis
+    main thread on a core of its own, the first cell's on CPU 0, as far as the machine has cores)."""
     workdir.mkdir(parents=True, exist_ok=True)
     total_images = images * cells
+    cores = sorted(os.sched_getaffinity(0))
     started = [
-        PlaneCell.start(workdir / f"cell-{CELL_NAMES[index]}", shards, total_images, instructions)
+        PlaneCell.start(
+            workdir / f"cell-{CELL_NAMES[index]}",
+            shards,
+            total_images,
+            instructions,
+            cores[index % len(cores)] if pin else None,
+        )
         for index in range(cells)
     ]
     api_config_path = _api_config(started, total_images, workdir)
@@ -184,7 +216,8 @@ def run_cells(
     payloads = tiny_jpegs(total_images)
     session = requests.Session()
     session.mount("http://", requests.adapters.HTTPAdapter(pool_maxsize=clients * cells))
-    meter = CellsMeter(redis_clients, [cell.counter for cell in started if cell.counter])
+    pids = [server.process.pid for server in servers]
+    meter = CellsMeter(redis_clients, pids, [cell.counter for cell in started if cell.counter])
 
     def spawn(name: str, argv: list[str], config: Path, more: dict[str, str] | None = None) -> None:
         env = {**base_env, "IMGSERVE_CONFIG": str(config), **(more or {})}
@@ -192,7 +225,7 @@ def run_cells(
 
     try:
         spawn("api", api_argv(), api_config_path, api_env(port, cells, 64))  # the API tier grows with the cells
-        wait_until(lambda: _answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
+        wait_until(lambda: api_answers(url + "/healthz", processes), 60, interval_s=0.2, what="the API")
 
         def submit(payload: bytes) -> str:
             reply = session.post(url + "/v1/jobs", data=payload, headers={"Content-Type": "image/jpeg"}, timeout=30)
@@ -208,7 +241,7 @@ def run_cells(
                 for index, config in enumerate(configs):
                     spawn(f"cpu-worker-{CELL_NAMES[index]}", cpu_worker_argv(2), config)
                     keys, models = _keys_and_models(config)
-                    waiting = _Progress(bulk_clients[index] or [redis_clients[index]], [keys.frames(m) for m in models])
+                    waiting = Progress(bulk_clients[index] or [redis_clients[index]], [keys.frames(m) for m in models])
                     wait_until(_at_least(waiting.frames_waiting, taken[index]), 300, interval_s=0.2, what="frames")
 
             meter.measure("cpu", cpu_phase)
@@ -235,7 +268,15 @@ def run_cells(
     per_cell = []
     for index in range(cells):
         phases = meter.net(index, taken[index], idle[index])
-        per_cell.append({"images": taken[index], "phases": phases, "total": _total([phases[p] for p in PHASES])})
+        threads = [meter.threads[phase][index] for phase in PHASES]
+        per_cell.append(
+            {
+                "images": taken[index],
+                "phases": phases,
+                "total": total_cost([phases[p] for p in PHASES]),
+                "main_thread": per_image(threads, taken[index]),
+            }
+        )
     return {
         "cells": cells,
         "images": total_images,
@@ -258,83 +299,14 @@ def _taken(ids: list[str], cells: int) -> list[int]:
     return taken
 
 
-def ceiling(side: dict[str, Any], cost: str = "us") -> float:
-    """Images/s the deployment takes when its busiest cell's Redis reaches 70% of a core, at the split measured
-    (`cost` "instructions": in images per 1e6 instructions, for ratios only)."""
-    total = sum(cell["images"] for cell in side["per_cell"])
-    return min(
-        CORE_SHARE * 1e6 / getattr(cell["total"], cost) / (cell["images"] / total)
-        for cell in side["per_cell"]
-        if cell["images"]
-    )
-
-
-def verdict(one: dict[str, Any], many: dict[str, Any]) -> dict[str, Any]:
-    """The targets of docs/cells.md: ceiling >= 1.8x one cell's; each cell's µs and commands an image within 1.1x
-    of one cell's; the images split within 10% of an even share. Where instructions were counted (callgrind: the
-    µs are valgrind's), the ceiling's ratio and the cost's are the instructions'."""
-    base = one["per_cell"][0]["total"]
-    cost = "instructions" if base.instructions is not None else "us"
-    ratio = ceiling(many, cost) / ceiling(one, cost)
-    cost_ratios = [getattr(cell["total"], cost) / getattr(base, cost) for cell in many["per_cell"]]
-    command_ratios = [cell["total"].commands / base.commands for cell in many["per_cell"]]
-    even = many["images"] / many["cells"]
-    split = max(abs(cell["images"] - even) / even for cell in many["per_cell"])
-    return {
-        "cost": cost,
-        "ceiling_ratio": ratio,
-        "cost_ratios": cost_ratios,
-        "command_ratios": command_ratios,
-        "split_off_even": split,
-        "met": ratio >= 1.8 and max(cost_ratios) <= 1.1 and max(command_ratios) <= 1.1 and split <= 0.10,
-    }
-
-
-def report(one: dict[str, Any], many: dict[str, Any]) -> str:
-    found = verdict(one, many)
-    rows = [("1 cell", one["per_cell"][0])]
-    rows += [(f"{many['cells']} cells: {CELL_NAMES[i]}", c) for i, c in enumerate(many["per_cell"])]
-    lines = [
-        f"## The control plane over cells (`bench plane --cells {many['cells']}`: each cell's Redis, its own INFO)",
-        "",
-        f"{one['images']} images of 640x16 a cell; one API; each cell its own redis-server, bulk shard(s), CPU "
-        "worker and GPU worker (sim). µs: the cell's Redis main-thread CPU an image it took, less its idle rate.",
-        "",
-        "| cell | images | "
-        + " | ".join(f"{p}: µs, commands" for p in PHASES)
-        + " | **all**: µs, commands | **all**: instructions |",
-        "|---|---|" + "---|" * (len(PHASES) + 2),
-    ]
-    for name, cell in rows:
-        phases = " | ".join(f"{cell['phases'][p].us:.0f}, {cell['phases'][p].commands:.1f}" for p in PHASES)
-        total = cell["total"]
-        counted = f"{total.instructions:,.0f}" if total.instructions is not None else "-"
-        lines.append(f"| {name} | {cell['images']} | {phases} | {total.us:.0f}, {total.commands:.1f} | {counted} |")
-    lines += [
-        "",
-        "| ceiling (each cell's core at 70%) | 1 cell | " + f"{many['cells']} cells |",
-        "|---|---|---|",
-        f"| images/s | {ceiling(one):,.0f} | {ceiling(many):,.0f} |",
-        f"| fast GPUs (1,333 images/s) fed | {ceiling(one) / 1333:.1f} | {ceiling(many) / 1333:.1f} |",
-        f"| jobs ended | {one['ended']} | {many['ended']} |",
-        "",
-        f"- ceiling {found['ceiling_ratio']:.2f}x one cell's, by {found['cost']} an image (target >= 1.8x)",
-        f"- each cell's {found['cost']} an image / one cell's: " + ", ".join(f"{r:.2f}x" for r in found["cost_ratios"]),
-        "- each cell's commands an image / one cell's: " + ", ".join(f"{r:.2f}x" for r in found["command_ratios"]),
-        f"- the split: the farthest cell {found['split_off_even']:.1%} off an even share (target within 10%)",
-        f"- targets {'met' if found['met'] else 'NOT met'}",
-    ]
-    if found["cost"] == "instructions":
-        lines.append("- (under callgrind the µs and images/s above are valgrind's: the ratios are the instructions')")
-    return "\n".join(lines)
-
-
-def run(cells: int, images: int, shards: int, clients: int, instructions: bool = False) -> tuple[str, dict[str, Any]]:
+def run(
+    cells: int, images: int, shards: int, clients: int, instructions: bool = False, pin: bool = False
+) -> tuple[str, dict[str, Any]]:
     """One cell, then `cells` cells, in one run."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-cells-"))
     try:
-        one = run_cells(1, images, shards, clients, scratch / "one", instructions)
-        many = run_cells(cells, images, shards, clients, scratch / "many", instructions)
+        one = run_cells(1, images, shards, clients, scratch / "one", instructions, pin)
+        many = run_cells(cells, images, shards, clients, scratch / "many", instructions, pin)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return report(one, many), {"one": one, "many": many, "verdict": verdict(one, many)}

@@ -229,18 +229,20 @@ class InstructionCounter:
     what was counted since the last dump. The kernel's side of each round trip (the socket calls, ~20% of Redis's
     CPU here) is not counted."""
 
-    def __init__(self, folder: Path) -> None:
-        self.folder = folder
+    def __init__(self, folder: Path, prefix: str = "redis") -> None:
+        """`prefix`: the output files' name before `.PID` (bench instructions counts an API worker as `cg`)."""
+        self.folder, self.prefix = folder, prefix
         self.pid = 0
 
     def wrapper(self) -> tuple[str, ...]:
-        return ("valgrind", "--tool=callgrind", f"--callgrind-out-file={self.folder}/redis.%p")
+        return ("valgrind", "--tool=callgrind", f"--callgrind-out-file={self.folder}/{self.prefix}.%p")
 
     def mark(self) -> int:
         """Instructions since the last mark (the first: since the start)."""
-        before = set(self.folder.glob(f"redis.{self.pid}.*"))
+        pattern = f"{self.prefix}.{self.pid}.*"
+        before = set(self.folder.glob(pattern))
         subprocess.run(["callgrind_control", "-d", str(self.pid)], check=True, capture_output=True, timeout=60)
-        dump = wait_until(lambda: set(self.folder.glob(f"redis.{self.pid}.*")) - before, 60, what="a callgrind dump")
+        dump = wait_until(lambda: set(self.folder.glob(pattern)) - before, 60, what="a callgrind dump")
         path = next(iter(dump))
         wait_until(lambda: "\ntotals:" in path.read_text(), 60, what="the dump written")
         summary = next(line for line in path.read_text().splitlines() if line.startswith("summary:"))

@@ -322,7 +322,21 @@ def test_instruction_counts_are_read_from_callgrind_and_differenced_per_unit():
     assert task.over_reference == pytest.approx(3.5e6)
     assert Counted("api", "submit + long-poll", 9.6e6).over_reference is None
     table = markdown({"this checkout": [task]})
-    assert "| this checkout | cpu-task | task | 102.50 M | 99.00 M | 3.50 M |" in table
+    assert "| this checkout | cpu-task | task | 102.50 M | 99.00 M | 3.50 M | - |" in table
+
+
+def test_a_marked_api_count_takes_the_workers_idle_rate_out_over_the_pairs_time():
+    """bench instructions --marked / --cells: the per-second work (listener ticks) is not a request's."""
+    from bench.instructions import Counted, markdown
+    from bench.instructions_api import busy_less_idle
+
+    # 100 pairs counted at 1,100 M over 25 s, the worker idle at 4 M a second: 1,000 M of pairs, 10 M each
+    assert busy_less_idle(1_100_000_000, 25.0, 4_000_000.0, 100) == pytest.approx(10_000_000)
+    with pytest.raises(ValueError):
+        busy_less_idle(1, 1.0, 0.0, 0)
+    row = Counted("api", "submit + poll, 2 cells (marked)", 9.8e6, idle_per_s=4.2e6)
+    table = markdown({"2 cells": [row]})
+    assert "| 2 cells | api | submit + poll, 2 cells (marked) | 9.80 M | - | - | 4.20 M |" in table
 
 
 def test_bench_hostiles_files_pass_the_default_upload_limit_and_its_report_tallies_each_attack():

@@ -4,7 +4,8 @@ and a short real run over two cells behind one API, each with its own Redis and 
 import pytest
 
 from bench.plane import PHASES
-from bench.plane_cells import ceiling, report, run_cells, verdict
+from bench.plane_cells import run_cells
+from bench.plane_cells_report import ceiling, report, verdict
 from bench.plane_meter import PhaseCost
 
 
@@ -39,5 +40,22 @@ def test_two_cells_behind_one_api_split_the_images_and_each_prices_its_own(tmp_p
         assert cell["images"] > 0, "the chooser placed jobs in both cells"
         for phase in PHASES:
             assert cell["phases"][phase].commands > 0, phase
+    for cell in [*one["per_cell"], *many["per_cell"]]:  # what each cell's main thread did, read per image
+        thread = cell["main_thread"]
+        assert thread["user_us"] > 0 and thread["in_commands_us"] > 0 and thread["voluntary"] > 0, thread
     text = report(one, many)
     assert "| 2 cells: b |" in text and "one cell's" in text
+    assert "| cell | user µs | system µs |" in text and "FCALL" in text.upper()
+
+
+def test_a_pinned_cell_holds_its_redis_main_thread_to_its_core(tmp_path):
+    import os
+
+    from bench.plane_cells import PlaneCell
+
+    core = max(os.sched_getaffinity(0))
+    cell = PlaneCell.start(tmp_path / "cell", shards=0, room=8, core=core)
+    try:
+        assert os.sched_getaffinity(cell.server.process.pid) == {core}
+    finally:
+        cell.stop()

@@ -52,6 +52,23 @@ def add_commands(
         help="api (a submit and its long-poll), cpu-task (one preprocess task)",
     )
     instructions.add_argument("--base", help="a git ref counted too, beside this checkout")
+    instructions.add_argument(
+        "--cells",
+        type=int,
+        help="api: the API (this checkout's, and --base's) in front of one cell, then of N cells (docs/cells.md)",
+    )
+    instructions.add_argument(
+        "--pairs",
+        type=parse_list(int),
+        default=[20, 100],
+        help="api: the two runs' submits (their difference counts); marked: the second, counted in one run",
+    )
+    instructions.add_argument(
+        "--marked",
+        action="store_true",
+        help="api: one run counted between marks, its idle rate taken out (always so with --cells): "
+        "bench/instructions_api.py",
+    )
     feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
     feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
     feed.add_argument(
@@ -113,6 +130,11 @@ def add_commands(
         help="N cells behind one API against one cell, in one run (bench/plane_cells.py): each cell's cost an "
         "image, the split, the deployment's ceiling; --images is then a cell's",
     )
+    plane.add_argument(
+        "--pin",
+        action="store_true",
+        help="--cells: each cell's Redis main thread held to a core of its own (as far as there are cores)",
+    )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
     burst = sub.add_parser(
         "burst",
@@ -138,7 +160,7 @@ def add_commands(
 def _plane_cells(args: argparse.Namespace) -> int:
     from bench import plane_cells
 
-    text, sides = plane_cells.run(args.cells, args.images, args.shards, args.clients, args.instructions)
+    text, sides = plane_cells.run(args.cells, args.images, args.shards, args.clients, args.instructions, args.pin)
     summary = {
         name: {
             "per_cell": [
@@ -146,6 +168,7 @@ def _plane_cells(args: argparse.Namespace) -> int:
                     "images": c["images"],
                     "total": vars(c["total"]),
                     "phases": {p: vars(v) for p, v in c["phases"].items()},
+                    "main_thread": c["main_thread"],
                 }
                 for c in side["per_cell"]
             ]
@@ -258,18 +281,34 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_instructions(args: argparse.Namespace) -> int:
-    from bench import instructions
+    from bench import instructions, instructions_api
     from bench.ab import worktree
 
     unknown = [role for role in args.role if role not in instructions.ROLES]
     if unknown:
         raise SystemExit(f"--role {','.join(unknown)}: expected some of {', '.join(instructions.ROLES)}")
-    sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    if args.cells is not None and (args.role != ["api"] or not 2 <= args.cells <= 16):
+        raise SystemExit("--cells N (2 to 16) counts --role api, one cell against N")
+    roots = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
+    sides: dict[str, tuple[Path, int]] = {}
+    for name, root in roots.items():
+        if args.cells:  # each build in front of one cell, then N
+            sides[f"{name}: one cell"] = (root, 1)
+            sides[f"{name}: {args.cells} cells"] = (root, args.cells)
+        else:
+            sides[name] = (root, 1)
     images = load_corpus(None, count=4)
+    pairs = (args.pairs[0], args.pairs[1])
     counted: dict[str, list] = {}
     for role in args.role:
-        for side, root in sides.items():
-            counted.setdefault(side, []).append(instructions.count(role, root, images))
-            print(f"  {side} {role}: {counted[side][-1].per_unit / 1e6:.2f} M instructions", file=sys.stderr)
+        for side, (root, cells) in sides.items():
+            found = instructions_api.count(role, root, images, cells, pairs, args.marked or bool(args.cells))
+            counted.setdefault(side, []).append(found)
+            idle = f", {found.idle_per_s / 1e6:.2f} M a second idle" if found.idle_per_s is not None else ""
+            print(f"  {side} {role}: {found.per_unit / 1e6:.2f} M instructions{idle}", file=sys.stderr)
     print(instructions.markdown(counted))
+    if args.cells:
+        for name in roots:
+            ratio = counted[f"{name}: {args.cells} cells"][0].per_unit / counted[f"{name}: one cell"][0].per_unit
+            print(f"\n{name}: {args.cells} cells / one cell: {ratio:.3f}x (target <= 1.05x)")
     return 0

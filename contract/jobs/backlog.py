@@ -6,7 +6,8 @@ is in Lua (contract.budget's admit), from the same lists.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
 
 import redis
 
@@ -19,12 +20,23 @@ def queue_depths(
     """Per model (name:version): jobs waiting for a CPU worker (its Celery lists, one per tenant: see
     Keys.preprocess_queue) and frames waiting for a GPU worker, in one round trip."""
     pipe = client.pipeline(transaction=False)
+    add_depth_reads(pipe, keys, model_keys, tenants)
+    return depths_from(iter(pipe.execute()), model_keys, tenants)
+
+
+def add_depth_reads(pipe: Any, keys: Keys, model_keys: Sequence[str], tenants: Sequence[str] = ("",)) -> None:
+    """queue_depths' reads, added to `pipe` (app.cell_choice sends them with its other reads: one round trip)."""
     for model_key in model_keys:
         for queue in keys.preprocess_queues(model_key, tenants):
             pipe.llen(keys.celery_queue(queue))
         pipe.llen(keys.frames(model_key))
         pipe.hget(keys.frames_waiting, model_key)  # with bulk shards: their lists' count (contract.shards)
-    replies = iter(pipe.execute())
+
+
+def depths_from(
+    replies: Iterator[Any], model_keys: Sequence[str], tenants: Sequence[str] = ("",)
+) -> dict[str, dict[str, int]]:
+    """queue_depths from the replies of add_depth_reads' commands (taken from `replies`, in order)."""
     depths = {}
     for model_key in model_keys:
         preprocess = sum(int(next(replies)) for _ in tenants)
