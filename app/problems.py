@@ -7,10 +7,14 @@ from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
+import redis
 from flask import Response, jsonify
 
+from app.drain import MAX_RETRY_AFTER_S
 from app.metrics import count_reject, request_route
 from contract.documents import PROBLEM_TYPE, ProblemDocument
+from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
+from contract.shards import ShardUnavailable
 
 
 class Problem(Exception):
@@ -74,3 +78,30 @@ def job_lost(job_id: str, issued_at: str) -> Problem:
         f"job {job_id!r} was accepted at {issued_at} and its record should still be here, but the job store no "
         "longer holds it (lost with a Redis server: docs/reliability.md says when); submit the image again",
     )
+
+
+# A Redis error's answer, the first row whose types match: (types, slug, detail, Retry-After). A Retry-After of
+# None is the deployment's backpressure.retry_after_s. Order matters: AnswerNotReplicated is a NotReplicated,
+# and every row is a RedisError (the last row catches the rest).
+REDIS_PROBLEMS: tuple[tuple[tuple[type[Exception], ...], str, str, int | None], ...] = (
+    # how it ended is not on the replicas yet: ask again
+    ((AnswerNotReplicated,), "not-replicated", "the job ended, but its end is not yet on enough replicas to be shown; read it again", 1),
+    # stored on the primary only: withdrawn; a retry may well succeed
+    ((NotReplicated,), "not-replicated", "the job could not be stored on enough replicas in time and was withdrawn; retry", 1),
+    # only this job's shard: the next submit goes to another
+    ((ShardUnavailable,), "shard-unavailable", "the store for this job's upload is unreachable; retry (a new job is placed on another)", 1),
+    ((redis.exceptions.OutOfMemoryError,), "store-full", "the job store is full; retry later", MAX_RETRY_AFTER_S),
+    # this process cannot tell it writes to the primary that will last
+    ((Unconfirmed,), "backend-unavailable", "the job store's primary is not confirmed by a majority of its Sentinels; retry", 1),
+    ((redis.ConnectionError, redis.TimeoutError), "backend-unavailable", "the job store is unreachable", None),
+    ((redis.RedisError,), "backend-error", "the job store refused the request", None),
+)
+
+
+def redis_problem(exc: redis.RedisError, retry_after_s: int) -> Problem:
+    """A Redis error said as it is, with no exception text: full, unreachable, or refusing for another reason."""
+    for types, slug, detail, retry in REDIS_PROBLEMS:
+        if isinstance(exc, types):
+            break
+    seconds = retry_after_s if retry is None else retry
+    return Problem(503, slug, "Service unavailable", detail, headers={"Retry-After": str(seconds)})
