@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -80,28 +81,56 @@ def job_lost(job_id: str, issued_at: str) -> Problem:
     )
 
 
-# A Redis error's answer, the first row whose types match: (types, slug, detail, Retry-After). A Retry-After of
-# None is the deployment's backpressure.retry_after_s. Order matters: AnswerNotReplicated is a NotReplicated,
-# and every row is a RedisError (the last row catches the rest).
-REDIS_PROBLEMS: tuple[tuple[tuple[type[Exception], ...], str, str, int | None], ...] = (
-    # how it ended is not on the replicas yet: ask again
-    ((AnswerNotReplicated,), "not-replicated", "the job ended, but its end is not yet on enough replicas to be shown; read it again", 1),
-    # stored on the primary only: withdrawn; a retry may well succeed
-    ((NotReplicated,), "not-replicated", "the job could not be stored on enough replicas in time and was withdrawn; retry", 1),
-    # only this job's shard: the next submit goes to another
-    ((ShardUnavailable,), "shard-unavailable", "the store for this job's upload is unreachable; retry (a new job is placed on another)", 1),
-    ((redis.exceptions.OutOfMemoryError,), "store-full", "the job store is full; retry later", MAX_RETRY_AFTER_S),
-    # this process cannot tell it writes to the primary that will last
-    ((Unconfirmed,), "backend-unavailable", "the job store's primary is not confirmed by a majority of its Sentinels; retry", 1),
-    ((redis.ConnectionError, redis.TimeoutError), "backend-unavailable", "the job store is unreachable", None),
-    ((redis.RedisError,), "backend-error", "the job store refused the request", None),
+@dataclass(frozen=True)
+class RedisProblem:
+    """How one kind of Redis error is answered: always a 503, said as it is, with no exception text."""
+
+    errors: tuple[type[Exception], ...]
+    slug: str
+    detail: str
+    retry_after_s: int | None = None  # None: the deployment's backpressure.retry_after_s
+
+
+# Read in order, the first match answers: AnswerNotReplicated is a NotReplicated, and the last row takes the rest.
+REDIS_PROBLEMS = (
+    # How it ended is not on the replicas yet: ask again.
+    RedisProblem(
+        (AnswerNotReplicated,),
+        "not-replicated",
+        "the job ended, but its end is not yet on enough replicas to be shown; read it again",
+        1,
+    ),
+    # Stored on the primary only: withdrawn; a retry may well succeed.
+    RedisProblem(
+        (NotReplicated,),
+        "not-replicated",
+        "the job could not be stored on enough replicas in time and was withdrawn; retry",
+        1,
+    ),
+    # Only this job's shard: the next submit goes to another.
+    RedisProblem(
+        (ShardUnavailable,),
+        "shard-unavailable",
+        "the store for this job's upload is unreachable; retry (a new job is placed on another)",
+        1,
+    ),
+    RedisProblem(
+        (redis.exceptions.OutOfMemoryError,), "store-full", "the job store is full; retry later", MAX_RETRY_AFTER_S
+    ),
+    # This process cannot tell it writes to the primary that will last.
+    RedisProblem(
+        (Unconfirmed,),
+        "backend-unavailable",
+        "the job store's primary is not confirmed by a majority of its Sentinels; retry",
+        1,
+    ),
+    RedisProblem((redis.ConnectionError, redis.TimeoutError), "backend-unavailable", "the job store is unreachable"),
+    RedisProblem((redis.RedisError,), "backend-error", "the job store refused the request"),
 )
 
 
 def redis_problem(exc: redis.RedisError, retry_after_s: int) -> Problem:
-    """A Redis error said as it is, with no exception text: full, unreachable, or refusing for another reason."""
-    for types, slug, detail, retry in REDIS_PROBLEMS:
-        if isinstance(exc, types):
-            break
-    seconds = retry_after_s if retry is None else retry
-    return Problem(503, slug, "Service unavailable", detail, headers={"Retry-After": str(seconds)})
+    """A Redis error's answer (REDIS_PROBLEMS' first match): full, unreachable, or refusing for another reason."""
+    row = next(row for row in REDIS_PROBLEMS if isinstance(exc, row.errors))
+    seconds = retry_after_s if row.retry_after_s is None else row.retry_after_s
+    return Problem(503, row.slug, "Service unavailable", row.detail, headers={"Retry-After": str(seconds)})

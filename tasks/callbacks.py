@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from contract.callback_signature import signed_headers
 from contract.callbacks import (
     CallbackRefused,
     CallbackTarget,
@@ -30,7 +31,6 @@ from contract.library import Step
 from contract.sections import SettingsError
 from contract.settings import Settings
 from tasks.callback_http import Deadline, DeliveryFailed, bounded_resolver, post_within
-from contract.callback_signature import signed_headers
 from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)

@@ -13,8 +13,8 @@ import re
 import requests
 
 from app import create_app
-from contract.config import load_settings
 from contract.callback_signature import signed_headers
+from contract.config import load_settings
 from tests.support import ApiServer
 
 SECRET = "a-receivers-shared-secret-0123456789"
