@@ -29,8 +29,8 @@ class DeliveryFailed(RuntimeError):
 
 class Deadline:
     """An attempt's end: each wait within it (connect, TLS, a write, a read) is given what is left, at most
-    `step_s`. A per-read timeout alone let a receiver sending a byte every 2 s hold a thread for as long as it
-    cared to (234 s, until it stopped)."""
+    `step_s`: a per-read timeout alone lets a receiver sending a byte now and then hold a thread for as long as it
+    cares to."""
 
     def __init__(self, seconds: float, step_s: float | None = None) -> None:
         self.seconds = seconds
