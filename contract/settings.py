@@ -41,7 +41,7 @@ class DecodeSettings:
     max_blocks: int = 20_000
     max_comment_blocks: int = 1_000
     # Pillow copies each EXIF value from wherever its entry points, overlapping or not: a small file can ask for
-    # hundreds of MB (benchmarks/2026-12-05-hostile-decode.md). EXIF segments joined and values read: at most this.
+    # hundreds of MB (benchmarks/2026-12-05-hostile-decode.md). EXIF bytes joined and read, at most this; entries too.
     max_exif_bytes: int = 256 * 1024
     max_exif_tags: int = 1_000
     # A BMP's RLE commands, each a Python step of the decoder (tasks.bmp_rle; each pixel it writes costs C only).
