@@ -16,10 +16,9 @@ from werkzeug.exceptions import HTTPException
 from app import auth, callbacks, health, holds, home, jobs, metrics, openapi, stats
 from app.callback_lookups import CallbackLookups
 from app.cells import build_cells
-from app.drain import MAX_RETRY_AFTER_S
 from app.early_refusal import WaitingQueries, refusing_early
 from app.multipart import MAX_PARTS
-from app.problems import Problem, problem_response
+from app.problems import Problem, problem_response, redis_problem
 from app.queries import refuse_unknown_query
 from app.services import EXTENSION, Services, services
 from contract.clock import now as service_now
@@ -27,9 +26,7 @@ from contract.config import load_settings
 from contract.jobs.ids import job_ids
 from contract.library import check_library_at_start
 from contract.models import Catalogue
-from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
 from contract.settings import Settings
-from contract.shards import ShardUnavailable
 from contract.task_messages import PreprocessMessages
 
 
@@ -145,63 +142,6 @@ def _install_error_handlers(app: Flask) -> None:
         return problem_response(Problem(exc.code or 500, slug, exc.name, detail, headers=headers))
 
     @app.errorhandler(redis.RedisError)
-    def backend_unavailable(exc: Exception):
-        """Said as it is, with no exception text: full, unreachable, or refusing for another reason."""
-        retry = str(services(app).settings.backpressure.retry_after_s)
-        if isinstance(exc, AnswerNotReplicated):  # how it ended is not on the replicas yet: ask again
-            problem = Problem(
-                503,
-                "not-replicated",
-                "Service unavailable",
-                "the job ended, but its end is not yet on enough replicas to be shown; read it again",
-                headers={"Retry-After": "1"},
-            )
-        elif isinstance(exc, NotReplicated):  # stored on the primary only: withdrawn; a retry may well succeed
-            problem = Problem(
-                503,
-                "not-replicated",
-                "Service unavailable",
-                "the job could not be stored on enough replicas in time and was withdrawn; retry",
-                headers={"Retry-After": "1"},
-            )
-        elif isinstance(exc, ShardUnavailable):  # only this job's shard: the next submit goes to another
-            problem = Problem(
-                503,
-                "shard-unavailable",
-                "Service unavailable",
-                "the store for this job's upload is unreachable; retry (a new job is placed on another)",
-                headers={"Retry-After": "1"},
-            )
-        elif isinstance(exc, redis.exceptions.OutOfMemoryError):
-            problem = Problem(
-                503,
-                "store-full",
-                "Service unavailable",
-                "the job store is full; retry later",
-                headers={"Retry-After": str(MAX_RETRY_AFTER_S)},
-            )
-        elif isinstance(exc, Unconfirmed):  # this process cannot tell it writes to the primary that will last
-            problem = Problem(
-                503,
-                "backend-unavailable",
-                "Service unavailable",
-                "the job store's primary is not confirmed by a majority of its Sentinels; retry",
-                headers={"Retry-After": "1"},
-            )
-        elif isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
-            problem = Problem(
-                503,
-                "backend-unavailable",
-                "Service unavailable",
-                "the job store is unreachable",
-                headers={"Retry-After": retry},
-            )
-        else:
-            problem = Problem(
-                503,
-                "backend-error",
-                "Service unavailable",
-                "the job store refused the request",
-                headers={"Retry-After": retry},
-            )
-        return problem_response(problem)
+    def backend_unavailable(exc: redis.RedisError):
+        """Said as it is, with no exception text (app.problems' REDIS_PROBLEMS)."""
+        return problem_response(redis_problem(exc, services(app).settings.backpressure.retry_after_s))

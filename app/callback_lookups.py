@@ -1,10 +1,10 @@
 """A submission's callback host, looked up off the API's event loop, within a deadline, a bounded number per key.
 
 glibc's resolver blocks its thread until the name server answers or its own timeouts and retries run out
-(10 s and more for a server that never answers). Before this, the submit-time check called it on the gevent
+(for as long as a server that never answers lets it). Before this, the submit-time check called it on the gevent
 worker's one thread: `contract.callbacks` had bound `socket.getaddrinfo` as a default argument when the
-gunicorn master imported it, before the worker patched sockets. Four such submissions of one key took
-`/healthz` to a p50 of 5-11 s; 24 stalled every request of the process (issue 59).
+gunicorn master imported it, before the worker patched sockets: a few such submissions of one key stalled every
+request of the process.
 
 Here each lookup runs in a native thread of this process's own pool (gevent's ThreadPool under the gevent
 worker, a ThreadPoolExecutor otherwise), and the request waits for it cooperatively, at most

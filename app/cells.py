@@ -41,8 +41,8 @@ log = logging.getLogger("app.cells")
 
 UPLOAD_CONNECTIONS = 8  # per API process: uploads written at once (more wait for one, up to the connect timeout)
 # Per API process and cell: Redis round trips in flight at once, the pub/sub listener's connection included (more
-# wait for one, up to the connect timeout). Issue 41's burst (40 QPS on 2 cores) left 7 more than its steady load
-# used; 64 at ~1 ms a round trip is ~60,000 a second, far more than one process's core asks for.
+# wait for one, up to the connect timeout): room for a burst over the steady load, and far more round trips a
+# second than one process's core asks for.
 REDIS_CONNECTIONS = 64
 
 

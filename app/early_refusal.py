@@ -1,16 +1,16 @@
 """A long-poll of a key already at its bound, refused before Flask: the same 429 app.holds gives, at about half
 the CPU.
 
-Under one key's 4,000 long-polls at once, each refusal took 0.65 ms of an API process (a /healthz 0.53 ms):
-4,000 arriving together took both processes ~1.3 s, and a /healthz probe that arrived with them waited behind
-them (up to 2 s here). Refused here, in the WSGI call before Flask builds a request, a refusal costs the server's
-own work and little more. Only what is certain is refused here: a valid key (the one app.auth would find) asking
-`wait=` above 0 on a job read or a submission, while its long-polls are at their bound; anything else, and every
-other refusal, goes to the app as before (the counters are app.holds', read without taking a place).
+Refused in the app, a flood of one key's long-polls costs about what as many /healthz calls do, and a probe that
+arrives with them waits behind them (docs/benchmarks/2026-12-06-hostile-round-five.md). Refused here, in the WSGI call
+before Flask builds a request, a refusal costs the server's own work and little more. Only what is certain is refused
+here: a valid key (the one app.auth would find) asking `wait=` above 0 on a job read or a submission, while its
+long-polls are at their bound; anything else, and every other refusal, goes to the app as before (the counters are
+app.holds', read without taking a place).
 
 The query is read as the app reads it (Werkzeug's decoding, the same `wait` model): `wait=1e0`, `wait=%31`,
-`%77ait=1`, `wait=+1`, `wait=1_0` are long-polls to both (a pattern of digits let them through to the full path,
-issue 59). A query the app would refuse (a name the route does not take, `wait` twice or out of range) goes to it.
+`%77ait=1`, `wait=+1`, `wait=1_0` are long-polls to both (a pattern of digits would let them through to the full
+path). A query the app would refuse (a name the route does not take, `wait` twice or out of range) goes to it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """What one client may hold in an API process at once: requests in flight, long-polls, and body bytes.
 
 A long-poll costs a greenlet and a connection for up to `api.max_wait_s`, a body being read its bytes for up
-to `body_timeout_s` plus its size at `body_min_rate` (a 20 MB one: 330 s). Nothing bounded either per client:
-one key holding 4,100 long-polls filled both processes' 2,000 connections, and /healthz waited 32 s in the
-listen backlog; 40 bodies trickling their last 64 bytes held 940 MB of the API. Now, in each API process:
+to `body_timeout_s` plus its size at `body_min_rate`. Unbounded per client, one key's long-polls could fill every
+connection (and /healthz wait in the listen backlog), and a few trickled bodies could hold most of the API's memory
+(docs/benchmarks/2026-12-06-hostile-round-five.md). So, in each API process:
 
 - a client (its API key; without keys there are no tenants, and only the process's own bounds hold) has at
   most `api.max_requests_per_client` requests in flight and `max_waits_per_client` long-polls held: past

@@ -1,10 +1,10 @@
 """A job's document as the API serves it: the result spliced in as the GPU worker stored it.
 
-A result holds up to max_det's cap of detections (about 83 KB of JSON at 1,000). Parsed, validated and encoded
-again on every read, it cost the API's event loop ten times a small job's CPU, and a few connections re-reading
-one starved every other request of the process. The result is written by the GPU worker alone (the cache holds
-a copy of what one wrote), compact JSON in the contract's shape: it is served as those bytes, and what is
-validated here is the rest of the document, the same size for every job.
+A result holds up to max_det's cap of detections, tens of KB of JSON. Parsed, validated and encoded again on
+every read, it would cost the API's event loop many times a small job's CPU, and a few connections re-reading
+one would starve every other request of the process (docs/benchmarks/2026-12-06-big-answers-and-costly-options.md). The
+result is written by the GPU worker alone (the cache holds a copy of what one wrote), compact JSON in the contract's
+shape: it is served as those bytes, and what is validated here is the rest of the document, the same size for every job.
 """
 
 from __future__ import annotations

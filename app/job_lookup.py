@@ -2,9 +2,8 @@
 
 An id is checked before any Redis call (contract.jobs.ids): one made up, mistyped, or issued to another key is
 404 job-not-found, the very answer to an id that names nothing, so the status tells no key whether another's id
-exists (issue 59.6). Only an id this deployment issued to the asking key, missing from the store while its
-record should still be there, is 410 job-lost (issue 60.2: a made-up id with a recent moment was a false
-data-loss alarm).
+exists. Only an id this deployment issued to the asking key, missing from the store while its record should
+still be there, is 410 job-lost (so that a made-up id with a recent moment raises no false data-loss alarm).
 """
 
 from __future__ import annotations

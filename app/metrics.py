@@ -52,7 +52,8 @@ CELL_UNANSWERED = Counter(
 LATENCY = Histogram("imgserve_api_request_seconds", "API request latency (long-polls included)", ["route"])
 
 # Labels come from a closed set: each new value is a new series in every scrape (and in the multiprocess mmap
-# files), and anyone may send any method to any path (3,000 random methods made 3,435 series, a 147 ms scrape).
+# files), and anyone may send any method to any path: an open set would let them grow the scrape without bound
+# (docs/benchmarks/2026-12-05-hostile-api.md).
 METHODS = frozenset({"GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"})
 OTHER = "other"  # any other method; a path that is no route of the API
 

@@ -1,8 +1,8 @@
 """A multipart/form-data body already in memory, split with a few searches instead of Werkzeug's parser.
 
 Werkzeug parses a form as a stream: 64 KiB at a time, each piece appended to a buffer, searched with a
-regular expression and cut from its front, and a file part copied into its container piece by piece:
-about 1 ms of the API's CPU for a 0.8 MB photo, a third of what the whole submission costs. The body is
+regular expression and cut from its front, and a file part copied into its container piece by piece: a large
+share of what the whole submission costs the API (docs/benchmarks/2026-12-03-cpu-per-image.md). The body is
 already whole here (`read_whole_body`), so `parse_form` finds the delimiters with `bytes.find` and takes
 each part's content as one slice.
 

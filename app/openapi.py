@@ -276,8 +276,8 @@ _publishing = threading.Lock()
 
 def published(app: Flask) -> Published:
     """Built once per app (an app has one settings, and its routes and settings do not change while it
-    serves), on first use: rendering the page cost 45 ms of CPU a call, and anyone may ask for it without a
-    key (8 clients fetching it took authenticated calls from a p90 of 22 ms to 1.2 s)."""
+    serves), on first use: anyone may ask for it without a key, and rendering it on each call let unauthenticated
+    clients slow everyone's (docs/benchmarks/2026-12-05-hostile-api.md, "/docs, open to all")."""
     built = app.extensions.get("imgserve.openapi")
     if built is None:
         with _publishing:  # several first calls at once build it once

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+import redis
 from flask import Response, jsonify
 
+from app.drain import MAX_RETRY_AFTER_S
 from app.metrics import count_reject, request_route
 from contract.documents import PROBLEM_TYPE, ProblemDocument
+from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
+from contract.shards import ShardUnavailable
 
 
 class Problem(Exception):
@@ -74,3 +79,58 @@ def job_lost(job_id: str, issued_at: str) -> Problem:
         f"job {job_id!r} was accepted at {issued_at} and its record should still be here, but the job store no "
         "longer holds it (lost with a Redis server: docs/reliability.md says when); submit the image again",
     )
+
+
+@dataclass(frozen=True)
+class RedisProblem:
+    """How one kind of Redis error is answered: always a 503, said as it is, with no exception text."""
+
+    errors: tuple[type[Exception], ...]
+    slug: str
+    detail: str
+    retry_after_s: int | None = None  # None: the deployment's backpressure.retry_after_s
+
+
+# Read in order, the first match answers: AnswerNotReplicated is a NotReplicated, and the last row takes the rest.
+REDIS_PROBLEMS = (
+    # How it ended is not on the replicas yet: ask again.
+    RedisProblem(
+        (AnswerNotReplicated,),
+        "not-replicated",
+        "the job ended, but its end is not yet on enough replicas to be shown; read it again",
+        1,
+    ),
+    # Stored on the primary only: withdrawn; a retry may well succeed.
+    RedisProblem(
+        (NotReplicated,),
+        "not-replicated",
+        "the job could not be stored on enough replicas in time and was withdrawn; retry",
+        1,
+    ),
+    # Only this job's shard: the next submit goes to another.
+    RedisProblem(
+        (ShardUnavailable,),
+        "shard-unavailable",
+        "the store for this job's upload is unreachable; retry (a new job is placed on another)",
+        1,
+    ),
+    RedisProblem(
+        (redis.exceptions.OutOfMemoryError,), "store-full", "the job store is full; retry later", MAX_RETRY_AFTER_S
+    ),
+    # This process cannot tell it writes to the primary that will last.
+    RedisProblem(
+        (Unconfirmed,),
+        "backend-unavailable",
+        "the job store's primary is not confirmed by a majority of its Sentinels; retry",
+        1,
+    ),
+    RedisProblem((redis.ConnectionError, redis.TimeoutError), "backend-unavailable", "the job store is unreachable"),
+    RedisProblem((redis.RedisError,), "backend-error", "the job store refused the request"),
+)
+
+
+def redis_problem(exc: redis.RedisError, retry_after_s: int) -> Problem:
+    """A Redis error's answer (REDIS_PROBLEMS' first match): full, unreachable, or refusing for another reason."""
+    row = next(row for row in REDIS_PROBLEMS if isinstance(exc, row.errors))
+    seconds = retry_after_s if row.retry_after_s is None else row.retry_after_s
+    return Problem(503, row.slug, "Service unavailable", row.detail, headers={"Retry-After": str(seconds)})

@@ -120,7 +120,7 @@ class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is unty
     def close(self) -> None:
         # A response that wrote no body bytes (HEAD, OPTIONS, 204, 304, an empty body): the app's iterable was
         # empty, write() never ran, and the head is decided only here. Flushing before gunicorn's own close built
-        # it sent nothing (issue 59: a keep-alive client waited 5 s, a closing one got an empty connection).
+        # it sent nothing (a keep-alive client waited for a head, a closing one got an empty connection).
         self.send_headers()
         self._flush_head()
         super().close()

@@ -138,7 +138,7 @@ def checked_callback_url(url: str | None, settings: Settings) -> str | None:
             "keys, for your key (auth.api_keys[].callback_secret_env or callback_secret_file)",
         )
     # Looked up in a thread of the process's own, within callbacks.lookup_timeout_s, a bounded number per key
-    # (app.callback_lookups): glibc's resolver on the event loop's thread stalled every request (issue 59).
+    # (app.callback_lookups): glibc's resolver on the event loop's thread would stall every request.
     key = g.get("client_id") or f"address:{request_address()}"
     try:
         check_callback_url(url, settings.callbacks.allow_hosts, current_services().callback_lookups.resolver(key))

@@ -18,7 +18,7 @@ M = TypeVar("M", bound=BaseModel)
 
 
 # Large reads: gunicorn buffers what one recv() brings and copies the rest of its buffer on every
-# read, so 64 KiB reads of a 0.8 MB photo copied it a dozen times over.
+# read, so small reads copy a photo many times over.
 _READ_CHUNK = 1024 * 1024
 
 

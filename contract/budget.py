@@ -7,13 +7,13 @@ cannot all get in under the limit), and every step that drops bytes from Redis g
 atomic step: the CPU worker's push (the upload goes, the frame comes), whatever ends a job (its upload goes)
 and the GPU worker's batch write (its frames go). The counters live in one hash, `Keys.waiting_bytes`:
 a field per model (name:version). The total (`*` where it is reported) is their sum, read where it is checked
-(admission): one counter moved per step, not two (issue 58; a `*` field an earlier version wrote is left out
-of the sum). They never go below zero (frames and uploads from a version without budgets are given back as if
+(admission): one counter moved per step, not two (a `*` field an earlier version wrote is left out of the
+sum). They never go below zero (frames and uploads from a version without budgets are given back as if
 they had been counted).
 
 With API keys, a key's uploads are counted again under the key (`Keys.key_waiting_bytes`: a hash a key, a field per
 model), and one key may hold at most `auth.max_waiting_bytes_share` of a model's budget and of the total: past it
-that key alone is refused, so one key's padded uploads cannot fill the budget every key shares (issue 70). As the
+that key alone is refused, so one key's padded uploads cannot fill the budget every key shares. As the
 job-count share counts a key's own CPU queue and not the frame list, a key's bytes are its uploads waiting for a CPU
 worker: the steps that move an upload's bytes move the key's in the same atomic step (the reservation, the push
 that trades the upload for a frame, whatever ends the job, a refused submission's give-back); a frame's bytes are

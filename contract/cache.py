@@ -85,7 +85,7 @@ def effective_options(spec: ModelSpec, options: Mapping[str, Any]) -> tuple[floa
 class MissCounts:
     """A process's cache misses, counted here and added to the shared counters (`Keys.cache_stats`) at most once
     a second (the API's sweeper tick) in one HINCRBY a model: one command an image less on the control plane, the
-    miss being nearly every lookup (issue 58). /v1/stats sees them up to a second late; a process killed before
+    miss being nearly every lookup. /v1/stats sees them up to a second late; a process killed before
     its flush loses at most that second's count (a statistic: no job depends on it). Hits stay counted in the
     hit's own step."""
 
@@ -130,9 +130,9 @@ class ResultCache:
         return self.settings.caches(spec)
 
     def digest(self, image: bytes | memoryview, spec: ModelSpec, options: Mapping[str, Any], scope: str) -> str:
-        """BLAKE3 of the image (one thread, SIMD: 0.19 ms for 0.8 MB here, against SHA-256's 0.45 with SHA
-        extensions and BLAKE2b's 1.0) with the model's fingerprint, the options as applied and the scope (the API
-        key id, "" if shared)."""
+        """BLAKE3 of the image (one thread, SIMD: the cheapest of the digests tried,
+        docs/benchmarks/2026-12-03-result-cache.md) with the model's fingerprint, the options as applied and the scope
+        (the API key id, "" if shared)."""
         conf, iou, max_det = effective_options(spec, options)
         outer = blake3(_VERSION)
         outer.update(blake3(image).digest())

@@ -1,9 +1,12 @@
-"""What a callback's signature covers, in one place: tasks.callback_signing signs with it and app.openapi states it
-(`/openapi.json`'s description and its `x-callback-signature`), so the document cannot say one thing while the
-callback worker signs another (issue 60.1).
+"""What a callback's signature covers, in one place: the callback worker signs with it (`signed_headers`) and
+app.openapi states it (`/openapi.json`'s description and its `x-callback-signature`), so the document cannot say
+one thing while the callback worker signs another.
 
 The signature is `X-Signature: sha256=<hex HMAC-SHA256(secret, message)>`, the message being the values of
-SIGNED_PARTS joined by SEPARATOR: `<X-Imgserve-Timestamp>.<X-Imgserve-Job-Id>.<body>`.
+SIGNED_PARTS joined by SEPARATOR: `<X-Imgserve-Timestamp>.<X-Imgserve-Job-Id>.<body>`. The secret is the job's
+API key's own (`auth.api_keys[].callback_secret_env` or `_file`), or `callbacks.secret` when the deployment has no
+keys (contract.callbacks' callback_secret). docs/operations.md, "Callbacks", has a receiver that refuses stale and
+replayed deliveries.
 """
 
 from __future__ import annotations
@@ -33,6 +36,17 @@ def sign(secret: str, timestamp: str, job_id: str, body: bytes) -> str:
     """The X-Signature header's value."""
     digest = hmac.new(secret.encode(), signed_message(timestamp, job_id, body), hashlib.sha256).hexdigest()
     return SIGNATURE_PREFIX + digest
+
+
+def signed_headers(secret: str, timestamp: str, job_id: str, delivery_id: str, body: bytes) -> dict[str, str]:
+    """A delivery's headers: the JSON body's type, who and when, and the signature over them."""
+    return {
+        "Content-Type": "application/json",
+        TIMESTAMP_HEADER: timestamp,
+        JOB_ID_HEADER: job_id,
+        DELIVERY_ID_HEADER: delivery_id,
+        SIGNATURE_HEADER: sign(secret, timestamp, job_id, body),
+    }
 
 
 def formula() -> str:

@@ -155,7 +155,7 @@ def forbidden_reason(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> 
 def resolve_callback_url(url: str, allow_hosts: Iterable[str] = (), resolve: Resolver | None = None) -> CallbackTarget:
     """Parse, resolve once, check every address; the target to connect to (CallbackRefused otherwise).
     `resolve`: getaddrinfo's signature; by default `socket.getaddrinfo` as it is at the call (gevent's once the
-    API's worker patched it), never the one there was when this module was imported (issue 59). The API passes
+    API's worker patched it), never the one there was when this module was imported. The API passes
     its own (app.callback_lookups: off the event loop, within a deadline); a `resolve` may raise CallbackRefused
     itself, which is passed on as it is. A literal address is not looked up."""
     parsed = parse_callback_url(url)

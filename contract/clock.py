@@ -3,8 +3,8 @@
 Every moment a job carries (`deadline_at`, the time bill's `_at` stamps, `finished_at`) and every moment one
 process judges another by (a GPU worker's heartbeat score, a held Celery message's age, a callback slot's lease)
 is written by one process and read by another, often on another host. Read from each host's wall clock, a GPU
-host 8 s ahead expired every job with a 6 s deadline before inference, and a CPU host 8 s behind billed 8 s of
-`queue_gpu` on every job (issue 51). So no process reads its wall clock for such a moment: it reads `now()`,
+host ahead would expire jobs before inference, and a CPU host behind would bill its lag as `queue_gpu` on every
+job. So no process reads its wall clock for such a moment: it reads `now()`,
 the primary's clock as last measured (an NTP-style exchange, `sync`) and carried forward by this host's
 monotonic clock, which no wall-clock step moves.
 

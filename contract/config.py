@@ -292,9 +292,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 
 def _merge(base: dict[str, Any], overlay: dict[str, Any], sections: bool = True) -> dict[str, Any]:
     """`overlay` over `base`, section by section, setting by setting. A setting whose value is itself a mapping
-    (`gpu_worker.sim_latency_ms`: a table by batch size) is replaced whole: merged key by key, a profile of
-    1, 8 and 16 kept the default's entry for 4 (150 ms), and the `fast` profile ran batches of 4 at the story's
-    latency."""
+    (`gpu_worker.sim_latency_ms`: a table by batch size) is replaced whole: merged key by key, a profile that
+    names some batch sizes would keep the default's entries for the others."""
     merged = dict(base)
     for key, value in overlay.items():
         if sections and isinstance(value, dict) and isinstance(merged.get(key), dict):

@@ -32,11 +32,10 @@ class CommandPacker:
 
     redis-py packs with hiredis when it is installed, but encodes every argument in Python first and copies
     large values into the one buffer; its pure-Python packer sends large values uncopied but formats every
-    argument in Python (a Lua step of 100 arguments: ~250 us of CPU, a third of an API request's Redis
-    time). This one hands a command to hiredis's C packer as it is (floats formatted by repr first, as
-    redis-py formats them) and keeps redis-py's packer, uncopied chunks and all, for the few-argument
-    commands that carry a large value. Stateless: one instance serves every connection.
-    """
+    argument in Python, a large share of an API request's Redis time for a Lua step of many arguments
+    (docs/benchmarks/2026-12-04-framework-floors.md). This one hands a command to hiredis's C packer as it is (floats
+    formatted by repr first, as redis-py formats them) and keeps redis-py's packer, uncopied chunks and all, for the
+    few-argument commands that carry a large value. Stateless: one instance serves every connection."""
 
     def pack(self, *args: Any) -> list[bytes | memoryview]:
         if len(args) <= _PAYLOAD_COMMAND_ARGS:

@@ -1,10 +1,11 @@
 """What decoding an upload will cost a CPU worker, judged from its header before it is queued, and how much of that
-one API key may have in flight at once (issue 59.4).
+one API key may have in flight at once.
 
 Fairness between keys was per task: each key's jobs wait on queues of their own and the CPU workers take from
 them in turn, so another key's photo waited for at most one task of each busy queue, however long that task
-was. A key that kept three at-cap PNGs in flight held every child of make run's pool for seconds at a time (a
-16-bit Adam7 8192x8192 PNG is 2-3 CPU-s against a photo's 10 ms), and another key's photos waited 8.6-46 s.
+was. A key that kept a few at-cap PNGs in flight (each seconds of CPU, against a photo's milliseconds) held
+every child of the pool, and another key's photos waited for tens of seconds
+(docs/benchmarks/2026-12-06-fairness-by-cost.md).
 
 So an upload's decode is weighed before it is queued, from its header (`decode_cost`): pixels x bytes a pixel
 as the file stores it (channels x bytes a sample: a 16-bit sample is two) x INTERLACE_FACTOR for an Adam7 PNG.
@@ -32,7 +33,7 @@ from contract.library import Step
 
 MIB = 1024 * 1024
 CHARGED_FROM = 32 * MIB  # estimated decode bytes from which an upload is charged to its key
-INTERLACE_FACTOR = 1.5  # an Adam7 PNG's decode against a plain one's of the same pixels (measured: 1.4-1.6)
+INTERLACE_FACTOR = 1.5  # an Adam7 PNG's decode against a plain one's of the same pixels (2026-12-06-fairness-by-cost)
 DECODED_BYTES_PER_S = 256 * MIB  # about what a CPU child decodes a second here: a refusal's Retry-After
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type: grey, RGB, palette, grey+alpha, RGBA

@@ -31,10 +31,11 @@ KEY_FRAMES_TTL_S = 300
 # flooding keys stay first come, first served between themselves. A frame at the head passes the list's bound (a
 # key has few there: the bound holds the others), so that a light key never waits for room behind a flood.
 # The library's `keep_pushed_frame` (contract/library/push.lua, where its keys and arguments are named), in the same
-# MULTI, keeps the frame only if it may be there. The frame stays out of Lua: a step that takes a 0.7 MB frame as
-# an argument makes Redis copy it into Lua and back out, 1.2 ms of Redis's CPU against 0.4 for this (measured, one
-# frame at a time). A claim the job no longer carries (a later delivery of its task claimed it after this worker
-# was presumed dead: tasks.liveness) pushes nothing either: one frame per job, whoever decoded it.
+# MULTI, keeps the frame only if it may be there. The frame stays out of Lua: a step that takes a frame as an
+# argument makes Redis copy it into Lua and back out, three times this one's CPU
+# (docs/benchmarks/2026-12-02-stack-cpu-by-role.md). A claim the job no longer carries (a later delivery of its task
+# claimed it after this worker was presumed dead: tasks.liveness) pushes nothing either: one frame per job, whoever
+# decoded it.
 _KEEP_PUSHED_FRAME = Step("keep_pushed_frame")
 
 

@@ -4,11 +4,11 @@ could promote (`DurableWrites`, made by `durable_writes(settings)`); fewer is `N
 
 Redis replicates asynchronously and Sentinel promotes, among the replicas the majority of Sentinels can reach,
 the one with the most data; it does not look for the replica that holds a given write. `WAIT 1` after a job's
-write (what a 202 waited for until issue 51) says that *some* replica holds it: a replica on the primary's own
+write (what a 202 once waited for) says that *some* replica holds it: a replica on the primary's own
 side of a partition, or on its host, acknowledges it, the Sentinels promote one on the other side, and the
 old primary and its replica are turned into replicas of the new one, their writes discarded. Measured before
-this module: 249 of 375 accepted jobs gone after a 20-s partition (Jepsen's analysis of Redis, and Redis's own
-"Sentinel and Redis consistency", explain why).
+this module: most accepted jobs gone after a partition (docs/benchmarks/2026-12-05-partitions.md; Jepsen's analysis of
+Redis, and Redis's own "Sentinel and Redis consistency", explain why).
 
 So a write that a 202 promises waits for **every replica the Sentinels see up** (`DurableWrites.wanted`), never
 fewer than `redis.min_replicas`: whichever they promote then holds it, since a replica they see down cannot be

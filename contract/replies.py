@@ -1,10 +1,9 @@
 """Replies that carry payloads (an upload, a frame), read straight from the socket into one buffer each.
 
 redis-py's parser copies a reply three times (its socket buffer, hiredis's buffer, the bytes object)
-and costs about 4x the CPU of reading it once: 230 us against 60 us for a 225 KB frame, 0.8 ms for a
-0.8 MB upload. So the commands that return payloads go out on a dedicated redis-py connection (which
-keeps connecting, AUTH, SELECT and TLS as the client is configured) and their replies are read here.
-"""
+and costs several times the CPU of reading it once (docs/benchmarks/2026-12-02-feeding-a-fast-gpu.md). So the commands
+that return payloads go out on a dedicated redis-py connection (which keeps connecting, AUTH, SELECT and TLS as the
+client is configured) and their replies are read here."""
 
 from __future__ import annotations
 

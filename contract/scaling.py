@@ -1,4 +1,4 @@
-"""The backlog as the product sees it, per model, and how many CPU worker processes it wants (issue 61).
+"""The backlog as the product sees it, per model, and how many CPU worker processes it wants.
 
 A model's backlog is every job accepted and not yet taken by a GPU worker:
 
@@ -43,7 +43,7 @@ from contract.sections import SettingsError, settings_class
 
 @settings_class
 class ScalingSettings:
-    """How many CPU worker processes a model's backlog and rate want (contract.scaling; issue 61)."""
+    """How many CPU worker processes a model's backlog and rate want (contract.scaling)."""
 
     target_utilisation: float = 0.7  # each process busy this share of the time: room for bursts within the SLA
     drain_s: float = 0.5  # what waits for a CPU worker is decoded within this long: well inside the 800 ms SLA

@@ -40,8 +40,8 @@ class DecodeSettings:
     # frame. GIF comment blocks are joined one onto another (their cost grows with their square): fewer.
     max_blocks: int = 20_000
     max_comment_blocks: int = 1_000
-    # Pillow copies each value of an EXIF directory from wherever its entry points, overlapping or not: 66 KB
-    # asked for 342 MB. A JPEG's EXIF segments joined, and the values read, at most this; the entries too.
+    # Pillow copies each EXIF value from wherever its entry points, overlapping or not: a small file can ask for
+    # hundreds of MB (benchmarks/2026-12-05-hostile-decode.md). EXIF bytes joined and read, at most this; entries too.
     max_exif_bytes: int = 256 * 1024
     max_exif_tags: int = 1_000
     # A BMP's RLE commands, each a Python step of the decoder (tasks.bmp_rle; each pixel it writes costs C only).

@@ -1,6 +1,6 @@
 """The IANA special-purpose address blocks a callback may never reach, listed here rather than trusted to
 `ipaddress`'s `is_global`: on Python 3.11.7 that calls 192.0.0.192 (a cloud metadata address in SSRF
-references), 192.88.99.0/24, the AS112 and AMT blocks and IPv6 site-local fec0::/10 "global" (issue 59).
+references), 192.88.99.0/24, the AS112 and AMT blocks and IPv6 site-local fec0::/10 "global".
 
 The blocks are those of the IANA IPv4 and IPv6 Special-Purpose Address Registries (and multicast, reserved and
 limited broadcast), each refused whole, even where the registry calls a small part of it globally reachable

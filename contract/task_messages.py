@@ -33,8 +33,8 @@ def reply_address(owner: object) -> str:
 class PreprocessMessages:
     """The message Celery's `send_task` would publish for a job's preprocess task, built here.
 
-    Celery's publisher costs the API ~0.4 ms of CPU a job (routing, argument reprs, kombu's producer,
-    its connection pool) for what is one LPUSH of a small JSON envelope onto the queue's list (kombu's
+    Celery's publisher costs the API CPU a job (routing, argument reprs, kombu's producer, its connection
+    pool) for what is one LPUSH of a small JSON envelope onto the queue's list (kombu's
     Redis transport, anonymous exchange, priority 0). This builds the same envelope: Celery's task
     protocol 2 with a JSON body, base64-encoded as kombu's transport encodes it; a test compares it with
     Celery's own, field by field, and the pipeline tests have real workers consume it. Flower sees the

@@ -12,8 +12,8 @@ from contract.clock import now as service_now
 from contract.library import Step
 
 # The step `take_token` (contract/library/token_bucket.lua): the refill's mark never moves back, there and in
-# every bucket of the service (75 requests were let through against a bound of 50, from 50 connections at once,
-# when each process read its host's clock and moved the mark back).
+# every bucket of the service (a mark moved back by a process whose host's clock is behind refills the bucket
+# twice, letting more through than its bound).
 _TAKE_TOKEN = Step("take_token")
 
 

@@ -46,9 +46,9 @@ class RecentStats:
 
     Held in arrays allocated once at full size: a ring of `max_jobs` bills (their times, and a row of
     milliseconds per stage of contract.timebill.STAGES, NaN where a bill has no such stage) and one of `max_jobs`
-    batches. A bill kept as a dict cost ~1.2 KB and the worker keeps two windows (its own and its model's), so a
-    window that filled up only at `max_jobs` grew the worker by ~1.1 MB a minute at 15 jobs/s for 22 minutes;
-    this one's memory is all taken at the start (~1.8 MB per 20,000 jobs). The window (`window_s`) is applied
+    batches. Bills kept as dicts in two windows (its own and its model's) that fill up only at `max_jobs` grow the
+    worker for as long as they fill (docs/benchmarks/2026-12-05-soak.md); this one's memory is all taken at the
+    start. The window (`window_s`) is applied
     when read: what is older is ignored, and overwritten as the ring comes round."""
 
     def __init__(

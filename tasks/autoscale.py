@@ -1,5 +1,5 @@
 """Celery's own pool autoscaler, steered by the product's backlog instead of the tasks one node has reserved
-(issue 61). `CPU_AUTOSCALE=MIN,MAX make run` (and compose's) starts the CPU worker with `--autoscale=MAX,MIN`; the
+. `CPU_AUTOSCALE=MIN,MAX make run` (and compose's) starts the CPU worker with `--autoscale=MAX,MIN`; the
 Celery app names this class as its `worker_autoscaler`.
 
 Celery's Autoscaler sizes a node's pool from `len(state.reserved_requests)`: only what that node prefetched, so a

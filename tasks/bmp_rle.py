@@ -2,14 +2,14 @@
 
 Pillow's decoder is Python, and some of its steps cost a pixel each whatever the file says: an end of line pads
 the row a byte at a time, an RLE4 run is written a nibble at a time. A 1 KB RLE8 BMP of 80,000,000x1 (one
-pixel, then end of line) took 8.7 CPU-seconds. Here each command of the file is one Python step, and what it
+pixel, then end of line) took seconds of CPU. Here each command of the file is one Python step, and what it
 writes (a run, a skip, a row's padding) is a slice: the cost grows with the file's commands, not its pixels.
 Pillow's rules are kept as they are, quirks included (a delta reads four bytes after its escape, an RLE4
 absolute run of an odd count drops its last pixel, `x` counts an absolute run's pixels whether or not they fit
 the row), so an image decodes to the same pixels here as there (tests.test_hostile_decode compares them).
 
-The commands are bounded: past `decode.max_rle_commands` the decode stops, `image_too_complex` (a million
-commands, 2 MB of the smallest ones, take about 0.4 s here; an honest RLE image is a few thousand).
+The commands are bounded: past `decode.max_rle_commands` the decode stops, `image_too_complex` (the bound is far
+above an honest RLE image's few thousand, and far below what costs a CPU worker seconds).
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ known by its heartbeat, not by its messages' age, and restore_unheld times what 
 An ack waits for the next take only while one is coming: an idle worker deletes at once, and the beat and a close
 flush what waits (a worker killed with an ack waiting has that message sent again: the claim drops it as a late
 task). Every take names one list a queue (`priority_steps: [0]`: no task is sent a priority). A message a worker
-of the release before issue 58 held in kombu's `unacked` hash comes back through kombu's restore.
+of 0.1.0 held in kombu's `unacked` hash comes back through kombu's restore.
 
-Kombu builds a new redis-py client (~170 response callbacks copied, ~0.25 ms) for every synchronous operation; a
+Kombu builds a new redis-py client (its response callbacks copied) for every synchronous operation; a
 client borrows a connection from the channel's pool per command, so one per channel serves them all. The
 asynchronous client (the consumer's poll, which keeps its connection) is left as kombu makes it.
 """

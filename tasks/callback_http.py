@@ -1,7 +1,7 @@
 """The callbacks' HTTP client: one POST to the address that passed the URL check (contract.callbacks), bounded
 by the attempt's deadline whatever the receiver does (connect, TLS, each write and read, the name lookup).
 No redirect is followed, no proxy is used. What is posted and when is tasks.callbacks'; how it is signed,
-tasks.callback_signing's.
+contract.callback_signature's.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ class DeliveryFailed(RuntimeError):
 
 class Deadline:
     """An attempt's end: each wait within it (connect, TLS, a write, a read) is given what is left, at most
-    `step_s`. A per-read timeout alone let a receiver sending a byte every 2 s hold a thread for as long as it
-    cared to (234 s, until it stopped)."""
+    `step_s`: a per-read timeout alone lets a receiver sending a byte now and then hold a thread for as long as it
+    cares to."""
 
     def __init__(self, seconds: float, step_s: float | None = None) -> None:
         self.seconds = seconds

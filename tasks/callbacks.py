@@ -1,6 +1,6 @@
 """A job's callback delivered: one attempt per task, and where the job id waits next (delivered, retried with
 backoff, held for a tenant's slot, or given up). The POST is tasks.callback_http's (the URL checked again at
-delivery: contract.callbacks), its signature tasks.callback_signing's; why the callback path is a loop
+delivery: contract.callbacks), its signature contract.callback_signature's; why the callback path is a loop
 (outbox, relay, Celery, retry set) is in docs/architecture.md.
 """
 
@@ -15,6 +15,7 @@ from typing import Any
 
 import redis
 
+from contract.callback_signature import signed_headers
 from contract.callbacks import (
     CallbackRefused,
     CallbackTarget,
@@ -30,7 +31,6 @@ from contract.library import Step
 from contract.sections import SettingsError
 from contract.settings import Settings
 from tasks.callback_http import Deadline, DeliveryFailed, bounded_resolver, post_within
-from tasks.callback_signing import signed_headers
 from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)

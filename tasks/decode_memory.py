@@ -1,19 +1,19 @@
 """What a decode really holds at its peak, judged before a pixel is decoded, and the steps that keep it there.
 
-`decode.max_decoded_bytes` bounds the decode's peak, not the image's nominal size: issue 52 found decodes
-holding two to four times what the old count (a pixel's storage, 4 bytes at most) said. By format:
+`decode.max_decoded_bytes` bounds the decode's peak, not the image's nominal size: decodes hold two to four
+times what a pixel's storage (4 bytes at most) says. By format:
 
 - WebP: Pillow 12 opens every WebP through libwebp's animation decoder, which keeps two RGBA canvases of the
   whole canvas (whatever the frames' sizes), and copied the frame out twice more: 16 bytes a canvas pixel
-  (a 2.6 KB lossless 8192x8192 file: 1 GB). `load_webp` takes the frame once and lets the decoder go:
-  WEBP_BYTES_PER_PIXEL at the peak (the two canvases and the copy; a lossless frame's own buffer is freed
-  before the copy is made).
+  (a tiny lossless file of a huge canvas: docs/benchmarks/2026-12-06-hostile-round-five.md). `load_webp` takes the frame
+  once and lets the decoder go: WEBP_BYTES_PER_PIXEL at the peak (the two canvases and the copy; a lossless frame's own
+  buffer is freed before the copy is made).
 - JPEG: the image at the scale draft mode chose, plus, for a progressive (or multi-scan) file, every
   coefficient of the whole image at full size (tasks.structure.coefficient_bytes): draft mode does not
   shrink those.
 - Palette, and images with alpha: converted and reduced a tile at a time (`reduce_in_tiles`), never at full
-  size: a 35-byte GIF of an 8944x8944 screen took 307 MB converted to RGB whole, an RGBA PNG twice its pixels
-  (Pillow's reduce premultiplies a copy of the whole image).
+  size: converted whole, a tiny GIF of a huge screen holds hundreds of MB (the same log), an RGBA PNG twice its
+  pixels (Pillow's reduce premultiplies a copy of the whole image).
 - BMP RLE: the decoder's own buffer (tasks.bmp_rle) beside the image's.
 - PNG text: every text chunk's value, held in `info` from the open on (tasks.png_text), beside the pixels.
 

@@ -21,7 +21,7 @@ from contract.settings import Settings
 
 log = logging.getLogger(__name__)
 
-CLOSE_CHECK_S = 0.01  # 20 ms let the quiet model's queue_cpu p95 reach 133 ms in the flood test; 10 ms: 17-46
+CLOSE_CHECK_S = 0.01  # short enough that a quiet model's jobs do not wait behind a full one (docs/architecture.md)
 IDLE_CHECK_S = 0.1
 # A busy model's list empties by a whole batch at a time and refills within milliseconds: judged by one
 # look, it would seem calm half the time (and slow checks let the children fill it and wait on it again).

@@ -137,7 +137,7 @@ def restore_unheld(client: redis.Redis, keys: Keys, me: str, channel: Any, in_ha
 
 
 def legacy_unacked_key(channel: Any) -> str:
-    """Kombu's unacked hash, where a worker of the release before issue 58 left what it held, with its key prefix."""
+    """Kombu's unacked hash, where a 0.1.0 worker left what it held, with its key prefix."""
     return str(channel.global_keyprefix or "") + str(channel.unacked_key)
 
 

@@ -98,7 +98,7 @@ def decode_image(
             if image.format in ("JPEG", "MPO"):  # an MPO (a JPEG with an MPF index) is a JPEG to libjpeg
                 if image.info.get("progressive"):
                     # Only a progressive JPEG decodes scan after scan: libjpeg refuses a baseline one whose scan
-                    # repeats at once ("broken data stream"), so the count (0.7 ms for 0.8 MB) is spared photos.
+                    # repeats at once ("broken data stream"), so the count's cost is spared photos.
                     _check_scans(raw, width, height, max_scans, max_pixel_scans)
                 _draft_for(image, target_size)
                 if isinstance(image, ImageFile.ImageFile) and arithmetic_coded(raw):

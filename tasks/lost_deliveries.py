@@ -8,7 +8,7 @@ worker killed under load meets it (the compose stack's kill test did, one job in
 
 So, every `celery.lost_delivery_s`, one worker (a lock) looks at the live jobs (the deadline index) still
 `queued` after that long: a job whose task is in no queue and in no worker's hands (a registered worker's held list
-or hash, or kombu's unacked hash where a worker of the release before issue 58 left it), seen so
+or hash, or kombu's unacked hash where a 0.1.0 worker left it), seen so
 twice in a row (a message is between the two for milliseconds while it moves), is sent its task again, at the
 front of its queue. A task delivered twice is harmless: the claim lets one attempt push a frame
 (contract.jobs.handoff), and a job past `queued` drops a late task.

@@ -4,8 +4,8 @@ them. Pure functions; zlib only, no Pillow.
 Pillow keeps every text chunk's value in the image's `info` as a Python string, read at open when the chunk comes
 before the image data (and at the end of the load when it follows it). Its caps count characters: 1 MiB inflated
 a chunk, 64 Mi characters in all. CPython stores a string at 1, 2 or 4 bytes a character, by its widest one, so
-one character outside the BMP in a chunk of ASCII makes it four: 64 deflated iTXt chunks of 1 MiB, 68 KB on the
-wire, held +263 MB before the decode's memory check ran (issue 59). The service reads only an orientation from
+one character outside the BMP in a chunk of ASCII makes it four: a small file of deflated iTXt chunks would
+hold hundreds of MB before the decode's memory check ran. The service reads only an orientation from
 text (ImageMagick's `Raw profile type exif`, XMP); nothing else in it is worth memory.
 
 `held_bytes` says what one chunk's value will hold: its characters at the width CPython stores them, and the bytes

@@ -13,7 +13,7 @@ import uuid
 
 import redis
 
-from contract import expiry, frame_push
+from contract import expiry, frame_push, outcomes
 from contract.clock import CLOCK
 from contract.clock import now as service_now
 from contract.decode_share import DecodeShare
@@ -23,6 +23,7 @@ from contract.jobs.handoff import JobHandOff
 from contract.jobs.record import JobRecord
 from contract.keys import Keys
 from contract.models import Catalogue, ModelSpec
+from contract.outcomes import StageOutcome
 from contract.settings import Settings
 from contract.shards import ShardUnavailable, bulk_plane
 from contract.timebill import (
@@ -65,7 +66,7 @@ class Preprocessor:
             decode.max_rle_commands,
         )
 
-    def run(self, job_id: str) -> str:
+    def run(self, job_id: str) -> StageOutcome:
         """Returns what happened, for the task's log line and Flower. The job store away (a failover to another
         primary, a restart) is waited out here, for most of the task's time limit: a task that failed instead
         would be acked and its job left in `preprocessing` until its deadline."""
@@ -89,7 +90,7 @@ class Preprocessor:
                 time.sleep(backoff)
                 backoff = min(backoff * 2, STORE_RETRY_MAX_S)
 
-    def _run(self, job_id: str, started_at: float, claim: str) -> str:
+    def _run(self, job_id: str, started_at: float, claim: str) -> StageOutcome:
         verdict, upload, record, key_frames = self.store.claim_for_preprocessing(job_id, started_at, claim)
         head = 0 <= key_frames < self.head_frames  # its key has few frames waiting or in flight: taken next
         try:
@@ -107,15 +108,15 @@ class Preprocessor:
         upload: bytes | memoryview | None,
         record: JobRecord,
         head: bool = False,
-    ) -> str:
+    ) -> StageOutcome:
         if verdict == "missing":
-            return "missing"
+            return outcomes.MISSING
         if verdict == "over":
-            return f"skipped ({record.get('status')})"
+            return outcomes.skipped(str(record.get("status")))
         if verdict == "late":
             expiry.expire(self.store, job_id, expiry.BEFORE_PREPROCESSING)
             self.store.drop_upload(job_id)
-            return "expired"
+            return outcomes.EXPIRED
         if upload is None:
             return self._failed(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
         spec = self.catalogue.get(record.get("model", ""))
@@ -128,10 +129,10 @@ class Preprocessor:
             )
         return self._push_frame(job_id, record, upload, started_at, spec, claim, head)
 
-    def _failed(self, job_id: str, code: str, message: str) -> str:
+    def _failed(self, job_id: str, code: str, message: str) -> StageOutcome:
         """The job ends failed with its code; the outcome names the code too, so the task's log line does."""
         self.store.fail(job_id, code, message)
-        return f"{FAILED_OUTCOME}: {code}"
+        return outcomes.failed(code)
 
     def _push_frame(
         self,
@@ -142,7 +143,7 @@ class Preprocessor:
         spec: ModelSpec,
         claim: str,
         head: bool = False,
-    ) -> str:
+    ) -> StageOutcome:
         try:
             t0 = time.perf_counter()
             limits = self.settings.decode
@@ -178,7 +179,7 @@ class Preprocessor:
         spec: ModelSpec,
         claim: str,
         head: bool = False,
-    ) -> str:
+    ) -> StageOutcome:
         """Push the frame, mark the job and drop the upload, all or nothing; while the frame list is full,
         wait for room (never drop, never grow the model's list past its bound). Each try packs the frame afresh,
         stamped at that moment: a frame that waited for room is billed `backpressure`, not `queue_gpu`,
@@ -195,14 +196,14 @@ class Preprocessor:
             except redis.exceptions.OutOfMemoryError:
                 # Redis at its maxmemory refuses the push: the frame waits here, as for room on a full list.
                 if not self._wait_for_memory(job_id, record):
-                    return "expired"
+                    return outcomes.EXPIRED
                 continue
             if outcome == frame_push.PUSHED:
-                return "pushed"
+                return outcomes.PUSHED
             if outcome == frame_push.JOB_OVER:
-                return "skipped (ended or claimed again meanwhile)"
+                return outcomes.skipped("ended or claimed again meanwhile")
             if not self._wait_for_room(job_id, record, spec.key, limit):
-                return "expired"
+                return outcomes.EXPIRED
 
     def _wait_for_room(self, job_id: str, record: JobRecord, model_key: str, limit: int) -> bool:
         """Until the model's list has room (True) or the job's deadline passes (it ends expired: False),
@@ -226,7 +227,6 @@ class Preprocessor:
         return True
 
 
-FAILED_OUTCOME = "failed"  # "failed: <error code>"
 OOM_RETRY_S = 0.5  # a CPU worker whose push Redis refused for memory tries again after this
 # The job store unreachable: tried again after 0.1 s, doubling to 2 s, for at most this share of the task's
 # time limit (Sentinel's failover takes a few seconds; a Redis restart as long as it loads).

@@ -100,10 +100,12 @@ def create_worker_app(settings: Settings) -> Celery:
     def preprocess(self: PreprocessTask, job_id: str) -> str:
         outcome = self.preprocessor.run(job_id)
         # A failure's line carries its error code, as the job's document does ("preprocess failed: decode_error").
-        failed, _, code = outcome.partition(": ")
-        extra = {"job_id": job_id, "outcome": failed, **({"error_code": code} if code else {})}
+        code = outcome.error_code
+        # The outcome field is the text before a failure's code, as it always was ("skipped (...)" whole).
+        kind = outcome.kind.value if code else str(outcome)
+        extra = {"job_id": job_id, "outcome": kind, **({"error_code": code} if code else {})}
         (log.warning if code else log.info)("preprocess %s", outcome, extra=extra)
-        return outcome
+        return str(outcome)
 
     # acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback
     # is posted again with the same delivery id (at least once; receivers drop repeats). Retries are not

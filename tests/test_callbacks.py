@@ -16,11 +16,11 @@ import requests
 import yaml
 
 from bench.receivers import Receiver as SlowReceiver
+from contract.callback_signature import sign
 from contract.callbacks import CallbackRefused, check_callback_url, resolve_callback_url
 from contract.documents import JobDocument
 from contract.keys import Keys
 from tasks.callback_http import Deadline, post_within
-from tasks.callback_signing import sign
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
 

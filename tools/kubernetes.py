@@ -1,4 +1,4 @@
-"""The service on Kubernetes, rendered by one command (issue 61):
+"""The service on Kubernetes, rendered by one command:
 
     python -m tools.kubernetes --image registry.example/imgserve:0.2 --gpu-image registry.example/imgserve-gpu:0.2 \\
         --prometheus http://prometheus.monitoring:9090 > imgserve.yaml

@@ -1,5 +1,5 @@
 """The newcomer check's second half (tools.newcomer_check runs these): what a new user trips on in the first five
-minutes (issue 53), each tried as they would try it, each a CheckFailed when it does not hold."""
+minutes, each tried as they would try it, each a CheckFailed when it does not hold."""
 
 from __future__ import annotations
 

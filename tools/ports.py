@@ -4,8 +4,8 @@
 
 Each argument names a listener (`the API=0.0.0.0:8000=IMGSERVE_API__BIND`). A port that cannot be bound is
 said in one line: the port, who holds it when /proc tells (the pid and its command), the variable that moves
-it and a free port to move it to. Exit 1 when any is busy. Before this, a busy port was found 80 lines up,
-among the start-up banners, after the supervisor gave up 14 s later.
+it and a free port to move it to. Exit 1 when any is busy, before anything starts: otherwise a busy port is
+found far up among the start-up banners, after the supervisor gives up.
 """
 
 from __future__ import annotations

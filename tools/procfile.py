@@ -30,8 +30,8 @@ all. `--own-terminal` (make run's): Ctrl-C reaches this supervisor alone
 
 Unlike honcho, nothing relays the output: the processes write to this
 process's stdout and stderr themselves. Honcho read every line through a pipe,
-passed it through a multiprocessing queue and printed it again with a prefix:
-about 1 ms of CPU per image at three log lines a job. The service's lines are
+passed it through a multiprocessing queue and printed it again with a prefix,
+CPU spent on every log line. The service's lines are
 JSON carrying their `role` already, which the prefix only repeated.
 """
 

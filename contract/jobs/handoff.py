@@ -21,9 +21,10 @@ from contract.timebill import RECEIVED_AT, SUBMITTED_AT
 
 # A CPU worker's claim, in one round trip instead of three (read, move, fetch the upload): a plain GET of the
 # upload, whose reply is read straight into one buffer (contract.replies), this step, and a plain HMGET of the
-# record's CLAIM_FIELDS as the claim left them. (The upload stays out of the script: Lua would copy 0.8 MB in and
-# out of its own memory, which cost Redis 1.5 ms of CPU per image; so do the fields: turned into a Lua table and
-# back into a reply, strings cost the script far more than a plain read of them.)
+# record's CLAIM_FIELDS as the claim left them. (The upload stays out of the script: Lua would copy it in and out
+# of its own memory, at a cost to Redis's CPU per image (docs/benchmarks/2026-12-06-control-plane.md, "Bytes into
+# Lua"); so do the fields: turned into a Lua table and back into a reply, strings cost the script far more than a
+# plain read of them.)
 # A claimed job's API key comes back with its frames of the model waiting or in flight (Keys.key_frames): the push
 # chooses the end of the list from it (contract.frame_push), with no round trip more.
 # The library's `claim` (contract/library/handoff.lua, where its keys and arguments are named).

@@ -1,4 +1,4 @@
-"""Job ids a client can check (issues 59.6 and 60.2): the API alone can make one, and an id answers only to the
+"""Job ids a client can check: the API alone can make one, and an id answers only to the
 key that submitted it.
 
 An id is 32 hex digits, as before (JOB_ID_PATTERN): `1`, the moment it was issued (the service clock's

@@ -21,8 +21,8 @@ end
 
 -- The entries a step's jobs leave (each that ended `succeeded` now with a `cache_key`): {digest, result, moment}.
 -- Stored one SET NX each; their bookkeeping (the stale charges read, the sizes, the LRU members, the total, the
--- sweep of stale entries) in one call each for all of them: each call inside a script costs Redis ~3,000
--- instructions, and a batch's eight entries made ~35 of them.
+-- sweep of stale entries) in one call each for all of them: each call inside a script has a fixed cost to Redis
+-- (docs/benchmarks/2026-12-06-control-plane.md), so a batch's entries share their calls.
 local function remember_all(cache, entries)
   if cache.max <= 0 or #entries == 0 then return end
   local digests, sizes, members, newest = {}, {}, {}, 0

@@ -99,8 +99,8 @@ redis.register_function('finish_jobs', function(keys, args)
 end)
 
 -- The step `redeliver_callback` (JobEnding.redeliver_callback): an ended job's callback queued again from its first
--- attempt, unless one is on its way already: a second request answers with that one (6,000 requests had queued the
--- same job 2,978 times). On its way: `pending` (in the outbox, a relay's hands, Celery's queue or its tenant's held
+-- attempt, unless one is on its way already: a second request answers with that one, so repeated requests cannot
+-- queue the same job many times. On its way: `pending` (in the outbox, a relay's hands, Celery's queue or its tenant's held
 -- list), `delivering`, or `retrying` once a relay has taken it from the scheduled set (while it waits there, it
 -- moves to the outbox: still one). One on its way for longer than args[2] is taken for lost and queued again; one
 -- delivered less than args[3] ago answers too. keys[1] the job hash, keys[2] the outbox, keys[3] the scheduled set,
