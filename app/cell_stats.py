@@ -61,8 +61,12 @@ def _read(cell: CellServices, model_keys: list[str]) -> CellReading:
     workers = live_heartbeats(client, keys, cell.settings.gpu_worker.heartbeat_ttl_s)
     for worker in workers:  # live totals, fresher than the heartbeat's
         raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
-        # The worker's totals; its per-model frames (contract.keys.model_frames_total) are for admission's drain rate.
-        counters = {k.decode(): float(v) for k, v in raw.items() if not k.decode().startswith(model_frames_total(""))}
+        # The worker's totals come with its heartbeat; its per-model frames (contract.keys.model_frames_total) come
+        # with each batch's write: their sum is its frames answered up to now, where the beat's lags by up to one.
+        per_model = model_frames_total("")
+        counters = {k.decode(): float(v) for k, v in raw.items() if not k.decode().startswith(per_model)}
+        frames = sum(float(v) for k, v in raw.items() if k.decode().startswith(per_model))
+        counters["frames_total"] = max(counters.get("frames_total", 0.0), frames)
         worker.stats.update(counters, host_ms_per_batch=host_ms_per_batch(counters))
     found = backlogs(client, keys, model_keys, cell.settings.tenants)
     live = int(cast(int, client.zcard(keys.deadlines)))

@@ -40,9 +40,11 @@ def wait_until(
 # Below Linux's ephemeral range (32768-60999): a port the kernel hands out for bind(0) is also what it hands the
 # next outgoing connection, which may take it before our server binds it ("address in use", seen as a flake).
 # Each xdist worker draws from a band of its own, so two workers never race for one port; within a process the
-# ports go round the band from a random start, so two calls before either port is bound never get the same one.
+# ports go round the band from a random start, so two calls before either port is bound never get the same one,
+# in strides: make run CELLS=N takes the ports after the ones it is given (a cell's Flower at FLOWER_PORT + 1).
 PORT_BAND = 1500
 PORT_FLOOR = 20000
+PORT_STRIDE = 37  # coprime with PORT_BAND: the whole band, nearby ports only hundreds of draws apart
 _next_in_band = itertools.count(secrets.randbelow(PORT_BAND))
 
 
@@ -50,7 +52,7 @@ def free_port() -> int:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     band = PORT_FLOOR + (int(worker) if worker.isdigit() else 0) % 8 * PORT_BAND
     for _ in range(PORT_BAND):
-        port = band + next(_next_in_band) % PORT_BAND
+        port = band + next(_next_in_band) * PORT_STRIDE % PORT_BAND
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
