@@ -60,10 +60,10 @@ from gpu_worker.describe import describe_worker
 from gpu_worker.devices import DeviceLost, inference_error
 from gpu_worker.feeder import Feeder, InHand
 from gpu_worker.finish import Finisher, result_documents
+from gpu_worker.heartbeat import Liveness
 from gpu_worker.host_time import HostTime, worker_counters
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
-from gpu_worker.heartbeat import Liveness
 from gpu_worker.redis_patience import UntilRedisAnswers
 from gpu_worker.stage_queue import StageQueue
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput

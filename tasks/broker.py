@@ -19,7 +19,7 @@ tests/test_cpu_hop_take.py). This table is the one list of every way a message c
 | acked, idle; or at a beat or a close | HeldQoS.flush_acks | LREM or HDEL |
 | a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH LPOS MULTI LREM LPUSH EXEC |
 | a clean stop | kombu's restore at shutdown; a take's spare (beyond the credit) at close | the same, RPUSH |
-| a worker found dead | given_back.reap_dead_workers, each live worker's beat (tasks.hop_recovery) | LRANGE HKEYS, above |
+| a worker found dead | given_back.reap_dead_workers, each worker's beat (tasks.hop_recovery) | LRANGE HKEYS, above |
 | a lost ack or delivery (failover) | given_back.restore_unheld: held here, seen in no task's hands 10 s | the same |
 | lost between an idle BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere twice | RPUSH |
 

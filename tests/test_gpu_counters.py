@@ -15,8 +15,8 @@ from contract.jobs.ending import JobEnding
 from contract.jobs.record import SUCCEEDED
 from contract.keys import Keys, model_frames_total
 from contract.library import Step
-from gpu_worker.host_time import HostTime, worker_counters
 from gpu_worker.heartbeat import Liveness
+from gpu_worker.host_time import HostTime, worker_counters
 from gpu_worker.stats import BusyMeter, RecentStats
 
 MODEL = "m:1"
