@@ -1,6 +1,6 @@
 """A GPU worker's heartbeat: what it says about itself every third of its TTL.
 
-Written by the GPU worker (`gpu_worker/liveness.py`) under `Keys.heartbeat(id)`
+Written by the GPU worker (`gpu_worker/heartbeat.py`) under `Keys.heartbeat(id)`
 and read by the API (`/readyz`, `/v1/models`, `/v1/stats`) and by a starting
 worker that finds its id taken. JSON, validated on both sides: a heartbeat
 that does not parse is no heartbeat (the API skips it; a starting worker

@@ -35,7 +35,7 @@ class Keys:
 
     def celery_holds(self, holder: str) -> str:
         """Hash: delivery tag -> a Celery message one worker process holds and when it was delivered
-        (tasks.broker), given back to its queue at once when that worker is found dead (tasks.liveness)."""
+        (tasks.broker), given back to its queue at once when that worker is found dead (tasks.hop_recovery)."""
         return self.celery_prefix + CELERY_HOLDS + holder
 
     def celery_held(self, holder: str) -> str:
@@ -154,7 +154,7 @@ class Keys:
 
     def gpu_epoch(self, worker_id: str) -> str:
         """String: a GPU worker's current life (a token). Deleted when another worker reaps its frames, so a
-        worker that was only paused finds it gone and writes nothing more (gpu_worker.liveness)."""
+        worker that was only paused finds it gone and writes nothing more (gpu_worker.heartbeat)."""
         return f"{self.namespace}:gpu:{worker_id}:epoch"
 
     def gpu_counters(self, worker_id: str) -> str:

@@ -256,8 +256,8 @@ class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
     events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.event_batching)
-    heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.liveness)
-    sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.liveness)
+    heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.job_sweeps)
+    sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.job_sweeps)
     # A job still queued this long whose task is in no queue and in no worker's hands, twice in a row, is sent its
     # task again (tasks.lost_deliveries: a worker killed as it took the message from Redis).
     lost_delivery_s: float = 5.0

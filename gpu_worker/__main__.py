@@ -20,7 +20,7 @@ from contract.models import Catalogue
 from contract.sections import SettingsError
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
-from gpu_worker.liveness import WorkerIdInUse
+from gpu_worker.heartbeat import WorkerIdInUse
 from gpu_worker.model import ModelLoadError
 from gpu_worker.worker import GpuWorker, default_worker_id
 

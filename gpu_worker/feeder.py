@@ -92,7 +92,7 @@ class Feeder:
             held_poll_s=batching.held_poll_ms / 1000.0,
             wait_held=wait_held,
         )
-        self.epoch = link.epoch  # the worker's life now (gpu_worker.liveness): a batch is written only in its own
+        self.epoch = link.epoch  # the worker's life now (gpu_worker.heartbeat): a batch is written only in its own
         self.next_seq = link.next_seq  # a batch id is worker:seq
         self.pop_s = 0.0  # the last collect's host time (see collect)
 

@@ -260,6 +260,6 @@ class Finisher:
     def _counters(self, taken: int) -> dict[str, float]:
         """The model's frames answered, including the batch being written: admission's drain rate reads it
         (app.drain) at up to a reading a second, which a total a heartbeat old (every third of its TTL) would
-        show as steps. The worker's other counters are its heartbeat's (gpu_worker.liveness: worker_counters),
+        show as steps. The worker's other counters are its heartbeat's (gpu_worker.heartbeat: worker_counters),
         not arguments of every batch write."""
         return {model_frames_total(self.spec.key): self.model_recent.frames_total + taken}

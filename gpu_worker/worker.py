@@ -60,10 +60,10 @@ from gpu_worker.describe import describe_worker
 from gpu_worker.devices import DeviceLost, inference_error
 from gpu_worker.feeder import Feeder, InHand
 from gpu_worker.finish import Finisher, result_documents
+from gpu_worker.heartbeat import Liveness
 from gpu_worker.host_time import HostTime, worker_counters
 from gpu_worker.lanes import DeviceQueue, Lane
 from gpu_worker.link import LaneMeters, WorkerLink
-from gpu_worker.liveness import Liveness
 from gpu_worker.redis_patience import UntilRedisAnswers
 from gpu_worker.stage_queue import StageQueue
 from gpu_worker.staging import DETECTION_COLUMNS, Device, DeviceOutput
@@ -286,7 +286,7 @@ class GpuWorker:
 
     def _wait_until_current(self) -> None:
         """Nothing goes on the device while this worker has been silent past its heartbeat's TTL (a pause, Redis
-        away): its frames may be another worker's by now. The next beat says (gpu_worker.liveness)."""
+        away): its frames may be another worker's by now. The next beat says (gpu_worker.heartbeat)."""
         while not self.liveness.current() and not self.liveness.presumed_dead and not self.stopping.is_set():
             self.stopping.wait(0.02)
 

@@ -27,6 +27,7 @@ from contract.keys import Keys
 from contract.scaling import backlogs, gpu_windows, pool_wanted, scaling_signal
 from contract.settings import Settings
 from tasks.broker import holder_id
+from tasks.celery_app import settings_of
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +39,6 @@ NODE_FRESH_S = 90.0  # a node that looked within this long counts among those sh
 class BacklogAutoscaler(Autoscaler):
     """Celery's Autoscaler whose wanted pool size is this node's share of the product's signal."""
 
-    settings: Settings | None = None  # set by tasks.worker before the worker starts (Celery makes the instance)
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # Celery's `keepalive` is both how often its event loop asks (a timer) and how long a pool stays grown:
@@ -48,7 +47,8 @@ class BacklogAutoscaler(Autoscaler):
         self.shrink_after_s: float = float(self.keepalive)  # type: ignore[has-type]  # Celery sets it untyped
         self.keepalive = LOOK_EVERY_S
         log.info("autoscaling on the backlog: %d..%d processes", self.min_concurrency, self.max_concurrency)
-        assert self.settings is not None, "tasks.worker sets BacklogAutoscaler.settings"
+        # Celery makes it, given the worker: the settings are those of the worker's app, as for the bootsteps.
+        self.settings: Settings = settings_of(self.worker.app)
         self.keys = Keys(self.settings.namespace)
         self._client: redis.Redis | None = None
         self._wanted = self.min_concurrency
@@ -85,7 +85,6 @@ class BacklogAutoscaler(Autoscaler):
 
     def models_taken(self) -> list[str]:
         """The models whose CPU queues this node takes (all of them unless its queues say otherwise)."""
-        assert self.settings is not None
         specs = [spec.key for spec in self.settings.models]
         consumer = getattr(self.worker, "consumer", None)
         queues = getattr(getattr(getattr(consumer, "app", None), "amqp", None), "queues", None)
@@ -95,7 +94,6 @@ class BacklogAutoscaler(Autoscaler):
 
     def wanted(self) -> int:
         """This node's share of the processes the models it takes want (contract.scaling), now."""
-        assert self.settings is not None
         if self._client is None:
             self._client = connect(self.settings, socket_timeout=2.0)
         client, keys = self._client, self.keys

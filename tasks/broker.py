@@ -19,7 +19,7 @@ tests/test_cpu_hop_take.py). This table is the one list of every way a message c
 | acked, idle; or at a beat or a close | HeldQoS.flush_acks | LREM or HDEL |
 | a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH LPOS MULTI LREM LPUSH EXEC |
 | a clean stop | kombu's restore at shutdown; a take's spare (beyond the credit) at close | the same, RPUSH |
-| a worker found dead | given_back.reap_dead_workers, each live worker's beat (tasks.liveness) | LRANGE HKEYS, above |
+| a worker found dead | given_back.reap_dead_workers, each worker's beat (tasks.hop_recovery) | LRANGE HKEYS, above |
 | a lost ack or delivery (failover) | given_back.restore_unheld: held here, seen in no task's hands 10 s | the same |
 | lost between an idle BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere twice | RPUSH |
 
@@ -309,7 +309,7 @@ class Channel(kombu_redis.Channel):
             # The channel closes after its connection was lost (kombu let go of the connection first): no pool
             # can be made for what close() still does (putting unacked messages back). Said as a connection
             # error, which Celery's consumer ignores while it reconnects; kombu's own AttributeError stopped
-            # the worker ("Unrecoverable error"). The messages stay held: tasks.liveness or the visibility
+            # the worker ("Unrecoverable error"). The messages stay held: tasks.hop_recovery or the visibility
             # timeout gives them back.
             raise redis.ConnectionError("the broker connection is closing")
         client = self._sync_client

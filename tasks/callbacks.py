@@ -61,7 +61,7 @@ class CallbackSender:
 
     Each attempt is recorded as `delivering` before the POST. The task is acknowledged only once it ran
     (acks_late): a worker that dies in the middle, even right after the receiver answered, has the task given
-    back (tasks.liveness) and the callback is posted again, with the same X-Imgserve-Delivery-Id; the receiver
+    back (tasks.hop_recovery) and the callback is posted again, with the same X-Imgserve-Delivery-Id; the receiver
     drops the repeat (the receiver in docs/operations.md does, by job id and status). It never stays `pending`.
 
     An attempt holds its thread for `callbacks.deadline_s` at most, whatever the receiver does (Celery's time

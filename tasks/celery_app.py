@@ -3,6 +3,8 @@ preprocess message the API pushes itself are contract.task_messages'."""
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 from celery import Celery
 
 from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
@@ -11,9 +13,23 @@ from contract.task_messages import CALLBACK_TASK, TASK_QUEUES
 from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT, own_the_schemes
 
 
+class ServiceCelery(Celery):
+    """A Celery app that carries the service's settings. The workers' own bootsteps and autoscaler, which Celery
+    makes itself with no arguments of ours, read them from the app they are given (`settings_of`), as Celery's own
+    steps read `app.conf`; not from `app.conf` itself, which `celery inspect conf` would show, secrets and all."""
+
+    service_settings: Settings
+
+
+def settings_of(app: Any) -> Settings:
+    """The settings of a Celery app that make_celery made."""
+    return cast(ServiceCelery, app).service_settings
+
+
 def make_celery(settings: Settings) -> Celery:
     own_the_schemes()
-    app = Celery("imgserve", broker=settings.broker_url, set_as_current=False)
+    app = ServiceCelery("imgserve", broker=settings.broker_url, set_as_current=False)
+    app.service_settings = settings
     app.conf.update(
         # Redis, with one client per channel instead of one per operation (see tasks.broker); through the
         # Sentinels of settings.redis when there are any.

@@ -17,43 +17,39 @@ from typing import Any
 
 from celery import bootsteps
 
-from contract.settings import Settings
+from tasks.celery_app import settings_of
 
 
-def batch_task_events(settings: Settings) -> type[bootsteps.StartStopStep]:
-    """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of
-    ours)."""
-    delay_s = settings.celery.events_flush_ms / 1000.0
+class BatchTaskEvents(bootsteps.StartStopStep):
+    """The consumer bootstep. Celery makes it itself; it reads the settings of the consumer's app."""
 
-    class BatchTaskEvents(bootsteps.StartStopStep):
-        # After Events: its start makes a new dispatcher each time the consumer (re)connects.
-        requires = {"celery.worker.consumer.events:Events"}
+    # After Events: its start makes a new dispatcher each time the consumer (re)connects.
+    requires = {"celery.worker.consumer.events:Events"}
 
-        def __init__(self, parent: Any, **kwargs: Any) -> None:
-            super().__init__(parent, **kwargs)
-            self.flush_entry: Any = None
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.delay_s = settings_of(parent.app).celery.events_flush_ms / 1000.0
+        self.flush_entry: Any = None
 
-        def start(self, consumer: Any) -> None:
-            dispatcher = consumer.event_dispatcher
-            if delay_s <= 0 or dispatcher is None or consumer.hub is None:
-                return
+    def start(self, consumer: Any) -> None:
+        dispatcher = consumer.event_dispatcher
+        if self.delay_s <= 0 or dispatcher is None or consumer.hub is None:
+            return
 
-            def flush() -> None:
-                self.flush_entry = None
-                consumer._flush_events()
+        def flush() -> None:
+            self.flush_entry = None
+            consumer._flush_events()
 
-            def on_buffered() -> None:
-                if self.flush_entry is None:
-                    self.flush_entry = consumer.timer.call_after(delay_s, flush, priority=10)
+        def on_buffered() -> None:
+            if self.flush_entry is None:
+                self.flush_entry = consumer.timer.call_after(self.delay_s, flush, priority=10)
 
-            dispatcher.on_send_buffered = on_buffered
+        dispatcher.on_send_buffered = on_buffered
 
-        def stop(self, consumer: Any) -> None:
-            """Whatever waits goes now (a worker stopping, or a consumer reconnecting)."""
-            if self.flush_entry is not None:
-                self.flush_entry.cancel()
-                self.flush_entry = None
-            if consumer.event_dispatcher is not None:
-                consumer._flush_events()
-
-    return BatchTaskEvents
+    def stop(self, consumer: Any) -> None:
+        """Whatever waits goes now (a worker stopping, or a consumer reconnecting)."""
+        if self.flush_entry is not None:
+            self.flush_entry.cancel()
+            self.flush_entry = None
+        if consumer.event_dispatcher is not None:
+            consumer._flush_events()

@@ -17,7 +17,7 @@ from celery import bootsteps
 
 from contract.connection import connect
 from contract.keys import PREPROCESS_QUEUE, Keys
-from contract.settings import Settings
+from tasks.celery_app import settings_of
 
 log = logging.getLogger(__name__)
 
@@ -48,91 +48,88 @@ def queues_to_hold(full: set[int], queues: list[list[str]], counts: list[dict[st
     return held
 
 
-def pause_while_full(settings: Settings) -> type[bootsteps.StartStopStep]:  # noqa: C901  # a class's methods, counted as one
-    """The consumer bootstep for these settings (Celery instantiates steps itself, with no arguments of
-    ours)."""
+class PauseWhileFrameListFull(bootsteps.StartStopStep):
+    """The consumer bootstep. Celery makes it itself; it reads the settings of the consumer's app."""
 
-    class PauseWhileFrameListFull(bootsteps.StartStopStep):
-        requires = {"celery.worker.consumer.tasks:Tasks"}
+    requires = {"celery.worker.consumer.tasks:Tasks"}
 
-        def __init__(self, parent: Any, **kwargs: Any) -> None:
-            super().__init__(parent, **kwargs)
-            keys = self.keys = Keys(settings.namespace)
-            self.frames = [keys.frames(spec.key) for spec in settings.models]
-            self.queues = [keys.preprocess_queues(spec.key, settings.tenants) for spec in settings.models]
-            self.limits = [settings.max_frames(spec) for spec in settings.models]
-            self.paused: set[str] = set()  # queues
-            self.head = settings.backpressure.head_frames_per_key
-            self.key_frames = [keys.key_frames(spec.key) for spec in settings.models]
-            self.held = 1
-            self.busy_until = 0.0
-            self.timer_entry: Any = None
-            self.client: redis.Redis | None = None
-            self.sharded = bool(settings.bulk.redis_urls)
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        settings = self.settings = settings_of(parent.app)
+        keys = self.keys = Keys(settings.namespace)
+        self.frames = [keys.frames(spec.key) for spec in settings.models]
+        self.queues = [keys.preprocess_queues(spec.key, settings.tenants) for spec in settings.models]
+        self.limits = [settings.max_frames(spec) for spec in settings.models]
+        self.paused: set[str] = set()  # queues
+        self.head = settings.backpressure.head_frames_per_key
+        self.key_frames = [keys.key_frames(spec.key) for spec in settings.models]
+        self.held = 1
+        self.busy_until = 0.0
+        self.timer_entry: Any = None
+        self.client: redis.Redis | None = None
+        self.sharded = bool(settings.bulk.redis_urls)
 
-        def start(self, consumer: Any) -> None:
-            if PREPROCESS_QUEUE not in consumer.app.amqp.queues.consume_from:
-                return  # the callback worker
-            self.client = connect(settings, socket_timeout=1.0)
-            self.held = max(1, int(getattr(consumer, "initial_prefetch_count", 0) or 1))
+    def start(self, consumer: Any) -> None:
+        if PREPROCESS_QUEUE not in consumer.app.amqp.queues.consume_from:
+            return  # the callback worker
+        self.client = connect(self.settings, socket_timeout=1.0)
+        self.held = max(1, int(getattr(consumer, "initial_prefetch_count", 0) or 1))
+        self._schedule(consumer, IDLE_CHECK_S)
+
+    def _schedule(self, consumer: Any, delay_s: float) -> None:
+        self.timer_entry = consumer.timer.call_after(delay_s, self.check, (consumer,), priority=10)
+
+    def stop(self, consumer: Any) -> None:
+        if self.timer_entry is not None:
+            self.timer_entry.cancel()
+            self.timer_entry = None
+
+    def check(self, consumer: Any) -> None:
+        try:
+            depths = self._depths()
+        except redis.RedisError:  # the consumer has its own reconnection; look again later
             self._schedule(consumer, IDLE_CHECK_S)
+            return
+        now = time.monotonic()
+        if self.paused or any(2 * depth >= limit for depth, limit in zip(depths, self.limits)):
+            self.busy_until = now + CALM_AFTER_S
+        self._schedule(consumer, CLOSE_CHECK_S if now < self.busy_until else IDLE_CHECK_S)
+        self._apply(consumer, depths)
 
-        def _schedule(self, consumer: Any, delay_s: float) -> None:
-            self.timer_entry = consumer.timer.call_after(delay_s, self.check, (consumer,), priority=10)
+    def _depths(self) -> list[int]:
+        assert self.client is not None
+        if self.sharded:  # the lists lie on the shards: their count, kept on the control plane
+            counts = self.client.hmget(self.keys.frames_waiting, [spec.key for spec in self.settings.models])
+            return [int(count or 0) for count in counts]
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.frames:
+            pipe.llen(key)
+        return [int(depth) for depth in pipe.execute()]
 
-        def stop(self, consumer: Any) -> None:
-            if self.timer_entry is not None:
-                self.timer_entry.cancel()
-                self.timer_entry = None
-
-        def check(self, consumer: Any) -> None:
-            try:
-                depths = self._depths()
-            except redis.RedisError:  # the consumer has its own reconnection; look again later
-                self._schedule(consumer, IDLE_CHECK_S)
-                return
-            now = time.monotonic()
-            if self.paused or any(2 * depth >= limit for depth, limit in zip(depths, self.limits)):
-                self.busy_until = now + CALM_AFTER_S
-            self._schedule(consumer, CLOSE_CHECK_S if now < self.busy_until else IDLE_CHECK_S)
-            self._apply(consumer, depths)
-
-        def _depths(self) -> list[int]:
-            assert self.client is not None
-            if self.sharded:  # the lists lie on the shards: their count, kept on the control plane
-                counts = self.client.hmget(self.keys.frames_waiting, [spec.key for spec in settings.models])
-                return [int(count or 0) for count in counts]
-            pipe = self.client.pipeline(transaction=False)
-            for key in self.frames:
-                pipe.llen(key)
-            return [int(depth) for depth in pipe.execute()]
-
-        def _counts(self, full: set[int]) -> list[dict[str, int]]:
-            """Each full model's keys' frames waiting or in flight (read only while a list is full)."""
-            counts: list[dict[str, int]] = [{} for _ in self.queues]
-            if not full or self.head <= 0:
-                return counts
-            assert self.client is not None
-            pipe = self.client.pipeline(transaction=False)
-            for index in sorted(full):
-                pipe.hgetall(self.key_frames[index])
-            for index, held in zip(sorted(full), pipe.execute()):
-                counts[index] = {name.decode(): int(count) for name, count in held.items()}
+    def _counts(self, full: set[int]) -> list[dict[str, int]]:
+        """Each full model's keys' frames waiting or in flight (read only while a list is full)."""
+        counts: list[dict[str, int]] = [{} for _ in self.queues]
+        if not full or self.head <= 0:
             return counts
+        assert self.client is not None
+        pipe = self.client.pipeline(transaction=False)
+        for index in sorted(full):
+            pipe.hgetall(self.key_frames[index])
+        for index, held in zip(sorted(full), pipe.execute()):
+            counts[index] = {name.decode(): int(count) for name, count in held.items()}
+        return counts
 
-        def _apply(self, consumer: Any, depths: list[int]) -> None:
-            full, _ = full_models(depths, self.limits, self.held, set())
-            hold = queues_to_hold(full, self.queues, self._counts(full), self.head)
-            tasks = consumer.task_consumer
-            for queue in hold - self.paused:
-                tasks.cancel_by_queue(queue)
-                log.debug("paused %s: its frame list is full", queue)
-            resume = self.paused - hold
-            for queue in resume:
-                tasks.add_queue(consumer.app.amqp.queues[queue])
-                log.debug("resumed %s", queue)
-            self.paused = hold
-            if resume:
-                tasks.consume()
-
-    return PauseWhileFrameListFull
+    def _apply(self, consumer: Any, depths: list[int]) -> None:
+        full, _ = full_models(depths, self.limits, self.held, set())
+        hold = queues_to_hold(full, self.queues, self._counts(full), self.head)
+        tasks = consumer.task_consumer
+        for queue in hold - self.paused:
+            tasks.cancel_by_queue(queue)
+            log.debug("paused %s: its frame list is full", queue)
+        resume = self.paused - hold
+        for queue in resume:
+            tasks.add_queue(consumer.app.amqp.queues[queue])
+            log.debug("resumed %s", queue)
+        self.paused = hold
+        if resume:
+            tasks.consume()

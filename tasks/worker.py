@@ -33,14 +33,15 @@ from contract.logs import JsonFormatter, configure_logging
 from contract.memory import keep_freed_memory
 from contract.settings import Settings
 from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK
-from tasks.autoscale import AUTOSCALER, BacklogAutoscaler
+from tasks.autoscale import AUTOSCALER
 from tasks.callback_relay import OutboxRelay
 from tasks.callback_slots import TenantSlots
 from tasks.callbacks import CallbackSender
 from tasks.celery_app import make_celery, send_callback
-from tasks.event_batching import batch_task_events
-from tasks.full_lists import pause_while_full
-from tasks.liveness import keep_alive
+from tasks.event_batching import BatchTaskEvents
+from tasks.full_lists import PauseWhileFrameListFull
+from tasks.hop_recovery import HopRecovery
+from tasks.job_sweeps import JobSweeps
 from tasks.preprocess import Preprocessor
 
 # Before the pool forks: its children inherit the tuned malloc (see contract.memory).
@@ -83,11 +84,9 @@ def create_worker_app(settings: Settings) -> Celery:
     """The Celery app of the CPU and callback workers: its consumer steps and its two tasks."""
     app = make_celery(settings)
     # `--autoscale=MAX,MIN` (CPU_AUTOSCALE=MIN,MAX): Celery's autoscaler, sized by the product's backlog
-    BacklogAutoscaler.settings = settings
     app.conf.worker_autoscaler = AUTOSCALER
-    app.steps["consumer"].add(pause_while_full(settings))
-    app.steps["consumer"].add(batch_task_events(settings))
-    app.steps["consumer"].add(keep_alive(settings))
+    # Each step reads the settings from the app it is given (tasks.celery_app.settings_of).
+    app.steps["consumer"].update((PauseWhileFrameListFull, BatchTaskEvents, HopRecovery, JobSweeps))
 
     @app.task(
         base=PreprocessTask,
@@ -107,7 +106,7 @@ def create_worker_app(settings: Settings) -> Celery:
         (log.warning if code else log.info)("preprocess %s", outcome, extra=extra)
         return str(outcome)
 
-    # acks_late: a worker that dies during a delivery has the task given back (tasks.liveness) and the callback
+    # acks_late: a worker that dies during a delivery has the task given back (tasks.hop_recovery) and the callback
     # is posted again with the same delivery id (at least once; receivers drop repeats). Retries are not
     # Celery's: the sender schedules them in Redis (tasks.callbacks.CallbackSender).
     @app.task(

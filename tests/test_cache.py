@@ -167,7 +167,7 @@ def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client
     from prometheus_client import REGISTRY
 
     from contract.heartbeat import Heartbeat
-    from gpu_worker.liveness import Liveness
+    from gpu_worker.heartbeat import Liveness
 
     keys = Keys("cache-gauges")
     settings = Settings(model=SPEC, models=(SPEC,), cache=CacheSettings(max_bytes=5000))

@@ -355,7 +355,7 @@ def test_every_dead_letter_can_be_sent_again_at_once(stack):
 @pytest.mark.integration
 def test_a_callback_worker_killed_during_a_delivery_has_it_sent_again_and_it_never_stays_pending(stack):
     """The receiver holds the first POST; the callback worker is SIGKILLed meanwhile. Its task is given back once
-    its heartbeat lapses (tasks.liveness) and a new worker delivers, with the same delivery id."""
+    its heartbeat lapses (tasks.hop_recovery) and a new worker delivers, with the same delivery id."""
     import signal
 
     from bench.processes import ManagedProcess, callback_worker_argv

@@ -1,6 +1,6 @@
 """A GPU worker paused past its heartbeat (SIGSTOP, a stalled VM) has its frames given to another worker; when
 it wakes it must not compute them again nor write them: it finds its epoch gone, gives back what it took
-since, and exits for its supervisor (gpu_worker.liveness)."""
+since, and exits for its supervisor (gpu_worker.heartbeat)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The GPU worker's counters hash (Keys.gpu_counters): written by its heartbeat's step, which finds its epoch first,
 not with every batch write (issue 72); each model's frames answered stay the batch write's (the drain rate's).
 
-Real redis-server; the heartbeat's own class (gpu_worker.liveness.Liveness) and the batch write's step."""
+Real redis-server; the heartbeat's own class (gpu_worker.heartbeat.Liveness) and the batch write's step."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from contract.jobs.ending import JobEnding
 from contract.jobs.record import SUCCEEDED
 from contract.keys import Keys, model_frames_total
 from contract.library import Step
+from gpu_worker.heartbeat import Liveness
 from gpu_worker.host_time import HostTime, worker_counters
-from gpu_worker.liveness import Liveness
 from gpu_worker.stats import BusyMeter, RecentStats
 
 MODEL = "m:1"
@@ -54,7 +54,7 @@ def test_a_beat_writes_the_workers_counters_and_a_fenced_worker_writes_none(redi
     liveness.beat()
     assert float(redis_client.hget(keys.gpu_counters("w"), "frames_total")) == 4
 
-    # A reaper took its frames (a new epoch: gpu_worker.liveness): the next beat, and its leaving, write nothing.
+    # A reaper took its frames (a new epoch: gpu_worker.heartbeat): the next beat, and its leaving, write nothing.
     redis_client.set(keys.gpu_epoch("w"), "another life")
     counters["frames_total"] = 12
     liveness.beat()

@@ -1,5 +1,5 @@
 
--- The step `gpu_beat` (the GPU worker's heartbeat, gpu_worker.liveness): keys[1] the worker's epoch, keys[2] its
+-- The step `gpu_beat` (the GPU worker's heartbeat, gpu_worker.heartbeat): keys[1] the worker's epoch, keys[2] its
 -- heartbeat, keys[3] the registry, keys[4] its counters hash; args[1] its epoch, args[2] the heartbeat's text (''
 -- withholds it: the loop stalled), args[3] its TTL (ms), args[4] the worker id, args[5] now, args[6..] the counters'
 -- field, value, ... (gpu_worker.host_time.worker_counters: written here, once a beat, rather than by every batch

@@ -16,7 +16,7 @@
 redis.register_function('write_batch', function(keys, args)
   local N = FINISH_NAMES
   if args[N + 5] ~= '' and redis.call('GET', keys[4]) ~= args[N + 5] then
-    return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.liveness)
+    return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.heartbeat)
   end
   local names = finish_names(keys[1], args, 1)
   local acked, acked_bytes, model, counters = tonumber(args[N + 1]), args[N + 2], args[N + 3], tonumber(args[N + 4])

@@ -1,4 +1,5 @@
-"""Liveness: the heartbeat that says a GPU worker lives, and what happens to frames when one dies.
+"""The GPU worker's heartbeat: it says the worker lives, fences a life presumed dead, and gives back a dead
+worker's frames.
 
 A worker beats every third of `heartbeat_ttl_s` (a key with that TTL, and its
 score in the registry). It withholds the beat when its collect loop has
