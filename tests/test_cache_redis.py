@@ -184,6 +184,7 @@ def test_a_repeat_hits_with_the_entry_on_the_cache_redis_and_none_on_the_control
     assert hit["cache"] == "hit" and hit["status"] == "succeeded" and hit["result"] == first["result"]
     stats = stack.session.get(stack.url("/v1/stats"), timeout=10).json()["cache"]
     assert stats["redis"] == redis_address(cache.url) and stats["available"] and stats["entries"] >= 1
+    assert stats["maxmemory"] == 64 * 2**20 and stats["bytes"] > 0  # its INFO: no books kept there
 
 
 def test_the_cache_redis_killed_under_load_costs_misses_only_and_hits_come_back(apart_stack):
