@@ -55,10 +55,6 @@ class CacheLimits:
         max_bytes -1, so the control plane stores nothing and write_batch returns what to store elsewhere."""
         return [self.prefix, -1 if self.apart and self.max_bytes > 0 else self.max_bytes, self.ttl_s]
 
-    def remember_names(self) -> list[Any]:
-        """cache_names' arguments on the cache Redis itself (its `remember_entries`)."""
-        return [self.prefix, self.max_bytes, self.ttl_s]
-
 
 # The library's remember_all (contract/library/cache.lua), called by finish_jobs with the jobs it ended, stores each
 # one's result if it ended `succeeded` and carries a `cache_key`; then STALE_PER_ENTRY entries unused past their TTL
@@ -143,17 +139,23 @@ class ResultCache:
 
     def stats(self, model_keys: Sequence[str]) -> dict[str, Any]:
         """Hits, misses and the hit rate per model; entries and bytes charged in all, against the budget. On a cache
-        Redis of its own that is away: zeros, and `available` false."""
+        Redis of its own, no books: `entries` its keys with a TTL and `bytes` its used_memory, from its INFO read at
+        most once a second (contract.cache_plane's CachePlane.size), `maxmemory` its own; away: zeros, and
+        `available` false."""
 
         def read(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
             pipe.hgetall(self.keys.cache_stats)
-            pipe.zcard(self.keys.cache_lru)
-            pipe.get(self.keys.cache_bytes)
+            if self.plane is None:
+                pipe.zcard(self.keys.cache_lru)
+                pipe.get(self.keys.cache_bytes)
             return pipe.execute()
 
         read_there = read(self.redis) if self.plane is None else self.plane.call(read)
-        counts, entries, charged = read_there or ({}, 0, 0)
+        counts, entries, charged = ({}, 0, 0) if read_there is None else (*read_there, 0, 0)[:3]
+        size = self.plane.size() if self.plane is not None and read_there is not None else None
+        if size is not None:
+            entries, charged = size.entries, size.used_bytes
         counts = dict(counts)
         per_model = {}
         for key in model_keys:
@@ -172,5 +174,6 @@ class ResultCache:
             "ttl_s": self.settings.cache.ttl_s,
             "models": per_model,
             "redis": self.plane.address if self.plane else None,
+            "maxmemory": size.maxmemory if size is not None else None,
             "available": read_there is not None,
         }

@@ -159,9 +159,16 @@ class CacheModelStats(Document):
 class CacheStats(Document):
     enabled: bool
     shared: bool = Field(description="one cache for every API key (true) or one per key (false)")
-    entries: int = Field(ge=0)
-    bytes: int = Field(ge=0, description="charged against max_bytes: the documents plus a fixed overhead each")
+    entries: int = Field(ge=0, description="the entries; with `redis`, its keys that carry a TTL (its INFO)")
+    bytes: int = Field(
+        ge=0,
+        description="charged against max_bytes: the documents plus a fixed overhead each; with `redis`, its "
+        "used_memory (entries, counters, Redis's overhead), read at most once a second",
+    )
     max_bytes: int = Field(ge=0)
+    maxmemory: int | None = Field(
+        None, description="with `redis`: its maxmemory, the cache's size there (0: none); null: the control plane's"
+    )
     ttl_s: int = Field(ge=1)
     models: dict[str, CacheModelStats] = Field(description="per name:version")
     redis: str | None = Field(

@@ -248,13 +248,13 @@ class Finisher:
             if "result" in fields:
                 results[job_id] = fields["result"]
             at += 2 + count
-        now = service_now()
         entries = [
-            (bytes(digest).decode(), results[bytes(job_id).decode()], now)
+            (self.keys.cache_entry(bytes(digest).decode()), results[bytes(job_id).decode()])
             for job_id, digest in zip(pairs[::2], pairs[1::2])
             if bytes(job_id).decode() in results
         ]
-        if not self.cache_plane.remember(self.store.cache.remember_names(), entries):
+        limits = self.store.cache
+        if self.cache_plane.remember(entries, limits.ttl_s, limits.max_bytes) is None:
             log.info("%d result-cache entries dropped: the cache Redis is away", len(entries))
 
     def _counters(self, taken: int) -> dict[str, float]:

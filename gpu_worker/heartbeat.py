@@ -167,8 +167,9 @@ class Liveness:
             self.redis.hset(self.keys.frames_waiting, mapping=counts)
 
     def export_cache_size(self) -> None:
-        """The result cache's entries and charged bytes, for Prometheus (one round trip; on a cache Redis of its own
-        that is away, none: the gauges keep their last values)."""
+        """The result cache's entries and charged bytes, for Prometheus (one round trip). On a cache Redis of its own
+        (no books there): its keys with a TTL and its used_memory, from its INFO (CachePlane.size); away, none: the
+        gauges keep their last values."""
 
         def read(client: redis.Redis) -> list[Any]:
             pipe = client.pipeline(transaction=False)
@@ -176,13 +177,17 @@ class Liveness:
             pipe.get(self.keys.cache_bytes)
             return pipe.execute()
 
-        sizes = read(self.redis) if self.cache_plane is None else self.cache_plane.call(read)
-        if sizes is None:
-            return
-        entries, charged = sizes
+        limit = self.cache_max_bytes
+        if self.cache_plane is None:
+            entries, charged = read(self.redis)
+        else:
+            size = self.cache_plane.size()
+            if size is None:
+                return
+            entries, charged, limit = size.entries, size.used_bytes, size.maxmemory
         metrics.CACHE_ENTRIES.set(int(entries))
         metrics.CACHE_BYTES.set(int(charged or 0))
-        metrics.CACHE_MAX_BYTES.set(self.cache_max_bytes)
+        metrics.CACHE_MAX_BYTES.set(limit)
 
     def beat(self) -> None:
         """Publish that this worker lives (unless its loop has stalled), if its epoch is still there."""

@@ -239,15 +239,7 @@ class JobIntake(JobEnding):
         )
         if stored[0] == b"limited":
             return HitLimited(int(stored[1]))
-        plane.touch(
-            self.keys.cache_entry(digest),
-            self.keys.cache_lru,
-            self.keys.cache_stats,
-            digest,
-            service_now(),
-            admission.model_key,
-            cache_ttl_s,
-        )
+        plane.touch(self.keys.cache_entry(digest), self.keys.cache_stats, admission.model_key, cache_ttl_s)
         return CacheHit(bytes(stored[1]).decode(), found.decode())
 
     def _store_hit_job(

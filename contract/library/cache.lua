@@ -62,14 +62,3 @@ local function remember_all(cache, entries)
     total = tonumber(redis.call('GET', cache.prefix .. 'bytes') or '0')
   end
 end
-
--- The step `remember_entries` (contract.cache_plane's CachePlane.remember), on a cache Redis of its own: the entries
--- the GPU worker's batch write ended `succeeded` (write_batch returned them), stored with their books as remember_all
--- stores them on the control plane. args[1..3] cache_names(), then per entry its digest, result and moment.
--- Returns how many entries it was given.
-redis.register_function('remember_entries', function(_, args)
-  local entries = {}
-  for i = 4, #args, 3 do entries[#entries + 1] = {args[i], args[i + 1], args[i + 2]} end
-  remember_all(cache_names(args, 1), entries)
-  return #entries
-end)
