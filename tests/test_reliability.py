@@ -121,12 +121,15 @@ def test_sigkill_mid_batch_loses_nothing_and_answers_once(stack):
 def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
     """On the device, staged ahead of it, waiting for the write: SIGTERM stops the taking, not the answering."""
     stack.stop_gpu_worker()
+    worker = None
     try:
         worker = slow_sim_worker(stack, "draining-gpu", latency_ms=700, max_batch=2)
-        ids = [stack.submit_ok(jpeg(320, 240, seed=40 + i)) for i in range(12)]
+        ids = [stack.submit_ok(jpeg(320, 240, seed=40 + i)) for i in range(24)]
         processing = stack.keys.processing("draining-gpu", stack.settings.model.key)
-        # a batch on the device and one staged ahead (gpu_worker.lanes: no more under a slow device)
-        wait_until(lambda: stack.redis.llen(processing) >= 4, 60, what="batches in every stage")
+        # A batch on the device and one staged ahead (gpu_worker.lanes): the next batch is popped just in time,
+        # tens of ms before the device is free, so both are held only that long in each batch's 700 ms: a fine
+        # poll over a dozen batches meets it.
+        wait_until(lambda: stack.redis.llen(processing) >= 4, 60, interval_s=0.002, what="batches in every stage")
         worker.stop(signal.SIGTERM, timeout_s=60)
         assert worker.process.returncode == 0, worker.log_tail()
         assert stack.redis.llen(processing) == 0
@@ -134,6 +137,8 @@ def test_sigterm_with_a_batch_in_every_stage_answers_every_frame_taken(stack):
         assert statuses.count("succeeded") >= 4 and set(statuses) <= {"succeeded", "queued_gpu"}, statuses
         assert stack.redis.llen(stack.frames_key) == statuses.count("queued_gpu")  # the rest wait in line
     finally:
+        if worker is not None and worker.alive():  # failed before its SIGTERM: left, it took the next tests' frames
+            worker.stop(signal.SIGKILL, timeout_s=30)
         stack.start_gpu_worker()
     assert [stack.wait_terminal(j)["status"] for j in ids] == ["succeeded"] * len(ids)
 
