@@ -238,8 +238,10 @@ def test_an_evicting_cache_redis_keeps_taking_entries_past_its_maxmemory_and_dro
             assert plane.remember(entries, 60, 10**6) == 0  # every write taken
         size = plane.size()
         assert size is not None and 0 < size.entries < 200 and size.used_bytes <= 4 * 2**20
-        assert plane.lookup(keys.cache_entry("d24-7")) == document.encode()  # the newest kept, the oldest evicted
-        assert plane.lookup(keys.cache_entry("d0-0")) is None and plane.up
+        assert plane.lookup(keys.cache_entry("d24-7")) == document.encode()  # the newest kept
+        # Redis's LRU is sampled, not exact: any one old entry may survive, but the older half loses more
+        kept = [sum(plane.lookup(keys.cache_entry(f"d{b}-{i}")) is not None for i in range(8)) for b in range(25)]
+        assert sum(kept[:12]) < sum(kept[13:]) and plane.up
     finally:
         server.stop()
 
