@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import redis
 import yaml
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, free_port, wait_until
 from tools import kubernetes_cells
 from tools.redis_config import redis_config_args
 
@@ -452,7 +453,7 @@ def test_every_control_plane_redis_runs_with_configs_redis_conf(redis_client):
         line
         for name in ("docker-compose.yml", "docker-compose.ha.yml", "docker-compose.cells.yml")
         for line in (REPO_ROOT / name).read_text().splitlines()
-        if "exec redis-server -" in line
+        if "exec redis-server -" in line and "allkeys-lru" not in line  # the cache's own Redis is no control plane
     ]
     commands.append(kubernetes_cells.REDIS_COMMAND)
     several_hosts = (REPO_ROOT / "docs" / "several-hosts.md").read_text()
@@ -461,3 +462,50 @@ def test_every_control_plane_redis_runs_with_configs_redis_conf(redis_client):
     for command in (*commands, documented):
         for name, value in settings:
             assert f"--{name} {value}" in command, (name, command)
+
+
+def test_compose_runs_the_result_cache_on_a_redis_of_its_own_under_a_profile(tmp_path):
+    """--profile cache adds cache-redis; .env's IMGSERVE_CACHE__REDIS_URL points every API and GPU worker at it,
+    both cells' with the cells overlay (one cache for the tier). Its command, run here as compose would run it: the
+    password from stdin, allkeys-lru under its maxmemory, nothing written to disk."""
+    url = f"redis://:{SECRETS['REDIS_PASSWORD']}@cache-redis:6379/0"
+    cache = {**SECRETS, "IMGSERVE_CACHE__REDIS_URL": url, "CACHE_REDIS_MAXMEMORY": "2mb"}
+    result = compose_config(cache, "-f", "docker-compose.yml", "-f", "docker-compose.cells.yml", "--profile", "cache")
+    assert result.returncode == 0, result.stderr
+    services = yaml.safe_load(result.stdout)["services"]
+    for name in ("api", "gpu-worker", "gpu-worker-b"):
+        assert services[name]["environment"]["IMGSERVE_CACHE__REDIS_URL"] == url, name
+    redis_cache = services["cache-redis"]
+    assert redis_cache["profiles"] == ["cache"] and "ports" not in redis_cache and redis_cache["user"] == "redis"
+    plain = yaml.safe_load(compose_config(SECRETS).stdout)["services"]
+    assert plain["api"]["environment"]["IMGSERVE_CACHE__REDIS_URL"] == ""  # unset: the cache on the control plane
+    assert "IMGSERVE_CACHE__REDIS_URL=redis://:<REDIS_PASSWORD>@cache-redis:6379/0" in (
+        REPO_ROOT / ".env.example"
+    ).read_text()
+
+    port = free_port()
+    shell = redis_cache["command"][2].replace("$$", "$").replace("redis-server -", f"redis-server - --port {port}", 1)
+    server = subprocess.Popen(
+        ["sh", "-c", shell], cwd=tmp_path, env={**os.environ, **redis_cache["environment"]}, stdout=subprocess.DEVNULL
+    )
+    try:
+        client = redis.Redis(port=port, password=SECRETS["REDIS_PASSWORD"])
+        wait_until(lambda: _answers(client), 10, what="the cache Redis to answer")
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "allkeys-lru"}
+        assert client.config_get("save") == {"save": ""} and client.config_get("appendonly") == {"appendonly": "no"}
+        for i in range(100):  # 6.4 MB into 2 MB: evicted, never refused
+            client.set(f"entry-{i}", b"x" * 64_000)
+        assert 0 < client.dbsize() < 100
+    finally:
+        server.terminate()
+        server.wait(10)
+    assert not list(tmp_path.iterdir())  # nothing kept on disk
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
