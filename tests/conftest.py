@@ -17,7 +17,7 @@ import yaml
 from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
-from bench.processes import api_argv, cpu_worker_argv, gpu_worker_argv
+from bench.stack.processes import api_argv, cpu_worker_argv, gpu_worker_argv
 from contract.config import load_settings
 from contract.jobs.record import TERMINAL
 from contract.keys import Keys

@@ -1,4 +1,4 @@
-"""A stand-in for the peer in bench.peer's tests, where LitServe is not installed: one process answering GET
+"""A stand-in for the peer in bench.load.peer's tests, where LitServe is not installed: one process answering GET
 /health and a multipart POST /predict with the decode floor's work on its image (`python -m tests.peer_standin
 PORT SIZE`)."""
 
@@ -8,7 +8,7 @@ import json
 import sys
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from bench.floor import prepare
+from bench.meters.floor import prepare
 
 
 class Handler(BaseHTTPRequestHandler):

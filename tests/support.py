@@ -17,8 +17,8 @@ from typing import Any
 import requests
 from PIL import Image, ImageDraw
 
-from bench.hostile_files import jpeg_segments, scan_bomb  # noqa: F401   (the scan bomb's tests use them)
-from bench.processes import (  # noqa: F401
+from bench.hostile.files import jpeg_segments, scan_bomb  # noqa: F401   (the scan bomb's tests use them)
+from bench.stack.processes import (  # noqa: F401
     REPO_ROOT,
     ManagedProcess,
     RedisServer,
@@ -88,7 +88,7 @@ def build_content_box_model(num_classes: int = 2, pad_value: int = 114, layout: 
     return torch.jit.script(ContentBox()) if script else ContentBox()
 
 
-# --- processes (the rest live in bench.processes) ------------------------
+# --- processes (the rest live in bench.stack.processes) ------------------------
 class ApiServer:
     """The real Flask app behind a real threaded HTTP server, in this process."""
 

@@ -13,7 +13,7 @@ from app import create_app
 from app.admission import failure_source
 from app.auth import hash_key
 from app.services import services as api_services
-from bench.processes import ManagedProcess, cpu_worker_argv
+from bench.stack.processes import ManagedProcess, cpu_worker_argv
 from tests.support import ApiServer, api_with_keys, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.processes import children_of, wait_until
+from bench.stack.processes import children_of, wait_until
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import encode, make_image
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.diagnose import band, pattern
-from bench.load import Outcome
-from bench.report import markdown, summarise
+from bench.load.client import Outcome
+from bench.load.diagnose import band, pattern
+from bench.load.report import markdown, summarise
 from contract.frames import unpack_frame
 from contract.models import ModelSpec
 from contract.settings import STORY_PROFILE_MS
@@ -119,7 +119,7 @@ def test_report_counts_batches_once_and_busy_from_counters():
 
 
 def test_the_apis_own_time_is_read_from_server_timing():
-    from bench.load import server_timing_ms
+    from bench.load.client import server_timing_ms
 
     assert server_timing_ms("app;dur=1.23") == 1.23
     assert server_timing_ms('db;dur=4, app;desc="api";dur="0.5"') == 0.5
@@ -145,7 +145,7 @@ def test_utilisation_bands(busy, words):
 
 
 def test_the_ideal_bound_batches_greedily_and_obeys_the_profile():
-    from bench.bound import ideal_latencies
+    from bench.meters.bound import ideal_latencies
 
     light, light_busy = ideal_latencies(STORY_PROFILE_MS, qps=1.0, window_s=0.012, max_batch=8, duration_s=600)
     assert percentile(light, 50) == pytest.approx(0.012 + 0.072, abs=0.002)  # alone: window + batch of 1
@@ -168,7 +168,7 @@ def test_the_ideal_bound_batches_greedily_and_obeys_the_profile():
     ],
 )
 def test_processes_are_given_their_role_by_command_line(cmdline, role):
-    from bench.cpu import role_of
+    from bench.stack.cpu import role_of
 
     assert role_of(cmdline) == role
     assert role_of("redis-server 127.0.0.1:6379", redis_port=6380) is None
@@ -178,7 +178,7 @@ def test_cpu_per_image_counts_a_roles_children_and_what_was_born_during_the_run(
     import subprocess
     import sys
 
-    from bench.cpu import ms_per_image, sample
+    from bench.stack.cpu import ms_per_image, sample
 
     burn = "import time\nend = time.process_time() + 2.0\nwhile time.process_time() < end: pass\n"
     parent = subprocess.Popen(
@@ -208,7 +208,7 @@ def test_cpu_per_image_counts_a_roles_children_and_what_was_born_during_the_run(
 
 
 def test_the_stack_is_also_given_in_units_of_the_load_generators_own_cpu():
-    from bench.cpu import CpuSample, ms_per_image
+    from bench.stack.cpu import CpuSample, ms_per_image
 
     before = CpuSample({1: ("api", 1.0), 2: ("cpu-worker", 2.0), 3: ("bench", 0.5)})
     after = CpuSample({1: ("api", 1.3), 2: ("cpu-worker", 2.9), 3: ("bench", 0.6), 4: ("flower", 0.1)})
@@ -217,8 +217,8 @@ def test_the_stack_is_also_given_in_units_of_the_load_generators_own_cpu():
 
 
 def test_redis_is_also_counted_by_its_main_thread_which_sets_what_one_redis_core_carries(redis_server):
-    from bench.cpu import CpuSample, ms_per_image, sample
-    from bench.floor import against_floor
+    from bench.meters.floor import against_floor
+    from bench.stack.cpu import CpuSample, ms_per_image, sample
 
     assert list(sample(redis_server.port).redis_main) == [redis_server.process.pid]  # read from /proc
 
@@ -230,8 +230,8 @@ def test_redis_is_also_counted_by_its_main_thread_which_sets_what_one_redis_core
 
 
 def test_the_decode_floor_letterboxes_like_the_cpu_stage_and_counts_cpu_per_image():
-    from bench.corpus import photo_like_jpeg
-    from bench.floor import decode_floor_ms, prepare
+    from bench.meters.floor import decode_floor_ms, prepare
+    from bench.stack.corpus import photo_like_jpeg
     from tasks.imaging import decode_image, letterbox
 
     jpeg = photo_like_jpeg(3, size=(640, 360))
@@ -249,7 +249,7 @@ def test_the_decode_floor_letterboxes_like_the_cpu_stage_and_counts_cpu_per_imag
 
 
 def test_the_stack_against_the_floor_and_the_capacity_it_implies():
-    from bench.floor import against_floor, describe
+    from bench.meters.floor import against_floor, describe
 
     figures = against_floor({"api": 2.0, "cpu-worker": 9.0, "redis": 0.5, "stack": 12.0}, 8.0)
     assert figures == {
@@ -263,7 +263,7 @@ def test_the_stack_against_the_floor_and_the_capacity_it_implies():
 
 
 def test_stack_options_lay_extra_sections_over_their_own_and_set_the_sim_profile():
-    from bench.stack import StackOptions
+    from bench.stack.local import StackOptions
 
     options = StackOptions(
         sim_profile_ms={1: 2.0, 8: 6.0}, extra={"gpu_worker": {"max_attempts": 5}, "jobs": {"ttl_s": 60}}
@@ -275,7 +275,7 @@ def test_stack_options_lay_extra_sections_over_their_own_and_set_the_sim_profile
 
 
 def test_an_ab_sides_own_settings_are_read_as_yaml_by_section_and_a_malformed_one_is_refused():
-    from bench.ab import _laid_over, setting_overlay
+    from bench.load.ab import _laid_over, setting_overlay
 
     overlay = setting_overlay(["cache.enabled=false", "batching.window_ms=8", "cache.max_bytes=1024"])
     assert overlay == {"cache": {"enabled": False, "max_bytes": 1024}, "batching": {"window_ms": 8}}
@@ -291,8 +291,8 @@ def test_an_ab_sides_own_settings_are_read_as_yaml_by_section_and_a_malformed_on
 
 
 def test_each_bulk_shards_redis_is_a_role_of_its_own_and_part_of_the_stack(tmp_path):
-    from bench.cpu import CpuSample, ms_per_image, sample
-    from bench.processes import RedisServer
+    from bench.stack.cpu import CpuSample, ms_per_image, sample
+    from bench.stack.processes import RedisServer
 
     shard = RedisServer(tmp_path)
     try:
@@ -308,7 +308,7 @@ def test_each_bulk_shards_redis_is_a_role_of_its_own_and_part_of_the_stack(tmp_p
 
 def test_instruction_counts_are_read_from_callgrind_and_differenced_per_unit():
     """Two runs of different lengths: what both share (start-up, imports) cancels out."""
-    from bench.instructions import Counted, callgrind_total, markdown, per_unit
+    from bench.meters.instructions import Counted, callgrind_total, markdown, per_unit
 
     header = "# callgrind format\nversion: 1\ncmd: python\nevents: Ir\nsummary: 5000000\n\nfn=main\n1 10\n"
     assert callgrind_total(header) == 5_000_000
@@ -327,8 +327,8 @@ def test_instruction_counts_are_read_from_callgrind_and_differenced_per_unit():
 
 def test_a_marked_api_count_takes_the_workers_idle_rate_out_over_the_pairs_time():
     """bench instructions --marked / --cells: the per-second work (listener ticks) is not a request's."""
-    from bench.instructions import Counted, markdown
-    from bench.instructions_api import busy_less_idle
+    from bench.meters.instructions import Counted, markdown
+    from bench.meters.instructions_api import busy_less_idle
 
     # 100 pairs counted at 1,100 M over 25 s, the worker idle at 4 M a second: 1,000 M of pairs, 10 M each
     assert busy_less_idle(1_100_000_000, 25.0, 4_000_000.0, 100) == pytest.approx(10_000_000)
@@ -342,8 +342,8 @@ def test_a_marked_api_count_takes_the_workers_idle_rate_out_over_the_pairs_time(
 def test_bench_hostiles_files_pass_the_default_upload_limit_and_its_report_tallies_each_attack():
     """Each attack must reach a CPU worker (a file over api.max_upload_bytes is a 413 and measures nothing);
     the report names each attack's outcomes and the tenant's waits by phase."""
-    from bench.hostile_images import ATTACKS, Sent, _tally
-    from bench.hostile_images import markdown as hostile_markdown
+    from bench.hostile.images import ATTACKS, Sent, _tally
+    from bench.hostile.images import markdown as hostile_markdown
     from contract.settings import ApiSettings
 
     sizes = {attack.name: len(attack.build()) for attack in ATTACKS}

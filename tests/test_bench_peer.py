@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import requests
 
-from bench.corpus import load_corpus
-from bench.peer import PEER_PATH, PeerServer, against_peer, litserve_peer, markdown, measure_peer, post_once
+from bench.load.peer import PEER_PATH, PeerServer, against_peer, litserve_peer, markdown, measure_peer, post_once
+from bench.stack.corpus import load_corpus
 
 
 def run(calls: str, ratio: float, stack_ms: float = 10.0, **extra: Any) -> dict[str, Any]:

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from bench.plane import APART, PHASES, report, run_phases
-from bench.plane_meter import PhaseCost, PhaseMeter, RedisReading, RoundTripCounter
-from bench.processes import REPO_ROOT, RedisServer
+from bench.meters.plane import APART, PHASES, report, run_phases
+from bench.meters.plane_meter import PhaseCost, PhaseMeter, RedisReading, RoundTripCounter
+from bench.stack.processes import REPO_ROOT, RedisServer
 
 # A process's Redis traffic, step by step when the test says so on stdin: a connection opened (its set-up and a
 # PING); a command, a pipeline of three, a MULTI block of two; then a forked child's own connection and command.

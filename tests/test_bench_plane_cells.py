@@ -3,10 +3,10 @@ and a short real run over two cells behind one API, each with its own Redis and 
 
 import pytest
 
-from bench.plane import PHASES
-from bench.plane_cells import run_cells
-from bench.plane_cells_report import ceiling, report, verdict
-from bench.plane_meter import PhaseCost
+from bench.meters.plane import PHASES
+from bench.meters.plane_cells import run_cells
+from bench.meters.plane_cells_report import ceiling, report, verdict
+from bench.meters.plane_meter import PhaseCost
 
 
 def _side(*cells: tuple[int, float, float]) -> dict:
@@ -51,7 +51,7 @@ def test_two_cells_behind_one_api_split_the_images_and_each_prices_its_own(tmp_p
 def test_a_pinned_cell_holds_its_redis_main_thread_to_its_core(tmp_path):
     import os
 
-    from bench.plane_cells import PlaneCell
+    from bench.meters.plane_cells import PlaneCell
 
     core = max(os.sched_getaffinity(0))
     cell = PlaneCell.start(tmp_path / "cell", shards=0, room=8, core=core)

@@ -16,7 +16,7 @@ import requests
 
 from app import create_app
 from app.auth import hash_key
-from bench.processes import free_port
+from bench.stack.processes import free_port
 from contract import budget
 from contract.cache import ENTRY_OVERHEAD, CacheLimits, MissCounts, ResultCache, effective_options
 from contract.jobs.ending import JobEnding

@@ -18,7 +18,7 @@ import requests
 
 from app.auth import hash_key
 from app.services import services as api_services
-from bench.processes import RedisServer
+from bench.stack.processes import RedisServer
 from contract import budget
 from contract.cache import ResultCache
 from contract.jobs.hits import HitLimits

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from bench.processes import RedisServer
+from bench.stack.processes import RedisServer
 from contract import budget
 from contract.cache import CacheLimits
 from contract.cache_plane import CachePlane, cache_plane, redis_address

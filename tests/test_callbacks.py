@@ -15,7 +15,7 @@ import pytest
 import requests
 import yaml
 
-from bench.receivers import Receiver as SlowReceiver
+from bench.stack.receivers import Receiver as SlowReceiver
 from contract.callback_signature import sign
 from contract.callbacks import CallbackRefused, check_callback_url, resolve_callback_url
 from contract.documents import JobDocument
@@ -358,7 +358,7 @@ def test_a_callback_worker_killed_during_a_delivery_has_it_sent_again_and_it_nev
     its heartbeat lapses (tasks.hop_recovery) and a new worker delivers, with the same delivery id."""
     import signal
 
-    from bench.processes import ManagedProcess, callback_worker_argv
+    from bench.stack.processes import ManagedProcess, callback_worker_argv
 
     hold = threading.Event()
     receiver = Receiver()

@@ -1,6 +1,6 @@
 """A cell's Redis killed under load (docs/cells.md): two cells, each a private redis-server with its own CPU
 worker and GPU worker (sim), one API over both; one cell's Redis SIGKILLed while a client submits steadily. Every
-client operation is recorded and the history checked after (bench/history.py): new submissions go to the living
+client operation is recorded and the history checked after (bench/faults/history.py): new submissions go to the living
 cell at once (the first 202 after the kill within 1 s, no 5xx to a new submission), every job it accepted
 succeeds, and the dead cell's jobs answer 503 while it is down."""
 
@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from app import create_app
-from bench.history import History, check, kept
+from bench.faults.history import History, check, kept
 from contract.cells import CellSettings
 from contract.jobs.ids import JobIds
 from contract.jobs.record import TERMINAL

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import redis
 
-from bench.processes import RedisServer, wait_until
+from bench.stack.processes import RedisServer, wait_until
 from contract import frame_push as frames
 from contract.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff

@@ -1,5 +1,5 @@
 """`bench diagnose` on a live deployment (issue 69): it reads and adds no load unless told, its advice is the p95
-runbook's (docs/operations.md, one text in bench/runbook.py) for the story's checklist cases, and what Redis spends
+runbook's (docs/operations.md, one text in bench/load/runbook.py) for the story's checklist cases, and what Redis spends
 an image comes from Redis's own counters or is "unknown", never a zero."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from bench.diagnose import diagnose
+from bench.load.diagnose import diagnose
 from tests.conftest import Stack
 from tests.support import api_with_keys, jpeg
 
@@ -42,8 +42,8 @@ def test_diagnose_reads_a_live_deployment_without_adding_a_request_unless_told(s
 
 
 def test_the_redis_figure_comes_from_redis_counters_over_the_images_answered(stack):
-    from bench.diagnose import cost_between
-    from bench.plane_meter import RedisReading
+    from bench.load.diagnose import cost_between
+    from bench.meters.plane_meter import RedisReading
 
     images = [jpeg(320, 200, seed=100 + i) for i in range(30)]
     before = RedisReading.of(stack.redis)
@@ -63,8 +63,8 @@ def test_the_redis_figure_comes_from_redis_counters_over_the_images_answered(sta
 
 
 def test_redis_counters_too_coarse_or_too_few_images_say_unknown_never_zero():
-    from bench.diagnose import cost_between
-    from bench.plane_meter import RedisReading
+    from bench.load.diagnose import cost_between
+    from bench.meters.plane_meter import RedisReading
 
     start = RedisReading(10.0, {"evalsha": 100}, {"evalsha": 5000})
     unmoved = RedisReading(10.0, {"evalsha": 700}, {"evalsha": 9000})
@@ -76,7 +76,7 @@ def test_redis_counters_too_coarse_or_too_few_images_say_unknown_never_zero():
 
 
 def _stats(busy: float, rate_frames: int, bill: dict[str, float], p50: dict[str, float]) -> Any:
-    from bench.diagnose import Reading
+    from bench.load.diagnose import Reading
 
     total = sum(bill.values())
     stages = {
@@ -89,7 +89,7 @@ def _stats(busy: float, rate_frames: int, bill: dict[str, float], p50: dict[str,
 
 
 def _advice(reading: Any) -> str:
-    from bench.diagnose import diagnosis
+    from bench.load.diagnose import diagnosis
 
     return "\n".join(diagnosis(reading))
 
@@ -98,7 +98,7 @@ def test_the_advice_for_the_story_checklist_cases_is_the_runbooks_step():
     """The story's checklist (its section 6): traffic first, then the device's share of a request, then the
     largest stage of the time bill; a GPU at 12% with CPU stages in front is fixed with CPU workers, never a
     bigger batch; batch 16 at 82% busy and a p95 of 1.4 s was rolled back, not raised further."""
-    from bench.runbook import STEPS
+    from bench.load.runbook import STEPS
 
     # the launch night: 12% busy, infer 72 ms of a 617 ms request, requests queueing for the CPU side
     night = _advice(
@@ -128,7 +128,7 @@ def test_the_advice_for_the_story_checklist_cases_is_the_runbooks_step():
 
 
 def test_the_operations_page_holds_every_step_of_the_runbook_as_diagnose_prints_it():
-    from bench.runbook import STEPS
+    from bench.load.runbook import STEPS
 
     page = " ".join(OPERATIONS.read_text().split())
     section = page[page.index("## p95 is rising") :]
@@ -139,7 +139,7 @@ def test_the_operations_page_holds_every_step_of_the_runbook_as_diagnose_prints_
 
 @pytest.mark.parametrize("stage", ["queue_cpu", "decode", "resize", "backpressure", "queue_gpu", "receive"])
 def test_no_step_for_a_wait_outside_the_device_suggests_a_bigger_batch(stage):
-    from bench.runbook import step_for
+    from bench.load.runbook import step_for
 
     text = step_for(stage, 0.1).decide
     assert "max_batch_size" not in text and ("bigger batch" not in text or "never a bigger batch" in text)

@@ -26,8 +26,8 @@ PAGES = [REPO_ROOT / "README.md", REPO_ROOT / "CONTRIBUTING.md", *sorted((REPO_R
 ARGPARSE_MODULES = {
     "app.auth",
     "bench",
-    "bench.hostile_dns",
-    "bench.hostile_hits",
+    "bench.hostile.dns",
+    "bench.hostile.hits",
     "baseline",
     "gpu_worker",
     "tools.redis_ha",

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from bench.processes import wait_until
+from bench.stack.processes import wait_until
 from contract.replication import DurableWrites, SharedFence, Unconfirmed, majority_view
 
 A, B, C = ("10.0.0.1", 6379), ("10.0.0.2", 6379), ("10.0.0.3", 6379)

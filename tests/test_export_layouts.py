@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from bench.processes import gpu_worker_argv
+from bench.stack.processes import gpu_worker_argv
 from contract.config import load_model_spec
 from contract.model_files import embedded_metadata, identify
 from contract.sections import SettingsError

@@ -1,6 +1,6 @@
 """The control plane behind Sentinel (settings.redis): every process follows a failover, a 202 waits until a
 replica holds the job, and the primary SIGKILLed under load loses no accepted job. Real redis-servers and
-Sentinels (tools.redis_ha), make run's own processes (bench.stack.ProcfileStack), real HTTP."""
+Sentinels (tools.redis_ha), make run's own processes (bench.stack.local.ProcfileStack), real HTTP."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from bench.processes import RedisServer, wait_until
+from bench.stack.processes import RedisServer, wait_until
 from contract import budget
 from contract.config import load_settings
 from contract.connection import connect
@@ -163,10 +163,10 @@ def test_a_celery_worker_gives_back_a_message_it_is_recorded_holding_but_does_no
 def test_the_primary_killed_under_load_loses_no_accepted_job(tmp_path):
     """make run REDIS=sentinel's stack at a steady 15 images/s; the primary SIGKILLed; the old primary back
     six seconds later (a replica now). Every client operation recorded, every 202 followed to its end, the history
-    checked (bench.harness, bench.history)."""
-    from bench.failover import failover
-    from bench.harness import RunOptions, format_verdict, run_scenario
-    from bench.stack import StackOptions
+    checked (bench.faults.harness, bench.faults.history)."""
+    from bench.faults.failover import failover
+    from bench.faults.harness import RunOptions, format_verdict, run_scenario
+    from bench.stack.local import StackOptions
 
     options = StackOptions(device="sim", cpu_workers=2, sim_profile_ms={1: 5.0, 8: 20.0})
     images = [jpeg(640, 480, seed=i) for i in range(8)]

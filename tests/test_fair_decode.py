@@ -18,8 +18,8 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
-from bench.hostile_files import png_rgba16_adam7
-from bench.processes import ManagedProcess, cpu_worker_argv
+from bench.hostile.files import png_rgba16_adam7
+from bench.stack.processes import ManagedProcess, cpu_worker_argv
 from contract.decode_share import CHARGED_FROM, MIB, DecodeShare, decode_cost
 from contract.keys import Keys
 from contract.timebill import percentile

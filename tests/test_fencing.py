@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.processes import ManagedProcess, gpu_worker_argv, wait_until
+from bench.stack.processes import ManagedProcess, gpu_worker_argv, wait_until
 from gpu_worker.worker import EXIT_PRESUMED_DEAD
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import jpeg

@@ -14,7 +14,7 @@ import pytest
 import redis
 import requests
 
-from bench.processes import RedisServer, free_port, wait_until
+from bench.stack.processes import RedisServer, free_port, wait_until
 from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.integration

@@ -18,7 +18,7 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
-from bench.processes import ManagedProcess, RedisServer, gpu_worker_argv
+from bench.stack.processes import ManagedProcess, RedisServer, gpu_worker_argv
 from contract import frame_push
 from contract.frame_shards import frame_pusher
 from contract.frames import read_job_id

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from bench.processes import REPO_ROOT
+from bench.stack.processes import REPO_ROOT
 from tools import gpu_image
 
 

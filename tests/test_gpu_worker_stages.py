@@ -15,7 +15,7 @@ import redis
 import torch
 import yaml
 
-from bench.feed import push_frames
+from bench.meters.feed import push_frames
 from contract.config import load_settings
 from contract.frames import unpack_frame
 from contract.keys import Keys

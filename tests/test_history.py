@@ -1,8 +1,8 @@
-"""The history checker (bench.history): each broken promise it must find, on histories written by hand."""
+"""The history checker (bench.faults.history): each broken promise it must find, on histories written by hand."""
 
 from __future__ import annotations
 
-from bench.history import History, Op, check, kept
+from bench.faults.history import History, Op, check, kept
 
 DEADLINE_MS = 6000
 

@@ -14,8 +14,8 @@ import yaml
 
 from app import create_app
 from app.auth import hash_key
-from bench.processes import ManagedProcess, callback_worker_argv
-from bench.receivers import Gauge, Receiver, Tarpit
+from bench.stack.processes import ManagedProcess, callback_worker_argv
+from bench.stack.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
 from contract.keys import Keys
 from tasks.callback_http import Deadline, DeliveryFailed, post_within

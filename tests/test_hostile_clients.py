@@ -11,7 +11,7 @@ import time
 import pytest
 import requests
 
-from bench.processes import children_of, status_kb
+from bench.stack.processes import children_of, status_kb
 from tests.conftest import STACK_MAX_UPLOAD
 from tests.support import jpeg, wait_until
 
@@ -218,7 +218,7 @@ def test_hostile_decoder_files_fail_fast_and_bounded_and_an_ordinary_image_waits
     2 GB (EXIF entries that all point at the whole block), or succeeded (a GIF89a+IM polyglot). Now each job
     ends failed with its reason at once, no child grows or is replaced, and an ordinary job sent after them
     waits for none of them."""
-    from bench import hostile_files as hostile
+    from bench.hostile import files as hostile
 
     attacks = [
         (hostile.gif_comment_bomb(400_000), "image/gif", "image_too_complex"),

@@ -1,5 +1,5 @@
 """Issue 40's decoder findings, as attacks on the CPU worker's decode: each hostile file is built here
-(bench.hostile_files), decoded, and must be refused with its reason, in bounded CPU time and memory.
+(bench.hostile.files), decoded, and must be refused with its reason, in bounded CPU time and memory.
 The figures before the fix (this machine, 2026-12-05) are in each test's docstring; docs/security.md has
 the table."""
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageOps, PngImagePlugin
 
-from bench import hostile_files as hostile
+from bench.hostile import files as hostile
 from contract.settings import DecodeSettings
 from tasks.imaging import ImageDecodeError, decode_image
 from tasks.structure import DEFAULT_LIMITS, StructureLimits, TooComplex, check

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import BmpImagePlugin, Image
 
-from bench import hostile_files as hostile
+from bench.hostile import files as hostile
 from tasks import bmp_rle, decode_memory
 from tasks.imaging import ImageDecodeError, decode_image
 from tasks.structure import DEFAULT_LIMITS, check, coefficient_bytes

@@ -1,10 +1,10 @@
 """Issue 59, finding 1, as it was found: the API under gunicorn's gevent worker, its callback hosts resolved
 through a name server that never answers. Before, each submission's lookup ran glibc's blocking resolver on the
 event loop's own thread: with 4 of one key's in flight, /healthz took 10-20 s and another key's submission 40 s
-(bench.hostile_dns). Now the lookups wait in threads of their own: /healthz and the other key answer at once,
+(bench.hostile.dns). Now the lookups wait in threads of their own: /healthz and the other key answer at once,
 the slow key's fifth is a 429, and its stuck ones end at the deadline with a 400 saying so.
 
-The rig (bench.hostile_dns): a network namespace made here, the API and its redis-server inside, and
+The rig (bench.hostile.dns): a network namespace made here, the API and its redis-server inside, and
 /etc/netns/<namespace>/resolv.conf naming a UDP socket of this process that reads queries and answers none. No
 callback worker runs: nothing is ever posted. The namespace and /etc/netns/<namespace> are gone afterwards."""
 
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.hostile_dns import NETNS_ETC, silent_dns_api
-from bench.hosts import HostsUnavailable, check_can_make_hosts
+from bench.hostile.dns import NETNS_ETC, silent_dns_api
+from bench.stack.hosts import HostsUnavailable, check_can_make_hosts
 from contract.documents import PROBLEM_TYPE
 from tests.support import wait_until
 

@@ -20,7 +20,7 @@ import yaml
 from app.auth import hash_key
 from app.holds import Holds
 from app.problems import Problem
-from bench.processes import ManagedProcess, api_argv, children_of, free_port, status_kb
+from bench.stack.processes import ManagedProcess, api_argv, children_of, free_port, status_kb
 from contract.jobs.ids import job_ids
 from contract.jobs.record import CANCELLED, QUEUED
 from contract.settings import ApiSettings

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from app.auth import hash_key
-from bench.processes import ManagedProcess, free_port, python_argv
+from bench.stack.processes import ManagedProcess, free_port, python_argv
 from tests.support import api_with_keys, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration

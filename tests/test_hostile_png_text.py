@@ -15,7 +15,7 @@ import zlib
 import pytest
 from PIL import Image, PngImagePlugin
 
-from bench import hostile_files as hostile
+from bench.hostile import files as hostile
 from tasks import png_text
 from tasks.imaging import ImageDecodeError, decode_image
 from tasks.structure import DEFAULT_LIMITS, MAX_PNG_TEXT_BYTES, check

@@ -15,7 +15,7 @@ from flask import jsonify
 
 from app import create_app
 from app.services import services
-from bench.reads import finished_job, result_document, store_job
+from bench.load.reads import finished_job, result_document, store_job
 from contract.clock import now as service_now
 from contract.config import load_settings
 from contract.documents import job_document

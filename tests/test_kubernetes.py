@@ -20,7 +20,7 @@ import pytest
 import requests
 import yaml
 
-from bench.processes import ManagedProcess, free_port, wait_until
+from bench.stack.processes import ManagedProcess, free_port, wait_until
 from contract.settings import CeleryWorkerSettings
 from gpu_worker import metrics
 from tools import kubernetes_check

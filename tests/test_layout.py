@@ -135,10 +135,10 @@ def test_no_module_of_the_processes_is_over_350_lines_nor_of_the_bench_over_400(
 
 
 # A role's command line, spelled out: `-m gpu_worker --device`, `-m gunicorn -c configs/gunicorn.conf.py`, `celery
-# ... worker -Q preprocess` (issue 63, item 5). bench/processes.py builds them (api_argv, cpu_worker_argv,
+# ... worker -Q preprocess` (issue 63, item 5). bench/stack/processes.py builds them (api_argv, cpu_worker_argv,
 # gpu_worker_argv). (The deployments' own lines: the Procfile, the compose files, tools/kubernetes.py's manifests.)
 _ROLE_COMMAND_LINES = ('"gpu_worker", "--device"', '"gunicorn", "-c"', '"worker", "-Q", "preprocess"')
-_ROLE_COMMAND_LINES_HOME = ("bench/processes.py",)
+_ROLE_COMMAND_LINES_HOME = ("bench/stack/processes.py",)
 
 
 def test_role_command_lines_are_built_in_one_place():

@@ -14,8 +14,8 @@ import pytest
 import redis
 import requests
 
-from bench.processes import REPO_ROOT, children_of, wait_until
-from bench.stack import ProcfileStack, StackOptions
+from bench.stack.local import ProcfileStack, StackOptions
+from bench.stack.processes import REPO_ROOT, children_of, wait_until
 from contract.keys import Keys
 from tests.support import jpeg
 from tests.test_callbacks import Receiver, verify

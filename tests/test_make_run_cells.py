@@ -18,7 +18,7 @@ import pytest
 import redis
 import requests
 
-from bench.processes import REPO_ROOT, ManagedProcess, children_of, free_port, wait_until
+from bench.stack.processes import REPO_ROOT, ManagedProcess, children_of, free_port, wait_until
 from contract.keys import Keys
 from tests.support import jpeg
 from tests.test_make_run import listening_addresses

@@ -17,7 +17,7 @@ import redis
 import requests
 import yaml
 
-from bench.processes import REPO_ROOT, ManagedProcess, children_of, free_port, wait_until
+from bench.stack.processes import REPO_ROOT, ManagedProcess, children_of, free_port, wait_until
 from tests.test_make_run import listening_addresses
 from tools.newcomer_check import copy_checkout, newcomer_env
 

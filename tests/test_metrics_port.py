@@ -8,7 +8,7 @@ import re
 import pytest
 import requests
 
-from bench.processes import api_argv
+from bench.stack.processes import api_argv
 from tests.support import ManagedProcess, answers_200, free_port, wait_until
 
 pytestmark = pytest.mark.integration

@@ -15,7 +15,7 @@ import requests
 import yaml
 
 from app.services import services as api_services
-from bench.processes import api_argv, children_of, gpu_worker_argv
+from bench.stack.processes import api_argv, children_of, gpu_worker_argv
 from contract.config import load_settings
 from contract.jobs.record import JobStatus
 from contract.keys import Keys
@@ -470,9 +470,9 @@ def test_a_flood_on_one_model_leaves_the_others_p95_within_its_sla(flood_stack):
 
 
 def test_bench_load_targets_the_model_it_is_given(multi_stack):
-    from bench import load
+    from bench.load import client
 
-    outcomes = load.closed_loop(multi_stack.api.url, [jpeg(300, 200)], 2, 2.0, model="large")
+    outcomes = client.closed_loop(multi_stack.api.url, [jpeg(300, 200)], 2, 2.0, model="large")
     assert outcomes and all(o.ok for o in outcomes)
     assert {o.doc["result"]["model"]["name"] for o in outcomes if o.doc} == {"large"}
 

@@ -1,6 +1,6 @@
-"""The service as several hosts (bench.hosts, bench.cluster): network namespaces, cuts, a host killed, a clock
-moved, and the history checker's verdict (bench.history) on what a 202 promised. Needs root and iptables (CI has
-both: scripts/bootstrap --dev installs iptables); skipped where this machine cannot make hosts.
+"""The service as several hosts (bench.stack.hosts, bench.stack.cluster): network namespaces, cuts, a host killed, a
+clock moved, and the history checker's verdict (bench.faults.history) on what a 202 promised. Needs root and iptables
+(CI has both: scripts/bootstrap --dev installs iptables); skipped where this machine cannot make hosts.
 
 CI runs one partition and one clock scenario, shortened; `make test-chaos` runs every scenario at full length
 (`-m chaos`), as `python -m bench chaos --hosts --scenario all` does with figures."""
@@ -13,10 +13,10 @@ import time
 
 import pytest
 
-from bench.harness import RunOptions, format_verdict
-from bench.hosts import OWNERS, HostsUnavailable, Network, check_can_make_hosts
-from bench.partitions import hosted_options, run_scenario, scenarios
-from bench.stack import StackOptions
+from bench.faults.harness import RunOptions, format_verdict
+from bench.faults.partitions import hosted_options, run_scenario, scenarios
+from bench.stack.hosts import OWNERS, HostsUnavailable, Network, check_can_make_hosts
+from bench.stack.local import StackOptions
 from tests.support import jpeg, wait_until
 
 try:

@@ -218,7 +218,7 @@ def test_post_processing_reads_the_device_a_bounded_number_of_times():
     """Each host read is a sync on CUDA. A batch of 8 in the worst case (conf 0, 1,000 candidates per
     image, long chains of piled boxes): the candidate count, one read per chunk settled until max_det,
     and the answer's one copy (not a read the CPU can see)."""
-    from bench.nms import head_output
+    from bench.meters.nms import head_output
 
     batch = 8
     limits = thresholds([0.0] * batch, [0.45] * batch, [100] * batch)
@@ -239,7 +239,7 @@ def test_one_frames_options_leave_its_neighbours_answers_and_nms_as_they_were(mo
     thousand candidates wide for all eight (post-processing 2.1-2.4 ms -> 25.6-42.5). It is settled apart now:
     the seven others' NMS is as wide as without it, its own holds its candidates alone, bounded by
     max_candidates, and every frame's detections are what they were."""
-    from bench.nms import EXPENSIVE, shapes_outputs, thresholds_for
+    from bench.meters.nms import EXPENSIVE, shapes_outputs, thresholds_for
     from gpu_worker import postprocess as module
 
     output, places, normal = shapes_outputs(8)  # the default model on the samples

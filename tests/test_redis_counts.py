@@ -1,4 +1,5 @@
-"""bench.redis_counts against a real primary and replica: what a run's writes cost the control plane per image."""
+"""bench.meters.redis_counts against a real primary and replica: what a run's writes cost the control plane per
+image."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from pathlib import Path
 
 import redis
 
-from bench.processes import RedisServer, wait_until
-from bench.redis_counts import per_image, read_counts
+from bench.meters.redis_counts import per_image, read_counts
+from bench.stack.processes import RedisServer, wait_until
 
 
 def test_commands_and_replication_bytes_per_image_are_counted_on_a_real_primary(tmp_path: Path):
@@ -39,8 +40,9 @@ def test_commands_and_replication_bytes_per_image_are_counted_on_a_real_primary(
 
 def test_redis_cpu_includes_the_rewrites_it_forked_and_reaped(tmp_path: Path):
     # An append-only file's rewrite runs in a child Redis forks and reaps: its CPU lands in Redis's cutime and
-    # cstime, which bench.cpu counts for a redis-server (and for nothing else: prefork children are sampled alive).
-    from bench.cpu import read_process
+    # cstime, which bench.stack.cpu counts for a redis-server (and for nothing else: prefork children are sampled
+    # alive).
+    from bench.stack.cpu import read_process
 
     # No rewrite of its own (150 MB is past the 64 MB that would start one): only the one asked for below.
     server = RedisServer(

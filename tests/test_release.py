@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 import tomllib
 
-from bench.processes import REPO_ROOT
+from bench.stack.processes import REPO_ROOT
 from contract.release import RELEASE
 from tools.releases import releases
 

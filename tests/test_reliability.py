@@ -16,7 +16,7 @@ import yaml
 from PIL import Image
 
 from app.services import services as api_services
-from bench.processes import ManagedProcess, RedisServer, children_of, gpu_worker_argv
+from bench.stack.processes import ManagedProcess, RedisServer, children_of, gpu_worker_argv
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import EXPIRED, PREPROCESSING, QUEUED_GPU, TERMINAL
 from tests.support import encode, jpeg, make_image, wait_until

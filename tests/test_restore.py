@@ -15,7 +15,7 @@ import redis
 import requests
 import yaml
 
-from bench.processes import RedisServer
+from bench.stack.processes import RedisServer
 from contract.config import load_settings
 from tests.support import REPO_ROOT, ApiServer, jpeg
 from tools.redis_ha import AOF_AS_DEPLOYED

@@ -9,10 +9,10 @@ import subprocess
 
 import pytest
 
-from bench.harness import RunOptions, format_verdict, run_scenario
-from bench.processes import REPO_ROOT
-from bench.stack import StackOptions
-from bench.upgrade import last_release, upgrade
+from bench.faults.harness import RunOptions, format_verdict, run_scenario
+from bench.faults.upgrade import last_release, upgrade
+from bench.stack.local import StackOptions
+from bench.stack.processes import REPO_ROOT
 from tests.support import jpeg
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,7 @@ import redis
 import requests
 
 from app.services import services as api_services
-from bench.processes import RedisServer
+from bench.stack.processes import RedisServer
 from contract import frame_push as frames
 from contract.frame_shard_source import ShardedFrameSource
 from contract.frame_shards import frame_pusher

@@ -1,4 +1,4 @@
-"""A short soak of make run's stack (bench.soak): minutes of steady load, every process sampled, and nothing may
+"""A short soak of make run's stack (bench.soak.run): minutes of steady load, every process sampled, and nothing may
 grow past its bound. The half-hour run that proves the bounds is `python -m bench soak` (its log:
 docs/benchmarks/2026-12-05-soak.md); this one catches, in the suite, a per-job leak as large as issue 41's (the
 GPU worker's ~1.2 KB a job: ~0.9 MB/min at this rate; Flower's unbounded task list: ~3.3 MB/min)."""
@@ -10,9 +10,7 @@ import json
 
 import pytest
 
-from bench.corpus import load_corpus
-from bench.soak import run_soak
-from bench.soak_analysis import (
+from bench.soak.analysis import (
     PASSING,
     ROLE_BOUNDS,
     ROLE_CEILINGS_MB,
@@ -23,8 +21,10 @@ from bench.soak_analysis import (
     slope_per_min,
     verdict,
 )
-from bench.soak_report import markdown, reanalyse
-from bench.stack import StackOptions
+from bench.soak.report import markdown, reanalyse
+from bench.soak.run import run_soak
+from bench.stack.corpus import load_corpus
+from bench.stack.local import StackOptions
 
 # Two minutes' warm-up, then three fitted at 12 jobs/s.
 SHORT = SoakOptions(minutes=5.0, qps=12.0, warmup_minutes=2.0, sample_s=10.0, window_s=60.0)

@@ -52,7 +52,7 @@ AS_CONFIGURED = tuple(redis_config_args(Path(__file__).resolve().parent.parent))
 @dataclass(frozen=True)
 class Place:
     """Where a node runs: the address the others reach it at (and it binds), its port (0: a free one on this
-    machine), and what its command line is run under (bench.hosts: `ip netns exec <host>`)."""
+    machine), and what its command line is run under (bench.stack.hosts: `ip netns exec <host>`)."""
 
     address: str = "127.0.0.1"
     port: int = 0

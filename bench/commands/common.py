@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from bench import charts, load
-from bench.profiles import parse_profile
-from bench.report import markdown
-from bench.stack import StackOptions
+from bench.load import charts, client
+from bench.load.report import markdown
+from bench.stack.local import StackOptions
+from bench.stack.profiles import parse_profile
 
 
 def parse_option(text: str) -> tuple[str, Any]:
@@ -55,7 +55,7 @@ def common_parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--upload",
-        choices=load.UPLOADS,
+        choices=client.UPLOADS,
         default="raw",
         help="raw: the image as the body (Content-Type: image/jpeg); multipart: a form field (curl -F)",
     )

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.commands.common import log_line, stack_options, write_files
-from bench.corpus import load_corpus
-from bench.processes import REPO_ROOT
+from bench.stack.corpus import load_corpus
+from bench.stack.processes import REPO_ROOT
 
 
 def add_commands(
@@ -32,7 +32,7 @@ def add_commands(
         "--hosts",
         action="store_true",
         help="the service as several hosts (network namespaces: root, iptables), every client operation recorded "
-        "and checked (bench.partitions)",
+        "and checked (bench.faults.partitions)",
     )
     chaos.add_argument("--runs", type=int, default=1, help="runs of each scenario (and of each --order)")
     chaos.add_argument("--fault-at", type=float, default=6.0, help="--hosts: seconds of load before the fault")
@@ -122,11 +122,11 @@ def add_commands(
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
-    """One harness (bench.harness): the scenarios on one machine here, the --hosts ones in chaos_on_hosts."""
-    from bench.harness import RunOptions, format_verdict, run_scenario
+    """One harness (bench.faults.harness): the scenarios on one machine here, the --hosts ones in chaos_on_hosts."""
+    from bench.faults.harness import RunOptions, format_verdict, run_scenario
 
     if args.scenario == "list" and not args.hosts:
-        from bench.partitions import scenarios
+        from bench.faults.partitions import scenarios
 
         local = {
             "kills": "make run's stack under load: the GPU worker killed twice, a Celery child once, Redis stopped",
@@ -146,24 +146,24 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     images = load_corpus(args.corpus, count=args.images)
     name = args.scenario or "kills"
     if name == "kills":
-        from bench.chaos import kills
+        from bench.faults.kills import kills
 
         runs = [(kills(stack_options(args), args.duration), RunOptions(args.qps, 3.0, args.duration, 5.0))]
     elif name == "failover":
-        from bench.failover import failover
+        from bench.faults.failover import failover
 
         after = max(0.0, args.duration - args.kill_at - args.back_after)
         run = RunOptions(args.qps, args.kill_at, 0.0, after)
         runs = [(failover(stack_options(args, cpu_workers=args.cpu_workers), args.back_after), run)]
     elif name == "cell-kill":
-        from bench.cell_kill import cell_kill
+        from bench.faults.cell_kill import cell_kill
 
         after = max(0.0, args.duration - 5.0 - args.back_after)
         runs = [(cell_kill(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after))]
     elif name in ("cell-gpu-kill", "cell-failover", "cell-cut"):
         runs = [_cell_fault(name, args)]
     elif name == "upgrade":
-        from bench.upgrade import ORDERS, last_release, upgrade
+        from bench.faults.upgrade import ORDERS, last_release, upgrade
 
         orders = list(ORDERS) if args.order == "both" else args.order.split(",")
         if any(order not in ORDERS for order in orders):
@@ -186,14 +186,14 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def _cell_fault(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
-    """cell-gpu-kill, cell-failover (bench.cell_faults) or cell-cut (bench.cell_cut): the fault 5 s into the load,
-    the load on to --duration."""
-    from bench.cell_faults import cell_failover, cell_gpu_kill, gpu_kill_options
-    from bench.harness import RunOptions
+    """cell-gpu-kill, cell-failover (bench.faults.cell_faults) or cell-cut (bench.faults.cell_cut): the fault 5 s
+    into the load, the load on to --duration."""
+    from bench.faults.cell_faults import cell_failover, cell_gpu_kill, gpu_kill_options
+    from bench.faults.harness import RunOptions
 
     after = max(0.0, args.duration - 5.0 - args.back_after)
     if name == "cell-cut":
-        from bench.cell_cut import cell_cut
+        from bench.faults.cell_cut import cell_cut
 
         return cell_cut(stack_options(args), args.back_after), RunOptions(args.qps, 5.0, 0.0, after)
     if name == "cell-gpu-kill":
@@ -205,8 +205,8 @@ def _cell_fault(name: str, args: argparse.Namespace) -> tuple[Any, Any]:
 
 def chaos_on_hosts(args: argparse.Namespace) -> int:
     """Each scenario `--runs` times on a fresh network: every verdict, then a table; non-zero if any broke."""
-    from bench.harness import RunOptions, format_verdict
-    from bench.partitions import hosted_options, run_scenario, scenarios, table
+    from bench.faults.harness import RunOptions, format_verdict
+    from bench.faults.partitions import hosted_options, run_scenario, scenarios, table
 
     known = scenarios()
     if args.scenario in (None, "list"):
@@ -237,18 +237,18 @@ def cmd_hostile(args: argparse.Namespace) -> int:
         return hostile_images(args, images, 30.0 if args.duration is None else args.duration)
     if args.attack == "decode":
         return hostile_decode(args)
-    from bench import hostile_gpu, hostile_holds, hostile_padding, hostile_routes
-    from bench.ab import worktree
-    from bench.hostile import ATTACKS
+    from bench.hostile import gpu, holds, padding, routes
+    from bench.hostile.attacks import ATTACKS
+    from bench.load.ab import worktree
 
     attacks: dict[str, tuple[Callable[..., dict[str, Any]], Callable[[dict[str, Any]], str]]] = {
         **ATTACKS,
-        "long-polls": (hostile_holds.long_polls, hostile_holds.format_long_polls),
-        "trickle": (hostile_holds.trickle, hostile_holds.format_trickle),
-        "redeliver": (hostile_routes.redeliver, hostile_routes.format_redeliver),
-        "leaks": (hostile_routes.leaks, hostile_routes.format_leaks),
-        "padding": (hostile_padding.padding, hostile_padding.format_padding),
-        "gpu-flood": (hostile_gpu.gpu_flood, hostile_gpu.format_gpu_flood),
+        "long-polls": (holds.long_polls, holds.format_long_polls),
+        "trickle": (holds.trickle, holds.format_trickle),
+        "redeliver": (routes.redeliver, routes.format_redeliver),
+        "leaks": (routes.leaks, routes.format_leaks),
+        "padding": (padding.padding, padding.format_padding),
+        "gpu-flood": (gpu.gpu_flood, gpu.format_gpu_flood),
     }
     attackers = args.attackers if args.attackers is not None else (6 if args.attack == "gpu-flood" else 16)
     attack, describe_outcome = attacks[args.attack]
@@ -275,8 +275,8 @@ def cmd_hostile(args: argparse.Namespace) -> int:
 
 def hostile_decode(args: argparse.Namespace) -> int:
     """Each hostile file decoded by each side's tasks.imaging in a fresh interpreter (no stack)."""
-    from bench.ab import worktree
-    from bench.hostile_images import ROUNDS, decode_each, decode_markdown
+    from bench.hostile.images import ROUNDS, decode_each, decode_markdown
+    from bench.load.ab import worktree
 
     sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), "this checkout": REPO_ROOT}
     outcomes = {side: decode_each(root, ROUNDS[args.files]) for side, root in sides.items()}
@@ -287,19 +287,19 @@ def hostile_decode(args: argparse.Namespace) -> int:
 
 def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: float) -> int:
     """Issue 40's hostile image files against each side's stack, and what the normal tenant saw."""
-    from bench import hostile_cost, hostile_files
-    from bench.ab import worktree
-    from bench.hostile_images import ROUNDS, run_hostile
-    from bench.hostile_images import markdown as hostile_markdown
+    from bench.hostile import cost, files
+    from bench.hostile.images import ROUNDS, run_hostile
+    from bench.hostile.images import markdown as hostile_markdown
+    from bench.load.ab import worktree
 
     # make run's CPU pool (three children) unless told otherwise: the probe's stack.
     options = stack_options(args, cpu_workers=args.cpu_workers or 3)
     this = ("this checkout", REPO_ROOT) if args.root is None else (str(args.root), args.root.resolve())
     sides = {**({f"A {args.base}": worktree(args.base)} if args.base else {}), this[0]: this[1]}
     texts, outcomes = [], {}
-    expensive = hostile_files.png_rgba16_adam7() if args.attack == "cost" else b""
+    expensive = files.png_rgba16_adam7() if args.attack == "cost" else b""
     for side, root in sides.items():
-        keeper = hostile_cost.KeepInFlight(expensive, "image/png", args.in_flight, duration_s)
+        keeper = cost.KeepInFlight(expensive, "image/png", args.in_flight, duration_s)
         outcomes[side] = run_hostile(
             replace(options, root=root),
             images,
@@ -315,7 +315,7 @@ def hostile_images(args: argparse.Namespace, images: list[bytes], duration_s: fl
         if args.attack == "cost":
             keeper.join()
             outcomes[side]["attacker"] = keeper.tally()
-            texts.append(hostile_cost.markdown(outcomes[side]))
+            texts.append(cost.markdown(outcomes[side]))
     text = "\n\n".join(texts)
     print(text + f"\n\nFiles: {write_files(args.out, 'hostile', text, outcomes)}")
     return 0

@@ -18,11 +18,12 @@ from bench.commands.common import (
     stack_options,
     write_files,
 )
-from bench.corpus import load_corpus
-from bench.processes import REPO_ROOT
-from bench.profiles import parse_profile
-from bench.runs import CpuScope, hit_cost, measure, meets_sla
-from bench.stack import BaselineServer, LocalStack, ProcfileStack
+from bench.load.runs import hit_cost, measure, meets_sla
+from bench.stack.corpus import load_corpus
+from bench.stack.cpu import CpuScope
+from bench.stack.local import BaselineServer, LocalStack, ProcfileStack
+from bench.stack.processes import REPO_ROOT
+from bench.stack.profiles import parse_profile
 
 
 def add_commands(
@@ -158,13 +159,13 @@ def _add_soak(sub: Any) -> None:
         "--max-slope-mb-min",
         metavar="[ROLE=]MB",
         help="the RSS slope a process may have, e.g. 0.2 (every role) or gpu-worker=0.05,api=0.2 "
-        "(default: 0.1 for each role; bench/soak_analysis.py ROLE_BOUNDS)",
+        "(default: 0.1 for each role; bench/soak/analysis.py ROLE_BOUNDS)",
     )
     soak.add_argument(
         "--max-rss-mb",
         metavar="ROLE=MB",
         help="a role allowed to grow, then level off under this RSS per process "
-        "(default: flower=160; bench/soak_analysis.py ROLE_CEILINGS_MB)",
+        "(default: flower=160; bench/soak/analysis.py ROLE_CEILINGS_MB)",
     )
     soak.add_argument(
         "--set",
@@ -188,8 +189,8 @@ def _add_soak(sub: Any) -> None:
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
-    """make run's stack for long (bench.soak): each role's RSS slope, descriptors, threads, Redis, p95."""
-    from bench.soak import main_soak
+    """make run's stack for long (bench.soak.run): each role's RSS slope, descriptors, threads, Redis, p95."""
+    from bench.soak.run import main_soak
 
     return main_soak(args, [] if args.report else load_corpus(args.corpus, count=args.images))
 
@@ -301,13 +302,13 @@ def cmd_ceiling(args: argparse.Namespace) -> int:
 
 
 def cmd_tune(args: argparse.Namespace) -> int:
-    from bench.tune import tune
+    from bench.load.tune import tune
 
     return print_report(tune(args, load_corpus(args.corpus, count=args.images)), args.out)
 
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    from bench.diagnose import diagnose
+    from bench.load.diagnose import diagnose
 
     print(
         diagnose(
@@ -324,8 +325,8 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from bench.ab import markdown as ab_markdown
-    from bench.ab import run_ab, setting_overlay, worktree
+    from bench.load.ab import markdown as ab_markdown
+    from bench.load.ab import run_ab, setting_overlay, worktree
 
     images = load_corpus(args.corpus, count=args.images)
     a_name = " ".join([f"A {args.base}", *args.base_set, *(["(Sentinel)"] if args.base_sentinel else [])])
@@ -359,7 +360,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from bench.peer import require_litserve, run_rounds
+    from bench.load.peer import require_litserve, run_rounds
 
     require_litserve()  # before make run's stack is started for nothing
     images = load_corpus(args.corpus, count=args.images)

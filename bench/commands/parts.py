@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.commands.common import log_line, parse_list, parse_option, write_files
-from bench.corpus import load_corpus
-from bench.processes import REPO_ROOT
+from bench.stack.corpus import load_corpus
+from bench.stack.processes import REPO_ROOT
 
 
 def add_commands(
@@ -67,7 +67,7 @@ def add_commands(
         "--marked",
         action="store_true",
         help="api: one run counted between marks, its idle rate taken out (always so with --cells): "
-        "bench/instructions_api.py",
+        "bench/meters/instructions_api.py",
     )
     feed = sub.add_parser("feed", help="the GPU worker alone, draining frames pushed in advance")
     feed.add_argument("--device", default="sim", help="sim | cpu | cuda | cuda:N")
@@ -127,7 +127,7 @@ def add_commands(
     plane.add_argument(
         "--cells",
         type=int,
-        help="N cells behind one API against one cell, in one run (bench/plane_cells.py): each cell's cost an "
+        help="N cells behind one API against one cell, in one run (bench/meters/plane_cells.py): each cell's cost an "
         "image, the split, the deployment's ceiling; --images is then a cell's",
     )
     plane.add_argument(
@@ -158,7 +158,7 @@ def add_commands(
 
 
 def _plane_cells(args: argparse.Namespace) -> int:
-    from bench import plane_cells
+    from bench.meters import plane_cells
 
     text, sides = plane_cells.run(args.cells, args.images, args.shards, args.clients, args.instructions, args.pin)
     summary = {
@@ -184,7 +184,7 @@ def _plane_cells(args: argparse.Namespace) -> int:
 def cmd_burst(args: argparse.Namespace) -> int:
     import tempfile
 
-    from bench import burst
+    from bench.load import burst
 
     with tempfile.TemporaryDirectory(prefix="bench-burst-") as folder:
         text, runs = burst.run(args.burst, args.max, args.keepalive_s, args.idle_s, Path(folder))
@@ -194,7 +194,7 @@ def cmd_burst(args: argparse.Namespace) -> int:
 
 
 def cmd_plane(args: argparse.Namespace) -> int:
-    from bench.plane import run
+    from bench.meters.plane import run
 
     if args.cells:
         return _plane_cells(args)
@@ -217,7 +217,7 @@ def cmd_plane(args: argparse.Namespace) -> int:
 
 
 def cmd_bound(args: argparse.Namespace) -> int:
-    from bench.bound import describe
+    from bench.meters.bound import describe
     from contract.config import load_settings
 
     print(describe(load_settings().gpu_worker.sim_latency_ms, args.qps, args.window_ms, args.max_batch))
@@ -225,8 +225,8 @@ def cmd_bound(args: argparse.Namespace) -> int:
 
 
 def cmd_nms(args: argparse.Namespace) -> int:
-    from bench.nms import describe as describe_nms
-    from bench.nms import describe_neighbours
+    from bench.meters.nms import describe as describe_nms
+    from bench.meters.nms import describe_neighbours
 
     if args.neighbours:
         print(describe_neighbours(args.batch, args.device))
@@ -236,10 +236,10 @@ def cmd_nms(args: argparse.Namespace) -> int:
 
 
 def cmd_reads(args: argparse.Namespace) -> int:
-    from bench.reads import describe as describe_reads
+    from bench.load.reads import describe as describe_reads
 
     if args.flood:
-        from bench.reads_flood import describe_flood
+        from bench.load.reads_flood import describe_flood
 
         print(describe_flood(args.connections, args.seconds, args.base, args.detections))
         return 0
@@ -248,7 +248,7 @@ def cmd_reads(args: argparse.Namespace) -> int:
 
 
 def cmd_feed(args: argparse.Namespace) -> int:
-    from bench.feed import FeedOptions, markdown, run_feed
+    from bench.meters.feed import FeedOptions, markdown, run_feed
 
     width, height = (int(v) for v in args.image_size.lower().split("x"))
     profiles = args.profile if args.device == "sim" else args.profile[:1]
@@ -281,8 +281,8 @@ def cmd_feed(args: argparse.Namespace) -> int:
 
 
 def cmd_instructions(args: argparse.Namespace) -> int:
-    from bench import instructions, instructions_api
-    from bench.ab import worktree
+    from bench.load.ab import worktree
+    from bench.meters import instructions, instructions_api
 
     unknown = [role for role in args.role if role not in instructions.ROLES]
     if unknown:
