@@ -28,7 +28,7 @@ from bench.harness import FaultScenario, Log
 from bench.hosts import Host, Network, check_can_make_hosts
 from bench.processes import api_argv, cpu_worker_argv, free_port, gpu_worker_argv, wait_until
 from bench.stack import StackOptions, answers_ok, api_env
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 REDIS_PORT = 6379  # each cell's host has its own address: one port for all
 

@@ -32,7 +32,7 @@ from bench.cell_kill import CellsStack, no_server_errors
 from bench.harness import FaultScenario, Log
 from bench.processes import ManagedProcess, api_argv, cpu_worker_argv, free_port, gpu_worker_argv, wait_until
 from bench.stack import StackOptions, answers_ok, api_env
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 SEEN_DEAD_S = 2.0  # after the heartbeat's expiry: the chooser's once-a-second reading, and a margin
 

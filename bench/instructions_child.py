@@ -23,9 +23,9 @@ if __name__ == "__main__":
 
     import importlib
 
-    from contract.config import load_settings
-    from contract.connection import connect
-    from contract.keys import Keys
+    from contract.redis.connection import connect
+    from contract.redis.keys import Keys
+    from contract.settings.config import load_settings
     from tasks.imaging import decode_image, letterbox
     from tasks.preprocess import Preprocessor
 

@@ -64,8 +64,8 @@ from bench.processes import (
     wait_until,
 )
 from bench.stack import api_env
-from contract.config import load_settings
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 
 GPU_WORKER_ID = "plane-gpu"
 

@@ -46,9 +46,9 @@ from bench.processes import (
     wait_until,
 )
 from bench.stack import api_env
-from contract.config import load_settings
 from contract.jobs.ids import JobIds
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 
 
 class CellsMeter:

@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.cpu import ROLE_ORDER, SHARD_ROLE
 from bench.load import Outcome
-from contract.timebill import STAGES, percentile, summarise_bills
+from contract.jobs.timebill import STAGES, percentile, summarise_bills
 
 
 def summarise(

@@ -14,7 +14,7 @@ from bench import cpu, load
 from bench.floor import against_floor, decode_floor_ms
 from bench.redis_counts import per_image, read_counts
 from bench.report import summarise
-from contract.timebill import percentile
+from contract.jobs.timebill import percentile
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import numpy as np
 
 from bench import cpu
 from bench.soak_records import Request, Sample
-from contract.timebill import STAGES, percentile
+from contract.jobs.timebill import STAGES, percentile
 
 
 def p95_windows(

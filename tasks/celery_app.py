@@ -1,5 +1,5 @@
 """The Celery app of the CPU and callback workers, configured from settings. The tasks' names, queues and the
-preprocess message the API pushes itself are contract.task_messages'."""
+preprocess message the API pushes itself are contract.jobs.task_messages'."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any, cast
 
 from celery import Celery
 
-from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
+from contract.jobs.task_messages import CALLBACK_TASK, TASK_QUEUES
+from contract.redis.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
-from contract.task_messages import CALLBACK_TASK, TASK_QUEUES
 from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT, own_the_schemes
 
 

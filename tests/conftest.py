@@ -18,9 +18,9 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from bench.processes import api_argv, cpu_worker_argv, gpu_worker_argv
-from contract.config import load_settings
 from contract.jobs.record import TERMINAL
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 from tests.support import (
     REPO_ROOT,
     ApiServer,

@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from app import create_app
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import ApiServer, free_port, jpeg
 
 

@@ -18,7 +18,7 @@ from app import create_app
 from app.auth import hash_key
 from app.early_refusal import WaitingQueries, _wait_s, refusing_early
 from app.services import services
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import free_port
 
 KEY = "attacker-key-0123456789"

@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from app import create_app
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import REPO_ROOT, ApiServer, free_port
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"

@@ -16,7 +16,7 @@ import requests
 
 from bench.processes import REPO_ROOT, children_of, wait_until
 from bench.stack import ProcfileStack, StackOptions
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tests.support import jpeg
 from tests.test_callbacks import Receiver, verify
 
