@@ -173,7 +173,7 @@ def build_cells(settings: Settings, catalogue: Catalogue, job_ids: JobIds) -> tu
     tier: redis.Redis | None = None
     buckets: TokenBuckets | TierBuckets | None = None
     if several:
-        tier = connect(settings, socket_timeout=settings.api.redis_timeout_s, max_connections=REDIS_CONNECTIONS)
+        tier = connect(settings, socket_timeout=settings.redis.timeout_s, max_connections=REDIS_CONNECTIONS)
         CLOCK.follow(tier)
         buckets = TierBuckets(tier, settings.bulk.retry_s)
     built = [_build_cell(cell, catalogue, buckets, several) for cell in described]
@@ -188,7 +188,7 @@ def _build_cell(
     # Bounded, and what a burst opened is closed again once idle (contract.redis.connection.IdleClosingPool).
     client = connect(
         settings,
-        socket_timeout=settings.api.redis_timeout_s + 3.0,
+        socket_timeout=settings.redis.timeout_s + 3.0,
         max_connections=max(REDIS_CONNECTIONS, settings.api.threads + 2),
     )  # gthread: one a thread
     if not several:
@@ -197,14 +197,14 @@ def _build_cell(
         CLOCK.follow(client)
     keys = Keys(settings.namespace)
     # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
-    uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
+    uploads = connect(settings, socket_timeout=settings.redis.timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
     # With bulk shards (contract.redis.shards) uploads go to them instead, over as few connections in all.
     per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
     bulk = bulk_plane(settings, client, max_connections=per_shard)
     # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.redis.connection.
     # Behind Sentinel, every replica the Sentinels see up, on the primary their majority names
     # (contract.redis.replication).
-    durable = durable_writes(settings)
+    durable = durable_writes(settings.redis)
     if durable is not None:
         durable.start()
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)

@@ -320,7 +320,7 @@ def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     workdir = tmp_path_factory.mktemp("own-redis")
     server = RedisServer(workdir, persistent=True)
     model = content_box_spec(workdir, 64)
-    stack = start_stack(server.url, workdir, model, "ownredis", {"api": {"redis_timeout_s": 0.5}})
+    stack = start_stack(server.url, workdir, model, "ownredis", {"redis": {"timeout_s": 0.5}})
     yield stack, server
     stop_stack(stack)
     server.stop()

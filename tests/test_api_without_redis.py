@@ -19,7 +19,7 @@ def api_without_redis():
     settings = dataclasses.replace(
         settings,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        api=dataclasses.replace(settings.api, redis_timeout_s=0.5),
+        redis=dataclasses.replace(settings.redis, timeout_s=0.5),
     )
     server = ApiServer(create_app(settings))
     yield server

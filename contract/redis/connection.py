@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import unquote, urlsplit
 
 import hiredis
@@ -15,7 +15,7 @@ from redis._parsers.encoders import Encoder
 from redis.connection import PythonRespSerializer
 from redis.sentinel import Sentinel, SentinelConnectionPool
 
-from contract.settings import Settings
+from contract.settings.redis_settings import RedisSettings
 
 # Values over this many bytes go to the socket as chunks of their own, uncopied: hiredis would copy a
 # 0.8 MB upload into one buffer with the command around it.
@@ -25,6 +25,17 @@ _BUFFER_CUTOFF = 6000
 # hiredis at once: looking at every argument in Python is what made redis-py's own packer slow.
 _PAYLOAD_COMMAND_ARGS = 6
 _REDIS_PY_PACKER = PythonRespSerializer(_BUFFER_CUTOFF, Encoder("utf-8", "strict", False).encode)  # type: ignore[no-untyped-call]
+
+
+class RedisReach(Protocol):
+    """What opening the control plane's Redis reads of the settings: its URL and the `redis` section (contract.settings'
+    Settings is one)."""
+
+    @property
+    def redis_url(self) -> str: ...
+
+    @property
+    def redis(self) -> RedisSettings: ...
 
 
 class CommandPacker:
@@ -101,14 +112,17 @@ class BlockingSentinelConnectionPool(IdleClosing, SentinelConnectionPool, redis.
 
 
 def connect(
-    settings: Settings, socket_timeout: float | None = None, max_connections: int | None = None, url: str | None = None
+    settings: RedisReach,
+    socket_timeout: float | None = None,
+    max_connections: int | None = None,
+    url: str | None = None,
 ) -> redis.Redis:
     """A client returning bytes (frames are binary); timeouts bound every call. With `max_connections`, at most
     that many connections, a caller waiting up to the connect timeout for a free one, in a pool that closes its
     idle connections (IdleClosing). `url`: another server than redis_url's (a bulk shard: always a plain
     server)."""
     options: dict[str, Any] = dict(
-        socket_connect_timeout=settings.api.redis_timeout_s,
+        socket_connect_timeout=settings.redis.timeout_s,
         socket_timeout=socket_timeout,
         health_check_interval=30,
         retry_on_timeout=False,
@@ -119,9 +133,7 @@ def connect(
     url = url or settings.redis_url
     if max_connections is None:
         return redis.Redis.from_url(url, **options)
-    pool = IdleClosingPool.from_url(
-        url, max_connections=max_connections, timeout=settings.api.redis_timeout_s, **options
-    )
+    pool = IdleClosingPool.from_url(url, max_connections=max_connections, timeout=settings.redis.timeout_s, **options)
     return redis.Redis(connection_pool=pool)
 
 
@@ -131,17 +143,17 @@ def close_idle_connections(client: redis.Redis, idle_s: float) -> int:
     return pool.close_idle(idle_s) if isinstance(pool, IdleClosing) else 0
 
 
-def sentinels_of(settings: Settings) -> Sentinel:
+def sentinels_of(section: RedisSettings) -> Sentinel:
     """The Sentinels of `redis.sentinels`, asked in turn (one down is skipped), each bounded by the connect
     timeout. Also what a process asks which server is the primary now (contract.redis.replication)."""
-    timeout = settings.api.redis_timeout_s
+    timeout = section.timeout_s
     own: dict[str, Any] = {"socket_connect_timeout": timeout, "socket_timeout": timeout}
-    if settings.redis.sentinel_password:
-        own["password"] = settings.redis.sentinel_password
-    return Sentinel(settings.redis.sentinel_addresses(), sentinel_kwargs=own)
+    if section.sentinel_password:
+        own["password"] = section.sentinel_password
+    return Sentinel(section.sentinel_addresses(), sentinel_kwargs=own)
 
 
-def _primary_of(settings: Settings, options: dict[str, Any], max_connections: int | None) -> redis.Redis:
+def _primary_of(settings: RedisReach, options: dict[str, Any], max_connections: int | None) -> redis.Redis:
     """A client of the primary the Sentinels name for `redis.service`: each new connection asks them where it is,
     and a connection that finds a demoted primary (READONLY) breaks, so the next asks again."""
     parts = urlsplit(settings.redis_url)
@@ -152,7 +164,7 @@ def _primary_of(settings: Settings, options: dict[str, Any], max_connections: in
         node["username"] = unquote(parts.username)
     if parts.scheme == "rediss":
         node["ssl"] = True
-    sentinels = sentinels_of(settings)
+    sentinels = sentinels_of(settings.redis)
     if max_connections is None:
         client: redis.Redis = sentinels.master_for(settings.redis.service, **node)
     else:
@@ -160,7 +172,7 @@ def _primary_of(settings: Settings, options: dict[str, Any], max_connections: in
             settings.redis.service,
             connection_pool_class=BlockingSentinelConnectionPool,
             max_connections=max_connections,
-            timeout=settings.api.redis_timeout_s,
+            timeout=settings.redis.timeout_s,
             **node,
         )
     return client

@@ -1,6 +1,6 @@
 """What a `202` waits for, in one place: the write, then WAIT on its connection (`execute_and_wait`), for
 `redis.replicas_per_write` replicas (`Replication`), or behind Sentinel for the job on every replica the Sentinels
-could promote (`DurableWrites`, made by `durable_writes(settings)`); fewer is `NotReplicated` (a 503).
+could promote (`DurableWrites`, made by `durable_writes(settings.redis)`); fewer is `NotReplicated` (a 503).
 
 Redis replicates asynchronously and Sentinel promotes, among the replicas the majority of Sentinels can reach,
 the one with the most data; it does not look for the replica that holds a given write. `WAIT 1` after a job's
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import redis
 
-from contract.settings import Settings
+from contract.settings.redis_settings import RedisSettings
 
 log = logging.getLogger(__name__)
 
@@ -356,26 +356,26 @@ class Replication(NamedTuple):
 NO_REPLICATION = Replication()
 
 
-def durable_writes(settings: Settings) -> DurableWrites | None:
+def durable_writes(section: RedisSettings) -> DurableWrites | None:
     """Behind Sentinel, what a promised write waits for (contract.redis.replication), asking each Sentinel with a
     short timeout of its own (a Sentinel cut off must not hold a refresh for long); None without Sentinels."""
-    if not settings.redis.sentinels:
+    if not section.sentinels:
         return None
-    timeout = settings.redis.sentinel_timeout_ms / 1000.0
+    timeout = section.sentinel_timeout_ms / 1000.0
     clients = [
         redis.Redis(
             host=host,
             port=port,
-            password=settings.redis.sentinel_password or None,
+            password=section.sentinel_password or None,
             socket_connect_timeout=timeout,
             socket_timeout=timeout,
         )
-        for host, port in settings.redis.sentinel_addresses()
+        for host, port in section.sentinel_addresses()
     ]
     return DurableWrites(
         clients,
-        settings.redis.service,
-        settings.redis.replicas_per_write,
-        refresh_s=settings.redis.view_refresh_ms / 1000.0,
-        stale_s=settings.redis.view_stale_ms / 1000.0,
+        section.service,
+        section.replicas_per_write,
+        refresh_s=section.view_refresh_ms / 1000.0,
+        stale_s=section.view_stale_ms / 1000.0,
     )

@@ -62,7 +62,6 @@ class ApiSettings:
     max_wait_s: float = 30.0
     body_timeout_s: float = 10.0  # a body must come within this plus its size at body_min_rate; else 408
     body_min_rate: float = 65536.0  # bytes/s
-    redis_timeout_s: float = 2.0
     # 0: /metrics is served on the API's own port. Otherwise only on this port (bound to
     # metrics_host), so an internal network can scrape what the public port does not show.
     metrics_port: int = 0

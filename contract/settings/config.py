@@ -37,7 +37,7 @@ from contract.settings import (
 from contract.settings.cells import CELLS_ENV, cell_passwords, cells_from_env
 from contract.settings.check_secrets import check_secret
 from contract.settings.models import ModelSpec, RoutingSettings, version_text
-from contract.settings.redis_settings import BulkSettings, RedisSettings
+from contract.settings.redis_settings import BulkSettings, RedisSettings, renamed_settings
 from contract.settings.scaling import ScalingSettings
 from contract.settings.sections import SettingsError
 
@@ -225,7 +225,7 @@ def environment_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
         except yaml.YAMLError as exc:
             raise SettingsError(f"{name}: not a YAML value: {exc}") from exc
         overrides.setdefault(section, {})[key] = value
-    return overrides
+    return renamed_settings(overrides, "the environment")
 
 
 def _fill_from_model_file(raw: dict[str, Any]) -> None:
@@ -255,7 +255,7 @@ def _read_config(path: Path) -> dict[str, Any]:
         raw["models"] = str(_resolve(models, folder))
     elif isinstance(models, list):
         raw["models"] = [_absolute_model_ref(entry, folder) for entry in models]
-    return raw
+    return renamed_settings(raw, str(path))
 
 
 def _absolute_model_ref(entry: Any, folder: Path) -> Any:

@@ -6,6 +6,8 @@ and what a `202` waits for, and the bulk shards that may hold uploads and frames
 from __future__ import annotations
 
 import re
+import warnings
+from typing import Any
 
 from contract.settings.sections import SettingsError, settings_class
 
@@ -54,6 +56,9 @@ class RedisSettings:
     view_refresh_ms: int = 500
     view_stale_ms: int = 2000
     sentinel_timeout_ms: int = 300
+    # Connecting to Redis, and waiting for a free connection of a bounded pool, at most this long (every process):
+    # a down Redis answers 503 within it. Was `api.redis_timeout_s`, still read for one release (RENAMED).
+    timeout_s: float = 2.0
 
     def __post_init__(self) -> None:
         for address in self.sentinels:
@@ -82,3 +87,30 @@ class RedisSettings:
             assert match is not None  # checked above
             found.append((match.group(1).strip("[]"), int(match.group(2))))
         return found
+
+
+# Settings that moved, read under their old names for one release (docs/upgrading.md): (section, key) -> the new.
+RENAMED = {("api", "redis_timeout_s"): ("redis", "timeout_s")}
+
+
+def renamed_settings(layer: dict[str, Any], where: str) -> dict[str, Any]:
+    """One layer of the settings (a file, or the environment's) with each RENAMED old name read as its new one, and
+    a FutureWarning (Python's deprecation warning for users: shown by default) naming both; where the layer gives
+    both names, the new one's value stands."""
+    for (section, key), (new_section, new_key) in RENAMED.items():
+        old = layer.get(section)
+        if not isinstance(old, dict) or key not in old:
+            continue
+        old = dict(old)
+        value = old.pop(key)
+        new = dict(layer.get(new_section) or {})
+        new.setdefault(new_key, value)
+        layer = {**layer, section: old, new_section: new}
+        variable = f"IMGSERVE_{new_section.upper()}__{new_key.upper()}"
+        warnings.warn(
+            f"{section}.{key} ({where}) is deprecated, read as {new_section}.{new_key} until the next release: "
+            f"set {new_section}.{new_key} ({variable} in the environment) instead",
+            FutureWarning,
+            stacklevel=3,
+        )
+    return layer
