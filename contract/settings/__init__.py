@@ -1,14 +1,7 @@
-"""Every setting of the service: its sections as frozen, validated dataclasses (contract.settings.sections), and the
-checks that tie them together. The models' own settings and their routing are contract.settings.models';
-contract.settings.config reads them from YAML and the environment (`load_settings`); configs/default.yaml names every
-one with its default.
-
-Beside them: `sections` (what a section is), `config` (how the settings are read), `redis_settings` (the `redis`
-and `bulk` sections), `scaling` (the `scaling` section), `models` and `model_files` (the models served, their
-routing, what a model file carries), `cells` (the `cells` setting) and `cell_layout` (each cell with the settings its
-processes run with: the API tier's alone, kept beside `cells` since it is derived from these sections), and
-`check_secrets` (the deploy-time check of secrets, run before any process by compose and make run). None of them
-talks to Redis.
+"""Every setting of the service: its sections as frozen, validated dataclasses (`sections`), and the checks that tie
+them together. The models' own settings and their routing are `models`'; `config` reads them from YAML and the
+environment (`load_settings`); configs/default.yaml names every one with its default. `cell_layout` is the API
+tier's alone, kept here beside `cells`: each cell's settings are made from these sections, and nothing here reads Redis.
 """
 
 from __future__ import annotations
@@ -236,9 +229,8 @@ class AuthSettings:
     # for that key alone (its flood does not get the others refused). Each key also has its own CPU queue.
     max_backlog_share: float = 0.5
     max_waiting_bytes_share: float = 0.5  # ...and its uploads' bytes of each byte budget (contract.admission.budget)
-    # A key's expensive decodes in flight (uploads estimated at 32 MiB of decoding or more,
-    # contract.admission.decode_share) may add up to this many bytes; one more is 429 unless the key has none in flight.
-    # 0: off.
+    # A key's expensive decodes in flight (uploads estimated at 32 MiB of decoding or more, admission.decode_share)
+    # may add up to this many bytes; one more is 429 unless the key has none in flight. 0: off.
     max_decode_bytes_in_flight: int = 256 * 1024 * 1024
     failed_per_s: float = 1.0  # failed authentications per client address (IPv6: per /64); past them 429; 0: off
     failed_burst: float = 20.0
@@ -301,8 +293,7 @@ class Settings:
     cache: CacheSettings = field(default_factory=CacheSettings)
     bulk: BulkSettings = field(default_factory=BulkSettings)
     scaling: ScalingSettings = field(default_factory=ScalingSettings)
-    # the API tier's control planes (contract.settings.cells); none: redis_url's alone
-    cells: tuple[CellSettings, ...] = ()
+    cells: tuple[CellSettings, ...] = ()  # the API tier's control planes (settings.cells); none: redis_url's alone
 
     @property
     def broker_url(self) -> str:
