@@ -1,5 +1,5 @@
 """The REST API: `create_app(settings)` builds one Flask app with its own Redis clients, task messages
-(contract.task_messages) and long-poll listeners, per cell (app.cells): no module globals.
+(contract.jobs.task_messages) and long-poll listeners, per cell (app.cells): no module globals.
 
     gunicorn -c configs/gunicorn.conf.py 'app:create_app()'
 """
@@ -21,13 +21,13 @@ from app.multipart import MAX_PARTS
 from app.problems import Problem, problem_response, redis_problem
 from app.queries import refuse_unknown_query
 from app.services import EXTENSION, Services, services
-from contract.clock import now as service_now
-from contract.config import load_settings
 from contract.jobs.ids import job_ids
+from contract.jobs.task_messages import PreprocessMessages
 from contract.library import check_library_at_start
-from contract.models import Catalogue
+from contract.redis.clock import now as service_now
 from contract.settings import Settings
-from contract.task_messages import PreprocessMessages
+from contract.settings.config import load_settings
+from contract.settings.models import Catalogue
 
 
 class InMemoryFormRequest(Request):

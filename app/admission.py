@@ -1,6 +1,6 @@
 """Admission: whether the API takes a new request or job now, for which model, and on which tenant's queue. The
-one object the API asks is `Admission`; the Lua it runs is contract's (contract.budget's admit,
-contract.jobs.intake's `_ANSWER_OR_ADMIT`, contract.token_bucket).
+one object the API asks is `Admission`; the Lua it runs is contract's (contract.admission.budget's admit,
+contract.jobs.intake's `_ANSWER_OR_ADMIT`, contract.admission.token_bucket).
 
 A request meets `Admission` first for its rate (`limit_rate`, and `failed_authentication` for an address that
 failed to authenticate): a key over `auth.rate_per_s` is a 429. A submission then meets it twice. Before its body
@@ -13,8 +13,8 @@ admitted, on which tenant's queue its job goes (the API key's own while a CPU wo
 its bytes to the stored job, `give_back` returns them if the job is not stored after all. Only `Admission`
 changes a reservation, through its methods.
 
-What is checked: one step in Redis (contract.budget's admit) checks a model's backlog (jobs waiting for a CPU or a
-GPU worker) and reserves the upload's bytes against the model's budget and the total. Over the backlog or the
+What is checked: one step in Redis (contract.admission.budget's admit) checks a model's backlog (jobs waiting for a CPU
+or a GPU worker) and reserves the upload's bytes against the model's budget and the total. Over the backlog or the
 model's budget: 429, that model is overloaded (others are served). Over the total, or Redis past
 `store_full_ratio` of its `maxmemory`: 503, the store is full for everyone. Either way `Retry-After` says how
 long the waiting work takes to drain by enough, at the rate the GPU workers answer this model's jobs now
@@ -38,18 +38,18 @@ from app.byte_shares import key_byte_shares, key_share_refusal
 from app.drain import DrainMeter, retry_after_s
 from app.problems import Problem
 from app.tier_buckets import TierBuckets
-from contract import budget
+from contract.admission import budget
+from contract.admission.decode_share import DecodeShare
+from contract.admission.token_bucket import TokenBuckets
 from contract.cache import HIT, MISS, ResultCache
-from contract.clock import now as service_now
-from contract.decode_share import DecodeShare
 from contract.jobs.backlog import queue_depths
 from contract.jobs.hits import HitLimited
 from contract.jobs.intake import CacheHit, JobIntake
-from contract.keys import Keys
-from contract.models import Catalogue, ModelSpec, UnknownModel
+from contract.jobs.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_time_bill
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
 from contract.settings import Settings
-from contract.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_time_bill
-from contract.token_bucket import TokenBuckets
+from contract.settings.models import Catalogue, ModelSpec, UnknownModel
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from typing import Any, Generic, TypeVar
 
 import redis
 
-from contract.clock import now as service_now
-from contract.keys import Keys
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
 
 log = logging.getLogger("app.admission")  # its warnings read as admission's, as before the split
 

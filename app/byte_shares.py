@@ -1,14 +1,14 @@
-"""An API key's share of the byte budgets (auth.max_waiting_bytes_share, contract.budget): its size, and the 429 a key
-past it gets, its own (the other keys are still admitted)."""
+"""An API key's share of the byte budgets (auth.max_waiting_bytes_share, contract.admission.budget): its size, and the
+429 a key past it gets, its own (the other keys are still admitted)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
 from app.problems import Problem
-from contract import budget
-from contract.models import ModelSpec
+from contract.admission import budget
 from contract.settings import Settings
+from contract.settings.models import ModelSpec
 
 
 def key_byte_shares(settings: Settings, spec: ModelSpec) -> tuple[int, int]:

@@ -19,10 +19,10 @@ import redis
 
 from app.admission_readings import LOOK_S, ReadAtMostEvery
 from app.drain import DrainMeter
-from contract.clock import now as service_now
-from contract.heartbeat import Heartbeat
 from contract.jobs.backlog import add_depth_reads, depths_from
-from contract.keys import Keys, model_frames_total
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys, model_frames_total
+from contract.workers.heartbeat import Heartbeat
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Any, cast
 import redis
 
 from app.cells import CellServices, cell_unreachable
-from contract.heartbeat import Heartbeat, live_heartbeats
 from contract.jobs.record import QUEUED, QUEUED_GPU
-from contract.keys import model_frames_total
-from contract.scaling import ModelBacklog, backlogs
-from contract.timebill import host_ms_per_batch
+from contract.jobs.timebill import host_ms_per_batch
+from contract.redis.keys import model_frames_total
+from contract.workers.heartbeat import Heartbeat, live_heartbeats
+from contract.workers.scaling import ModelBacklog, backlogs
 
 
 @dataclass
@@ -61,8 +61,8 @@ def _read(cell: CellServices, model_keys: list[str]) -> CellReading:
     workers = live_heartbeats(client, keys, cell.settings.gpu_worker.heartbeat_ttl_s)
     for worker in workers:  # live totals, fresher than the heartbeat's
         raw = cast(dict[bytes, bytes], client.hgetall(keys.gpu_counters(worker.worker_id)))
-        # The worker's totals come with its heartbeat; its per-model frames (contract.keys.model_frames_total) come
-        # with each batch's write: their sum is its frames answered up to now, where the beat's lags by up to one.
+        # The worker's totals come with its heartbeat; its per-model frames (contract.redis.keys.model_frames_total)
+        # come with each batch's write: their sum is its frames answered up to now, where the beat's lags by up to one.
         per_model = model_frames_total("")
         counters = {k.decode(): float(v) for k, v in raw.items() if not k.decode().startswith(per_model)}
         frames = sum(float(v) for k, v in raw.items() if k.decode().startswith(per_model))

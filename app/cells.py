@@ -22,20 +22,20 @@ from app.listener_ticks import idle_closer, sweeper, ticks
 from app.problems import Problem
 from app.tier_buckets import TierBuckets
 from app.waiters import JobEventListener
+from contract.admission.token_bucket import TokenBuckets
 from contract.cache import ResultCache
-from contract.cache_plane import cache_plane, redis_address
-from contract.cell_layout import Cell, cells_of
-from contract.clock import CLOCK
-from contract.connection import connect
+from contract.cache.cache_plane import cache_plane, redis_address
 from contract.jobs.hits import HitLimits
 from contract.jobs.ids import JobIds
 from contract.jobs.intake import JobIntake
-from contract.keys import Keys
-from contract.models import Catalogue, UnknownModel
-from contract.replication import AnswerNotReplicated, NotReplicated, Replication, durable_writes
+from contract.redis.clock import CLOCK
+from contract.redis.connection import connect
+from contract.redis.keys import Keys
+from contract.redis.replication import AnswerNotReplicated, NotReplicated, Replication, durable_writes
+from contract.redis.shards import ShardUnavailable, bulk_plane
 from contract.settings import Settings
-from contract.shards import ShardUnavailable, bulk_plane
-from contract.token_bucket import TokenBuckets
+from contract.settings.cell_layout import Cell, cells_of
+from contract.settings.models import Catalogue, UnknownModel
 
 log = logging.getLogger("app.cells")
 
@@ -48,7 +48,7 @@ REDIS_CONNECTIONS = 64
 
 def cell_unreachable(exc: BaseException) -> bool:
     """Whether `exc` says a cell's control plane did not answer (a new job then goes to another cell); a bulk
-    shard that did not answer is that shard's own failure (contract.shards), answered as it always was."""
+    shard that did not answer is that shard's own failure (contract.redis.shards), answered as it always was."""
     return isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) and not isinstance(exc, ShardUnavailable)
 
 
@@ -167,13 +167,13 @@ class Cells:
 
 def build_cells(settings: Settings, catalogue: Catalogue, job_ids: JobIds) -> tuple[Cells, redis.Redis]:
     """Every cell's parts, and the API tier's own Redis client (with one cell: that cell's). The process's clock
-    follows the tier's Redis (contract.clock), measured again on the first cell's listener tick."""
+    follows the tier's Redis (contract.redis.clock), measured again on the first cell's listener tick."""
     described = cells_of(settings)
     several = len(described) > 1 or bool(settings.cells)
     tier: redis.Redis | None = None
     buckets: TokenBuckets | TierBuckets | None = None
     if several:
-        tier = connect(settings, socket_timeout=settings.api.redis_timeout_s, max_connections=REDIS_CONNECTIONS)
+        tier = connect(settings, socket_timeout=settings.redis.timeout_s, max_connections=REDIS_CONNECTIONS)
         CLOCK.follow(tier)
         buckets = TierBuckets(tier, settings.bulk.retry_s)
     built = [_build_cell(cell, catalogue, buckets, several) for cell in described]
@@ -185,30 +185,31 @@ def _build_cell(
     cell: Cell, catalogue: Catalogue, buckets: TokenBuckets | TierBuckets | None, several: bool
 ) -> CellServices:
     settings = cell.settings
-    # Bounded, and what a burst opened is closed again once idle (contract.connection.IdleClosingPool).
+    # Bounded, and what a burst opened is closed again once idle (contract.redis.connection.IdleClosingPool).
     client = connect(
         settings,
-        socket_timeout=settings.api.redis_timeout_s + 3.0,
+        socket_timeout=settings.redis.timeout_s + 3.0,
         max_connections=max(REDIS_CONNECTIONS, settings.api.threads + 2),
     )  # gthread: one a thread
     if not several:
-        # The process's clock reads the primary's (contract.clock: every moment it writes or judges is the
+        # The process's clock reads the primary's (contract.redis.clock: every moment it writes or judges is the
         # service's); measured again on the listener's tick.
         CLOCK.follow(client)
     keys = Keys(settings.namespace)
     # Uploads over a few connections of their own: Redis keeps an upload-sized buffer on each (JobIntake.create).
-    uploads = connect(settings, socket_timeout=settings.api.redis_timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
-    # With bulk shards (contract.shards) uploads go to them instead, over as few connections in all.
+    uploads = connect(settings, socket_timeout=settings.redis.timeout_s + 3.0, max_connections=UPLOAD_CONNECTIONS)
+    # With bulk shards (contract.redis.shards) uploads go to them instead, over as few connections in all.
     per_shard = max(2, UPLOAD_CONNECTIONS // max(1, len(settings.bulk.redis_urls)))
     bulk = bulk_plane(settings, client, max_connections=per_shard)
-    # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.connection.
-    # Behind Sentinel, every replica the Sentinels see up, on the primary their majority names (contract.replication).
-    durable = durable_writes(settings)
+    # With replicas to reach (settings.redis), a 202 waits until they hold the job: contract.redis.connection.
+    # Behind Sentinel, every replica the Sentinels see up, on the primary their majority names
+    # (contract.redis.replication).
+    durable = durable_writes(settings.redis)
     if durable is not None:
         durable.start()
     replication = Replication(settings.redis.replicas_per_write, settings.redis.replica_timeout_ms, durable)
     # Results as stored: a read serves them unparsed (app.job_bodies); each key's cache hits charged (HitLimits).
-    # The cache on its own Redis when configured: one for every cell (contract.cache_plane), else this cell's.
+    # The cache on its own Redis when configured: one for every cell (contract.cache.cache_plane), else this cell's.
     plane = cache_plane(settings)
     store = JobIntake(
         client,

@@ -1,4 +1,4 @@
-"""An expensive upload's decode charged to its API key before its job is queued (contract.decode_share): a key
+"""An expensive upload's decode charged to its API key before its job is queued (contract.admission.decode_share): a key
 whose charged decodes in flight would pass `auth.max_decode_bytes_in_flight` with it is refused, 429, so one
 key's 16-bit or interlaced at-cap PNGs hold one CPU child at a time, never the whole pool."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import redis
 
 from app.problems import Problem
-from contract.clock import now as service_now
-from contract.decode_share import CHARGED_FROM, MIB, DecodeShare, decode_cost, retry_after_s
+from contract.admission.decode_share import CHARGED_FROM, MIB, DecodeShare, decode_cost, retry_after_s
+from contract.redis.clock import now as service_now
 from contract.settings import Settings
 
 

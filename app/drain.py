@@ -1,7 +1,7 @@
 """How fast a model's backlog drains now, for a refusal's Retry-After (app.admission asks).
 
 Measured, not averaged over the past: each GPU worker counts the frames it answered per model in its counters
-hash (contract.keys.model_frames_total, written with each batch's own write), and a refusal reads those totals,
+hash (contract.redis.keys.model_frames_total, written with each batch's own write), and a refusal reads those totals,
 at most once a second per model and API process. The rate is the totals' growth between readings of the last
 WINDOW_S seconds, all taken while refusals came (so while work waited); readings further apart than IDLE_GAP_S
 start a new measurement, since the quiet stretch between them says nothing of the rate while busy. A rate over
@@ -21,8 +21,8 @@ from typing import Any
 
 import redis
 
-from contract.heartbeat import live_heartbeats
-from contract.keys import Keys, model_frames_total
+from contract.redis.keys import Keys, model_frames_total
+from contract.workers.heartbeat import live_heartbeats
 
 READ_EVERY_S = 1.0  # one reading per model and API process a second, whatever the refusals
 WINDOW_S = 10.0  # the rate is over this much of the latest readings: the workers' pace now

@@ -10,9 +10,9 @@ from flask import Blueprint, Response, current_app, jsonify
 from app.auth import is_admin
 from app.operations import Reply, operation
 from app.services import services as current_services
-from contract.heartbeat import Heartbeat, live_heartbeats
+from contract.documents.status_documents import Health, ModelList, Readiness
 from contract.jobs.backlog import queue_depths
-from contract.status_documents import Health, ModelList, Readiness
+from contract.workers.heartbeat import Heartbeat, live_heartbeats
 
 blueprint = Blueprint("health", __name__)
 

@@ -14,7 +14,7 @@ from jinja2 import Template
 from app.openapi import service_version
 from app.operations import Reply, operation
 from app.services import services as current_services
-from contract.status_documents import Home
+from contract.documents.status_documents import Home
 
 blueprint = Blueprint("home", __name__)
 

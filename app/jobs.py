@@ -24,8 +24,8 @@ from app.uploads import (
     validate_params,
 )
 from app.waiters import expire_if_late, until_ended
-from contract import deadlines
 from contract.documents import JobAccepted, JobDocument, wait_query_model
+from contract.jobs import deadlines
 from contract.jobs.ending import REDELIVER_QUEUED
 from contract.jobs.record import (
     CANCELLED,

@@ -8,11 +8,11 @@ from collections.abc import Callable
 
 import redis
 
-from contract import expiry
-from contract.budget import WaitingBytes
-from contract.clock import now as service_now
-from contract.connection import close_idle_connections
+from contract.admission.budget import WaitingBytes
+from contract.jobs import expiry
 from contract.jobs.intake import JobIntake
+from contract.redis.clock import now as service_now
+from contract.redis.connection import close_idle_connections
 
 SWEEP_EVERY_S = 1.0
 # A connection left unused in its pool this long is closed (it reopens when needed): what a burst opened goes.

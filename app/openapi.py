@@ -25,7 +25,7 @@ from app.operations import Operation, Reply, operation
 from app.problems import PROBLEM_TYPE
 from app.services import services as current_services
 from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
-from contract import callback_signature
+from contract.callbacks import callback_signature
 from contract.documents import ProblemDocument
 from contract.jobs.record import JOB_ID_PATTERN
 from contract.settings import Settings

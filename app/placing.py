@@ -26,14 +26,14 @@ from app.job_bodies import document_response, job_response
 from app.problems import Problem
 from app.services import Services
 from app.waiters import expire_if_late, until_ended
-from contract import deadlines
-from contract.clock import now as service_now
 from contract.documents import JobAccepted, model_ref
+from contract.jobs import deadlines
 from contract.jobs.ending import LATE_ERROR
 from contract.jobs.record import QUEUED, SUCCEEDED, TERMINAL, JobRecord, StoredJSON, utc_iso
-from contract.models import ModelSpec
-from contract.replication import NotReplicated
-from contract.timebill import RECEIVED_AT, SUBMITTED_AT
+from contract.jobs.timebill import RECEIVED_AT, SUBMITTED_AT
+from contract.redis.clock import now as service_now
+from contract.redis.replication import NotReplicated
+from contract.settings.models import ModelSpec
 
 log = logging.getLogger("api")
 

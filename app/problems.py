@@ -14,8 +14,8 @@ from flask import Response, jsonify
 from app.drain import MAX_RETRY_AFTER_S
 from app.metrics import count_reject, request_route
 from contract.documents import PROBLEM_TYPE, ProblemDocument
-from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
-from contract.shards import ShardUnavailable
+from contract.redis.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
+from contract.redis.shards import ShardUnavailable
 
 
 class Problem(Exception):

@@ -22,9 +22,9 @@ from gunicorn.http import wsgi
 from gunicorn.http.errors import ConfigurationProblem, InvalidHeader
 from gunicorn.workers.ggevent import GeventWorker
 
-from contract.config import load_settings
 from contract.documents import PROBLEM_TYPE
-from contract.logs import QUIET_LOGGERS, JsonFormatter
+from contract.runtime.logs import QUIET_LOGGERS, JsonFormatter
+from contract.settings.config import load_settings
 
 _REFUSED_UNREAD = ("401", "408", "413")
 _MAY_CLOSE = ("429", "503")  # app.holds' refusals say Connection: close (only these are looked at: cheaper)

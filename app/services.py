@@ -18,10 +18,10 @@ from app.waiters import JobEventListener
 from contract.cache import ResultCache
 from contract.jobs.ids import JobIds
 from contract.jobs.intake import JobIntake
-from contract.keys import Keys
-from contract.models import Catalogue
+from contract.jobs.task_messages import PreprocessMessages
+from contract.redis.keys import Keys
 from contract.settings import Settings
-from contract.task_messages import PreprocessMessages
+from contract.settings.models import Catalogue
 
 EXTENSION = "imgserve"  # the key in app.extensions
 

@@ -8,11 +8,11 @@ from app.auth import require_admin
 from app.cell_stats import cells_document, merged_backlogs, read_cell
 from app.operations import Reply, operation
 from app.services import services as current_services
-from contract.clock import now as service_now
-from contract.heartbeat import Heartbeat
+from contract.documents.status_documents import Stats
 from contract.jobs.backlog import total_depths
-from contract.scaling import scaling_signal, windows_of
-from contract.status_documents import Stats
+from contract.redis.clock import now as service_now
+from contract.workers.heartbeat import Heartbeat
+from contract.workers.scaling import scaling_signal, windows_of
 
 blueprint = Blueprint("stats", __name__)
 

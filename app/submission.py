@@ -19,7 +19,6 @@ from app.problems import Problem
 from app.services import services as current_services
 from app.uploads import option_values, read_whole_body, refuse_unknown_fields, validate_params
 from contract.callbacks import CallbackRefused, callback_secret, check_callback_url
-from contract.deadlines import longest_deadline_ms
 from contract.documents import (
     Document,
     SubmitOptionsBase,
@@ -27,9 +26,10 @@ from contract.documents import (
     submit_query_model,
     wait_query_model,
 )
-from contract.models import model_references
-from contract.sections import SettingsError
+from contract.jobs.deadlines import longest_deadline_ms
 from contract.settings import ApiSettings, Settings
+from contract.settings.models import model_references
+from contract.settings.sections import SettingsError
 
 log = logging.getLogger("api")  # app.jobs' logger: a refused callback_url logs as before
 
@@ -107,7 +107,7 @@ def _refuse_unparsable_multipart(request: Request, body: bytes) -> None:
 
 def submit_options(settings: Settings) -> type[SubmitOptionsBase]:
     """deadline_ms is bounded here by the longest default deadline of any model (app.jobs then applies its own
-    model's: contract.deadlines' policy); `model` takes the names and name:version a request may reach."""
+    model's: contract.jobs.deadlines' policy); `model` takes the names and name:version a request may reach."""
     return submit_options_model(_longest_deadline_ms(settings), tuple(model_references(settings)))
 
 

@@ -4,7 +4,7 @@ in the tier's own Redis (the top-level `redis_url`), and in this process while t
 A tier's Redis that is away must not stop the cells from serving: each bucket is then kept in this process (the
 same rate and burst, so a key spread over N API processes gets at most N times its rate meanwhile), and the tier's
 Redis is asked again after `retry_s`. A one-cell deployment does not use this: its buckets are its Redis's, as
-they always were (contract.token_bucket).
+they always were (contract.admission.token_bucket).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import redis
 
-from contract.token_bucket import Taken, TokenBuckets
+from contract.admission.token_bucket import Taken, TokenBuckets
 
 log = logging.getLogger("app.tier")
 

@@ -10,9 +10,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from app.problems import Problem
-from contract import media
+from contract.admission import media
+from contract.admission.media import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 from contract.documents import SubmitOptionsBase, submit_options_model
-from contract.media import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 
 M = TypeVar("M", bound=BaseModel)
 

@@ -16,8 +16,8 @@ from collections import defaultdict
 
 import redis
 
-from contract import expiry
-from contract.deadlines import PAST_BY_S, seconds_left
+from contract.jobs import expiry
+from contract.jobs.deadlines import PAST_BY_S, seconds_left
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import TERMINAL, JobRecord
 
@@ -124,7 +124,7 @@ def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float,
 
 
 def expire_if_late(store: JobEnding, record: JobRecord) -> JobRecord:
-    """A live job past its deadline is over, even when no worker is left to say so (contract.expiry)."""
+    """A live job past its deadline is over, even when no worker is left to say so (contract.jobs.expiry)."""
     if record["status"] in TERMINAL or not expiry.expire_if_late(
         store, record["id"], record["deadline_at"], expiry.BEFORE_AN_ANSWER
     ):

@@ -20,9 +20,9 @@ from flask import Flask, Response, g, jsonify, request
 from app.problems import Problem, problem_response
 from app.uploads import check_image, parse_options
 from baseline.inference import BatchRunner
-from contract.config import load_settings
 from contract.frames import Frame, FrameHeader
 from contract.settings import Settings
+from contract.settings.config import load_settings
 from gpu_worker.devices import open_device
 from gpu_worker.staging import Device
 from tasks.imaging import ImageDecodeError, decode_image, letterbox

@@ -11,10 +11,10 @@ import glob
 import os
 import tempfile
 
-from contract.config import load_settings
-from contract.memory import keep_freed_memory
+from contract.runtime.memory import keep_freed_memory
+from contract.settings.config import load_settings
 
-# In the master, before it forks the workers: they inherit the tuned malloc (see contract.memory).
+# In the master, before it forks the workers: they inherit the tuned malloc (see contract.runtime.memory).
 keep_freed_memory()
 
 _settings = load_settings()  # read once: the hooks below use it too
@@ -66,7 +66,7 @@ def when_ready(server):
     """With `api.metrics_port` set, /metrics is served by the master there, and not on `bind`."""
     import logging
 
-    from contract.logs import configure_logging
+    from contract.runtime.logs import configure_logging
 
     configure_logging("api", _settings.logs)
     metrics = ""
@@ -79,7 +79,7 @@ def when_ready(server):
 
 
 def post_fork(server, worker):
-    from contract.logs import configure_logging
+    from contract.runtime.logs import configure_logging
 
     configure_logging("api", _settings.logs)
 

@@ -1,33 +1,25 @@
-"""The contract the API, the CPU workers and the GPU worker share.
+"""The contract the API, the CPU workers and the GPU worker share, a package a concept, lowest first: a package
+imports only those above it in this list (tests/test_layout.py holds the order, `CONTRACT_FLOORS`).
 
-- `settings`: every setting: the sections, their types and defaults, and the checks between them.
-- `redis_settings`: the `redis` and `bulk` sections: how every process reaches Redis, and the bulk shards.
-- `cells`: the `cells` setting, several control planes behind one API tier; `cell_layout`: each cell with the
-  settings its processes run with.
-- `sections`: what a settings section is (a frozen, validated dataclass) and `SettingsError`.
-- `config`: how the settings are read: files, overlays, the one environment rule (`load_settings`).
-- `keys`: every Redis key and channel.
-- `jobs`: a job's record and its moves, by who makes them (a package: `record`, `ending`, `intake`, `handoff`,
-  `backlog`).
+- `settings`: every setting: the sections, their types and defaults, the checks between them, and how they are read
+  (`config`: files, overlays, the one environment rule); the models served and their routing, the cells. Nothing
+  here talks to Redis.
+- `runtime`: what every process sets up for itself: its log lines (`logs`), its malloc (`memory`), its `release`.
+- `library`: every Redis step of a job's life: one function library, a `.lua` file a step, its loader and version.
+- `redis`: how every process reaches Redis (`connection`), what a 202 waits for (`replication`), every key
+  (`keys`), the one clock (`clock`), payload replies read without copies (`replies`), the bulk shards (`shards`).
+- `admission`: what the API checks and counts before it takes a job: the accepted image types (`media`), the
+  budgets (`budget`), the rate limit (`token_bucket`), the decode charge (`decode_share`).
+- `cache`: the result cache; `cache_plane` its own Redis when `cache.redis_url` is set.
+- `jobs`: a job's record and its moves (`record`, `ending`, `intake`, `hits`, `handoff`, `ids`, `backlog`), its
+  Celery messages (`task_messages`), its time bill (`timebill`), its deadline (`deadlines`, `expiry`).
+- `workers`: what a GPU worker says about itself (`heartbeat`), and the CPU workers the backlog wants (`scaling`).
 - `frames`: the binary frame, its header in Python and in Lua; `frame_push`: the frame list's way in (the CPU
   worker's push); `frame_source`: its way out (pop, the one ack, give back, requeue); `frame_shards` and
   `frame_shard_source`: the same over bulk shards.
-- `timebill`: the stages of a request's life, the stamps that bound them, a bill and the summaries of many.
+- `callbacks`: which callback URLs may be called (checked at submit and at delivery), which secret signs a job's
+  callbacks (`callback_signature`: what the signature covers), the address blocks never called
+  (`special_addresses`).
 - `documents`: the public JSON documents of jobs (job, callback, submit options, problems) as pydantic models;
   `status_documents`: the service's own (health, readiness, models, stats).
-- `models`: the models served side by side (`ModelSpec`), and how a request's `model` is routed to a version.
-- `model_files`: what a model file is, and the labels / input size it carries.
-- `task_messages`: the Celery tasks' names and queues, and the preprocess message the API pushes itself.
-- `budget`: the admission step: a model's backlog, and the bytes waiting in Redis against their budgets.
-- `memory`: malloc's thresholds, so that freed image buffers stay in the process.
-- `connection`: how each process opens Redis.
-- `clock`: the service's one clock (the Redis primary's), every moment written or judged is read from it.
-- `deadlines`: what a deadline is and how every stage judges it.
-- `replication`: behind Sentinel, what a 202 waits for (every replica the majority sees up) and the readers' fence.
-- `logs`: one JSON log line format for every process.
-- `heartbeat`: what a GPU worker says about itself, typed for its writer and its readers.
-- `callbacks`: which callback URLs may be called (checked at submit and at delivery), and which secret
-  signs a job's callbacks.
-- `check_secrets`: the deploy-time check that refuses weak secrets.
-- `replies`: reading Redis replies (uploads, frames) without extra copies.
 """

@@ -10,14 +10,14 @@ import sys
 import redis
 import torch
 
-from contract.clock import CLOCK
-from contract.config import load_settings
-from contract.connection import connect
 from contract.library import check_library_at_start
-from contract.logs import configure_logging
-from contract.memory import keep_freed_memory
-from contract.models import Catalogue
-from contract.sections import SettingsError
+from contract.redis.clock import CLOCK
+from contract.redis.connection import connect
+from contract.runtime.logs import configure_logging
+from contract.runtime.memory import keep_freed_memory
+from contract.settings.config import load_settings
+from contract.settings.models import Catalogue
+from contract.settings.sections import SettingsError
 from gpu_worker import metrics
 from gpu_worker.devices import open_device
 from gpu_worker.heartbeat import WorkerIdInUse

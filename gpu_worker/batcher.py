@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from contract.documents import ClosedBy
-from contract.frame_source import FrameSource
+from contract.frames.frame_source import FrameSource
 
 Item = TypeVar("Item")
 
@@ -46,7 +46,7 @@ class Batch(Generic[Item]):
 
 
 class BatchCollector(Generic[Item]):
-    """Gathers one batch at a time from a FrameSource (contract.frame_source): its two pops."""
+    """Gathers one batch at a time from a FrameSource (contract.frames.frame_source): its two pops."""
 
     def __init__(
         self,

@@ -1,4 +1,4 @@
-"""What a GPU worker says of itself in its heartbeat (contract.heartbeat): its device and models, its batching,
+"""What a GPU worker says of itself in its heartbeat (contract.workers.heartbeat): its device and models, its batching,
 and its recent figures, per model and in all."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import socket
 from typing import Any
 
-from contract.heartbeat import Batching, Heartbeat, HeartbeatModel
+from contract.workers.heartbeat import Batching, Heartbeat, HeartbeatModel
 from gpu_worker.lanes import Lane
 from gpu_worker.staging import Device
 from gpu_worker.stats import BusyMeter, RecentStats
@@ -21,7 +21,7 @@ def model_stats(lane: Lane) -> dict[str, Any]:
         "batches": summary["batches"],
         "batch_size_mean": summary["batch_size_mean"],
         "time_bill_ms": summary["time_bill_ms"],
-        "window_s": summary["window_s"],  # what `jobs` is counted over (contract.scaling: the rate)
+        "window_s": summary["window_s"],  # what `jobs` is counted over (contract.workers.scaling: the rate)
     }
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from contract.frames import MAPPING_FIELDS, Frame
-from contract.models import ModelSpec
+from contract.settings.models import ModelSpec
 from gpu_worker.model import BatchAssembler, LoadedModel
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess_rows
 from gpu_worker.simulated import SimulatedDevice

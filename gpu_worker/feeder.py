@@ -19,11 +19,11 @@ from typing import Any
 
 import redis
 
-from contract import expiry
-from contract.clock import now as service_now
-from contract.frame_source import FrameSource
 from contract.frames import Frame, FrameError, read_job_id, unpack_frame
+from contract.frames.frame_source import FrameSource
+from contract.jobs import expiry
 from contract.jobs.record import EXPIRED, FAILED, MOVED, POISON, RUNNING, JobStatus
+from contract.redis.clock import now as service_now
 from gpu_worker import metrics
 from gpu_worker.batcher import Batch, BatchCollector
 from gpu_worker.host_time import HostTime
@@ -41,12 +41,12 @@ class InHand:
 
     `taken` counts every frame popped for it (answered, failed, expired or
     skipped alike): they are acknowledged together once the batch is written,
-    and their `taken_bytes` leave the waiting budget then (contract.budget)."""
+    and their `taken_bytes` leave the waiting budget then (contract.admission.budget)."""
 
     seq: int
     taken: int
     closed_by: str
-    opened_at: float  # the service's clock (contract.clock): its first frame was popped
+    opened_at: float  # the service's clock (contract.redis.clock): its first frame was popped
     closed_at: float  # the service's clock: the window closed
     running: list[Frame]  # the frames of jobs still wanted, in batch order
     popped_at: list[float]  # the service's clock, per running frame (the batcher's monotonic moments moved onto it)

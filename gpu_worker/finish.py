@@ -16,15 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from contract.cache_plane import cache_plane
-from contract.clock import now as service_now
-from contract.frame_source import FrameSource
+from contract.cache.cache_plane import cache_plane
 from contract.frames import Frame
+from contract.frames.frame_source import FrameSource
 from contract.jobs.record import FAILED, SUCCEEDED
-from contract.keys import model_frames_total
-from contract.library import Step
-from contract.models import ModelSpec
-from contract.timebill import (
+from contract.jobs.timebill import (
     BATCH_CLOSED_AT,
     DEVICE_STARTED_AT,
     FINISHED_AT,
@@ -33,6 +29,10 @@ from contract.timebill import (
     POSTPROCESS_MS,
     compute_time_bill,
 )
+from contract.library import Step
+from contract.redis.clock import now as service_now
+from contract.redis.keys import model_frames_total
+from contract.settings.models import ModelSpec
 from gpu_worker import metrics
 from gpu_worker.feeder import InHand, Outcome
 from gpu_worker.link import LaneMeters, WorkerLink
@@ -106,7 +106,8 @@ class Finisher:
         # Acked by the batch write itself, or (bulk shards) by the source once the write is done.
         self.acked_key = link.keys.processing(link.worker_id, spec.key) if source.acked_by_batch_write else ""
         self.ttl_s = link.settings.jobs.ttl_s
-        # each acknowledged frame counted out of its API key's (the CPU workers count them in: contract.frame_push)
+        # each acknowledged frame counted out of its API key's (the CPU workers count them in:
+        # contract.frames.frame_push)
         self.key_frames = link.keys.key_frames(spec.key) if link.settings.backpressure.head_frames_per_key > 0 else ""
         self.cache_plane = cache_plane(link.settings)  # the cache's own Redis, if it has one: entries written after
 

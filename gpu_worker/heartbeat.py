@@ -30,16 +30,16 @@ from typing import Any
 
 import redis
 
-from contract.cache_plane import cache_plane
-from contract.clock import CLOCK
-from contract.clock import now as service_now
-from contract.frame_source import requeue_frames_of
-from contract.heartbeat import Heartbeat
-from contract.keys import Keys
+from contract.cache.cache_plane import cache_plane
+from contract.frames.frame_source import requeue_frames_of
 from contract.library import Step
-from contract.scaling import backlogs, gpu_windows, scaling_signal
+from contract.redis.clock import CLOCK
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.shards import BulkPlane
 from contract.settings import Settings
-from contract.shards import BulkPlane
+from contract.workers.heartbeat import Heartbeat
+from contract.workers.scaling import backlogs, gpu_windows, scaling_signal
 from gpu_worker import metrics
 
 log = logging.getLogger("gpu_worker")
@@ -145,7 +145,7 @@ class Liveness:
 
     def export_backlog(self) -> None:
         """Per model, for Prometheus: the queues' depths, the backlog as the product sees it (queued, held by a CPU
-        worker, frames) and the CPU worker processes it wants (contract.scaling): an autoscaler's signal."""
+        worker, frames) and the CPU worker processes it wants (contract.workers.scaling): an autoscaler's signal."""
         found = backlogs(self.redis, self.keys, self.model_keys, self.tenants)
         windows = gpu_windows(self.redis, self.keys, self.ttl_s)
         for model_key, backlog in found.items():

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from types import TracebackType
 
-from contract.clock import now as service_now
-from contract.timebill import HOST_STAGES, host_counter_fields
+from contract.jobs.timebill import HOST_STAGES, host_counter_fields
+from contract.redis.clock import now as service_now
 from gpu_worker.stats import BusyMeter, RecentStats
 
 

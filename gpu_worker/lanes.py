@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from contract.models import ModelSpec
+from contract.settings.models import ModelSpec
 from gpu_worker.batcher import Batch
 from gpu_worker.feeder import Feeder
 from gpu_worker.finish import Finisher

@@ -10,7 +10,7 @@ from typing import Any
 import redis
 
 from contract.jobs.ending import JobEnding
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from contract.settings import Settings
 from gpu_worker.host_time import HostTime
 from gpu_worker.stats import BusyMeter, RecentStats

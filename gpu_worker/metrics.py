@@ -23,7 +23,7 @@ GPU_BUSY = Gauge("imgserve_gpu_busy_ratio", "Fraction of wall time the device wa
 QUEUE_DEPTH = Gauge(
     "imgserve_queue_depth", "Jobs waiting: a model's preprocess queue and its GPU frame list", ["queue", *MODEL_LABELS]
 )
-# The backlog as the product sees it and what it wants (contract.scaling), deployment-wide: every GPU worker
+# The backlog as the product sees it and what it wants (contract.workers.scaling), deployment-wide: every GPU worker
 # exports the same figures (an autoscaler reads max() of them), per model.
 BACKLOG = Gauge(
     "imgserve_backlog",
@@ -32,7 +32,7 @@ BACKLOG = Gauge(
 )
 CPU_WORKERS_WANTED = Gauge(
     "imgserve_cpu_workers_wanted",
-    "CPU worker processes the model's backlog and rate want at scaling.target_utilisation (contract.scaling)",
+    "CPU worker processes the model's backlog and rate want at scaling.target_utilisation (contract.workers.scaling)",
     MODEL_LABELS,
 )
 # The result cache's size, deployment-wide, as Redis holds it (read with the heartbeat); hits and misses are the

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 
 from contract.frames import CHANNELS, Frame
-from contract.model_files import describe_kind, identify
-from contract.models import ModelSpec
+from contract.settings.model_files import describe_kind, identify
+from contract.settings.models import ModelSpec
 from gpu_worker import tiny_yolo
 
 

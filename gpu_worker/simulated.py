@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from contract.frames import Frame
-from contract.models import ModelSpec
+from contract.settings.models import ModelSpec
 from gpu_worker.staging import (
     DETECTION_COLUMNS,
     PARAM_COLUMNS,

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from contract.frames import CHANNELS, MAPPING_FIELDS, Frame, FrameHeader
-from contract.models import ModelSpec
+from contract.settings.models import ModelSpec
 from gpu_worker.postprocess import ROW_COLUMNS
 
 # Per frame, what post-processing needs: its options, then how the letterbox placed it.

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from contract.timebill import STAGES, percentile, stage_figures
+from contract.jobs.timebill import STAGES, percentile, stage_figures
 
 
 class BusyMeter:
@@ -45,7 +45,7 @@ class RecentStats:
     """Batch sizes and time bills of the last minutes, summarised on demand.
 
     Held in arrays allocated once at full size: a ring of `max_jobs` bills (their times, and a row of
-    milliseconds per stage of contract.timebill.STAGES, NaN where a bill has no such stage) and one of `max_jobs`
+    milliseconds per stage of contract.jobs.timebill.STAGES, NaN where a bill has no such stage) and one of `max_jobs`
     batches. Bills kept as dicts in two windows (its own and its model's) that fill up only at `max_jobs` grow the
     worker for as long as they fill (docs/benchmarks/2026-12-05-soak.md); this one's memory is all taken at the
     start. The window (`window_s`) is applied

@@ -47,14 +47,14 @@ import numpy as np
 import redis
 
 from contract.cache import CacheLimits
-from contract.clock import now as service_now
-from contract.frame_shard_source import ShardedFrameSource
-from contract.frame_source import FrameSource, RedisFrameSource
-from contract.heartbeat import Heartbeat
+from contract.frames.frame_shard_source import ShardedFrameSource
+from contract.frames.frame_source import FrameSource, RedisFrameSource
 from contract.jobs.ending import JobEnding
-from contract.keys import Keys
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.shards import bulk_plane
 from contract.settings import Settings
-from contract.shards import bulk_plane
+from contract.workers.heartbeat import Heartbeat
 from gpu_worker import metrics
 from gpu_worker.describe import describe_worker
 from gpu_worker.devices import DeviceLost, inference_error
@@ -98,7 +98,7 @@ class GpuWorker:
         self.worker_id = worker_id
         self.keys = Keys(settings.namespace)
         # The jobs it ends `succeeded` leave their results in the result cache (contract.cache).
-        self.bulk = bulk_plane(settings, client)  # where the frames lie (contract.shards)
+        self.bulk = bulk_plane(settings, client)  # where the frames lie (contract.redis.shards)
         self.store = JobEnding(
             client, self.keys, settings.jobs.ttl_s, bulk=self.bulk, cache=CacheLimits.of(settings, self.keys)
         )

@@ -4,10 +4,10 @@ Celery app names this class as its `worker_autoscaler`.
 
 Celery's Autoscaler sizes a node's pool from `len(state.reserved_requests)`: only what that node prefetched, so a
 backlog queued behind a full prefetch never grows it, and with several nodes each sees its own share. Here the
-wanted size is contract.scaling's `pool_wanted`: the unrounded wants of the models this node takes, summed, divided
-among the CPU worker nodes that autoscale (each says so in `Keys.cpu_autoscalers` at every look), rounded up once and
-clamped to MIN..MAX (idle models want none: the pool goes back to MIN). It looks every LOOK_EVERY_S and with task
-messages (Celery's own timer ran every `keepalive`, 30 s: a shorter burst went unseen); the rest is Celery's: no
+wanted size is contract.workers.scaling's `pool_wanted`: the unrounded wants of the models this node takes, summed,
+divided among the CPU worker nodes that autoscale (each says so in `Keys.cpu_autoscalers` at every look), rounded up
+once and clamped to MIN..MAX (idle models want none: the pool goes back to MIN). It looks every LOOK_EVERY_S and with
+task messages (Celery's own timer ran every `keepalive`, 30 s: a shorter burst went unseen); the rest is Celery's: no
 shrink until AUTOSCALE_KEEPALIVE (30 s) after the last growth or task, and a shrink that retires only idle children
 (billiard's Pool.shrink refuses busy ones: no task is killed, none redelivered).
 """
@@ -21,11 +21,11 @@ from typing import Any
 import redis
 from celery.worker.autoscale import Autoscaler
 
-from contract.clock import now as service_now
-from contract.connection import connect
-from contract.keys import Keys
-from contract.scaling import backlogs, gpu_windows, pool_wanted, scaling_signal
+from contract.redis.clock import now as service_now
+from contract.redis.connection import connect
+from contract.redis.keys import Keys
 from contract.settings import Settings
+from contract.workers.scaling import backlogs, gpu_windows, pool_wanted, scaling_signal
 from tasks.broker import holder_id
 from tasks.celery_app import settings_of
 
@@ -93,7 +93,7 @@ class BacklogAutoscaler(Autoscaler):
         return taken or specs
 
     def wanted(self) -> int:
-        """This node's share of the processes the models it takes want (contract.scaling), now."""
+        """This node's share of the processes the models it takes want (contract.workers.scaling), now."""
         if self._client is None:
             self._client = connect(self.settings, socket_timeout=2.0)
         client, keys = self._client, self.keys

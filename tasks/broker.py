@@ -1,6 +1,6 @@
 """The CPU hop: how a job's Celery message is taken, held, acknowledged and given back, in one place.
 
-What it promises. A message the API queued (contract.task_messages, in the transaction that stores the job) is
+What it promises. A message the API queued (contract.jobs.task_messages, in the transaction that stores the job) is
 run to its end by some CPU worker, or its job ends by its deadline; a worker that dies, however it dies, has the
 messages it held back on their queues within about a heartbeat (`celery.heartbeat_ttl_s`, 10 s), not kombu's
 `visibility_timeout` (300 s). A message may be delivered twice: the claim lets one attempt push a frame
@@ -51,8 +51,8 @@ import redis
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
-from contract.clock import now as service_now
-from contract.keys import CELERY_HELD, CELERY_HOLDS
+from contract.redis.clock import now as service_now
+from contract.redis.keys import CELERY_HELD, CELERY_HOLDS
 from tasks.given_back import restore_from_hash, restore_from_list
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),

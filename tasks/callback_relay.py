@@ -9,9 +9,9 @@ from collections.abc import Callable
 import redis
 from kombu.exceptions import OperationalError
 
-from contract.clock import now as service_now
-from contract.keys import Keys
 from contract.library import Step
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
 from tasks.callback_slots import TenantSlots
 
 log = logging.getLogger(__name__)

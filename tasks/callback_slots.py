@@ -16,9 +16,9 @@ import uuid
 
 import redis
 
-from contract.clock import now as service_now
-from contract.keys import Keys
 from contract.library import Step
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
 
 # A slot lapses this long after its attempt's deadline: the attempt's own Redis writes come after its POST.
 LAPSE_MARGIN_S = 10.0

@@ -1,6 +1,6 @@
 """A job's callback delivered: one attempt per task, and where the job id waits next (delivered, retried with
 backoff, held for a tenant's slot, or given up). The POST is tasks.callback_http's (the URL checked again at
-delivery: contract.callbacks), its signature contract.callback_signature's; why the callback path is a loop
+delivery: contract.callbacks), its signature contract.callbacks.callback_signature's; why the callback path is a loop
 (outbox, relay, Celery, retry set) is in docs/architecture.md.
 """
 
@@ -15,7 +15,6 @@ from typing import Any
 
 import redis
 
-from contract.callback_signature import signed_headers
 from contract.callbacks import (
     CallbackRefused,
     CallbackTarget,
@@ -23,13 +22,14 @@ from contract.callbacks import (
     parse_callback_url,
     resolve_callback_url,
 )
-from contract.clock import now as service_now
+from contract.callbacks.callback_signature import signed_headers
 from contract.documents import job_document
 from contract.jobs.record import JobRecord, JobStore
-from contract.keys import Keys
 from contract.library import Step
-from contract.sections import SettingsError
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
 from contract.settings import Settings
+from contract.settings.sections import SettingsError
 from tasks.callback_http import Deadline, DeliveryFailed, bounded_resolver, post_within
 from tasks.callback_slots import TenantSlots
 

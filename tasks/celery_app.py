@@ -1,5 +1,5 @@
 """The Celery app of the CPU and callback workers, configured from settings. The tasks' names, queues and the
-preprocess message the API pushes itself are contract.task_messages'."""
+preprocess message the API pushes itself are contract.jobs.task_messages'."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any, cast
 
 from celery import Celery
 
-from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
+from contract.jobs.task_messages import CALLBACK_TASK, TASK_QUEUES
+from contract.redis.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
-from contract.task_messages import CALLBACK_TASK, TASK_QUEUES
 from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT, own_the_schemes
 
 
@@ -57,7 +57,7 @@ def make_celery(settings: Settings) -> Celery:
             **sentinel_options(settings),
         },
         broker_connection_retry_on_startup=True,
-        broker_connection_timeout=settings.api.redis_timeout_s,
+        broker_connection_timeout=settings.redis.timeout_s,
         # Flower shows tasks from the workers' events; the API's own "sent" event per task only doubled
         # the events (and Flower's and Redis's work) for a state Flower shows anyway ("received").
         worker_send_task_events=True,
@@ -72,8 +72,8 @@ def sentinel_options(settings: Settings) -> dict[str, object]:
     if not settings.redis.sentinels:
         return {}
     own: dict[str, object] = {
-        "socket_connect_timeout": settings.api.redis_timeout_s,
-        "socket_timeout": settings.api.redis_timeout_s,
+        "socket_connect_timeout": settings.redis.timeout_s,
+        "socket_timeout": settings.redis.timeout_s,
     }
     if settings.redis.sentinel_password:
         own["password"] = settings.redis.sentinel_password

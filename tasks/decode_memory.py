@@ -72,7 +72,7 @@ def load_webp(image: Image.Image) -> Image.Image:
     canvases) while it copies the frame into a new image. Here the frame's bytes become the image's memory
     (frombuffer) and the decoder goes as soon as they are out. The decoder is the one Pillow opened the file
     with (its `_decoder`, at the first frame): a second one would allocate two more canvases, and under the CPU
-    worker's malloc settings (contract.memory) canvases under 32 MiB come from the heap, zeroed: resident."""
+    worker's malloc settings (contract.runtime.memory) canvases under 32 MiB come from the heap, zeroed: resident."""
     mode, size = image.mode, image.size
     decoder = image._decoder  # type: ignore[attr-defined]  # WebPImageFile's libwebp animation decoder
     rawmode = image.rawmode  # type: ignore[attr-defined]  # RGBA, or RGBX without alpha

@@ -18,7 +18,7 @@ from types import FrameType
 
 from tornado.web import RedirectHandler
 
-from contract.check_secrets import problems
+from contract.settings.check_secrets import problems
 
 
 def refuse_weak_credentials(environ: dict[str, str]) -> None:
@@ -37,7 +37,7 @@ def refuse_weak_credentials(environ: dict[str, str]) -> None:
 
 refuse_weak_credentials(dict(os.environ))
 
-from contract.logs import configure_logging  # noqa: E402
+from contract.runtime.logs import configure_logging  # noqa: E402
 from tasks.worker import app, settings  # noqa: E402 (Flower refuses to start before the workers' app is built)
 
 # Flower's lines as every process's (tornado adds its own handler only where the root logger has none), and of its

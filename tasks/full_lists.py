@@ -15,8 +15,8 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from contract.connection import connect
-from contract.keys import PREPROCESS_QUEUE, Keys
+from contract.redis.connection import connect
+from contract.redis.keys import PREPROCESS_QUEUE, Keys
 from tasks.celery_app import settings_of
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def full_models(depths: list[int], limits: list[int], held: int, paused: set[int
 def queues_to_hold(full: set[int], queues: list[list[str]], counts: list[dict[str, int]], head: int) -> set[str]:
     """The CPU queues to pause: every queue of a full model but a light key's. A key with fewer than `head` frames
     of the model waiting or in flight (`counts`, Keys.key_frames) has its frame pushed to the list's head past the
-    bound (contract.frame_push): its job need not wait for room, and waits behind a flood's if held."""
+    bound (contract.frames.frame_push): its job need not wait for room, and waits behind a flood's if held."""
     held = set()
     for index in full:
         for queue in queues[index]:

@@ -13,8 +13,8 @@ from typing import Any, cast
 import redis
 from kombu.transport import redis as kombu_redis
 
-from contract.keys import CELERY_HOLDS, Keys
 from contract.library import Step
+from contract.redis.keys import CELERY_HOLDS, Keys
 
 
 def restore_from_hash(channel: Any, holds_key: str, tag: str, client: Any = None, leftmost: bool = False) -> None:

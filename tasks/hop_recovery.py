@@ -19,7 +19,8 @@ How a message goes back is tasks.given_back's and tasks.lost_deliveries'; this s
 own sweeps (deadlines, lost shards) are tasks.job_sweeps'.
 
 A worker that was only paused past its heartbeat (SIGSTOP, a stalled host) finds its tasks taken over: a
-child still running one cannot push its frame (the claim it holds was replaced: contract.frame_push's FramePusher.push).
+child still running one cannot push its frame (the claim it holds was replaced: contract.frames.frame_push's
+FramePusher.push).
 """
 
 from __future__ import annotations
@@ -31,10 +32,10 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from contract.clock import CLOCK
-from contract.clock import now as service_now
-from contract.connection import connect
-from contract.keys import Keys
+from contract.redis.clock import CLOCK
+from contract.redis.clock import now as service_now
+from contract.redis.connection import connect
+from contract.redis.keys import Keys
 from tasks.broker import holder_id
 from tasks.celery_app import settings_of
 from tasks.given_back import legacy_unacked_key, reap_dead_workers, restore_unheld, tags_in_hand

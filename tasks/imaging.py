@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageFile, PngImagePlugin
 
-from contract import media
+from contract.admission import media
 from contract.frames import Placement
 from tasks import bmp_rle, decode_memory, png_text
 from tasks.structure import DEFAULT_LIMITS, MAX_PNG_TEXT_BYTES, Structure, StructureLimits, TooComplex, exif_orientation

@@ -4,7 +4,7 @@ took with it end too.
 Every CPU and callback worker's main process:
 
 - every `celery.sweep_s`, on its own event loop, ends `expired` the jobs whose deadline has passed
-  (contract.expiry.sweep);
+  (contract.jobs.expiry.sweep);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
   the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
 
@@ -21,12 +21,12 @@ from typing import Any
 import redis
 from celery import bootsteps
 
-from contract import expiry
-from contract.clock import now as service_now
-from contract.connection import connect
+from contract.jobs import expiry
 from contract.jobs.ending import JobEnding
-from contract.keys import Keys
-from contract.shards import bulk_plane
+from contract.redis.clock import now as service_now
+from contract.redis.connection import connect
+from contract.redis.keys import Keys
+from contract.redis.shards import bulk_plane
 from tasks.celery_app import settings_of
 from tasks.shard_watch import ShardWatch
 

@@ -23,11 +23,11 @@ from typing import cast
 
 import redis
 
-from contract.deadlines import live_scores
+from contract.jobs.deadlines import live_scores
 from contract.jobs.record import QUEUED
-from contract.keys import Keys
+from contract.jobs.task_messages import PreprocessMessages
 from contract.library import Step
-from contract.task_messages import PreprocessMessages
+from contract.redis.keys import Keys
 
 log = logging.getLogger(__name__)
 

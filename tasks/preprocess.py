@@ -13,20 +13,13 @@ import uuid
 
 import redis
 
-from contract import expiry, frame_push, outcomes
-from contract.clock import CLOCK
-from contract.clock import now as service_now
-from contract.decode_share import DecodeShare
-from contract.frame_shards import frame_pusher
-from contract.frames import FrameHeader, pack_frame
+from contract.admission.decode_share import DecodeShare
+from contract.frames import FrameHeader, frame_push, pack_frame
+from contract.frames.frame_shards import frame_pusher
+from contract.jobs import expiry
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.record import JobRecord
-from contract.keys import Keys
-from contract.models import Catalogue, ModelSpec
-from contract.outcomes import StageOutcome
-from contract.settings import Settings
-from contract.shards import ShardUnavailable, bulk_plane
-from contract.timebill import (
+from contract.jobs.timebill import (
     BACKPRESSURE_MS,
     CPU_STARTED_AT,
     DECODE_MS,
@@ -36,7 +29,15 @@ from contract.timebill import (
     RESIZE_MS,
     SUBMITTED_AT,
 )
+from contract.redis.clock import CLOCK
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.shards import ShardUnavailable, bulk_plane
+from contract.settings import Settings
+from contract.settings.models import Catalogue, ModelSpec
+from tasks import outcomes
 from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
+from tasks.outcomes import StageOutcome
 from tasks.structure import StructureLimits
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ class Preprocessor:
         self.redis = client
         self.keys = Keys(settings.namespace)
         bulk = bulk_plane(settings, client)
-        # a light key's frames go to the head of the list (contract.frame_push): each frame counted by key
+        # a light key's frames go to the head of the list (contract.frames.frame_push): each frame counted by key
         self.head_frames = settings.backpressure.head_frames_per_key
         counted = self.head_frames > 0
         self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk, count_key_frames=counted)

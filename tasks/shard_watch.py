@@ -1,4 +1,4 @@
-"""Every CPU worker's sweep looks at the bulk shards (contract.shards) and ends the jobs a shard took with it.
+"""Every CPU worker's sweep looks at the bulk shards (contract.redis.shards) and ends the jobs a shard took with it.
 
 A shard that answers without its life token lost what it held (it restarted without its data): the jobs
 that were waiting on it since before it started end `failed`, `shard_lost`. A shard unreachable past
@@ -14,12 +14,12 @@ from typing import Any, cast
 
 import redis
 
-from contract.clock import now as service_now
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU
-from contract.keys import Keys
-from contract.shards import SHARD_ERRORS, BulkPlane
-from contract.timebill import SUBMITTED_AT
+from contract.jobs.timebill import SUBMITTED_AT
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.shards import SHARD_ERRORS, BulkPlane
 
 log = logging.getLogger(__name__)
 

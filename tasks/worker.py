@@ -3,7 +3,7 @@
     celery -A tasks.worker worker -Q preprocess --concurrency 4
     celery -A tasks.flower flower --port 5555   (tasks.flower: the same app, for Flower)
 
-Settings come from IMGSERVE_CONFIG and the environment (contract.config).
+Settings come from IMGSERVE_CONFIG and the environment (contract.settings.config).
 """
 
 from __future__ import annotations
@@ -24,15 +24,15 @@ from celery.signals import (
     worker_shutdown,
 )
 
-from contract.clock import CLOCK
-from contract.config import load_settings
-from contract.connection import connect
-from contract.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
+from contract.jobs.task_messages import CALLBACK_TASK, PREPROCESS_TASK
 from contract.library import check_library_at_start
-from contract.logs import JsonFormatter, configure_logging
-from contract.memory import keep_freed_memory
+from contract.redis.clock import CLOCK
+from contract.redis.connection import connect
+from contract.redis.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
+from contract.runtime.logs import JsonFormatter, configure_logging
+from contract.runtime.memory import keep_freed_memory
 from contract.settings import Settings
-from contract.task_messages import CALLBACK_TASK, PREPROCESS_TASK
+from contract.settings.config import load_settings
 from tasks.autoscale import AUTOSCALER
 from tasks.callback_relay import OutboxRelay
 from tasks.callback_slots import TenantSlots
@@ -44,7 +44,7 @@ from tasks.hop_recovery import HopRecovery
 from tasks.job_sweeps import JobSweeps
 from tasks.preprocess import Preprocessor
 
-# Before the pool forks: its children inherit the tuned malloc (see contract.memory).
+# Before the pool forks: its children inherit the tuned malloc (see contract.runtime.memory).
 keep_freed_memory()
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ def _name_the_role(options: dict | None = None, instance: object = None, **_: ob
         if instance is not None:
             instance.quiet = True  # type: ignore[attr-defined]  # celery.apps.worker.Worker's: no banner
         # Celery's "running the worker with superuser privileges" is about unpickling as root: these workers
-        # accept JSON only (contract.task_messages; nothing is pickled across processes). Logged when verbose.
+        # accept JSON only (contract.jobs.task_messages; nothing is pickled across processes). Logged when verbose.
         warnings.filterwarnings("ignore", category=SecurityWarning)
         # "worker: Warm shutdown (MainProcess)", written raw from Celery's signal handler among the JSON lines.
         celery_worker_app.safe_say = _say_as_json  # type: ignore[assignment]

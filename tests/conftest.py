@@ -18,9 +18,9 @@ from hypothesis import HealthCheck
 from hypothesis import settings as hypothesis_settings
 
 from bench.stack.processes import api_argv, cpu_worker_argv, gpu_worker_argv
-from contract.config import load_settings
 from contract.jobs.record import TERMINAL
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 from tests.support import (
     REPO_ROOT,
     ApiServer,
@@ -320,7 +320,7 @@ def own_redis_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[
     workdir = tmp_path_factory.mktemp("own-redis")
     server = RedisServer(workdir, persistent=True)
     model = content_box_spec(workdir, 64)
-    stack = start_stack(server.url, workdir, model, "ownredis", {"api": {"redis_timeout_s": 0.5}})
+    stack = start_stack(server.url, workdir, model, "ownredis", {"redis": {"timeout_s": 0.5}})
     yield stack, server
     stop_stack(stack)
     server.stop()

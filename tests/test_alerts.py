@@ -18,7 +18,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import create_app
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import REPO_ROOT, ApiServer, RedisServer, jpeg
 
 ALERTS = REPO_ROOT / "monitoring" / "alerts"

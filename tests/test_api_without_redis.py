@@ -9,7 +9,7 @@ import pytest
 import requests
 
 from app import create_app
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import ApiServer, free_port, jpeg
 
 
@@ -19,7 +19,7 @@ def api_without_redis():
     settings = dataclasses.replace(
         settings,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        api=dataclasses.replace(settings.api, redis_timeout_s=0.5),
+        redis=dataclasses.replace(settings.redis, timeout_s=0.5),
     )
     server = ApiServer(create_app(settings))
     yield server

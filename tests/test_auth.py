@@ -154,7 +154,7 @@ def test_one_keys_flood_neither_delays_nor_refuses_another_keys_jobs(stack, keye
     import time
     from collections import Counter
 
-    from contract.timebill import percentile
+    from contract.jobs.timebill import percentile
 
     auth = dataclasses.replace(stack.settings.auth, rate_per_s=0.0, api_keys=KEYS)
     # team-a's share: 80 jobs. Its jobs the worker moved on also count on the model's frame list (max_frames,

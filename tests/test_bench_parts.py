@@ -10,9 +10,9 @@ from bench.load.client import Outcome
 from bench.load.diagnose import band, pattern
 from bench.load.report import markdown, summarise
 from contract.frames import unpack_frame
-from contract.models import ModelSpec
+from contract.jobs.timebill import percentile, summarise_bills
 from contract.settings import STORY_PROFILE_MS
-from contract.timebill import percentile, summarise_bills
+from contract.settings.models import ModelSpec
 from gpu_worker.simulated import SimulatedDevice, profile_latency_s
 from gpu_worker.stats import BusyMeter
 from tests.test_gpu_worker_parts import make_frame

@@ -1,17 +1,17 @@
-"""contract.budget: the bytes of uploads and frames waiting in Redis, reserved before they are stored and
+"""contract.admission.budget: the bytes of uploads and frames waiting in Redis, reserved before they are stored and
 given back by whatever step drops them (real Redis)."""
 
 from __future__ import annotations
 
 import time
 
-from contract import budget
-from contract import frame_push as frames
-from contract.frame_shards import frame_pusher
+from contract.admission import budget
+from contract.frames import frame_push as frames
+from contract.frames.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 MODEL = "m:1"
 

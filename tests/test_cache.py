@@ -17,14 +17,14 @@ import requests
 from app import create_app
 from app.auth import hash_key
 from bench.stack.processes import free_port
-from contract import budget
+from contract.admission import budget
 from contract.cache import ENTRY_OVERHEAD, CacheLimits, MissCounts, ResultCache, effective_options
 from contract.jobs.ending import JobEnding
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import CANCELLED, EXPIRED, FAILED, RUNNING, SUCCEEDED, JobStore
-from contract.keys import Keys
-from contract.models import ModelSpec
+from contract.redis.keys import Keys
 from contract.settings import CacheSettings, Settings
+from contract.settings.models import ModelSpec
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import ApiServer, jpeg, wait_until
 
@@ -166,7 +166,7 @@ def test_a_hit_past_its_deadline_is_expired_without_the_result_never_both(redis_
 def test_the_gpu_worker_exports_the_caches_entries_bytes_and_budget(redis_client):
     from prometheus_client import REGISTRY
 
-    from contract.heartbeat import Heartbeat
+    from contract.workers.heartbeat import Heartbeat
     from gpu_worker.heartbeat import Liveness
 
     keys = Keys("cache-gauges")

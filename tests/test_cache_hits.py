@@ -19,14 +19,14 @@ import requests
 from app.auth import hash_key
 from app.services import services as api_services
 from bench.stack.processes import RedisServer
-from contract import budget
+from contract.admission import budget
 from contract.cache import ResultCache
 from contract.jobs.hits import HitLimits
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
-from contract.keys import Keys
-from contract.models import ModelSpec
+from contract.redis.keys import Keys
 from contract.settings import CacheSettings, CallbackSettings, JobSettings, Settings
+from contract.settings.models import ModelSpec
 from tasks.callbacks import CallbackSender
 from tests.support import ApiServer, api_with_keys, jpeg, wait_until
 
@@ -81,7 +81,7 @@ def test_an_entry_gone_between_the_lookup_and_the_hit_is_looked_up_again_as_a_mi
 def test_a_hit_that_must_reach_a_replica_is_stored_charged_and_refused_when_none_holds_it(redis_client):
     """Behind replication a hit's step runs through WAIT (JobIntake._script_and_wait): its reply read the same,
     and a bucket that is empty refuses it before any write, replicas or not."""
-    from contract.replication import NotReplicated, Replication
+    from contract.redis.replication import NotReplicated, Replication
 
     keys = Keys("hits-wait")
     store = JobIntake(redis_client, keys, ttl_s=60, replication=Replication(1, 50), hits=HitLimits(1_200, 60, 60))

@@ -1,5 +1,5 @@
-"""The result cache on a Redis of its own (`cache.redis_url`, contract.cache_plane): its entries there without books
-(Redis's maxmemory and TTL evict), a hit's job on the control plane, one cache for every cell, and a dead or full
+"""The result cache on a Redis of its own (`cache.redis_url`, contract.cache.cache_plane): its entries there without
+books (Redis's maxmemory and TTL evict), a hit's job on the control plane, one cache for every cell, and a dead or full
 cache Redis a miss, never an error or a stall.
 Against real Redis servers (a cache Redis killed with SIGKILL and started again), and a real stack over HTTP."""
 
@@ -16,15 +16,15 @@ import pytest
 import redis
 
 from bench.stack.processes import RedisServer
-from contract import budget
+from contract.admission import budget
 from contract.cache import CacheLimits
-from contract.cache_plane import CachePlane, cache_plane, redis_address
+from contract.cache.cache_plane import CachePlane, cache_plane, redis_address
 from contract.jobs.hits import RESULT_REF, HitLimited, HitLimits
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
-from contract.keys import Keys
-from contract.models import ModelSpec
+from contract.redis.keys import Keys
 from contract.settings import CacheSettings, Settings
+from contract.settings.models import ModelSpec
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import jpeg, wait_until
 
@@ -254,7 +254,7 @@ def test_a_full_cache_redis_without_eviction_costs_misses_not_errors_and_is_warn
     server = _server(tmp_path, "noeviction")
     try:
         settings = Settings(model=SPEC, models=(SPEC,), cache=CacheSettings(redis_url=server.url, timeout_ms=500))
-        with caplog.at_level("WARNING", logger="contract.cache_plane"):
+        with caplog.at_level("WARNING", logger="contract.cache.cache_plane"):
             plane = cache_plane(settings)
             assert plane is not None
             for _ in range(3):
@@ -282,7 +282,7 @@ def test_the_size_is_the_cache_redis_info_read_at_most_once_a_second(cache_serve
     client = redis.Redis.from_url(cache_server.url, socket_timeout=0.5)
     plane = CachePlane(client, redis_address(cache_server.url), 0.3, clock=lambda: now[0])
     keys = Keys("cache-size")
-    with caplog.at_level("WARNING", logger="contract.cache_plane"):
+    with caplog.at_level("WARNING", logger="contract.cache.cache_plane"):
         assert plane.remember([(keys.cache_entry(f"s{i}"), DOCUMENT) for i in range(3)], 60, 10**6) == 0
         client.hincrby(keys.cache_stats, "box:1:hits", 1)  # no TTL: not an entry
         first = plane.size()

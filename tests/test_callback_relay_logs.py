@@ -9,7 +9,7 @@ import logging
 import pytest
 import redis
 
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tasks.callback_relay import OutboxRelay
 from tests.support import RedisServer, wait_until
 

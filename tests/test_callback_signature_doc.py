@@ -1,6 +1,6 @@
 """Issue 60.1: what /openapi.json says a callback's signature covers is what the callback worker signs. A real
-delivery's headers, made by contract.callback_signature, are checked with the formula the served document states:
-the one in its description's words, and the one it carries as data (`x-callback-signature`)."""
+delivery's headers, made by contract.callbacks.callback_signature, are checked with the formula the served document
+states: the one in its description's words, and the one it carries as data (`x-callback-signature`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import re
 import requests
 
 from app import create_app
-from contract.callback_signature import signed_headers
-from contract.config import load_settings
+from contract.callbacks.callback_signature import signed_headers
+from contract.settings.config import load_settings
 from tests.support import ApiServer
 
 SECRET = "a-receivers-shared-secret-0123456789"

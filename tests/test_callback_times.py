@@ -8,11 +8,11 @@ import dataclasses
 import time
 from datetime import UTC, datetime
 
-from contract.config import load_settings
 from contract.documents import CallbackState, job_document
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import SUCCEEDED, utc_iso
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 from tasks.callbacks import CallbackSender
 from tests.conftest import CALLBACK_SECRET
 from tests.test_callbacks import Receiver

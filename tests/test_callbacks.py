@@ -16,10 +16,10 @@ import requests
 import yaml
 
 from bench.stack.receivers import Receiver as SlowReceiver
-from contract.callback_signature import sign
 from contract.callbacks import CallbackRefused, check_callback_url, resolve_callback_url
+from contract.callbacks.callback_signature import sign
 from contract.documents import JobDocument
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tasks.callback_http import Deadline, post_within
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
@@ -232,7 +232,7 @@ class Receiver:
 
 
 def _still_queued(stack, job_id: str) -> bool:
-    from contract.keys import CALLBACK_QUEUE
+    from contract.redis.keys import CALLBACK_QUEUE
 
     entries = [
         *stack.redis.lrange(stack.keys.callback_outbox, 0, -1),
@@ -409,7 +409,7 @@ def test_unsafe_callback_url_is_400_at_submit(stack):
 
 def keyed_settings(tmp_path, monkeypatch):
     from app.auth import hash_key
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     monkeypatch.setenv("TEAM_A_CALLBACK_SECRET", "team-a-callback-secret-0123")
     (tmp_path / "team-b.secret").write_text("team-b-callback-secret-4567\n")
@@ -440,7 +440,7 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
     from contract.callbacks import callback_secret
     from contract.jobs.ending import JobEnding
     from contract.jobs.record import SUCCEEDED
-    from contract.keys import Keys
+    from contract.redis.keys import Keys
     from tasks.callbacks import CallbackSender
 
     settings = keyed_settings(tmp_path, monkeypatch)
@@ -491,8 +491,8 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
 
 @pytest.mark.parametrize("secret", ["change-me", "change-me-to-a-long-random-string", "short", "a" * 40])
 def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(secret, monkeypatch):
-    from contract.config import load_settings
-    from contract.sections import SettingsError
+    from contract.settings.config import load_settings
+    from contract.settings.sections import SettingsError
 
     monkeypatch.setenv("IMGSERVE_CALLBACK_SECRET", secret)
     with pytest.raises(SettingsError, match="callback secret"):
@@ -500,8 +500,8 @@ def test_a_placeholder_or_short_callback_secret_stops_every_process_at_start(sec
 
 
 def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
-    from contract.config import load_settings
-    from contract.sections import SettingsError
+    from contract.settings.config import load_settings
+    from contract.settings.sections import SettingsError
 
     monkeypatch.setenv("IMGSERVE_REDIS_URL", "redis://:change-me@redis:6379/0")
     with pytest.raises(SettingsError, match="Redis password"):
@@ -511,8 +511,8 @@ def test_a_placeholder_redis_password_stops_every_process_at_start(monkeypatch):
 
 
 def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
-    from contract.config import load_settings
-    from contract.sections import SettingsError
+    from contract.settings.config import load_settings
+    from contract.settings.sections import SettingsError
 
     config = tmp_path / "inline.yaml"
     config.write_text(yaml.safe_dump({"auth": {"api_keys": [{"id": "a", "sha256": "00", "callback_secret": "x"}]}}))
@@ -556,7 +556,7 @@ def test_an_entry_held_by_a_relay_that_died_is_relayed_again(redis_client):
 def test_a_late_delivery_record_does_not_recreate_an_expired_job(redis_client):
     import dataclasses
 
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
     from tasks.callbacks import CallbackSender
 
     settings = dataclasses.replace(load_settings(), namespace="late-record")
@@ -593,9 +593,9 @@ def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_call
     it back when due, and the callback is delivered once the receiver is back."""
     import dataclasses
 
-    from contract.config import load_settings
     from contract.jobs.ending import JobEnding
     from contract.jobs.record import SUCCEEDED
+    from contract.settings.config import load_settings
     from tasks.callback_relay import relay_outbox
     from tasks.callbacks import CallbackSender
 

@@ -18,9 +18,9 @@ import requests
 
 from app import create_app
 from bench.faults.history import History, check, kept
-from contract.cells import CellSettings
 from contract.jobs.ids import JobIds
 from contract.jobs.record import TERMINAL
+from contract.settings.cells import CellSettings
 from tests.conftest import STACK_INPUT_SIZE, Stack, content_box_spec, start_stack, stop_stack
 from tests.support import ApiServer, RedisServer, jpeg
 

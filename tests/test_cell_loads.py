@@ -11,7 +11,7 @@ import redis
 from app.cell_choice import CellLoads, Load
 from app.drain import DrainMeter
 from contract.jobs.backlog import queue_depths
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tests.test_retry_after import MODEL, Clock, answered, beat
 
 

@@ -20,12 +20,12 @@ from app.cell_choice import Load, less_loaded, two_drawn
 from app.cells import redis_address
 from app.services import services
 from app.tier_buckets import LocalBuckets, TierBuckets
-from contract.cell_layout import cells_of
-from contract.config import load_settings
 from contract.jobs.ids import CELL_DIGIT, IdVerdict, JobIds
 from contract.jobs.record import new_job_id
-from contract.keys import Keys
-from contract.sections import SettingsError
+from contract.redis.keys import Keys
+from contract.settings.cell_layout import cells_of
+from contract.settings.config import load_settings
+from contract.settings.sections import SettingsError
 from tests.support import ApiServer, RedisServer, free_port, jpeg, wait_until
 
 SECRET = b"a-job-id-secret-0123456789abcdef"
@@ -178,7 +178,7 @@ def _two_cell_api(
         jobs=dataclasses.replace(settings.jobs, id_secret="cells-test-secret-0123456789abcdef"),
         cells=(),
     )
-    from contract.cells import CellSettings
+    from contract.settings.cells import CellSettings
 
     settings = dataclasses.replace(
         settings,
@@ -296,7 +296,7 @@ def test_one_cell_reads_no_load_to_choose(tmp_path: Path):
 
 def test_the_api_answers_and_limits_rates_while_the_tiers_redis_is_down(tmp_path: Path):
     from app.auth import hash_key
-    from contract.cells import CellSettings
+    from contract.settings.cells import CellSettings
     from tests.support import api_with_keys
 
     cell = RedisServer(_folder(tmp_path / "cell"))
@@ -342,7 +342,7 @@ def _cells(*loads: tuple[Load | None, float]):
     from types import SimpleNamespace
 
     from app.cells import Cells
-    from contract.models import Catalogue
+    from contract.settings.models import Catalogue
 
     members = [
         SimpleNamespace(name=f"c{i}", gpu_capacity=capacity, loads=_Loads(load), down_until=0.0)
@@ -371,7 +371,7 @@ def test_the_choice_skips_a_cell_that_does_not_drain_or_does_not_answer_and_trie
 
 
 def test_a_job_a_cell_withdrew_for_want_of_replicas_is_made_in_another_cell_and_the_cell_stays_up():
-    from contract.replication import AnswerNotReplicated, NotReplicated
+    from contract.redis.replication import AnswerNotReplicated, NotReplicated
 
     cells, members, _ = _cells((Load(0, 0.0), 1.0), (Load(0, 0.0), 1.0))
     assert cells.instead_of(members[1], NotReplicated(0, 1), None).name == "c0"

@@ -15,11 +15,10 @@ from hypothesis import given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
-from contract import frame_push as frames
-from contract.config import load_settings
 from contract.documents import job_document
-from contract.frame_shards import frame_pusher
 from contract.frames import FrameError, FrameHeader, pack_frame, read_job_id, unpack_frame
+from contract.frames import frame_push as frames
+from contract.frames.frame_shards import frame_pusher
 from contract.jobs.ending import JobEnding
 from contract.jobs.handoff import CLAIM_FIELDS, JobHandOff
 from contract.jobs.intake import JobIntake
@@ -35,9 +34,10 @@ from contract.jobs.record import (
     SUCCEEDED,
     JobStore,
 )
-from contract.keys import Keys
-from contract.sections import SettingsError
-from contract.timebill import STAGES, compute_time_bill
+from contract.jobs.timebill import STAGES, compute_time_bill
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
+from contract.settings.sections import SettingsError
 from tests.support import REPO_ROOT, wait_until
 
 
@@ -87,7 +87,7 @@ def test_a_frame_header_may_grow_and_one_that_lacks_a_field_names_both_releases(
     import struct
 
     from contract.frames import FrameError
-    from contract.release import RELEASE
+    from contract.runtime.release import RELEASE
 
     def framed(fields: dict) -> bytes:
         encoded = json.dumps(fields).encode()
@@ -322,8 +322,8 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
     a many-argument command is one buffer packed by hiredis."""
     import dataclasses
 
-    from contract.config import load_settings
-    from contract.connection import COMMAND_PACKER, connect
+    from contract.redis.connection import COMMAND_PACKER, connect
+    from contract.settings.config import load_settings
 
     client = connect(dataclasses.replace(load_settings(), redis_url=redis_server.url))
     value = bytes(range(256)) * 4000  # 1 MB, every byte value
@@ -338,7 +338,7 @@ def test_large_values_go_to_redis_uncopied_and_arrive_whole(redis_server):
 def test_a_bounded_pool_closes_the_connections_a_burst_left_idle(redis_server):
     """An API process held every connection a burst opened for the rest of its life (issue 41: 19 -> 26
     descriptors per gunicorn worker). Connections idle past the limit close; the pool stays usable, bounded."""
-    from contract.connection import IdleClosingPool
+    from contract.redis.connection import IdleClosingPool
 
     now = [1000.0]
     pool = IdleClosingPool.from_url(redis_server.url, max_connections=6, timeout=0.5, clock=lambda: now[0])
@@ -381,7 +381,7 @@ def test_the_command_packer_writes_what_redis_pys_own_writes(command, arguments)
     split), only faster; what redis-py refuses is refused too."""
     from redis.connection import PythonRespSerializer
 
-    from contract.connection import COMMAND_PACKER
+    from contract.redis.connection import COMMAND_PACKER
 
     def wire(chunks):
         return b"".join(bytes(chunk) for chunk in chunks)
@@ -392,7 +392,7 @@ def test_the_command_packer_writes_what_redis_pys_own_writes(command, arguments)
 
 @pytest.mark.parametrize("refused", [None, True, bytearray(b"x")])
 def test_the_command_packer_refuses_what_redis_py_refuses(refused):
-    from contract.connection import COMMAND_PACKER
+    from contract.redis.connection import COMMAND_PACKER
 
     with pytest.raises(redis.DataError):
         COMMAND_PACKER.pack("SET", "k", refused)
@@ -479,8 +479,8 @@ def test_every_section_of_the_settings_takes_the_environment(monkeypatch):
 
 
 def test_the_servers_and_logs_settings_follow_the_rule_and_0_1_0s_names_are_refused_naming_the_new_one(monkeypatch):
-    from contract.config import RENAMED_ENV
-    from contract.logs import configure_logging
+    from contract.runtime.logs import configure_logging
+    from contract.settings.config import RENAMED_ENV
 
     monkeypatch.setenv("IMGSERVE_API__WORKERS", "5")
     monkeypatch.setenv("IMGSERVE_API__BIND", "127.0.0.1:9")

@@ -10,14 +10,14 @@ import pytest
 import redis
 
 from bench.stack.processes import RedisServer, wait_until
-from contract import frame_push as frames
-from contract.frame_shards import frame_pusher
+from contract.frames import frame_push as frames
+from contract.frames.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import PREPROCESSING, RUNNING, SUCCEEDED
-from contract.keys import Keys
 from contract.library import ensure_library
-from contract.shards import BulkPlane
+from contract.redis.keys import Keys
+from contract.redis.shards import BulkPlane
 
 
 @pytest.fixture
@@ -262,7 +262,7 @@ def test_the_api_wakes_every_waiter_a_batchs_one_message_names_and_no_other(quie
 def test_admission_without_bulk_shards_reads_no_count_of_frames_on_them(quiet_redis):
     """The admission adds the frames waiting on bulk shards to a model's backlog: an HGET an image, which a deployment
     without shards (make run's) skips. With shards the count is read and counted."""
-    from contract.budget import WaitingBytes
+    from contract.admission.budget import WaitingBytes
 
     keys = Keys("admit-cost")
     waiting = WaitingBytes(quiet_redis, keys)
@@ -298,7 +298,7 @@ def test_a_cache_hit_costs_two_round_trips_and_stores_no_copy_of_its_answer(quie
     the bucket that charges its key (GET, SET), the look for the shared answer (EXISTS) and its lifetime
     (EXPIRE), and no DEL of an upload a hit never had: 15 commands a hit before, 17 now; the first hit of an answer
     copies it (STRLEN, COPY)."""
-    from contract import budget
+    from contract.admission import budget
     from contract.jobs.hits import HitLimits
 
     keys = Keys("hit-cost")
@@ -319,10 +319,10 @@ def test_a_cache_hit_costs_two_round_trips_and_stores_no_copy_of_its_answer(quie
 
 
 def test_an_api_keys_share_of_the_byte_budgets_costs_a_keyed_image_three_commands_and_no_round_trip(quiet_redis):
-    """A key's uploads are counted under the key in the steps that count the model's (contract.budget): the
+    """A key's uploads are counted under the key in the steps that count the model's (contract.admission.budget): the
     admission reads the key's counters and moves one, the push moves one; no step sends anything more, and an
     image without a key pays nothing for it."""
-    from contract.budget import WaitingBytes
+    from contract.admission.budget import WaitingBytes
 
     keys = Keys("key-share-cost")
     waiting = WaitingBytes(quiet_redis, keys)

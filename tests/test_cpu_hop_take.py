@@ -16,7 +16,7 @@ import pytest
 import redis
 
 from bench.stack.processes import RedisServer
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tasks.broker import TRANSPORT, holder_id
 from tasks.given_back import listed_tags, reap_dead_workers, restore_unheld
 

@@ -1,4 +1,4 @@
-"""One definition of "past a deadline" (contract/deadlines.py: the service's clock strictly beyond it), held at the
+"""One definition of "past a deadline" (contract/jobs/deadlines.py: the service's clock strictly beyond it), held at the
 boundary by each place that judges it: Python's `is_past`, the Lua steps' `deadline_passed`, and the deadline
 index's sweep (`JobEnding.expire_overdue`, which had counted a deadline equal to now as past: issue 63, item 2)."""
 
@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import redis
 
-from contract.deadlines import is_past, live_scores, overdue_scores
+from contract.jobs.deadlines import is_past, live_scores, overdue_scores
 from contract.jobs.intake import JobIntake
-from contract.keys import Keys
 from contract.library import HERE as LIBRARY
+from contract.redis.keys import Keys
 
 DEADLINE = 1_800_000_000.25  # exact in binary: equal means equal in Python, Lua and Redis's scores
 
@@ -37,7 +37,7 @@ def test_the_deadline_policy_lives_with_the_arithmetic():
     """Which deadline a job gets (issue 63, item 2): its own up to its model's default, else that default; a
     longer one is refused with what the model allows; the query's bound is the longest default. A margin judges
     'no time left' with the same comparison as past."""
-    from contract.deadlines import DeadlineTooLong, applied_deadline_ms, is_past, longest_deadline_ms
+    from contract.jobs.deadlines import DeadlineTooLong, applied_deadline_ms, is_past, longest_deadline_ms
 
     assert applied_deadline_ms(None, 5000, "m:1") == 5000 and applied_deadline_ms(5000, 5000, "m:1") == 5000
     assert applied_deadline_ms(1, 5000, "m:1") == 1
@@ -49,9 +49,9 @@ def test_the_deadline_policy_lives_with_the_arithmetic():
 
 
 def test_every_place_that_expires_a_job_goes_through_contract_expiry():
-    """Expiry in one home (issue 72, item 5): outside contract.expiry (and the store's own mechanics in
+    """Expiry in one home (issue 72, item 5): outside contract.jobs.expiry (and the store's own mechanics in
     contract.jobs.ending) no process judges a deadline, ends a job `expired` or sweeps the deadline index itself:
-    each calls contract.expiry, which says who may, and when."""
+    each calls contract.jobs.expiry, which says who may, and when."""
     import re
     from pathlib import Path
 

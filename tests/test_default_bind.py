@@ -10,7 +10,7 @@ import sys
 
 import yaml
 
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import REPO_ROOT
 
 

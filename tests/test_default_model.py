@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from training.evaluate_service import CATEGORIES, evaluate_service, held_out_scenes
 from training.synth import SceneSettings, generate_scene
 

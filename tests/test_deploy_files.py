@@ -86,7 +86,7 @@ def test_only_the_api_is_published_beyond_this_host(compose):
 
 def test_every_service_waits_for_the_secrets_check(compose):
     services = compose["services"]
-    assert services["check-secrets"]["command"][:3] == ["python", "-m", "contract.check_secrets"]
+    assert services["check-secrets"]["command"][:3] == ["python", "-m", "contract.settings.check_secrets"]
     for name, service in services.items():
         if name != "check-secrets":
             assert service["depends_on"]["check-secrets"]["condition"] == "service_completed_successfully", name
@@ -99,7 +99,7 @@ def test_the_env_example_copied_unchanged_does_not_start():
         if line and not line.startswith("#")
     )
     assert compose_config(values).returncode != 0
-    from contract.check_secrets import problems
+    from contract.settings.check_secrets import problems
 
     assert problems(["REDIS_PASSWORD", "FLOWER_BASIC_AUTH", "GRAFANA_ADMIN_PASSWORD"], values)
 
@@ -118,7 +118,7 @@ def test_the_env_example_copied_unchanged_does_not_start():
 def test_the_secrets_check_refuses_placeholders_and_short_secrets(env, ok):
     names = ["REDIS_PASSWORD"] + (["FLOWER_BASIC_AUTH"] if "FLOWER_BASIC_AUTH" in env else []) + ["CALLBACK?"]
     result = subprocess.run(
-        [sys.executable, "-m", "contract.check_secrets", *names],
+        [sys.executable, "-m", "contract.settings.check_secrets", *names],
         cwd=REPO_ROOT,
         env={**os.environ, **env},
         capture_output=True,
@@ -259,7 +259,7 @@ def copied_paths(stage: str) -> set[str]:
 
 
 def test_each_image_holds_what_its_role_loads():
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     weights = Path(load_settings(REPO_ROOT / "configs" / "default.yaml").model.path).resolve()
     top_level = weights.relative_to(REPO_ROOT).parts[0]
@@ -419,7 +419,7 @@ def test_flower_itself_refuses_to_start_without_a_usable_password(credentials, s
 def test_a_copied_env_example_is_refused_by_the_secrets_check_flower_included():
     """`cp .env.example .env` then `docker compose up`: check-secrets stops the stack, naming Flower's empty
     password among the rest, before Flower could start with it."""
-    from contract.check_secrets import problems
+    from contract.settings.check_secrets import problems
     from tools.procfile import parse_env
 
     copied = parse_env((REPO_ROOT / ".env.example").read_text())
@@ -479,9 +479,10 @@ def test_compose_runs_the_result_cache_on_a_redis_of_its_own_under_a_profile(tmp
     assert redis_cache["profiles"] == ["cache"] and "ports" not in redis_cache and redis_cache["user"] == "redis"
     plain = yaml.safe_load(compose_config(SECRETS).stdout)["services"]
     assert plain["api"]["environment"]["IMGSERVE_CACHE__REDIS_URL"] == ""  # unset: the cache on the control plane
-    assert "IMGSERVE_CACHE__REDIS_URL=redis://:<REDIS_PASSWORD>@cache-redis:6379/0" in (
-        REPO_ROOT / ".env.example"
-    ).read_text()
+    assert (
+        "IMGSERVE_CACHE__REDIS_URL=redis://:<REDIS_PASSWORD>@cache-redis:6379/0"
+        in (REPO_ROOT / ".env.example").read_text()
+    )
 
     port = free_port()
     shell = redis_cache["command"][2].replace("$$", "$").replace("redis-server -", f"redis-server - --port {port}", 1)

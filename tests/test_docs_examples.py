@@ -143,7 +143,7 @@ def test_each_yaml_example_of_the_docs_loads(where, text, tmp_path, monkeypatch)
     are theirs, not here); anything else is a settings overlay, loaded over the defaults."""
     import yaml
 
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     document = yaml.safe_load(text)
     assert isinstance(document, dict) and document, f"{where}: not a mapping"
@@ -157,7 +157,7 @@ def test_each_yaml_example_of_the_docs_loads(where, text, tmp_path, monkeypatch)
             assert set(document["spec"]) <= set(rendered["spec"]), where
         return
     if "name" in document and "layout" in document:
-        from contract.config import load_model_spec
+        from contract.settings.config import load_model_spec
 
         # as a spec file beside the shipped ones (configs/models/), whose relative paths resolve from there
         spec = load_model_spec(document, REPO_ROOT / "configs" / "models")
@@ -185,8 +185,8 @@ def test_a_spec_version_yaml_reads_as_a_date_is_kept_and_one_it_reads_as_a_numbe
     ("Input should be a valid string"). A date's text survives, so it is kept; `1.10` read as 1.1 does not."""
     import yaml
 
-    from contract.config import load_model_spec
-    from contract.sections import SettingsError
+    from contract.settings.config import load_model_spec
+    from contract.settings.sections import SettingsError
 
     base = {"name": "m", "format": "builtin", "layout": "yolov8", "labels": ["a"], "input_size": 64}
     dated = load_model_spec({**base, **yaml.safe_load("version: 2024-05-01")}, REPO_ROOT)

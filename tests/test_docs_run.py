@@ -29,7 +29,7 @@ def _text() -> str:
 def _routes() -> set[tuple[str, str]]:
     """(method, rule) of every route the API serves, placeholders as <>."""
     from app import create_app
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     app = create_app(load_settings())
     return {
@@ -51,9 +51,9 @@ def test_every_route_the_docs_name_is_served():
 
 
 def test_every_query_option_the_docs_use_is_taken():
-    from contract.config import load_settings
     from contract.documents import submit_query_model, wait_query_model
-    from contract.models import model_references
+    from contract.settings.config import load_settings
+    from contract.settings.models import model_references
 
     settings = load_settings()
     submit = set(submit_query_model(60000, tuple(model_references(settings)), 30).model_fields)
@@ -190,7 +190,7 @@ def test_every_config_or_spec_file_a_code_block_names_exists_or_is_made_by_the_d
 
 def test_the_several_models_example_loads_as_it_is_written(tmp_path):
     """The models.md example, copied into a config of the reader's (outside the repository), is a deployment."""
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     page = REPO_ROOT / "docs" / "models.md"
     example = next(text for _, lang, text in _code_blocks() if lang == "yaml" and text.startswith("models:"))

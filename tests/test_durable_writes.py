@@ -1,4 +1,4 @@
-"""What a 202 waits for behind Sentinel (contract.replication): the majority's view of the primary and of the
+"""What a 202 waits for behind Sentinel (contract.redis.replication): the majority's view of the primary and of the
 replicas that may hold a write, and the fence that readers share. The pure parts here; a real Redis set in
 tests/test_failover.py and the partitions in tests/test_partitions.py."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench.stack.processes import wait_until
-from contract.replication import DurableWrites, SharedFence, Unconfirmed, majority_view
+from contract.redis.replication import DurableWrites, SharedFence, Unconfirmed, majority_view
 
 A, B, C = ("10.0.0.1", 6379), ("10.0.0.2", 6379), ("10.0.0.3", 6379)
 
@@ -147,7 +147,7 @@ def test_a_write_held_only_by_a_replica_the_sentinels_see_down_is_not_acknowledg
     server the fake Sentinels call its other replica, which never links."""
     import redis
 
-    from contract.replication import Replication
+    from contract.redis.replication import Replication
     from tests.support import RedisServer, wait_until
 
     for name in ("primary", "linked", "away"):

@@ -18,7 +18,7 @@ from app import create_app
 from app.auth import hash_key
 from app.early_refusal import WaitingQueries, _wait_s, refusing_early
 from app.services import services
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import free_port
 
 KEY = "attacker-key-0123456789"
@@ -62,7 +62,8 @@ def app() -> Iterator[flask.Flask]:
     settings = dataclasses.replace(
         settings,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        api=dataclasses.replace(settings.api, redis_timeout_s=0.5, max_waits_per_client=2),
+        api=dataclasses.replace(settings.api, max_waits_per_client=2),
+        redis=dataclasses.replace(settings.redis, timeout_s=0.5),
         auth=dataclasses.replace(settings.auth, api_keys=({"id": "attacker", "sha256": hash_key(KEY)},)),
     )
     app = create_app(settings)

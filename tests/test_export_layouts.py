@@ -18,9 +18,9 @@ import torch
 import yaml
 
 from bench.stack.processes import gpu_worker_argv
-from contract.config import load_model_spec
-from contract.model_files import embedded_metadata, identify
-from contract.sections import SettingsError
+from contract.settings.config import load_model_spec
+from contract.settings.model_files import embedded_metadata, identify
+from contract.settings.sections import SettingsError
 from gpu_worker.model import ModelLoadError, load_model
 from tests.conftest import STACK_INPUT_SIZE, TEST_DEVICE, Stack
 from tests.support import ManagedProcess, build_content_box_model, jpeg, wait_until

@@ -15,13 +15,13 @@ import pytest
 import redis
 
 from bench.stack.processes import RedisServer, wait_until
-from contract import budget
-from contract.config import load_settings
-from contract.connection import connect
+from contract.admission import budget
 from contract.jobs.intake import JobIntake
-from contract.keys import Keys
-from contract.replication import NotReplicated, Replication, execute_and_wait
-from contract.replies import PayloadReader
+from contract.redis.connection import connect
+from contract.redis.keys import Keys
+from contract.redis.replication import NotReplicated, Replication, execute_and_wait
+from contract.redis.replies import PayloadReader
+from contract.settings.config import load_settings
 from tests.support import REPO_ROOT, jpeg
 from tools.redis_ha import SERVERS, RedisHA
 

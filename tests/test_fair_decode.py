@@ -1,7 +1,7 @@
 """Issue 59.4: fairness between API keys was per task, not per CPU-second. One key kept three at-cap 16-bit Adam7
 PNGs in flight (2-3 CPU-s each) and held every CPU child, while another key's photos waited 25-46 s in its own
 queue (some refused 429, its share of the backlog full). Now an expensive decode is charged to its key before it
-is queued (contract.decode_share): past `auth.max_decode_bytes_in_flight` the key is refused 429 unless it has
+is queued (contract.admission.decode_share): past `auth.max_decode_bytes_in_flight` the key is refused 429 unless it has
 none in flight, so its files take one child at a time and the other key's photos find one free."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from app import create_app
 from app.auth import hash_key
 from bench.hostile.files import png_rgba16_adam7
 from bench.stack.processes import ManagedProcess, cpu_worker_argv
-from contract.decode_share import CHARGED_FROM, MIB, DecodeShare, decode_cost
-from contract.keys import Keys
-from contract.timebill import percentile
+from contract.admission.decode_share import CHARGED_FROM, MIB, DecodeShare, decode_cost
+from contract.jobs.timebill import percentile
+from contract.redis.keys import Keys
 from tests.support import ApiServer, encode, jpeg, make_image, wait_until
 
 KEYS = ({"id": "heavy", "sha256": hash_key("key-heavy")}, {"id": "photos", "sha256": hash_key("key-photos")})

@@ -14,7 +14,7 @@ import requests
 
 from app.services import services as api_services
 from bench.stack.processes import RedisServer
-from contract import budget
+from contract.admission import budget
 from tests.conftest import content_box_spec, start_stack, stop_stack
 from tests.support import encode, make_image, wait_until
 

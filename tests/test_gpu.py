@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from contract.config import load_model_spec
 from contract.frames import Frame, unpack_frame
-from contract.models import ModelSpec
+from contract.settings.config import load_model_spec
+from contract.settings.models import ModelSpec
 from gpu_worker.devices import TorchDevice
 from gpu_worker.model import load_model
 from gpu_worker.stage_queue import StageQueue

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from contract.models import ModelSpec
+from contract.settings.models import ModelSpec
 from tests.test_gpu import device_for, needs_cuda, run_overlapped, scene_frames
 from training.export_program import export_shapes
 

@@ -9,12 +9,12 @@ import socket
 
 import redis
 
-from contract.config import load_settings
-from contract.heartbeat import Heartbeat, HeartbeatModel
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import SUCCEEDED
-from contract.keys import Keys, model_frames_total
 from contract.library import Step
+from contract.redis.keys import Keys, model_frames_total
+from contract.settings.config import load_settings
+from contract.workers.heartbeat import Heartbeat, HeartbeatModel
 from gpu_worker.heartbeat import Liveness
 from gpu_worker.host_time import HostTime, worker_counters
 from gpu_worker.stats import BusyMeter, RecentStats

@@ -19,13 +19,12 @@ import yaml
 from app import create_app
 from app.auth import hash_key
 from bench.stack.processes import ManagedProcess, RedisServer, gpu_worker_argv
-from contract import frame_push
-from contract.frame_shards import frame_pusher
-from contract.frames import read_job_id
+from contract.frames import frame_push, read_job_id
+from contract.frames.frame_shards import frame_pusher
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
-from contract.keys import Keys
-from contract.shards import BulkPlane
+from contract.redis.keys import Keys
+from contract.redis.shards import BulkPlane
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import ApiServer, jpeg, wait_until
 

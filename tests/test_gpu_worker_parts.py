@@ -10,10 +10,10 @@ import pytest
 import redis
 import torch
 
-from contract.frame_source import RedisFrameSource
 from contract.frames import FrameHeader, pack_frame, unpack_frame
-from contract.keys import Keys
-from contract.models import ModelSpec
+from contract.frames.frame_source import RedisFrameSource
+from contract.redis.keys import Keys
+from contract.settings.models import ModelSpec
 from gpu_worker.model import BatchAssembler, ModelLoadError, load_model
 from tests.support import REPO_ROOT, build_content_box_model
 
@@ -152,7 +152,7 @@ def test_frames_of_any_size_come_back_whole_and_the_reader_recovers_from_errors(
 
 
 def test_requeue_of_a_dead_workers_frames_counts_an_attempt_and_keeps_order(redis_client):
-    from contract.frame_source import requeue_frames_of
+    from contract.frames.frame_source import requeue_frames_of
 
     keys = Keys("t")
     frames = [make_frame(f"job{i}", 2, 2, 0, 0) for i in range(3)]

@@ -16,10 +16,10 @@ import torch
 import yaml
 
 from bench.meters.feed import push_frames
-from contract.config import load_settings
 from contract.frames import unpack_frame
-from contract.keys import Keys
-from contract.models import ModelSpec
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
+from contract.settings.models import ModelSpec
 from gpu_worker.devices import DeviceLost, TorchDevice, is_fatal
 from gpu_worker.model import LoadedModel
 from gpu_worker.simulated import SimulatedDevice

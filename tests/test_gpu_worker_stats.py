@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from contract.timebill import STAGES, percentile, summarise_bills
+from contract.jobs.timebill import STAGES, percentile, summarise_bills
 from gpu_worker.stats import RecentStats
 
 
@@ -50,7 +50,7 @@ def reference(
 
 
 def random_bill(rng: random.Random) -> dict[str, float]:
-    """A time bill as contract.timebill makes them: milliseconds rounded to 3 places, some stages missing."""
+    """A time bill as contract.jobs.timebill makes them: milliseconds rounded to 3 places, some stages missing."""
     return {stage: round(rng.uniform(0.0, 400.0), 3) for stage in STAGES if stage == "total" or rng.random() < 0.8}
 
 

@@ -15,7 +15,7 @@ import kombu
 import pytest
 import redis
 
-from contract.keys import CELERY_HOLDS, Keys
+from contract.redis.keys import CELERY_HOLDS, Keys
 from tasks.broker import TRANSPORT, holder_id
 from tasks.given_back import reap_dead_workers
 

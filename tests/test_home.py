@@ -13,7 +13,7 @@ import pytest
 import requests
 
 from app import create_app
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import REPO_ROOT, ApiServer, free_port
 
 BROWSER_ACCEPT = "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"
@@ -26,7 +26,8 @@ def api() -> Iterator[ApiServer]:
     settings = dataclasses.replace(
         settings,
         redis_url=f"redis://127.0.0.1:{free_port()}/0",
-        api=dataclasses.replace(settings.api, redis_timeout_s=0.5, flower_url="http://127.0.0.1:5555"),
+        api=dataclasses.replace(settings.api, flower_url="http://127.0.0.1:5555"),
+        redis=dataclasses.replace(settings.redis, timeout_s=0.5),
     )
     server = ApiServer(create_app(settings))
     yield server

@@ -17,7 +17,7 @@ from app.auth import hash_key
 from bench.stack.processes import ManagedProcess, callback_worker_argv
 from bench.stack.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tasks.callback_http import Deadline, DeliveryFailed, post_within
 from tasks.callback_slots import LAPSE_MARGIN_S, TenantSlots
 from tests.support import ApiServer, jpeg, wait_until
@@ -98,7 +98,7 @@ def keyed_callbacks(stack, tmp_path_factory):
     config["callbacks"] = {**config["callbacks"], "max_per_tenant": CAP, "deadline_s": DEADLINE_S}
     path = workdir / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     settings = load_settings(path)
     stack.callback_worker.stop()

@@ -31,14 +31,13 @@ MARGIN_MB = 40  # a tile of reduce_in_tiles, the letterbox's output, the allocat
 # and what tasks.decode_memory said the decode would hold.
 _MEASURE = r"""
 import json, sys, time, io
-from contract.memory import keep_freed_memory
+from contract.runtime.memory import keep_freed_memory
 keep_freed_memory()  # as a CPU worker's malloc is set
 from PIL import Image
 from tasks import decode_memory
 from tasks.imaging import ImageDecodeError, decode_image
 from tasks.structure import DEFAULT_LIMITS, check, coefficient_bytes
-from contract import media
-
+from contract.admission import media
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
 

@@ -351,7 +351,7 @@ def test_only_a_valid_keys_long_poll_is_judged_before_flask():
     """app.early_refusal answers what app.holds would (a key's long-polls at its bound); anything it is not sure
     of goes to the app: no wait or wait=0, another route or method, a key that is not one, no key."""
     from app.early_refusal import WaitingQueries, _waiting_client
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     keys = ({"id": "attacker", "sha256": hash_key(KEYS["attacker"])},)  # as auth.api_keys holds them
     queries = WaitingQueries.of(load_settings())

@@ -27,7 +27,7 @@ CAP = 256 * 1024 * 1024  # decode.max_decoded_bytes' default
 # carries before its image data is read by the open itself.
 _MEASURE = r"""
 import json, sys, time
-from contract.memory import keep_freed_memory
+from contract.runtime.memory import keep_freed_memory
 keep_freed_memory()
 from tasks.imaging import ImageDecodeError, decode_image
 

@@ -17,10 +17,10 @@ import requests
 
 from app.auth import hash_key
 from app.services import services
-from contract.clock import now as service_now
-from contract.config import load_settings
 from contract.jobs.ids import IdVerdict, JobIds, id_secret
 from contract.jobs.record import JOB_ID_PATTERN, issued_at, new_job_id
+from contract.redis.clock import now as service_now
+from contract.settings.config import load_settings
 from tests.support import ApiServer, api_with_keys, jpeg
 
 KEY_A, KEY_B = "key-of-team-a-" + "a1" * 8, "key-of-team-b-" + "b2" * 8
@@ -180,7 +180,7 @@ def test_an_id_of_the_old_format_is_found_or_404_never_410(keyed_api):
 
 
 def test_imgserve_job_id_secret_is_taken_as_it_is_and_a_weak_one_refused(monkeypatch):
-    from contract.sections import SettingsError
+    from contract.settings.sections import SettingsError
 
     monkeypatch.setenv("IMGSERVE_JOB_ID_SECRET", "12345678901234567890")  # digits: YAML would make it a number
     assert load_settings().jobs.id_secret == "12345678901234567890"

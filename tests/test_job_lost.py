@@ -10,8 +10,8 @@ import requests
 
 from app import create_app
 from app.services import services
-from contract.clock import now as service_now
-from contract.config import load_settings
+from contract.redis.clock import now as service_now
+from contract.settings.config import load_settings
 from tests.support import ApiServer
 
 

@@ -16,10 +16,10 @@ from flask import jsonify
 from app import create_app
 from app.services import services
 from bench.load.reads import finished_job, result_document, store_job
-from contract.clock import now as service_now
-from contract.config import load_settings
 from contract.documents import job_document
 from contract.jobs.record import decode_record, new_job_id
+from contract.redis.clock import now as service_now
+from contract.settings.config import load_settings
 from tests.support import ApiServer
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ import requests
 
 from app import create_app
 from app.auth import hash_key
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tests.support import ApiServer, as_key, jpeg, wait_until
 
 pytestmark = pytest.mark.integration
@@ -112,8 +112,8 @@ def test_a_keys_share_is_given_back_when_its_jobs_expire(stack, unserved_api):
 def test_a_refusal_by_the_total_share_names_the_keys_share_of_every_models_budget():
     """The key's share of the total (max_total_waiting_bytes) refuses it as its own too: 429, naming that share."""
     from app.byte_shares import key_share_refusal
-    from contract import budget
-    from contract.models import ModelSpec
+    from contract.admission import budget
+    from contract.settings.models import ModelSpec
 
     spec = ModelSpec(name="m", version="1", labels=["thing"])
     request = budget.AdmissionRequest(

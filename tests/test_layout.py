@@ -56,6 +56,64 @@ def test_each_process_imports_only_the_contract_and_its_own_modules():
     assert crossings == [], "\n".join(crossings)
 
 
+# contract/'s packages by concept, lowest first: a package imports only itself and those before it here, never one
+# after it (no arrow back up, so no circle between them either). The settings read no Redis; the jobs know no frames;
+# the documents are what the rest make. contract/__init__.py lists them in this order.
+CONTRACT_FLOORS = (
+    "settings",
+    "runtime",
+    "library",
+    "redis",
+    "admission",
+    "cache",
+    "jobs",
+    "workers",
+    "frames",
+    "callbacks",
+    "documents",
+)
+
+
+def contract_packages_imported(path: Path) -> list[tuple[int, str]]:
+    """The contract packages an import in `path` reaches (lazy ones too), with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            bare = node.module == "contract"  # `from contract import jobs`: the names are the packages
+            names = [f"contract.{alias.name}" for alias in node.names] if bare else [node.module]
+        else:
+            continue
+        found += [(node.lineno, name.split(".")[1]) for name in names if name.startswith("contract.")]
+    return found
+
+
+def test_contract_is_packages_by_concept_each_importing_only_the_floors_below_it():
+    contract = REPO_ROOT / "contract"
+    assert sorted(p.name for p in contract.glob("*.py")) == ["__init__.py"], "a module outside contract's packages"
+    packages = {p.name for p in contract.iterdir() if (p / "__init__.py").is_file()}
+    assert packages == set(CONTRACT_FLOORS)
+    floor = {name: index for index, name in enumerate(CONTRACT_FLOORS)}
+    up = []
+    for path in sorted(contract.rglob("*.py")):
+        own = path.relative_to(contract).parts[0]
+        for line, package in contract_packages_imported(path):
+            if own in floor and floor.get(package, len(floor)) > floor[own]:
+                up.append(f"{path.relative_to(REPO_ROOT)}:{line} ({own}) imports contract.{package}")
+    assert up == [], "\n".join(up)
+    index = ast.get_docstring(ast.parse((contract / "__init__.py").read_text())) or ""
+    listed = [line.split("`")[1] for line in index.splitlines() if line.startswith("- `")]
+    assert listed == list(CONTRACT_FLOORS), "contract/__init__.py's index, in the floors' order"
+
+
+def test_the_floor_check_sees_an_arrow_back_up(tmp_path):
+    """A settings module that imported the workers' scaling (which reads Redis) is what the floors refuse."""
+    path = tmp_path / "settings_module.py"
+    path.write_text("from contract.workers.scaling import pool_wanted\nfrom contract import redis, jobs\n")
+    assert contract_packages_imported(path) == [(1, "workers"), (2, "redis"), (2, "jobs")]
+
+
 def test_no_import_circle_between_the_projects_modules():
     paths = {module_name(p): p for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")}
     graph = {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
@@ -83,7 +141,7 @@ def test_no_import_circle_between_the_projects_modules():
 
 
 def test_the_architecture_page_names_every_redis_key():
-    from contract.keys import Keys
+    from contract.redis.keys import Keys
 
     page = (REPO_ROOT / "docs" / "architecture.md").read_text()
     internal = {"namespace", "tenant_of_queue", "preprocess_queues"}  # helpers, not keys
@@ -110,7 +168,7 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
 # A concept that is one thing past the cap stays in one file, said here with why (issue 63: splits made by length
 # rather than by concept had scattered what a reader looks for in one place), and with a cap of its own.
 ONE_CONCEPT_PAST_THE_CAP = {
-    "contract/replication.py": (
+    "contract/redis/replication.py": (
         400,
         "what a 202 waits for: the write and its WAIT, the replica count, and behind Sentinel the view of which "
         "replicas could be promoted; three files before (issue 63, item 1)",

@@ -9,8 +9,8 @@ import time
 import kombu
 import redis
 
-from contract.keys import Keys
-from contract.task_messages import PreprocessMessages
+from contract.jobs.task_messages import PreprocessMessages
+from contract.redis.keys import Keys
 from tasks.broker import TRANSPORT, holder_id
 from tasks.lost_deliveries import MAX_RESENDS, LostDeliveries, jobs_named
 

@@ -16,7 +16,7 @@ import requests
 
 from bench.stack.local import ProcfileStack, StackOptions
 from bench.stack.processes import REPO_ROOT, children_of, wait_until
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tests.support import jpeg
 from tests.test_callbacks import Receiver, verify
 

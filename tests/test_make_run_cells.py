@@ -19,7 +19,7 @@ import redis
 import requests
 
 from bench.stack.processes import REPO_ROOT, ManagedProcess, children_of, free_port, wait_until
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tests.support import jpeg
 from tests.test_make_run import listening_addresses
 from tools.newcomer_check import copy_checkout, newcomer_env

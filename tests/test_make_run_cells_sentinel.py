@@ -14,7 +14,7 @@ import redis
 import requests
 
 from bench.stack.processes import REPO_ROOT, wait_until
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tests.test_make_run_cells import CellsRun, _descendants, _live, cells_env, running_cells
 from tools.newcomer_check import copy_checkout
 from tools.redis_ha import RedisHA

@@ -1,4 +1,4 @@
-"""contract.memory: a process that handles megabyte buffers keeps reusing the same memory."""
+"""contract.runtime.memory: a process that handles megabyte buffers keeps reusing the same memory."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # then prints the page faults taken while doing it 200 times.
 _PROBE = """
 import resource, sys
-from contract.memory import keep_freed_memory
+from contract.runtime.memory import keep_freed_memory
 tuned = keep_freed_memory() if sys.argv[1] == "tune" else False
 chunk = b"x" * 1000
 def one_image():

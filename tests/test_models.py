@@ -16,13 +16,13 @@ import yaml
 
 from app.services import services as api_services
 from bench.stack.processes import api_argv, children_of, gpu_worker_argv
-from contract.config import load_settings
 from contract.jobs.record import JobStatus
-from contract.keys import Keys
-from contract.models import Catalogue, ModelSpec, SmoothWeightedRoundRobin, UnknownModel
-from contract.sections import SettingsError
+from contract.jobs.timebill import percentile
+from contract.redis.keys import Keys
 from contract.settings import Settings
-from contract.timebill import percentile
+from contract.settings.config import load_settings
+from contract.settings.models import Catalogue, ModelSpec, SmoothWeightedRoundRobin, UnknownModel
+from contract.settings.sections import SettingsError
 from gpu_worker.lanes import DeviceQueue
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import REPO_ROOT, ApiServer, ManagedProcess, jpeg, wait_until
@@ -130,7 +130,7 @@ def test_a_name_without_a_route_gets_its_first_version_so_adding_one_moves_no_tr
 
 
 def test_the_model_values_a_request_may_give_are_the_routed_names_and_the_versions_taking_jobs():
-    from contract.models import model_references
+    from contract.settings.models import model_references
 
     settings = settings_with(spec("a", "1"), spec("a", "2"), spec("b"), spec("c"), draining=("a:2", "c:1"))
     assert model_references(settings) == ["a", "b", "a:1", "b:1"]
@@ -370,7 +370,7 @@ def test_a_job_from_0_1_0_without_a_model_is_failed_not_guessed(multi_stack):
     """A record without `model`, its task on the plain `preprocess` queue (an API of 0.1.0): no longer taken
     for the default model's (CHANGELOG: Upgrading from 0.1.0), but failed, naming why."""
     from contract.jobs.record import new_job_id
-    from contract.task_messages import PreprocessMessages
+    from contract.jobs.task_messages import PreprocessMessages
 
     job_id = new_job_id()
     now = time.time()
@@ -590,10 +590,10 @@ def test_a_cpu_worker_stops_taking_a_models_jobs_while_its_list_has_no_room_for_
 
 
 def test_a_full_lists_pause_holds_every_queue_of_the_model_but_a_light_keys():
-    """A light key's frame goes to the list's head past its bound (contract.frame_push), so its job need not wait for
-    room: held, it waited behind the flood's (queue_cpu). The flooding key's, the keyless queue and every queue of a
+    """A light key's frame goes to the list's head past its bound (contract.frames.frame_push), so its job need not wait
+    for room: held, it waited behind the flood's (queue_cpu). The flooding key's, the keyless queue and every queue of a
     model whose list has room are as before."""
-    from contract.keys import Keys
+    from contract.redis.keys import Keys
     from tasks.full_lists import queues_to_hold
 
     keys = Keys("t")

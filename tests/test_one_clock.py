@@ -1,6 +1,6 @@
-"""One clock (contract.clock, contract.deadlines): every moment a job carries is the Redis primary's, whatever the
-wall clock of the host that writes or judges it says; job ids tell when they were issued (a lost job answers 410).
-A real redis-server; the host clock moved by the clock's own `wall` argument."""
+"""One clock (contract.redis.clock, contract.jobs.deadlines): every moment a job carries is the Redis primary's,
+whatever the wall clock of the host that writes or judges it says; job ids tell when they were issued (a lost job
+answers 410). A real redis-server; the host clock moved by the clock's own `wall` argument."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import time
 import pytest
 import redis
 
-from contract import clock as clock_module
-from contract.clock import ServiceClock
-from contract.deadlines import deadline_at, is_past, seconds_left
+from contract.jobs.deadlines import deadline_at, is_past, seconds_left
 from contract.jobs.record import JOB_ID_PATTERN, issued_at, lost_at, new_job_id
 from contract.library import HERE as LIBRARY
+from contract.redis import clock as clock_module
+from contract.redis.clock import ServiceClock
 
 # The library's own judgement (contract/library/deadlines.lua), run alone as a script.
 DEADLINE_PASSED_LUA = (LIBRARY / "deadlines.lua").read_text()
@@ -104,7 +104,7 @@ def test_no_lua_step_reads_redis_time_the_service_clock_is_passed_in(redis_clien
     assert not reading_time, reading_time
 
     from contract.jobs.ending import IN_FLIGHT_STALE_S, REDELIVER_IN_FLIGHT, REDELIVER_QUEUED, JobEnding
-    from contract.keys import Keys
+    from contract.redis.keys import Keys
 
     keys = Keys("one-clock-redelivery")
     ending = JobEnding(redis_client, keys, ttl_s=60)

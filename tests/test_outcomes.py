@@ -9,10 +9,10 @@ import pytest
 import redis
 
 from app.problems import REDIS_PROBLEMS, redis_problem
-from contract import outcomes
-from contract.outcomes import Stage, StageOutcome
-from contract.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
-from contract.shards import ShardUnavailable
+from contract.redis.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
+from contract.redis.shards import ShardUnavailable
+from tasks import outcomes
+from tasks.outcomes import Stage, StageOutcome
 
 
 @pytest.mark.parametrize(

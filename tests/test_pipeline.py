@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from contract.timebill import STAGES
+from contract.jobs.timebill import STAGES
 from tests.support import encode, jpeg, make_image, wait_until
 
 pytestmark = pytest.mark.integration
@@ -51,7 +51,7 @@ def test_submit_then_poll_gives_boxes_in_original_pixels_and_a_full_time_bill(st
     # The stages are disjoint parts of the request's life, so they add up to the total less what no stage bills
     # (the CPU worker's claim, upload read and push; the GPU worker's result documents): Redis round trips and a
     # copy, never as much as the billed work. The 1 ms below 0: a process's clock may re-sync to Redis's within
-    # the job (contract.clock: within half a loopback round trip) and each stage is rounded to 1 us.
+    # the job (contract.redis.clock: within half a loopback round trip) and each stage is rounded to 1 us.
     billed = sum(value for stage, value in bill.items() if stage != "total")
     assert -1.0 <= bill["total"] - billed < billed, bill
     assert doc["batch"]["size"] >= 1 and doc["batch"]["id"].startswith(stack.gpu_worker_id)
@@ -225,7 +225,7 @@ def test_a_job_nobody_answers_expires_at_its_deadline(stack):
     assert doc["status"] == "expired"
     assert doc["error"]["code"] == "deadline"
     # Its time bill comes from the record: the intake's and the claim's stamps, and the three durations the push
-    # writes (contract.timebill.PUSH_STAMPS) though it no longer sends the stamps the record holds already.
+    # writes (contract.jobs.timebill.PUSH_STAMPS) though it no longer sends the stamps the record holds already.
     record = stack.redis.hgetall(stack.keys.job(job_id))
     assert record[b"received_at"] and record[b"submitted_at"], record
     if b"pushed_at" in record:  # pushed before its deadline (on a loaded machine it may expire at its claim)
@@ -257,10 +257,10 @@ def test_one_job_can_be_followed_through_every_process_by_its_id(stack, caplog):
 
 
 def test_deployments_sharing_a_redis_database_never_take_each_others_tasks(stack):
-    from contract.keys import Keys
-    from contract.task_messages import PreprocessMessages
+    from contract.jobs.task_messages import PreprocessMessages
+    from contract.redis.keys import Keys
 
-    # Another deployment's API queues a task as this one's does (contract.task_messages), under its namespace.
+    # Another deployment's API queues a task as this one's does (contract.jobs.task_messages), under its namespace.
     stack.redis.lpush(
         Keys("another-deployment").celery_queue("preprocess"), PreprocessMessages().build("0" * 32, "preprocess")
     )

@@ -8,14 +8,15 @@ from pathlib import Path
 
 import redis
 
-from contract.budget import ALL
+from contract.admission.budget import ALL
+from contract.admission.token_bucket import TokenBuckets
 from contract.cache import ENTRY_OVERHEAD, STALE_PER_ENTRY
-from contract.frame_push import JOB_OVER, KEY_FRAMES_TTL_S, LIST_FULL, PUSHED, FramePusher
 from contract.frames import _PREFIX, MAGIC
+from contract.frames.frame_push import JOB_OVER, KEY_FRAMES_TTL_S, LIST_FULL, PUSHED, FramePusher
 from contract.jobs.ending import FINISH_NAMES, LATE_ERROR, PENDING_CALLBACK, JobEnding
 from contract.jobs.hits import HIT_GONE
 from contract.jobs.record import TERMINAL, JobStatus
-from contract.keys import KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
+from contract.jobs.timebill import CPU_STARTED_AT
 from contract.library import (
     FILES,
     HERE,
@@ -25,9 +26,8 @@ from contract.library import (
     loaded_code,
     loaded_version,
 )
-from contract.shards import SHARDED_UPLOAD, UPLOAD_FIELD
-from contract.timebill import CPU_STARTED_AT
-from contract.token_bucket import TokenBuckets
+from contract.redis.keys import KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
+from contract.redis.shards import SHARDED_UPLOAD, UPLOAD_FIELD
 from tasks.callbacks import DEAD_LETTER_DROPS
 from tests.support import RedisServer
 
@@ -54,7 +54,7 @@ def test_the_librarys_literals_are_the_contracts():
     assert f"local UPLOAD_SUFFIX = '{UPLOAD_SUFFIX}'" in ending
     assert f"local SHARDED_UPLOAD, UPLOAD_FIELD = '{SHARDED_UPLOAD.decode()}', '{UPLOAD_FIELD}'" in ending
     assert f"local PENDING_CALLBACK = '{PENDING_CALLBACK}'" in ending
-    deadlines = _lua("deadlines.lua")  # expiry's library side (contract.expiry)
+    deadlines = _lua("deadlines.lua")  # expiry's library side (contract.jobs.expiry)
     assert f"local LATE_ERROR = '{LATE_ERROR}'" in deadlines
     assert f"local FINISH_NAMES = {FINISH_NAMES}" in ending
     assert f"local SUCCEEDED, EXPIRED = '{JobStatus.SUCCEEDED.value}', '{JobStatus.EXPIRED.value}'" in deadlines

@@ -1,5 +1,5 @@
-"""Releases (docs/releasing.md): the version in pyproject.toml is the one the code says (contract.release, written
-into every frame), RELEASES lists each release once, oldest first, ending with it, and CHANGELOG.md has its
+"""Releases (docs/releasing.md): the version in pyproject.toml is the one the code says (contract.runtime.release,
+written into every frame), RELEASES lists each release once, oldest first, ending with it, and CHANGELOG.md has its
 section."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import re
 import tomllib
 
 from bench.stack.processes import REPO_ROOT
-from contract.release import RELEASE
+from contract.runtime.release import RELEASE
 from tools.releases import releases
 
 

@@ -226,10 +226,10 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(tmp_p
     """A CPU worker holding a frame for a full list waits (the bound holds, the frame is kept), then pushes
     it stamped at that moment: the wait is billed `backpressure`, and the frame does not reach the GPU
     worker looking a window late."""
-    from contract.config import load_settings
-    from contract.connection import connect
     from contract.frames import unpack_frame
-    from contract.keys import Keys
+    from contract.redis.connection import connect
+    from contract.redis.keys import Keys
+    from contract.settings.config import load_settings
     from tasks.preprocess import Preprocessor
 
     # A Redis of its own: the test counts the worker's looks at the list in the server's command counts.

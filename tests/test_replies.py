@@ -1,4 +1,4 @@
-"""contract.replies: payload replies read straight from the socket, against a real Redis."""
+"""contract.redis.replies: payload replies read straight from the socket, against a real Redis."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import pytest
 import redis
 
-from contract.replies import PayloadReader
+from contract.redis.replies import PayloadReader
 
 
 def test_every_kind_of_reply_in_one_round_trip_and_the_connection_stays_in_step(redis_client):

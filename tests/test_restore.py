@@ -16,7 +16,7 @@ import requests
 import yaml
 
 from bench.stack.processes import RedisServer
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tests.support import REPO_ROOT, ApiServer, jpeg
 from tools.redis_ha import AOF_AS_DEPLOYED
 

@@ -16,10 +16,10 @@ import redis
 import requests
 
 from app.drain import MAX_RETRY_AFTER_S, Drain, DrainMeter, retry_after_s
-from contract.clock import now as service_now
-from contract.heartbeat import Heartbeat, HeartbeatModel
 from contract.jobs.backlog import queue_depths
-from contract.keys import Keys, model_frames_total
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys, model_frames_total
+from contract.workers.heartbeat import Heartbeat, HeartbeatModel
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import REPO_ROOT, jpeg, wait_until
 

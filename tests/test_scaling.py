@@ -1,4 +1,4 @@
-"""The backlog as the product sees it and the CPU worker processes it wants (contract.scaling, issue 61): the
+"""The backlog as the product sees it and the CPU worker processes it wants (contract.workers.scaling, issue 61): the
 arithmetic alone, the held messages read from the workers' holds, and on a real stack during a burst, checked
 every quarter second against a count the test keeps itself (each accepted job's own status)."""
 
@@ -13,8 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
-from contract.keys import Keys
-from contract.scaling import (
+from contract.redis.keys import Keys
+from contract.settings.scaling import ScalingSettings
+from contract.workers.scaling import (
     ModelBacklog,
     held_by_model,
     model_of_queue,
@@ -23,7 +24,6 @@ from contract.scaling import (
     wanted_workers,
     windows_of,
 )
-from contract.settings import ScalingSettings
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import jpeg
 
@@ -79,7 +79,7 @@ def test_the_signal_weighs_each_gpu_workers_window_by_its_jobs_and_falls_back_be
 
 
 def test_a_gpu_workers_window_counts_no_longer_than_it_has_run():
-    from contract.heartbeat import Heartbeat
+    from contract.workers.heartbeat import Heartbeat
 
     beat = Heartbeat.model_validate(
         {

@@ -1,4 +1,4 @@
-"""Bulk shards (contract.shards): uploads and frames over several Redis servers, the control plane on one.
+"""Bulk shards (contract.redis.shards): uploads and frames over several Redis servers, the control plane on one.
 
 Real redis-servers throughout: the parts against three shards of their own, then the whole stack on a control
 Redis and three shards, one of which is killed under load."""
@@ -17,17 +17,17 @@ import requests
 
 from app.services import services as api_services
 from bench.stack.processes import RedisServer
-from contract import frame_push as frames
-from contract.frame_shard_source import ShardedFrameSource
-from contract.frame_shards import frame_pusher
-from contract.frame_source import requeue_frames_of
 from contract.frames import FrameHeader, pack_frame, read_job_id
+from contract.frames import frame_push as frames
+from contract.frames.frame_shard_source import ShardedFrameSource
+from contract.frames.frame_shards import frame_pusher
+from contract.frames.frame_source import requeue_frames_of
 from contract.jobs.ending import JobEnding
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import QUEUED, QUEUED_GPU, RUNNING, new_job_id
-from contract.keys import Keys
-from contract.shards import SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable, shard_of
+from contract.redis.keys import Keys
+from contract.redis.shards import SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable, shard_of
 from tasks.shard_watch import ShardWatch
 from tests.conftest import STACK_INPUT_SIZE, content_box_spec, start_stack, stop_stack
 from tests.support import free_port, jpeg, wait_until
@@ -359,9 +359,9 @@ def test_the_stack_spreads_jobs_over_the_shards_and_loses_none_when_one_dies(sha
 
 
 def test_over_bulk_shards_a_keys_upload_bytes_leave_its_count_at_the_push_too(redis_client, plane):
-    """The control plane's verdict on a sharded push moves the key's count as the model's (contract.budget): its
-    upload's bytes leave it, whether the frame stands queued or was in a batch already."""
-    from contract.budget import WaitingBytes
+    """The control plane's verdict on a sharded push moves the key's count as the model's (contract.admission.budget):
+    its upload's bytes leave it, whether the frame stands queued or was in a batch already."""
+    from contract.admission.budget import WaitingBytes
 
     keys = Keys("sharded-keys")
     store = JobIntake(redis_client, keys, 600, bulk=plane)
@@ -382,7 +382,7 @@ def test_over_bulk_shards_a_keys_upload_bytes_leave_its_count_at_the_push_too(re
 
 
 def test_the_upload_marker_a_record_field_gives_its_bytes_back_once_however_the_job_goes(redis_client, plane):
-    """The control plane's marker of a sharded upload is a field of the record (contract.shards.UPLOAD_FIELD): the
+    """The control plane's marker of a sharded upload is a field of the record (contract.redis.shards.UPLOAD_FIELD): the
     first step to take it gives the upload's bytes back, and no later one does: a job ended before its push (its
     late push finds it over), a push made again by a redelivered task, a worker's end of a job already pushed, and a
     record an older API stored with a marker key instead."""

@@ -33,8 +33,8 @@ SHORT = SoakOptions(minutes=5.0, qps=12.0, warmup_minutes=2.0, sample_s=10.0, wi
 # 0.1 after them. So the bound here is 0.7 MB/min, ~1 KB a job, and a process above it passes only if it levelled
 # off (its last third within the bound or a tenth of its first third's) under its role's ceiling. Issue 41's GPU
 # worker, run this way: 0.98 MB/min, and 0.94 / 0.92 in the first / last third: growing. The API's RSS follows the
-# uploads in flight at once (0.8 MB each: a high-water mark glibc keeps, contract/memory.py), which the rest of the
-# suite, running beside this test, moves: 1 MB/min for it.
+# uploads in flight at once (0.8 MB each: a high-water mark glibc keeps, contract/runtime/memory.py), which the rest of
+# the suite, running beside this test, moves: 1 MB/min for it.
 SHORT_BOUNDS = {**dict.fromkeys(ROLE_BOUNDS, 0.7), "api": 1.0}
 
 

@@ -14,7 +14,7 @@ import requests
 import yaml
 
 from contract.callbacks import REFUSED_HOST, CallbackRefused, forbidden_reason, resolve_callback_url
-from contract.special_addresses import DENIED_V4, DENIED_V6, denied_block, embedded_ipv4
+from contract.callbacks.special_addresses import DENIED_V4, DENIED_V6, denied_block, embedded_ipv4
 from tests.support import ApiServer, jpeg
 
 # The blocks the review named, each of which must be in the list (more of the registries' are there too).
@@ -105,7 +105,7 @@ def test_a_name_that_resolves_into_a_special_block_is_refused_with_the_one_gener
 def api_without_workers(redis_server, tmp_path_factory):
     """An API on the test's Redis, in a namespace no callback worker (nor any other) serves."""
     from app import create_app
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     workdir = tmp_path_factory.mktemp("special-addresses")
     config = {

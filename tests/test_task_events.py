@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from contract.task_messages import PREPROCESS_TASK
+from contract.jobs.task_messages import PREPROCESS_TASK
 from tasks.celery_app import make_celery
 from tests.support import jpeg, wait_until
 

@@ -1,4 +1,4 @@
-"""The API pushes each job's Celery task itself (contract.task_messages.PreprocessMessages): it must be the
+"""The API pushes each job's Celery task itself (contract.jobs.task_messages.PreprocessMessages): it must be the
 message Celery's own publisher would have pushed, so that workers and Flower cannot tell them apart."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import json
 
 import redis
 
-from contract.config import load_settings
-from contract.keys import Keys
-from contract.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
+from contract.jobs.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 from tasks.celery_app import make_celery
 
 VARYING = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from contract.config import load_settings
-from contract.sections import SettingsError
+from contract.settings.config import load_settings
+from contract.settings.sections import SettingsError
 from gpu_worker.model import ModelLoadError, load_model
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess
 from tests.support import build_content_box_model

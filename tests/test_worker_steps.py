@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from contract.clock import now as service_now
+from contract.redis.clock import now as service_now
 from tasks.celery_app import make_celery, settings_of
 from tests.support import wait_until
 

@@ -57,7 +57,7 @@ class LocalCell:
         return cls(name, redis_url, int(flower_port), int(metrics_port), listed)
 
     def redis_env(self) -> dict[str, str]:
-        """The variables that point a process at this cell's control plane (contract.config's names)."""
+        """The variables that point a process at this cell's control plane (contract.settings.config's names)."""
         variables = {"IMGSERVE_REDIS_URL": self.redis_url}
         if self.sentinels:
             variables["IMGSERVE_REDIS__SENTINELS"] = "[" + ", ".join(self.sentinels) + "]"

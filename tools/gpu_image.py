@@ -31,7 +31,7 @@ ABSENT = ("flask", "celery", "kombu", "billiard", "gunicorn", "gevent", "flower"
 NEEDED = CARRIED + (
     "contract.settings",
     "contract.documents",
-    "contract.heartbeat",
+    "contract.workers.heartbeat",
     "gpu_worker.worker",
     "gpu_worker.model",
     "gpu_worker.metrics",

@@ -12,8 +12,8 @@ GPU node (a DaemonSet on the nodes that offer `nvidia.com/gpu`). Redis is outsid
 Sentinels, `IMGSERVE_REDIS__SENTINELS`) in the Secret, with `IMGSERVE_CALLBACK_SECRET`, `IMGSERVE_JOB_ID_SECRET`
 and `FLOWER_BASIC_AUTH`; it should run with configs/redis.conf's settings, as every deployment here does.
 
-The CPU workers follow `imgserve_cpu_workers_wanted` (contract/scaling.py: the processes a model's backlog and rate
-want, every GPU worker exporting the same figure), summed over the models, through KEDA's Prometheus scaler:
+The CPU workers follow `imgserve_cpu_workers_wanted` (contract/workers/scaling.py: the processes a model's backlog and
+rate want, every GPU worker exporting the same figure), summed over the models, through KEDA's Prometheus scaler:
 replicas = ceil(that sum / each pod's processes), between --min-cpu-pods and --max-cpu-pods. A queue's length
 (KEDA's Redis list scaler) would miss what the workers have prefetched or are decoding. A pod told to stop gets
 Celery's warm shutdown (it finishes the tasks it runs, gives back what it holds) within its grace period, which is
@@ -42,9 +42,9 @@ from typing import Any
 
 import yaml
 
-from contract.config import load_settings
-from contract.sections import SettingsError
 from contract.settings import CeleryWorkerSettings
+from contract.settings.config import load_settings
+from contract.settings.sections import SettingsError
 from tools.kubernetes_cells import MAX_CELLS, render_cells
 
 CPU_WANTED_QUERY = "sum(max by (model, version) (imgserve_cpu_workers_wanted))"

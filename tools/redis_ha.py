@@ -237,7 +237,7 @@ class RedisHA:
         return [f"{self.nodes[name].host}:{self.nodes[name].port}" for name in ("s1", "s2", "s3")]
 
     def env(self) -> dict[str, str]:
-        """The variables that point every process at this set (contract.config's names)."""
+        """The variables that point every process at this set (contract.settings.config's names)."""
         return {
             "IMGSERVE_REDIS__SENTINELS": "[" + ", ".join(self.sentinels) + "]",
             "IMGSERVE_REDIS__SERVICE": self.service,

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import redis
 
-from contract.keys import Keys
+from contract.redis.keys import Keys
 from tools.ports import free_port
 
 AOF_FOLDER = "appendonlydir"

@@ -4,7 +4,7 @@ on the API's port), `callback_secret_set` (1 or 0), `callback_key_secrets` (each
 `callback_allow_hosts`, `redis_sentinels` and `bulk_shards` (space-separated; empty: none) and `configured_cells`
 (how many cells the settings name; 0: none), and exports `.env`'s variables that the environment does not set
 (compose's rule, as the supervisor reads it: tools.procfile), naming them in `dotenv_names`. Read by
-contract.config as every process reads them, `.env` included, so a settings file or variable that does not load
+contract.settings.config as every process reads them, `.env` included, so a settings file or variable that does not load
 stops `make run` before anything starts, and the ready line names what the processes will use."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from contract.config import load_settings
+from contract.settings.config import load_settings
 from tools.procfile import parse_env
 
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from contract.config import load_model_spec
-from contract.models import ModelSpec
 from contract.settings import REPO_ROOT
+from contract.settings.config import load_model_spec
+from contract.settings.models import ModelSpec
 from gpu_worker.tiny_yolo import TinyYolo
 
 SHAPES_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"

@@ -218,7 +218,7 @@ def cmd_plane(args: argparse.Namespace) -> int:
 
 def cmd_bound(args: argparse.Namespace) -> int:
     from bench.meters.bound import describe
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     print(describe(load_settings().gpu_worker.sim_latency_ms, args.qps, args.window_ms, args.max_batch))
     return 0

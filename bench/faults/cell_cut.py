@@ -28,7 +28,7 @@ from bench.faults.harness import FaultScenario, Log
 from bench.stack.hosts import Host, Network, check_can_make_hosts
 from bench.stack.local import StackOptions, answers_ok, api_env
 from bench.stack.processes import api_argv, cpu_worker_argv, free_port, gpu_worker_argv, wait_until
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 REDIS_PORT = 6379  # each cell's host has its own address: one port for all
 

@@ -32,7 +32,7 @@ from bench.faults.cell_kill import CellsStack, no_server_errors
 from bench.faults.harness import FaultScenario, Log
 from bench.stack.local import StackOptions, answers_ok, api_env
 from bench.stack.processes import ManagedProcess, api_argv, cpu_worker_argv, free_port, gpu_worker_argv, wait_until
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 SEEN_DEAD_S = 2.0  # after the heartbeat's expiry: the chooser's once-a-second reading, and a margin
 

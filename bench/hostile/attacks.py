@@ -328,6 +328,6 @@ def _after_end(session: requests.Session, url: str, job_id: str, receiver: Recei
 
 
 def _pick(values: list[float], q: float) -> float | None:
-    from contract.timebill import percentile
+    from contract.jobs.timebill import percentile
 
     return round(percentile(values, q), 2) if values else None

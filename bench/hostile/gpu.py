@@ -20,7 +20,7 @@ import requests
 
 from bench.hostile.attacks import keyed_stack_options
 from bench.stack.local import LocalStack, StackOptions
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 EVERY_S = 0.5  # the photo key's pace
 STAGES = ("queue_cpu", "decode", "backpressure", "queue_gpu", "batch_wait", "device_queue", "infer")
@@ -111,7 +111,7 @@ def bills(url: str, key: str, job_ids: list[str]) -> dict[str, Any]:
     done = [doc["timings_ms"] for doc in docs if doc.get("status") == "succeeded"]
 
     def pick(stage: str, q: float) -> float | None:
-        from contract.timebill import percentile
+        from contract.jobs.timebill import percentile
 
         values = sorted(float(bill.get(stage, 0.0)) for bill in done)
         return round(percentile(values, q), 1) if values else None

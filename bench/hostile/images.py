@@ -34,7 +34,7 @@ from bench.hostile import files as hostile_files
 from bench.load.client import TERMINAL, ImageStream, session_for
 from bench.stack.local import LocalStack, StackOptions
 from bench.stack.processes import children_of, status_kb
-from contract.timebill import percentile
+from contract.jobs.timebill import percentile
 
 NORMAL_KEY, ATTACKER_KEY = "bench-normal-tenant-key", "bench-attacker-key"  # a private stack's keys
 
@@ -80,7 +80,7 @@ MoreAttack = Callable[[str, dict[str, str]], list[str]]
 # Decode stdin's bytes as a CPU worker does, in a fresh interpreter of a checkout: outcome, CPU s, peak RSS growth.
 _DECODE = r"""
 import json, sys, time
-from contract.memory import keep_freed_memory
+from contract.runtime.memory import keep_freed_memory
 keep_freed_memory()  # as a CPU worker's malloc is set
 from tasks.imaging import ImageDecodeError, decode_image
 def hwm():

@@ -65,9 +65,9 @@ def measure(redis_url: str, reads: int, workdir: Path) -> list[dict[str, Any]]:
 
     from app import create_app
     from app.services import services
-    from contract.clock import now as service_now
-    from contract.config import load_settings
     from contract.jobs.record import new_job_id
+    from contract.redis.clock import now as service_now
+    from contract.settings.config import load_settings
 
     config = workdir / "config.yaml"
     config.write_text(f"redis_url: {redis_url}\nnamespace: bench-reads\n")

@@ -50,9 +50,9 @@ def reread(url: str, until: float, reads: list[int]) -> None:
 
 
 def run_side(root: Path, connections: int, seconds: float, image: bytes, detections: int) -> dict[str, Any]:
-    from contract.clock import now as service_now
     from contract.jobs.record import new_job_id
-    from contract.keys import Keys
+    from contract.redis.clock import now as service_now
+    from contract.redis.keys import Keys
 
     with tempfile.TemporaryDirectory(prefix="bench-reads-flood-") as folder:
         stack = LocalStack(Path(folder), StackOptions(root=root)).start()

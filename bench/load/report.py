@@ -8,7 +8,7 @@ from typing import Any
 
 from bench.load.client import Outcome
 from bench.stack.cpu import ROLE_ORDER, SHARD_ROLE
-from contract.timebill import STAGES, percentile, summarise_bills
+from contract.jobs.timebill import STAGES, percentile, summarise_bills
 
 
 def summarise(

@@ -14,7 +14,7 @@ from bench.meters.floor import against_floor, decode_floor_ms
 from bench.meters.redis_counts import per_image, read_counts
 from bench.stack import cpu
 from bench.stack.cpu import CpuScope
-from contract.timebill import percentile
+from contract.jobs.timebill import percentile
 
 
 def measure(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping
 
-from contract.timebill import percentile
+from contract.jobs.timebill import percentile
 from gpu_worker.simulated import profile_latency_s
 
 

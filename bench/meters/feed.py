@@ -43,9 +43,7 @@ from bench.stack.processes import (
 from bench.stack.profiles import parse_profile
 from contract.frames import FrameHeader, pack_frame
 from contract.jobs.record import QUEUED_GPU
-from contract.keys import Keys
-from contract.settings import REPO_ROOT
-from contract.timebill import (
+from contract.jobs.timebill import (
     CPU_STARTED_AT,
     DECODE_MS,
     HOST_STAGES,
@@ -55,6 +53,8 @@ from contract.timebill import (
     SUBMITTED_AT,
     host_ms_per_batch,
 )
+from contract.redis.keys import Keys
+from contract.settings import REPO_ROOT
 from gpu_worker.simulated import profile_latency_s
 
 DEFAULT_SPEC = REPO_ROOT / "configs" / "models" / "shapes-yolo.yaml"
@@ -320,7 +320,7 @@ def redis_drain_rate(
     client: redis.Redis, keys: Keys, model_key: str, contents: list[tuple[dict[str, Any], bytes]], options: FeedOptions
 ) -> float:
     """Frames/s of the worker's Redis calls alone (take a batch, ack it): Redis's own ceiling here."""
-    from contract.frame_source import RedisFrameSource
+    from contract.frames.frame_source import RedisFrameSource
 
     client.delete(keys.frames(model_key))
     push_frames(client, keys, model_key, contents, options.frames)

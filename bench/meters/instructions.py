@@ -40,7 +40,7 @@ from pathlib import Path
 from bench.stack.processes import RedisServer
 
 ROLES = ("api", "cpu-task")
-CELL_NAMES = "abcdefghijklmnop"  # as contract.cells allows: one hex digit of a job id
+CELL_NAMES = "abcdefghijklmnop"  # as contract.settings.cells allows: one hex digit of a job id
 PACKAGES = ("app", "contract", "tasks", "gpu_worker")  # the measured checkout's code
 CHILD = Path(__file__).with_name("instructions_child.py")  # run by path: it imports the measured checkout's code
 

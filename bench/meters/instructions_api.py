@@ -35,7 +35,7 @@ from bench.meters.plane_meter import InstructionCounter
 from bench.stack.local import answers_ok
 from bench.stack.processes import RedisServer, api_argv, free_port, wait_until
 
-CELL_NAMES = "abcdefghijklmnop"  # as contract.cells allows: one hex digit of a job id
+CELL_NAMES = "abcdefghijklmnop"  # as contract.settings.cells allows: one hex digit of a job id
 CLIENTS = 4  # HTTP clients, each a submit then its poll, in turn
 _RESULT = {
     "detections": [{"box": [10.0, 20.0, 30.0, 40.0], "score": 0.9, "class_id": 0, "label": "circle"}] * 3,
@@ -50,7 +50,7 @@ class ApiDriver:
     would depend on timing, and a wait adds a registration, a wake-up and a second read)."""
 
     def __init__(self, port: int, redis_urls: list[str], images: list[bytes]) -> None:
-        from contract.keys import Keys
+        from contract.redis.keys import Keys
 
         self.port, self.images = port, images
         self.clients: list[redis.Redis] = [redis.Redis.from_url(url, decode_responses=False) for url in redis_urls]

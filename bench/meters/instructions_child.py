@@ -23,9 +23,14 @@ if __name__ == "__main__":
 
     import importlib
 
-    from contract.config import load_settings
-    from contract.connection import connect
-    from contract.keys import Keys
+    try:  # the measured checkout's, by either of their paths (--base may predate contract's packages)
+        from contract.redis.connection import connect
+        from contract.redis.keys import Keys
+        from contract.settings.config import load_settings
+    except ModuleNotFoundError:
+        connect = importlib.import_module("contract.connection").connect
+        Keys = importlib.import_module("contract.keys").Keys  # type: ignore[misc]
+        load_settings = importlib.import_module("contract.config").load_settings
     from tasks.imaging import decode_image, letterbox
     from tasks.preprocess import Preprocessor
 

@@ -90,8 +90,8 @@ def shapes_outputs(batch: int, device: str = "cpu") -> tuple[torch.Tensor, Geome
     their geometry, and the model's default options."""
     from PIL import Image
 
-    from contract.config import load_settings
-    from contract.models import default_model
+    from contract.settings.config import load_settings
+    from contract.settings.models import default_model
     from gpu_worker.model import load_model
     from tasks.imaging import letterbox
 

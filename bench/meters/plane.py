@@ -64,8 +64,8 @@ from bench.stack.processes import (
     gpu_worker_argv,
     wait_until,
 )
-from contract.config import load_settings
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 
 GPU_WORKER_ID = "plane-gpu"
 

@@ -46,9 +46,9 @@ from bench.stack.processes import (
     gpu_worker_argv,
     wait_until,
 )
-from contract.config import load_settings
 from contract.jobs.ids import JobIds
-from contract.keys import Keys
+from contract.redis.keys import Keys
+from contract.settings.config import load_settings
 
 
 class CellsMeter:

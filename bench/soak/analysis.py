@@ -25,7 +25,7 @@ ROLE_BOUNDS: dict[str, float] = {
 # Roles allowed to grow first and level off under a stated ceiling (MB of one process's RSS, the soak's own stack:
 # sim device, the default model). Flower keeps the last `--max_tasks` tasks (the Procfile's 10,000: ~11 minutes
 # at 15 jobs/s), then drops the oldest. A gunicorn worker keeps the high-water mark of the uploads it held at once
-# (glibc keeps up to 64 MB freed at a heap's top: contract/memory.py): ~62 MB at start, ~70 at 15 jobs/s, ~80
+# (glibc keeps up to 64 MB freed at a heap's top: contract/runtime/memory.py): ~62 MB at start, ~70 at 15 jobs/s, ~80
 # after a burst at 40. The GPU worker's allocators settle over its first ~6,000 jobs (~2 MB), then hold.
 ROLE_CEILINGS_MB: dict[str, float] = {"flower": 160.0, "api": 128.0, "gpu-worker": 300.0}
 # Redis keys a computed job leaves for the TTLs: its record (jobs.ttl_s) and its result-cache entry (cache.ttl_s).

@@ -175,7 +175,7 @@ def run_soak(
     options: SoakOptions, stack_options: StackOptions, images: list[bytes], log: Callable[[str], None] = print
 ) -> dict[str, Any]:
     """Start make run's stack, load it phase after phase while sampling, stop it; the analysis (see `analyse`)."""
-    from contract.config import load_settings
+    from contract.settings.config import load_settings
 
     workdir = Path(tempfile.mkdtemp(prefix="soak-"))
     stack = ProcfileStack(workdir, stack_options).start()

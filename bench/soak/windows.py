@@ -11,7 +11,7 @@ import numpy as np
 
 from bench.soak.records import Request, Sample
 from bench.stack import cpu
-from contract.timebill import STAGES, percentile
+from contract.jobs.timebill import STAGES, percentile
 
 
 def p95_windows(

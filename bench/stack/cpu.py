@@ -99,7 +99,7 @@ class CpuSample:
     redis_main: dict[int, float] = field(default_factory=dict)  # redis pid -> its main thread's
 
 
-SHARD_ROLE = "redis-shard"  # + the shard's index: a bulk shard's redis-server (contract.shards)
+SHARD_ROLE = "redis-shard"  # + the shard's index: a bulk shard's redis-server (contract.redis.shards)
 
 
 def sample(

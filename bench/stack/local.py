@@ -55,7 +55,7 @@ class StackOptions:
     persistent_redis: bool = False
     sim_profile_ms: dict[int, float] | None = None  # device sim: its latency profile (None: the config's)
     redis_args: tuple[str, ...] = ()  # more redis-server options, e.g. ("--io-threads", "2")
-    bulk_shards: int = 0  # uploads and frames on this many more servers (contract.shards)
+    bulk_shards: int = 0  # uploads and frames on this many more servers (contract.redis.shards)
     root: Path = REPO_ROOT  # the checkout the stack's processes run from
     # ProcfileStack: "run-local" starts it as `make run` does (scripts/run-local: settings read, bootstrap checked,
     # the supervisor with its readiness line); "procfile": the supervisor alone (bench ab: an older checkout,

@@ -1,7 +1,7 @@
 """The backlog: per model, the jobs waiting for a CPU worker and the frames waiting for a GPU worker.
 
 Read by the API's admission (a refusal's Retry-After), its health and stats pages; the admission's own count
-is in Lua (contract.budget's admit), from the same lists.
+is in Lua (contract.admission.budget's admit), from the same lists.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import redis
 
-from contract.keys import Keys
+from contract.redis.keys import Keys
 
 
 def queue_depths(
@@ -30,7 +30,7 @@ def add_depth_reads(pipe: Any, keys: Keys, model_keys: Sequence[str], tenants: S
         for queue in keys.preprocess_queues(model_key, tenants):
             pipe.llen(keys.celery_queue(queue))
         pipe.llen(keys.frames(model_key))
-        pipe.hget(keys.frames_waiting, model_key)  # with bulk shards: their lists' count (contract.shards)
+        pipe.hget(keys.frames_waiting, model_key)  # with bulk shards: their lists' count (contract.redis.shards)
 
 
 def depths_from(

@@ -1,8 +1,8 @@
 """How jobs end, whoever ends them: the GPU worker's answer, a failure, a cancellation, an expiry.
 
 One Lua function, the library's `finish_jobs` (contract/library/ending.lua), ends jobs in every process: the first
-terminal state wins; the upload and the deadline entry go, the bytes are released (contract.budget; its API key's
-too), a callback enters the outbox, `job_events` is published, and a job that succeeded in time with a `cache_key`
+terminal state wins; the upload and the deadline entry go, the bytes are released (contract.admission.budget; its API
+key's too), a callback enters the outbox, `job_events` is published, and a job that succeeded in time with a `cache_key`
 leaves its result in the result cache (contract.cache). The steps that end jobs among other work (the GPU worker's
 batch write, the API's cache hit) call it; `JobEnding` runs it alone (`finish_many`), ends the overdue ones
 (`expire_overdue`, the sweeper of every CPU worker and API process) and queues an ended job's callback again.
@@ -16,15 +16,15 @@ from typing import Any, cast
 import redis
 
 from contract.cache import CacheLimits
-from contract.clock import now as service_now
-from contract.deadlines import overdue_scores
-from contract.expiry import BEFORE_AN_ANSWER, expired_fields
-from contract.expiry import LATE_ERROR as LATE_ERROR  # re-exported: where the steps' callers have read it
+from contract.jobs.deadlines import overdue_scores
+from contract.jobs.expiry import BEFORE_AN_ANSWER, expired_fields
+from contract.jobs.expiry import LATE_ERROR as LATE_ERROR  # re-exported: where the steps' callers have read it
 from contract.jobs.record import EXPIRED, FAILED, TERMINAL, JobStore, flatten_fields
-from contract.keys import Keys
+from contract.jobs.timebill import FINISHED_AT
 from contract.library import Step
-from contract.shards import BulkPlane
-from contract.timebill import FINISHED_AT
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.shards import BulkPlane
 
 # A callback queued: what the step that ends a job (or a redelivery) writes as its state.
 PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
@@ -102,13 +102,13 @@ class JobEnding(JobStore):
 
     def expire(self, job_id: str, where: str) -> bool:
         """The job's deadline passed `where` (e.g. "before preprocessing"): it ends `expired`. Who may call it,
-        and when: contract.expiry, which every caller goes through."""
+        and when: contract.jobs.expiry, which every caller goes through."""
         return self.finish(job_id, EXPIRED, expired_fields(where))
 
     def expire_overdue(self, now: float, limit: int = 500) -> int:
         """End `expired` the live jobs whose deadline passed (the deadline index says which, oldest first, at
         most `limit` a call); how many it ended. Every CPU worker calls it every `celery.sweep_s`, every API
-        process on its listener's tick (both through contract.expiry.sweep): a job ends within about that of its
+        process on its listener's tick (both through contract.jobs.expiry.sweep): a job ends within about that of its
         deadline whether anyone reads it or not."""
         lowest, highest = overdue_scores(now)
         overdue = cast(list[bytes], self.redis.zrangebyscore(self.keys.deadlines, lowest, highest, 0, limit))

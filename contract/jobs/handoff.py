@@ -1,8 +1,8 @@
 """The CPU workers' hand-off: a worker claims a queued job and reads its upload, in one round trip.
 
-The claim carries a token of this attempt that the frame's push must show (contract.frame_push's FramePusher): a task
-delivered twice is decoded once, and a late attempt (its worker presumed dead, the task claimed again) cannot push.
-What the worker does with the job then: push its frame (contract.frame_push), or end it (contract.jobs.ending).
+The claim carries a token of this attempt that the frame's push must show (contract.frames.frame_push's FramePusher): a
+task delivered twice is decoded once, and a late attempt (its worker presumed dead, the task claimed again) cannot push.
+What the worker does with the job then: push its frame (contract.frames.frame_push), or end it (contract.jobs.ending).
 """
 
 from __future__ import annotations
@@ -13,20 +13,20 @@ import redis
 
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import JobRecord, decode_record
-from contract.keys import Keys
+from contract.jobs.timebill import RECEIVED_AT, SUBMITTED_AT
 from contract.library import Step, is_missing
-from contract.replies import PayloadReader
-from contract.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
-from contract.timebill import RECEIVED_AT, SUBMITTED_AT
+from contract.redis.keys import Keys
+from contract.redis.replies import PayloadReader
+from contract.redis.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 
 # A CPU worker's claim, in one round trip instead of three (read, move, fetch the upload): a plain GET of the
-# upload, whose reply is read straight into one buffer (contract.replies), this step, and a plain HMGET of the
+# upload, whose reply is read straight into one buffer (contract.redis.replies), this step, and a plain HMGET of the
 # record's CLAIM_FIELDS as the claim left them. (The upload stays out of the script: Lua would copy it in and out
 # of its own memory, at a cost to Redis's CPU per image (docs/benchmarks/2026-12-06-control-plane.md, "Bytes into
 # Lua"); so do the fields: turned into a Lua table and back into a reply, strings cost the script far more than a
 # plain read of them.)
 # A claimed job's API key comes back with its frames of the model waiting or in flight (Keys.key_frames): the push
-# chooses the end of the list from it (contract.frame_push), with no round trip more.
+# chooses the end of the list from it (contract.frames.frame_push), with no round trip more.
 # The library's `claim` (contract/library/handoff.lua, where its keys and arguments are named).
 _CLAIM = Step("claim")
 

@@ -1,6 +1,6 @@
 """A result-cache hit's job: stored ended at once, charged to its API key, holding a reference to its answer.
 
-Every accepted request is charged somewhere. A miss passes the budgets (contract.budget) and waits its turn; a
+Every accepted request is charged somewhere. A miss passes the budgets (contract.admission.budget) and waits its turn; a
 hit adds nothing to wait, but its job record stays readable for `jobs.ttl_s` (longer while its callback is
 retried, up to `jobs.max_ttl_s` from its submission). So:
 
@@ -17,8 +17,8 @@ retried, up to `jobs.max_ttl_s` from its submission). So:
 - The lookup that found the entry and this step are two round trips (contract.jobs.intake): an entry evicted
   or expired in between answers HIT_GONE, and the API looks up again (a miss then: admitted as any).
 
-The bucket runs on the service's clock, passed in (contract.clock), as every Lua step of the service does, and
-refills as the service's other buckets do (contract.token_bucket's `refilled`: its mark never moves back).
+The bucket runs on the service's clock, passed in (contract.redis.clock), as every Lua step of the service does, and
+refills as the service's other buckets do (contract.admission.token_bucket's `refilled`: its mark never moves back).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ over all that and the submitting API key's id (`owner`; "" without keys). So:
 - an id that passes it was issued by this deployment to this key: only then may a record the store no longer
   holds be called lost (`410 job-lost`, contract.jobs.record.lost_at).
 
-With cells (contract.cells), an id names the cell its job lives in, inside what the check covers: format `2`, the
-moment, one hex digit for the cell's place in `cells`, then 44 random bits. A read goes to that cell with no
+With cells (contract.settings.cells), an id names the cell its job lives in, inside what the check covers: format `2`,
+the moment, one hex digit for the cell's place in `cells`, then 44 random bits. A read goes to that cell with no
 lookup; an id whose cell digit was changed fails its check like any forged one. A deployment of one cell keeps
 issuing `1` (an API from before cells reads those), and ids of format `1` and `0` live in the first cell.
 
@@ -35,8 +35,8 @@ import secrets
 from enum import StrEnum
 from pathlib import Path
 
-from contract.clock import now as service_now
 from contract.jobs.record import is_job_id
+from contract.redis.clock import now as service_now
 from contract.settings import REPO_ROOT, Settings
 
 CHECKED_FORMAT = "1"  # the first digit of a checked id

@@ -2,10 +2,10 @@
 
 `create` writes the upload (a claim check: on a bulk shard when there are shards, the record marking it), the
 record, the deadline entry and the task in one transaction: no job without its task or task without its job. With
-replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.connection); too few in
-time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result cache's lookup and, on a miss,
-the admission (contract.budget's admit), in one round trip; on a hit the job is stored ended already. The API's
-admission (app.admission) decides what to do with either answer.
+replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.redis.connection); too few
+in time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result cache's lookup and, on a miss,
+the admission (contract.admission.budget's admit), in one round trip; on a hit the job is stored ended already. The
+API's admission (app.admission) decides what to do with either answer.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from typing import Any, NamedTuple
 
 import redis
 
-from contract import budget
+from contract.admission import budget
 from contract.cache import CacheLimits, MissCounts
-from contract.cache_plane import CachePlane
-from contract.clock import now as service_now
+from contract.cache.cache_plane import CachePlane
 from contract.jobs.ending import JobEnding
 from contract.jobs.hits import RESULT_REF, HitLimited, HitLimits
 from contract.jobs.record import FAILED, QUEUED, QUEUED_GPU, SUCCEEDED, encode_fields, flatten_fields
-from contract.keys import Keys
 from contract.library import Step, is_missing
-from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
-from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
+from contract.redis.shards import SHARD_ERRORS, SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,8 @@ log = logging.getLogger(__name__)
 # arguments cost Redis ~760 instructions each and ~12 a byte (the record and a hit's ending were ~40 of them).
 _LOOKUP_OR_ADMIT = Step("lookup_or_admit")
 _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
-# With the cache on a Redis of its own (contract.cache_plane): the lookup there, the admission alone here on a miss,
-# and on a hit the hit's job stored here from the answer read there.
+# With the cache on a Redis of its own (contract.cache.cache_plane): the lookup there, the admission alone here on a
+# miss, and on a hit the hit's job stored here from the answer read there.
 _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
@@ -80,7 +80,7 @@ class JobIntake(JobEnding):
         `replication`: how many replicas a new job must reach before `create` (or a cache hit) returns.
         `hits`: what bounds each key's cache hits (contract.jobs.hits); None: nothing but the records' TTL.
         `results_as_text`: as JobStore's (the API's: it serves results as stored).
-        `cache_plane`: the cache's own Redis (contract.cache_plane); None: the cache on this control plane."""
+        `cache_plane`: the cache's own Redis (contract.cache.cache_plane); None: the cache on this control plane."""
         super().__init__(client, keys, ttl_s, bulk, cache, results_as_text)
         self.uploads = uploads or client
         self.replication = replication
@@ -102,7 +102,8 @@ class JobIntake(JobEnding):
         """Store the upload (claim check), then the record and `task` (a queue's list key, the message for it)
         in one transaction: no job without its task or task without its job. Without bulk shards or replicas,
         an upload up to LARGE_UPLOAD_BYTES is written in that transaction (one round trip in all).
-        `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
+        `reserved`: the bytes admitted for it (contract.admission.budget); what the upload does not use is given
+        back."""
         record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **encode_fields(fields)}
         upload_key = self.keys.upload(job_id)
         pipe = self.redis.pipeline(transaction=True)
@@ -113,7 +114,7 @@ class JobIntake(JobEnding):
             except SHARD_ERRORS as exc:
                 self.bulk.mark_down(shard)
                 raise ShardUnavailable(shard, exc) from exc
-            record[UPLOAD_FIELD] = SHARDED_UPLOAD  # the marker, a field of the record (contract.shards)
+            record[UPLOAD_FIELD] = SHARDED_UPLOAD  # the marker, a field of the record (contract.redis.shards)
         elif self.replication.enabled or len(upload) > LARGE_UPLOAD_BYTES:
             self._write_upload(self.uploads, upload_key, upload_ttl_s, upload)
         else:
@@ -124,7 +125,7 @@ class JobIntake(JobEnding):
         unused = reserved - len(upload)
         if reserved and unused > 0 and fields.get("model"):  # a multipart body's own bytes around the image
             pipe.hincrby(self.keys.waiting_bytes, str(fields["model"]), -unused)
-            if fields.get("owner"):  # reserved for its API key too (contract.budget)
+            if fields.get("owner"):  # reserved for its API key too (contract.admission.budget)
                 pipe.hincrby(self.keys.key_waiting_bytes(str(fields["owner"])), str(fields["model"]), -unused)
         pipe.hset(self.keys.job(job_id), mapping=record)
         pipe.expire(self.keys.job(job_id), record_ttl_s(self.ttl_s, fields.get("deadline_at")))
@@ -316,7 +317,7 @@ class JobIntake(JobEnding):
             raise AnswerNotReplicated(*self._fenced)
 
     def _fence_round(self) -> bool:
-        """One round of the readers' shared fence (contract.replication.SharedFence)."""
+        """One round of the readers' shared fence (contract.redis.replication.SharedFence)."""
         _, acknowledged, wanted = self.replication.wait(self.redis, [("PUBLISH", self.keys.durable_fence, "")])
         self._fenced = (acknowledged, wanted)
         return acknowledged >= wanted

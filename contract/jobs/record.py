@@ -19,11 +19,11 @@ from typing import Any, TypedDict, cast
 
 import redis
 
-from contract.clock import now as service_now
-from contract.keys import Keys
+from contract.jobs.timebill import FINISHED_AT, RECORD_STAMPS
 from contract.library import Step
-from contract.shards import BulkPlane
-from contract.timebill import FINISHED_AT, RECORD_STAMPS
+from contract.redis.clock import now as service_now
+from contract.redis.keys import Keys
+from contract.redis.shards import BulkPlane
 
 
 class JobStatus(StrEnum):
@@ -84,7 +84,7 @@ class JobRecord(TypedDict, total=False):
     cache: str  # contract.cache's HIT or MISS; absent when the cache was off for the job
     cache_key: str  # a miss's digest: its result is cached under it if it succeeds
     result_ref: str  # a hit's digest: its result is the shared answer (Keys.hit_result), not a copy
-    decode_cost: str  # bytes of decoding charged to its key until its CPU stage ends (contract.decode_share)
+    decode_cost: str  # bytes of decoding charged to its key until its CPU stage ends (contract.admission.decode_share)
 
 
 JSON_FIELDS = ("options", "result", "error", "timings", "batch", "callback")
@@ -156,7 +156,7 @@ class JobStore:
     def __init__(
         self, client: redis.Redis, keys: Keys, ttl_s: int, bulk: BulkPlane | None = None, results_as_text: bool = False
     ) -> None:
-        """`ttl_s`: how long a record stays once ended. `bulk`: where uploads and frames lie (contract.shards);
+        """`ttl_s`: how long a record stays once ended. `bulk`: where uploads and frames lie (contract.redis.shards);
         None: in `client`'s Redis. `results_as_text`: `load` leaves a result as its StoredJSON (the API serves it
         as stored)."""
         self.redis = client
