@@ -26,8 +26,8 @@ if __name__ == "__main__":
     from contract.config import load_settings
     from contract.connection import connect
     from contract.keys import Keys
-    from tasks.imaging import decode_image, letterbox
-    from tasks.preprocess import Preprocessor
+    from tasks.decoding.imaging import decode_image, letterbox
+    from tasks.decoding.preprocess import Preprocessor
 
     settings = load_settings()
     client = connect(settings, socket_timeout=60.0)

@@ -13,7 +13,7 @@ from contract.documents import CallbackState, job_document
 from contract.jobs.ending import JobEnding
 from contract.jobs.record import SUCCEEDED, utc_iso
 from contract.keys import Keys
-from tasks.callbacks import CallbackSender
+from tasks.callbacks.delivery import CallbackSender
 from tests.conftest import CALLBACK_SECRET
 from tests.test_callbacks import Receiver
 

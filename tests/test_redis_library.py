@@ -28,7 +28,7 @@ from contract.library import (
 from contract.shards import SHARDED_UPLOAD, UPLOAD_FIELD
 from contract.timebill import CPU_STARTED_AT
 from contract.token_bucket import TokenBuckets
-from tasks.callbacks import DEAD_LETTER_DROPS
+from tasks.callbacks.delivery import DEAD_LETTER_DROPS
 from tests.support import RedisServer
 
 LIBRARY = HERE

@@ -12,7 +12,7 @@ import redis
 from contract.config import load_settings
 from contract.keys import Keys
 from contract.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
-from tasks.celery_app import make_celery
+from tasks.hop.celery_app import make_celery
 
 VARYING = {
     ("headers", "id"),

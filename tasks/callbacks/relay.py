@@ -12,7 +12,7 @@ from kombu.exceptions import OperationalError
 from contract.clock import now as service_now
 from contract.keys import Keys
 from contract.library import Step
-from tasks.callback_slots import TenantSlots
+from tasks.callbacks.slots import TenantSlots
 
 log = logging.getLogger(__name__)
 

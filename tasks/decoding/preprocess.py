@@ -36,8 +36,8 @@ from contract.timebill import (
     RESIZE_MS,
     SUBMITTED_AT,
 )
-from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
-from tasks.structure import StructureLimits
+from tasks.decoding.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
+from tasks.decoding.structure import StructureLimits
 
 log = logging.getLogger(__name__)
 
