@@ -19,7 +19,10 @@ model's budget: 429, that model is overloaded (others are served). Over the tota
 `store_full_ratio` of its `maxmemory`: 503, the store is full for everyone. Either way `Retry-After` says how
 long the waiting work takes to drain by enough, at the rate the GPU workers answer this model's jobs now
 (app.drain: measured while refusals come, not averaged over an idle past), not a constant: a store that
-stays full says so.
+stays full says so. The refusals, and that wait, are written by app.admission_verdicts.
+
+An upload expensive to decode is charged to its API key before its job is queued (`charge_decode`,
+contract.decode_share): a key whose charged decodes in flight would pass `auth.max_decode_bytes_in_flight` is refused.
 """
 
 from __future__ import annotations
