@@ -82,7 +82,10 @@ _DECODE = r"""
 import json, sys, time
 from contract.memory import keep_freed_memory
 keep_freed_memory()  # as a CPU worker's malloc is set
-from tasks.decoding.imaging import ImageDecodeError, decode_image
+try:
+    from tasks.decoding.imaging import ImageDecodeError, decode_image
+except ModuleNotFoundError:  # a side that predates tasks/'s parts
+    from tasks.imaging import ImageDecodeError, decode_image
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
 data = sys.stdin.buffer.read()
