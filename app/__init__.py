@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None) -> Flask:
         app.register_blueprint(metrics.blueprint)
     app.register_blueprint(stats.blueprint)
     app.register_blueprint(callbacks.blueprint)
-    app.register_blueprint(openapi.blueprint)
+    openapi.install(app, settings)
     app.register_blueprint(home.blueprint)
     metrics.install(app)
     auth.install(app)

@@ -19,14 +19,17 @@ model's budget: 429, that model is overloaded (others are served). Over the tota
 `store_full_ratio` of its `maxmemory`: 503, the store is full for everyone. Either way `Retry-After` says how
 long the waiting work takes to drain by enough, at the rate the GPU workers answer this model's jobs now
 (app.drain: measured while refusals come, not averaged over an idle past), not a constant: a store that
-stays full says so.
+stays full says so. The refusals, and that wait, are written by app.admission_verdicts.
+
+An upload expensive to decode is charged to its API key before its job is queued (`charge_decode`,
+contract.admission.decode_share): a key whose charged decodes in flight would pass
+`auth.max_decode_bytes_in_flight` is refused.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,15 +37,14 @@ import redis
 
 from app import metrics
 from app.admission_readings import RedisMemory, ServedTenants
-from app.byte_shares import key_byte_shares, key_share_refusal
-from app.drain import DrainMeter, retry_after_s
+from app.admission_verdicts import Verdicts, decode_share_refusal, retry_after_header
+from app.byte_shares import key_byte_shares
 from app.problems import Problem
 from app.tier_buckets import TierBuckets
 from contract.admission import budget
-from contract.admission.decode_share import DecodeShare
+from contract.admission.decode_share import CHARGED_FROM, DecodeShare, decode_cost
 from contract.admission.token_bucket import TokenBuckets
 from contract.cache import HIT, MISS, ResultCache
-from contract.jobs.backlog import queue_depths
 from contract.jobs.hits import HitLimited
 from contract.jobs.intake import CacheHit, JobIntake
 from contract.jobs.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_time_bill
@@ -52,11 +54,6 @@ from contract.settings import Settings
 from contract.settings.models import Catalogue, ModelSpec, UnknownModel
 
 log = logging.getLogger(__name__)
-
-
-def retry_after_header(retry_after_ms: int) -> dict[str, str]:
-    """A bucket's wait (ms) as a refusal's Retry-After: whole seconds, at least one."""
-    return {"Retry-After": str(max(1, math.ceil(retry_after_ms / 1000)))}
 
 
 @dataclass
@@ -107,9 +104,9 @@ class Admission:
         self.waiting = budget.WaitingBytes(client, keys)
         self.memory = RedisMemory(client)
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
-        self.drains = DrainMeter(client, keys, settings.gpu_worker.heartbeat_ttl_s)  # read on refusals only
+        self.verdicts = Verdicts(settings, client, keys)  # the refusals, and when to come back
         self.buckets = buckets or TokenBuckets(client)  # with cells, the API tier's (app.tier_buckets)
-        self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (app.decode_charges)
+        self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (charge_decode)
 
     def limit_rate(self, client_id: str) -> None:
         """A token from the key's bucket (`auth.rate_per_s`, `auth.burst`), or a 429: the key is over its rate."""
@@ -207,10 +204,34 @@ class Admission:
             detail = f"key {reservation.client_id!r}'s cache hits stored their cache.hit_bytes_per_key; retry later"
             raise Problem(429, "rate-limited", "Too many requests", detail, retry_after_header(outcome.retry_after_ms))
         metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS, self.cell).inc()
-        self._settle(spec, request, outcome)  # refused: the problem says by which limit
+        self.verdicts.settle(spec, request, outcome)  # refused: the problem says by which limit
         reservation.admit(request)
         fields.update(cache=MISS, cache_key=digest)
         return None
+
+    def charge_decode(self, client_id: str, job_id: str, data: bytes, deadline_at: float) -> int:
+        """An expensive upload's decode charged to its API key before its job is queued
+        (contract.admission.decode_share): the
+        bytes charged to `client_id` for `job_id` (0: none, a cheap image or no keys), or a 429 when the key's
+        charged decodes in flight would pass `auth.max_decode_bytes_in_flight` with it."""
+        limit = self.settings.auth.max_decode_bytes_in_flight
+        cost = decode_cost(data) if client_id and limit > 0 else 0
+        if cost < CHARGED_FROM:
+            return 0
+        lapse_at = deadline_at + self.settings.celery.task_time_limit_s
+        taken, held = self.decode_share.take(client_id, job_id, cost, limit, service_now(), lapse_at)
+        if not taken:
+            raise decode_share_refusal(held, cost, limit)
+        return cost
+
+    def release_decode(self, job_id: str, charged: int) -> None:
+        """A job that was not queued after all: its charge, if `charged`, goes now (else it lapses by itself)."""
+        if not charged:
+            return
+        try:
+            self.decode_share.release(job_id)
+        except redis.RedisError:  # Redis away: the charge lapses after the job's deadline
+            pass
 
     def give_back(self, reservation: Reservation) -> None:
         """The bytes of a submission refused after its reservation (a bad option, not an image, Redis away)."""
@@ -233,7 +254,7 @@ class Admission:
         """Reserve `size` bytes for a new job of `spec`'s, or refuse with a problem."""
         reservation.route_to(spec)
         request = self._request(reservation, spec, size)
-        self._settle(spec, request, self.waiting.admit(*request))
+        self.verdicts.settle(spec, request, self.waiting.admit(*request))
         reservation.admit(request)
 
     def _request(self, reservation: Reservation, spec: ModelSpec, size: int) -> budget.AdmissionRequest:
@@ -242,13 +263,7 @@ class Admission:
         `store_full_ratio` of its memory."""
         pressure = self.settings.backpressure
         if self.memory.share() >= pressure.store_full_ratio:
-            raise Problem(
-                503,
-                "store-full",
-                "Service unavailable",
-                "the job store is full; retry later",
-                headers={"Retry-After": str(self._retry_after(spec, 1.0))},
-            )
+            raise self.verdicts.store_full(spec)
         tenant = reservation.client_id
         if tenant and not self.tenants.served(tenant):
             tenant = ""
@@ -269,66 +284,6 @@ class Admission:
             max_owner_model_bytes=model_share,
             max_owner_all_bytes=all_share,
         )
-
-    def _settle(self, spec: ModelSpec, request: budget.AdmissionRequest, verdict: budget.BudgetVerdict) -> None:
-        """Nothing when `verdict` admitted the job; else the problem that says which limit refused it."""
-        if verdict.verdict == budget.ADMITTED:
-            return
-        size = request.size
-        share = request.max_tenant_backlog or request.max_backlog
-        if verdict.verdict == budget.OVER_TENANT_BACKLOG:
-            retry = self._retry_after(spec, (verdict.backlog - share + 1) / max(1, verdict.backlog))
-            raise Problem(
-                429,
-                "overloaded",
-                "Too many requests",
-                f"{verdict.backlog} of your jobs are waiting for model {spec.key} (your share of its "
-                f"backlog is {share}); retry later",
-                headers={"Retry-After": str(retry)},
-            )
-        refusal = key_share_refusal(spec, request, verdict, self._retry_after)
-        if refusal is not None:
-            raise refusal
-        if verdict.verdict == budget.OVER_BACKLOG:
-            limit = self.settings.max_backlog(spec)
-            retry = self._retry_after(spec, (verdict.backlog - limit + 1) / max(1, verdict.backlog))
-            raise Problem(
-                429,
-                "overloaded",
-                "Too many requests",
-                f"{verdict.backlog} jobs are waiting for model {spec.key} (limit {limit}); retry later",
-                headers={"Retry-After": str(retry)},
-            )
-        if verdict.verdict == budget.OVER_MODEL_BYTES:
-            limit = self.settings.max_waiting_bytes(spec)
-            retry = self._retry_after(spec, (verdict.model_bytes + size - limit) / max(1, verdict.model_bytes))
-            raise Problem(
-                429,
-                "overloaded",
-                "Too many requests",
-                f"model {spec.key} has {verdict.model_bytes} bytes of images waiting (limit {limit}); retry later",
-                headers={"Retry-After": str(retry)},
-            )
-        limit = self.settings.backpressure.max_total_waiting_bytes
-        retry = self._retry_after(spec, (verdict.all_bytes + size - limit) / max(1, verdict.all_bytes))
-        raise Problem(
-            503,
-            "store-full",
-            "Service unavailable",
-            f"{verdict.all_bytes} bytes of images are waiting (limit {limit}); retry later",
-            headers={"Retry-After": str(retry)},
-        )
-
-    def _retry_after(self, spec: ModelSpec, share: float) -> int:
-        """Seconds until `share` of the model's waiting work has drained at the rate its GPU workers answer it now
-        (app.drain), within [backpressure.retry_after_s, MAX_RETRY_AFTER_S]; the most when none serves it."""
-        least = self.settings.backpressure.retry_after_s
-        try:
-            depths = queue_depths(self.redis, self.keys, [spec.key], self.settings.tenants)
-            drain = self.drains.drain(spec.key)
-        except redis.RedisError:
-            return least
-        return retry_after_s(max(share, 0.0) * sum(depths[spec.key].values()), drain, least)
 
 
 ALL_SOURCES = "*"  # every address's failed authentications together

@@ -8,7 +8,7 @@ import redis
 from flask import Blueprint, Response, g, jsonify
 
 from app.cells import CellServices, cell_unreachable
-from app.operations import Reply, operation
+from app.openapi import Reply, operation
 from app.services import services as current_services
 from contract.documents import Redelivered
 from contract.jobs.ending import REDELIVER_QUEUED

@@ -8,7 +8,7 @@ import redis
 from flask import Blueprint, Response, current_app, jsonify
 
 from app.auth import is_admin
-from app.operations import Reply, operation
+from app.openapi import Reply, operation
 from app.services import services as current_services
 from contract.documents.status_documents import Health, ModelList, Readiness
 from contract.jobs.backlog import queue_depths

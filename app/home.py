@@ -11,8 +11,7 @@ from pathlib import Path
 from flask import Blueprint, Flask, Response, current_app, jsonify, request
 from jinja2 import Template
 
-from app.openapi import service_version
-from app.operations import Reply, operation
+from app.openapi import Reply, operation, service_version
 from app.services import services as current_services
 from contract.documents.status_documents import Home
 

@@ -11,8 +11,7 @@ from app import placing
 from app.holds import BodyHold
 from app.job_bodies import job_response
 from app.job_lookup import is_ours_to_ask, job_cell, load_owned
-from app.openapi import image_body
-from app.operations import Reply, operation
+from app.openapi import Reply, image_body, operation
 from app.problems import Problem
 from app.services import Services
 from app.services import services as current_services

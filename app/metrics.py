@@ -20,7 +20,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from app.operations import Reply, operation
+from app.openapi import Reply, operation
 from contract.settings import Settings
 
 blueprint = Blueprint("metrics", __name__)

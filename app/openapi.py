@@ -6,12 +6,16 @@ same ones that validate its input and build its output), and the document is
 generated from the app's URL map, its settings and those models the first
 time it is asked for, then kept on the app with its JSON and its page as bytes
 (nothing it reads changes while the app runs; `published`).
+
+Every blueprint imports this module for `@operation` and its `Reply`s, so it imports no other module of the API's
+but the docs page's template: the settings come from `install`, the media types and the problem type from contract/.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
@@ -21,16 +25,14 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from app.docs_page import DOCS_TEMPLATE, code_spans, describe_schema
-from app.operations import Operation, Reply, operation
-from app.problems import PROBLEM_TYPE
-from app.services import services as current_services
-from app.uploads import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
+from contract.admission.media import ACCEPTED_TYPES, ACCEPTED_TYPES_TEXT
 from contract.callbacks import callback_signature
-from contract.documents import ProblemDocument
+from contract.documents import PROBLEM_TYPE, ProblemDocument
 from contract.jobs.record import JOB_ID_PATTERN
 from contract.settings import Settings
 
 blueprint = Blueprint("openapi", __name__)
+SETTINGS = "imgserve.openapi.settings"  # the key in app.extensions: the settings the document is built from
 
 SCHEMA_REF = "#/components/schemas/{model}"
 TAGS = ("jobs", "models", "stats", "health", "meta")  # the order of the docs page
@@ -71,6 +73,47 @@ PATH_PARAMETERS = {
 PROBLEM_HEADERS = {429: ("Retry-After",), 503: ("Retry-After",)}
 
 
+@dataclass(frozen=True)
+class Reply:
+    """One documented answer: a model (JSON), or a bare schema for another media type."""
+
+    description: str
+    model: type[BaseModel] | None = None
+    media_type: str = "application/json"
+    schema: dict[str, Any] | None = None
+    headers: tuple[str, ...] = ()
+    links: dict[str, dict[str, Any]] | None = None  # OpenAPI links: what a client can do next
+
+
+@dataclass(frozen=True)
+class Operation:
+    summary: str
+    tag: str
+    replies: dict[int, Reply]
+    problems: tuple[int | tuple[int, str], ...] = ()  # a status, or (status, what it means here)
+    description: str = ""
+    query: Callable[[Settings], type[BaseModel]] | None = None
+    body: Callable[[Settings], dict[str, Any]] | None = None
+    public: bool = False  # open even when API keys are configured
+
+
+def operation(summary: str, *, tag: str, replies: dict[int, Reply], **details: Any) -> Callable:
+    """Declare a view's place in the OpenAPI document."""
+    declared = Operation(summary=summary, tag=tag, replies=replies, **details)
+
+    def mark(view: Callable) -> Callable:
+        view.openapi = declared  # type: ignore[attr-defined]
+        return view
+
+    return mark
+
+
+def install(app: Flask, settings: Settings) -> None:
+    """Serve /openapi.json and /docs on `app`, their document built from `settings` on first use."""
+    app.extensions[SETTINGS] = settings
+    app.register_blueprint(blueprint)
+
+
 def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:
     """The submission body: the raw image, or multipart with an `image` file and the options."""
     binary = {"type": "string", "format": "binary", "maxLength": settings.api.max_upload_bytes}
@@ -91,7 +134,7 @@ def image_body(settings: Settings, options: type[BaseModel]) -> dict[str, Any]:
 
 
 def build_document(app: Flask) -> dict[str, Any]:
-    settings = current_services(app).settings
+    settings: Settings = app.extensions[SETTINGS]
     registry = _SchemaRegistry()
     paths: dict[str, dict[str, Any]] = {}
     declared_rules = [

@@ -19,7 +19,7 @@ from typing import Any, cast
 import redis
 from flask import Response, g, url_for
 
-from app import decode_charges, metrics
+from app import metrics
 from app.admission import Reservation
 from app.cells import CellServices, cell_unreachable
 from app.job_bodies import document_response, job_response
@@ -149,8 +149,7 @@ def _store(
         )
         return _accepted(cell, job_id, spec, stored, status, answer)
     # An expensive decode counts against its key's share in flight (fairness by CPU cost, not by task).
-    share = cell.admission.decode_share
-    charged = decode_charges.charge(share, settings, reservation.client_id, job_id, data, fields["deadline_at"])
+    charged = cell.admission.charge_decode(reservation.client_id, job_id, data, fields["deadline_at"])
     if charged:
         fields["decode_cost"] = charged
     # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
@@ -171,10 +170,10 @@ def _store(
             )
         except NotReplicated:
             cell.admission.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
-            decode_charges.release(share, job_id, charged)
+            cell.admission.release_decode(job_id, charged)
             raise
         except BaseException:
-            decode_charges.release(share, job_id, charged)  # not queued: its charge goes with it
+            cell.admission.release_decode(job_id, charged)  # not queued: its charge goes with it
             raise
         cell.admission.stored(reservation)
         log.info(

@@ -6,7 +6,7 @@ from flask import Blueprint, Response, jsonify
 
 from app.auth import require_admin
 from app.cell_stats import cells_document, merged_backlogs, read_cell
-from app.operations import Reply, operation
+from app.openapi import Reply, operation
 from app.services import services as current_services
 from contract.documents.status_documents import Stats
 from contract.jobs.backlog import total_depths

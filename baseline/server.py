@@ -25,7 +25,7 @@ from contract.settings import Settings
 from contract.settings.config import load_settings
 from gpu_worker.devices import open_device
 from gpu_worker.staging import Device
-from tasks.imaging import ImageDecodeError, decode_image, letterbox
+from tasks.decoding.imaging import ImageDecodeError, decode_image, letterbox
 
 
 def create_baseline_app(settings: Settings, device: Device) -> Flask:

@@ -1,9 +1,9 @@
 """Celery entry point for Flower: `celery -A tasks.flower flower`.
 
 The workers' own app (tasks.worker), on kombu's plain Redis transport. The workers' transport
-(tasks.broker) names itself `tasks.broker:Transport` in the broker URL Flower reads, and Flower's Broker
+(tasks.hop.broker) names itself `tasks.hop.broker:Transport` in the broker URL Flower reads, and Flower's Broker
 tab knows brokers by that URL's scheme: it answered 404 ("'redis' broker is not supported"). Flower
-publishes no task and holds no message, which is all tasks.broker changes, so kombu's own serves it; the
+publishes no task and holds no message, which is all tasks.hop.broker changes, so kombu's own serves it; the
 queues it lists are the same keys (global_keyprefix is read from the same transport options). Flower 1's
 /dashboard, which older links name, goes to the workers page.
 """

@@ -33,16 +33,16 @@ from contract.runtime.logs import JsonFormatter, configure_logging
 from contract.runtime.memory import keep_freed_memory
 from contract.settings import Settings
 from contract.settings.config import load_settings
-from tasks.autoscale import AUTOSCALER
-from tasks.callback_relay import OutboxRelay
-from tasks.callback_slots import TenantSlots
-from tasks.callbacks import CallbackSender
-from tasks.celery_app import make_celery, send_callback
-from tasks.event_batching import BatchTaskEvents
-from tasks.full_lists import PauseWhileFrameListFull
-from tasks.hop_recovery import HopRecovery
-from tasks.job_sweeps import JobSweeps
-from tasks.preprocess import Preprocessor
+from tasks.callbacks.delivery import CallbackSender
+from tasks.callbacks.relay import OutboxRelay
+from tasks.callbacks.slots import TenantSlots
+from tasks.decoding.preprocess import Preprocessor
+from tasks.hop.autoscale import AUTOSCALER
+from tasks.hop.celery_app import make_celery, send_callback
+from tasks.hop.event_batching import BatchTaskEvents
+from tasks.hop.full_lists import PauseWhileFrameListFull
+from tasks.hop.job_sweeps import JobSweeps
+from tasks.hop.recovery import HopRecovery
 
 # Before the pool forks: its children inherit the tuned malloc (see contract.runtime.memory).
 keep_freed_memory()
@@ -85,7 +85,7 @@ def create_worker_app(settings: Settings) -> Celery:
     app = make_celery(settings)
     # `--autoscale=MAX,MIN` (CPU_AUTOSCALE=MIN,MAX): Celery's autoscaler, sized by the product's backlog
     app.conf.worker_autoscaler = AUTOSCALER
-    # Each step reads the settings from the app it is given (tasks.celery_app.settings_of).
+    # Each step reads the settings from the app it is given (tasks.hop.celery_app.settings_of).
     app.steps["consumer"].update((PauseWhileFrameListFull, BatchTaskEvents, HopRecovery, JobSweeps))
 
     @app.task(
@@ -106,9 +106,9 @@ def create_worker_app(settings: Settings) -> Celery:
         (log.warning if code else log.info)("preprocess %s", outcome, extra=extra)
         return str(outcome)
 
-    # acks_late: a worker that dies during a delivery has the task given back (tasks.hop_recovery) and the callback
+    # acks_late: a worker that dies during a delivery has the task given back (tasks.hop.recovery) and the callback
     # is posted again with the same delivery id (at least once; receivers drop repeats). Retries are not
-    # Celery's: the sender schedules them in Redis (tasks.callbacks.CallbackSender).
+    # Celery's: the sender schedules them in Redis (tasks.callbacks.delivery.CallbackSender).
     @app.task(
         base=CallbackTask, bind=True, name=CALLBACK_TASK, acks_late=True, reject_on_worker_lost=True, settings=settings
     )

@@ -1,4 +1,4 @@
-"""Celery's own autoscaler on the product's backlog (tasks.autoscale, issue 61): a real CPU worker started as
+"""Celery's own autoscaler on the product's backlog (tasks.hop.autoscale, issue 61): a real CPU worker started as
 `CPU_AUTOSCALE=1,3` starts it (`--autoscale=3,1`), a burst over two models grows its pool to 3 children, and once
 idle it shrinks back to 1 without killing or redelivering a task, while the GPU worker's recent rate still counts
 both models' jobs. Celery's shrink delay (AUTOSCALE_KEEPALIVE, 30 s) is 4 s here."""

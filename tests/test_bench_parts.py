@@ -232,7 +232,7 @@ def test_redis_is_also_counted_by_its_main_thread_which_sets_what_one_redis_core
 def test_the_decode_floor_letterboxes_like_the_cpu_stage_and_counts_cpu_per_image():
     from bench.meters.floor import decode_floor_ms, prepare
     from bench.stack.corpus import photo_like_jpeg
-    from tasks.imaging import decode_image, letterbox
+    from tasks.decoding.imaging import decode_image, letterbox
 
     jpeg = photo_like_jpeg(3, size=(640, 360))
     canvas = prepare(jpeg, 64)

@@ -27,7 +27,7 @@ from contract.jobs.record import SUCCEEDED
 from contract.redis.keys import Keys
 from contract.settings import CacheSettings, CallbackSettings, JobSettings, Settings
 from contract.settings.models import ModelSpec
-from tasks.callbacks import CallbackSender
+from tasks.callbacks.delivery import CallbackSender
 from tests.support import ApiServer, api_with_keys, jpeg, wait_until
 
 SPEC = ModelSpec(name="box", version="1", labels=("content",))
@@ -209,7 +209,7 @@ def test_a_dead_letter_keeps_what_a_read_and_a_redelivery_need_not_the_stages_bo
     """A computed job's record given up on: its document (what a read shows, what a redelivery posts) is the same
     after, its owner and callback too; the claim, the queue, the stamps its time bill was made of go."""
     from contract.documents import job_document
-    from tasks.callbacks import DEAD_LETTER_DROPS
+    from tasks.callbacks.delivery import DEAD_LETTER_DROPS
 
     keys = Keys("hits-drops")
     settings = Settings(model=SPEC, models=(SPEC,), namespace="hits-drops", jobs=JobSettings(ttl_s=60, max_ttl_s=100))

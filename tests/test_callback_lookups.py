@@ -44,11 +44,11 @@ def test_the_contract_looks_the_resolver_up_at_each_call_not_at_import(monkeypat
 def test_no_function_on_the_callback_path_binds_a_resolver_as_a_default():
     import app.callback_lookups
     import app.submission
-    import tasks.callback_http
+    import tasks.callbacks.http_client
 
     bound = [
         f"{module.__name__}.{name}({parameter.name})"
-        for module in (callbacks, app.callback_lookups, app.submission, tasks.callback_http)
+        for module in (callbacks, app.callback_lookups, app.submission, tasks.callbacks.http_client)
         for name, function in inspect.getmembers(module, inspect.isfunction)
         for parameter in inspect.signature(function).parameters.values()
         if callable(parameter.default) and "getaddrinfo" in getattr(parameter.default, "__name__", "")

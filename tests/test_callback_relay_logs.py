@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from contract.redis.keys import Keys
-from tasks.callback_relay import OutboxRelay
+from tasks.callbacks.relay import OutboxRelay
 from tests.support import RedisServer, wait_until
 
 pytestmark = pytest.mark.integration  # its own redis-server
@@ -24,7 +24,7 @@ def test_redis_away_is_one_line_and_back_is_one_line(tmp_path, caplog):
     keys = Keys("relaylogs")
     sent: list[str] = []
     relay = OutboxRelay(client, keys, sent.append, retry_s=RETRY_S)
-    caplog.set_level(logging.DEBUG, logger="tasks.callback_relay")
+    caplog.set_level(logging.DEBUG, logger="tasks.callbacks.relay")
     relay.start()
     try:
         client.rpush(keys.callback_outbox, "before")
@@ -43,7 +43,7 @@ def test_redis_away_is_one_line_and_back_is_one_line(tmp_path, caplog):
         relay.stop()
         server.stop()
     # the relay's own lines: a thread an earlier test left in this process (a job-event listener) may log too
-    shown = [r for r in caplog.records if r.name == "tasks.callback_relay" and r.levelno >= logging.INFO]
+    shown = [r for r in caplog.records if r.name == "tasks.callbacks.relay" and r.levelno >= logging.INFO]
     assert [(r.levelname, r.getMessage().split(" (")[0].split(",")[0]) for r in shown] == [
         ("WARNING", "callback relay: Redis unreachable"),
         ("INFO", "callback relay: Redis is back"),
@@ -52,4 +52,4 @@ def test_redis_away_is_one_line_and_back_is_one_line(tmp_path, caplog):
 
 
 def _records(caplog, level: int) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.levelno == level and r.name == "tasks.callback_relay"]
+    return [r for r in caplog.records if r.levelno == level and r.name == "tasks.callbacks.relay"]

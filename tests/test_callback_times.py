@@ -13,7 +13,7 @@ from contract.jobs.ending import JobEnding
 from contract.jobs.record import SUCCEEDED, utc_iso
 from contract.redis.keys import Keys
 from contract.settings.config import load_settings
-from tasks.callbacks import CallbackSender
+from tasks.callbacks.delivery import CallbackSender
 from tests.conftest import CALLBACK_SECRET
 from tests.test_callbacks import Receiver
 

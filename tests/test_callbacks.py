@@ -20,7 +20,7 @@ from contract.callbacks import CallbackRefused, check_callback_url, resolve_call
 from contract.callbacks.callback_signature import sign
 from contract.documents import JobDocument
 from contract.redis.keys import Keys
-from tasks.callback_http import Deadline, post_within
+from tasks.callbacks.http_client import Deadline, post_within
 from tests.conftest import CALLBACK_SECRET
 from tests.support import free_port, jpeg, wait_until
 
@@ -355,7 +355,7 @@ def test_every_dead_letter_can_be_sent_again_at_once(stack):
 @pytest.mark.integration
 def test_a_callback_worker_killed_during_a_delivery_has_it_sent_again_and_it_never_stays_pending(stack):
     """The receiver holds the first POST; the callback worker is SIGKILLed meanwhile. Its task is given back once
-    its heartbeat lapses (tasks.hop_recovery) and a new worker delivers, with the same delivery id."""
+    its heartbeat lapses (tasks.hop.recovery) and a new worker delivers, with the same delivery id."""
     import signal
 
     from bench.stack.processes import ManagedProcess, callback_worker_argv
@@ -441,7 +441,7 @@ def test_each_api_key_signs_its_callbacks_with_its_own_secret(redis_client, tmp_
     from contract.jobs.ending import JobEnding
     from contract.jobs.record import SUCCEEDED
     from contract.redis.keys import Keys
-    from tasks.callbacks import CallbackSender
+    from tasks.callbacks.delivery import CallbackSender
 
     settings = keyed_settings(tmp_path, monkeypatch)
     assert callback_secret(settings, "team-a") == "team-a-callback-secret-0123"
@@ -521,7 +521,7 @@ def test_api_key_entries_name_their_secret_never_hold_it(tmp_path):
 
 
 def test_the_relay_loses_nothing_when_the_broker_refuses_a_task(redis_client):
-    from tasks.callback_relay import relay_outbox
+    from tasks.callbacks.relay import relay_outbox
 
     keys = Keys("relay-fails")
     redis_client.rpush(keys.callback_outbox, "job-a", "job-b")
@@ -540,7 +540,7 @@ def test_the_relay_loses_nothing_when_the_broker_refuses_a_task(redis_client):
 
 
 def test_an_entry_held_by_a_relay_that_died_is_relayed_again(redis_client):
-    from tasks.callback_relay import RELAY_STALE_AFTER_S, relay_outbox
+    from tasks.callbacks.relay import RELAY_STALE_AFTER_S, relay_outbox
 
     keys = Keys("relay-died")
     redis_client.zadd(
@@ -557,7 +557,7 @@ def test_a_late_delivery_record_does_not_recreate_an_expired_job(redis_client):
     import dataclasses
 
     from contract.settings.config import load_settings
-    from tasks.callbacks import CallbackSender
+    from tasks.callbacks.delivery import CallbackSender
 
     settings = dataclasses.replace(load_settings(), namespace="late-record")
     sender = CallbackSender(settings, redis_client)
@@ -566,7 +566,7 @@ def test_a_late_delivery_record_does_not_recreate_an_expired_job(redis_client):
 
 
 def test_the_wait_between_attempts_doubles_to_its_cap_within_its_jitter():
-    from tasks.callbacks import backoff_s
+    from tasks.callbacks.delivery import backoff_s
 
     plain = [backoff_s(n, 1.0, 3600.0, 0.0, 0.5) for n in range(1, 15)]
     assert plain[:4] == [1.0, 2.0, 4.0, 8.0] and plain[-1] == 3600.0 and max(plain) == 3600.0
@@ -577,7 +577,7 @@ def test_the_wait_between_attempts_doubles_to_its_cap_within_its_jitter():
 
 
 def test_a_retry_is_scheduled_in_redis_and_the_relay_hands_it_over_when_due(redis_client):
-    from tasks.callback_relay import relay_outbox
+    from tasks.callbacks.relay import relay_outbox
 
     keys = Keys("scheduled")
     now = time.time()
@@ -596,8 +596,8 @@ def test_a_receiver_away_longer_than_the_old_fifteen_seconds_still_gets_its_call
     from contract.jobs.ending import JobEnding
     from contract.jobs.record import SUCCEEDED
     from contract.settings.config import load_settings
-    from tasks.callback_relay import relay_outbox
-    from tasks.callbacks import CallbackSender
+    from tasks.callbacks.delivery import CallbackSender
+    from tasks.callbacks.relay import relay_outbox
 
     base = load_settings()
     settings = dataclasses.replace(

@@ -162,7 +162,7 @@ HOP_COMMANDS = {"lmove", "lrem", "rpop", "brpop", "hset", "hdel", "fcall", "zadd
 
 
 def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet_redis):
-    """The product's transport (tasks.broker) takes a message and holds it in one step (a consuming worker's take:
+    """The product's transport (tasks.hop.broker) takes a message and holds it in one step (a consuming worker's take:
     LMOVE into its held list), and the ack deletes it (LREM, riding on the next take's pipeline): kombu's ack
     emulation spent MULTI ZADD HSET EXEC and MULTI ZREM HDEL EXEC (with the worker's own set, 10 commands a task).
     basic_get (no consumer) is kombu's RPOP, then the hash's HSET, and its ack an HDEL at once."""
@@ -170,7 +170,7 @@ def test_celery_takes_and_holds_a_task_in_one_step_and_lets_it_go_with_one(quiet
 
     import kombu
 
-    from tasks.broker import TRANSPORT, holder_id
+    from tasks.hop.broker import TRANSPORT, holder_id
 
     keys = Keys("celery-cost")
     port = quiet_redis.connection_pool.connection_kwargs["port"]

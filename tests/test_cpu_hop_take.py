@@ -1,4 +1,4 @@
-"""The CPU hop's take (tasks.broker's Channel: one pipeline of LREM for the acks since the last take and LMOVE of
+"""The CPU hop's take (tasks.hop.broker's Channel: one pipeline of LREM for the acks since the last take and LMOVE of
 each queue into the worker's held list) as a consuming worker meets it, on a real Redis with the product's transport
 and kombu's own poller (the loop a Celery worker's consumer runs): under load each poll is one round trip that
 takes, holds and carries the acks; a take that finds nothing turns the worker to BRPOP, and what BRPOP brings turns
@@ -17,8 +17,8 @@ import redis
 
 from bench.stack.processes import RedisServer
 from contract.redis.keys import Keys
-from tasks.broker import TRANSPORT, holder_id
-from tasks.given_back import listed_tags, reap_dead_workers, restore_unheld
+from tasks.hop.broker import TRANSPORT, holder_id
+from tasks.hop.given_back import listed_tags, reap_dead_workers, restore_unheld
 
 QUEUE = "take-q"
 OTHER = "take-other"

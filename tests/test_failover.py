@@ -96,7 +96,7 @@ def test_a_channel_with_a_fanout_queue_closes_when_redis_has_gone(tmp_path):
     Redis restart. The close now ends, its pools let go."""
     import kombu
 
-    from tasks.broker import TRANSPORT
+    from tasks.hop.broker import TRANSPORT
 
     server = RedisServer(tmp_path)
     with kombu.Connection(f"redis://127.0.0.1:{server.port}/0", transport=TRANSPORT) as connection:
@@ -131,8 +131,8 @@ def test_a_celery_worker_gives_back_a_message_it_is_recorded_holding_but_does_no
     (this project's transport) on a real Redis takes two messages; one is in hand, the other not."""
     import kombu
 
-    from tasks.broker import TRANSPORT, holder_id
-    from tasks.given_back import UNHELD_GRACE_S, restore_unheld
+    from tasks.hop.broker import TRANSPORT, holder_id
+    from tasks.hop.given_back import UNHELD_GRACE_S, restore_unheld
 
     keys = Keys("unheld")
     client = redis.Redis.from_url(redis_server.url)

@@ -45,7 +45,7 @@ def scene_frames(count: int, input_size: int = 320, seed: int = 0) -> list[Frame
     from PIL import Image, ImageDraw
 
     from contract.frames import FrameHeader, pack_frame
-    from tasks.imaging import letterbox
+    from tasks.decoding.imaging import letterbox
 
     rng = np.random.default_rng(seed)
     frames = []

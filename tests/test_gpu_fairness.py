@@ -182,7 +182,7 @@ def test_a_lone_key_fills_the_list_and_every_batch(fair_stack):
     try:
         jobs = [_submit(stack, "flood", 200 + seed) for seed in range(16)]
         # as full as the CPU worker fills it: it stops taking the model's jobs once the list lacks room for the two
-        # its children may hold (tasks.full_lists)
+        # its children may hold (tasks.hop.full_lists)
         _queued_gpu(stack, 12 - 2)
         # the bound; the key's first frames went to the head (2, and one more when both CPU children claimed at once)
         assert stack.redis.llen(stack.frames_key) <= 12 + 3

@@ -30,9 +30,9 @@ def test_the_gpu_checks_import_without_the_packages_the_image_lacks():
 
 
 def test_the_block_bites_a_module_that_needs_flask_or_celery():
-    result = run_check("--block-absent", "app", "tasks.celery_app")
+    result = run_check("--block-absent", "app", "tasks.hop.celery_app")
     assert result.returncode == 1
-    assert "app: ModuleNotFoundError" in result.stdout and "tasks.celery_app: ModuleNotFoundError" in result.stdout
+    assert "app: ModuleNotFoundError" in result.stdout and "tasks.hop.celery_app: ModuleNotFoundError" in result.stdout
     assert "not on the GPU machine's image" in result.stdout
 
 

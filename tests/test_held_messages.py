@@ -1,4 +1,4 @@
-"""What gives a Celery message back once tasks.broker no longer keeps kombu's ack emulation (issue 58): each way a
+"""What gives a Celery message back once tasks.hop.broker no longer keeps kombu's ack emulation (issue 58): each way a
 held message can be stranded, on a real Redis with the product's transport. The whole-stack versions (a worker
 killed with a task in hand, killed as it takes one, a failover that lost an ack) are in test_make_run.py and
 test_failover.py."""
@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from contract.redis.keys import CELERY_HOLDS, Keys
-from tasks.broker import TRANSPORT, holder_id
-from tasks.given_back import reap_dead_workers
+from tasks.hop.broker import TRANSPORT, holder_id
+from tasks.hop.given_back import reap_dead_workers
 
 QUEUE = "held-q"
 
@@ -109,7 +109,7 @@ def test_a_message_a_worker_of_the_release_before_held_comes_back_after_the_visi
 def test_a_connection_switched_to_the_next_broker_url_keeps_this_transport():
     """A failover: kombu's Connection.switch takes the next URL's scheme as the transport. It must stay this one
     (its holds), not become kombu's own; the worker's liveness needs HeldQoS (it crashed on kombu's)."""
-    from tasks.broker import Channel, own_the_schemes
+    from tasks.hop.broker import Channel, own_the_schemes
 
     own_the_schemes()
     for url in ("redis://127.0.0.1:1/0", "sentinel://127.0.0.1:1/0"):

@@ -18,8 +18,8 @@ from bench.stack.processes import ManagedProcess, callback_worker_argv
 from bench.stack.receivers import Gauge, Receiver, Tarpit
 from contract.callbacks import resolve_callback_url
 from contract.redis.keys import Keys
-from tasks.callback_http import Deadline, DeliveryFailed, post_within
-from tasks.callback_slots import LAPSE_MARGIN_S, TenantSlots
+from tasks.callbacks.http_client import Deadline, DeliveryFailed, post_within
+from tasks.callbacks.slots import LAPSE_MARGIN_S, TenantSlots
 from tests.support import ApiServer, jpeg, wait_until
 
 DEADLINE_S = 3.0

@@ -18,8 +18,8 @@ from PIL import Image, ImageOps, PngImagePlugin
 
 from bench.hostile import files as hostile
 from contract.settings import DecodeSettings
-from tasks.imaging import ImageDecodeError, decode_image
-from tasks.structure import DEFAULT_LIMITS, StructureLimits, TooComplex, check
+from tasks.decoding.imaging import ImageDecodeError, decode_image
+from tasks.decoding.structure import DEFAULT_LIMITS, StructureLimits, TooComplex, check
 from tests.support import REPO_ROOT, encode, jpeg, make_image
 
 CPU_BOUND_S = 2.0  # the issue's target per hostile file; the decodes take milliseconds
@@ -140,7 +140,7 @@ def test_a_20_mb_file_is_judged_in_well_under_a_second():
 def _decode_rss_growth_mb(data: bytes) -> tuple[str, float]:
     """Decode in a fresh interpreter: (its outcome, its peak RSS growth in MB): Pillow's C allocations too."""
     code = (
-        "import resource, sys; from tasks.imaging import decode_image, ImageDecodeError\n"
+        "import resource, sys; from tasks.decoding.imaging import decode_image, ImageDecodeError\n"
         "data = sys.stdin.buffer.read()\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "try:\n    decode_image(data, 320, 80_000_000, 256 * 1024 * 1024); outcome = 'decoded'\n"
@@ -163,7 +163,7 @@ def test_the_decoding_process_does_not_grow_on_the_bombs_that_grew_it_most(build
 
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "WEBP"])
 def test_exif_orientation_is_read_as_pillow_reads_it_without_pillow_reading_it(fmt):
-    """The orientation comes from a bounded parse (tasks.structure), never Image.getexif(): the same upright
+    """The orientation comes from a bounded parse (tasks.decoding.structure), never Image.getexif(): the same upright
     image as ImageOps.exif_transpose for every value, out-of-range ones included."""
     for orientation in range(10):
         exif = Image.Exif()

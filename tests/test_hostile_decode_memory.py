@@ -1,7 +1,7 @@
 """Issue 52's decoder findings: files within the header's limits whose decode held 2-4x what the limit counted
 (WebP, palette and alpha images, progressive JPEGs) or cost CPU by their pixels rather than their bytes (BMP RLE).
 Each is decoded as a CPU worker decodes it, in a fresh interpreter where its memory is the figure: refused, or
-decoded within what tasks.decode_memory said it would take. The figures before (this machine, 2026-12-06) are in
+decoded within what tasks.decoding.peak_memory said it would take. The figures before (this machine, 2026-12-06) are in
 the docstrings; docs/security.md has the table."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 from PIL import BmpImagePlugin, Image
 
 from bench.hostile import files as hostile
-from tasks import bmp_rle, decode_memory
-from tasks.imaging import ImageDecodeError, decode_image
-from tasks.structure import DEFAULT_LIMITS, check, coefficient_bytes
+from tasks.decoding import bmp_rle, peak_memory
+from tasks.decoding.imaging import ImageDecodeError, decode_image
+from tasks.decoding.structure import DEFAULT_LIMITS, check, coefficient_bytes
 from tests.support import REPO_ROOT, encode, make_image
 
 CAP = 256 * 1024 * 1024  # decode.max_decoded_bytes' default
@@ -28,15 +28,14 @@ MARGIN_MB = 40  # a tile of reduce_in_tiles, the letterbox's output, the allocat
 
 # In a fresh interpreter, its malloc set as a CPU worker's: decode stdin's bytes as a CPU worker does (target 640),
 # and print its outcome, its CPU seconds, its peak RSS growth (VmHWM: Pillow's and libwebp's allocations too)
-# and what tasks.decode_memory said the decode would hold.
+# and what tasks.decoding.peak_memory said the decode would hold.
 _MEASURE = r"""
 import json, sys, time, io
 from contract.runtime.memory import keep_freed_memory
 keep_freed_memory()  # as a CPU worker's malloc is set
 from PIL import Image
-from tasks import decode_memory
-from tasks.imaging import ImageDecodeError, decode_image
-from tasks.structure import DEFAULT_LIMITS, check, coefficient_bytes
+from tasks.decoding.imaging import ImageDecodeError, decode_image
+from tasks.decoding.structure import DEFAULT_LIMITS, check, coefficient_bytes
 from contract.admission import media
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024
@@ -44,7 +43,7 @@ def hwm():
 data = sys.stdin.buffer.read()
 fmt = media.sniff(data)[1]
 opened = Image.open(io.BytesIO(data), formats=[fmt])
-estimate = decode_memory.peak_bytes(opened, fmt, check(data, fmt, DEFAULT_LIMITS))
+estimate = peak_memory.peak_bytes(opened, fmt, check(data, fmt, DEFAULT_LIMITS))
 opened.close()
 del opened
 base, started = hwm(), time.process_time()
@@ -111,7 +110,7 @@ def test_what_decodes_holds_no_more_than_the_estimate_the_cap_was_checked_agains
 def test_the_cap_refuses_what_it_names_and_no_less():
     """Just over the estimate: refused; at it: decoded. A WebP is counted at its canvas, whatever its frames."""
     small = hostile.webp_animated_canvas(1024, 1024)
-    need = 1024 * 1024 * decode_memory.WEBP_BYTES_PER_PIXEL
+    need = 1024 * 1024 * peak_memory.WEBP_BYTES_PER_PIXEL
     with pytest.raises(ImageDecodeError) as caught:
         decode_image(small, 320, 10**8, need - 1)
     assert caught.value.code == "image_too_large" and "canvas" in str(caught.value)
@@ -206,11 +205,11 @@ def test_reducing_in_tiles_gives_the_pixels_of_converting_and_reducing_whole(mod
         image.info["transparency"] = 7
     whole = np.asarray(image.convert({"P": "RGBA", "PA": "RGBA"}.get(mode, mode)).reduce(factor)).astype(int)
     across = -(-size[0] // factor)
-    monkeypatch.setattr(decode_memory, "TILE_BYTES", 4 * factor * factor * across * 2)  # bands of 2 block rows
-    banded = decode_memory.reduce_in_tiles(image, factor)
+    monkeypatch.setattr(peak_memory, "TILE_BYTES", 4 * factor * factor * across * 2)  # bands of 2 block rows
+    banded = peak_memory.reduce_in_tiles(image, factor)
     assert np.array_equal(np.asarray(banded), whole)
-    monkeypatch.setattr(decode_memory, "TILE_BYTES", 4 * factor * factor * 3)  # tiles of 3 blocks
-    assert np.abs(np.asarray(decode_memory.reduce_in_tiles(image, factor)).astype(int) - whole).max() <= 1
+    monkeypatch.setattr(peak_memory, "TILE_BYTES", 4 * factor * factor * 3)  # tiles of 3 blocks
+    assert np.abs(np.asarray(peak_memory.reduce_in_tiles(image, factor)).astype(int) - whole).max() <= 1
 
 
 def test_coefficients_are_counted_for_progressive_and_multi_scan_jpegs_only():

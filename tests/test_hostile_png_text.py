@@ -16,9 +16,9 @@ import pytest
 from PIL import Image, PngImagePlugin
 
 from bench.hostile import files as hostile
-from tasks import png_text
-from tasks.imaging import ImageDecodeError, decode_image
-from tasks.structure import DEFAULT_LIMITS, MAX_PNG_TEXT_BYTES, check
+from tasks.decoding import png_text
+from tasks.decoding.imaging import ImageDecodeError, decode_image
+from tasks.decoding.structure import DEFAULT_LIMITS, MAX_PNG_TEXT_BYTES, check
 from tests.support import REPO_ROOT, encode, make_image
 
 CAP = 256 * 1024 * 1024  # decode.max_decoded_bytes' default
@@ -29,7 +29,7 @@ _MEASURE = r"""
 import json, sys, time
 from contract.runtime.memory import keep_freed_memory
 keep_freed_memory()
-from tasks.imaging import ImageDecodeError, decode_image
+from tasks.decoding.imaging import ImageDecodeError, decode_image
 
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) * 1024

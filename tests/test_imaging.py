@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tasks.imaging import ImageDecodeError, decode_image, letterbox
+from tasks.decoding.imaging import ImageDecodeError, decode_image, letterbox
 from tests.support import encode, jpeg, make_image
 
 LIMIT = 80_000_000
@@ -133,7 +133,7 @@ def _decode_peak_mb(path: str) -> str:
     import sys
 
     code = (
-        "import resource, sys; from tasks.imaging import decode_image, ImageDecodeError\n"
+        "import resource, sys; from tasks.decoding.imaging import decode_image, ImageDecodeError\n"
         "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         f"data = open({path!r}, 'rb').read()\n"
         "try:\n    decode_image(data, 320, 80_000_000, 256 * 1024 * 1024)\n"
@@ -161,7 +161,7 @@ def test_small_files_that_decode_huge_stay_near_one_decoded_copy_or_are_refused_
 
 
 def test_scans_are_counted_from_the_markers_past_each_scans_data():
-    from tasks.imaging import jpeg_scans
+    from tasks.decoding.imaging import jpeg_scans
     from tests.support import scan_bomb
 
     assert jpeg_scans(jpeg(64, 48), 100) == 1
@@ -213,7 +213,7 @@ def test_an_arithmetic_coded_jpeg_past_one_read_block_decodes_as_its_huffman_twi
     """libjpeg's arithmetic decoder cannot suspend for more data, and Pillow fed it 64 KB at a time: such a JPEG of
     more than one block failed "broken data stream" (issue 59). The two files hold the same coefficients
     (`jpegtran -arithmetic` of the other, 86 KB): they decode to the same pixels."""
-    from tasks.imaging import arithmetic_coded
+    from tasks.decoding.imaging import arithmetic_coded
     from tests.support import REPO_ROOT
 
     arithmetic = (REPO_ROOT / "tests" / "data" / "arithmetic-480x270.jpg").read_bytes()

@@ -114,6 +114,28 @@ def test_the_floor_check_sees_an_arrow_back_up(tmp_path):
     assert contract_packages_imported(path) == [(1, "workers"), (2, "redis"), (2, "jobs")]
 
 
+# tasks/ in three parts: the hop (the Celery plumbing every worker runs), decoding and callbacks. Decoding and callbacks
+# may use the hop; the hop uses neither, and neither uses the other. The two modules Celery is started on
+# (tasks.worker, tasks.flower) wire them together, at the top.
+TASKS_PARTS = {"hop": {"hop"}, "decoding": {"decoding", "hop"}, "callbacks": {"callbacks", "hop"}}
+TASKS_ENTRY_POINTS = {"__init__.py", "worker.py", "flower.py"}
+
+
+def test_the_parts_of_tasks_import_only_themselves_and_the_hop():
+    assert {path.name for path in (REPO_ROOT / "tasks").glob("*.py")} == TASKS_ENTRY_POINTS
+    assert {path.name for path in (REPO_ROOT / "tasks").iterdir() if path.is_dir() and path.name != "__pycache__"} == (
+        set(TASKS_PARTS)
+    )
+    crossings = []
+    for part, allowed in TASKS_PARTS.items():
+        for path in sorted((REPO_ROOT / "tasks" / part).rglob("*.py")):
+            for line, name in imported_names(path):
+                parts = name.split(".")
+                if parts[0] == "tasks" and (len(parts) < 2 or parts[1] not in allowed):
+                    crossings.append(f"{path.relative_to(REPO_ROOT)}:{line} imports {name}")
+    assert crossings == [], "\n".join(crossings)
+
+
 def test_no_import_circle_between_the_projects_modules():
     paths = {module_name(p): p for package in PACKAGES for p in (REPO_ROOT / package).rglob("*.py")}
     graph = {name: imports_of(path, set(paths)) - {name} for name, path in paths.items()}
@@ -172,6 +194,11 @@ ONE_CONCEPT_PAST_THE_CAP = {
         400,
         "what a 202 waits for: the write and its WAIT, the replica count, and behind Sentinel the view of which "
         "replicas could be promoted; three files before (issue 63, item 1)",
+    ),
+    "tasks/decoding/imaging.py": (
+        360,
+        "decode and letterbox one image: 347 lines before tasks/ became packages, whose longer paths wrapped its "
+        "import of the structure walk's names over eight lines (issue 73, item 3)",
     ),
 }
 

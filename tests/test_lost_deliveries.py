@@ -1,4 +1,4 @@
-"""A preprocess task that a worker took from Redis and died with before kombu recorded it (tasks.lost_deliveries):
+"""A preprocess task that a worker took from Redis and died with before kombu recorded it (tasks.hop.lost_deliveries):
 found by looking where a message can be, and sent again, once."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import redis
 
 from contract.jobs.task_messages import PreprocessMessages
 from contract.redis.keys import Keys
-from tasks.broker import TRANSPORT, holder_id
-from tasks.lost_deliveries import MAX_RESENDS, LostDeliveries, jobs_named
+from tasks.hop.broker import TRANSPORT, holder_id
+from tasks.hop.lost_deliveries import MAX_RESENDS, LostDeliveries, jobs_named
 
 QUEUE = "preprocess:m:1"
 

@@ -97,7 +97,7 @@ def wait_for_end(stack: ProcfileStack, job_id: str, timeout_s: float) -> dict:
 
 
 def held(client: redis.Redis, keys: Keys) -> bool:
-    """Whether any Celery worker holds a message (tasks.broker's holds: a worker's hash or its held list)."""
+    """Whether any Celery worker holds a message (tasks.hop.broker's holds: a worker's hash or its held list)."""
     return any(client.hlen(key) for key in client.scan_iter(keys.celery_holds("*"))) or any(
         client.llen(key) for key in client.scan_iter(keys.celery_held("*"))
     )
@@ -135,7 +135,7 @@ def test_a_cpu_worker_killed_as_it_takes_a_task_from_redis_has_the_task_sent_aga
     """Kombu's BRPOP takes a message off its queue before the worker records it as held: a worker killed between
     the two takes the message with it (the compose kill test met it: a job expired). Here the CPU worker's main
     process is stopped while its BRPOP waits, so Redis hands the next task to a process that will never read it;
-    then it is killed. tasks.lost_deliveries finds the job's task nowhere and sends it again."""
+    then it is killed. tasks.hop.lost_deliveries finds the job's task nowhere and sends it again."""
     assert make_run.redis is not None
     client, keys = redis.Redis(port=make_run.redis.port), Keys("imgserve")
     wait_until(lambda: cpu_worker_ready(make_run), 60, what="the CPU worker to be ready")

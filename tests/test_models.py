@@ -482,7 +482,7 @@ def test_frames_left_on_0_1_0s_single_list_are_left_alone_and_orphaned_lists_are
     upgrade drains it first: CHANGELOG); a model's list nobody reads is still named in the log."""
     from contract.frames import FrameHeader, pack_frame
     from contract.jobs.record import new_job_id
-    from tasks.imaging import decode_image, letterbox
+    from tasks.decoding.imaging import decode_image, letterbox
 
     image, size = decode_image(jpeg(300, 200), 64, 10**8, 10**9)
     boxed = letterbox(image, size, 64)
@@ -580,7 +580,7 @@ def multi_env(config_path: Path) -> dict[str, str]:
 
 
 def test_a_cpu_worker_stops_taking_a_models_jobs_while_its_list_has_no_room_for_what_it_holds():
-    from tasks.full_lists import full_models
+    from tasks.hop.full_lists import full_models
 
     # limits 8 and 8; this worker may hold 2 tasks: a list at 6 has no room left for them
     assert full_models([6, 5], [8, 8], held=2, paused=set()) == ({0}, set())
@@ -594,7 +594,7 @@ def test_a_full_lists_pause_holds_every_queue_of_the_model_but_a_light_keys():
     for room: held, it waited behind the flood's (queue_cpu). The flooding key's, the keyless queue and every queue of a
     model whose list has room are as before."""
     from contract.redis.keys import Keys
-    from tasks.full_lists import queues_to_hold
+    from tasks.hop.full_lists import queues_to_hold
 
     keys = Keys("t")
     queues = [keys.preprocess_queues("a:1", ("", "flood", "light")), keys.preprocess_queues("b:1", ("", "light"))]

@@ -11,8 +11,8 @@ import redis
 from app.problems import REDIS_PROBLEMS, redis_problem
 from contract.redis.replication import AnswerNotReplicated, NotReplicated, Unconfirmed
 from contract.redis.shards import ShardUnavailable
-from tasks import outcomes
-from tasks.outcomes import Stage, StageOutcome
+from tasks.decoding import outcomes
+from tasks.decoding.outcomes import Stage, StageOutcome
 
 
 @pytest.mark.parametrize(

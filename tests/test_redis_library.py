@@ -28,7 +28,7 @@ from contract.library import (
 )
 from contract.redis.keys import KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
 from contract.redis.shards import SHARDED_UPLOAD, UPLOAD_FIELD
-from tasks.callbacks import DEAD_LETTER_DROPS
+from tasks.callbacks.delivery import DEAD_LETTER_DROPS
 from tests.support import RedisServer
 
 LIBRARY = HERE

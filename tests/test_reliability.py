@@ -190,7 +190,7 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
             else:
                 refused.append(response)
         # The CPU worker stops taking this model's tasks once the list has no room for the tasks it may hold
-        # (tasks.full_lists: 2 children x prefetch 1), so the list settles between max_frames - 2 and
+        # (tasks.hop.full_lists: 2 children x prefetch 1), so the list settles between max_frames - 2 and
         # max_frames, depending on what its children held at that moment: not always full.
         wait_until(
             lambda: stack.redis.llen(stack.frames_key) >= limits.max_frames - 2,
@@ -215,7 +215,7 @@ def test_overload_is_refused_with_429_and_the_frame_list_stays_bounded(tight_sta
     assert [d["status"] for d in docs] == ["succeeded"] * len(accepted)
     # Frames that waited in a CPU worker for room are billed `backpressure` (the GPU worker was away for
     # seconds), not `queue_gpu`: each was stamped when it was finally pushed.
-    # Whether a child waits here at all is a race since CPU workers pause a full list's queue (tasks.full_lists);
+    # Whether a child waits here at all is a race since CPU workers pause a full list's queue (tasks.hop.full_lists);
     # the next test makes one wait for certain.
     waited = [d["timings_ms"] for d in docs if d["timings_ms"]["backpressure"] > 300]
     assert all(bill["queue_gpu"] < bill["backpressure"] for bill in waited)
@@ -230,7 +230,7 @@ def test_a_frame_that_waited_for_room_is_stamped_when_it_is_finally_pushed(tmp_p
     from contract.redis.connection import connect
     from contract.redis.keys import Keys
     from contract.settings.config import load_settings
-    from tasks.preprocess import Preprocessor
+    from tasks.decoding.preprocess import Preprocessor
 
     # A Redis of its own: the test counts the worker's looks at the list in the server's command counts.
     server = RedisServer(tmp_path)

@@ -28,7 +28,7 @@ from contract.jobs.intake import JobIntake
 from contract.jobs.record import QUEUED, QUEUED_GPU, RUNNING, new_job_id
 from contract.redis.keys import Keys
 from contract.redis.shards import SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable, shard_of
-from tasks.shard_watch import ShardWatch
+from tasks.hop.shard_watch import ShardWatch
 from tests.conftest import STACK_INPUT_SIZE, content_box_spec, start_stack, stop_stack
 from tests.support import free_port, jpeg, wait_until
 

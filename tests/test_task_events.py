@@ -1,4 +1,4 @@
-"""What Flower sees: every task's events, from a real CPU worker, several to a message (tasks.event_batching)."""
+"""What Flower sees: every task's events, from a real CPU worker, several to a message (tasks.hop.event_batching)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from contract.jobs.task_messages import PREPROCESS_TASK
-from tasks.celery_app import make_celery
+from tasks.hop.celery_app import make_celery
 from tests.support import jpeg, wait_until
 
 pytestmark = pytest.mark.integration

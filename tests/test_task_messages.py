@@ -12,7 +12,7 @@ import redis
 from contract.jobs.task_messages import PREPROCESS_TASK, PreprocessMessages, reply_address
 from contract.redis.keys import Keys
 from contract.settings.config import load_settings
-from tasks.celery_app import make_celery
+from tasks.hop.celery_app import make_celery
 
 VARYING = {
     ("headers", "id"),

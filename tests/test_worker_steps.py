@@ -1,6 +1,6 @@
 """The CPU worker's own bootsteps read the service's settings from the app Celery gives them
-(tasks.celery_app.settings_of), and the settings stay out of the app's conf, which any client of the broker can ask a
-worker for (`celery inspect conf`, Flower's worker page). A real stack's CPU worker."""
+(tasks.hop.celery_app.settings_of), and the settings stay out of the app's conf, which any client of the broker can ask
+a worker for (`celery inspect conf`, Flower's worker page). A real stack's CPU worker."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from contract.redis.clock import now as service_now
-from tasks.celery_app import make_celery, settings_of
+from tasks.hop.celery_app import make_celery, settings_of
 from tests.support import wait_until
 
 pytestmark = pytest.mark.integration
@@ -35,4 +35,4 @@ def test_the_steps_run_on_the_apps_settings_which_the_workers_conf_does_not_show
     assert replies, "the CPU worker answered no `inspect conf`"
     shown = json.dumps(replies, default=str)
     assert "service_settings" not in shown and "Settings(" not in shown
-    assert all(reply.get("worker_autoscaler") == "tasks.autoscale:BacklogAutoscaler" for reply in replies.values())
+    assert all(reply.get("worker_autoscaler") == "tasks.hop.autoscale:BacklogAutoscaler" for reply in replies.values())

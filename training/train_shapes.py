@@ -26,7 +26,7 @@ from contract.frames import MAPPING_FIELDS
 from contract.settings import REPO_ROOT
 from gpu_worker.postprocess import Geometry, Thresholds, postprocess
 from gpu_worker.tiny_yolo import TinyYolo
-from tasks.imaging import letterbox
+from tasks.decoding.imaging import letterbox
 from training.independent import independent_scene
 from training.loss import detection_loss
 from training.metrics import ImagePredictions, ImageTruth, mean_average_precision

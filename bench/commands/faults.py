@@ -274,7 +274,7 @@ def cmd_hostile(args: argparse.Namespace) -> int:
 
 
 def hostile_decode(args: argparse.Namespace) -> int:
-    """Each hostile file decoded by each side's tasks.imaging in a fresh interpreter (no stack)."""
+    """Each hostile file decoded by each side's tasks.decoding.imaging in a fresh interpreter (no stack)."""
     from bench.hostile.images import ROUNDS, decode_each, decode_markdown
     from bench.load.ab import worktree
 

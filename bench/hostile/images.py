@@ -80,9 +80,15 @@ MoreAttack = Callable[[str, dict[str, str]], list[str]]
 # Decode stdin's bytes as a CPU worker does, in a fresh interpreter of a checkout: outcome, CPU s, peak RSS growth.
 _DECODE = r"""
 import json, sys, time
-from contract.runtime.memory import keep_freed_memory
+try:
+    from contract.runtime.memory import keep_freed_memory
+except ModuleNotFoundError:  # a side that predates contract's packages
+    from contract.memory import keep_freed_memory
 keep_freed_memory()  # as a CPU worker's malloc is set
-from tasks.imaging import ImageDecodeError, decode_image
+try:
+    from tasks.decoding.imaging import ImageDecodeError, decode_image
+except ModuleNotFoundError:  # a side that predates tasks/'s parts
+    from tasks.imaging import ImageDecodeError, decode_image
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
 data = sys.stdin.buffer.read()
@@ -98,7 +104,7 @@ print(json.dumps({"outcome": outcome, "cpu_s": round(time.process_time() - start
 
 
 def decode_each(root: Path, attacks: Sequence[FileAttack]) -> list[dict[str, Any]]:
-    """Each file decoded by `root`'s tasks.imaging as a CPU worker does (target 640, the default limits), in a
+    """Each file decoded by `root`'s tasks.decoding.imaging as a CPU worker does (target 640, the default limits), in a
     fresh interpreter: how it ended, its CPU seconds and how much the process grew (VmHWM, Pillow's and libwebp's
     own allocations included)."""
     import json

@@ -4,7 +4,7 @@
 
 Each variant is make run's own stack (scripts/run-local, the sim device) started afresh: a fixed pool of one CPU
 worker process (CPU_WORKERS=1), a fixed pool at the maximum (CPU_WORKERS=MAX), and the pool autoscaled on the
-backlog between them (CPU_AUTOSCALE=1,MAX: tasks/autoscale.py, Celery's shrink delay AUTOSCALE_KEEPALIVE shortened
+backlog between them (CPU_AUTOSCALE=1,MAX: tasks/hop/autoscale.py, Celery's shrink delay AUTOSCALE_KEEPALIVE shortened
 to --keepalive-s). Idle, the CPU worker's resident memory (its main process and pool) is read; then `--burst`
 1080p JPEGs are sent at once, each followed to its end by a long-poll, while the pool's size is read every 0.2 s;
 then the stack idles until the pool is back at its minimum (or --idle-s passes). Printed: p95 against the SLA,

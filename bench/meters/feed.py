@@ -86,7 +86,7 @@ class FeedOptions:
 # --- frames ---------------------------------------------------------------
 def frame_contents(options: FeedOptions) -> list[tuple[dict[str, Any], bytes]]:
     """(geometry, content pixels) of each distinct image, as the CPU stage would push them."""
-    from tasks.imaging import decode_image, letterbox
+    from tasks.decoding.imaging import decode_image, letterbox
 
     rng = np.random.default_rng(7)
     width, height = options.image_size

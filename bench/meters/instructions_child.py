@@ -31,8 +31,13 @@ if __name__ == "__main__":
         connect = importlib.import_module("contract.connection").connect
         Keys = importlib.import_module("contract.keys").Keys  # type: ignore[misc]
         load_settings = importlib.import_module("contract.config").load_settings
-    from tasks.imaging import decode_image, letterbox
-    from tasks.preprocess import Preprocessor
+
+    try:  # the measured checkout's CPU stage, by either of its paths (--base may predate tasks/'s parts)
+        from tasks.decoding.imaging import decode_image, letterbox
+        from tasks.decoding.preprocess import Preprocessor
+    except ModuleNotFoundError:
+        from tasks.imaging import decode_image, letterbox  # type: ignore[no-redef]
+        from tasks.preprocess import Preprocessor  # type: ignore[no-redef]
 
     settings = load_settings()
     client = connect(settings, socket_timeout=60.0)

@@ -93,7 +93,7 @@ def shapes_outputs(batch: int, device: str = "cpu") -> tuple[torch.Tensor, Geome
     from contract.settings.config import load_settings
     from contract.settings.models import default_model
     from gpu_worker.model import load_model
-    from tasks.imaging import letterbox
+    from tasks.decoding.imaging import letterbox
 
     spec = default_model(load_settings())
     model = load_model(spec, torch.device(device), max_batch=batch)

@@ -41,7 +41,7 @@ _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type: grey, RGB, pal
 
 def decode_cost(data: bytes | bytearray | memoryview) -> int:
     """The bytes decoding `data` works through, from its header; 0 where the header is not one this weighs
-    (a JPEG's draft mode and scan limits, and the decoders' other caps, bound those: tasks.imaging)."""
+    (a JPEG's draft mode and scan limits, and the decoders' other caps, bound those: tasks.decoding.imaging)."""
     head = bytes(data[:29])
     if len(head) < 29 or not head.startswith(_PNG_SIGNATURE) or head[12:16] != b"IHDR":
         return 0

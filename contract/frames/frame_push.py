@@ -34,7 +34,7 @@ KEY_FRAMES_TTL_S = 300
 # MULTI, keeps the frame only if it may be there. The frame stays out of Lua: a step that takes a frame as an
 # argument makes Redis copy it into Lua and back out, three times this one's CPU
 # (docs/benchmarks/2026-12-02-stack-cpu-by-role.md). A claim the job no longer carries (a later delivery of its task
-# claimed it after this worker was presumed dead: tasks.hop_recovery) pushes nothing either: one frame per job, whoever
+# claimed it after this worker was presumed dead: tasks.hop.recovery) pushes nothing either: one frame per job, whoever
 # decoded it.
 _KEEP_PUSHED_FRAME = Step("keep_pushed_frame")
 

@@ -10,7 +10,7 @@ the first end wins), so an expiry never replaces another end and an end after it
 
 - a read or a wait of the API that finds the job live past its deadline (app.waiters): `expire_if_late`;
 - the sweep of the deadline index, every API process's tick (app.listener_ticks) and every CPU worker's
-  (tasks.job_sweeps), for the jobs nobody reads: `sweep`;
+  (tasks.hop.job_sweeps), for the jobs nobody reads: `sweep`;
 - the CPU worker's claim, whose step answers `late` without changing the job (the library's `claim`, by
   `deadline_passed`); the worker then ends it: `expire(..., BEFORE_PREPROCESSING)`;
 - the CPU worker's waits for room on the frame list and for memory (with a margin): `expire_if_late`;

@@ -31,7 +31,8 @@ from contract.redis.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 _CLAIM = Step("claim")
 
 
-# What the CPU worker reads of a record at its claim (tasks/preprocess.py), and nothing more of its ~23 fields: how it
+# What the CPU worker reads of a record at its claim (tasks/decoding/preprocess.py), and nothing more of its ~23
+# fields: how it
 # ended when it is over, its model, its deadline and options (the frame's header), the stamps its bill goes on
 # from, whether its key's decode share is to be given back, and its key (the frame's header: the GPU worker counts
 # the key's frames out by it). A field the record lacks is absent from the reply.

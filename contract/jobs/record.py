@@ -71,7 +71,7 @@ class JobRecord(TypedDict, total=False):
     cpu_started_at: float
     claim: str  # the CPU worker's claim token: only its holder may push the frame
     queue: str  # the Celery queue its task went to: where a task lost in delivery is sent again
-    resent: str  # how many times its task was sent again (tasks.lost_deliveries)
+    resent: str  # how many times its task was sent again (tasks.hop.lost_deliveries)
     decode_ms: float
     resize_ms: float
     backpressure_ms: float

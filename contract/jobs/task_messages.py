@@ -47,7 +47,7 @@ class PreprocessMessages:
 
     def build(self, job_id: str, queue: str) -> bytes:
         # The task's id is the job's: Flower finds a job's task by the id a client holds (/task/<job id>). A
-        # job sent again (tasks.lost_deliveries) is the same task to Flower, its latest attempt shown; each
+        # job sent again (tasks.hop.lost_deliveries) is the same task to Flower, its latest attempt shown; each
         # message still has its own delivery tag.
         task_id = job_id
         body = json.dumps([[job_id], {}, {"callbacks": None, "errbacks": None, "chain": None, "chord": None}])

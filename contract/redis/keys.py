@@ -16,7 +16,7 @@ PREPROCESS_QUEUE = "preprocess"
 CALLBACK_QUEUE = "callbacks"
 UPLOAD_SUFFIX = ":upload"  # a job's upload is its key plus this (the Lua that ends a job deletes it so)
 CELERY_HOLDS = "holds:"  # + a worker process's id: the messages it holds, under Celery's key prefix
-CELERY_HELD = "held:"  # + a worker process's id: the messages its takes moved into its held list (tasks.broker)
+CELERY_HELD = "held:"  # + a worker process's id: the messages its takes moved into its held list (tasks.hop.broker)
 KEY_WAITING_SEPARATOR = ":"  # an API key's waiting bytes: waiting_bytes, this, its id (the Lua that ends jobs too)
 
 
@@ -35,17 +35,17 @@ class Keys:
 
     def celery_holds(self, holder: str) -> str:
         """Hash: delivery tag -> a Celery message one worker process holds and when it was delivered
-        (tasks.broker), given back to its queue at once when that worker is found dead (tasks.hop_recovery)."""
+        (tasks.hop.broker), given back to its queue at once when that worker is found dead (tasks.hop.recovery)."""
         return self.celery_prefix + CELERY_HOLDS + holder
 
     def celery_held(self, holder: str) -> str:
-        """List: the Celery messages one worker process's takes moved off their queues (LMOVE, tasks.broker), as
+        """List: the Celery messages one worker process's takes moved off their queues (LMOVE, tasks.hop.broker), as
         they lay there; each goes at its ack (LREM), or back to its queue when that worker is found dead."""
         return self.celery_prefix + CELERY_HELD + holder
 
     @property
     def cpu_autoscalers(self) -> str:
-        """Sorted set: the CPU worker nodes whose pool autoscales on the backlog (tasks.autoscale), scored by their
+        """Sorted set: the CPU worker nodes whose pool autoscales on the backlog (tasks.hop.autoscale), scored by their
         last look: the wanted processes are shared among those that looked recently."""
         return f"{self.namespace}:cpu_autoscalers"
 
@@ -65,12 +65,13 @@ class Keys:
 
     @property
     def lost_deliveries_lock(self) -> str:
-        """String with a TTL: a worker looking for jobs whose task was lost in delivery (tasks.lost_deliveries)."""
+        """String with a TTL: a worker looking for jobs whose task was lost in delivery (tasks.hop.lost_deliveries)."""
         return f"{self.namespace}:lost_deliveries:lock"
 
     @property
     def lost_deliveries_suspects(self) -> str:
-        """Sorted set: queued jobs whose task the last look found nowhere, scored by when (tasks.lost_deliveries)."""
+        """Sorted set: queued jobs whose task the last look found nowhere, scored by when
+        (tasks.hop.lost_deliveries)."""
         return f"{self.namespace}:lost_deliveries:suspects"
 
     @property

@@ -8,7 +8,7 @@ record, Celery, the budgets and everything else stay on the control plane; the j
 where the upload was (`SHARDED_UPLOAD` in its `UPLOAD_FIELD`), which the steps on job records read.
 
 What a shard's failure does (docs/reliability.md, "A bulk shard dies"): the processes skip a shard they
-found down for `bulk.retry_s`; `tasks.shard_watch` (every CPU worker's sweep) ends `failed` the live jobs that were
+found down for `bulk.retry_s`; `tasks.hop.shard_watch` (every CPU worker's sweep) ends `failed` the live jobs that were
 waiting on a shard which lost its data (`shard_lost`) or stayed unreachable past `bulk.grace_s`
 (`shard_unavailable`). Jobs on other shards go on.
 """

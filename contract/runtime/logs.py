@@ -44,7 +44,7 @@ class JsonFormatter(logging.Formatter):
 # Start-up and connection chatter, quiet unless logs.verbose: a start printed about 80 lines before the ready line.
 # What stays: each process's own line that it is up ("cpu@host ready.", the API's "listening", the GPU worker's).
 QUIET_LOGGERS = {
-    "celery.worker.consumer.connection": logging.WARNING,  # "Connected to tasks.broker:Transport://..."
+    "celery.worker.consumer.connection": logging.WARNING,  # "Connected to tasks.hop.broker:Transport://..."
     "celery.worker.consumer.mingle": logging.WARNING,  # "mingle: searching for neighbors", "all alone"
     "kombu.mixins": logging.WARNING,  # Flower's "Connected to redis://..."
     "gunicorn.error": logging.WARNING,  # "Starting gunicorn", "Booting worker", "Worker exiting", ...

@@ -28,15 +28,15 @@ class DecodeSettings:
     """What a CPU worker will decode: checked from the image's header before a pixel is decoded."""
 
     max_image_pixels: int = 80_000_000
-    # What a decode holds at its peak, judged by format and mode before decoding (tasks.decode_memory): a WebP's
+    # What a decode holds at its peak, judged by format and mode before decoding (tasks.decoding.peak_memory): a WebP's
     # decoder holds 12 bytes a canvas pixel, a progressive JPEG every coefficient at full size.
     max_decoded_bytes: int = 256 * 1024 * 1024
     # A progressive JPEG is decoded once per scan: a few KB repeating one scan thousands of times held a CPU
-    # worker for its whole time limit. Counted from the file's markers before decoding (tasks.imaging).
+    # worker for its whole time limit. Counted from the file's markers before decoding (tasks.decoding.imaging).
     max_scans: int = 100
     max_pixel_scans: int = 2_000_000_000  # pixels x scans: the decoding work one image may ask for
     # Pillow reads a file's framing and metadata in Python, a step per block: a file of nothing but empty
-    # blocks held a CPU worker for seconds. The structure is walked first (tasks.structure), counting the steps
+    # blocks held a CPU worker for seconds. The structure is walked first (tasks.decoding.structure), counting the steps
     # Pillow would take: JPEG segments before the first scan, PNG and WebP chunks, GIF blocks before the first
     # frame. GIF comment blocks are joined one onto another (their cost grows with their square): fewer.
     max_blocks: int = 20_000
@@ -45,7 +45,8 @@ class DecodeSettings:
     # hundreds of MB (benchmarks/2026-12-05-hostile-decode.md). EXIF bytes joined and read, at most this; entries too.
     max_exif_bytes: int = 256 * 1024
     max_exif_tags: int = 1_000
-    # A BMP's RLE commands, each a Python step of the decoder (tasks.bmp_rle; each pixel it writes costs C only).
+    # A BMP's RLE commands, each a Python step of the decoder (tasks.decoding.bmp_rle; each pixel it writes costs C
+    # only).
     max_rle_commands: int = 1_000_000
 
 
@@ -190,7 +191,7 @@ class CallbackSettings:
     jitter: float = 0.2  # each wait drawn within +-20% of that, so receivers coming back are not stampeded
     timeout_s: float = 5.0  # the longest one wait (connect, a read, a write) of an attempt
     # An attempt whole: the host's lookup, connecting, TLS, sending, the answer's headers and body. A receiver that
-    # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callback_http).
+    # trickles its answer or never sends one holds a callback thread this long, no longer (tasks.callbacks.http_client).
     deadline_s: float = 10.0
     # Attempts one tenant (its API key; without keys, the receiving host) may have in flight across every callback
     # worker; its others wait in Redis, holding no thread, until one ends. Its slow receivers hold this many of
@@ -255,11 +256,12 @@ class AuthSettings:
 class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
-    events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.event_batching)
-    heartbeat_ttl_s: float = 10.0  # a Celery worker silent this long is dead: its held tasks go back (tasks.job_sweeps)
-    sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.job_sweeps)
+    events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.hop.event_batching)
+    # A Celery worker silent this long is dead: its held tasks go back (tasks.hop.job_sweeps).
+    heartbeat_ttl_s: float = 10.0
+    sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.hop.job_sweeps)
     # A job still queued this long whose task is in no queue and in no worker's hands, twice in a row, is sent its
-    # task again (tasks.lost_deliveries: a worker killed as it took the message from Redis).
+    # task again (tasks.hop.lost_deliveries: a worker killed as it took the message from Redis).
     lost_delivery_s: float = 5.0
 
     def __post_init__(self) -> None:
@@ -298,7 +300,7 @@ class Settings:
     @property
     def broker_url(self) -> str:
         """Celery's: redis_url, or with Sentinels one `sentinel://` URL each (kombu's form), carrying redis_url's
-        password and database for the primary they name (tasks.celery_app passes the service's name)."""
+        password and database for the primary they name (tasks.hop.celery_app passes the service's name)."""
         if not self.redis.sentinels:
             return self.redis_url
         parts = urlsplit(self.redis_url)

@@ -3,7 +3,7 @@
 A model's backlog is every job accepted and not yet taken by a GPU worker:
 
 - `queued`: its messages on the model's CPU queues (every tenant's list), which no worker has taken;
-- `held`: its messages a CPU worker holds (tasks.broker's holds: prefetched by the worker's main process, or its
+- `held`: its messages a CPU worker holds (tasks.hop.broker's holds: prefetched by the worker's main process, or its
   task running, the image decoding). A queue's length (what KEDA's Redis list scaler reads) misses these: a
   saturated pool with every message prefetched reads close to zero;
 - `frames`: its frames waiting for a GPU worker (the frame list, and with bulk shards their lists' count).
@@ -20,7 +20,7 @@ answered, and `waiting_for_cpu` the backlog less its frames (a frame needs no CP
 backlog at all wants none: its rate is an average over minutes that decays long after the last job, and would keep
 a process alive for nothing. Several models add up their unrounded wants (`cpu_processes_wanted`) before rounding
 once (`pool_wanted`): two models that each keep a tenth of a process busy want one process, not two. An autoscaler
-clamps it to its own minimum and maximum (Celery's: tasks.autoscale; KEDA: the ScaledObject's).
+clamps it to its own minimum and maximum (Celery's: tasks.hop.autoscale; KEDA: the ScaledObject's).
 """
 
 from __future__ import annotations

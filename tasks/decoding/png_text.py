@@ -10,8 +10,8 @@ text (ImageMagick's `Raw profile type exif`, XMP); nothing else in it is worth m
 
 `held_bytes` says what one chunk's value will hold: its characters at the width CPython stores them, and the bytes
 Pillow keeps beside the string (a tEXt `exif` value, an iTXt XMP packet). A deflated value is inflated here to
-know (at C speed, at most TEXT_CHUNK_BYTES, Pillow's own cap a chunk): tasks.structure stops the walk, and so the
-inflating, once the file's total is past its limit.
+know (at C speed, at most TEXT_CHUNK_BYTES, Pillow's own cap a chunk): tasks.decoding.structure stops the walk, and so
+the inflating, once the file's total is past its limit.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import zlib
 
 TEXT_KINDS = frozenset({b"tEXt", b"zTXt", b"iTXt"})
 # At most this many bytes inflated a zTXt or iTXt chunk: Pillow's PngImagePlugin.MAX_TEXT_CHUNK (its default,
-# 1 MiB), set to this by tasks.imaging so the two agree. Past it Pillow refuses the file.
+# 1 MiB), set to this by tasks.decoding.imaging so the two agree. Past it Pillow refuses the file.
 TEXT_CHUNK_BYTES = 1024 * 1024
 # UTF-8 lead bytes of characters past U+00FF (stored at 2 bytes a character) and past U+FFFF (4 bytes).
 _PAST_LATIN_1 = re.compile(rb"[\xc4-\xef]")

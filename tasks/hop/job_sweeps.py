@@ -6,9 +6,9 @@ Every CPU and callback worker's main process:
 - every `celery.sweep_s`, on its own event loop, ends `expired` the jobs whose deadline has passed
   (contract.jobs.expiry.sweep);
 - with bulk shards, looks at each shard as often, on a thread of its own (a shard that hangs must not hold
-  the event loop), and ends the jobs a lost shard took with it (tasks.shard_watch).
+  the event loop), and ends the jobs a lost shard took with it (tasks.hop.shard_watch).
 
-The worker's heartbeat, and the tasks given back, are tasks.hop_recovery's (this step starts after it: the
+The worker's heartbeat, and the tasks given back, are tasks.hop.recovery's (this step starts after it: the
 service's clock, which the sweeps read, is synced by its first beat).
 """
 
@@ -27,8 +27,8 @@ from contract.redis.clock import now as service_now
 from contract.redis.connection import connect
 from contract.redis.keys import Keys
 from contract.redis.shards import bulk_plane
-from tasks.celery_app import settings_of
-from tasks.shard_watch import ShardWatch
+from tasks.hop.celery_app import settings_of
+from tasks.hop.shard_watch import ShardWatch
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ class JobSweeps(bootsteps.StartStopStep):
     """The consumer bootstep: the overdue jobs' sweep and the shard watch. Celery makes it itself; it reads the
     settings of the consumer's app."""
 
-    requires = {"tasks.hop_recovery:HopRecovery"}
+    requires = {"tasks.hop.recovery:HopRecovery"}
 
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)

@@ -17,7 +17,7 @@ from typing import Any
 
 from celery import bootsteps
 
-from tasks.celery_app import settings_of
+from tasks.hop.celery_app import settings_of
 
 
 class BatchTaskEvents(bootsteps.StartStopStep):

@@ -1,6 +1,6 @@
 """The callbacks' HTTP client: one POST to the address that passed the URL check (contract.callbacks), bounded
 by the attempt's deadline whatever the receiver does (connect, TLS, each write and read, the name lookup).
-No redirect is followed, no proxy is used. What is posted and when is tasks.callbacks'; how it is signed,
+No redirect is followed, no proxy is used. What is posted and when is tasks.callbacks.delivery'; how it is signed,
 contract.callbacks.callback_signature's.
 """
 

@@ -18,9 +18,16 @@ from PIL import Image, ImageFile, PngImagePlugin
 
 from contract.admission import media
 from contract.frames import Placement
-from tasks import bmp_rle, decode_memory, png_text
-from tasks.structure import DEFAULT_LIMITS, MAX_PNG_TEXT_BYTES, Structure, StructureLimits, TooComplex, exif_orientation
-from tasks.structure import check as check_structure
+from tasks.decoding import bmp_rle, peak_memory, png_text
+from tasks.decoding.structure import (
+    DEFAULT_LIMITS,
+    MAX_PNG_TEXT_BYTES,
+    Structure,
+    StructureLimits,
+    TooComplex,
+    exif_orientation,
+)
+from tasks.decoding.structure import check as check_structure
 
 # EXIF orientations that swap width and height, and what turns each upright (as ImageOps.exif_transpose).
 _TRANSPOSING_ORIENTATIONS = {5, 6, 7, 8}
@@ -38,8 +45,8 @@ _XMP_ORIENTATION = r'tiff:Orientation(="|>)([0-9])'
 
 
 bmp_rle.install()  # BMP RLE decoded at C speed a pixel (Pillow's own decoder took a Python step for some)
-# Pillow's caps on PNG text, as the walk counts it (tasks.png_text): its default allowed 64 Mi characters, up to
-# 4 bytes each. The walk refuses first; these hold if it and Pillow ever read a file differently.
+# Pillow's caps on PNG text, as the walk counts it (tasks.decoding.png_text): its default allowed 64 Mi characters,
+# up to 4 bytes each. The walk refuses first; these hold if it and Pillow ever read a file differently.
 PngImagePlugin.MAX_TEXT_CHUNK = png_text.TEXT_CHUNK_BYTES
 PngImagePlugin.MAX_TEXT_MEMORY = MAX_PNG_TEXT_BYTES
 
@@ -72,11 +79,11 @@ def decode_image(
     Returns the image and the original upright (width, height): JPEG draft
     mode may decode at 1/2, 1/4 or 1/8 scale, so the image can be smaller.
     The bytes are opened as the type their first bytes say, by that plugin
-    alone, and their structure is walked first (tasks.structure): framing and
+    alone, and their structure is walked first (tasks.decoding.structure): framing and
     metadata that would cost more than `structure` allows are refused before
     Pillow reads them. Memory stays near one decoded copy: the header's
     promise is checked against `max_pixels`, and what the decode will hold at
-    its peak (tasks.decode_memory: by format and mode, a WebP's decoder and a
+    its peak (tasks.decoding.peak_memory: by format and mode, a WebP's decoder and a
     progressive JPEG's coefficients counted) against `max_decoded_bytes`, before
     anything is decoded; a format without draft mode is reduced by an integer
     factor right after decoding (palette and alpha images a tile at a time),
@@ -105,17 +112,17 @@ def decode_image(
                     # libjpeg's arithmetic decoder cannot suspend for more data: fed 64 KB at a time (Pillow's
                     # block), any such JPEG past one block failed "broken data stream". It gets the whole stream.
                     image.decodermaxblock = max(image.decodermaxblock, len(raw))
-            # The decode's peak as this format and mode take it (tasks.decode_memory), after a JPEG's draft.
-            peak = decode_memory.peak_bytes(image, fmt, found)
+            # The decode's peak as this format and mode take it (tasks.decoding.peak_memory), after a JPEG's draft.
+            peak = peak_memory.peak_bytes(image, fmt, found)
             if peak > max_decoded_bytes:
                 raise ImageDecodeError(
                     "image_too_large",
                     f"image of {width}x{height}: decoding it takes {peak} bytes "
-                    f"({decode_memory.describe(image, fmt, found)}), over the limit of {max_decoded_bytes}",
+                    f"({peak_memory.describe(image, fmt, found)}), over the limit of {max_decoded_bytes}",
                 )
             if fmt == "WEBP":
                 info = image.info
-                image = decode_memory.load_webp(image)
+                image = peak_memory.load_webp(image)
             else:
                 image.seek(0)
                 with _rle_limit(structure.max_rle_commands):
@@ -191,7 +198,7 @@ def _rle_limit(commands: int) -> Iterator[None]:
 
 def _orientation(found: Structure, info: dict, limits: StructureLimits) -> int | None:
     """The EXIF orientation as Pillow's getexif() finds it, never by it: Pillow copies every value of the
-    directory (tasks.structure bounds that for the EXIF it reads itself, a JPEG's; this reads none)."""
+    directory (tasks.decoding.structure bounds that for the EXIF it reads itself, a JPEG's; this reads none)."""
     if found.orientation is not None:
         return found.orientation
     if not found.has_exif and "Raw profile type exif" in info:  # ImageMagick's PNG text chunk
@@ -321,8 +328,8 @@ def _reduced(image: Image.Image, target_size: int) -> Image.Image:
     factor = max(image.size) // max(1, target_size)
     if factor < 2:
         return image
-    if image.mode in decode_memory.TILED_MODES:  # converted and reduced a tile at a time: no full-size copy
-        return decode_memory.reduce_in_tiles(image, factor)
+    if image.mode in peak_memory.TILED_MODES:  # converted and reduced a tile at a time: no full-size copy
+        return peak_memory.reduce_in_tiles(image, factor)
     try:
         return image.reduce(factor)
     except (ValueError, NotImplementedError):  # a mode reduce() does not handle (16-bit): a box resize does

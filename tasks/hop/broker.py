@@ -19,13 +19,13 @@ tests/test_cpu_hop_take.py). This table is the one list of every way a message c
 | acked, idle; or at a beat or a close | HeldQoS.flush_acks | LREM or HDEL |
 | a child killed mid-task | Celery rejects it (task_reject_on_worker_lost) | WATCH LPOS MULTI LREM LPUSH EXEC |
 | a clean stop | kombu's restore at shutdown; a take's spare (beyond the credit) at close | the same, RPUSH |
-| a worker found dead | given_back.reap_dead_workers, each worker's beat (tasks.hop_recovery) | LRANGE HKEYS, above |
+| a worker found dead | given_back.reap_dead_workers, each worker's beat (tasks.hop.recovery) | LRANGE HKEYS, above |
 | a lost ack or delivery (failover) | given_back.restore_unheld: held here, seen in no task's hands 10 s | the same |
-| lost between an idle BRPOP and HSET | tasks.lost_deliveries: a `queued` job's message nowhere twice | RPUSH |
+| lost between an idle BRPOP and HSET | tasks.hop.lost_deliveries: a `queued` job's message nowhere twice | RPUSH |
 
 Under load an image costs the hop one round trip (the take: LREMs of the acks since the last take, then an LMOVE a
 queue, one pipeline) where BRPOP, HSET and HDEL were three. LMOVE takes and holds in one atomic step: no message is
-in a worker's hands unrecorded (only an idle worker's BRPOP still has that window, tasks.lost_deliveries' case). A
+in a worker's hands unrecorded (only an idle worker's BRPOP still has that window, tasks.hop.lost_deliveries' case). A
 take moves up to the consumer's prefetch credit (TAKE_AT_MOST), and one from each queue at least; what it brings
 beyond the credit is held already and waits for the next poll. A held list keeps no delivery time: a dead worker is
 known by its heartbeat, not by its messages' age, and restore_unheld times what it finds by its own first sighting.
@@ -53,12 +53,12 @@ from kombu.transport import virtual
 
 from contract.redis.clock import now as service_now
 from contract.redis.keys import CELERY_HELD, CELERY_HOLDS
-from tasks.given_back import restore_from_hash, restore_from_list
+from tasks.hop.given_back import restore_from_hash, restore_from_list
 
 # Named in the Celery app's `broker_transport`; the broker URL stays redis://. With Sentinels (settings.redis),
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
-TRANSPORT = "tasks.broker:Transport"
-SENTINEL_TRANSPORT = "tasks.broker:SentinelTransport"
+TRANSPORT = "tasks.hop.broker:Transport"
+SENTINEL_TRANSPORT = "tasks.hop.broker:SentinelTransport"
 
 
 def own_the_schemes() -> None:
@@ -309,7 +309,7 @@ class Channel(kombu_redis.Channel):
             # The channel closes after its connection was lost (kombu let go of the connection first): no pool
             # can be made for what close() still does (putting unacked messages back). Said as a connection
             # error, which Celery's consumer ignores while it reconnects; kombu's own AttributeError stopped
-            # the worker ("Unrecoverable error"). The messages stay held: tasks.hop_recovery or the visibility
+            # the worker ("Unrecoverable error"). The messages stay held: tasks.hop.recovery or the visibility
             # timeout gives them back.
             raise redis.ConnectionError("the broker connection is closing")
         client = self._sync_client

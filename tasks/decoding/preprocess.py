@@ -35,10 +35,10 @@ from contract.redis.keys import Keys
 from contract.redis.shards import ShardUnavailable, bulk_plane
 from contract.settings import Settings
 from contract.settings.models import Catalogue, ModelSpec
-from tasks import outcomes
-from tasks.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
-from tasks.outcomes import StageOutcome
-from tasks.structure import StructureLimits
+from tasks.decoding import outcomes
+from tasks.decoding.imaging import ImageDecodeError, Letterboxed, decode_image, letterbox
+from tasks.decoding.outcomes import StageOutcome
+from tasks.decoding.structure import StructureLimits
 
 log = logging.getLogger(__name__)
 

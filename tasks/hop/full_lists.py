@@ -17,7 +17,7 @@ from celery import bootsteps
 
 from contract.redis.connection import connect
 from contract.redis.keys import PREPROCESS_QUEUE, Keys
-from tasks.celery_app import settings_of
+from tasks.hop.celery_app import settings_of
 
 log = logging.getLogger(__name__)
 

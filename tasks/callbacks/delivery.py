@@ -1,5 +1,5 @@
 """A job's callback delivered: one attempt per task, and where the job id waits next (delivered, retried with
-backoff, held for a tenant's slot, or given up). The POST is tasks.callback_http's (the URL checked again at
+backoff, held for a tenant's slot, or given up). The POST is tasks.callbacks.http_client's (the URL checked again at
 delivery: contract.callbacks), its signature contract.callbacks.callback_signature's; why the callback path is a loop
 (outbox, relay, Celery, retry set) is in docs/architecture.md.
 """
@@ -30,8 +30,8 @@ from contract.redis.clock import now as service_now
 from contract.redis.keys import Keys
 from contract.settings import Settings
 from contract.settings.sections import SettingsError
-from tasks.callback_http import Deadline, DeliveryFailed, bounded_resolver, post_within
-from tasks.callback_slots import TenantSlots
+from tasks.callbacks.http_client import Deadline, DeliveryFailed, bounded_resolver, post_within
+from tasks.callbacks.slots import TenantSlots
 
 log = logging.getLogger(__name__)
 
@@ -61,12 +61,12 @@ class CallbackSender:
 
     Each attempt is recorded as `delivering` before the POST. The task is acknowledged only once it ran
     (acks_late): a worker that dies in the middle, even right after the receiver answered, has the task given
-    back (tasks.hop_recovery) and the callback is posted again, with the same X-Imgserve-Delivery-Id; the receiver
+    back (tasks.hop.recovery) and the callback is posted again, with the same X-Imgserve-Delivery-Id; the receiver
     drops the repeat (the receiver in docs/operations.md does, by job id and status). It never stays `pending`.
 
     An attempt holds its thread for `callbacks.deadline_s` at most, whatever the receiver does (Celery's time
     limits are not enforced by the threads pool: the attempt bounds itself), and only once it has one of its
-    tenant's slots (tasks.callback_slots): a tenant's slow receivers hold that many threads, never all of them."""
+    tenant's slots (tasks.callbacks.slots): a tenant's slow receivers hold that many threads, never all of them."""
 
     def __init__(self, settings: Settings, client: redis.Redis) -> None:
         self.service_settings = settings

@@ -26,12 +26,12 @@ from contract.redis.connection import connect
 from contract.redis.keys import Keys
 from contract.settings import Settings
 from contract.workers.scaling import backlogs, gpu_windows, pool_wanted, scaling_signal
-from tasks.broker import holder_id
-from tasks.celery_app import settings_of
+from tasks.hop.broker import holder_id
+from tasks.hop.celery_app import settings_of
 
 log = logging.getLogger(__name__)
 
-AUTOSCALER = "tasks.autoscale:BacklogAutoscaler"  # the Celery app's worker_autoscaler
+AUTOSCALER = "tasks.hop.autoscale:BacklogAutoscaler"  # the Celery app's worker_autoscaler
 LOOK_EVERY_S = 0.5  # the signal is read this often (Celery's timer), and at most this often with task messages
 NODE_FRESH_S = 90.0  # a node that looked within this long counts among those sharing the wanted processes
 

@@ -10,7 +10,7 @@ from celery import Celery
 from contract.jobs.task_messages import CALLBACK_TASK, TASK_QUEUES
 from contract.redis.keys import CALLBACK_QUEUE, PREPROCESS_QUEUE, Keys
 from contract.settings import Settings
-from tasks.broker import SENTINEL_TRANSPORT, TRANSPORT, own_the_schemes
+from tasks.hop.broker import SENTINEL_TRANSPORT, TRANSPORT, own_the_schemes
 
 
 class ServiceCelery(Celery):
@@ -31,7 +31,7 @@ def make_celery(settings: Settings) -> Celery:
     app = ServiceCelery("imgserve", broker=settings.broker_url, set_as_current=False)
     app.service_settings = settings
     app.conf.update(
-        # Redis, with one client per channel instead of one per operation (see tasks.broker); through the
+        # Redis, with one client per channel instead of one per operation (see tasks.hop.broker); through the
         # Sentinels of settings.redis when there are any.
         broker_transport=SENTINEL_TRANSPORT if settings.redis.sentinels else TRANSPORT,
         # JSON only: a task carries a job id, never a pickled object.
@@ -52,7 +52,7 @@ def make_celery(settings: Settings) -> Celery:
             "visibility_timeout": settings.celery.visibility_timeout_s,
             "global_keyprefix": Keys(settings.namespace).celery_prefix,
             # One list a queue: no task is sent a priority, and each further step was a key more in every take
-            # and BRPOP (tasks.broker).
+            # and BRPOP (tasks.hop.broker).
             "priority_steps": [0],
             **sentinel_options(settings),
         },

@@ -1,5 +1,5 @@
-"""What one job's CPU stage came to (tasks.preprocess), typed: the task's log line reads its kind and a failure's
-error code from it rather than parsing them back out of text.
+"""What one job's CPU stage came to (tasks.decoding.preprocess), typed: the task's log line reads its kind and a
+failure's error code from it rather than parsing them back out of text.
 
 It is still the text it always was (the Celery task's result and the log line's message, byte for byte):
 "pushed", "expired", "missing", "skipped (<why>)", "failed: <error code>".

@@ -19,7 +19,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from tasks import png_text
+from tasks.decoding import png_text
 
 
 class TooComplex(ValueError):
@@ -46,7 +46,7 @@ class Structure:
     the orientation its first directory names (None: it names none), and for a JPEG that libjpeg decodes
     scan by scan (progressive, or a first scan without every component) the bytes of the coefficients it
     keeps for the whole image meanwhile, at full size whatever scale draft mode asks for (0 for any other); for
-    a PNG, the bytes its text chunks will hold in `info` (tasks.png_text)."""
+    a PNG, the bytes its text chunks will hold in `info` (tasks.decoding.png_text)."""
 
     has_exif: bool = False
     orientation: int | None = None
@@ -58,7 +58,9 @@ class Structure:
 MAX_EXIF_PREFIXES = 4  # "Exif\0\0" headers Pillow strips one by one, copying the rest each time
 MAX_EXIF_SEGMENTS = 16  # JPEG APP1 EXIF segments Pillow joins one by one (the standard has one)
 MAX_PNG_PROFILES = 4  # iCCP chunks, each inflated up to 1 MB (the PNG standard allows one)
-MAX_PNG_TEXT_BYTES = 8 * 1024 * 1024  # what text chunks hold as Pillow keeps them (tasks.png_text); a photo's: KBs
+MAX_PNG_TEXT_BYTES = (
+    8 * 1024 * 1024
+)  # what text chunks hold as Pillow keeps them (tasks.decoding.png_text); a photo's: KBs
 
 ORIENTATION_TAG = 0x0112
 

@@ -1,7 +1,7 @@
 """Jobs whose preprocess task was lost on its way to a worker are sent their task again.
 
 Kombu's Redis transport takes a message off its queue with BRPOP, and records it as unacknowledged (and as this
-worker's: tasks.broker) only once the reply has reached the worker. A worker killed between the two (SIGKILL, OOM,
+worker's: tasks.hop.broker) only once the reply has reached the worker. A worker killed between the two (SIGKILL, OOM,
 a host gone) takes the message with it: Redis popped it, nothing holds it, and kombu's visibility timeout never
 sees it. Its job stays `queued` until its deadline ends it `expired`. That window is a few milliseconds; a CPU
 worker killed under load meets it (the compose stack's kill test did, one job in ~60).
@@ -109,7 +109,7 @@ class LostDeliveries:
         pipe.hvals(self.unacked_key)
         for holder in cast(list[bytes], self.redis.zrange(self.keys.cpu_workers, 0, -1)):
             pipe.hvals(self.keys.celery_holds(holder.decode()))
-            pipe.lrange(self.keys.celery_held(holder.decode()), 0, -1)  # what its takes moved (tasks.broker)
+            pipe.lrange(self.keys.celery_held(holder.decode()), 0, -1)  # what its takes moved (tasks.hop.broker)
         held = jobs_named(message for messages in pipe.execute() for message in messages)
         queued: set[str] = set()
         for queue in {queue for queue, _ in stale.values()}:

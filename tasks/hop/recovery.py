@@ -8,15 +8,15 @@ Every CPU and callback worker's main process, on its own event loop:
   (`restore_unheld`: an ack or a delivery that a failover to a replica lost);
 - then looks for registered workers whose heartbeat has lapsed: their main process died (SIGKILL, OOM, a
   host gone) with tasks in hand, which kombu would give back only after `visibility_timeout_s` (300 s;
-  it cannot be shorter than the longest task). Each message such a worker held (tasks.broker keeps them
+  it cannot be shorter than the longest task). Each message such a worker held (tasks.hop.broker keeps them
   in its own hash) goes back to the front of its queue at once; one worker at
   a time does this for a given dead worker (a lock with a TTL), and a restore that is cut short is done
   again by the next one (restoring a message twice puts it back once);
 - every `celery.lost_delivery_s`, on a thread of its own, sends again the tasks that a worker killed as it took
-  them from Redis lost (tasks.lost_deliveries: neither the reaper nor kombu knows of them).
+  them from Redis lost (tasks.hop.lost_deliveries: neither the reaper nor kombu knows of them).
 
-How a message goes back is tasks.given_back's and tasks.lost_deliveries'; this step is when, and whose. The jobs'
-own sweeps (deadlines, lost shards) are tasks.job_sweeps'.
+How a message goes back is tasks.hop.given_back's and tasks.hop.lost_deliveries'; this step is when, and whose. The
+jobs' own sweeps (deadlines, lost shards) are tasks.hop.job_sweeps'.
 
 A worker that was only paused past its heartbeat (SIGSTOP, a stalled host) finds its tasks taken over: a
 child still running one cannot push its frame (the claim it holds was replaced: contract.frames.frame_push's
@@ -36,10 +36,10 @@ from contract.redis.clock import CLOCK
 from contract.redis.clock import now as service_now
 from contract.redis.connection import connect
 from contract.redis.keys import Keys
-from tasks.broker import holder_id
-from tasks.celery_app import settings_of
-from tasks.given_back import legacy_unacked_key, reap_dead_workers, restore_unheld, tags_in_hand
-from tasks.lost_deliveries import LostDeliveries
+from tasks.hop.broker import holder_id
+from tasks.hop.celery_app import settings_of
+from tasks.hop.given_back import legacy_unacked_key, reap_dead_workers, restore_unheld, tags_in_hand
+from tasks.hop.lost_deliveries import LostDeliveries
 
 log = logging.getLogger(__name__)
 

@@ -9,13 +9,13 @@ times what a pixel's storage (4 bytes at most) says. By format:
   once and lets the decoder go: WEBP_BYTES_PER_PIXEL at the peak (the two canvases and the copy; a lossless frame's own
   buffer is freed before the copy is made).
 - JPEG: the image at the scale draft mode chose, plus, for a progressive (or multi-scan) file, every
-  coefficient of the whole image at full size (tasks.structure.coefficient_bytes): draft mode does not
+  coefficient of the whole image at full size (tasks.decoding.structure.coefficient_bytes): draft mode does not
   shrink those.
 - Palette, and images with alpha: converted and reduced a tile at a time (`reduce_in_tiles`), never at full
   size: converted whole, a tiny GIF of a huge screen holds hundreds of MB (the same log), an RGBA PNG twice its
   pixels (Pillow's reduce premultiplies a copy of the whole image).
-- BMP RLE: the decoder's own buffer (tasks.bmp_rle) beside the image's.
-- PNG text: every text chunk's value, held in `info` from the open on (tasks.png_text), beside the pixels.
+- BMP RLE: the decoder's own buffer (tasks.decoding.bmp_rle) beside the image's.
+- PNG text: every text chunk's value, held in `info` from the open on (tasks.decoding.png_text), beside the pixels.
 
 Pure functions of Pillow images; nothing here reads a file's bytes but through Pillow and libwebp.
 """
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from PIL import Image
 
-from tasks.structure import Structure
+from tasks.decoding.structure import Structure
 
 # Bytes per pixel as Pillow holds an image in memory (3-channel images take 4).
 STORAGE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2, "LA": 4, "PA": 4}
@@ -50,8 +50,8 @@ def peak_bytes(image: Image.Image, fmt: str, found: Structure) -> int:
         return pixels + found.coefficient_bytes
     tile = getattr(image, "tile", None)  # an ImageFile's, opened and not loaded
     if fmt == "BMP" and tile and tile[0].codec_name == "bmp_rle":
-        return pixels + width * height  # tasks.bmp_rle's buffer, a byte a pixel, until the image holds it
-    return pixels + found.text_bytes  # a PNG's text chunks, held in `info` beside the pixels (tasks.png_text)
+        return pixels + width * height  # tasks.decoding.bmp_rle's buffer, a byte a pixel, until the image holds it
+    return pixels + found.text_bytes  # a PNG's text chunks, held in `info` beside the pixels (tasks.decoding.png_text)
 
 
 def describe(image: Image.Image, fmt: str, found: Structure) -> str:

@@ -1,8 +1,8 @@
 """The CPU hop's ways back that act on a worker's holds from outside kombu's loop, run at each live worker's beat
-(tasks.hop_recovery): a dead worker's messages, and a live one's that a failover's lost ack or delivery left recorded as
+(tasks.hop.recovery): a dead worker's messages, and a live one's that a failover's lost ack or delivery left recorded as
 held. A worker's holds are two: its held list (`Keys.celery_held`, what its takes moved there under load) and its
 hash (`Keys.celery_holds`, what an idle BRPOP brought, and everything a worker of the release before held); every
-reader here reads both. Every way a message comes back is listed in one place: tasks.broker's module note."""
+reader here reads both. Every way a message comes back is listed in one place: tasks.hop.broker's module note."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from contextvars import ContextVar
 
 from PIL import Image, ImageFile
 
-from tasks.structure import DEFAULT_LIMITS, TooComplex
+from tasks.decoding.structure import DEFAULT_LIMITS, TooComplex
 
 # The commands one decode may take: decode_image sets its limits' for the decodes it runs.
 MAX_COMMANDS: ContextVar[int] = ContextVar("max_rle_commands", default=DEFAULT_LIMITS.max_rle_commands)

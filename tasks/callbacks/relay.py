@@ -12,7 +12,7 @@ from kombu.exceptions import OperationalError
 from contract.library import Step
 from contract.redis.clock import now as service_now
 from contract.redis.keys import Keys
-from tasks.callback_slots import TenantSlots
+from tasks.callbacks.slots import TenantSlots
 
 log = logging.getLogger(__name__)
 
