@@ -34,6 +34,7 @@ import json, sys, time, io
 from contract.runtime.memory import keep_freed_memory
 keep_freed_memory()  # as a CPU worker's malloc is set
 from PIL import Image
+from tasks.decoding import peak_memory
 from tasks.decoding.imaging import ImageDecodeError, decode_image
 from tasks.decoding.structure import DEFAULT_LIMITS, check, coefficient_bytes
 from contract.admission import media
