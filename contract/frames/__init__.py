@@ -39,7 +39,7 @@ class FrameError(ValueError):
 @dataclass(frozen=True)
 class Placement:
     """How the letterbox placed an upright original in the model's square input: the one geometry type.
-    The CPU worker computes it (tasks.imaging.letterbox), the frame header carries its fields flat, and
+    The CPU worker computes it (tasks.decoding.imaging.letterbox), the frame header carries its fields flat, and
     the GPU worker maps boxes back with MAPPING_FIELDS of it (gpu_worker.postprocess.Geometry, per batch)."""
 
     width: int  # content width after resize (<= input size)
