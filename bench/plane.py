@@ -201,23 +201,11 @@ def run_phases(
 
             measured("gpu-start", gpu_start, images=1)
 
-            def gpu_until(left: int) -> None:
-                # ended: out of the deadline index (whatever the GPU worker's counters say, or when)
-                wait_until(lambda: client.zcard(keys.deadlines) <= left, 300, interval_s=0.2, what="the jobs ended")
-
-            def gpu_listpack() -> None:
-                frame_lists.release_oldest(set_apart)
-                gpu_until(images - set_apart)
-
             # The first answers apart, as the first submissions are: the result cache's LRU index is a listpack
             # until it holds zset-max-listpack-entries digests, and each answer's ZADD walks it (once a cache's life).
-            measured("gpu-listpack", gpu_listpack, images=set_apart or 1)
-
-            def gpu_phase() -> None:
-                frame_lists.park(back=True)
-                gpu_until(0)
-
-            measured("gpu", gpu_phase, images=images - set_apart or 1)
+            answered = _Ended(client, keys.deadlines)
+            measured("gpu-listpack", lambda: answered.after(frame_lists, images - set_apart), images=set_apart or 1)
+            measured("gpu", lambda: answered.after(frame_lists, 0), images=images - set_apart or 1)
 
             def read(job_id: str) -> str:
                 headers = {"Authorization": f"Bearer {PLANE_KEY}"} if keyed else {}
@@ -252,6 +240,21 @@ def run_phases(
         "cache_entries": cached,
         "cache_phases": meter.net(meter.cache_idle, meter.cache_costs) if meter.cache_idle else {},
     }
+
+
+class _Ended:
+    """bench plane's GPU phases: frames given back, then the jobs ended (out of the deadline index, whatever the GPU
+    worker's counters say, or when) until `left` remain."""
+
+    def __init__(self, client: redis.Redis, deadlines: str) -> None:
+        self.client, self.deadlines = client, deadlines
+
+    def after(self, frame_lists: Progress, left: int) -> None:
+        if left:
+            frame_lists.release_oldest(int(self.client.zcard(self.deadlines)) - left)
+        else:
+            frame_lists.park(back=True)
+        wait_until(lambda: self.client.zcard(self.deadlines) <= left, 300, interval_s=0.2, what="the jobs ended")
 
 
 class Progress:

@@ -172,7 +172,8 @@ def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "",
         "Reported apart (not in the figures above): the first submissions, while the deadline index is a listpack, "
-        "an image; the first answers, while the result cache's LRU index is one, an image; the GPU worker's start (its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
+        "an image; the first answers, while the result cache's LRU index is one, an image; the GPU worker's start "
+        "(its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
         "its frames parked meanwhile:",
         "",
         "| apart | " + " | ".join(f"{n}: µs, commands, round trips, instructions" for n in names) + " |",
