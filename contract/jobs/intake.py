@@ -28,6 +28,7 @@ from contract.keys import Keys
 from contract.library import Step, is_missing
 from contract.replication import NO_REPLICATION, AnswerNotReplicated, NotReplicated, Replication, SharedFence
 from contract.shards import SHARD_ERRORS, SHARDED_UPLOAD, UPLOAD_FIELD, BulkPlane, ShardUnavailable
+from contract.timebill import SUBMITTED_AT
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +44,9 @@ _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 # A new record's first fields, in this order: those the steps after it read or overwrite (the claim, the push, the
 # ends: contract/library's HMGETs and HSETs). A record is a listpack while its values are small (configs/redis.conf)
 # and Redis finds a field in one by walking its fields from the first: a field near the head is found sooner.
-STEPS_READ_FIRST = ("model", "deadline_at", "bytes", UPLOAD_FIELD, "cache_key", "owner")
+# `updated_at` (every later step rewrites it) and `attempts` (the GPU worker's advance reads it) are written at once for
+# that reason: absent, each step that reads or writes one walks the whole record first. Neither is public.
+STEPS_READ_FIRST = ("model", "deadline_at", "bytes", UPLOAD_FIELD, "cache_key", "owner", "updated_at", "attempts")
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
 
@@ -109,7 +112,8 @@ class JobIntake(JobEnding):
         an upload up to LARGE_UPLOAD_BYTES is written in that transaction (one round trip in all).
         `reserved`: the bytes admitted for it (contract.budget); what the upload does not use is given back."""
         record: dict[Any, Any] = {"status": QUEUED, **dict.fromkeys(STEPS_READ_FIRST)}
-        record.update(id=job_id, **encode_fields(fields))
+        record.update(id=job_id, attempts="0", **encode_fields(fields))
+        record["updated_at"] = record.get(SUBMITTED_AT) or record["updated_at"]
         upload_key = self.keys.upload(job_id)
         pipe = self.redis.pipeline(transaction=True)
         if self.bulk.sharded:
