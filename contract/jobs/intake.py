@@ -41,11 +41,8 @@ _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 # and on a hit the hit's job stored here from the answer read there.
 _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 
-# A new record's first fields, in this order: those the steps after it read or overwrite (the claim, the push, the
-# ends: contract/library's HMGETs and HSETs). A record is a listpack while its values are small (configs/redis.conf)
-# and Redis finds a field in one by walking its fields from the first: a field near the head is found sooner.
-# `updated_at` (every later step rewrites it) and `attempts` (the GPU worker's advance reads it) are written at once for
-# that reason: absent, each step that reads or writes one walks the whole record first. Neither is public.
+# A new record's first fields: those later steps read or overwrite. A listpack record (configs/redis.conf) is searched
+# from its head, and a field it lacks costs a walk of it all: hence `updated_at` and `attempts` (not public) at once.
 STEPS_READ_FIRST = ("model", "deadline_at", "bytes", UPLOAD_FIELD, "cache_key", "owner", "updated_at", "attempts")
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
