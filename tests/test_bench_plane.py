@@ -93,5 +93,8 @@ def test_a_short_run_ends_every_job_and_prices_each_step(tmp_path):
     assert "scan" in side["apart"]["gpu-start"].by_command and "scan" not in side["phases"]["gpu"].by_command
     assert side["apart"]["gpu-start"].round_trips["gpu-worker"] >= 3
     assert set(side["apart"]) == set(APART) and side["apart"]["intake-listpack"].commands > 0
+    # the first answers (the result cache's LRU index a listpack) apart too: their batch writes are priced there
+    assert side["apart"]["gpu-listpack"].by_command.get("fcall", (0, 0))[0] > 0, side["apart"]["gpu-listpack"]
+    assert side["phases"]["gpu"].by_command.get("fcall", (0, 0))[0] > 0, side["phases"]["gpu"]
     text = report({"this checkout": side})
     assert "images/s per control-plane core" in text and "| intake |" in text and "Round trips an image" in text

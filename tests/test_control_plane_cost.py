@@ -232,7 +232,8 @@ def test_a_batch_of_ends_wakes_long_polls_and_callback_relays_with_one_message_e
         quiet_redis, lambda: intake.finish_many([(job, SUCCEEDED, {"result": {"detections": []}}) for job in jobs])
     )
     assert ended["publish"] == 2 and ended["rpush"] == 1 and ended["hset"] == 8, ended
-    assert ended["hmget"] == 8 and ended["zrem"] == 1 and ended["hincrby"] == 2, ended
+    # two HMGETs a job not pushed yet (its upload's return reads model, bytes and marker); a pushed job's one (below)
+    assert ended["hmget"] == 16 and ended["zrem"] == 1 and ended["hincrby"] == 2, ended
     waiting = {k.decode(): int(v) for k, v in quiet_redis.hgetall(keys.waiting_bytes).items()}
     assert waiting == {"m:1": 3, "m:2": 2}
     messages = [wait_until(lambda: pubsub.get_message(timeout=0.1), 5, what="a message") for _ in range(2)]
@@ -345,3 +346,18 @@ def test_an_api_keys_share_of_the_byte_budgets_costs_a_keyed_image_three_command
     assert sum(plain_push.values()) == 9 and sum(keyed_push.values()) == 10, (plain_push, keyed_push)
     assert keyed_push["hincrby"] == 2 and keyed_push["fcall"] == 1, keyed_push
     assert waiting.waiting("a") == {"m:1": 0, "*": 0}
+
+
+def test_the_end_of_a_pushed_job_reads_its_record_once(quiet_redis):
+    """A job past its push (queued_gpu, running: the GPU worker's batch ends) has no upload left: its end reads the
+    four fields it needs in one HMGET, nothing for an upload's return."""
+    keys = Keys("pushed-end")
+    intake = JobIntake(quiet_redis, keys, ttl_s=60)
+    jobs = [f"{i:032x}" for i in range(4)]
+    for job in jobs:
+        intake.create(job, b"u", 60, {"model": "m:1", "bytes": 1, "deadline_at": 1e12})
+    ensure_library(quiet_redis)
+    assert intake.advance_many(jobs, RUNNING, 0) == [1, 1, 1, 1]
+    ended = commands_of(quiet_redis, lambda: intake.finish_many([(job, SUCCEEDED, {}) for job in jobs]))
+    assert ended["hmget"] == 4 and ended["hset"] == 4 and "del" not in ended, ended
+    assert all(quiet_redis.hget(keys.job(job), "status") == b"succeeded" for job in jobs)

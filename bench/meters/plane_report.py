@@ -8,8 +8,9 @@ from typing import Any
 PHASES = ("intake", "cpu", "gpu", "read")
 # Reported apart, not in an image's figures: the first submissions, while the deadline index is still a listpack
 # (each insert walks it: the phased bench holds every job at once, so it pays this once, up to the listpack's
-# size); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a start).
-APART = ("intake-listpack", "gpu-start")
+# size); the first answers, while the result cache's LRU index is a listpack (each answer's ZADD walks it, once a
+# cache's life); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a start).
+APART = ("intake-listpack", "gpu-listpack", "gpu-start")
 
 
 def report(sides: dict[str, dict[str, Any]]) -> str:
@@ -171,7 +172,8 @@ def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
     lines = [
         "",
         "Reported apart (not in the figures above): the first submissions, while the deadline index is a listpack, "
-        "an image; the GPU worker's start (its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
+        "an image; the first answers, while the result cache's LRU index is one, an image; the GPU worker's start "
+        "(its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
         "its frames parked meanwhile:",
         "",
         "| apart | " + " | ".join(f"{n}: µs, commands, round trips, instructions" for n in names) + " |",
@@ -183,10 +185,10 @@ def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
             cost = side["apart"][phase]
             instructions = f"{cost.instructions:,.0f}" if cost.instructions is not None else "-"
             cells.append(f"{cost.us:,.0f}, {cost.commands:,.1f}, {cost.trips:,.2f}, {instructions}")
-        label = (
-            f"intake, the first {next(iter(sides.values()))['set_apart']} submissions (an image)"
-            if phase == "intake-listpack"
-            else "the GPU worker's start (in all, once)"
-        )
+        first = next(iter(sides.values()))["set_apart"]
+        label = {
+            "intake-listpack": f"intake, the first {first} submissions (an image)",
+            "gpu-listpack": f"gpu, the first {first} answers (an image)",
+        }.get(phase, "the GPU worker's start (in all, once)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines

@@ -40,6 +40,10 @@ _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 # miss, and on a hit the hit's job stored here from the answer read there.
 _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 
+# A new record's first fields: those later steps read or overwrite. A listpack record (configs/redis.conf) is searched
+# from its head: a field near it is found sooner.
+STEPS_READ_FIRST = ("model", "deadline_at", "bytes", UPLOAD_FIELD, "cache_key", "owner")
+
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
 
 
@@ -104,7 +108,8 @@ class JobIntake(JobEnding):
         an upload up to LARGE_UPLOAD_BYTES is written in that transaction (one round trip in all).
         `reserved`: the bytes admitted for it (contract.admission.budget); what the upload does not use is given
         back."""
-        record: dict[Any, Any] = {"id": job_id, "status": QUEUED, **encode_fields(fields)}
+        record: dict[Any, Any] = {"status": QUEUED, **dict.fromkeys(STEPS_READ_FIRST)}
+        record.update(id=job_id, **encode_fields(fields))
         upload_key = self.keys.upload(job_id)
         pipe = self.redis.pipeline(transaction=True)
         if self.bulk.sharded:
@@ -122,6 +127,7 @@ class JobIntake(JobEnding):
             # value is still last in its command, so Redis keeps the read buffer as the value (_write_upload).
             pipe = self.uploads.pipeline(transaction=True)
             pipe.execute_command("SETEX", upload_key, upload_ttl_s, upload)  # type: ignore[no-untyped-call]
+        record = {name: value for name, value in record.items() if value is not None}  # a field not given: absent
         unused = reserved - len(upload)
         if reserved and unused > 0 and fields.get("model"):  # a multipart body's own bytes around the image
             pipe.hincrby(self.keys.waiting_bytes, str(fields["model"]), -unused)

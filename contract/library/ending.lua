@@ -30,8 +30,11 @@ local function finish_names(outbox, args, i)
 end
 
 -- What of a record ending it reads, in one HMGET (not one read a field: every command inside a step is one more
--- for Redis's only thread, per job).
-local READ_AT_END = {'status', 'deadline_at', 'model', 'bytes', 'cache_key', 'callback_url', UPLOAD_FIELD}
+-- for Redis's only thread, per job); and, only for a job not pushed yet (whose upload its end takes), what the
+-- upload's return needs, in one more. A pushed job's (most ends: the GPU worker's) upload went with its push.
+local READ_AT_END = {'status', 'deadline_at', 'cache_key', 'callback_url'}
+local READ_BEFORE_PUSH = {'model', 'bytes', UPLOAD_FIELD}
+local NOTHING_READ = {}
 
 -- Ends each live job whose hash is in keys[first_key..], with its arguments from args[at..]: per job its id, the
 -- count of field and value arguments, the fields and values (JobEnding.finish_arguments). A job with a
@@ -45,24 +48,28 @@ local function finish_jobs(keys, args, names, first_key, at)
     local was = redis.call('HMGET', key, unpack(READ_AT_END))
     local status = was[1]
     if status and not TERMINAL[status] then
+      local pushed = PUSHED[status]
+      local before = pushed and NOTHING_READ or redis.call('HMGET', key, unpack(READ_BEFORE_PUSH))
+      local model, upload_bytes, marker = before[1], before[2], before[3]
       local fields, ends_as, result, finished = late_as_expired(tonumber(was[2]),
                                                                 {unpack(args, at + 2, at + 1 + count)})
-      if was[6] then   -- its callback enters the outbox (below), in the same write
+      if was[4] then   -- its callback enters the outbox (below), in the same write
         fields[#fields + 1] = 'callback'
         fields[#fields + 1] = PENDING_CALLBACK
         called[#called + 1] = job_id
       end
-      if was[7] == SHARDED_UPLOAD and not PUSHED[status] then   -- its marker goes in the same HSET
+      if marker == SHARDED_UPLOAD then   -- its marker goes in the same HSET (a pushed job's: read as nil)
         fields[#fields + 1] = UPLOAD_FIELD
         fields[#fields + 1] = ''
       end
       redis.call('HSET', key, unpack(fields))
       -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
       if not was[2] then redis.call('EXPIRE', key, names.ttl) end
-      if ends_as == SUCCEEDED and was[5] and result then entries[#entries + 1] = {was[5], result, finished, job_id} end
+      if ends_as == SUCCEEDED and was[3] and result then entries[#entries + 1] = {was[3], result, finished, job_id} end
       -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
-      if not PUSHED[status] and take_upload(was[7], key .. UPLOAD_SUFFIX) == 1 then
-        local model, bytes = was[3] or '', tonumber(was[4]) or 0
+      if not pushed and take_upload(marker, key .. UPLOAD_SUFFIX) == 1 then
+        local bytes = tonumber(upload_bytes) or 0
+        model = model or ''
         if bytes > 0 then released[model] = (released[model] or 0) + bytes end
         -- its API key's share of the budgets (contract.budget), read only here: a job whose frame was pushed (a
         -- batch's) has no upload left, and its end reads no more than before
