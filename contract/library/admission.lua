@@ -1,14 +1,14 @@
 
--- A job's admission (contract.budget): its model's backlog, the tenant's share of it, both byte budgets and the API
+-- A job's admission (contract.admission.budget): its model's backlog, the tenant's share of it, both byte budgets and the API
 -- key's share of each, judged and the bytes reserved in one step. admit(keys, args, k, last, a): keys[k] the
--- model's frame list, keys[k + 1] the frames-waiting hash (with bulk shards, the frames on them: contract.shards;
+-- model's frame list, keys[k + 1] the frames-waiting hash (with bulk shards, the frames on them: contract.redis.shards;
 -- '' without), keys[k + 2] the waiting-bytes hash, keys[k + 3] the tenant's own CPU queue, keys[k + 4] the API
 -- key's waiting-bytes hash ('' without a key), keys[k + 5..last] the model's other CPU queues; args[a] the model,
 -- args[a + 1] the bytes to reserve, args[a + 2] its backlog limit (jobs), args[a + 3] its byte budget, args[a + 4]
 -- the total's, args[a + 5] how many jobs the tenant may have waiting in its own queue, args[a + 6] and args[a + 7]
 -- the key's share of the model's budget and of the total (ADMISSION_ARGS: 8, budget.admission_arguments).
 -- Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
--- key's: of the model, or of all models when that share refused it). ALL is contract.budget's.
+-- key's: of the model, or of all models when that share refused it). ALL is contract.admission.budget's.
 local ALL = '*'
 
 local function admit(keys, args, k, last, a)

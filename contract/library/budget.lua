@@ -1,5 +1,5 @@
 
--- Bytes given back (contract.budget): HINCRBY, never below zero. release_waiting gives one model's bytes back, and
+-- Bytes given back (contract.admission.budget): HINCRBY, never below zero. release_waiting gives one model's bytes back, and
 -- the key's (`owner`: the job's API key; nil or '' for a frame or a job without one); release_each gives back
 -- {model: bytes} (a step that ended many jobs) and release_owners {owner: {model: bytes}}: one HINCRBY a model (and
 -- key), not one a job. key_waiting names a key's hash as Keys.key_waiting_bytes does (KEY_WAITING_SEPARATOR).

@@ -1,5 +1,5 @@
 
--- A tenant's callback slots (tasks.callback_slots): taken before an attempt, given back after.
+-- A tenant's callback slots (tasks.callbacks.slots): taken before an attempt, given back after.
 
 -- The step `take_callback_slot` (TenantSlots.take): keys[1] the tenant's slots, keys[2] its held list, keys[3] the
 -- held tenants; args[1] now, args[2] a token, args[3] when it lapses, args[4] the cap, args[5] the job id, args[6]

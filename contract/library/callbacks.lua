@@ -1,5 +1,5 @@
 
--- A callback's delivery (tasks.callbacks, tasks.callback_relay).
+-- A callback's delivery (tasks.callbacks.delivery, tasks.callbacks.relay).
 
 -- What a dead letter drops of its record: the stages' own bookkeeping (tasks.callbacks.DEAD_LETTER_DROPS; a test
 -- holds the two together). It keeps what a read and a redelivery need: the job's document, its owner and callback.
@@ -29,7 +29,7 @@ redis.register_function('record_callback_state', function(keys, args)
   return 1
 end)
 
--- The step `take_from_outbox` (tasks.callback_relay.relay_outbox): keys[1] the outbox, keys[2] relaying (zset),
+-- The step `take_from_outbox` (tasks.callbacks.relay.relay_outbox): keys[1] the outbox, keys[2] relaying (zset),
 -- keys[3] scheduled (zset); args[1] now, args[2] taken before this is stale. Retries that are due and entries a dead
 -- relay held go to the outbox first; then one entry moves from the outbox to `relaying`.
 redis.register_function('take_from_outbox', function(keys, args)

@@ -1,7 +1,7 @@
 
--- The CPU hop's recoveries (tasks.broker, tasks.lost_deliveries).
+-- The CPU hop's recoveries (tasks.hop.broker, tasks.hop.lost_deliveries).
 
--- The step `may_reap_cpu_worker` (tasks.broker.reap_dead_workers): keys[1] the worker's heartbeat, keys[2] the
+-- The step `may_reap_cpu_worker` (tasks.hop.broker.reap_dead_workers): keys[1] the worker's heartbeat, keys[2] the
 -- reaping lock; args[1] the reaper, args[2] the lock's TTL (s). 1: the worker is dead and this reaper may give back
 -- its messages; 0: it lives, or another reaper has it.
 redis.register_function('may_reap_cpu_worker', function(keys, args)
@@ -10,7 +10,7 @@ redis.register_function('may_reap_cpu_worker', function(keys, args)
   return 0
 end)
 
--- The step `resend_task` (tasks.lost_deliveries): keys[1] the job hash, keys[2] its queue's list; args[1] the
+-- The step `resend_task` (tasks.hop.lost_deliveries): keys[1] the job hash, keys[2] its queue's list; args[1] the
 -- message, args[2] the most times a job is sent its task again, args[3] its `resent` count as this round read it.
 -- The message goes to the end BRPOP takes from (the front), only while the job is still queued, has not been sent it
 -- that often, and nobody sent it again since this round looked (a round that outlived its lock, beside the next one,

@@ -1,9 +1,9 @@
--- Expiry's rule inside a step (contract.expiry says who may expire a job, and when; this is its library side).
--- The literals are contract's (contract.expiry's LATE_ERROR, jobs.record's statuses: a test holds them together).
+-- Expiry's rule inside a step (contract.jobs.expiry says who may expire a job, and when; this is its library side).
+-- The literals are contract's (contract.jobs.expiry's LATE_ERROR, jobs.record's statuses: a test holds them together).
 local LATE_ERROR = '{"code":"deadline","message":"expired: its answer came after the deadline"}'
 local SUCCEEDED, EXPIRED = 'succeeded', 'expired'
 
--- contract.expiry's `is_late` inside a step: `now` is an argument the caller read from the service's clock.
+-- contract.jobs.expiry's `is_late` inside a step: `now` is an argument the caller read from the service's clock.
 local function deadline_passed(deadline, now)
   return deadline ~= nil and tonumber(now) > deadline
 end

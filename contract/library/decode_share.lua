@@ -1,5 +1,5 @@
 
--- The step `take_decode_share` (contract.decode_share.DecodeShare.take): a key's charged decodes in flight, one
+-- The step `take_decode_share` (contract.admission.decode_share.DecodeShare.take): a key's charged decodes in flight, one
 -- hash. keys[1] the charges; args[1] the key, args[2] the job id, args[3] its cost, args[4] the key's share, args[5]
 -- now, args[6] when this charge lapses. Lapsed charges are dropped on the way. {1, held with it} when charged,
 -- {0, held} when refused.

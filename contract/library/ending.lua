@@ -6,10 +6,10 @@
 -- (keys.UPLOAD_SUFFIX, jobs.ending's PENDING_CALLBACK: a test holds them together).
 local UPLOAD_SUFFIX = ':upload'
 local PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
--- A job in these has no upload left: the push took it in the step that moved the job on (contract.frame_push; over
+-- A job in these has no upload left: the push took it in the step that moved the job on (contract.frames.frame_push; over
 -- bulk shards, a frame taken before that step ran finds the job over, and the step gives the upload's bytes back).
 local PUSHED = {[QUEUED_GPU] = true, [RUNNING] = true}
--- Over bulk shards the upload lies on a shard and its marker is a field of the record (contract.shards'
+-- Over bulk shards the upload lies on a shard and its marker is a field of the record (contract.redis.shards'
 -- SHARDED_UPLOAD in UPLOAD_FIELD), cleared to '' by the HSET of the step that takes it; a record an older API
 -- stored has a marker key instead (Keys.upload), as a record without shards has its upload there. take_upload: 1
 -- when this step takes the upload (its bytes to give back), 0 when it was taken before or is gone; `marker` is
@@ -71,7 +71,7 @@ local function finish_jobs(keys, args, names, first_key, at)
         local bytes = tonumber(upload_bytes) or 0
         model = model or ''
         if bytes > 0 then released[model] = (released[model] or 0) + bytes end
-        -- its API key's share of the budgets (contract.budget), read only here: a job whose frame was pushed (a
+        -- its API key's share of the budgets (contract.admission.budget), read only here: a job whose frame was pushed (a
         -- batch's) has no upload left, and its end reads no more than before
         local owner = bytes > 0 and redis.call('HGET', key, 'owner')
         if owner and owner ~= '' then

@@ -1,5 +1,5 @@
 
--- The frame list's ack, the one place a frame is acked (contract.frame_source): drop the `count` oldest frames of a
+-- The frame list's ack, the one place a frame is acked (contract.frames.frame_source): drop the `count` oldest frames of a
 -- processing list, the batch just answered.
 local function ack_frames(processing, count)
   if count > 0 then redis.call('LTRIM', processing, 0, -(count + 1)) end
@@ -20,14 +20,14 @@ end
 
 -- The step `ack_frames` (RedisFrameSource.ack, a source's ack alone: the batch write acks in its own step): keys[1]
 -- the processing list, keys[2..] uploads that waited for these frames (bulk shards keep a job's bytes until its
--- frame is acked: contract.frame_shard_source); args[1] the count.
+-- frame is acked: contract.frames.frame_shard_source); args[1] the count.
 redis.register_function('ack_frames', function(keys, args)
   ack_frames(keys[1], tonumber(args[1]))
   for i = 2, #keys do redis.call('DEL', keys[i]) end
   return 1
 end)
 
--- Giving a worker's unanswered frames back (contract.frame_source.requeue_frames_of), on the control plane and
+-- Giving a worker's unanswered frames back (contract.frames.frame_source.requeue_frames_of), on the control plane and
 -- wherever its lists lie, in three steps: the fence, the move, the count.
 -- The step `fence_worker`, on the control plane: keys[1] the worker's heartbeat ('' when it gives back its own),
 -- keys[2] its epoch. -1 if it lives; else 1, its epoch deleted (a paused worker finds it gone and writes nothing).

@@ -6,7 +6,7 @@
 -- keys[1] the job hash; args[1] now, args[2] the claim (a token of this attempt, which its push must show), args[3]
 -- Keys.key_frames_prefix ('': not counted). Returns {'claimed', frames} (now preprocessing; frames -1 for a job
 -- without a key, or not counted), 'missing', 'over' (past this stage or ended), 'late' (deadline passed,
--- unchanged: the caller ends it). CPU_STARTED_AT is contract.timebill's.
+-- unchanged: the caller ends it). CPU_STARTED_AT is contract.jobs.timebill's.
 local CPU_STARTED_AT = 'cpu_started_at'
 
 redis.register_function('claim', function(keys, args)

@@ -9,7 +9,7 @@
 -- count of record field and value arguments, the record's, and the job's end (finish_arguments). Returns
 -- {'ended', status} (`expired` when the hit came after the job's deadline: finish_jobs ends it so, and its answer
 -- is not referred to), {'limited', ms until the bucket holds the charge} with nothing written, or {HIT_GONE}.
--- `store_hit_answer`, the same with the cache on a Redis of its own (contract.cache_plane): the answer is the last
+-- `store_hit_answer`, the same with the cache on a Redis of its own (contract.cache.cache_plane): the answer is the last
 -- argument (the lookup read it there), keys[2..4] are not touched (the hit's books are written there after), and
 -- the shared answer is SET from it.
 local HIT_GONE = 'gone'

@@ -1,5 +1,5 @@
 
--- The push (contract.frame_push; over bulk shards, contract.frame_shards): what it checks and does, in the same
+-- The push (contract.frames.frame_push; over bulk shards, contract.frames.frame_shards): what it checks and does, in the same
 -- commands either way. live_job: the job's status, model, upload's bytes, claim, API key (its owner) and upload
 -- marker, in one HMGET; a job gone or ended loses its upload (its bytes given back) and nil says the frame may not stand.
 -- release_upload: the upload goes, its bytes given back (the model's and its key's). trade_upload_for_frame, once
@@ -8,9 +8,9 @@
 -- back: one HINCRBY a counter for the difference, with the result a release then a charge would give. A key's bytes
 -- are its uploads alone: its upload's leave its count here. count_key_frame: the frame counted among its key's
 -- (Keys.key_frames: '' when not counted), until the batch write that ends it counts it out; the count's TTL
--- (KEY_FRAMES_TTL_S, contract.frame_push's) renewed when a key's first frame comes.
+-- (KEY_FRAMES_TTL_S, contract.frames.frame_push's) renewed when a key's first frame comes.
 local KEY_FRAMES_TTL_S = 300
-local PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1   -- contract.frame_push's
+local PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1   -- contract.frames.frame_push's
 
 local function count_key_frame(counts, owner)
   if counts ~= '' and owner and owner ~= '' and redis.call('HINCRBY', counts, owner, 1) == 1 then

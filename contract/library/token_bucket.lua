@@ -1,5 +1,5 @@
 
--- Token buckets (contract.token_bucket). refilled(tokens, at, now, rate, burst): a bucket's tokens at `now` and its
+-- Token buckets (contract.admission.token_bucket). refilled(tokens, at, now, rate, burst): a bucket's tokens at `now` and its
 -- new mark, from what it held at its mark `at` (nil: a new bucket, full); every bucket of the service refills by it
 -- (the cache hits': hits.lua). The mark never moves back: each API process carries the clock forward on its own,
 -- and a request that ran later may bring an earlier moment.

@@ -11,7 +11,7 @@
 -- its frames among those acknowledged: counted out, a count at 0 or below deleted), then the jobs'
 -- (JobEnding.finish_arguments). Returns the jobs ended, or -1 (nothing written) when the epoch is no longer the
 -- worker's. With the cache on a Redis of its own (its max_bytes passed as -1: CacheLimits.finish_names), {ended, job
--- id, digest, ...} of the jobs whose entries the worker then stores there (contract.cache_plane): a write after this
+-- id, digest, ...} of the jobs whose entries the worker then stores there (contract.cache.cache_plane): a write after this
 -- step's, which may only ever be lost.
 redis.register_function('write_batch', function(keys, args)
   local N = FINISH_NAMES
