@@ -4,6 +4,7 @@ modules (lazy imports inside functions too)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -187,36 +188,45 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
     assert PARAM_COLUMNS[-len(MAPPING_FIELDS) :] == MAPPING_FIELDS
 
 
-# A concept that is one thing past the cap stays in one file, said here with why (issue 63: splits made by length
-# rather than by concept had scattered what a reader looks for in one place), and with a cap of its own.
-ONE_CONCEPT_PAST_THE_CAP = {
-    "contract/redis/replication.py": (
-        400,
-        "what a 202 waits for: the write and its WAIT, the replica count, and behind Sentinel the view of which "
-        "replicas could be promoted; three files before (issue 63, item 1)",
-    ),
-    "tasks/decoding/imaging.py": (
-        360,
-        "decode and letterbox one image: 347 lines before tasks/ became packages, whose longer paths wrapped its "
-        "import of the structure walk's names over eight lines (issue 73, item 3)",
-    ),
-}
+# The map a newcomer reads first (docs/architecture.md) is held to the tree, in place of a cap on a module's length:
+# a file is as long as its one concept, and where each concept lives is the question the map answers.
+_ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
+_MAPPED = ("contract", "app", "tasks", "gpu_worker")
+_ENTRY = re.compile(r"^( {0,12})((?:[\w.]+/?)(?:, [\w.]+/?)*)(?:,|  | \(|$)")
 
 
-def test_no_module_of_the_processes_is_over_350_lines_nor_of_the_bench_over_400():
-    """A module that outgrows this likely does more than one job (issues 44, 54): split it by concept, as bench.soak
-    and contract.frames were; a concept that is one thing past it is named in ONE_CONCEPT_PAST_THE_CAP with why.
-    The processes' modules are held closer: a newcomer reads them first."""
-    limits = {"app": 350, "tasks": 350, "gpu_worker": 350, "contract": 350, "bench": 400}
-    long = {
-        name: count
-        for folder, limit in limits.items()
-        for path in (REPO_ROOT / folder).rglob("*.py")
-        if (count := len(path.read_text().splitlines()))
-        > ONE_CONCEPT_PAST_THE_CAP.get(name := str(path.relative_to(REPO_ROOT)), (limit, ""))[0]
+def architecture_tree() -> set[str]:
+    """The paths the "Where each part lives" tree names, each entry under the folders above it by indent."""
+    section = _ARCHITECTURE.read_text().split("## Where each part lives", 1)[1].split("```")[1]
+    named, folders = set(), []
+    for line in section.splitlines():
+        entry = _ENTRY.match(line)
+        if not entry or not line.strip():
+            continue
+        depth = len(entry.group(1)) // 2
+        folders = folders[:depth]
+        for name in entry.group(2).split(", "):
+            named.add("/".join([*folders, name.rstrip("/")]))
+        if entry.group(2).endswith("/"):
+            folders.append(entry.group(2).rstrip("/"))
+    return named
+
+
+def test_the_architecture_map_names_every_package_and_only_what_the_tree_holds():
+    named = architecture_tree()
+    assert {"contract/jobs/intake.py", "tasks/hop/broker.py", "gpu_worker/lanes.py"} <= named  # the parse reads it
+    missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
+    assert missing == [], "docs/architecture.md's tree names what the tree does not hold"
+    packages = {
+        str(init.parent.relative_to(REPO_ROOT))
+        for top in _MAPPED
+        for init in (REPO_ROOT / top).rglob("__init__.py")
+        if "__pycache__" not in init.parts
     }
-    assert long == {}
-    assert all((REPO_ROOT / name).is_file() and reason for name, (_, reason) in ONE_CONCEPT_PAST_THE_CAP.items())
+    assert sorted(packages - named) == [], "a package docs/architecture.md's tree does not place"
+    first = _ARCHITECTURE.read_text().split("## Where to look first", 1)[1].split("\n## ", 1)[0]
+    pointed = set(re.findall(r"`((?:app|tasks|gpu_worker|contract|bench|tools)/[\w/]+\.(?:py|lua))`", first))
+    assert len(pointed) >= 10 and sorted(p for p in pointed if not (REPO_ROOT / p).is_file()) == []
 
 
 # A role's command line, spelled out: `-m gpu_worker --device`, `-m gunicorn -c configs/gunicorn.conf.py`, `celery
