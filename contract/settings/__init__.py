@@ -257,7 +257,7 @@ class CeleryWorkerSettings:
     visibility_timeout_s: int = 300
     task_time_limit_s: int = 60
     events_flush_ms: int = 250  # task events leave in one message this long after the first (tasks.hop.event_batching)
-    # A Celery worker silent this long is dead: its held tasks go back (tasks.hop.job_sweeps).
+    # A Celery worker silent this long is dead: its held tasks go back (tasks.hop.recovery).
     heartbeat_ttl_s: float = 10.0
     sweep_s: float = 0.5  # how often each worker ends the jobs whose deadline passed (tasks.hop.job_sweeps)
     # A job still queued this long whose task is in no queue and in no worker's hands, twice in a row, is sent its
