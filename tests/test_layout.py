@@ -34,13 +34,15 @@ def imports_of(path: Path, modules: set[str]) -> set[str]:
 
 
 def imported_names(path: Path) -> list[tuple[int, str]]:
-    """Every module an import in `path` names (lazy ones too), with its line; a relative import as '.'."""
+    """Every name an import in `path` reaches (lazy ones too), with its line: `from a.b import c` as a.b.c (so
+    `from contract import jobs` names the package it takes); a relative import as '.'."""
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            found.append((node.lineno, "." if node.level else node.module or ""))
+            module = "." if node.level else node.module or ""
+            found += [(node.lineno, module if node.level else f"{module}.{alias.name}") for alias in node.names]
     return found
 
 
@@ -77,17 +79,7 @@ CONTRACT_FLOORS = (
 
 def contract_packages_imported(path: Path) -> list[tuple[int, str]]:
     """The contract packages an import in `path` reaches (lazy ones too), with its line."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            bare = node.module == "contract"  # `from contract import jobs`: the names are the packages
-            names = [f"contract.{alias.name}" for alias in node.names] if bare else [node.module]
-        else:
-            continue
-        found += [(node.lineno, name.split(".")[1]) for name in names if name.startswith("contract.")]
-    return found
+    return [(line, name.split(".")[1]) for line, name in imported_names(path) if name.startswith("contract.")]
 
 
 def test_contract_is_packages_by_concept_each_importing_only_the_floors_below_it():
