@@ -161,3 +161,29 @@ def test_a_cache_hit_says_so():
     assert detections_table(Path("a.jpg"), doc)[0] == "a.jpg: 0 detections in 1280x720 (cache hit, 0 ms)"
     doc["cache"] = "miss"
     assert detections_table(Path("a.jpg"), doc)[0] == "a.jpg: 0 detections in 1280x720 (0 ms)"
+
+
+def test_a_servers_image_size_reaches_the_terminal_escaped():
+    # `submit --wait` printed the result's width and height as the server sent them, so
+    # a string there (escape sequences: a title, a cleared screen) reached the terminal raw.
+    doc = {
+        "status": "succeeded",
+        "result": {"image": {"width": "640\x1b]0;owned\x07", "height": "480\x1b[2J"}, "detections": []},
+        "timings_ms": {"total": 1.0},
+    }
+    line = detections_table(Path("a.jpg"), doc)[0]
+    assert "\x1b" not in line and "\x07" not in line, line
+
+
+def test_a_servers_scores_and_boxes_that_are_not_numbers_print_escaped_not_as_a_traceback():
+    doc = {
+        "status": "succeeded",
+        "result": {
+            "image": {"width": 640, "height": 480},
+            "detections": [{"label": "cat", "score": "0.9\x1b[31m", "box": [1, "2\x07", 3.0, None]}],
+        },
+        "timings_ms": {"total": "\x1b[2J"},
+    }
+    lines = detections_table(Path("a.jpg"), doc)
+    assert lines[0] == "a.jpg: 1 detections in 640x480 (\\x1b[2J ms)"
+    assert lines[2] == "  cat          0.9\\x1b[31m  1, 2\\x07, 3, None"

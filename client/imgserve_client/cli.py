@@ -56,14 +56,23 @@ def detections_table(path: Path, doc: dict) -> list[str]:
     # A result-cache hit took no decode and no GPU: its "0 ms" says so in words.
     hit = "cache hit, " if doc.get("cache") == "hit" else ""
     lines = [
-        f"{path}: {len(doc['result']['detections'])} detections in {image['width']}x{image['height']} "
-        f"({hit}{doc['timings_ms'].get('total', 0):.0f} ms)"
+        f"{path}: {len(doc['result']['detections'])} detections in "
+        f"{number(image['width'], 'd')}x{number(image['height'], 'd')} "
+        f"({hit}{number(doc['timings_ms'].get('total', 0), '.0f')} ms)"
     ]
     lines.append(f"  {'label':<12} {'score':>6}  box (x1, y1, x2, y2)")
     for d in doc["result"]["detections"]:
-        box = ", ".join(f"{v:.0f}" for v in d["box"])
-        lines.append(f"  {printable(d['label']):<12} {d['score']:>6.3f}  {box}")
+        box = ", ".join(number(v, ".0f") for v in d["box"])
+        lines.append(f"  {printable(d['label']):<12} {number(d['score'], '>6.3f')}  {box}")
     return lines
+
+
+def number(value: object, spec: str) -> str:
+    """A figure the server sent, formatted when it is one; anything else (a string, escape sequences and all)
+    reaches the terminal escaped instead of as a command to it or a traceback."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return printable(value)
+    return format(value, spec) if spec != "d" or isinstance(value, int) else printable(value)
 
 
 def draw_to(path: Path, doc: dict, out: Path, single: bool) -> Path:
