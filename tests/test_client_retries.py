@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from email.utils import format_datetime
@@ -43,6 +44,7 @@ class Scripted(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
         self.rfile.read(int(self.headers.get("Content-Length") or 0))
         server = self.server
+        time.sleep(getattr(server, "hold_s", 0.0))  # a server that holds each answer before it sends it
         with server.lock:  # type: ignore[attr-defined]
             server.seen += 1  # type: ignore[attr-defined]
             script = server.script  # type: ignore[attr-defined]
@@ -123,6 +125,18 @@ def test_retries_stop_before_their_waits_pass_the_bound(scripted):
         client.submit(b"image")
     assert caught.value.retry_after == 4.0
     assert scripted.seen == 3 and len(waits) == 2  # a third wait of 4 s would pass 10 s in all
+
+
+def test_refusals_the_server_holds_count_toward_the_bound(scripted):
+    # Held 0.4 s each, with Retry-After 0: the waits alone never reach the bound, so before, the call went on for
+    # every one of its 20 retries (an outside check's fake server: 21 tries of 8 s, 169 s for one call).
+    scripted.script, scripted.hold_s = [(503, {"Retry-After": "0"})], 0.4
+    client, waits = client_of(scripted, retry_wait_s=1.5)
+    started = time.monotonic()
+    with pytest.raises(ApiError):
+        client.submit(b"image")
+    assert 3 <= scripted.seen <= 5, scripted.seen
+    assert time.monotonic() - started < 1.5 + 2 * 0.4 + 1.0
 
 
 def test_other_errors_are_not_sent_again(scripted):

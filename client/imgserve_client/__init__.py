@@ -97,7 +97,8 @@ class Client:
         max_answer_bytes: int = MAX_ANSWER_BYTES,
     ) -> None:
         """`retries`: how often a request refused with 429 or 503 is sent again, each after its Retry-After, as
-        long as the waits stay within `retry_wait_s` in all (0: a refusal is raised at once). `timeout_s`: the
+        long as the waits and the refused exchanges stay within `retry_wait_s` in all (0: a refusal is raised at
+        once; a call so ends within `retry_wait_s` plus one exchange's `timeout_s`). `timeout_s`: the
         longest one request may take, all of it (a long-poll adds its wait); `max_answer_bytes`: the longest
         answer read."""
         self.base_url = base_url.rstrip("/")
@@ -188,8 +189,11 @@ class Client:
         from the API (it is restarting: nothing was sent); a first refused connection is a wrong URL or an API
         not running, said at once. A request that may have reached the API (a timeout, a connection lost) is
         never sent again here: a submission may have been taken."""
-        waited, attempt = 0.0, 0
+        # `spent`: the waits and the refused exchanges themselves, so a server that holds each refusal before it
+        # answers cannot stretch the call past the retries' bound (the waits alone were bounded before).
+        spent, attempt = 0.0, 0
         while True:
+            sent = time.monotonic()
             try:
                 response = bounded(
                     self.session, method, f"{self.base_url}{path}", kwargs["timeout"], self.max_answer_bytes, **kwargs
@@ -197,30 +201,33 @@ class Client:
             except requests.ConnectionError as exc:
                 if not (self._answered and _never_sent(exc)):
                     raise
-                wait = self._retry_wait(attempt, None, waited)
+                spent += time.monotonic() - sent
+                wait = self._retry_wait(attempt, None, spent)
                 if wait is None:
                     raise
             else:
                 self._answered = True
                 if response.status_code not in RETRIED_STATUSES:
                     return response
-                wait = self._retry_wait(attempt, parse_retry_after(response.headers.get("Retry-After")), waited)
+                spent += time.monotonic() - sent
+                wait = self._retry_wait(attempt, parse_retry_after(response.headers.get("Retry-After")), spent)
                 if wait is None:
                     return response
                 response.close()
             with self._retried_lock:
                 self.retried += 1
             self._sleep(wait)
-            waited, attempt = waited + wait, attempt + 1
+            spent, attempt = spent + wait, attempt + 1
 
-    def _retry_wait(self, attempt: int, asked: float | None, waited: float) -> float | None:
+    def _retry_wait(self, attempt: int, asked: float | None, spent: float) -> float | None:
         """How long to wait before sending a refused request again (`asked`: its Retry-After; without one, a wait
-        doubling from NO_RETRY_AFTER_S), or None when the retries' count or total wait would be past its bound."""
+        doubling from NO_RETRY_AFTER_S), or None when the retries' count, or the time `spent` on the call's refused
+        exchanges and waits with this wait added, would be past its bound."""
         if attempt >= self.retries:
             return None
         wait = NO_RETRY_AFTER_S * 2**attempt if asked is None else asked
         wait += random.uniform(0.0, min(1.0, wait / 10))  # refused together, not all back in the same instant
-        return None if waited + wait > self.retry_wait_s else wait
+        return None if spent + wait > self.retry_wait_s else wait
 
     def submit_many(
         self, images: Iterable[str | Path | bytes], concurrency: int = 8, **options: Any
