@@ -182,3 +182,26 @@ def test_a_first_refused_connection_is_said_at_once(scripted):
     with pytest.raises(requests.ConnectionError):
         client.submit(b"image")
     assert waits == []
+
+
+@pytest.mark.parametrize("body", [b"[" * 200_000 + b"]" * 200_000, b"<html>hello</html>", b"[1, 2]"])
+def test_an_answer_that_is_no_api_document_is_an_api_error_not_a_traceback(body: bytes) -> None:
+    class Odd(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Odd)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ApiError) as caught:
+            Client(f"http://127.0.0.1:{server.server_address[1]}").models()
+    finally:
+        server.shutdown()
+    assert caught.value.status == 200 and "not an API answer" in str(caught.value)

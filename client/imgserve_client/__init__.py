@@ -266,8 +266,12 @@ def _names_param(error: ApiError, name: str) -> bool:
 def _json_or_raise(response: requests.Response) -> dict[str, Any]:
     try:
         body = response.json()
-    except ValueError:
-        body = {"title": response.reason, "detail": response.text[:200]}
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
+        body = None
+    if not isinstance(body, dict):  # what no API answer is: said as an error, not a traceback further on
+        body = {"title": response.reason or "not an API answer", "detail": response.text[:200]}
+        if response.status_code < 400:
+            raise ApiError(response.status_code, {**body, "title": "not an API answer"}, response.headers)
     if response.status_code >= 400:
         raise ApiError(response.status_code, body, response.headers)
     return body
