@@ -346,3 +346,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+
+
+# Each test file's time (setup, call and teardown of its tests, its module fixtures with them), summed where the
+# reports arrive (with xdist: the controller): a file is what one pytest process runs whole (--dist loadfile), so
+# these are what CI's time is balanced from, printed at the end beside pytest's slowest tests.
+FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    FILE_SECONDS[path] = FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    slowest = sorted(FILE_SECONDS.items(), key=lambda item: item[1], reverse=True)[:15]
+    if not slowest or slowest[0][1] < 1.0:
+        return
+    terminalreporter.write_sep("=", f"slowest 15 files of {len(FILE_SECONDS)} (setup, call, teardown summed)")
+    for path, seconds in slowest:
+        terminalreporter.write_line(f"{seconds:8.1f}s {path}")
