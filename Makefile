@@ -1,4 +1,4 @@
-.PHONY: run test test-fast test-soak test-chaos lint docs docs-serve bootstrap compose-check compose-test peer
+.PHONY: run test test-fast test-inductor test-soak test-chaos lint docs docs-serve bootstrap compose-check compose-test peer
 
 run:          ## install what is needed, then run the whole service locally (VERBOSE=1: the start-up banners too; CELLS=2: two cells behind one API; CACHE_REDIS=1: the result cache on a Redis of its own)
 	@scripts/run-local
@@ -8,6 +8,9 @@ test:         ## install what the tests need, then run them
 
 test-fast:    ## the inner loop: every test that starts no Redis, Celery, GPU-worker or gunicorn process
 	scripts/test -m "not integration and not gpu and not slow" -q
+
+test-inductor: ## torch.compile with Inductor on the CPU against the eager forward (~100 s of CPU; make test compiles with aot_eager)
+	scripts/test -m inductor tests/test_gpu_accelerated.py
 
 test-soak:    ## five minutes of steady load on make run's stack: no process may grow past its bound (tests/test_soak.py)
 	scripts/test -m soak
