@@ -290,7 +290,7 @@ class JobIntake(JobEnding):
             inline = not self.replication.enabled and len(upload) <= LARGE_UPLOAD_BYTES
             if not inline:
                 self._write_upload(self.uploads, upload_key, job.upload_ttl_s, upload)
-        flat = flatten_fields({name: value for name, value in record.items() if value is not None})
+        flat = [item for pair in record.items() if pair[1] is not None for item in pair]  # encoded: HSET's arguments
         keys, args = self._take_in_arguments(job, lookup, here, flat)
         try:
             reply = self._call_take_in(job, keys, args, upload_key if inline else None)
@@ -307,7 +307,7 @@ class JobIntake(JobEnding):
             self._delete_quietly(upload_key, self.bulk.client_for(job_id))
         return reply
 
-    def _take_in_arguments(self, job: NewJob, lookup: str, here: str, flat: list[str]) -> tuple[list[Any], list[Any]]:
+    def _take_in_arguments(self, job: NewJob, lookup: str, here: str, flat: list[Any]) -> tuple[list[Any], list[Any]]:
         """take_in's keys and arguments (their positions: contract/library/intake.lua)."""
         fields, decode = job.fields, job.decode
         deadline_at = fields.get("deadline_at")
