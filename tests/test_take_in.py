@@ -108,7 +108,8 @@ def test_a_refused_upload_leaves_nothing_behind_on_the_control_plane_or_its_shar
     assert nothing_of(control, keys, "b1" * 16, shard) == {**EMPTY, "shard upload": 0}
     # and admitted when there is room: the upload where it belongs
     assert isinstance(intake.take_in(new_job(keys, "b2" * 16, request())), Created)
-    assert intake.load("b2" * 16)[UPLOAD_FIELD if sharded else "status"] == (SHARDED_UPLOAD.decode() if sharded else QUEUED)
+    expected = SHARDED_UPLOAD.decode() if sharded else QUEUED
+    assert intake.load("b2" * 16)[UPLOAD_FIELD if sharded else "status"] == expected
     on = shard if sharded else control
     assert on.get(keys.upload("b2" * 16)) == UPLOAD
 
@@ -149,14 +150,24 @@ def test_a_hit_keeps_no_upload_and_a_miss_is_admitted_in_the_same_step(servers):
     assert int(control.hget(keys.waiting_bytes, MODEL)) == len(UPLOAD)
 
 
-def test_a_redis_that_lost_the_library_takes_the_job_in_once(servers):
+def test_a_redis_that_lost_the_library_takes_the_job_in_once_and_a_refused_one_not_at_all(servers):
+    """Without the library the transaction's writes land and its step does not: the library is loaded and the step
+    called alone, which finds the job's message by its value (another may have been pushed above it meanwhile)."""
     control, _ = servers
     keys = Keys("lost")
     intake = JobIntake(control, keys, ttl_s=60)
+    queue = keys.celery_queue(keys.preprocess_queue(MODEL, ""))
     ensure_library(control)
     control.function_flush()
     assert isinstance(intake.take_in(new_job(keys, "e1" * 16, request())), Created)
-    assert control.llen(keys.celery_queue(keys.preprocess_queue(MODEL, ""))) == 1
+    assert control.lrange(queue, 0, -1) == [b"the task"]
+    assert int(control.hget(keys.waiting_bytes, MODEL)) == len(UPLOAD)
+    control.function_flush()
+    control.lpush(keys.frames(MODEL), *[b"frame"] * 9)  # the backlog: 10 of 10 with the first job
+    refused = intake.take_in(new_job(keys, "e2" * 16, request()))
+    assert isinstance(refused, budget.BudgetVerdict) and refused.verdict == budget.OVER_BACKLOG
+    assert control.lrange(queue, 0, -1) == [b"the task"]  # the first job's, once
+    assert not control.exists(keys.job("e2" * 16), keys.upload("e2" * 16))
     assert int(control.hget(keys.waiting_bytes, MODEL)) == len(UPLOAD)
 
 

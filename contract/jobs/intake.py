@@ -291,9 +291,20 @@ class JobIntake(JobEnding):
             if not inline:
                 self._write_upload(self.uploads, upload_key, job.upload_ttl_s, upload)
         flat = [item for pair in record.items() if pair[1] is not None for item in pair]  # encoded: HSET's arguments
-        keys, args = self._take_in_arguments(job, lookup, here, flat)
+        deadline_at = fields.get("deadline_at")
+        writes: list[tuple[Any, ...]] = [
+            ("HSET", self.keys.job(job_id), *flat),
+            ("EXPIRE", self.keys.job(job_id), record_ttl_s(self.ttl_s, deadline_at)),
+        ]
+        if deadline_at is not None:  # the sweeper ends it there if nothing else has (expire_overdue)
+            writes.append(("ZADD", self.keys.deadlines, repr(float(deadline_at)), job_id))
+        if job.task is not None:
+            writes.append(("LPUSH", *job.task))
+        if inline:  # the upload in the job's own transaction, last in its command (_write_upload), on its connections
+            writes.insert(0, ("SETEX", upload_key, job.upload_ttl_s, upload))
+        keys, args = self._take_in_arguments(job, lookup, here)
         try:
-            reply = self._call_take_in(job, keys, args, upload_key if inline else None)
+            reply = self._call_take_in(job, writes, keys, args)
         except NotReplicated:
             raise
         except redis.RedisError:
@@ -307,10 +318,9 @@ class JobIntake(JobEnding):
             self._delete_quietly(upload_key, self.bulk.client_for(job_id))
         return reply
 
-    def _take_in_arguments(self, job: NewJob, lookup: str, here: str, flat: list[Any]) -> tuple[list[Any], list[Any]]:
+    def _take_in_arguments(self, job: NewJob, lookup: str, here: str) -> tuple[list[Any], list[Any]]:
         """take_in's keys and arguments (their positions: contract/library/intake.lua)."""
         fields, decode = job.fields, job.decode
-        deadline_at = fields.get("deadline_at")
         admission_keys, admission_args = (
             budget.admission_arguments(self.keys, job.admission) if job.admission is not None else ([], [])
         )
@@ -326,56 +336,52 @@ class JobIntake(JobEnding):
         ]
         unused = max(0, job.reserved - len(job.upload)) if job.admission is None else 0
         charge = (decode.cost, decode.share, repr(service_now()), repr(decode.lapse_at)) if decode else ("",) * 4
-        args = [
-            record_ttl_s(self.ttl_s, deadline_at),
-            "" if deadline_at is None else repr(float(deadline_at)),
-            job.task[1] if job.task else "",
-            str(fields.get("model") or ""),
-            str(fields.get("owner") or ""),
-            unused,
-            job.job_id,
-            *charge,
-            len(flat),
-            *flat,
-            *admission_args,
-        ]
-        return keys, args
+        owner = str(fields.get("owner") or "")
+        return keys, [str(fields.get("model") or ""), owner, unused, job.job_id, "", *charge, *admission_args]
 
-    def _call_take_in(self, job: NewJob, keys: list[Any], args: list[Any], inline: str | None) -> Any:
-        """The step's FCALL: after the upload's SETEX in one transaction (`inline`: its key), or with WAIT for the
-        replicas; a Redis without the library gets it and the call again."""
-        for attempt in (1, 2):
-            try:
-                if self.replication.enabled:
-                    return self._take_in_replicated(job, keys, args)
-                if inline is None:
-                    return _TAKE_IN(self.redis, keys, args)
-                pipe = self.uploads.pipeline(transaction=True)
-                pipe.execute_command("SETEX", inline, job.upload_ttl_s, job.upload)  # type: ignore[no-untyped-call]
-                _TAKE_IN(pipe, keys, args)
-                return pipe.execute()[-1]
-            except redis.ResponseError as error:
-                if attempt == 2 or not is_missing(error):
-                    raise
-                _TAKE_IN.recover(self.redis)
-        raise AssertionError("unreachable")
+    def _call_take_in(self, job: NewJob, writes: list[tuple[Any, ...]], keys: list[Any], args: list[Any]) -> Any:
+        """The job's `writes`, then the step, in one transaction (with WAIT for the replicas when there are): the
+        step's reply. A Redis without the library ran the writes and not the step: it gets the library, then the
+        step alone, told where the job's message may be now."""
+        fcall = ("FCALL", _TAKE_IN.name, len(keys), *keys, *args)
+        try:
+            if self.replication.enabled:
+                return self._take_in_replicated(job, [*writes, fcall], in_multi=True)
+            client = self.uploads if writes[0][0] == "SETEX" else self.redis
+            pipe = client.pipeline(transaction=True)
+            for command in (*writes, fcall):
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            return pipe.execute()[-1]
+        except redis.ResponseError as error:
+            if not is_missing(error):
+                raise
+        _TAKE_IN.recover(self.redis)
+        args[4] = job.task[1] if job.task else ""  # the message's place is not known now: found by its value
+        if self.replication.enabled:
+            return self._take_in_replicated(job, [("FCALL", _TAKE_IN.name, len(keys), *keys, *args)], in_multi=False)
+        return _TAKE_IN(self.redis, keys, args)
 
-    def _take_in_replicated(self, job: NewJob, keys: list[Any], args: list[Any]) -> Any:
-        """The step, then WAIT, then whether the upload is still where it was written (a failover since: not)."""
+    def _take_in_replicated(self, job: NewJob, commands: list[tuple[Any, ...]], in_multi: bool) -> Any:
+        """`commands` (the step last, in a transaction or alone), then whether the job's upload is still where it
+        was written (a failover since: not), then WAIT: the step's reply, or NotReplicated and the job withdrawn."""
         written = self.keys.job(job.job_id) if self.bulk.sharded else self.keys.upload(job.job_id)
-        replies, acknowledged, wanted = self.replication.wait(
-            self.redis, [("FCALL", _TAKE_IN.name, len(keys), *keys, *args), ("EXISTS", written)]
-        )
-        reply = replies[0]
+        if in_multi:
+            replies, acknowledged, wanted = self.replication.wait(
+                self.redis, [("MULTI",), *commands, ("EXISTS", written), ("EXEC",)]
+            )
+            reply, found = replies[-1][-2], replies[-1][-1]
+        else:
+            replies, acknowledged, wanted = self.replication.wait(self.redis, [*commands, ("EXISTS", written)])
+            reply, found = replies[0], replies[-1]
         if reply[0] != b"created":
             return reply
-        if not replies[-1]:  # the upload went to a server that is no longer the primary: so do all
+        if not found:  # the upload went to a server that is no longer the primary: so do all
             self.uploads.connection_pool.disconnect(inuse_connections=False)
-        if acknowledged < wanted or not replies[-1]:
+        if acknowledged < wanted or not found:
             self.withdraw(job.job_id)
             if job.decode is not None:
                 self._forget_charge(job.job_id)
-            raise NotReplicated(acknowledged if replies[-1] else 0, wanted)
+            raise NotReplicated(acknowledged if found else 0, wanted)
         return reply
 
     def _forget_charge(self, job_id: str) -> None:

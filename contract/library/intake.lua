@@ -9,57 +9,61 @@ redis.register_function('lookup_or_admit', function(keys, args)
   return admit(keys, args, 2, #keys, 1)
 end)
 
--- The step `take_in` (JobIntake.take_in): a new job's whole intake in one round trip. The result cache's lookup (a
--- hit: its document, nothing kept), the admission (admit: refused, nothing kept), the decode charge (refused: the
--- bytes just reserved given back, nothing kept), then the job: its record, its deadline entry, its Celery message.
--- An upload stored on this Redis before the step, in its transaction or alone, is deleted when no job is made.
--- keys[1] the cache entry ('': no lookup), keys[2] the record, keys[3] the deadline index, keys[4] the task's list
--- ('': no task), keys[5] the upload stored here before the step ('': on a bulk shard), keys[6] the decode charges
--- ('': no charge), keys[7] the waiting-bytes hash, keys[8..] admit()'s (none: admitted before the body was read).
--- args[1] the record's TTL, args[2] its deadline ('': none), args[3] the task's message, args[4] the model, args[5]
--- the API key ('': none), args[6] bytes admitted before and not used (given back), args[7] the job id, args[8..11]
--- the decode charge (take_decode's cost, share, now, lapse: read only with keys[6]), args[12] n, args[13..12 + n] the record's
--- fields and values, then admit()'s ADMISSION_ARGS when keys[8] is given.
+-- The step `take_in` (JobIntake.take_in): the last command of a new job's transaction, after the job's own writes
+-- (its record, its TTL, its deadline entry, its Celery message: plain commands, which cost Redis less than the same
+-- writes from Lua), so that a job's whole intake is one round trip. It judges the job they made: the result cache's
+-- lookup (a hit: its document), the admission (admit: refused), the decode charge (refused: the bytes just reserved
+-- given back). Whatever refuses or answers it takes the job's writes back, and its upload where it lies here: nothing
+-- of it is kept. keys[1] the cache entry ('': no lookup), keys[2] the record, keys[3] the deadline index, keys[4] the
+-- task's list ('': no task), keys[5] the upload stored here in the transaction ('': on a bulk shard), keys[6] the decode
+-- charges ('': no charge), keys[7] the waiting-bytes hash, keys[8..] admit()'s (none: admitted before the body was
+-- read). args[1] the model, args[2] the API key ('': none), args[3] bytes admitted before and not used (given back),
+-- args[4] the job id, args[5] the task's message when it may no longer be its list's head (a call after the
+-- transaction: the library was missing in it), else '', args[6..9] the decode charge (take_decode's cost, share,
+-- now, lapse: read only with keys[6]), args[10..] admit()'s ADMISSION_ARGS when keys[8] is given.
 -- Returns {'hit', document}, admit()'s refusal, {'decode_share', held} or {'created', admit()'s figures (0s when
 -- admitted before)}.
-local TAKE_IN_KEYS, TAKE_IN_ARGS = 7, 12
+local TAKE_IN_KEYS, TAKE_IN_ARGS = 7, 9
 
-local function no_job(keys)
-  if keys[5] ~= '' then redis.call('DEL', keys[5]) end
+local function not_taken_in(keys, args)
+  if keys[5] ~= '' then redis.call('DEL', keys[2], keys[5]) else redis.call('DEL', keys[2]) end
+  redis.call('ZREM', keys[3], args[4])
+  if keys[4] == '' then return end
+  if args[5] == '' then redis.call('LPOP', keys[4]) else redis.call('LREM', keys[4], 1, args[5]) end
 end
 
 redis.register_function('take_in', function(keys, args)
   if keys[1] ~= '' then
     local document = redis.call('GET', keys[1])
     if document then
-      no_job(keys)
+      not_taken_in(keys, args)
       return {'hit', document}
     end
   end
-  local n = tonumber(args[TAKE_IN_ARGS])
   local verdict = {'created', 0, 0, 0, 0}
   local admitted = 0
   if #keys > TAKE_IN_KEYS then
-    verdict = admit(keys, args, TAKE_IN_KEYS + 1, #keys, TAKE_IN_ARGS + n + 1)
+    local k = TAKE_IN_KEYS + 1
+    local mine = 0   -- the job's own message, on its key's queue already: not counted against it
+    if keys[4] ~= '' and keys[4] == keys[k + 3] and (args[5] == '' or redis.call('LPOS', keys[4], args[5])) then
+      mine = 1
+    end
+    verdict = admit(keys, args, k, #keys, TAKE_IN_ARGS + 1, mine)
     if verdict[1] ~= 'admitted' then
-      no_job(keys)
+      not_taken_in(keys, args)
       return verdict
     end
-    admitted = tonumber(args[TAKE_IN_ARGS + n + 2])
+    admitted = tonumber(args[TAKE_IN_ARGS + 2])
     verdict[1] = 'created'
   end
   if keys[6] ~= '' then
-    local charge = take_decode(keys[6], args[5], args[7], args[8], args[9], args[10], args[11])
+    local charge = take_decode(keys[6], args[2], args[4], args[6], args[7], args[8], args[9])
     if charge[1] == 0 then
-      release_waiting(keys[7], args[4], admitted, args[5])
-      no_job(keys)
+      release_waiting(keys[7], args[1], admitted, args[2])
+      not_taken_in(keys, args)
       return {'decode_share', charge[2]}
     end
   end
-  release_waiting(keys[7], args[4], args[6], args[5])
-  redis.call('HSET', keys[2], unpack(args, TAKE_IN_ARGS + 1, TAKE_IN_ARGS + n))
-  redis.call('EXPIRE', keys[2], args[1])
-  if args[2] ~= '' then redis.call('ZADD', keys[3], args[2], args[7]) end
-  if keys[4] ~= '' then redis.call('LPUSH', keys[4], args[3]) end
+  if args[3] ~= '0' then release_waiting(keys[7], args[1], args[3], args[2]) end
   return verdict
 end)
