@@ -335,9 +335,9 @@ class JobIntake(JobEnding):
             *admission_keys,
         ]
         unused = max(0, job.reserved - len(job.upload)) if job.admission is None else 0
-        charge = (decode.cost, decode.share, repr(service_now()), repr(decode.lapse_at)) if decode else ("",) * 4
+        charge = (decode.cost, decode.share, repr(service_now()), repr(decode.lapse_at)) if decode else ()
         owner = str(fields.get("owner") or "")
-        return keys, [str(fields.get("model") or ""), owner, unused, job.job_id, "", *charge, *admission_args]
+        return keys, [str(fields.get("model") or ""), owner, unused, job.job_id, *admission_args, *charge]
 
     def _call_take_in(self, job: NewJob, writes: list[tuple[Any, ...]], keys: list[Any], args: list[Any]) -> Any:
         """The job's `writes`, then the step, in one transaction (with WAIT for the replicas when there are): the
@@ -356,7 +356,7 @@ class JobIntake(JobEnding):
             if not is_missing(error):
                 raise
         _TAKE_IN.recover(self.redis)
-        args[4] = job.task[1] if job.task else ""  # the message's place is not known now: found by its value
+        args = [*args, *([job.task[1]] if job.task else [])]  # the message's place is not known now: its value
         if self.replication.enabled:
             return self._take_in_replicated(job, [("FCALL", _TAKE_IN.name, len(keys), *keys, *args)], in_multi=False)
         return _TAKE_IN(self.redis, keys, args)
