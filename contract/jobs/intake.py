@@ -1,11 +1,16 @@
 """The API's intake: a new job stored with its upload and its Celery task, or answered from the result cache.
 
-`create` writes the upload (a claim check: on a bulk shard when there are shards, the record marking it), the
-record, the deadline entry and the task in one transaction: no job without its task or task without its job. With
-replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.redis.connection); too few
-in time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result cache's lookup and, on a miss,
-the admission (contract.admission.budget's admit), in one round trip; on a hit the job is stored ended already. The
-API's admission (app.admission) decides what to do with either answer.
+`take_in` is a submission's whole intake in one round trip to the control plane: the upload stored first (on its
+bulk shard, or on the control plane in the same transaction), then one transaction that writes the record, the
+deadline entry and the task and ends with the step `take_in` (contract/library/intake.lua), which judges them: the
+result cache's lookup, the admission (contract.admission.budget's admit), the decode charge
+(contract.admission.decode_share). A hit or a refusal takes the job's writes and its upload back: nothing of a
+refused submission is kept. With replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT,
+contract.redis.connection); too few in time and the job is withdrawn (`NotReplicated`). The API's admission
+(app.admission) builds what it asks and decides what to do with the answer.
+
+`create` (the job alone, admitted before) and `answer_or_admit` (the lookup and the admission alone) are the two
+steps take_in merged, kept for the tests and bench's replay that price each.
 """
 
 from __future__ import annotations
