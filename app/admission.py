@@ -44,7 +44,7 @@ from app.byte_shares import key_byte_shares
 from app.problems import Problem
 from app.tier_buckets import TierBuckets
 from contract.admission import budget
-from contract.admission.decode_share import CHARGED_FROM, DecodeShare, decode_cost
+from contract.admission.decode_share import CHARGED_FROM, decode_cost
 from contract.admission.token_bucket import TokenBuckets
 from contract.cache import HIT, MISS, ResultCache
 from contract.jobs.hits import HitLimited
@@ -109,7 +109,6 @@ class Admission:
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
         self.verdicts = Verdicts(settings, client, keys)  # the refusals, and when to come back
         self.buckets = buckets or TokenBuckets(client)  # with cells, the API tier's (app.tier_buckets)
-        self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (take_in charges them)
 
     def limit_rate(self, client_id: str) -> None:
         """A token from the key's bucket (`auth.rate_per_s`, `auth.burst`), or a 429: the key is over its rate."""
