@@ -1,12 +1,13 @@
 """Admission: whether the API takes a new request or job now, for which model, and on which tenant's queue. The
 one object the API asks is `Admission`; the Lua it runs is contract's (contract.admission.budget's admit,
-contract.jobs.intake's `_ANSWER_OR_ADMIT`, contract.admission.token_bucket).
+contract.jobs.intake's take_in, contract.admission.token_bucket).
 
 A request meets `Admission` first for its rate (`limit_rate`, and `failed_authentication` for an address that
 failed to authenticate): a key over `auth.rate_per_s` is a 429. A submission then meets it twice. Before its body
 is read (`before_body`): a request whose model and size are known (a `model=` query, or a body that is the image)
 is routed now and its bytes reserved, so an unknown model or a full backlog costs no upload. After (`route_body`,
-then `admit`): routed if it was not, then admitted. Where the result cache may answer (contract.cache), the
+then `take_in`): routed if it was not, then admitted with its job made, in one step (contract.jobs.intake's
+take_in). Where the result cache may answer (contract.cache), the
 admission waits for the body: the lookup and, on a miss, the admission are one step in Redis, and a hit is a job
 ended already, admitted by nothing (it adds nothing to wait). The `Reservation` a submission holds says what was
 admitted, on which tenant's queue its job goes (the API key's own while a CPU worker takes them); `stored` hands
@@ -21,7 +22,7 @@ long the waiting work takes to drain by enough, at the rate the GPU workers answ
 (app.drain: measured while refusals come, not averaged over an idle past), not a constant: a store that
 stays full says so. The refusals, and that wait, are written by app.admission_verdicts.
 
-An upload expensive to decode is charged to its API key before its job is queued (`charge_decode`,
+An upload expensive to decode is charged to its API key in the step that makes its job (`take_in`,
 contract.admission.decode_share): a key whose charged decodes in flight would pass
 `auth.max_decode_bytes_in_flight` is refused.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,14 +44,15 @@ from app.byte_shares import key_byte_shares
 from app.problems import Problem
 from app.tier_buckets import TierBuckets
 from contract.admission import budget
-from contract.admission.decode_share import CHARGED_FROM, DecodeShare, decode_cost
+from contract.admission.decode_share import CHARGED_FROM, decode_cost
 from contract.admission.token_bucket import TokenBuckets
 from contract.cache import HIT, MISS, ResultCache
 from contract.jobs.hits import HitLimited
-from contract.jobs.intake import CacheHit, JobIntake
+from contract.jobs.intake import CacheHit, DecodeCharge, DecodeRefused, HitTerms, JobIntake, NewJob
 from contract.jobs.timebill import FINISHED_AT, RECEIVED_AT, SUBMITTED_AT, compute_time_bill
 from contract.redis.clock import now as service_now
 from contract.redis.keys import Keys
+from contract.redis.replication import NotReplicated
 from contract.settings import Settings
 from contract.settings.models import Catalogue, ModelSpec, UnknownModel
 
@@ -106,7 +109,6 @@ class Admission:
         self.tenants = ServedTenants(client, keys, settings.celery.heartbeat_ttl_s)
         self.verdicts = Verdicts(settings, client, keys)  # the refusals, and when to come back
         self.buckets = buckets or TokenBuckets(client)  # with cells, the API tier's (app.tier_buckets)
-        self.decode_share = DecodeShare(client, keys)  # expensive decodes per key in flight (charge_decode)
 
     def limit_rate(self, client_id: str) -> None:
         """A token from the key's bucket (`auth.rate_per_s`, `auth.burst`), or a 429: the key is over its rate."""
@@ -179,59 +181,72 @@ class Admission:
             self._take(reservation, spec, size)
         return spec
 
-    def admit(
-        self, reservation: Reservation, job_id: str, data: bytes, fields: dict[str, Any]
+    def take_in(
+        self,
+        reservation: Reservation,
+        job_id: str,
+        data: bytes,
+        fields: dict[str, Any],
+        task_for: Callable[[str], tuple[str, bytes]],
     ) -> tuple[CacheHit, dict[str, Any], dict[str, float]] | None:
-        """For a submission the cache may answer, the lookup and, on a miss, its admission, in one step. On a hit:
-        (the hit, the job's fields as stored, its time bill): the job is over already. On a miss: None, admitted,
-        and `fields` say so (cache, cache_key). A submission admitted before: None, nothing done."""
-        if not reservation.cached:
-            return None
+        """The submission's job made, in one step in Redis (JobIntake.take_in): the result cache's lookup where it
+        may answer, the budgets' admission unless its bytes were reserved before its body was read, its decode's
+        charge to its key, the job and its task (`task_for(queue)`: the Celery queue's list and the message). On a
+        hit: (the hit, the job's fields as stored, its time bill): the job is over already. Made: None, and
+        `fields` are the record's. Refused: the problem that says by which limit, nothing kept."""
         spec = reservation.spec
         assert spec is not None  # routed by route_body
-        digest = self.cache.digest(data, spec, fields["options"], reservation.client_id)
-        now = service_now()
-        answered = {**fields, SUBMITTED_AT: now, "cache": HIT}
-        timings = compute_time_bill({RECEIVED_AT: fields[RECEIVED_AT], SUBMITTED_AT: now, FINISHED_AT: now})
-        request = self._request(reservation, spec, len(data))
-        outcome = self.store.answer_or_admit(
-            job_id, answered, digest, self.settings.cache.ttl_s, timings, request, reservation.client_id
-        )
+        request = None if reservation.admitted else self._request(reservation, spec, len(data))
+        tenant = request.tenant if request is not None else reservation.tenant
+        hit = None
+        if reservation.cached:
+            digest = self.cache.digest(data, spec, fields["options"], reservation.client_id)
+            now = service_now()
+            answered = {**fields, SUBMITTED_AT: now, "cache": HIT}
+            timings = compute_time_bill({RECEIVED_AT: fields[RECEIVED_AT], SUBMITTED_AT: now, FINISHED_AT: now})
+            hit = HitTerms(digest, self.settings.cache.ttl_s, answered, timings, reservation.client_id)
+            fields.update(cache=MISS, cache_key=digest)
+        decode = self._decode_charge(reservation.client_id, data, fields["deadline_at"])
+        if decode is not None:
+            fields["decode_cost"] = decode.cost
+        queue = self.keys.preprocess_queue(spec.key, tenant)
+        fields.update({SUBMITTED_AT: service_now(), "queue": queue})
+        ttl_s = self.settings.jobs.upload_ttl_s
+        job = NewJob(job_id, data, ttl_s, fields, task_for(queue), request, reservation.size, decode=decode)
+        try:
+            outcome = self.store.take_in(job, hit)
+        except NotReplicated:
+            self.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
+            raise
         if isinstance(outcome, CacheHit):
+            assert hit is not None
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT, self.cell).inc()
-            return outcome, answered, timings
+            return outcome, dict(hit.fields), dict(hit.timings)
         if isinstance(outcome, HitLimited):  # every accepted request is charged: a hit to its key's bucket
             detail = f"key {reservation.client_id!r}'s cache hits stored their cache.hit_bytes_per_key; retry later"
             raise Problem(429, "rate-limited", "Too many requests", detail, retry_after_header(outcome.retry_after_ms))
-        metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS, self.cell).inc()
-        self.verdicts.settle(spec, request, outcome)  # refused: the problem says by which limit
-        reservation.admit(request)
-        fields.update(cache=MISS, cache_key=digest)
+        if hit is not None:
+            metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS, self.cell).inc()
+        if isinstance(outcome, DecodeRefused):
+            assert decode is not None
+            raise decode_share_refusal(outcome.held, decode.cost, decode.share)
+        if isinstance(outcome, budget.BudgetVerdict):
+            assert request is not None
+            self.verdicts.settle(spec, request, outcome)  # refused: the problem says by which limit
+            raise AssertionError(f"take_in refused with {outcome.verdict!r}")  # settle raises on a refusal
+        if request is not None:
+            reservation.admit(request)
+        self.stored(reservation)  # the job holds its bytes now
         return None
 
-    def charge_decode(self, client_id: str, job_id: str, data: bytes, deadline_at: float) -> int:
-        """An expensive upload's decode charged to its API key before its job is queued
-        (contract.admission.decode_share): the
-        bytes charged to `client_id` for `job_id` (0: none, a cheap image or no keys), or a 429 when the key's
-        charged decodes in flight would pass `auth.max_decode_bytes_in_flight` with it."""
+    def _decode_charge(self, client_id: str, data: bytes, deadline_at: float) -> DecodeCharge | None:
+        """An expensive upload's decode, to be charged to its API key with its job (contract.admission.decode_share);
+        None: nothing to charge (a cheap image, no keys, no limit)."""
         limit = self.settings.auth.max_decode_bytes_in_flight
         cost = decode_cost(data) if client_id and limit > 0 else 0
         if cost < CHARGED_FROM:
-            return 0
-        lapse_at = deadline_at + self.settings.celery.task_time_limit_s
-        taken, held = self.decode_share.take(client_id, job_id, cost, limit, service_now(), lapse_at)
-        if not taken:
-            raise decode_share_refusal(held, cost, limit)
-        return cost
-
-    def release_decode(self, job_id: str, charged: int) -> None:
-        """A job that was not queued after all: its charge, if `charged`, goes now (else it lapses by itself)."""
-        if not charged:
-            return
-        try:
-            self.decode_share.release(job_id)
-        except redis.RedisError:  # Redis away: the charge lapses after the job's deadline
-            pass
+            return None
+        return DecodeCharge(cost, limit, deadline_at + self.settings.celery.task_time_limit_s)
 
     def give_back(self, reservation: Reservation) -> None:
         """The bytes of a submission refused after its reservation (a bad option, not an image, Redis away)."""

@@ -30,9 +30,7 @@ from contract.documents import JobAccepted, model_ref
 from contract.jobs import deadlines
 from contract.jobs.ending import LATE_ERROR
 from contract.jobs.record import QUEUED, SUCCEEDED, TERMINAL, JobRecord, StoredJSON, utc_iso
-from contract.jobs.timebill import RECEIVED_AT, SUBMITTED_AT
-from contract.redis.clock import now as service_now
-from contract.redis.replication import NotReplicated
+from contract.jobs.timebill import RECEIVED_AT
 from contract.settings.models import ModelSpec
 
 log = logging.getLogger("api")
@@ -120,7 +118,8 @@ def _store(
 ) -> tuple[Response, int, dict[str, str]]:
     """The submission's job made in `cell`: its id there, the cache's answer or its admission, the job and its task
     stored, and with `wait` the wait for its end."""
-    settings, spec, data, received_at = services.settings, submission.spec, submission.data, submission.received_at
+    spec, data, received_at = submission.spec, submission.data, submission.received_at
+    task = services.task_messages.build
     options, media_type, callback_url = submission.options, submission.media_type, submission.callback_url
     deadline_ms = submission.deadline_ms
     # Checked against the key it is issued to (contract.jobs.ids), on a shard not found down lately.
@@ -135,47 +134,26 @@ def _store(
         **({"owner": reservation.client_id} if reservation.client_id else {}),
         **({"callback_url": callback_url} if callback_url else {}),
     }
-    answered = cell.admission.admit(reservation, job_id, data, fields)
-    if answered is not None:  # the cache's: the job is over already, stored as the 202 says
-        (status, document), stored, timings = answered
-        log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
-        if submission.wait_s > 0:
-            return _finished(cell, job_id, spec)
-        # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
-        answer = (
-            {"result": StoredJSON(document), "timings_ms": timings}
-            if status == SUCCEEDED
-            else {"error": json.loads(LATE_ERROR)}
-        )
-        return _accepted(cell, job_id, spec, stored, status, answer)
-    # An expensive decode counts against its key's share in flight (fairness by CPU cost, not by task).
-    charged = cell.admission.charge_decode(reservation.client_id, job_id, data, fields["deadline_at"])
-    if charged:
-        fields["decode_cost"] = charged
-    # The key's own queue, as admitted (fairness). The job and its Celery task in one transaction: a Redis that
-    # is down is a 503 for both, never half.
-    queue = cell.keys.preprocess_queue(spec.key, reservation.tenant)
-    task = (cell.keys.celery_queue(queue), services.task_messages.build(job_id, queue))
     # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
     event = cell.listener.register(job_id) if submission.wait_s > 0 else None
     try:
-        try:
-            cell.store.create(
-                job_id,
-                data,
-                settings.jobs.upload_ttl_s,
-                {**fields, SUBMITTED_AT: service_now(), "queue": queue},
-                task=task,
-                reserved=reservation.size,
+        # The key's own queue, as admitted (fairness). The job and its Celery task in one step, with its admission
+        # and the cache's lookup: a Redis that is down is a 503 for both, never half.
+        answered = cell.admission.take_in(
+            reservation, job_id, data, fields, lambda queue: (cell.keys.celery_queue(queue), task(job_id, queue))
+        )
+        if answered is not None:  # the cache's: the job is over already, stored as the 202 says
+            (status, document), stored, timings = answered
+            log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})
+            if submission.wait_s > 0:
+                return _finished(cell, job_id, spec)
+            # The answer itself in the 202: a client need not poll (it may: the job is there, as said here).
+            answer = (
+                {"result": StoredJSON(document), "timings_ms": timings}
+                if status == SUCCEEDED
+                else {"error": json.loads(LATE_ERROR)}
             )
-        except NotReplicated:
-            cell.admission.stored(reservation)  # the job held its bytes, and its withdrawal gave them back
-            cell.admission.release_decode(job_id, charged)
-            raise
-        except BaseException:
-            cell.admission.release_decode(job_id, charged)  # not queued: its charge goes with it
-            raise
-        cell.admission.stored(reservation)
+            return _accepted(cell, job_id, spec, stored, status, answer)
         log.info(
             "job accepted", extra={"job_id": job_id, "bytes": len(data), "media_type": media_type, "model": spec.key}
         )

@@ -1,11 +1,16 @@
 """The API's intake: a new job stored with its upload and its Celery task, or answered from the result cache.
 
-`create` writes the upload (a claim check: on a bulk shard when there are shards, the record marking it), the
-record, the deadline entry and the task in one transaction: no job without its task or task without its job. With
-replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT, contract.redis.connection); too few
-in time and the job is withdrawn (`NotReplicated`). `answer_or_admit` is the result cache's lookup and, on a miss,
-the admission (contract.admission.budget's admit), in one round trip; on a hit the job is stored ended already. The
-API's admission (app.admission) decides what to do with either answer.
+`take_in` is a submission's whole intake in one round trip to the control plane: the upload stored first (on its
+bulk shard, or on the control plane in the same transaction), then one transaction that writes the record, the
+deadline entry and the task and ends with the step `take_in` (contract/library/intake.lua), which judges them: the
+result cache's lookup, the admission (contract.admission.budget's admit), the decode charge
+(contract.admission.decode_share). A hit or a refusal takes the job's writes and its upload back: nothing of a
+refused submission is kept. With replicas to reach (settings.redis), a 202 waits until they hold the job (Redis WAIT,
+contract.redis.connection); too few in time and the job is withdrawn (`NotReplicated`). The API's admission
+(app.admission) builds what it asks and decides what to do with the answer.
+
+`create` (the job alone, admitted before) and `answer_or_admit` (the lookup and the admission alone) are the two
+steps take_in merged, kept for the tests and bench's replay that price each.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 # With the cache on a Redis of its own (contract.cache.cache_plane): the lookup there, the admission alone here on a
 # miss, and on a hit the hit's job stored here from the answer read there.
 _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
+# The step `take_in` (contract/library/intake.lua): the lookup, the admission, the decode charge and the job, in one.
+_TAKE_IN = Step("take_in")
 
 # A new record's first fields: those later steps read or overwrite. A listpack record (configs/redis.conf) is searched
 # from its head: a field near it is found sooner.
@@ -62,6 +69,67 @@ class CacheHit(NamedTuple):
 
     status: str
     document: str
+
+
+class DecodeCharge(NamedTuple):
+    """An upload's decode charged to its API key with its job (contract.admission.decode_share)."""
+
+    cost: int
+    share: int  # what the key may hold in flight
+    lapse_at: float  # when the charge lapses by itself
+
+
+class NewJob(NamedTuple):
+    """What JobIntake.take_in makes a job of: the upload and its record's fields, its Celery task (a queue's list
+    key, the message), and what it must pass first: the cache's lookup (`digest`), the budgets (`admission`: None when
+    its bytes were reserved before its body was read, `reserved` of them), the decode charge (`decode`)."""
+
+    job_id: str
+    upload: bytes
+    upload_ttl_s: int
+    fields: Mapping[str, Any]
+    task: tuple[str, bytes] | None = None
+    admission: budget.AdmissionRequest | None = None
+    reserved: int = 0
+    digest: str | None = None
+    decode: DecodeCharge | None = None
+
+
+class DecodeRefused(NamedTuple):
+    """take_in's refusal by the decode charge: what the key holds in flight already."""
+
+    held: int
+
+
+class Created(NamedTuple):
+    """take_in's job made; `verdict`: the admission's figures when it was admitted in the same step."""
+
+    verdict: budget.BudgetVerdict | None
+
+
+class HitTerms(NamedTuple):
+    """What take_in stores a cache hit's job with (answer_or_admit's arguments): the entry's digest and TTL, the
+    hit's record fields and time bill, and the API key whose hit bucket it is charged to."""
+
+    digest: str
+    ttl_s: int
+    fields: Mapping[str, Any]
+    timings: Mapping[str, float]
+    client_id: str = ""
+
+
+TakenIn = CacheHit | HitLimited | budget.BudgetVerdict | DecodeRefused | Created
+
+
+def _taken_in(reply: Any, admitted_here: bool) -> CacheHit | budget.BudgetVerdict | DecodeRefused | Created:
+    """take_in's reply other than a hit: a refusal, or the job made."""
+    if reply[0] == b"decode_share":
+        return DecodeRefused(int(reply[1]))
+    if reply[0] != b"created":
+        return budget.BudgetVerdict.of(reply)
+    if not admitted_here:
+        return Created(None)
+    return Created(budget.BudgetVerdict(budget.ADMITTED, *(int(value) for value in reply[1:5])))
 
 
 class JobIntake(JobEnding):
@@ -163,6 +231,170 @@ class JobIntake(JobEnding):
             if self.bulk.sharded:
                 self._delete_quietly(upload_key, self.bulk.client_for(job_id))
             raise
+
+    def take_in(self, job: NewJob, hit: HitTerms | None = None) -> TakenIn:
+        """A new job in one round trip to the control plane (the step `take_in`): with `hit` the result cache's
+        lookup first (a hit: the job stored ended, as answer_or_admit's), then the budgets' admission unless
+        `job.admission` is None (reserved before: what the upload does not use of `job.reserved` is given back),
+        the decode charge, and the job with its task. Refused, nothing of it is kept: not its record, not its
+        bytes, not its upload (stored first: on its bulk shard, or on this Redis in the step's own transaction).
+        With replicas to reach, a job made waits for them as create's does (NotReplicated: withdrawn)."""
+        lookup = self.keys.cache_entry(hit.digest) if hit is not None else ""
+        if hit is not None and self.cache_plane is not None:  # looked up there, before the upload is stored
+            found = self.cache_plane.lookup(lookup)
+            taken = self._hit(job, hit, found.decode(), answer=found) if found is not None else None
+            if taken is not None:
+                return taken
+            lookup = ""
+        for _ in range(3):  # an entry that goes between the lookup and the hit's step: looked up again
+            reply = self._take_in_once(job, lookup)
+            if reply[0] != b"hit" or hit is None:
+                if hit is not None:
+                    self.misses.count(str(job.fields["model"]))
+                return _taken_in(reply, job.admission is not None)
+            taken = self._hit(job, hit, bytes(reply[1]).decode())
+            if taken is not None:
+                return taken
+        raise redis.RedisError(f"the cache entry {hit and hit.digest} went at each of three lookups")
+
+    def _hit(
+        self, job: NewJob, hit: HitTerms, document: str, answer: bytes | None = None
+    ) -> CacheHit | HitLimited | None:
+        """A hit's job stored ended (store_hit, or store_hit_answer with the `answer` read from the cache's Redis):
+        CacheHit, HitLimited, or None when the entry went meanwhile."""
+        model = str(job.fields["model"])
+        stored = self._store_hit_job(
+            job.job_id, hit.fields, hit.digest, hit.ttl_s, hit.timings, model, hit.client_id, answer=answer
+        )
+        if stored[0] == b"limited":
+            return HitLimited(int(stored[1]))
+        if stored[0] != b"ended":
+            return None
+        if self.cache_plane is not None and answer is not None:
+            self.cache_plane.touch(self.keys.cache_entry(hit.digest), self.keys.cache_stats, model, hit.ttl_s)
+        return CacheHit(bytes(stored[1]).decode(), document)
+
+    def _take_in_once(self, job: NewJob, lookup: str) -> Any:
+        """The upload stored, then the step `take_in` (with it in one transaction where it is small, on this Redis,
+        and no replica is waited for): the step's reply. An upload no job holds is deleted."""
+        job_id, upload, fields = job.job_id, job.upload, job.fields
+        upload_key = self.keys.upload(job_id)
+        record: dict[Any, Any] = {"status": QUEUED, **dict.fromkeys(STEPS_READ_FIRST)}
+        record.update(id=job_id, **encode_fields(fields))
+        here, inline = "", False  # the upload on this Redis before the step; in the step's transaction
+        if self.bulk.sharded:
+            shard = self.bulk.index(job_id)
+            try:
+                self._write_upload(self.bulk.clients[shard], upload_key, job.upload_ttl_s, upload)
+            except SHARD_ERRORS as exc:
+                self.bulk.mark_down(shard)
+                raise ShardUnavailable(shard, exc) from exc
+            record[UPLOAD_FIELD] = SHARDED_UPLOAD
+        else:
+            here = upload_key
+            inline = not self.replication.enabled and len(upload) <= LARGE_UPLOAD_BYTES
+            if not inline:
+                self._write_upload(self.uploads, upload_key, job.upload_ttl_s, upload)
+        flat = [item for pair in record.items() if pair[1] is not None for item in pair]  # encoded: HSET's arguments
+        deadline_at = fields.get("deadline_at")
+        writes: list[tuple[Any, ...]] = [
+            ("HSET", self.keys.job(job_id), *flat),
+            ("EXPIRE", self.keys.job(job_id), record_ttl_s(self.ttl_s, deadline_at)),
+        ]
+        if deadline_at is not None:  # the sweeper ends it there if nothing else has (expire_overdue)
+            writes.append(("ZADD", self.keys.deadlines, repr(float(deadline_at)), job_id))
+        if job.task is not None:
+            writes.append(("LPUSH", *job.task))
+        if inline:  # the upload in the job's own transaction, last in its command (_write_upload), on its connections
+            writes.insert(0, ("SETEX", upload_key, job.upload_ttl_s, upload))
+        keys, args = self._take_in_arguments(job, lookup, here)
+        try:
+            reply = self._call_take_in(job, writes, keys, args)
+        except NotReplicated:
+            raise
+        except redis.RedisError:
+            self._delete_quietly(upload_key)  # no job holds it: it would wait for its TTL
+            if self.bulk.sharded:
+                self._delete_quietly(upload_key, self.bulk.client_for(job_id))
+            if job.decode is not None:
+                self._forget_charge(job_id)
+            raise
+        if reply[0] != b"created" and self.bulk.sharded:  # refused or answered: its upload goes
+            self._delete_quietly(upload_key, self.bulk.client_for(job_id))
+        return reply
+
+    def _take_in_arguments(self, job: NewJob, lookup: str, here: str) -> tuple[list[Any], list[Any]]:
+        """take_in's keys and arguments (their positions: contract/library/intake.lua)."""
+        fields, decode = job.fields, job.decode
+        admission_keys, admission_args = (
+            budget.admission_arguments(self.keys, job.admission) if job.admission is not None else ([], [])
+        )
+        keys = [
+            lookup,
+            self.keys.job(job.job_id),
+            self.keys.deadlines,
+            job.task[0] if job.task else "",
+            here,
+            self.keys.decode_share if decode is not None else "",
+            self.keys.waiting_bytes,
+            *admission_keys,
+        ]
+        unused = max(0, job.reserved - len(job.upload)) if job.admission is None else 0
+        charge = (decode.cost, decode.share, repr(service_now()), repr(decode.lapse_at)) if decode else ()
+        owner = str(fields.get("owner") or "")
+        return keys, [str(fields.get("model") or ""), owner, unused, job.job_id, *admission_args, *charge]
+
+    def _call_take_in(self, job: NewJob, writes: list[tuple[Any, ...]], keys: list[Any], args: list[Any]) -> Any:
+        """The job's `writes`, then the step, in one transaction (with WAIT for the replicas when there are): the
+        step's reply. A Redis without the library ran the writes and not the step: it gets the library, then the
+        step alone, told where the job's message may be now."""
+        fcall = ("FCALL", _TAKE_IN.name, len(keys), *keys, *args)
+        try:
+            if self.replication.enabled:
+                return self._take_in_replicated(job, [*writes, fcall], in_multi=True)
+            client = self.uploads if writes[0][0] == "SETEX" else self.redis
+            pipe = client.pipeline(transaction=True)
+            for command in (*writes, fcall):
+                pipe.execute_command(*command)  # type: ignore[no-untyped-call]
+            return pipe.execute()[-1]
+        except redis.ResponseError as error:
+            if not is_missing(error):
+                raise
+        _TAKE_IN.recover(self.redis)
+        args = [*args, *([job.task[1]] if job.task else [])]  # the message's place is not known now: its value
+        if self.replication.enabled:
+            return self._take_in_replicated(job, [("FCALL", _TAKE_IN.name, len(keys), *keys, *args)], in_multi=False)
+        return _TAKE_IN(self.redis, keys, args)
+
+    def _take_in_replicated(self, job: NewJob, commands: list[tuple[Any, ...]], in_multi: bool) -> Any:
+        """`commands` (the step last, in a transaction or alone), then whether the job's upload is still where it
+        was written (a failover since: not), then WAIT: the step's reply, or NotReplicated and the job withdrawn."""
+        written = self.keys.job(job.job_id) if self.bulk.sharded else self.keys.upload(job.job_id)
+        if in_multi:
+            replies, acknowledged, wanted = self.replication.wait(
+                self.redis, [("MULTI",), *commands, ("EXISTS", written), ("EXEC",)]
+            )
+            reply, found = replies[-1][-2], replies[-1][-1]
+        else:
+            replies, acknowledged, wanted = self.replication.wait(self.redis, [*commands, ("EXISTS", written)])
+            reply, found = replies[0], replies[-1]
+        if reply[0] != b"created":
+            return reply
+        if not found:  # the upload went to a server that is no longer the primary: so do all
+            self.uploads.connection_pool.disconnect(inuse_connections=False)
+        if acknowledged < wanted or not found:
+            self.withdraw(job.job_id)
+            if job.decode is not None:
+                self._forget_charge(job.job_id)
+            raise NotReplicated(acknowledged if found else 0, wanted)
+        return reply
+
+    def _forget_charge(self, job_id: str) -> None:
+        """A job not made after all: its decode charge goes now (Redis away: it lapses by itself)."""
+        try:
+            self.redis.hdel(self.keys.decode_share, job_id)
+        except redis.RedisError:
+            pass
 
     def flush_counts(self) -> int:
         """The cache misses this process counted, added to the shared counters (the API's sweeper tick); on a cache

@@ -7,12 +7,13 @@
 -- args[a + 1] the bytes to reserve, args[a + 2] its backlog limit (jobs), args[a + 3] its byte budget, args[a + 4]
 -- the total's, args[a + 5] how many jobs the tenant may have waiting in its own queue, args[a + 6] and args[a + 7]
 -- the key's share of the model's budget and of the total (ADMISSION_ARGS: 8, budget.admission_arguments).
+-- `pending`: messages of the job judged on the tenant's queue already (take_in's), not counted.
 -- Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
 -- key's: of the model, or of all models when that share refused it). ALL is contract.admission.budget's.
 local ALL = '*'
 
-local function admit(keys, args, k, last, a)
-  local own = redis.call('LLEN', keys[k + 3])
+local function admit(keys, args, k, last, a, pending)
+  local own = redis.call('LLEN', keys[k + 3]) - (pending or 0)
   local sharded = 0   -- without bulk shards the key is '': no frames wait there, no HGET an image to say so
   if keys[k + 1] ~= '' then sharded = math.max(0, tonumber(redis.call('HGET', keys[k + 1], args[a]) or '0')) end
   local backlog = redis.call('LLEN', keys[k]) + sharded + own
