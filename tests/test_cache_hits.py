@@ -49,7 +49,7 @@ def hit_fields(**more: object) -> dict:
 
 def test_a_hits_record_refers_to_one_shared_answer_not_a_copy_and_reads_it_back(redis_client):
     """Each hit stored its ~100 KB answer again (9,757 records against 173 KB of cache entries). Now one shared
-    copy, whatever the hits, and a record of a few hundred bytes that reads back the same answer, after the
+    copy, whatever the hits, and a record of a KB or two that reads back the same answer, after the
     cache entry itself is gone too."""
     keys = Keys("hits-ref")
     store = JobIntake(redis_client, keys, ttl_s=60, hits=HitLimits(0, 60, 600))
@@ -61,8 +61,9 @@ def test_a_hits_record_refers_to_one_shared_answer_not_a_copy_and_reads_it_back(
     for i in range(1, 21):
         assert store.answer_or_admit(f"{i:032x}", hit_fields(), "busy", 60, {"total": 1.0}, ADMISSION)
     grown_per_hit = (redis_client.info("memory")["used_memory"] - before) / 20
-    assert grown_per_hit < 2_000, grown_per_hit  # was ~100 KB: the answer again
-    assert redis_client.memory_usage(keys.job(f"{20:032x}"), samples=0) < 1_000
+    # was ~100 KB: the answer again (a record is a hash table: configs/redis.conf; ~2.4 KB a hit in all)
+    assert grown_per_hit < 4_000, grown_per_hit
+    assert redis_client.memory_usage(keys.job(f"{20:032x}"), samples=0) < 2_000
     assert not redis_client.hexists(keys.job(f"{20:032x}"), "result")
     assert 600 - 2 <= redis_client.ttl(keys.hit_result("busy")) <= 600  # as long as any record may live
     redis_client.delete(keys.cache_entry("busy"))  # evicted from the cache: the jobs still read their answer

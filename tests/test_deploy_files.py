@@ -441,7 +441,7 @@ def test_every_control_plane_redis_runs_with_configs_redis_conf(redis_client):
     tools/redis_ha.py and the tests' servers (this test's answers with them) start redis-server with its settings,
     and compose's Redis commands and several-hosts.md's command line carry each of them."""
     settings = _redis_settings()
-    assert ("hash-max-listpack-value", "4096") in settings
+    assert ("hash-max-listpack-entries", "0") in settings
     for name, value in settings:
         assert redis_client.config_get(name) == {name: value}
     assert redis_config_args(REPO_ROOT) == [arg for name, value in settings for arg in (f"--{name}", value)]

@@ -224,7 +224,7 @@ def test_make_run_redis_sentinel_starts_and_stops_the_set(tmp_path):
         assert all(node.alive() for node in ha.nodes.values()) and ha.primary() == "a"
         for name in SERVERS:
             server = redis.Redis(port=ha.nodes[name].port, password=ha.password or None, decode_responses=True)
-            assert server.config_get("hash-max-listpack-value") == {"hash-max-listpack-value": "4096"}, name
+            assert server.config_get("hash-max-listpack-entries") == {"hash-max-listpack-entries": "0"}, name
             assert server.info("server")["config_file"] == "", name  # nothing of the checkout's for CONFIG REWRITE
     finally:  # a failed assertion must not leave six servers running after the test
         subprocess.run(stop, env=env, timeout=60, check=True)

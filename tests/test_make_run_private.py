@@ -80,8 +80,8 @@ def test_redis_private_listens_on_the_port_chosen(private_run):
     assert f"Redis redis://127.0.0.1:{private_run.redis_port}/0 (its own, REDIS=private" in private_run.log()
     assert redis.Redis(port=private_run.redis_port).ping()
     # with configs/redis.conf, as every deployment's control plane
-    limit = redis.Redis(port=private_run.redis_port, decode_responses=True).config_get("hash-max-listpack-value")
-    assert limit == {"hash-max-listpack-value": "4096"}
+    limit = redis.Redis(port=private_run.redis_port, decode_responses=True).config_get("hash-max-listpack-entries")
+    assert limit == {"hash-max-listpack-entries": "0"}
     assert redis.Redis(port=private_run.redis_port).info("server")["config_file"] == ""  # options, not the file
 
 

@@ -29,7 +29,7 @@ SHARED_ROLES = ("settings", "api")  # the API tier's: one for every cell
 # settings, the password on stdin.
 REDIS_COMMAND = (
     "exec redis-server - --appendonly yes --appendfsync everysec --auto-aof-rewrite-min-size 512mb "
-    '--maxmemory "$REDIS_MAXMEMORY" --maxmemory-policy noeviction --hash-max-listpack-value 4096 --dir /data <<EOF\n'
+    '--maxmemory "$REDIS_MAXMEMORY" --maxmemory-policy noeviction --hash-max-listpack-entries 0 --dir /data <<EOF\n'
     "requirepass $REDIS_PASSWORD\nEOF\n"
 )
 

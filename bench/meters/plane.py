@@ -99,6 +99,9 @@ def plane_config(redis_url: str, shard_urls: list[str], images: int, keyed: bool
         # The lost-delivery check reads every live job each round (every 5 s): in service the jobs in flight, here
         # every image at once, so a round priced one HMGET an image into whichever step it fell in. Left out.
         "celery": {"lost_delivery_s": 3600.0},
+        # Deadlines that outlast every phase: on a loaded machine, under callgrind, the phases before the GPU's took
+        # past the default minute, and jobs expired before it priced no answer's write.
+        "jobs": {"default_deadline_ms": 900_000, "upload_ttl_s": 1200},
     }
     if shard_urls:
         config["bulk"] = {"redis_urls": shard_urls}

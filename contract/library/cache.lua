@@ -8,7 +8,8 @@ local ENTRY_OVERHEAD, STALE_PER_ENTRY = 200, 2
 
 -- The cache's names from args[i..i + 2] (CacheLimits.finish_names).
 local function cache_names(args, i)
-  return {prefix = args[i], max = tonumber(args[i + 1]), ttl = tonumber(args[i + 2])}
+  -- the TTL as given too: a Lua number passed to redis.call is formatted anew each time (`%.17g`)
+  return {prefix = args[i], max = tonumber(args[i + 1]), ttl = tonumber(args[i + 2]), ttl_text = args[i + 2]}
 end
 
 local function forget_digest(cache, digest)
@@ -19,21 +20,27 @@ local function forget_digest(cache, digest)
   if charged > 0 then redis.call('DECRBY', cache.prefix .. 'bytes', charged) end
 end
 
--- The entries a step's jobs leave (each that ended `succeeded` now with a `cache_key`): {digest, result, moment}.
+-- The entries a step's jobs leave (each that ended `succeeded` now with a `cache_key`): {digest, result, moment, job
+-- id, the moment as a number (nil: read here)}. The moment goes to ZADD as written, not as a number formatted again.
 -- Stored one SET NX each; their bookkeeping (the stale charges read, the sizes, the LRU members, the total, the
 -- sweep of stale entries) in one call each for all of them: each call inside a script has a fixed cost to Redis
 -- (docs/benchmarks/2026-12-06-control-plane.md), so a batch's entries share their calls.
 local function remember_all(cache, entries)
   if cache.max <= 0 or #entries == 0 then return end
-  local digests, sizes, members, newest = {}, {}, {}, 0
+  local digests, sizes, charges, members, newest = {}, {}, {}, {}, 0
   for _, entry in ipairs(entries) do
-    local digest, result, now = entry[1], entry[2], tonumber(entry[3]) or 0
+    local digest, result, moment = entry[1], entry[2], entry[3]
+    local now = entry[5] or tonumber(moment)
+    if not now then now, moment = 0, '0' end
     local charged = #result + ENTRY_OVERHEAD
-    if charged <= cache.max and redis.call('SET', cache.prefix .. 'e:' .. digest, result, 'EX', cache.ttl, 'NX') then
+    local stored = charged <= cache.max
+      and redis.call('SET', cache.prefix .. 'e:' .. digest, result, 'EX', cache.ttl_text, 'NX')
+    if stored then
       digests[#digests + 1] = digest
+      charges[#charges + 1] = charged
       sizes[#sizes + 1] = digest
-      sizes[#sizes + 1] = charged
-      members[#members + 1] = now
+      sizes[#sizes + 1] = string.format('%d', charged)   -- as an integer: redis.call would format it as `%.17g`
+      members[#members + 1] = moment
       members[#members + 1] = digest
       if now > newest then newest = now end
     end
@@ -41,12 +48,12 @@ local function remember_all(cache, entries)
   if #digests == 0 then return end
   local stale = redis.call('HMGET', cache.prefix .. 'sizes', unpack(digests))
   local added = 0
-  for i = 1, #digests do added = added + sizes[2 * i] - (tonumber(stale[i]) or 0) end
+  for i = 1, #digests do added = added + charges[i] - (tonumber(stale[i]) or 0) end
   redis.call('HSET', cache.prefix .. 'sizes', unpack(sizes))
   redis.call('ZADD', cache.prefix .. 'lru', unpack(members))
-  local total = redis.call('INCRBY', cache.prefix .. 'bytes', added)
-  local expired = redis.call('ZRANGEBYSCORE', cache.prefix .. 'lru', '-inf', newest - cache.ttl, 'LIMIT', 0,
-                             total > cache.max and 64 or STALE_PER_ENTRY * #digests)
+  local total = redis.call('INCRBY', cache.prefix .. 'bytes', string.format('%d', added))
+  local expired = redis.call('ZRANGEBYSCORE', cache.prefix .. 'lru', '-inf', newest - cache.ttl, 'LIMIT', '0',
+                             string.format('%d', total > cache.max and 64 or STALE_PER_ENTRY * #digests))
   for _, old in ipairs(expired) do
     forget_digest(cache, old)
   end

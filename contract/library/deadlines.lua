@@ -9,7 +9,8 @@ local function deadline_passed(deadline, now)
 end
 
 -- The fields written, as written: an answer that came after the job's deadline ends it `expired` instead, without
--- its result. Returns the fields to write and the status and result they end the job with.
+-- its result. Returns the fields to write and the status and result they end the job with, and for an answer in
+-- time its finished_at as written and as a number (read once: the cache's books take both).
 local function late_as_expired(deadline, fields)
   local status, finished, result
   for i = 1, #fields, 2 do
@@ -17,8 +18,9 @@ local function late_as_expired(deadline, fields)
     elseif fields[i] == 'result' then result = i end
   end
   local ends_as = status and fields[status + 1]
-  if ends_as ~= SUCCEEDED or not finished or not deadline_passed(deadline, fields[finished + 1]) then
-    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1]
+  local at = ends_as == SUCCEEDED and finished and tonumber(fields[finished + 1])
+  if not at or not deadline_passed(deadline, at) then
+    return fields, ends_as, result and fields[result + 1], finished and fields[finished + 1], at or nil
   end
   local kept = {}
   for i = 1, #fields, 2 do

@@ -40,7 +40,8 @@ local NOTHING_READ = {}
 -- count of field and value arguments, the fields and values (JobEnding.finish_arguments). A job with a
 -- callback_url enters the outbox in the same atomic step that ends it; an answer written after the job's deadline
 -- ends it `expired` instead. Returns how many jobs it ended, and the entries it left for the cache ({digest, result,
--- moment, job id} each: stored by remember_all here, or, with the cache on a Redis of its own, by the caller there).
+-- moment, job id, moment as a number} each: stored by remember_all here, or, with the cache on a Redis of its own,
+-- by the caller there).
 local function finish_jobs(keys, args, names, first_key, at)
   local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
   for k = first_key, #keys do
@@ -51,8 +52,8 @@ local function finish_jobs(keys, args, names, first_key, at)
       local pushed = PUSHED[status]
       local before = pushed and NOTHING_READ or redis.call('HMGET', key, unpack(READ_BEFORE_PUSH))
       local model, upload_bytes, marker = before[1], before[2], before[3]
-      local fields, ends_as, result, finished = late_as_expired(tonumber(was[2]),
-                                                                {unpack(args, at + 2, at + 1 + count)})
+      local fields, ends_as, result, finished, moment = late_as_expired(tonumber(was[2]),
+                                                                        {unpack(args, at + 2, at + 1 + count)})
       if was[4] then   -- its callback enters the outbox (below), in the same write
         fields[#fields + 1] = 'callback'
         fields[#fields + 1] = PENDING_CALLBACK
@@ -65,7 +66,7 @@ local function finish_jobs(keys, args, names, first_key, at)
       redis.call('HSET', key, unpack(fields))
       -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
       if not was[2] then redis.call('EXPIRE', key, names.ttl) end
-      if ends_as == SUCCEEDED and was[3] and result then entries[#entries + 1] = {was[3], result, finished, job_id} end
+      if ends_as == SUCCEEDED and was[3] and result then entries[#entries + 1] = {was[3], result, finished, job_id, moment} end
       -- whatever ended it, its upload goes with it (no DEL an image where the push took it)
       if not pushed and take_upload(marker, key .. UPLOAD_SUFFIX) == 1 then
         local bytes = tonumber(upload_bytes) or 0
