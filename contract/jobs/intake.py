@@ -47,8 +47,9 @@ _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 # The step `take_in` (contract/library/intake.lua): the lookup, the admission, the decode charge and the job, in one.
 _TAKE_IN = Step("take_in")
 
-# A new record's first fields: those later steps read or overwrite. A listpack record (configs/redis.conf) is searched
-# from its head: a field near it is found sooner.
+# A new record's first fields: those later steps read or overwrite. configs/redis.conf makes every hash a hash table,
+# where order costs nothing; on a Redis left at its listpack default a record is searched from its head, and a field
+# near it is found sooner.
 STEPS_READ_FIRST = ("model", "deadline_at", "bytes", UPLOAD_FIELD, "cache_key", "owner")
 
 LARGE_UPLOAD_BYTES = 2 * 1024 * 1024  # a connection that carried a larger upload is closed after it
