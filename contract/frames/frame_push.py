@@ -19,17 +19,19 @@ from contract.redis.keys import Keys
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 # A model's count of each key's jobs claimed, waiting or in flight (Keys.key_frames: the claim counts a job in,
-# contract.jobs.handoff) lives this long after a key's first job in it was last claimed: drift that a lost frame leaves (a bulk shard that lost its data, a GPU worker of a release that does not
-# count frames out) is gone once the model has been idle this long. Longer than a frame waits (its deadline: 60 s
-# by default). Should it lapse under a steady flood, the flood's counts start again from its next frames: a few
-# of them go to the head until the frames counted before are answered (a count at 0 or below is deleted).
+# contract.jobs.handoff) lives this long after a key's first job in it was last claimed: drift that a lost frame
+# leaves (a bulk shard that lost its data, a GPU worker of a release that does not count frames out) is gone once
+# the model has been idle this long. Longer than a frame waits (its deadline: 60 s by default). Should it lapse
+# under a steady flood, the flood's counts start again from its next jobs: a few of them go to the head until the
+# jobs counted before are answered (a count at 0 or below is deleted).
 KEY_FRAMES_TTL_S = 300
 
 # A CPU worker's frame goes in as a plain LPUSH (the tail: taken last), or RPUSH (the head: taken next) when its API
 # key had fewer than `backpressure.head_frames_per_key` jobs of the model claimed, waiting or in flight before it
-# (the claim counted it: contract.jobs.handoff): a light key waits for the device, not behind a flooding key's list, while two
-# flooding keys stay first come, first served between themselves. A frame at the head passes the list's bound (a
-# key has few there: the bound holds the others), so that a light key never waits for room behind a flood.
+# (the claim counted it: contract.jobs.handoff): a light key waits for the device, not behind a flooding key's
+# list, while two flooding keys stay first come, first served between themselves. A frame at the head passes the
+# list's bound (a key has few there: the bound holds the others), so that a light key never waits for room behind
+# a flood.
 # The library's `keep_pushed_frame` (contract/library/push.lua, where its keys and arguments are named), in the same
 # MULTI, keeps the frame only if it may be there. The frame stays out of Lua: a step that takes a frame as an
 # argument makes Redis copy it into Lua and back out, three times this one's CPU
