@@ -1,14 +1,18 @@
 """Issue 70.2: fairness between API keys stopped at the CPU stage. One key's flood of tiny images filled a model's
 frame list, and another key's photo waited behind all of it (p95 3.4 s, most of it `queue_gpu`). Now each key's
-frames waiting or in flight are counted (Keys.key_frames, in by the push, out by the batch write), and a frame whose
-key has fewer than `backpressure.head_frames_per_key` goes to the head of the list: taken next. Nothing is refused
-for it: a key alone still fills the list and every batch."""
+jobs claimed, waiting or in flight are counted (Keys.key_frames: in by the claim, out by the batch write, or by the
+end of a claimed job whose frame was never pushed), and a frame whose key had fewer than
+`backpressure.head_frames_per_key` goes to the head of the list: taken next. Nothing is refused for it: a key alone
+still fills the list and every batch."""
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import signal
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -21,10 +25,13 @@ from app.auth import hash_key
 from bench.stack.processes import ManagedProcess, RedisServer, gpu_worker_argv
 from contract.frames import frame_push, read_job_id
 from contract.frames.frame_shards import frame_pusher
+from contract.jobs import expiry
 from contract.jobs.handoff import JobHandOff
 from contract.jobs.intake import JobIntake
+from contract.jobs.record import CANCELLED
 from contract.redis.keys import Keys
 from contract.redis.shards import BulkPlane
+from tasks.decoding.preprocess import Preprocessor
 from tests.conftest import Stack, content_box_spec, start_stack, stop_stack
 from tests.support import ApiServer, jpeg, wait_until
 
@@ -37,11 +44,11 @@ def _queued(intake: JobIntake, job: str, owner: str) -> None:
     intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12, "owner": owner})
 
 
-def test_the_claim_reads_its_keys_frames_and_a_push_counts_the_frame_in_at_the_end_it_chose(redis_client):
+def test_the_claim_counts_its_job_in_and_says_the_count_before_and_the_push_chooses_its_end_by_it(redis_client):
     keys = Keys("fair-steps")
     intake = JobIntake(redis_client, keys, ttl_s=60)
     handoff = JobHandOff(redis_client, keys, ttl_s=60, count_key_frames=True)
-    pusher = frame_pusher(redis_client, keys, count_key_frames=True)
+    pusher = frame_pusher(redis_client, keys)
     for job, owner in (("a1" * 16, "flood"), ("a2" * 16, "flood"), ("b1" * 16, "light"), ("c1" * 16, "")):
         _queued(intake, job, owner)
     first = handoff.claim_for_preprocessing("a1" * 16, 1.0, "c")
@@ -63,7 +70,7 @@ def test_a_head_frame_passes_the_bound_and_one_that_may_not_stand_is_taken_back_
     keys = Keys("fair-bound")
     intake = JobIntake(redis_client, keys, ttl_s=60)
     handoff = JobHandOff(redis_client, keys, ttl_s=60, count_key_frames=True)
-    pusher = frame_pusher(redis_client, keys, count_key_frames=True)
+    pusher = frame_pusher(redis_client, keys)
     redis_client.rpush(keys.frames("m:1"), b"x1", b"x2")  # the list at its bound of 2
     for job, owner in (("d1" * 16, "flood"), ("e1" * 16, "light")):
         _queued(intake, job, owner)
@@ -73,7 +80,8 @@ def test_a_head_frame_passes_the_bound_and_one_that_may_not_stand_is_taken_back_
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"x1", b"x2"]  # each taken back, from its own end
     assert pusher.push("e1" * 16, "m:1", b"e1", 2, {}, "c", head=True) == frame_push.PUSHED  # past the bound
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"x1", b"x2", b"e1"]
-    assert redis_client.hgetall(keys.key_frames("m:1")) == {b"light": b"1"}  # only a frame that stands counts
+    # a claimed job counts whether its frame waits for room or stood: the push counts nothing
+    assert redis_client.hgetall(keys.key_frames("m:1")) == {b"flood": b"1", b"light": b"1"}
 
 
 def test_over_a_bulk_shard_the_head_is_the_shards_and_the_count_the_control_planes(redis_client, redis_server):
@@ -84,7 +92,7 @@ def test_over_a_bulk_shard_the_head_is_the_shards_and_the_count_the_control_plan
     bulk = BulkPlane(control, [shard])
     intake = JobIntake(control, keys, ttl_s=60, bulk=bulk)
     handoff = JobHandOff(control, keys, ttl_s=60, bulk=bulk, count_key_frames=True)
-    pusher = frame_pusher(control, keys, bulk, count_key_frames=True)
+    pusher = frame_pusher(control, keys, bulk)
     for job, owner in (("f1" * 16, "flood"), ("g1" * 16, "light")):
         intake.create(job, b"upload", 60, {"model": "m:1", "bytes": 6, "deadline_at": 1e12, "owner": owner})
     shard.rpush(keys.frames("m:1"), b"x1")  # the shard's list at its bound of 1
@@ -93,8 +101,47 @@ def test_over_a_bulk_shard_the_head_is_the_shards_and_the_count_the_control_plan
     assert handoff.claim_for_preprocessing("g1" * 16, 1.0, "c").key_frames == 0
     assert pusher.push("g1" * 16, "m:1", b"g1", 1, {}, "c", head=True) == frame_push.PUSHED
     assert shard.lrange(keys.frames("m:1"), 0, -1) == [b"x1", b"g1"]
+    assert control.hgetall(keys.key_frames("m:1")) == {b"flood": b"1", b"light": b"1"}  # claimed: counted
+    handoff.fail("f1" * 16, "bad_image", "its frame never stood")  # counted out by its end
     assert control.hgetall(keys.key_frames("m:1")) == {b"light": b"1"}
     shard.close()
+
+
+def _counts(client: redis.Redis, keys: Keys) -> dict[str, int]:
+    return {name.decode(): int(count) for name, count in client.hgetall(keys.key_frames("m:1")).items()}
+
+
+def test_each_claimed_job_that_ends_before_its_push_counts_itself_out_and_a_second_claim_counts_nothing(redis_client):
+    """The paths on which a claimed job never pushes a frame: a failed decode (the job fails), its deadline passed
+    while it waited for room (it expires), a cancel; a redelivered task's claim of a job claimed before adds nothing,
+    and the first attempt's push then finds the job claimed again (JOB_OVER): the one count goes with the second
+    attempt's push, out by the batch write. A job without a key, or one that ended before its claim, is never
+    counted, and no end counts out what it did not count in."""
+    keys = Keys("fair-out")
+    intake = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60, count_key_frames=True)
+    pusher = frame_pusher(redis_client, keys)
+    failed, late, cancelled, again, keyless, never = ("h1" * 16, "h2" * 16, "h3" * 16, "h4" * 16, "h5" * 16, "h6" * 16)
+    for job in (failed, late, cancelled, again, never):
+        _queued(intake, job, "k")
+    _queued(intake, keyless, "")
+    assert [handoff.claim_for_preprocessing(job, 1.0, "c").key_frames for job in (failed, late, cancelled)] == [0, 1, 2]
+    assert handoff.claim_for_preprocessing(keyless, 1.0, "c").key_frames == -1
+    assert _counts(redis_client, keys) == {"k": 3}
+    handoff.fail(failed, "bad_image", "not an image")
+    expiry.expire(handoff, late, expiry.WAITING_FOR_ROOM)
+    handoff.finish(cancelled, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}})
+    handoff.fail(keyless, "bad_image", "not an image")
+    handoff.finish(never, CANCELLED, {})  # still queued: never claimed, never counted
+    assert _counts(redis_client, keys) == {}  # each counted out; the count at 0 is deleted, not left at 0 or below
+    assert handoff.claim_for_preprocessing(again, 1.0, "first").key_frames == 0
+    assert handoff.claim_for_preprocessing(again, 2.0, "second").key_frames == 0  # itself not counted twice
+    assert _counts(redis_client, keys) == {"k": 1}
+    assert pusher.push(again, "m:1", b"again-1", 10, {}, "first") == frame_push.JOB_OVER
+    assert pusher.push(again, "m:1", b"again-2", 10, {}, "second") == frame_push.PUSHED
+    assert _counts(redis_client, keys) == {"k": 1}  # the push counted nothing: the frame is its claim's
+    handoff.fail(again, "bad_image", "too late to count out")  # pushed: its frame is counted out by its batch
+    assert _counts(redis_client, keys) == {"k": 1}
 
 
 # --- through the stack -----------------------------------------------------------------------------------------
@@ -186,7 +233,9 @@ def test_a_lone_key_fills_the_list_and_every_batch(fair_stack):
         _queued_gpu(stack, 12 - 2)
         # the bound; the key's first frames went to the head (2, and one more when both CPU children claimed at once)
         assert stack.redis.llen(stack.frames_key) <= 12 + 3
-        assert _counted(stack)["flood"] == stack.redis.llen(stack.frames_key)
+        # its frames waiting, and the jobs the CPU worker's two children claimed and hold for room
+        depth = stack.redis.llen(stack.frames_key)
+        assert depth <= _counted(stack)["flood"] <= depth + 2
     finally:
         stack.start_gpu_worker()
     docs = [_ended(stack, "flood", job_id) for job_id in jobs]
@@ -194,6 +243,67 @@ def test_a_lone_key_fills_the_list_and_every_batch(fair_stack):
     first_batch = min(doc["batch"]["seq"] for doc in docs)
     assert [doc["batch"]["size"] for doc in docs if doc["batch"]["seq"] == first_batch][0] == 8
     assert _counted(stack) == {}
+
+
+def test_a_job_that_fails_its_decode_counts_itself_out(fair_stack):
+    """Claimed, so counted; its decode fails and it pushes no frame: its end counts it out, and the key's count is
+    back to 0 (deleted) with nothing in flight."""
+    stack = fair_stack
+    corrupt = jpeg(96, 64, seed=7)[:300] + random.Random(7).randbytes(500)
+    response = requests.post(
+        stack.url("/v1/jobs"),
+        data=corrupt,
+        headers={"Authorization": "Bearer key-light", "Content-Type": "image/jpeg"},
+        timeout=30,
+    )
+    assert response.status_code == 202, response.text
+    doc = _ended(stack, "light", str(response.json()["id"]))
+    assert doc["status"] == "failed", doc
+    assert _counted(stack) == {}
+
+
+def _room_preprocessor(stack: Stack, namespace: str) -> tuple[Preprocessor, Keys, JobIntake]:
+    """The CPU worker's own Preprocessor (in this process) on the stack's Redis, in a namespace of its own whose
+    frame list of 1 is full: a job it claims decodes, then waits for room."""
+    settings = dataclasses.replace(
+        stack.settings,
+        namespace=namespace,
+        backpressure=dataclasses.replace(stack.settings.backpressure, max_frames=1, room_poll_s=0.01),
+    )
+    keys = Keys(namespace)
+    stack.redis.rpush(keys.frames(settings.model.key), b"a frame the list holds")
+    return Preprocessor(settings, stack.redis), keys, JobIntake(stack.redis, keys, ttl_s=60)
+
+
+@pytest.mark.parametrize("end", ["cancelled", "expired"])
+def test_a_claimed_job_that_ends_while_it_waits_for_room_counts_itself_out(fair_stack, end):
+    """Claimed, so counted, though no frame of its stands: cancelled while its CPU worker waits for room (its push
+    then finds it over), or expired there at its deadline, it counts itself out. Its key has two frames in flight
+    already (the stack's head_frames_per_key): its frame goes to the tail, and waits."""
+    stack = fair_stack
+    preprocessor, keys, intake = _room_preprocessor(stack, f"fair-room-{end}")
+    model, job = stack.settings.model.key, ("e" if end == "expired" else "c") * 32
+    stack.redis.hset(keys.key_frames(model), "flood", 2)
+    deadline_at = time.time() + (3.0 if end == "expired" else 600.0)
+    fields = {"model": model, "bytes": 4096, "deadline_at": deadline_at, "owner": "flood", "options": {}}
+    intake.create(job, jpeg(96, 64, seed=9), 60, fields)
+
+    def counted() -> dict[bytes, bytes]:
+        return stack.redis.hgetall(keys.key_frames(model))
+
+    with ThreadPoolExecutor(1) as pool:
+        outcome = pool.submit(preprocessor.run, job)
+        wait_until(lambda: counted() == {b"flood": b"3"}, 30, what="the job claimed and counted")
+        if end == "cancelled":
+            assert stack.redis.hget(keys.job(job), "status") == b"preprocessing"  # its frame at the tail: no room
+            ending = JobHandOff(stack.redis, keys, ttl_s=60)
+            assert ending.finish(job, CANCELLED, {"error": {"code": "cancelled", "message": "by the client"}})
+            assert counted() == {b"flood": b"2"}  # counted out by its end, before its push knows
+            stack.redis.delete(keys.frames(model))  # room: the push is tried and finds the job over
+        result = outcome.result(timeout=60)
+    assert stack.redis.hget(keys.job(job), "status") == end.encode(), result
+    assert counted() == {b"flood": b"2"}  # the two in flight, and no more
+    assert stack.redis.llen(keys.frames(model)) == (0 if end == "cancelled" else 1)  # no frame of its stood
 
 
 def _slow_gpu_worker(stack: Stack, name: str, batch_ms: int = 1500) -> ManagedProcess:
@@ -225,8 +335,10 @@ def test_a_gpu_worker_killed_mid_batch_leaves_its_frames_counted_until_they_are_
         jobs += [("light", _submit(stack, "light", 400 + seed)) for seed in range(2)]
         wait_until(lambda: stack.redis.llen(held) > 0, 60, what="a batch in hand")
         worker.stop(signal.SIGKILL)
-        wait_until(lambda: sum(_counted(stack).values()) == 8, 60, what="every frame pushed")
-        assert stack.redis.llen(held) + stack.redis.llen(stack.frames_key) == 8  # in its hands, or waiting
+        wait_until(  # in its hands, or waiting
+            lambda: stack.redis.llen(held) + stack.redis.llen(stack.frames_key) == 8, 60, what="every frame pushed"
+        )
+        assert sum(_counted(stack).values()) == 8
         restarted = _slow_gpu_worker(stack, "fair-killable")  # moves its own frames back first
         docs = [_ended(stack, key, job_id) for key, job_id in jobs]
         assert [doc["status"] for doc in docs] == ["succeeded"] * 8

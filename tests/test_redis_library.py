@@ -68,9 +68,13 @@ def test_the_librarys_literals_are_the_contracts():
     for status in ("QUEUED", "PREPROCESSING", "QUEUED_GPU", "RUNNING"):
         assert re.search(rf"\b{status}\b.* = .*'{JobStatus[status].value}'", head), status
     push = _lua("push.lua")
-    assert f"local KEY_FRAMES_TTL_S = {KEY_FRAMES_TTL_S}" in push
     assert f"local PUSHED, LIST_FULL, JOB_OVER = {PUSHED}, {LIST_FULL}, {JOB_OVER}" in push
     assert f"local CPU_STARTED_AT = '{CPU_STARTED_AT}'" in _lua("handoff.lua")
+    assert f"local KEY_FRAMES_TTL_S = {KEY_FRAMES_TTL_S}" in _lua("handoff.lua")
+    # the end of a claimed job names its key's count from the job's hash (ending.lua's count_out_claimed)
+    keys, job = Keys("ns"), "ab" * 16
+    job_infix, key_frames_infix = keys.job(job)[2:-32], keys.key_frames_prefix[2:]
+    assert f"local JOB_INFIX, KEY_FRAMES_INFIX = '{job_infix}', '{key_frames_infix}'" in ending
     assert f"local ALL = '{ALL}'" in _lua("admission.lua")
     assert f"local HIT_GONE = '{HIT_GONE}'" in _lua("hits.lua")
     assert f"local KEY_WAITING_SEPARATOR = '{KEY_WAITING_SEPARATOR}'" in _lua("budget.lua")

@@ -18,18 +18,20 @@ from contract.redis.clock import now as service_now
 from contract.redis.keys import Keys
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
-# A model's count of each key's frames (Keys.key_frames) lives this long after a key's first frame in it was last
-# pushed: drift that a lost frame leaves (a bulk shard that lost its data, a GPU worker of a release that does not
-# count frames out) is gone once the model has been idle this long. Longer than a frame waits (its deadline: 60 s
-# by default). Should it lapse under a steady flood, the flood's counts start again from its next frames: a few
-# of them go to the head until the frames counted before are answered (a count at 0 or below is deleted).
+# A model's count of each key's jobs claimed, waiting or in flight (Keys.key_frames: the claim counts a job in,
+# contract.jobs.handoff) lives this long after a key's first job in it was last claimed: drift that a lost frame
+# leaves (a bulk shard that lost its data, a GPU worker of a release that does not count frames out) is gone once
+# the model has been idle this long. Longer than a frame waits (its deadline: 60 s by default). Should it lapse
+# under a steady flood, the flood's counts start again from its next jobs: a few of them go to the head until the
+# jobs counted before are answered (a count at 0 or below is deleted).
 KEY_FRAMES_TTL_S = 300
 
 # A CPU worker's frame goes in as a plain LPUSH (the tail: taken last), or RPUSH (the head: taken next) when its API
-# key has fewer than `backpressure.head_frames_per_key` frames of the model waiting or in flight (the claim read
-# the count: contract.jobs.handoff): a light key waits for the device, not behind a flooding key's list, while two
-# flooding keys stay first come, first served between themselves. A frame at the head passes the list's bound (a
-# key has few there: the bound holds the others), so that a light key never waits for room behind a flood.
+# key had fewer than `backpressure.head_frames_per_key` jobs of the model claimed, waiting or in flight before it
+# (the claim counted it: contract.jobs.handoff): a light key waits for the device, not behind a flooding key's
+# list, while two flooding keys stay first come, first served between themselves. A frame at the head passes the
+# list's bound (a key has few there: the bound holds the others), so that a light key never waits for room behind
+# a flood.
 # The library's `keep_pushed_frame` (contract/library/push.lua, where its keys and arguments are named), in the same
 # MULTI, keeps the frame only if it may be there. The frame stays out of Lua: a step that takes a frame as an
 # argument makes Redis copy it into Lua and back out, three times this one's CPU
@@ -42,11 +44,9 @@ _KEEP_PUSHED_FRAME = Step("keep_pushed_frame")
 class FramePusher:
     """The CPU workers' end of the frame lists, in one Redis (with bulk shards: contract.frames.frame_shards)."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, count_key_frames: bool = False) -> None:
-        """`count_key_frames`: each frame is counted among its key's (backpressure.head_frames_per_key above 0)."""
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.redis = client
         self.keys = keys
-        self.count_key_frames = count_key_frames
 
     def push(
         self,
@@ -68,7 +68,6 @@ class FramePusher:
             frames,
             self.keys.upload(job_id),
             self.keys.waiting_bytes,
-            self.keys.key_frames(model_key) if self.count_key_frames else "",
             max_frames,
             claim,
             len(frame),
@@ -81,7 +80,7 @@ class FramePusher:
                 pipe.rpush(frames, frame)
             else:
                 pipe.lpush(frames, frame)
-            _KEEP_PUSHED_FRAME(pipe, arguments[:5], arguments[5:])
+            _KEEP_PUSHED_FRAME(pipe, arguments[:4], arguments[4:])
             kept = pipe.execute(raise_on_error=False)[1]
             if not is_missing(kept) or attempt:
                 break

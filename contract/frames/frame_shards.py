@@ -32,8 +32,8 @@ _MARK_PUSHED = Step("mark_pushed")
 class ShardedFramePusher(FramePusher):
     """The CPU workers' end of the frame lists over bulk shards."""
 
-    def __init__(self, client: redis.Redis, keys: Keys, bulk: BulkPlane, count_key_frames: bool = False) -> None:
-        super().__init__(client, keys, count_key_frames)
+    def __init__(self, client: redis.Redis, keys: Keys, bulk: BulkPlane) -> None:
+        super().__init__(client, keys)
         self.bulk = bulk
 
     def push(
@@ -69,7 +69,6 @@ class ShardedFramePusher(FramePusher):
                     self.keys.upload(job_id),
                     self.keys.waiting_bytes,
                     self.keys.frames_waiting,
-                    self.keys.key_frames(model_key) if self.count_key_frames else "",
                 ],
                 [claim, len(frame), *stamps],
             )
@@ -106,11 +105,8 @@ class ShardedFramePusher(FramePusher):
         return int(self.bulk.client_for(job_id).llen(self.keys.frames(model_key))) < self.bulk.frame_bound(max_frames)
 
 
-def frame_pusher(
-    client: redis.Redis, keys: Keys, bulk: BulkPlane | None = None, count_key_frames: bool = False
-) -> FramePusher:
-    """The CPU workers' end of the frame lists: over `bulk`'s shards when it has any, else in `client`'s Redis;
-    `count_key_frames`: each frame counted among its key's (Keys.key_frames)."""
+def frame_pusher(client: redis.Redis, keys: Keys, bulk: BulkPlane | None = None) -> FramePusher:
+    """The CPU workers' end of the frame lists: over `bulk`'s shards when it has any, else in `client`'s Redis."""
     if bulk is not None and bulk.sharded:
-        return ShardedFramePusher(client, keys, bulk, count_key_frames)
-    return FramePusher(client, keys, count_key_frames)
+        return ShardedFramePusher(client, keys, bulk)
+    return FramePusher(client, keys)

@@ -21,6 +21,18 @@ local function take_upload(marker, upload)
   return redis.call('DEL', upload)
 end
 
+-- A job claimed by a CPU worker counted itself in among its API key's (handoff.lua's claim): one that ends before
+-- its frame was pushed counts itself out here (a pushed one's frame is counted out by the batch write that answers
+-- it). The count's hash is named from the job's (Keys.job, Keys.key_frames: the literals are contract's); a
+-- deployment that counts nothing pays this on a keyed job's end in the CPU stage only, and keeps no count.
+local JOB_INFIX, KEY_FRAMES_INFIX = ':job:', ':key_frames:'
+local function count_out_claimed(key, job_id, model)
+  local owner = redis.call('HGET', key, 'owner')
+  if not owner or owner == '' then return end
+  local counts = string.sub(key, 1, #key - #job_id - #JOB_INFIX) .. KEY_FRAMES_INFIX .. (model or '')
+  if redis.call('HINCRBY', counts, owner, -1) <= 0 then redis.call('HDEL', counts, owner) end
+end
+
 -- The names finish_jobs needs, from the FINISH_NAMES arguments at args[i..i + 6] (JobEnding.finish_names): the
 -- record TTL, the job-events channel, the deadline index, the waiting-bytes hash, then the cache's three.
 local FINISH_NAMES = 7
@@ -52,6 +64,7 @@ local function finish_jobs(keys, args, names, first_key, at)
       local pushed = PUSHED[status]
       local before = pushed and NOTHING_READ or redis.call('HMGET', key, unpack(READ_BEFORE_PUSH))
       local model, upload_bytes, marker = before[1], before[2], before[3]
+      if status == PREPROCESSING then count_out_claimed(key, job_id, model) end
       local fields, ends_as, result, finished, moment = late_as_expired(tonumber(was[2]),
                                                                         {unpack(args, at + 2, at + 1 + count)})
       if was[4] then   -- its callback enters the outbox (below), in the same write

@@ -6,17 +6,9 @@
 -- the step's DEL took the upload (a DEL that finds none says the job is not this attempt's to push: no EXISTS
 -- first): the frame's bytes wait in Redis instead of the upload's, until the GPU worker's batch write gives them
 -- back: one HINCRBY a counter for the difference, with the result a release then a charge would give. A key's bytes
--- are its uploads alone: its upload's leave its count here. count_key_frame: the frame counted among its key's
--- (Keys.key_frames: '' when not counted), until the batch write that ends it counts it out; the count's TTL
--- (KEY_FRAMES_TTL_S, contract.frames.frame_push's) renewed when a key's first frame comes.
-local KEY_FRAMES_TTL_S = 300
+-- are its uploads alone: its upload's leave its count here. The frame's API key counted it in at its claim
+-- (handoff.lua): the push counts nothing.
 local PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1   -- contract.frames.frame_push's
-
-local function count_key_frame(counts, owner)
-  if counts ~= '' and owner and owner ~= '' and redis.call('HINCRBY', counts, owner, 1) == 1 then
-    redis.call('EXPIRE', counts, KEY_FRAMES_TTL_S)
-  end
-end
 
 local function release_upload(marker, upload, waiting, model, upload_bytes, owner)
   if take_upload(marker, upload) == 1 then release_waiting(waiting, model, upload_bytes, owner) end
@@ -48,7 +40,7 @@ end
 -- head): keeps the frame only if it may be there (the job still `preprocessing` with its upload and this claim, a
 -- tail frame's list within its bound), else drops it again (LTRIM at its end: nothing in a transaction runs
 -- between the two) and says why. keys[1] the job hash, keys[2] the frame list, keys[3] the upload, keys[4] the
--- waiting bytes, keys[5] the key's frames (Keys.key_frames; '': not counted); args[1] max frames, args[2] the claim,
+-- waiting bytes; args[1] max frames, args[2] the claim,
 -- args[3] the frame's length, args[4] '1' when the frame went to the head, args[5..] field, value, ... Returns
 -- PUSHED, LIST_FULL (nothing changed) or JOB_OVER (gone, over or claimed by another: nothing pushed).
 redis.register_function('keep_pushed_frame', function(keys, args)
@@ -71,17 +63,15 @@ redis.register_function('keep_pushed_frame', function(keys, args)
   end
   redis.call('HSET', keys[1], unpack(args, 5))
   trade_upload_for_frame(keys[4], model, upload_bytes, tonumber(args[3]), owner)
-  count_key_frame(keys[5], owner)
   return PUSHED
 end)
 
 -- The step `mark_pushed` (ShardedFramePusher.push), on the control plane once the frame is on its shard: whether it
 -- may stand, as keep_pushed_frame's checks, and a job already `running` with this claim is the frame's own (a GPU
 -- worker took it before this step ran: the stamps are written, the status and the frame's bytes are left alone).
--- The frame is counted among its model's frames on the shards (Keys.frames_waiting) and among its key's. keys[1]
--- the job hash, keys[2] the upload's marker key (read only for a record an older API stored without the marker
--- field), keys[3] the waiting bytes, keys[4] the frames waiting, keys[5] the key's frames ('': not counted);
--- args[1] the claim, args[2] the frame's length, args[3..] field, value, ...
+-- The frame is counted among its model's frames on the shards (Keys.frames_waiting). keys[1] the job hash, keys[2]
+-- the upload's marker key (read only for a record an older API stored without the marker field), keys[3] the
+-- waiting bytes, keys[4] the frames waiting; args[1] the claim, args[2] the frame's length, args[3..] field, value, ...
 -- Returns PUSHED or JOB_OVER (the caller takes the frame back).
 redis.register_function('mark_pushed', function(keys, args)
   local status, model, upload_bytes, claim, owner, marker = live_job(keys[1], keys[2], keys[3])
@@ -90,14 +80,12 @@ redis.register_function('mark_pushed', function(keys, args)
   if status == RUNNING then   -- its frame is in a batch already: the stamps alone
     redis.call('HSET', keys[1], UPLOAD_FIELD, '', unpack(args, 3))
     release_upload(marker, keys[2], keys[3], model, upload_bytes, owner)
-    count_key_frame(keys[5], owner)
     return PUSHED
   end
   if take_upload(marker, keys[2]) == 0 then return JOB_OVER end
   redis.call('HSET', keys[1], 'status', QUEUED_GPU, UPLOAD_FIELD, '', unpack(args, 3))
   if model then redis.call('HINCRBY', keys[4], model, 1) end
   trade_upload_for_frame(keys[3], model, upload_bytes, tonumber(args[2]), owner)
-  count_key_frame(keys[5], owner)
   return PUSHED
 end)
 

@@ -51,11 +51,11 @@ class Preprocessor:
         self.redis = client
         self.keys = Keys(settings.namespace)
         bulk = bulk_plane(settings, client)
-        # a light key's frames go to the head of the list (contract.frames.frame_push): each frame counted by key
+        # a light key's frames go to the head of the list (contract.frames.frame_push): each job counted by key
         self.head_frames = settings.backpressure.head_frames_per_key
         counted = self.head_frames > 0
         self.store = JobHandOff(client, self.keys, settings.jobs.ttl_s, bulk=bulk, count_key_frames=counted)
-        self.frames = frame_pusher(client, self.keys, bulk, count_key_frames=counted)
+        self.frames = frame_pusher(client, self.keys, bulk)
         self.catalogue = Catalogue(settings)
         self.decode_share = DecodeShare(client, self.keys)
         decode = settings.decode
