@@ -8,6 +8,8 @@ still be there, is 410 job-lost (so that a made-up id with a recent moment raise
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import redis
 from flask import g
 
@@ -28,28 +30,29 @@ def not_found(job_id: str) -> Problem:
     return Problem(404, "job-not-found", "Job not found", f"no job {job_id!r} (unknown or expired)")
 
 
-def is_ours_to_ask(services: Services, job_id: str) -> bool:
-    """Whether `job_id` may name a job the caller can see: checked for its key, or of the format before checks."""
-    return services.job_ids.verdict(job_id, asking_owner()) is not IdVerdict.NOT_OURS
+class Asked(NamedTuple):
+    """A job id as this request may ask for it, known with no Redis call: its check's verdict and its cell."""
+
+    job_id: str
+    verdict: IdVerdict
+    cell: CellServices
 
 
-def job_cell(services: Services, job_id: str) -> CellServices:
-    """The cell `job_id` names (app.cells; the first for ids made before cells), read with no lookup; 404 for a
-    cell this process does not have (an id of a cell since removed)."""
-    cell = services.cells.of(job_id)
-    if cell is None:
-        raise not_found(job_id)
-    return cell
-
-
-def load_owned(services: Services, job_id: str) -> JobRecord:
-    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists), 410 when it was
-    the caller's and the store lost it. An id that fails its check is 404 before any Redis call (`<id>:upload`
-    would name another key)."""
+def ask(services: Services, job_id: str) -> Asked:
+    """`job_id` checked for the asking key and placed in the cell it names (app.cells; the first for ids made
+    before cells), once a request: 404 for an id issued to another key and for a cell this process does not
+    have (an id of a cell since removed), before any Redis call (`<id>:upload` would name another key)."""
     verdict = services.job_ids.verdict(job_id, asking_owner())
-    if verdict is IdVerdict.NOT_OURS:
+    cell = services.cells.of(job_id)
+    if verdict is IdVerdict.NOT_OURS or cell is None:
         raise not_found(job_id)
-    cell = job_cell(services, job_id)
+    return Asked(job_id, verdict, cell)
+
+
+def load_owned(services: Services, asked: Asked) -> JobRecord:
+    """The job, if it exists and the caller may see it; 404 otherwise (no hint that it exists), 410 when it was
+    the caller's and the store lost it."""
+    job_id, cell = asked.job_id, asked.cell
     store = cell.store
     try:
         record = store.load(job_id)
@@ -59,7 +62,7 @@ def load_owned(services: Services, job_id: str) -> JobRecord:
         raise
     if (
         record is None
-        and verdict is IdVerdict.OURS
+        and asked.verdict is IdVerdict.OURS
         and (issued := lost_at(job_id, services.settings.jobs.ttl_s)) is not None
     ):
         # Behind Sentinel, "lost" only once a connection the Sentinels' primary answers on still lacks it: an

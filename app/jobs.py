@@ -10,7 +10,7 @@ from flask import Blueprint, Response, g, request
 from app import placing
 from app.holds import BodyHold
 from app.job_bodies import job_response
-from app.job_lookup import is_ours_to_ask, job_cell, load_owned
+from app.job_lookup import ask, load_owned
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
 from app.services import Services
@@ -158,16 +158,17 @@ def _accept(
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
-    cell = job_cell(services, job_id)  # the cell its id names: no lookup
-    # A made-up id's 404 holds no long-poll, nor does a cell found down lately (its 503 at once).
-    if wait_s <= 0 or not is_ours_to_ask(services, job_id) or not services.cells.is_up(cell):
-        record = expire_if_late(cell.store, load_owned(services, job_id))
+    asked = ask(services, job_id)  # checked and placed in its cell with no lookup: another key's id is 404 here
+    cell = asked.cell
+    # A cell found down lately holds no long-poll either (its 503 at once).
+    if wait_s <= 0 or not services.cells.is_up(cell):
+        record = expire_if_late(cell.store, load_owned(services, asked))
     else:
         with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
             # Listen before the first read: an end announced after it wakes this request.
             event = cell.listener.register(job_id)
             try:
-                record = until_ended(cell.store, job_id, load_owned(services, job_id), wait_s, event)
+                record = until_ended(cell.store, job_id, load_owned(services, asked), wait_s, event)
             finally:
                 cell.listener.unregister(job_id, event)
         record = expire_if_late(cell.store, record)
@@ -186,8 +187,9 @@ def get_job(job_id: str) -> Response:
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_services()
-    load_owned(services, job_id)
-    store = job_cell(services, job_id).store
+    asked = ask(services, job_id)
+    load_owned(services, asked)
+    store = asked.cell.store
     cancelled = store.finish(job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}})
     record = store.load(job_id)
     if not cancelled or record is None:
@@ -217,8 +219,9 @@ def cancel_job(job_id: str) -> Response:
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
-    record = load_owned(services, job_id)
-    store = job_cell(services, job_id).store
+    asked = ask(services, job_id)
+    record = load_owned(services, asked)
+    store = asked.cell.store
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
     outcome = store.redeliver_callback(job_id)
