@@ -8,9 +8,20 @@
 -- the total's, args[a + 5] how many jobs the tenant may have waiting in its own queue, args[a + 6] and args[a + 7]
 -- the key's share of the model's budget and of the total (ADMISSION_ARGS: 8, budget.admission_arguments).
 -- `pending`: messages of the job judged on the tenant's queue already (take_in's), not counted.
--- Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
--- key's: of the model, or of all models when that share refused it). ALL is contract.admission.budget's.
+-- Returns {verdict, backlog, model bytes, all bytes, the key's bytes, the key's share} (after the reservation when
+-- admitted; the key's: of the model, or of all models when that share refused it; its share: what refused it, 0 when
+-- no share did). ALL is contract.admission.budget's.
+-- A key's share is of what the others leave: it may hold `share` x (limit - what the rest of the total holds) /
+-- limit, the rest being every other key's and the frames' (nobody's), so n flooding keys leave about limit/(n + 1)
+-- of it to the next key where a share of the whole let two fill it; alone and with no frames waiting it is the
+-- whole share, as before. The figures are those read for the verdict: no read more.
 local ALL = '*'
+
+local function share_left(share, limit, total, held)
+  limit = tonumber(limit)
+  if limit <= 0 then return tonumber(share) end
+  return math.floor(tonumber(share) * math.max(0, limit - (total - held)) / limit)
+end
 
 local function admit(keys, args, k, last, a, pending)
   local own = redis.call('LLEN', keys[k + 3]) - (pending or 0)
@@ -37,13 +48,20 @@ local function admit(keys, args, k, last, a, pending)
     end
   end
   local size = tonumber(args[a + 1])
-  if own >= tonumber(args[a + 5]) then return {'tenant_backlog', own, model_bytes, all_bytes, key_model} end
-  -- a key with nothing waiting is admitted by its share whatever the size (the budgets still apply)
-  if key_model > 0 and key_model + size > tonumber(args[a + 6]) then
-    return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model}
+  -- a key with nothing waiting is admitted by its share whatever is left (the budgets still apply); a share of the
+  -- whole is the backlog's own limit, whose refusal is the model's
+  if own > 0 and tonumber(args[a + 5]) < tonumber(args[a + 2]) then
+    local share = share_left(args[a + 5], args[a + 2], backlog, own)
+    if own >= share then return {'tenant_backlog', own, model_bytes, all_bytes, key_model, share} end
   end
-  if key_all > 0 and key_all + size > tonumber(args[a + 7]) then
-    return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all}
+  -- ...and whatever the size
+  if key_model > 0 then
+    local share = share_left(args[a + 6], args[a + 3], model_bytes, key_model)
+    if key_model + size > share then return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model, share} end
+  end
+  if key_all > 0 then
+    local share = share_left(args[a + 7], args[a + 4], all_bytes, key_all)
+    if key_all + size > share then return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all, share} end
   end
   if backlog >= tonumber(args[a + 2]) then return {'backlog', backlog, model_bytes, all_bytes, key_model} end
   if model_bytes + size > tonumber(args[a + 3]) then
