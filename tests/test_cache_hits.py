@@ -116,8 +116,7 @@ def test_one_keys_flood_of_hits_is_refused_429_and_cannot_make_another_keys_subm
         models=(SPEC,),
         redis_url=server.url,
         namespace="flood",
-        cache=CacheSettings(hit_bytes_per_key=128 * 1024),
-        jobs=JobSettings(ttl_s=3600, max_ttl_s=3600),
+        jobs=JobSettings(ttl_s=3600, max_ttl_s=3600, answer_bytes_per_key=128 * 1024),
     )
     image = jpeg(64, 64, seed=7)
     digest = ResultCache(client, Keys("flood"), settings).digest(image, SPEC, {}, "team-a")
