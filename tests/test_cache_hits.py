@@ -25,7 +25,7 @@ from contract.jobs.hits import HitLimits
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
 from contract.redis.keys import Keys
-from contract.settings import CacheSettings, CallbackSettings, JobSettings, Settings
+from contract.settings import CallbackSettings, JobSettings, Settings
 from contract.settings.models import ModelSpec
 from tasks.callbacks.delivery import CallbackSender
 from tests.support import ApiServer, api_with_keys, jpeg, wait_until
