@@ -93,3 +93,27 @@ def test_a_keys_computed_answers_overdraw_its_bucket_and_it_is_refused_until_pai
     again = submit(stack, "key-a", 102)
     assert again.status_code == 202, again.text
     assert answered(stack, "key-a", again.json()["id"])["status"] == "succeeded"
+
+
+def test_take_in_bounded_refuses_a_key_in_debt_and_version_6s_take_in_is_called_as_before(redis_client):
+    """The debt's check is take_in_bounded's (keys[8], the key's debt marker); `take_in`, as an API of library
+    version 6 calls it (seven keys before admit()'s), makes the job as before, so a rolling upgrade's older API
+    keeps working beside it."""
+    from contract.library import Step
+    from contract.redis.keys import Keys
+
+    keys = Keys("answer-debt")
+    redis_client.set(keys.answer_debt("team-a"), "1", px=5000)
+
+    def call(step: str, job_id: str, owner: str) -> list:
+        names = ["", keys.job(job_id), keys.deadlines, "", "", "", keys.waiting_bytes]
+        if step == "take_in_bounded":
+            names.append(keys.answer_debt(owner))
+        redis_client.hset(keys.job(job_id), mapping={"status": "queued", "owner": owner})
+        return Step(step)(redis_client, names, ["m:1", owner, 0, job_id])
+
+    refused = call("take_in_bounded", "a" * 32, "team-a")
+    assert refused[0] == b"answer_debt" and 0 < int(refused[1]) <= 5000
+    assert not redis_client.exists(keys.job("a" * 32))  # its writes taken back
+    assert call("take_in_bounded", "b" * 32, "team-b")[0] == b"created"  # another key
+    assert call("take_in", "c" * 32, "team-a")[0] == b"created"  # version 6's call: no check, as before
