@@ -18,9 +18,8 @@
 local ALL = '*'
 
 local function share_left(share, limit, total, held)
-  limit = tonumber(limit)
-  if limit <= 0 then return tonumber(share) end
-  return math.floor(tonumber(share) * math.max(0, limit - (total - held)) / limit)
+  if limit <= 0 then return share end
+  return math.floor(share * math.max(0, limit - (total - held)) / limit)
 end
 
 local function admit(keys, args, k, last, a, pending)
@@ -48,26 +47,36 @@ local function admit(keys, args, k, last, a, pending)
     end
   end
   local size = tonumber(args[a + 1])
-  -- a key with nothing waiting is admitted by its share whatever is left (the budgets still apply); a share of the
-  -- whole is the backlog's own limit, whose refusal is the model's
-  if own > 0 and tonumber(args[a + 5]) < tonumber(args[a + 2]) then
-    local share = share_left(args[a + 5], args[a + 2], backlog, own)
-    if own >= share then return {'tenant_backlog', own, model_bytes, all_bytes, key_model, share} end
+  local limit, model_limit, all_limit = tonumber(args[a + 2]), tonumber(args[a + 3]), tonumber(args[a + 4])
+  -- held + this one <= share x (limit - the rest) / limit, multiplied out: no call into C on an admission (each
+  -- costs Redis hundreds of instructions); the share at that moment is worked out for a refusal alone. A key with
+  -- nothing waiting is admitted by its share whatever is left and whatever the size (the budgets still apply); a
+  -- job-count share of the whole is the backlog's own limit, whose refusal is the model's.
+  if own > 0 then
+    local share = tonumber(args[a + 5])
+    if share < limit and (own + 1) * limit > share * (limit - backlog + own) then
+      return {'tenant_backlog', own, model_bytes, all_bytes, key_model, share_left(share, limit, backlog, own)}
+    end
   end
-  -- ...and whatever the size
   if key_model > 0 then
-    local share = share_left(args[a + 6], args[a + 3], model_bytes, key_model)
-    if key_model + size > share then return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model, share} end
+    local share = tonumber(args[a + 6])
+    if (key_model + size) * model_limit > share * (model_limit - model_bytes + key_model) then
+      local left = share_left(share, model_limit, model_bytes, key_model)
+      return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model, left}
+    end
   end
   if key_all > 0 then
-    local share = share_left(args[a + 7], args[a + 4], all_bytes, key_all)
-    if key_all + size > share then return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all, share} end
+    local share = tonumber(args[a + 7])
+    if (key_all + size) * all_limit > share * (all_limit - all_bytes + key_all) then
+      local left = share_left(share, all_limit, all_bytes, key_all)
+      return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all, left}
+    end
   end
-  if backlog >= tonumber(args[a + 2]) then return {'backlog', backlog, model_bytes, all_bytes, key_model} end
-  if model_bytes + size > tonumber(args[a + 3]) then
+  if backlog >= limit then return {'backlog', backlog, model_bytes, all_bytes, key_model} end
+  if model_bytes + size > model_limit then
     return {'model_bytes', backlog, model_bytes, all_bytes, key_model}
   end
-  if all_bytes + size > tonumber(args[a + 4]) then
+  if all_bytes + size > all_limit then
     return {'all_bytes', backlog, model_bytes, all_bytes, key_model}
   end
   if size > 0 then redis.call('HINCRBY', keys[k + 2], args[a], size) end
