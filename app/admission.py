@@ -222,8 +222,11 @@ class Admission:
             assert hit is not None
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, HIT, self.cell).inc()
             return outcome, dict(hit.fields), dict(hit.timings)
-        if isinstance(outcome, HitLimited):  # every accepted request is charged: a hit to its key's bucket
-            detail = f"key {reservation.client_id!r}'s cache hits stored their cache.hit_bytes_per_key; retry later"
+        if isinstance(outcome, HitLimited):  # every accepted request is charged: its answer to its key's bucket
+            detail = (
+                f"key {reservation.client_id!r}'s answers (computed and cache hits) stored their "
+                "jobs.answer_bytes_per_key; retry later"
+            )
             raise Problem(429, "rate-limited", "Too many requests", detail, retry_after_header(outcome.retry_after_ms))
         if hit is not None:
             metrics.CACHE_LOOKUPS.labels(spec.name, spec.version, MISS, self.cell).inc()

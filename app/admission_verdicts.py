@@ -63,15 +63,15 @@ class Verdicts:
         if verdict.verdict == budget.ADMITTED:
             return
         size = request.size
-        share = request.max_tenant_backlog or request.max_backlog
+        share = verdict.share or request.max_tenant_backlog or request.max_backlog
         if verdict.verdict == budget.OVER_TENANT_BACKLOG:
             retry = self.retry_after(spec, (verdict.backlog - share + 1) / max(1, verdict.backlog))
             raise Problem(
                 429,
                 "overloaded",
                 "Too many requests",
-                f"{verdict.backlog} of your jobs are waiting for model {spec.key} (your share of its "
-                f"backlog is {share}); retry later",
+                f"{verdict.backlog} of your jobs are waiting for model {spec.key} (your share of what the "
+                f"other keys leave of its backlog is {share}); retry later",
                 headers={"Retry-After": str(retry)},
             )
         refusal = key_share_refusal(spec, request, verdict, self.retry_after)

@@ -12,7 +12,8 @@ from contract.settings.models import ModelSpec
 
 
 def key_byte_shares(settings: Settings, spec: ModelSpec) -> tuple[int, int]:
-    """An API key's share of `spec`'s byte budget and of the total's, in bytes."""
+    """An API key's share of `spec`'s byte budget and of the total's, in bytes, alone (with other keys' uploads
+    waiting, of what they leave: contract.admission.budget)."""
     ratio = settings.auth.max_waiting_bytes_share
     total = settings.backpressure.max_total_waiting_bytes
     return int(settings.max_waiting_bytes(spec) * ratio), int(total * ratio)
@@ -28,10 +29,14 @@ def key_share_refusal(
     the share; `retry_after` the seconds until a share of the model's waiting work has drained. None when `verdict`
     is no such refusal."""
     if verdict.verdict == budget.OVER_KEY_MODEL_BYTES:
-        share, held, waiting = request.max_owner_model_bytes, verdict.model_bytes, f"for model {spec.key}"
+        share, held, waiting = (
+            verdict.share or request.max_owner_model_bytes,
+            verdict.model_bytes,
+            f"for model {spec.key}",
+        )
         budget_name = f"model {spec.key}'s byte budget"
     elif verdict.verdict == budget.OVER_KEY_ALL_BYTES:
-        share, held, waiting = request.max_owner_all_bytes, verdict.all_bytes, "for all models"
+        share, held, waiting = verdict.share or request.max_owner_all_bytes, verdict.all_bytes, "for all models"
         budget_name = "the total byte budget"
     else:
         return None
@@ -41,7 +46,7 @@ def key_share_refusal(
         429,
         "overloaded",
         "Too many requests",
-        f"your key has {verdict.key_bytes} bytes of images waiting {waiting} (your share of {budget_name} is "
-        f"{share}); retry later",
+        f"your key has {verdict.key_bytes} bytes of images waiting {waiting} (your share of what the other "
+        f"keys leave of {budget_name} is {share}); retry later",
         headers={"Retry-After": str(retry)},
     )

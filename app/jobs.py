@@ -54,8 +54,8 @@ log = logging.getLogger("api")
             429,
             "The model's backlog (jobs waiting) or its bytes of images waiting are over their limits "
             "(`backpressure.max_backlog`, `backpressure.max_waiting_bytes`), or so is your key's share of the backlog, "
-            "its unfinished callback_url lookups or (a cache hit) the bytes its hits stored "
-            "(`cache.hit_bytes_per_key`); nothing was taken: retry after `Retry-After` seconds",
+            "its unfinished callback_url lookups or the bytes its answers (computed and cache hits) stored "
+            "(`jobs.answer_bytes_per_key`); nothing was taken: retry after `Retry-After` seconds",
         ),
         (
             503,

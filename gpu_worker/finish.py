@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 from contract.cache.cache_plane import cache_plane
 from contract.frames import Frame
 from contract.frames.frame_source import FrameSource
+from contract.jobs.hits import HitLimits, answer_debits, stored_bytes
 from contract.jobs.record import FAILED, SUCCEEDED
 from contract.jobs.timebill import (
     BATCH_CLOSED_AT,
@@ -42,7 +44,7 @@ log = logging.getLogger("gpu_worker")
 
 # The batch's one write: the library's `write_batch` (contract/library/write_batch.lua, where its keys and
 # arguments are named; `Finisher._write` builds them).
-_WRITE_BATCH = Step("write_batch")
+_WRITE_BATCH = Step("write_batch_debited")
 
 
 def detections_per_image(detections: np.ndarray, count: int) -> list[list[list[float]]]:
@@ -110,6 +112,8 @@ class Finisher:
         # contract.frames.frame_push)
         self.key_frames = link.keys.key_frames(spec.key) if link.settings.backpressure.head_frames_per_key > 0 else ""
         self.cache_plane = cache_plane(link.settings)  # the cache's own Redis, if it has one: entries written after
+        # every keyed job's answer taken from its key's answer bucket by the write that stores it (contract.jobs.hits)
+        self.answers = HitLimits.of(link.settings)
 
     def finish(self, batch: InHand) -> None:
         """Documents for every running job of the batch, then the one write (retried until Redis answers)."""
@@ -195,6 +199,7 @@ class Finisher:
         counters = [value for pair in self._counters(batch.taken).items() for value in pair]
         owners = [value for pair in batch.owners.items() for value in pair] if self.key_frames else []
         job_keys, job_args = self.store.finish_arguments(outcomes)
+        debits = self._debits(batch, job_args)
         written = _WRITE_BATCH(
             self.redis,
             [
@@ -214,8 +219,10 @@ class Finisher:
                 len(counters),
                 batch.epoch,
                 len(owners),
+                len(debits),
                 *counters,
                 *owners,
+                *debits,
                 *job_args,
             ],
         )
@@ -232,6 +239,23 @@ class Finisher:
         if not self.source.acked_by_batch_write:
             self.source.ack(batch.taken)
         return True
+
+    def _debits(self, batch: InHand, job_args: list[Any]) -> list[Any]:
+        """write_batch's answer debits: what each API key's jobs of the batch store, from their end's arguments."""
+        if self.answers.bucket_bytes <= 0:
+            return []
+        owner_of = {frame.header.job_id: frame.header.owner for frame in batch.running if frame.header.owner}
+        if not owner_of:
+            return []
+        spent: Counter[str] = Counter()
+        at = 0
+        while at < len(job_args):  # per job: its id, its count of field and value arguments, those (finish_arguments)
+            job_id, count = job_args[at], int(job_args[at + 1])
+            owner = owner_of.get(job_id)
+            if owner:
+                spent[owner] += stored_bytes(job_args[at + 2 : at + 2 + count])
+            at += 2 + count
+        return answer_debits(self.answers, self.keys, spent, service_now())
 
     def _remember(self, pairs: list[Any], job_args: list[Any]) -> None:
         """The entries of the jobs write_batch ended `succeeded` in time ((job id, digest) pairs), stored on the cache

@@ -23,10 +23,10 @@ def waiting(client, keys: Keys) -> dict[str, int]:
 def test_admission_checks_the_backlog_and_both_budgets_in_one_step_and_reserves(redis_client):
     keys = Keys("budget")
     counters = budget.WaitingBytes(redis_client, keys)
-    assert counters.admit(MODEL, 600, 10, 1000, 1500) == (budget.ADMITTED, 0, 600, 600, 0)
+    assert counters.admit(MODEL, 600, 10, 1000, 1500) == (budget.ADMITTED, 0, 600, 600, 0, 0)
     assert counters.admit(MODEL, 600, 10, 1000, 1500).verdict == budget.OVER_MODEL_BYTES  # 1,200 > 1,000
     assert counters.admit("other:1", 1000, 10, 1000, 1500).verdict == budget.OVER_ALL_BYTES  # 1,600 > 1,500
-    assert counters.admit("other:1", 900, 10, 1000, 1500) == (budget.ADMITTED, 0, 900, 1500, 0)
+    assert counters.admit("other:1", 900, 10, 1000, 1500) == (budget.ADMITTED, 0, 900, 1500, 0, 0)
     redis_client.rpush(keys.frames(MODEL), b"f1", b"f2")
     assert counters.admit(MODEL, 0, 2, 1000, 1500).verdict == budget.OVER_BACKLOG  # two jobs waiting
     redis_client.delete(keys.frames(MODEL))
@@ -68,7 +68,7 @@ def test_every_step_that_drops_bytes_gives_them_back(redis_client):
                 "",
                 *job_keys,
             ],
-            [*store.finish_names(), 1, 300, MODEL, 0, "", 0, *job_args],
+            [*store.finish_names(), 1, 300, MODEL, 0, "", 0, 0, *job_args],
         )
         == 1
     )
@@ -93,14 +93,15 @@ def test_a_key_may_hold_only_its_share_of_each_byte_budget_and_the_others_still_
             model, size, 10, 1000, 1500, owner=owner, max_owner_model_bytes=500, max_owner_all_bytes=700
         )
 
-    assert admit(MODEL, 400, "a") == (budget.ADMITTED, 0, 400, 400, 400)
-    refused = admit(MODEL, 200, "a")  # 600 > its 500
-    assert refused == (budget.OVER_KEY_MODEL_BYTES, 0, 400, 400, 400)
+    assert admit(MODEL, 400, "a") == (budget.ADMITTED, 0, 400, 400, 400, 0)
+    refused = admit(MODEL, 200, "a")  # 600 > its 500 (alone: the whole share)
+    assert refused == (budget.OVER_KEY_MODEL_BYTES, 0, 400, 400, 400, 500)
     assert admit(MODEL, 450, "b").verdict == budget.ADMITTED  # another key: its own share
-    assert admit("other:1", 250, "a").verdict == budget.ADMITTED
-    over_all = admit("other:1", 100, "a")  # 750 of every model's > its 700
-    assert over_all.verdict == budget.OVER_KEY_ALL_BYTES and over_all.key_bytes == 650
-    assert counters.waiting("a") == {MODEL: 400, "other:1": 250, budget.ALL: 650}
+    # a key's share is of what the others leave: b's 450 leave a 700 x (1,500 - 450) / 1,500 = 490 of the total
+    over_all = admit("other:1", 250, "a")  # 650 > 490
+    assert over_all.verdict == budget.OVER_KEY_ALL_BYTES and (over_all.key_bytes, over_all.share) == (400, 490)
+    assert admit("other:1", 90, "a").verdict == budget.ADMITTED  # 490
+    assert counters.waiting("a") == {MODEL: 400, "other:1": 90, budget.ALL: 490}
     counters.release(MODEL, 400, owner="a")
     counters.release("other:1", 5000, owner="a")  # never below zero
     assert counters.waiting("a") == {MODEL: 0, "other:1": 0, budget.ALL: 0}

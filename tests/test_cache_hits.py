@@ -25,7 +25,7 @@ from contract.jobs.hits import HitLimits
 from contract.jobs.intake import JobIntake
 from contract.jobs.record import SUCCEEDED
 from contract.redis.keys import Keys
-from contract.settings import CacheSettings, CallbackSettings, JobSettings, Settings
+from contract.settings import CallbackSettings, JobSettings, Settings
 from contract.settings.models import ModelSpec
 from tasks.callbacks.delivery import CallbackSender
 from tests.support import ApiServer, api_with_keys, jpeg, wait_until
@@ -117,8 +117,7 @@ def test_one_keys_flood_of_hits_is_refused_429_and_cannot_make_another_keys_subm
         models=(SPEC,),
         redis_url=server.url,
         namespace="flood",
-        cache=CacheSettings(hit_bytes_per_key=128 * 1024),
-        jobs=JobSettings(ttl_s=3600, max_ttl_s=3600),
+        jobs=JobSettings(ttl_s=3600, max_ttl_s=3600, answer_bytes_per_key=128 * 1024),
     )
     image = jpeg(64, 64, seed=7)
     digest = ResultCache(client, Keys("flood"), settings).digest(image, SPEC, {}, "team-a")

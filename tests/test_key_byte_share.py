@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 KEYS = (
     {"id": "team-a", "sha256": hash_key("key-a")},
     {"id": "team-b", "sha256": hash_key("key-b")},
+    {"id": "team-c", "sha256": hash_key("key-c")},
 )
 UPLOAD_LIMIT = 1024 * 1024
 MODEL_BUDGET = 4 * UPLOAD_LIMIT  # a key's share: half of it, 2 MiB
@@ -95,6 +96,64 @@ def test_a_key_that_pads_its_uploads_fills_only_its_share_of_the_byte_budget(sta
         assert response.status_code in (200, 202), response.text
     assert key_bytes(stack, keys, "team-a") == 0 and key_bytes(stack, keys, "team-b") == 0
     assert post(server, "key-a", padded_jpeg(102)).status_code == 202  # its share is its own again
+
+
+def test_two_keys_padding_their_uploads_leave_room_for_a_third(stack, unserved_api):
+    """A key's share is of what the other keys leave: team-a fills half the budget, team-b half of what team-a
+    left, and team-c's uploads are still admitted, where two shares of the whole took it all."""
+    server, keys = unserved_api
+    held: dict[str, int] = {}
+    for key, owner in (("key-a", "team-a"), ("key-b", "team-b")):
+        for seed in range(20):
+            response = post(server, key, padded_jpeg(seed))
+            if response.status_code != 202:
+                break
+        assert response.status_code == 429, response.text  # each flooding key gets its own 429...
+        assert "what the other keys leave" in response.json()["detail"], response.json()
+        held[owner] = key_bytes(stack, keys, owner)
+    assert 0 < held["team-a"] <= MODEL_BUDGET // 2
+    # ...team-b's share being half of what team-a left
+    assert 0 < held["team-b"] <= (MODEL_BUDGET - held["team-a"]) // 2
+    model = stack.settings.model.key
+    assert int(stack.redis.hget(keys.waiting_bytes, model) or 0) <= MODEL_BUDGET * 3 // 4 + 2 * PADDING
+    third = [post(server, "key-c", padded_jpeg(200 + seed)).status_code for seed in range(2)]
+    assert third == [202, 202], third  # the budget's model-wide 429 never came
+    assert post(server, "key-a", padded_jpeg(300)).status_code == 429  # nor did the floods get more room
+
+
+def test_a_keys_share_of_the_backlog_is_of_what_the_other_keys_leave(stack):
+    """The job-count share the same way, in the library's admission step on a real Redis: with team-b's queue
+    holding 60 of a backlog of 160, team-a may hold half of the 100 left, not 80; alone, the whole 80; and a key
+    with nothing waiting is admitted whatever is left, up to the model's own limit."""
+    from contract.admission import budget
+
+    keys = Keys("backlogshare")
+    model = stack.settings.model.key
+    waiting = budget.WaitingBytes(stack.redis, keys)
+    tenants = ("", "team-a", "team-b", "team-c")
+    queue = {tenant: keys.celery_queue(keys.preprocess_queue(model, tenant)) for tenant in tenants}
+
+    def admit(tenant: str) -> budget.BudgetVerdict:  # a key's share 80; no key's jobs, the whole backlog
+        return waiting.admit(model, 0, 160, 10**9, 10**9, tenant, tenants, 80 if tenant else 160, sharded=False)
+
+    try:
+        stack.redis.rpush(queue["team-a"], *["job"] * 79)
+        assert admit("team-a").verdict == budget.ADMITTED  # alone: 79 + 1 within its 80
+        stack.redis.rpush(queue["team-a"], "job")
+        refused = admit("team-a")
+        assert refused.verdict == budget.OVER_TENANT_BACKLOG and refused.share == 80
+        stack.redis.rpush(queue["team-b"], *["job"] * 60)
+        stack.redis.ltrim(queue["team-a"], 0, 48)  # 49 of team-a's: a 50th is half of the 100 team-b left
+        assert admit("team-a").verdict == budget.ADMITTED
+        stack.redis.rpush(queue["team-a"], "job")
+        refused = admit("team-a")
+        assert refused.verdict == budget.OVER_TENANT_BACKLOG and (refused.backlog, refused.share) == (50, 50)
+        assert admit("team-c").verdict == budget.ADMITTED  # 110 of 160: room for the next key
+        stack.redis.rpush(queue[""], *["job"] * 50)  # the backlog full: the model's own 429, not a share's
+        assert admit("team-c").verdict == budget.OVER_BACKLOG
+        assert admit("").verdict == budget.OVER_BACKLOG
+    finally:
+        stack.redis.delete(*queue.values())
 
 
 def test_a_keys_share_is_given_back_when_its_jobs_expire(stack, unserved_api):

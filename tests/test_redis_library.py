@@ -26,7 +26,7 @@ from contract.library import (
     loaded_code,
     loaded_version,
 )
-from contract.redis.keys import KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
+from contract.redis.keys import ANSWER_DEBT_SUFFIX, KEY_WAITING_SEPARATOR, UPLOAD_SUFFIX, Keys
 from contract.redis.shards import SHARDED_UPLOAD, UPLOAD_FIELD
 from tasks.callbacks.delivery import DEAD_LETTER_DROPS
 from tests.support import RedisServer
@@ -78,6 +78,7 @@ def test_the_librarys_literals_are_the_contracts():
     assert f"local ALL = '{ALL}'" in _lua("admission.lua")
     assert f"local HIT_GONE = '{HIT_GONE}'" in _lua("hits.lua")
     assert f"local KEY_WAITING_SEPARATOR = '{KEY_WAITING_SEPARATOR}'" in _lua("budget.lua")
+    assert f"local DEBT_SUFFIX = '{ANSWER_DEBT_SUFFIX}'" in _lua("token_bucket.lua")
 
 
 def test_a_redis_without_the_library_gets_it_and_an_older_one_is_replaced(redis_client: redis.Redis):

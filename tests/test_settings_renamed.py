@@ -46,3 +46,19 @@ def test_where_one_layer_gives_both_names_the_new_one_stands(tmp_path):
     path.write_text(yaml.safe_dump({"api": {"redis_timeout_s": 9.0}, "redis": {"timeout_s": 0.25}}))
     with pytest.warns(FutureWarning):
         assert load_settings(path).redis.timeout_s == 0.25
+
+
+def test_the_hit_bucket_is_every_answers_bucket_now_and_its_old_name_is_read_with_a_warning(tmp_path, monkeypatch):
+    """`cache.hit_bytes_per_key` bounds computed answers too since issue 70: `jobs.answer_bytes_per_key`."""
+    from contract.jobs.hits import HitLimits
+
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump({"cache": {"hit_bytes_per_key": 4096, "ttl_s": 60}}))
+    with pytest.warns(FutureWarning, match=r"cache.hit_bytes_per_key .*set jobs.answer_bytes_per_key"):
+        settings = load_settings(path)
+    assert (settings.jobs.answer_bytes_per_key, settings.cache.ttl_s) == (4096, 60)
+    assert not hasattr(settings.cache, "hit_bytes_per_key")
+    assert HitLimits.of(settings).bucket_bytes == 4096
+    monkeypatch.setenv("IMGSERVE_CACHE__HIT_BYTES_PER_KEY", "8192")
+    with pytest.warns(FutureWarning, match=r"IMGSERVE_JOBS__ANSWER_BYTES_PER_KEY"):
+        assert load_settings(path).jobs.answer_bytes_per_key == 8192

@@ -8,7 +8,7 @@ Redis's used memory (before, its peak, after) against `backpressure.store_full_r
 records stored, and the other key's answers by status (during the flood, and once more after it).
 
 `--root` runs the stack from another checkout (the figures before a change); `--hit-bytes` sets
-`cache.hit_bytes_per_key` (a checkout that has it).
+`jobs.answer_bytes_per_key` (a checkout that has it; `cache.hit_bytes_per_key` before it).
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def main() -> None:
     parser.add_argument("--connections", type=int, default=4)
     parser.add_argument("--duration", type=float, default=60.0, help="seconds the flood lasts")
     parser.add_argument("--maxmemory-mb", type=int, default=256, help="the stack's Redis (noeviction)")
-    parser.add_argument("--hit-bytes", type=int, default=None, help="cache.hit_bytes_per_key (default: the config's)")
+    parser.add_argument("--hit-bytes", type=int, default=None, help="jobs.answer_bytes_per_key (default: the config's)")
     parser.add_argument("--root", type=Path, default=REPO_ROOT, help="the checkout the stack runs from")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="hostile-hits-") as workdir:
@@ -113,7 +113,7 @@ def main() -> None:
             redis_args=("--maxmemory", f"{args.maxmemory_mb}mb", "--maxmemory-policy", "noeviction"),
         )
         if args.hit_bytes is not None:
-            options.extra = {"cache": {"hit_bytes_per_key": args.hit_bytes}}
+            options.extra = {"jobs": {"answer_bytes_per_key": args.hit_bytes}}
         options, keys = keyed_stack_options(options, Path(workdir), callback_worker=False)
         stack = LocalStack(Path(workdir) / "stack", options).start()
         try:

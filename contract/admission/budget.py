@@ -12,8 +12,12 @@ sum). They never go below zero (frames and uploads from a version without budget
 they had been counted).
 
 With API keys, a key's uploads are counted again under the key (`Keys.key_waiting_bytes`: a hash a key, a field per
-model), and one key may hold at most `auth.max_waiting_bytes_share` of a model's budget and of the total: past it
-that key alone is refused, so one key's padded uploads cannot fill the budget every key shares. As the
+model), and one key may hold at most `auth.max_waiting_bytes_share` of what the others leave of a model's budget and
+of the total (the share x (budget - what the rest of it holds) / budget, the rest being the other keys' uploads and
+the frames; alone and with no frames waiting, the share of the whole): past it that key alone is refused, so one
+key's padded uploads cannot fill the budget every key shares, nor can several keys' together: n flooding keys leave
+about budget/(n + 1) to the next. The job-count share (`auth.max_backlog_share` of the backlog) is of what the others
+leave the same way. As the
 job-count share counts a key's own CPU queue and not the frame list, a key's bytes are its uploads waiting for a CPU
 worker: the steps that move an upload's bytes move the key's in the same atomic step (the reservation, the push
 that trades the upload for a frame, whatever ends the job, a refused submission's give-back); a frame's bytes are
@@ -55,11 +59,13 @@ class BudgetVerdict(NamedTuple):
     model_bytes: int  # bytes the model has waiting in Redis
     all_bytes: int  # bytes every model has waiting
     key_bytes: int = 0  # the API key's uploads waiting for the model; for all models when that share refused it
+    share: int = 0  # the key's share that refused it, of what the others leave at this moment; 0: no share did
 
     @classmethod
     def of(cls, reply: Any) -> BudgetVerdict:
         """the library's admit reply."""
-        return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]))
+        share = int(reply[5]) if len(reply) > 5 else 0
+        return cls(reply[0].decode(), int(reply[1]), int(reply[2]), int(reply[3]), int(reply[4]), share)
 
 
 class AdmissionRequest(NamedTuple):

@@ -1,4 +1,5 @@
-"""A result-cache hit's job: stored ended at once, charged to its API key, holding a reference to its answer.
+"""What a key's answers hold in the store: a result-cache hit's job, stored ended at once, charged to its API key and
+holding a reference to its answer; a computed job's answer, charged to its key by the batch write that stores it.
 
 Every accepted request is charged somewhere. A miss passes the budgets (contract.admission.budget) and waits its turn; a
 hit adds nothing to wait, but its job record stays readable for `jobs.ttl_s` (longer while its callback is
@@ -9,9 +10,13 @@ retried, up to `jobs.max_ttl_s` from its submission). So:
   digest's first hit, one copy however many hits, and every hit pushes its lifetime out to `jobs.max_ttl_s`
   (the longest any record may live): no hit's record can outlive it, so a 202'd hit stays readable whatever
   the cache evicts meanwhile. It is charged to the hit that makes it.
-- Each API key's hits take their bytes (the record's fields and HIT_RECORD_OVERHEAD; the shared answer's, by
-  the hit that makes it) from a token bucket of `cache.hit_bytes_per_key` bytes, refilled at that many bytes
-  per `jobs.ttl_s`. What may live longer than `jobs.ttl_s` (the shared answer, a record whose callback may keep
+- Each API key's answers take their bytes from one token bucket of `jobs.answer_bytes_per_key` bytes, refilled at
+  that many bytes per `jobs.ttl_s`: a hit the record's fields and HIT_RECORD_OVERHEAD (and the shared answer's, by
+  the hit that makes it), before it is stored; a computed job what the GPU worker's batch write stores for it (its
+  answer, time bill and batch: `stored_bytes`), after, once per key per batch (`answer_debits`). A computed answer
+  is never lost for a short bucket: the bucket goes into debt, and while it is there the key's submissions are
+  refused by the admission (take_in reads the key's debt marker, Keys.answer_debt) with a 429 and the time until
+  the refill has paid it. What may live longer than `jobs.ttl_s` (the shared answer, a record whose callback may keep
   it) is charged for each `jobs.ttl_s` it may live. So a key's hits hold at most about twice the bucket in the
   store at any moment: an empty bucket is a 429 with the time until it holds the hit's bytes again.
 - The lookup that found the entry and this step are two round trips (contract.jobs.intake): an entry evicted
@@ -24,9 +29,11 @@ refills as the service's other buckets do (contract.admission.token_bucket's `re
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from contract.redis.keys import Keys
 from contract.settings import Settings
 
 # What a hit's record costs Redis beyond its fields' bytes (its key, the hash's and the TTL's own, the allocator's
@@ -40,7 +47,8 @@ HIT_GONE = "gone"  # the entry went between the lookup and the hit's step: look 
 
 
 class HitLimited(NamedTuple):
-    """A hit refused: its key's hits used their bytes; the bucket holds this hit's again in `retry_after_ms`."""
+    """A hit refused: its key's answers used their bytes; the bucket holds this hit's again in `retry_after_ms`. Or
+    any submission of a key whose bucket is in debt (its computed answers overdrew it): out of it in that long."""
 
     retry_after_ms: int
 
@@ -56,7 +64,7 @@ class HitLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> HitLimits:
-        return cls(settings.cache.hit_bytes_per_key, settings.jobs.ttl_s, settings.jobs.max_ttl_s)
+        return cls(settings.jobs.answer_bytes_per_key, settings.jobs.ttl_s, settings.jobs.max_ttl_s)
 
     @property
     def refill_per_s(self) -> float:
@@ -76,3 +84,21 @@ class HitLimits:
         """A hit's bytes for its record: a record a callback may keep past `ttl_s` pays for each `ttl_s` it may
         live."""
         return (record_bytes + HIT_RECORD_OVERHEAD) * (self.answer_lifetimes if has_callback else 1)
+
+
+def stored_bytes(flat: Sequence[Any]) -> int:
+    """What the field names and values a job's end stores take (finish_arguments' flat list for one job)."""
+    return sum(len(item) if isinstance(item, bytes | str) else len(str(item)) for item in flat)
+
+
+def answer_debits(limits: HitLimits, keys: Keys, spent: Mapping[str, int], now: float) -> list[Any]:
+    """write_batch's answer-debit arguments (debit_answers, contract/library/token_bucket.lua): the bucket's bytes,
+    its refill a second and `now`, then each API key's bucket and what its answers of the batch stored (`spent`);
+    nothing when there is no bound or no key's answer."""
+    owned = [(owner, spent[owner]) for owner in spent if owner and spent[owner] > 0]
+    if limits.bucket_bytes <= 0 or not owned:
+        return []
+    debits: list[Any] = [limits.bucket_bytes, repr(limits.refill_per_s), repr(now)]
+    for owner, size in owned:
+        debits += [keys.hit_bucket(owner), size]
+    return debits

@@ -45,7 +45,7 @@ _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 # miss, and on a hit the hit's job stored here from the answer read there.
 _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 # The step `take_in` (contract/library/intake.lua): the lookup, the admission, the decode charge and the job, in one.
-_TAKE_IN = Step("take_in")
+_TAKE_IN = Step("take_in_bounded")
 
 # A new record's first fields: those later steps read or overwrite. configs/redis.conf makes every hash a hash table,
 # where order costs nothing; on a Redis left at its listpack default a record is searched from its head, and a field
@@ -122,10 +122,15 @@ class HitTerms(NamedTuple):
 TakenIn = CacheHit | HitLimited | budget.BudgetVerdict | DecodeRefused | Created
 
 
-def _taken_in(reply: Any, admitted_here: bool) -> CacheHit | budget.BudgetVerdict | DecodeRefused | Created:
-    """take_in's reply other than a hit: a refusal, or the job made."""
+def _taken_in(
+    reply: Any, admitted_here: bool
+) -> CacheHit | HitLimited | budget.BudgetVerdict | DecodeRefused | Created:
+    """take_in's reply other than a hit: a refusal (HitLimited: the key's answers overdrew its bucket), or the job
+    made."""
     if reply[0] == b"decode_share":
         return DecodeRefused(int(reply[1]))
+    if reply[0] == b"answer_debt":
+        return HitLimited(int(reply[1]))
     if reply[0] != b"created":
         return budget.BudgetVerdict.of(reply)
     if not admitted_here:
@@ -338,11 +343,14 @@ class JobIntake(JobEnding):
             here,
             self.keys.decode_share if decode is not None else "",
             self.keys.waiting_bytes,
+            "",
             *admission_keys,
         ]
         unused = max(0, job.reserved - len(job.upload)) if job.admission is None else 0
         charge = (decode.cost, decode.share, repr(service_now()), repr(decode.lapse_at)) if decode else ()
         owner = str(fields.get("owner") or "")
+        if owner and self.hits.bucket_bytes > 0:
+            keys[7] = self.keys.answer_debt(owner)
         return keys, [str(fields.get("model") or ""), owner, unused, job.job_id, *admission_args, *charge]
 
     def _call_take_in(self, job: NewJob, writes: list[tuple[Any, ...]], keys: list[Any], args: list[Any]) -> Any:

@@ -8,9 +8,19 @@
 -- the total's, args[a + 5] how many jobs the tenant may have waiting in its own queue, args[a + 6] and args[a + 7]
 -- the key's share of the model's budget and of the total (ADMISSION_ARGS: 8, budget.admission_arguments).
 -- `pending`: messages of the job judged on the tenant's queue already (take_in's), not counted.
--- Returns {verdict, backlog, model bytes, all bytes, the key's bytes} (after the reservation when admitted; the
--- key's: of the model, or of all models when that share refused it). ALL is contract.admission.budget's.
+-- Returns {verdict, backlog, model bytes, all bytes, the key's bytes, the key's share} (after the reservation when
+-- admitted; the key's: of the model, or of all models when that share refused it; its share: what refused it, 0 when
+-- no share did). ALL is contract.admission.budget's.
+-- A key's share is of what the others leave: it may hold `share` x (limit - what the rest of the total holds) /
+-- limit, the rest being every other key's and the frames' (nobody's), so n flooding keys leave about limit/(n + 1)
+-- of it to the next key where a share of the whole let two fill it; alone and with no frames waiting it is the
+-- whole share, as before. The figures are those read for the verdict: no read more.
 local ALL = '*'
+
+local function share_left(share, limit, total, held)
+  if limit <= 0 then return share end
+  return math.floor(share * math.max(0, limit - (total - held)) / limit)
+end
 
 local function admit(keys, args, k, last, a, pending)
   local own = redis.call('LLEN', keys[k + 3]) - (pending or 0)
@@ -37,19 +47,36 @@ local function admit(keys, args, k, last, a, pending)
     end
   end
   local size = tonumber(args[a + 1])
-  if own >= tonumber(args[a + 5]) then return {'tenant_backlog', own, model_bytes, all_bytes, key_model} end
-  -- a key with nothing waiting is admitted by its share whatever the size (the budgets still apply)
-  if key_model > 0 and key_model + size > tonumber(args[a + 6]) then
-    return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model}
+  local limit, model_limit, all_limit = tonumber(args[a + 2]), tonumber(args[a + 3]), tonumber(args[a + 4])
+  -- held + this one <= share x (limit - the rest) / limit, multiplied out: no call into C on an admission (each
+  -- costs Redis hundreds of instructions); the share at that moment is worked out for a refusal alone. A key with
+  -- nothing waiting is admitted by its share whatever is left and whatever the size (the budgets still apply); a
+  -- job-count share of the whole is the backlog's own limit, whose refusal is the model's.
+  if own > 0 then
+    local share = tonumber(args[a + 5])
+    if share < limit and (own + 1) * limit > share * (limit - backlog + own) then
+      return {'tenant_backlog', own, model_bytes, all_bytes, key_model, share_left(share, limit, backlog, own)}
+    end
   end
-  if key_all > 0 and key_all + size > tonumber(args[a + 7]) then
-    return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all}
+  if key_model > 0 then
+    local share = tonumber(args[a + 6])
+    if (key_model + size) * model_limit > share * (model_limit - model_bytes + key_model) then
+      local left = share_left(share, model_limit, model_bytes, key_model)
+      return {'key_model_bytes', backlog, model_bytes, all_bytes, key_model, left}
+    end
   end
-  if backlog >= tonumber(args[a + 2]) then return {'backlog', backlog, model_bytes, all_bytes, key_model} end
-  if model_bytes + size > tonumber(args[a + 3]) then
+  if key_all > 0 then
+    local share = tonumber(args[a + 7])
+    if (key_all + size) * all_limit > share * (all_limit - all_bytes + key_all) then
+      local left = share_left(share, all_limit, all_bytes, key_all)
+      return {'key_all_bytes', backlog, model_bytes, all_bytes, key_all, left}
+    end
+  end
+  if backlog >= limit then return {'backlog', backlog, model_bytes, all_bytes, key_model} end
+  if model_bytes + size > model_limit then
     return {'model_bytes', backlog, model_bytes, all_bytes, key_model}
   end
-  if all_bytes + size > tonumber(args[a + 4]) then
+  if all_bytes + size > all_limit then
     return {'all_bytes', backlog, model_bytes, all_bytes, key_model}
   end
   if size > 0 then redis.call('HINCRBY', keys[k + 2], args[a], size) end

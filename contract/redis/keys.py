@@ -18,6 +18,7 @@ UPLOAD_SUFFIX = ":upload"  # a job's upload is its key plus this (the Lua that e
 CELERY_HOLDS = "holds:"  # + a worker process's id: the messages it holds, under Celery's key prefix
 CELERY_HELD = "held:"  # + a worker process's id: the messages its takes moved into its held list (tasks.hop.broker)
 KEY_WAITING_SEPARATOR = ":"  # an API key's waiting bytes: waiting_bytes, this, its id (the Lua that ends jobs too)
+ANSWER_DEBT_SUFFIX = ":debt"  # a key's answer bucket in debt: the bucket's name and this (its Lua's DEBT_SUFFIX too)
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,14 @@ class Keys:
         return f"{self.namespace}:auth_failures:{address}"
 
     def hit_bucket(self, client_id: str) -> str:
-        """String: the bytes an API key's cache hits may still store and when it was refilled (contract.jobs.hits)."""
+        """String: the bytes an API key's answers (cache hits and computed) may still store and when it was refilled
+        (contract.jobs.hits); below zero when computed answers overdrew it."""
         return f"{self.namespace}:hit_bytes:{client_id}"
+
+    def answer_debt(self, client_id: str) -> str:
+        """String with a TTL: while it lives, the key's answer bucket is in debt and its submissions are refused
+        (contract.jobs.hits). Its name is the bucket's and DEBT_SUFFIX (contract/library/token_bucket.lua)."""
+        return self.hit_bucket(client_id) + ANSWER_DEBT_SUFFIX
 
     def hit_result(self, digest: str) -> str:
         """String with a TTL: a cached answer that cache hits' job records refer to, copied from its entry at the

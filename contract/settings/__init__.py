@@ -111,6 +111,14 @@ class JobSettings:
     # Signs every job id (contract.jobs.ids); one value for every API process. Empty: var/job-id-secret, made once.
     id_secret: str = ""
     accept_unchecked_ids: bool = True  # ids from before the check (their first digit 0): read, never called lost
+    # What one API key's answers may hold in the store, computed or cache hits: a bucket of this many bytes refilled
+    # at this many per ttl_s (contract.jobs.hits); 0: off. Was `cache.hit_bytes_per_key`, still read for one release.
+    # 256 MiB: a key holds at most ~twice it, under 90% of make run's and compose's 1 GB (store-full) alone.
+    answer_bytes_per_key: int = 256 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.answer_bytes_per_key < 0:
+            raise SettingsError("jobs.answer_bytes_per_key must be >= 0")
 
 
 @settings_class
@@ -124,7 +132,6 @@ class CacheSettings:
     # false: an entry serves only the API key that made it. true: every key of the deployment; a hit then
     # tells one tenant that another sent the same image (docs/operations.md).
     shared: bool = False
-    hit_bytes_per_key: int = 64 * 1024 * 1024  # a key's hits' records, a bucket refilled per jobs.ttl_s; 0: off
     # "": the entries on the control plane (each cell's). Set: on that Redis, one for the API tier; slower than
     # timeout_ms or down, a miss and a dropped write, not tried for retry_s (contract.cache.cache_plane)
     redis_url: str = ""
@@ -132,8 +139,8 @@ class CacheSettings:
     retry_s: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.max_bytes < 0 or self.ttl_s < 1 or self.hit_bytes_per_key < 0:
-            raise SettingsError("cache.max_bytes and hit_bytes_per_key must be >= 0, cache.ttl_s >= 1")
+        if self.max_bytes < 0 or self.ttl_s < 1:
+            raise SettingsError("cache.max_bytes must be >= 0, cache.ttl_s >= 1")
         bad_url = self.redis_url and not self.redis_url.startswith(("redis", "unix://"))
         if bad_url or min(self.timeout_ms, self.retry_s) <= 0:
             raise SettingsError("cache.redis_url must be a redis:// URL or empty, timeout_ms >= 1, retry_s > 0")

@@ -90,7 +90,10 @@ class RedisSettings:
 
 
 # Settings that moved, read under their old names for one release (docs/upgrading.md): (section, key) -> the new.
-RENAMED = {("api", "redis_timeout_s"): ("redis", "timeout_s")}
+RENAMED = {
+    ("api", "redis_timeout_s"): ("redis", "timeout_s"),
+    ("cache", "hit_bytes_per_key"): ("jobs", "answer_bytes_per_key"),
+}
 
 
 def renamed_settings(layer: dict[str, Any], where: str) -> dict[str, Any]:
