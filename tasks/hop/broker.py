@@ -36,8 +36,8 @@ of 0.1.0 held in kombu's `unacked` hash comes back through kombu's restore.
 
 The only Lua on the control plane outside the library (contract/library) is kombu's and redis-py's own, none a step
 of a job: redis-py's Lock release on `unacked_mutex`, and kombu's binding refresh (the remote-control queue's) and
-sweep (each minute), as EVALSHA with a NOSCRIPT reload of their own; an outside check counted 8 EVALSHA and 3
-SCRIPT LOAD at a worker's start, then one EVALSHA a minute.
+sweep (each minute), as cached scripts they load again themselves when Redis has lost them; an outside check
+counted 8 such calls and 3 loads at a worker's start, then one call a minute.
 
 Kombu builds a new redis-py client (its response callbacks copied) for every synchronous operation; a
 client borrows a connection from the channel's pool per command, so one per channel serves them all. The
