@@ -342,10 +342,29 @@ PROCESS_FIXTURES = {
 }
 
 
+# The files that took longest in CI (its "slowest files" report, 2026-12-07), longest first. They run first: each
+# pytest process takes whole files in collection order (--dist loadfile), and in the alphabet's order most of them
+# came last, where one process ran a two-minute file while the other had nothing left.
+LONGEST_FILES = (
+    "test_models.py",
+    "test_reliability.py",
+    "test_gpu_fairness.py",
+    "test_partitions.py",
+    "test_export_layouts.py",
+    "test_failover.py",
+    "test_hostile_decode_memory.py",
+    "test_gpu_accelerated.py",
+    "test_make_run.py",
+    "test_deploy_files.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if PROCESS_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.integration)
+    first = {name: rank for rank, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: first.get(item.path.name, len(first)))  # stable: the rest keep their order
 
 
 # Each test file's time (setup, call and teardown of its tests, its module fixtures with them), summed where the
