@@ -86,8 +86,9 @@ def test_a_short_run_ends_every_job_and_prices_each_step(tmp_path):
         assert side["phases"][phase].commands > 0, phase
         assert side["phases"][phase].trips > 0, phase
     assert side["phases"]["cpu"].by_command.get("fcall", (0, 0))[0] >= 1  # the claim and the push, an image each
-    # the job's transaction ending in take_in (its upload on the shard, counted there): one round trip, a reader's one
-    assert 0.9 <= side["phases"]["intake"].round_trips["api"] < 1.5, side["phases"]["intake"]
+    # the job's transaction ending in take_in (its upload on the shard, counted there): one round trip, a reader's one;
+    # a short run's new connections (HELLO, PING) add up to ~0.6, and two round trips (the step before) read >= 1.9
+    assert 0.9 <= side["phases"]["intake"].round_trips["api"] < 1.9, side["phases"]["intake"]
     assert 0.9 <= side["phases"]["read"].round_trips["api"] < 2.0, side["phases"]["read"]
     # the GPU worker's start-up SCAN is reported apart, not in the gpu step an image pays
     assert "scan" in side["apart"]["gpu-start"].by_command and "scan" not in side["phases"]["gpu"].by_command
