@@ -122,9 +122,7 @@ class HitTerms(NamedTuple):
 TakenIn = CacheHit | HitLimited | budget.BudgetVerdict | DecodeRefused | Created
 
 
-def _taken_in(
-    reply: Any, admitted_here: bool
-) -> CacheHit | HitLimited | budget.BudgetVerdict | DecodeRefused | Created:
+def _taken_in(reply: Any, admitted_here: bool) -> TakenIn:
     """take_in's reply other than a hit: a refusal (HitLimited: the key's answers overdrew its bucket), or the job
     made."""
     if reply[0] == b"decode_share":
