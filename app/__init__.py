@@ -95,7 +95,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     auth.install(app)
     refuse_unknown_query(app, settings)  # after the key check: a caller without one learns nothing of the routes
     holds.install(app, services(app).holds, keyed=bool(settings.auth.api_keys))  # after auth: per key
-    if settings.auth.api_keys:  # a key's long-polls past its bound: refused before Flask (half the CPU)
+    if settings.auth.api_keys:  # a key's long-polls past its bound: refused before Flask (cheaper)
         app.wsgi_app = refusing_early(  # type: ignore[method-assign]
             app.wsgi_app, services(app).holds, settings.auth.api_keys, WaitingQueries.of(settings)
         )

@@ -128,8 +128,9 @@ class Admission:
     def failed_authentication(self, address: str) -> Problem | None:
         """A failed authentication from `address` counted (`auth.failed_per_s`, `auth.failed_burst`; an IPv6 address
         as its /64, which one host holds whole), then among every address's (`auth.failed_total_per_s`): each
-        source may fail only so often (300 guesses ran at 480/s, all 401), and so may all of them together (40
-        loopback addresses got 40 buckets). The 429 to answer instead once either is over."""
+        source may fail only so often (one address guessing keys as fast as it can), and so may all of them together
+        (a guesser spread over many addresses gets a bucket each; docs/security.md). The 429 to answer instead once
+        either is over."""
         auth = self.settings.auth
         for source, per_s, burst in (
             (failure_source(address), auth.failed_per_s, auth.failed_burst),

@@ -1,5 +1,4 @@
-"""A long-poll of a key already at its bound, refused before Flask: the same 429 app.holds gives, at about half
-the CPU.
+"""A long-poll of a key already at its bound, refused before Flask: the same 429 app.holds gives, for less CPU.
 
 Refused in the app, a flood of one key's long-polls costs about what as many /healthz calls do, and a probe that
 arrives with them waits behind them (docs/benchmarks/2026-12-06-hostile-round-five.md). Refused here, in the WSGI call

@@ -46,7 +46,7 @@ CLOSE = {"Connection": "close"}  # app.server's worker closes a connection whose
 def _lock_for_this_process() -> AbstractContextManager[Any]:
     """A lock where requests run on threads; none under gevent's monkey-patching (the gevent worker): its
     requests are greenlets of one thread that switch only on I/O, and nothing here does any (a patched lock
-    cost a submit and its poll 1.4% more instructions, `bench instructions`)."""
+    would add its own cost to every submission and poll for nothing)."""
     try:
         from gevent.monkey import is_module_patched
     except ImportError:

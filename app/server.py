@@ -94,8 +94,8 @@ def cheap_readiness_checks() -> None:
 
 class OneWriteResponse(wsgi.Response):  # type: ignore[misc]  # gunicorn is untyped
     """gunicorn's HTTP/1 response, its head sent in the same write as the body's first bytes. gunicorn writes
-    the head, then the body, in two sends: on loopback each send is most of a small answer's cost (py-spy: a
-    third of the API worker's CPU in socket sends), and every answer here is a small JSON document. A body
+    the head, then the body, in two sends: on loopback each send is most of a small answer's cost
+    (docs/benchmarks/2026-12-05-peer.md), and every answer here is a small JSON document. A body
     over COALESCE_MAX_BYTES, a chunked one, or none at all (HEAD, OPTIONS, 204, 304) gets the head on its own,
     first; an answer without body bytes gets it when the response closes."""
 

@@ -73,9 +73,9 @@ log = logging.getLogger("gpu_worker")
 
 EXIT_DEVICE_LOST = 3
 EXIT_PRESUMED_DEAD = 4  # paused past its heartbeat, its frames given to others: its supervisor starts it again
-# Python hands the GIL over every 5 ms by default; a device thread waking from a 6 ms batch would
-# then wait up to a batch's length for it while the collect or finish thread runs Python. 0.5 ms
-# bounds that wait at a small cost in switches.
+# Python hands the GIL over every 5 ms by default, as long as a fast batch runs on the device: a device thread
+# waking from one would then wait up to a batch's length for it while the collect or finish thread runs Python.
+# A short interval bounds that wait at a small cost in switches (docs/benchmarks/2026-12-02-feeding-a-fast-gpu.md).
 GIL_SWITCH_INTERVAL_S = 0.0005
 ROOM_POLL_S = 0.05  # how long the collect thread waits for room ahead of the device before looking at `stopping` again
 

@@ -183,39 +183,50 @@ def test_the_letterbox_geometry_is_one_type_and_its_batch_form_has_the_same_fiel
 # The map a newcomer reads first (docs/architecture.md) is held to the tree, in place of a cap on a module's length:
 # a file is as long as its one concept, and where each concept lives is the question the map answers.
 _ARCHITECTURE = REPO_ROOT / "docs" / "architecture.md"
-_MAPPED = ("contract", "app", "tasks", "gpu_worker")
-_ENTRY = re.compile(r"^( {0,12})((?:[\w.]+/?)(?:, [\w.]+/?)*)(?:,|  | \(|$)")
+_MAPPED = ("contract", "app", "tasks", "gpu_worker", "tools")
+_ROW = re.compile(r"^\| `([\w./]+)` \| (.*?) \|$")
 
 
-def architecture_tree() -> set[str]:
-    """The paths the "Where each part lives" tree names, each entry under the folders above it by indent."""
-    section = _ARCHITECTURE.read_text().split("## Where each part lives", 1)[1].split("```")[1]
-    named, folders = set(), []
-    for line in section.splitlines():
-        entry = _ENTRY.match(line)
-        if not entry or not line.strip():
-            continue
-        depth = len(entry.group(1)) // 2
-        folders = folders[:depth]
-        for name in entry.group(2).split(", "):
-            named.add("/".join([*folders, name.rstrip("/")]))
-        if entry.group(2).endswith("/"):
-            folders.append(entry.group(2).rstrip("/"))
-    return named
+def architecture_map() -> dict[str, str]:
+    """The "Where each part lives" tables: each row's path (a folder ends in /) and what it says the path holds."""
+    section = _ARCHITECTURE.read_text().split("## Where each part lives", 1)[1].split("\n## ", 1)[0]
+    rows = [row.groups() for line in section.splitlines() if (row := _ROW.match(line))]
+    named = [path for path, _ in rows]
+    assert len(named) == len(set(named)), f"a path mapped twice: {sorted(p for p in named if named.count(p) > 1)}"
+    return dict(rows)
 
 
-def test_the_architecture_map_names_every_package_and_only_what_the_tree_holds():
-    named = architecture_tree()
-    assert {"contract/jobs/intake.py", "tasks/hop/broker.py", "gpu_worker/lanes.py"} <= named  # the parse reads it
-    missing = sorted(path for path in named if not (REPO_ROOT / path).exists())
-    assert missing == [], "docs/architecture.md's tree names what the tree does not hold"
-    packages = {
-        str(init.parent.relative_to(REPO_ROOT))
-        for top in _MAPPED
-        for init in (REPO_ROOT / top).rglob("__init__.py")
-        if "__pycache__" not in init.parts
-    }
-    assert sorted(packages - named) == [], "a package docs/architecture.md's tree does not place"
+def _only_an_index(init: Path) -> bool:
+    """An __init__.py with nothing but its docstring: its folder's row stands for it."""
+    body = ast.parse(init.read_text()).body
+    return all(isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) for node in body)
+
+
+def mapped_modules() -> set[str]:
+    """What the map must name: every product module (contract/'s Lua steps too), an index-only package as its folder."""
+    wanted = set()
+    for top in _MAPPED:
+        for path in (REPO_ROOT / top).rglob("*"):
+            if "__pycache__" in path.parts or path.suffix not in (".py", ".lua"):
+                continue
+            relative = str(path.relative_to(REPO_ROOT))
+            if path.name == "__init__.py" and _only_an_index(path):
+                relative = str(path.parent.relative_to(REPO_ROOT)) + "/"
+            wanted.add(relative)
+    return wanted
+
+
+def test_the_architecture_map_names_every_module_and_only_what_the_tree_holds():
+    mapped = architecture_map()
+    assert {"contract/jobs/intake.py", "tasks/hop/broker.py", "app/job_lookup.py", "tools/procfile.py"} <= set(mapped)
+    assert "contract/library/head.lua" in mapped and "contract/jobs/" in mapped  # Lua steps and folders are read
+    assert sorted(path for path, holds in mapped.items() if len(holds.strip()) < 10) == [], "a row says what it holds"
+    missing = sorted(path for path in mapped if not (REPO_ROOT / path).exists())
+    assert missing == [], "docs/architecture.md's map names what the tree does not hold"
+    wanted = mapped_modules()
+    assert len(wanted) > 150
+    unmapped = sorted(wanted - set(mapped))
+    assert unmapped == [], "a module docs/architecture.md's map does not place (a row in its room's table)"
     first = _ARCHITECTURE.read_text().split("## Where to look first", 1)[1].split("\n## ", 1)[0]
     pointed = set(re.findall(r"`((?:app|tasks|gpu_worker|contract|bench|tools)/[\w/]+\.(?:py|lua))`", first))
     assert len(pointed) >= 10 and sorted(p for p in pointed if not (REPO_ROOT / p).is_file()) == []

@@ -56,7 +56,7 @@ from tools.ports import free_port
 from tools.terminal_session import TerminalSession
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-READY_LIMIT_S = 180.0  # the service's start on a busy 2-core machine (8-35 s seen); the install comes first
+READY_LIMIT_S = 180.0  # the service's start on a busy 2-core machine, with room to spare; the install comes first
 STOP_LIMIT_S = 20.0  # Ctrl-C to every process gone
 BLOCK_LIMIT_S = 120.0  # one documented block
 DOCUMENTS = ("README.md", "docs/quickstart.md")

@@ -147,7 +147,7 @@ ANOTHER = f"--url URL or {URL_ENV}=URL names another"
 
 
 def talked_to(url: str, source: str) -> str:
-    """Issue 60.3: which API a message is about, where its URL came from, and how to name another."""
+    """Which API a message is about, where its URL came from, and how to name another."""
     return f"the API at {url}, {source}; {ANOTHER}"
 
 

@@ -97,7 +97,7 @@ def pack_frame(header: FrameHeader, pixels: bytes) -> bytes:
     if len(pixels) != expected:
         raise FrameError(f"pixels hold {len(pixels)} bytes, header says {expected}")
     # vars(), not asdict(): the same JSON (fields in order, the two dicts as they are) without asdict's deep
-    # copy, a fifth of a millisecond of a CPU child's plumbing per frame (py-spy). `enqueued_at` is still written,
+    # copy, paid by every frame (docs/benchmarks/2026-12-05-peer.md). `enqueued_at` is still written,
     # for GPU workers of a release before 0.2.0 (they require it: docs/upgrading.md), and `release` says whose
     # frame it is (a reader that cannot read it names both releases).
     fields = {**vars(header), "enqueued_at": header.pushed_at, "release": RELEASE}

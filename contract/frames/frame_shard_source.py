@@ -57,7 +57,8 @@ class ShardedFrameSource:
                     taken.append(self._hand_out(waited, self.early[waited].popleft()))
         # One shard a look, the next in turn: every look at a shard costs it a round trip whether it finds
         # frames or not, and a batch's window (12 ms) spans several looks (2 ms apart). Looking at every shard
-        # each time kept each shard's CPU per image at half one shard's with three, not a third.
+        # each time would keep each shard's CPU per image near one shard's, however many there are
+        # (docs/benchmarks/2026-12-03-bulk-shards.md).
         index = next((shard for shard in self._rotation() if self._usable(shard)), None)
         self.turn = (self.turn + 1) % len(self.shards)
         if index is None or len(taken) >= limit:

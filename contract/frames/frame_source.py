@@ -70,8 +70,8 @@ class RedisFrameSource:
 
     def pop_available(self, limit: int) -> list[memoryview]:
         """Up to `limit` frames, oldest first, in one round trip. Not a Lua script: a script that
-        returns frames makes Redis copy each one into the script and again into the reply (about
-        4x the server CPU of LMOVE for a 225 KB frame)."""
+        returns frames makes Redis copy each one into the script and again into the reply, several
+        times the server CPU of LMOVE (docs/benchmarks/2026-12-02-feeding-a-fast-gpu.md)."""
         if limit <= 0:
             return []
         move = ("LMOVE", self.frames_key, self.processing_key, "RIGHT", "LEFT")

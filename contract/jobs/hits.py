@@ -37,7 +37,7 @@ from contract.redis.keys import Keys
 from contract.settings import Settings
 
 # What a hit's record costs Redis beyond its fields' bytes (its key, the hash's and the TTL's own, the allocator's
-# rounding): a record of ~420 bytes of fields grew used_memory by ~770-850 bytes a hit.
+# rounding), so that a key's bucket is charged about what its hits hold (docs/benchmarks/2026-12-07-comment-figures.md).
 HIT_RECORD_OVERHEAD = 400
 RESULT_REF = "result_ref"  # the record's field naming the digest of its shared answer (Keys.hit_result)
 HIT_GONE = "gone"  # the entry went between the lookup and the hit's step: look up again

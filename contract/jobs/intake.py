@@ -37,8 +37,9 @@ from contract.redis.shards import SHARD_ERRORS, SHARDED_UPLOAD, UPLOAD_FIELD, Bu
 log = logging.getLogger(__name__)
 
 # The step `lookup_or_admit` (contract/library/intake.lua): the result cache's lookup and, on a miss, the job's
-# admission, in one round trip. A miss is nearly every call and a hit's record is not needed for it: a step's
-# arguments cost Redis ~760 instructions each and ~12 a byte (the record and a hit's ending were ~40 of them).
+# admission, in one round trip. A miss is nearly every call and a hit's record is not needed for it: every
+# argument a step is sent costs Redis a fixed amount of work, and each of its bytes a little more, so what a call
+# does not use is not sent (docs/benchmarks/2026-12-07-comment-figures.md).
 _LOOKUP_OR_ADMIT = Step("lookup_or_admit")
 _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 # With the cache on a Redis of its own (contract.cache.cache_plane): the lookup there, the admission alone here on a

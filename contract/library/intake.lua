@@ -22,10 +22,11 @@ end)
 -- back), args[4] the job id, then admit()'s ADMISSION_ARGS when keys[8] is given, then the decode charge's four
 -- (take_decode's cost, share, now, lapse) when keys[6] is, then, last, the task's message when it may no longer be its
 -- list's head (a call after the transaction: the library was missing in it): absent when it is. What a job does not use
--- is not sent: each argument costs the step ~700 instructions. Returns {'hit', document}, {'answer_debt', ms until the
--- key's bucket is out of debt}, admit()'s refusal, {'decode_share', held} or {'created', admit()'s figures (0s when
--- admitted before)}. `take_in` is the same step as library version 6 called it, without keys[8] (admit()'s from
--- keys[8]) and without the debt's check: an API of that version calls it beside a newer one's `take_in_bounded`.
+-- is not sent: each argument costs the step a fixed amount of work (contract/jobs/intake.py). Returns {'hit',
+-- document}, {'answer_debt', ms until the key's bucket is out of debt}, admit()'s refusal, {'decode_share', held} or
+-- {'created', admit()'s figures (0s when admitted before)}. `take_in` is the same step as library version 6 called
+-- it, without keys[8] (admit()'s from keys[8]) and without the debt's check: an API of that version calls it beside a
+-- newer one's `take_in_bounded`.
 local TAKE_IN_KEYS, TAKE_IN_ARGS = 8, 4
 
 local function not_taken_in(keys, args, message)

@@ -123,5 +123,5 @@ CLOCK = ServiceClock()
 
 
 # Epoch seconds by the service's clock: every moment written to Redis or compared with one read from it. The
-# process clock's own method, not a function around it: the API reads it ~8 times a submit and its poll.
+# process clock's own method, not a function around it: the API reads it several times a request.
 now = CLOCK.now

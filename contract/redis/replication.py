@@ -248,7 +248,7 @@ def _is_primary_role(reply: Any) -> bool:
 def _may_hold(state: dict[str, Any], primary: tuple[str, int]) -> bool:
     """A replica to wait for: one a Sentinel sees up and replicating from `primary` (or syncing from it: WAIT
     waits for it to finish). One that reports itself a primary (an old primary back after a failover, for the
-    ~8 s before the Sentinels turn it into a replica), or still follows the old primary (until they reconfigure
+    seconds before the Sentinels turn it into a replica), or still follows the old primary (until they reconfigure
     it), cannot acknowledge the primary's writes: it is not waited for."""
     down = state.get("is_sdown") or state.get("is_odown") or state.get("is_disconnected")
     if down or _text(state.get("role-reported", "slave")) != "slave":

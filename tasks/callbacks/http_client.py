@@ -75,8 +75,8 @@ _tls_lock = threading.Lock()
 
 
 def tls_context() -> ssl.SSLContext:
-    """One verifying context per process (certifi's roots): loading them costs ~10 ms, and a context is shared
-    safely between threads."""
+    """One verifying context per process (certifi's roots): loading them parses every root, too slow for each
+    attempt, and a context is shared safely between threads."""
     global _tls_context
     with _tls_lock:
         if _tls_context is None:

@@ -1,12 +1,12 @@
 """BMP RLE8 and RLE4 pixel data, decoded as Pillow 12's BmpRleDecoder decodes it, with every pixel written at C speed.
 
-Pillow's decoder is Python, and some of its steps cost a pixel each whatever the file says: an end of line pads
-the row a byte at a time, an RLE4 run is written a nibble at a time. A 1 KB RLE8 BMP of 80,000,000x1 (one
-pixel, then end of line) took seconds of CPU. Here each command of the file is one Python step, and what it
-writes (a run, a skip, a row's padding) is a slice: the cost grows with the file's commands, not its pixels.
-Pillow's rules are kept as they are, quirks included (a delta reads four bytes after its escape, an RLE4
-absolute run of an odd count drops its last pixel, `x` counts an absolute run's pixels whether or not they fit
-the row), so an image decodes to the same pixels here as there (tests.test_hostile_decode compares them).
+Pillow's decoder is Python, and some of its steps cost a pixel each whatever the file says: an end of line pads the
+row a byte at a time, an RLE4 run is written a nibble at a time, so a tiny file of a very wide image costs seconds
+of CPU (docs/benchmarks/2026-12-06-hostile-round-five.md). Here each command of the file is one Python step, and
+what it writes (a run, a skip, a row's padding) is a slice: the cost grows with the file's commands, not its
+pixels. Pillow's rules are kept as they are, quirks included (a delta reads four bytes after its escape, an RLE4
+absolute run of an odd count drops its last pixel, `x` counts an absolute run's pixels whether or not they fit the
+row), so an image decodes to the same pixels here as there (tests.test_hostile_decode compares them).
 
 The commands are bounded: past `decode.max_rle_commands` the decode stops, `image_too_complex` (the bound is far
 above an honest RLE image's few thousand, and far below what costs a CPU worker seconds).

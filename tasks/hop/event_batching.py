@@ -1,14 +1,15 @@
 """A worker's task events (what Flower shows) leave in one message per interval, not one per loop turn.
 
 Celery buffers a worker's task events (received, started, succeeded) and, on
-its own, publishes the buffer on the event loop's next turn: at 18 jobs a
-second that is one message for nearly every event, and each costs the worker
-a publish, Redis a PUBLISH and Flower a pub/sub read, a decode and a thread
-hand-off. This step makes the buffer wait `celery.events_flush_ms` after its
-first event instead, so a message carries every event of that interval
-(Celery still publishes at once when 24 are waiting). Flower shows the same
-tasks with the same times (each event is stamped when it happens); it hears of
-them up to that interval later. 0 keeps Celery's own behaviour.
+its own, publishes the buffer on the event loop's next turn: under load that
+is one message for nearly every event, and each costs the worker a publish,
+Redis a PUBLISH and Flower a pub/sub read, a decode and a thread hand-off
+(docs/benchmarks/2026-12-02-stack-cpu-by-role.md). This step makes the buffer
+wait `celery.events_flush_ms` after its first event instead, so a message
+carries every event of that interval (Celery still publishes at once when 24
+are waiting). Flower shows the same tasks with the same times (each event is
+stamped when it happens); it hears of them up to that interval later. 0 keeps
+Celery's own behaviour.
 """
 
 from __future__ import annotations

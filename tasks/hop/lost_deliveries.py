@@ -4,7 +4,7 @@ Kombu's Redis transport takes a message off its queue with BRPOP, and records it
 worker's: tasks.hop.broker) only once the reply has reached the worker. A worker killed between the two (SIGKILL, OOM,
 a host gone) takes the message with it: Redis popped it, nothing holds it, and kombu's visibility timeout never
 sees it. Its job stays `queued` until its deadline ends it `expired`. That window is a few milliseconds; a CPU
-worker killed under load meets it (the compose stack's kill test did, one job in ~60).
+worker killed under load meets it (the compose stack's kill test did).
 
 So, every `celery.lost_delivery_s`, one worker (a lock) looks at the live jobs (the deadline index) still
 `queued` after that long: a job whose task is in no queue and in no worker's hands (a registered worker's held list
