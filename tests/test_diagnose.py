@@ -42,19 +42,26 @@ def test_diagnose_reads_a_live_deployment_without_adding_a_request_unless_told(s
 
 
 def test_the_redis_figure_comes_from_redis_counters_over_the_images_answered(stack):
-    from bench.load.diagnose import cost_between
+    from bench.load.diagnose import MIN_CPU_S, cost_between
     from bench.meters.plane_meter import RedisReading
 
-    images = [jpeg(320, 200, seed=100 + i) for i in range(30)]
     before = RedisReading.of(stack.redis)
-    with ThreadPoolExecutor(8) as pool:
-        ids = list(pool.map(stack.submit_ok, images))
-    assert all(stack.wait_terminal(job_id)["status"] == "succeeded" for job_id in ids)
-    after = RedisReading.of(stack.redis)
+    ids: list[str] = []
+    # Rounds of 30 until Redis's counters have moved past their resolution: a cheaper control plane needs more
+    # images for the same CPU, and how many is the plane's business, not this test's.
+    while True:
+        images = [jpeg(320, 200, seed=100 + len(ids) + i) for i in range(30)]  # new images: no cache hit
+        with ThreadPoolExecutor(8) as pool:
+            round_ids = list(pool.map(stack.submit_ok, images))
+        assert all(stack.wait_terminal(job_id)["status"] == "succeeded" for job_id in round_ids)
+        ids += round_ids
+        after = RedisReading.of(stack.redis)
+        if after.cpu_s - before.cpu_s >= 2 * MIN_CPU_S or len(ids) >= 300:
+            break
     line = cost_between(before, after, len(ids), "over the test's jobs")
     print(line)
     us = (after.cpu_s - before.cpu_s) * 1e6 / len(ids)
-    assert f"{us:,.0f} µs of its main thread an image (INFO cpu, 30 images" in line, line
+    assert f"{us:,.0f} µs of its main thread an image (INFO cpu, {len(ids)} images" in line, line
     assert f"about {1e6 / us:,.0f} images/s at 100%" in line
     # nothing answered while reading: unknown, and said why
     quiet = diagnose(stack.url(""), images[:1], scope=None, read_s=0.5, redis_url=stack.settings.redis_url)

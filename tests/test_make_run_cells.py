@@ -209,6 +209,13 @@ def _descendants(pid: int) -> set[int]:
     return found
 
 
+def _command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
 def _live(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -224,7 +231,13 @@ def test_sigint_stops_every_process_of_every_cell(cells_run):
     assert redis_pids <= every
     assert len(every) >= 12, every  # two Redis, the supervisor, one API and four processes a cell
     os.kill(cells_run.process.process.pid, signal.SIGINT)
-    assert cells_run.process.process.wait(60) == 0, cells_run.log()[-3000:]
+    try:
+        status = cells_run.process.process.wait(60)
+    except subprocess.TimeoutExpired:
+        # what still runs, and what the run said: a stop that hangs must say where
+        still = {pid: _command_line(pid) for pid in every if _live(pid)}
+        pytest.fail(f"make run still running 60 s after SIGINT; still running: {still}\n{cells_run.log()[-4000:]}")
+    assert status == 0, cells_run.log()[-3000:]
     assert not [pid for pid in every if _live(pid)]
     assert cells_run.log().count("stopped the redis-server it started") == 2
     for redis_port, flower_port, metrics_port in cells.values():
