@@ -174,12 +174,23 @@ def test_a_pt2_named_as_torchscript_says_which_format_it_is(tmp_path):
 
 
 # --- end to end: the stack's API and CPU workers, a GPU worker per export -------------------------
+@pytest.fixture(scope="module")
+def swapped_workers(stack: Stack) -> Iterator[list[ManagedProcess]]:
+    """The exports' GPU workers of this module, one at a time; the stack's own GPU worker comes back once, after
+    the module, not after each test (a start is the model's load and warm-up: seconds each time)."""
+    swapped: list[ManagedProcess] = []
+    yield swapped
+    for process in swapped:
+        process.stop()
+    if stack.gpu_worker is None:
+        stack.start_gpu_worker()
+
+
 @pytest.fixture
-def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
+def swap_model(stack: Stack, swapped_workers: list[ManagedProcess], tmp_path: Path) -> Iterator[Any]:
     """Serve another export on the stack: only the GPU worker changes. It serves the export under the
     stack's model name and version (so it takes that model's frames) and at the same input size and
-    labels (so the API and the CPU workers need not change); the stack's own GPU worker comes back after."""
-    swapped: list[ManagedProcess] = []
+    labels (so the API and the CPU workers need not change); the previous export's worker stops first."""
 
     def serve(kind: str) -> None:
         config = yaml.safe_load(stack.config_path.read_text())
@@ -191,6 +202,8 @@ def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
         config_path = tmp_path / "config.yaml"
         config_path.write_text(yaml.safe_dump(config))
         stack.stop_gpu_worker()
+        while swapped_workers:
+            swapped_workers.pop().stop()
         worker_id = f"{stack.gpu_worker_id}-{kind}"
         process = ManagedProcess(
             f"gpu-worker-{kind}",
@@ -198,7 +211,7 @@ def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
             {**stack.env, "IMGSERVE_CONFIG": str(config_path)},
             tmp_path,
         )
-        swapped.append(process)
+        swapped_workers.append(process)
         wait_until(
             lambda: stack.redis.exists(stack.keys.heartbeat(worker_id)) or not process.alive(),
             60,
@@ -207,9 +220,6 @@ def swap_model(stack: Stack, tmp_path: Path) -> Iterator[Any]:
         assert process.alive(), process.log_tail()
 
     yield serve
-    for process in swapped:
-        process.stop()
-    stack.start_gpu_worker()
 
 
 @pytest.mark.parametrize("kind", KINDS)
