@@ -103,7 +103,10 @@ class Cells:
 
     def of(self, job_id: str) -> CellServices | None:
         """The cell a job id names (the first for ids made before cells); None for a cell this process has not."""
-        index = self.job_ids.cell_of(job_id)
+        return self.at(self.job_ids.cell_of(job_id))
+
+    def at(self, index: int) -> CellServices | None:
+        """The cell at `index` in `cells` (JobIds.check's place of an id's cell); None for one this process has not."""
         return self.cells[index] if index < len(self.cells) else None
 
     def is_up(self, cell: CellServices) -> bool:

@@ -42,8 +42,8 @@ def ask(services: Services, job_id: str) -> Asked:
     """`job_id` checked for the asking key and placed in the cell it names (app.cells; the first for ids made
     before cells), once a request: 404 for an id issued to another key and for a cell this process does not
     have (an id of a cell since removed), before any Redis call (`<id>:upload` would name another key)."""
-    verdict = services.job_ids.verdict(job_id, asking_owner())
-    cell = services.cells.of(job_id)
+    verdict, place = services.job_ids.check(job_id, asking_owner())
+    cell = services.cells.at(place)
     if verdict is IdVerdict.NOT_OURS or cell is None:
         raise not_found(job_id)
     return Asked(job_id, verdict, cell)
