@@ -1,12 +1,12 @@
 """A value's walk through the product's files, counted from the code running: `python -m bench.meters.walks`.
 
-The rule (issue 73's walks, as a profiler trace reads them): from the moment a step's function is called with the
-value, every call into a product file (app/, tasks/, gpu_worker/, contract/) whose arguments or locals carry the value
-is a stop, in call order. A local carries it when it is the value (a string equal to it, an object the same object),
-or holds it one level down: an item of a tuple, list or dict, an attribute of an object (a Placement's reservation,
-an Asked's job id, a record's `id`). The walk's files are the distinct files of its stops; a return is a stop in a
-file the walk had been in and left (A -> B -> A is one). What the value meets outside the product (Redis's client,
-Flask, the standard library) is not counted, nor is any call made in another thread.
+The rule (the walks of docs/architecture.md, as a profiler trace reads them): from the moment a step's function is
+called with the value, every call into a product file (app/, tasks/, gpu_worker/, contract/) whose arguments or locals
+carry the value is a stop, in call order. A local carries it when it is the value (a string equal to it, an object the
+same object), or holds it one level down: an item of a tuple, list or dict, an attribute of an object (a Placement's
+reservation, an Asked's job id, a record's `id`). The walk's files are the distinct files of its stops; a return is a
+stop in a file the walk had been in and left (A -> B -> A is one). What the value meets outside the product (Redis's
+client, Flask, the standard library) is not counted, nor is any call made in another thread.
 
 Three walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
 API's test client posting an image), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API
