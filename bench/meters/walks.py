@@ -3,10 +3,13 @@
 The rule (the walks of docs/architecture.md, as a profiler trace reads them): from the moment a step's function is
 called with the value, every call into a product file (app/, tasks/, gpu_worker/, contract/) whose arguments or locals
 carry the value is a stop, in call order. A local carries it when it is the value (a string equal to it, an object the
-same object), or holds it one level down: an item of a tuple, list or dict, an attribute of an object (a Placement's
-reservation, an Asked's job id, a record's `id`). The walk's files are the distinct files of its stops; a return is a
-stop in a file the walk had been in and left (A -> B -> A is one). What the value meets outside the product (Redis's
-client, Flask, the standard library) is not counted, nor is any call made in another thread.
+same object), or holds it one level down: an item of a tuple or a list, an attribute of an object (a Placement's
+reservation, an Asked's job id, a frame's header). A document the value was written into (a dict such as a job record, a
+pydantic model such as the answer's JobDocument) is not followed: the walk is the value's way to the store and back, not
+what is made of what the store answered (`--documents` follows those too, for comparison). The walk's files are the
+distinct files of its stops; a return is a stop in a file the walk had been in and left (A -> B -> A is one). What the
+value meets outside the product (Redis's client, Flask, the standard library) is not counted, nor is any call made in
+another thread.
 
 Three walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
 API's test client posting an image), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API
