@@ -17,6 +17,7 @@ from app.auth import owns
 from app.cells import CellServices, cell_unreachable
 from app.problems import Problem, job_lost
 from app.services import Services
+from app.waiters import expire_if_late, until_ended
 from contract.jobs.ids import IdVerdict
 from contract.jobs.record import JobRecord, lost_at, utc_iso
 
@@ -47,6 +48,31 @@ def ask(services: Services, job_id: str) -> Asked:
     if verdict is IdVerdict.NOT_OURS or cell is None:
         raise not_found(job_id)
     return Asked(job_id, verdict, cell)
+
+
+def owned(services: Services, job_id: str) -> tuple[Asked, JobRecord]:
+    """`job_id` asked (ask) and its job loaded as the caller may see it (load_owned), in the one call a route makes."""
+    asked = ask(services, job_id)
+    return asked, load_owned(services, asked)
+
+
+def read(services: Services, job_id: str, wait_s: float) -> tuple[CellServices, JobRecord]:
+    """A read of `job_id` (its cell, and its job as the caller may see it, over if late): with `wait_s`, once it ends
+    or the wait is over, counted among the process's long-polls (past a bound, 429 or 503 at once). The route's one
+    call: the id is checked once here, at the edge, and goes from here to the store only."""
+    asked = ask(services, job_id)  # checked and placed in its cell with no lookup: another key's id is 404 here
+    cell = asked.cell
+    # A cell found down lately holds no long-poll either (its 503 at once).
+    if wait_s <= 0 or not services.cells.is_up(cell):
+        return cell, expire_if_late(cell.store, load_owned(services, asked))
+    with services.holds.wait(asking_owner(), wait_s):
+        # Listen before the first read: an end announced after it wakes this request.
+        event = cell.listener.register(job_id)
+        try:
+            record = until_ended(cell.store, job_id, load_owned(services, asked), wait_s, event)
+        finally:
+            cell.listener.unregister(job_id, event)
+    return cell, expire_if_late(cell.store, record)
 
 
 def load_owned(services: Services, asked: Asked) -> JobRecord:

@@ -10,7 +10,7 @@ from flask import Blueprint, Response, g, request
 from app import placing
 from app.holds import BodyHold
 from app.job_bodies import job_response
-from app.job_lookup import ask, load_owned
+from app.job_lookup import owned, read
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
 from app.services import Services
@@ -22,7 +22,6 @@ from app.uploads import (
     option_values,
     validate_params,
 )
-from app.waiters import expire_if_late, until_ended
 from contract.documents import JobAccepted, JobDocument, wait_query_model
 from contract.jobs import deadlines
 from contract.jobs.ending import REDELIVER_QUEUED
@@ -158,20 +157,7 @@ def _accept(
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
-    asked = ask(services, job_id)  # checked and placed in its cell with no lookup: another key's id is 404 here
-    cell = asked.cell
-    # A cell found down lately holds no long-poll either (its 503 at once).
-    if wait_s <= 0 or not services.cells.is_up(cell):
-        record = expire_if_late(cell.store, load_owned(services, asked))
-    else:
-        with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
-            # Listen before the first read: an end announced after it wakes this request.
-            event = cell.listener.register(job_id)
-            try:
-                record = until_ended(cell.store, job_id, load_owned(services, asked), wait_s, event)
-            finally:
-                cell.listener.unregister(job_id, event)
-        record = expire_if_late(cell.store, record)
+    cell, record = read(services, job_id, wait_s)  # the id checked, placed and read in one facade (app.job_lookup)
     if record["status"] in TERMINAL:
         cell.store.confirm_durable()  # an end a failover could take back is not shown
     return job_response(record)
@@ -187,8 +173,7 @@ def get_job(job_id: str) -> Response:
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_services()
-    asked = ask(services, job_id)
-    load_owned(services, asked)
+    asked, _ = owned(services, job_id)
     store = asked.cell.store
     cancelled = store.finish(job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}})
     record = store.load(job_id)
@@ -219,8 +204,7 @@ def cancel_job(job_id: str) -> Response:
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
-    asked = ask(services, job_id)
-    record = load_owned(services, asked)
+    asked, record = owned(services, job_id)
     store = asked.cell.store
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")
