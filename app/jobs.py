@@ -29,6 +29,7 @@ from contract.jobs.record import (
     CANCELLED,
     TERMINAL,
 )
+from contract.settings.models import ModelSpec
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -124,20 +125,26 @@ def _accept(
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=options_model.model_fields)
     options = validate_params(options_model, values)
-    spec = placement.route_body(services, options.model, len(data), options.cache)
-    try:
-        deadline_ms = deadlines.applied_deadline_ms(options.deadline_ms, settings.default_deadline_ms(spec), spec.key)
-    except deadlines.DeadlineTooLong as exc:
-        raise Problem(
-            400,
-            "invalid-parameter",
-            "Invalid parameter",
-            str(exc),
-            invalid_params=[{"name": "deadline_ms", "reason": exc.reason}],
-        ) from None
-    callback_url = checked_callback_url(options.callback_url, settings)
-    submission = placing.Submission(spec, data, media_type, options, deadline_ms, callback_url, g.received_at, wait_s)
-    return placement.place(services, submission)
+
+    def submission_for(spec: ModelSpec) -> placing.Submission:
+        """The checks that need the model the submission was routed to."""
+        try:
+            deadline_ms = deadlines.applied_deadline_ms(
+                options.deadline_ms, settings.default_deadline_ms(spec), spec.key
+            )
+        except deadlines.DeadlineTooLong as exc:
+            raise Problem(
+                400,
+                "invalid-parameter",
+                "Invalid parameter",
+                str(exc),
+                invalid_params=[{"name": "deadline_ms", "reason": exc.reason}],
+            ) from None
+        callback_url = checked_callback_url(options.callback_url, settings)
+        return placing.Submission(spec, data, media_type, options, deadline_ms, callback_url, g.received_at, wait_s)
+
+    # One call to the placement: the reservation stays in app.placing and app.admission from here.
+    return placement.take(services, (options.model, len(data), options.cache), submission_for)
 
 
 @blueprint.get("/<job_id>")
