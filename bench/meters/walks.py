@@ -7,9 +7,11 @@ same object), or holds it one level down: an item of a tuple or a list, an attri
 reservation, an Asked's job id, a frame's header). A document the value was written into (a dict such as a job record, a
 pydantic model such as the answer's JobDocument) is not followed: the walk is the value's way to the store and back, not
 what is made of what the store answered (`--documents` follows those too, for comparison). The walk's files are the
-distinct files of its stops; a return is a stop in a file the walk had been in and left (A -> B -> A is one). What the
-value meets outside the product (Redis's client, Flask, the standard library) is not counted, nor is any call made in
-another thread.
+distinct files of its stops; a return is a stop in a file the walk had been in and left (A -> B -> A is one). A second
+reading, printed beside it and not held, counts the ways back too: each time a callee hands the value back to its caller
+in a file left before, up to the walk's last stop (a facade that calls a helper elsewhere for each key pays one a call).
+What the value meets outside the product (Redis's client, Flask, the standard library) is not counted, nor is any call
+made in another thread.
 
 Three walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
 API's test client posting an image), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API
@@ -56,6 +58,7 @@ class Walk:
 
     name: str
     stops: list[Stop] = field(default_factory=list)
+    way: list[str] = field(default_factory=list)  # with the ways back to a caller (way_of)
 
     @property
     def files(self) -> list[str]:
@@ -76,8 +79,17 @@ class Walk:
         """How often the walk came back into a file it had been in and left."""
         return len(self.trail) - len(set(self.trail))
 
+    @property
+    def returns_to_callers(self) -> int:
+        """`returns`, counting also each time a callee gave the value back to its caller in a file left before, up to
+        the walk's last stop: a facade that calls a helper elsewhere for each key pays one each."""
+        return len(self.way) - len(set(self.way))
+
     def report(self) -> str:
-        lines = [f"{self.name}: {len(self.files)} files, {self.returns} returns"]
+        lines = [
+            f"{self.name}: {len(self.files)} files, {self.returns} returns ({self.returns_to_callers} counting"
+            " the ways back to a caller)"
+        ]
         lines.append("  trail: " + " -> ".join(self.trail))
         lines += [f"  {stop}" for stop in self.stops]
         return "\n".join(lines)
@@ -107,6 +119,27 @@ def _slots(kind: type) -> list[str]:
     return [name for klass in kind.__mro__ for name in getattr(klass, "__slots__", ()) if isinstance(name, str)]
 
 
+def way_of(calls: list[tuple[Stop, bool]], events: list[int]) -> list[str]:
+    """The file the value is in, each time it changes, up to the walk's last stop: into a callee that carries it, and
+    back to the carrying caller when that callee returns."""
+    way: list[str] = []
+    last = 0  # the length of `way` at the last stop's entry
+    open_files: list[str] = []
+    for event in events:
+        stop, carried = calls[event if event >= 0 else ~event]
+        if not carried:
+            continue
+        if event >= 0:
+            open_files.append(stop.file)
+        else:
+            open_files.pop()
+        if open_files and (not way or way[-1] != open_files[-1]):
+            way.append(open_files[-1])
+        if event >= 0:
+            last = len(way)
+    return way[:last]
+
+
 def _is(local: Any, value: Any) -> bool:
     if local is value:
         return True
@@ -130,6 +163,7 @@ def follow(
     root_file, root_function = root.split(":")
     walk = Walk(name)
     calls: list[tuple[Stop, bool]] = []  # every product call in the root's extent, and whether it carried the value
+    events: list[int] = []  # those calls' entries (their place in `calls`) and exits (~place), in order
     frames: list[tuple[types.FrameType, int | None]] = []  # the root's extent: each frame and its place in `calls`
     state: dict[str, Any] = {"value": None, "done": False}
 
@@ -149,10 +183,13 @@ def follow(
             carried = any(carries(local, state["value"], documents) for local in frame.f_locals.values())
             calls.append((Stop(file, code.co_qualname), carried))
             frames.append((frame, len(calls) - 1))
+            events.append(len(calls) - 1)
             return
         if not frames or frames[-1][0] is not frame:
             return
         _, index = frames.pop()
+        if index is not None:
+            events.append(~index)
         if index is not None and not calls[index][1]:  # its locals at the end may carry it (one it made)
             if any(carries(local, state["value"], documents) for local in frame.f_locals.values()):
                 calls[index] = (calls[index][0], True)
@@ -168,6 +205,7 @@ def follow(
     if not calls:
         raise RuntimeError(f"{root} was never called: no walk")
     walk.stops = [stop for stop, carried in calls if carried]
+    walk.way = way_of(calls, events)
     return result, walk
 
 
