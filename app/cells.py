@@ -101,9 +101,9 @@ class Cells:
     def first(self) -> CellServices:
         return self.cells[0]
 
-    def of(self, job_id: str) -> CellServices | None:
-        """The cell a job id names (the first for ids made before cells); None for a cell this process has not."""
-        index = self.job_ids.cell_of(job_id)
+    def at(self, index: int) -> CellServices | None:
+        """The cell at `index` in `cells`, JobIds.check's place of the cell an id names (the first for ids made before
+        cells); None for a cell this process has not."""
         return self.cells[index] if index < len(self.cells) else None
 
     def is_up(self, cell: CellServices) -> bool:

@@ -17,6 +17,7 @@ from app.auth import owns
 from app.cells import CellServices, cell_unreachable
 from app.problems import Problem, job_lost
 from app.services import Services
+from app.waiters import expire_if_late, until_ended
 from contract.jobs.ids import IdVerdict
 from contract.jobs.record import JobRecord, lost_at, utc_iso
 
@@ -42,11 +43,36 @@ def ask(services: Services, job_id: str) -> Asked:
     """`job_id` checked for the asking key and placed in the cell it names (app.cells; the first for ids made
     before cells), once a request: 404 for an id issued to another key and for a cell this process does not
     have (an id of a cell since removed), before any Redis call (`<id>:upload` would name another key)."""
-    verdict = services.job_ids.verdict(job_id, asking_owner())
-    cell = services.cells.of(job_id)
+    verdict, place = services.job_ids.check(job_id, asking_owner())
+    cell = services.cells.at(place)
     if verdict is IdVerdict.NOT_OURS or cell is None:
         raise not_found(job_id)
     return Asked(job_id, verdict, cell)
+
+
+def owned(services: Services, job_id: str) -> tuple[Asked, JobRecord]:
+    """`job_id` asked (ask) and its job loaded as the caller may see it (load_owned), in the one call a route makes."""
+    asked = ask(services, job_id)
+    return asked, load_owned(services, asked)
+
+
+def read(services: Services, job_id: str, wait_s: float) -> tuple[CellServices, JobRecord]:
+    """A read of `job_id` (its cell, and its job as the caller may see it, over if late): with `wait_s`, once it ends
+    or the wait is over, counted among the process's long-polls (past a bound, 429 or 503 at once). The route's one
+    call: the id is checked once here, at the edge, and goes from here to the store only."""
+    asked = ask(services, job_id)  # checked and placed in its cell with no lookup: another key's id is 404 here
+    cell = asked.cell
+    # A cell found down lately holds no long-poll either (its 503 at once).
+    if wait_s <= 0 or not services.cells.is_up(cell):
+        return cell, expire_if_late(cell.store, load_owned(services, asked))
+    with services.holds.wait(asking_owner(), wait_s):
+        # Listen before the first read: an end announced after it wakes this request.
+        event = cell.listener.register(job_id)
+        try:
+            record = until_ended(cell.store, job_id, load_owned(services, asked), wait_s, event)
+        finally:
+            cell.listener.unregister(job_id, event)
+    return cell, expire_if_late(cell.store, record)
 
 
 def load_owned(services: Services, asked: Asked) -> JobRecord:

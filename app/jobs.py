@@ -10,7 +10,7 @@ from flask import Blueprint, Response, g, request
 from app import placing
 from app.holds import BodyHold
 from app.job_bodies import job_response
-from app.job_lookup import ask, load_owned
+from app.job_lookup import owned, read
 from app.openapi import Reply, image_body, operation
 from app.problems import Problem
 from app.services import Services
@@ -22,7 +22,6 @@ from app.uploads import (
     option_values,
     validate_params,
 )
-from app.waiters import expire_if_late, until_ended
 from contract.documents import JobAccepted, JobDocument, wait_query_model
 from contract.jobs import deadlines
 from contract.jobs.ending import REDELIVER_QUEUED
@@ -30,6 +29,7 @@ from contract.jobs.record import (
     CANCELLED,
     TERMINAL,
 )
+from contract.settings.models import ModelSpec
 
 blueprint = Blueprint("jobs", __name__, url_prefix="/v1/jobs")
 log = logging.getLogger("api")
@@ -125,20 +125,26 @@ def _accept(
     media_type = check_image(data, declared_type)
     values = option_values(request.args, form, names=options_model.model_fields)
     options = validate_params(options_model, values)
-    spec = placement.route_body(services, options.model, len(data), options.cache)
-    try:
-        deadline_ms = deadlines.applied_deadline_ms(options.deadline_ms, settings.default_deadline_ms(spec), spec.key)
-    except deadlines.DeadlineTooLong as exc:
-        raise Problem(
-            400,
-            "invalid-parameter",
-            "Invalid parameter",
-            str(exc),
-            invalid_params=[{"name": "deadline_ms", "reason": exc.reason}],
-        ) from None
-    callback_url = checked_callback_url(options.callback_url, settings)
-    submission = placing.Submission(spec, data, media_type, options, deadline_ms, callback_url, g.received_at, wait_s)
-    return placement.place(services, submission)
+
+    def submission_for(spec: ModelSpec) -> placing.Submission:
+        """The checks that need the model the submission was routed to."""
+        try:
+            deadline_ms = deadlines.applied_deadline_ms(
+                options.deadline_ms, settings.default_deadline_ms(spec), spec.key
+            )
+        except deadlines.DeadlineTooLong as exc:
+            raise Problem(
+                400,
+                "invalid-parameter",
+                "Invalid parameter",
+                str(exc),
+                invalid_params=[{"name": "deadline_ms", "reason": exc.reason}],
+            ) from None
+        callback_url = checked_callback_url(options.callback_url, settings)
+        return placing.Submission(spec, data, media_type, options, deadline_ms, callback_url, g.received_at, wait_s)
+
+    # One call to the placement: the reservation stays in app.placing and app.admission from here.
+    return placement.take(services, (options.model, len(data), options.cache), submission_for)
 
 
 @blueprint.get("/<job_id>")
@@ -158,20 +164,7 @@ def _accept(
 def get_job(job_id: str) -> Response:
     services = current_services()
     wait_s = wait_seconds(services.settings.api.max_wait_s)
-    asked = ask(services, job_id)  # checked and placed in its cell with no lookup: another key's id is 404 here
-    cell = asked.cell
-    # A cell found down lately holds no long-poll either (its 503 at once).
-    if wait_s <= 0 or not services.cells.is_up(cell):
-        record = expire_if_late(cell.store, load_owned(services, asked))
-    else:
-        with services.holds.wait(g.get("client_id") or "", wait_s):  # counted: past a bound, 429 (or 503) at once
-            # Listen before the first read: an end announced after it wakes this request.
-            event = cell.listener.register(job_id)
-            try:
-                record = until_ended(cell.store, job_id, load_owned(services, asked), wait_s, event)
-            finally:
-                cell.listener.unregister(job_id, event)
-        record = expire_if_late(cell.store, record)
+    cell, record = read(services, job_id, wait_s)  # the id checked, placed and read in one facade (app.job_lookup)
     if record["status"] in TERMINAL:
         cell.store.confirm_durable()  # an end a failover could take back is not shown
     return job_response(record)
@@ -187,8 +180,7 @@ def get_job(job_id: str) -> Response:
 def cancel_job(job_id: str) -> Response:
     """A live job becomes `cancelled` and whichever stage sees it next skips it; an ended job is 409."""
     services = current_services()
-    asked = ask(services, job_id)
-    load_owned(services, asked)
+    asked, _ = owned(services, job_id)
     store = asked.cell.store
     cancelled = store.finish(job_id, CANCELLED, {"error": {"code": "cancelled", "message": "cancelled by the client"}})
     record = store.load(job_id)
@@ -219,8 +211,7 @@ def cancel_job(job_id: str) -> Response:
 )
 def redeliver_callback(job_id: str) -> tuple[Response, int]:
     services = current_services()
-    asked = ask(services, job_id)
-    record = load_owned(services, asked)
+    asked, record = owned(services, job_id)
     store = asked.cell.store
     if not record.get("callback_url"):
         raise Problem(409, "no-callback", "No callback", f"job {job_id!r} was submitted without a callback_url")

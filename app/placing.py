@@ -50,6 +50,9 @@ class Submission:
     wait_s: float
 
 
+Route = tuple[str | None, int, bool | None]  # route_body's: the model's reference, the body's size, the cache option
+
+
 class Placement:
     """Where a submission is placed: the cell and the reservation it holds there. It moves at most once."""
 
@@ -59,6 +62,14 @@ class Placement:
 
     def give_back(self) -> None:
         self.cell.admission.give_back(self.reservation)
+
+    def take(
+        self, services: Services, route: Route, submission_for: Callable[[ModelSpec], Submission]
+    ) -> tuple[Response, int, dict[str, str]]:
+        """The route's one call after the body: routed (route_body, with `route`'s model reference, size and cache
+        option), made whole by `submission_for(spec)` (the route's checks that need its model), then placed."""
+        spec = self.route_body(services, *route)
+        return self.place(services, submission_for(spec))
 
     def route_body(self, services: Services, reference: str | None, size: int, cache: bool | None) -> ModelSpec:
         """Admission's route_body in the submission's cell (app.admission), in another if that one does not answer."""

@@ -125,8 +125,8 @@ def until_ended(store: JobEnding, job_id: str, record: JobRecord, wait_s: float,
 
 def expire_if_late(store: JobEnding, record: JobRecord) -> JobRecord:
     """A live job past its deadline is over, even when no worker is left to say so (contract.jobs.expiry)."""
-    if record["status"] in TERMINAL or not expiry.expire_if_late(
-        store, record["id"], record["deadline_at"], expiry.BEFORE_AN_ANSWER
-    ):
+    # Late asked of the deadline alone: the id goes to the store only for a job to end (no detour through expiry).
+    if record["status"] in TERMINAL or not expiry.is_late(record["deadline_at"]):
         return record
+    expiry.expire(store, record["id"], expiry.BEFORE_AN_ANSWER)
     return store.load(record["id"]) or record

@@ -132,6 +132,15 @@ def test_a_made_up_or_mistyped_id_is_404_without_a_redis_call(keyed_api, redis_s
     assert _ask(keyed_api, KEY_A, real).status_code == 200
 
 
+def test_an_id_in_the_cells_format_but_not_an_ids_shape_is_404(keyed_api):
+    """Its cell's digit is read only from an id that passed its check (JobIds.check): read first, a short or
+    non-hex one was a 500 (IndexError, ValueError)."""
+    for job_id in ("2abc", "2" + "z" * 31):
+        response = _ask(keyed_api, KEY_A, job_id)
+        assert response.status_code == 404 and response.json()["type"] == "/problems/job-not-found", job_id
+    assert JobIds(SECRET).check("2abc") == (IdVerdict.NOT_OURS, 0)
+
+
 def test_a_lost_job_is_410_to_its_own_key_and_to_another_exactly_a_missing_one(keyed_api):
     ids = services(keyed_api.app).job_ids
     lost = ids.new("team-a")  # issued to team-a, its record gone

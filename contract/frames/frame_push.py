@@ -15,7 +15,7 @@ import redis
 from contract.jobs.record import QUEUED_GPU, flatten_fields
 from contract.library import Step, is_missing
 from contract.redis.clock import now as service_now
-from contract.redis.keys import Keys
+from contract.redis.keys import UPLOAD_SUFFIX, Keys
 
 PUSHED, LIST_FULL, JOB_OVER = 1, 0, -1  # what a push did
 # A model's count of each key's jobs claimed, waiting or in flight (Keys.key_frames: the claim counts a job in,
@@ -47,6 +47,7 @@ class FramePusher:
     def __init__(self, client: redis.Redis, keys: Keys) -> None:
         self.redis = client
         self.keys = keys
+        self.job_prefix = keys.job_prefix
 
     def push(
         self,
@@ -62,11 +63,11 @@ class FramePusher:
         still carries this `claim`, marking it queued_gpu (with `fields`: its stamps) and dropping its upload in the
         same step: PUSHED, LIST_FULL (try again later) or JOB_OVER (over, past preprocessing, or claimed since by
         another delivery of its task)."""
-        frames = self.keys.frames(model_key)
+        frames, job_key = self.keys.frames(model_key), self.job_prefix + job_id  # the job's keys named here
         arguments: list[Any] = [
-            self.keys.job(job_id),
+            job_key,
             frames,
-            self.keys.upload(job_id),
+            job_key + UPLOAD_SUFFIX,
             self.keys.waiting_bytes,
             max_frames,
             claim,

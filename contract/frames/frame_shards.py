@@ -17,7 +17,7 @@ from contract.frames.frame_push import LIST_FULL, PUSHED, FramePusher
 from contract.jobs.record import flatten_fields
 from contract.library import Step, is_missing
 from contract.redis.clock import now as service_now
-from contract.redis.keys import Keys
+from contract.redis.keys import UPLOAD_SUFFIX, Keys
 from contract.redis.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 
 # The frame goes to the job's shard first, kept only within the shard's bound: the push and the library's
@@ -65,8 +65,8 @@ class ShardedFramePusher(FramePusher):
             _MARK_PUSHED(
                 self.redis,
                 [
-                    self.keys.job(job_id),
-                    self.keys.upload(job_id),
+                    self.job_prefix + job_id,  # the job's keys named here, as FramePusher.push's
+                    self.job_prefix + job_id + UPLOAD_SUFFIX,
                     self.keys.waiting_bytes,
                     self.keys.frames_waiting,
                 ],

@@ -15,7 +15,7 @@ from contract.jobs.ending import JobEnding
 from contract.jobs.record import JobRecord, decode_record
 from contract.jobs.timebill import RECEIVED_AT, SUBMITTED_AT
 from contract.library import Step, is_missing
-from contract.redis.keys import Keys
+from contract.redis.keys import UPLOAD_SUFFIX, Keys
 from contract.redis.replies import PayloadReader
 from contract.redis.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 
@@ -71,10 +71,11 @@ class JobHandOff(JobEnding):
             return self._claim_from_shard(job_id, now, claim)
         if self._payloads is None:
             self._payloads = PayloadReader(self.redis)
+        job_key = self.job_prefix + job_id  # named here (Keys.job_prefix)
         commands = (
-            ("GET", self.keys.upload(job_id)),
-            ("FCALL", _CLAIM.name, 1, self.keys.job(job_id), repr(now), claim, self._key_frames_prefix),
-            ("HMGET", self.keys.job(job_id), *CLAIM_FIELDS),
+            ("GET", job_key + UPLOAD_SUFFIX),
+            ("FCALL", _CLAIM.name, 1, job_key, repr(now), claim, self._key_frames_prefix),
+            ("HMGET", job_key, *CLAIM_FIELDS),
         )
         reconnected = reloaded = False
         while True:
@@ -101,10 +102,11 @@ class JobHandOff(JobEnding):
     def _claim_from_shard(self, job_id: str, now: float, claim: str) -> Claimed:
         """claim_for_preprocessing with bulk shards: the claim on the control plane, then, if claimed, the
         upload from the job's shard (ShardUnavailable when it does not answer, twice)."""
+        job_key = self.job_prefix + job_id
         for attempt in range(2):
             pipe = self.redis.pipeline(transaction=False)
-            _CLAIM(pipe, [self.keys.job(job_id)], [repr(now), claim, self._key_frames_prefix])
-            pipe.hmget(self.keys.job(job_id), CLAIM_FIELDS)
+            _CLAIM(pipe, [job_key], [repr(now), claim, self._key_frames_prefix])
+            pipe.hmget(job_key, CLAIM_FIELDS)
             replies = pipe.execute(raise_on_error=False)
             if not is_missing(replies[0]) or attempt:
                 break
@@ -119,7 +121,7 @@ class JobHandOff(JobEnding):
         reader = self._shard_payloads.setdefault(index, PayloadReader(self.bulk.clients[index]))
         for attempt in range(2):
             try:
-                return Claimed(verdict, reader.bulks(("GET", self.keys.upload(job_id)))[0], record, key_frames)
+                return Claimed(verdict, reader.bulks(("GET", job_key + UPLOAD_SUFFIX))[0], record, key_frames)
             except SHARD_ERRORS as exc:
                 if attempt:
                     self.bulk.mark_down(index)

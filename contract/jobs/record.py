@@ -163,12 +163,13 @@ class JobStore:
         self.as_text = ("result",) if results_as_text else ()
         self.bulk = bulk or BulkPlane(client)
         self.keys = keys
+        self.job_prefix = keys.job_prefix  # a job's keys named here, the id not handed on (Keys.job_prefix)
         self.ttl_s = ttl_s
 
     def load(self, job_id: str) -> JobRecord | None:
         """A job's record; a cache hit's that succeeded with its result read from the answer it refers to (one
         GET more: contract.jobs.hits). That answer outlives every record that refers to it."""
-        raw: dict[bytes, bytes] = self.redis.hgetall(self.keys.job(job_id))  # type: ignore[assignment]
+        raw: dict[bytes, bytes] = self.redis.hgetall(self.job_prefix + job_id)  # type: ignore[assignment]
         if not raw:
             return None
         digest = raw.get(b"result_ref")

@@ -104,7 +104,13 @@ class Keys:
 
     def job(self, job_id: str) -> str:
         """Hash: the job record (status, options, stamps, result)."""
-        return f"{self.namespace}:job:{job_id}"
+        return self.job_prefix + job_id
+
+    @property
+    def job_prefix(self) -> str:
+        """job without its id: a facade on job records names a job's keys from it itself (its upload: and
+        UPLOAD_SUFFIX), so that a job id goes no further than the facade it was handed to."""
+        return f"{self.namespace}:job:"
 
     def upload(self, job_id: str) -> str:
         """String: the raw upload (claim check), deleted once its frame is pushed or the job ends. With bulk

@@ -1,0 +1,55 @@
+"""A value's walk through the product's files (bench.meters.walks): a submission's reservation, a claim's job id and a
+read's job id each enter at most 4 files and come back to a file they left at most twice. A step's orchestrator calls
+one facade per step, each facade names its own keys, and an id is checked once at the edge (docs/architecture.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from bench.meters.walks import Stop, Walk, carries, measure, way_of
+from contract.jobs.intake import NewJob
+
+pytestmark = pytest.mark.integration
+
+MOST_FILES, MOST_RETURNS = 4, 2
+
+
+@pytest.fixture(scope="module")
+def walks(redis_server) -> Iterator[dict[str, Walk]]:
+    yield measure(redis_server.url, namespace="test-walks")
+
+
+@pytest.mark.parametrize("name", ["submission", "claim", "read"])
+def test_each_walk_enters_at_most_four_files_and_comes_back_at_most_twice(walks, name):
+    walk = walks[name]
+    assert len(walk.files) <= MOST_FILES and walk.returns <= MOST_RETURNS, walk.report()
+    # and counting each way back to a caller: a facade calling a helper elsewhere for each key would pass the above
+    assert walk.returns_to_callers <= MOST_RETURNS, " -> ".join(walk.way)
+
+
+def test_the_walks_go_where_their_steps_go(walks):
+    """Each walk reached the facade its step hands the value to: a count that lost the value early would pass."""
+    assert walks["submission"].files[:3] == ["app/jobs.py", "app/placing.py", "app/admission.py"]
+    assert (
+        "contract/jobs/handoff.py" in walks["claim"].files and "contract/frames/frame_push.py" in walks["claim"].files
+    )
+    assert walks["read"].files[0] == "app/jobs.py" and "contract/jobs/record.py" in walks["read"].files
+    assert all("contract/redis/keys.py" not in walk.files for walk in walks.values())  # each facade names its keys
+
+
+def test_the_count_sees_a_return_and_a_value_held_one_level_down():
+    walk = Walk("back and forth", [Stop(file, "f") for file in ("a.py", "b.py", "b.py", "a.py", "c.py", "b.py")])
+    assert walk.files == ["a.py", "b.py", "c.py"] and walk.trail == ["a.py", "b.py", "a.py", "c.py", "b.py"]
+    assert walk.returns == 2
+    # a calls b, b returns, a calls c (through d, which does not carry the value), c calls a's helper: the way back
+    # from b into a counts, and so does the helper's a; the ways back out after the last stop do not
+    calls = [(Stop(file, "f"), file != "d.py") for file in ("a.py", "b.py", "d.py", "c.py", "a.py")]
+    way = way_of(calls, [0, 1, ~1, 2, 3, 4, ~4, ~3, ~2, ~0])
+    assert way == ["a.py", "b.py", "a.py", "c.py", "a.py"] and Walk("w", way=way).returns_to_callers == 2
+    job_id = "1" * 32
+    assert carries("".join(["1"] * 32), job_id)  # an equal string, not the same object
+    assert carries(NewJob(job_id, b"", 1, {}), job_id)  # a NamedTuple's field
+    assert not carries({"id": job_id}, job_id) and carries({"id": job_id}, job_id, documents=True)
+    assert not carries([[job_id]], job_id)  # two levels down: not followed
