@@ -30,7 +30,7 @@ local function count_out_claimed(key, job_id, model)
   local owner = redis.call('HGET', key, 'owner')
   if not owner or owner == '' then return end
   local counts = string.sub(key, 1, #key - #job_id - #JOB_INFIX) .. KEY_FRAMES_INFIX .. (model or '')
-  if redis.call('HINCRBY', counts, owner, -1) <= 0 then redis.call('HDEL', counts, owner) end
+  if redis.call('HINCRBY', counts, owner, '-1') <= 0 then redis.call('HDEL', counts, owner) end
 end
 
 -- The names finish_jobs needs, from the FINISH_NAMES arguments at args[i..i + 6] (JobEnding.finish_names): the

@@ -5,7 +5,7 @@
 
 -- The library's version: a process loads this library over a loaded one only when its own is newer
 -- (contract.library.ensure_library). Raise it with any change to a file of the library.
-local VERSION = 9
+local VERSION = 10
 
 -- A job's terminal states (contract.jobs.record.TERMINAL; a test holds the two together).
 local TERMINAL = {cancelled = true, expired = true, failed = true, succeeded = true}

@@ -26,8 +26,8 @@ local function write_batch(keys, args, debiting)
   if acked > 0 then
     if keys[2] ~= '' then
       ack_frames(keys[2], acked)
-    elseif redis.call('HINCRBY', keys[5], model, -acked) < 0 then   -- on bulk shards: acked after, counted out here
-      redis.call('HSET', keys[5], model, 0)
+    elseif redis.call('HINCRBY', keys[5], model, string.format('%d', -acked)) < 0 then   -- on bulk shards: acked
+      redis.call('HSET', keys[5], model, '0')   -- after, counted out here
     end
     release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
   end
@@ -37,7 +37,7 @@ local function write_batch(keys, args, debiting)
   local owned, debits, at = tonumber(args[N + 6]), debiting and tonumber(args[N + 7]) or 0, N + 7 + D + counters
   if keys[6] ~= '' then
     for i = at, at + owned - 1, 2 do
-      if redis.call('HINCRBY', keys[6], args[i], -tonumber(args[i + 1])) <= 0 then
+      if redis.call('HINCRBY', keys[6], args[i], string.format('%d', -tonumber(args[i + 1]))) <= 0 then
         redis.call('HDEL', keys[6], args[i])
       end
     end
