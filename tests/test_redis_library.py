@@ -3,6 +3,7 @@ by Redis across a restart, loaded again by the one recovery where a Redis comes 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -201,3 +202,33 @@ def test_claim_job_answers_a_claim_with_its_count_alone_and_claim_as_library_9_d
     assert both("claim_job", "n1" * 16) == -1 and both("claim", "n1" * 16) == [b"claimed", -1]
     assert both("claim_job", "ov" * 16) == b"over" and both("claim", "ov" * 16) == b"over"
     assert both("claim_job", "no" * 16) == b"missing" and both("claim", "no" * 16) == b"missing"
+
+
+def test_an_end_writes_the_fields_as_sent_and_a_late_callback_or_marked_one_as_before(redis_client: redis.Redis):
+    """The end's HSET takes a job's fields straight from the step's arguments unless something is added to them: an
+    answer after the deadline (ended `expired`, its result dropped, the late error added), a callback (its pending
+    state, the outbox), an upload marker on a shard (cleared). Each shape ends its job once, in one step."""
+    import time
+
+    keys = Keys("library-end")
+    ensure_library(redis_client)
+    ending = JobEnding(redis_client, keys, ttl_s=60)
+    now = time.time()
+    live = {"status": JobStatus.RUNNING.value, "model": "m:1", "deadline_at": repr(now + 60)}
+    redis_client.hset(keys.job("plain"), mapping=live)
+    redis_client.hset(keys.job("late"), mapping={**live, "deadline_at": repr(now - 1)})
+    redis_client.hset(keys.job("called"), mapping={**live, "callback_url": "http://127.0.0.1:9/hook"})
+    redis_client.hset(keys.job("marked"), mapping={**live, "status": "preprocessing", UPLOAD_FIELD: SHARDED_UPLOAD})
+    answer = {"result": {"detections": []}, "timings": {"total": 1.0}}
+    outcomes = [(job_id, "succeeded", answer) for job_id in ("plain", "late", "called", "marked")]
+    assert ending.finish_many(outcomes) == 4
+    assert ending.finish_many(outcomes) == 0  # the first end wins
+    plain, late = ending.load("plain"), ending.load("late")
+    assert plain["status"] == "succeeded" and plain["result"] == {"detections": []} and "callback" not in plain
+    assert late["status"] == "expired" and "result" not in late and late["error"] == json.loads(LATE_ERROR)
+    assert late["timings"] == {"total": 1.0}  # the other fields kept
+    called = ending.load("called")
+    assert called["status"] == "succeeded" and called["callback"] == json.loads(PENDING_CALLBACK)
+    assert redis_client.lrange(keys.callback_outbox, 0, -1) == [b"called"]
+    marked = redis_client.hgetall(keys.job("marked"))
+    assert marked[b"status"] == b"succeeded" and marked[UPLOAD_FIELD.encode()] == b""

@@ -16,7 +16,7 @@ local function release_field(waiting, field, bytes)
 end
 
 local function release_waiting(waiting, model, bytes, owner)
-  bytes = tonumber(bytes) or 0
+  bytes = bytes and bytes + 0 or 0   -- an argument, a number or a record's `bytes` (head.lua: numbers)
   release_field(waiting, model or '', bytes)
   if owner and owner ~= '' then release_field(key_waiting(waiting, owner), model or '', bytes) end
 end

@@ -24,7 +24,7 @@ local function claim(keys, args)
   local status, owner = was[1], was[3]
   if not status then return 'missing' end
   if status ~= QUEUED and status ~= PREPROCESSING then return 'over' end
-  if deadline_passed(tonumber(was[2]), args[1]) then return 'late' end
+  if deadline_passed(was[2] and was[2] + 0, args[1]) then return 'late' end
   redis.call('HSET', keys[1], 'status', PREPROCESSING, CPU_STARTED_AT, args[1], 'updated_at', args[1],
              'claim', args[2])
   if args[3] == '' or not owner or owner == '' then return -1 end

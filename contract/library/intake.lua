@@ -67,7 +67,7 @@ local function take_in(keys, args, fixed)
       not_taken_in(keys, args, message)
       return verdict
     end
-    admitted = tonumber(args[TAKE_IN_ARGS + 2])
+    admitted = args[TAKE_IN_ARGS + 2] + 0
     verdict[1] = 'created'
   end
   if keys[6] ~= '' then

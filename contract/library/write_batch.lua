@@ -22,7 +22,7 @@ local function write_batch(keys, args, debiting)
     return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.heartbeat)
   end
   local names = finish_names(keys[1], args, 1)
-  local acked, acked_bytes, model, counters = tonumber(args[N + 1]), args[N + 2], args[N + 3], tonumber(args[N + 4])
+  local acked, acked_bytes, model, counters = args[N + 1] + 0, args[N + 2], args[N + 3], args[N + 4] + 0
   if acked > 0 then
     if keys[2] ~= '' then
       ack_frames(keys[2], acked)
@@ -34,7 +34,7 @@ local function write_batch(keys, args, debiting)
   if counters > 0 then
     redis.call('HSET', keys[3], unpack(args, N + 7 + D, N + 6 + D + counters))
   end
-  local owned, debits, at = tonumber(args[N + 6]), debiting and tonumber(args[N + 7]) or 0, N + 7 + D + counters
+  local owned, debits, at = args[N + 6] + 0, debiting and args[N + 7] + 0 or 0, N + 7 + D + counters
   if keys[6] ~= '' then
     for i = at, at + owned - 1, 2 do
       if redis.call('HINCRBY', keys[6], args[i], string.format('%d', -tonumber(args[i + 1]))) <= 0 then
