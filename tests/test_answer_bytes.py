@@ -106,7 +106,7 @@ def test_take_in_bounded_refuses_a_key_in_debt_and_plain_take_in_is_called_as_be
 
     def call(step: str, job_id: str, owner: str) -> list:
         names = ["", keys.job(job_id), keys.deadlines, "", "", "", keys.waiting_bytes]
-        if step == "take_in_bounded":
+        if step in ("take_in_bounded", "take_in_job"):
             names.append(keys.answer_debt(owner))
         redis_client.hset(keys.job(job_id), mapping={"status": "queued", "owner": owner})
         return Step(step)(redis_client, names, ["m:1", owner, 0, job_id])
@@ -116,3 +116,8 @@ def test_take_in_bounded_refuses_a_key_in_debt_and_plain_take_in_is_called_as_be
     assert not redis_client.exists(keys.job("a" * 32))  # its writes taken back
     assert call("take_in_bounded", "b" * 32, "team-b")[0] == b"created"  # another key
     assert call("take_in", "c" * 32, "team-a")[0] == b"created"  # the plain call: no check, as before
+    # take_in_job (library 10, this release's API): the same step, a job made answered with 1 alone
+    refused = call("take_in_job", "d" * 32, "team-a")
+    assert refused[0] == b"answer_debt" and 0 < int(refused[1]) <= 5000
+    assert not redis_client.exists(keys.job("d" * 32))
+    assert call("take_in_job", "e" * 32, "team-b") == 1 and redis_client.exists(keys.job("e" * 32))

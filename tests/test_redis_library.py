@@ -3,6 +3,7 @@ by Redis across a restart, loaded again by the one recovery where a Redis comes 
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -70,7 +71,7 @@ def test_the_librarys_literals_are_the_contracts():
     push = _lua("push.lua")
     assert f"local PUSHED, LIST_FULL, JOB_OVER = {PUSHED}, {LIST_FULL}, {JOB_OVER}" in push
     assert f"local CPU_STARTED_AT = '{CPU_STARTED_AT}'" in _lua("handoff.lua")
-    assert f"local KEY_FRAMES_TTL_S = {KEY_FRAMES_TTL_S}" in _lua("handoff.lua")
+    assert f"local KEY_FRAMES_TTL_S = '{KEY_FRAMES_TTL_S}'" in _lua("handoff.lua")
     # the end of a claimed job names its key's count from the job's hash (ending.lua's count_out_claimed)
     keys, job = Keys("ns"), "ab" * 16
     job_infix, key_frames_infix = keys.job(job)[2:-32], keys.key_frames_prefix[2:]
@@ -177,3 +178,57 @@ def test_a_push_into_a_redis_that_came_back_empty_stands_once(redis_client: redi
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
     assert redis_client.hget(job, "status") == JobStatus.QUEUED_GPU.value.encode()
     assert loaded_version(redis_client) == library_version()
+
+
+def test_claim_job_answers_a_claim_with_its_count_alone_and_claim_as_library_9_did(redis_client: redis.Redis):
+    """`claim_job` (this release's CPU workers) answers a claimed job with its key's frames, an integer; `claim`,
+    as a CPU worker of library version 9 calls it beside this library, still answers {'claimed', frames}; either
+    answers the other verdicts with a string, and both count a keyed job in once."""
+    keys = Keys("library-claim")
+    ensure_library(redis_client)
+    for job_id, owner in (("k1" * 16, "flood"), ("k2" * 16, "flood"), ("n1" * 16, "")):
+        redis_client.hset(keys.job(job_id), mapping={"status": "queued", "model": "m:1", "owner": owner})
+    redis_client.hset(keys.job("ov" * 16), mapping={"status": "succeeded", "model": "m:1"})
+    prefix = keys.key_frames_prefix
+
+    def both(name: str, job_id: str) -> object:
+        return redis_client.fcall(name, 1, keys.job(job_id), "1.0", "c", prefix)  # type: ignore[no-untyped-call]
+
+    assert both("claim_job", "k1" * 16) == 0
+    assert both("claim", "k2" * 16) == [b"claimed", 1]
+    assert both("claim_job", "k2" * 16) == 1  # claimed again (a redelivered task): the count read, not raised
+    assert both("claim", "k1" * 16) == [b"claimed", 1]
+    assert redis_client.hget(keys.key_frames("m:1"), "flood") == b"2"
+    assert both("claim_job", "n1" * 16) == -1 and both("claim", "n1" * 16) == [b"claimed", -1]
+    assert both("claim_job", "ov" * 16) == b"over" and both("claim", "ov" * 16) == b"over"
+    assert both("claim_job", "no" * 16) == b"missing" and both("claim", "no" * 16) == b"missing"
+
+
+def test_an_end_writes_the_fields_as_sent_and_a_late_callback_or_marked_one_as_before(redis_client: redis.Redis):
+    """The end's HSET takes a job's fields straight from the step's arguments unless something is added to them: an
+    answer after the deadline (ended `expired`, its result dropped, the late error added), a callback (its pending
+    state, the outbox), an upload marker on a shard (cleared). Each shape ends its job once, in one step."""
+    import time
+
+    keys = Keys("library-end")
+    ensure_library(redis_client)
+    ending = JobEnding(redis_client, keys, ttl_s=60)
+    now = time.time()
+    live = {"status": JobStatus.RUNNING.value, "model": "m:1", "deadline_at": repr(now + 60)}
+    redis_client.hset(keys.job("plain"), mapping=live)
+    redis_client.hset(keys.job("late"), mapping={**live, "deadline_at": repr(now - 1)})
+    redis_client.hset(keys.job("called"), mapping={**live, "callback_url": "http://127.0.0.1:9/hook"})
+    redis_client.hset(keys.job("marked"), mapping={**live, "status": "preprocessing", UPLOAD_FIELD: SHARDED_UPLOAD})
+    answer = {"result": {"detections": []}, "timings": {"total": 1.0}}
+    outcomes = [(job_id, "succeeded", answer) for job_id in ("plain", "late", "called", "marked")]
+    assert ending.finish_many(outcomes) == 4
+    assert ending.finish_many(outcomes) == 0  # the first end wins
+    plain, late = ending.load("plain"), ending.load("late")
+    assert plain["status"] == "succeeded" and plain["result"] == {"detections": []} and "callback" not in plain
+    assert late["status"] == "expired" and "result" not in late and late["error"] == json.loads(LATE_ERROR)
+    assert late["timings"] == {"total": 1.0}  # the other fields kept
+    called = ending.load("called")
+    assert called["status"] == "succeeded" and called["callback"] == json.loads(PENDING_CALLBACK)
+    assert redis_client.lrange(keys.callback_outbox, 0, -1) == [b"called"]
+    marked = redis_client.hgetall(keys.job("marked"))
+    assert marked[b"status"] == b"succeeded" and marked[UPLOAD_FIELD.encode()] == b""

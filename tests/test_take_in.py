@@ -80,7 +80,7 @@ def test_a_job_taken_in_costs_the_control_plane_one_round_trip(servers):
     ensure_library(control)
     control.config_resetstat()
     taken = intake.take_in(new_job(keys, "a1" * 16, request()))
-    assert isinstance(taken, Created) and taken.verdict and taken.verdict.verdict == budget.ADMITTED
+    assert isinstance(taken, Created) and taken.verdict is None  # take_in_job's 1: made, no figures sent
     stats = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in control.info("commandstats").items()}
     top = {name: stats.get(name, 0) for name in ("multi", "exec", "setex", "fcall")}
     assert top == {"multi": 1, "exec": 1, "setex": 1, "fcall": 1}, stats

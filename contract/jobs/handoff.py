@@ -27,8 +27,9 @@ from contract.redis.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
 # plain read of them.)
 # A claimed job's API key comes back with its frames of the model waiting or in flight (Keys.key_frames): the push
 # chooses the end of the list from it (contract.frames.frame_push), with no round trip more.
-# The library's `claim` (contract/library/handoff.lua, where its keys and arguments are named).
-_CLAIM = Step("claim")
+# The library's `claim_job` (contract/library/handoff.lua, where its keys and arguments are named): a claimed job
+# answered with its key's frames alone (an integer), any other verdict as a string.
+_CLAIM = Step("claim_job")
 
 
 # What the CPU worker reads of a record at its claim (tasks/decoding/preprocess.py), and nothing more of its ~23
@@ -131,10 +132,10 @@ class JobHandOff(JobEnding):
 
 def _claimed(verdict: Any, values: Any) -> tuple[str, JobRecord, int]:
     """The claim's verdict, the record's CLAIM_FIELDS read after it (their values in order, None where absent) and
-    the key's frames ({'claimed', frames} for a claim, else a verdict alone)."""
+    the key's frames (claim_job's integer for a claim, else a verdict alone)."""
     fields = {name.encode(): bytes(value) for name, value in zip(CLAIM_FIELDS, values) if value is not None}
     key_frames = -1
-    if isinstance(verdict, list):
-        verdict, key_frames = verdict[0], int(verdict[1])
+    if isinstance(verdict, int):
+        verdict, key_frames = "claimed", verdict
     text = bytes(verdict).decode() if isinstance(verdict, (bytes, memoryview)) else str(verdict)
     return text, decode_record(fields) if fields else cast(JobRecord, {}), key_frames

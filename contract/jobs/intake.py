@@ -46,7 +46,7 @@ _STORE_HIT = Step("store_hit")  # contract/library/hits.lua
 # miss, and on a hit the hit's job stored here from the answer read there.
 _ADMIT, _STORE_HIT_ANSWER = Step("admit"), Step("store_hit_answer")
 # The step `take_in` (contract/library/intake.lua): the lookup, the admission, the decode charge and the job, in one.
-_TAKE_IN = Step("take_in_bounded")
+_TAKE_IN = Step("take_in_job")
 
 # A new record's first fields: those later steps read or overwrite. configs/redis.conf makes every hash a hash table,
 # where order costs nothing; on a Redis left at its listpack default a record is searched from its head, and a field
@@ -104,7 +104,7 @@ class DecodeRefused(NamedTuple):
 
 
 class Created(NamedTuple):
-    """take_in's job made; `verdict`: the admission's figures when it was admitted in the same step."""
+    """take_in's job made; `verdict`: the admission's figures when take_in sent them (take_in_job sends none)."""
 
     verdict: budget.BudgetVerdict | None
 
@@ -123,6 +123,11 @@ class HitTerms(NamedTuple):
 TakenIn = CacheHit | HitLimited | budget.BudgetVerdict | DecodeRefused | Created
 
 
+def _as_verdict(reply: Any) -> Any:
+    """take_in_job's reply as take_in's: its 1 (a job made) as [b"created"], any other as it came."""
+    return [b"created"] if isinstance(reply, int) else reply
+
+
 def _taken_in(reply: Any, admitted_here: bool) -> TakenIn:
     """take_in's reply other than a hit: a refusal (HitLimited: the key's answers overdrew its bucket), or the job
     made."""
@@ -132,7 +137,7 @@ def _taken_in(reply: Any, admitted_here: bool) -> TakenIn:
         return HitLimited(int(reply[1]))
     if reply[0] != b"created":
         return budget.BudgetVerdict.of(reply)
-    if not admitted_here:
+    if not admitted_here or len(reply) < 5:  # take_in_job's 1: made, its admission's figures not sent
         return Created(None)
     return Created(budget.BudgetVerdict(budget.ADMITTED, *(int(value) for value in reply[1:5])))
 
@@ -364,7 +369,7 @@ class JobIntake(JobEnding):
             pipe = client.pipeline(transaction=True)
             for command in (*writes, fcall):
                 pipe.execute_command(*command)  # type: ignore[no-untyped-call]
-            return pipe.execute()[-1]
+            return _as_verdict(pipe.execute()[-1])
         except redis.ResponseError as error:
             if not is_missing(error):
                 raise
@@ -372,7 +377,7 @@ class JobIntake(JobEnding):
         args = [*args, *([job.task[1]] if job.task else [])]  # the message's place is not known now: its value
         if self.replication.enabled:
             return self._take_in_replicated(job, [("FCALL", _TAKE_IN.name, len(keys), *keys, *args)], in_multi=False)
-        return _TAKE_IN(self.redis, keys, args)
+        return _as_verdict(_TAKE_IN(self.redis, keys, args))
 
     def _take_in_replicated(self, job: NewJob, commands: list[tuple[Any, ...]], in_multi: bool) -> Any:
         """`commands` (the step last, in a transaction or alone), then whether the job's upload is still where it
@@ -386,6 +391,7 @@ class JobIntake(JobEnding):
         else:
             replies, acknowledged, wanted = self.replication.wait(self.redis, [*commands, ("EXISTS", written)])
             reply, found = replies[0], replies[-1]
+        reply = _as_verdict(reply)
         if reply[0] != b"created":
             return reply
         if not found:  # the upload went to a server that is no longer the primary: so do all

@@ -9,7 +9,7 @@ local ENTRY_OVERHEAD, STALE_PER_ENTRY = 200, 2
 -- The cache's names from args[i..i + 2] (CacheLimits.finish_names).
 local function cache_names(args, i)
   -- the TTL as given too: a Lua number passed to redis.call is formatted anew each time (`%.17g`)
-  return {prefix = args[i], max = tonumber(args[i + 1]), ttl = tonumber(args[i + 2]), ttl_text = args[i + 2]}
+  return {prefix = args[i], max = args[i + 1] + 0, ttl = args[i + 2] + 0, ttl_text = args[i + 2]}
 end
 
 local function forget_digest(cache, digest)
@@ -28,7 +28,8 @@ end
 local function remember_all(cache, entries)
   if cache.max <= 0 or #entries == 0 then return end
   local digests, sizes, charges, members, newest = {}, {}, {}, {}, 0
-  for _, entry in ipairs(entries) do
+  for e = 1, #entries do   -- not ipairs: its iterator is a C call an entry
+    local entry = entries[e]
     local digest, result, moment = entry[1], entry[2], entry[3]
     local now = entry[5] or tonumber(moment)
     if not now then now, moment = 0, '0' end
@@ -48,7 +49,7 @@ local function remember_all(cache, entries)
   if #digests == 0 then return end
   local stale = redis.call('HMGET', cache.prefix .. 'sizes', unpack(digests))
   local added = 0
-  for i = 1, #digests do added = added + charges[i] - (tonumber(stale[i]) or 0) end
+  for i = 1, #digests do added = added + charges[i] - (stale[i] or 0) end   -- sizes written as integers
   redis.call('HSET', cache.prefix .. 'sizes', unpack(sizes))
   redis.call('ZADD', cache.prefix .. 'lru', unpack(members))
   local total = redis.call('INCRBY', cache.prefix .. 'bytes', string.format('%d', added))

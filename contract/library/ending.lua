@@ -30,14 +30,14 @@ local function count_out_claimed(key, job_id, model)
   local owner = redis.call('HGET', key, 'owner')
   if not owner or owner == '' then return end
   local counts = string.sub(key, 1, #key - #job_id - #JOB_INFIX) .. KEY_FRAMES_INFIX .. (model or '')
-  if redis.call('HINCRBY', counts, owner, -1) <= 0 then redis.call('HDEL', counts, owner) end
+  if redis.call('HINCRBY', counts, owner, '-1') <= 0 then redis.call('HDEL', counts, owner) end
 end
 
 -- The names finish_jobs needs, from the FINISH_NAMES arguments at args[i..i + 6] (JobEnding.finish_names): the
 -- record TTL, the job-events channel, the deadline index, the waiting-bytes hash, then the cache's three.
 local FINISH_NAMES = 7
 local function finish_names(outbox, args, i)
-  return {outbox = outbox, ttl = tonumber(args[i]), channel = args[i + 1], deadlines = args[i + 2],
+  return {outbox = outbox, ttl = args[i] + 0, channel = args[i + 1], deadlines = args[i + 2],
           waiting = args[i + 3], cache = cache_names(args, i + 4)}
 end
 
@@ -57,26 +57,31 @@ local NOTHING_READ = {}
 local function finish_jobs(keys, args, names, first_key, at)
   local ended, left, entries, called, released, by_owner = 0, {}, {}, {}, {}, {}
   for k = first_key, #keys do
-    local key, job_id, count = keys[k], args[at], tonumber(args[at + 1])
-    local was = redis.call('HMGET', key, unpack(READ_AT_END))
+    local key, job_id, count = keys[k], args[at], args[at + 1] + 0
+    local was = redis.call('HMGET', key, READ_AT_END[1], READ_AT_END[2], READ_AT_END[3], READ_AT_END[4])   -- no unpack: a C call
     local status = was[1]
     if status and not TERMINAL[status] then
       local pushed = PUSHED[status]
       local before = pushed and NOTHING_READ or redis.call('HMGET', key, unpack(READ_BEFORE_PUSH))
       local model, upload_bytes, marker = before[1], before[2], before[3]
       if status == PREPROCESSING then count_out_claimed(key, job_id, model) end
-      local fields, ends_as, result, finished, moment = late_as_expired(tonumber(was[2]),
-                                                                        {unpack(args, at + 2, at + 1 + count)})
-      if was[4] then   -- its callback enters the outbox (below), in the same write
-        fields[#fields + 1] = 'callback'
-        fields[#fields + 1] = PENDING_CALLBACK
-        called[#called + 1] = job_id
+      local first, last = at + 2, at + 1 + count
+      local fields, ends_as, result, finished, moment = late_as_expired(was[2] and was[2] + 0, args, first, last)
+      if not fields and not was[4] and marker ~= SHARDED_UPLOAD then   -- most ends: the caller's fields as sent
+        redis.call('HSET', key, unpack(args, first, last))
+      else
+        fields = fields or {unpack(args, first, last)}
+        if was[4] then   -- its callback enters the outbox (below), in the same write
+          fields[#fields + 1] = 'callback'
+          fields[#fields + 1] = PENDING_CALLBACK
+          called[#called + 1] = job_id
+        end
+        if marker == SHARDED_UPLOAD then   -- its marker goes in the same HSET (a pushed job's: read as nil)
+          fields[#fields + 1] = UPLOAD_FIELD
+          fields[#fields + 1] = ''
+        end
+        redis.call('HSET', key, unpack(fields))
       end
-      if marker == SHARDED_UPLOAD then   -- its marker goes in the same HSET (a pushed job's: read as nil)
-        fields[#fields + 1] = UPLOAD_FIELD
-        fields[#fields + 1] = ''
-      end
-      redis.call('HSET', key, unpack(fields))
       -- a record made with a deadline lives until jobs.ttl_s past it (JobIntake.create): no TTL to set again
       if not was[2] then redis.call('EXPIRE', key, names.ttl) end
       if ends_as == SUCCEEDED and was[3] and result then entries[#entries + 1] = {was[3], result, finished, job_id, moment} end

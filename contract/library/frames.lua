@@ -2,7 +2,7 @@
 -- The frame list's ack, the one place a frame is acked (contract.frames.frame_source): drop the `count` oldest frames of a
 -- processing list, the batch just answered.
 local function ack_frames(processing, count)
-  if count > 0 then redis.call('LTRIM', processing, 0, -(count + 1)) end
+  if count > 0 then redis.call('LTRIM', processing, '0', string.format('%d', -(count + 1))) end
 end
 
 -- A frame's job id, or nil when its header is unreadable (contract.frames: the magic's 4 bytes, the header's length

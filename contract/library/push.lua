@@ -27,12 +27,14 @@ local function live_job(job, upload, waiting)
 end
 
 local function trade_upload_for_frame(waiting, model, upload_bytes, frame_bytes, owner)
-  local change = frame_bytes - math.max(0, tonumber(upload_bytes) or 0)
-  if model and model ~= '' and redis.call('HINCRBY', waiting, model, change) < frame_bytes then
-    redis.call('HSET', waiting, model, frame_bytes)
+  local uploaded = upload_bytes and upload_bytes + 0 or 0   -- the record's `bytes` (head.lua: numbers)
+  if uploaded < 0 then uploaded = 0 end
+  local change = frame_bytes - uploaded
+  if model and model ~= '' and redis.call('HINCRBY', waiting, model, string.format('%d', change)) < frame_bytes then
+    redis.call('HSET', waiting, model, string.format('%d', frame_bytes))
   end
   if model and owner and owner ~= '' then
-    release_field(key_waiting(waiting, owner), model, math.max(0, tonumber(upload_bytes) or 0))
+    release_field(key_waiting(waiting, owner), model, uploaded)
   end
 end
 
@@ -62,7 +64,7 @@ redis.register_function('keep_pushed_frame', function(keys, args)
     return JOB_OVER
   end
   redis.call('HSET', keys[1], unpack(args, 5))
-  trade_upload_for_frame(keys[4], model, upload_bytes, tonumber(args[3]), owner)
+  trade_upload_for_frame(keys[4], model, upload_bytes, args[3] + 0, owner)
   return PUSHED
 end)
 
@@ -84,8 +86,8 @@ redis.register_function('mark_pushed', function(keys, args)
   end
   if take_upload(marker, keys[2]) == 0 then return JOB_OVER end
   redis.call('HSET', keys[1], 'status', QUEUED_GPU, UPLOAD_FIELD, '', unpack(args, 3))
-  if model then redis.call('HINCRBY', keys[4], model, 1) end
-  trade_upload_for_frame(keys[3], model, upload_bytes, tonumber(args[2]), owner)
+  if model then redis.call('HINCRBY', keys[4], model, '1') end
+  trade_upload_for_frame(keys[3], model, upload_bytes, args[2] + 0, owner)
   return PUSHED
 end)
 

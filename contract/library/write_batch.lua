@@ -22,22 +22,22 @@ local function write_batch(keys, args, debiting)
     return -1   -- this worker was presumed dead: its frames are another's now (gpu_worker.heartbeat)
   end
   local names = finish_names(keys[1], args, 1)
-  local acked, acked_bytes, model, counters = tonumber(args[N + 1]), args[N + 2], args[N + 3], tonumber(args[N + 4])
+  local acked, acked_bytes, model, counters = args[N + 1] + 0, args[N + 2], args[N + 3], args[N + 4] + 0
   if acked > 0 then
     if keys[2] ~= '' then
       ack_frames(keys[2], acked)
-    elseif redis.call('HINCRBY', keys[5], model, -acked) < 0 then   -- on bulk shards: acked after, counted out here
-      redis.call('HSET', keys[5], model, 0)
+    elseif redis.call('HINCRBY', keys[5], model, string.format('%d', -acked)) < 0 then   -- on bulk shards: acked
+      redis.call('HSET', keys[5], model, '0')   -- after, counted out here
     end
     release_waiting(names.waiting, model, acked_bytes)   -- the frames leave Redis: their bytes wait no more
   end
   if counters > 0 then
     redis.call('HSET', keys[3], unpack(args, N + 7 + D, N + 6 + D + counters))
   end
-  local owned, debits, at = tonumber(args[N + 6]), debiting and tonumber(args[N + 7]) or 0, N + 7 + D + counters
+  local owned, debits, at = args[N + 6] + 0, debiting and args[N + 7] + 0 or 0, N + 7 + D + counters
   if keys[6] ~= '' then
     for i = at, at + owned - 1, 2 do
-      if redis.call('HINCRBY', keys[6], args[i], -tonumber(args[i + 1])) <= 0 then
+      if redis.call('HINCRBY', keys[6], args[i], string.format('%d', -tonumber(args[i + 1]))) <= 0 then
         redis.call('HDEL', keys[6], args[i])
       end
     end
