@@ -84,7 +84,7 @@ local function admit(keys, args, k, last, a, pending)
   if all_bytes + size > all_limit then
     return {'all_bytes', backlog, model_bytes, all_bytes, key_model}
   end
-  -- the size as it was sent: a Lua number passed to redis.call is formatted anew (`%.17g`, ~2,000 instructions)
+  -- the size as it was sent: a Lua number passed to redis.call is formatted anew (`%.17g`; plane-cuts.md, round four)
   if size > 0 then redis.call('HINCRBY', keys[k + 2], args[a], args[a + 1]) end
   if keys[k + 4] == '' then return {'admitted', backlog, model_bytes + size, all_bytes + size, 0} end
   if size > 0 then redis.call('HINCRBY', keys[k + 4], args[a], args[a + 1]) end

@@ -8,7 +8,7 @@ local KEY_WAITING_SEPARATOR = ':'
 local function key_waiting(waiting, owner) return waiting .. KEY_WAITING_SEPARATOR .. owner end
 
 -- A count passed to redis.call goes as text formatted here as an integer: a Lua number there is formatted as
--- `%.17g` (~2,000 instructions, each).
+-- `%.17g`, a costly conversion each time (docs/benchmarks/2026-12-07-plane-cuts.md, round four).
 local function release_field(waiting, field, bytes)
   if bytes > 0 and field ~= '' and redis.call('HINCRBY', waiting, field, string.format('%d', -bytes)) < 0 then
     redis.call('HSET', waiting, field, '0')

@@ -12,8 +12,8 @@
 -- preprocessing; frames -1 for a job without a key, or not counted), 'missing', 'over' (past this stage or ended),
 -- 'late' (deadline passed, unchanged: the caller ends it). CPU_STARTED_AT is contract.jobs.timebill's.
 -- The step `claim_job` is the same claim answering a claimed job with its frames alone, an integer: a table reply
--- costs Redis ~3,000 instructions more (each table is searched for `err`, `ok` and the RESP3 types). `claim`, as
--- CPU workers of library version 9 call it, answers as before.
+-- costs Redis more (each table is searched for `err`, `ok` and the RESP3 types; plane-cuts.md, round four).
+-- `claim`, as CPU workers of library version 9 call it, answers as before.
 local CPU_STARTED_AT = 'cpu_started_at'
 -- as text, as the counts below: a Lua number passed to redis.call is formatted anew (`%.17g`) at each call
 local KEY_FRAMES_TTL_S = '300'

@@ -9,8 +9,9 @@ local VERSION = 10
 
 -- Numbers: a numeric string the steps wrote themselves (an argument the caller formatted, a count kept with HINCRBY, a
 -- moment written as repr(float)) becomes a number by arithmetic (`s + 0`), which parses it once; `tonumber` is a C
--- call that parses it twice (Lua 5.1's lua_isnumber, then lua_tonumber), ~1,200 instructions a call. `tonumber`
--- stays where a value may be anything else (it answers nil there, where arithmetic raises).
+-- call that parses it twice (Lua 5.1's lua_isnumber, then lua_tonumber; what that costs is in
+-- docs/benchmarks/2026-12-07-plane-cuts.md, round four). `tonumber` stays where a value may be anything else (it
+-- answers nil there, where arithmetic raises).
 
 -- A job's terminal states (contract.jobs.record.TERMINAL; a test holds the two together).
 local TERMINAL = {cancelled = true, expired = true, failed = true, succeeded = true}

@@ -86,7 +86,7 @@ end
 redis.register_function('take_in', function(keys, args) return take_in(keys, args, TAKE_IN_KEYS - 1) end)
 redis.register_function('take_in_bounded', function(keys, args) return take_in(keys, args, TAKE_IN_KEYS) end)
 -- The step `take_in_job`: take_in_bounded answering a job made with 1 alone, not {'created', figures} (the API reads
--- no figure of an admission it passed): a table reply costs Redis ~5,000 instructions more (each table is searched
+-- no figure of an admission it passed): a table reply costs Redis more (each table is searched
 -- for `err`, `ok` and the RESP3 types, then each element converted). Its refusals and hits answer as take_in's.
 redis.register_function('take_in_job', function(keys, args)
   local verdict = take_in(keys, args, TAKE_IN_KEYS)
