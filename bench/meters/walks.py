@@ -13,9 +13,11 @@ in a file left before, up to the walk's last stop (a facade that calls a helper 
 What the value meets outside the product (Redis's client, Flask, the standard library) is not counted, nor is any call
 made in another thread.
 
-Three walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
+Five walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
 API's test client posting an image), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API
-made), a read's job id (`get_job`). tests/test_walks.py holds each at what docs/architecture.md says.
+made), a read's job id (`get_job`), and the claim's two ways to end a job itself: one whose image does not decode
+(it ends failed) and one found late (it ends expired). tests/test_walks.py holds each at what docs/architecture.md
+says.
 """
 
 from __future__ import annotations
@@ -227,11 +229,13 @@ def private_api(redis_url: str, namespace: str = "walks") -> Iterator[Any]:
 
 
 def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -> dict[str, Walk]:
-    """The three walks on one API and one CPU worker's step, against the Redis at `redis_url` (a fresh one, or a
-    namespace of its own): a submission, its job's claim, then its read."""
+    """The five walks on one API and one CPU worker's step, against the Redis at `redis_url` (a fresh one, or a
+    namespace of its own): a submission, its job's claim, then its read; then the claims of a job whose image does
+    not decode and of a job found late."""
     from app.services import services
     from bench.stack.corpus import photo_like_jpeg
     from contract.redis.connection import connect
+    from contract.redis.keys import Keys
     from tasks.decoding.preprocess import Preprocessor
 
     walks: dict[str, Walk] = {}
@@ -264,6 +268,31 @@ def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -
         )
         if read.status_code != 200 or read.get_json()["id"] != job_id:
             raise RuntimeError(f"the read answered {read.status_code}")
+
+        def claim_of(name: str, image: bytes, expected: str, prepare: Callable[[str], None] | None = None) -> Walk:
+            answer = client.post("/v1/jobs", data=image, content_type="image/jpeg")
+            if answer.status_code != 202:
+                raise RuntimeError(f"the submission answered {answer.status_code}: {answer.get_data(as_text=True)}")
+            job_id = answer.get_json()["id"]
+            if prepare is not None:
+                prepare(job_id)
+            root = "tasks/decoding/preprocess.py:run"
+            outcome, walk = follow(name, lambda: worker.run(job_id), root, _job_id, documents)
+            if str(outcome) != expected:
+                raise RuntimeError(f"{name}: the claim's step ended {outcome!r}, not {expected}")
+            return walk
+
+        # a JPEG's start and noise: the API takes it (it looks like a JPEG), its decode fails
+        broken = photo_like_jpeg(2)[:300] + bytes(range(256)) * 2
+        walks["claim failed"] = claim_of("a failed decode's claim", broken, "failed: decode_error")
+        # Late as the claim judges it, by the record's deadline; the API's sweep reads the deadline index, which still
+        # says the deadline is ahead, so it is the claim that finds the job late and ends it.
+        job_prefix, control = Keys(settings.namespace).job_prefix, connect(settings)
+
+        def past_deadline(job_id: str) -> None:
+            control.hset(job_prefix + job_id, "deadline_at", "1")
+
+        walks["claim late"] = claim_of("a late job's claim", photo_like_jpeg(3), "expired", past_deadline)
     return walks
 
 
