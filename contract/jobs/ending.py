@@ -38,8 +38,8 @@ FINISH_JOBS = Step("finish_jobs")
 # The library's `redeliver_callback` (contract/library/ending.lua): a callback queued again, once.
 _REDELIVER_CALLBACK = Step("redeliver_callback")
 REDELIVER_QUEUED, REDELIVER_IN_FLIGHT = 1, 2
-# A delivery `pending` or `delivering` this long is taken for lost: one waiting for its tenant's slots behind
-# an hour of slow receivers (4 at once, 10 s each: 1,440 attempts) is the only honest one that old.
+# A delivery `pending` or `delivering` this long is taken for lost: only one waiting for its tenant's slots behind
+# an hour of slow receivers (a few at once, each up to its timeout) is honestly that old.
 IN_FLIGHT_STALE_S = 3600
 # A delivery made this recently answers a redelivery request for it: its receiver has it, or lost it a moment ago.
 DELIVERED_COOLDOWN_S = 10

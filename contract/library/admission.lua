@@ -49,7 +49,7 @@ local function admit(keys, args, k, last, a, pending)
   local size = tonumber(args[a + 1])
   local limit, model_limit, all_limit = tonumber(args[a + 2]), tonumber(args[a + 3]), tonumber(args[a + 4])
   -- held + this one <= share x (limit - the rest) / limit, multiplied out: no call into C on an admission (each
-  -- costs Redis hundreds of instructions); the share at that moment is worked out for a refusal alone. A key with
+  -- costs Redis far more than the arithmetic); the share at that moment is worked out for a refusal alone. A key with
   -- nothing waiting is admitted by its share whatever is left and whatever the size (the budgets still apply); a
   -- job-count share of the whole is the backlog's own limit, whose refusal is the model's.
   if own > 0 then
