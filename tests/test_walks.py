@@ -47,6 +47,18 @@ def test_the_walks_go_where_their_steps_go(walks):
     assert all("contract/redis/keys.py" not in walk.files for walk in walks.values())  # each facade names its keys
 
 
+def test_the_reservation_is_followed_from_where_it_is_made(walks):
+    """The submission's reservation from the call that makes it (Admission.before_body) to the step that hands its
+    bytes to the job: measured, not held at 2 returns. Made in app/admission.py, held by app/placing.py's Placement,
+    which app/jobs.py holds while it reads the body, it goes back and forth between the three (docs/architecture.md)."""
+    made = walks["submission made"]
+    assert made.stops[0] == Stop("app/admission.py", "Admission.before_body"), made.report()
+    assert made.files == ["app/admission.py", "app/jobs.py", "app/placing.py"], made.report()
+    assert Stop("app/admission.py", "Admission.take_in") in made.stops  # followed to its bytes' hand-off
+    # the part from `_accept` on is the "submission" walk's, at its end
+    assert made.stops[-len(walks["submission"].stops) :] == walks["submission"].stops
+
+
 def test_the_count_sees_a_return_and_a_value_held_one_level_down():
     walk = Walk("back and forth", [Stop(file, "f") for file in ("a.py", "b.py", "b.py", "a.py", "c.py", "b.py")])
     assert walk.files == ["a.py", "b.py", "c.py"] and walk.trail == ["a.py", "b.py", "a.py", "c.py", "b.py"]
