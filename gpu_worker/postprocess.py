@@ -236,8 +236,8 @@ def nms_keep(
     chunk's own boxes are settled by a fixed point over their small IoU matrix (Cluster-NMS: as many
     rounds as the longest suppression chain inside the chunk, at most `chunk`), then the chunk's kept
     boxes suppress every later candidate at once. The scan stops once no later candidate is left or
-    every image holds `max_det` kept boxes (later ones can no longer reach the answer): at `conf=0`
-    with 1,000 candidates and `max_det` 100 it settles a few chunks, not all.
+    every image holds `max_det` kept boxes (later ones can no longer reach the answer): at `conf=0`,
+    with many times `max_det` candidates, it settles a few chunks, not all.
 
     Host reads: one per chunk (whether it has settled, and where the next chunk starts: at the next
     candidate still alive, or nowhere), plus one per further ROUNDS_PER_LOOK rounds when a chain inside

@@ -440,6 +440,26 @@ def test_only_the_latest_claim_may_push_the_frame(redis_client):
     assert redis_client.lrange(keys.frames("m:1"), 0, -1) == [b"frame"]
 
 
+def test_a_claim_found_late_or_failed_is_ended_by_the_hand_off_and_its_upload_goes(redis_client):
+    """The claim's own ends (JobHandOff.expire_late, fail): the job ends with where or why, once (the first end
+    wins), and its upload goes with it."""
+    keys = Keys("claim-ends")
+    store = JobIntake(redis_client, keys, ttl_s=60)
+    handoff = JobHandOff(redis_client, keys, ttl_s=60)
+    store.create("a" * 32, b"upload", 60, {"deadline_at": time.time() - 1})
+    assert handoff.claim_for_preprocessing("a" * 32, time.time())[0] == "late"
+    assert handoff.expire_late("a" * 32) and not handoff.expire_late("a" * 32)
+    late = store.load("a" * 32)
+    assert late["status"] == EXPIRED and late["error"]["message"] == "expired before preprocessing", late
+    store.create("b" * 32, b"upload", 60, {"deadline_at": 1e12})
+    assert handoff.claim_for_preprocessing("b" * 32, time.time())[0] == "claimed"
+    assert handoff.fail("b" * 32, "decode_error", "not an image") and not handoff.fail("b" * 32, "again", "no")
+    failed = store.load("b" * 32)
+    assert failed["status"] == FAILED and failed["error"] == {"code": "decode_error", "message": "not an image"}
+    assert not redis_client.exists(keys.upload("a" * 32), keys.upload("b" * 32))
+    assert redis_client.zcard(keys.deadlines) == 0
+
+
 def advance(store: JobStore, job_id: str, status: str) -> bool:
     """Move a live job to a non-terminal status; False when it is gone or already over."""
     return bool(store.advance_many([job_id], status, 0)[0] == MOVED)

@@ -1,4 +1,5 @@
-"""A value's walk through the product's files (bench.meters.walks): a submission's reservation, a claim's job id and a
+"""A value's walk through the product's files (bench.meters.walks): a submission's reservation, a claim's job id (on
+its way to the frame's push, and on its two ways to an end of the claim's own: a failed decode, a late job) and a
 read's job id each enter at most 4 files and come back to a file they left at most twice. A step's orchestrator calls
 one facade per step, each facade names its own keys, and an id is checked once at the edge (docs/architecture.md)."""
 
@@ -21,7 +22,7 @@ def walks(redis_server) -> Iterator[dict[str, Walk]]:
     yield measure(redis_server.url, namespace="test-walks")
 
 
-@pytest.mark.parametrize("name", ["submission", "claim", "read"])
+@pytest.mark.parametrize("name", ["submission", "claim", "read", "claim failed", "claim late"])
 def test_each_walk_enters_at_most_four_files_and_comes_back_at_most_twice(walks, name):
     walk = walks[name]
     assert len(walk.files) <= MOST_FILES and walk.returns <= MOST_RETURNS, walk.report()
@@ -36,7 +37,26 @@ def test_the_walks_go_where_their_steps_go(walks):
         "contract/jobs/handoff.py" in walks["claim"].files and "contract/frames/frame_push.py" in walks["claim"].files
     )
     assert walks["read"].files[0] == "app/jobs.py" and "contract/jobs/record.py" in walks["read"].files
+    for ended in ("claim failed", "claim late"):  # the claim's facade ends the job itself: to Redis from there
+        assert walks[ended].trail[:4] == [
+            "tasks/decoding/preprocess.py",
+            "contract/jobs/handoff.py",
+            "tasks/decoding/preprocess.py",
+            "contract/jobs/handoff.py",
+        ], walks[ended].report()
     assert all("contract/redis/keys.py" not in walk.files for walk in walks.values())  # each facade names its keys
+
+
+def test_the_reservation_is_followed_from_where_it_is_made(walks):
+    """The submission's reservation from the call that makes it (Admission.before_body) to the step that hands its
+    bytes to the job: measured, not held at 2 returns. Made in app/admission.py, held by app/placing.py's Placement,
+    which app/jobs.py holds while it reads the body, it goes back and forth between the three (docs/architecture.md)."""
+    made = walks["submission made"]
+    assert made.stops[0] == Stop("app/admission.py", "Admission.before_body"), made.report()
+    assert made.files == ["app/admission.py", "app/jobs.py", "app/placing.py"], made.report()
+    assert Stop("app/admission.py", "Admission.take_in") in made.stops  # followed to its bytes' hand-off
+    # the part from `_accept` on is the "submission" walk's, at its end
+    assert made.stops[-len(walks["submission"].stops) :] == walks["submission"].stops
 
 
 def test_the_count_sees_a_return_and_a_value_held_one_level_down():

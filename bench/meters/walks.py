@@ -13,9 +13,11 @@ in a file left before, up to the walk's last stop (a facade that calls a helper 
 What the value meets outside the product (Redis's client, Flask, the standard library) is not counted, nor is any call
 made in another thread.
 
-Three walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
-API's test client posting an image), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API
-made), a read's job id (`get_job`). tests/test_walks.py holds each at what docs/architecture.md says.
+Five walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
+API's test client posting an image; beside it, printed and not held, the same from the call that makes it:
+`follow_from_birth`), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API made), a read's job
+id (`get_job`), and the claim's two ways to end a job itself: one whose image does not decode (it ends failed) and one
+found late (it ends expired). tests/test_walks.py holds each at what docs/architecture.md says.
 """
 
 from __future__ import annotations
@@ -209,6 +211,87 @@ def follow(
     return result, walk
 
 
+def follow_from_birth(name: str, run: Callable[[], T], root: str, born: str, documents: bool = False) -> tuple[T, Walk]:
+    """`follow`, for a value made inside `root`'s extent: the value the first call of `born` ("<file>:<function>")
+    returns, from that return on. A call is a stop from the moment it holds the value: entered with it, handed it
+    back by a callee (the callee's return carries it), or holding it at its end; the stops are in that order, and
+    the ways back count from the same moments. Calls before the value was made carry nothing."""
+    tracer = _FromBirth(root, born, documents)
+    previous = sys.getprofile()
+    sys.setprofile(tracer.profile)
+    try:
+        result = run()
+    finally:
+        sys.setprofile(previous)
+    if not tracer.made:
+        raise RuntimeError(f"{born} was never called inside {root}: no walk")
+    order = sorted((moment, index) for index, moment in enumerate(tracer.since) if moment >= 0)
+    walk = Walk(name, [tracer.calls[index][0] for _, index in order])
+    walk.way = way_of(tracer.calls, tracer.events)
+    return result, walk
+
+
+class _FromBirth:
+    """follow_from_birth's profiler: the calls in the root's extent, and when each began to hold the value."""
+
+    def __init__(self, root: str, born: str, documents: bool) -> None:
+        self.root, self.born, self.documents = tuple(root.split(":")), tuple(born.split(":")), documents
+        self.calls: list[tuple[Stop, bool]] = []
+        self.since: list[int] = []  # each call's moment (its place in `events`) from which it held the value
+        self.events: list[int] = []  # a call's first holding (its place in `calls`), and then its exit (~place)
+        self.frames: list[tuple[types.FrameType, int | None]] = []
+        self.value: Any = None
+        self.made = self.done = False
+
+    def profile(self, frame: types.FrameType, event: str, arg: Any) -> None:
+        if self.done or event not in ("call", "return"):
+            return
+        if event == "call":
+            self._called(frame)
+            return
+        if not self.frames or self.frames[-1][0] is not frame:
+            return
+        _, index = self.frames.pop()
+        if index is not None:
+            self._returned(index, frame, arg)
+        self.done = not self.frames
+
+    def _holds(self, index: int) -> None:
+        self.calls[index] = (self.calls[index][0], True)
+        self.since[index] = len(self.events)
+        self.events.append(index)
+
+    def _carried(self, local: Any) -> bool:
+        return self.made and carries(local, self.value, self.documents)
+
+    def _called(self, frame: types.FrameType) -> None:
+        code = frame.f_code
+        file = _product_file(code)
+        if not self.frames and (file, code.co_name) != self.root:
+            return
+        if file is None:
+            self.frames.append((frame, None))
+            return
+        self.calls.append((Stop(file, code.co_qualname), False))
+        self.since.append(-1)
+        self.frames.append((frame, len(self.calls) - 1))
+        if any(self._carried(local) for local in frame.f_locals.values()):
+            self._holds(len(self.calls) - 1)
+
+    def _returned(self, index: int, frame: types.FrameType, value: Any) -> None:
+        stop, held = self.calls[index]
+        if not self.made and (stop.file, stop.function.split(".")[-1]) == self.born:
+            self.value, self.made = value, True
+            self._holds(index)
+        elif not held and any(self._carried(local) for local in frame.f_locals.values()):
+            self._holds(index)
+        if self.calls[index][1]:
+            self.events.append(~index)
+            caller = self.frames[-1][1] if self.frames else None
+            if caller is not None and not self.calls[caller][1] and self._carried(value):
+                self._holds(caller)  # handed back to its caller
+
+
 @contextmanager
 def private_api(redis_url: str, namespace: str = "walks") -> Iterator[Any]:
     """The API in this process (Flask's test client: the request runs in this thread) on `redis_url`."""
@@ -227,11 +310,13 @@ def private_api(redis_url: str, namespace: str = "walks") -> Iterator[Any]:
 
 
 def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -> dict[str, Walk]:
-    """The three walks on one API and one CPU worker's step, against the Redis at `redis_url` (a fresh one, or a
-    namespace of its own): a submission, its job's claim, then its read."""
+    """The five walks on one API and one CPU worker's step, against the Redis at `redis_url` (a fresh one, or a
+    namespace of its own): a submission (and another's reservation from where it is made), its job's claim, then its
+    read; then the claims of a job whose image does not decode and of a job found late."""
     from app.services import services
     from bench.stack.corpus import photo_like_jpeg
     from contract.redis.connection import connect
+    from contract.redis.keys import Keys
     from tasks.decoding.preprocess import Preprocessor
 
     walks: dict[str, Walk] = {}
@@ -251,6 +336,16 @@ def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -
         )
         if answer.status_code != 202:
             raise RuntimeError(f"the submission answered {answer.status_code}: {answer.get_data(as_text=True)}")
+        # The same reservation's whole life, from the call that makes it (printed beside, not held: see the test)
+        answer, walks["submission made"] = follow_from_birth(
+            "a submission's reservation from where it is made",
+            submit,
+            "app/jobs.py:submit_job",
+            "app/admission.py:before_body",
+            documents,
+        )
+        if answer.status_code != 202:
+            raise RuntimeError(f"the submission answered {answer.status_code}: {answer.get_data(as_text=True)}")
         job_id = answer.get_json()["id"]
         settings = services(app).settings
         worker = Preprocessor(settings, connect(settings))
@@ -264,6 +359,31 @@ def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -
         )
         if read.status_code != 200 or read.get_json()["id"] != job_id:
             raise RuntimeError(f"the read answered {read.status_code}")
+
+        def claim_of(name: str, image: bytes, expected: str, prepare: Callable[[str], None] | None = None) -> Walk:
+            answer = client.post("/v1/jobs", data=image, content_type="image/jpeg")
+            if answer.status_code != 202:
+                raise RuntimeError(f"the submission answered {answer.status_code}: {answer.get_data(as_text=True)}")
+            job_id = answer.get_json()["id"]
+            if prepare is not None:
+                prepare(job_id)
+            root = "tasks/decoding/preprocess.py:run"
+            outcome, walk = follow(name, lambda: worker.run(job_id), root, _job_id, documents)
+            if str(outcome) != expected:
+                raise RuntimeError(f"{name}: the claim's step ended {outcome!r}, not {expected}")
+            return walk
+
+        # a JPEG's start and noise: the API takes it (it looks like a JPEG), its decode fails
+        broken = photo_like_jpeg(2)[:300] + bytes(range(256)) * 2
+        walks["claim failed"] = claim_of("a failed decode's claim", broken, "failed: decode_error")
+        # Late as the claim judges it, by the record's deadline; the API's sweep reads the deadline index, which still
+        # says the deadline is ahead, so it is the claim that finds the job late and ends it.
+        job_prefix, control = Keys(settings.namespace).job_prefix, connect(settings)
+
+        def past_deadline(job_id: str) -> None:
+            control.hset(job_prefix + job_id, "deadline_at", "1")
+
+        walks["claim late"] = claim_of("a late job's claim", photo_like_jpeg(3), "expired", past_deadline)
     return walks
 
 

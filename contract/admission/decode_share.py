@@ -34,7 +34,9 @@ from contract.redis.keys import Keys
 MIB = 1024 * 1024
 CHARGED_FROM = 32 * MIB  # estimated decode bytes from which an upload is charged to its key
 INTERLACE_FACTOR = 1.5  # an Adam7 PNG's decode against a plain one's of the same pixels (2026-12-06-fairness-by-cost)
-DECODED_BYTES_PER_S = 256 * MIB  # about what a CPU child decodes a second here: a refusal's Retry-After
+# A CPU child's decode rate as a refusal's Retry-After assumes it: the wait for a key's charged decodes to be about
+# done, not a promise (a slower machine's clients come back a little early and are refused again).
+DECODED_BYTES_PER_S = 256 * MIB
 _PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _PNG_CHANNELS = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}  # by colour type: grey, RGB, palette, grey+alpha, RGBA
 

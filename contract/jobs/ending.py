@@ -31,14 +31,15 @@ PENDING_CALLBACK = '{"status":"pending","attempts":0,"last_error":null}'
 
 FINISH_NAMES = 7  # how many arguments JobEnding.finish_names() gives: steps find theirs after them (ending.lua's too)
 
-# The library's `finish_jobs` (contract/library/ending.lua, where its keys and arguments are named).
-_FINISH_JOBS = Step("finish_jobs")
+# The library's `finish_jobs` (contract/library/ending.lua, where its keys and arguments are named). A facade that
+# ends its own jobs calls it with JobEnding.finish_names() and ending_arguments() (contract.jobs.handoff's).
+FINISH_JOBS = Step("finish_jobs")
 
 # The library's `redeliver_callback` (contract/library/ending.lua): a callback queued again, once.
 _REDELIVER_CALLBACK = Step("redeliver_callback")
 REDELIVER_QUEUED, REDELIVER_IN_FLIGHT = 1, 2
-# A delivery `pending` or `delivering` this long is taken for lost: one waiting for its tenant's slots behind
-# an hour of slow receivers (4 at once, 10 s each: 1,440 attempts) is the only honest one that old.
+# A delivery `pending` or `delivering` this long is taken for lost: only one waiting for its tenant's slots behind
+# an hour of slow receivers (a few at once, each up to its timeout) is honestly that old.
 IN_FLIGHT_STALE_S = 3600
 # A delivery made this recently answers a redelivery request for it: its receiver has it, or lost it a moment ago.
 DELIVERED_COOLDOWN_S = 10
@@ -70,7 +71,7 @@ class JobEnding(JobStore):
         ended (in a pipeline, with the pipeline's replies)."""
         job_keys, job_args = self.finish_arguments(outcomes)
         keys, args = [self.keys.callback_outbox, *job_keys], [*self.finish_names(), *job_args]
-        return _FINISH_JOBS(client or self.redis, keys, args)
+        return FINISH_JOBS(client or self.redis, keys, args)
 
     def finish_names(self) -> list[Any]:
         """What the library's finish_names() reads (FINISH_NAMES of them): the record TTL, the job-events
@@ -91,10 +92,8 @@ class JobEnding(JobStore):
         keys: list[str] = []
         args: list[Any] = []
         for job_id, status, fields in outcomes:
-            assert status in TERMINAL, status
-            flat = flatten_fields({"status": status, "updated_at": now, FINISHED_AT: now, **fields})
-            keys.append(self.keys.job(job_id))
-            args += [job_id, len(flat), *flat]
+            keys.append(self.job_prefix + job_id)  # named here (Keys.job_prefix)
+            args += [job_id, *ending_arguments(status, fields, now)]
         return keys, args
 
     def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
@@ -128,7 +127,7 @@ class JobEnding(JobStore):
             _REDELIVER_CALLBACK(
                 self.redis,
                 [
-                    self.keys.job(job_id),
+                    self.job_prefix + job_id,
                     self.keys.callback_outbox,
                     self.keys.callback_scheduled,
                     self.keys.callback_dead,
@@ -136,3 +135,11 @@ class JobEnding(JobStore):
                 [job_id, IN_FLIGHT_STALE_S, DELIVERED_COOLDOWN_S, repr(service_now())],
             )
         )
+
+
+def ending_arguments(status: str, fields: Mapping[str, Any], now: float) -> list[Any]:
+    """One job's arguments to the library's finish_jobs after its id: the count of its field and value arguments,
+    then those (its terminal `status`, `now` as its update and its end, and `fields`)."""
+    assert status in TERMINAL, status
+    flat = flatten_fields({"status": status, "updated_at": now, FINISHED_AT: now, **fields})
+    return [len(flat), *flat]

@@ -12,7 +12,8 @@ the first end wins), so an expiry never replaces another end and an end after it
 - the sweep of the deadline index, every API process's tick (app.listener_ticks) and every CPU worker's
   (tasks.hop.job_sweeps), for the jobs nobody reads: `sweep`;
 - the CPU worker's claim, whose step answers `late` without changing the job (the library's `claim`, by
-  `deadline_passed`); the worker then ends it: `expire(..., BEFORE_PREPROCESSING)`;
+  `deadline_passed`); the worker then ends it through its hand-off (contract.jobs.handoff's `expire_late`:
+  `expired_fields(BEFORE_PREPROCESSING)`);
 - the CPU worker's waits for room on the frame list and for memory (with a margin): `expire_if_late`;
 - the GPU worker's triage, before a frame takes a slot on the device: `is_late`, and the batch's ends carry
   `expired_fields(BEFORE_INFERENCE)`;

@@ -2,7 +2,9 @@
 
 The claim carries a token of this attempt that the frame's push must show (contract.frames.frame_push's FramePusher): a
 task delivered twice is decoded once, and a late attempt (its worker presumed dead, the task claimed again) cannot push.
-What the worker does with the job then: push its frame (contract.frames.frame_push), or end it (contract.jobs.ending).
+What the worker does with the job then: push its frame (contract.frames.frame_push), or end it here (`fail`, and
+`expire_late` for a claim that answered `late`), with the library's finish_jobs (contract.jobs.ending): the job id goes
+from the worker's step to this facade and to Redis, as the claim's does.
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from typing import Any, NamedTuple, cast
 
 import redis
 
-from contract.jobs.ending import JobEnding
-from contract.jobs.record import JobRecord, decode_record
+from contract.jobs import expiry
+from contract.jobs.ending import FINISH_JOBS, JobEnding, ending_arguments
+from contract.jobs.record import EXPIRED, FAILED, JobRecord, decode_record
 from contract.jobs.timebill import RECEIVED_AT, SUBMITTED_AT
 from contract.library import Step, is_missing
+from contract.redis.clock import now as service_now
 from contract.redis.keys import UPLOAD_SUFFIX, Keys
 from contract.redis.replies import PayloadReader
 from contract.redis.shards import SHARD_ERRORS, BulkPlane, ShardUnavailable
@@ -128,6 +132,25 @@ class JobHandOff(JobEnding):
                     self.bulk.mark_down(index)
                     raise ShardUnavailable(index, exc) from exc
         raise AssertionError("unreachable")
+
+    def fail(self, job_id: str, code: str, message: str, client: Any = None) -> bool:
+        """The job ends failed with `code` (its decode failed, its upload or its model is missing here), unless
+        something ended it first: whether this did. JobEnding.fail, its keys named here."""
+        return self._end(job_id, FAILED, {"error": {"code": code, "message": message}}, client)
+
+    def expire_late(self, job_id: str) -> bool:
+        """A claim answered `late` (its step judged the deadline: contract.jobs.expiry): the job ends expired before
+        preprocessing, unless something ended it first, and its upload goes now, a shard's bytes too."""
+        ended = self._end(job_id, EXPIRED, expiry.expired_fields(expiry.BEFORE_PREPROCESSING))
+        job_key = self.job_prefix + job_id
+        self.drop_upload_at(job_key + UPLOAD_SUFFIX, self.bulk.client_for(job_id) if self.bulk.sharded else None)
+        return ended
+
+    def _end(self, job_id: str, status: str, fields: dict[str, Any], client: Any = None) -> bool:
+        """JobEnding.finish of one job, its keys named here."""
+        keys = [self.keys.callback_outbox, self.job_prefix + job_id]
+        args = [*self.finish_names(), job_id, *ending_arguments(status, fields, service_now())]
+        return bool(FINISH_JOBS(client or self.redis, keys, args))
 
 
 def _claimed(verdict: Any, values: Any) -> tuple[str, JobRecord, int]:

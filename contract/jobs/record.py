@@ -22,7 +22,7 @@ import redis
 from contract.jobs.timebill import FINISHED_AT, RECORD_STAMPS
 from contract.library import Step
 from contract.redis.clock import now as service_now
-from contract.redis.keys import Keys
+from contract.redis.keys import UPLOAD_SUFFIX, Keys
 from contract.redis.shards import BulkPlane
 
 
@@ -180,16 +180,23 @@ class JobStore:
         return decode_record(raw, self.as_text)
 
     def delete(self, job_id: str) -> None:
-        self.redis.delete(self.keys.job(job_id), self.keys.upload(job_id))
+        job_key = self.job_prefix + job_id
+        self.redis.delete(job_key, job_key + UPLOAD_SUFFIX)
         if self.bulk.sharded:
-            self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
+            self._delete_quietly(job_key + UPLOAD_SUFFIX, self.bulk.client_for(job_id))
 
     def drop_upload(self, job_id: str) -> None:
         """The upload of a job that ended before its frame was pushed (a cancellation): gone now rather than at
         its TTL. (Whatever ends a job drops the upload's marker with it; a shard's bytes are this call's.)"""
-        self._delete_quietly(self.keys.upload(job_id))
-        if self.bulk.sharded:
-            self._delete_quietly(self.keys.upload(job_id), self.bulk.client_for(job_id))
+        shard = self.bulk.client_for(job_id) if self.bulk.sharded else None
+        self.drop_upload_at(self.job_prefix + job_id + UPLOAD_SUFFIX, shard)
+
+    def drop_upload_at(self, upload_key: str, shard: redis.Redis | None) -> None:
+        """drop_upload of the upload at `upload_key`, for a facade that names its jobs' keys itself; its bytes on
+        `shard` too (the job's, with bulk shards: bulk.client_for)."""
+        self._delete_quietly(upload_key)
+        if shard is not None:
+            self._delete_quietly(upload_key, shard)
 
     def advance_many(
         self,
@@ -206,7 +213,7 @@ class JobStore:
             max_attempts,
             *flatten_fields({"status": status, "updated_at": service_now(), **(fields or {})}),
         ]
-        return _ADVANCE(client or self.redis, [self.keys.job(job_id) for job_id in job_ids], args)
+        return _ADVANCE(client or self.redis, [self.job_prefix + job_id for job_id in job_ids], args)
 
     def _delete_quietly(self, key: str, client: redis.Redis | None = None) -> None:
         try:

@@ -54,7 +54,7 @@ local function admit(keys, args, k, last, a, pending)
   local size = args[a + 1] + 0
   local limit, model_limit, all_limit = args[a + 2] + 0, args[a + 3] + 0, args[a + 4] + 0
   -- held + this one <= share x (limit - the rest) / limit, multiplied out: no call into C on an admission (each
-  -- costs Redis hundreds of instructions); the share at that moment is worked out for a refusal alone. A key with
+  -- costs Redis far more than the arithmetic); the share at that moment is worked out for a refusal alone. A key with
   -- nothing waiting is admitted by its share whatever is left and whatever the size (the budgets still apply); a
   -- job-count share of the whole is the backlog's own limit, whose refusal is the model's.
   if own > 0 then

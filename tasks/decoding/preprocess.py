@@ -115,8 +115,7 @@ class Preprocessor:
         if verdict == "over":
             return outcomes.skipped(str(record.get("status")))
         if verdict == "late":
-            expiry.expire(self.store, job_id, expiry.BEFORE_PREPROCESSING)
-            self.store.drop_upload(job_id)
+            self.store.expire_late(job_id)  # and its upload dropped
             return outcomes.EXPIRED
         if upload is None:
             return self._failed(job_id, "upload_missing", "the upload expired before a CPU worker reached it")
