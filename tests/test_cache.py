@@ -394,11 +394,17 @@ def test_identical_requests_at_once_each_compute_and_leave_one_entry(cache_stack
     the first answer written is the entry, and both answers are the same."""
     image = jpeg(120, 90, seed=107)
     ids: list[str] = []
-    threads = [threading.Thread(target=lambda: ids.append(cache_stack.submit_ok(image))) for _ in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    # "At once" made certain: with no GPU worker neither job can end (and store an entry) before the other's
+    # lookup, which two threads alone do not promise on a loaded machine.
+    cache_stack.stop_gpu_worker()
+    try:
+        threads = [threading.Thread(target=lambda: ids.append(cache_stack.submit_ok(image))) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        cache_stack.start_gpu_worker()
     docs = [cache_stack.wait_terminal(job_id) for job_id in ids]
     assert [doc["cache"] for doc in docs] == ["miss", "miss"] and all(doc["batch"] for doc in docs)
     assert docs[0]["result"] == docs[1]["result"]

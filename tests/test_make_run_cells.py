@@ -216,6 +216,17 @@ def _command_line(pid: int) -> str:
         return "?"
 
 
+def _signal_state(pid: int) -> str:
+    """What a process does with signals, and where it waits: enough to tell a signal ignored from one not acted on."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return "gone"
+    fields = ("State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+    return ", ".join(line for line in status if line.split(":")[0] in fields) + f", wchan {wchan}"
+
+
 def _live(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
@@ -236,7 +247,12 @@ def test_sigint_stops_every_process_of_every_cell(cells_run):
     except subprocess.TimeoutExpired:
         # what still runs, and what the run said: a stop that hangs must say where
         still = {pid: _command_line(pid) for pid in every if _live(pid)}
-        pytest.fail(f"make run still running 60 s after SIGINT; still running: {still}\n{cells_run.log()[-4000:]}")
+        supervisors = [pid for pid, command in still.items() if "tools.procfile" in command]
+        shells = {pid: _signal_state(pid) for pid in [cells_run.process.process.pid, *supervisors]}
+        pytest.fail(
+            f"make run still running 60 s after SIGINT; run-local's and the supervisor's signal state: {shells}; "
+            f"still running: {still}\n{cells_run.log()[-4000:]}"
+        )
     assert status == 0, cells_run.log()[-3000:]
     assert not [pid for pid in every if _live(pid)]
     assert cells_run.log().count("stopped the redis-server it started") == 2
