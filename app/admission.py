@@ -5,9 +5,9 @@ contract.jobs.intake's take_in, contract.admission.token_bucket).
 A request meets `Admission` first for its rate (`limit_rate`, and `failed_authentication` for an address that
 failed to authenticate): a key over `auth.rate_per_s` is a 429. A submission then meets it twice. Before its body
 is read (`before_body`): a request whose model and size are known (a `model=` query, or a body that is the image)
-is routed now and its bytes reserved, so an unknown model or a full backlog costs no upload. After (`route_body`,
-then `take_in`): routed if it was not, then admitted with its job made, in one step (contract.jobs.intake's
-take_in). Where the result cache may answer (contract.cache), the
+is routed now and its bytes reserved, so an unknown model or a full backlog costs no upload. After, in one call
+(`take`: `route_body`, then `take_in`): routed if it was not, then admitted with its job made, in one step
+(contract.jobs.intake's take_in). Where the result cache may answer (contract.cache), the
 admission waits for the body: the lookup and, on a miss, the admission are one step in Redis, and a hit is a job
 ended already, admitted by nothing (it adds nothing to wait). The `Reservation` a submission holds says what was
 admitted, on which tenant's queue its job goes (the API key's own while a CPU worker takes them); `stored` hands
@@ -33,7 +33,7 @@ import ipaddress
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
@@ -57,6 +57,13 @@ from contract.settings import Settings
 from contract.settings.models import Catalogue, ModelSpec, UnknownModel
 
 log = logging.getLogger(__name__)
+
+
+Route = tuple[str | None, int, bool | None]  # take's: the model's reference, the body's size, the cache option
+Taken = tuple[CacheHit, dict[str, Any], dict[str, float]]  # a cache hit's: the hit, the job's fields, its time bill
+# Admission.take's hand-off to the caller's part: the job's id, its upload, its fields, its task for a queue
+TakeIn = Callable[[str, bytes, dict[str, Any], Callable[[str], tuple[str, bytes]]], Taken | None]
+T = TypeVar("T")
 
 
 @dataclass
@@ -182,6 +189,20 @@ class Admission:
             self._take(reservation, spec, size)
         return spec
 
+    def take(self, reservation: Reservation, route: Route, job_for: Callable[[ModelSpec, TakeIn], T]) -> T:
+        """The reservation's life after the body, in one call: routed (route_body; `route`: the model's reference,
+        the body's size, the cache option), then `job_for(spec, take_in)` makes its job (the route's checks that need
+        the model, the store's id and fields) and hands it to `take_in`, which takes it in on this reservation
+        (take_in). The reservation stays here: the caller's part sees the model it was routed to, not it."""
+        spec = self.route_body(reservation, *route)
+
+        def take_in(
+            job_id: str, data: bytes, fields: dict[str, Any], task_for: Callable[[str], tuple[str, bytes]]
+        ) -> Taken | None:
+            return self.take_in(reservation, job_id, data, fields, task_for)
+
+        return job_for(spec, take_in)
+
     def take_in(
         self,
         reservation: Reservation,
@@ -189,7 +210,7 @@ class Admission:
         data: bytes,
         fields: dict[str, Any],
         task_for: Callable[[str], tuple[str, bytes]],
-    ) -> tuple[CacheHit, dict[str, Any], dict[str, float]] | None:
+    ) -> Taken | None:
         """The submission's job made, in one step in Redis (JobIntake.take_in): the result cache's lookup where it
         may answer, the budgets' admission unless its bytes were reserved before its body was read, its decode's
         charge to its key, the job and its task (`task_for(queue)`: the Celery queue's list and the message). On a

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from contextlib import nullcontext
 
 from flask import Blueprint, Response, g, request
@@ -87,38 +88,33 @@ log = logging.getLogger("api")
         ),
     },
 )
-def submit_job() -> tuple[Response, int, dict[str, str]]:
+def submit_job() -> placing.Answer:
     services = current_services()
     # A misspelt query option (`maxdet=1`) was refused before this (app.queries), before the body is read.
     wait_s = wait_seconds(services.settings.api.max_wait_s)  # refused before the body is read
-    declared = declared_length(request.environ, services.settings.api.max_upload_bytes)
+    length = declared_length(request.environ, services.settings.api.max_upload_bytes)
     # A long-poll and a body each hold this process's memory and a connection: counted (app.holds) before
     # anything is read, and refused at once past the client's or the process's bounds.
     client = g.get("client_id") or ""
     hold = BodyHold(services.holds, client)
     with services.holds.wait(client, wait_s) if wait_s > 0 else nullcontext(), hold:
-        hold.take(declared or 0)  # a chunked body's bytes are taken as they come (read_submission)
-        reference = request.args.get("model")
-        placement = placing.before_body(
-            services,
-            reference,
-            lambda cell: cell.admission.before_body(
-                reference,
-                declared,
-                client_id=client,
-                model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
-            ),
+        hold.take(length or 0)  # a chunked body's bytes are taken as they come (read_submission)
+        declared = placing.Declared(
+            request.args.get("model"),
+            length,
+            client,
+            model_in_form="model" not in request.args and request.mimetype == "multipart/form-data",
         )
-        try:
-            return _accept(services, placement, wait_s, hold)
-        except BaseException:
-            placement.give_back()  # refused after the reservation: a bad option, Redis away
-            raise
+        # One call to the placement: the reservation is made, routed and taken in within app.placing and
+        # app.admission, which call back here for the body (_accept).
+        return placing.submit(services, declared, lambda: _accept(services, wait_s, hold))
 
 
 def _accept(
-    services: Services, placement: placing.Placement, wait_s: float, hold: BodyHold
-) -> tuple[Response, int, dict[str, str]]:
+    services: Services, wait_s: float, hold: BodyHold
+) -> tuple[placing.Route, Callable[[ModelSpec], placing.Submission]]:
+    """The route's own work on the body: read and checked, its options validated; its route (the model's reference,
+    the body's size, the cache option) and the checks that need the model it is routed to."""
     settings = services.settings
     options_model = submit_options(settings)
     data, declared_type, form = read_submission(request, settings.api, fields=options_model.model_fields, hold=hold)
@@ -143,8 +139,7 @@ def _accept(
         callback_url = checked_callback_url(options.callback_url, settings)
         return placing.Submission(spec, data, media_type, options, deadline_ms, callback_url, g.received_at, wait_s)
 
-    # One call to the placement: the reservation stays in app.placing and app.admission from here.
-    return placement.take(services, (options.model, len(data), options.cache), submission_for)
+    return (options.model, len(data), options.cache), submission_for
 
 
 @blueprint.get("/<job_id>")

@@ -20,7 +20,7 @@ import redis
 from flask import Response, g, url_for
 
 from app import metrics
-from app.admission import Reservation
+from app.admission import Reservation, Route, TakeIn
 from app.cells import CellServices, cell_unreachable
 from app.job_bodies import document_response, job_response
 from app.problems import Problem
@@ -50,7 +50,40 @@ class Submission:
     wait_s: float
 
 
-Route = tuple[str | None, int, bool | None]  # route_body's: the model's reference, the body's size, the cache option
+Answer = tuple[Response, int, dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Declared:
+    """What a submission says of itself before its body is read: the model's `model=` query, its Content-Length
+    (None: chunked), its API key's id, and whether a multipart body may name the model itself."""
+
+    reference: str | None
+    length: int | None
+    client_id: str
+    model_in_form: bool
+
+
+def submit(
+    services: Services, declared: Declared, read: Callable[[], tuple[Route, Callable[[ModelSpec], Submission]]]
+) -> Answer:
+    """A submission from its reservation to its answer, in one call: reserved before its body is read (`declared`:
+    what the request says of itself then), its body read by `read()` (the route's own work: its route, and the
+    checks that need its model), then routed and its job made (Placement.take). The reservation stays here and in
+    app.admission; whatever refuses it after it was made gives its bytes back."""
+    placement = before_body(
+        services,
+        declared.reference,
+        lambda cell: cell.admission.before_body(
+            declared.reference, declared.length, client_id=declared.client_id, model_in_form=declared.model_in_form
+        ),
+    )
+    try:
+        route, submission_for = read()
+        return placement.take(services, route, submission_for)
+    except BaseException:
+        placement.give_back()  # refused after the reservation: a bad option, Redis away
+        raise
 
 
 class Placement:
@@ -63,33 +96,31 @@ class Placement:
     def give_back(self) -> None:
         self.cell.admission.give_back(self.reservation)
 
-    def take(
-        self, services: Services, route: Route, submission_for: Callable[[ModelSpec], Submission]
-    ) -> tuple[Response, int, dict[str, str]]:
-        """The route's one call after the body: routed (route_body, with `route`'s model reference, size and cache
-        option), made whole by `submission_for(spec)` (the route's checks that need its model), then placed."""
-        spec = self.route_body(services, *route)
-        return self.place(services, submission_for(spec))
-
-    def route_body(self, services: Services, reference: str | None, size: int, cache: bool | None) -> ModelSpec:
-        """Admission's route_body in the submission's cell (app.admission), in another if that one does not answer."""
-        try:
-            return self.cell.admission.route_body(self.reservation, reference, size, cache)
-        except (redis.RedisError, Problem) as exc:
-            spec = self.reservation.spec
-            self._move(services, exc, spec.key if spec else None)
-            return self.cell.admission.route_body(self.reservation, reference, size, cache)
-
-    def place(self, services: Services, submission: Submission) -> tuple[Response, int, dict[str, str]]:
-        """The submission's job made in its cell, or in another if that one does not answer or has no room."""
-        try:
-            answer = _store(services, self.cell, self.reservation, submission)
-        except (redis.RedisError, Problem) as exc:
-            self._move(services, exc, submission.spec.key)
-            self.cell.admission.route_body(self.reservation, None, len(submission.data), submission.options.cache)
-            answer = _store(services, self.cell, self.reservation, submission)
-        metrics.CELL_SUBMITTED.labels(self.cell.name).inc()
-        return answer
+    def take(self, services: Services, route: Route, submission_for: Callable[[ModelSpec], Submission]) -> Answer:
+        """The submission after its body, one call to its cell's admission (Admission.take): routed (with
+        `route`'s model reference, size and cache option), made whole by `submission_for(spec)` (the route's checks
+        that need its model), then its job made (_store); in another cell, routed as it was, if that one does not
+        answer or has no room. The checks' refusal is the route's own: answered as it is, never a move."""
+        checks = _Checks(submission_for)
+        client_id = self.reservation.client_id
+        for attempt in (0, 1):
+            stores = checks.stores
+            try:
+                answer = self.cell.admission.take(
+                    self.reservation, route, _job_in(services, self.cell, client_id, checks)
+                )
+            except (redis.RedisError, Problem) as exc:
+                in_store = checks.stores > stores  # it failed in the store, not in the routing
+                # Each step is moved once: a routing after a move, or a second store, fails as it is (_move raises
+                # too, once the submission has moved, having counted the cell that did not answer).
+                if checks.refused or (checks.stores > 1 if in_store else attempt > 0):
+                    raise
+                spec = self.reservation.spec
+                self._move(services, exc, spec.key if spec else None)
+                continue
+            metrics.CELL_SUBMITTED.labels(self.cell.name).inc()
+            return answer
+        raise AssertionError("a submission moves once: _move raised")
 
     def _move(self, services: Services, exc: Exception, model_key: str | None) -> None:
         """To another cell that is up, its reservation here given back; `exc` again when there is none."""
@@ -104,6 +135,33 @@ class Placement:
         self.give_back()
         moved = Reservation(client_id=self.reservation.client_id, spec=self.reservation.spec)  # routed as it was
         self.cell, self.reservation, self.moved = other, moved, True
+
+
+class _Checks:
+    """The route's checks that need the model, made once: a submission moved after them is not checked again."""
+
+    def __init__(self, submission_for: Callable[[ModelSpec], Submission]) -> None:
+        self.submission_for = submission_for
+        self.submission: Submission | None = None
+        self.refused = False  # they raised: the route's answer, not the cell's
+        self.stores = 0  # the stores begun, each after the checks
+
+    def __call__(self, spec: ModelSpec) -> Submission:
+        if self.submission is None:
+            try:
+                self.submission = self.submission_for(spec)
+            except BaseException:
+                self.refused = True
+                raise
+        self.stores += 1
+        return self.submission
+
+
+def _job_in(
+    services: Services, cell: CellServices, client_id: str, checks: _Checks
+) -> Callable[[ModelSpec, TakeIn], Answer]:
+    """What Admission.take calls back once routed: the checks, then the job made in `cell` with its `take_in`."""
+    return lambda spec, take_in: _store(services, cell, client_id, checks(spec), take_in)
 
 
 def before_body(services: Services, reference: str | None, reserve: Callable[[CellServices], Reservation]) -> Placement:
@@ -124,9 +182,7 @@ def before_body(services: Services, reference: str | None, reserve: Callable[[Ce
         return placement
 
 
-def _store(
-    services: Services, cell: CellServices, reservation: Reservation, submission: Submission
-) -> tuple[Response, int, dict[str, str]]:
+def _store(services: Services, cell: CellServices, client_id: str, submission: Submission, take_in: TakeIn) -> Answer:
     """The submission's job made in `cell`: its id there, the cache's answer or its admission, the job and its task
     stored, and with `wait` the wait for its end."""
     spec, data, received_at = submission.spec, submission.data, submission.received_at
@@ -134,7 +190,7 @@ def _store(
     options, media_type, callback_url = submission.options, submission.media_type, submission.callback_url
     deadline_ms = submission.deadline_ms
     # Checked against the key it is issued to (contract.jobs.ids), on a shard not found down lately.
-    job_id = cell.store.bulk.new_job_id(lambda: services.job_ids.new(reservation.client_id, cell=cell.index))
+    job_id = cell.store.bulk.new_job_id(lambda: services.job_ids.new(client_id, cell=cell.index))
     fields = {
         "model": spec.key,
         RECEIVED_AT: received_at,
@@ -142,7 +198,7 @@ def _store(
         "options": options.for_model(),
         "media_type": media_type,
         "bytes": len(data),
-        **({"owner": reservation.client_id} if reservation.client_id else {}),
+        **({"owner": client_id} if client_id else {}),
         **({"callback_url": callback_url} if callback_url else {}),
     }
     # With wait: listening before the job exists, so an end that comes before the wait starts still wakes it.
@@ -150,9 +206,7 @@ def _store(
     try:
         # The key's own queue, as admitted (fairness). The job and its Celery task in one step, with its admission
         # and the cache's lookup: a Redis that is down is a 503 for both, never half.
-        answered = cell.admission.take_in(
-            reservation, job_id, data, fields, lambda queue: (cell.keys.celery_queue(queue), task(job_id, queue))
-        )
+        answered = take_in(job_id, data, fields, lambda queue: (cell.keys.celery_queue(queue), task(job_id, queue)))
         if answered is not None:  # the cache's: the job is over already, stored as the 202 says
             (status, document), stored, timings = answered
             log.info("job answered from the cache", extra={"job_id": job_id, "model": spec.key, "status": status})

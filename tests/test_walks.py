@@ -1,4 +1,5 @@
-"""A value's walk through the product's files (bench.meters.walks): a submission's reservation, a claim's job id (on
+"""A value's walk through the product's files (bench.meters.walks): a submission's reservation (from the step that
+takes its body in, and its whole life from the call that makes it), a claim's job id (on
 its way to the frame's push, and on its two ways to an end of the claim's own: a failed decode, a late job) and a
 read's job id each enter at most 4 files and come back to a file they left at most twice. A step's orchestrator calls
 one facade per step, each facade names its own keys, and an id is checked once at the edge (docs/architecture.md)."""
@@ -22,7 +23,7 @@ def walks(redis_server) -> Iterator[dict[str, Walk]]:
     yield measure(redis_server.url, namespace="test-walks")
 
 
-@pytest.mark.parametrize("name", ["submission", "claim", "read", "claim failed", "claim late"])
+@pytest.mark.parametrize("name", ["submission", "submission made", "claim", "read", "claim failed", "claim late"])
 def test_each_walk_enters_at_most_four_files_and_comes_back_at_most_twice(walks, name):
     walk = walks[name]
     assert len(walk.files) <= MOST_FILES and walk.returns <= MOST_RETURNS, walk.report()
@@ -32,7 +33,7 @@ def test_each_walk_enters_at_most_four_files_and_comes_back_at_most_twice(walks,
 
 def test_the_walks_go_where_their_steps_go(walks):
     """Each walk reached the facade its step hands the value to: a count that lost the value early would pass."""
-    assert walks["submission"].files[:3] == ["app/jobs.py", "app/placing.py", "app/admission.py"]
+    assert walks["submission"].files == ["app/placing.py", "app/admission.py"]
     assert (
         "contract/jobs/handoff.py" in walks["claim"].files and "contract/frames/frame_push.py" in walks["claim"].files
     )
@@ -49,13 +50,15 @@ def test_the_walks_go_where_their_steps_go(walks):
 
 def test_the_reservation_is_followed_from_where_it_is_made(walks):
     """The submission's reservation from the call that makes it (Admission.before_body) to the step that hands its
-    bytes to the job: measured, not held at 2 returns. Made in app/admission.py, held by app/placing.py's Placement,
-    which app/jobs.py holds while it reads the body, it goes back and forth between the three (docs/architecture.md)."""
+    bytes to the job, held above like the others: made in app/admission.py, held by app/placing.py's Placement while
+    app/jobs.py reads the body (called back, it never sees the reservation), then routed and taken in by one call
+    back into app/admission.py (Admission.take), which hands the store only its `take_in` (docs/architecture.md)."""
     made = walks["submission made"]
     assert made.stops[0] == Stop("app/admission.py", "Admission.before_body"), made.report()
-    assert made.files == ["app/admission.py", "app/jobs.py", "app/placing.py"], made.report()
+    assert made.files == ["app/admission.py", "app/placing.py"], made.report()
+    assert made.trail == ["app/admission.py", "app/placing.py", "app/admission.py"], made.report()
     assert Stop("app/admission.py", "Admission.take_in") in made.stops  # followed to its bytes' hand-off
-    # the part from `_accept` on is the "submission" walk's, at its end
+    # the part from `Placement.take` on is the "submission" walk's, at its end
     assert made.stops[-len(walks["submission"].stops) :] == walks["submission"].stops
 
 

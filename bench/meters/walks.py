@@ -13,11 +13,12 @@ in a file left before, up to the walk's last stop (a facade that calls a helper 
 What the value meets outside the product (Redis's client, Flask, the standard library) is not counted, nor is any call
 made in another thread.
 
-Five walks are measured, each on a real step against a private Redis: a submission's reservation (`_accept`, the
-API's test client posting an image; beside it, printed and not held, the same from the call that makes it:
-`follow_from_birth`), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job the API made), a read's job
-id (`get_job`), and the claim's two ways to end a job itself: one whose image does not decode (it ends failed) and one
-found late (it ends expired). tests/test_walks.py holds each at what docs/architecture.md says.
+Six walks are measured, each on a real step against a private Redis: a submission's reservation (`Placement.take`,
+the step after its body is read, the API's test client posting an image; and the same reservation's whole life, from
+the call that makes it: `follow_from_birth`), a claim's job id (`Preprocessor.run`, the CPU worker's step on a job
+the API made), a read's job id (`get_job`), and the claim's two ways to end a job itself: one whose image does not
+decode (it ends failed) and one found late (it ends expired). tests/test_walks.py holds each at what
+docs/architecture.md says.
 """
 
 from __future__ import annotations
@@ -310,7 +311,7 @@ def private_api(redis_url: str, namespace: str = "walks") -> Iterator[Any]:
 
 
 def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -> dict[str, Walk]:
-    """The five walks on one API and one CPU worker's step, against the Redis at `redis_url` (a fresh one, or a
+    """The six walks on one API and one CPU worker's step, against the Redis at `redis_url` (a fresh one, or a
     namespace of its own): a submission (and another's reservation from where it is made), its job's claim, then its
     read; then the claims of a job whose image does not decode and of a job found late."""
     from app.services import services
@@ -330,13 +331,13 @@ def measure(redis_url: str, namespace: str = "walks", documents: bool = False) -
         answer, walks["submission"] = follow(
             "a submission's reservation",
             submit,
-            "app/jobs.py:_accept",
-            lambda local: local["placement"].reservation,
+            "app/placing.py:take",
+            lambda local: local["self"].reservation,
             documents,
         )
         if answer.status_code != 202:
             raise RuntimeError(f"the submission answered {answer.status_code}: {answer.get_data(as_text=True)}")
-        # The same reservation's whole life, from the call that makes it (printed beside, not held: see the test)
+        # The same reservation's whole life, from the call that makes it, through the body's reading to its job
         answer, walks["submission made"] = follow_from_birth(
             "a submission's reservation from where it is made",
             submit,
