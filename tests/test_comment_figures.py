@@ -3,10 +3,11 @@
 Only the kinds of figure that are never a configured limit or a protocol constant are caught: a count of
 microseconds or instructions (or its order: "hundreds of instructions"), Redis's `used_memory` beside a number, a
 profiler cited, a count a run reached written with thousands commas ("6,000 requests", "2,978 times"; a limit, "at
-most", "up to" or "the last" so many, is left), what a step took ("read 14 ms"), a before and after ("went from",
-"180 ms -> 95 ms"), a ratio ("3.2x"), a percentage outside contract/settings/ (where a setting's doc says what its
-value means), an issue's or a pull request's number ("issue 58", "#58", "PR 58", "gh-58"). A comment may still name a
-limit ("12 ms window", "1 MiB a chunk"): those are settings, not measurements.
+most", "up to" or "the last" so many, is left), what a step took ("read 14 ms", "took 45 microseconds", "p99 was 180
+ms"), a before and after ("went from", "180 ms -> 95 ms"), a ratio ("3.2x", "3.2 times cheaper"), a percentage
+outside contract/settings/ (where a setting's doc says what its value means), an issue's or a pull request's number
+("issue 58", "#58", "PR 58", "gh-58", .../issues/58). A comment may still name a limit ("12 ms window", "1 MiB a
+chunk"): those are settings, not measurements.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ MEASURED = re.compile(
     r"|\bused_memory\b[^.;]{0,40}?\d[\d,.~-]*\s*(?:bytes|[KMG]i?B)\b"  # what Redis's memory grew by
     r"|\b(?:py-spy|callgrind|cProfile)\b"  # a profile's finding
     r"|(?<!\bmost )(?<!\bto )(?<!\blast )\b\d{1,3}(?:,\d{3})+\s+[a-z]+s\b"  # a count a run reached
-    r"|\b(?:took|read|measured|spent|cost)\s+(?:about\s+|~)?\d[\d,.]*\s*(?:ns|µs|us|ms|s)\b"  # what a step took
+    r"|\b(?:took|read|measured|spent|cost)\s+(?:about\s+|~)?\d[\d,.]*\s*(?:ns|µs|us|ms|s|(?:milli)?seconds?)\b"  # took
     r"|\b(?:went|dropped|fell|rose|grew|climbed)\s+from\s+~?\d"  # a before and after
     rf"|\d[\d.,]*\s*{_UNIT}\s*(?:->|→)\s*~?\d"  # the same, as an arrow
     r"|(?<![\w.])\d+(?:\.\d+)?[x×](?!\w)"  # a ratio between two runs
-    r"|\bissues?\s*#?\d+|(?<![\w&])#\d+\b|\bPR\s*#?\d+\b|\bgh-\d+\b",  # git log holds those
+    r"|\b\d[\d,.]*\s*(?:nano|micro)seconds?\b"  # a timing, its unit spelled out
+    r"|\bp\d{2}\s+(?:was|of|at)\s+~?\d"  # a latency percentile a run read
+    r"|(?<![\w.])\d+(?:\.\d+)?\s+times\s+(?:cheaper|faster|slower|costlier|more|less|fewer)\b"  # a ratio
+    r"|\bissues?\s*#?\d+|(?<![\w&])#\d+\b|\bPR\s*#?\d+\b|\bgh-\d+\b|/(?:issues|pull)/\d+",  # git log holds those
     re.IGNORECASE,
 )
 PERCENT = re.compile(r"\d[\d.]*\s*%")  # a share a run measured; a setting's doc (contract/settings/) may say one
@@ -45,13 +49,26 @@ def figures_in(path: Path, text: str) -> bool:
 
 
 def _docstrings(tree: ast.Module) -> list[tuple[int, str]]:
+    """Every string that stands as a statement: docstrings, and the strings written as comments anywhere else (after
+    an assignment, mid-body), which Python keeps in the source as a docstring is."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
-            first = node.body[0]
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                if isinstance(first.value.value, str):
-                    found += [(first.lineno + n, line) for n, line in enumerate(first.value.value.splitlines())]
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            found += [(node.lineno + n, line) for n, line in enumerate(node.value.value.splitlines())]
+    return found
+
+
+def _lua_comments(source: str) -> list[tuple[int, str]]:
+    """Every `--` comment of a Lua file, and each line of its `--[[ ... ]]` blocks."""
+    found, in_block = [], False
+    for n, line in enumerate(source.splitlines(), 1):
+        if in_block:
+            found.append((n, line))
+            in_block = "]]" not in line
+        elif "--" in line:
+            comment = line.split("--", 1)[1]
+            found.append((n, comment))
+            in_block = comment.startswith("[[") and "]]" not in comment
     return found
 
 
@@ -59,7 +76,7 @@ def comments_of(path: Path) -> list[tuple[int, str]]:
     """(line, text) of every comment and docstring line of a Python file, or every `--` comment of a Lua file."""
     source = path.read_text()
     if path.suffix == ".lua":
-        return [(n, line.split("--", 1)[1]) for n, line in enumerate(source.splitlines(), 1) if "--" in line]
+        return _lua_comments(source)
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
     comments = [(token.start[0], token.string) for token in tokens if token.type == tokenize.COMMENT]
     return comments + _docstrings(ast.parse(source))
@@ -94,6 +111,11 @@ def test_the_pattern_catches_each_kind_and_leaves_limits_alone():
         "the share rose (#58)",
         "as PR 58 found",
         "since gh-58",
+        "the claim took 45 microseconds",
+        "p99 was 180 milliseconds",
+        "the read took 180 milliseconds",
+        "a table reply is 3.2 times costlier",
+        "see https://github.com/celery/kombu/issues/58",
     ]
     left = [
         "a batch's window (12 ms) spans several looks (2 ms apart)",
@@ -109,6 +131,8 @@ def test_the_pattern_catches_each_kind_and_leaves_limits_alone():
         "held + this one <= share x (limit - the rest) / limit",
         "args[#args + 1], the 2nd look",
         "a read takes one round trip",
+        "a deadline in milliseconds, a window of 12 milliseconds",
+        "tried three times more",
     ]
     outside, settings = Path("app") / "uploads.py", SETTINGS / "__init__.py"
     assert [text for text in caught if not figures_in(outside, text)] == []
