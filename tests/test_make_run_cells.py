@@ -86,7 +86,11 @@ def checkout(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @contextmanager
 def running_cells(name: str, root: Path, env: dict[str, str]) -> Iterator[CellsRun]:
     """make run (scripts/run-local) of the checkout at `root` with `env`, from its ready line until the block ends."""
-    process = ManagedProcess(name, [str(root / "scripts" / "run-local")], env, root.parent, root=root)
+    # Started as a shell's background job is (`make run &` in a script, a CI step run with &): SIGINT ignored from
+    # the start, which bash cannot trap; run-local starts itself again with SIGINT at its default, and the SIGINT
+    # test below holds that.
+    run_local = str(root / "scripts" / "run-local")
+    process = ManagedProcess(name, ["bash", "-c", 'trap "" INT; exec "$0"', run_local], env, root.parent, root=root)
     run = CellsRun(root, process, f"http://{env['IMGSERVE_API__BIND']}", env, ("flower", FLOWER_PASSWORD))
     try:
         wait_until(lambda: "make run: ready at" in run.log() or not process.alive(), 240, what="make run's ready line")
