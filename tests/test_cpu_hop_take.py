@@ -6,6 +6,7 @@ it back. Every reader of the holds (the reaper, restore_unheld, a reject, a clos
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -224,3 +225,84 @@ def test_a_take_that_fails_keeps_its_acks_for_the_next_one(worker):
         client.rename("saved", keys.celery_queue(QUEUE))
         drain_until(connection, lambda: len(messages) == 2)
         assert held(client, keys) == {messages[1].delivery_tag}  # the ack rode on the take that brought it
+
+
+class Rider:
+    """A read that rides on each take (tasks.hop.broker.TakeRider): what it sent and what it was given back."""
+
+    def __init__(self, *commands: tuple[Any, ...]) -> None:
+        self.commands = list(commands)
+        self.given: list[list[Any]] = []
+
+    def ride(self) -> list[tuple[Any, ...]]:
+        return list(self.commands)
+
+    def took(self, replies: list[Any]) -> None:
+        self.given.append(replies)
+
+
+def test_a_rider_reads_in_each_take_and_its_error_does_not_fail_the_take(worker):
+    """Under load a rider's commands go in each take's pipeline (no round trip of their own) and their replies come
+    back to it; a rider's command that fails is handed to it as its error, and the take's messages still arrive."""
+    connection, client, keys, queue = worker
+    client.hset("depths", mapping={"a": 3, "b": 5})
+    client.rpush("not-a-hash", "x")
+    publish(connection, queue, *[f"task {n}" for n in range(4)])
+    seen: list[str] = []
+    rider = Rider(("HMGET", "depths", "a", "b"), ("HMGET", "not-a-hash", "a"))
+
+    def on_message(body: str, message: Any) -> None:
+        seen.append(body)
+        message.ack()
+
+    client.config_resetstat()
+    with connection.Consumer(queue, callbacks=[on_message], prefetch_count=1) as consumer:
+        consumer.channel.rider = rider
+        drain_until(connection, lambda: len(seen) == 4)
+    assert seen == [f"task {n}" for n in range(4)]
+    assert len(rider.given) >= 4  # a take a message, at least (and the one that found the queue empty)
+    for depths, failed in rider.given:
+        assert depths == [b"3", b"5"]
+        assert isinstance(failed, redis.ResponseError) and "WRONGTYPE" in str(failed)
+    # Every HMGET rode on a take: as many as the takes that carried the rider, none sent alone.
+    assert calls(client)["hmget"] == 2 * len(rider.given)
+
+
+def test_a_busy_workers_full_list_check_reads_the_depths_its_last_take_brought(worker, tmp_path):
+    """The CPU worker's pause check (tasks.hop.full_lists) rides on the consumer's takes while its checks come close:
+    within the check's period of a take it reads no Redis of its own, and past it (a worker not taking) it reads the
+    depths itself."""
+    from types import SimpleNamespace
+
+    from contract.settings.config import load_settings
+    from tasks.hop.celery_app import make_celery
+    from tasks.hop.full_lists import CLOSE_CHECK_S, PauseWhileFrameListFull
+
+    connection, client, keys, queue = worker
+    loaded = load_settings()
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    settings = dataclasses.replace(
+        loaded, redis_url=url, namespace="take", bulk=dataclasses.replace(loaded.bulk, redis_urls=(url,))
+    )
+    step = PauseWhileFrameListFull(SimpleNamespace(app=make_celery(settings)))
+    step.client = redis.Redis.from_url(url)
+    models = [spec.key for spec in settings.models]
+    client.hset(keys.frames_waiting, mapping={model: 7 + n for n, model in enumerate(models)})
+    assert step.ride() == []  # calm: its checks come seldom and read for themselves
+    step.busy_until = time.monotonic() + 60  # a list half full lately: its checks come close
+    publish(connection, queue, "task")
+    seen: list[str] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: seen.append(body)], prefetch_count=1) as consumer:
+        step._ride_the_takes(SimpleNamespace(task_consumer=consumer))
+        assert consumer.channel.rider is step
+        drain_until(connection, lambda: bool(seen))
+    assert step.taken_depths == [7 + n for n in range(len(models))]
+    client.config_resetstat()
+    step.taken_at = time.monotonic()  # as fresh as a take just sent
+    assert step._depths() == [7 + n for n in range(len(models))]
+    assert "hmget" not in calls(client)
+    client.hset(keys.frames_waiting, models[0], 40)
+    step.taken_at = time.monotonic() - 2 * CLOSE_CHECK_S  # the last take is older than a check's period
+    assert step._depths()[0] == 40
+    assert calls(client)["hmget"] == 1
+    step.client.close()

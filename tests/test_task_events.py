@@ -83,3 +83,52 @@ def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
             assert {"task-received", "task-started", "task-succeeded"} <= set(kinds), kinds
         # Celery alone sends about one message per event at this pace; batched, several travel together.
         assert len(message_sizes) * 3 <= sum(message_sizes), message_sizes
+
+
+def test_a_busy_workers_events_wait_for_the_interval_not_for_celerys_24(tmp_path) -> None:
+    """The batching step raises Celery's buffer bound: thirty tasks' events (ninety) wait for the interval's flush and
+    leave in one PUBLISH, where Celery alone publishes at every 24th; past the new bound one leaves at once."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    import redis
+    from kombu.asynchronous.timer import Timer
+
+    from bench.stack.processes import RedisServer
+    from contract.settings.config import load_settings
+    from tasks.hop.event_batching import EVENTS_A_MESSAGE, BatchTaskEvents
+
+    server = RedisServer(tmp_path)
+    client = redis.Redis(port=server.port)
+    settings = dataclasses.replace(load_settings(), redis_url=server.url, namespace="events")
+    app = make_celery(settings)
+    try:
+        with app.connection_for_write() as connection:
+            dispatcher = app.events.Dispatcher(connection, hostname="w@test", buffer_group=["task"])
+            flushed: list[int] = []
+            consumer = SimpleNamespace(
+                event_dispatcher=dispatcher,
+                hub=object(),
+                timer=Timer(),
+                _flush_events=lambda: (flushed.append(1), dispatcher.flush()),
+            )
+            step = BatchTaskEvents(SimpleNamespace(app=app))
+            step.start(consumer)
+
+            def publishes() -> int:
+                return int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+
+            for n in range(30):
+                for kind in ("task-received", "task-started", "task-succeeded"):
+                    dispatcher.send(kind, uuid=f"task-{n}")
+            assert publishes() == 0  # 90 events buffered: Celery alone would have published three times
+            step.stop(consumer)  # what the interval's timer does, at a stop
+            assert flushed and publishes() == 1
+            for n in range(EVENTS_A_MESSAGE):
+                dispatcher.send("task-received", uuid=f"more-{n}")
+            assert publishes() == 2  # the bound reached: at once, not at the interval
+            consumer.timer.stop()
+            dispatcher.close()
+    finally:
+        client.close()
+        server.stop()

@@ -34,6 +34,10 @@ flush what waits (a worker killed with an ack waiting has that message sent agai
 task). Every take names one list a queue (`priority_steps: [0]`: no task is sent a priority). A message a worker
 of 0.1.0 held in kombu's `unacked` hash comes back through kombu's restore.
 
+A take carries one more read when a step of the consumer asks for it (TakeRider): the CPU worker's pause check
+(tasks.hop.full_lists) reads the frame lists' depths there while a list is half full, instead of a round trip of its
+own each check, so a busy worker's checks cost the control plane commands inside a pipeline, not round trips.
+
 The only Lua on the control plane outside the library (contract/library) is kombu's and redis-py's own, none a step
 of a job: redis-py's Lock release on `unacked_mutex`, and kombu's binding refresh (the remote-control queue's) and
 sweep (each minute), as cached scripts they load again themselves when Redis has lost them; an outside check
@@ -49,7 +53,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Any
+from typing import Any, Protocol
 
 import kombu.transport as kombu_transport
 import redis
@@ -193,6 +197,18 @@ class HeldQoS(kombu_redis.QoS):
 TAKE_AT_MOST = 8  # messages one take may bring, within the consumer's prefetch credit
 
 
+class TakeRider(Protocol):
+    """Another of the consumer's reads that rides on each take: its commands go in the take's pipeline (after the
+    moves) and its replies come back to it, so that a busy worker, which takes often, makes no round trip of its own
+    for them (tasks.hop.full_lists: the frame lists' depths)."""
+
+    def ride(self) -> list[tuple[Any, ...]]:
+        """The commands to send with this take (none: nothing rides)."""
+
+    def took(self, replies: list[Any]) -> None:
+        """The replies to `ride`'s commands, in order, read with the take's (a command that failed: its error)."""
+
+
 class Channel(kombu_redis.Channel):
     QoS = HeldQoS
     _sync_client: Any = None
@@ -204,6 +220,8 @@ class Channel(kombu_redis.Channel):
     _take_listed: dict[str, bytes] = {}  # their held list entries, kept in case the take fails
     _take_replies = 0  # replies the take in flight has to read: its acks' commands, then its moves
     _moves: list[str] = []  # the queue of each of the take's LMOVEs, in order
+    rider: TakeRider | None = None  # set by the consumer's step that rides (tasks.hop.full_lists)
+    _riding = 0  # how many of the take in flight's replies are the rider's (the last ones)
     # Messages a take brought beyond the consumer's credit (it moves from each of its queues: a take over two with
     # credit for one may bring two). Held in the list already; delivered by the next poll, given back at a close.
     _spare: list[tuple[str, dict[str, Any]]] = []
@@ -244,6 +262,9 @@ class Channel(kombu_redis.Channel):
         self._moves = [] if most <= 0 else [queues[0]] * max(1, most - len(queues) + 1) + queues[1:]
         for queue in self._moves:
             commands.append(("LMOVE", prefix + self._q_for_pri(queue, 0), self.qos.held_key, "RIGHT", "LEFT"))
+        riding = self.rider.ride() if self.rider is not None and commands else []
+        self._riding = len(riding)
+        commands += riding
         self._take_replies = len(commands) + (0 if commands else 1)
         connection = self.client.connection
         self._in_poll = connection
@@ -272,6 +293,10 @@ class Channel(kombu_redis.Channel):
         finally:
             self._in_poll = None  # type: ignore[assignment]  # kombu's own, typed bool
             self._flush_brpop_reauth()
+        if self._riding:
+            replies, riders = replies[: -self._riding], replies[-self._riding :]
+            if self.rider is not None:
+                self.rider.took(riders)  # its own errors are its own: the take stands
         spare = list(self._spare)
         for queue, item in zip(self._moves, replies[len(replies) - len(self._moves) :]):
             if isinstance(item, bytes):

@@ -7,9 +7,9 @@ Redis a PUBLISH and Flower a pub/sub read, a decode and a thread hand-off
 (docs/benchmarks/2026-12-02-stack-cpu-by-role.md). This step makes the buffer
 wait `celery.events_flush_ms` after its first event instead, so a message
 carries every event of that interval (Celery still publishes at once when 24
-are waiting). Flower shows the same tasks with the same times (each event is
-stamped when it happens); it hears of them up to that interval later. 0 keeps
-Celery's own behaviour.
+are waiting: EVENTS_A_MESSAGE raises that bound, below). Flower shows the same
+tasks with the same times (each event is stamped when it happens); it hears of
+them up to that interval later. 0 keeps Celery's own behaviour.
 """
 
 from __future__ import annotations
@@ -19,6 +19,11 @@ from typing import Any
 from celery import bootsteps
 
 from tasks.hop.celery_app import settings_of
+
+# Celery publishes a buffer at 24 events (8 tasks), which a busy worker fills many times an interval: each a round
+# trip to the control plane. A bound ten times that keeps a message small for Flower to read (about a hundred KB)
+# and leaves the interval, not the bound, to decide when a busy worker publishes.
+EVENTS_A_MESSAGE = 240
 
 
 class BatchTaskEvents(bootsteps.StartStopStep):
@@ -46,6 +51,7 @@ class BatchTaskEvents(bootsteps.StartStopStep):
                 self.flush_entry = consumer.timer.call_after(self.delay_s, flush, priority=10)
 
         dispatcher.on_send_buffered = on_buffered
+        dispatcher.buffer_limit = EVENTS_A_MESSAGE
 
     def stop(self, consumer: Any) -> None:
         """Whatever waits goes now (a worker stopping, or a consumer reconnecting)."""

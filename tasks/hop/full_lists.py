@@ -68,6 +68,11 @@ class PauseWhileFrameListFull(bootsteps.StartStopStep):
         self.timer_entry: Any = None
         self.client: redis.Redis | None = None
         self.sharded = bool(settings.bulk.redis_urls)
+        # The depths the consumer's last take brought (ride, took) and when it was sent: a check this fresh reads
+        # no Redis of its own. A busy worker takes more often than it checks, so its checks cost no round trip.
+        self.taken_depths: list[int] | None = None
+        self.taken_at = 0.0
+        self._sending_at = 0.0
 
     def start(self, consumer: Any) -> None:
         if PREPROCESS_QUEUE not in consumer.app.amqp.queues.consume_from:
@@ -75,6 +80,30 @@ class PauseWhileFrameListFull(bootsteps.StartStopStep):
         self.client = connect(self.settings, socket_timeout=1.0)
         self.held = max(1, int(getattr(consumer, "initial_prefetch_count", 0) or 1))
         self._schedule(consumer, IDLE_CHECK_S)
+
+    def ride(self) -> list[tuple[Any, ...]]:
+        """The depths' read, in the consumer's take (tasks.hop.broker.TakeRider): only while the checks come close
+        (a list half full lately), and not again while the last take's is still fresh for the next check."""
+        now = time.monotonic()
+        if now >= self.busy_until or now - self.taken_at < CLOSE_CHECK_S / 2:
+            return []
+        self._sending_at = now
+        if self.sharded:
+            return [("HMGET", self.keys.frames_waiting, *[spec.key for spec in self.settings.models])]
+        return [("LLEN", key) for key in self.frames]
+
+    def took(self, replies: list[Any]) -> None:
+        if any(isinstance(reply, Exception) for reply in replies):
+            return  # read on the check's own, as before
+        counts = replies[0] if self.sharded else replies
+        if len(counts) == len(self.frames):
+            self.taken_depths, self.taken_at = [int(count or 0) for count in counts], self._sending_at
+
+    def _ride_the_takes(self, consumer: Any) -> None:
+        # The channel the consumer polls is made again on a reconnect: the rider is put on whichever it is now.
+        channel = getattr(getattr(consumer, "task_consumer", None), "channel", None)
+        if channel is not None and getattr(channel, "rider", self) is not self:
+            channel.rider = self
 
     def _schedule(self, consumer: Any, delay_s: float) -> None:
         self.timer_entry = consumer.timer.call_after(delay_s, self.check, (consumer,), priority=10)
@@ -85,6 +114,7 @@ class PauseWhileFrameListFull(bootsteps.StartStopStep):
             self.timer_entry = None
 
     def check(self, consumer: Any) -> None:
+        self._ride_the_takes(consumer)
         try:
             depths = self._depths()
         except redis.RedisError:  # the consumer has its own reconnection; look again later
@@ -97,6 +127,8 @@ class PauseWhileFrameListFull(bootsteps.StartStopStep):
         self._apply(consumer, depths)
 
     def _depths(self) -> list[int]:
+        if self.taken_depths is not None and time.monotonic() - self.taken_at < CLOSE_CHECK_S:
+            return self.taken_depths
         assert self.client is not None
         if self.sharded:  # the lists lie on the shards: their count, kept on the control plane
             counts = self.client.hmget(self.keys.frames_waiting, [spec.key for spec in self.settings.models])
