@@ -97,5 +97,13 @@ def test_a_short_run_ends_every_job_and_prices_each_step(tmp_path):
     # the first answers (the result cache's LRU index a listpack) apart too: their batch writes are priced there
     assert side["apart"]["gpu-listpack"].by_command.get("fcall", (0, 0))[0] > 0, side["apart"]["gpu-listpack"]
     assert side["phases"]["gpu"].by_command.get("fcall", (0, 0))[0] > 0, side["phases"]["gpu"]
+    # the CPU worker's start apart too, its queues parked meanwhile: its connections, kombu's bindings (SADD) and the
+    # library check (FUNCTION LIST) there, not in the cpu step; no job taken there (no claim, no push: no FCALL)
+    start, cpu = side["apart"]["cpu-start"], side["phases"]["cpu"]
+    assert start.round_trips["cpu-worker"] >= 10 and "hello" in start.by_command, start
+    for command in ("sadd", "function|list"):
+        assert command in start.by_command and command not in cpu.by_command, (command, start, cpu)
+    assert "fcall" not in start.by_command and "client|list" not in start.by_command, start
     text = report({"this checkout": side})
     assert "images/s per control-plane core" in text and "| intake |" in text and "Round trips an image" in text
+    assert "| the CPU worker's start (in all, once) |" in text

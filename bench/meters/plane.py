@@ -7,16 +7,22 @@ read before and after each phase say what each step cost:
 
 1. intake: N submissions over HTTP (admission, the result cache's lookup, the upload, the record, the Celery
    message), with no CPU worker running yet;
-2. cpu: a CPU worker started: Celery's consume, its ack emulation and events, the claim, the frame's push;
+2. cpu: the CPU worker, started before with its queues parked, given them: Celery's consume, its ack emulation and
+   events, the claim, the frame's push;
 3. gpu: the GPU worker started: its pops, the batches' one write each (the ends, the acks, the PUBLISH that wakes
    long-polls), in full batches, as at the load the ceiling is about;
 4. read: each job read once, as a long-poll's wake does (one read of the record).
 
-Two costs are measured apart and left out of an image's figures: the first submissions, while the deadline index
-is still a listpack (a phased run holds every job at once and pays each insert's walk of it once); and the GPU
-worker's start (its SCAN of the keyspace for frame lists nobody reads, its requeue and epoch), with the frames
-parked aside meanwhile. The CPU workers' lost-delivery check, which reads every live job each round (here every
-image at once), is left out (its period set to an hour).
+Costs paid once, not an image at a time, are measured apart and left out of an image's figures: the first
+submissions, while the deadline index is still a listpack (a phased run holds every job at once and pays each
+insert's walk of it once), and the first answers, while the result cache's LRU index is one; the CPU worker's start
+(its connections and their HELLO and CLIENT, kombu's binding scripts and their SCRIPT LOAD, Celery's events and
+heartbeat, the library check: once a process), with its job queues renamed aside meanwhile until its consumer waits
+in BRPOP (seen in CLIENT LIST), and given back as the cpu step begins (its prefork children open their own
+connections at their first task, in that step); and the GPU worker's start (its SCAN of the keyspace for frame lists
+nobody reads, its requeue and epoch), with the frames parked aside meanwhile. Both sides of `--base` run this bench:
+what it parks is named as both checkouts name it. The CPU workers' lost-delivery check, which reads every live job
+each round (here every image at once), is left out (its period set to an hour).
 
 Round trips are counted at the product's own connections (bench/meters/round_trips/sitecustomize.py: each process counts
 its own, a pipeline or MULTI block as one), by process and by Redis server; Redis's own counters cannot say them.
@@ -64,7 +70,8 @@ from bench.stack.processes import (
     gpu_worker_argv,
     wait_until,
 )
-from contract.redis.keys import Keys
+from contract.redis.keys import PREPROCESS_QUEUE, Keys
+from contract.settings import Settings
 from contract.settings.config import load_settings
 
 GPU_WORKER_ID = "plane-gpu"
@@ -163,6 +170,7 @@ def run_phases(
     settings = load_settings(config_path)
     keys = Keys(settings.namespace)
     frame_lists = Progress(bulk_clients or [client], [keys.frames(model.key) for model in settings.models])
+    job_queues = ParkedQueues(client, job_queue_keys(keys, settings))
 
     def spawn(name: str, argv: list[str]) -> None:
         processes.append(ManagedProcess(name, argv, trips.env(env, name), workdir, root=root))
@@ -183,8 +191,24 @@ def run_phases(
             ids = measured("intake-listpack", lambda: list(pool.map(submit, first)), images=len(first) or 1)
             ids += measured("intake", lambda: list(pool.map(submit, rest)), images=len(rest) or 1)
 
-            def cpu_phase() -> None:
+            # The CPU worker's start measured alone, as the GPU worker's is: its job queues parked meanwhile, so that
+            # it starts and sits idle in BRPOP, then given back as the cpu step begins (a RENAME wakes that BRPOP).
+            job_queues.park()
+            before_start = {entry["id"] for entry in client.client_list()}
+
+            def cpu_start() -> None:
                 spawn("cpu-worker", cpu_worker_argv(2))
+                wait_until(
+                    lambda: _idle_in_brpop(client, before_start, processes),
+                    300,
+                    interval_s=0.1,
+                    what="the CPU worker idle in BRPOP",
+                )
+
+            measured("cpu-start", cpu_start, images=1)
+
+            def cpu_phase() -> None:
+                job_queues.give_back()
                 wait_until(
                     lambda: frame_lists.frames_waiting() >= images,
                     300,
@@ -288,6 +312,52 @@ class Progress:
                     pass
             elif client.exists(parked if back else key):
                 client.rename(*((parked, key) if back else (key, parked)))
+
+
+def job_queue_keys(keys: Keys, settings: Settings) -> list[str]:
+    """The lists a CPU worker on `-Q preprocess` takes jobs from (tasks.worker): the plain queue and each model's,
+    one per API key too. Named as this checkout's Keys name them, as the base's do (contract/keys.py, before it
+    moved)."""
+    models = [model.key for model in settings.models]
+    names = [PREPROCESS_QUEUE, *(queue for key in models for queue in keys.preprocess_queues(key, settings.tenants))]
+    return [keys.celery_queue(name) for name in dict.fromkeys(names)]
+
+
+class ParkedQueues:
+    """Celery's job queues renamed aside (those that hold messages) while a CPU worker starts, and given back in one
+    round trip: what the worker's start costs is then measured apart from what its takes cost."""
+
+    SUFFIX = ":parked-by-bench-plane"
+
+    def __init__(self, client: redis.Redis, keys: list[str]) -> None:
+        self.client, self.keys = client, keys
+        self.parked: list[str] = []
+
+    def park(self) -> None:
+        self.parked = [key for key in self.keys if self.client.exists(key)]
+        for key in self.parked:
+            self.client.rename(key, key + self.SUFFIX)
+
+    def give_back(self) -> None:
+        if not self.parked:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.parked:
+            pipe.rename(key + self.SUFFIX, key)
+        pipe.execute()
+        self.parked = []
+
+
+def _idle_in_brpop(client: redis.Redis, before: set[str], processes: list[ManagedProcess]) -> bool:
+    """A connection opened since `before` (CLIENT LIST ids) blocked in BRPOP: the CPU worker's consumer waiting on
+    its empty queues, its start (connections, bindings, the library check, the first beat) behind it."""
+    for process in processes:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} died:\n{process.log_tail()}")
+    return any(
+        entry["id"] not in before and entry.get("cmd") == "brpop" and "b" in entry.get("flags", "")
+        for entry in client.client_list()
+    )
 
 
 def _ended_record(client: redis.Redis, keys: list[str]) -> dict[str, Any]:

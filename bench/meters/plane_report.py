@@ -9,8 +9,10 @@ PHASES = ("intake", "cpu", "gpu", "read")
 # Reported apart, not in an image's figures: the first submissions, while the deadline index is still a listpack
 # (each insert walks it: the phased bench holds every job at once, so it pays this once, up to the listpack's
 # size); the first answers, while the result cache's LRU index is a listpack (each answer's ZADD walks it, once a
-# cache's life); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a start).
-APART = ("intake-listpack", "gpu-listpack", "gpu-start")
+# cache's life); the CPU worker's start (its connections, kombu's bindings and scripts, Celery's events, the library
+# check: once a process); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a
+# start).
+APART = ("intake-listpack", "gpu-listpack", "cpu-start", "gpu-start")
 
 
 def report(sides: dict[str, dict[str, Any]]) -> str:
@@ -167,14 +169,15 @@ def _shard_trips(side: dict[str, Any], phase: str) -> float:
 
 
 def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
-    """The two costs left out of an image's figures, each on its own row."""
+    """The costs left out of an image's figures, each on its own row."""
     names = list(sides)
     lines = [
         "",
         "Reported apart (not in the figures above): the first submissions, while the deadline index is a listpack, "
-        "an image; the first answers, while the result cache's LRU index is one, an image; the GPU worker's start "
-        "(its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
-        "its frames parked meanwhile:",
+        "an image; the first answers, while the result cache's LRU index is one, an image; the CPU worker's start "
+        "(its connections, kombu's bindings and scripts, Celery's events, the library check, until its consumer "
+        "waits in BRPOP), in all, its job queues parked meanwhile; the GPU worker's start (its SCAN for frame lists "
+        "nobody reads, the requeue, the epoch), in all, its frames parked meanwhile:",
         "",
         "| apart | " + " | ".join(f"{n}: µs, commands, round trips, instructions" for n in names) + " |",
         "|---|" + "---|" * len(names),
@@ -189,6 +192,7 @@ def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
         label = {
             "intake-listpack": f"intake, the first {first} submissions (an image)",
             "gpu-listpack": f"gpu, the first {first} answers (an image)",
+            "cpu-start": "the CPU worker's start (in all, once)",
         }.get(phase, "the GPU worker's start (in all, once)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
