@@ -30,7 +30,9 @@ its own, a pipeline or MULTI block as one), by process and by Redis server; Redi
 Each phase is run alone, so idle chatter (heartbeats, sweeps, Celery's BRPOP timeouts) is priced into the phase
 it falls in; the report says how much of it there was. HTTP and decode cost the Redis nothing and are left to the
 whole-stack view (`bench run --stack local --shards 1`). `--base REF` runs the same phases on another checkout
-(a git worktree), one after the other, and prints both.
+(a git worktree), one after the other, and prints both; `--rounds N` runs the two N times alternately (base, this
+checkout, base, ...) and prints each round's figures, each side's median over the rounds and the median of the rounds'
+ratios: both sides move from run to run on a shared machine, and alternating puts them under the same drift.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ from bench.meters.plane_meter import (
     RoundTripCounter,
     added_round_trips,
 )
-from bench.meters.plane_report import APART, PHASES, report
+from bench.meters.plane_report import APART, PHASES, report, rounds_report
 from bench.stack.local import api_env
 from bench.stack.processes import (
     REPO_ROOT,
@@ -423,23 +425,33 @@ def run(
     instructions: bool = False,
     keyed: bool = False,
     cache_redis: bool = False,
-) -> tuple[str, dict[str, Any]]:
-    """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is)."""
+    rounds: int = 1,
+) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+    """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is).
+    `rounds`: the sides run alternately that many times (base, this checkout, base, ...), so that the machine's
+    drift falls on both alike; each round's sides, in order."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
-    sides: dict[str, dict[str, Any]] = {}
+    every: list[dict[str, dict[str, Any]]] = []
     try:
-        if base:
-            root = worktree(base, scratch / "base")
-            base_run = scratch / "run-base"
-            sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
-        head = "this checkout" + (", cache Redis" if cache_redis else "")
-        sides[head] = run_phases(
-            REPO_ROOT, images, shards, clients, scratch / "run-head", instructions, keyed, cache_redis=cache_redis
-        )
+        root = worktree(base, scratch / "base") if base else None
+        for index in range(rounds):
+            sides: dict[str, dict[str, Any]] = {}
+            if root is not None:
+                base_run = scratch / f"run-base-{index}"
+                sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
+            head = "this checkout" + (", cache Redis" if cache_redis else "")
+            head_run = scratch / f"run-head-{index}"
+            sides[head] = run_phases(
+                REPO_ROOT, images, shards, clients, head_run, instructions, keyed, cache_redis=cache_redis
+            )
+            every.append(sides)
     finally:
         if base:
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(scratch / "base")], cwd=REPO_ROOT, capture_output=True
             )
         shutil.rmtree(scratch, ignore_errors=True)
-    return report(sides), sides
+    if rounds == 1:
+        return report(every[0]), every
+    last = f"## The last round (round {rounds} of {rounds}) in full\n\n" + report(every[-1])
+    return last + "\n" + rounds_report(every), every
