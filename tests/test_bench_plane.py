@@ -11,6 +11,7 @@ import pytest
 
 from bench.meters.plane import APART, PHASES, report, run_phases
 from bench.meters.plane_meter import PhaseCost, PhaseMeter, RedisReading, RoundTripCounter
+from bench.meters.plane_report import round_medians, rounds_report, rounds_summary
 from bench.stack.processes import REPO_ROOT, RedisServer
 
 # A process's Redis traffic, step by step when the test says so on stdin: a connection opened (its set-up and a
@@ -97,5 +98,60 @@ def test_a_short_run_ends_every_job_and_prices_each_step(tmp_path):
     # the first answers (the result cache's LRU index a listpack) apart too: their batch writes are priced there
     assert side["apart"]["gpu-listpack"].by_command.get("fcall", (0, 0))[0] > 0, side["apart"]["gpu-listpack"]
     assert side["phases"]["gpu"].by_command.get("fcall", (0, 0))[0] > 0, side["phases"]["gpu"]
+    # the CPU worker's start apart too, its queues parked meanwhile: its connections, kombu's bindings (SADD) and the
+    # library check (FUNCTION LIST) there, not in the cpu step; no job taken there (no claim, no push: no FCALL)
+    start, cpu = side["apart"]["cpu-start"], side["phases"]["cpu"]
+    assert start.round_trips["cpu-worker"] >= 10 and "hello" in start.by_command, start
+    for command in ("sadd", "function|list"):
+        assert command in start.by_command and command not in cpu.by_command, (command, start, cpu)
+    assert "fcall" not in start.by_command and "client|list" not in start.by_command, start
     text = report({"this checkout": side})
     assert "images/s per control-plane core" in text and "| intake |" in text and "Round trips an image" in text
+    assert "| the CPU worker's start (in all, once) |" in text
+
+
+def _side(us: dict[str, float], instructions: float | None = None) -> dict[str, object]:
+    phases = {phase: PhaseCost(us=us[phase], commands=10.0, instructions=instructions) for phase in PHASES}
+    total = PhaseCost(us=sum(us.values()), commands=40.0, instructions=instructions and instructions * 4)
+    return {"phases": phases, "total": total}
+
+
+def test_rounds_report_each_round_and_the_medians_of_each_side_and_of_the_ratios():
+    steps = dict.fromkeys(PHASES, 100.0)
+    base_us, head_us = [400.0, 480.0, 440.0], [320.0, 400.0, 396.0]  # ratios 0.8, 0.833, 0.9
+    rounds = [
+        {
+            "base abc": _side({**steps, "cpu": b - 300.0}),
+            "this checkout": _side({**steps, "cpu": h - 300.0}),
+        }
+        for b, h in zip(base_us, head_us)
+    ]
+    medians = round_medians(rounds)
+    assert set(medians) == {"us"}  # no instructions counted: no such table
+    total = medians["us"]["total"]
+    assert total["base abc"] == 440.0 and total["this checkout"] == 396.0
+    # the median of the rounds' ratios, not the ratio of the medians (396 / 440 = 0.9 too here: see cpu below)
+    assert total["ratios"] == pytest.approx([0.8, 400 / 480, 0.9]) and total["ratio"] == pytest.approx(400 / 480)
+    cpu = medians["us"]["cpu"]
+    assert cpu["base abc"] == 140.0 and cpu["this checkout"] == 96.0
+    assert cpu["ratio"] == pytest.approx(100 / 180) and cpu["ratio"] != pytest.approx(96 / 140)
+    assert medians["us"]["intake"]["ratio"] == pytest.approx(1.0)
+    line = rounds_summary(rounds)
+    assert line == (
+        "main-thread µs an image, median of 3 rounds: base 440, this checkout 396, ratio 0.833 "
+        "(rounds: 0.800, 0.833, 0.900)"
+    )
+    text = rounds_report(rounds)
+    assert "| **all** | 400 / 320 (0.800x) | 480 / 400 (0.833x) | 440 / 396 (0.900x) | 440 | 396 | 0.833x |" in text
+    assert "| cpu | 100 / 20 (0.200x)" in text and "instructions an image" not in text
+
+
+def test_rounds_with_instructions_say_them_too():
+    steps = dict.fromkeys(PHASES, 100.0)
+    rounds = [{"base abc": _side(steps, 1000.0 * k), "this checkout": _side(steps, 700.0 * k)} for k in (1.0, 1.1, 0.9)]
+    medians = round_medians(rounds)
+    assert medians["instructions"]["total"]["ratio"] == pytest.approx(0.7)
+    assert medians["instructions"]["total"]["base abc"] == pytest.approx(4000.0)
+    lines = rounds_summary(rounds).splitlines()
+    assert len(lines) == 2 and lines[1].startswith("instructions an image, median of 3 rounds: base 4,000, ")
+    assert "instructions an image, round by round" in rounds_report(rounds)

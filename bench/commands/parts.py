@@ -110,6 +110,13 @@ def add_commands(
     plane.add_argument("--clients", type=int, default=16, help="concurrent HTTP clients of the intake and read steps")
     plane.add_argument("--base", help="a git ref run too, before this checkout (a worktree)")
     plane.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --base: run the base and this checkout alternately N times (base, checkout, base, ...) and report "
+        "each round, each side's median and the median of the rounds' ratios (checkout/base)",
+    )
+    plane.add_argument(
         "--instructions",
         action="store_true",
         help="run the control plane's Redis under callgrind and count its instructions an image per step: a figure "
@@ -195,24 +202,43 @@ def cmd_burst(args: argparse.Namespace) -> int:
 
 def cmd_plane(args: argparse.Namespace) -> int:
     from bench.meters.plane import run
+    from bench.meters.plane_report import round_medians, rounds_summary
 
     if args.cells:
         return _plane_cells(args)
-    text, sides = run(
-        args.images, args.shards, args.clients, args.base, args.instructions, args.keyed, args.cache_redis
+    if args.rounds < 1:
+        raise SystemExit("--rounds: 1 or more")
+    text, rounds = run(
+        args.images,
+        args.shards,
+        args.clients,
+        args.base,
+        args.instructions,
+        args.keyed,
+        args.cache_redis,
+        args.rounds,
     )
-    summary = {
-        name: {
-            "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
-            "apart": {phase: vars(cost) for phase, cost in side["apart"].items()},
-            "total": vars(side["total"]),
-            "cache_phases": {phase: vars(cost) for phase, cost in side.get("cache_phases", {}).items()},
-            "ended": side["ended"],
-            "record": side["record"],
+    summaries = [
+        {
+            name: {
+                "phases": {phase: vars(cost) for phase, cost in side["phases"].items()},
+                "apart": {phase: vars(cost) for phase, cost in side["apart"].items()},
+                "total": vars(side["total"]),
+                "cache_phases": {phase: vars(cost) for phase, cost in side.get("cache_phases", {}).items()},
+                "ended": side["ended"],
+                "record": side["record"],
+            }
+            for name, side in sides.items()
         }
-        for name, side in sides.items()
-    }
-    print(text + f"\n\nFiles: {write_files(args.out, 'plane', text, {'title': 'bench plane', 'sides': summary})}")
+        for sides in rounds
+    ]
+    if len(rounds) == 1:
+        payload: dict[str, Any] = {"title": "bench plane", "sides": summaries[0]}
+    else:
+        payload = {"title": "bench plane", "rounds": summaries, "medians": round_medians(rounds)}
+    summary = "\n\n" + rounds_summary(rounds) if len(rounds) > 1 else ""
+    # the summary last, under the files' line: what a run of several rounds comes to, in a line a measure
+    print(text + f"\n\nFiles: {write_files(args.out, 'plane', text + summary, payload)}" + summary)
     return 0
 
 

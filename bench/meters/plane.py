@@ -7,16 +7,22 @@ read before and after each phase say what each step cost:
 
 1. intake: N submissions over HTTP (admission, the result cache's lookup, the upload, the record, the Celery
    message), with no CPU worker running yet;
-2. cpu: a CPU worker started: Celery's consume, its ack emulation and events, the claim, the frame's push;
+2. cpu: the CPU worker, started before with its queues parked, given them: Celery's consume, its ack emulation and
+   events, the claim, the frame's push;
 3. gpu: the GPU worker started: its pops, the batches' one write each (the ends, the acks, the PUBLISH that wakes
    long-polls), in full batches, as at the load the ceiling is about;
 4. read: each job read once, as a long-poll's wake does (one read of the record).
 
-Two costs are measured apart and left out of an image's figures: the first submissions, while the deadline index
-is still a listpack (a phased run holds every job at once and pays each insert's walk of it once); and the GPU
-worker's start (its SCAN of the keyspace for frame lists nobody reads, its requeue and epoch), with the frames
-parked aside meanwhile. The CPU workers' lost-delivery check, which reads every live job each round (here every
-image at once), is left out (its period set to an hour).
+Costs paid once, not an image at a time, are measured apart and left out of an image's figures: the first
+submissions, while the deadline index is still a listpack (a phased run holds every job at once and pays each
+insert's walk of it once), and the first answers, while the result cache's LRU index is one; the CPU worker's start
+(its connections and their HELLO and CLIENT, kombu's binding scripts and their SCRIPT LOAD, Celery's events and
+heartbeat, the library check: once a process), with its job queues renamed aside meanwhile until its consumer waits
+in BRPOP (seen in CLIENT LIST), and given back as the cpu step begins (its prefork children open their own
+connections at their first task, in that step); and the GPU worker's start (its SCAN of the keyspace for frame lists
+nobody reads, its requeue and epoch), with the frames parked aside meanwhile. Both sides of `--base` run this bench:
+what it parks is named as both checkouts name it. The CPU workers' lost-delivery check, which reads every live job
+each round (here every image at once), is left out (its period set to an hour).
 
 Round trips are counted at the product's own connections (bench/meters/round_trips/sitecustomize.py: each process counts
 its own, a pipeline or MULTI block as one), by process and by Redis server; Redis's own counters cannot say them.
@@ -24,7 +30,9 @@ its own, a pipeline or MULTI block as one), by process and by Redis server; Redi
 Each phase is run alone, so idle chatter (heartbeats, sweeps, Celery's BRPOP timeouts) is priced into the phase
 it falls in; the report says how much of it there was. HTTP and decode cost the Redis nothing and are left to the
 whole-stack view (`bench run --stack local --shards 1`). `--base REF` runs the same phases on another checkout
-(a git worktree), one after the other, and prints both.
+(a git worktree), one after the other, and prints both; `--rounds N` runs the two N times alternately (base, this
+checkout, base, ...) and prints each round's figures, each side's median over the rounds and the median of the rounds'
+ratios: both sides move from run to run on a shared machine, and alternating puts them under the same drift.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ from bench.meters.plane_meter import (
     RoundTripCounter,
     added_round_trips,
 )
-from bench.meters.plane_report import APART, PHASES, report
+from bench.meters.plane_report import APART, PHASES, report, rounds_report
 from bench.stack.local import api_env
 from bench.stack.processes import (
     REPO_ROOT,
@@ -64,7 +72,8 @@ from bench.stack.processes import (
     gpu_worker_argv,
     wait_until,
 )
-from contract.redis.keys import Keys
+from contract.redis.keys import PREPROCESS_QUEUE, Keys
+from contract.settings import Settings
 from contract.settings.config import load_settings
 
 GPU_WORKER_ID = "plane-gpu"
@@ -163,6 +172,7 @@ def run_phases(
     settings = load_settings(config_path)
     keys = Keys(settings.namespace)
     frame_lists = Progress(bulk_clients or [client], [keys.frames(model.key) for model in settings.models])
+    job_queues = ParkedQueues(client, job_queue_keys(keys, settings))
 
     def spawn(name: str, argv: list[str]) -> None:
         processes.append(ManagedProcess(name, argv, trips.env(env, name), workdir, root=root))
@@ -183,8 +193,24 @@ def run_phases(
             ids = measured("intake-listpack", lambda: list(pool.map(submit, first)), images=len(first) or 1)
             ids += measured("intake", lambda: list(pool.map(submit, rest)), images=len(rest) or 1)
 
-            def cpu_phase() -> None:
+            # The CPU worker's start measured alone, as the GPU worker's is: its job queues parked meanwhile, so that
+            # it starts and sits idle in BRPOP, then given back as the cpu step begins (a RENAME wakes that BRPOP).
+            job_queues.park()
+            before_start = {entry["id"] for entry in client.client_list()}
+
+            def cpu_start() -> None:
                 spawn("cpu-worker", cpu_worker_argv(2))
+                wait_until(
+                    lambda: _idle_in_brpop(client, before_start, processes),
+                    300,
+                    interval_s=0.1,
+                    what="the CPU worker idle in BRPOP",
+                )
+
+            measured("cpu-start", cpu_start, images=1)
+
+            def cpu_phase() -> None:
+                job_queues.give_back()
                 wait_until(
                     lambda: frame_lists.frames_waiting() >= images,
                     300,
@@ -290,6 +316,52 @@ class Progress:
                 client.rename(*((parked, key) if back else (key, parked)))
 
 
+def job_queue_keys(keys: Keys, settings: Settings) -> list[str]:
+    """The lists a CPU worker on `-Q preprocess` takes jobs from (tasks.worker): the plain queue and each model's,
+    one per API key too. Named as this checkout's Keys name them, as the base's do (contract/keys.py, before it
+    moved)."""
+    models = [model.key for model in settings.models]
+    names = [PREPROCESS_QUEUE, *(queue for key in models for queue in keys.preprocess_queues(key, settings.tenants))]
+    return [keys.celery_queue(name) for name in dict.fromkeys(names)]
+
+
+class ParkedQueues:
+    """Celery's job queues renamed aside (those that hold messages) while a CPU worker starts, and given back in one
+    round trip: what the worker's start costs is then measured apart from what its takes cost."""
+
+    SUFFIX = ":parked-by-bench-plane"
+
+    def __init__(self, client: redis.Redis, keys: list[str]) -> None:
+        self.client, self.keys = client, keys
+        self.parked: list[str] = []
+
+    def park(self) -> None:
+        self.parked = [key for key in self.keys if self.client.exists(key)]
+        for key in self.parked:
+            self.client.rename(key, key + self.SUFFIX)
+
+    def give_back(self) -> None:
+        if not self.parked:
+            return
+        pipe = self.client.pipeline(transaction=False)
+        for key in self.parked:
+            pipe.rename(key + self.SUFFIX, key)
+        pipe.execute()
+        self.parked = []
+
+
+def _idle_in_brpop(client: redis.Redis, before: set[str], processes: list[ManagedProcess]) -> bool:
+    """A connection opened since `before` (CLIENT LIST ids) blocked in BRPOP: the CPU worker's consumer waiting on
+    its empty queues, its start (connections, bindings, the library check, the first beat) behind it."""
+    for process in processes:
+        if not process.alive():
+            raise RuntimeError(f"{process.name} died:\n{process.log_tail()}")
+    return any(
+        entry["id"] not in before and entry.get("cmd") == "brpop" and "b" in entry.get("flags", "")
+        for entry in client.client_list()
+    )
+
+
 def _ended_record(client: redis.Redis, keys: list[str]) -> dict[str, Any]:
     """What an ended job's record takes in Redis (MEMORY USAGE of every field, the mean of `keys`), and its encoding."""
     sizes = [int(client.memory_usage(key, samples=0) or 0) for key in keys]  # every field, not 5 sampled
@@ -353,23 +425,33 @@ def run(
     instructions: bool = False,
     keyed: bool = False,
     cache_redis: bool = False,
-) -> tuple[str, dict[str, Any]]:
-    """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is)."""
+    rounds: int = 1,
+) -> tuple[str, list[dict[str, dict[str, Any]]]]:
+    """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is).
+    `rounds`: the sides run alternately that many times (base, this checkout, base, ...), so that the machine's
+    drift falls on both alike; each round's sides, in order."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
-    sides: dict[str, dict[str, Any]] = {}
+    every: list[dict[str, dict[str, Any]]] = []
     try:
-        if base:
-            root = worktree(base, scratch / "base")
-            base_run = scratch / "run-base"
-            sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
-        head = "this checkout" + (", cache Redis" if cache_redis else "")
-        sides[head] = run_phases(
-            REPO_ROOT, images, shards, clients, scratch / "run-head", instructions, keyed, cache_redis=cache_redis
-        )
+        root = worktree(base, scratch / "base") if base else None
+        for index in range(rounds):
+            sides: dict[str, dict[str, Any]] = {}
+            if root is not None:
+                base_run = scratch / f"run-base-{index}"
+                sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
+            head = "this checkout" + (", cache Redis" if cache_redis else "")
+            head_run = scratch / f"run-head-{index}"
+            sides[head] = run_phases(
+                REPO_ROOT, images, shards, clients, head_run, instructions, keyed, cache_redis=cache_redis
+            )
+            every.append(sides)
     finally:
         if base:
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(scratch / "base")], cwd=REPO_ROOT, capture_output=True
             )
         shutil.rmtree(scratch, ignore_errors=True)
-    return report(sides), sides
+    if rounds == 1:
+        return report(every[0]), every
+    last = f"## The last round (round {rounds} of {rounds}) in full\n\n" + report(every[-1])
+    return last + "\n" + rounds_report(every), every

@@ -3,14 +3,17 @@ instructions), side by side, the ceiling that sets, and what is reported apart f
 
 from __future__ import annotations
 
+from statistics import median
 from typing import Any
 
 PHASES = ("intake", "cpu", "gpu", "read")
 # Reported apart, not in an image's figures: the first submissions, while the deadline index is still a listpack
 # (each insert walks it: the phased bench holds every job at once, so it pays this once, up to the listpack's
 # size); the first answers, while the result cache's LRU index is a listpack (each answer's ZADD walks it, once a
-# cache's life); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a start).
-APART = ("intake-listpack", "gpu-listpack", "gpu-start")
+# cache's life); the CPU worker's start (its connections, kombu's bindings and scripts, Celery's events, the library
+# check: once a process); and the GPU worker's start (its SCAN for lists nobody reads, the requeue, the epoch: once a
+# start).
+APART = ("intake-listpack", "gpu-listpack", "cpu-start", "gpu-start")
 
 
 def report(sides: dict[str, dict[str, Any]]) -> str:
@@ -167,14 +170,15 @@ def _shard_trips(side: dict[str, Any], phase: str) -> float:
 
 
 def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
-    """The two costs left out of an image's figures, each on its own row."""
+    """The costs left out of an image's figures, each on its own row."""
     names = list(sides)
     lines = [
         "",
         "Reported apart (not in the figures above): the first submissions, while the deadline index is a listpack, "
-        "an image; the first answers, while the result cache's LRU index is one, an image; the GPU worker's start "
-        "(its SCAN for frame lists nobody reads, the requeue, the epoch), in all, "
-        "its frames parked meanwhile:",
+        "an image; the first answers, while the result cache's LRU index is one, an image; the CPU worker's start "
+        "(its connections, kombu's bindings and scripts, Celery's events, the library check, until its consumer "
+        "waits in BRPOP), in all, its job queues parked meanwhile; the GPU worker's start (its SCAN for frame lists "
+        "nobody reads, the requeue, the epoch), in all, its frames parked meanwhile:",
         "",
         "| apart | " + " | ".join(f"{n}: µs, commands, round trips, instructions" for n in names) + " |",
         "|---|" + "---|" * len(names),
@@ -189,6 +193,105 @@ def _apart(sides: dict[str, dict[str, Any]]) -> list[str]:
         label = {
             "intake-listpack": f"intake, the first {first} submissions (an image)",
             "gpu-listpack": f"gpu, the first {first} answers (an image)",
+            "cpu-start": "the CPU worker's start (in all, once)",
         }.get(phase, "the GPU worker's start (in all, once)")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return lines
+
+
+STEPS = (*PHASES, "total")
+MEASURES = {"us": "main-thread µs", "instructions": "instructions"}
+
+
+def _figure(side: dict[str, Any], step: str, measure: str) -> float | None:
+    cost = side["total"] if step == "total" else side["phases"][step]
+    value = getattr(cost, measure)
+    return None if value is None else float(value)
+
+
+def round_medians(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+    """`--rounds`: per measure (main-thread µs; instructions, when counted), per step and in all, each side's median
+    over the rounds and, with two sides (the base first), the median of the rounds' ratios (this checkout / base):
+    each ratio is of two runs under the same stretch of the machine's drift."""
+    names = list(rounds[0])
+    medians: dict[str, Any] = {}
+    for measure in MEASURES:
+        if any(_figure(side, "total", measure) is None for sides in rounds for side in sides.values()):
+            continue
+        by_step: dict[str, Any] = {}
+        for step in STEPS:
+            figures = {name: [_figure(sides[name], step, measure) or 0.0 for sides in rounds] for name in names}
+            entry: dict[str, Any] = {name: median(values) for name, values in figures.items()}
+            if len(names) == 2:
+                base, head = figures[names[0]], figures[names[1]]
+                ratios = [h / b if b else float("nan") for b, h in zip(base, head)]
+                entry["ratios"], entry["ratio"] = ratios, median(ratios)
+            by_step[step] = entry
+        medians[measure] = by_step
+    return medians
+
+
+def rounds_report(rounds: list[dict[str, dict[str, Any]]]) -> str:
+    """`--rounds`: each round's per-step figures, side by side, then each side's median over the rounds and the
+    median of the rounds' ratios."""
+    names = list(rounds[0])
+    medians = round_medians(rounds)
+    lines = [
+        "",
+        f"## {len(rounds)} rounds, the sides alternating ({', '.join(names)}, and again)",
+    ]
+    for measure, by_step in medians.items():
+        ratio = len(names) == 2
+        lines += [
+            "",
+            f"{MEASURES[measure]} an image, round by round ({' / '.join(names)}"
+            + (", and the ratio" if ratio else "")
+            + "), and the medians:",
+            "",
+            "| step | "
+            + " | ".join(f"round {index + 1}" for index in range(len(rounds)))
+            + " | "
+            + " | ".join(f"median: {name}" for name in names)
+            + (" | median of the ratios |" if ratio else " |"),
+            "|---|" + "---|" * (len(rounds) + len(names) + ratio),
+        ]
+        for step in STEPS:
+            cells = []
+            for index, sides in enumerate(rounds):
+                figures = " / ".join(_number(_figure(sides[name], step, measure)) for name in names)
+                cells.append(figures + (f" ({by_step[step]['ratios'][index]:.3f}x)" if ratio else ""))
+            cells += [_number(by_step[step][name]) for name in names]
+            if ratio:
+                cells.append(f"{by_step[step]['ratio']:.3f}x")
+            lines.append(f"| {'**all**' if step == 'total' else step} | " + " | ".join(cells) + " |")
+    lines += ["", "Commands an image, round by round (" + " / ".join(names) + "):", ""]
+    lines += ["| step | " + " | ".join(f"round {i + 1}" for i in range(len(rounds))) + " |"]
+    lines += ["|---|" + "---|" * len(rounds)]
+    for step in STEPS:
+        cells = [" / ".join(f"{_figure(sides[name], step, 'commands') or 0:.1f}" for name in names) for sides in rounds]
+        lines.append(f"| {'**all**' if step == 'total' else step} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def rounds_summary(rounds: list[dict[str, dict[str, Any]]]) -> str:
+    """One line a measure: in all, an image, each side's median over the rounds, the median of the rounds' ratios,
+    and each round's ratio."""
+    names = list(rounds[0])
+    lines = []
+    for measure, by_step in round_medians(rounds).items():
+        total = by_step["total"]
+        sides = ", ".join(
+            f"{'base' if len(names) == 2 and index == 0 else name} {_number(total[name])}"
+            for index, name in enumerate(names)
+        )
+        line = f"{MEASURES[measure]} an image, median of {len(rounds)} rounds: {sides}"
+        if "ratio" in total:
+            line += f", ratio {total['ratio']:.3f} (rounds: {', '.join(f'{r:.3f}' for r in total['ratios'])})"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if abs(value) >= 10 else f"{value:.1f}"
