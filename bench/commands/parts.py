@@ -113,8 +113,9 @@ def add_commands(
         "--rounds",
         type=int,
         default=1,
-        help="with --base: run the base and this checkout alternately N times (base, checkout, base, ...) and report "
-        "each round, each side's median and the median of the rounds' ratios (checkout/base)",
+        help="with --base: run the base and this checkout alternately N times, each first in every other round "
+        "(base, checkout; checkout, base; ...), and report each round, each side's median and the median of the "
+        "rounds' ratios (checkout/base)",
     )
     plane.add_argument(
         "--instructions",

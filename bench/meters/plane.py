@@ -30,9 +30,10 @@ its own, a pipeline or MULTI block as one), by process and by Redis server; Redi
 Each phase is run alone, so idle chatter (heartbeats, sweeps, Celery's BRPOP timeouts) is priced into the phase
 it falls in; the report says how much of it there was. HTTP and decode cost the Redis nothing and are left to the
 whole-stack view (`bench run --stack local --shards 1`). `--base REF` runs the same phases on another checkout
-(a git worktree), one after the other, and prints both; `--rounds N` runs the two N times alternately (base, this
-checkout, base, ...) and prints each round's figures, each side's median over the rounds and the median of the rounds'
-ratios: both sides move from run to run on a shared machine, and alternating puts them under the same drift.
+(a git worktree), one after the other, and prints both; `--rounds N` runs the two N times alternately, each first
+in every other round (base, this checkout; this checkout, base; ...), and prints each round's figures, each side's
+median over the rounds and the median of the rounds' ratios: both sides move from run to run on a shared machine,
+and alternating puts them under the same drift.
 """
 
 from __future__ import annotations
@@ -428,23 +429,27 @@ def run(
     rounds: int = 1,
 ) -> tuple[str, list[dict[str, dict[str, Any]]]]:
     """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is).
-    `rounds`: the sides run alternately that many times (base, this checkout, base, ...), so that the machine's
-    drift falls on both alike; each round's sides, in order."""
+    `rounds`: the sides run alternately that many times (base, this checkout; this checkout, base; ...), so that
+    the machine's drift falls on both alike; each round's sides, the base's first."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
     every: list[dict[str, dict[str, Any]]] = []
     try:
         root = worktree(base, scratch / "base") if base else None
+        head = "this checkout" + (", cache Redis" if cache_redis else "")
         for index in range(rounds):
             sides: dict[str, dict[str, Any]] = {}
-            if root is not None:
-                base_run = scratch / f"run-base-{index}"
-                sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
-            head = "this checkout" + (", cache Redis" if cache_redis else "")
-            head_run = scratch / f"run-head-{index}"
-            sides[head] = run_phases(
-                REPO_ROOT, images, shards, clients, head_run, instructions, keyed, cache_redis=cache_redis
-            )
-            every.append(sides)
+            # Every other round the checkout goes first (base, checkout; checkout, base; ...): a drift within a
+            # round (the machine warming or a neighbour starting) then falls on each side first as often.
+            for side in ("base", "head") if index % 2 == 0 else ("head", "base"):
+                if side == "base" and root is not None:
+                    base_run = scratch / f"run-base-{index}"
+                    sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
+                elif side == "head":
+                    head_run = scratch / f"run-head-{index}"
+                    sides[head] = run_phases(
+                        REPO_ROOT, images, shards, clients, head_run, instructions, keyed, cache_redis=cache_redis
+                    )
+            every.append({name: sides[name] for name in sorted(sides, key=lambda name: name == head)})
     finally:
         if base:
             subprocess.run(
