@@ -141,8 +141,7 @@ def add_commands(
     plane.add_argument(
         "--pin",
         action="store_true",
-        help="each cell's Redis main thread held to a core of its own (as far as there are cores); without "
-        "--cells, the control plane's Redis main thread on a core alone and every other process on the rest",
+        help="--cells: each cell's Redis main thread held to a core of its own (as far as there are cores)",
     )
     plane.add_argument("--out", type=Path, default=Path(".bench") / "results")
     burst = sub.add_parser(
@@ -219,7 +218,6 @@ def cmd_plane(args: argparse.Namespace) -> int:
         args.keyed,
         args.cache_redis,
         args.rounds,
-        args.pin,
     )
     summaries = [
         {

@@ -132,22 +132,18 @@ def run_phases(
     keyed: bool = False,
     set_apart: int | None = None,
     cache_redis: bool = False,
-    pin_core: int | None = None,
 ) -> dict[str, Any]:
     """The four phases on the checkout at `root`: per phase and in all, the control plane's cost per image
     (`instructions`: its Redis under callgrind, its instructions counted too; `keyed`: every submission with an
     API key), and the two reported apart (APART). `set_apart`: how many first submissions are measured apart (by
     default the deadline index's listpack size, when there are over twice as many images). `cache_redis`: the
-    result cache on a Redis of its own, its cost reported apart (ApartCache). `pin_core`: the control plane's main
-    thread held to that core (the caller keeps everything else off it: run's `pin`)."""
+    result cache on a Redis of its own, its cost reported apart (ApartCache)."""
     workdir.mkdir(parents=True, exist_ok=True)
     trips = RoundTripCounter(workdir / "round-trips")
     counter = InstructionCounter(workdir) if instructions else None
     control = RedisServer(workdir, wrapper=counter.wrapper() if counter else (), root=root)
     if counter:
         counter.pid = control.process.pid
-    if pin_core is not None:
-        os.sched_setaffinity(control.process.pid, {pin_core})
     bulk = []
     for index in range(shards):
         folder = workdir / f"shard{index}"
@@ -435,19 +431,12 @@ def run(
     keyed: bool = False,
     cache_redis: bool = False,
     rounds: int = 1,
-    pin: bool = False,
 ) -> tuple[str, list[dict[str, dict[str, Any]]]]:
     """`cache_redis`: this checkout's side with the result cache on a Redis of its own (the base's as it is).
     `rounds`: the sides run alternately that many times (base, this checkout; this checkout, base; ...), so that
-    the machine's drift falls on both alike; each round's sides, the base's first. `pin`: the control plane's
-    Redis main thread on a core alone, this process and all it starts on the others (on a machine of few cores,
-    whatever else runs on Redis's core when it is woken moves its cost by more than most changes do)."""
+    the machine's drift falls on both alike; each round's sides, the base's first."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-plane-"))
     every: list[dict[str, dict[str, Any]]] = []
-    cores = sorted(os.sched_getaffinity(0))
-    pin_core = cores[0] if pin and len(cores) > 1 else None
-    if pin_core is not None:
-        os.sched_setaffinity(0, set(cores[1:]))  # inherited by every process started from here
     try:
         root = worktree(base, scratch / "base") if base else None
         head = "this checkout" + (", cache Redis" if cache_redis else "")
@@ -458,9 +447,7 @@ def run(
             for side in ("base", "head") if index % 2 == 0 else ("head", "base"):
                 if side == "base" and root is not None:
                     base_run = scratch / f"run-base-{index}"
-                    sides[f"base {base}"] = run_phases(
-                        root, images, shards, clients, base_run, instructions, keyed, pin_core=pin_core
-                    )
+                    sides[f"base {base}"] = run_phases(root, images, shards, clients, base_run, instructions, keyed)
                 elif side == "head":
                     head_run = scratch / f"run-head-{index}"
                     sides[head] = run_phases(
@@ -472,12 +459,9 @@ def run(
                         instructions,
                         keyed,
                         cache_redis=cache_redis,
-                        pin_core=pin_core,
                     )
             every.append({name: sides[name] for name in sorted(sides, key=lambda name: name == head)})
     finally:
-        if pin_core is not None:
-            os.sched_setaffinity(0, set(cores))
         if base:
             subprocess.run(
                 ["git", "worktree", "remove", "--force", str(scratch / "base")], cwd=REPO_ROOT, capture_output=True
