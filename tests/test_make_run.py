@@ -127,7 +127,10 @@ def test_a_cpu_worker_killed_with_a_task_in_hand_has_it_served_in_seconds_and_co
     assert recovered_s < 30  # kombu alone: visibility_timeout_s (300) and its restore interval
     log = supervisor_log(make_run)
     assert "cpu-worker ended (status -9)" in log and "cpu-worker restarted" in log
-    assert "was found dead: 1 tasks it held are back on their queues" in log  # the new worker's line
+    # The new worker's line: it logs once its beat's reap is over, and the task it gave back may be served (by a
+    # worker free meanwhile) before that line has passed through the supervisor's log.
+    found = "was found dead: 1 tasks it held are back on their queues"
+    wait_until(lambda: found in supervisor_log(make_run), 15, what="the new worker's line on the dead one")
     assert submit_and_finish(make_run, seed=2)["status"] == "succeeded"
 
 
