@@ -50,6 +50,7 @@ asynchronous client (the consumer's poll, which keeps its connection) is left as
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -68,6 +69,8 @@ from tasks.hop.given_back import restore_from_hash, restore_from_list
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
 TRANSPORT = "tasks.hop.broker:Transport"
 SENTINEL_TRANSPORT = "tasks.hop.broker:SentinelTransport"
+
+log = logging.getLogger(__name__)
 
 
 def own_the_schemes() -> None:
@@ -262,7 +265,12 @@ class Channel(kombu_redis.Channel):
         self._moves = [] if most <= 0 else [queues[0]] * max(1, most - len(queues) + 1) + queues[1:]
         for queue in self._moves:
             commands.append(("LMOVE", prefix + self._q_for_pri(queue, 0), self.qos.held_key, "RIGHT", "LEFT"))
-        riding = self.rider.ride() if self.rider is not None and commands else []
+        riding: list[tuple[Any, ...]] = []
+        if self.rider is not None and commands:
+            try:
+                riding = self.rider.ride()
+            except Exception:  # another step's read: the take goes without it, its acks in hand kept
+                log.exception("a take's rider failed; the take goes without it")
         self._riding = len(riding)
         commands += riding
         self._take_replies = len(commands) + (0 if commands else 1)
@@ -296,7 +304,10 @@ class Channel(kombu_redis.Channel):
         if self._riding:
             replies, riders = replies[: -self._riding], replies[-self._riding :]
             if self.rider is not None:
-                self.rider.took(riders)  # its own errors are its own: the take stands
+                try:
+                    self.rider.took(riders)  # its commands' errors are its own, and so is its code's: the take stands
+                except Exception:  # raised on, what the take moved would wait held, delivered to no task
+                    log.exception("a take's rider failed on its replies; the take stands")
         spare = list(self._spare)
         for queue, item in zip(self._moves, replies[len(replies) - len(self._moves) :]):
             if isinstance(item, bytes):
