@@ -441,3 +441,34 @@ def test_a_take_whose_move_fails_still_hands_the_rider_its_reading_and_keeps_its
         client.rename("saved", keys.celery_queue(QUEUE))
         drain_until(connection, lambda: len(messages) == 2)
         assert held(client, keys) == {messages[1].delivery_tag}
+
+
+def test_a_connection_lost_in_the_riders_replies_keeps_what_the_take_moved(worker):
+    """The connection drops after the take's moves were read, in the rider's replies (here a rider's command that has
+    Redis close it): the messages the moves brought are held already, so the channel keeps them to deliver (or give
+    back at a close), not leaving them held by no task until restore_unheld's grace."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, *[f"task {n}" for n in range(3)])
+    seen: list[str] = []
+    lost: list[Exception] = []
+    rider = Rider(("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "no"), ("LLEN", "anything"))
+    once = rider.ride
+    rider.ride = lambda: [once(), setattr(rider, "commands", [])][0]  # type: ignore[method-assign]
+
+    def on_message(body: str, message: Any) -> None:
+        seen.append(body)
+        message.ack()
+        if len(seen) == 1:  # the second take's connection drops, once
+            consumer.channel.rider = rider
+
+    deadline = time.monotonic() + 10
+    with connection.Consumer(queue, callbacks=[on_message], prefetch_count=1) as consumer:
+        while len(seen) < 3 or held(client, keys):
+            assert time.monotonic() < deadline, (seen, lost)
+            try:
+                connection.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+            except redis.ConnectionError as error:
+                lost.append(error)
+    assert seen == [f"task {n}" for n in range(3)] and len(lost) == 1
