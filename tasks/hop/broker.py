@@ -296,6 +296,7 @@ class Channel(kombu_redis.Channel):
                         replies.append(error)
             except self.connection_errors:
                 self.client.connection.disconnect()  # as kombu's BRPOP: the next poll reconnects
+                self._keep_moved(replies)  # the moves read before the loss are held: kept, not left to the grace
                 self._give_back_acks()
                 raise
         finally:
@@ -308,13 +309,7 @@ class Channel(kombu_redis.Channel):
                     self.rider.took(riders)  # its commands' errors are its own, and so is its code's: the take stands
                 except Exception:  # raised on, what the take moved would wait held, delivered to no task
                     log.exception("a take's rider failed on its replies; the take stands")
-        spare = list(self._spare)
-        for queue, item in zip(self._moves, replies[len(replies) - len(self._moves) :]):
-            if isinstance(item, bytes):
-                message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
-                self.qos.listed[message["properties"]["delivery_tag"]] = item
-                spare.append((queue, message))
-        self._spare = spare
+        self._keep_moved(replies)
         errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
         if errors:  # what moved is held and kept; the acks are not known to be done: carried again
             self._give_back_acks()
@@ -329,6 +324,18 @@ class Channel(kombu_redis.Channel):
             self._queue_cycle.rotate(queue)
             self.connection._deliver(message, queue)
         return True
+
+    def _keep_moved(self, replies: list[Any]) -> None:
+        """What the take's moves brought (their replies, after the acks', as far as they were read): held in the
+        list already, so kept with the spare, delivered by the next poll or given back at a close."""
+        first = self._take_replies - self._riding - len(self._moves)
+        spare = list(self._spare)
+        for queue, item in zip(self._moves, replies[first : first + len(self._moves)]):
+            if isinstance(item, bytes):
+                message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
+                self.qos.listed[message["properties"]["delivery_tag"]] = item
+                spare.append((queue, message))
+        self._spare = spare
 
     def close(self) -> None:
         if self._qos is not None and not self._closing:
