@@ -306,3 +306,169 @@ def test_a_busy_workers_full_list_check_reads_the_depths_its_last_take_brought(w
     assert step._depths()[0] == 40
     assert calls(client)["hmget"] == 1
     step.client.close()
+
+
+def pause_step(client: redis.Redis, sharded: bool, models: int = 1) -> Any:
+    """The CPU worker's pause check (tasks.hop.full_lists) on this test's Redis, its lists' checks coming close."""
+    from types import SimpleNamespace
+
+    from contract.settings.config import load_settings
+    from tasks.hop.celery_app import make_celery
+    from tasks.hop.full_lists import PauseWhileFrameListFull
+
+    loaded = load_settings()
+    url = f"redis://127.0.0.1:{client.connection_pool.connection_kwargs['port']}/0"
+    specs = tuple(dataclasses.replace(loaded.model, version=f"9.{n}") for n in range(models))
+    settings = dataclasses.replace(
+        loaded,
+        redis_url=url,
+        namespace="take",
+        model=specs[0],
+        models=specs,
+        bulk=dataclasses.replace(loaded.bulk, redis_urls=(url,) if sharded else ()),
+    )
+    step = PauseWhileFrameListFull(SimpleNamespace(app=make_celery(settings)))
+    step.client = redis.Redis.from_url(url)
+    step.busy_until = time.monotonic() + 60
+    return step
+
+
+def test_without_shards_the_check_reads_each_models_list_length_in_the_take_in_order(worker):
+    """No bulk shards: the ride is one LLEN a model, and its replies (after the acks' and the moves') map to the
+    models in order, however many acks and moves the take carried."""
+    from types import SimpleNamespace
+
+    connection, client, keys, queue = worker
+    step = pause_step(client, sharded=False, models=3)
+    for index, frames in enumerate(step.frames):
+        client.rpush(frames, *[b"f"] * (2 + 3 * index))
+    publish(connection, queue, *[f"task {n}" for n in range(5)])
+    seen: list[str] = []
+
+    def on_message(body: str, message: Any) -> None:
+        seen.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message], prefetch_count=2) as consumer:
+        step._ride_the_takes(SimpleNamespace(task_consumer=consumer))
+        drain_until(connection, lambda: len(seen) == 5)
+        drain_until(connection, lambda: held(client, keys) == set())  # the last acks, carried by the empty take
+    assert seen == [f"task {n}" for n in range(5)]
+    assert step.taken_depths == [2, 5, 8]
+    step.client.close()
+
+
+def test_an_odd_reading_in_the_take_costs_the_take_nothing(worker):
+    """The check's reading of the shards' counts, kept on the control plane, is not a number (a hand's HSET, a
+    tool's mistake): the check does not use it, and the take's message is delivered all the same. Its own read
+    met the same value in a timer before (logged there); in the take it must not strand what the take moved."""
+    from types import SimpleNamespace
+
+    connection, client, keys, queue = worker
+    step = pause_step(client, sharded=True)
+    client.hset(keys.frames_waiting, step.settings.models[0].key, "not a count")
+    publish(connection, queue, "task")
+    seen: list[str] = []
+    with connection.Consumer(queue, callbacks=[lambda body, message: seen.append(body)], prefetch_count=1) as consumer:
+        step._ride_the_takes(SimpleNamespace(task_consumer=consumer))
+        drain_until(connection, lambda: bool(seen))
+    assert seen == ["task"] and step.taken_depths is None
+    step.client.close()
+
+
+class FailingRider(Rider):
+    """A rider whose own code raises: in its second `ride` (a take that carries an ack) and its second `took`."""
+
+    def __init__(self, *commands: tuple[Any, ...]) -> None:
+        super().__init__(*commands)
+        self.rides = self.tooks = 0
+        self.raised: list[str] = []
+
+    def ride(self) -> list[tuple[Any, ...]]:
+        self.rides += 1
+        if self.rides == 2:
+            self.raised.append("ride")
+            raise RuntimeError("ride")
+        return super().ride()
+
+    def took(self, replies: list[Any]) -> None:
+        self.tooks += 1
+        if self.tooks == 2:
+            self.raised.append("took")
+            raise RuntimeError("took")
+        super().took(replies)
+
+
+def test_a_rider_that_raises_loses_no_ack_and_no_message(worker):
+    """A rider is another step's read: its exception in `ride` (the take's acks already taken in hand) or in `took`
+    (the take's messages already moved into the held list) must not cost the take its acks or its messages, nor
+    reach the consumer's loop (an error there stops a Celery worker)."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, *[f"task {n}" for n in range(4)])
+    seen: list[str] = []
+    rider = FailingRider(("LLEN", "anything"))
+
+    def on_message(body: str, message: Any) -> None:
+        seen.append(body)
+        message.ack()
+
+    with connection.Consumer(queue, callbacks=[on_message], prefetch_count=1) as consumer:
+        consumer.channel.rider = rider
+        drain_until(connection, lambda: len(seen) == 4)
+        drain_until(connection, lambda: calls(client).get("brpop", 0) >= 1)  # the empty take carried the last ack
+    assert seen == [f"task {n}" for n in range(4)] and rider.raised == ["ride", "took"]
+    assert held(client, keys) == set()  # every ack carried: nothing to give back and run twice
+    assert rider.given and all(replies == [0] for replies in rider.given)
+
+
+def test_a_take_whose_move_fails_still_hands_the_rider_its_reading_and_keeps_its_acks(worker):
+    connection, client, keys, queue = worker
+    publish(connection, queue, "done", "next")
+    messages: list[Any] = []
+    rider = Rider(("LLEN", "some-list"))
+    client.rpush("some-list", "a", "b")
+    with connection.Consumer(queue, callbacks=[lambda body, message: messages.append(message)], prefetch_count=1):
+        drain_until(connection, lambda: len(messages) == 1)
+        channel = messages[0].channel
+        channel.rider = rider
+        messages[0].ack()
+        client.rename(keys.celery_queue(QUEUE), "saved")
+        client.set(keys.celery_queue(QUEUE), "not a list")
+        with pytest.raises(redis.ResponseError):
+            drain_until(connection, lambda: False, within_s=5)
+        assert rider.given == [[2]]  # the move's error is the take's, not the rider's
+        assert channel.qos.acks == [messages[0].delivery_tag]
+        client.rename("saved", keys.celery_queue(QUEUE))
+        drain_until(connection, lambda: len(messages) == 2)
+        assert held(client, keys) == {messages[1].delivery_tag}
+
+
+def test_a_connection_lost_in_the_riders_replies_keeps_what_the_take_moved(worker):
+    """The connection drops after the take's moves were read, in the rider's replies (here a rider's command that has
+    Redis close it): the messages the moves brought are held already, so the channel keeps them to deliver (or give
+    back at a close), not leaving them held by no task until restore_unheld's grace."""
+    connection, client, keys, queue = worker
+    publish(connection, queue, *[f"task {n}" for n in range(3)])
+    seen: list[str] = []
+    lost: list[Exception] = []
+    rider = Rider(("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "no"), ("LLEN", "anything"))
+    once = rider.ride
+    rider.ride = lambda: [once(), setattr(rider, "commands", [])][0]  # type: ignore[method-assign]
+
+    def on_message(body: str, message: Any) -> None:
+        seen.append(body)
+        message.ack()
+        if len(seen) == 1:  # the second take's connection drops, once
+            consumer.channel.rider = rider
+
+    deadline = time.monotonic() + 10
+    with connection.Consumer(queue, callbacks=[on_message], prefetch_count=1) as consumer:
+        while len(seen) < 3 or held(client, keys):
+            assert time.monotonic() < deadline, (seen, lost)
+            try:
+                connection.drain_events(timeout=0.2)
+            except TimeoutError:
+                pass
+            except redis.ConnectionError as error:
+                lost.append(error)
+    assert seen == [f"task {n}" for n in range(3)] and len(lost) == 1

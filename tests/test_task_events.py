@@ -132,3 +132,53 @@ def test_a_busy_workers_events_wait_for_the_interval_not_for_celerys_24(tmp_path
     finally:
         client.close()
         server.stop()
+
+
+def test_events_past_the_bound_leave_with_the_interval_of_the_first(tmp_path) -> None:
+    """A burst past the bound: the bound's flush sends the first 240 at once without asking for a timer (Celery calls
+    on_send_buffered only when it does not flush), so what followed rides on the timer the burst's first event set:
+    a worker idle after the burst still sends it, one interval after the burst began."""
+    import dataclasses
+    import time
+    from types import SimpleNamespace
+
+    import redis
+    from kombu.asynchronous.timer import Timer
+
+    from bench.stack.processes import RedisServer
+    from contract.settings.config import load_settings
+    from tasks.hop.event_batching import EVENTS_A_MESSAGE, BatchTaskEvents
+
+    server = RedisServer(tmp_path)
+    client = redis.Redis(port=server.port)
+    settings = dataclasses.replace(load_settings(), redis_url=server.url, namespace="events")
+    app = make_celery(settings)
+    try:
+        with app.connection_for_write() as connection:
+            dispatcher = app.events.Dispatcher(connection, hostname="w@test", buffer_group=["task"])
+            consumer = SimpleNamespace(
+                event_dispatcher=dispatcher, hub=object(), timer=Timer(), _flush_events=dispatcher.flush
+            )
+            step = BatchTaskEvents(SimpleNamespace(app=app))
+            step.start(consumer)
+
+            def publishes() -> int:
+                return int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
+
+            for n in range(EVENTS_A_MESSAGE + 60):
+                dispatcher.send("task-received", uuid=f"task-{n}")
+            assert publishes() == 1 and len(dispatcher._group_buffer["task"]) == 60
+            deadline = time.monotonic() + 5 * step.delay_s + 5
+            while dispatcher._group_buffer["task"]:  # the worker's loop: run the timer's entries as they fall due
+                assert time.monotonic() < deadline, "the burst's rest never left"
+                wait, entry = next(iter(consumer.timer))
+                if entry is not None:
+                    entry()
+                else:
+                    time.sleep(min(wait or 0.01, 0.01))
+            assert publishes() == 2 and step.flush_entry is None
+            consumer.timer.stop()
+            dispatcher.close()
+    finally:
+        client.close()
+        server.stop()

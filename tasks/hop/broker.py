@@ -50,6 +50,7 @@ asynchronous client (the consumer's poll, which keeps its connection) is left as
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import uuid
@@ -68,6 +69,8 @@ from tasks.hop.given_back import restore_from_hash, restore_from_list
 # SENTINEL_TRANSPORT and sentinel:// URLs: the same channel, its pools from kombu's Sentinel channel.
 TRANSPORT = "tasks.hop.broker:Transport"
 SENTINEL_TRANSPORT = "tasks.hop.broker:SentinelTransport"
+
+log = logging.getLogger(__name__)
 
 
 def own_the_schemes() -> None:
@@ -262,7 +265,12 @@ class Channel(kombu_redis.Channel):
         self._moves = [] if most <= 0 else [queues[0]] * max(1, most - len(queues) + 1) + queues[1:]
         for queue in self._moves:
             commands.append(("LMOVE", prefix + self._q_for_pri(queue, 0), self.qos.held_key, "RIGHT", "LEFT"))
-        riding = self.rider.ride() if self.rider is not None and commands else []
+        riding: list[tuple[Any, ...]] = []
+        if self.rider is not None and commands:
+            try:
+                riding = self.rider.ride()
+            except Exception:  # another step's read: the take goes without it, its acks in hand kept
+                log.exception("a take's rider failed; the take goes without it")
         self._riding = len(riding)
         commands += riding
         self._take_replies = len(commands) + (0 if commands else 1)
@@ -288,6 +296,7 @@ class Channel(kombu_redis.Channel):
                         replies.append(error)
             except self.connection_errors:
                 self.client.connection.disconnect()  # as kombu's BRPOP: the next poll reconnects
+                self._keep_moved(replies)  # the moves read before the loss are held: kept, not left to the grace
                 self._give_back_acks()
                 raise
         finally:
@@ -296,14 +305,11 @@ class Channel(kombu_redis.Channel):
         if self._riding:
             replies, riders = replies[: -self._riding], replies[-self._riding :]
             if self.rider is not None:
-                self.rider.took(riders)  # its own errors are its own: the take stands
-        spare = list(self._spare)
-        for queue, item in zip(self._moves, replies[len(replies) - len(self._moves) :]):
-            if isinstance(item, bytes):
-                message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
-                self.qos.listed[message["properties"]["delivery_tag"]] = item
-                spare.append((queue, message))
-        self._spare = spare
+                try:
+                    self.rider.took(riders)  # its commands' errors are its own, and so is its code's: the take stands
+                except Exception:  # raised on, what the take moved would wait held, delivered to no task
+                    log.exception("a take's rider failed on its replies; the take stands")
+        self._keep_moved(replies)
         errors = [reply for reply in replies if isinstance(reply, redis.ResponseError)]
         if errors:  # what moved is held and kept; the acks are not known to be done: carried again
             self._give_back_acks()
@@ -318,6 +324,18 @@ class Channel(kombu_redis.Channel):
             self._queue_cycle.rotate(queue)
             self.connection._deliver(message, queue)
         return True
+
+    def _keep_moved(self, replies: list[Any]) -> None:
+        """What the take's moves brought (their replies, after the acks', as far as they were read): held in the
+        list already, so kept with the spare, delivered by the next poll or given back at a close."""
+        first = self._take_replies - self._riding - len(self._moves)
+        spare = list(self._spare)
+        for queue, item in zip(self._moves, replies[first : first + len(self._moves)]):
+            if isinstance(item, bytes):
+                message = kombu_redis.loads(kombu_redis.bytes_to_str(item))
+                self.qos.listed[message["properties"]["delivery_tag"]] = item
+                spare.append((queue, message))
+        self._spare = spare
 
     def close(self) -> None:
         if self._qos is not None and not self._closing:

@@ -95,9 +95,13 @@ class PauseWhileFrameListFull(bootsteps.StartStopStep):
     def took(self, replies: list[Any]) -> None:
         if any(isinstance(reply, Exception) for reply in replies):
             return  # read on the check's own, as before
-        counts = replies[0] if self.sharded else replies
-        if len(counts) == len(self.frames):
-            self.taken_depths, self.taken_at = [int(count or 0) for count in counts], self._sending_at
+        counts = replies[0] if self.sharded and replies else replies
+        try:
+            depths = [int(count or 0) for count in counts]
+        except (TypeError, ValueError):
+            return  # a reading that is no count: the check reads for itself, as before the ride
+        if len(depths) == len(self.frames):
+            self.taken_depths, self.taken_at = depths, self._sending_at
 
     def _ride_the_takes(self, consumer: Any) -> None:
         # The channel the consumer polls is made again on a reconnect: the rider is put on whichever it is now.
