@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import pytest
+import redis
+from kombu.asynchronous.timer import Timer
 
+from bench.stack.processes import RedisServer
 from contract.jobs.task_messages import PREPROCESS_TASK
+from contract.settings.config import load_settings
 from tasks.hop.celery_app import make_celery
+from tasks.hop.event_batching import EVENTS_A_MESSAGE, BatchTaskEvents
 from tests.support import jpeg, wait_until
 
 pytestmark = pytest.mark.integration
@@ -85,19 +94,21 @@ def test_every_task_event_arrives_and_they_travel_together(stack) -> None:
         assert len(message_sizes) * 3 <= sum(message_sizes), message_sizes
 
 
-def test_a_busy_workers_events_wait_for_the_interval_not_for_celerys_24(tmp_path) -> None:
-    """The batching step raises Celery's buffer bound: thirty tasks' events (ninety) wait for the interval's flush and
-    leave in one PUBLISH, where Celery alone publishes at every 24th; past the new bound one leaves at once."""
-    import dataclasses
-    from types import SimpleNamespace
+class Batching(NamedTuple):
+    """Celery's own event dispatcher on a Redis of the test's, the batching step started on a consumer of it."""
 
-    import redis
-    from kombu.asynchronous.timer import Timer
+    dispatcher: Any
+    consumer: SimpleNamespace
+    step: BatchTaskEvents
+    flushed: list[int]
+    client: redis.Redis
 
-    from bench.stack.processes import RedisServer
-    from contract.settings.config import load_settings
-    from tasks.hop.event_batching import EVENTS_A_MESSAGE, BatchTaskEvents
+    def publishes(self) -> int:
+        return int(self.client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
 
+
+@pytest.fixture
+def batching(tmp_path) -> Iterator[Batching]:
     server = RedisServer(tmp_path)
     client = redis.Redis(port=server.port)
     settings = dataclasses.replace(load_settings(), redis_url=server.url, namespace="events")
@@ -114,19 +125,7 @@ def test_a_busy_workers_events_wait_for_the_interval_not_for_celerys_24(tmp_path
             )
             step = BatchTaskEvents(SimpleNamespace(app=app))
             step.start(consumer)
-
-            def publishes() -> int:
-                return int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
-
-            for n in range(30):
-                for kind in ("task-received", "task-started", "task-succeeded"):
-                    dispatcher.send(kind, uuid=f"task-{n}")
-            assert publishes() == 0  # 90 events buffered: Celery alone would have published three times
-            step.stop(consumer)  # what the interval's timer does, at a stop
-            assert flushed and publishes() == 1
-            for n in range(EVENTS_A_MESSAGE):
-                dispatcher.send("task-received", uuid=f"more-{n}")
-            assert publishes() == 2  # the bound reached: at once, not at the interval
+            yield Batching(dispatcher, consumer, step, flushed, client)
             consumer.timer.stop()
             dispatcher.close()
     finally:
@@ -134,51 +133,35 @@ def test_a_busy_workers_events_wait_for_the_interval_not_for_celerys_24(tmp_path
         server.stop()
 
 
-def test_events_past_the_bound_leave_with_the_interval_of_the_first(tmp_path) -> None:
+def test_a_busy_workers_events_wait_for_the_interval_not_for_celerys_24(batching: Batching) -> None:
+    """The batching step raises Celery's buffer bound: thirty tasks' events (ninety) wait for the interval's flush and
+    leave in one PUBLISH, where Celery alone publishes at every 24th; past the new bound one leaves at once."""
+    dispatcher, consumer, step = batching.dispatcher, batching.consumer, batching.step
+    for n in range(30):
+        for kind in ("task-received", "task-started", "task-succeeded"):
+            dispatcher.send(kind, uuid=f"task-{n}")
+    assert batching.publishes() == 0  # 90 events buffered: Celery alone would have published three times
+    step.stop(consumer)  # what the interval's timer does, at a stop
+    assert batching.flushed and batching.publishes() == 1
+    for n in range(EVENTS_A_MESSAGE):
+        dispatcher.send("task-received", uuid=f"more-{n}")
+    assert batching.publishes() == 2  # the bound reached: at once, not at the interval
+
+
+def test_events_past_the_bound_leave_with_the_interval_of_the_first(batching: Batching) -> None:
     """A burst past the bound: the bound's flush sends the first 240 at once without asking for a timer (Celery calls
     on_send_buffered only when it does not flush), so what followed rides on the timer the burst's first event set:
     a worker idle after the burst still sends it, one interval after the burst began."""
-    import dataclasses
-    import time
-    from types import SimpleNamespace
-
-    import redis
-    from kombu.asynchronous.timer import Timer
-
-    from bench.stack.processes import RedisServer
-    from contract.settings.config import load_settings
-    from tasks.hop.event_batching import EVENTS_A_MESSAGE, BatchTaskEvents
-
-    server = RedisServer(tmp_path)
-    client = redis.Redis(port=server.port)
-    settings = dataclasses.replace(load_settings(), redis_url=server.url, namespace="events")
-    app = make_celery(settings)
-    try:
-        with app.connection_for_write() as connection:
-            dispatcher = app.events.Dispatcher(connection, hostname="w@test", buffer_group=["task"])
-            consumer = SimpleNamespace(
-                event_dispatcher=dispatcher, hub=object(), timer=Timer(), _flush_events=dispatcher.flush
-            )
-            step = BatchTaskEvents(SimpleNamespace(app=app))
-            step.start(consumer)
-
-            def publishes() -> int:
-                return int(client.info("commandstats").get("cmdstat_publish", {}).get("calls", 0))
-
-            for n in range(EVENTS_A_MESSAGE + 60):
-                dispatcher.send("task-received", uuid=f"task-{n}")
-            assert publishes() == 1 and len(dispatcher._group_buffer["task"]) == 60
-            deadline = time.monotonic() + 5 * step.delay_s + 5
-            while dispatcher._group_buffer["task"]:  # the worker's loop: run the timer's entries as they fall due
-                assert time.monotonic() < deadline, "the burst's rest never left"
-                wait, entry = next(iter(consumer.timer))
-                if entry is not None:
-                    entry()
-                else:
-                    time.sleep(min(wait or 0.01, 0.01))
-            assert publishes() == 2 and step.flush_entry is None
-            consumer.timer.stop()
-            dispatcher.close()
-    finally:
-        client.close()
-        server.stop()
+    dispatcher, consumer, step = batching.dispatcher, batching.consumer, batching.step
+    for n in range(EVENTS_A_MESSAGE + 60):
+        dispatcher.send("task-received", uuid=f"task-{n}")
+    assert batching.publishes() == 1 and len(dispatcher._group_buffer["task"]) == 60
+    deadline = time.monotonic() + 5 * step.delay_s + 5
+    while dispatcher._group_buffer["task"]:  # the worker's loop: run the timer's entries as they fall due
+        assert time.monotonic() < deadline, "the burst's rest never left"
+        wait, entry = next(iter(consumer.timer))
+        if entry is not None:
+            entry()
+        else:
+            time.sleep(min(wait or 0.01, 0.01))
+    assert batching.publishes() == 2 and step.flush_entry is None
